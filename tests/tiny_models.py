@@ -1,0 +1,96 @@
+"""Builders for the tiny checkpoints the tests use: random weights in Hugging Face format.
+
+Each checkpoint is a real HF directory (config.json, model.safetensors, tokenizer.json,
+tokenizer_config.json with a chat template) written by transformers' `save_pretrained`,
+with a byte-level BPE tokenizer trained here by `tokenizers`. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Compute (12 + 7) * 3 - 15.\n\nStep 1: 12 + 7 = 19.\n\nStep 2: 19 * 3 = 57.\n\nThe answer is 42.",
+    "Unicode: café, naïve, Straße, 日本語, emoji 🙂, Ελληνικά.",
+    "Numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000 3.14159 -42",
+    "def f(x):\n    return x * x  # square\n\n",
+    "Once upon a time, in a land far away, there lived a small model that liked to count.",
+]
+
+
+def train_tokenizer(vocab_size: int = 512):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    return tok
+
+
+def save_tokenizer(tok, out_dir: str) -> None:
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    config = {
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "chat_template": CHAT_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": 4096,
+    }
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+
+
+def build_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, **overrides) -> str:
+    """Write a tiny random checkpoint of `arch` (llama | qwen2 | mistral) to out_dir."""
+    import transformers
+
+    os.makedirs(out_dir, exist_ok=True)
+    tok = train_tokenizer()
+    save_tokenizer(tok, out_dir)
+    common = dict(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=tok.token_to_id("<s>"),
+        eos_token_id=tok.token_to_id("</s>"),
+        initializer_range=0.1,
+    )
+    common.update(overrides)
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[arch]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**common)).eval()
+    if arch == "qwen2":  # make the q/k/v biases matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    model.save_pretrained(out_dir)
+    return out_dir

@@ -1,0 +1,53 @@
+"""Engine settings: which model, which dtype, how much KV memory, how big a batch.
+
+Owns validation of engine-level settings (clear `ValueError`s before anything loads).
+The memory budget is resolved to a page count in `kv/arena.py`, not here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    max_model_len: int | None = None  # None: the model's max_position_embeddings (capped)
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    # KV memory budget: bytes if given, else a fraction of the device's free memory.
+    kv_cache_memory: int | None = None
+    kv_cache_fraction: float = 0.25
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    model_id: str = ""  # salts prefix-cache hashes so two models never share a page
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if not os.path.isdir(self.model):
+            raise FileNotFoundError(f"model directory not found: {self.model!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be a positive byte count, got {self.kv_cache_memory}")
+        if not 0.0 < self.kv_cache_fraction <= 1.0:
+            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+        if not self.model_id:
+            self.model_id = os.path.abspath(self.model)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

@@ -1,0 +1,1 @@
+"""One model's engine: requests, scheduler, model runner, attention, sampler, detokenizer."""

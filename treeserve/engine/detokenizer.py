@@ -1,0 +1,72 @@
+"""Incremental detokenisation and the stop rules of one sequence.
+
+Text is produced token by token with `tokenizers`' streaming decoder (it buffers partial
+UTF-8 sequences). After each token the checker applies, in vLLM's order: EOS (unless
+`ignore_eos`), `stop_token_ids`, stop strings (which may span several tokens; with
+`n_stop_occurrences=k` only the k-th occurrence stops), then `max_tokens`.
+"""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
+
+from treeserve.sampling_params import SamplingParams
+
+_CONTEXT_TOKENS = 6  # prompt tokens given to the stream so the first output token decodes right
+
+
+class StopChecker:
+    def __init__(self, tokenizer: HFTokenizer, prompt_ids: list[int], params: SamplingParams, eos_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.prompt_context = prompt_ids[-_CONTEXT_TOKENS:]
+        self.params = params
+        self.eos_ids = frozenset(() if params.ignore_eos else eos_ids)
+        self.stop_ids = frozenset(params.stop_token_ids)
+        self.stream = DecodeStream(ids=self.prompt_context, skip_special_tokens=params.skip_special_tokens)
+        self.text = ""
+        self.num_tokens = 0
+        self.output_ids: list[int] = []
+        self.stops_found = 0
+        self.search_from = 0
+        self.max_stop_len = max((len(s) for s in params.stop), default=0)
+
+    def clone(self) -> StopChecker:
+        twin = StopChecker(self.tokenizer, self.prompt_context, self.params, [])
+        twin.eos_ids = self.eos_ids
+        for token in self.output_ids:
+            twin.append(token, max_tokens=None)
+        return twin
+
+    def append(self, token: int, max_tokens: int | None) -> tuple[str, str | int | None] | None:
+        """Add one generated token; returns (finish_reason, stop_reason) when the sequence ends."""
+        self.num_tokens += 1
+        self.output_ids.append(token)
+        chunk = self.stream.step(self.tokenizer, token)
+        if token in self.eos_ids or token in self.stop_ids:
+            if chunk and self.params.include_stop_str_in_output:
+                self.text += chunk
+            return "stop", None if token in self.eos_ids else token
+        if chunk:
+            previous = len(self.text)
+            self.text += chunk
+            if self.max_stop_len and (stop := self._find_stop(previous)) is not None:
+                return "stop", stop
+        if max_tokens is not None and self.num_tokens >= max_tokens:
+            return "length", None
+        return None
+
+    def _find_stop(self, previous: int) -> str | None:
+        """Count stop-string occurrences in new text; on the k-th, cut the text and return it."""
+        start = max(self.search_from, previous - self.max_stop_len + 1, 0)
+        while True:
+            found = [(i, s) for s in self.params.stop if (i := self.text.find(s, start)) >= 0]
+            if not found:
+                return None
+            index, stop = min(found)
+            self.stops_found += 1
+            if self.stops_found == self.params.n_stop_occurrences:
+                end = index + len(stop) if self.params.include_stop_str_in_output else index
+                self.text = self.text[:end]
+                return stop
+            start = self.search_from = index + len(stop)

@@ -1,0 +1,261 @@
+"""One model's engine: requests in, one `step()` at a time: schedule -> run -> sample -> detokenize.
+
+Owns the model, its tokenizer, its KV arena and block manager, the scheduler and the live
+requests. `add_request` validates everything before it changes any state; `abort` and
+normal completion both return every page to the pool (or to the prefix cache).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import torch
+
+from treeserve.config import EngineConfig
+from treeserve.engine.detokenizer import StopChecker
+from treeserve.engine.model_runner import ModelRunner, ScheduledSeq
+from treeserve.engine.request import Request, Sequence, SeqStatus
+from treeserve.engine.sampler import SamplingRow, sample, seeded_uniform
+from treeserve.engine.scheduler import Scheduler
+from treeserve.kv.arena import KVArena, available_memory
+from treeserve.kv.block_manager import BlockManager
+from treeserve.models.loader import load_model
+from treeserve.models.tokenizer import Tokenizer
+from treeserve.outputs import Logprob, RequestOutput, ScoreOutput
+from treeserve.sampling_params import SamplingParams, ScoreParams
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        loaded = load_model(config.model, config.torch_dtype, self.device)
+        self.model = loaded.model
+        self.model_config = loaded.config
+        self.extra_tensors = loaded.extra_tensors
+        self.tokenizer = Tokenizer(config.model, model_eos_ids=loaded.config.eos_token_ids)
+        limit = loaded.config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        cfg = loaded.config
+        page_bytes = KVArena.page_bytes(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim, config.torch_dtype)
+        budget = config.kv_cache_memory or int(config.kv_cache_fraction * available_memory(self.device))
+        num_blocks = budget // page_bytes
+        pages_per_seq = -(-self.max_model_len // config.block_size) + 1
+        if num_blocks < pages_per_seq:
+            raise ValueError(
+                f"the KV budget ({budget} bytes = {num_blocks} pages of {page_bytes} bytes) cannot hold one "
+                f"sequence of max_model_len={self.max_model_len} ({pages_per_seq} pages); "
+                "raise kv_cache_memory or lower max_model_len"
+            )
+        self.arena = KVArena(
+            num_blocks, cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim, config.torch_dtype, self.device
+        )
+        self.blocks = BlockManager(num_blocks, config.block_size, config.model_id, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.arena, self.device)
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._seeds = random.Random(config.seed)
+        self.num_generated_tokens = 0
+        self.num_prefilled_tokens = 0
+
+    # ---- requests ----------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def check_request(self, request_id: str, token_ids: list[int], params: SamplingParams | ScoreParams) -> None:
+        """Raise ValueError for anything that cannot run; changes nothing."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(token_ids)}..{max(token_ids)}")
+        if isinstance(params, ScoreParams):
+            if len(token_ids) > self.max_model_len:
+                raise ValueError(f"input of {len(token_ids)} tokens exceeds max_model_len={self.max_model_len}")
+            if params.positions[-1] >= len(token_ids):
+                raise ValueError(f"position {params.positions[-1]} is outside the {len(token_ids)}-token input")
+            if params.token_ids and max(params.token_ids) >= vocab:
+                raise ValueError(f"candidate token ids must be < vocab size {vocab}")
+        elif isinstance(params, SamplingParams):
+            if len(token_ids) >= self.max_model_len:
+                raise ValueError(
+                    f"prompt of {len(token_ids)} tokens leaves no room to generate within "
+                    f"max_model_len={self.max_model_len}"
+                )
+        else:
+            raise ValueError(f"expected SamplingParams or ScoreParams, got {type(params).__name__}")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | dict,
+        params: SamplingParams | ScoreParams,
+        stream: bool = False,
+    ) -> None:
+        text, token_ids = self.tokenize_prompt(prompt)
+        self.check_request(request_id, token_ids, params)
+        sampling = params if isinstance(params, SamplingParams) else None
+        seed = sampling.seed if sampling and sampling.seed is not None else self._seeds.getrandbits(63)
+        request = Request(
+            request_id=request_id,
+            prompt=text,
+            prompt_token_ids=token_ids,
+            params=sampling,
+            score=params if isinstance(params, ScoreParams) else None,
+            seed=seed,
+            arrival=next(self._arrivals),
+            stream=stream,
+        )
+        detok = None
+        if sampling is not None:
+            detok = StopChecker(self.tokenizer.hf, token_ids, sampling, self.tokenizer.eos_token_ids)
+        seq = Sequence(request=request, index=0, token_ids=list(token_ids), detok=detok)
+        seq.pending_forks = request.width - 1
+        seq.logprobs = [] if sampling and sampling.logprobs is not None else None
+        request.seqs.append(seq)
+        self.requests[request_id] = request
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput | ScoreOutput]:
+        batch, copies = self.scheduler.schedule()
+        if not batch:
+            if self.scheduler.has_work():
+                raise RuntimeError("scheduler made no progress although requests are waiting")
+            return []
+        self.arena.copy_pages(copies)
+        hidden = self.runner.run(batch)
+        touched: dict[str, Request] = {}
+        to_sample: list[tuple[Sequence, int]] = []  # (sequence, hidden row)
+        row = 0
+        for item in batch:
+            seq = item.seq
+            request = seq.request
+            seq.num_computed_tokens = item.end
+            self.num_prefilled_tokens += item.num_tokens if item.num_tokens > 1 else 0
+            self.blocks.commit_full_blocks(seq.block_table, seq.block_hashes, seq.token_ids, item.end)
+            if request.score is not None:
+                self._read_scores(seq, item, hidden[row : row + item.num_tokens])
+            elif item.end == len(seq.token_ids):
+                for member in [seq, *self._fork_siblings(seq)]:
+                    to_sample.append((member, row + item.num_tokens - 1))
+            row += item.num_tokens
+            touched[request.request_id] = request
+        if to_sample:
+            self._sample(to_sample, hidden)
+        return [self._emit(r) for r in touched.values() if r.finished or r.stream]
+
+    def _fork_siblings(self, seq: Sequence) -> list[Sequence]:
+        siblings = []
+        for i in range(1, seq.pending_forks + 1):
+            sibling = seq.fork(i, self.blocks.fork(seq.block_table))
+            seq.request.seqs.append(sibling)
+            self.scheduler.add_running(sibling)
+            siblings.append(sibling)
+        seq.pending_forks = 0
+        return siblings
+
+    def _read_scores(self, seq: Sequence, item: ScheduledSeq, hidden: torch.Tensor) -> None:
+        score = seq.request.score
+        wanted = [p for p in score.positions if item.start <= p < item.end]
+        if wanted:
+            rows = hidden[[p - item.start for p in wanted]]
+            logprobs = None
+            if score.token_ids:
+                logits = self.model.compute_logits(rows)
+                logprobs = torch.log_softmax(logits, dim=-1)[:, score.token_ids].cpu()
+            states = rows.float().cpu() if score.return_hidden_states else None
+            for i, p in enumerate(wanted):
+                seq.score_rows[p] = (
+                    None if logprobs is None else logprobs[i],
+                    None if states is None else states[i],
+                )
+        if item.end == len(seq.token_ids):
+            seq.finish_reason = "stop"
+            self.scheduler.finish(seq)
+
+    def _sample(self, to_sample: list[tuple[Sequence, int]], hidden: torch.Tensor) -> None:
+        logits = self.model.compute_logits(hidden[[r for _, r in to_sample]])
+        rows = []
+        for seq, _ in to_sample:
+            p = seq.request.params
+            rows.append(
+                SamplingRow(
+                    temperature=p.temperature,
+                    top_p=p.top_p,
+                    top_k=p.top_k,
+                    min_p=p.min_p,
+                    uniform=seeded_uniform(seq.request.seed, seq.index, len(seq.token_ids)),
+                    num_logprobs=p.logprobs,
+                )
+            )
+        out = sample(logits, rows)
+        for i, (seq, _) in enumerate(to_sample):
+            token = out.tokens[i]
+            seq.token_ids.append(token)
+            self.num_generated_tokens += 1
+            if seq.logprobs is not None:
+                self._record_logprobs(seq, token, out, i)
+            max_tokens = seq.request.params.max_tokens
+            result = seq.detok.append(token, max_tokens)
+            if result is None and len(seq.token_ids) >= self.max_model_len:
+                result = ("length", None)
+            if result is not None:
+                seq.finish_reason, seq.stop_reason = result
+                self.scheduler.finish(seq)
+
+    def _record_logprobs(self, seq: Sequence, token: int, out, i: int) -> None:  # noqa: ANN001
+        seq.cumulative_logprob += out.logprobs[i]
+        entry = {token: Logprob(out.logprobs[i], out.ranks[i], self.tokenizer.decode([token], False))}
+        k = seq.request.params.logprobs
+        for rank, (tid, lp) in enumerate(zip(out.top_ids[i][:k], out.top_logprobs[i][:k], strict=True), 1):
+            entry.setdefault(tid, Logprob(lp, rank, self.tokenizer.decode([tid], False)))
+        seq.logprobs.append(entry)
+
+    def _emit(self, request: Request) -> RequestOutput | ScoreOutput:
+        if request.finished:
+            self.requests.pop(request.request_id, None)
+        return request.output()
+
+    # ---- introspection -------------------------------------------------------------------
+    def check_pages_idle(self) -> None:
+        """Assert the page accounting invariant for an engine with no live requests."""
+        self.blocks.check_idle()
+
+    @property
+    def status(self) -> dict:
+        return {
+            "waiting": len(self.scheduler.waiting),
+            "running": len(self.scheduler.running),
+            "pages_total": self.blocks.num_blocks,
+            "pages_used": self.blocks.num_used_blocks,
+            "pages_cached": len(self.blocks.cached),
+            "preemptions": self.scheduler.num_preemptions,
+        }

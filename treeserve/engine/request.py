@@ -1,0 +1,130 @@
+"""Request and Sequence state: the only mutable records the engine keeps per request.
+
+A `Request` is what a caller submitted (one prompt, `n` completions or one scoring pass). A
+`Sequence` is one token stream the scheduler runs: its token ids, how many are computed,
+its block table and its output. A request with `n > 1` runs one sequence through the
+prompt; when the prompt is computed, `n - 1` siblings fork from it and share its pages.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from treeserve.engine.detokenizer import StopChecker
+from treeserve.outputs import CompletionOutput, Logprob, RequestOutput, ScoreOutput
+from treeserve.sampling_params import SamplingParams, ScoreParams
+
+_seq_ids = itertools.count()
+
+
+class SeqStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: Request
+    index: int  # which of the request's completions (feeds the sampler's seeded draws)
+    token_ids: list[int]
+    detok: StopChecker | None
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    pending_forks: int = 0  # siblings to fork when the prompt is computed
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    # forward-only requests: what was read at each requested position (a recompute overwrites)
+    score_rows: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = field(default_factory=dict)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED
+
+    def fork(self, index: int, block_table: list[int]) -> Sequence:
+        return Sequence(
+            request=self.request,
+            index=index,
+            token_ids=list(self.token_ids),
+            detok=self.detok.clone() if self.detok else None,
+            status=self.status,
+            num_computed_tokens=self.num_computed_tokens,
+            block_table=block_table,
+            block_hashes=list(self.block_hashes),
+            logprobs=[] if self.logprobs is not None else None,
+        )
+
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.detok.text if self.detok else "",
+            token_ids=self.token_ids[self.num_prompt_tokens :],
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams | None  # generation
+    score: ScoreParams | None  # forward-only
+    seed: int
+    arrival: int
+    stream: bool = False  # emit an output after every step, not only at the end
+    seqs: list[Sequence] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.width and all(s.is_finished for s in self.seqs)
+
+    @property
+    def width(self) -> int:
+        return self.params.n if self.params else 1
+
+    def output(self) -> RequestOutput | ScoreOutput:
+        if self.score is not None:
+            rows = [self.seqs[0].score_rows[p] for p in self.score.positions]
+            return ScoreOutput(
+                request_id=self.request_id,
+                prompt_token_ids=self.prompt_token_ids,
+                positions=self.score.positions,
+                logprobs=torch.stack([r[0] for r in rows]) if self.score.token_ids else None,
+                hidden_states=torch.stack([r[1] for r in rows]) if self.score.return_hidden_states else None,
+                num_cached_tokens=self.num_cached_tokens,
+                finished=self.finished,
+            )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[s.completion() for s in sorted(self.seqs, key=lambda s: s.index)],
+            finished=self.finished,
+            num_cached_tokens=self.num_cached_tokens,
+        )

@@ -1,0 +1,119 @@
+"""Iteration-level (continuous) batching with a token budget, chunked prefill and preemption.
+
+Each step: running decodes first (one token each), then running prefills, then waiting
+sequences, each taking what is left of `max_num_batched_tokens` (a long prompt is split
+into chunks over several steps). A waiting sequence first takes what the prefix cache
+holds of it. When pages run out, the most recently arrived running sequence is
+preempted: its pages are released and it is recomputed later (its outputs are kept).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from treeserve.engine.model_runner import ScheduledSeq
+from treeserve.engine.request import Sequence, SeqStatus
+from treeserve.kv.block_manager import BlockManager
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sibling forked from a running sequence: it already holds (shared) pages."""
+        self.running.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> tuple[list[ScheduledSeq], list[tuple[int, int]]]:
+        """Pick this step's work; returns the batch and the page copies to do before it runs."""
+        budget = self.max_num_batched_tokens
+        batch: list[ScheduledSeq] = []
+        copies: list[tuple[int, int]] = []
+        self.running.sort(key=lambda s: (s.num_uncomputed > 1, s.request.arrival, s.index))
+        scheduled: set[int] = set()
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status != SeqStatus.RUNNING:
+                continue  # preempted to make room for an earlier sequence
+            n = min(seq.num_uncomputed, budget)
+            if not self._make_room(seq, n, scheduled):
+                continue
+            copies += self.blocks.grow(seq.block_table, seq.num_computed_tokens, seq.num_computed_tokens + n)
+            batch.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+            scheduled.add(seq.seq_id)
+            budget -= n
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            width = 1 + seq.pending_forks
+            if self.running and len(self.running) + width > self.max_num_seqs:
+                break
+            item = self._admit(seq, budget)
+            if item is None:
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            batch.append(item)
+            budget -= item.num_tokens
+        return batch, copies
+
+    def _make_room(self, seq: Sequence, n: int, scheduled: set[int]) -> bool:
+        """Preempt later sequences until `seq` can grow by n tokens; False if seq itself went."""
+        start = seq.num_computed_tokens
+        while self.blocks.blocks_to_grow(seq.block_table, start, start + n) > self.blocks.num_free_blocks:
+            victims = [s for s in self.running if s.seq_id not in scheduled]
+            victim = max(victims, key=lambda s: (s.request.arrival, s.index))
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _admit(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
+        limit = len(seq.token_ids) - 1  # always compute at least the last token
+        if seq.request.score is not None:
+            limit = min(limit, seq.request.score.positions[0])
+        hit = self.blocks.find_prefix(seq.token_ids, limit)
+        start = len(hit.blocks) * self.blocks.block_size
+        n = min(len(seq.token_ids) - start, budget)
+        table = list(hit.blocks)
+        need = self.blocks.pages_to_acquire(hit) + self.blocks.blocks_to_grow(table, start, start + n)
+        if need > self.blocks.num_free_blocks:
+            return None
+        self.blocks.acquire_prefix(hit)
+        seq.block_table = table
+        seq.block_hashes = list(hit.hashes)
+        seq.num_computed_tokens = start
+        if seq.request.num_cached_tokens == 0:
+            seq.request.num_cached_tokens = start
+        self.blocks.grow(seq.block_table, start, start + n)
+        return ScheduledSeq(seq, start, n)
+
+    def preempt(self, seq: Sequence) -> None:
+        self.blocks.release(seq.block_table)
+        seq.block_hashes.clear()
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a sequence that ended (done or aborted), wherever it is."""
+        if seq.status == SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.release(seq.block_table)
+        seq.status = SeqStatus.FINISHED

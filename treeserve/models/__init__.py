@@ -1,0 +1,1 @@
+"""Model definitions (Llama family) and loaders (safetensors checkpoints, tokenizers, chat templates)."""

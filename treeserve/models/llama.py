@@ -1,0 +1,197 @@
+"""The Llama family (Llama 2/3.x, Mistral, Qwen2/2.5) for inference on flat token batches.
+
+One definition covers the family: qkv bias, tied embeddings, GQA, sliding windows and rope
+scaling come from `config.json`. The model reads a flat batch (`input_ids`, `positions`,
+both [T]) and calls an `Attention` object for each layer; it never sees pages, requests or
+padding. q/k/v and gate/up projections are fused so each layer runs four matmuls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from treeserve.models.rope import RotaryEmbedding, rope_inv_freq
+
+
+class Attention(Protocol):
+    """Paged attention for one batch, supplied by the engine: q [T,Hq,D], k/v [T,Hkv,D]."""
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
+    ) -> torch.Tensor: ...
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    layer_windows: list[int | None]  # sliding window per layer (None: global attention)
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> LlamaConfig:
+        model_type = cfg.get("model_type", "llama")
+        heads = cfg["num_attention_heads"]
+        layers = cfg["num_hidden_layers"]
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} for {model_type}")
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+        eos = cfg.get("eos_token_id")
+        attention_bias = cfg.get("attention_bias", False)
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=rope or None,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=attention_bias and model_type != "qwen2",
+            mlp_bias=cfg.get("mlp_bias", False),
+            layer_windows=_layer_windows(cfg, model_type, layers),
+            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+
+def _layer_windows(cfg: dict, model_type: str, layers: int) -> list[int | None]:
+    window = cfg.get("sliding_window")
+    if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+        window = None
+    if not window:
+        return [None] * layers
+    if cfg.get("layer_types"):
+        return [window if t == "sliding_attention" else None for t in cfg["layer_types"]]
+    if model_type == "qwen2":
+        first = cfg.get("max_window_layers", layers)
+        return [window if i >= first else None for i in range(layers)]
+    return [window] * layers
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class LlamaAttentionBlock(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.window = cfg.layer_windows[layer]
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: Attention
+    ) -> torch.Tensor:
+        heads, kv_heads, head_dim = self.shape
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, heads, head_dim)
+        k = k.view(-1, kv_heads, head_dim)
+        v = v.view(-1, kv_heads, head_dim)
+        q, k = rope(q, k, positions)
+        out = attn(self.layer, q, k, v, self.window)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttentionBlock(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, x, positions, rope, attn):  # noqa: ANN001 - same types as the block
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Token ids in, final hidden states out; `compute_logits` on the rows that need them."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope: RotaryEmbedding | None = None
+
+    def init_rope(self, max_positions: int, device: torch.device | str) -> None:
+        inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
+        self.rope = RotaryEmbedding(inv_freq, max_positions, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rope, attn)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @staticmethod
+    def hf_to_local(name: str) -> tuple[str, str | None]:
+        """Map a checkpoint tensor name to (local name, fused part or None)."""
+        name = name.removeprefix("model.")
+        for part in ("q_proj", "k_proj", "v_proj"):
+            if f"self_attn.{part}." in name:
+                return name.replace(part, "qkv_proj"), part
+        for part in ("gate_proj", "up_proj"):
+            if f"mlp.{part}." in name:
+                return name.replace(part, "gate_up_proj"), part
+        return name, None
+
+    FUSED_ORDER = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

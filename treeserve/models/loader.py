@@ -1,0 +1,125 @@
+"""Load a Hugging Face checkpoint directory into one of our model definitions.
+
+Reads `config.json` and `*.safetensors` (one file, or shards listed by
+`model.safetensors.index.json`), maps tensor names onto the local modules (fusing q/k/v and
+gate/up), and casts to the requested dtype on the requested device. Tensors the model
+does not use (reward heads, for example) are kept in `LoadedModel.extra_tensors`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from treeserve.models.llama import LlamaConfig, LlamaForCausalLM
+
+LLAMA_FAMILY = {"llama", "mistral", "qwen2"}
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    config: LlamaConfig
+    hf_config: dict
+    extra_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def read_hf_config(model_dir: str) -> dict:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no config.json in model directory {model_dir!r}")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"malformed config.json in {model_dir!r}: {e}") from e
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_dir, s) for s in shards]
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in model directory {model_dir!r}")
+    return [os.path.join(model_dir, f) for f in files]
+
+
+def iter_safetensors(model_dir: str):
+    for path in safetensors_files(model_dir):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"missing weight shard {path!r}")
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                    yield name, f.get_tensor(name)
+        except (OSError, RuntimeError) as e:  # safetensors raises these on corrupt files
+            if isinstance(e, FileNotFoundError):
+                raise
+            raise ValueError(f"malformed safetensors file {path!r}: {e}") from e
+
+
+def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device) -> LoadedModel:
+    hf_config = read_hf_config(model_dir)
+    model_type = hf_config.get("model_type")
+    if model_type not in LLAMA_FAMILY:
+        raise ValueError(
+            f"unsupported model_type {model_type!r} in {model_dir!r} "
+            f"(supported: {sorted(LLAMA_FAMILY)})"
+        )
+    try:
+        config = LlamaConfig.from_hf(hf_config)
+    except KeyError as e:
+        raise ValueError(f"config.json in {model_dir!r} lacks required field {e}") from e
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    state, extra = _collect_state(model, model_dir, dtype)
+    expected = set(model.state_dict().keys())
+    missing = expected - set(state)
+    if missing:
+        raise ValueError(f"checkpoint {model_dir!r} lacks tensors: {sorted(missing)[:8]}")
+    for name, tensor in state.items():
+        want = model.state_dict()[name].shape
+        if tensor.shape != want:
+            raise ValueError(
+                f"tensor {name} in {model_dir!r} has shape {tuple(tensor.shape)}, "
+                f"config.json implies {tuple(want)}"
+            )
+    model.load_state_dict({k: v.to(device) for k, v in state.items()}, assign=True)
+    model.init_rope(config.max_position_embeddings, device)
+    model.eval().requires_grad_(False)
+    return LoadedModel(model, config, hf_config, extra)
+
+
+def _collect_state(
+    model: LlamaForCausalLM, model_dir: str, dtype: torch.dtype
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    expected = set(model.state_dict().keys())
+    state: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    extra: dict[str, torch.Tensor] = {}
+    for hf_name, tensor in iter_safetensors(model_dir):
+        local, part = model.hf_to_local(hf_name)
+        if local not in expected:
+            if "rotary_emb" not in hf_name and not (
+                hf_name == "lm_head.weight" and model.config.tie_word_embeddings
+            ):
+                extra[hf_name] = tensor
+            continue
+        if part is None:
+            state[local] = tensor.to(dtype)
+        else:
+            parts.setdefault(local, {})[part] = tensor.to(dtype)
+    for local, pieces in parts.items():
+        order = model.FUSED_ORDER[local.split(".")[-2]]
+        if set(pieces) != set(order):
+            raise ValueError(f"checkpoint {model_dir!r} lacks {set(order) - set(pieces)} for {local}")
+        state[local] = torch.cat([pieces[p] for p in order], dim=0)
+    return state, extra

@@ -1,0 +1,90 @@
+"""A checkpoint's tokenizer: `tokenizers` for text <-> ids, plus its special tokens and chat template.
+
+Reads `tokenizer.json`, `tokenizer_config.json` and, when present, `chat_template.jinja`
+and `generation_config.json` (whose `eos_token_id` list real checkpoints use to stop).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from treeserve.models.chat import render_chat
+
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+def _token_text(value: object) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"malformed JSON file {path!r}: {e}") from e
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str, model_eos_ids: list[int] | None = None):
+        path = os.path.join(model_dir, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no tokenizer.json in model directory {model_dir!r}")
+        try:
+            self.hf = HFTokenizer.from_file(path)
+        except Exception as e:  # tokenizers raises a bare Exception on malformed files
+            raise ValueError(f"malformed tokenizer.json in {model_dir!r}: {e}") from e
+        config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
+        self.special_tokens = {k: t for k in _SPECIAL_KEYS if (t := _token_text(config.get(k)))}
+        self.chat_template = self._find_chat_template(model_dir, config)
+        eos_ids = set(model_eos_ids or [])
+        gen_eos = _read_json(os.path.join(model_dir, "generation_config.json")).get("eos_token_id")
+        eos_ids.update([gen_eos] if isinstance(gen_eos, int) else (gen_eos or []))
+        eos_text = self.special_tokens.get("eos_token")
+        if eos_text is not None and (eos_id := self.hf.token_to_id(eos_text)) is not None:
+            eos_ids.add(eos_id)
+        self.eos_token_ids = sorted(eos_ids)
+        self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
+
+    @staticmethod
+    def _find_chat_template(model_dir: str, config: dict) -> str | None:
+        jinja_path = os.path.join(model_dir, "chat_template.jinja")
+        if os.path.isfile(jinja_path):
+            with open(jinja_path) as f:
+                return f.read()
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}]
+            named = {t["name"]: t["template"] for t in template}
+            return named.get("default")
+        return template
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.hf.id_to_token(token_id)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        **kwargs: object,
+    ) -> str:
+        template = chat_template or self.chat_template
+        if template is None:
+            raise ValueError("this tokenizer has no chat template; pass chat_template=...")
+        return render_chat(
+            template, messages, self.special_tokens, add_generation_prompt, continue_final_message, **kwargs
+        )

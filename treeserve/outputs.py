@@ -1,0 +1,51 @@
+"""Result objects returned by the engine and the offline API (vLLM's names and fields)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: str | int | None = None  # the stop string or stop token id that matched
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class ScoreOutput:
+    """What a forward-only request read: one row per requested position."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    positions: list[int]
+    logprobs: torch.Tensor | None  # [num_positions, num_candidate_ids], float32
+    hidden_states: torch.Tensor | None  # [num_positions, hidden_size], float32
+    num_cached_tokens: int = 0
+    finished: bool = True
