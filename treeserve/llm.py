@@ -60,9 +60,7 @@ class LLM:
         params = sampling_params if sampling_params is not None else SamplingParams()
         return self._run(prompts, params)
 
-    def score(
-        self, token_ids: list[list[int]], params: ScoreParams | Seq[ScoreParams]
-    ) -> list[ScoreOutput]:
+    def score(self, token_ids: list[list[int]], params: ScoreParams | Seq[ScoreParams]) -> list[ScoreOutput]:
         """Forward only: log-probs of `params.token_ids` (and hidden states) at `params.positions`.
 
         Pages written here enter the prefix cache, so a later call that extends the same

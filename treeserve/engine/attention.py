@@ -23,7 +23,6 @@ class SeqGroup:
     """Sequences of one shape class; tensors index the step's flat token batch."""
 
     block_tables: torch.Tensor  # [B, max_pages]
-    context_lens: torch.Tensor  # [B]: tokens visible after this step (cached + new)
     query_index: torch.Tensor  # [B, Q]: flat token index of each query (padding repeats the last)
     query_pos: torch.Tensor  # [B, Q]: absolute position of each query
     query_valid: torch.Tensor  # [B, Q]: False for padding

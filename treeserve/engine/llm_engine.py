@@ -15,7 +15,7 @@ import torch
 from treeserve.config import EngineConfig
 from treeserve.engine.detokenizer import StopChecker
 from treeserve.engine.model_runner import ModelRunner, ScheduledSeq
-from treeserve.engine.request import Request, Sequence, SeqStatus
+from treeserve.engine.request import Request, Sequence
 from treeserve.engine.sampler import SamplingRow, sample, seeded_uniform
 from treeserve.engine.scheduler import Scheduler
 from treeserve.kv.arena import KVArena, available_memory
@@ -38,7 +38,9 @@ class LLMEngine:
         limit = loaded.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
         cfg = loaded.config
-        page_bytes = KVArena.page_bytes(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim, config.torch_dtype)
+        page_bytes = KVArena.page_bytes(
+            cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim, config.torch_dtype
+        )
         budget = config.kv_cache_memory or int(config.kv_cache_fraction * available_memory(self.device))
         num_blocks = budget // page_bytes
         pages_per_seq = -(-self.max_model_len // config.block_size) + 1
@@ -49,7 +51,13 @@ class LLMEngine:
                 "raise kv_cache_memory or lower max_model_len"
             )
         self.arena = KVArena(
-            num_blocks, cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim, config.torch_dtype, self.device
+            num_blocks,
+            cfg.num_layers,
+            config.block_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            config.torch_dtype,
+            self.device,
         )
         self.blocks = BlockManager(num_blocks, config.block_size, config.model_id, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
@@ -70,6 +78,8 @@ class LLMEngine:
             else:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)

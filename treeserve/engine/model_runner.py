@@ -80,7 +80,6 @@ class ModelRunner:
         if not members:
             return None
         index = torch.tensor(members, device=self.device)
-        context = starts[index] + lens[index]
         pages = -(-max(batch[i].end for i in members) // self.block_size)
         width = max(batch[i].num_tokens for i in members)
         step = torch.arange(width, device=self.device)[None, :]
@@ -88,7 +87,6 @@ class ModelRunner:
         clamped = torch.minimum(step, last)
         return SeqGroup(
             block_tables=tables[index, :pages],
-            context_lens=context,
             query_index=offsets[index][:, None] + clamped,
             query_pos=starts[index][:, None] + clamped,
             query_valid=step <= last,

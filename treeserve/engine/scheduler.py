@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 
 from treeserve.engine.model_runner import ScheduledSeq
-from treeserve.engine.request import Sequence, SeqStatus
+from treeserve.engine.request import SeqStatus, Sequence
 from treeserve.kv.block_manager import BlockManager
 
 

@@ -40,9 +40,7 @@ class KVArena:
         self.buffer = torch.zeros(shape, dtype=dtype, device=device)
 
     @staticmethod
-    def page_bytes(
-        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-    ) -> int:
+    def page_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -57,23 +57,19 @@ def iter_safetensors(model_dir: str):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"missing weight shard {path!r}")
         try:
-            with safe_open(path, framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                    yield name, f.get_tensor(name)
-        except (OSError, RuntimeError) as e:  # safetensors raises these on corrupt files
-            if isinstance(e, FileNotFoundError):
-                raise
+            handle = safe_open(path, framework="pt")
+        except Exception as e:  # safetensors raises its own error type on corrupt headers
             raise ValueError(f"malformed safetensors file {path!r}: {e}") from e
+        with handle as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                yield name, f.get_tensor(name)
 
 
 def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device) -> LoadedModel:
     hf_config = read_hf_config(model_dir)
     model_type = hf_config.get("model_type")
     if model_type not in LLAMA_FAMILY:
-        raise ValueError(
-            f"unsupported model_type {model_type!r} in {model_dir!r} "
-            f"(supported: {sorted(LLAMA_FAMILY)})"
-        )
+        raise ValueError(f"unsupported model_type {model_type!r} in {model_dir!r} (supported: {sorted(LLAMA_FAMILY)})")
     try:
         config = LlamaConfig.from_hf(hf_config)
     except KeyError as e:
@@ -89,8 +85,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device) -
         want = model.state_dict()[name].shape
         if tensor.shape != want:
             raise ValueError(
-                f"tensor {name} in {model_dir!r} has shape {tuple(tensor.shape)}, "
-                f"config.json implies {tuple(want)}"
+                f"tensor {name} in {model_dir!r} has shape {tuple(tensor.shape)}, config.json implies {tuple(want)}"
             )
     model.load_state_dict({k: v.to(device) for k, v in state.items()}, assign=True)
     model.init_rope(config.max_position_embeddings, device)
@@ -108,9 +103,7 @@ def _collect_state(
     for hf_name, tensor in iter_safetensors(model_dir):
         local, part = model.hf_to_local(hf_name)
         if local not in expected:
-            if "rotary_emb" not in hf_name and not (
-                hf_name == "lm_head.weight" and model.config.tie_word_embeddings
-            ):
+            if "rotary_emb" not in hf_name and not (hf_name == "lm_head.weight" and model.config.tie_word_embeddings):
                 extra[hf_name] = tensor
             continue
         if part is None:

@@ -1,0 +1,64 @@
+"""Invariant 4: chunked prefill and prefix-cache hits read the same logits as one full prefill."""
+
+from __future__ import annotations
+
+import torch
+
+from treeserve import ScoreParams
+
+TEXT = (
+    "Once upon a time, in a land far away, there lived a small model that liked to count. "
+    "The quick brown fox jumps over the lazy dog. Numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000"
+)
+
+
+def read_all(llm, ids):
+    params = ScoreParams(positions=list(range(len(ids))), token_ids=[5, 17, 42], return_hidden_states=True)
+    return llm.score([ids], params)[0]
+
+
+def test_chunked_prefill_matches_full(llama_dir, make_llm):
+    full = make_llm(llama_dir, enable_prefix_caching=False)
+    ids = full.get_tokenizer().encode(TEXT)
+    assert len(ids) > 40
+    ref = read_all(full, ids)
+    for chunk in (1, 7, 16):
+        chunked = make_llm(llama_dir, enable_prefix_caching=False, max_num_batched_tokens=chunk)
+        got = read_all(chunked, ids)
+        torch.testing.assert_close(got.hidden_states, ref.hidden_states, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.logprobs, ref.logprobs, atol=1e-5, rtol=1e-5)
+
+
+def test_prefix_hit_matches_full(llama_dir, make_llm):
+    llm = make_llm(llama_dir)
+    ids = llm.get_tokenizer().encode(TEXT)
+    ref = read_all(make_llm(llama_dir, enable_prefix_caching=False), ids)
+    # warm the cache with the first 35 tokens, then read only the tail positions
+    read_all(llm, ids[:35])
+    tail = list(range(33, len(ids)))
+    out = llm.score([ids], ScoreParams(positions=tail, token_ids=[5, 17, 42], return_hidden_states=True))[0]
+    assert out.num_cached_tokens == 32  # two full 16-token pages came from the cache
+    torch.testing.assert_close(out.hidden_states, ref.hidden_states[33:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.logprobs, ref.logprobs[33:], atol=1e-5, rtol=1e-5)
+    assert llm.engine.blocks.stats.hits == 2
+
+
+def test_prefix_hit_never_skips_a_requested_position(llama_dir, make_llm):
+    llm = make_llm(llama_dir)
+    ids = llm.get_tokenizer().encode(TEXT)
+    read_all(llm, ids)
+    out = read_all(llm, ids)  # everything cached, but position 0 must still be computed
+    assert out.num_cached_tokens == 0
+    assert out.hidden_states.shape[0] == len(ids)
+
+
+def test_generation_after_prefix_hit_matches(llama_dir, make_llm):
+    from treeserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    cold = make_llm(llama_dir, enable_prefix_caching=False).generate([TEXT], params)[0]
+    warm_llm = make_llm(llama_dir, max_num_batched_tokens=9)
+    warm_llm.generate([TEXT], params)
+    warm = warm_llm.generate([TEXT], params)[0]
+    assert warm.num_cached_tokens > 0
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids

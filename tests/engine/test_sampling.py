@@ -1,0 +1,94 @@
+"""Invariant 3 (batch invariance) and the sampler's filters and logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import transformers
+
+from treeserve import SamplingParams
+from treeserve.engine.sampler import SamplingRow, sample, seeded_uniform
+
+PROMPT = "Once upon a time, in a land far away"
+
+
+def test_seeded_request_same_alone_and_in_batch_of_32(llama_dir, make_llm):
+    target = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=40, seed=1234, n=2, ignore_eos=True)
+    alone = make_llm(llama_dir).generate([PROMPT], target)[0]
+
+    prompts, params = [], []
+    words = ["The quick brown fox", "Numbers 0 1 2 3", "def f(x):", "Unicode: café", "Compute (12 + 7)"]
+    for i in range(31):
+        prompts.append(words[i % len(words)] + " " * (i % 3))
+        params.append(
+            SamplingParams(
+                temperature=[0.0, 0.7, 1.3][i % 3],
+                top_k=[-1, 5, 50][i % 3],
+                top_p=[1.0, 0.9][i % 2],
+                min_p=[0.0, 0.05][i % 2],
+                max_tokens=10 + i,
+                n=1 + i % 3,
+                seed=i if i % 2 else None,
+                logprobs=2 if i % 4 == 0 else None,
+            )
+        )
+    prompts.insert(13, PROMPT)
+    params.insert(13, target)
+    batched = make_llm(llama_dir, max_num_batched_tokens=64).generate(prompts, params)[13]
+    for a, b in zip(alone.outputs, batched.outputs, strict=True):
+        assert a.token_ids == b.token_ids and a.text == b.text
+
+
+def test_seed_reproducible_and_seeds_differ(llama_dir, make_llm):
+    llm = make_llm(llama_dir)
+    p = SamplingParams(temperature=1.0, max_tokens=30, seed=7, ignore_eos=True, n=3)
+    a, b = llm.generate([PROMPT], p)[0], llm.generate([PROMPT], p)[0]
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert len({tuple(c.token_ids) for c in a.outputs}) == 3  # the n completions differ
+    other = llm.generate([PROMPT], SamplingParams(temperature=1.0, max_tokens=30, seed=8, ignore_eos=True))[0]
+    assert other.outputs[0].token_ids != a.outputs[0].token_ids
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2, 0.0]]))
+    counts = [0, 0, 0, 0]
+    for pos in range(4000):
+        row = SamplingRow(1.0, 1.0, -1, 0.0, seeded_uniform(3, 0, pos), None)
+        counts[sample(logits, [row]).tokens[0]] += 1
+    assert counts[3] == 0
+    for got, want in zip(counts[:3], [0.5, 0.3, 0.2], strict=True):
+        assert abs(got / 4000 - want) < 0.03
+
+
+def test_top_k_top_p_min_p_filters():
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]])).repeat(3, 1)
+    rows = lambda u: [  # noqa: E731
+        SamplingRow(1.0, 1.0, 2, 0.0, u, None),  # top-k 2: tokens 0, 1
+        SamplingRow(1.0, 0.65, -1, 0.0, u, None),  # nucleus 0.65: tokens 0, 1
+        SamplingRow(1.0, 1.0, -1, 0.6, u, None),  # min-p 0.6 * 0.4 = 0.24: tokens 0, 1
+    ]
+    seen = set()
+    for i in range(200):
+        seen |= {(r, t) for r, t in enumerate(sample(logits, rows(seeded_uniform(0, 0, i))).tokens)}
+    assert seen == {(r, t) for r in range(3) for t in (0, 1)}
+
+
+def test_logprobs_match_transformers(llama_dir, make_llm):
+    llm = make_llm(llama_dir)
+    out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8, logprobs=3, ignore_eos=True))[0]
+    completion = out.outputs[0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([out.prompt_token_ids + completion.token_ids])
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(ids).logits[0].float(), -1)
+    n = len(out.prompt_token_ids)
+    total = 0.0
+    for i, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs, strict=True)):
+        row = ref[n - 1 + i]
+        assert math.isclose(entry[token].logprob, row[token].item(), abs_tol=1e-4)
+        assert entry[token].rank == 1  # greedy picks the top token
+        top = row.topk(3).indices.tolist()
+        assert set(top) <= set(entry)
+        total += row[token].item()
+    assert math.isclose(completion.cumulative_logprob, total, abs_tol=1e-3)

@@ -1,0 +1,87 @@
+"""Stop rules: strings spanning tokens, k-th occurrence, include_stop_str_in_output, EOS, length."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.tiny_models import train_tokenizer
+from treeserve import SamplingParams
+from treeserve.engine.detokenizer import StopChecker
+
+TEXT = "Step one: 12 + 7 = 19.\n\nStep two: 19 * 3 = 57.\n\nThe answer is 57.\n\nExtra text"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_tokenizer()
+
+
+def feed(tok, text: str, params: SamplingParams, eos: list[int] | None = None):
+    ids = tok.encode(text, add_special_tokens=False).ids
+    checker = StopChecker(tok, [0], params, eos or [])
+    for n, token in enumerate(ids, 1):
+        result = checker.append(token, params.max_tokens)
+        if result:
+            return checker.text, result, n
+    return checker.text, None, len(ids)
+
+
+def test_stop_string_spanning_tokens(tok):
+    ids = tok.encode("19 * 3", add_special_tokens=False).ids
+    assert len(ids) > 1  # the stop string is several tokens long
+    text, result, _ = feed(tok, TEXT, SamplingParams(stop=["19 * 3"], max_tokens=None))
+    assert result == ("stop", "19 * 3")
+    assert text == "Step one: 12 + 7 = 19.\n\nStep two: "
+
+
+def test_include_stop_str(tok):
+    params = SamplingParams(stop=["\n\n"], include_stop_str_in_output=True, max_tokens=None)
+    text, result, _ = feed(tok, TEXT, params)
+    assert text == "Step one: 12 + 7 = 19.\n\n" and result == ("stop", "\n\n")
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_kth_occurrence(tok, k):
+    text, result, _ = feed(tok, TEXT, SamplingParams(stop=["\n\n"], n_stop_occurrences=k, max_tokens=None))
+    assert result == ("stop", "\n\n")
+    assert text == "\n\n".join(TEXT.split("\n\n")[:k])
+
+
+def test_earliest_of_several_stop_strings(tok):
+    text, result, _ = feed(tok, TEXT, SamplingParams(stop=["answer", "="], max_tokens=None))
+    assert result == ("stop", "=") and text == "Step one: 12 + 7 "
+
+
+def test_eos_and_stop_token_ids(tok):
+    ids = tok.encode(TEXT, add_special_tokens=False).ids
+    checker = StopChecker(tok, [0], SamplingParams(max_tokens=None), eos_ids=[ids[3]])
+    results = [checker.append(t, None) for t in ids[:4]]
+    assert results[-1] == ("stop", None) and results[:3] == [None] * 3
+    checker = StopChecker(tok, [0], SamplingParams(stop_token_ids=[ids[2]], max_tokens=None), [])
+    assert [checker.append(t, None) for t in ids[:3]][-1] == ("stop", ids[2])
+    ignoring = StopChecker(tok, [0], SamplingParams(ignore_eos=True, max_tokens=None), eos_ids=[ids[3]])
+    assert all(ignoring.append(t, None) is None for t in ids[:5])
+
+
+def test_max_tokens_length(tok):
+    _, result, n = feed(tok, TEXT, SamplingParams(max_tokens=5))
+    assert result == ("length", None) and n == 5
+
+
+def test_engine_applies_stop_strings(llama_dir, make_llm):
+    """End to end: a stretch of a greedy output as the stop string cuts the output there."""
+    llm = make_llm(llama_dir)
+    prompt = "The quick brown fox"
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].outputs[0]
+    start = len(free.text) // 3
+    stop = free.text[start : start + 3]
+    assert len(stop) == 3 and "\ufffd" not in stop
+    cut = free.text.index(stop)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop])
+    got = llm.generate([prompt], params)[0].outputs[0]
+    assert got.finish_reason == "stop" and got.stop_reason == stop
+    assert got.text == free.text[:cut]
+    params.include_stop_str_in_output = True
+    assert llm.generate([prompt], params)[0].outputs[0].text == free.text[: cut + len(stop)]
+    limited = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].outputs[0]
+    assert limited.finish_reason == "length" and limited.token_ids == free.token_ids[:4]
