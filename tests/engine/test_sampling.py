@@ -54,8 +54,8 @@ def test_sampling_follows_the_distribution():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2, 0.0]]))
     counts = [0, 0, 0, 0]
     for pos in range(4000):
-        row = SamplingRow(1.0, 1.0, -1, 0.0, seeded_uniform(3, 0, pos), None)
-        counts[sample(logits, [row]).tokens[0]] += 1
+        row = SamplingRow(1.0, 1.0, -1, 0.0, seeded_uniform(3, 0, pos))
+        counts[sample(logits, [row]).item()] += 1
     assert counts[3] == 0
     for got, want in zip(counts[:3], [0.5, 0.3, 0.2], strict=True):
         assert abs(got / 4000 - want) < 0.03
@@ -64,13 +64,13 @@ def test_sampling_follows_the_distribution():
 def test_top_k_top_p_min_p_filters():
     logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]])).repeat(3, 1)
     rows = lambda u: [  # noqa: E731
-        SamplingRow(1.0, 1.0, 2, 0.0, u, None),  # top-k 2: tokens 0, 1
-        SamplingRow(1.0, 0.65, -1, 0.0, u, None),  # nucleus 0.65: tokens 0, 1
-        SamplingRow(1.0, 1.0, -1, 0.6, u, None),  # min-p 0.6 * 0.4 = 0.24: tokens 0, 1
+        SamplingRow(1.0, 1.0, 2, 0.0, u),  # top-k 2: tokens 0, 1
+        SamplingRow(1.0, 0.65, -1, 0.0, u),  # nucleus 0.65: tokens 0, 1
+        SamplingRow(1.0, 1.0, -1, 0.6, u),  # min-p 0.6 * 0.4 = 0.24: tokens 0, 1
     ]
     seen = set()
     for i in range(200):
-        seen |= {(r, t) for r, t in enumerate(sample(logits, rows(seeded_uniform(0, 0, i))).tokens)}
+        seen |= {(r, t) for r, t in enumerate(sample(logits, rows(seeded_uniform(0, 0, i))).tolist())}
     assert seen == {(r, t) for r in range(3) for t in (0, 1)}
 
 

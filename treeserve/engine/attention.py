@@ -4,8 +4,9 @@ Per layer, the new tokens' K/V are written into their pages (slot = page, offset
 queries attend to the pages of their own sequence. Sequences are split in two groups so
 neither pays for the other's shape: decodes (one query each) and prefill chunks (many
 queries each, padded to the longest chunk of this step only). Masks are built once per
-step and window, not per layer. Runs on any device PyTorch runs on; on this CPU, bf16
-SDPA and the surrounding matmuls go through oneDNN.
+step and window, not per layer. Runs on any device PyTorch runs on. On a CPU, decodes go
+through a C kernel (`cpu_kernels.paged_decode`) that reads pages in place instead of
+gathering them, when it could be built; SDPA remains the reference path.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from treeserve.engine import cpu_kernels
 from treeserve.kv.arena import KVArena
 
 
@@ -23,6 +25,7 @@ class SeqGroup:
     """Sequences of one shape class; tensors index the step's flat token batch."""
 
     block_tables: torch.Tensor  # [B, max_pages]
+    context_lens: torch.Tensor  # [B]: tokens visible to the last query (cached + new)
     query_index: torch.Tensor  # [B, Q]: flat token index of each query (padding repeats the last)
     query_pos: torch.Tensor  # [B, Q]: absolute position of each query
     query_valid: torch.Tensor  # [B, Q]: False for padding
@@ -57,7 +60,14 @@ class AttentionBatch:
         v_cache[self.slot_pages, self.slot_offsets] = v
         out = torch.empty_like(q)
         for group in self.groups:
-            out[group.query_index[group.query_valid]] = self._attend(group, q, k_cache, v_cache, window)
+            if group.query_index.shape[1] == 1 and cpu_kernels.supports(q):
+                index = group.query_index[:, 0]
+                scale = self.scale or q.shape[-1] ** -0.5
+                out[index] = cpu_kernels.paged_decode(
+                    q[index], k_cache, v_cache, group.block_tables, group.context_lens, scale, window
+                )
+            else:
+                out[group.query_index[group.query_valid]] = self._attend(group, q, k_cache, v_cache, window)
         return out
 
     def _attend(
@@ -65,8 +75,9 @@ class AttentionBatch:
     ) -> torch.Tensor:
         batch, pages = group.block_tables.shape
         block_size, kv_heads, head_dim = k_cache.shape[1:]
-        keys = k_cache[group.block_tables].view(batch, pages * block_size, kv_heads, head_dim)
-        values = v_cache[group.block_tables].view(batch, pages * block_size, kv_heads, head_dim)
+        tables = group.block_tables.flatten()  # index_select copies pages ~3x faster than [] indexing on CPU
+        keys = k_cache.index_select(0, tables).view(batch, pages * block_size, kv_heads, head_dim)
+        values = v_cache.index_select(0, tables).view(batch, pages * block_size, kv_heads, head_dim)
         queries = q[group.query_index].transpose(1, 2)  # [B, Hq, Q, D]
         out = F.scaled_dot_product_attention(
             queries,

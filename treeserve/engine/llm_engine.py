@@ -16,7 +16,7 @@ from treeserve.config import EngineConfig
 from treeserve.engine.detokenizer import StopChecker
 from treeserve.engine.model_runner import ModelRunner, ScheduledSeq
 from treeserve.engine.request import Request, Sequence
-from treeserve.engine.sampler import SamplingRow, sample, seeded_uniform
+from treeserve.engine.sampler import SamplingRow, TokenLogprobs, sample, seeded_uniform, temperatures, token_logprobs
 from treeserve.engine.scheduler import Scheduler
 from treeserve.kv.arena import KVArena, available_memory
 from treeserve.kv.block_manager import BlockManager
@@ -212,41 +212,42 @@ class LLMEngine:
             self.scheduler.finish(seq)
 
     def _sample(self, to_sample: list[tuple[Sequence, int]], hidden: torch.Tensor) -> None:
-        logits = self.model.compute_logits(hidden[[r for _, r in to_sample]])
-        rows = []
-        for seq, _ in to_sample:
-            p = seq.request.params
-            rows.append(
-                SamplingRow(
-                    temperature=p.temperature,
-                    top_p=p.top_p,
-                    top_k=p.top_k,
-                    min_p=p.min_p,
-                    uniform=seeded_uniform(seq.request.seed, seq.index, len(seq.token_ids)),
-                    num_logprobs=p.logprobs,
-                )
+        rows = [
+            SamplingRow(
+                temperature=seq.request.params.temperature,
+                top_p=seq.request.params.top_p,
+                top_k=seq.request.params.top_k,
+                min_p=seq.request.params.min_p,
+                uniform=seeded_uniform(seq.request.seed, seq.index, len(seq.token_ids)),
             )
-        out = sample(logits, rows)
-        for i, (seq, _) in enumerate(to_sample):
-            token = out.tokens[i]
+            for seq, _ in to_sample
+        ]
+        states = hidden[[r for _, r in to_sample]]
+        scale = torch.tensor(temperatures(rows), dtype=states.dtype, device=states.device)[:, None]
+        tokens = sample(self.model.compute_logits(states / scale, float32=False), rows)
+        wanted = [i for i, (seq, _) in enumerate(to_sample) if seq.logprobs is not None]
+        if wanted:
+            k = max(to_sample[i][0].request.params.logprobs for i in wanted)
+            logprobs = token_logprobs(self.model.compute_logits(states[wanted]), tokens[wanted], k)
+        for i, ((seq, _), token) in enumerate(zip(to_sample, tokens.tolist(), strict=True)):
             seq.token_ids.append(token)
             self.num_generated_tokens += 1
             if seq.logprobs is not None:
-                self._record_logprobs(seq, token, out, i)
-            max_tokens = seq.request.params.max_tokens
-            result = seq.detok.append(token, max_tokens)
+                self._record_logprobs(seq, token, logprobs, wanted.index(i))
+            result = seq.detok.append(token, seq.request.params.max_tokens)
             if result is None and len(seq.token_ids) >= self.max_model_len:
                 result = ("length", None)
             if result is not None:
                 seq.finish_reason, seq.stop_reason = result
                 self.scheduler.finish(seq)
 
-    def _record_logprobs(self, seq: Sequence, token: int, out, i: int) -> None:  # noqa: ANN001
-        seq.cumulative_logprob += out.logprobs[i]
-        entry = {token: Logprob(out.logprobs[i], out.ranks[i], self.tokenizer.decode([token], False))}
+    def _record_logprobs(self, seq: Sequence, token: int, lp: TokenLogprobs, i: int) -> None:
+        seq.cumulative_logprob += lp.logprobs[i]
+        decode = self.tokenizer.decode
+        entry = {token: Logprob(lp.logprobs[i], lp.ranks[i], decode([token], False))}
         k = seq.request.params.logprobs
-        for rank, (tid, lp) in enumerate(zip(out.top_ids[i][:k], out.top_logprobs[i][:k], strict=True), 1):
-            entry.setdefault(tid, Logprob(lp, rank, self.tokenizer.decode([tid], False)))
+        for rank, (tid, value) in enumerate(zip(lp.top_ids[i][:k], lp.top_logprobs[i][:k], strict=True), 1):
+            entry.setdefault(tid, Logprob(value, rank, decode([tid], False)))
         seq.logprobs.append(entry)
 
     def _emit(self, request: Request) -> RequestOutput | ScoreOutput:

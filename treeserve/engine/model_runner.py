@@ -87,6 +87,7 @@ class ModelRunner:
         clamped = torch.minimum(step, last)
         return SeqGroup(
             block_tables=tables[index, :pages],
+            context_lens=starts[index] + lens[index],
             query_index=offsets[index][:, None] + clamped,
             query_pos=starts[index][:, None] + clamped,
             query_valid=step <= last,

@@ -6,6 +6,11 @@ logits and that key, never on which other rows share the batch; this is what mak
 seeded request give the same tokens alone or in a full batch, and what lets search
 strategies give each beam a reproducible stream. The draw is an inverse-CDF lookup over
 the filtered distribution in vocabulary order.
+
+Temperature is applied before the LM head (hidden / T, then the matmul), which yields
+logits / T without extra passes over a [batch, vocab] tensor; on a memory-bound CPU
+those passes cost more than the matmul. Log-probabilities are always those of the raw
+(unscaled) distribution, as in vLLM.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from treeserve.engine import cpu_kernels
 
 _M64 = (1 << 64) - 1
 
@@ -38,57 +45,84 @@ class SamplingRow:
     top_k: int
     min_p: float
     uniform: float
-    num_logprobs: int | None
+
+
+def temperatures(rows: list[SamplingRow]) -> list[float]:
+    """What each row's hidden state is divided by before the LM head (greedy rows: 1)."""
+    return [r.temperature or 1.0 for r in rows]
+
+
+def sample(scaled_logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """scaled_logits: [B, V] = logits / temperature, any float dtype. Returns token ids [B].
+
+    Rows go to one of three pickers by their own parameters only (never by the batch):
+    greedy, plain draws (a fused C pass on CPU when available), filtered draws (PyTorch).
+    """
+    vocab = scaled_logits.shape[-1]
+    fused = cpu_kernels.supports(scaled_logits)
+    pickers = {_argmax: [], _draw_fused: [], _draw: []}
+    for i, r in enumerate(rows):
+        if r.temperature == 0.0:
+            pickers[_argmax].append(i)
+        elif fused and not (0 < r.top_k < vocab or r.top_p < 1.0 or r.min_p > 0):
+            pickers[_draw_fused].append(i)
+        else:
+            pickers[_draw].append(i)
+    tokens = torch.empty(len(rows), dtype=torch.long, device=scaled_logits.device)
+    for pick, members in pickers.items():
+        if len(members) == len(rows):
+            return pick(scaled_logits, rows)
+        if members:
+            index = torch.tensor(members, device=scaled_logits.device)
+            tokens[index] = pick(scaled_logits[index], [rows[i] for i in members])
+    return tokens
+
+
+def _argmax(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
+def _draw_fused(scaled: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    return cpu_kernels.sample_rows(scaled, [r.uniform for r in rows])
+
+
+def _draw(scaled: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Inverse-CDF draw per row over the top-k / top-p / min-p filtered distribution."""
+    device = scaled.device
+    vocab = scaled.shape[-1]
+    filtered = [i for i, r in enumerate(rows) if 0 < r.top_k < vocab or r.top_p < 1.0]
+    if filtered:  # sorting is costly on a CPU: only rows that ask for top-k/top-p pay for it
+        scaled = scaled.float()
+        index = torch.tensor(filtered, device=device)
+        top_k = torch.tensor([rows[i].top_k if rows[i].top_k > 0 else vocab for i in filtered], device=device)
+        top_p = torch.tensor([rows[i].top_p for i in filtered], device=device)
+        scaled[index] = _top_k_top_p(scaled[index], top_k, top_p)
+    probs = torch.softmax(scaled, dim=-1, dtype=torch.float32)
+    min_p = [r.min_p for r in rows]
+    if any(min_p):
+        limit = torch.tensor(min_p, device=device)[:, None] * probs.amax(dim=-1, keepdim=True)
+        probs.masked_fill_(probs < limit, 0.0)
+    cdf = probs.cumsum_(dim=-1)
+    uniform = torch.tensor([r.uniform for r in rows], dtype=cdf.dtype, device=device)
+    picked = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).squeeze(1)
+    return picked.clamp_(max=vocab - 1)
 
 
 @dataclass
-class SamplerOutput:
-    tokens: list[int]
-    logprobs: list[float] | None  # the sampled tokens' log-probabilities (raw distribution)
-    ranks: list[int] | None
-    top_ids: list[list[int]] | None
-    top_logprobs: list[list[float]] | None
+class TokenLogprobs:
+    logprobs: list[float]  # the chosen tokens' log-probabilities
+    ranks: list[int]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-    """logits: [B, V] float32, one row per entry of `rows`."""
-    device = logits.device
-    greedy = torch.tensor([r.temperature == 0.0 for r in rows], device=device)
-    tokens = logits.argmax(dim=-1)
-    if not bool(greedy.all()):
-        tokens = torch.where(greedy, tokens, _sample_random(logits, rows))
-    out = SamplerOutput(tokens.tolist(), None, None, None, None)
-    wanted = [r.num_logprobs for r in rows if r.num_logprobs is not None]
-    if wanted:
-        raw = torch.log_softmax(logits, dim=-1)
-        chosen = raw.gather(1, tokens[:, None])
-        out.logprobs = chosen.squeeze(1).tolist()
-        out.ranks = ((raw > chosen).sum(dim=-1) + 1).tolist()
-        k = max(wanted)
-        if k:
-            values, ids = raw.topk(k, dim=-1)
-            out.top_ids, out.top_logprobs = ids.tolist(), values.tolist()
-    return out
-
-
-def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    device = logits.device
-    vocab = logits.shape[-1]
-    temperature = torch.tensor([r.temperature or 1.0 for r in rows], device=device)
-    scaled = logits / temperature[:, None]
-    top_k = [r.top_k if r.top_k > 0 else vocab for r in rows]
-    top_p = [r.top_p for r in rows]
-    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
-        scaled = _top_k_top_p(scaled, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device))
-    min_p = [r.min_p for r in rows]
-    if any(min_p):
-        probs = torch.softmax(scaled, dim=-1)
-        limit = torch.tensor(min_p, device=device)[:, None] * probs.amax(dim=-1, keepdim=True)
-        scaled = scaled.masked_fill(probs < limit, float("-inf"))
-    cdf = torch.softmax(scaled, dim=-1).double().cumsum(dim=-1)
-    uniform = torch.tensor([r.uniform for r in rows], dtype=torch.float64, device=device)
-    picked = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).squeeze(1)
-    return picked.clamp_(max=vocab - 1)
+def token_logprobs(raw_logits: torch.Tensor, tokens: torch.Tensor, k: int) -> TokenLogprobs:
+    """Log-probabilities of `tokens` and the top-k alternatives under the raw distribution."""
+    raw = torch.log_softmax(raw_logits.float(), dim=-1)
+    chosen = raw.gather(1, tokens[:, None])
+    ranks = ((raw > chosen).sum(dim=-1) + 1).tolist()
+    values, ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
+    return TokenLogprobs(chosen.squeeze(1).tolist(), ranks, ids.tolist(), values.tolist())
 
 
 def _top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

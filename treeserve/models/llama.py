@@ -176,9 +176,10 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, positions, self.rope, attn)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden.to(weight.dtype), weight).float()
+        logits = F.linear(hidden.to(weight.dtype), weight)
+        return logits.float() if float32 else logits
 
     @staticmethod
     def hf_to_local(name: str) -> tuple[str, str | None]:

@@ -1,0 +1,124 @@
+"""Build once, cache, and call the C kernels of `csrc/cpu_kernels.c` (CPU fast paths).
+
+The library is compiled with the system C compiler at first use (about a second) into
+`$TREESERVE_CACHE` (default `~/.cache/treeserve`), keyed by the source, the compiler and the
+CPU, and called through ctypes on tensor data pointers. Without a compiler, or with
+`TREESERVE_CPU_KERNELS=0`, `load()` returns None and callers use their PyTorch path,
+which is also the reference the kernels are tested against.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from functools import cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]  # inputs are finite
+_i64, _int, _float, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def _cpu_signature() -> bytes:
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            return next((line for line in f if line.startswith(b"flags")), b"")
+    except OSError:
+        return b""
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    if os.environ.get("TREESERVE_CPU_KERNELS", "1") == "0":
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        warnings.warn("no C compiler found: using the PyTorch attention/sampling path", stacklevel=2)
+        return None
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + compiler.encode() + _cpu_signature())
+    cache_dir = Path(os.environ.get("TREESERVE_CACHE", Path.home() / ".cache" / "treeserve")) / "kernels"
+    lib_path = cache_dir / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    if not lib_path.exists():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=cache_dir, suffix=".so", delete=False) as tmp:
+            pass
+        command = [compiler, *FLAGS, str(SOURCE), "-o", tmp.name, "-lmvec", "-lm"]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            os.unlink(tmp.name)
+            warnings.warn(f"building CPU kernels failed, using PyTorch paths:\n{result.stderr[-2000:]}", stacklevel=2)
+            return None
+        os.replace(tmp.name, lib_path)  # atomic: concurrent builders never see a partial file
+    lib = ctypes.CDLL(str(lib_path))
+    for suffix in _SUFFIX.values():
+        getattr(lib, f"paged_decode_{suffix}").argtypes = [
+            _ptr,
+            _ptr,
+            _i64,
+            _i64,
+            _ptr,
+            _i64,
+            _ptr,
+            _int,
+            _int,
+            _int,
+            _int,
+            _int,
+            _float,
+            _i64,
+            _int,
+            _ptr,
+        ]
+        getattr(lib, f"sample_rows_{suffix}").argtypes = [_ptr, _i64, _int, _int, _ptr, _ptr, _int]
+    return lib
+
+
+def supports(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype in _SUFFIX and load() is not None
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """q [B, Hq, D]; k/v_cache [pages, block, Hkv, D] views of one arena; -> [B, Hq, D]."""
+    q = q.contiguous()
+    tables = tables.contiguous()
+    context_lens = context_lens.contiguous()
+    batch, q_heads, head_dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    assert k_cache.stride()[1:] == (kv_heads * head_dim, head_dim, 1) and v_cache.stride() == k_cache.stride()
+    out = torch.empty_like(q)
+    v_offset = (v_cache.data_ptr() - k_cache.data_ptr()) // k_cache.element_size()
+    getattr(load(), f"paged_decode_{_SUFFIX[q.dtype]}")(
+        q.data_ptr(), k_cache.data_ptr(), k_cache.stride(0), v_offset,
+        tables.data_ptr(), tables.stride(0), context_lens.data_ptr(),
+        batch, q_heads, kv_heads, head_dim, block_size,
+        scale, window or 0, torch.get_num_threads(), out.data_ptr(),
+    )  # fmt: skip
+    return out
+
+
+def sample_rows(logits: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
+    """Inverse-CDF draw from softmax of each row of `logits` [B, V] (already temperature-scaled)."""
+    logits = logits.contiguous()
+    rows, vocab = logits.shape
+    u = torch.tensor(uniforms, dtype=torch.float64)
+    out = torch.empty(rows, dtype=torch.int64)
+    getattr(load(), f"sample_rows_{_SUFFIX[logits.dtype]}")(
+        logits.data_ptr(), logits.stride(0), rows, vocab, u.data_ptr(), out.data_ptr(), torch.get_num_threads()
+    )
+    return out

@@ -1,0 +1,138 @@
+/* CPU kernels for the two passes that dominate decode on a memory-bound CPU.
+ *
+ * paged_decode_*: attention of one query token per sequence over its KV pages, read in
+ *   place through the block table (no gather copy), fp32 accumulation, GQA-aware.
+ * sample_rows_*: inverse-CDF draw from softmax(logits) for rows without top-k/top-p/min-p,
+ *   one read of the row plus a scan of an L2-resident exp buffer.
+ *
+ * Each sequence/row is computed by one thread in a fixed order, so results never depend on
+ * the batch around it. Built at first use by treeserve/engine/cpu_kernels.py; the PyTorch
+ * path in attention.py / sampler.py is the reference these are tested against.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+typedef uint16_t bf16;
+
+static inline float load_f32(float x) { return x; }
+static inline float load_bf16(bf16 x) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)x << 16;
+    return v.f;
+}
+static inline float store_f32(float x) { return x; }
+static inline bf16 store_bf16(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    v.u += 0x7fffu + ((v.u >> 16) & 1u); /* round to nearest even */
+    return (bf16)(v.u >> 16);
+}
+
+#define DEFINE_PAGED_DECODE(SUFFIX, T)                                                          \
+void paged_decode_##SUFFIX(const T *q, const T *k_cache, int64_t page_stride, int64_t v_offset, \
+                           const int64_t *tables, int64_t table_stride, const int64_t *ctx_lens, \
+                           int batch, int q_heads, int kv_heads, int head_dim, int block_size,  \
+                           float scale, int64_t window, int threads, T *out) {                  \
+    const int group = q_heads / kv_heads;                                                       \
+    const int64_t token_stride = (int64_t)kv_heads * head_dim;                                  \
+    _Pragma("omp parallel for schedule(dynamic, 4) num_threads(threads)")                       \
+    for (int b = 0; b < batch; b++) {                                                           \
+        const int64_t len = ctx_lens[b];                                                        \
+        const int64_t start = (window > 0 && len > window) ? len - window : 0;                  \
+        const int64_t n = len - start;                                                          \
+        /* scores[i][head]; query and accumulator [head][dim] in fp32 */                        \
+        float *scores = (float *)malloc(sizeof(float) * n * q_heads);                           \
+        float *qf = (float *)malloc(sizeof(float) * q_heads * head_dim * 2 + sizeof(float) * q_heads * 2); \
+        float *acc = qf + q_heads * head_dim;                                                   \
+        float *maxs = acc + q_heads * head_dim;                                                 \
+        float *sums = maxs + q_heads;                                                           \
+        const T *qb = q + (int64_t)b * q_heads * head_dim;                                      \
+        for (int i = 0; i < q_heads * head_dim; i++) {                                          \
+            qf[i] = load_##SUFFIX(qb[i]) * scale;                                               \
+            acc[i] = 0.0f;                                                                      \
+        }                                                                                       \
+        for (int hq = 0; hq < q_heads; hq++) { maxs[hq] = -FLT_MAX; sums[hq] = 0.0f; }         \
+        const int64_t *table = tables + (int64_t)b * table_stride;                              \
+        for (int64_t t = start; t < len; t++) {                                                 \
+            const T *row = k_cache + table[t / block_size] * page_stride + (t % block_size) * token_stride; \
+            float *s = scores + (t - start) * q_heads;                                          \
+            for (int hq = 0; hq < q_heads; hq++) {                                              \
+                const T *k = row + (int64_t)(hq / group) * head_dim;                            \
+                const float *qq = qf + hq * head_dim;                                           \
+                float dot = 0.0f;                                                               \
+                _Pragma("omp simd reduction(+:dot)")                                            \
+                for (int d = 0; d < head_dim; d++) dot += qq[d] * load_##SUFFIX(k[d]);          \
+                s[hq] = dot;                                                                    \
+                if (dot > maxs[hq]) maxs[hq] = dot;                                             \
+            }                                                                                   \
+        }                                                                                       \
+        for (int64_t i = 0; i < n; i++)                                                         \
+            for (int hq = 0; hq < q_heads; hq++) {                                              \
+                float e = expf(scores[i * q_heads + hq] - maxs[hq]);                            \
+                scores[i * q_heads + hq] = e;                                                   \
+                sums[hq] += e;                                                                  \
+            }                                                                                   \
+        for (int64_t t = start; t < len; t++) {                                                 \
+            const T *row = k_cache + v_offset + table[t / block_size] * page_stride             \
+                           + (t % block_size) * token_stride;                                   \
+            const float *s = scores + (t - start) * q_heads;                                    \
+            for (int hq = 0; hq < q_heads; hq++) {                                              \
+                const T *v = row + (int64_t)(hq / group) * head_dim;                            \
+                const float p = s[hq];                                                          \
+                float *a = acc + hq * head_dim;                                                 \
+                _Pragma("omp simd")                                                             \
+                for (int d = 0; d < head_dim; d++) a[d] += p * load_##SUFFIX(v[d]);             \
+            }                                                                                   \
+        }                                                                                       \
+        T *o = out + (int64_t)b * q_heads * head_dim;                                           \
+        for (int hq = 0; hq < q_heads; hq++) {                                                  \
+            const float inv = 1.0f / sums[hq];                                                  \
+            for (int d = 0; d < head_dim; d++)                                                  \
+                o[hq * head_dim + d] = store_##SUFFIX(acc[hq * head_dim + d] * inv);            \
+        }                                                                                       \
+        free(scores);                                                                           \
+        free(qf);                                                                               \
+    }                                                                                           \
+}
+
+DEFINE_PAGED_DECODE(f32, float)
+DEFINE_PAGED_DECODE(bf16, bf16)
+
+#define DEFINE_SAMPLE_ROWS(SUFFIX, T)                                                           \
+void sample_rows_##SUFFIX(const T *logits, int64_t row_stride, int rows, int vocab,             \
+                          const double *uniforms, int64_t *out, int threads) {                  \
+    _Pragma("omp parallel num_threads(threads)")                                                \
+    {                                                                                           \
+        float *buf = (float *)malloc(sizeof(float) * vocab);                                    \
+        _Pragma("omp for schedule(static)")                                                     \
+        for (int r = 0; r < rows; r++) {                                                        \
+            const T *x = logits + (int64_t)r * row_stride;                                      \
+            float m = -FLT_MAX;                                                                \
+            for (int i = 0; i < vocab; i++) {                                                   \
+                float v = load_##SUFFIX(x[i]);                                                  \
+                m = v > m ? v : m;                                                              \
+            }                                                                                   \
+            float sum = 0.0f;                                                                   \
+            _Pragma("omp simd reduction(+:sum)")                                                \
+            for (int i = 0; i < vocab; i++) {                                                   \
+                buf[i] = expf(load_##SUFFIX(x[i]) - m);                                         \
+                sum += buf[i];                                                                  \
+            }                                                                                   \
+            const float target = (float)(uniforms[r] * sum);                                    \
+            float cum = 0.0f;                                                                   \
+            int64_t pick = -1;                                                                  \
+            for (int i = 0; i < vocab; i++) {                                                   \
+                if (buf[i] > 0.0f) pick = i;                                                    \
+                cum += buf[i];                                                                  \
+                if (cum > target && buf[i] > 0.0f) break;                                       \
+            }                                                                                   \
+            out[r] = pick;                                                                      \
+        }                                                                                       \
+        free(buf);                                                                              \
+    }                                                                                           \
+}
+
+DEFINE_SAMPLE_ROWS(f32, float)
+DEFINE_SAMPLE_ROWS(bf16, bf16)
