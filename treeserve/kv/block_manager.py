@@ -145,11 +145,10 @@ class BlockManager:
     def grow(self, block_table: list[int], write_start: int, total_tokens: int) -> list[tuple[int, int]]:
         """Make room for tokens [write_start, total_tokens); returns page copies (src, dst) to do.
 
-        The caller checks `blocks_to_grow(...) <= num_free_blocks` first; then this never fails.
+        The caller checks `blocks_to_grow(...) <= num_free_blocks` first (the scheduler does);
+        then this never fails.
         A shared page about to be written is copied first (copy-on-write).
         """
-        if self.blocks_to_grow(block_table, write_start, total_tokens) > self.num_free_blocks:
-            raise NoFreePages("not enough free KV pages")
         copies = []
         if self._needs_copy(block_table, write_start, total_tokens):
             index = write_start // self.block_size
@@ -185,10 +184,10 @@ class BlockManager:
         self, block_table: list[int], block_hashes: list[int], token_ids: list[int], num_computed: int
     ) -> None:
         """Key every block whose tokens are all computed, so later sequences can reuse it."""
-        if not self.enable_prefix_caching:
-            return
         bs = self.block_size
         done = len(block_hashes)
+        if not self.enable_prefix_caching or num_computed // bs <= done:
+            return
         parent = block_hashes[-1] if block_hashes else None
         keys = self.chain_hashes(token_ids[done * bs : (num_computed // bs) * bs], parent)
         for block, key in zip(block_table[done:], keys, strict=False):
