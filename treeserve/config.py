@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+DEFAULT_KV_CAP = 1 << 30
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -23,7 +24,8 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     block_size: int = 16
-    # KV memory budget: bytes if given, else a fraction of the device's free memory.
+    # KV memory budget: bytes if given, else a fraction of the device's free memory, at most
+    # DEFAULT_KV_CAP bytes (the arena is allocated and zeroed up front, like vLLM's).
     kv_cache_memory: int | None = None
     kv_cache_fraction: float = 0.25
     enable_prefix_caching: bool = True
@@ -47,6 +49,11 @@ class EngineConfig:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
         if not self.model_id:
             self.model_id = os.path.abspath(self.model)
+
+    def kv_budget(self, available: int) -> int:
+        if self.kv_cache_memory is not None:
+            return self.kv_cache_memory
+        return min(int(self.kv_cache_fraction * available), DEFAULT_KV_CAP)
 
     @property
     def torch_dtype(self) -> torch.dtype:

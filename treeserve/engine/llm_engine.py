@@ -41,7 +41,7 @@ class LLMEngine:
         page_bytes = KVArena.page_bytes(
             cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim, config.torch_dtype
         )
-        budget = config.kv_cache_memory or int(config.kv_cache_fraction * available_memory(self.device))
+        budget = config.kv_budget(available_memory(self.device))
         num_blocks = budget // page_bytes
         pages_per_seq = -(-self.max_model_len // config.block_size) + 1
         if num_blocks < pages_per_seq:
