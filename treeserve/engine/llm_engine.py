@@ -94,7 +94,10 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(token_ids)}..{max(token_ids)}")
+        lm_head = self.model_config.has_lm_head
         if isinstance(params, ScoreParams):
+            if params.token_ids and not lm_head:
+                raise ValueError("this model has no LM head: ask for hidden states, not token log-probabilities")
             if len(token_ids) > self.max_model_len:
                 raise ValueError(f"input of {len(token_ids)} tokens exceeds max_model_len={self.max_model_len}")
             if params.positions[-1] >= len(token_ids):
@@ -102,6 +105,8 @@ class LLMEngine:
             if params.token_ids and max(params.token_ids) >= vocab:
                 raise ValueError(f"candidate token ids must be < vocab size {vocab}")
         elif isinstance(params, SamplingParams):
+            if not lm_head:
+                raise ValueError("this model has no LM head (a reward model): it can score but not generate")
             if len(token_ids) >= self.max_model_len:
                 raise ValueError(
                     f"prompt of {len(token_ids)} tokens leaves no room to generate within "

@@ -46,6 +46,7 @@ class LlamaConfig:
     layer_windows: list[int | None]  # sliding window per layer (None: global attention)
     eos_token_ids: list[int]
     bos_token_id: int | None
+    has_lm_head: bool = True  # False for reward models whose checkpoint has a head of its own
 
     @classmethod
     def from_hf(cls, cfg: dict) -> LlamaConfig:
@@ -177,6 +178,8 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        if not self.config.has_lm_head:
+            raise ValueError("this checkpoint has no LM head (a reward model): ask for hidden states instead")
         weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         logits = F.linear(hidden.to(weight.dtype), weight)
         return logits.float() if float32 else logits

@@ -78,6 +78,11 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device) -
         model = LlamaForCausalLM(config)
     state, extra = _collect_state(model, model_dir, dtype)
     expected = set(model.state_dict().keys())
+    if "lm_head.weight" in expected - set(state) and extra:
+        # a reward/value model: a head of its own instead of an LM head (see extra_tensors)
+        del model.lm_head
+        model.config.has_lm_head = False
+        expected.discard("lm_head.weight")
     missing = expected - set(state)
     if missing:
         raise ValueError(f"checkpoint {model_dir!r} lacks tensors: {sorted(missing)[:8]}")
