@@ -1,0 +1,144 @@
+"""One process, several named engines, one async API for search programs.
+
+Search programs `await runtime.generate(...)` and `await runtime.score(...)` from as many
+concurrent tasks as they like. A single driver task steps every engine that has work, in
+turn, so while the PRM scores one problem the generator extends another, and batches fill
+up across problems. Bad input raises in the caller before anything is queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from dataclasses import dataclass
+
+from treeserve.config import EngineConfig
+from treeserve.engine.llm_engine import LLMEngine
+from treeserve.models.tokenizer import Tokenizer
+from treeserve.outputs import RequestOutput, ScoreOutput
+from treeserve.sampling_params import SamplingParams, ScoreParams
+
+
+@dataclass
+class ModelSpec:
+    name: str
+    path: str
+    kv_fraction: float  # share of the runtime's KV budget (a fixed split; see DESIGN.md)
+
+
+class Runtime:
+    def __init__(self, engines: dict[str, LLMEngine]):
+        if not engines:
+            raise ValueError("a runtime needs at least one engine")
+        self.engines = engines
+        self._futures: dict[tuple[str, str], asyncio.Future] = {}
+        self._ids = itertools.count()
+        self._wake: asyncio.Event | None = None
+        self._driver: asyncio.Task | None = None
+        self.steps = {name: 0 for name in engines}
+
+    @classmethod
+    def load(
+        cls,
+        specs: list[ModelSpec],
+        kv_cache_memory: int,
+        dtype: str = "bfloat16",
+        enable_prefix_caching: bool = True,
+        **engine_kwargs: object,
+    ) -> Runtime:
+        if abs(sum(s.kv_fraction for s in specs) - 1.0) > 1e-6:
+            raise ValueError("the models' kv_fraction values must add up to 1")
+        engines = {
+            s.name: LLMEngine(
+                EngineConfig(
+                    model=s.path,
+                    dtype=dtype,
+                    kv_cache_memory=int(kv_cache_memory * s.kv_fraction),
+                    enable_prefix_caching=enable_prefix_caching,
+                    model_id=s.name + ":" + s.path,
+                    **engine_kwargs,
+                )
+            )
+            for s in specs
+        }
+        return cls(engines)
+
+    # ---- the API search programs use -------------------------------------------------
+    def tokenizer(self, model: str) -> Tokenizer:
+        return self._engine(model).tokenizer
+
+    def engine(self, model: str) -> LLMEngine:
+        return self._engine(model)
+
+    async def generate(self, model: str, prompt: str | list[int] | dict, params: SamplingParams) -> RequestOutput:
+        return await self._submit(model, prompt, params)
+
+    async def score(self, model: str, token_ids: list[int], params: ScoreParams) -> ScoreOutput:
+        return await self._submit(model, {"prompt_token_ids": token_ids}, params)
+
+    # ---- driving the engines ---------------------------------------------------------
+    def _engine(self, model: str) -> LLMEngine:
+        if model not in self.engines:
+            raise ValueError(f"unknown model {model!r}; this runtime hosts {sorted(self.engines)}")
+        return self.engines[model]
+
+    async def _submit(self, model: str, prompt: str | list[int] | dict, params: object) -> object:
+        engine = self._engine(model)
+        request_id = str(next(self._ids))
+        engine.add_request(request_id, prompt, params)  # raises on bad input, nothing queued
+        future = asyncio.get_running_loop().create_future()
+        self._futures[(model, request_id)] = future
+        self._ensure_driver()
+        try:
+            return await future
+        except asyncio.CancelledError:
+            engine.abort(request_id)
+            self._futures.pop((model, request_id), None)
+            raise
+
+    def _ensure_driver(self) -> None:
+        if self._wake is None:
+            self._wake = asyncio.Event()
+        self._wake.set()
+        if self._driver is None or self._driver.done():
+            self._driver = asyncio.get_running_loop().create_task(self._drive())
+
+    async def _drive(self) -> None:
+        while True:
+            busy = [name for name, e in self.engines.items() if e.has_unfinished_requests()]
+            if not busy:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            for name in busy:
+                try:
+                    outputs = self.engines[name].step()
+                except Exception as e:  # fail every waiter of this engine rather than hang them
+                    self._fail(name, e)
+                    continue
+                self.steps[name] += 1
+                for out in outputs:
+                    future = self._futures.pop((name, out.request_id), None)
+                    if future is not None and not future.done():
+                        future.set_result(out)
+            await asyncio.sleep(0)  # let search programs react and submit more work
+
+    def _fail(self, name: str, error: Exception) -> None:
+        for (model, request_id), future in list(self._futures.items()):
+            if model == name:
+                self.engines[name].abort(request_id)
+                del self._futures[(model, request_id)]
+                if not future.done():
+                    future.set_exception(error)
+
+    async def close(self) -> None:
+        if self._driver is not None:
+            self._driver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._driver
+            self._driver = None
+
+    def check_pages_idle(self) -> None:
+        for engine in self.engines.values():
+            engine.check_pages_idle()

@@ -1,0 +1,45 @@
+"""What every PRM adapter is: (question, steps) -> model input -> one score per step.
+
+An adapter only builds token ids and reads outputs; the runtime does the forward pass
+(`Runtime.score`, forward-only, prefix-cached). Inputs are built so that the input for the
+first k steps is a token-for-token prefix of the input for more steps; then scoring a new
+step re-reads only the new tokens (the earlier ones are cached pages), and asking only
+for the new steps' positions (`start=`) lets the engine skip the cached prefix.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from treeserve.outputs import ScoreOutput
+from treeserve.runtime.runtime import Runtime
+from treeserve.sampling_params import ScoreParams
+
+
+class PRM(ABC):
+    style: str = ""
+
+    def __init__(self, runtime: Runtime, model: str):
+        self.runtime = runtime
+        self.model = model
+        self.tokenizer = runtime.tokenizer(model)
+
+    @abstractmethod
+    def build(self, question: str, steps: list[str]) -> tuple[list[int], list[int]]:
+        """Token ids of the whole input, and the position read for each step (len(steps) of them)."""
+
+    @abstractmethod
+    def score_params(self, positions: list[int]) -> ScoreParams:
+        """What to read at those positions (candidate token log-probs and/or hidden states)."""
+
+    @abstractmethod
+    def read(self, out: ScoreOutput) -> list[float]:
+        """One score in [0, 1] per read position (higher: the step is more likely correct)."""
+
+    async def score(self, question: str, steps: list[str], start: int = 0) -> list[float]:
+        """Scores of steps[start:]; steps before `start` are not re-read (their pages may be cached)."""
+        if not steps or not 0 <= start < len(steps):
+            raise ValueError(f"need at least one step to score after start={start}, got {len(steps)} steps")
+        ids, positions = self.build(question, steps)
+        out = await self.runtime.score(self.model, ids, self.score_params(positions[start:]))
+        return self.read(out)
