@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,8 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
+    # (output tokens, text end) where each stop-string occurrence completed (n_stop_occurrences)
+    stop_offsets: list[tuple[int, int]] = field(default_factory=list)
 
     def finished(self) -> bool:
         return self.finish_reason is not None

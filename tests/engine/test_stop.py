@@ -47,6 +47,18 @@ def test_kth_occurrence(tok, k):
     assert text == "\n\n".join(TEXT.split("\n\n")[:k])
 
 
+def test_stop_offsets_split_steps(tok):
+    params = SamplingParams(stop=["\n\n"], n_stop_occurrences=2, include_stop_str_in_output=True, max_tokens=None)
+    ids = tok.encode(TEXT, add_special_tokens=False).ids
+    checker = StopChecker(tok, [0], params, [])
+    for token in ids:
+        if checker.append(token, None):
+            break
+    (t1, c1), (t2, c2) = checker.stop_offsets
+    assert checker.text[:c1] == "Step one: 12 + 7 = 19.\n\n" and c2 == len(checker.text)
+    assert tok.decode(ids[:t1]) == checker.text[:c1] and t2 == checker.num_tokens
+
+
 def test_earliest_of_several_stop_strings(tok):
     text, result, _ = feed(tok, TEXT, SamplingParams(stop=["answer", "="], max_tokens=None))
     assert result == ("stop", "=") and text == "Step one: 12 + 7 "

@@ -28,6 +28,8 @@ class StopChecker:
         self.num_tokens = 0
         self.output_ids: list[int] = []
         self.stops_found = 0
+        # (output tokens, text end) at each stop-string occurrence; speculative search splits steps here
+        self.stop_offsets: list[tuple[int, int]] = []
         self.search_from = 0
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
 
@@ -65,6 +67,7 @@ class StopChecker:
                 return None
             index, stop = min(found)
             self.stops_found += 1
+            self.stop_offsets.append((self.num_tokens, index + len(stop)))
             if self.stops_found == self.params.n_stop_occurrences:
                 end = index + len(stop) if self.params.include_stop_str_in_output else index
                 self.text = self.text[:end]

@@ -84,6 +84,7 @@ class Sequence:
             logprobs=self.logprobs,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
+            stop_offsets=list(self.detok.stop_offsets) if self.detok else [],
         )
 
 
