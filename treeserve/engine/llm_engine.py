@@ -66,7 +66,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)
         self.num_generated_tokens = 0
-        self.num_prefilled_tokens = 0
+        self.num_computed_tokens = 0  # every token run through the model (prompt, recompute, decode)
 
     # ---- requests ----------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
@@ -174,7 +174,7 @@ class LLMEngine:
             seq = item.seq
             request = seq.request
             seq.num_computed_tokens = item.end
-            self.num_prefilled_tokens += item.num_tokens if item.num_tokens > 1 else 0
+            self.num_computed_tokens += item.num_tokens
             self.blocks.commit_full_blocks(seq.block_table, seq.block_hashes, seq.token_ids, item.end)
             if request.score is not None:
                 self._read_scores(seq, item, hidden[row : row + item.num_tokens])

@@ -1,0 +1,41 @@
+"""PRM-guided beam search over reasoning steps (search-and-learn semantics and names).
+
+Each iteration every active beam samples one more step (up to "\n\n"); the PRM scores it;
+the best n / beam_width unfinished beams survive and are copied back up to n beams. Beams
+that end (EOS, length, empty step) are set aside. At `num_iterations` the thesis returns
+what the beam holds; `final_to_eos` instead samples the last iteration to EOS, as
+search-and-learn does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from treeserve.search.context import Beam, Problem, SearchContext, aggregate
+
+
+async def beam_search(ctx: SearchContext, problem: Problem) -> list[Beam]:
+    c = ctx.config
+    keep = c.n // c.beam_width
+    active = [Beam(path=(j,)) for j in range(c.n)]
+    finished: list[Beam] = []
+    for iteration in range(c.num_iterations):
+        last = iteration == c.num_iterations - 1
+        grown = await asyncio.gather(*(ctx.expand(problem, b, to_eos=last and c.final_to_eos) for b in active))
+        beams = [children[0] for children in grown]
+        scores = await asyncio.gather(*(ctx.score(problem, b.steps) for b in beams))
+        for beam, s in zip(beams, scores, strict=True):
+            beam.scores = s
+        finished += [b for b in beams if b.completed]
+        alive = [b for b in beams if not b.completed]
+        if c.filter_duplicates:
+            alive = list({b.text: b for b in reversed(alive)}.values())[::-1]  # first of each text
+        if not alive or last:
+            finished += alive
+            break
+        ranked = sorted(range(len(alive)), key=lambda i: (-aggregate(alive[i].scores, c.agg), i))
+        survivors = [alive[i] for i in sorted(ranked[:keep])]
+        # copy survivors back up to n beams, round robin (search-and-learn's order)
+        active = [survivors[j % len(survivors)].child(j // len(survivors)) for j in range(c.n)]
+    finished.sort(key=lambda b: -aggregate(b.scores, c.agg))  # stable: ties keep their order
+    return finished[: c.n]

@@ -1,0 +1,164 @@
+"""What every strategy needs for one run: settings, the runtime, the PRM, caches, counters.
+
+Also the two primitives strategies are written in: `expand` (generate the next step of a
+beam, as token ids so the next prompt is exactly what was sampled) and `score` (PRM
+scores of a beam's steps, through the score cache when it is on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from treeserve.outputs import CompletionOutput
+from treeserve.runtime.runtime import Runtime
+from treeserve.sampling_params import SamplingParams
+from treeserve.search.prm.base import PRM
+from treeserve.search.score_cache import ScoreCache, prefix_keys
+from treeserve.search.seeds import lineage_seed
+
+STEP_STOP = "\n\n"
+STRATEGIES = ("best_of_n", "weighted_best_of_n", "majority", "beam_search", "dvts")
+
+
+@dataclass
+class SearchConfig:
+    strategy: str = "beam_search"
+    n: int = 16
+    beam_width: int = 4
+    num_iterations: int = 40
+    temperature: float = 0.8
+    top_p: float = 1.0
+    max_tokens: int = 256  # per step for step-wise search; per completion for best-of-N
+    agg: str = "last"  # step-score aggregation: last | min | prod
+    filter_duplicates: bool = False
+    final_to_eos: bool = False  # search-and-learn: sample the last iteration to EOS
+    system_prompt: str | None = None
+    seed: int = 0
+    # optimisations (all on by default; `reference()` turns them off)
+    prefix_cache: bool = True
+    score_cache: bool = True
+    max_concurrent_problems: int = 64
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        if self.n < 1 or self.beam_width < 1 or self.num_iterations < 1:
+            raise ValueError("n, beam_width and num_iterations must be >= 1")
+        if self.strategy in ("beam_search", "dvts") and self.n % self.beam_width:
+            raise ValueError(f"n={self.n} must be divisible by beam_width={self.beam_width} for {self.strategy}")
+        if self.agg not in ("last", "min", "prod"):
+            raise ValueError(f"agg must be last, min or prod, got {self.agg!r}")
+        if self.max_concurrent_problems < 1:
+            raise ValueError("max_concurrent_problems must be >= 1")
+        SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens)  # validates
+
+    def reference(self) -> SearchConfig:
+        """The plain path: no prefix cache, no score cache, one problem at a time."""
+        return replace(self, prefix_cache=False, score_cache=False, max_concurrent_problems=1)
+
+
+@dataclass
+class Problem:
+    uid: str
+    question: str
+    prompt_ids: list[int]
+
+
+@dataclass
+class Beam:
+    path: tuple[int, ...]
+    step_ids: list[list[int]] = field(default_factory=list)
+    steps: list[str] = field(default_factory=list)  # decoded steps, separator removed
+    scores: list[float] = field(default_factory=list)
+    completed: bool = False
+    generated_tokens: int = 0
+
+    def child(self, copy: int) -> Beam:
+        return Beam(self.path + (copy,), list(self.step_ids), list(self.steps), list(self.scores), self.completed,
+                    self.generated_tokens)  # fmt: skip
+
+    @property
+    def text(self) -> str:
+        return "".join(STEP_STOP + s if i else s for i, s in enumerate(self.steps))
+
+
+def aggregate(scores: list[float], agg: str) -> float:
+    if not scores:
+        return 0.0
+    if agg == "last":
+        return scores[-1]
+    if agg == "min":
+        return min(scores)
+    product = 1.0
+    for s in scores:
+        product *= s
+    return product
+
+
+@dataclass
+class SearchContext:
+    config: SearchConfig
+    runtime: Runtime
+    generator: str
+    prm: PRM | None
+    cache: ScoreCache = field(default_factory=ScoreCache)
+    prm_requests: int = 0
+
+    def problem(self, uid: str, question: str) -> Problem:
+        tokenizer = self.runtime.tokenizer(self.generator)
+        messages = [{"role": "user", "content": question}]
+        if self.config.system_prompt:
+            messages.insert(0, {"role": "system", "content": self.config.system_prompt})
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return Problem(uid, question, tokenizer.encode(text, add_special_tokens=False))
+
+    def sampling(self, problem: Problem, path: tuple[int, ...], n: int, to_eos: bool) -> SamplingParams:
+        c = self.config
+        return SamplingParams(
+            n=n,
+            temperature=c.temperature,
+            top_p=c.top_p,
+            max_tokens=c.max_tokens,
+            stop=None if to_eos else [STEP_STOP],
+            include_stop_str_in_output=True,
+            seed=lineage_seed(c.seed, problem.uid, path),
+        )
+
+    async def expand(self, problem: Problem, beam: Beam, n: int = 1, to_eos: bool = False) -> list[Beam]:
+        """`n` children of `beam`, each one step longer (child i samples completion index i)."""
+        prompt = problem.prompt_ids + [t for step in beam.step_ids for t in step]
+        engine = self.runtime.engine(self.generator)
+        if len(prompt) + 1 >= engine.max_model_len:
+            done = beam.child(0)
+            done.completed = True
+            return [done]
+        params = self.sampling(problem, beam.path, n, to_eos)
+        out = await self.runtime.generate(self.generator, {"prompt_token_ids": prompt}, params)
+        return [self._extend(beam, i, c) for i, c in enumerate(out.outputs)]
+
+    def _extend(self, beam: Beam, copy: int, c: CompletionOutput) -> Beam:
+        child = beam.child(copy)
+        text = self.runtime.tokenizer(self.generator).decode(c.token_ids)
+        child.step_ids.append(list(c.token_ids))
+        child.steps.append(text.removesuffix(STEP_STOP))
+        child.generated_tokens += len(c.token_ids)
+        ended_by_stop_string = c.finish_reason == "stop" and c.stop_reason == STEP_STOP
+        child.completed = not ended_by_stop_string or not text.strip()
+        return child
+
+    async def score(self, problem: Problem, steps: list[str]) -> list[float]:
+        """PRM scores of every step; with the score cache, only steps never scored are read."""
+        if self.prm is None:
+            raise ValueError(f"strategy {self.config.strategy!r} needs a PRM")
+        if not steps:
+            return []
+        keys = prefix_keys(problem.question, steps)
+        known = self.cache.known(keys) if self.config.score_cache else []
+        if len(known) == len(steps):
+            return known
+        self.prm_requests += 1
+        new = await self.prm.score(problem.question, steps, start=len(known))
+        scores = known + new
+        if self.config.score_cache:
+            self.cache.store(keys, scores)
+        return scores

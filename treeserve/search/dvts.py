@@ -1,0 +1,36 @@
+"""Diverse verifier tree search (DVTS): n / beam_width independent subtrees, greedy by PRM.
+
+Each subtree holds one beam; every iteration it samples beam_width candidate next steps
+(one request, n=beam_width), the PRM scores them, and the best one is kept. A subtree
+stops when its chosen step ends the solution. As in search-and-learn, the result holds
+all beam_width candidates of each subtree's last expansion, so n completions come back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from treeserve.search.context import Beam, Problem, SearchContext, aggregate
+
+
+async def _subtree(ctx: SearchContext, problem: Problem, index: int) -> list[Beam]:
+    c = ctx.config
+    beam = Beam(path=(index,))
+    candidates: list[Beam] = []
+    for iteration in range(c.num_iterations):
+        last = iteration == c.num_iterations - 1
+        candidates = await ctx.expand(problem, beam, n=c.beam_width, to_eos=last and c.final_to_eos)
+        scores = await asyncio.gather(*(ctx.score(problem, b.steps) for b in candidates))
+        for candidate, s in zip(candidates, scores, strict=True):
+            candidate.scores = s
+        best = max(range(len(candidates)), key=lambda i: (aggregate(candidates[i].scores, c.agg), -i))
+        beam = candidates[best]
+        if beam.completed:
+            break
+    return candidates
+
+
+async def dvts(ctx: SearchContext, problem: Problem) -> list[Beam]:
+    c = ctx.config
+    subtrees = await asyncio.gather(*(_subtree(ctx, problem, i) for i in range(c.n // c.beam_width)))
+    return [b for tree in subtrees for b in tree]

@@ -1,0 +1,61 @@
+"""Run a strategy over many problems at once (continuous problem batching).
+
+Every problem is its own asyncio task; up to `max_concurrent_problems` are in flight, so
+while some problems wait for the PRM others decode, and the engines' batches stay full
+without a batching mechanism of their own. The reference mode runs one problem at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from treeserve.search.beam_search import beam_search
+from treeserve.search.best_of_n import best_of_n, majority
+from treeserve.search.context import Beam, SearchContext
+from treeserve.search.dvts import dvts
+
+STRATEGY_FUNCTIONS = {
+    "best_of_n": best_of_n,
+    "weighted_best_of_n": best_of_n,
+    "majority": majority,
+    "beam_search": beam_search,
+    "dvts": dvts,
+}
+
+
+@dataclass
+class ProblemResult:
+    uid: str
+    beams: list[Beam]
+    seconds: float
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(b.generated_tokens for b in self.beams)
+
+
+async def search_problems(
+    ctx: SearchContext,
+    problems: list[tuple[str, str]],
+    on_done: Callable[[ProblemResult], None] | None = None,
+) -> list[ProblemResult]:
+    """problems: (unique id, question) pairs. Results come back in input order."""
+    strategy = STRATEGY_FUNCTIONS[ctx.config.strategy]
+    gate = asyncio.Semaphore(ctx.config.max_concurrent_problems)
+
+    async def one(uid: str, question: str) -> ProblemResult:
+        async with gate:
+            start = time.perf_counter()
+            beams = await strategy(ctx, ctx.problem(uid, question))
+            result = ProblemResult(uid, beams, time.perf_counter() - start)
+            if on_done is not None:
+                on_done(result)
+            return result
+
+    try:
+        return list(await asyncio.gather(*(one(uid, q) for uid, q in problems)))
+    finally:
+        await ctx.runtime.close()
