@@ -1,0 +1,87 @@
+"""PRM adapters, one per input format, and `load_prm`, which picks the one a checkpoint needs.
+
+Styles: "step_tag" (Math-Shepherd, the shipped arithmetic PRM), "rlhflow" (chat turns,
+'+'/'-'), "reward_head" (Qwen2.5-Math-PRM, `<extra_0>` and a 2-class head) and "value_head"
+(Skywork-o1-Open-PRM, a scalar head). Without an explicit style, `load_prm` reads the model
+directory: a `prm_config.json` naming a "style" wins; then `architectures` containing
+"ProcessRewardModel" means reward_head; then `v_head.*` tensors mean value_head. Anything
+else is ambiguous and raises, asking for --prm-style.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+
+from treeserve.runtime.runtime import Runtime
+from treeserve.search.prm.base import PRM
+from treeserve.search.prm.reward_head import RewardHeadPRM
+from treeserve.search.prm.rlhflow import RLHFlowPRM
+from treeserve.search.prm.step_tag import StepTagFormat, StepTagPRM
+from treeserve.search.prm.value_head import ValueHeadPRM
+
+PRM_STYLES: dict[str, Callable[[Runtime, str, dict], PRM]] = {
+    "step_tag": StepTagPRM,
+    "rlhflow": RLHFlowPRM,
+    "reward_head": RewardHeadPRM,
+    "value_head": ValueHeadPRM,
+}
+
+__all__ = [
+    "PRM",
+    "PRM_STYLES",
+    "RLHFlowPRM",
+    "RewardHeadPRM",
+    "StepTagFormat",
+    "StepTagPRM",
+    "ValueHeadPRM",
+    "detect_style",
+    "load_prm",
+]
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"malformed JSON file {path!r}: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path!r} must hold a JSON object")
+    return data
+
+
+def detect_style(runtime: Runtime, model: str) -> str:
+    """The PRM style a checkpoint needs, from its prm_config.json, config.json and head tensors."""
+    engine = runtime.engine(model)
+    model_dir = engine.config.model
+    style = _read_json(os.path.join(model_dir, "prm_config.json")).get("style")
+    if style is not None:
+        if style not in PRM_STYLES:
+            raise ValueError(
+                f"prm_config.json in {model_dir!r} names unknown style {style!r}; known: {list(PRM_STYLES)}"
+            )
+        return style
+    architectures = _read_json(os.path.join(model_dir, "config.json")).get("architectures") or []
+    if any("ProcessRewardModel" in a for a in architectures):
+        return "reward_head"
+    if any(name.startswith("v_head.") for name in engine.extra_tensors):
+        return "value_head"
+    raise ValueError(
+        f"cannot tell which PRM input format {model_dir!r} expects: pass --prm-style "
+        f'(one of {", ".join(PRM_STYLES)}) or add a prm_config.json with a "style" to the model directory'
+    )
+
+
+def load_prm(runtime: Runtime, model: str, style: str | None = None) -> PRM:
+    """The adapter for `model` hosted by `runtime`; settings come from the model's prm_config.json."""
+    if style is not None and style not in PRM_STYLES:
+        raise ValueError(f"unknown PRM style {style!r}; choose one of {list(PRM_STYLES)}")
+    style = style or detect_style(runtime, model)
+    config = _read_json(os.path.join(runtime.engine(model).config.model, "prm_config.json"))
+    if config.get("style", style) != style:  # settings written for another format do not apply
+        config = {}
+    return PRM_STYLES[style](runtime, model, config)

@@ -1,0 +1,60 @@
+"""Value-head PRMs (Skywork-o1-Open-PRM style): a scalar head on the hidden state at each step end.
+
+Owns Skywork's input format (`prepare_input` in SkyworkAI/skywork-o1-prm-inference) and its
+head. The input is the BOS token text (when the tokenizer has one), the question and a
+newline, then each step followed by the step token, e.g. with the default step token "\\n":
+
+    <|endoftext|>Q\\nstep 1\\nstep 2\\n
+
+The prompt and each step are tokenized on their own and the step token's last id is
+appended after each step (as Skywork does), so the input for k steps is a token prefix of
+the input for more steps. The score of step i is sigmoid(v_head(h)) at the i-th step
+token, with `v_head.summary.weight` [1, hidden] and `v_head.summary.bias` [1] from the
+engine's extra tensors. It never runs the base model itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from treeserve.outputs import ScoreOutput
+from treeserve.runtime.runtime import Runtime
+from treeserve.sampling_params import ScoreParams
+from treeserve.search.prm.base import PRM
+
+
+class ValueHeadPRM(PRM):
+    style = "value_head"
+
+    def __init__(self, runtime: Runtime, model: str, config: dict | None = None):
+        super().__init__(runtime, model)
+        config = config or {}
+        self.step_token: str = config.get("step_token", "\n")
+        step_ids = self.tokenizer.encode(self.step_token, add_special_tokens=False)
+        if not step_ids:
+            raise ValueError(f"step token {self.step_token!r} encodes to no tokens")
+        self.step_token_id = step_ids[-1]
+        extra = runtime.engine(model).extra_tensors
+        if "v_head.summary.weight" not in extra:
+            raise ValueError(f"model {model!r} lacks the value head tensor v_head.summary.weight")
+        self.weight = extra["v_head.summary.weight"].float()
+        bias = extra.get("v_head.summary.bias")
+        self.bias = torch.zeros(1) if bias is None else bias.float()
+
+    def prompt_ids(self, question: str) -> list[int]:
+        bos = self.tokenizer.special_tokens.get("bos_token", "")
+        return self.tokenizer.encode(bos + question + "\n", add_special_tokens=True)
+
+    def build(self, question: str, steps: list[str]) -> tuple[list[int], list[int]]:
+        ids, positions = self.prompt_ids(question), []
+        for step in steps:
+            ids += self.tokenizer.encode(step, add_special_tokens=False)
+            positions.append(len(ids))
+            ids.append(self.step_token_id)
+        return ids, positions
+
+    def score_params(self, positions: list[int]) -> ScoreParams:
+        return ScoreParams(positions=positions, return_hidden_states=True)
+
+    def read(self, out: ScoreOutput) -> list[float]:
+        return torch.sigmoid(out.hidden_states @ self.weight.T + self.bias)[:, 0].tolist()
