@@ -1,6 +1,9 @@
 """The `treeserve` command line. Each subcommand parses its flags and calls the public API.
 
     treeserve generate [PROMPT ...] [--model DIR] [--chat] [--n N] [--temperature T] ...
+    treeserve eval --dataset arith:level=4,5 --strategy beam_search --n 16 --output results.json
+    treeserve solve "Compute (12 + 7) * 3 - 15."
+    treeserve plot results*.json --output accuracy_vs_n.png
 
 With no model given, commands use the arithmetic generator the project ships
 (treeserve/assets/arith-generator), so they run on a fresh machine with no downloads.
@@ -62,6 +65,110 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_search_flags(p: argparse.ArgumentParser) -> None:
+    from treeserve.eval.runner import DEFAULT_GENERATOR as gen
+    from treeserve.eval.runner import DEFAULT_PRM as prm
+    from treeserve.search.context import STRATEGIES
+
+    p.add_argument("--strategy", default="beam_search", help=f"one of {', '.join(STRATEGIES)}")
+    p.add_argument("--n", type=int, default=16)
+    p.add_argument("--beam-width", type=int, default=4)
+    p.add_argument("--num-iterations", type=int, default=40)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=512, help="per step (beam/DVTS) or per completion")
+    p.add_argument("--agg", default="last", choices=["last", "min", "prod"])
+    p.add_argument("--filter-duplicates", action="store_true")
+    p.add_argument("--final-to-eos", action="store_true", help="search-and-learn: sample the last iteration to EOS")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--generator", default=gen)
+    p.add_argument("--prm", default=prm)
+    p.add_argument("--prm-style", default=None, choices=["step_tag", "rlhflow", "reward_head", "value_head"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes for both models' KV pages")
+    p.add_argument("--prm-kv-fraction", type=float, default=0.3)
+    p.add_argument("--max-concurrent-problems", type=int, default=64)
+    p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument("--no-score-cache", action="store_true")
+    p.add_argument("--reference", action="store_true", help="plain path: no caches, one problem at a time")
+
+
+def _search_settings(args: argparse.Namespace, dataset: str = ""):  # noqa: ANN202
+    from treeserve.eval.runner import EvalSettings
+    from treeserve.search.context import SearchConfig
+
+    config = SearchConfig(
+        strategy=args.strategy,
+        n=args.n,
+        beam_width=args.beam_width,
+        num_iterations=args.num_iterations,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+        agg=args.agg,
+        filter_duplicates=args.filter_duplicates,
+        final_to_eos=args.final_to_eos,
+        seed=args.seed,
+        prefix_cache=not args.no_prefix_cache,
+        score_cache=not args.no_score_cache,
+        max_concurrent_problems=args.max_concurrent_problems,
+    )
+    settings = EvalSettings(
+        dataset=dataset,
+        generator=args.generator,
+        prm=args.prm,
+        prm_style=args.prm_style,
+        dtype=args.dtype,
+        kv_cache_memory=args.kv_cache_memory,
+        prm_kv_fraction=args.prm_kv_fraction,
+        reference=args.reference,
+    )
+    return settings, config
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from treeserve.eval.report import write_results
+    from treeserve.eval.runner import run_eval
+
+    settings, config = _search_settings(args, args.dataset)
+    settings.limit = args.limit
+    settings.selection = args.select
+    results = run_eval(settings, config)
+    write_results(results, args.output)
+    s = results["summary"]
+    by_level = ", ".join(f"L{k}: {v:.2f}" for k, v in sorted(s.get("accuracy_by_level", {}).items()))
+    print(
+        f"{config.strategy} n={config.n}: accuracy {s['accuracy']:.3f} ({by_level}) | "
+        f"{s['problems_per_s'] * 60:.1f} problems/min | {s['generated_tokens']} generated tokens | "
+        f"PRM prefilled {s['prm_tokens_prefilled']} / unique {s['prm_unique_tokens']} tokens | "
+        f"results: {args.output}"
+    )
+    return 0
+
+
+def cmd_solve(args: argparse.Namespace) -> int:
+    from treeserve.eval.runner import run_eval
+
+    settings, config = _search_settings(args)
+    settings.progress = False
+    settings.dataset = "inline"
+    results = run_eval(settings, config, inline=[{"problem": args.question, "answer": "", "unique_id": "q0"}])
+    problem = results["problems"][0]
+    best = max(problem["completions"], key=lambda c: c["score"] if c["score"] is not None else -1.0)
+    print(f"question: {args.question}\n")
+    for i, (step, score) in enumerate(zip(best["text"].split("\n\n"), best["step_scores"], strict=False), 1):
+        print(f"[step {i}, PRM {score:.3f}] {step}")
+    print(f"\nanswer: {best['answer']}  (chosen among {len(problem['completions'])} by {config.strategy})")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from treeserve.eval.plots import plot_accuracy_vs_n
+
+    print(plot_accuracy_vs_n(args.results, args.output))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="treeserve", description="LLM inference runtime for test-time search")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -76,6 +183,26 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=256)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.set_defaults(func=cmd_generate)
+
+    ev = sub.add_parser("eval", help="run a search strategy over a dataset and grade it")
+    ev.add_argument("--dataset", default="arith:level=4,5,size=100,seed=0",
+                    help="arith[:level=..,size=..,seed=..] or a MATH-500-style JSONL file")  # fmt: skip
+    ev.add_argument("--output", default="results.json")
+    ev.add_argument("--limit", type=int, default=None, help="only the first LIMIT problems")
+    ev.add_argument("--select", default=None, choices=["naive", "weighted", "majority"],
+                    help="how the final answer is chosen (default depends on the strategy)")  # fmt: skip
+    _add_search_flags(ev)
+    ev.set_defaults(func=cmd_eval)
+
+    solve = sub.add_parser("solve", help="solve one question and print the chosen solution with step scores")
+    solve.add_argument("question")
+    _add_search_flags(solve)
+    solve.set_defaults(func=cmd_solve)
+
+    plot = sub.add_parser("plot", help="accuracy vs N per strategy from results JSON files (PNG)")
+    plot.add_argument("results", nargs="+")
+    plot.add_argument("--output", default="accuracy_vs_n.png")
+    plot.set_defaults(func=cmd_plot)
     return parser
 
 

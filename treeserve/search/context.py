@@ -15,6 +15,7 @@ from treeserve.sampling_params import SamplingParams
 from treeserve.search.prm.base import PRM
 from treeserve.search.score_cache import ScoreCache, prefix_keys
 from treeserve.search.seeds import lineage_seed
+from treeserve.search.tree_tokens import TreeTokens
 
 STEP_STOP = "\n\n"
 STRATEGIES = ("best_of_n", "weighted_best_of_n", "majority", "beam_search", "dvts")
@@ -102,7 +103,12 @@ class SearchContext:
     generator: str
     prm: PRM | None
     cache: ScoreCache = field(default_factory=ScoreCache)
+    prm_tree: TreeTokens = field(default_factory=TreeTokens)  # distinct tokens the PRM was shown
     prm_requests: int = 0
+
+    def __post_init__(self) -> None:
+        if self.prm is not None:
+            self.prm.on_input = self.prm_tree.add
 
     def problem(self, uid: str, question: str) -> Problem:
         tokenizer = self.runtime.tokenizer(self.generator)

@@ -55,7 +55,4 @@ async def search_problems(
                 on_done(result)
             return result
 
-    try:
-        return list(await asyncio.gather(*(one(uid, q) for uid, q in problems)))
-    finally:
-        await ctx.runtime.close()
+    return list(await asyncio.gather(*(one(uid, q) for uid, q in problems)))

@@ -10,6 +10,7 @@ for the new steps' positions (`start=`) lets the engine skip the cached prefix.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 from treeserve.outputs import ScoreOutput
 from treeserve.runtime.runtime import Runtime
@@ -23,6 +24,7 @@ class PRM(ABC):
         self.runtime = runtime
         self.model = model
         self.tokenizer = runtime.tokenizer(model)
+        self.on_input: Callable[[list[int]], None] | None = None  # sees every input built (for stats)
 
     @abstractmethod
     def build(self, question: str, steps: list[str]) -> tuple[list[int], list[int]]:
@@ -41,5 +43,7 @@ class PRM(ABC):
         if not steps or not 0 <= start < len(steps):
             raise ValueError(f"need at least one step to score after start={start}, got {len(steps)} steps")
         ids, positions = self.build(question, steps)
+        if self.on_input is not None:
+            self.on_input(ids)
         out = await self.runtime.score(self.model, ids, self.score_params(positions[start:]))
         return self.read(out)

@@ -1,0 +1,136 @@
+"""One evaluation run: dataset -> runtime (generator + PRM) -> search -> grading -> results JSON.
+
+Everything that can be wrong with the inputs (dataset lines, strategy, n vs beam width,
+model directories) is checked before any model is loaded or any problem is searched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from treeserve.eval.datasets import load_dataset
+from treeserve.eval.grading import Grader
+from treeserve.eval.report import RunStats, build_results, grade_problems
+from treeserve.runtime.runtime import ModelSpec, Runtime
+from treeserve.search.context import SearchConfig, SearchContext
+from treeserve.search.prm import load_prm
+from treeserve.search.run import ProblemResult, search_problems
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+DEFAULT_GENERATOR = str(ASSETS / "arith-generator")
+DEFAULT_PRM = str(ASSETS / "arith-prm")
+
+# how each strategy picks its final answer from its completions (all three are reported)
+SELECTION = {
+    "best_of_n": "naive",
+    "weighted_best_of_n": "weighted",
+    "majority": "majority",
+    "beam_search": "weighted",
+    "dvts": "weighted",
+}
+
+
+@dataclass
+class EvalSettings:
+    dataset: str = "arith:level=4,5,size=100,seed=0"
+    generator: str = DEFAULT_GENERATOR
+    prm: str = DEFAULT_PRM
+    prm_style: str | None = None
+    dtype: str = "bfloat16"
+    kv_cache_memory: int = 1 << 30
+    prm_kv_fraction: float = 0.3
+    reference: bool = False
+    limit: int | None = None  # only the first `limit` problems
+    selection: str | None = None  # override SELECTION[strategy]
+    progress: bool = True
+
+    def check(self) -> None:
+        for name, path in (("generator", self.generator), ("prm", self.prm)):
+            if not Path(path, "config.json").is_file():
+                raise FileNotFoundError(f"{name} model directory not found (no config.json): {path!r}")
+        if not 0.0 < self.prm_kv_fraction < 1.0:
+            raise ValueError(f"prm_kv_fraction must be in (0, 1), got {self.prm_kv_fraction}")
+
+
+def build_runtime(settings: EvalSettings, config: SearchConfig) -> Runtime:
+    needs_prm = config.strategy != "majority"
+    specs = [ModelSpec("generator", settings.generator, 1.0 - settings.prm_kv_fraction if needs_prm else 1.0)]
+    if needs_prm:
+        specs.append(ModelSpec("prm", settings.prm, settings.prm_kv_fraction))
+    return Runtime.load(
+        specs, settings.kv_cache_memory, dtype=settings.dtype, enable_prefix_caching=config.prefix_cache
+    )
+
+
+def run_eval(settings: EvalSettings, config: SearchConfig, inline: list[dict] | None = None) -> dict:
+    """Search and grade `settings.dataset` (or the `inline` records) and return the results document."""
+    settings.check()
+    records = (inline if inline is not None else load_dataset(settings.dataset))[: settings.limit]
+    if not records:
+        raise ValueError(f"dataset {settings.dataset!r} has no problems")
+    if settings.reference:
+        config = config.reference()
+    runtime = build_runtime(settings, config)
+    prm = load_prm(runtime, "prm", settings.prm_style) if "prm" in runtime.engines else None
+    ctx = SearchContext(config, runtime, "generator", prm)
+    start = time.perf_counter()
+    results = asyncio.run(_search(ctx, records, settings.progress))
+    wall = time.perf_counter() - start
+    runtime.check_pages_idle()
+
+    completions = [[(b.text, b.scores) for b in r.beams] for r in results]
+    with Grader() as grader:
+        outcomes = grade_problems(
+            records, completions, grader, selection=settings.selection or SELECTION[config.strategy], agg=config.agg
+        )
+    gen = runtime.engines["generator"]
+    prm_engine = runtime.engines.get("prm")
+    stats = RunStats(
+        wall_time_s=wall,
+        generated_tokens=gen.num_generated_tokens,
+        prm_tokens_prefilled=prm_engine.num_computed_tokens if prm_engine else 0,
+        prm_unique_tokens=len(ctx.prm_tree),
+        prefix_hit_rate=gen.blocks.stats.hit_rate,
+    )
+    run_config = {
+        "search": asdict(config),
+        **{k: v for k, v in asdict(settings).items() if k != "progress"},
+        "selection": settings.selection or SELECTION[config.strategy],
+        "num_problems": len(records),
+    }
+    document = build_results(run_config, outcomes, stats, agg=config.agg)
+    document["summary"].update(_cache_summary(runtime, ctx))
+    return document
+
+
+async def _search(ctx: SearchContext, records: list[dict], progress: bool) -> list[ProblemResult]:
+    bar = tqdm(total=len(records), unit="problem", disable=not progress, dynamic_ncols=True)
+    start = time.perf_counter()
+    engine = ctx.runtime.engines["generator"]
+
+    def done(result: ProblemResult) -> None:
+        bar.update(1)
+        bar.set_postfix_str(f"{engine.num_generated_tokens / (time.perf_counter() - start):.0f} tok/s")
+
+    try:
+        return await search_problems(ctx, [(r["unique_id"], r["problem"]) for r in records], done)
+    finally:
+        bar.close()
+        await ctx.runtime.close()
+
+
+def _cache_summary(runtime: Runtime, ctx: SearchContext) -> dict:
+    out = {"score_cache_hits": ctx.cache.hits, "score_cache_misses": ctx.cache.misses, "prm_requests": ctx.prm_requests}
+    for name, engine in runtime.engines.items():
+        stats = engine.blocks.stats
+        out[f"{name}_prefix_hit_rate"] = stats.hit_rate
+        out[f"{name}_evictions"] = stats.evictions
+        out[f"{name}_thrash"] = stats.thrash
+        out[f"{name}_preemptions"] = engine.scheduler.num_preemptions
+        out[f"{name}_steps"] = runtime.steps[name]
+    return out
