@@ -21,6 +21,21 @@ from treeserve.sampling_params import SamplingParams, ScoreParams
 
 
 @dataclass
+class Speculation:
+    """A generation that reports its first step early and keeps decoding past it."""
+
+    runtime: Runtime
+    model: str
+    request_id: str
+    first: asyncio.Future  # RequestOutput at the first stop-string occurrence (or the end)
+    final: asyncio.Future  # RequestOutput when the request ends
+
+    def cancel(self) -> None:
+        """Stop decoding (the speculative text is not needed); its pages are released."""
+        self.runtime._forget(self.model, self.request_id)
+
+
+@dataclass
 class ModelSpec:
     name: str
     path: str
@@ -33,6 +48,7 @@ class Runtime:
             raise ValueError("a runtime needs at least one engine")
         self.engines = engines
         self._futures: dict[tuple[str, str], asyncio.Future] = {}
+        self._early: dict[tuple[str, str], asyncio.Future] = {}  # speculations' first steps
         self._ids = itertools.count()
         self._wake: asyncio.Event | None = None
         self._driver: asyncio.Task | None = None
@@ -77,6 +93,28 @@ class Runtime:
     async def score(self, model: str, token_ids: list[int], params: ScoreParams) -> ScoreOutput:
         return await self._submit(model, {"prompt_token_ids": token_ids}, params)
 
+    async def generate_speculative(
+        self, model: str, prompt: str | list[int] | dict, params: SamplingParams
+    ) -> Speculation:
+        """Like `generate`, but `first` resolves as soon as the first stop string occurs while
+        decoding continues (up to `params.n_stop_occurrences`) until `final`, or `cancel()`."""
+        engine = self._engine(model)
+        request_id = str(next(self._ids))
+        engine.add_request(request_id, prompt, params, stream=True)
+        loop = asyncio.get_running_loop()
+        spec = Speculation(self, model, request_id, loop.create_future(), loop.create_future())
+        self._futures[(model, request_id)] = spec.final
+        self._early[(model, request_id)] = spec.first
+        self._ensure_driver()
+        return spec
+
+    def _forget(self, model: str, request_id: str) -> None:
+        self.engines[model].abort(request_id)
+        for table in (self._futures, self._early):
+            future = table.pop((model, request_id), None)
+            if future is not None and not future.done():
+                future.cancel()
+
     # ---- driving the engines ---------------------------------------------------------
     def _engine(self, model: str) -> LLMEngine:
         if model not in self.engines:
@@ -93,8 +131,7 @@ class Runtime:
         try:
             return await future
         except asyncio.CancelledError:
-            engine.abort(request_id)
-            self._futures.pop((model, request_id), None)
+            self._forget(model, request_id)
             raise
 
     def _ensure_driver(self) -> None:
@@ -119,18 +156,21 @@ class Runtime:
                     continue
                 self.steps[name] += 1
                 for out in outputs:
-                    future = self._futures.pop((name, out.request_id), None)
-                    if future is not None and not future.done():
+                    key = (name, out.request_id)
+                    if key in self._early and (out.finished or out.outputs[0].stop_offsets):
+                        self._early.pop(key).set_result(out)
+                    if out.finished and (future := self._futures.pop(key, None)) and not future.done():
                         future.set_result(out)
             await asyncio.sleep(0)  # let search programs react and submit more work
 
     def _fail(self, name: str, error: Exception) -> None:
-        for (model, request_id), future in list(self._futures.items()):
-            if model == name:
-                self.engines[name].abort(request_id)
-                del self._futures[(model, request_id)]
-                if not future.done():
-                    future.set_exception(error)
+        for table in (self._early, self._futures):
+            for (model, request_id), future in list(table.items()):
+                if model == name:
+                    self.engines[name].abort(request_id)
+                    del table[(model, request_id)]
+                    if not future.done():
+                        future.set_exception(error)
 
     async def close(self) -> None:
         if self._driver is not None:

@@ -19,6 +19,17 @@ async def beam_search(ctx: SearchContext, problem: Problem) -> list[Beam]:
     keep = c.n // c.beam_width
     active = [Beam(path=(j,)) for j in range(c.n)]
     finished: list[Beam] = []
+    try:
+        return await _iterate(ctx, problem, active, finished, keep)
+    finally:  # speculative requests of beams nobody will extend
+        for beam in active + finished:
+            beam.drop_speculation()
+
+
+async def _iterate(
+    ctx: SearchContext, problem: Problem, active: list[Beam], finished: list[Beam], keep: int
+) -> list[Beam]:
+    c = ctx.config
     for iteration in range(c.num_iterations):
         last = iteration == c.num_iterations - 1
         grown = await asyncio.gather(*(ctx.expand(problem, b, to_eos=last and c.final_to_eos) for b in active))
@@ -27,6 +38,7 @@ async def beam_search(ctx: SearchContext, problem: Problem) -> list[Beam]:
         for beam, s in zip(beams, scores, strict=True):
             beam.scores = s
         finished += [b for b in beams if b.completed]
+        active[:] = beams
         alive = [b for b in beams if not b.completed]
         if c.filter_duplicates:
             alive = list({b.text: b for b in reversed(alive)}.values())[::-1]  # first of each text
@@ -35,7 +47,9 @@ async def beam_search(ctx: SearchContext, problem: Problem) -> list[Beam]:
             break
         ranked = sorted(range(len(alive)), key=lambda i: (-aggregate(alive[i].scores, c.agg), i))
         survivors = [alive[i] for i in sorted(ranked[:keep])]
+        for i in ranked[keep:]:
+            alive[i].drop_speculation()
         # copy survivors back up to n beams, round robin (search-and-learn's order)
-        active = [survivors[j % len(survivors)].child(j // len(survivors)) for j in range(c.n)]
+        active[:] = [survivors[j % len(survivors)].child(j // len(survivors)) for j in range(c.n)]
     finished.sort(key=lambda b: -aggregate(b.scores, c.agg))  # stable: ties keep their order
     return finished[: c.n]

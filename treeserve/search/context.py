@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from treeserve.outputs import CompletionOutput
-from treeserve.runtime.runtime import Runtime
+from treeserve.runtime.runtime import Runtime, Speculation
 from treeserve.sampling_params import SamplingParams
 from treeserve.search.prm.base import PRM
 from treeserve.search.score_cache import ScoreCache, prefix_keys
@@ -39,6 +39,7 @@ class SearchConfig:
     prefix_cache: bool = True
     score_cache: bool = True
     max_concurrent_problems: int = 64
+    speculative_steps: int = 0  # beam search: decode this many steps past the boundary while the PRM scores
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -49,13 +50,13 @@ class SearchConfig:
             raise ValueError(f"n={self.n} must be divisible by beam_width={self.beam_width} for {self.strategy}")
         if self.agg not in ("last", "min", "prod"):
             raise ValueError(f"agg must be last, min or prod, got {self.agg!r}")
-        if self.max_concurrent_problems < 1:
-            raise ValueError("max_concurrent_problems must be >= 1")
+        if self.max_concurrent_problems < 1 or self.speculative_steps < 0:
+            raise ValueError("max_concurrent_problems must be >= 1 and speculative_steps >= 0")
         SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens)  # validates
 
     def reference(self) -> SearchConfig:
         """The plain path: no prefix cache, no score cache, one problem at a time."""
-        return replace(self, prefix_cache=False, score_cache=False, max_concurrent_problems=1)
+        return replace(self, prefix_cache=False, score_cache=False, max_concurrent_problems=1, speculative_steps=0)
 
 
 @dataclass
@@ -73,14 +74,48 @@ class Beam:
     scores: list[float] = field(default_factory=list)
     completed: bool = False
     generated_tokens: int = 0
+    # speculative tree expansion: the request still decoding past this beam's last step, or
+    # the tokens it decoded there. Only copy 0 inherits them (it continues the same seed).
+    pending: Speculation | None = None
+    spec: Leftover | None = None
 
     def child(self, copy: int) -> Beam:
-        return Beam(self.path + (copy,), list(self.step_ids), list(self.steps), list(self.scores), self.completed,
-                    self.generated_tokens)  # fmt: skip
+        child = Beam(self.path + (copy,), list(self.step_ids), list(self.steps), list(self.scores), self.completed,
+                     self.generated_tokens)  # fmt: skip
+        if copy == 0:
+            child.pending, child.spec = self.pending, self.spec
+        return child
+
+    def drop_speculation(self) -> None:
+        if self.pending is not None:
+            self.pending.cancel()
+        self.pending = self.spec = None
 
     @property
     def text(self) -> str:
         return "".join(STEP_STOP + s if i else s for i, s in enumerate(self.steps))
+
+
+@dataclass
+class Leftover:
+    """Tokens decoded past a step boundary, with the (relative) token offsets of later stops."""
+
+    tokens: list[int]
+    stops: list[int]
+    ended_by_eos: bool
+
+    def next_step(self, max_tokens: int) -> tuple[list[int], bool, Leftover | None] | None:
+        """(step tokens, step ends the solution, what is left) exactly as a fresh request with the
+        same seed would produce, or None when the leftover cannot tell."""
+        if self.stops and self.stops[0] <= max_tokens:
+            cut = self.stops[0]
+            rest = Leftover(self.tokens[cut:], [t - cut for t in self.stops[1:]], self.ended_by_eos)
+            return self.tokens[:cut], False, rest
+        if self.ended_by_eos and len(self.tokens) <= max_tokens:
+            return self.tokens, True, None
+        if len(self.tokens) >= max_tokens:
+            return self.tokens[:max_tokens], True, None  # a fresh request would stop on length
+        return None
 
 
 def aggregate(scores: list[float], agg: str) -> float:
@@ -139,17 +174,51 @@ class SearchContext:
             done.completed = True
             return [done]
         params = self.sampling(problem, beam.path, n, to_eos)
+        if n == 1 and self.config.speculative_steps and not to_eos:
+            return [await self._expand_speculative(prompt, beam, params)]
         out = await self.runtime.generate(self.generator, {"prompt_token_ids": prompt}, params)
         return [self._extend(beam, i, c) for i, c in enumerate(out.outputs)]
 
+    async def _expand_speculative(self, prompt: list[int], beam: Beam, params: SamplingParams) -> Beam:
+        """Take the next step from what this lineage already decoded, or start a request that
+        reports its first step early and keeps decoding `speculative_steps` more."""
+        limit = self.config.max_tokens
+        if beam.pending is not None:
+            out = await beam.pending.final
+            c = out.outputs[0]
+            first = c.stop_offsets[0][0]
+            beam.spec = Leftover(list(c.token_ids[first:]), [t - first for t, _ in c.stop_offsets[1:]],
+                                 c.finish_reason == "stop" and c.stop_reason is None)  # fmt: skip
+            beam.pending = None
+        taken = beam.spec.next_step(limit) if beam.spec is not None else None
+        if taken is not None:
+            tokens, ends, rest = taken
+            child = self._grow(beam, 0, tokens, ends)
+            child.spec = rest
+            return child
+        params.n_stop_occurrences = 1 + self.config.speculative_steps
+        params.max_tokens = limit * params.n_stop_occurrences
+        spec = await self.runtime.generate_speculative(self.generator, {"prompt_token_ids": prompt}, params)
+        c = (await spec.first).outputs[0]
+        if c.stop_offsets and c.stop_offsets[0][0] <= limit:
+            child = self._grow(beam, 0, c.token_ids[: c.stop_offsets[0][0]], False)
+            child.pending = spec
+            return child
+        spec.cancel()  # no stop string within the step budget: this step ends the solution
+        return self._grow(beam, 0, c.token_ids[:limit], True)
+
     def _extend(self, beam: Beam, copy: int, c: CompletionOutput) -> Beam:
-        child = beam.child(copy)
-        text = self.runtime.tokenizer(self.generator).decode(c.token_ids)
-        child.step_ids.append(list(c.token_ids))
-        child.steps.append(text.removesuffix(STEP_STOP))
-        child.generated_tokens += len(c.token_ids)
         ended_by_stop_string = c.finish_reason == "stop" and c.stop_reason == STEP_STOP
-        child.completed = not ended_by_stop_string or not text.strip()
+        return self._grow(beam, copy, c.token_ids, not ended_by_stop_string)
+
+    def _grow(self, beam: Beam, copy: int, tokens: list[int], ends: bool) -> Beam:
+        child = beam.child(copy)
+        child.pending = child.spec = None
+        text = self.runtime.tokenizer(self.generator).decode(list(tokens))
+        child.step_ids.append(list(tokens))
+        child.steps.append(text.removesuffix(STEP_STOP))
+        child.generated_tokens += len(tokens)
+        child.completed = ends or not text.strip()
         return child
 
     async def score(self, problem: Problem, steps: list[str]) -> list[float]:
