@@ -90,6 +90,8 @@ def _add_search_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrent-problems", type=int, default=64)
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--no-score-cache", action="store_true")
+    p.add_argument("--speculative-steps", type=int, default=0,
+                   help="beam search: decode K steps past each boundary while the PRM scores")  # fmt: skip
     p.add_argument("--reference", action="store_true", help="plain path: no caches, one problem at a time")
 
 
@@ -112,6 +114,7 @@ def _search_settings(args: argparse.Namespace, dataset: str = ""):  # noqa: ANN2
         prefix_cache=not args.no_prefix_cache,
         score_cache=not args.no_score_cache,
         max_concurrent_problems=args.max_concurrent_problems,
+        speculative_steps=args.speculative_steps,
     )
     settings = EvalSettings(
         dataset=dataset,
