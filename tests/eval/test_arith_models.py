@@ -1,0 +1,36 @@
+"""The shipped arithmetic checkpoints load in treeserve and behave as their model cards say."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from treeserve import LLM, SamplingParams
+from treeserve.eval.arith import arith_dataset, extract_boxed, grade
+
+ASSETS = Path(__file__).resolve().parents[2] / "treeserve" / "assets"
+GENERATOR, PRM = ASSETS / "arith-generator", ASSETS / "arith-prm"
+
+pytestmark = pytest.mark.skipif(not (GENERATOR / "config.json").exists(), reason="shipped models not present")
+
+
+def test_greedy_level1_accuracy_above_90_percent(make_llm):
+    problems = arith_dataset(size=50, seed=0, levels=(1,))
+    assert len(problems) == 50
+    llm: LLM = make_llm(str(GENERATOR), kv_cache_memory=64 << 20)
+    conversations = [[{"role": "user", "content": p["problem"]}] for p in problems]
+    outs = llm.chat(conversations, SamplingParams(temperature=0.0, max_tokens=256))
+    correct = [grade(extract_boxed(o.outputs[0].text) or "", p["answer"]) for o, p in zip(outs, problems, strict=True)]
+    assert sum(correct) / len(correct) > 0.9
+    assert all(o.outputs[0].finish_reason == "stop" for o in outs)  # ends with EOS, not the length cap
+
+
+def test_prm_loads_and_reads_both_labels(make_llm):
+    import json
+
+    config = json.loads((PRM / "prm_config.json").read_text())
+    llm = make_llm(str(PRM), kv_cache_memory=64 << 20)
+    tokenizer = llm.get_tokenizer()
+    for key in ("step_tag", "good_token", "bad_token"):
+        assert tokenizer.hf.token_to_id(config[key]) is not None, key
