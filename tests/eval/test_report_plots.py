@@ -1,0 +1,130 @@
+"""Results documents (build, grade, write, read, validate) and the accuracy-vs-N plot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from treeserve.eval.datasets import load_dataset
+from treeserve.eval.grading import Grader
+from treeserve.eval.metrics import summarize
+from treeserve.eval.plots import plot_accuracy_vs_n
+from treeserve.eval.report import (
+    COMPLETION_KEYS,
+    PROBLEM_KEYS,
+    RunStats,
+    build_results,
+    grade_problems,
+    problems_from_results,
+    read_results,
+    write_results,
+)
+
+
+def graded_arith_run(preds=None):
+    records = load_dataset("arith:level=1,2,size=2,seed=0")
+    a0, a1 = records[0]["answer"], records[1]["answer"]
+    wrong0 = str(int(a0) + 1)
+    completions = [
+        [  # weighted: the two right answers (one written as a decimal) outweigh one high-scoring wrong one
+            (f"step\n\nThe answer is \\boxed{{{wrong0}}}.", [0.5, 0.9]),
+            (f"The answer is \\boxed{{{a0}}}.", [0.6]),
+            {"text": f"The answer is \\boxed{{{a0}.0}}.", "step_scores": [0.7]},
+            ("I give up.", [0.1]),
+        ],
+        [(f"\\boxed{{{a1}}}", [0.2, 0.3])],
+    ]
+    with Grader() as grader:
+        problems = grade_problems(records, completions, grader, preds=preds, selection="weighted", agg="last")
+    return records, problems
+
+
+def test_grade_problems_groups_and_selects():
+    records, problems = graded_arith_run()
+    first = problems[0]
+    assert [c.correct for c in first.completions] == [False, True, True, False]
+    assert [c.group for c in first.completions] == [0, 1, 1, None]  # "94" and "94.0" are one answer
+    assert first.completions[3].answer is None
+    assert first.pred == records[0]["answer"] and first.correct
+    assert problems[1].correct and problems[1].level == 2
+
+    _, chosen = graded_arith_run(preds=["\\boxed{0}", None])  # the strategy's own choice wins
+    assert chosen[0].pred == "0" and not chosen[0].correct and not chosen[1].correct
+
+
+def test_grade_problems_rejects_misaligned_input():
+    records = load_dataset("arith:size=2")
+    with pytest.raises(ValueError, match="2 records but completions for 1"):
+        grade_problems(records, [[]], Grader())
+    with pytest.raises(TypeError, match="completion"):
+        grade_problems(records[:1], [[42]], Grader())
+
+
+def results_doc(strategy="best_of_n", n=4):
+    _, problems = graded_arith_run()
+    stats = RunStats(wall_time_s=2.0, generated_tokens=300, prm_tokens_prefilled=120, prm_unique_tokens=100,
+                     prefix_hit_rate=0.5)  # fmt: skip
+    return build_results({"strategy": strategy, "n": n, "dataset": "arith"}, problems, stats, agg="last"), problems
+
+
+def test_build_results_shape_and_summary():
+    results, problems = results_doc()
+    assert set(results) == {"config", "summary", "problems"}
+    summary = results["summary"]
+    assert summary["accuracy"] == 1.0 and summary["problems_per_s"] == 1.0
+    assert summary["generated_tokens_per_s"] == 150.0 and summary["prm_tokens_prefilled"] == 120
+    assert summary["prm_unique_tokens"] == 100 and summary["prefix_hit_rate"] == 0.5
+    assert summary["wall_time_s"] == 2.0 and summary["num_problems"] == 2
+    assert summary["weighted@n"] == {"1": 0.5, "2": 0.5, "4": 1.0}
+    assert summary["naive@n"]["4"] == 0.5 and summary["majority@n"]["4"] == 1.0 and summary["pass@N"] == 1.0
+    assert summary["accuracy_by_level"] == {"1": 1.0, "2": 1.0}
+    record = results["problems"][0]
+    assert tuple(record) == PROBLEM_KEYS and tuple(record["completions"][0]) == COMPLETION_KEYS
+    assert record["completions"][0]["score"] == 0.9 and record["completions"][3]["answer"] is None
+
+
+def test_write_read_round_trip(tmp_path):
+    results, _ = results_doc()
+    path = write_results(results, tmp_path / "out" / "results.json")
+    again = read_results(path)
+    assert again == json.loads(json.dumps(results))
+    recomputed = summarize(problems_from_results(again), agg="last")
+    assert recomputed["accuracy"] == results["summary"]["accuracy"]
+    assert recomputed["naive@n"] == results["summary"]["naive@n"]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("not json", "not valid JSON"),
+        ("[1, 2]", "top level is a list"),
+        ('{"config": {}, "summary": {}}', "missing 'problems'"),
+        ('{"config": {}, "summary": {"accuracy": 1.0}, "problems": []}', "problems_per_s"),
+        ('{"config": {}, "summary": {"accuracy": 1, "problems_per_s": 1}, "problems": [{"unique_id": "x"}]}',
+         "problems\\[0\\] lacks"),
+    ],
+)  # fmt: skip
+def test_read_rejects_non_results(tmp_path, content, message):
+    path = tmp_path / "x.json"
+    path.write_text(content, encoding="utf-8")
+    with pytest.raises(ValueError, match=message) as info:
+        read_results(path)
+    assert str(path) in str(info.value) and "not a treeserve results file" in str(info.value)
+    with pytest.raises(FileNotFoundError):
+        read_results(tmp_path / "missing.json")
+
+
+def test_plot_writes_png(tmp_path):
+    with_tables, _ = results_doc("best_of_n", 4)
+    paths = [write_results(with_tables, tmp_path / "bon.json")]
+    for n, acc in ((4, 0.25), (16, 0.5)):  # beam-search-like runs: accuracy only, one point per file
+        doc, _ = results_doc("beam_search", n)
+        doc["summary"] = {k: v for k, v in doc["summary"].items() if not k.endswith("@n")} | {"accuracy": acc}
+        paths.append(write_results(doc, tmp_path / f"beam{n}.json"))
+    out = plot_accuracy_vs_n(paths, tmp_path / "plots" / "acc.png", title="test")
+    data = out.read_bytes()
+    assert out == tmp_path / "plots" / "acc.png" and data.startswith(b"\x89PNG") and len(data) > 5000
+    (tmp_path / "bad.json").write_text("{}", encoding="utf-8")
+    with pytest.raises(ValueError, match="not a treeserve results file"):
+        plot_accuracy_vs_n([tmp_path / "bad.json"], tmp_path / "bad.png")

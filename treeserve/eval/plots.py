@@ -1,0 +1,83 @@
+"""Plots of evaluation results: accuracy against the number of completions N.
+
+Owns `plot_accuracy_vs_n`, which reads results documents (`treeserve.eval.report`) and draws
+accuracy vs N on a log2 axis, the figure of search-and-learn and "Scaling test-time compute":
+
+* a results file whose summary has `naive@n` / `weighted@n` / `majority@n` tables gets one
+  line per table, labelled `<strategy> N=<n>: <method>`;
+* files without tables add one point (their `accuracy` at their N) to a line per strategy,
+  so separate beam-search runs at N = 4, 16, 64 form one line.
+
+It uses matplotlib's object API with the Agg canvas (no pyplot, no global backend change),
+imported only when a plot is drawn. It never computes metrics itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from treeserve.eval.metrics import SELECTIONS
+from treeserve.eval.report import read_results
+
+
+def _label(config: dict, path: Path) -> tuple[str, int | None]:
+    strategy = str(config.get("strategy") or path.stem)
+    n = config.get("n")
+    return strategy, n if isinstance(n, int) and not isinstance(n, bool) else None
+
+
+def plot_accuracy_vs_n(results_paths: Sequence[str | Path], out_png: str | Path, title: str | None = None) -> Path:
+    """Draw accuracy vs N for the given results files into `out_png`; returns its path."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    if isinstance(results_paths, str | Path):
+        results_paths = [results_paths]
+    if not results_paths:
+        raise ValueError("plot_accuracy_vs_n needs at least one results file")
+
+    lines: list[tuple[str, list[int], list[float], str]] = []  # label, xs, ys, marker
+    points: dict[str, list[tuple[int, float]]] = {}
+    for raw_path in results_paths:
+        path = Path(raw_path)
+        results = read_results(path)
+        summary = results["summary"]
+        strategy, n = _label(results["config"], path)
+        tables = {m: summary.get(f"{m}@n") for m in SELECTIONS if summary.get(f"{m}@n")}
+        if tables:
+            for method, table in tables.items():
+                pairs = sorted((int(k), float(v)) for k, v in table.items())
+                head = f"{strategy} N={n}" if n is not None else strategy
+                lines.append((f"{head}: {method}", [x for x, _ in pairs], [y for _, y in pairs], "o"))
+        else:
+            x = n if n is not None else summary.get("N")
+            if not isinstance(x, int) or x < 1:
+                raise ValueError(f"{path}: no @n tables and no N (config 'n' or summary 'N') to place accuracy at")
+            points.setdefault(strategy, []).append((x, float(summary["accuracy"])))
+    for strategy, pairs in points.items():
+        pairs.sort()
+        lines.append((strategy, [x for x, _ in pairs], [y for _, y in pairs], "s"))
+
+    fig = Figure(figsize=(7, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    all_x: set[int] = set()
+    for label, xs, ys, marker in lines:
+        ax.plot(xs, ys, marker=marker, label=label)
+        all_x.update(xs)
+    ax.set_xscale("log", base=2)
+    ticks = sorted(all_x)
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.set_xlabel("number of completions N (log2)")
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    return out

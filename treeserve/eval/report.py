@@ -1,0 +1,283 @@
+"""Results documents of an evaluation run: build, write, read and validate them.
+
+Owns the results JSON `treeserve eval` writes::
+
+    {"config": {...},            # what ran (strategy, n, models, dataset, seeds...), free-form
+     "summary": {...},           # accuracy, problems_per_s, accuracy_by_level, naive@n, weighted@n,
+                                 # majority@n, pass@n, pass@N, num_problems, wall_time_s,
+                                 # generated_tokens, prm_tokens_prefilled, prm_unique_tokens,
+                                 # prefix_hit_rate, ...
+     "problems": [{"unique_id", "level", "problem", "answer", "pred", "correct",
+                   "completions": [{"text", "answer", "step_scores", "score", "correct"}]}]}
+
+and `grade_problems`, the glue from a search's raw output (texts and step scores per problem)
+to graded `ProblemOutcome`s. Throughput and cache numbers come in as `RunStats`: the caller
+measures them; this module never calls an engine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from treeserve.eval.grading import Grader, extract_answer
+from treeserve.eval.metrics import (
+    AGGREGATIONS,
+    SELECTIONS,
+    ProblemOutcome,
+    ScoredCompletion,
+    aggregate_scores,
+    group_ids,
+    select,
+    summarize,
+)
+
+PROBLEM_KEYS = ("unique_id", "level", "problem", "answer", "pred", "correct", "completions")
+COMPLETION_KEYS = ("text", "answer", "step_scores", "score", "correct")
+REQUIRED_SUMMARY_KEYS = ("accuracy", "problems_per_s")
+
+# One completion as a search returns it: (text, step_scores) or {"text": ..., "step_scores": ...}.
+RawCompletion = tuple[str, Sequence[float]] | Mapping[str, Any]
+
+
+@dataclass
+class RunStats:
+    """Cost numbers of a run, measured by the caller (the CLI) and copied into the summary."""
+
+    wall_time_s: float
+    generated_tokens: int = 0
+    prm_tokens_prefilled: int = 0  # tokens the PRM actually computed (prefix-cache misses)
+    prm_unique_tokens: int = 0  # distinct tokens the PRM had to read (the lower bound of the above)
+    prefix_hit_rate: float | None = None  # share of prompt tokens served by the prefix cache
+
+
+def grade_problems(
+    records: Sequence[Mapping[str, Any]],
+    completions: Sequence[Sequence[RawCompletion]],
+    grader: Grader,
+    *,
+    preds: Sequence[str | None] | None = None,
+    selection: str = "weighted",
+    agg: str = "last",
+) -> list[ProblemOutcome]:
+    """Grade every completion of every problem at once and choose each problem's final answer.
+
+    `records` are dataset records (`load_dataset`; a record without `grader` is graded as
+    `"math"`), `completions[i]` the completions of `records[i]`. The final answer is
+    `preds[i]` when the strategy chose one (a text with a `\\boxed{}` or a bare answer), else
+    the completion `selection` picks at N under `agg`.
+    Equivalent answers share a `group` (the grader's canonical keys).
+    """
+    if len(records) != len(completions):
+        raise ValueError(f"{len(records)} records but completions for {len(completions)} problems")
+    if preds is not None and len(preds) != len(records):
+        raise ValueError(f"{len(records)} records but {len(preds)} preds")
+    if selection not in SELECTIONS or agg not in AGGREGATIONS:
+        raise ValueError(f"selection must be one of {SELECTIONS} and agg one of {AGGREGATIONS}")
+    kinds = [rec.get("grader", "math") for rec in records]
+    parsed = [[_parse_completion(c) for c in problem] for problem in completions]
+    answers = [[extract_answer(text) for text, _ in problem] for problem in parsed]
+    pred_answers = (
+        [None if p is None else (extract_answer(p) if "\\boxed" in p else p.strip() or None) for p in preds]
+        if preds is not None
+        else []
+    )
+
+    golds = [rec["answer"] for rec in records]
+    items = [(a, gold, kind) for gold, kind, row in zip(golds, kinds, answers, strict=True) for a in row]
+    if preds is not None:
+        items += [(a, gold, kind) for gold, kind, a in zip(golds, kinds, pred_answers, strict=True)]
+    verdicts = iter(grader.grade_many(items))
+    keys_by_kind: dict[str, Iterator[str | None]] = {}  # one batch per grader kind, consumed in order below
+    for kind in set(kinds):
+        kind_answers = [a for k, row in zip(kinds, answers, strict=True) if k == kind for a in row]
+        keys_by_kind[kind] = iter(grader.answer_keys(kind_answers, kind))
+
+    outcomes: list[ProblemOutcome] = []
+    for rec, kind, texts, row in zip(records, kinds, parsed, answers, strict=True):
+        keys = [next(keys_by_kind[kind]) for _ in row]
+        scored = [
+            ScoredCompletion(text=text, answer=answer, step_scores=scores, correct=next(verdicts), group=group)
+            for (text, scores), answer, group in zip(texts, row, group_ids(keys), strict=True)
+        ]
+        outcomes.append(
+            ProblemOutcome(
+                unique_id=str(rec["unique_id"]),
+                level=rec.get("level"),
+                problem=rec["problem"],
+                answer=rec["answer"],
+                completions=scored,
+            )
+        )
+    if preds is not None:
+        for outcome, answer in zip(outcomes, pred_answers, strict=True):
+            outcome.pred, outcome.correct = answer, next(verdicts)
+    else:
+        for outcome in outcomes:
+            i = select(outcome.completions, selection, agg)
+            if i is not None:
+                outcome.pred, outcome.correct = outcome.completions[i].answer, outcome.completions[i].correct
+    return outcomes
+
+
+def _parse_completion(c: RawCompletion) -> tuple[str, list[float]]:
+    if isinstance(c, Mapping):
+        text, scores = c.get("text"), c.get("step_scores", [])
+    elif isinstance(c, tuple | list) and len(c) == 2:
+        text, scores = c
+    else:
+        raise TypeError(f"a completion is (text, step_scores) or a mapping with 'text', got {type(c).__name__}")
+    if not isinstance(text, str):
+        raise TypeError(f"completion text must be a string, got {type(text).__name__}")
+    return text, [float(s) for s in scores]
+
+
+def problem_record(p: ProblemOutcome, agg: str = "last") -> dict:
+    """The JSON record of one problem (keys PROBLEM_KEYS; completions with COMPLETION_KEYS)."""
+    return {
+        "unique_id": p.unique_id,
+        "level": p.level,
+        "problem": p.problem,
+        "answer": p.answer,
+        "pred": p.pred,
+        "correct": bool(p.correct),
+        "completions": [
+            {
+                "text": c.text,
+                "answer": c.answer,
+                "step_scores": [_finite(s) for s in c.step_scores],
+                "score": _finite(aggregate_scores(c.step_scores, agg)),
+                "correct": bool(c.correct),
+            }
+            for c in p.completions
+        ],
+    }
+
+
+def _finite(x: float) -> float | None:
+    """JSON has no NaN or infinity: write them as null."""
+    return float(x) if math.isfinite(x) else None
+
+
+def build_summary(problems: Sequence[ProblemOutcome], stats: RunStats, agg: str = "last") -> dict:
+    """Quality metrics (`metrics.summarize`) plus throughput and cache numbers from `stats`."""
+    wall = stats.wall_time_s
+    summary = summarize(problems, agg)
+    summary.update(
+        wall_time_s=wall,
+        problems_per_s=len(problems) / wall if wall > 0 else 0.0,
+        generated_tokens=stats.generated_tokens,
+        generated_tokens_per_s=stats.generated_tokens / wall if wall > 0 else 0.0,
+        prm_tokens_prefilled=stats.prm_tokens_prefilled,
+        prm_tokens_per_s=stats.prm_tokens_prefilled / wall if wall > 0 else 0.0,
+        prm_unique_tokens=stats.prm_unique_tokens,
+        prefix_hit_rate=stats.prefix_hit_rate,
+    )
+    return summary
+
+
+def build_results(
+    config: Mapping[str, Any], problems: Sequence[ProblemOutcome], stats: RunStats, agg: str = "last"
+) -> dict:
+    """The whole results document: {"config", "summary", "problems"}."""
+    if stats.wall_time_s < 0:
+        raise ValueError(f"wall_time_s must be >= 0, got {stats.wall_time_s}")
+    return {
+        "config": dict(config),
+        "summary": build_summary(problems, stats, agg),
+        "problems": [problem_record(p, agg) for p in problems],
+    }
+
+
+def write_results(results: Mapping[str, Any], path: str | Path) -> Path:
+    """Validate and write a results document as JSON (atomically; parent folders are created)."""
+    path = Path(path)
+    validate_results(results, str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=1, ensure_ascii=False, allow_nan=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_results(path: str | Path) -> dict:
+    """A validated results document; ValueError naming the file when it is not one."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"results file not found: {path}")
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not a treeserve results file (not valid JSON: {e})") from None
+    return validate_results(obj, str(path))
+
+
+def validate_results(obj: Any, source: str = "results") -> dict:
+    """Check the shape of a results document and return it; ValueError saying what is wrong."""
+
+    def fail(what: str) -> ValueError:
+        return ValueError(f"{source}: not a treeserve results file ({what})")
+
+    if not isinstance(obj, Mapping):
+        raise fail(f"top level is a {type(obj).__name__}, expected an object")
+    for key, kind in (("config", Mapping), ("summary", Mapping), ("problems", list)):
+        if key not in obj:
+            raise fail(f"missing {key!r}")
+        if not isinstance(obj[key], kind):
+            raise fail(f"{key!r} must be {'a list' if kind is list else 'an object'}")
+    for key in REQUIRED_SUMMARY_KEYS:
+        value = obj["summary"].get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise fail(f"summary[{key!r}] must be a number, got {value!r:.60}")
+    for i, p in enumerate(obj["problems"]):
+        if not isinstance(p, Mapping):
+            raise fail(f"problems[{i}] is not an object")
+        missing = [k for k in PROBLEM_KEYS if k not in p]
+        if missing:
+            raise fail(f"problems[{i}] lacks {', '.join(missing)}")
+        if not isinstance(p["completions"], list):
+            raise fail(f"problems[{i}].completions must be a list")
+        for j, c in enumerate(p["completions"]):
+            if not isinstance(c, Mapping) or any(k not in c for k in COMPLETION_KEYS):
+                raise fail(f"problems[{i}].completions[{j}] must be an object with keys {', '.join(COMPLETION_KEYS)}")
+    return dict(obj)
+
+
+def problems_from_results(results: Mapping[str, Any]) -> list[ProblemOutcome]:
+    """ProblemOutcomes back from a results document (to recompute metrics, e.g. under another agg).
+
+    Answer groups are not stored, so voting afterwards groups answers by their stripped text.
+    """
+    validate_results(results)
+    return [
+        ProblemOutcome(
+            unique_id=p["unique_id"],
+            level=p["level"],
+            problem=p["problem"],
+            answer=p["answer"],
+            completions=[
+                ScoredCompletion(
+                    text=c["text"],
+                    answer=c["answer"],
+                    correct=bool(c["correct"]),
+                    step_scores=[math.nan if s is None else float(s) for s in c["step_scores"]],
+                )
+                for c in p["completions"]
+            ],
+            pred=p["pred"],
+            correct=bool(p["correct"]),
+        )
+        for p in results["problems"]
+    ]
