@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.tiny_models import build_checkpoint
 from treeserve import LLM
+
+# Tiny models gain nothing from a second thread, and when another process keeps a core busy,
+# OpenMP spin-waiting makes two threads an order of magnitude slower than one.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -1,57 +1,81 @@
 """Invariant 5: the optimised search selects the same beams and answers as the plain reference.
 
-Runs every strategy twice on the shipped arithmetic models (fp32): once with every
-optimisation on (prefix cache, score cache, many problems in flight, speculative tree
+Runs every strategy twice (fp32) on the step world of `step_world.py`: once with every
+optimisation on (prefix cache, score cache, all problems in flight, speculative tree
 expansion for beam search), once with `reference=True` (none of them), and compares
-completions, step scores and chosen answers.
+completions, step scores and chosen answers beam for beam.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM, EvalSettings, run_eval
+from tests.search.step_world import build_step_world
+from treeserve.eval.runner import EvalSettings, run_eval
 from treeserve.search.context import SearchConfig
 
-pytestmark = pytest.mark.skipif(
-    not Path(DEFAULT_GENERATOR, "config.json").exists() or not Path(DEFAULT_PRM, "config.json").exists(),
-    reason="shipped arithmetic models not present",
-)
-
-DATASET = "arith:level=3,4,size=4,seed=11"
+QUESTIONS = ["Compute 1+2.", "Compute 3*4-5.", "Compute (6+7)*8.", "Compute 9-1."]
+RECORDS = [{"problem": q, "answer": "3", "unique_id": f"q{i}", "level": 1, "grader": "arith"}
+           for i, q in enumerate(QUESTIONS)]  # fmt: skip
 
 
-def run(config: SearchConfig, reference: bool) -> dict:
-    settings = EvalSettings(dataset=DATASET, dtype="float32", kv_cache_memory=64 << 20, reference=reference,
-                            progress=False)  # fmt: skip
-    return run_eval(settings, config)
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    return build_step_world(str(tmp_path_factory.mktemp("step_world")))
+
+
+def run(world, config: SearchConfig, reference: bool) -> dict:
+    generator, prm = world
+    settings = EvalSettings(generator=generator, prm=prm, dtype="float32", kv_cache_memory=64 << 20,
+                            reference=reference, progress=False)  # fmt: skip
+    return run_eval(settings, config, inline=[dict(r) for r in RECORDS])
 
 
 def signature(doc: dict) -> list:
     return [
-        (p["unique_id"], p["pred"], [(c["text"], [round(s, 4) for s in c["step_scores"]]) for c in p["completions"]])
+        (p["unique_id"], p["pred"], [(c["text"], [round(s, 5) for s in c["step_scores"]]) for c in p["completions"]])
         for p in doc["problems"]
     ]
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        SearchConfig(strategy="beam_search", n=4, beam_width=2, num_iterations=8, max_tokens=48, speculative_steps=2),
-        SearchConfig(strategy="beam_search", n=4, beam_width=2, num_iterations=3, max_tokens=48, filter_duplicates=1),
-        SearchConfig(strategy="dvts", n=4, beam_width=2, num_iterations=8, max_tokens=48),
-        SearchConfig(strategy="best_of_n", n=4, max_tokens=200),
-        SearchConfig(strategy="weighted_best_of_n", n=4, max_tokens=200, agg="min"),
-        SearchConfig(strategy="majority", n=4, max_tokens=200),
-    ],
-    ids=["beam_spec", "beam_dedup_short", "dvts", "best_of_n", "weighted", "majority"],
-)
-def test_optimised_equals_reference(config):
-    fast = run(config, reference=False)
-    plain = run(config, reference=True)
+CONFIGS = {
+    "beam_spec": SearchConfig(
+        strategy="beam_search", n=8, beam_width=2, num_iterations=6, max_tokens=24, speculative_steps=2
+    ),  # fmt: skip
+    "beam_prod_dedup": SearchConfig(
+        strategy="beam_search",
+        n=4,
+        beam_width=2,
+        num_iterations=5,
+        max_tokens=24,
+        agg="prod",
+        filter_duplicates=True,
+        final_to_eos=True,
+    ),  # fmt: skip
+    "dvts": SearchConfig(strategy="dvts", n=4, beam_width=2, num_iterations=5, max_tokens=24),
+    "best_of_n": SearchConfig(strategy="best_of_n", n=4, max_tokens=64),
+    "weighted_min": SearchConfig(strategy="weighted_best_of_n", n=4, max_tokens=64, agg="min"),
+    "majority": SearchConfig(strategy="majority", n=4, max_tokens=64),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_optimised_equals_reference(world, name):
+    config = CONFIGS[name]
+    fast = run(world, config, reference=False)
+    plain = run(world, config, reference=True)
     assert signature(fast) == signature(plain)
     assert fast["summary"]["accuracy"] == plain["summary"]["accuracy"]
     if config.strategy != "majority":
         assert fast["summary"]["prm_tokens_prefilled"] < plain["summary"]["prm_tokens_prefilled"]
+    if config.strategy in ("beam_search", "dvts"):
+        lengths = [len(c["step_scores"]) for p in fast["problems"] for c in p["completions"]]
+        assert max(lengths) >= 3  # the search really ran several iterations
+
+
+def test_speculation_reuses_text(world):
+    config = CONFIGS["beam_spec"]
+    spec = run(world, config, reference=False)
+    assert spec["summary"]["generator_steps"] > 0
+    plain = run(world, SearchConfig(**{**config.__dict__, "speculative_steps": 0}), reference=False)
+    assert signature(spec) == signature(plain)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -65,6 +66,21 @@ def iter_safetensors(model_dir: str):
                 yield name, f.get_tensor(name)
 
 
+@contextmanager
+def _skip_init():
+    """Module constructors would fill weights we overwrite anyway (and on the meta device the
+    first fill imports torch's Python decompositions, seconds of start-up): make them no-ops."""
+    names = ("kaiming_uniform_", "uniform_", "normal_")
+    saved = {name: getattr(torch.nn.init, name) for name in names}
+    try:
+        for name in names:
+            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
 def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device) -> LoadedModel:
     hf_config = read_hf_config(model_dir)
     model_type = hf_config.get("model_type")
@@ -74,7 +90,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device) -
         config = LlamaConfig.from_hf(hf_config)
     except KeyError as e:
         raise ValueError(f"config.json in {model_dir!r} lacks required field {e}") from e
-    with torch.device("meta"):
+    with torch.device("meta"), _skip_init():
         model = LlamaForCausalLM(config)
     state, extra = _collect_state(model, model_dir, dtype)
     expected = set(model.state_dict().keys())
