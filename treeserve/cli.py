@@ -96,37 +96,16 @@ def _add_search_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _search_settings(args: argparse.Namespace, dataset: str = ""):  # noqa: ANN202
+    """SearchConfig and EvalSettings from the flags (flag names are the field names)."""
+    from dataclasses import fields
+
     from treeserve.eval.runner import EvalSettings
     from treeserve.search.context import SearchConfig
 
-    config = SearchConfig(
-        strategy=args.strategy,
-        n=args.n,
-        beam_width=args.beam_width,
-        num_iterations=args.num_iterations,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        max_tokens=args.max_tokens,
-        agg=args.agg,
-        filter_duplicates=args.filter_duplicates,
-        final_to_eos=args.final_to_eos,
-        seed=args.seed,
-        prefix_cache=not args.no_prefix_cache,
-        score_cache=not args.no_score_cache,
-        max_concurrent_problems=args.max_concurrent_problems,
-        speculative_steps=args.speculative_steps,
-    )
-    settings = EvalSettings(
-        dataset=dataset,
-        generator=args.generator,
-        prm=args.prm,
-        prm_style=args.prm_style,
-        dtype=args.dtype,
-        kv_cache_memory=args.kv_cache_memory,
-        prm_kv_fraction=args.prm_kv_fraction,
-        reference=args.reference,
-    )
-    return settings, config
+    given = {**vars(args), "prefix_cache": not args.no_prefix_cache, "score_cache": not args.no_score_cache}
+    config = SearchConfig(**{f.name: given[f.name] for f in fields(SearchConfig) if f.name in given})
+    given["dataset"] = dataset
+    return EvalSettings(**{f.name: given[f.name] for f in fields(EvalSettings) if f.name in given}), config
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -134,7 +113,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from treeserve.eval.runner import run_eval
 
     settings, config = _search_settings(args, args.dataset)
-    settings.limit = args.limit
     settings.selection = args.select
     results = run_eval(settings, config)
     write_results(results, args.output)
