@@ -1,0 +1,1 @@
+"""Evaluation: datasets, graders and metrics. Nothing here imports the engine."""

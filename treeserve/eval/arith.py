@@ -1,0 +1,341 @@
+"""The built-in arithmetic world: problems, reference solutions, dataset records, grading.
+
+Owns the synthetic multi-step arithmetic task treeserve ships so that test-time search runs
+on a laptop CPU with no downloads: the expression language (non-negative integers, `+`,
+`-`, `*`, parentheses), a seeded generator of problems at difficulty levels 1-5, reference
+solutions written the way reasoning models write them (one operation per step, steps
+separated by a blank line, a final `The answer is \\boxed{N}.`), records shaped like
+MATH-500 and grading by the exact value of the boxed answer.
+
+A problem reads `Compute 3 * (25 - 7) + 40.` and its reference solution is::
+
+    25 - 7 = 18, leaving 3 * 18 + 40.
+
+    3 * 18 = 54, leaving 54 + 40.
+
+    54 + 40 = 94.
+
+    The answer is \\boxed{94}.
+
+Each step computes the first operation whose operands are both numbers, in post-order
+(left to right, innermost first, `*` before `+`/`-`), and rewrites what is left.
+
+It must never import torch, the engine or any model: it is pure, deterministic Python.
+Step-level labels for process reward models live in `arith_labels`.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from fractions import Fraction
+
+OPS = ("+", "-", "*")
+PRECEDENCE = {"+": 1, "-": 1, "*": 2}
+STEP_SEPARATOR = "\n\n"
+SUBJECT = "arithmetic"
+
+
+@dataclass(frozen=True)
+class BinOp:
+    """One binary operation of an expression tree."""
+
+    op: str
+    left: Expr
+    right: Expr
+
+
+Expr = int | BinOp
+Path = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LevelSpec:
+    """What a difficulty level means: operation count, number sizes, parentheses."""
+
+    n_ops: int
+    max_leaf: int  # leaves are drawn from 1..max_leaf (multipliers from 2..9)
+    max_value: int  # every intermediate result lies in 0..max_value
+    parens: str  # "never", "any" or "required"
+
+
+LEVELS: dict[int, LevelSpec] = {
+    1: LevelSpec(n_ops=1, max_leaf=30, max_value=300, parens="never"),
+    2: LevelSpec(n_ops=2, max_leaf=50, max_value=500, parens="never"),
+    3: LevelSpec(n_ops=3, max_leaf=99, max_value=999, parens="any"),
+    4: LevelSpec(n_ops=4, max_leaf=99, max_value=999, parens="required"),
+    5: LevelSpec(n_ops=5, max_leaf=150, max_value=1999, parens="required"),
+}
+
+
+def apply_op(op: str, a: int, b: int) -> int:
+    if op == "+":
+        return a + b
+    if op == "-":
+        return a - b
+    if op == "*":
+        return a * b
+    raise ValueError(f"unknown operator {op!r}")
+
+
+def evaluate(expr: Expr) -> int:
+    if isinstance(expr, int):
+        return expr
+    return apply_op(expr.op, evaluate(expr.left), evaluate(expr.right))
+
+
+def render(expr: Expr) -> str:
+    """Print with the fewest parentheses that keep the tree (operators are left-associative)."""
+    if isinstance(expr, int):
+        return str(expr)
+    left, right = render(expr.left), render(expr.right)
+    if isinstance(expr.left, BinOp) and PRECEDENCE[expr.left.op] < PRECEDENCE[expr.op]:
+        left = f"({left})"
+    if isinstance(expr.right, BinOp) and PRECEDENCE[expr.right.op] <= PRECEDENCE[expr.op]:
+        right = f"({right})"
+    return f"{left} {expr.op} {right}"
+
+
+_TOKEN = re.compile(r"\s*(\d+|[-+*()])")
+
+
+def parse(text: str) -> Expr:
+    """Parse an expression such as `3 * (25 - 7) + 40`; raises ValueError on bad input."""
+    tokens: list[str] = []
+    pos, text = 0, text.strip()
+    while pos < len(text):
+        match = _TOKEN.match(text, pos)
+        if match is None:
+            raise ValueError(f"unexpected character at {pos} in {text!r}")
+        tokens.append(match.group(1))
+        pos = match.end()
+    expr, end = _parse_sum(tokens, 0)
+    if end != len(tokens):
+        raise ValueError(f"trailing input in {text!r}")
+    return expr
+
+
+def _parse_sum(tokens: list[str], i: int) -> tuple[Expr, int]:
+    left, i = _parse_product(tokens, i)
+    while i < len(tokens) and tokens[i] in ("+", "-"):
+        right, j = _parse_product(tokens, i + 1)
+        left, i = BinOp(tokens[i], left, right), j
+    return left, i
+
+
+def _parse_product(tokens: list[str], i: int) -> tuple[Expr, int]:
+    left, i = _parse_atom(tokens, i)
+    while i < len(tokens) and tokens[i] == "*":
+        right, j = _parse_atom(tokens, i + 1)
+        left, i = BinOp("*", left, right), j
+    return left, i
+
+
+def _parse_atom(tokens: list[str], i: int) -> tuple[Expr, int]:
+    if i >= len(tokens):
+        raise ValueError("expression ends early")
+    tok = tokens[i]
+    if tok.isdigit():
+        return int(tok), i + 1
+    if tok == "-" and i + 1 < len(tokens) and tokens[i + 1].isdigit():
+        return -int(tokens[i + 1]), i + 2
+    if tok == "(":
+        expr, j = _parse_sum(tokens, i + 1)
+        if j >= len(tokens) or tokens[j] != ")":
+            raise ValueError("unbalanced parentheses")
+        return expr, j + 1
+    raise ValueError(f"unexpected token {tok!r}")
+
+
+def ready_nodes(expr: Expr, path: Path = ()) -> Iterator[tuple[Path, BinOp]]:
+    """Operations whose operands are both numbers, in post-order (the solving order)."""
+    if isinstance(expr, int):
+        return
+    yield from ready_nodes(expr.left, path + (0,))
+    yield from ready_nodes(expr.right, path + (1,))
+    if isinstance(expr.left, int) and isinstance(expr.right, int):
+        yield path, expr
+
+
+def replace(expr: Expr, path: Path, value: Expr) -> Expr:
+    if not path:
+        return value
+    if not isinstance(expr, BinOp):
+        raise ValueError("path leads past a leaf")
+    if path[0] == 0:
+        return BinOp(expr.op, replace(expr.left, path[1:], value), expr.right)
+    return BinOp(expr.op, expr.left, replace(expr.right, path[1:], value))
+
+
+def format_step(node: BinOp, value: int, rest: Expr) -> str:
+    """One solution step: the operation, its result and, unless done, what is left."""
+    equation = f"{node.left} {node.op} {node.right} = {value}"
+    if isinstance(rest, int):
+        return f"{equation}."
+    return f"{equation}, leaving {render(rest)}."
+
+
+def format_answer(value: int | str) -> str:
+    return f"The answer is \\boxed{{{value}}}."
+
+
+def solve(expr: Expr, perturb: Callable[[BinOp, int], int] | None = None) -> list[str]:
+    """Solution steps for `expr`, the boxed answer last.
+
+    `perturb(node, true_result)` may return a different result for a step (a noisy
+    teacher); later steps then consistently use the value it returned.
+    """
+    steps: list[str] = []
+    while isinstance(expr, BinOp):
+        path, node = next(ready_nodes(expr))
+        value = apply_op(node.op, node.left, node.right)  # type: ignore[arg-type]
+        if perturb is not None:
+            value = perturb(node, value)
+        expr = replace(expr, path, value)
+        steps.append(format_step(node, value, expr))
+    steps.append(format_answer(expr))
+    return steps
+
+
+@dataclass(frozen=True)
+class Problem:
+    expr: Expr
+    level: int
+
+    @property
+    def text(self) -> str:
+        return f"Compute {render(self.expr)}."
+
+    @property
+    def answer(self) -> int:
+        return evaluate(self.expr)
+
+    @property
+    def steps(self) -> list[str]:
+        return solve(self.expr)
+
+    @property
+    def solution(self) -> str:
+        return STEP_SEPARATOR.join(self.steps)
+
+
+def problem_expression(problem: str) -> Expr:
+    """The expression of a problem text `Compute <expr>.`"""
+    text = problem.strip()
+    if text.startswith("Compute "):
+        text = text[len("Compute ") :]
+    return parse(text.rstrip("."))
+
+
+def _intermediates(expr: Expr) -> Iterator[int]:
+    if isinstance(expr, BinOp):
+        yield from _intermediates(expr.left)
+        yield from _intermediates(expr.right)
+        yield evaluate(expr)
+
+
+def _random_tree(rng: random.Random, n_ops: int, spec: LevelSpec) -> Expr:
+    if n_ops == 0:
+        return rng.randint(1, spec.max_leaf)
+    op = rng.choice(OPS)
+    if op == "*":  # one factor is a single digit, so each step stays "long" arithmetic
+        big, small = _random_tree(rng, n_ops - 1, spec), rng.randint(2, 9)
+        return BinOp("*", big, small) if rng.random() < 0.5 else BinOp("*", small, big)
+    k = rng.randint(0, n_ops - 1)
+    left, right = _random_tree(rng, k, spec), _random_tree(rng, n_ops - 1 - k, spec)
+    if op == "-" and evaluate(left) < evaluate(right):
+        left, right = right, left
+    return BinOp(op, left, right)
+
+
+def make_problem(rng: random.Random, level: int) -> Problem:
+    """Draw one problem of the given level (1-5) from `rng`."""
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {sorted(LEVELS)}, got {level!r}")
+    spec = LEVELS[level]
+    while True:
+        expr = _random_tree(rng, spec.n_ops, spec)
+        if any(v < 0 or v > spec.max_value for v in _intermediates(expr)):
+            continue
+        has_parens = "(" in render(expr)
+        if spec.parens == "never" and has_parens:
+            continue
+        if spec.parens == "required" and not has_parens:
+            continue
+        return Problem(expr, level)
+
+
+def to_record(problem: Problem, unique_id: str) -> dict:
+    """A MATH-500-shaped record."""
+    return {
+        "problem": problem.text,
+        "solution": problem.solution,
+        "answer": str(problem.answer),
+        "subject": SUBJECT,
+        "level": problem.level,
+        "unique_id": unique_id,
+    }
+
+
+def arith_dataset(
+    size: int = 500, seed: int = 0, levels: tuple[int, ...] = (1, 2, 3, 4, 5)
+) -> list[dict]:
+    """`size` distinct problems spread evenly over `levels`, reproducible from `seed`.
+
+    The default (500 problems, seed 0) is the fixed test split: 100 problems per level,
+    ids `arith/L<level>/<index>`.
+    """
+    if size < 0 or not levels:
+        raise ValueError("size must be >= 0 and levels non-empty")
+    records: list[dict] = []
+    for k, level in enumerate(levels):
+        count = size // len(levels) + (1 if k < size % len(levels) else 0)
+        rng = random.Random(f"treeserve-arith-{seed}-L{level}")
+        seen: set[str] = set()
+        while len(seen) < count:
+            problem = make_problem(rng, level)
+            if problem.text in seen:
+                continue
+            records.append(to_record(problem, f"arith/L{level}/{len(seen):04d}"))
+            seen.add(problem.text)
+    return records
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` in `text` (braces may nest), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 1, start + len("\\boxed{")
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i:j].strip()
+    return None
+
+
+def to_number(text: str | int) -> Fraction | None:
+    """Exact value of an answer such as `42`, `-7`, `1,234`, `42.0` or `$42$`; None if not a number."""
+    if isinstance(text, int):
+        return Fraction(text)
+    cleaned = text.strip().strip("$").strip()
+    if re.fullmatch(r"-?\d{1,3}(,\d{3})+", cleaned):
+        cleaned = cleaned.replace(",", "")
+    try:
+        return Fraction(cleaned)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def grade(prediction: str | int, answer: str | int) -> bool:
+    """True iff the prediction's boxed answer (or the prediction itself) equals `answer` exactly."""
+    if isinstance(prediction, str):
+        boxed = extract_boxed(prediction)
+        prediction = boxed if boxed is not None else prediction
+    value, target = to_number(prediction), to_number(answer)
+    return value is not None and target is not None and value == target

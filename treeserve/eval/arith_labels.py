@@ -1,0 +1,136 @@
+"""Step-level labels for the arithmetic world: which steps of a solution are good.
+
+Owns the automatic judge used to label process-reward-model training data and to check
+PRM scores: a step is good iff its arithmetic is right and it uses correct earlier results.
+Concretely, the judge replays the true state of the problem (the expression with every
+operation done so far replaced by its true value) and calls a step good iff
+
+* it is an operation step `a op b = c[, leaving <rest>].` whose `a op b` is an operation
+  of the true state with both operands already numbers (any such operation, not only the
+  reference order; `+` and `*` may swap operands), `c` is its true value, and `<rest>` is
+  exactly the true state after it (absent iff nothing is left); or
+* it is the final step `The answer is \\boxed{N}.` and N is the true answer.
+
+A step that names an operation of the true state advances the state (with the true value)
+even when it is wrong, so a wrong value carried into later steps makes those steps bad.
+
+It also owns the corruptions used to make wrong steps on purpose (noisy teachers and
+synthetic PRM negatives). Pure Python: it never imports torch or the engine.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Sequence
+
+from treeserve.eval.arith import (
+    STEP_SEPARATOR,
+    BinOp,
+    Expr,
+    apply_op,
+    evaluate,
+    extract_boxed,
+    parse,
+    problem_expression,
+    ready_nodes,
+    replace,
+    to_number,
+)
+
+_OP_STEP = re.compile(r"^(-?\d+) ([-+*]) (-?\d+) = (-?\d+)(?:, leaving (.+))?\.$")
+
+
+def split_steps(solution: str) -> list[str]:
+    """Steps of a solution text: blank-line separated, stripped, empty ones dropped."""
+    return [s.strip() for s in solution.split(STEP_SEPARATOR) if s.strip()]
+
+
+def parse_op_step(step: str) -> tuple[int, str, int, int, str | None] | None:
+    """`(a, op, b, c, rest)` of an operation step, or None if it is not one."""
+    match = _OP_STEP.match(step.strip())
+    if match is None:
+        return None
+    a, op, b, c, rest = match.groups()
+    return int(a), op, int(b), int(c), rest
+
+
+def _matches(node: BinOp, op: str, a: int, b: int) -> bool:
+    if node.op != op:
+        return False
+    if (node.left, node.right) == (a, b):
+        return True
+    return op in ("+", "*") and (node.left, node.right) == (b, a)
+
+
+def _same_tree(text: str | None, expected: Expr) -> bool:
+    if text is None:
+        return isinstance(expected, int)
+    if isinstance(expected, int):
+        return False
+    try:
+        return parse(text) == expected
+    except ValueError:
+        return False
+
+
+def step_labels(problem: str | Expr, steps: Sequence[str]) -> list[bool]:
+    """Per-step good (True) / bad (False) labels for a solution of `problem`."""
+    state = problem_expression(problem) if isinstance(problem, str) else problem
+    answer = evaluate(state)
+    labels: list[bool] = []
+    for step in steps:
+        boxed = extract_boxed(step)
+        if boxed is not None:
+            labels.append(step.strip().startswith("The answer is") and to_number(boxed) == answer)
+            continue
+        parsed = parse_op_step(step)
+        if parsed is None or isinstance(state, int):
+            labels.append(False)
+            continue
+        a, op, b, c, rest = parsed
+        candidates = [(p, n) for p, n in ready_nodes(state) if _matches(n, op, a, b)]
+        if not candidates:
+            labels.append(False)
+            continue
+        good, next_state = False, None
+        for path, node in candidates:
+            true_value = apply_op(node.op, node.left, node.right)  # type: ignore[arg-type]
+            after = replace(state, path, true_value)
+            next_state = next_state if next_state is not None else after
+            if c == true_value and _same_tree(rest, after):
+                good, next_state = True, after
+                break
+        labels.append(good)
+        state = next_state  # type: ignore[assignment]
+    return labels
+
+
+def solution_labels(problem: str, solution: str) -> tuple[list[str], list[bool]]:
+    """Split a solution text into steps and label each."""
+    steps = split_steps(solution)
+    return steps, step_labels(problem, steps)
+
+
+def corrupt_value(rng: random.Random, value: int) -> int:
+    """A plausible wrong result near `value`: off by a little, a carry slip or a digit slip."""
+    for _ in range(100):
+        kind = rng.random()
+        digits = str(abs(value))
+        if kind < 0.25:
+            wrong = value + rng.choice((-2, -1, 1, 2))
+        elif kind < 0.5:
+            wrong = value + rng.choice((-1, 1)) * 10 ** rng.randrange(1, max(2, len(digits)))
+        elif kind < 0.75 and len(digits) >= 2:
+            i = rng.randrange(len(digits) - 1)
+            swapped = digits[:i] + digits[i + 1] + digits[i] + digits[i + 2 :]
+            wrong = int(swapped) * (1 if value >= 0 else -1)
+        else:
+            i = rng.randrange(len(digits))
+            new_digit = rng.choice([d for d in "0123456789" if d != digits[i]])
+            if i == 0 and new_digit == "0" and len(digits) > 1:
+                continue
+            wrong = int(digits[:i] + new_digit + digits[i + 1 :]) * (1 if value >= 0 else -1)
+        if wrong != value and wrong >= 0:
+            return wrong
+    return value + 1
