@@ -98,3 +98,14 @@ def test_bf16_close_to_fp32(llama_dir, make_llm, dtype):
     low = our_logits(make_llm(llama_dir, dtype=dtype), ids)
     ref = reference_logits(llama_dir, ids)
     assert (low - ref).abs().max().item() < 0.1 * ref.abs().max().item()
+
+
+def test_demo_checkpoint_loads_in_transformers_and_treeserve(tmp_path, make_llm):
+    """The checkpoint `treeserve generate` writes when no trained model is installed is a real one."""
+    from treeserve.models.demo_checkpoint import build_demo_checkpoint
+
+    model_dir = str(build_demo_checkpoint(tmp_path / "demo"))
+    llm = make_llm(model_dir)
+    ids = llm.get_tokenizer().encode(PROMPTS[1])
+    diff = (our_logits(llm, ids) - reference_logits(model_dir, ids)).abs().max().item()
+    assert diff <= 1e-4
