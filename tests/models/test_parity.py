@@ -105,7 +105,7 @@ def test_demo_checkpoint_loads_in_transformers_and_treeserve(tmp_path, make_llm)
     from treeserve.models.demo_checkpoint import build_demo_checkpoint
 
     model_dir = str(build_demo_checkpoint(tmp_path / "demo"))
-    llm = make_llm(model_dir)
+    llm = make_llm(model_dir, max_model_len=256)
     ids = llm.get_tokenizer().encode(PROMPTS[1])
     diff = (our_logits(llm, ids) - reference_logits(model_dir, ids)).abs().max().item()
     assert diff <= 1e-4
