@@ -62,11 +62,11 @@ class LevelSpec:
 
 
 LEVELS: dict[int, LevelSpec] = {
-    1: LevelSpec(n_ops=1, max_leaf=30, max_value=300, parens="never"),
-    2: LevelSpec(n_ops=2, max_leaf=50, max_value=500, parens="never"),
-    3: LevelSpec(n_ops=3, max_leaf=99, max_value=999, parens="any"),
-    4: LevelSpec(n_ops=4, max_leaf=99, max_value=999, parens="required"),
-    5: LevelSpec(n_ops=5, max_leaf=150, max_value=1999, parens="required"),
+    1: LevelSpec(n_ops=1, max_leaf=12, max_value=150, parens="never"),
+    2: LevelSpec(n_ops=2, max_leaf=15, max_value=150, parens="never"),
+    3: LevelSpec(n_ops=3, max_leaf=20, max_value=200, parens="any"),
+    4: LevelSpec(n_ops=4, max_leaf=20, max_value=250, parens="required"),
+    5: LevelSpec(n_ops=5, max_leaf=25, max_value=300, parens="required"),
 }
 
 
