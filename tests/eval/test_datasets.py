@@ -13,7 +13,7 @@ from treeserve.eval.datasets import load_dataset, load_jsonl, parse_arith_spec
 MATH500 = Path("/work/shared/data/math500.jsonl")
 
 
-def test_arith_default_is_the_fixed_test_split():
+def test_builtin_default_is_the_fixed_test_split():
     records = load_dataset("arith")
     assert len(records) == 500
     assert Counter(r["level"] for r in records) == {1: 100, 2: 100, 3: 100, 4: 100, 5: 100}
@@ -22,7 +22,7 @@ def test_arith_default_is_the_fixed_test_split():
     assert set(records[0]) >= {"problem", "solution", "answer", "level", "subject", "unique_id", "grader"}
 
 
-def test_arith_options_levels_size_seed():
+def test_builtin_options_levels_size_seed():
     records = load_dataset("arith:level=4,5,size=10,seed=1")
     assert len(records) == 10
     assert Counter(r["level"] for r in records) == {4: 5, 5: 5}
@@ -32,7 +32,7 @@ def test_arith_options_levels_size_seed():
     assert Counter(r["level"] for r in uneven) == {1: 4, 2: 3, 3: 3}
 
 
-def test_parse_arith_spec_defaults():
+def test_builtin_spec_defaults():
     assert parse_arith_spec("arith") == {"level": (1, 2, 3, 4, 5), "size": 500, "seed": 0}
     assert parse_arith_spec("arith:seed=7") == {"level": (1, 2, 3, 4, 5), "size": 500, "seed": 7}
 
@@ -50,8 +50,9 @@ def test_parse_arith_spec_defaults():
         ("arith:level=2,2", "levels repeat"),
         ("", "non-empty"),
     ],
+    ids=["unknown-key", "bad-int", "bad-level", "zero-size", "twice", "no-key", "stray-value", "repeat", "empty"],
 )
-def test_bad_arith_specs(spec, message):
+def test_bad_builtin_specs(spec, message):
     with pytest.raises(ValueError, match=message):
         load_dataset(spec)
 

@@ -48,7 +48,7 @@ def test_extract_answer():
     assert extract_answer("cut off \\boxed{\\frac{1}{2") is None
 
 
-def test_arith_grading_runs_in_process():
+def test_integer_grading_runs_in_process():
     with Grader() as g:
         verdicts = g.grade_many(
             [

@@ -22,7 +22,7 @@ from treeserve.eval.report import (
 )
 
 
-def graded_arith_run(preds=None):
+def graded_builtin_run(preds=None):
     records = load_dataset("arith:level=1,2,size=2,seed=0")
     a0, a1 = records[0]["answer"], records[1]["answer"]
     wrong0 = str(int(a0) + 1)
@@ -41,7 +41,7 @@ def graded_arith_run(preds=None):
 
 
 def test_grade_problems_groups_and_selects():
-    records, problems = graded_arith_run()
+    records, problems = graded_builtin_run()
     first = problems[0]
     assert [c.correct for c in first.completions] == [False, True, True, False]
     assert [c.group for c in first.completions] == [0, 1, 1, None]  # "94" and "94.0" are one answer
@@ -49,7 +49,7 @@ def test_grade_problems_groups_and_selects():
     assert first.pred == records[0]["answer"] and first.correct
     assert problems[1].correct and problems[1].level == 2
 
-    _, chosen = graded_arith_run(preds=["\\boxed{0}", None])  # the strategy's own choice wins
+    _, chosen = graded_builtin_run(preds=["\\boxed{0}", None])  # the strategy's own choice wins
     assert chosen[0].pred == "0" and not chosen[0].correct and not chosen[1].correct
 
 
@@ -62,7 +62,7 @@ def test_grade_problems_rejects_misaligned_input():
 
 
 def results_doc(strategy="best_of_n", n=4):
-    _, problems = graded_arith_run()
+    _, problems = graded_builtin_run()
     stats = RunStats(wall_time_s=2.0, generated_tokens=300, prm_tokens_prefilled=120, prm_unique_tokens=100,
                      prefix_hit_rate=0.5)  # fmt: skip
     return build_results({"strategy": strategy, "n": n, "dataset": "arith"}, problems, stats, agg="last"), problems

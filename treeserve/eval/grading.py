@@ -22,6 +22,7 @@ It never calls an engine; results are cached per Grader, so grading the same pai
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -257,7 +258,8 @@ class Grader:
 
     def __del__(self) -> None:
         if getattr(self, "_pool", None) is not None:
-            self._kill_pool()
+            with contextlib.suppress(Exception):  # at interpreter exit multiprocessing may be torn down
+                self._kill_pool()
 
     # -- worker pool ---------------------------------------------------------------------------
 

@@ -20,6 +20,8 @@ from pathlib import Path
 from treeserve.eval.metrics import SELECTIONS
 from treeserve.eval.report import read_results
 
+_METHOD_STYLES = {"naive": ":", "weighted": "-", "majority": "--"}  # overlapping lines stay visible
+
 
 def _label(config: dict, path: Path) -> tuple[str, int | None]:
     strategy = str(config.get("strategy") or path.stem)
@@ -37,7 +39,7 @@ def plot_accuracy_vs_n(results_paths: Sequence[str | Path], out_png: str | Path,
     if not results_paths:
         raise ValueError("plot_accuracy_vs_n needs at least one results file")
 
-    lines: list[tuple[str, list[int], list[float], str]] = []  # label, xs, ys, marker
+    lines: list[tuple[str, list[int], list[float], str, str]] = []  # label, xs, ys, marker, line style
     points: dict[str, list[tuple[int, float]]] = {}
     for raw_path in results_paths:
         path = Path(raw_path)
@@ -49,7 +51,8 @@ def plot_accuracy_vs_n(results_paths: Sequence[str | Path], out_png: str | Path,
             for method, table in tables.items():
                 pairs = sorted((int(k), float(v)) for k, v in table.items())
                 head = f"{strategy} N={n}" if n is not None else strategy
-                lines.append((f"{head}: {method}", [x for x, _ in pairs], [y for _, y in pairs], "o"))
+                style = _METHOD_STYLES.get(method, "-")
+                lines.append((f"{head}: {method}", [x for x, _ in pairs], [y for _, y in pairs], "o", style))
         else:
             x = n if n is not None else summary.get("N")
             if not isinstance(x, int) or x < 1:
@@ -57,14 +60,14 @@ def plot_accuracy_vs_n(results_paths: Sequence[str | Path], out_png: str | Path,
             points.setdefault(strategy, []).append((x, float(summary["accuracy"])))
     for strategy, pairs in points.items():
         pairs.sort()
-        lines.append((strategy, [x for x, _ in pairs], [y for _, y in pairs], "s"))
+        lines.append((strategy, [x for x, _ in pairs], [y for _, y in pairs], "s", "-"))
 
     fig = Figure(figsize=(7, 4.5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     all_x: set[int] = set()
-    for label, xs, ys, marker in lines:
-        ax.plot(xs, ys, marker=marker, label=label)
+    for label, xs, ys, marker, style in lines:
+        ax.plot(xs, ys, marker=marker, linestyle=style, label=label)
         all_x.update(xs)
     ax.set_xscale("log", base=2)
     ticks = sorted(all_x)
