@@ -1,21 +1,27 @@
 """treeserve: an LLM inference runtime built for test-time search.
 
 The public API mirrors vLLM's offline API: `LLM`, `SamplingParams`, `RequestOutput`.
+Names are imported on first use, so light submodules (grading workers, for example)
+do not pay for importing torch.
 """
 
-from treeserve.config import EngineConfig
-from treeserve.llm import LLM
-from treeserve.outputs import CompletionOutput, Logprob, RequestOutput, ScoreOutput
-from treeserve.sampling_params import SamplingParams, ScoreParams
+from importlib import import_module
 
-__all__ = [
-    "LLM",
-    "CompletionOutput",
-    "EngineConfig",
-    "Logprob",
-    "RequestOutput",
-    "SamplingParams",
-    "ScoreOutput",
-    "ScoreParams",
-]
+_EXPORTS = {
+    "LLM": "treeserve.llm",
+    "EngineConfig": "treeserve.config",
+    "CompletionOutput": "treeserve.outputs",
+    "Logprob": "treeserve.outputs",
+    "RequestOutput": "treeserve.outputs",
+    "ScoreOutput": "treeserve.outputs",
+    "SamplingParams": "treeserve.sampling_params",
+    "ScoreParams": "treeserve.sampling_params",
+}
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'treeserve' has no attribute {name!r}")
+    return getattr(import_module(_EXPORTS[name]), name)
