@@ -62,7 +62,7 @@ class LevelSpec:
 
 
 LEVELS: dict[int, LevelSpec] = {
-    1: LevelSpec(n_ops=1, max_leaf=12, max_value=150, parens="never"),
+    1: LevelSpec(n_ops=1, max_leaf=20, max_value=200, parens="never"),
     2: LevelSpec(n_ops=2, max_leaf=15, max_value=150, parens="never"),
     3: LevelSpec(n_ops=3, max_leaf=20, max_value=200, parens="any"),
     4: LevelSpec(n_ops=4, max_leaf=20, max_value=250, parens="required"),
@@ -294,9 +294,13 @@ def arith_dataset(
         count = size // len(levels) + (1 if k < size % len(levels) else 0)
         rng = random.Random(f"treeserve-arith-{seed}-L{level}")
         seen: set[str] = set()
+        misses = 0
         while len(seen) < count:
             problem = make_problem(rng, level)
             if problem.text in seen:
+                misses += 1
+                if misses > 100 * count:
+                    raise ValueError(f"level {level} has too few distinct problems for {count}")
                 continue
             records.append(to_record(problem, f"arith/L{level}/{len(seen):04d}"))
             seen.add(problem.text)

@@ -40,6 +40,7 @@ class ModelSpec:
     name: str
     path: str
     kv_fraction: float  # share of the runtime's KV budget (a fixed split; see DESIGN.md)
+    block_size: int = 16  # tokens per page; small pages let a PRM skip more of a cached prefix
 
 
 class Runtime:
@@ -73,6 +74,7 @@ class Runtime:
                     kv_cache_memory=int(kv_cache_memory * s.kv_fraction),
                     enable_prefix_caching=enable_prefix_caching,
                     model_id=s.name + ":" + s.path,
+                    block_size=s.block_size,
                     **engine_kwargs,
                 )
             )
