@@ -74,8 +74,7 @@ class Runtime:
                     kv_cache_memory=int(kv_cache_memory * s.kv_fraction),
                     enable_prefix_caching=enable_prefix_caching,
                     model_id=s.name + ":" + s.path,
-                    block_size=s.block_size,
-                    **engine_kwargs,
+                    **{"block_size": s.block_size, **engine_kwargs},  # a runtime-wide setting wins
                 )
             )
             for s in specs
