@@ -279,9 +279,7 @@ def to_record(problem: Problem, unique_id: str) -> dict:
     }
 
 
-def arith_dataset(
-    size: int = 500, seed: int = 0, levels: tuple[int, ...] = (1, 2, 3, 4, 5)
-) -> list[dict]:
+def arith_dataset(size: int = 500, seed: int = 0, levels: tuple[int, ...] = (1, 2, 3, 4, 5)) -> list[dict]:
     """`size` distinct problems spread evenly over `levels`, reproducible from `seed`.
 
     The default (500 problems, seed 0) is the fixed test split: 100 problems per level,
