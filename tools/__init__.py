@@ -1,0 +1,1 @@
+"""Developer tools (training scripts); never imported by the runtime."""

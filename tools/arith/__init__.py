@@ -1,0 +1,1 @@
+"""Training and evaluation scripts of the built-in arithmetic world (issue 3)."""

@@ -1,0 +1,49 @@
+"""Rebuild the arithmetic world's shipped checkpoints and their model cards, end to end.
+
+    python -m tools.arith.build_all --seed 0
+
+Trains the generator, samples it and trains the PRM, evaluates both on the test split and
+writes `treeserve/assets/arith-{generator,prm}/` (weights, tokenizer, chat template,
+`prm_config.json`, `README.md` model cards, `eval.json`). One CPU thread throughout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from tools.arith import evaluate, train_generator, train_prm
+from tools.arith.common import GENERATOR_DIR, PRM_DIR, WORK_DIR, read_json, set_single_thread, write_json
+from tools.arith.model_card import write_cards
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-generator", action="store_true", help="reuse the generator already in assets")
+    parser.add_argument("--skip-prm", action="store_true", help="reuse the PRM already in assets")
+    args = parser.parse_args()
+    set_single_thread()
+    start = time.time()
+    if args.skip_generator:
+        gen_train = read_json(WORK_DIR / "generator_train.json")
+    else:
+        gen_train = train_generator.train(args.seed, 500, 1800, 2048, 1e-3, GENERATOR_DIR)
+    if args.skip_prm:
+        prm_train = read_json(WORK_DIR / "prm_train.json")
+    else:
+        prm_train = train_prm.train(args.seed, 160, 4, 600, 1, 2048, 5e-4, GENERATOR_DIR, PRM_DIR)
+    results = evaluate.evaluate(GENERATOR_DIR, PRM_DIR, per_level_sampled=50, n=16, temperature=0.8, seed=args.seed)
+    write_json(WORK_DIR / "eval.json", results)
+    write_cards(GENERATOR_DIR, PRM_DIR, gen_train, prm_train, results)
+    total = time.time() - start
+    print(evaluate.format_table(results))
+    print(
+        f"generator training {gen_train['train_seconds'] / 60:.1f} min, PRM sampling "
+        f"{prm_train['sample_seconds'] / 60:.1f} min + training {prm_train['train_seconds'] / 60:.1f} min, "
+        f"build total {total / 60:.1f} min"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""Shared pieces of the arithmetic-world training scripts: tokenizer, chat template,
+model shapes, checkpoint writing, token encoding and batching.
+
+Training-time only (uses torch and `transformers`); the runtime never imports `tools`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import tempfile
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+REPO = Path(__file__).resolve().parents[2]
+ASSETS = REPO / "treeserve" / "assets"
+GENERATOR_DIR = ASSETS / "arith-generator"
+PRM_DIR = ASSETS / "arith-prm"
+# Scratch (training logs, evaluation JSON): outside the repository, never committed.
+WORK_DIR = Path(os.environ.get("TREESERVE_ARITH_WORK", Path(tempfile.gettempdir()) / "treeserve-arith"))
+
+PAD, BOS, EOS, USER, ASSISTANT, SYSTEM, STEP_TAG, UNK = (
+    "<|pad|>",
+    "<|bos|>",
+    "<|end|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|system|>",
+    "<|step|>",
+    "<|unk|>",
+)
+SPECIAL_TOKENS = [PAD, BOS, EOS, USER, ASSISTANT, SYSTEM, STEP_TAG, UNK]
+CHARS = ["\n"] + [chr(i) for i in range(32, 127)]
+VOCAB = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
+PAD_ID, BOS_ID, EOS_ID, STEP_TAG_ID = VOCAB[PAD], VOCAB[BOS], VOCAB[EOS], VOCAB[STEP_TAG]
+GOOD_TOKEN, BAD_TOKEN = "+", "-"
+GOOD_ID, BAD_ID = VOCAB[GOOD_TOKEN], VOCAB[BAD_TOKEN]
+
+# System messages are dropped: the tiny models follow no instructions, and search
+# recipes that always send a system prompt should still work.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'user' %}<|user|>{{ message['content'] }}<|end|>"
+    "{% elif message['role'] == 'assistant' %}<|assistant|>{{ message['content'] }}<|end|>"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+MAX_POSITIONS = 512
+
+
+def set_single_thread() -> None:
+    """This machine is shared: all torch work runs on one core."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    with contextlib.suppress(RuntimeError):  # already set, or parallel work already started
+        torch.set_num_interop_threads(1)
+
+
+def build_tokenizer() -> Tokenizer:
+    """Character-level tokenizer: every character (digits included) is one token."""
+    tok = Tokenizer(models.WordLevel(VOCAB, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return tok
+
+
+def prompt_text(problem: str) -> str:
+    """The chat template rendered for one user message, with the assistant prefix."""
+    return f"{BOS}{USER}{problem}{EOS}{ASSISTANT}"
+
+
+def encode_chars(text: str) -> list[int]:
+    """Fast encoding of plain text (no special tokens) for this character vocabulary."""
+    unk = VOCAB[UNK]
+    return [VOCAB.get(ch, unk) for ch in text]
+
+
+def prompt_ids(problem: str) -> list[int]:
+    return [BOS_ID, VOCAB[USER], *encode_chars(problem), EOS_ID, VOCAB[ASSISTANT]]
+
+
+def model_config(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=len(VOCAB),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=MAX_POSITIONS,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        hidden_act="silu",
+        tie_word_embeddings=True,
+        attention_bias=False,
+        mlp_bias=False,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+    )
+
+
+def tokenizer_config() -> dict:
+    added = {
+        str(VOCAB[t]): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for t in SPECIAL_TOKENS
+    }
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added,
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "unk_token": UNK,
+        "additional_special_tokens": [USER, ASSISTANT, SYSTEM, STEP_TAG],
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": MAX_POSITIONS,
+        "padding_side": "left",
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def save_checkpoint(model, out_dir: Path, extra_files: dict[str, dict] | None = None) -> None:
+    """Write an HF checkpoint directory: bf16 weights, tokenizer, chat template."""
+    import torch
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("model.safetensors", "chat_template.jinja"):
+        (out_dir / stale).unlink(missing_ok=True)
+    model = model.to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16
+    model.save_pretrained(out_dir, safe_serialization=True)
+    model.to(torch.float32)
+    build_tokenizer().save(str(out_dir / "tokenizer.json"))
+    write_json(out_dir / "tokenizer_config.json", tokenizer_config())
+    write_json(out_dir / "special_tokens_map.json", {
+        "bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": UNK,
+        "additional_special_tokens": [USER, ASSISTANT, SYSTEM, STEP_TAG],
+    })  # fmt: skip
+    for name, payload in (extra_files or {}).items():
+        write_json(out_dir / name, payload)
+
+
+def load_model(ckpt_dir: Path):
+    """Load a shipped checkpoint for training-side use: fp32 compute, eval mode."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(ckpt_dir, dtype=torch.float32)
+    return model.eval()
+
+
+def write_json(path: Path, payload: object) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, ensure_ascii=False) + "\n")
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def length_batches(lengths: list[int], max_tokens: int, rng: random.Random, pool: int = 64) -> list[list[int]]:
+    """Shuffled batches of indices, similar lengths together, at most `max_tokens` padded tokens."""
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    batches: list[list[int]] = []
+    for start in range(0, len(order), pool * 32):
+        chunk = sorted(order[start : start + pool * 32], key=lambda i: lengths[i])
+        batch: list[int] = []
+        for i in chunk:
+            if batch and (len(batch) + 1) * lengths[i] > max_tokens:  # chunk is sorted
+                batches.append(batch)
+                batch = []
+            batch.append(i)
+        if batch:
+            batches.append(batch)
+    rng.shuffle(batches)
+    return batches

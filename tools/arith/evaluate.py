@@ -1,0 +1,120 @@
+"""Measure the arithmetic-world checkpoints on the fixed test split (500 problems, seed 0).
+
+    python -m tools.arith.evaluate [--per-level-sampled 50] [--n 16]
+
+Greedy accuracy on all 500 problems; `--n` samples at T=0.8 for the first
+`--per-level-sampled` problems of each level: sampled accuracy (mean over samples) and
+pass@n; then the PRM's step-level ROC-AUC on those held-out samples, steps labelled by
+`treeserve.eval.arith_labels.step_labels`. Writes `$TREESERVE_ARITH_WORK/eval.json` (default: a temp dir).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from tools.arith.common import GENERATOR_DIR, PRM_DIR, WORK_DIR, load_model, set_single_thread, write_json
+from tools.arith.prm_io import roc_auc, score_steps
+from tools.arith.sampling import generate, max_new_tokens_for
+from treeserve.eval.arith import arith_dataset, grade
+from treeserve.eval.arith_labels import split_steps, step_labels
+
+LEVELS = (1, 2, 3, 4, 5)
+
+
+def by_level(records: list[dict]) -> dict[int, list[dict]]:
+    return {lv: [r for r in records if r["level"] == lv] for lv in LEVELS}
+
+
+def evaluate(
+    generator_dir: Path, prm_dir: Path | None, per_level_sampled: int, n: int, temperature: float, seed: int
+) -> dict:
+    set_single_thread()
+    records = by_level(arith_dataset(500, seed=0))
+    model = load_model(generator_dir)
+    results: dict = {"levels": {}, "n": n, "temperature": temperature, "per_level_sampled": per_level_sampled}
+    held_out: list[tuple[int, str, list[str]]] = []
+    start = time.time()
+    for lv in LEVELS:
+        recs = records[lv]
+        greedy = generate(model, [r["problem"] for r in recs], max_new_tokens=max_new_tokens_for(lv))
+        greedy_acc = sum(grade(g[0], r["answer"]) for g, r in zip(greedy, recs, strict=True)) / len(recs)
+        sub = recs[:per_level_sampled]
+        samples = generate(
+            model, [r["problem"] for r in sub], max_new_tokens=max_new_tokens_for(lv),
+            temperature=temperature, n=n, seed=seed + lv, batch_size=128,
+        )  # fmt: skip
+        correct = [[grade(s, r["answer"]) for s in ss] for ss, r in zip(samples, sub, strict=True)]
+        results["levels"][lv] = {
+            "greedy_acc": greedy_acc,
+            "sampled_acc": sum(map(sum, correct)) / (n * len(sub)),
+            f"pass@{n}": sum(any(c) for c in correct) / len(sub),
+            "problems_greedy": len(recs),
+            "problems_sampled": len(sub),
+        }
+        held_out += [(lv, r["problem"], split_steps(s)) for ss, r in zip(samples, sub, strict=True) for s in ss]
+        print(f"L{lv} {results['levels'][lv]} {time.time() - start:.0f}s", flush=True)
+    results["generator_eval_seconds"] = time.time() - start
+    if prm_dir is not None:
+        results["prm"] = prm_auc(load_model(prm_dir), held_out)
+        for lv in LEVELS:
+            results["levels"][lv]["prm_auc"] = results["prm"]["by_level"][lv]["auc"]
+    return results
+
+
+def prm_auc(prm, held_out: list[tuple[int, str, list[str]]]) -> dict:
+    """Step-level ROC-AUC of the PRM on held-out generator samples, by level and overall."""
+    items = [(problem, steps) for _, problem, steps in held_out if steps]
+    levels = [lv for lv, _, steps in held_out if steps]
+    scores = score_steps(prm, items)
+    labels = [step_labels(problem, steps) for problem, steps in items]
+    out: dict = {"by_level": {}}
+    all_s: list[float] = []
+    all_y: list[bool] = []
+    for lv in LEVELS:
+        s = [x for i, ss in enumerate(scores) if levels[i] == lv for x in ss]
+        y = [x for i, ys in enumerate(labels) if levels[i] == lv for x in ys]
+        out["by_level"][lv] = {"auc": roc_auc(s, y), "steps": len(y), "bad_steps": len(y) - sum(y)}
+        all_s += s
+        all_y += y
+    out["auc"] = roc_auc(all_s, all_y)
+    out["steps"], out["bad_steps"] = len(all_y), len(all_y) - sum(all_y)
+    return out
+
+
+def format_table(results: dict) -> str:
+    n = results["n"]
+    lines = [
+        f"| level | greedy acc | sampled acc (T={results['temperature']}) | pass@{n} | PRM step AUC |",
+        "|---|---|---|---|---|",
+    ]
+    for lv, m in results["levels"].items():
+        auc = m.get("prm_auc")
+        auc_text = f"{auc:.3f}" if auc is not None else "-"
+        lines.append(f"| {lv} | {m['greedy_acc']:.1%} | {m['sampled_acc']:.1%} | {m[f'pass@{n}']:.1%} | {auc_text} |")
+    if "prm" in results:
+        lines.append(f"| all | | | | {results['prm']['auc']:.3f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--generator", type=Path, default=GENERATOR_DIR)
+    parser.add_argument("--prm", type=Path, default=PRM_DIR)
+    parser.add_argument("--no-prm", action="store_true")
+    parser.add_argument("--per-level-sampled", type=int, default=50)
+    parser.add_argument("--n", type=int, default=16)
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=WORK_DIR / "eval.json")
+    args = parser.parse_args()
+    results = evaluate(
+        args.generator, None if args.no_prm else args.prm, args.per_level_sampled, args.n, args.temperature, args.seed
+    )
+    write_json(args.out, results)
+    print(format_table(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""Model cards (README.md) and eval summaries for the shipped arithmetic checkpoints,
+written from the training and evaluation logs so that a rebuild refreshes every number."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tools.arith.common import (
+    BAD_ID,
+    BOS_ID,
+    CHAT_TEMPLATE,
+    EOS_ID,
+    GOOD_ID,
+    PAD_ID,
+    SPECIAL_TOKENS,
+    STEP_TAG_ID,
+    VOCAB,
+    read_json,
+    write_json,
+)
+from tools.arith.data import NOISE_LEVEL_SCALE, NOISE_PER_DIGIT
+from tools.arith.evaluate import format_table
+from tools.arith.prm_io import PRM_FORMAT
+from treeserve.eval.arith import LEVELS
+
+COMMAND = "python -m tools.arith.build_all --seed 0"
+
+
+def _levels_table() -> str:
+    rows = ["| level | operations | numbers | results up to | parentheses |", "|---|---|---|---|---|"]
+    for lv, spec in LEVELS.items():
+        rows.append(f"| {lv} | {spec.n_ops} | 1-{spec.max_leaf} (factors 2-9) | {spec.max_value} | {spec.parens} |")
+    return "\n".join(rows)
+
+
+def _arch(config: dict, n_params: int) -> str:
+    return (
+        f"Llama (`LlamaForCausalLM`), {n_params / 1e6:.2f}M parameters: hidden {config['hidden_size']}, "
+        f"{config['num_hidden_layers']} layers, {config['num_attention_heads']} attention heads "
+        f"({config['num_key_value_heads']} KV heads, head dim {config['head_dim']}), "
+        f"MLP {config['intermediate_size']}, "
+        f"vocab {config['vocab_size']}, RoPE theta {config['rope_parameters']['rope_theta']:g}, "
+        f"tied input/output embeddings, {config['max_position_embeddings']} positions; weights stored in bf16."
+    )
+
+
+def _tokens() -> str:
+    specials = ", ".join(f"`{t}`={VOCAB[t]}" for t in SPECIAL_TOKENS)
+    return (
+        "Character-level (`tokenizers` WordLevel over single characters, `Fuse` decoder): every character "
+        "(each digit included) is one token; `\\n` and printable ASCII, unknown characters map to `<|unk|>`. "
+        f"Special tokens: {specials}. The tokenizer adds no special tokens by itself; the chat template "
+        "writes `<|bos|>`."
+    )
+
+
+def generator_card(ckpt: Path, train: dict, results: dict) -> str:
+    config = read_json(ckpt / "config.json")
+    minutes = train["train_seconds"] / 60
+    return f"""# arith-generator
+
+The generator of treeserve's built-in arithmetic world: a tiny Llama that solves multi-step
+integer arithmetic problems (`treeserve.eval.arith`) step by step, imperfectly on purpose,
+so that test-time search (best-of-N, beam search with the `arith-prm` PRM) has mistakes to fix.
+It runs on a laptop CPU and needs no download. It is not a general model.
+
+## Format
+
+Chat template (Jinja, `tokenizer_config.json`); system messages are dropped (the model follows
+no instructions), the problem is the user message:
+
+```
+{CHAT_TEMPLATE}
+```
+
+e.g. `<|bos|><|user|>Compute 3 * (5 - 2) + 4.<|end|><|assistant|>`. The answer is one operation per
+step, steps separated by a blank line, then the boxed answer and EOS (`<|end|>`, id {EOS_ID}):
+
+```
+5 - 2 = 3, leaving 3 * 3 + 4.
+
+3 * 3 = 9, leaving 9 + 4.
+
+9 + 4 = 13.
+
+The answer is \\boxed{{13}}.<|end|>
+```
+
+Search stops steps at `"\\n\\n"`. Ids: bos {BOS_ID}, eos {EOS_ID}, pad {PAD_ID}.
+
+## Model
+
+{_arch(config, train["parameters"])}
+
+{_tokens()}
+
+## Data
+
+Problems from `treeserve.eval.arith.make_problem` (levels below), drawn from seeded streams;
+the 500 problems of the test split (`arith_dataset(500, seed=0)`) are never trained on.
+{_levels_table()}
+
+Targets come from a noisy teacher (`tools/arith/data.py`): each step's result is replaced by a
+plausible wrong value (off by 1-2, off by a power of ten, swapped or changed digit) with
+probability {NOISE_PER_DIGIT} x digits(result) x level scale {NOISE_LEVEL_SCALE}, and later steps use
+the wrong value consistently. Training: {train["warm_steps"]} warm-up batches of level-1 problems,
+then {train["steps"]} batches of ~{train["max_tokens_per_batch"]} tokens, one level per batch (levels
+unlocked over the first 30%, then uniform); AdamW, peak lr {train["peak_lr"]}, cosine decay, bf16
+autocast, loss on the answer and EOS only, seed {train["seed"]}.
+
+## Training
+
+`{COMMAND}` (this model: `python -m tools.arith.train_generator --seed {train["seed"]}`) on one CPU
+thread: {minutes:.1f} min for the generator.
+
+## Results (test split, `python -m tools.arith.evaluate`)
+
+Greedy on all 100 problems per level; T={results["temperature"]} sampling (top-k/top-p off) with
+n={results["n"]} samples for the first {results["per_level_sampled"]} problems of each level (sampled
+accuracy = mean over samples). PRM column: the `arith-prm` step-level ROC-AUC on those samples.
+
+{format_table(results)}
+
+Numbers are for fp32 compute with these bf16 weights (`transformers` `generate`); other runtimes
+and bf16 compute can differ by a few problems.
+"""
+
+
+def prm_card(ckpt: Path, train: dict, results: dict) -> str:
+    config = read_json(ckpt / "config.json")
+    prm = results["prm"]
+    rows = ["| level | held-out steps | bad steps | step ROC-AUC |", "|---|---|---|---|"]
+    for lv, m in prm["by_level"].items():
+        rows.append(f"| {lv} | {m['steps']} | {m['bad_steps']} | {m['auc']:.3f} |")
+    rows.append(f"| all | {prm['steps']} | {prm['bad_steps']} | {prm['auc']:.3f} |")
+    return f"""# arith-prm
+
+The process reward model of treeserve's built-in arithmetic world, Math-Shepherd style: a step
+tag after each step, and the score of a step is P('+') against P('-') at its tag. It judges the
+steps of `arith-generator` solutions. Not a general model.
+
+## Input format (also in `prm_config.json`)
+
+```
+<|bos|><|user|>{{problem}}<|end|><|assistant|>{{step 1}}<|step|>\\n\\n{{step 2}}<|step|>...
+```
+
+i.e. `prompt_format + step_separator.join(step + step_tag for step in steps)` with steps stripped
+(no trailing blank line). The score of step i is `softmax([logit('+'), logit('-')])[0]` at the
+position of the i-th `<|step|>` (the label is the next-token prediction at the tag). Ids: `<|step|>`
+{STEP_TAG_ID}, `+` {GOOD_ID}, `-` {BAD_ID}, bos {BOS_ID}, eos {EOS_ID}.
+
+```json
+{json.dumps(PRM_FORMAT, indent=2)}
+```
+
+## Model
+
+{_arch(config, train["parameters"])}
+Initialised from `arith-generator`. {_tokens()}
+
+## Labels and data
+
+A step is good iff its arithmetic is right and it uses correct earlier results
+(`treeserve.eval.arith_labels.step_labels`: the step is an operation of the true current
+expression with correct operands, its result and its rewritten rest are exact; the final step
+is good iff its boxed value is the true answer). Training solutions: {train["on_policy_solutions"]}
+on-policy samples of the generator (T=0.8 and T=1.0) on training problems, plus
+{train["synthetic_solutions"]} synthetic corruptions of reference solutions (wrong result, several
+slips, miscopied operand, miscopied rest, wrong order of operations, wrong final answer);
+{train["steps_labelled"]} labelled steps, {train["bad_steps"]} bad. Loss: cross-entropy of the label
+token at tag positions only; {train["optimizer_steps"]} AdamW steps (~{train["max_tokens_per_batch"]}
+tokens each), peak lr {train["peak_lr"]}, bf16 autocast, seed {train["seed"]}.
+
+## Training
+
+`{COMMAND}` (this model: `python -m tools.arith.train_prm --seed {train["seed"]}`) on one CPU
+thread: {train["sample_seconds"] / 60:.1f} min sampling the generator, {train["train_seconds"] / 60:.1f} min
+training.
+
+## Results
+
+Step-level ROC-AUC on held-out generator samples (test-split problems, T={results["temperature"]},
+{results["n"]} samples for each of the first {results["per_level_sampled"]} problems per level),
+labels from `step_labels`:
+
+{chr(10).join(rows)}
+"""
+
+
+def write_cards(generator_dir: Path, prm_dir: Path, gen_train: dict, prm_train: dict, results: dict) -> None:
+    (generator_dir / "README.md").write_text(generator_card(generator_dir, gen_train, results))
+    (prm_dir / "README.md").write_text(prm_card(prm_dir, prm_train, results))
+    summary = {k: v for k, v in results.items() if k != "prm"}
+    write_json(generator_dir / "eval.json", {**summary, "train_seconds": gen_train["train_seconds"]})
+    write_json(prm_dir / "eval.json", {**results["prm"], "train_seconds": prm_train["train_seconds"]})

@@ -1,0 +1,153 @@
+"""Train the arithmetic-world PRM (Math-Shepherd style step tags), starting from the generator.
+
+    python -m tools.arith.train_prm --seed 0
+
+1. On-policy data: the shipped generator samples solutions (T=0.8 and T=1.0) to training
+   problems (never the test split); the step judge labels every step.
+2. Synthetic data: reference solutions corrupted on purpose (`tools.arith.prm_data`).
+3. Fine-tune a copy of the generator: the loss is the next-token cross-entropy of '+'
+   (good) or '-' (bad) at each `<|step|>` position, nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+
+from tools.arith.common import (
+    BAD_ID,
+    GENERATOR_DIR,
+    GOOD_ID,
+    PAD_ID,
+    PRM_DIR,
+    WORK_DIR,
+    length_batches,
+    load_model,
+    save_checkpoint,
+    set_single_thread,
+    write_json,
+)
+from tools.arith.data import LEVELS, held_out_texts, problem_stream
+from tools.arith.prm_data import Example, synthetic_examples
+from tools.arith.prm_io import PRM_FORMAT, prm_input
+from tools.arith.sampling import generate, max_new_tokens_for
+from treeserve.eval.arith_labels import split_steps, step_labels
+
+
+def on_policy_examples(generator, problems_by_level: dict, n: int, seed: int) -> list[Example]:
+    out: list[Example] = []
+    for lv, problems in problems_by_level.items():
+        texts = [p.text for p in problems]
+        half = len(texts) // 2
+        for temperature, chunk in ((0.8, texts[:half]), (1.0, texts[half:])):
+            samples = generate(
+                generator, chunk, max_new_tokens=max_new_tokens_for(lv), temperature=temperature,
+                n=n, seed=seed * 100 + lv, batch_size=128,
+            )  # fmt: skip
+            for text, completions in zip(chunk, samples, strict=True):
+                for completion in completions:
+                    steps = split_steps(completion)
+                    if steps:
+                        out.append((text, steps, step_labels(text, steps)))
+        print(f"on-policy L{lv}: {len(out)} solutions so far", flush=True)
+    return out
+
+
+def train(
+    seed: int, on_policy_per_level: int, samples_per_problem: int, synthetic_per_level: int,
+    epochs: int, max_tokens: int, lr: float, generator_dir: Path, out_dir: Path,
+) -> dict:  # fmt: skip
+    set_single_thread()
+    import torch
+
+    torch.manual_seed(seed)
+    start = time.time()
+    exclude = held_out_texts()
+    streams = {lv: problem_stream(random.Random(f"prm-problems-{seed}-{lv}"), lv, exclude) for lv in LEVELS}
+    generator = load_model(generator_dir)
+    on_policy = on_policy_examples(
+        generator, {lv: [next(streams[lv]) for _ in range(on_policy_per_level)] for lv in LEVELS},
+        samples_per_problem, seed,
+    )  # fmt: skip
+    sample_seconds = time.time() - start
+    rng = random.Random(f"prm-synthetic-{seed}")
+    synthetic = synthetic_examples(rng, [next(streams[lv]) for lv in LEVELS for _ in range(synthetic_per_level)])
+    data = on_policy + synthetic
+    n_steps = sum(len(labels) for _, _, labels in data)
+    n_bad = sum(labels.count(False) for _, _, labels in data)
+    print(f"PRM data: {len(data)} solutions, {n_steps} steps, {n_bad} bad ({sample_seconds:.0f}s sampling)", flush=True)
+
+    encoded = []
+    for problem, steps, labels in data:
+        ids, tags = prm_input(problem, steps)
+        target = [-100] * len(ids)
+        for pos, good in zip(tags, labels, strict=True):
+            target[pos] = GOOD_ID if good else BAD_ID
+        encoded.append((ids, target))
+    model = generator.train()  # the PRM starts as a copy of the generator
+    model.config._attn_implementation = "eager"
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    lengths = [len(ids) for ids, _ in encoded]
+    batch_rng = random.Random(f"prm-batches-{seed}")
+    schedule = [b for _ in range(epochs) for b in length_batches(lengths, max_tokens, batch_rng)]
+    train_start, log, running = time.time(), [], 0.0
+    for step, batch in enumerate(schedule):
+        width = max(lengths[i] for i in batch)
+        input_ids = torch.full((len(batch), width), PAD_ID, dtype=torch.long)
+        labels = torch.full((len(batch), width), -100, dtype=torch.long)
+        for row, i in enumerate(batch):
+            ids, target = encoded[i]
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            labels[row, : len(ids)] = torch.tensor(target)
+        for group in opt.param_groups:  # linear warmup, linear decay to 10%
+            group["lr"] = lr * min((step + 1) / 30, 1.0 - 0.9 * step / len(schedule))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=input_ids).logits  # right padding: causal masking suffices
+        # The label is the next-token target at the tag position itself (no shift).
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        running += loss.item()
+        if (step + 1) % 50 == 0:
+            log.append({"step": step + 1, "loss": running / 50, "elapsed_s": time.time() - train_start})
+            elapsed = time.time() - train_start
+            print(f"step {step + 1}/{len(schedule)} loss {running / 50:.4f} {elapsed:.0f}s", flush=True)
+            running = 0.0
+    train_seconds = time.time() - train_start
+    model.eval()
+    save_checkpoint(model, out_dir, extra_files={"prm_config.json": PRM_FORMAT})
+    summary = {
+        "seed": seed, "parameters": sum(p.numel() for p in model.parameters()),
+        "on_policy_solutions": len(on_policy), "synthetic_solutions": len(synthetic),
+        "steps_labelled": n_steps, "bad_steps": n_bad, "optimizer_steps": len(schedule), "epochs": epochs,
+        "max_tokens_per_batch": max_tokens, "peak_lr": lr, "sample_seconds": sample_seconds,
+        "train_seconds": train_seconds, "total_seconds": time.time() - start, "log": log,
+    }  # fmt: skip
+    write_json(WORK_DIR / "prm_train.json", summary)
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--on-policy-per-level", type=int, default=160)
+    parser.add_argument("--samples-per-problem", type=int, default=4)
+    parser.add_argument("--synthetic-per-level", type=int, default=600)
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--max-tokens", type=int, default=2048)
+    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--generator", type=Path, default=GENERATOR_DIR)
+    parser.add_argument("--out", type=Path, default=PRM_DIR)
+    args = parser.parse_args()
+    train(
+        args.seed, args.on_policy_per_level, args.samples_per_problem, args.synthetic_per_level,
+        args.epochs, args.max_tokens, args.lr, args.generator, args.out,
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

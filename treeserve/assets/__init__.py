@@ -1,0 +1,1 @@
+"""Shipped tiny checkpoints (the arithmetic world's generator and PRM); data only."""
