@@ -28,11 +28,11 @@ def main() -> None:
     if args.skip_generator:
         gen_train = read_json(WORK_DIR / "generator_train.json")
     else:
-        gen_train = train_generator.train(args.seed, 500, 1800, 2048, 1e-3, GENERATOR_DIR)
+        gen_train = train_generator.train(args.seed, **train_generator.DEFAULTS, out_dir=GENERATOR_DIR)
     if args.skip_prm:
         prm_train = read_json(WORK_DIR / "prm_train.json")
     else:
-        prm_train = train_prm.train(args.seed, 160, 4, 600, 1, 2048, 5e-4, GENERATOR_DIR, PRM_DIR)
+        prm_train = train_prm.train(args.seed, **train_prm.DEFAULTS, generator_dir=GENERATOR_DIR, out_dir=PRM_DIR)
     results = evaluate.evaluate(GENERATOR_DIR, PRM_DIR, per_level_sampled=50, n=16, temperature=0.8, seed=args.seed)
     write_json(WORK_DIR / "eval.json", results)
     write_cards(GENERATOR_DIR, PRM_DIR, gen_train, prm_train, results)

@@ -7,9 +7,11 @@ Training-time only (uses torch and `transformers`); the runtime never imports `t
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import random
+import re
 import tempfile
 from pathlib import Path
 
@@ -34,7 +36,13 @@ PAD, BOS, EOS, USER, ASSISTANT, SYSTEM, STEP_TAG, UNK = (
 )
 SPECIAL_TOKENS = [PAD, BOS, EOS, USER, ASSISTANT, SYSTEM, STEP_TAG, UNK]
 CHARS = ["\n"] + [chr(i) for i in range(32, 127)]
-VOCAB = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
+# Numbers are whole tokens: every string of 2-3 digits (leading zeros included) is one token,
+# single digits are characters. Longer digit runs split into 3-digit pieces. With numbers as
+# tokens an operation is a fact to look up, which a model this small learns in minutes;
+# with digits as characters it must learn carrying, which takes it hours.
+NUMBERS = [f"{n:0{width}d}" for width in (2, 3) for n in range(10**width)]
+VOCAB = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS + NUMBERS)}
+_PIECE = re.compile(r"\d{1,3}|[\s\S]")
 PAD_ID, BOS_ID, EOS_ID, STEP_TAG_ID = VOCAB[PAD], VOCAB[BOS], VOCAB[EOS], VOCAB[STEP_TAG]
 GOOD_TOKEN, BAD_TOKEN = "+", "-"
 GOOD_ID, BAD_ID = VOCAB[GOOD_TOKEN], VOCAB[BAD_TOKEN]
@@ -61,9 +69,9 @@ def set_single_thread() -> None:
 
 
 def build_tokenizer() -> Tokenizer:
-    """Character-level tokenizer: every character (digits included) is one token."""
+    """Numbers of up to 3 digits are one token each; every other character is one token."""
     tok = Tokenizer(models.WordLevel(VOCAB, unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(_PIECE.pattern), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     return tok
@@ -74,14 +82,14 @@ def prompt_text(problem: str) -> str:
     return f"{BOS}{USER}{problem}{EOS}{ASSISTANT}"
 
 
-def encode_chars(text: str) -> list[int]:
-    """Fast encoding of plain text (no special tokens) for this character vocabulary."""
+def encode_text(text: str) -> list[int]:
+    """Fast encoding of plain text (no special tokens), identical to the tokenizer's."""
     unk = VOCAB[UNK]
-    return [VOCAB.get(ch, unk) for ch in text]
+    return [VOCAB.get(piece, unk) for piece in _PIECE.findall(text)]
 
 
 def prompt_ids(problem: str) -> list[int]:
-    return [BOS_ID, VOCAB[USER], *encode_chars(problem), EOS_ID, VOCAB[ASSISTANT]]
+    return [BOS_ID, VOCAB[USER], *encode_text(problem), EOS_ID, VOCAB[ASSISTANT]]
 
 
 def model_config(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int):
@@ -144,10 +152,9 @@ def save_checkpoint(model, out_dir: Path, extra_files: dict[str, dict] | None = 
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("model.safetensors", "chat_template.jinja"):
         (out_dir / stale).unlink(missing_ok=True)
-    model = model.to(torch.bfloat16)
+    model = copy.deepcopy(model).to(torch.bfloat16)  # the caller's fp32 weights stay as they are
     model.config.dtype = torch.bfloat16
     model.save_pretrained(out_dir, safe_serialization=True)
-    model.to(torch.float32)
     build_tokenizer().save(str(out_dir / "tokenizer.json"))
     write_json(out_dir / "tokenizer_config.json", tokenizer_config())
     write_json(out_dir / "special_tokens_map.json", {

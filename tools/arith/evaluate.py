@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tools.arith.common import GENERATOR_DIR, PRM_DIR, WORK_DIR, load_model, set_single_thread, write_json
 from tools.arith.prm_io import roc_auc, score_steps
-from tools.arith.sampling import generate, max_new_tokens_for
+from tools.arith.sampling import generate, load_llm, max_new_tokens_for
 from treeserve.eval.arith import arith_dataset, grade
 from treeserve.eval.arith_labels import split_steps, step_labels
 
@@ -32,18 +32,18 @@ def evaluate(
 ) -> dict:
     set_single_thread()
     records = by_level(arith_dataset(500, seed=0))
-    model = load_model(generator_dir)
+    llm = load_llm(generator_dir)
     results: dict = {"levels": {}, "n": n, "temperature": temperature, "per_level_sampled": per_level_sampled}
     held_out: list[tuple[int, str, list[str]]] = []
     start = time.time()
     for lv in LEVELS:
         recs = records[lv]
-        greedy = generate(model, [r["problem"] for r in recs], max_new_tokens=max_new_tokens_for(lv))
+        greedy = generate(llm, [r["problem"] for r in recs], max_new_tokens=max_new_tokens_for(lv))
         greedy_acc = sum(grade(g[0], r["answer"]) for g, r in zip(greedy, recs, strict=True)) / len(recs)
         sub = recs[:per_level_sampled]
         samples = generate(
-            model, [r["problem"] for r in sub], max_new_tokens=max_new_tokens_for(lv),
-            temperature=temperature, n=n, seed=seed + lv, batch_size=128,
+            llm, [r["problem"] for r in sub], max_new_tokens=max_new_tokens_for(lv),
+            temperature=temperature, n=n, seed=seed + lv,
         )  # fmt: skip
         correct = [[grade(s, r["answer"]) for s in ss] for ss, r in zip(samples, sub, strict=True)]
         results["levels"][lv] = {
@@ -56,6 +56,7 @@ def evaluate(
         held_out += [(lv, r["problem"], split_steps(s)) for ss, r in zip(samples, sub, strict=True) for s in ss]
         print(f"L{lv} {results['levels'][lv]} {time.time() - start:.0f}s", flush=True)
     results["generator_eval_seconds"] = time.time() - start
+    del llm
     if prm_dir is not None:
         results["prm"] = prm_auc(load_model(prm_dir), held_out)
         for lv in LEVELS:

@@ -28,9 +28,9 @@ COMMAND = "python -m tools.arith.build_all --seed 0"
 
 
 def _levels_table() -> str:
-    rows = ["| level | operations | numbers | results up to | parentheses |", "|---|---|---|---|---|"]
+    rows = ["| level | operations | numbers | results up to |", "|---|---|---|---|"]
     for lv, spec in LEVELS.items():
-        rows.append(f"| {lv} | {spec.n_ops} | 1-{spec.max_leaf} (factors 2-9) | {spec.max_value} | {spec.parens} |")
+        rows.append(f"| {lv} | {spec.n_ops} | 1-{spec.max_leaf} (factors 2-9) | {spec.max_value} |")
     return "\n".join(rows)
 
 
@@ -48,8 +48,9 @@ def _arch(config: dict, n_params: int) -> str:
 def _tokens() -> str:
     specials = ", ".join(f"`{t}`={VOCAB[t]}" for t in SPECIAL_TOKENS)
     return (
-        "Character-level (`tokenizers` WordLevel over single characters, `Fuse` decoder): every character "
-        "(each digit included) is one token; `\\n` and printable ASCII, unknown characters map to `<|unk|>`. "
+        "Numbers as tokens (`tokenizers` WordLevel, `Fuse` decoder): every run of up to 3 digits (leading zeros "
+        "included) is one token, longer runs split into 3-digit pieces, every other character (`\\n` and "
+        "printable ASCII) is one token, unknown characters map to `<|unk|>`. "
         f"Special tokens: {specials}. The tokenizer adds no special tokens by itself; the chat template "
         "writes `<|bos|>`."
     )
@@ -104,10 +105,13 @@ the 500 problems of the test split (`arith_dataset(500, seed=0)`) are never trai
 Targets come from a noisy teacher (`tools/arith/data.py`): each step's result is replaced by a
 plausible wrong value (off by 1-2, off by a power of ten, swapped or changed digit) with
 probability {NOISE_PER_DIGIT} x digits(result) x level scale {NOISE_LEVEL_SCALE}, and later steps use
-the wrong value consistently. Training: {train["warm_steps"]} warm-up batches of level-1 problems,
-then {train["steps"]} batches of ~{train["max_tokens_per_batch"]} tokens, one level per batch (levels
-unlocked over the first 30%, then uniform); AdamW, peak lr {train["peak_lr"]}, cosine decay, bf16
-autocast, loss on the answer and EOS only, seed {train["seed"]}.
+the wrong value consistently. Training: {train["steps"]} batches of ~{train["max_tokens_per_batch"]}
+tokens; a fraction {train["drill_fraction"]} of them are arithmetic drills (the operations of
+reference solutions, one `a op b = c.` per line, loss on the results), the rest chat-formatted
+problems of one level each with noisy-teacher answers (loss on the answer and EOS). Curriculum:
+level 1 only for the first {train["warm_steps"]} batches, then one more level unlocked every 7.5%
+of the rest, then uniform. AdamW (weight decay 0.1), peak lr {train["peak_lr"]}, cosine decay to
+10%, bf16 autocast, seed {train["seed"]}.
 
 ## Training
 
@@ -122,8 +126,8 @@ accuracy = mean over samples). PRM column: the `arith-prm` step-level ROC-AUC on
 
 {format_table(results)}
 
-Numbers are for fp32 compute with these bf16 weights (`transformers` `generate`); other runtimes
-and bf16 compute can differ by a few problems.
+Numbers are for fp32 compute with these bf16 weights in treeserve's engine (`LLM.chat`, seeded
+requests); bf16 compute can differ by a few problems.
 """
 
 

@@ -21,7 +21,7 @@ from tools.arith.common import (
     PAD_ID,
     STEP_TAG,
     STEP_TAG_ID,
-    encode_chars,
+    encode_text,
     prompt_ids,
 )
 
@@ -49,8 +49,8 @@ def prm_input(problem: str, steps: list[str]) -> tuple[list[int], list[int]]:
     tags: list[int] = []
     for i, step in enumerate(steps):
         if i:
-            ids.extend(encode_chars(STEP_SEPARATOR))
-        ids.extend(encode_chars(step.strip()))
+            ids.extend(encode_text(STEP_SEPARATOR))
+        ids.extend(encode_text(step.strip()))
         tags.append(len(ids))
         ids.append(STEP_TAG_ID)
     return ids, tags

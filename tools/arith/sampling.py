@@ -1,15 +1,15 @@
-"""Batched generation with `transformers` for evaluation and on-policy PRM data.
+"""Batched generation with treeserve's own engine, for evaluation and on-policy PRM data.
 
-Prompts are rendered with the shipped chat template, left-padded, and decoded with
-`model.generate` (greedy, or sampling with plain temperature: top-k and top-p off).
-Training-side only; treeserve's engine never imports this.
+Prompts go through the checkpoint's chat template (`LLM.chat`); greedy or plain
+temperature sampling (top-k and top-p off), seeded per request so that every sample is
+reproducible. The weights are evaluated in fp32, as the model card reports them.
 """
 
 from __future__ import annotations
 
-import torch
+from pathlib import Path
 
-from tools.arith.common import EOS_ID, PAD_ID, build_tokenizer, prompt_ids
+from treeserve import LLM, SamplingParams
 
 
 def max_new_tokens_for(level: int) -> int:
@@ -17,46 +17,23 @@ def max_new_tokens_for(level: int) -> int:
     return {1: 56, 2: 96, 3: 144, 4: 192, 5: 240}.get(level, 256)
 
 
-@torch.no_grad()
+def load_llm(model_dir: Path) -> LLM:
+    return LLM(str(model_dir), dtype="float32", kv_cache_memory=256 << 20)
+
+
 def generate(
-    model,
+    llm: LLM,
     problems: list[str],
     *,
     max_new_tokens: int,
     temperature: float = 0.0,
     n: int = 1,
     seed: int = 0,
-    batch_size: int = 64,
 ) -> list[list[str]]:
     """`n` completions per problem (texts without the EOS), in problem order."""
-    tokenizer = build_tokenizer()
-    items = [(i, problem) for i, problem in enumerate(problems) for _ in range(n)]
-    outputs: list[list[str]] = [[] for _ in problems]
-    torch.manual_seed(seed)
-    for start in range(0, len(items), batch_size):
-        chunk = items[start : start + batch_size]
-        encoded = [prompt_ids(problem) for _, problem in chunk]
-        width = max(len(ids) for ids in encoded)
-        input_ids = torch.full((len(chunk), width), PAD_ID, dtype=torch.long)
-        mask = torch.zeros((len(chunk), width), dtype=torch.long)
-        for row, ids in enumerate(encoded):
-            input_ids[row, width - len(ids) :] = torch.tensor(ids)
-            mask[row, width - len(ids) :] = 1
-        sampling = temperature > 0
-        out = model.generate(
-            input_ids=input_ids,
-            attention_mask=mask,
-            max_new_tokens=max_new_tokens,
-            do_sample=sampling,
-            temperature=temperature if sampling else None,
-            top_k=0 if sampling else None,
-            top_p=1.0 if sampling else None,
-            eos_token_id=EOS_ID,
-            pad_token_id=PAD_ID,
-        )
-        for row, (index, _) in enumerate(chunk):
-            ids = out[row, width:].tolist()
-            if EOS_ID in ids:
-                ids = ids[: ids.index(EOS_ID)]
-            outputs[index].append(tokenizer.decode(ids, skip_special_tokens=True))
-    return outputs
+    params = [
+        SamplingParams(n=n, temperature=temperature, max_tokens=max_new_tokens, seed=seed * 1_000_003 + i)
+        for i in range(len(problems))
+    ]
+    outputs = llm.chat([[{"role": "user", "content": p}] for p in problems], params)
+    return [[c.text for c in out.outputs] for out in outputs]

@@ -2,10 +2,13 @@
 
     python -m tools.arith.train_generator --seed 0
 
-Each batch holds problems of one level (similar lengths, little padding), levels drawn
-uniformly, so every level gets the same share of tokens. Targets are noisy-teacher
-solutions (see `tools.arith.data`); the loss covers the assistant answer and the EOS.
-"""
+Small batches (~512 tokens) and many steps: on one CPU core the attention patterns that
+copying and arithmetic need appear after a number of *steps*, so small batches get there
+soonest. Half the batches are chat-formatted problems of one level (similar lengths, little
+padding) with noisy-teacher answers (`tools.arith.data`; loss on the answer and the EOS);
+half are arithmetic drills, the operations of reference solutions packed one per line with
+the loss on the results only. Levels follow a curriculum: level 1 during a warm phase,
+then one more level every few hundred steps, then all levels uniformly."""
 
 from __future__ import annotations
 
@@ -16,11 +19,12 @@ import time
 from pathlib import Path
 
 from tools.arith.common import (
+    BOS_ID,
     EOS_ID,
     GENERATOR_DIR,
     PAD_ID,
     WORK_DIR,
-    encode_chars,
+    encode_text,
     model_config,
     prompt_ids,
     save_checkpoint,
@@ -28,38 +32,102 @@ from tools.arith.common import (
     write_json,
 )
 from tools.arith.data import LEVELS, held_out_texts, noisy_solution, problem_stream
+from treeserve.eval.arith import Problem, arith_dataset
 
 # Shape of the shipped generator (about 3.2M parameters).
 GENERATOR_SHAPE = {"hidden": 256, "layers": 4, "heads": 8, "kv_heads": 4, "intermediate": 704}
-LEVEL_MAX_LEN = {1: 64, 2: 104, 3: 152, 4: 208, 5: 264}  # prompt + answer + EOS
+DEFAULTS = {"steps": 6000, "warm_steps": 600, "max_tokens": 512, "drill_frac": 0.3, "lr": 1e-3}
+DRILL_WIDTH = 256
+LEVEL_MAX_LEN = {1: 56, 2: 88, 3: 128, 4: 176, 5: 224}  # prompt + answer + EOS, in tokens
 
 
-def make_batch(streams, rng: random.Random, level: int, max_tokens: int):
+def chat_row(rng: random.Random, problem: Problem) -> tuple[list[int], list[int]]:
+    """Prompt and noisy-teacher answer; the loss covers the answer and the EOS."""
+    prompt = prompt_ids(problem.text)
+    answer = encode_text(noisy_solution(rng, problem)) + [EOS_ID]
+    return prompt + answer, [-100] * len(prompt) + answer
+
+
+def drill_row(streams, rng: random.Random, levels: tuple[int, ...], width: int) -> tuple[list[int], list[int]]:
+    """Arithmetic drill: `<|bos|>` then the operations of reference solutions, one
+    `a op b = c.` per line; the loss covers only the results. The operations are those
+    the chat problems need, several times as many per token."""
+    ids, labels = [BOS_ID], [-100]
+    while True:
+        problem = next(streams[rng.choice(levels)])
+        for step in problem.steps[:-1]:
+            equation, result = step.split(", leaving")[0].rstrip(".").split(" = ")
+            prefix, target = encode_text(f"{equation} = "), encode_text(f"{result}.\n")
+            if len(ids) + len(prefix) + len(target) > width:
+                return ids, labels
+            ids += prefix + target
+            labels += [-100] * len(prefix) + target
+
+
+def collate(rows: list[tuple[list[int], list[int]]]):
     import torch
 
-    rows: list[tuple[list[int], list[int]]] = []
-    for _ in range(max(1, max_tokens // LEVEL_MAX_LEN[level])):
-        problem = next(streams[level])
-        prompt = prompt_ids(problem.text)
-        answer = encode_chars(noisy_solution(rng, problem)) + [EOS_ID]
-        rows.append((prompt, answer))
-    width = max(len(p) + len(a) for p, a in rows)
+    width = max(len(ids) for ids, _ in rows)
     input_ids = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
     labels = torch.full((len(rows), width), -100, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for r, (prompt, answer) in enumerate(rows):
-        ids = prompt + answer
+    for r, (ids, target) in enumerate(rows):
         input_ids[r, : len(ids)] = torch.tensor(ids)
-        labels[r, len(prompt) : len(ids)] = torch.tensor(answer)
-        mask[r, : len(ids)] = 1
-    return input_ids, mask, labels
+        labels[r, : len(ids)] = torch.tensor(target)
+    return input_ids, labels  # right padding: causal masking alone is exact for the loss
 
 
-def level_at(rng: random.Random, step: int, steps: int, ramp: float = 0.3) -> int:
-    """Curriculum after the warm phase: a level is unlocked every `ramp / 4` of training,
-    then levels are uniform."""
-    top = min(len(LEVELS), 2 + int(step / max(1, steps * ramp) * (len(LEVELS) - 1)))
-    return rng.choice(LEVELS[:top])
+def make_batch(streams, rng: random.Random, levels: tuple[int, ...], max_tokens: int, drill_frac: float):
+    if rng.random() < drill_frac:
+        return collate([drill_row(streams, rng, levels, DRILL_WIDTH) for _ in range(max(1, max_tokens // DRILL_WIDTH))])
+    level = rng.choice(levels)
+    return collate([chat_row(rng, next(streams[level])) for _ in range(max(1, max_tokens // LEVEL_MAX_LEN[level]))])
+
+
+def monitor_batch():
+    """A fixed held-out batch (8 problems per level, seed 12345) with a mask of the step results."""
+    import torch
+
+    equals = encode_text("= ")
+    records = arith_dataset(40, seed=12345)
+    rows, result_masks = [], []
+    for r in records:
+        prompt, answer = prompt_ids(r["problem"]), encode_text(r["solution"]) + [EOS_ID]
+        ids = prompt + answer
+        rows.append((ids, [-100] * len(prompt) + answer))
+        result_masks.append([i >= len(prompt) and ids[i - 2 : i] == equals for i in range(len(ids))])
+    input_ids, labels = collate(rows)
+    result = torch.zeros_like(labels, dtype=torch.bool)
+    for i, mask in enumerate(result_masks):
+        result[i, : len(mask)] = torch.tensor(mask)
+    return input_ids, labels, result, torch.tensor([r["level"] for r in records])
+
+
+def monitor(model, batch) -> dict:
+    """Teacher-forced accuracy on the monitor batch: all answer tokens, result digits, by level."""
+    import torch
+
+    input_ids, labels, result, levels = batch
+    model.eval()
+    with torch.no_grad():
+        pred = model(input_ids=input_ids).logits[:, :-1].argmax(-1)
+    model.train()
+    target, result = labels[:, 1:], result[:, 1:]
+    answer = target != -100
+    ok = pred == target
+    out = {"token_acc": ok[answer].float().mean().item(), "result_acc": ok[result].float().mean().item()}
+    for lv in LEVELS:
+        sel = (levels == lv)[:, None]
+        out[f"L{lv}_result_acc"] = ok[result & sel].float().mean().item()
+    return {k: round(v, 3) for k, v in out.items()}
+
+
+def levels_at(step: int, warm_steps: int, steps: int, ramp: float = 0.3) -> tuple[int, ...]:
+    """Curriculum: level 1 during the warm phase (copying and the basic facts are learned
+    there, fast), then a level is unlocked every `ramp / 4` of the rest; then all levels."""
+    if step < warm_steps:
+        return LEVELS[:1]
+    progress = (step - warm_steps) / max(1, (steps - warm_steps) * ramp)
+    return LEVELS[: min(len(LEVELS), 2 + int(progress * (len(LEVELS) - 1)))]
 
 
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
@@ -69,9 +137,10 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def train(seed: int, warm_steps: int, steps: int, max_tokens: int, lr: float, out_dir: Path) -> dict:
-    """`warm_steps` small batches of level-1 problems (copying and the basic facts are
-    learned there, fast), then `steps` batches of `max_tokens` tokens over all levels."""
+def train(
+    seed: int, steps: int, warm_steps: int, max_tokens: int, drill_frac: float, lr: float, out_dir: Path,
+    init: Path | None = None,
+) -> dict:  # fmt: skip
     set_single_thread()
     import torch
     from transformers import LlamaForCausalLM
@@ -82,7 +151,7 @@ def train(seed: int, warm_steps: int, steps: int, max_tokens: int, lr: float, ou
     streams = {lv: problem_stream(random.Random(f"gen-problems-{seed}-{lv}"), lv, exclude) for lv in LEVELS}
     config = model_config(**GENERATOR_SHAPE)
     config._attn_implementation = "eager"  # CPU flash-attention backward is slow at this size
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config) if init is None else LlamaForCausalLM.from_pretrained(init, dtype=torch.float32)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"generator: {n_params / 1e6:.2f}M parameters", flush=True)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -92,36 +161,36 @@ def train(seed: int, warm_steps: int, steps: int, max_tokens: int, lr: float, ou
         lr=lr, betas=(0.9, 0.95),
     )  # fmt: skip
     model.train()
-    start, log = time.time(), []
-    running = 0.0
-    total = warm_steps + steps
-    for step in range(total):
-        if step < warm_steps:
-            level, tokens, step_lr = 1, max_tokens // 4, lr * min(1.0, (step + 1) / 50)
-        else:
-            level = level_at(rng, step - warm_steps, steps)
-            tokens, step_lr = max_tokens, lr_at(step - warm_steps, steps, lr, warmup=50)
-        input_ids, mask, labels = make_batch(streams, rng, level, tokens)
+    start, log, running = time.time(), [], 0.0
+    watch = monitor_batch()
+    for step in range(steps):
+        levels = levels_at(step, warm_steps, steps)
+        input_ids, labels = make_batch(streams, rng, levels, max_tokens, drill_frac)
         for group in opt.param_groups:
-            group["lr"] = step_lr
+            group["lr"] = lr_at(step, steps, lr, warmup=100)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+            loss = model(input_ids=input_ids, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         running += loss.item()
-        if (step + 1) % 50 == 0:
-            log.append({"step": step + 1, "loss": running / 50, "elapsed_s": time.time() - start})
-            print(f"step {step + 1}/{total} loss {running / 50:.4f} {time.time() - start:.0f}s", flush=True)
+        if (step + 1) % 200 == 0:
+            entry = {"step": step + 1, "loss": running / 200, "elapsed_s": time.time() - start, **monitor(model, watch)}
+            log.append(entry)
+            message = " ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in entry.items())
+            print(message, flush=True)
             running = 0.0
+        if (step + 1) % 2000 == 0 and step + 1 < steps:
+            save_checkpoint(model, out_dir)  # a usable checkpoint while training goes on
+            model.train()
     elapsed = time.time() - start
     model.eval()
     save_checkpoint(model, out_dir)
     summary = {
-        "seed": seed, "warm_steps": warm_steps, "steps": steps, "max_tokens_per_batch": max_tokens,
-        "peak_lr": lr, "parameters": n_params, "shape": GENERATOR_SHAPE, "train_seconds": elapsed,
-        "log": log,
+        "seed": seed, "steps": steps, "warm_steps": warm_steps, "max_tokens_per_batch": max_tokens,
+        "drill_fraction": drill_frac, "peak_lr": lr, "parameters": n_params, "shape": GENERATOR_SHAPE,
+        "train_seconds": elapsed, "log": log,
     }  # fmt: skip
     write_json(WORK_DIR / "generator_train.json", summary)
     return summary
@@ -130,13 +199,12 @@ def train(seed: int, warm_steps: int, steps: int, max_tokens: int, lr: float, ou
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--warm-steps", type=int, default=500)
-    parser.add_argument("--steps", type=int, default=1800)
-    parser.add_argument("--max-tokens", type=int, default=2048)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    for name, value in DEFAULTS.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     parser.add_argument("--out", type=Path, default=GENERATOR_DIR)
+    parser.add_argument("--init", type=Path, default=None, help="continue from this checkpoint")
     args = parser.parse_args()
-    train(args.seed, args.warm_steps, args.steps, args.max_tokens, args.lr, args.out)
+    train(args.seed, **{name: getattr(args, name) for name in DEFAULTS}, out_dir=args.out, init=args.init)
 
 
 if __name__ == "__main__":

@@ -32,11 +32,17 @@ from tools.arith.common import (
 from tools.arith.data import LEVELS, held_out_texts, problem_stream
 from tools.arith.prm_data import Example, synthetic_examples
 from tools.arith.prm_io import PRM_FORMAT, prm_input
-from tools.arith.sampling import generate, max_new_tokens_for
+from tools.arith.sampling import generate, load_llm, max_new_tokens_for
+from treeserve import LLM
 from treeserve.eval.arith_labels import split_steps, step_labels
 
+DEFAULTS = {
+    "on_policy_per_level": 160, "samples_per_problem": 4, "synthetic_per_level": 600,
+    "epochs": 1, "max_tokens": 2048, "lr": 5e-4,
+}  # fmt: skip
 
-def on_policy_examples(generator, problems_by_level: dict, n: int, seed: int) -> list[Example]:
+
+def on_policy_examples(generator: LLM, problems_by_level: dict, n: int, seed: int) -> list[Example]:
     out: list[Example] = []
     for lv, problems in problems_by_level.items():
         texts = [p.text for p in problems]
@@ -44,7 +50,7 @@ def on_policy_examples(generator, problems_by_level: dict, n: int, seed: int) ->
         for temperature, chunk in ((0.8, texts[:half]), (1.0, texts[half:])):
             samples = generate(
                 generator, chunk, max_new_tokens=max_new_tokens_for(lv), temperature=temperature,
-                n=n, seed=seed * 100 + lv, batch_size=128,
+                n=n, seed=seed * 100 + lv,
             )  # fmt: skip
             for text, completions in zip(chunk, samples, strict=True):
                 for completion in completions:
@@ -66,9 +72,8 @@ def train(
     start = time.time()
     exclude = held_out_texts()
     streams = {lv: problem_stream(random.Random(f"prm-problems-{seed}-{lv}"), lv, exclude) for lv in LEVELS}
-    generator = load_model(generator_dir)
     on_policy = on_policy_examples(
-        generator, {lv: [next(streams[lv]) for _ in range(on_policy_per_level)] for lv in LEVELS},
+        load_llm(generator_dir), {lv: [next(streams[lv]) for _ in range(on_policy_per_level)] for lv in LEVELS},
         samples_per_problem, seed,
     )  # fmt: skip
     sample_seconds = time.time() - start
@@ -86,7 +91,7 @@ def train(
         for pos, good in zip(tags, labels, strict=True):
             target[pos] = GOOD_ID if good else BAD_ID
         encoded.append((ids, target))
-    model = generator.train()  # the PRM starts as a copy of the generator
+    model = load_model(generator_dir).train()  # the PRM starts as a copy of the generator
     model.config._attn_implementation = "eager"
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     lengths = [len(ids) for ids, _ in encoded]
@@ -134,12 +139,8 @@ def train(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--on-policy-per-level", type=int, default=160)
-    parser.add_argument("--samples-per-problem", type=int, default=4)
-    parser.add_argument("--synthetic-per-level", type=int, default=600)
-    parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--max-tokens", type=int, default=2048)
-    parser.add_argument("--lr", type=float, default=5e-4)
+    for name, value in DEFAULTS.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     parser.add_argument("--generator", type=Path, default=GENERATOR_DIR)
     parser.add_argument("--out", type=Path, default=PRM_DIR)
     args = parser.parse_args()

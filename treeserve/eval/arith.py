@@ -7,9 +7,10 @@ solutions written the way reasoning models write them (one operation per step, s
 separated by a blank line, a final `The answer is \\boxed{N}.`), records shaped like
 MATH-500 and grading by the exact value of the boxed answer.
 
-A problem reads `Compute 3 * (25 - 7) + 40.` and its reference solution is::
+A problem reads `Compute (3 * (25 - 7)) + 40.` (expressions are fully parenthesised) and its
+reference solution is::
 
-    25 - 7 = 18, leaving 3 * 18 + 40.
+    25 - 7 = 18, leaving (3 * 18) + 40.
 
     3 * 18 = 54, leaving 54 + 40.
 
@@ -18,7 +19,7 @@ A problem reads `Compute 3 * (25 - 7) + 40.` and its reference solution is::
     The answer is \\boxed{94}.
 
 Each step computes the first operation whose operands are both numbers, in post-order
-(left to right, innermost first, `*` before `+`/`-`), and rewrites what is left.
+(the leftmost innermost parenthesis first), and rewrites what is left.
 
 It must never import torch, the engine or any model: it is pure, deterministic Python.
 Step-level labels for process reward models live in `arith_labels`.
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 OPS = ("+", "-", "*")
-PRECEDENCE = {"+": 1, "-": 1, "*": 2}
+PRECEDENCE = {"+": 1, "-": 1, "*": 2}  # for parsing input written without full parentheses
 STEP_SEPARATOR = "\n\n"
 SUBJECT = "arithmetic"
 
@@ -58,15 +59,14 @@ class LevelSpec:
     n_ops: int
     max_leaf: int  # leaves are drawn from 1..max_leaf (multipliers from 2..9)
     max_value: int  # every intermediate result lies in 0..max_value
-    parens: str  # "never", "any" or "required"
 
 
 LEVELS: dict[int, LevelSpec] = {
-    1: LevelSpec(n_ops=1, max_leaf=20, max_value=200, parens="never"),
-    2: LevelSpec(n_ops=2, max_leaf=15, max_value=150, parens="never"),
-    3: LevelSpec(n_ops=3, max_leaf=20, max_value=200, parens="any"),
-    4: LevelSpec(n_ops=4, max_leaf=20, max_value=250, parens="required"),
-    5: LevelSpec(n_ops=5, max_leaf=25, max_value=300, parens="required"),
+    1: LevelSpec(n_ops=1, max_leaf=12, max_value=50),
+    2: LevelSpec(n_ops=2, max_leaf=12, max_value=60),
+    3: LevelSpec(n_ops=3, max_leaf=15, max_value=80),
+    4: LevelSpec(n_ops=4, max_leaf=15, max_value=100),
+    5: LevelSpec(n_ops=5, max_leaf=20, max_value=120),
 }
 
 
@@ -87,13 +87,14 @@ def evaluate(expr: Expr) -> int:
 
 
 def render(expr: Expr) -> str:
-    """Print with the fewest parentheses that keep the tree (operators are left-associative)."""
+    """Print fully parenthesised: every operation inside another one is in parentheses, so
+    the order of operations is written out and no precedence rule is needed to read it."""
     if isinstance(expr, int):
         return str(expr)
     left, right = render(expr.left), render(expr.right)
-    if isinstance(expr.left, BinOp) and PRECEDENCE[expr.left.op] < PRECEDENCE[expr.op]:
+    if isinstance(expr.left, BinOp):
         left = f"({left})"
-    if isinstance(expr.right, BinOp) and PRECEDENCE[expr.right.op] <= PRECEDENCE[expr.op]:
+    if isinstance(expr.right, BinOp):
         right = f"({right})"
     return f"{left} {expr.op} {right}"
 
@@ -258,11 +259,6 @@ def make_problem(rng: random.Random, level: int) -> Problem:
     while True:
         expr = _random_tree(rng, spec.n_ops, spec)
         if any(v < 0 or v > spec.max_value for v in _intermediates(expr)):
-            continue
-        has_parens = "(" in render(expr)
-        if spec.parens == "never" and has_parens:
-            continue
-        if spec.parens == "required" and not has_parens:
             continue
         return Problem(expr, level)
 
