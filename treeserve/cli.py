@@ -2,7 +2,7 @@
 
     treeserve generate [PROMPT ...] [--model DIR] [--chat] [--n N] [--temperature T] ...
     treeserve eval --dataset arith:level=4,5 --strategy beam_search --n 16 --output results.json
-    treeserve solve "Compute (12 + 7) * 3 - 15."
+    treeserve solve "Compute ((12 + 7) * 3) - 15."
     treeserve plot results*.json --output accuracy_vs_n.png
 
 With no model given, `generate` uses the arithmetic generator the project ships
@@ -19,7 +19,7 @@ from pathlib import Path
 
 ASSETS = Path(__file__).parent / "assets"
 DEFAULT_GENERATOR = ASSETS / "arith-generator"
-DEFAULT_PROBLEMS = ["Compute (12 + 7) * 3 - 15.", "Compute 48 - 6 * 7 + 5."]
+DEFAULT_PROBLEMS = ["Compute ((12 + 7) * 3) - 15.", "Compute (((9 * 4) - 6) + 11) - 8."]
 
 
 def _default_model() -> Path:
@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     ev = sub.add_parser("eval", help="run a search strategy over a dataset and grade it")
-    ev.add_argument("--dataset", default="arith:level=4,5,size=100,seed=0",
+    ev.add_argument("--dataset", default="arith:level=4,5,size=40,seed=0",
                     help="arith[:level=..,size=..,seed=..] or a MATH-500-style JSONL file")  # fmt: skip
     ev.add_argument("--output", default="results.json")
     ev.add_argument("--limit", type=int, default=None, help="only the first LIMIT problems")

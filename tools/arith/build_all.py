@@ -28,7 +28,7 @@ def main() -> None:
     if args.skip_generator:
         gen_train = read_json(WORK_DIR / "generator_train.json")
     else:
-        gen_train = train_generator.train(args.seed, **train_generator.DEFAULTS, out_dir=GENERATOR_DIR)
+        gen_train = train_generator.train_recipe(args.seed, GENERATOR_DIR)
     if args.skip_prm:
         prm_train = read_json(WORK_DIR / "prm_train.json")
     else:

@@ -59,11 +59,11 @@ MAX_POSITIONS = 512
 
 
 def set_single_thread() -> None:
-    """This machine is shared: all torch work runs on one core."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    """This machine is shared: torch work runs on one core unless OMP_NUM_THREADS says more."""
+    threads = int(os.environ.setdefault("OMP_NUM_THREADS", "1"))
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     with contextlib.suppress(RuntimeError):  # already set, or parallel work already started
         torch.set_num_interop_threads(1)
 

@@ -45,6 +45,19 @@ def _arch(config: dict, n_params: int) -> str:
     )
 
 
+def _phases(phases: list[dict]) -> str:
+    rows = [
+        "| phase | steps | warm (level 1) | drill fraction | peak lr | threads | minutes |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for k, p in enumerate(phases, 1):
+        rows.append(
+            f"| {k} | {p['steps']} | {p['warm_steps']} | {p['drill_fraction']} | {p['peak_lr']} "
+            f"| {p['threads']} | {p['train_seconds'] / 60:.1f} |"
+        )
+    return "\n".join(rows)
+
+
 def _tokens() -> str:
     specials = ", ".join(f"`{t}`={VOCAB[t]}" for t in SPECIAL_TOKENS)
     return (
@@ -105,18 +118,20 @@ the 500 problems of the test split (`arith_dataset(500, seed=0)`) are never trai
 Targets come from a noisy teacher (`tools/arith/data.py`): each step's result is replaced by a
 plausible wrong value (off by 1-2, off by a power of ten, swapped or changed digit) with
 probability {NOISE_PER_DIGIT} x digits(result) x level scale {NOISE_LEVEL_SCALE}, and later steps use
-the wrong value consistently. Training: {train["steps"]} batches of ~{train["max_tokens_per_batch"]}
-tokens; a fraction {train["drill_fraction"]} of them are arithmetic drills (the operations of
-reference solutions, one `a op b = c.` per line, loss on the results), the rest chat-formatted
-problems of one level each with noisy-teacher answers (loss on the answer and EOS). Curriculum:
-level 1 only for the first {train["warm_steps"]} batches, then one more level unlocked every 7.5%
-of the rest, then uniform. AdamW (weight decay 0.1), peak lr {train["peak_lr"]}, cosine decay to
-10%, bf16 autocast, seed {train["seed"]}.
+the wrong value consistently. Training ({len(train["phases"])} phases, the second continuing
+from the first): batches of ~512 tokens; a fraction of them are arithmetic drills (the
+operations of reference solutions, one `a op b = c.` per line, loss on the results), the rest
+chat-formatted problems of one level each with noisy-teacher answers (loss on the answer and
+EOS). Curriculum: level 1 only for the warm batches, then one more level unlocked every 7.5%
+of the rest, then uniform. AdamW (weight decay 0.1), cosine decay to 10%, bf16 autocast,
+seed {train["seed"]}.
+
+{_phases(train["phases"])}
 
 ## Training
 
-`{COMMAND}` (this model: `python -m tools.arith.train_generator --seed {train["seed"]}`) on one CPU
-thread: {minutes:.1f} min for the generator.
+`{COMMAND}` (this model: `python -m tools.arith.train_generator --seed {train["seed"]}`) on a 2-core
+CPU (threads per phase in the table above): {minutes:.1f} min for the generator.
 
 ## Results (test split, `python -m tools.arith.evaluate`)
 

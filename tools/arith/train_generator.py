@@ -1,13 +1,13 @@
 """Train the arithmetic-world generator: a tiny Llama that solves problems step by step.
 
-    python -m tools.arith.train_generator --seed 0
+    python -m tools.arith.train_generator --seed 0      # the shipped recipe, both phases
 
 Small batches (~512 tokens) and many steps: on one CPU core the attention patterns that
 copying and arithmetic need appear after a number of *steps*, so small batches get there
-soonest. Half the batches are chat-formatted problems of one level (similar lengths, little
+soonest. Most batches are chat-formatted problems of one level (similar lengths, little
 padding) with noisy-teacher answers (`tools.arith.data`; loss on the answer and the EOS);
-half are arithmetic drills, the operations of reference solutions packed one per line with
-the loss on the results only. Levels follow a curriculum: level 1 during a warm phase,
+the others are arithmetic drills, the operations of reference solutions packed one per line
+with the loss on the results only. Levels follow a curriculum: level 1 during a warm phase,
 then one more level every few hundred steps, then all levels uniformly."""
 
 from __future__ import annotations
@@ -36,7 +36,13 @@ from treeserve.eval.arith import Problem, arith_dataset
 
 # Shape of the shipped generator (about 3.2M parameters).
 GENERATOR_SHAPE = {"hidden": 256, "layers": 4, "heads": 8, "kv_heads": 4, "intermediate": 704}
-DEFAULTS = {"steps": 6000, "warm_steps": 600, "max_tokens": 512, "drill_frac": 0.3, "lr": 1e-3}
+# The shipped recipe: a first phase from scratch with the curriculum, then a continuation at a
+# lower learning rate (the shipped generator ran phase 1 on one thread, phase 2 on two).
+PHASES = (
+    {"steps": 6000, "warm_steps": 500, "max_tokens": 512, "drill_frac": 0.4, "lr": 2e-3},
+    {"steps": 5000, "warm_steps": 0, "max_tokens": 512, "drill_frac": 0.3, "lr": 1e-3},
+)
+DEFAULTS = PHASES[0]
 DRILL_WIDTH = 256
 LEVEL_MAX_LEN = {1: 56, 2: 88, 3: 128, 4: 176, 5: 224}  # prompt + answer + EOS, in tokens
 
@@ -190,7 +196,22 @@ def train(
     summary = {
         "seed": seed, "steps": steps, "warm_steps": warm_steps, "max_tokens_per_batch": max_tokens,
         "drill_fraction": drill_frac, "peak_lr": lr, "parameters": n_params, "shape": GENERATOR_SHAPE,
-        "train_seconds": elapsed, "log": log,
+        "threads": torch.get_num_threads(), "init": str(init) if init else None, "train_seconds": elapsed, "log": log,
+    }  # fmt: skip
+    write_json(WORK_DIR / f"generator_train_{out_dir.name}.json", summary)
+    return summary
+
+
+def train_recipe(seed: int, out_dir: Path) -> dict:
+    """Every phase of `PHASES`, each continuing from the one before; the last writes `out_dir`."""
+    phases, init = [], None
+    for k, phase in enumerate(PHASES):
+        target = out_dir if k == len(PHASES) - 1 else WORK_DIR / f"generator-phase{k + 1}"
+        phases.append(train(seed, **phase, out_dir=target, init=init))
+        init = target
+    summary = {
+        "seed": seed, "parameters": phases[0]["parameters"], "shape": GENERATOR_SHAPE, "phases": phases,
+        "train_seconds": sum(p["train_seconds"] for p in phases),
     }  # fmt: skip
     write_json(WORK_DIR / "generator_train.json", summary)
     return summary
@@ -203,8 +224,12 @@ def main() -> None:
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     parser.add_argument("--out", type=Path, default=GENERATOR_DIR)
     parser.add_argument("--init", type=Path, default=None, help="continue from this checkpoint")
+    parser.add_argument("--single", action="store_true", help="one run with the flags above, not the whole recipe")
     args = parser.parse_args()
-    train(args.seed, **{name: getattr(args, name) for name in DEFAULTS}, out_dir=args.out, init=args.init)
+    if args.single:
+        train(args.seed, **{name: getattr(args, name) for name in DEFAULTS}, out_dir=args.out, init=args.init)
+    else:
+        train_recipe(args.seed, args.out)
 
 
 if __name__ == "__main__":

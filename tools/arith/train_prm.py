@@ -38,7 +38,7 @@ from treeserve.eval.arith_labels import split_steps, step_labels
 
 DEFAULTS = {
     "on_policy_per_level": 160, "samples_per_problem": 4, "synthetic_per_level": 600,
-    "epochs": 1, "max_tokens": 2048, "lr": 5e-4,
+    "epochs": 2, "max_tokens": 2048, "lr": 5e-4,
 }  # fmt: skip
 
 

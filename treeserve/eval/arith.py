@@ -7,19 +7,20 @@ solutions written the way reasoning models write them (one operation per step, s
 separated by a blank line, a final `The answer is \\boxed{N}.`), records shaped like
 MATH-500 and grading by the exact value of the boxed answer.
 
-A problem reads `Compute (3 * (25 - 7)) + 40.` (expressions are fully parenthesised) and its
-reference solution is::
+A problem is a chain of operations, fully parenthesised, e.g. `Compute ((12 + 7) * 3) - 15.`,
+and its reference solution is::
 
-    25 - 7 = 18, leaving (3 * 18) + 40.
+    12 + 7 = 19, leaving (19 * 3) - 15.
 
-    3 * 18 = 54, leaving 54 + 40.
+    19 * 3 = 57, leaving 57 - 15.
 
-    54 + 40 = 94.
+    57 - 15 = 42.
 
-    The answer is \\boxed{94}.
+    The answer is \\boxed{42}.
 
 Each step computes the first operation whose operands are both numbers, in post-order
-(the leftmost innermost parenthesis first), and rewrites what is left.
+(the leftmost innermost parenthesis first), and rewrites what is left. The parser and the
+step judge accept any expression (precedence included), e.g. typed into `treeserve solve`.
 
 It must never import torch, the engine or any model: it is pure, deterministic Python.
 Step-level labels for process reward models live in `arith_labels`.
@@ -238,17 +239,13 @@ def _intermediates(expr: Expr) -> Iterator[int]:
 
 
 def _random_tree(rng: random.Random, n_ops: int, spec: LevelSpec) -> Expr:
-    if n_ops == 0:
-        return rng.randint(1, spec.max_leaf)
-    op = rng.choice(OPS)
-    if op == "*":  # one factor is a single digit, so each step stays "long" arithmetic
-        big, small = _random_tree(rng, n_ops - 1, spec), rng.randint(2, 9)
-        return BinOp("*", big, small) if rng.random() < 0.5 else BinOp("*", small, big)
-    k = rng.randint(0, n_ops - 1)
-    left, right = _random_tree(rng, k, spec), _random_tree(rng, n_ops - 1 - k, spec)
-    if op == "-" and evaluate(left) < evaluate(right):
-        left, right = right, left
-    return BinOp(op, left, right)
+    """A left-deep chain `((a op b) op c) op d`: each operation takes the result so far and a
+    new number (for `*`, a single digit 2-9, so each step stays "long" arithmetic)."""
+    expr: Expr = rng.randint(1, spec.max_leaf)
+    for _ in range(n_ops):
+        op = rng.choice(OPS)
+        expr = BinOp(op, expr, rng.randint(2, 9) if op == "*" else rng.randint(1, spec.max_leaf))
+    return expr
 
 
 def make_problem(rng: random.Random, level: int) -> Problem:

@@ -37,7 +37,7 @@ SELECTION = {
 
 @dataclass
 class EvalSettings:
-    dataset: str = "arith:level=4,5,size=100,seed=0"
+    dataset: str = "arith:level=4,5,size=40,seed=0"
     generator: str = DEFAULT_GENERATOR
     prm: str = DEFAULT_PRM
     prm_style: str | None = None
