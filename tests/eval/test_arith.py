@@ -7,6 +7,7 @@ no transformers); running them through the engine is tested with the engine.
 from __future__ import annotations
 
 import json
+import re
 import random
 import struct
 from pathlib import Path
@@ -185,11 +186,12 @@ def test_checkpoint_tokenizer_and_chat_template(ckpt: Path) -> None:
     assert tokenizer.get_vocab_size() == config["vocab_size"]
     assert tokenizer.token_to_id(tok_config["eos_token"]) == config["eos_token_id"]
     assert tokenizer.token_to_id(tok_config["bos_token"]) == config["bos_token_id"]
-    for digit in "0123456789":
-        assert tokenizer.encode(digit).tokens == [digit]
+    for number in ("0", "7", "42", "007", "999"):
+        assert tokenizer.encode(number).tokens == [number]  # numbers of up to 3 digits are one token
+    assert tokenizer.encode("1234").tokens == ["123", "4"]
     text = "12 + 7 = 19, leaving 19 * 3 - 15.\n\nThe answer is \\boxed{42}."
     encoding = tokenizer.encode(text)
-    assert len(encoding.ids) == len(text)  # one token per character
+    assert encoding.tokens == re.findall(r"\d{1,3}|[\s\S]", text)  # other characters one token each
     assert tokenizer.decode(encoding.ids) == text
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)

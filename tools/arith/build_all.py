@@ -14,7 +14,7 @@ import time
 
 from tools.arith import evaluate, train_generator, train_prm
 from tools.arith.common import GENERATOR_DIR, PRM_DIR, WORK_DIR, read_json, set_single_thread, write_json
-from tools.arith.model_card import write_cards
+from tools.arith.model_card import minutes_text, write_cards
 
 
 def main() -> None:
@@ -26,7 +26,8 @@ def main() -> None:
     set_single_thread()
     start = time.time()
     if args.skip_generator:
-        gen_train = read_json(WORK_DIR / "generator_train.json")
+        log = WORK_DIR / "generator_train.json"
+        gen_train = read_json(log) if log.exists() else train_generator.recipe_summary(args.seed)
     else:
         gen_train = train_generator.train_recipe(args.seed, GENERATOR_DIR)
     if args.skip_prm:
@@ -39,7 +40,7 @@ def main() -> None:
     total = time.time() - start
     print(evaluate.format_table(results))
     print(
-        f"generator training {gen_train['train_seconds'] / 60:.1f} min, PRM sampling "
+        f"generator training {minutes_text(gen_train['train_seconds'])} min, PRM sampling "
         f"{prm_train['sample_seconds'] / 60:.1f} min + training {prm_train['train_seconds'] / 60:.1f} min, "
         f"build total {total / 60:.1f} min"
     )

@@ -45,6 +45,11 @@ def _arch(config: dict, n_params: int) -> str:
     )
 
 
+def minutes_text(seconds: float | None) -> str:
+    """Minutes, or a plain statement that the run's time was not recorded."""
+    return "not recorded" if seconds is None else f"{seconds / 60:.1f}"
+
+
 def _phases(phases: list[dict]) -> str:
     rows = [
         "| phase | steps | warm (level 1) | drill fraction | peak lr | threads | minutes |",
@@ -53,7 +58,7 @@ def _phases(phases: list[dict]) -> str:
     for k, p in enumerate(phases, 1):
         rows.append(
             f"| {k} | {p['steps']} | {p['warm_steps']} | {p['drill_fraction']} | {p['peak_lr']} "
-            f"| {p['threads']} | {p['train_seconds'] / 60:.1f} |"
+            f"| {p['threads']} | {minutes_text(p['train_seconds'])} |"
         )
     return "\n".join(rows)
 
@@ -71,7 +76,7 @@ def _tokens() -> str:
 
 def generator_card(ckpt: Path, train: dict, results: dict) -> str:
     config = read_json(ckpt / "config.json")
-    minutes = train["train_seconds"] / 60
+    minutes = minutes_text(train["train_seconds"])
     return f"""# arith-generator
 
 The generator of treeserve's built-in arithmetic world: a tiny Llama that solves multi-step
@@ -131,7 +136,7 @@ seed {train["seed"]}.
 ## Training
 
 `{COMMAND}` (this model: `python -m tools.arith.train_generator --seed {train["seed"]}`) on a 2-core
-CPU (threads per phase in the table above): {minutes:.1f} min for the generator.
+CPU (threads per phase in the table above): {minutes} min for the generator.
 
 ## Results (test split, `python -m tools.arith.evaluate`)
 

@@ -217,6 +217,24 @@ def train_recipe(seed: int, out_dir: Path) -> dict:
     return summary
 
 
+def recipe_summary(seed: int) -> dict:
+    """What `train_recipe` reports, from the recipe alone (no timings): for model cards of a
+    generator whose training log is gone (the shipped one ran phase 1 on one thread, phase 2 on two)."""
+    n_params = sum(int.__mul__(*t.shape) if t.dim() == 2 else t.numel() for t in _weights(GENERATOR_DIR).values())
+    phases = [
+        {"seed": seed, "steps": p["steps"], "warm_steps": p["warm_steps"], "max_tokens_per_batch": p["max_tokens"],
+         "drill_fraction": p["drill_frac"], "peak_lr": p["lr"], "threads": k + 1, "train_seconds": None}
+        for k, p in enumerate(PHASES)
+    ]  # fmt: skip
+    return {"seed": seed, "parameters": n_params, "shape": GENERATOR_SHAPE, "phases": phases, "train_seconds": None}
+
+
+def _weights(ckpt: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(ckpt / "model.safetensors"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
