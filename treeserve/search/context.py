@@ -7,6 +7,7 @@ scores of a beam's steps, through the score cache when it is on).
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field, replace
 
 from treeserve.outputs import CompletionOutput
@@ -140,6 +141,7 @@ class SearchContext:
     cache: ScoreCache = field(default_factory=ScoreCache)
     prm_tree: TreeTokens = field(default_factory=TreeTokens)  # distinct tokens the PRM was shown
     prm_requests: int = 0
+    in_flight: dict[int, asyncio.Future] = field(default_factory=dict)  # prefix key -> scores being computed
 
     def __post_init__(self) -> None:
         if self.prm is not None:
@@ -222,18 +224,41 @@ class SearchContext:
         return child
 
     async def score(self, problem: Problem, steps: list[str]) -> list[float]:
-        """PRM scores of every step; with the score cache, only steps never scored are read."""
+        """PRM scores of every step; with the score cache, only steps never scored are read,
+        and beams with the same steps asking at the same time share one PRM request."""
         if self.prm is None:
             raise ValueError(f"strategy {self.config.strategy!r} needs a PRM")
         if not steps:
             return []
+        if not self.config.score_cache:
+            self.prm_requests += 1
+            return await self.prm.score(problem.question, steps)
         keys = prefix_keys(problem.question, steps)
-        known = self.cache.known(keys) if self.config.score_cache else []
+        known = self.cache.known(keys)
         if len(known) == len(steps):
             return known
-        self.prm_requests += 1
-        new = await self.prm.score(problem.question, steps, start=len(known))
-        scores = known + new
-        if self.config.score_cache:
-            self.cache.store(keys, scores)
+        pending = self.in_flight.get(keys[-1])
+        if pending is not None:
+            try:
+                return list(await asyncio.shield(pending))
+            except asyncio.CancelledError:
+                if not pending.cancelled():
+                    raise  # this caller was cancelled
+                # the request it waited on was cancelled with its own caller: score here
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.in_flight[keys[-1]] = future
+        try:
+            self.prm_requests += 1
+            scores = known + await self.prm.score(problem.question, steps, start=len(known))
+        except asyncio.CancelledError:
+            future.cancel()
+            raise
+        except Exception as e:
+            future.set_exception(e)
+            future.exception()  # mark it retrieved: waiters re-raise it, and nobody else needs to
+            raise
+        finally:
+            self.in_flight.pop(keys[-1], None)
+        self.cache.store(keys, scores)
+        future.set_result(scores)
         return scores
