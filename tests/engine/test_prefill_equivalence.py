@@ -62,3 +62,20 @@ def test_generation_after_prefix_hit_matches(llama_dir, make_llm):
     warm = warm_llm.generate([TEXT], params)[0]
     assert warm.num_cached_tokens > 0
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+
+
+def test_requests_sent_together_compute_a_shared_prefix_once(llama_dir, make_llm):
+    """Beams send the same prompt at the same moment: the first computes the shared pages, the
+    others wait for the prefix cache instead of computing them again; outputs are unchanged."""
+    from treeserve import SamplingParams
+
+    llm = make_llm(llama_dir)
+    ids = llm.get_tokenizer().encode(TEXT)
+    shared = ids[:48]  # three full pages
+    prompts = [{"prompt_token_ids": shared + [7 + k, 9]} for k in range(6)]
+    params = SamplingParams(temperature=0.8, max_tokens=4, ignore_eos=True, seed=3)
+    together = llm.generate(prompts, params)
+    assert llm.engine.num_computed_tokens == 48 + 6 * 2 + 6 * 3  # prefix once, tails, decodes
+    assert llm.engine.blocks.stats.hits == 5 * 3
+    alone = [make_llm(llama_dir).generate([p], params)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]

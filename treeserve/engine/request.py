@@ -38,6 +38,10 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
+    # prefix cache: keys of the full prompt blocks this sequence computes itself (from block
+    # `promised_from` on); sequences waiting for the same blocks wait for the cache instead
+    promised_blocks: list[int] = field(default_factory=list)
+    promised_from: int = 0
     pending_forks: int = 0  # siblings to fork when the prompt is computed
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Logprob]] | None = None

@@ -13,7 +13,7 @@ from collections import deque
 
 from treeserve.engine.model_runner import ScheduledSeq
 from treeserve.engine.request import SeqStatus, Sequence
-from treeserve.kv.block_manager import BlockManager
+from treeserve.kv.block_manager import BlockManager, PrefixHit
 
 
 class Scheduler:
@@ -54,12 +54,18 @@ class Scheduler:
             batch.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
             scheduled.add(seq.seq_id)
             budget -= n
+        promised = self._promised_blocks()
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             width = 1 + seq.pending_forks
             if self.running and len(self.running) + width > self.max_num_seqs:
                 break
-            item = self._admit(seq, budget)
+            hit = self._lookup(seq)
+            if hit.missed and hit.missed[0] in promised:  # a running prefill is computing it: wait for the cache
+                deferred.append(self.waiting.popleft())
+                continue
+            item = self._admit(seq, hit, budget)
             if item is None:
                 break
             self.waiting.popleft()
@@ -67,7 +73,29 @@ class Scheduler:
             self.running.append(seq)
             batch.append(item)
             budget -= item.num_tokens
+            promised.update(seq.promised_blocks)
+        self.waiting.extendleft(reversed(deferred))
         return batch, copies
+
+    def _promised_blocks(self) -> set[int]:
+        """Keys of the full prompt blocks that running prefills will compute and cache. A waiting
+        sequence whose next block is among them waits a step and then finds it cached, instead of
+        computing it a second time (n beams sent the same prompt at once)."""
+        promised: set[int] = set()
+        for seq in self.running:
+            if seq.promised_blocks:
+                done = len(seq.block_hashes) - seq.promised_from
+                if done >= len(seq.promised_blocks):
+                    seq.promised_blocks = []
+                else:
+                    promised.update(seq.promised_blocks[max(done, 0) :])
+        return promised
+
+    def _lookup(self, seq: Sequence) -> PrefixHit:
+        limit = len(seq.token_ids) - 1  # always compute at least the last token
+        if seq.request.score is not None:
+            limit = min(limit, seq.request.score.positions[0])
+        return self.blocks.find_prefix(seq.token_ids, limit)
 
     def _make_room(self, seq: Sequence, n: int, scheduled: set[int]) -> bool:
         """Preempt later sequences until `seq` can grow by n tokens; False if seq itself went."""
@@ -80,11 +108,7 @@ class Scheduler:
                 return False
         return True
 
-    def _admit(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
-        limit = len(seq.token_ids) - 1  # always compute at least the last token
-        if seq.request.score is not None:
-            limit = min(limit, seq.request.score.positions[0])
-        hit = self.blocks.find_prefix(seq.token_ids, limit)
+    def _admit(self, seq: Sequence, hit: PrefixHit, budget: int) -> ScheduledSeq | None:
         start = len(hit.blocks) * self.blocks.block_size
         n = min(len(seq.token_ids) - start, budget)
         table = list(hit.blocks)
@@ -95,6 +119,7 @@ class Scheduler:
         seq.block_table = table
         seq.block_hashes = list(hit.hashes)
         seq.num_computed_tokens = start
+        seq.promised_blocks, seq.promised_from = hit.missed, len(hit.blocks)
         if seq.request.num_cached_tokens == 0:
             seq.request.num_cached_tokens = start
         self.blocks.grow(seq.block_table, start, start + n)
@@ -103,6 +128,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         self.blocks.release(seq.block_table)
         seq.block_hashes.clear()
+        seq.promised_blocks = []
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
         self.running.remove(seq)
