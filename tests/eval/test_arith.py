@@ -7,8 +7,8 @@ no transformers); running them through the engine is tested with the engine.
 from __future__ import annotations
 
 import json
-import re
 import random
+import re
 import struct
 from pathlib import Path
 
