@@ -58,7 +58,7 @@ def run(name: str, settings: EvalSettings, config: SearchConfig, out: Path) -> l
         correct = (
             sum(p["correct"] for p in problems)
             if selection is None
-            else round(summary[f"{selection}@{config.n}"] * len(problems))
+            else round(summary[f"{selection}@n"][str(config.n)] * len(problems))
         )
         label = {"naive": "best_of_n", "weighted": "weighted_best_of_n"}.get(selection or "", name)
         low, high = wilson(correct, len(problems))

@@ -244,3 +244,21 @@ def test_load_prm_detects_style(prm_dirs, arith_dir):
             await load_prm(runtime, "value_head").score(QUESTION, [])
 
     serve(all_dirs(prm_dirs, arith_dir), body)
+
+
+def test_steps_past_the_prm_context_score_zero(arith_dir):
+    """A beam longer than the PRM's context is not an error: its unreadable steps score 0 (search
+    drops it) and the readable ones keep the scores they have in a full read."""
+
+    async def body(runtime: Runtime) -> None:
+        prm = load_prm(runtime, "step_tag", style="step_tag")
+        ids, positions = prm.build(ARITH_QUESTION, ARITH_STEPS)
+        full = await prm.score(ARITH_QUESTION, ARITH_STEPS)
+        limit = positions[1] + 1  # room for the first two tags only
+        runtime.engine("step_tag").max_model_len = limit
+        cut = await prm.score(ARITH_QUESTION, ARITH_STEPS)
+        assert len(cut) == len(ARITH_STEPS) and cut[2:] == [0.0] * (len(ARITH_STEPS) - 2)
+        assert max(abs(a - b) for a, b in zip(cut[:2], full[:2], strict=True)) <= TOL
+        assert await prm.score(ARITH_QUESTION, ARITH_STEPS, start=2) == [0.0] * (len(ARITH_STEPS) - 2)
+
+    serve({"step_tag": arith_dir}, body)

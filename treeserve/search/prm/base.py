@@ -43,7 +43,15 @@ class PRM(ABC):
         if not steps or not 0 <= start < len(steps):
             raise ValueError(f"need at least one step to score after start={start}, got {len(steps)} steps")
         ids, positions = self.build(question, steps)
+        # Steps whose read position lies past the PRM's context cannot be read: they score 0,
+        # so search drops the beam (it has outgrown the verifier) instead of failing the problem.
+        limit = self.runtime.engine(self.model).max_model_len
+        readable = [p for p in positions[start:] if p < limit]
+        unread = [0.0] * (len(positions) - start - len(readable))
+        if not readable:
+            return unread
+        ids = ids[: max(readable) + 1]
         if self.on_input is not None:
             self.on_input(ids)
-        out = await self.runtime.score(self.model, ids, self.score_params(positions[start:]))
-        return self.read(out)
+        out = await self.runtime.score(self.model, ids, self.score_params(readable))
+        return self.read(out) + unread
