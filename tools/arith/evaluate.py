@@ -58,7 +58,9 @@ def evaluate(
     results["generator_eval_seconds"] = time.time() - start
     del llm
     if prm_dir is not None:
-        results["prm"] = prm_auc(load_model(prm_dir), held_out)
+        prm = load_model(prm_dir)
+        results["prm"] = prm_auc(prm, held_out)
+        results["prm"]["corruptions"] = corruption_check(prm)
         for lv in LEVELS:
             results["levels"][lv]["prm_auc"] = results["prm"]["by_level"][lv]["auc"]
     return results
@@ -81,6 +83,44 @@ def prm_auc(prm, held_out: list[tuple[int, str, list[str]]]) -> dict:
         all_y += y
     out["auc"] = roc_auc(all_s, all_y)
     out["steps"], out["bad_steps"] = len(all_y), len(all_y) - sum(all_y)
+    return out
+
+
+def corruption_check(prm, per_kind: int = 45, seed: int = 5) -> dict:
+    """Can the PRM tell a wrong step from a right one at the same depth? For each kind of
+    synthetic mistake (`tools.arith.prm_data`), on training-stream problems of levels 3-5: the
+    mean score of the first wrong step, of the right step just before it, and the step AUC.
+    Step AUC on generator samples also rewards knowing that deep steps are more often wrong
+    (one wrong step makes every later step wrong); this check does not."""
+    import random
+
+    from tools.arith.data import problem_stream
+    from tools.arith.prm_data import KINDS, corrupted_steps
+
+    rng = random.Random(seed)
+    out: dict = {}
+    for kind in KINDS:
+        items, labels = [], []
+        for lv in (3, 4, 5):
+            stream = problem_stream(random.Random(f"check-{seed}-{lv}"), lv, set())
+            for _ in range(per_kind // 3):
+                problem = next(stream)
+                steps = corrupted_steps(rng, problem, kind)
+                items.append((problem.text, steps))
+                labels.append(step_labels(problem.text, steps))
+        scores = score_steps(prm, items)
+        wrong, before = [], []
+        for s, y in zip(scores, labels, strict=True):
+            if False in y:
+                i = y.index(False)
+                wrong.append(s[i])
+                if i:
+                    before.append(s[i - 1])
+        out[kind] = {
+            "first_wrong": sum(wrong) / len(wrong),
+            "right_before": sum(before) / len(before) if before else float("nan"),
+            "auc": roc_auc([x for s in scores for x in s], [x for y in labels for x in y]),
+        }
     return out
 
 

@@ -151,6 +151,13 @@ requests); bf16 compute can differ by a few problems.
 """
 
 
+def _corruption_rows(corruptions: dict) -> str:
+    rows = ["| mistake | first wrong step | right step before it | step AUC |", "|---|---|---|---|"]
+    for kind, m in corruptions.items():
+        rows.append(f"| {kind} | {m['first_wrong']:.2f} | {m['right_before']:.2f} | {m['auc']:.3f} |")
+    return "\n".join(rows)
+
+
 def prm_card(ckpt: Path, train: dict, results: dict) -> str:
     config = read_json(ckpt / "config.json")
     prm = results["prm"]
@@ -191,11 +198,12 @@ A step is good iff its arithmetic is right and it uses correct earlier results
 expression with correct operands, its result and its rewritten rest are exact; the final step
 is good iff its boxed value is the true answer). Training solutions: {train["on_policy_solutions"]}
 on-policy samples of the generator (T=0.8 and T=1.0) on training problems, plus
-{train["synthetic_solutions"]} synthetic corruptions of reference solutions (wrong result, several
-slips, miscopied operand, miscopied rest, wrong order of operations, wrong final answer);
+{train["synthetic_solutions"]} synthetic solutions: reference solutions corrupted on purpose (wrong result,
+several slips, miscopied operand, miscopied rest, wrong order of operations, wrong final answer),
+each next to its correct reference, so that the pair differs only where the mistake is;
 {train["steps_labelled"]} labelled steps, {train["bad_steps"]} bad. Loss: cross-entropy of the label
-token at tag positions only; {train["optimizer_steps"]} AdamW steps (~{train["max_tokens_per_batch"]}
-tokens each), peak lr {train["peak_lr"]}, bf16 autocast, seed {train["seed"]}.
+token at tag positions only; {train["optimizer_steps"]} AdamW steps ({train["epochs"]} epochs,
+~{train["max_tokens_per_batch"]} tokens each), peak lr {train["peak_lr"]}, bf16 autocast, seed {train["seed"]}.
 
 ## Training
 
@@ -210,6 +218,23 @@ Step-level ROC-AUC on held-out generator samples (test-split problems, T={result
 labels from `step_labels`:
 
 {chr(10).join(rows)}
+
+## Known limitation: it barely tells a wrong step from a right one at the same depth
+
+Step AUC on generator samples rewards knowing that deep steps are more often wrong (after one
+wrong step every later step is wrong). Synthetic mistakes on levels 3-5 separate that from
+checking the step itself: the mean score of the first wrong step against the right step just
+before it (`tools.arith.evaluate.corruption_check`):
+
+{_corruption_rows(prm.get("corruptions", dict()))}
+
+Checking a step means comparing numbers across positions (a result with its operands, a
+rewritten expression with the previous one, the boxed answer with the last result). A model of
+this size learns such a comparison only after several hundred optimizer steps of steady signal
+for it: trained on the boxed-answer mistake alone it separates right from wrong (0.93 against
+0.05) after about 700 steps; with every kind of mistake mixed, as here, the checks had not
+formed after 6,600 steps. So PRM-guided search does not beat majority voting with this PRM yet
+(`BENCHMARKS.md`); a PRM that checks steps is the next piece of work on the arithmetic world.
 """
 
 

@@ -116,8 +116,12 @@ def corrupted_steps(rng: random.Random, problem: Problem, kind: str) -> list[str
 
 
 def synthetic_examples(rng: random.Random, problems: list[Problem]) -> list[Example]:
+    """A corrupted solution of each problem and, beside it, the correct one: the pair differs
+    only where the mistake is, so the label's gradient points at the mistake itself rather
+    than at how deep the step is."""
     out: list[Example] = []
     for problem in problems:
         steps = corrupted_steps(rng, problem, rng.choice(KINDS))
         out.append((problem.text, steps, step_labels(problem.text, steps)))
+        out.append((problem.text, list(problem.steps), step_labels(problem.text, problem.steps)))
     return out

@@ -37,8 +37,8 @@ from treeserve import LLM
 from treeserve.eval.arith_labels import split_steps, step_labels
 
 DEFAULTS = {
-    "on_policy_per_level": 160, "samples_per_problem": 4, "synthetic_per_level": 600,
-    "epochs": 2, "max_tokens": 2048, "lr": 5e-4,
+    "on_policy_per_level": 400, "samples_per_problem": 4, "synthetic_per_level": 1500,
+    "epochs": 4, "max_tokens": 2048, "lr": 1e-3,
 }  # fmt: skip
 
 
