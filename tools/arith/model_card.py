@@ -136,7 +136,7 @@ seed {train["seed"]}.
 ## Training
 
 `{COMMAND}` (this model: `python -m tools.arith.train_generator --seed {train["seed"]}`) on a 2-core
-CPU (threads per phase in the table above): {minutes} min for the generator.
+CPU (threads per phase in the table above); generator training time in minutes: {minutes}.
 
 ## Results (test split, `python -m tools.arith.evaluate`)
 
