@@ -11,10 +11,13 @@ pass@n; then the PRM's step-level ROC-AUC on those held-out samples, steps label
 from __future__ import annotations
 
 import argparse
+import random
 import time
 from pathlib import Path
 
 from tools.arith.common import GENERATOR_DIR, PRM_DIR, WORK_DIR, load_model, set_single_thread, write_json
+from tools.arith.data import problem_stream
+from tools.arith.prm_data import KINDS, corrupted_steps
 from tools.arith.prm_io import roc_auc, score_steps
 from tools.arith.sampling import generate, load_llm, max_new_tokens_for
 from treeserve.eval.arith import arith_dataset, grade
@@ -92,11 +95,6 @@ def corruption_check(prm, per_kind: int = 45, seed: int = 5) -> dict:
     mean score of the first wrong step, of the right step just before it, and the step AUC.
     Step AUC on generator samples also rewards knowing that deep steps are more often wrong
     (one wrong step makes every later step wrong); this check does not."""
-    import random
-
-    from tools.arith.data import problem_stream
-    from tools.arith.prm_data import KINDS, corrupted_steps
-
     rng = random.Random(seed)
     out: dict = {}
     for kind in KINDS:

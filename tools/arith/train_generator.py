@@ -42,6 +42,7 @@ PHASES = (
     {"steps": 6000, "warm_steps": 500, "max_tokens": 512, "drill_frac": 0.4, "lr": 2e-3},
     {"steps": 5000, "warm_steps": 0, "max_tokens": 512, "drill_frac": 0.3, "lr": 1e-3},
 )
+SHIPPED_THREADS = (1, 2)  # threads each phase of the shipped generator's run had
 DEFAULTS = PHASES[0]
 DRILL_WIDTH = 256
 LEVEL_MAX_LEN = {1: 56, 2: 88, 3: 128, 4: 176, 5: 224}  # prompt + answer + EOS, in tokens
@@ -220,11 +221,11 @@ def train_recipe(seed: int, out_dir: Path) -> dict:
 def recipe_summary(seed: int) -> dict:
     """What `train_recipe` reports, from the recipe alone (no timings): for model cards of a
     generator whose training log is gone (the shipped one ran phase 1 on one thread, phase 2 on two)."""
-    n_params = sum(int.__mul__(*t.shape) if t.dim() == 2 else t.numel() for t in _weights(GENERATOR_DIR).values())
+    n_params = sum(t.numel() for t in _weights(GENERATOR_DIR).values())
     phases = [
         {"seed": seed, "steps": p["steps"], "warm_steps": p["warm_steps"], "max_tokens_per_batch": p["max_tokens"],
-         "drill_fraction": p["drill_frac"], "peak_lr": p["lr"], "threads": k + 1, "train_seconds": None}
-        for k, p in enumerate(PHASES)
+         "drill_fraction": p["drill_frac"], "peak_lr": p["lr"], "threads": threads, "train_seconds": None}
+        for p, threads in zip(PHASES, SHIPPED_THREADS, strict=True)
     ]  # fmt: skip
     return {"seed": seed, "parameters": n_params, "shape": GENERATOR_SHAPE, "phases": phases, "train_seconds": None}
 

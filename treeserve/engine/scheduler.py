@@ -54,7 +54,7 @@ class Scheduler:
             batch.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
             scheduled.add(seq.seq_id)
             budget -= n
-        promised = self._promised_blocks()
+        promised = self._promised_blocks() if self.waiting else set()
         deferred: list[Sequence] = []
         while self.waiting and budget > 0:
             seq = self.waiting[0]
@@ -88,7 +88,7 @@ class Scheduler:
                 if done >= len(seq.promised_blocks):
                     seq.promised_blocks = []
                 else:
-                    promised.update(seq.promised_blocks[max(done, 0) :])
+                    promised.update(seq.promised_blocks[done:])
         return promised
 
     def _lookup(self, seq: Sequence) -> PrefixHit:

@@ -50,7 +50,7 @@ class PRM(ABC):
         unread = [0.0] * (len(positions) - start - len(readable))
         if not readable:
             return unread
-        ids = ids[: max(readable) + 1]
+        ids = ids[: readable[-1] + 1]
         if self.on_input is not None:
             self.on_input(ids)
         out = await self.runtime.score(self.model, ids, self.score_params(readable))
