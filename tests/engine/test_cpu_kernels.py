@@ -55,3 +55,15 @@ def test_engine_same_greedy_tokens_without_kernels(llama_dir, make_llm, monkeypa
     monkeypatch.setattr(cpu_kernels, "supports", lambda t: False)
     plain = [c.token_ids for o in make_llm(llama_dir).generate(prompts, params) for c in o.outputs]
     assert fast == plain
+
+
+def test_loading_the_kernels_leaves_subnormal_floats_alone():
+    """A library linked with -ffast-math would switch the whole process to flush-to-zero."""
+    import sys
+
+    from treeserve.engine import cpu_kernels
+
+    assert cpu_kernels.load() is not None
+    tiny = sys.float_info.min
+    assert tiny / 2 > 0.0
+    assert torch.tensor(torch.finfo(torch.float32).tiny) / 2 > 0

@@ -9,6 +9,7 @@ which is also the reference the kernels are tested against.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -22,7 +23,10 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]  # inputs are finite
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]  # inputs are finite
+# Linked without -ffast-math: with it, GCC < 13 links crtfastmath.o into the shared library,
+# whose constructor turns on flush-to-zero for the whole process when the library loads.
+LINK_FLAGS = ["-shared", "-fopenmp", "-lmvec", "-lm"]
 _i64, _int, _float, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -43,19 +47,23 @@ def load() -> ctypes.CDLL | None:
     if compiler is None:
         warnings.warn("no C compiler found: using the PyTorch attention/sampling path", stacklevel=2)
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + compiler.encode() + _cpu_signature())
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS + LINK_FLAGS).encode() + compiler.encode() + _cpu_signature())
     cache_dir = Path(os.environ.get("TREESERVE_CACHE", Path.home() / ".cache" / "treeserve")) / "kernels"
     lib_path = cache_dir / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if not lib_path.exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=cache_dir, suffix=".so", delete=False) as tmp:
             pass
-        command = [compiler, *FLAGS, str(SOURCE), "-o", tmp.name, "-lmvec", "-lm"]
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            os.unlink(tmp.name)
-            warnings.warn(f"building CPU kernels failed, using PyTorch paths:\n{result.stderr[-2000:]}", stacklevel=2)
-            return None
+        obj = tmp.name + ".o"
+        for command in ([compiler, *FLAGS, "-c", str(SOURCE), "-o", obj], [compiler, obj, "-o", tmp.name, *LINK_FLAGS]):
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode != 0:
+                for path in (tmp.name, obj):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+                warnings.warn(f"building CPU kernels failed, using PyTorch paths:\n{result.stderr[-2000:]}", stacklevel=2)
+                return None
+        os.unlink(obj)
         os.replace(tmp.name, lib_path)  # atomic: concurrent builders never see a partial file
     lib = ctypes.CDLL(str(lib_path))
     for suffix in _SUFFIX.values():
