@@ -66,7 +66,10 @@ class Tokenizer:
         return template
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError as e:  # e.g. a lone UTF-16 surrogate, which JSON can carry
+            raise ValueError(f"the text cannot be tokenized (is it valid Unicode?): {e}") from e
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from treeserve.config import EngineConfig
@@ -50,6 +51,7 @@ class Runtime:
         self.engines = engines
         self._futures: dict[tuple[str, str], asyncio.Future] = {}
         self._early: dict[tuple[str, str], asyncio.Future] = {}  # speculations' first steps
+        self._streams: dict[tuple[str, str], asyncio.Queue] = {}  # generate_stream's per-step outputs
         self._ids = itertools.count()
         self._wake: asyncio.Event | None = None
         self._driver: asyncio.Task | None = None
@@ -94,6 +96,32 @@ class Runtime:
     async def score(self, model: str, token_ids: list[int], params: ScoreParams) -> ScoreOutput:
         return await self._submit(model, {"prompt_token_ids": token_ids}, params)
 
+    async def generate_stream(
+        self, model: str, prompt: str | list[int] | dict, params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's output (cumulative text and tokens) after every engine step that
+        touched it, the last one with `finished=True`. Closing the iterator early (a client
+        that went away) aborts the request and returns its pages."""
+        engine = self._engine(model)
+        request_id = str(next(self._ids))
+        engine.add_request(request_id, prompt, params, stream=True)  # raises on bad input, nothing queued
+        key = (model, request_id)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[key] = queue
+        self._ensure_driver()
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, Exception):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(key, None)
+            if not finished:
+                engine.abort(request_id)
+
     async def generate_speculative(
         self, model: str, prompt: str | list[int] | dict, params: SamplingParams
     ) -> Speculation:
@@ -136,11 +164,11 @@ class Runtime:
             raise
 
     def _ensure_driver(self) -> None:
-        if self._wake is None:
-            self._wake = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        if self._driver is None or self._driver.done() or self._driver.get_loop() is not loop:
+            self._wake = asyncio.Event()  # a new event loop (another asyncio.run) needs its own driver
+            self._driver = loop.create_task(self._drive())
         self._wake.set()
-        if self._driver is None or self._driver.done():
-            self._driver = asyncio.get_running_loop().create_task(self._drive())
 
     async def _drive(self) -> None:
         while True:
@@ -158,6 +186,8 @@ class Runtime:
                 self.steps[name] += 1
                 for out in outputs:
                     key = (name, out.request_id)
+                    if (queue := self._streams.get(key)) is not None:
+                        queue.put_nowait(out)
                     if key in self._early and (out.finished or out.outputs[0].stop_offsets):
                         self._early.pop(key).set_result(out)
                     if out.finished and (future := self._futures.pop(key, None)) and not future.done():
@@ -165,6 +195,10 @@ class Runtime:
             await asyncio.sleep(0)  # let search programs react and submit more work
 
     def _fail(self, name: str, error: Exception) -> None:
+        for (model, request_id), queue in self._streams.items():
+            if model == name:
+                self.engines[name].abort(request_id)
+                queue.put_nowait(error)
         for table in (self._early, self._futures):
             for (model, request_id), future in list(table.items()):
                 if model == name:

@@ -37,6 +37,7 @@ async def _iterate(
         scores = await asyncio.gather(*(ctx.score(problem, b.steps) for b in beams))
         for beam, s in zip(beams, scores, strict=True):
             beam.scores = s
+        ctx.report(iteration, beams)
         finished += [b for b in beams if b.completed]
         active[:] = beams
         alive = [b for b in beams if not b.completed]

@@ -25,8 +25,11 @@ async def best_of_n(ctx: SearchContext, problem: Problem) -> list[Beam]:
     beams = await sample_n(ctx, problem)
     for beam in beams:
         beam.scores = await ctx.score(problem, beam.steps)
+    ctx.report(0, beams)
     return beams
 
 
 async def majority(ctx: SearchContext, problem: Problem) -> list[Beam]:
-    return await sample_n(ctx, problem)
+    beams = await sample_n(ctx, problem)
+    ctx.report(0, beams)
+    return beams

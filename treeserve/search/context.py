@@ -8,6 +8,7 @@ scores of a beam's steps, through the score cache when it is on).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from treeserve.outputs import CompletionOutput
@@ -142,18 +143,32 @@ class SearchContext:
     prm_tree: TreeTokens = field(default_factory=TreeTokens)  # distinct tokens the PRM was shown
     prm_requests: int = 0
     in_flight: dict[int, asyncio.Future] = field(default_factory=dict)  # prefix key -> scores being computed
+    generated_tokens: int = 0  # every token the generator sampled for this context, kept or pruned
+    prm_input_tokens: int = 0  # tokens of every PRM input built (cached or not)
+    on_iteration: Callable[[int, list[Beam]], None] | None = None  # progress: (iteration, scored beams)
 
     def __post_init__(self) -> None:
         if self.prm is not None:
-            self.prm.on_input = self.prm_tree.add
+            self.prm.on_input = self._saw_prm_input
 
-    def problem(self, uid: str, question: str) -> Problem:
+    def _saw_prm_input(self, ids: list[int]) -> None:
+        self.prm_tree.add(ids)
+        self.prm_input_tokens += len(ids)
+
+    def problem(self, uid: str, question: str, messages: list[dict] | None = None) -> Problem:
+        """The generator's prompt for `question` (a user message), or for a whole conversation
+        `messages` whose last user turn is the question the PRM sees."""
         tokenizer = self.runtime.tokenizer(self.generator)
-        messages = [{"role": "user", "content": question}]
-        if self.config.system_prompt:
-            messages.insert(0, {"role": "system", "content": self.config.system_prompt})
+        if messages is None:
+            messages = [{"role": "user", "content": question}]
+            if self.config.system_prompt:
+                messages.insert(0, {"role": "system", "content": self.config.system_prompt})
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return Problem(uid, question, tokenizer.encode(text, add_special_tokens=False))
+
+    def report(self, iteration: int, beams: list[Beam]) -> None:
+        if self.on_iteration is not None:
+            self.on_iteration(iteration, beams)
 
     def sampling(self, problem: Problem, path: tuple[int, ...], n: int, to_eos: bool) -> SamplingParams:
         c = self.config
@@ -179,6 +194,7 @@ class SearchContext:
         if n == 1 and self.config.speculative_steps and not to_eos:
             return [await self._expand_speculative(prompt, beam, params)]
         out = await self.runtime.generate(self.generator, {"prompt_token_ids": prompt}, params)
+        self.generated_tokens += sum(len(c.token_ids) for c in out.outputs)
         return [self._extend(beam, i, c) for i, c in enumerate(out.outputs)]
 
     async def _expand_speculative(self, prompt: list[int], beam: Beam, params: SamplingParams) -> Beam:
@@ -188,6 +204,7 @@ class SearchContext:
         if beam.pending is not None:
             out = await beam.pending.final
             c = out.outputs[0]
+            self.generated_tokens += len(c.token_ids)
             first = c.stop_offsets[0][0]
             beam.spec = Leftover(list(c.token_ids[first:]), [t - first for t, _ in c.stop_offsets[1:]],
                                  c.finish_reason == "stop" and c.stop_reason is None)  # fmt: skip

@@ -23,6 +23,7 @@ async def _subtree(ctx: SearchContext, problem: Problem, index: int) -> list[Bea
         scores = await asyncio.gather(*(ctx.score(problem, b.steps) for b in candidates))
         for candidate, s in zip(candidates, scores, strict=True):
             candidate.scores = s
+        ctx.report(iteration, candidates)
         best = max(range(len(candidates)), key=lambda i: (aggregate(candidates[i].scores, c.agg), -i))
         beam = candidates[best]
         if beam.completed:
