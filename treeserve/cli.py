@@ -4,6 +4,7 @@
     treeserve eval --dataset arith:level=4,5 --strategy beam_search --n 16 --output results.json
     treeserve solve "Compute ((12 + 7) * 3) - 15."
     treeserve plot results*.json --output accuracy_vs_n.png
+    treeserve serve [--model DIR] [--prm DIR] [--port 8000] [--api-key KEY]
 
 With no model given, `generate` uses the arithmetic generator the project ships
 (treeserve/assets/arith-generator) or, while that is not installed, a random-weight demo
@@ -159,6 +160,23 @@ def cmd_solve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from treeserve.eval.runner import DEFAULT_PRM
+    from treeserve.server.launch import ServerSettings, serve
+
+    model, prm = args.model, args.prm
+    if model is None:  # the shipped arithmetic pair, so /v1/search works out of the box
+        model = str(_default_model())
+        prm = prm or (DEFAULT_PRM if (Path(DEFAULT_PRM) / "config.json").is_file() else None)
+    settings = ServerSettings(
+        model=model, prm=prm, prm_style=args.prm_style, served_model_name=args.served_model_name, host=args.host,
+        port=args.port, api_key=args.api_key, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+        prm_kv_fraction=args.prm_kv_fraction, max_model_len=args.max_model_len,
+    )  # fmt: skip
+    serve(settings)
+    return 0
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     from treeserve.eval.plots import plot_accuracy_vs_n
 
@@ -195,6 +213,20 @@ def build_parser() -> argparse.ArgumentParser:
     solve.add_argument("question")
     _add_search_flags(solve)
     solve.set_defaults(func=cmd_solve)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with /v1/search")
+    srv.add_argument("--model", default=None, help="generator checkpoint directory (default: the shipped generator)")
+    srv.add_argument("--prm", default=None, help="PRM checkpoint directory (default with no --model: the shipped PRM)")
+    srv.add_argument("--prm-style", default=None, choices=["step_tag", "rlhflow", "reward_head", "value_head"])
+    srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: directory name)")
+    srv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
+    srv.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    srv.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes for both models' KV pages")
+    srv.add_argument("--prm-kv-fraction", type=float, default=0.3)
+    srv.add_argument("--max-model-len", type=int, default=None)
+    srv.set_defaults(func=cmd_serve)
 
     plot = sub.add_parser("plot", help="accuracy vs N per strategy from results JSON files (PNG)")
     plot.add_argument("results", nargs="+")

@@ -47,7 +47,8 @@ def load() -> ctypes.CDLL | None:
     if compiler is None:
         warnings.warn("no C compiler found: using the PyTorch attention/sampling path", stacklevel=2)
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS + LINK_FLAGS).encode() + compiler.encode() + _cpu_signature())
+    flags = " ".join(FLAGS + LINK_FLAGS).encode()
+    key = hashlib.sha256(SOURCE.read_bytes() + flags + compiler.encode() + _cpu_signature())
     cache_dir = Path(os.environ.get("TREESERVE_CACHE", Path.home() / ".cache" / "treeserve")) / "kernels"
     lib_path = cache_dir / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if not lib_path.exists():
@@ -61,7 +62,8 @@ def load() -> ctypes.CDLL | None:
                 for path in (tmp.name, obj):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(path)
-                warnings.warn(f"building CPU kernels failed, using PyTorch paths:\n{result.stderr[-2000:]}", stacklevel=2)
+                message = f"building CPU kernels failed, using PyTorch paths:\n{result.stderr[-2000:]}"
+                warnings.warn(message, stacklevel=2)
                 return None
         os.unlink(obj)
         os.replace(tmp.name, lib_path)  # atomic: concurrent builders never see a partial file

@@ -1,0 +1,152 @@
+"""The OpenAI routes through the real `openai` client: completions, chat, streaming, n>1,
+stop, seeds, logprobs, and `/v1/search` via `client.post`. Greedy outputs must equal the
+offline `LLM` on the same checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from tests.server.conftest import API_KEY, MODEL, LiveServer
+from treeserve import LLM, SamplingParams
+from treeserve.eval.runner import DEFAULT_GENERATOR
+
+QUESTION = "Compute ((12 + 7) * 3) - 15."
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    return LLM(DEFAULT_GENERATOR, dtype="float32", kv_cache_memory=16 << 20)
+
+
+@pytest.fixture
+def client(server: LiveServer) -> OpenAI:
+    return OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def test_models_lists_the_served_name(client: OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_greedy_completion_equals_the_offline_engine(client: OpenAI, offline: LLM) -> None:
+    prompt = "Compute 3 + 4."
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    want = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
+    assert got.choices[0].text == want.text
+    assert got.usage.completion_tokens == len(want.token_ids)
+    assert got.usage.prompt_tokens == len(offline.get_tokenizer().encode(prompt))
+
+
+def test_greedy_chat_equals_the_offline_engine(client: OpenAI, offline: LLM) -> None:
+    messages = [{"role": "user", "content": QUESTION}]
+    got = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=200)
+    want = offline.chat(messages, SamplingParams(temperature=0, max_tokens=200))[0].outputs[0]
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == want.text
+    assert "\\boxed{" in want.text and got.choices[0].finish_reason == "stop"
+
+
+def test_streamed_text_equals_the_whole_response(client: OpenAI) -> None:
+    messages = [{"role": "user", "content": QUESTION}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=200)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=200,
+                                            stream=True, stream_options={"include_usage": True})  # fmt: skip
+    pieces, finish, usage = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert finish == "stop" and usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_stop_string_is_cut_the_same_way_streamed_and_whole(client: OpenAI) -> None:
+    messages = [{"role": "user", "content": QUESTION}]
+    kwargs = {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 200, "stop": ["\n\n"]}
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kwargs, stream=True)
+                       if c.choices)  # fmt: skip
+    assert whole.finish_reason == "stop" and "\n\n" not in whole.message.content and whole.message.content
+    assert streamed == whole.message.content
+
+
+def test_n_completions_with_a_seed_are_reproducible(client: OpenAI) -> None:
+    kwargs = {"model": MODEL, "prompt": QUESTION, "max_tokens": 30, "temperature": 1.0, "n": 3, "seed": 7}
+    first = client.completions.create(**kwargs)
+    again = client.completions.create(**kwargs)
+    other = client.completions.create(**{**kwargs, "seed": 8})
+    assert sorted(c.index for c in first.choices) == [0, 1, 2]
+    texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]
+    assert texts == [c.text for c in sorted(again.choices, key=lambda c: c.index)]
+    assert texts != [c.text for c in sorted(other.choices, key=lambda c: c.index)]
+
+
+def test_streamed_n_and_batched_prompts_index_their_choices(client: OpenAI) -> None:
+    stream = client.completions.create(model=MODEL, prompt=["Compute 1 + 2.", "Compute 5 * 6."], max_tokens=8,
+                                       n=2, temperature=1.0, seed=1, stream=True)  # fmt: skip
+    texts: dict[int, str] = {}
+    finished = set()
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason:
+                finished.add(choice.index)
+    whole = client.completions.create(model=MODEL, prompt=["Compute 1 + 2.", "Compute 5 * 6."], max_tokens=8, n=2,
+                                      temperature=1.0, seed=1)  # fmt: skip
+    assert finished == {0, 1, 2, 3}
+    assert texts == {c.index: c.text for c in whole.choices}
+
+
+def test_logprobs(client: OpenAI) -> None:
+    out = client.completions.create(model=MODEL, prompt=QUESTION, max_tokens=6, temperature=0, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == out.usage.completion_tokens
+    assert all(len(top) <= 2 for top in lp.top_logprobs) and all(x <= 0 for x in lp.token_logprobs)
+    assert "".join(lp.tokens) == out.choices[0].text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                          max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob >= t.logprob for t in content)
+
+
+def test_search_over_http(client: OpenAI) -> None:
+    body = {"problem": QUESTION, "strategy": "beam_search", "n": 4, "beam_width": 2, "num_iterations": 10,
+            "temperature": 0.8, "seed": 3}  # fmt: skip
+    out = client.post("/search", body=body, cast_to=object)
+    assert out["object"] == "search" and out["strategy"] == "beam_search"
+    assert len(out["completions"]) == 4
+    for c in out["completions"]:
+        assert len(c["step_scores"]) == len(c["steps"]) > 0 and all(0 <= s <= 1 for s in c["step_scores"])
+    chosen = out["completions"][out["chosen_index"]]
+    assert out["answer"] == chosen["answer"]
+    assert out["usage"]["generator_tokens"] >= sum(len(c["text"]) > 0 for c in out["completions"])
+    assert out["usage"]["prm_tokens"] >= out["usage"]["prm_unique_tokens"] > 0
+    again = client.post("/search", body=body, cast_to=object)  # same seed, same search
+    assert [c["text"] for c in again["completions"]] == [c["text"] for c in out["completions"]]
+
+
+def test_search_streams_progress_then_the_result(server: LiveServer) -> None:
+    body = {"problem": QUESTION, "strategy": "beam_search", "n": 4, "beam_width": 2, "num_iterations": 10,
+            "stream": True}  # fmt: skip
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream("POST", server.base_url + "/v1/search", json=body, headers=headers, timeout=60) as response:
+        assert response.status_code == 200
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    progress = [json.loads(e) for e in events[:-2]]
+    result = json.loads(events[-2])
+    assert progress and all(p["object"] == "search.progress" for p in progress)
+    assert [p["iteration"] for p in progress] == list(range(len(progress)))
+    assert result["object"] == "search" and len(result["completions"]) == 4
+
+
+def test_majority_search_needs_no_prm_and_chat_messages_work(client: OpenAI) -> None:
+    body = {"messages": [{"role": "user", "content": QUESTION}], "strategy": "majority", "n": 4, "seed": 0}
+    out = client.post("/search", body=body, cast_to=object)
+    assert out["selection"] == "majority" and all(c["step_scores"] == [] for c in out["completions"])

@@ -1,0 +1,156 @@
+"""The FastAPI app: OpenAI-compatible routes, `/v1/search`, health, metrics, auth, errors.
+
+Owns the HTTP surface and its failure behaviour. Every error is an OpenAI-style body
+(`{"error": {"message", "type", "param", "code"}}`): validation errors and bad values are
+400, an unknown model 404, a missing or wrong API key 401. A client that disconnects
+aborts its engine requests (streaming: Starlette cancels the response; non-streaming: a
+watcher polls for the disconnect), so their pages return to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from treeserve.server.completions import ModelNotFound, Served, chat_job, completion_job, full_response, stream_events
+from treeserve.server.metrics import RequestCounter
+from treeserve.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, SearchRequest, error_body
+from treeserve.server.search_api import run_search, search_context, stream_search
+
+ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404)}
+CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never seen by the client
+
+
+class APIKeyMiddleware:
+    """ASGI middleware: every route but /health needs `Authorization: Bearer KEY`."""
+
+    def __init__(self, app: Any, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                body = error_body(401, "missing or invalid API key (send 'Authorization: Bearer KEY')")
+                await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(served: Served, api_key: str | None = None) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await served.runtime.close()
+
+    app = FastAPI(title="treeserve", version="0.1.0", lifespan=lifespan)
+    _add_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/metrics", responses=ERRORS)
+    async def metrics() -> Response:
+        content, media_type = served.metrics.render()
+        return Response(content, media_type=media_type)
+
+    @app.get("/v1/models", responses=ERRORS)
+    async def models() -> dict:
+        card = {"id": served.model_name, "object": "model", "created": 0, "owned_by": "treeserve",
+                "max_model_len": served.max_model_len}  # fmt: skip
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions", responses=ERRORS)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        job = completion_job(served, body)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _sse(request, stream_events(served, job, chat=False, include_usage=include_usage))
+        return await _unless_disconnected(request, full_response(served, job, chat=False))
+
+    @app.post("/v1/chat/completions", responses=ERRORS)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        job = chat_job(served, body)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _sse(request, stream_events(served, job, chat=True, include_usage=include_usage))
+        return await _unless_disconnected(request, full_response(served, job, chat=True))
+
+    @app.post("/v1/search", responses=ERRORS)
+    async def search(body: SearchRequest, request: Request) -> Response:
+        ctx, problem = search_context(served, body)
+        if body.stream:
+            return _sse(request, stream_search(served, body, ctx, problem))
+        return await _unless_disconnected(request, run_search(served, body, ctx, problem))
+
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(RequestCounter, metrics=served.metrics)  # outermost: counts 401s too
+    return app
+
+
+def _sse(request: Request, events: AsyncIterator[str]) -> StreamingResponse:
+    """Server-Sent Events that stop (closing `events`, which aborts their engine requests) as
+    soon as the client is gone. Checked before every event: with uvicorn's h11 protocol a
+    write to a closed connection is silently dropped, and Starlette's own disconnect
+    listener was measured not to stop a stream whose producer rarely waits."""
+
+    async def until_disconnected() -> AsyncIterator[str]:
+        async with contextlib.aclosing(events) as it:
+            async for event in it:
+                if await request.is_disconnected():
+                    return
+                yield event
+
+    headers = {"Cache-Control": "no-cache"}
+    return StreamingResponse(until_disconnected(), media_type="text/event-stream", headers=headers)
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[dict]) -> Response:
+    """The JSON result of `work`, or (when the client goes away first) cancel it: its engine
+    requests are aborted and their pages return to the pool."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.2)
+            if done:
+                return JSONResponse(task.result())
+            if await request.is_disconnected():
+                return Response(status_code=CLIENT_GONE)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = []
+        for err in exc.errors()[:5]:
+            where = ".".join(str(part) for part in err.get("loc", ()) if part != "body")
+            problems.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+        return JSONResponse(error_body(400, "invalid request: " + "; ".join(problems)), status_code=400)
+
+    @app.exception_handler(ModelNotFound)
+    async def no_model(request: Request, exc: ModelNotFound) -> JSONResponse:
+        return JSONResponse(error_body(404, str(exc)), status_code=404)
+
+    @app.exception_handler(ValueError)
+    async def bad_value(request: Request, exc: ValueError) -> JSONResponse:
+        return JSONResponse(error_body(400, str(exc)), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
+                            headers=exc.headers)  # fmt: skip

@@ -1,0 +1,303 @@
+"""`/v1/completions` and `/v1/chat/completions`: OpenAI requests in, engine streams out.
+
+A request becomes token-id prompts and one `SamplingParams`; every prompt is checked by
+the engine before any is submitted, so a bad prompt in a batch queues nothing. Each
+prompt runs as one streamed runtime request (the runtime's driver steps all of them in
+one engine loop). Streaming responses are Server-Sent Events ending in `data: [DONE]`;
+text that could still turn out to be the start of a stop string is held back until it
+cannot. Closing a stream (or a client that goes away) aborts the engine requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from treeserve.outputs import CompletionOutput, Logprob, RequestOutput
+from treeserve.runtime.runtime import Runtime
+from treeserve.sampling_params import SamplingParams
+from treeserve.server.metrics import ServerMetrics
+from treeserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, new_id, now
+
+VALIDATION_ID = "(validation)"  # a request id the runtime never uses (its ids are numbers)
+
+
+class ModelNotFound(ValueError):
+    pass
+
+
+@dataclass
+class Served:
+    """What the routes serve: the runtime, the generator's engine name and its public name."""
+
+    runtime: Runtime
+    model_name: str
+    metrics: ServerMetrics
+    generator: str = "generator"
+    prm: str | None = None  # the PRM's engine name, when one is hosted
+    prm_style: str | None = None
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise ModelNotFound(f"The model `{name}` does not exist; this server serves `{self.model_name}`.")
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runtime.engine(self.generator).max_model_len
+
+
+@dataclass
+class Job:
+    """The prompts of one HTTP request, their sampling parameters, and their timing for metrics."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    start: float = field(default_factory=time.perf_counter)
+
+
+def sampling_params(served: Served, req: SamplingFields, prompt_len: int, max_tokens: int | None,
+                    logprobs: int | None) -> SamplingParams:  # fmt: skip
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise ValueError(f"{name} is not supported by treeserve; leave it at 0")
+    limit = served.max_model_len
+    if prompt_len >= limit:
+        raise ValueError(f"This model's maximum context length is {limit} tokens; the prompt has {prompt_len}.")
+    if max_tokens is None:
+        max_tokens = limit - prompt_len
+    elif prompt_len + max_tokens > limit:
+        raise ValueError(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion). "
+            "Please reduce the length of the prompt or the completion."
+        )
+    return SamplingParams(
+        n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
+        max_tokens=max_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+        include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+    )  # fmt: skip
+
+
+def completion_job(served: Served, req: CompletionRequest) -> Job:
+    served.check_model(req.model)
+    if req.echo:
+        raise ValueError("echo is not supported by treeserve; leave it false")
+    raw = req.prompt
+    if isinstance(raw, str) or (raw and all(isinstance(t, int) for t in raw)):
+        raw = [raw]
+    if not raw:
+        raise ValueError("prompt must not be empty")
+    engine = served.runtime.engine(served.generator)
+    prompts = [engine.tokenize_prompt(p)[1] for p in raw]
+    return _checked(served, req, prompts, req.max_tokens, req.logprobs)
+
+
+def chat_job(served: Served, req: ChatCompletionRequest) -> Job:
+    served.check_model(req.model)
+    engine = served.runtime.engine(served.generator)
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    text = engine.tokenizer.apply_chat_template(messages, req.add_generation_prompt, req.continue_final_message)
+    prompt = engine.tokenizer.encode(text, add_special_tokens=False)  # the template placed special tokens
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    if req.top_logprobs and not req.logprobs:
+        raise ValueError("top_logprobs needs logprobs=true")
+    return _checked(served, req, [prompt], req.max_completion_tokens or req.max_tokens, logprobs)
+
+
+def _checked(served: Served, req: SamplingFields, prompts: list[list[int]], max_tokens: int | None,
+             logprobs: int | None) -> Job:  # fmt: skip
+    engine = served.runtime.engine(served.generator)
+    longest = max(prompts, key=len)
+    params = sampling_params(served, req, len(longest), max_tokens, logprobs)
+    for prompt in prompts:
+        engine.check_request(VALIDATION_ID, prompt, params)  # raises ValueError; changes nothing
+    return Job(prompts, params)
+
+
+async def run_job(served: Served, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, cumulative output) after every engine step, for all prompts of the job."""
+    streams = [
+        served.runtime.generate_stream(served.generator, {"prompt_token_ids": p}, job.params) for p in job.prompts
+    ]
+    metrics, model = served.metrics, served.model_name
+    seen = [0] * len(streams)
+    last = [job.start] * len(streams)
+    async with aclosing(_merged(streams)) as merged:
+        async for i, out in merged:
+            tokens = sum(len(c.token_ids) for c in out.outputs)
+            if tokens > seen[i]:
+                t = time.perf_counter()
+                (metrics.ttft if seen[i] == 0 else metrics.itl).labels(model).observe(t - last[i])
+                metrics.generation_tokens.labels(model).inc(tokens - seen[i])
+                seen[i], last[i] = tokens, t
+            if out.finished:
+                metrics.prompt_tokens.labels(model).inc(len(out.prompt_token_ids))
+            yield i, out
+
+
+async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as stream:
+            async for out in stream:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with aclosing(stream) as s:
+                async for out in s:
+                    queue.put_nowait((i, out))
+            queue.put_nowait((i, None))
+        except Exception as e:  # handed to the consumer, which re-raises it
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:  # a consumer that stops early cancels the rest, which aborts their requests
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# ---- responses ---------------------------------------------------------------------------
+def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    return sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= k),
+                  key=lambda item: item[1].rank)[:k]  # fmt: skip
+
+
+def completion_logprobs(c: CompletionOutput, k: int, first: int = 0, offset: int = 0) -> dict:
+    """OpenAI's legacy completions `logprobs` object for tokens first.. of the completion."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for token, entry in zip(c.token_ids[first:], (c.logprobs or [])[first:], strict=False):
+        chosen = entry[token]
+        tokens.append(chosen.decoded_token or "")
+        token_logprobs.append(chosen.logprob)
+        tops.append({lp.decoded_token or "": lp.logprob for _, lp in _top(entry, k)} if k else None)
+        offsets.append(offset)
+        offset += len(chosen.decoded_token or "")
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(c: CompletionOutput, k: int, first: int = 0) -> dict:
+    """OpenAI's chat `logprobs` object (`content`: one entry per token) for tokens first.."""
+
+    def item(lp: Logprob) -> dict:
+        text = lp.decoded_token or ""
+        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+
+    content = []
+    for token, entry in zip(c.token_ids[first:], (c.logprobs or [])[first:], strict=False):
+        content.append({**item(entry[token]), "top_logprobs": [item(lp) for _, lp in _top(entry, k)]})
+    return {"content": content}
+
+
+def _usage(job: Job, completion_tokens: int) -> dict:
+    prompt_tokens = sum(len(p) for p in job.prompts)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+
+
+async def full_response(served: Served, job: Job, chat: bool) -> dict:
+    final: dict[int, RequestOutput] = {}
+    async with aclosing(run_job(served, job)) as outputs:
+        async for i, out in outputs:
+            final[i] = out
+    n, k = job.params.n, job.params.logprobs
+    choices = []
+    for i in range(len(job.prompts)):
+        for c in final[i].outputs:
+            choice: dict = {"index": i * n + c.index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": c.text}
+                choice["logprobs"] = chat_logprobs(c, k) if k is not None else None
+            else:
+                choice["text"] = c.text
+                choice["logprobs"] = completion_logprobs(c, k) if k is not None else None
+            choices.append(choice)
+    tokens = sum(len(c.token_ids) for out in final.values() for c in out.outputs)
+    return {
+        "id": new_id("chatcmpl" if chat else "cmpl"), "object": "chat.completion" if chat else "text_completion",
+        "created": now(), "model": served.model_name, "choices": choices, "usage": _usage(job, tokens),
+    }  # fmt: skip
+
+
+@dataclass
+class StreamState:
+    """What a stream has sent so far, per choice: characters, tokens, and whether it ended."""
+
+    chat: bool
+    n: int
+    k: int | None  # top log-probabilities per token (None: no logprobs)
+    hold: int  # characters held back: they may still become the start of a stop string
+    chars: dict[int, int] = field(default_factory=dict)
+    tokens: dict[int, int] = field(default_factory=dict)
+    ended: set[int] = field(default_factory=set)
+    completion_tokens: int = 0
+
+    def choices(self, prompt_index: int, out: RequestOutput) -> list[dict]:
+        """The choice deltas this output adds (new text, new tokens' logprobs, finish reasons)."""
+        choices = []
+        for c in out.outputs:
+            index = prompt_index * self.n + c.index
+            if index in self.ended:
+                continue
+            chars, toks = self.chars.get(index, 0), self.tokens.get(index, 0)
+            done = c.finish_reason is not None
+            end = len(c.text) if done else max(len(c.text) - self.hold, chars)
+            text = c.text[chars:end]
+            if not text and not done and not (self.k is not None and len(c.token_ids) > toks):
+                continue
+            choice: dict = {"index": index, "finish_reason": c.finish_reason if done else None}
+            if self.chat:
+                choice["delta"] = {"content": text} if text or not done else {}
+                choice["logprobs"] = chat_logprobs(c, self.k, toks) if self.k is not None else None
+            else:
+                choice["text"] = text
+                choice["logprobs"] = completion_logprobs(c, self.k, toks, chars) if self.k is not None else None
+            choices.append(choice)
+            self.chars[index], self.tokens[index] = end, len(c.token_ids)
+            if done:
+                self.ended.add(index)
+                self.completion_tokens += len(c.token_ids)
+        return choices
+
+
+async def stream_events(served: Served, job: Job, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    """Server-Sent Events: one chunk per step that produced text, then usage if asked, then [DONE]."""
+    rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    hold = max((len(s) for s in job.params.stop), default=1) - 1
+    state = StreamState(chat, job.params.n, job.params.logprobs, hold)
+
+    def chunk(choices: list[dict], usage: dict | None = None) -> str:
+        body = {"id": rid, "object": kind, "created": created, "model": served.model_name, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"
+
+    if chat:
+        roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                 for i in range(len(job.prompts) * state.n)]  # fmt: skip
+        yield chunk(roles)
+    async with aclosing(run_job(served, job)) as outputs:
+        async for i, out in outputs:
+            if choices := state.choices(i, out):
+                yield chunk(choices)
+    if include_usage:
+        yield chunk([], _usage(job, state.completion_tokens))
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,68 @@
+"""`treeserve serve`: load the generator (and optionally a PRM) into one runtime and run uvicorn.
+
+Binds to loopback unless told otherwise. One event loop serves HTTP and drives the
+engines (the runtime's driver task), so every request shares one engine loop.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from treeserve.runtime.runtime import ModelSpec, Runtime
+from treeserve.search.prm import load_prm
+from treeserve.server.completions import Served
+from treeserve.server.metrics import ServerMetrics
+
+
+@dataclass
+class ServerSettings:
+    model: str
+    prm: str | None = None
+    prm_style: str | None = None
+    served_model_name: str | None = None  # default: the model directory's name
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    dtype: str = "bfloat16"
+    kv_cache_memory: int = 1 << 30  # bytes for both models' KV pages
+    prm_kv_fraction: float = 0.3
+    max_model_len: int | None = None
+
+    def check(self) -> None:
+        for name, path in (("model", self.model), ("prm", self.prm)):
+            if path is not None and not Path(path, "config.json").is_file():
+                raise FileNotFoundError(f"{name} directory not found (no config.json): {path!r}")
+        if self.prm is not None and not 0.0 < self.prm_kv_fraction < 1.0:
+            raise ValueError(f"prm_kv_fraction must be in (0, 1), got {self.prm_kv_fraction}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+
+
+def build_served(settings: ServerSettings) -> Served:
+    settings.check()
+    share = 1.0 - settings.prm_kv_fraction if settings.prm else 1.0
+    specs = [ModelSpec("generator", settings.model, share)]
+    if settings.prm:
+        specs.append(ModelSpec("prm", settings.prm, settings.prm_kv_fraction, block_size=4))  # as eval/runner.py
+    extra = {"max_model_len": settings.max_model_len} if settings.max_model_len else {}
+    runtime = Runtime.load(specs, settings.kv_cache_memory, dtype=settings.dtype, **extra)
+    name = settings.served_model_name or Path(settings.model).resolve().name
+    prm = None
+    if settings.prm:
+        prm = "prm"
+        load_prm(runtime, prm, settings.prm_style)  # fail at startup, not per request, on a PRM we cannot read
+    return Served(runtime, name, ServerMetrics(runtime), prm=prm, prm_style=settings.prm_style)
+
+
+def serve(settings: ServerSettings, sock: socket.socket | None = None) -> None:
+    """Run until interrupted. `sock` (already bound) overrides host and port, as tests do."""
+    import uvicorn
+
+    from treeserve.server.app import build_app
+
+    app = build_app(build_served(settings), settings.api_key)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info", access_log=False)
+    server = uvicorn.Server(config)
+    server.run(sockets=[sock] if sock is not None else None)

@@ -1,0 +1,97 @@
+"""Prometheus metrics of the server: HTTP requests, tokens, latencies, and engine state.
+
+Owns one `CollectorRegistry` per app (so several apps in one process do not collide).
+Counters and histograms are updated by the routes; engine state (requests running and
+waiting, KV pages used and cached, prefix-cache hit rate, preemptions) is read from the
+runtime at scrape time. `RequestCounter` is a plain ASGI middleware that counts every
+response by route and status, including 401s and validation errors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from treeserve.runtime.runtime import Runtime
+
+ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/search", "/health", "/metrics")
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class RuntimeCollector(Collector):
+    """Engine state per hosted model, read when Prometheus scrapes."""
+
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        gauges = {
+            "num_requests_running": "sequences in the running batch",
+            "num_requests_waiting": "sequences waiting to be scheduled",
+            "kv_pages_used": "KV pages held by live sequences",
+            "kv_pages_cached": "KV pages held only by the prefix cache (reusable, evictable)",
+            "kv_pages_total": "KV pages in the model's share of the arena",
+            "prefix_cache_hit_rate": "share of looked-up full prompt pages found in the prefix cache",
+        }
+        families = {k: GaugeMetricFamily(f"treeserve_{k}", doc, labels=["model"]) for k, doc in gauges.items()}
+        preemptions = CounterMetricFamily("treeserve_preemptions", "sequences preempted (recompute)", labels=["model"])
+        for name, engine in self.runtime.engines.items():
+            status = engine.status
+            values = {
+                "num_requests_running": status["running"],
+                "num_requests_waiting": status["waiting"],
+                "kv_pages_used": status["pages_used"],
+                "kv_pages_cached": status["pages_cached"],
+                "kv_pages_total": status["pages_total"],
+                "prefix_cache_hit_rate": engine.blocks.stats.hit_rate,
+            }
+            for key, value in values.items():
+                families[key].add_metric([name], value)
+            preemptions.add_metric([name], status["preemptions"])
+        yield from families.values()
+        yield preemptions
+
+
+class ServerMetrics:
+    def __init__(self, runtime: Runtime):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("treeserve_http_requests", "HTTP responses by route and status", ["route", "status"],
+                                registry=r)  # fmt: skip
+        self.prompt_tokens = Counter("treeserve_prompt_tokens", "prompt tokens of finished requests", ["model"],
+                                     registry=r)  # fmt: skip
+        self.generation_tokens = Counter("treeserve_generation_tokens", "tokens generated", ["model"], registry=r)
+        self.ttft = Histogram("treeserve_time_to_first_token_seconds", "request arrival to first generated token",
+                              ["model"], buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.itl = Histogram("treeserve_inter_token_latency_seconds", "time between a request's engine steps that "
+                             "produced tokens", ["model"], buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.search_seconds = Histogram("treeserve_search_seconds", "wall time of /v1/search requests", ["strategy"],
+                                        buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        r.register(RuntimeCollector(runtime))
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class RequestCounter:
+    """ASGI middleware: count each HTTP response by route (known routes, else "other") and status."""
+
+    def __init__(self, app: object, metrics: ServerMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: object, send: object) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope["path"] if scope["path"] in ROUTES else "other"
+
+        async def counting_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(route, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

@@ -1,0 +1,140 @@
+"""The HTTP request and response shapes: OpenAI's (as vLLM serves them) plus `/v1/search`.
+
+Owns validation at the HTTP boundary. Field names, defaults and response fields follow
+OpenAI's API reference; the extras vLLM accepts (`top_k`, `min_p`, `ignore_eos`,
+`stop_token_ids`, ...) are accepted too. Bounds that protect the server (at most
+`MAX_N` completions, `MAX_LOGPROBS` top log-probabilities, `MAX_STOP` stop strings) are
+part of the schema, so a bad value is a 400 before anything is queued.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 256  # completions per request (the largest beam-search N users run)
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_STOP = 16
+
+Temperature = Annotated[float, Field(ge=0.0, le=100.0)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+Count = Annotated[int, Field(ge=1, le=MAX_N)]
+MaxTokens = Annotated[int, Field(ge=1)]
+TokenId = Annotated[int, Field(ge=0)]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Sampling fields shared by completions and chat completions (OpenAI's plus vLLM's extras)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: Count = 1
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0  # not implemented: only 0 is accepted (checked with a clear message)
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    # vLLM's extras
+    top_k: Annotated[int, Field(ge=-1)] = -1
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    ignore_eos: bool = False
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP)] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: MaxTokens | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False  # echoing the prompt is not implemented: only false is accepted
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: MaxTokens | None = None  # None: up to the context length
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+class SearchRequest(BaseModel):
+    """`POST /v1/search`: one problem, one strategy; the fields are `treeserve eval`'s flags."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    problem: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    strategy: str = "beam_search"
+    n: Count = 16
+    beam_width: Annotated[int, Field(ge=1, le=MAX_N)] = 4
+    num_iterations: Annotated[int, Field(ge=1, le=200)] = 40
+    temperature: Temperature = 0.8
+    top_p: TopP = 1.0
+    max_tokens: MaxTokens = 256
+    agg: Literal["last", "min", "prod"] = "last"
+    selection: Literal["naive", "weighted", "majority"] | None = None
+    filter_duplicates: bool = False
+    final_to_eos: bool = False
+    seed: int = 0
+    stream: bool = False
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+def error_body(status: int, message: str, kind: str | None = None) -> dict[str, Any]:
+    kinds = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
+    return {"error": {"message": message, "type": kind or kinds.get(status, "server_error"), "param": None,
+                      "code": status}}  # fmt: skip

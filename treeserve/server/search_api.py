@@ -1,0 +1,119 @@
+"""`/v1/search`: one problem, one strategy, over the server's generator and PRM.
+
+A request becomes a `SearchConfig` (the same fields as `treeserve eval`'s flags) and a
+`SearchContext` of its own (its own score cache and counters) over the shared runtime, so
+concurrent searches batch together in the engines. The answer is chosen among the final
+completions the way `treeserve eval` chooses (naive / weighted / majority by strategy),
+comparing answers as stripped strings (no math-verify equivalence: that needs the
+grading workers). With `stream`, progress events follow each scored iteration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+from treeserve.eval.grading import extract_answer
+from treeserve.eval.metrics import ScoredCompletion, aggregate_scores, select
+from treeserve.eval.runner import SELECTION
+from treeserve.search.context import Beam, Problem, SearchConfig, SearchContext
+from treeserve.search.prm import load_prm
+from treeserve.search.run import STRATEGY_FUNCTIONS
+from treeserve.server.completions import Served
+from treeserve.server.protocol import SearchRequest, error_body, new_id, now
+
+
+def search_context(served: Served, req: SearchRequest) -> tuple[SearchContext, Problem]:
+    """The context and the problem of one request; raises ValueError before any work starts."""
+    served.check_model(req.model)
+    if (req.problem is None) == (req.messages is None):
+        raise ValueError("give exactly one of 'problem' or 'messages'")
+    config = SearchConfig(
+        strategy=req.strategy, n=req.n, beam_width=req.beam_width, num_iterations=req.num_iterations,
+        temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_tokens, agg=req.agg,
+        filter_duplicates=req.filter_duplicates, final_to_eos=req.final_to_eos, seed=req.seed,
+    )  # fmt: skip
+    prm = None
+    if config.strategy != "majority":
+        if served.prm is None:
+            raise ValueError(f"strategy {config.strategy!r} needs a PRM; start the server with --prm DIR")
+        prm = load_prm(served.runtime, served.prm, served.prm_style)
+    ctx = SearchContext(config, served.runtime, served.generator, prm)
+    if req.messages is not None:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        users = [m["content"] for m in messages if m["role"] == "user"]
+        if not users:
+            raise ValueError("messages need a user turn (the question the PRM judges steps against)")
+        problem = ctx.problem(users[-1], users[-1], messages)
+    else:
+        if not req.problem.strip():
+            raise ValueError("problem must not be empty")
+        problem = ctx.problem(req.problem, req.problem)
+    limit = served.max_model_len
+    if len(problem.prompt_ids) + 1 >= limit:
+        raise ValueError(f"the problem's prompt ({len(problem.prompt_ids)} tokens) leaves no room within "
+                         f"the context of {limit} tokens")  # fmt: skip
+    return ctx, problem  # the question is the problem's id: its seeds depend on (seed, question, beam path)
+
+
+async def run_search(served: Served, req: SearchRequest, ctx: SearchContext, problem: Problem) -> dict:
+    start = time.perf_counter()
+    beams = await STRATEGY_FUNCTIONS[ctx.config.strategy](ctx, problem)
+    seconds = time.perf_counter() - start
+    served.metrics.search_seconds.labels(ctx.config.strategy).observe(seconds)
+    return _result(served, req, ctx, len(problem.prompt_ids), beams, seconds)
+
+
+def _result(served: Served, req: SearchRequest, ctx: SearchContext, prompt_tokens: int, beams: list[Beam],
+            seconds: float) -> dict:  # fmt: skip
+    config = ctx.config
+    scored = [ScoredCompletion(b.text, extract_answer(b.text), b.scores, correct=False) for b in beams]
+    method = req.selection or SELECTION[config.strategy]
+    chosen = select(scored, method, config.agg)
+    completions = [
+        {"index": i, "text": b.text, "steps": b.steps, "step_scores": b.scores,
+         "score": aggregate_scores(b.scores, config.agg), "answer": s.answer, "generated_tokens": b.generated_tokens}
+        for i, (b, s) in enumerate(zip(beams, scored, strict=True))
+    ]  # fmt: skip
+    return {
+        "id": new_id("search"), "object": "search", "created": now(), "model": served.model_name,
+        "strategy": config.strategy, "selection": method, "agg": config.agg,
+        "answer": None if chosen is None else scored[chosen].answer, "chosen_index": chosen,
+        "completions": completions,
+        "usage": {"prompt_tokens": prompt_tokens, "generator_tokens": ctx.generated_tokens,
+                  "prm_tokens": ctx.prm_input_tokens, "prm_unique_tokens": len(ctx.prm_tree),
+                  "prm_requests": ctx.prm_requests},
+        "timing": {"seconds": seconds},
+    }  # fmt: skip
+
+
+async def stream_search(served: Served, req: SearchRequest, ctx: SearchContext, problem: Problem) -> AsyncIterator[str]:
+    """SSE: a `search.progress` event after each scored iteration, then the result, then [DONE]."""
+    events: asyncio.Queue = asyncio.Queue()
+    start = time.perf_counter()
+
+    def progress(iteration: int, beams: list[Beam]) -> None:
+        scores = [aggregate_scores(b.scores, ctx.config.agg) for b in beams]
+        events.put_nowait({"object": "search.progress", "iteration": iteration, "beams": len(beams),
+                           "completed": sum(b.completed for b in beams), "best_score": max(scores, default=None),
+                           "generator_tokens": ctx.generated_tokens,
+                           "elapsed_s": time.perf_counter() - start})  # fmt: skip
+
+    ctx.on_iteration = progress
+    task = asyncio.create_task(run_search(served, req, ctx, problem))
+    task.add_done_callback(lambda _: events.put_nowait(None))
+    try:
+        while (event := await events.get()) is not None:
+            yield f"data: {json.dumps(event)}\n\n"
+        try:
+            result = task.result()
+        except ValueError as e:  # a bad input found only while searching
+            result = error_body(400, str(e))
+        yield f"data: {json.dumps(result)}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:  # the client went away: stop the search, which aborts its engine requests
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
