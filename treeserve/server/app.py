@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
@@ -26,6 +27,7 @@ from treeserve.server.protocol import ChatCompletionRequest, CompletionRequest, 
 from treeserve.server.search_api import run_search, search_context, stream_search
 
 ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404)}
+DISCONNECT_POLL_S = 0.05  # how often a stream or a waiting request checks that its client is still there
 CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never seen by the client
 
 
@@ -101,15 +103,18 @@ def build_app(served: Served, api_key: str | None = None) -> FastAPI:
 
 def _sse(request: Request, events: AsyncIterator[str]) -> StreamingResponse:
     """Server-Sent Events that stop (closing `events`, which aborts their engine requests) as
-    soon as the client is gone. Checked before every event: with uvicorn's h11 protocol a
+    soon as the client is gone. Checked between events, at most every DISCONNECT_POLL_S: with uvicorn's h11 protocol a
     write to a closed connection is silently dropped, and Starlette's own disconnect
     listener was measured not to stop a stream whose producer rarely waits."""
 
     async def until_disconnected() -> AsyncIterator[str]:
+        checked = time.monotonic()
         async with contextlib.aclosing(events) as it:
             async for event in it:
-                if await request.is_disconnected():
-                    return
+                if time.monotonic() - checked > DISCONNECT_POLL_S:
+                    if await request.is_disconnected():
+                        return
+                    checked = time.monotonic()
                 yield event
 
     headers = {"Cache-Control": "no-cache"}
@@ -122,7 +127,7 @@ async def _unless_disconnected(request: Request, work: Awaitable[dict]) -> Respo
     task = asyncio.ensure_future(work)
     try:
         while True:
-            done, _ = await asyncio.wait({task}, timeout=0.2)
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if done:
                 return JSONResponse(task.result())
             if await request.is_disconnected():

@@ -124,7 +124,9 @@ async def run_job(served: Served, job: Job) -> AsyncIterator[tuple[int, RequestO
     streams = [
         served.runtime.generate_stream(served.generator, {"prompt_token_ids": p}, job.params) for p in job.prompts
     ]
-    metrics, model = served.metrics, served.model_name
+    m, model = served.metrics, served.model_name
+    ttft, itl = m.ttft.labels(model), m.itl.labels(model)
+    generated, prompt_tokens = m.generation_tokens.labels(model), m.prompt_tokens.labels(model)
     seen = [0] * len(streams)
     last = [job.start] * len(streams)
     async with aclosing(_merged(streams)) as merged:
@@ -132,11 +134,11 @@ async def run_job(served: Served, job: Job) -> AsyncIterator[tuple[int, RequestO
             tokens = sum(len(c.token_ids) for c in out.outputs)
             if tokens > seen[i]:
                 t = time.perf_counter()
-                (metrics.ttft if seen[i] == 0 else metrics.itl).labels(model).observe(t - last[i])
-                metrics.generation_tokens.labels(model).inc(tokens - seen[i])
+                (ttft if seen[i] == 0 else itl).observe(t - last[i])
+                generated.inc(tokens - seen[i])
                 seen[i], last[i] = tokens, t
             if out.finished:
-                metrics.prompt_tokens.labels(model).inc(len(out.prompt_token_ids))
+                prompt_tokens.inc(len(out.prompt_token_ids))
             yield i, out
 
 
