@@ -1,0 +1,49 @@
+"""treeserve's beam search on a search workload (run in a subprocess by bench/search.py).
+
+Usage: python bench/peers/run_treeserve_search.py WORKLOAD_JSON OUT_JSON [--reference]
+
+The same settings as the peers get, through `treeserve eval`'s code path (`run_eval`) with
+every optimisation on, or the reference mode (no caches, one problem at a time). The last
+iteration samples to EOS (`final_to_eos`), as search-and-learn does. Model loading is not
+timed; the search is, from the first problem to the last.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from treeserve.eval.runner import EvalSettings, run_eval
+from treeserve.search.context import SearchConfig
+
+
+def main() -> None:
+    workload_path, out_path = sys.argv[1:3]
+    with open(workload_path) as f:
+        w = json.load(f)
+    settings = EvalSettings(
+        dataset="inline", generator=w["generator"], prm=w["prm"], dtype=w["dtype"], kv_cache_memory=w["kv_gib"] << 30,
+        reference="--reference" in sys.argv, progress=False,
+    )  # fmt: skip
+    config = SearchConfig(
+        strategy="beam_search", n=w["n"], beam_width=w["beam_width"], num_iterations=w["num_iterations"],
+        temperature=w["temperature"], top_p=w["top_p"], max_tokens=w["max_tokens"], agg=w["agg"], final_to_eos=True,
+        seed=w["seed"],
+    )  # fmt: skip
+    records = [{"problem": p["problem"], "answer": p["answer"], "unique_id": p["unique_id"]} for p in w["problems"]]
+    results = run_eval(settings, config, inline=records)
+    s = results["summary"]
+    problems = [
+        {"unique_id": p["unique_id"], "completions": [{"text": c["text"], "step_scores": c["step_scores"]}
+                                                      for c in p["completions"]]}
+        for p in results["problems"]
+    ]  # fmt: skip
+    out = {"system": "treeserve-reference" if settings.reference else "treeserve", "wall_s": s["wall_time_s"],
+           "generated_tokens": s["generated_tokens"], "prm_tokens_prefilled": s["prm_tokens_prefilled"],
+           "prm_unique_tokens": s["prm_unique_tokens"], "problems": problems}  # fmt: skip
+    with open(out_path, "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    main()

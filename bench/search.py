@@ -1,0 +1,151 @@
+"""PRM-guided beam search on several systems, side by side, on the same problems and settings.
+
+    python bench/search.py --systems treeserve,treeserve-reference,sal-transformers,sal-vllm,thesis-vllm \\
+        --n 16 --problems 40 --repeats 3 --out bench/out/search_n16.json
+
+Systems (each in its own subprocess and environment; peers' code in bench/peers/):
+* `treeserve` (every optimisation on) and `treeserve-reference` (no caches, one problem at a
+  time), through `treeserve eval`'s code path;
+* `sal-transformers`, `sal-vllm`, `thesis-vllm`: see bench/peers/sal_search.py.
+
+Workload: arithmetic problems of levels 4-5 (seed 0), the shipped generator and PRM (bf16),
+beam search with n, beam width 4, up to 40 iterations, steps of at most 256 tokens ending at
+"\\n\\n", T=0.8, `agg=last`, the last iteration sampled to EOS. Every system's completions
+are graded here the same way (weighted selection by the last step score, as `treeserve eval`
+does for beam search). The order of systems rotates every repetition; medians are reported,
+accuracy with a 95% Wilson interval over the problems (pooled over repetitions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+ASSETS = os.path.join(ROOT, "treeserve", "assets")
+VLLM_PYTHON = os.environ.get("VLLM_PYTHON", os.path.join(ROOT, ".venv-vllm", "bin", "python"))
+SYSTEMS = {
+    "treeserve": [sys.executable, os.path.join(HERE, "peers", "run_treeserve_search.py")],
+    "treeserve-reference": [sys.executable, os.path.join(HERE, "peers", "run_treeserve_search.py")],
+    "sal-transformers": [sys.executable, os.path.join(HERE, "peers", "sal_search.py"), "sal-transformers"],
+    "sal-vllm": [VLLM_PYTHON, os.path.join(HERE, "peers", "sal_search.py"), "sal-vllm"],
+    "thesis-vllm": [VLLM_PYTHON, os.path.join(HERE, "peers", "sal_search.py"), "thesis-vllm"],
+}
+
+
+def wilson(correct: int, total: int, z: float = 1.96) -> tuple[float, float]:
+    if total == 0:
+        return 0.0, 0.0
+    p = correct / total
+    centre = (p + z * z / (2 * total)) / (1 + z * z / total)
+    half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / (1 + z * z / total)
+    return centre - half, centre + half
+
+
+def run_system(system: str, workload_path: str, threads: int) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out_path = f.name
+    command = [*SYSTEMS[system], workload_path, out_path]
+    if system == "treeserve-reference":
+        command.append("--reference")
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               VLLM_CPU_OMP_THREADS_BIND="nobind", PYTHONPATH=ROOT)  # fmt: skip
+    result = subprocess.run(command, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{system} failed:\n{result.stderr[-3000:]}")
+    with open(out_path) as f:
+        out = json.load(f)
+    os.unlink(out_path)
+    return out
+
+
+def grade(records: list[dict], out: dict) -> list[bool]:
+    from treeserve.eval.grading import Grader
+    from treeserve.eval.report import grade_problems
+
+    by_id = {p["unique_id"]: p["completions"] for p in out["problems"]}
+    completions = [[(c["text"], c["step_scores"]) for c in by_id[r["unique_id"]]] for r in records]
+    with Grader() as grader:
+        outcomes = grade_problems(records, completions, grader, selection="weighted", agg="last")
+    return [o.correct for o in outcomes]
+
+
+def main() -> None:
+    from treeserve.eval.arith import arith_dataset
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--systems", default="treeserve,treeserve-reference,sal-transformers,sal-vllm,thesis-vllm")
+    ap.add_argument("--n", type=int, default=16)
+    ap.add_argument("--beam-width", type=int, default=4)
+    ap.add_argument("--problems", type=int, default=40)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--generator", default=os.path.join(ASSETS, "arith-generator"))
+    ap.add_argument("--prm", default=os.path.join(ASSETS, "arith-prm"))
+    ap.add_argument("--out", default=os.path.join(HERE, "out", "search.json"))
+    args = ap.parse_args()
+    systems = args.systems.split(",")
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        raise SystemExit(f"unknown systems {unknown}; choose from {list(SYSTEMS)}")
+    if any("vllm" in s for s in systems) and not os.path.exists(VLLM_PYTHON):
+        raise SystemExit(f"vllm python not found at {VLLM_PYTHON}: run bench/setup_vllm.sh first")
+    records = arith_dataset(size=args.problems, seed=0, levels=(4, 5))
+    workload = {
+        "problems": records, "generator": args.generator, "prm": args.prm, "n": args.n, "beam_width": args.beam_width,
+        "num_iterations": 40, "temperature": 0.8, "top_p": 1.0, "max_tokens": 256, "agg": "last", "seed": 0,
+        "dtype": "bfloat16", "kv_gib": 1,
+    }  # fmt: skip
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    workload_path = args.out + ".workload.json"
+    with open(workload_path, "w") as f:
+        json.dump(workload, f)
+    runs: dict[str, list[dict]] = {s: [] for s in systems}
+    for rep in range(args.repeats):
+        order = systems[rep % len(systems) :] + systems[: rep % len(systems)]
+        for system in order:
+            out = run_system(system, workload_path, args.threads)
+            correct = grade(records, out)
+            row = {
+                "problems_per_min": len(records) / out["wall_s"] * 60, "wall_s": out["wall_s"],
+                "generated_tokens": out["generated_tokens"],
+                "generated_tokens_per_s": out["generated_tokens"] / out["wall_s"],
+                "prm_tokens_prefilled": out["prm_tokens_prefilled"], "prm_unique_tokens": out.get("prm_unique_tokens"),
+                "correct": sum(correct), "accuracy": sum(correct) / len(correct),
+            }  # fmt: skip
+            runs[system].append(row)
+            print(system, rep, json.dumps(row), flush=True)
+    table = {}
+    for system, rows in runs.items():
+        correct, total = sum(r["correct"] for r in rows), len(records) * len(rows)
+        table[system] = {
+            "problems_per_min": statistics.median(r["problems_per_min"] for r in rows),
+            "generated_tokens_per_s": statistics.median(r["generated_tokens_per_s"] for r in rows),
+            "prm_tokens_prefilled": statistics.median(r["prm_tokens_prefilled"] for r in rows),
+            "accuracy": correct / total, "accuracy_ci95": wilson(correct, total),
+        }  # fmt: skip
+    base = table.get("treeserve")
+    for row in table.values():
+        row["treeserve_speedup"] = base["problems_per_min"] / row["problems_per_min"] if base else None
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "runs": runs, "table": table}, f, indent=1)
+    print(f"\nn={args.n}, {len(records)} problems (levels 4-5), {args.repeats} repetitions, medians:")
+    print("| system | problems/min | generated tok/s | PRM tokens prefilled | accuracy (95% CI) | treeserve speed-up |")
+    print("|---|---|---|---|---|---|")
+    for system, r in table.items():
+        lo, hi = r["accuracy_ci95"]
+        print(f"| {system} | {r['problems_per_min']:.1f} | {r['generated_tokens_per_s']:.0f} | "
+              f"{r['prm_tokens_prefilled']:.0f} | {r['accuracy']:.1%} ({lo:.1%}-{hi:.1%}) | "
+              f"{r['treeserve_speedup'] or float('nan'):.2f}x |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
