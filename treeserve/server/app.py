@@ -21,9 +21,24 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from treeserve.server.completions import ModelNotFound, Served, chat_job, completion_job, full_response, stream_events
+from treeserve.server.completions import (
+    Job,
+    ModelNotFound,
+    Served,
+    chat_job,
+    completion_job,
+    full_response,
+    stream_events,
+)
 from treeserve.server.metrics import RequestCounter
-from treeserve.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, SearchRequest, error_body
+from treeserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    SamplingFields,
+    SearchRequest,
+    error_body,
+)
 from treeserve.server.search_api import run_search, search_context, stream_search
 
 ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404)}
@@ -72,21 +87,19 @@ def build_app(served: Served, api_key: str | None = None) -> FastAPI:
                 "max_model_len": served.max_model_len}  # fmt: skip
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions", responses=ERRORS)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        job = completion_job(served, body)
+    async def complete(request: Request, body: SamplingFields, job: Job, chat: bool) -> Response:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _sse(request, stream_events(served, job, chat=False, include_usage=include_usage))
-        return await _unless_disconnected(request, full_response(served, job, chat=False))
+            return _sse(request, stream_events(served, job, chat=chat, include_usage=include_usage))
+        return await _unless_disconnected(request, full_response(served, job, chat=chat))
+
+    @app.post("/v1/completions", responses=ERRORS)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await complete(request, body, completion_job(served, body), chat=False)
 
     @app.post("/v1/chat/completions", responses=ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        job = chat_job(served, body)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _sse(request, stream_events(served, job, chat=True, include_usage=include_usage))
-        return await _unless_disconnected(request, full_response(served, job, chat=True))
+        return await complete(request, body, chat_job(served, body), chat=True)
 
     @app.post("/v1/search", responses=ERRORS)
     async def search(body: SearchRequest, request: Request) -> Response:
