@@ -119,7 +119,9 @@ def test_disconnect_while_waiting_for_a_whole_response_aborts(server: LiveServer
                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}"
             ).encode()
         )
-        time.sleep(0.1)  # fmt: skip
+        deadline = time.monotonic() + 30  # close only once the engine generates for this request
+        while generated(server) == before and time.monotonic() < deadline:
+            time.sleep(0.005)
     assert server.idle()
     assert generated(server) - before < full
     server.served.runtime.check_pages_idle()
