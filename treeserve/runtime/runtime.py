@@ -99,8 +99,9 @@ class Runtime:
     async def generate_stream(
         self, model: str, prompt: str | list[int] | dict, params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's output (cumulative text and tokens) after every engine step that
-        touched it, the last one with `finished=True`. Closing the iterator early (a client
+        """Yield the request's output (cumulative text and tokens) after engine steps that touched
+        it (the newest one only, when several arrived while the consumer was busy), the last one
+        with `finished=True`. Closing the iterator early (a client
         that went away) aborts the request and returns its pages."""
         engine = self._engine(model)
         request_id = str(next(self._ids))
@@ -113,6 +114,8 @@ class Runtime:
         try:
             while not finished:
                 out = await queue.get()
+                while not isinstance(out, Exception) and not queue.empty():
+                    out = queue.get_nowait()  # outputs are cumulative: a consumer that lags skips to the newest
                 if isinstance(out, Exception):
                     raise out
                 finished = out.finished
