@@ -16,7 +16,7 @@ from tqdm import tqdm
 from treeserve.eval.datasets import load_dataset
 from treeserve.eval.grading import Grader
 from treeserve.eval.report import RunStats, build_results, grade_problems
-from treeserve.runtime.runtime import ModelSpec, Runtime
+from treeserve.runtime.runtime import Runtime
 from treeserve.search.context import SearchConfig, SearchContext
 from treeserve.search.prm import load_prm
 from treeserve.search.run import ProblemResult, search_problems
@@ -58,15 +58,11 @@ class EvalSettings:
 
 
 def build_runtime(settings: EvalSettings, config: SearchConfig) -> Runtime:
-    needs_prm = config.strategy != "majority"
-    specs = [ModelSpec("generator", settings.generator, 1.0 - settings.prm_kv_fraction if needs_prm else 1.0)]
-    if needs_prm:
-        # 4-token pages: each PRM request recomputes at most 3 cached tokens before its new step
-        # (16-token pages measured 2.3x the unique tokens of the search tree, 4-token pages 1.4x)
-        specs.append(ModelSpec("prm", settings.prm, settings.prm_kv_fraction, block_size=4))
-    return Runtime.load(
-        specs, settings.kv_cache_memory, dtype=settings.dtype, enable_prefix_caching=config.prefix_cache
-    )
+    prm = settings.prm if config.strategy != "majority" else None
+    return Runtime.for_search(
+        settings.generator, prm, settings.kv_cache_memory, settings.prm_kv_fraction, dtype=settings.dtype,
+        enable_prefix_caching=config.prefix_cache,
+    )  # fmt: skip
 
 
 def run_eval(settings: EvalSettings, config: SearchConfig, inline: list[dict] | None = None) -> dict:

@@ -83,6 +83,19 @@ class Runtime:
         }
         return cls(engines)
 
+    @classmethod
+    def for_search(
+        cls, generator: str, prm: str | None, kv_cache_memory: int, prm_kv_fraction: float, **load_kwargs: object
+    ) -> Runtime:
+        """A generator (engine "generator") and, when given, a PRM (engine "prm") sharing
+        `kv_cache_memory`, the PRM with a `prm_kv_fraction` share. The PRM gets 4-token pages:
+        each PRM request recomputes at most 3 cached tokens before its new step (16-token pages
+        measured 2.3x the unique tokens of the search tree, 4-token pages 1.4x)."""
+        specs = [ModelSpec("generator", generator, 1.0 - prm_kv_fraction if prm else 1.0)]
+        if prm:
+            specs.append(ModelSpec("prm", prm, prm_kv_fraction, block_size=4))
+        return cls.load(specs, kv_cache_memory, **load_kwargs)
+
     # ---- the API search programs use -------------------------------------------------
     def tokenizer(self, model: str) -> Tokenizer:
         return self._engine(model).tokenizer

@@ -10,7 +10,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from treeserve.runtime.runtime import ModelSpec, Runtime
+from treeserve.runtime.runtime import Runtime
 from treeserve.search.prm import load_prm
 from treeserve.server.completions import Served
 from treeserve.server.metrics import ServerMetrics
@@ -42,12 +42,9 @@ class ServerSettings:
 
 def build_served(settings: ServerSettings) -> Served:
     settings.check()
-    share = 1.0 - settings.prm_kv_fraction if settings.prm else 1.0
-    specs = [ModelSpec("generator", settings.model, share)]
-    if settings.prm:
-        specs.append(ModelSpec("prm", settings.prm, settings.prm_kv_fraction, block_size=4))  # as eval/runner.py
     extra = {"max_model_len": settings.max_model_len} if settings.max_model_len else {}
-    runtime = Runtime.load(specs, settings.kv_cache_memory, dtype=settings.dtype, **extra)
+    runtime = Runtime.for_search(settings.model, settings.prm, settings.kv_cache_memory, settings.prm_kv_fraction,
+                                 dtype=settings.dtype, **extra)  # fmt: skip
     name = settings.served_model_name or Path(settings.model).resolve().name
     prm = None
     if settings.prm:
