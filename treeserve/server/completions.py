@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from treeserve.outputs import CompletionOutput, Logprob, RequestOutput
 from treeserve.runtime.runtime import Runtime
 from treeserve.sampling_params import SamplingParams
+from treeserve.search.prm import PRM
 from treeserve.server.metrics import ServerMetrics
 from treeserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, new_id, now
 
@@ -38,8 +39,7 @@ class Served:
     model_name: str
     metrics: ServerMetrics
     generator: str = "generator"
-    prm: str | None = None  # the PRM's engine name, when one is hosted
-    prm_style: str | None = None
+    prm: PRM | None = None  # the PRM adapter, when a PRM is hosted (loaded once, at startup)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:

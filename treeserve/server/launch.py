@@ -46,11 +46,8 @@ def build_served(settings: ServerSettings) -> Served:
     runtime = Runtime.for_search(settings.model, settings.prm, settings.kv_cache_memory, settings.prm_kv_fraction,
                                  dtype=settings.dtype, **extra)  # fmt: skip
     name = settings.served_model_name or Path(settings.model).resolve().name
-    prm = None
-    if settings.prm:
-        prm = "prm"
-        load_prm(runtime, prm, settings.prm_style)  # fail at startup, not per request, on a PRM we cannot read
-    return Served(runtime, name, ServerMetrics(runtime), prm=prm, prm_style=settings.prm_style)
+    prm = load_prm(runtime, "prm", settings.prm_style) if settings.prm else None  # a bad PRM fails at startup
+    return Served(runtime, name, ServerMetrics(runtime), prm=prm)
 
 
 def serve(settings: ServerSettings, sock: socket.socket | None = None) -> None:

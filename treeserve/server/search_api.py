@@ -11,6 +11,7 @@ grading workers). With `stream`, progress events follow each scored iteration.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import time
 from collections.abc import AsyncIterator
@@ -19,7 +20,6 @@ from treeserve.eval.grading import extract_answer
 from treeserve.eval.metrics import ScoredCompletion, aggregate_scores, select
 from treeserve.eval.runner import SELECTION
 from treeserve.search.context import Beam, Problem, SearchConfig, SearchContext
-from treeserve.search.prm import load_prm
 from treeserve.search.run import STRATEGY_FUNCTIONS
 from treeserve.server.completions import Served
 from treeserve.server.protocol import SearchRequest, error_body, new_id, now
@@ -39,7 +39,7 @@ def search_context(served: Served, req: SearchRequest) -> tuple[SearchContext, P
     if config.strategy != "majority":
         if served.prm is None:
             raise ValueError(f"strategy {config.strategy!r} needs a PRM; start the server with --prm DIR")
-        prm = load_prm(served.runtime, served.prm, served.prm_style)
+        prm = copy.copy(served.prm)  # the context hooks its own counters onto the adapter it gets
     ctx = SearchContext(config, served.runtime, served.generator, prm)
     if req.messages is not None:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
