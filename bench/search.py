@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -40,15 +39,6 @@ SYSTEMS = {
     "sal-vllm": [VLLM_PYTHON, os.path.join(HERE, "peers", "sal_search.py"), "sal-vllm"],
     "thesis-vllm": [VLLM_PYTHON, os.path.join(HERE, "peers", "sal_search.py"), "thesis-vllm"],
 }
-
-
-def wilson(correct: int, total: int, z: float = 1.96) -> tuple[float, float]:
-    if total == 0:
-        return 0.0, 0.0
-    p = correct / total
-    centre = (p + z * z / (2 * total)) / (1 + z * z / total)
-    half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / (1 + z * z / total)
-    return centre - half, centre + half
 
 
 def run_system(system: str, workload_path: str, threads: int) -> dict:
@@ -81,6 +71,7 @@ def grade(records: list[dict], out: dict) -> list[bool]:
 
 def main() -> None:
     from treeserve.eval.arith import arith_dataset
+    from treeserve.eval.metrics import wilson_interval
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--systems", default="treeserve,treeserve-reference,sal-transformers,sal-vllm,thesis-vllm")
@@ -131,7 +122,7 @@ def main() -> None:
             "problems_per_min": statistics.median(r["problems_per_min"] for r in rows),
             "generated_tokens_per_s": statistics.median(r["generated_tokens_per_s"] for r in rows),
             "prm_tokens_prefilled": statistics.median(r["prm_tokens_prefilled"] for r in rows),
-            "accuracy": correct / total, "accuracy_ci95": wilson(correct, total),
+            "accuracy": correct / total, "accuracy_ci95": wilson_interval(correct, total),
         }  # fmt: skip
     base = table.get("treeserve")
     for row in table.values():

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from dataclasses import replace
 from pathlib import Path
 
+from treeserve.eval.metrics import wilson_interval
 from treeserve.eval.report import write_results
 from treeserve.eval.runner import EvalSettings, run_eval
 from treeserve.search.context import SearchConfig
@@ -35,15 +35,6 @@ ABLATION = {
     "one problem at a time": {"max_concurrent_problems": 1},
     "+ speculative steps (k=1)": {"speculative_steps": 1},
 }
-
-
-def wilson(correct: int, total: int, z: float = 1.96) -> tuple[float, float]:
-    if total == 0:
-        return (0.0, 0.0)
-    p = correct / total
-    centre = (p + z * z / (2 * total)) / (1 + z * z / total)
-    half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / (1 + z * z / total)
-    return centre - half, centre + half
 
 
 def run(name: str, settings: EvalSettings, config: SearchConfig, out: Path) -> list[dict]:
@@ -61,7 +52,7 @@ def run(name: str, settings: EvalSettings, config: SearchConfig, out: Path) -> l
             else round(summary[f"{selection}@n"][str(config.n)] * len(problems))
         )
         label = {"naive": "best_of_n", "weighted": "weighted_best_of_n"}.get(selection or "", name)
-        low, high = wilson(correct, len(problems))
+        low, high = wilson_interval(correct, len(problems))
         rows.append({
             "name": label if selection else name, "strategy": config.strategy, "n": config.n,
             "accuracy": correct / len(problems), "ci95": [low, high], "problems": len(problems),

@@ -31,6 +31,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from treeserve.eval.metrics import aggregate_scores  # search-and-learn's last/min/prod (pure Python)
+
 STOP = "\n\n"
 MAX_LEN = 512  # the arithmetic models' context (max_position_embeddings)
 
@@ -50,19 +52,6 @@ class Counters:
     generated_tokens: int = 0
     prm_tokens_prefilled: int = 0
     prm_tokens_total: int = 0
-
-
-def aggregate(scores: list[float], agg: str) -> float:
-    if not scores:
-        return 0.0
-    if agg == "last":
-        return scores[-1]
-    if agg == "min":
-        return min(scores)
-    out = 1.0
-    for s in scores:
-        out *= s
-    return out
 
 
 # ---- models --------------------------------------------------------------------------------
@@ -247,7 +236,7 @@ def beam_search(questions: list[str], generator: object, prm: object, w: dict, c
             if not alive:
                 del active[q]
                 continue
-            ranked = sorted(range(len(alive)), key=lambda i: aggregate(alive[i].all_scores, w["agg"]))
+            ranked = sorted(range(len(alive)), key=lambda i: aggregate_scores(alive[i].all_scores, w["agg"]))
             top = set(ranked[-keep:])
             for i, b in enumerate(alive):
                 b.pruned = i not in top

@@ -120,3 +120,13 @@ def test_summary_and_levels():
     assert summary["pass@N"] == 0.75
     with pytest.raises(ValueError, match="selection method"):
         select(problems[0].completions, "best")
+
+
+def test_wilson_interval():
+    from treeserve.eval.metrics import wilson_interval
+
+    assert wilson_interval(0, 0) == (0.0, 0.0)
+    lo, hi = wilson_interval(5, 10)
+    assert abs((lo + hi) / 2 - 0.5) < 1e-12 and 0 < lo < 0.5 < hi < 1
+    lo, hi = wilson_interval(10, 40)  # 25% of 40: the interval BENCHMARKS.md reports
+    assert round(lo, 3) == 0.142 and round(hi, 3) == 0.402

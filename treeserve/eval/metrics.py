@@ -10,7 +10,8 @@ reports, as plain functions over graded completions:
   - `majority`: the most frequent group (ties: the group seen first);
 * each evaluated on the first n completions for n = 1, 2, 4, ... <= N (search-and-learn's
   subsampling), plus N itself when N is not a power of two;
-* `pass@N` (any completion correct), accuracy overall and by level.
+* `pass@N` (any completion correct), accuracy overall and by level, and the 95% Wilson
+  interval of an accuracy (the benchmarks report it).
 
 Differences from search-and-learn, on purpose: a completion with no final answer does not vote
 in `weighted`/`majority` (search-and-learn votes for the empty string); a completion with no
@@ -142,6 +143,16 @@ def subsample_sizes(num_completions: int) -> list[int]:
     if num_completions > 0 and sizes[-1] != num_completions:
         sizes.append(num_completions)
     return sizes
+
+
+def wilson_interval(correct: int, total: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of `correct` successes in `total` trials ((0, 0) for none)."""
+    if total == 0:
+        return (0.0, 0.0)
+    p = correct / total
+    centre = (p + z * z / (2 * total)) / (1 + z * z / total)
+    half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / (1 + z * z / total)
+    return centre - half, centre + half
 
 
 def _mean(values: Sequence[bool]) -> float:
