@@ -61,7 +61,7 @@ def save_tokenizer(tok, out_dir: str) -> None:
 
 
 def build_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, **overrides) -> str:
-    """Write a tiny random checkpoint of `arch` (llama | qwen2 | mistral) to out_dir."""
+    """Write a tiny random checkpoint of `arch` (llama | qwen2 | mistral | gemma3_text) to out_dir."""
     import transformers
 
     os.makedirs(out_dir, exist_ok=True)
@@ -84,6 +84,7 @@ def build_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, **overrid
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[arch]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**common)).eval()
@@ -92,5 +93,10 @@ def build_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, **overrid
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    if arch == "gemma3_text":  # Gemma's norm weights start at 0 (a gain of 1): make them matter
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.normal_(0, 0.5)
     model.save_pretrained(out_dir)
     return out_dir

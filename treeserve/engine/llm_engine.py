@@ -61,7 +61,7 @@ class LLMEngine:
         )
         self.blocks = BlockManager(num_blocks, config.block_size, config.model_id, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.arena, self.device)
+        self.runner = ModelRunner(self.model, self.arena, self.device, scale=cfg.attn_scale)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)

@@ -47,6 +47,8 @@ class LlamaConfig:
     eos_token_ids: list[int]
     bos_token_id: int | None
     has_lm_head: bool = True  # False for reward models whose checkpoint has a head of its own
+    hidden_act: str = "silu"  # MLP activation: "silu" or "gelu_pytorch_tanh"
+    attn_scale: float | None = None  # softmax scale of attention; None: head_dim ** -0.5
 
     @classmethod
     def from_hf(cls, cfg: dict) -> LlamaConfig:
@@ -130,15 +132,21 @@ class LlamaAttentionBlock(nn.Module):
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
 class LlamaMLP(nn.Module):
+    """Gated MLP, down(act(gate(x)) * up(x)); Gemma uses it with a tanh-approximated GELU."""
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):

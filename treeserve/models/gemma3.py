@@ -1,0 +1,172 @@
+"""Gemma 3 text models (`model_type: gemma3_text`, e.g. Gemma 3 270M / 1B) on flat token batches.
+
+What differs from the Llama family (`llama.py`, whose MLP and attention interface it shares):
+embeddings scaled by sqrt(hidden_size); RMSNorm weights stored as offsets from 1 and applied
+in fp32 before the cast back; RMS norms on q and k per head before rope; a norm after
+attention and after the MLP as well as before each; GELU (tanh) MLP; attention scaled by
+`query_pre_attn_scalar ** -0.5`; sliding-window ("local") layers interleaved with global
+ones, each kind with its own rope base (and rope scaling only on global layers). Final logit
+soft-capping is not implemented (no Gemma 3 checkpoint uses it): a config asking for it is
+refused rather than run wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from treeserve.models.llama import Attention, LlamaConfig, LlamaForCausalLM, LlamaMLP
+from treeserve.models.rope import RotaryEmbedding, rope_inv_freq
+
+
+@dataclass
+class Gemma3Config(LlamaConfig):
+    local_rope_theta: float = 10000.0
+    local_rope_scaling: dict | None = None
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> Gemma3Config:
+        for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if cfg.get(key) is not None:
+                raise ValueError(f"{key}={cfg[key]} is not supported for gemma3_text")
+        if cfg.get("use_bidirectional_attention"):
+            raise ValueError("use_bidirectional_attention is not supported: treeserve runs causal decoders")
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+        if act != "gelu_pytorch_tanh":
+            raise ValueError(f"unsupported hidden_activation {act!r} for gemma3_text")
+        layers = cfg["num_hidden_layers"]
+        heads = cfg["num_attention_heads"]
+        global_rope, local_rope = _rope_parameters(cfg)
+        eos = cfg.get("eos_token_id", 1)
+        bias = cfg.get("attention_bias", False)
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim", 256),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(global_rope.pop("rope_theta", 1_000_000.0)),
+            rope_scaling=global_rope or None,
+            max_position_embeddings=cfg.get("max_position_embeddings", 131072),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", True),
+            qkv_bias=bias,
+            o_bias=bias,
+            mlp_bias=False,
+            layer_windows=_layer_windows(cfg, layers),
+            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+            bos_token_id=cfg.get("bos_token_id", 2),
+            hidden_act=act,
+            attn_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
+            local_rope_theta=float(local_rope.pop("rope_theta", 10000.0)),
+            local_rope_scaling=local_rope or None,
+        )
+
+
+def _rope_parameters(cfg: dict) -> tuple[dict, dict]:
+    """(global, local) rope parameters from either config layout transformers has written."""
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        return dict(params.get("full_attention") or {}), dict(params.get("sliding_attention") or {})
+    global_rope = dict(cfg.get("rope_scaling") or params)
+    global_rope.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+    return global_rope, {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
+
+
+def _layer_windows(cfg: dict, layers: int) -> list[int | None]:
+    window = cfg.get("sliding_window") or 4096
+    types = cfg.get("layer_types")
+    if not types:
+        pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    if len(types) != layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {layers} layers")
+    return [window if t == "sliding_attention" else None for t in types]
+
+
+class GemmaRMSNorm(nn.Module):
+    """x / rms(x) * (1 + weight), computed in fp32 and cast back (weights are offsets from 1)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, cfg: Gemma3Config, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.window = cfg.layer_windows[layer]
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: Attention) -> torch.Tensor:
+        heads, kv_heads, head_dim = self.shape
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.view(-1, heads, head_dim))
+        k = self.k_norm(k.view(-1, kv_heads, head_dim))
+        q, k = rope(q, k, positions)
+        out = attn(self.layer, q, k, v.view(-1, kv_heads, head_dim), self.window)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, cfg: Gemma3Config, layer: int):
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.self_attn = Gemma3Attention(cfg, layer)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.mlp = LlamaMLP(cfg)
+        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+
+    def forward(self, x, positions, rope, attn):  # noqa: ANN001 - same types as the attention block
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions, rope, attn))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """Same interface as `LlamaForCausalLM` (name mapping, fused q/k/v and gate/up, logits)."""
+
+    def __init__(self, cfg: Gemma3Config):
+        nn.Module.__init__(self)
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.embed_scale = float(cfg.hidden_size) ** 0.5
+        self.rope: RotaryEmbedding | None = None
+        self.local_rope: RotaryEmbedding | None = None
+
+    def init_rope(self, max_positions: int, device: torch.device | str) -> None:
+        cfg = self.config
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.rope = RotaryEmbedding(inv_freq, max_positions, device)
+        local_inv_freq = rope_inv_freq(cfg.head_dim, cfg.local_rope_theta, cfg.local_rope_scaling)
+        self.local_rope = RotaryEmbedding(local_inv_freq, max_positions, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        x = x * torch.tensor(self.embed_scale).to(x.dtype)  # rounded via fp32, as transformers does
+        for layer in self.layers:
+            rope = self.rope if layer.self_attn.window is None else self.local_rope
+            x = layer(x, positions, rope, attn)
+        return self.norm(x)
