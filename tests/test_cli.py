@@ -19,7 +19,7 @@ def test_generate_runs(llama_dir, capsys):
 
 def test_bad_input_exits_2(llama_dir, capsys):
     assert main(["generate", "--model", "/does/not/exist"]) == 2
-    assert "model directory not found" in capsys.readouterr().err
+    assert "model not found" in capsys.readouterr().err
     assert main(["generate", "--model", llama_dir, "--n", "0", "x", "--kv-cache-memory", str(8 << 20)]) == 2
     assert "n must be" in capsys.readouterr().err
 

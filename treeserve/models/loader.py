@@ -1,15 +1,17 @@
-"""Load a Hugging Face checkpoint directory into one of our model definitions.
+"""Load a checkpoint into one of our model definitions.
 
-Reads `config.json` and `*.safetensors` (one file, or shards listed by
-`model.safetensors.index.json`), maps tensor names onto the local modules (fusing q/k/v and
-gate/up), and casts to the requested dtype on the requested device. Tensors the model
-does not use (reward heads, for example) are kept in `LoadedModel.extra_tensors`.
+A checkpoint is a Hugging Face directory (`config.json` and `*.safetensors`: one file, or
+shards listed by `model.safetensors.index.json`) or a GGUF file (`gguf_loader.py` supplies
+the same config and tensor names). Tensor names are mapped onto the local modules (fusing
+q/k/v and gate/up) and cast to the requested dtype on the requested device. Tensors the
+model does not use (reward heads, for example) are kept in `LoadedModel.extra_tensors`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -17,9 +19,17 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from treeserve.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
+from treeserve.models.gguf_loader import GGUFCheckpoint
 from treeserve.models.llama import LlamaConfig, LlamaForCausalLM
 
-LLAMA_FAMILY = {"llama", "mistral", "qwen2"}
+# model_type in config.json -> (config class, model class)
+ARCHITECTURES: dict[str, tuple[type[LlamaConfig], type[LlamaForCausalLM]]] = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (LlamaConfig, LlamaForCausalLM),
+    "gemma3_text": (Gemma3Config, Gemma3ForCausalLM),
+}
 
 
 @dataclass
@@ -81,18 +91,28 @@ def _skip_init():
             setattr(torch.nn.init, name, fn)
 
 
+def is_gguf(path: str) -> bool:
+    return path.endswith(".gguf") and os.path.isfile(path)
+
+
 def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device) -> LoadedModel:
-    hf_config = read_hf_config(model_dir)
+    """`model_dir`: a Hugging Face checkpoint directory or a GGUF file."""
+    if is_gguf(model_dir):
+        gguf = GGUFCheckpoint(model_dir)
+        hf_config, tensors = gguf.config, gguf.tensors()
+    else:
+        hf_config, tensors = read_hf_config(model_dir), iter_safetensors(model_dir)
     model_type = hf_config.get("model_type")
-    if model_type not in LLAMA_FAMILY:
-        raise ValueError(f"unsupported model_type {model_type!r} in {model_dir!r} (supported: {sorted(LLAMA_FAMILY)})")
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"unsupported model_type {model_type!r} in {model_dir!r} (supported: {sorted(ARCHITECTURES)})")
+    config_class, model_class = ARCHITECTURES[model_type]
     try:
-        config = LlamaConfig.from_hf(hf_config)
+        config = config_class.from_hf(hf_config)
     except KeyError as e:
         raise ValueError(f"config.json in {model_dir!r} lacks required field {e}") from e
     with torch.device("meta"), _skip_init():
-        model = LlamaForCausalLM(config)
-    state, extra = _collect_state(model, model_dir, dtype)
+        model = model_class(config)
+    state, extra = _collect_state(model, model_dir, tensors, dtype)
     expected = set(model.state_dict().keys())
     if "lm_head.weight" in expected - set(state) and extra:
         # a reward/value model: a head of its own instead of an LM head (see extra_tensors)
@@ -115,13 +135,13 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device) -
 
 
 def _collect_state(
-    model: LlamaForCausalLM, model_dir: str, dtype: torch.dtype
+    model: LlamaForCausalLM, model_dir: str, tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     expected = set(model.state_dict().keys())
     state: dict[str, torch.Tensor] = {}
     parts: dict[str, dict[str, torch.Tensor]] = {}
     extra: dict[str, torch.Tensor] = {}
-    for hf_name, tensor in iter_safetensors(model_dir):
+    for hf_name, tensor in tensors:
         local, part = model.hf_to_local(hf_name)
         if local not in expected:
             if "rotary_emb" not in hf_name and not (hf_name == "lm_head.weight" and model.config.tie_word_embeddings):

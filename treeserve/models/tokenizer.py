@@ -1,7 +1,8 @@
 """A checkpoint's tokenizer: `tokenizers` for text <-> ids, plus its special tokens and chat template.
 
 Reads `tokenizer.json`, `tokenizer_config.json` and, when present, `chat_template.jinja`
-and `generation_config.json` (whose `eos_token_id` list real checkpoints use to stop).
+and `generation_config.json` (whose `eos_token_id` list real checkpoints use to stop). For a
+GGUF file, the same two come from its metadata (`gguf_tokenizer.py`).
 """
 
 from __future__ import annotations
@@ -32,16 +33,27 @@ def _read_json(path: str) -> dict:
         raise ValueError(f"malformed JSON file {path!r}: {e}") from e
 
 
+def _load(model_dir: str) -> tuple[HFTokenizer, dict]:
+    if model_dir.endswith(".gguf") and os.path.isfile(model_dir):
+        import gguf
+
+        from treeserve.models.gguf_tokenizer import tokenizer_from_gguf
+
+        return tokenizer_from_gguf(gguf.GGUFReader(model_dir))
+    path = os.path.join(model_dir, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no tokenizer.json in model directory {model_dir!r}")
+    try:
+        hf = HFTokenizer.from_file(path)
+    except Exception as e:  # tokenizers raises a bare Exception on malformed files
+        raise ValueError(f"malformed tokenizer.json in {model_dir!r}: {e}") from e
+    return hf, _read_json(os.path.join(model_dir, "tokenizer_config.json"))
+
+
 class Tokenizer:
     def __init__(self, model_dir: str, model_eos_ids: list[int] | None = None):
-        path = os.path.join(model_dir, "tokenizer.json")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"no tokenizer.json in model directory {model_dir!r}")
-        try:
-            self.hf = HFTokenizer.from_file(path)
-        except Exception as e:  # tokenizers raises a bare Exception on malformed files
-            raise ValueError(f"malformed tokenizer.json in {model_dir!r}: {e}") from e
-        config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
+        """`model_dir`: a Hugging Face checkpoint directory or a GGUF file."""
+        self.hf, config = _load(model_dir)
         self.special_tokens = {k: t for k in _SPECIAL_KEYS if (t := _token_text(config.get(k)))}
         self.chat_template = self._find_chat_template(model_dir, config)
         eos_ids = set(model_eos_ids or [])

