@@ -1,0 +1,214 @@
+"""A GGUF file's tokenizer, rebuilt as a `tokenizers.Tokenizer` that gives the ids llama.cpp gives.
+
+A GGUF has no `tokenizer.json`: it stores `tokenizer.ggml.*` keys (tokens, scores, token types,
+merges, special ids, flags). This module turns them into a `tokenizers` pipeline plus the content of
+a Hugging Face `tokenizer_config.json`, so that `tok.encode(text).ids` equals llama.cpp's
+`llama_tokenize(text, add_special=True, parse_special=True)` and `tok.decode(ids)` gives text back.
+It never reads weights and never tokenizes by itself: the work at encode time is `tokenizers`'.
+
+Scope, mirroring llama.cpp's `llama-vocab.cpp`:
+
+- `tokenizer.ggml.model == "llama"` (llama.cpp's SPM tokenizer; Llama 2, Gemma 3). llama.cpp merges
+  the adjacent pair whose concatenation is the highest-scoring vocabulary entry, ties to the left.
+  That is BPE with one merge `(left, right)` for every split of every token whose halves are both
+  tokens, ranked by the merged token's score; chars missing from the vocabulary fall back to
+  `<0xNN>` byte tokens. Spaces become "▁"; when `tokenizer.ggml.add_space_prefix` (default true;
+  Gemma 3 has false) a "▁" goes before every text fragment, as llama.cpp puts one at the start and
+  after every special token. There is no pre-tokenizer: a fragment is merged as one piece.
+- `tokenizer.ggml.model == "gpt2"` (byte-level BPE with `tokenizer.ggml.merges`), with the
+  pre-tokenizer regexes llama.cpp uses for `tokenizer.ggml.pre` in {"gpt-2" (llama.cpp's
+  spelling; "gpt2" too), "llama-bpe" (also "llama3", "llama-v3"; whole words found in the
+  vocabulary skip the merges), "qwen2", "default" (also a missing key)}.
+- Anything else raises ValueError naming the model or pre-tokenizer type.
+
+Token types: control (3) and unknown (2) become special added tokens (parsed as one id, dropped by
+`decode(skip_special_tokens=True)`), user-defined (4) plain added tokens (parsed as one id, always
+decoded). All of them match the raw text before any normalisation, as llama.cpp matches them.
+Known gap: llama.cpp splits on the longest special token first over the whole text, `tokenizers`
+takes the leftmost-longest match; they differ only where special tokens overlap in the text.
+llama.cpp's name-based fix-ups (marking "<end_of_turn>"-like tokens control, phi-3 rstrip) are not
+copied: the token types in the file are used as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gguf
+import numpy as np
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4
+
+# llama.cpp's `llm_tokenizer_bpe` regexes; each splits every piece the previous one left.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_DEFAULT = [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"]
+_PRE_REGEXES = {
+    "gpt2": [_GPT2],
+    "gpt-2": [_GPT2],
+    "llama-bpe": [_LLAMA3],
+    "llama3": [_LLAMA3],
+    "llama-v3": [_LLAMA3],
+    "qwen2": [_QWEN2],
+    "default": _DEFAULT,
+}
+_LLAMA3_PRES = {"llama-bpe", "llama3", "llama-v3"}
+
+# Special ids llama.cpp assumes for an SPM vocabulary whose file does not name them.
+_SPM_DEFAULT_IDS = {"bos": 1, "eos": 2, "unk": 0}
+_ID_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id", "pad": "padding_token_id"}
+
+
+def tokenizer_from_gguf(reader: gguf.GGUFReader) -> tuple[Tokenizer, dict]:
+    """-> (tokenizer, tokenizer_config) for the vocabulary in `reader`'s metadata.
+
+    tokenizer_config holds bos/eos/unk/pad token strings (where the ids are known), add_bos_token,
+    add_eos_token and, when the file has one, chat_template.
+    """
+    model_type = _value(reader, "tokenizer.ggml.model")
+    if model_type not in ("llama", "gpt2"):
+        raise ValueError(f"unsupported GGUF tokenizer model {model_type!r}: only 'llama' (SPM) and 'gpt2' (BPE)")
+    pre = _value(reader, "tokenizer.ggml.pre") or "default"
+    if model_type == "gpt2" and pre not in _PRE_REGEXES:
+        raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r} for 'gpt2' tokenizer: one of {sorted(_PRE_REGEXES)}")
+
+    tokens = _tokens(reader)
+    types = _array(reader, "tokenizer.ggml.token_type", np.int32, len(tokens), default=1)
+    ids = _special_ids(reader, model_type, len(tokens))
+    add_bos = bool(_value(reader, "tokenizer.ggml.add_bos_token", model_type == "llama" or pre in _LLAMA3_PRES))
+    add_eos = bool(_value(reader, "tokenizer.ggml.add_eos_token", False))
+    for flag, name in ((add_bos, "bos"), (add_eos, "eos")):
+        if flag and name not in ids:
+            raise ValueError(f"tokenizer.ggml.add_{name}_token is true but the file has no {name} token id")
+
+    if model_type == "llama":
+        scores = _array(reader, "tokenizer.ggml.scores", np.float32, len(tokens), default=0.0)
+        add_prefix = bool(_value(reader, "tokenizer.ggml.add_space_prefix", True))
+        tokenizer = _spm_tokenizer(tokens, scores, ids.get("unk"), add_prefix)
+    else:
+        merges = _value(reader, "tokenizer.ggml.merges")
+        if merges is None:
+            raise ValueError("GGUF 'gpt2' tokenizer has no tokenizer.ggml.merges")
+        tokenizer = _bpe_tokenizer(tokens, merges, pre)
+
+    tokenizer.add_tokens(
+        [AddedToken(tokens[i], special=False, normalized=False) for i in np.flatnonzero(types == USER_DEFINED)]
+    )
+    special = np.flatnonzero((types == CONTROL) | (types == UNKNOWN))
+    tokenizer.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
+    tokenizer.post_processor = _post_processor(tokens, ids, add_bos, add_eos)
+
+    config: dict = {f"{name}_token": tokens[i] for name, i in ids.items()}
+    config.update(add_bos_token=add_bos, add_eos_token=add_eos)
+    template = _value(reader, "tokenizer.chat_template")
+    if template is not None:
+        config["chat_template"] = template
+    return tokenizer, config
+
+
+def _spm_tokenizer(tokens: list[str], scores: np.ndarray, unk: int | None, add_prefix: bool) -> Tokenizer:
+    vocab = {token: i for i, token in enumerate(tokens)}
+    unk_token = tokens[unk] if unk is not None else None
+    tokenizer = Tokenizer(
+        models.BPE(vocab=vocab, merges=_spm_merges(tokens, vocab, scores), unk_token=unk_token, byte_fallback=True)
+    )
+    prefix = [normalizers.Prepend("▁")] if add_prefix else []
+    tokenizer.normalizer = normalizers.Sequence([*prefix, normalizers.Replace(" ", "▁")])
+    strip = [decoders.Strip(" ", 1, 0)] if add_prefix else []
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), *strip]
+    )
+    return tokenizer
+
+
+def _spm_merges(tokens: list[str], vocab: dict[str, int], scores: np.ndarray) -> list[tuple[str, str]]:
+    """Every (left, right) with left, right and left + right all tokens, best merged score first.
+
+    llama.cpp breaks equal scores by position; ranking equal scores by the merged token's id can only
+    differ where two equal-score merges compete for the same symbol.
+    """
+    pairs: list[tuple[str, str]] = []
+    merged: list[int] = []
+    for i, token in enumerate(tokens):
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                pairs.append((left, right))
+                merged.append(i)
+    merged_ids = np.asarray(merged, dtype=np.int64)
+    order = np.lexsort((merged_ids, -scores[merged_ids]))
+    return [pairs[j] for j in order]
+
+
+def _bpe_tokenizer(tokens: list[str], merges: list[str], pre: str) -> Tokenizer:
+    vocab = {token: i for i, token in enumerate(tokens)}
+    pairs = []
+    for merge in merges:
+        cut = merge.find(" ", 1)
+        if cut < 0:
+            raise ValueError(f"malformed GGUF merge {merge!r}: expected 'left right'")
+        pairs.append((merge[:cut], merge[cut + 1 :]))
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=pre in _LLAMA3_PRES))
+    splits = [pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in _PRE_REGEXES[pre]]
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _post_processor(
+    tokens: list[str], ids: dict[str, int], add_bos: bool, add_eos: bool
+) -> processors.TemplateProcessing | None:
+    """BOS/EOS around each sequence, as llama_tokenize(add_special=True) adds them."""
+    if not (add_bos or add_eos):
+        return None
+    first = [tokens[ids["bos"]]] if add_bos else []
+    last = [tokens[ids["eos"]]] if add_eos else []
+    single = [*first, "$A", *last]
+    pair = [*single, *(f"{t}:1" for t in first), "$B:1", *(f"{t}:1" for t in last)]
+    special = {tokens[ids[name]]: ids[name] for name, added in (("bos", add_bos), ("eos", add_eos)) if added}
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=list(special.items()))
+
+
+def _special_ids(reader: gguf.GGUFReader, model_type: str, n_tokens: int) -> dict[str, int]:
+    """bos/eos/unk/pad ids from the file, else llama.cpp's defaults for an SPM vocabulary."""
+    defaults = _SPM_DEFAULT_IDS if model_type == "llama" else {}
+    ids = {}
+    for name, key in _ID_KEYS.items():
+        value = _value(reader, f"tokenizer.ggml.{key}", defaults.get(name))
+        if value is not None and 0 <= int(value) < n_tokens:
+            ids[name] = int(value)
+    return ids
+
+
+def _tokens(reader: gguf.GGUFReader) -> list[str]:
+    tokens = _value(reader, "tokenizer.ggml.tokens")
+    if not tokens:
+        raise ValueError("GGUF file has no tokenizer.ggml.tokens")
+    # llama.cpp renames empty tokens the same way, so that ids stay one per distinct text.
+    tokens = [token or f"[EMPTY_{i}]" for i, token in enumerate(tokens)]
+    if len(set(tokens)) != len(tokens):
+        raise ValueError("GGUF vocabulary has duplicate tokens")
+    return tokens
+
+
+def _array(reader: gguf.GGUFReader, key: str, dtype: type, n: int, default: float) -> np.ndarray:
+    values = _value(reader, key)
+    if values is None:
+        return np.full(n, default, dtype=dtype)
+    if len(values) < n:
+        raise ValueError(f"GGUF {key} has {len(values)} entries for {n} tokens")
+    return np.asarray(values[:n], dtype=dtype)
+
+
+def _value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.get_field(key)
+    return default if field is None else field.contents()
