@@ -1,5 +1,8 @@
 """Build once, cache, and call the C kernels of `csrc/cpu_kernels.c` (CPU fast paths).
 
+Kernels: paged decode attention, softmax sampling, and a bf16 GEMV for linear layers at
+small batch (`linear`; `use_fast_linear` routes a model's layers and LM head through it).
+
 The library is compiled with the system C compiler at first use (about a second) into
 `$TREESERVE_CACHE` (default `~/.cache/treeserve`), keyed by the source, the compiler and the
 CPU, and called through ctypes on tensor data pointers. Without a compiler, or with
@@ -21,6 +24,8 @@ from functools import cache
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]  # inputs are finite
@@ -88,6 +93,9 @@ def load() -> ctypes.CDLL | None:
             _ptr,
         ]
         getattr(lib, f"sample_rows_{suffix}").argtypes = [_ptr, _i64, _int, _int, _ptr, _ptr, _int]
+    lib.linear_bf16_available.restype = _int
+    if lib.linear_bf16_available():
+        lib.linear_bf16.argtypes = [_ptr, _i64, _int, _ptr, _ptr, _i64, _int, _ptr, _i64, _int]
     return lib
 
 
@@ -122,6 +130,49 @@ def paged_decode(
     return out
 
 
+GEMV_MAX_ROWS = 4  # above this, a matmul reuses each weight enough for oneDNN's GEMM to win
+
+
+@cache
+def _gemv_built() -> bool:
+    lib = load()
+    return lib is not None and lib.linear_bf16_available() == 1
+
+
+def gemv_supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True when `linear_bf16` should run x @ weight.T: a few bf16 rows on a CPU with AVX512-BF16."""
+    return (
+        x.dim() == 2
+        and x.shape[0] <= GEMV_MAX_ROWS
+        and x.dtype == torch.bfloat16
+        and weight.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and _gemv_built()
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through `linear_bf16` where `gemv_supports` says so."""
+    if gemv_supports(x, weight):
+        return linear_bf16(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for a few bf16 rows (x [M, K], weight [N, K] contiguous) at memory bandwidth."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    weight = weight.contiguous()
+    rows, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(rows, n, dtype=torch.bfloat16)
+    load().linear_bf16(
+        x.data_ptr(), x.stride(0), rows, weight.data_ptr(), None if bias is None else bias.contiguous().data_ptr(),
+        n, k, out.data_ptr(), out.stride(0), torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
 def sample_rows(logits: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
     """Inverse-CDF draw from softmax of each row of `logits` [B, V] (already temperature-scaled)."""
     logits = logits.contiguous()
@@ -132,3 +183,19 @@ def sample_rows(logits: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
         logits.data_ptr(), logits.stride(0), rows, vocab, u.data_ptr(), out.data_ptr(), torch.get_num_threads()
     )
     return out
+
+
+class _FastLinear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def use_fast_linear(model: nn.Module) -> None:
+    """Route every nn.Linear of `model`, and its LM head (`logits_linear`), through `linear`."""
+    if not _gemv_built():
+        return
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = _FastLinear
+    if hasattr(model, "logits_linear"):
+        model.logits_linear = linear

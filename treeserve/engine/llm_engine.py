@@ -13,6 +13,7 @@ import random
 import torch
 
 from treeserve.config import EngineConfig
+from treeserve.engine import cpu_kernels
 from treeserve.engine.detokenizer import StopChecker
 from treeserve.engine.model_runner import ModelRunner, ScheduledSeq
 from treeserve.engine.request import Request, Sequence
@@ -32,6 +33,7 @@ class LLMEngine:
         self.device = torch.device(config.device)
         loaded = load_model(config.model, config.torch_dtype, self.device)
         self.model = loaded.model
+        cpu_kernels.use_fast_linear(self.model)
         self.model_config = loaded.config
         self.extra_tensors = loaded.extra_tensors
         self.tokenizer = Tokenizer(config.model, model_eos_ids=loaded.config.eos_token_ids)

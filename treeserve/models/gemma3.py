@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from treeserve.models.llama import Attention, LlamaConfig, LlamaForCausalLM, LlamaMLP
@@ -95,11 +96,12 @@ class GemmaRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
+        self._gain: torch.Tensor | None = None  # fp32 1 + weight, made at the first call (weights are frozen)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).to(x.dtype)
+        if self._gain is None:
+            self._gain = 1.0 + self.weight.float()
+        return F.rms_norm(x.float(), self.weight.shape, self._gain, self.eps).to(x.dtype)
 
 
 class Gemma3Attention(nn.Module):
@@ -152,6 +154,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.logits_linear = F.linear
         self.embed_scale = float(cfg.hidden_size) ** 0.5
         self.rope: RotaryEmbedding | None = None
         self.local_rope: RotaryEmbedding | None = None

@@ -104,10 +104,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
 class LlamaAttentionBlock(nn.Module):
@@ -174,6 +171,7 @@ class LlamaForCausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope: RotaryEmbedding | None = None
+        self.logits_linear = F.linear  # the engine may swap in a faster kernel with F.linear's semantics
 
     def init_rope(self, max_positions: int, device: torch.device | str) -> None:
         inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
@@ -189,7 +187,7 @@ class LlamaForCausalLM(nn.Module):
         if not self.config.has_lm_head:
             raise ValueError("this checkpoint has no LM head (a reward model): ask for hidden states instead")
         weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        logits = F.linear(hidden.to(weight.dtype), weight)
+        logits = self.logits_linear(hidden.to(weight.dtype), weight)
         return logits.float() if float32 else logits
 
     @staticmethod

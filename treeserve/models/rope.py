@@ -48,12 +48,21 @@ class RotaryEmbedding:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(device)
         self.sin = emb.sin().to(device)
+        self._looked_up: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hkv, D], positions: [T] -> rotated q, k in their dtype."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        cos, sin = self._lookup(positions, q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def _lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows of `positions`, reused while every layer of one forward passes the same tensor."""
+        last = self._looked_up
+        if last is None or last[0] is not positions or last[1] != dtype:
+            cos = self.cos[positions].unsqueeze(1).to(dtype)
+            sin = self.sin[positions].unsqueeze(1).to(dtype)
+            last = self._looked_up = (positions, dtype, cos, sin)
+        return last[2], last[3]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -136,3 +136,76 @@ void sample_rows_##SUFFIX(const T *logits, int64_t row_stride, int rows, int voc
 
 DEFINE_SAMPLE_ROWS(f32, float)
 DEFINE_SAMPLE_ROWS(bf16, bf16)
+
+/* linear_bf16: out[i, j] = sum_k x[i, k] * w[j, k] (+ bias[j]) for a few rows of x (decode).
+ * At batch 1 a linear layer is a read of its weights, so speed is memory bandwidth; this
+ * streams each weight row once per call with AVX512-BF16 dot products (fp32 accumulation,
+ * one rounding to bf16 at the end), 8 weight rows by 2 x rows at a time, split over threads
+ * by weight rows.
+ * Each output is summed in a fixed order whatever the number of x rows. Only built where
+ * the compiler targets AVX512-BF16; linear_bf16_available() tells the caller. */
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+
+int linear_bf16_available(void) { return 1; }
+
+static inline __m512 dot_step(__m512 acc, const bf16 *w, const bf16 *x, __mmask32 mask) {
+    __m512i wv = _mm512_maskz_loadu_epi16(mask, w);
+    __m512i xv = _mm512_maskz_loadu_epi16(mask, x);
+    return _mm512_dpbf16_ps(acc, (__m512bh)wv, (__m512bh)xv);
+}
+
+#define W_ROWS 8 /* weight rows per block: 8 concurrent streams keep the memory system busiest */
+#define X_ROWS 2 /* x rows per pass over a block: 16 accumulators + 8 weight registers */
+
+/* One block of W_ROWS weight rows against xs (1 or X_ROWS, a constant after inlining) x rows. */
+static inline __attribute__((always_inline)) void linear_block(const bf16 *const *wr, const bf16 *const *xr,
+                                                               const int xs, const int full, const __mmask32 tail,
+                                                               __m512 acc[X_ROWS][W_ROWS]) {
+    for (int i = 0; i < xs; i++)
+        for (int r = 0; r < W_ROWS; r++) acc[i][r] = _mm512_setzero_ps();
+    for (int kk = 0; kk < full; kk += 32) {
+        __m512bh wv[W_ROWS];
+        for (int r = 0; r < W_ROWS; r++) wv[r] = (__m512bh)_mm512_loadu_si512(wr[r] + kk);
+        for (int i = 0; i < xs; i++) {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512(xr[i] + kk);
+            for (int r = 0; r < W_ROWS; r++) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], wv[r], xv);
+        }
+    }
+    if (tail)
+        for (int i = 0; i < xs; i++)
+            for (int r = 0; r < W_ROWS; r++) acc[i][r] = dot_step(acc[i][r], wr[r] + full, xr[i] + full, tail);
+}
+
+void linear_bf16(const bf16 *x, int64_t x_stride, int m, const bf16 *w, const bf16 *bias, int64_t n, int k,
+                 bf16 *out, int64_t out_stride, int threads) {
+    const int full = k / 32 * 32;
+    const __mmask32 tail = (__mmask32)((1ull << (k - full)) - 1);
+    const int64_t blocks = (n + W_ROWS - 1) / W_ROWS;
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t j0 = b * W_ROWS;
+        const int rows = n - j0 < W_ROWS ? (int)(n - j0) : W_ROWS;
+        const bf16 *wr[W_ROWS];
+        for (int r = 0; r < W_ROWS; r++) wr[r] = w + (j0 + (r < rows ? r : 0)) * k; /* short block: repeat row 0 */
+        for (int i0 = 0; i0 < m; i0 += X_ROWS) {
+            const int xs = m - i0 < X_ROWS ? m - i0 : X_ROWS;
+            const bf16 *xr[X_ROWS];
+            for (int i = 0; i < X_ROWS; i++) xr[i] = x + (int64_t)(i0 + (i < xs ? i : 0)) * x_stride;
+            __m512 acc[X_ROWS][W_ROWS];
+            if (xs == X_ROWS)
+                linear_block(wr, xr, X_ROWS, full, tail, acc);
+            else
+                linear_block(wr, xr, 1, full, tail, acc);
+            for (int i = 0; i < xs; i++)
+                for (int r = 0; r < rows; r++) {
+                    float sum = _mm512_reduce_add_ps(acc[i][r]);
+                    if (bias) sum += load_bf16(bias[j0 + r]);
+                    out[(int64_t)(i0 + i) * out_stride + j0 + r] = store_bf16(sum);
+                }
+        }
+    }
+}
+#else
+int linear_bf16_available(void) { return 0; }
+#endif
