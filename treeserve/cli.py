@@ -225,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--workers", type=int, default=None,
                     help="search on N Ray actors, one runtime each (needs: pip install 'treeserve[ray]')")  # fmt: skip
     ev.add_argument("--ray-address", default=None,
-                    help="join this Ray cluster ('auto', HOST:6379, ray://HOST:10001); default: start one")  # fmt: skip
+                    help="join this Ray cluster ('auto' or HEAD_IP:6379); default: start one here")  # fmt: skip
     ev.add_argument("--cpus-per-worker", type=int, default=None, help="Ray CPUs and torch threads per worker (1)")
     ev.set_defaults(func=cmd_eval)
 

@@ -59,7 +59,7 @@ def import_ray() -> Any:
 @dataclass
 class RayOptions:
     workers: int
-    address: str | None = None  # an existing cluster ("auto", "ray://host:10001", "host:6379"); None starts one here
+    address: str | None = None  # an existing cluster ("auto" or "HEAD_IP:6379"); None starts one here
     cpus_per_worker: int = 1  # Ray's num_cpus per actor and its torch threads
     # tests only: worker index -> that worker's process exits (os._exit) as it finishes its k-th problem
     crash_after: dict[int, int] = field(default_factory=dict)
@@ -174,7 +174,7 @@ def _connect(ray: Any, options: RayOptions) -> bool:
             if started:
                 ray.shutdown()
             raise ValueError(message + "; use fewer --workers or --cpus-per-worker, or --ray-address for a cluster")
-        _log(message + "; the workers that do not fit wait for the cluster to grow")
+        _log(message + "; waiting for the cluster to grow")
     return started
 
 
@@ -229,7 +229,7 @@ class ProblemDispatch:
             self.bar = tqdm(total=len(self.records), unit="problem", disable=not self.settings.progress,
                             dynamic_ncols=True)  # fmt: skip
             try:
-                overheads = self._dispatch()
+                seconds, overheads = self._dispatch()
             finally:
                 self.bar.close()
             wall = time.perf_counter() - start
@@ -242,7 +242,7 @@ class ProblemDispatch:
         finally:
             for slot in self.slots:
                 ray.kill(slot.actor, no_restart=True)
-        return self._report(wall, startup, overheads)
+        return self._report(wall, startup, seconds, overheads)
 
     def _start(self, index: int, crash_after: int | None = None) -> _Slot:
         worker = self.ray.remote(EvalWorker).options(num_cpus=self.options.cpus_per_worker, max_restarts=0)
@@ -250,10 +250,11 @@ class ProblemDispatch:
         self.actors += 1
         return _Slot(index, actor, self.actors, actor.ready.remote())
 
-    def _dispatch(self) -> list[float]:
-        """Run until every problem has its result; returns each result's dispatch overhead
-        (seconds from submitting to receiving it, minus the worker's own search time)."""
+    def _dispatch(self) -> tuple[list[float], list[float]]:
+        """Run until every problem has its result; returns each result's search time in its
+        worker and its dispatch overhead (seconds from submitting to receiving it, minus that)."""
         ray = self.ray
+        seconds: list[float] = []
         overheads: list[float] = []
         remaining = len(self.records)
         while remaining:
@@ -272,6 +273,7 @@ class ProblemDispatch:
             except ray.exceptions.RayActorError as e:
                 self._lost(slot, i, e)
                 continue
+            seconds.append(out["seconds"])
             overheads.append(time.perf_counter() - submitted - out["seconds"])
             self.counters[slot.key] = out.pop("counters")
             if self.results[i] is not None:
@@ -282,7 +284,7 @@ class ProblemDispatch:
             alive = sum(s.alive for s in self.slots)
             retried = f", {len(self.retried)} retried" if self.retried else ""
             self.bar.set_postfix_str(f"{alive}/{len(self.slots)} workers{retried}")
-        return overheads
+        return seconds, overheads
 
     def _fill(self) -> None:
         for slot in self.slots:
@@ -326,7 +328,7 @@ class ProblemDispatch:
             self.restarts_left -= 1
             self.slots[slot.index] = self._start(slot.index)
 
-    def _report(self, wall: float, startup: float, overheads: list[float]) -> dict:
+    def _report(self, wall: float, startup: float, seconds: list[float], overheads: list[float]) -> dict:
         total: dict[str, int] = {}
         for counters in self.counters.values():
             for k, v in counters.items():
@@ -347,7 +349,8 @@ class ProblemDispatch:
         summary |= {
             "workers": self.options.workers,
             "worker_startup_s": startup,
-            "dispatch_overhead_s": median(overheads) if overheads else 0.0,
+            "worker_search_s": median(seconds),  # per problem, medians
+            "dispatch_overhead_s": median(overheads),
             "worker_failures": self.failures,
             "retried_problems": [str(r["unique_id"]) for r in self.records if str(r["unique_id"]) in self.retried],
         }
