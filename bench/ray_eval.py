@@ -101,7 +101,7 @@ def main() -> None:
     torch.set_num_threads(1)  # the in-process system gets what one worker gets
     import ray
 
-    ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, log_to_driver=False)
     try:
         rtt = round_trips(ray, args.rtt_calls)
         records = arith_dataset(size=args.problems, seed=0, levels=(4, 5))

@@ -46,7 +46,7 @@ def single() -> dict:
 def cluster():
     import ray  # in the test extra: CI runs these
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 

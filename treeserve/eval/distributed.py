@@ -163,7 +163,8 @@ def _connect(ray: Any, options: RayOptions) -> bool:
         ray.init(address=options.address, log_to_driver=True)
         started = True
     else:
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True)
+        # "local": a new instance even where `ray start` left one (plain ray.init() would join it)
+        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True)
         started = True
     needed = options.workers * options.cpus_per_worker
     have = ray.cluster_resources().get("CPU", 0)
