@@ -111,3 +111,13 @@ def test_without_ray_workers_names_the_extra(monkeypatch, tmp_path, capsys):
 def test_bad_ray_flags(flags, message, tmp_path, capsys):
     assert main(["eval", "--dataset", DATASET, "--output", str(tmp_path / "r.json"), *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_shipped_models_resolve_to_each_nodes_installed_copy():
+    from treeserve.eval.distributed import _local_path
+    from treeserve.eval.runner import ASSETS
+
+    assert _local_path("/other/site-packages/treeserve/assets/arith-prm", "/other/site-packages/treeserve/assets") == (
+        str(ASSETS / "arith-prm")
+    )
+    assert _local_path("/models/generator", "/other/site-packages/treeserve/assets") == "/models/generator"

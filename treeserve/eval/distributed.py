@@ -129,11 +129,12 @@ class EvalWorker:
         return out
 
 
-def _local_path(path: str, driver_assets: str) -> str:
+def _local_path(path: str | None, driver_assets: str) -> str | None:
     """The shipped models travel with the package: a path into the driver's assets folder
     means this node's assets folder (the package may be installed elsewhere here)."""
-    p = Path(path)
-    return str(ASSETS / p.relative_to(driver_assets)) if p.is_relative_to(driver_assets) else path
+    if path and Path(path).is_relative_to(driver_assets):
+        return str(ASSETS / Path(path).relative_to(driver_assets))
+    return path
 
 
 def run_eval_distributed(
