@@ -2,6 +2,7 @@
 
     treeserve generate [PROMPT ...] [--model DIR] [--chat] [--n N] [--temperature T] ...
     treeserve eval --dataset arith:level=4,5 --strategy beam_search --n 16 --output results.json
+    treeserve eval ... --workers 4 [--ray-address auto] [--cpus-per-worker 2]   (on Ray: pip install 'treeserve[ray]')
     treeserve solve "Compute ((12 + 7) * 3) - 15."
     treeserve plot results*.json --output accuracy_vs_n.png
     treeserve serve [--model DIR] [--prm DIR] [--port 8000] [--api-key KEY]
@@ -135,9 +136,23 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     settings, config = _search_settings(args, args.dataset)
     settings.selection = args.select
-    results = run_eval(settings, config)
+    if args.workers is None:
+        if args.ray_address is not None or args.cpus_per_worker is not None:
+            raise ValueError("--ray-address and --cpus-per-worker need --workers N")
+        results = run_eval(settings, config)
+    else:
+        from treeserve.eval.distributed import RayMissing, RayOptions, WorkerError, run_eval_distributed
+
+        options = RayOptions(args.workers, args.ray_address, args.cpus_per_worker or 1)
+        try:
+            results = run_eval_distributed(settings, config, options)
+        except (RayMissing, WorkerError) as e:
+            print(f"treeserve: error: {e}", file=sys.stderr)
+            return 2
     write_results(results, args.output)
     s = results["summary"]
+    if s.get("retried_problems"):
+        print(f"{s['worker_failures']} worker failures; retried problems: {', '.join(s['retried_problems'])}")
     by_level = ", ".join(f"L{k}: {v:.2f}" for k, v in sorted(s.get("accuracy_by_level", {}).items()))
     print(
         f"{config.strategy} n={config.n}: accuracy {s['accuracy']:.3f} ({by_level}) | "
@@ -226,6 +241,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--select", default=None, choices=["naive", "weighted", "majority"],
                     help="how the final answer is chosen (default depends on the strategy)")  # fmt: skip
     _add_search_flags(ev)
+    ev.add_argument("--workers", type=int, default=None,
+                    help="search on N Ray actors, one runtime each (needs: pip install 'treeserve[ray]')")  # fmt: skip
+    ev.add_argument("--ray-address", default=None,
+                    help="join this Ray cluster ('auto' or HEAD_IP:6379); default: start one here")  # fmt: skip
+    ev.add_argument("--cpus-per-worker", type=int, default=None, help="Ray CPUs and torch threads per worker (1)")
     ev.set_defaults(func=cmd_eval)
 
     solve = sub.add_parser("solve", help="solve one question and print the chosen solution with step scores")

@@ -67,10 +67,7 @@ def build_runtime(settings: EvalSettings, config: SearchConfig) -> Runtime:
 
 def run_eval(settings: EvalSettings, config: SearchConfig, inline: list[dict] | None = None) -> dict:
     """Search and grade `settings.dataset` (or the `inline` records) and return the results document."""
-    settings.check()
-    records = (inline if inline is not None else load_dataset(settings.dataset))[: settings.limit]
-    if not records:
-        raise ValueError(f"dataset {settings.dataset!r} has no problems")
+    records = load_problems(settings, inline)
     if settings.reference:
         config = config.reference()
     runtime = build_runtime(settings, config)
@@ -82,10 +79,6 @@ def run_eval(settings: EvalSettings, config: SearchConfig, inline: list[dict] | 
     runtime.check_pages_idle()
 
     completions = [[(b.text, b.scores) for b in r.beams] for r in results]
-    with Grader() as grader:
-        outcomes = grade_problems(
-            records, completions, grader, selection=settings.selection or SELECTION[config.strategy], agg=config.agg
-        )
     gen = runtime.engines["generator"]
     prm_engine = runtime.engines.get("prm")
     stats = RunStats(
@@ -95,14 +88,42 @@ def run_eval(settings: EvalSettings, config: SearchConfig, inline: list[dict] | 
         prm_unique_tokens=len(ctx.prm_tree),
         prefix_hit_rate=gen.blocks.stats.hit_rate,
     )
+    return grade_and_report(settings, config, records, completions, stats, _cache_summary(runtime, ctx))
+
+
+def load_problems(settings: EvalSettings, inline: list[dict] | None = None) -> list[dict]:
+    """The records a run searches (`inline` or the dataset, cut to `settings.limit`), after
+    checking the settings; raises before any model is loaded."""
+    settings.check()
+    records = (inline if inline is not None else load_dataset(settings.dataset))[: settings.limit]
+    if not records:
+        raise ValueError(f"dataset {settings.dataset!r} has no problems")
+    return records
+
+
+def grade_and_report(
+    settings: EvalSettings,
+    config: SearchConfig,
+    records: list[dict],
+    completions: list[list[tuple[str, list[float]]]],
+    stats: RunStats,
+    extra_summary: dict,
+    extra_config: dict | None = None,
+) -> dict:
+    """Grade the completions of every record and build the results document."""
+    with Grader() as grader:
+        outcomes = grade_problems(
+            records, completions, grader, selection=settings.selection or SELECTION[config.strategy], agg=config.agg
+        )
     run_config = {
         "search": asdict(config),
         **{k: v for k, v in asdict(settings).items() if k != "progress"},
         "selection": settings.selection or SELECTION[config.strategy],
         "num_problems": len(records),
+        **(extra_config or {}),
     }
     document = build_results(run_config, outcomes, stats, agg=config.agg)
-    document["summary"].update(_cache_summary(runtime, ctx))
+    document["summary"].update(extra_summary)
     return document
 
 

@@ -1,0 +1,383 @@
+"""Evaluation across Ray actors: `treeserve eval --workers N [--ray-address ADDR] [--cpus-per-worker C]`.
+
+Owns the distributed run: joining (or starting) a Ray cluster, one `EvalWorker` actor per
+worker, handing problems out as workers free up, retrying the problems of workers that die,
+and merging the workers' counters. Each actor hosts one runtime (generator + PRM) built as
+the single-process runner builds it and searches one problem per call, up to `window` calls
+at once (continuous problem batching inside the worker); when a call returns, the driver gives
+that worker the next problem, so a faster worker takes more. Grading and the results document
+are the runner's (`grade_and_report`), so a distributed run writes the single-process JSON:
+search seeds depend only on (run seed, problem, beam lineage), so the completions, step scores
+(up to float rounding from batch shapes, as between the optimised and reference paths) and
+answers are the single-process run's, plus `workers`, `worker_failures` and `retried_problems`.
+
+Never imports ray at module level (it is the optional `treeserve[ray]` extra) and never
+searches in the driver process.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+from tqdm import tqdm
+
+from treeserve.eval.report import RunStats
+from treeserve.eval.runner import ASSETS, EvalSettings, build_runtime, grade_and_report, load_problems
+from treeserve.search.context import SearchConfig, SearchContext
+from treeserve.search.prm import load_prm
+from treeserve.search.run import search_problems
+
+RAY_EXTRA = "pip install 'treeserve[ray]'"
+MAX_ATTEMPTS = 3  # a problem in flight on this many dying workers fails the run rather than kill more
+
+
+class RayMissing(ImportError):
+    pass
+
+
+class WorkerError(RuntimeError):
+    """Workers could not start, or all of them died, or a problem kept killing them."""
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+    except ImportError as e:
+        raise RayMissing(f"--workers needs Ray, which is not installed ({e}); install it with: {RAY_EXTRA}") from None
+    return ray
+
+
+@dataclass
+class RayOptions:
+    workers: int
+    address: str | None = None  # an existing cluster ("auto" or "HEAD_IP:6379"); None starts one here
+    cpus_per_worker: int = 1  # Ray's num_cpus per actor and its torch threads
+    # tests only: worker index -> that worker's process exits (os._exit) as it finishes its k-th problem
+    crash_after: dict[int, int] = field(default_factory=dict)
+
+    def check(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {self.workers}")
+        if self.cpus_per_worker < 1:
+            raise ValueError(f"--cpus-per-worker must be >= 1, got {self.cpus_per_worker}")
+
+
+class EvalWorker:
+    """One runtime (generator + PRM) in a Ray actor; searches one problem per call, many calls at once."""
+
+    def __init__(
+        self, settings: EvalSettings, config: SearchConfig, threads: int, driver_assets: str, crash_after: int | None
+    ):
+        import torch
+
+        torch.set_num_threads(threads)
+        settings = replace(
+            settings,
+            generator=_local_path(settings.generator, driver_assets),
+            prm=_local_path(settings.prm, driver_assets),
+        )
+        self.runtime = build_runtime(settings, config)
+        prm = load_prm(self.runtime, "prm", settings.prm_style) if "prm" in self.runtime.engines else None
+        self.ctx = SearchContext(config, self.runtime, "generator", prm)
+        self.finished = 0
+        self.crash_after = crash_after
+
+    async def ready(self) -> str:
+        return f"{socket.gethostname()} pid {os.getpid()}"
+
+    async def search(self, uid: str, question: str) -> dict:
+        [result] = await search_problems(self.ctx, [(uid, question)])
+        self.finished += 1
+        if self.crash_after is not None and self.finished >= self.crash_after:
+            os._exit(1)  # tests: die like a killed process, with other problems in flight
+        return {
+            "completions": [(b.text, list(b.scores)) for b in result.beams],
+            "seconds": result.seconds,
+            "counters": self.counters(),
+        }
+
+    async def close(self) -> dict:
+        """Stop the engines and check the page accounting (every page free or cached)."""
+        await self.runtime.close()
+        self.runtime.check_pages_idle()
+        return self.counters()
+
+    def counters(self) -> dict[str, int]:
+        """Everything this worker has done so far, as counts that add up across workers."""
+        out = {
+            "score_cache_hits": self.ctx.cache.hits,
+            "score_cache_misses": self.ctx.cache.misses,
+            "prm_requests": self.ctx.prm_requests,
+            "prm_unique_tokens": len(self.ctx.prm_tree),
+        }
+        for name, engine in self.runtime.engines.items():
+            stats = engine.blocks.stats
+            out |= {f"{name}_prefix_hits": stats.hits, f"{name}_prefix_misses": stats.misses}
+            out |= {f"{name}_evictions": stats.evictions, f"{name}_thrash": stats.thrash}
+            out |= {f"{name}_preemptions": engine.scheduler.num_preemptions, f"{name}_steps": self.runtime.steps[name]}
+            out[f"{name}_generated_tokens"] = engine.num_generated_tokens
+            out[f"{name}_computed_tokens"] = engine.num_computed_tokens
+        return out
+
+
+def _local_path(path: str | None, driver_assets: str) -> str | None:
+    """The shipped models travel with the package: a path into the driver's assets folder
+    means this node's assets folder (the package may be installed elsewhere here)."""
+    if path and Path(path).is_relative_to(driver_assets):
+        return str(ASSETS / Path(path).relative_to(driver_assets))
+    return path
+
+
+def run_eval_distributed(
+    settings: EvalSettings, config: SearchConfig, options: RayOptions, inline: list[dict] | None = None
+) -> dict:
+    """`run_eval` on `options.workers` Ray actors; the same results document, plus the run's
+    `workers`, `worker_failures` and `retried_problems` (unique ids) in its summary."""
+    options.check()
+    records = load_problems(settings, inline)
+    if settings.reference:
+        config = config.reference()
+    ray = import_ray()
+    started = _connect(ray, options)
+    try:
+        return ProblemDispatch(ray, settings, config, options, records).run()
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _connect(ray: Any, options: RayOptions) -> bool:
+    """Join the cluster (or use the one this process already has, or start one here); True
+    when this call started Ray and so must shut it down."""
+    if ray.is_initialized():
+        started = False
+    elif options.address:
+        ray.init(address=options.address, log_to_driver=True)
+        started = True
+    else:
+        # "local": a new instance even where `ray start` left one (plain ray.init() would join it)
+        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True)
+        started = True
+    needed = options.workers * options.cpus_per_worker
+    have = ray.cluster_resources().get("CPU", 0)
+    if have < needed:
+        message = (f"{options.workers} workers x {options.cpus_per_worker} CPUs need {needed} CPUs but the Ray "
+                   f"cluster has {have:g}")  # fmt: skip
+        if not options.address:
+            if started:
+                ray.shutdown()
+            raise ValueError(message + "; use fewer --workers or --cpus-per-worker, or --ray-address for a cluster")
+        _log(message + "; waiting for the cluster to grow")
+    return started
+
+
+@dataclass
+class _Slot:
+    """A worker position: its current actor (a new one after a death) and its calls in flight."""
+
+    index: int
+    actor: Any
+    key: int  # which actor this is (counters are kept per actor, dead ones included)
+    ready: Any  # the actor's ready() ref while it starts, else None
+    name: str = ""
+    in_flight: int = 0
+    alive: bool = True
+
+
+class ProblemDispatch:
+    """The driver's loop: problems go to workers with room, results and deaths come back."""
+
+    def __init__(self, ray: Any, settings: EvalSettings, config: SearchConfig, options: RayOptions,
+                 records: list[dict]):  # fmt: skip
+        self.ray, self.settings, self.config, self.options, self.records = ray, settings, config, options, records
+        # each worker keeps up to `window` problems in flight: enough for full batches, few enough
+        # that at least half the problems are handed out as workers free up
+        self.window = min(config.max_concurrent_problems, max(1, math.ceil(len(records) / (2 * options.workers))))
+        self.queue = deque(range(len(records)))
+        self.attempts = [0] * len(records)
+        self.results: list[dict | None] = [None] * len(records)
+        self.calls: dict[Any, tuple[_Slot, int, float]] = {}  # ref -> (slot, problem index, submitted at)
+        self.counters: dict[int, dict[str, int]] = {}  # actor key -> its latest counters
+        self.retried: list[str] = []  # unique ids, in the order their first worker died
+        self.failures = 0
+        self.restarts_left = options.workers  # replacements for dead workers, in all
+        self.actors = 0
+        self.slots: list[_Slot] = []
+        self.bar: tqdm | None = None
+
+    def run(self) -> dict:
+        ray, options = self.ray, self.options
+        begin = time.perf_counter()
+        try:
+            for i in range(options.workers):
+                self.slots.append(self._start(i, options.crash_after.get(i)))
+            for slot in self.slots:
+                try:
+                    slot.name = ray.get(slot.ready)
+                except ray.exceptions.RayActorError as e:
+                    raise WorkerError(f"worker {slot.index} failed to start: {_reason(e)}") from None
+                slot.ready = None
+            startup = time.perf_counter() - begin
+            start = time.perf_counter()
+            self.bar = tqdm(total=len(self.records), unit="problem", disable=not self.settings.progress,
+                            dynamic_ncols=True)  # fmt: skip
+            try:
+                seconds, overheads = self._dispatch()
+            finally:
+                self.bar.close()
+            wall = time.perf_counter() - start
+            live = [(s, s.actor.close.remote()) for s in self.slots if s.alive and s.ready is None]
+            for slot, ref in live:
+                try:
+                    self.counters[slot.key] = ray.get(ref)
+                except ray.exceptions.RayActorError as e:  # every answer is in: keep its last counters
+                    _log(f"worker {slot.index} died while closing: {_reason(e)}")
+        finally:
+            for slot in self.slots:
+                ray.kill(slot.actor, no_restart=True)
+        return self._report(wall, startup, seconds, overheads)
+
+    def _start(self, index: int, crash_after: int | None = None) -> _Slot:
+        worker = self.ray.remote(EvalWorker).options(num_cpus=self.options.cpus_per_worker, max_restarts=0)
+        actor = worker.remote(self.settings, self.config, self.options.cpus_per_worker, str(ASSETS), crash_after)
+        self.actors += 1
+        return _Slot(index, actor, self.actors, actor.ready.remote())
+
+    def _dispatch(self) -> tuple[list[float], list[float]]:
+        """Run until every problem has its result; returns each result's search time in its
+        worker and its dispatch overhead (seconds from submitting to receiving it, minus that)."""
+        ray = self.ray
+        seconds: list[float] = []
+        overheads: list[float] = []
+        remaining = len(self.records)
+        while remaining:
+            self._fill()
+            starting = {s.ready: s for s in self.slots if s.alive and s.ready is not None}
+            if not self.calls and not starting:
+                raise WorkerError(f"every worker died; {remaining} problems unanswered")
+            [ref], _ = ray.wait([*self.calls, *starting], num_returns=1)
+            if ref in starting:
+                self._started(starting[ref])
+                continue
+            slot, i, submitted = self.calls.pop(ref)
+            slot.in_flight -= 1
+            try:
+                out = ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                self._lost(slot, i, e)
+                continue
+            seconds.append(out["seconds"])
+            overheads.append(time.perf_counter() - submitted - out["seconds"])
+            self.counters[slot.key] = out.pop("counters")
+            if self.results[i] is not None:
+                raise AssertionError(f"problem {self.records[i]['unique_id']!r} answered twice")
+            self.results[i] = out
+            remaining -= 1
+            self.bar.update(1)
+            alive = sum(s.alive for s in self.slots)
+            retried = f", {len(self.retried)} retried" if self.retried else ""
+            self.bar.set_postfix_str(f"{alive}/{len(self.slots)} workers{retried}")
+        return seconds, overheads
+
+    def _fill(self) -> None:
+        for slot in self.slots:
+            while slot.alive and slot.ready is None and slot.in_flight < self.window and self.queue:
+                i = self.queue.popleft()
+                rec = self.records[i]
+                ref = slot.actor.search.remote(str(rec["unique_id"]), rec["problem"])
+                self.calls[ref] = (slot, i, time.perf_counter())
+                slot.in_flight += 1
+
+    def _started(self, slot: _Slot) -> None:
+        try:
+            slot.name = self.ray.get(slot.ready)
+            slot.ready = None
+            _log(f"worker {slot.index} restarted on {slot.name}")
+        except self.ray.exceptions.RayActorError as e:
+            slot.alive = False
+            _log(f"worker {slot.index} could not be restarted ({_reason(e)}); going on without it")
+
+    def _lost(self, slot: _Slot, i: int, error: Exception) -> None:
+        """A call failed because its worker died: the problem goes back to the front of the queue,
+        and the worker's place gets a new actor (while replacements are left)."""
+        uid = str(self.records[i]["unique_id"])
+        self.attempts[i] += 1
+        if self.attempts[i] >= MAX_ATTEMPTS:
+            raise WorkerError(f"problem {uid!r} was in flight on {MAX_ATTEMPTS} workers that died; giving up")
+        self.queue.appendleft(i)
+        if uid not in self.retried:
+            self.retried.append(uid)
+        if not slot.alive:
+            return  # the death was handled at this worker's first failed call
+        slot.alive = False
+        self.failures += 1
+        self.ray.kill(slot.actor, no_restart=True)
+        lost = 1 + sum(1 for s, _, _ in self.calls.values() if s is slot)
+        what = f"restarting it; its {lost} unanswered problems go to the live workers meanwhile"
+        if not self.restarts_left:
+            what = f"no restarts left; its {lost} unanswered problems go to the other workers"
+        _log(f"worker {slot.index} ({slot.name}) died: {_reason(error)}; {what}")
+        if self.restarts_left:
+            self.restarts_left -= 1
+            self.slots[slot.index] = self._start(slot.index)
+
+    def _report(self, wall: float, startup: float, seconds: list[float], overheads: list[float]) -> dict:
+        total: dict[str, int] = {}
+        for counters in self.counters.values():
+            for k, v in counters.items():
+                total[k] = total.get(k, 0) + v
+        engines = ["generator", "prm"] if "prm_steps" in total else ["generator"]
+        stats = RunStats(
+            wall_time_s=wall,
+            generated_tokens=total["generator_generated_tokens"],
+            prm_tokens_prefilled=total.get("prm_computed_tokens", 0),
+            prm_unique_tokens=total["prm_unique_tokens"],  # per worker, summed: a prompt on two workers counts twice
+            prefix_hit_rate=_rate(total, "generator"),
+        )
+        summary = {k: total[k] for k in ("score_cache_hits", "score_cache_misses", "prm_requests")}
+        for name in engines:
+            summary[f"{name}_prefix_hit_rate"] = _rate(total, name)
+            for k in ("evictions", "thrash", "preemptions", "steps"):
+                summary[f"{name}_{k}"] = total[f"{name}_{k}"]
+        summary |= {
+            "workers": self.options.workers,
+            "worker_startup_s": startup,
+            "worker_search_s": median(seconds),  # per problem, medians
+            "dispatch_overhead_s": median(overheads),
+            "worker_failures": self.failures,
+            "retried_problems": [str(r["unique_id"]) for r in self.records if str(r["unique_id"]) in self.retried],
+        }
+        if self.retried:
+            _log(f"{len(self.retried)} problems were retried after {self.failures} worker failures; "
+                 "each is answered once, by the worker that finished it")  # fmt: skip
+        distributed = {"workers": self.options.workers, "cpus_per_worker": self.options.cpus_per_worker,
+                       "ray_address": self.options.address, "problems_in_flight_per_worker": self.window}  # fmt: skip
+        completions = [r["completions"] for r in self.results]  # type: ignore[index]
+        return grade_and_report(self.settings, self.config, self.records, completions, stats, summary,
+                                {"distributed": distributed})  # fmt: skip
+
+
+def _rate(total: dict[str, int], engine: str) -> float:
+    hits, misses = total[f"{engine}_prefix_hits"], total[f"{engine}_prefix_misses"]
+    return hits / (hits + misses) if hits + misses else 0.0
+
+
+def _reason(error: Exception) -> str:
+    """One line on why an actor died: the exception its __init__ raised, or Ray's first line."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [""]
+    if getattr(error, "actor_init_failed", False):
+        return lines[-1][:300]  # the traceback's last line: "ValueError: ..."
+    return f"{type(error).__name__}: {lines[0][:200]}"
+
+
+def _log(message: str) -> None:
+    tqdm.write(f"treeserve: {message}", file=sys.stderr)
