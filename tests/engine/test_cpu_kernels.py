@@ -102,3 +102,21 @@ def test_fast_linear_model_matches_plain_linear(llama_dir, make_llm, monkeypatch
     monkeypatch.setattr(cpu_kernels, "_gemv_built", lambda: False)
     plain = make_llm(llama_dir, dtype="bfloat16").generate(["The quick brown fox"], params)
     assert fast[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("gemma", [True, False])
+def test_rms_norm_bf16_matches_the_pytorch_norms(gemma):
+    """The fused kernel computes what GemmaRMSNorm / RMSNorm compute in PyTorch, bit for bit here."""
+    from treeserve.models.gemma3 import GemmaRMSNorm
+    from treeserve.models.llama import RMSNorm
+
+    torch.manual_seed(0)
+    norm = (GemmaRMSNorm if gemma else RMSNorm)(96, 1e-6)
+    with torch.no_grad():
+        norm.weight.normal_()
+    norm = norm.to(torch.bfloat16)
+    x = torch.randn(5, 3, 96, dtype=torch.bfloat16) * 4
+    expected = norm(x)
+    cpu_kernels.use_fast_kernels(norm)
+    assert type(norm) is not (GemmaRMSNorm if gemma else RMSNorm)
+    assert torch.equal(norm(x), expected)

@@ -1,7 +1,7 @@
 """Build once, cache, and call the C kernels of `csrc/cpu_kernels.c` (CPU fast paths).
 
 Kernels: paged decode attention, softmax sampling, and a bf16 GEMV for linear layers at
-small batch (`linear`; `use_fast_linear` routes a model's layers and LM head through it).
+small batch, and RMSNorm (`use_fast_kernels` routes a model's layers through them).
 
 The library is compiled with the system C compiler at first use (about a second) into
 `$TREESERVE_CACHE` (default `~/.cache/treeserve`), keyed by the source, the compiler and the
@@ -26,6 +26,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from treeserve.models.gemma3 import GemmaRMSNorm
+from treeserve.models.llama import RMSNorm
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]  # inputs are finite
@@ -93,6 +96,7 @@ def load() -> ctypes.CDLL | None:
             _ptr,
         ]
         getattr(lib, f"sample_rows_{suffix}").argtypes = [_ptr, _i64, _int, _int, _ptr, _ptr, _int]
+    lib.rms_norm_bf16.argtypes = [_ptr, _i64, _int, _ptr, _ptr, _float, _ptr, _int]
     lib.linear_bf16_available.restype = _int
     if lib.linear_bf16_available():
         lib.linear_bf16.argtypes = [_ptr, _i64, _int, _ptr, _ptr, _i64, _int, _ptr, _i64, _int]
@@ -185,17 +189,53 @@ def sample_rows(logits: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
     return out
 
 
+def rms_norm_bf16(x: torch.Tensor, eps: float, gain: torch.Tensor | None, weight: torch.Tensor | None) -> torch.Tensor:
+    """RMSNorm over the last dim of bf16 `x`: Gemma's fp32 `gain` (1 + w) or Llama's bf16 `weight`."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    load().rms_norm_bf16(
+        x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1],
+        None if gain is None else gain.data_ptr(), None if weight is None else weight.data_ptr(),
+        eps, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def _norm_supported(x: torch.Tensor) -> bool:
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu"
+
+
+class _FastRMSNorm(RMSNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _norm_supported(x) and self.weight.dtype == torch.bfloat16:
+            return rms_norm_bf16(x, self.eps, None, self.weight)
+        return super().forward(x)
+
+
+class _FastGemmaRMSNorm(GemmaRMSNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _norm_supported(x):
+            if self._gain is None:
+                self._gain = (1.0 + self.weight.float()).contiguous()
+            return rms_norm_bf16(x, self.eps, self._gain, None)
+        return super().forward(x)
+
+
 class _FastLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
 
-def use_fast_linear(model: nn.Module) -> None:
-    """Route every nn.Linear of `model`, and its LM head (`logits_linear`), through `linear`."""
-    if not _gemv_built():
+def use_fast_kernels(model: nn.Module) -> None:
+    """Swap in the kernels for `model`'s RMS norms (bf16), and, where the GEMV is built, for its
+    nn.Linear layers and LM head (`logits_linear`); each falls back to PyTorch outside its case."""
+    if load() is None:
         return
+    fast = {RMSNorm: _FastRMSNorm, GemmaRMSNorm: _FastGemmaRMSNorm}
+    if _gemv_built():
+        fast[nn.Linear] = _FastLinear
+        if hasattr(model, "logits_linear"):
+            model.logits_linear = linear
     for module in model.modules():
-        if type(module) is nn.Linear:
-            module.__class__ = _FastLinear
-    if hasattr(model, "logits_linear"):
-        model.logits_linear = linear
+        if type(module) in fast:
+            module.__class__ = fast[type(module)]

@@ -33,7 +33,7 @@ class LLMEngine:
         self.device = torch.device(config.device)
         loaded = load_model(config.model, config.torch_dtype, self.device)
         self.model = loaded.model
-        cpu_kernels.use_fast_linear(self.model)
+        cpu_kernels.use_fast_kernels(self.model)
         self.model_config = loaded.config
         self.extra_tensors = loaded.extra_tensors
         self.tokenizer = Tokenizer(config.model, model_eos_ids=loaded.config.eos_token_ids)

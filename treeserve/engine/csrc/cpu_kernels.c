@@ -137,6 +137,31 @@ void sample_rows_##SUFFIX(const T *logits, int64_t row_stride, int rows, int voc
 DEFINE_SAMPLE_ROWS(f32, float)
 DEFINE_SAMPLE_ROWS(bf16, bf16)
 
+/* rms_norm_bf16: each row x / rms(x) in fp32, then the model's gain, then one rounding.
+ * Gemma (weight_bf16 NULL): out = bf16(x_hat * gain), gain fp32 (1 + w). Llama (gain NULL):
+ * out = bf16(w * bf16(x_hat)), as transformers rounds before the weight. One op instead of
+ * the eight small ones PyTorch runs for it on a CPU (per norm, per layer, per step). */
+void rms_norm_bf16(const bf16 *x, int64_t rows, int dim, const float *gain, const bf16 *weight, float eps,
+                   bf16 *out, int threads) {
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if (rows * dim > 262144)")
+    for (int64_t r = 0; r < rows; r++) {
+        const bf16 *xr = x + r * dim;
+        bf16 *o = out + r * dim;
+        float sum = 0.0f;
+        _Pragma("omp simd reduction(+:sum)")
+        for (int i = 0; i < dim; i++) {
+            float v = load_bf16(xr[i]);
+            sum += v * v;
+        }
+        const float scale = 1.0f / sqrtf(sum / (float)dim + eps);
+        if (gain) {
+            for (int i = 0; i < dim; i++) o[i] = store_bf16(load_bf16(xr[i]) * scale * gain[i]);
+        } else {
+            for (int i = 0; i < dim; i++) o[i] = store_bf16(load_bf16(weight[i]) * load_bf16(store_bf16(load_bf16(xr[i]) * scale)));
+        }
+    }
+}
+
 /* linear_bf16: out[i, j] = sum_k x[i, k] * w[j, k] (+ bias[j]) for a few rows of x (decode).
  * At batch 1 a linear layer is a read of its weights, so speed is memory bandwidth; this
  * streams each weight row once per call with AVX512-BF16 dot products (fp32 accumulation,
