@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeserve.models.llama import Attention, LlamaConfig, LlamaForCausalLM, LlamaMLP
+from treeserve.models.llama import Attention, LlamaAttentionBlock, LlamaConfig, LlamaForCausalLM, LlamaMLP
 from treeserve.models.rope import RotaryEmbedding, rope_inv_freq
 
 
@@ -37,35 +37,29 @@ class Gemma3Config(LlamaConfig):
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
         if act != "gelu_pytorch_tanh":
             raise ValueError(f"unsupported hidden_activation {act!r} for gemma3_text")
-        layers = cfg["num_hidden_layers"]
-        heads = cfg["num_attention_heads"]
         global_rope, local_rope = _rope_parameters(cfg)
-        eos = cfg.get("eos_token_id", 1)
-        bias = cfg.get("attention_bias", False)
-        return cls(
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim", 256),
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(global_rope.pop("rope_theta", 1_000_000.0)),
-            rope_scaling=global_rope or None,
-            max_position_embeddings=cfg.get("max_position_embeddings", 131072),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", True),
-            qkv_bias=bias,
-            o_bias=bias,
-            mlp_bias=False,
-            layer_windows=_layer_windows(cfg, layers),
-            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
-            bos_token_id=cfg.get("bos_token_id", 2),
+        llama_view = {  # what Gemma shares with Llama, under Llama's keys and with Gemma's defaults
+            **cfg,
+            "model_type": "llama",
+            "hidden_act": "silu",
+            "rope_parameters": global_rope,
+            "rope_scaling": None,
+            "sliding_window": None,
+            "head_dim": cfg.get("head_dim", 256),
+            "max_position_embeddings": cfg.get("max_position_embeddings", 131072),
+            "tie_word_embeddings": cfg.get("tie_word_embeddings", True),
+            "eos_token_id": cfg.get("eos_token_id", 1),
+            "bos_token_id": cfg.get("bos_token_id", 2),
+        }
+        shared = vars(LlamaConfig.from_hf(llama_view))
+        shared.update(
             hidden_act=act,
+            layer_windows=_layer_windows(cfg, cfg["num_hidden_layers"]),
             attn_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
             local_rope_theta=float(local_rope.pop("rope_theta", 10000.0)),
             local_rope_scaling=local_rope or None,
         )
+        return cls(**shared)
 
 
 def _rope_parameters(cfg: dict) -> tuple[dict, dict]:
@@ -104,16 +98,11 @@ class GemmaRMSNorm(nn.Module):
         return F.rms_norm(x.float(), self.weight.shape, self._gain, self.eps).to(x.dtype)
 
 
-class Gemma3Attention(nn.Module):
+class Gemma3Attention(LlamaAttentionBlock):
+    """Llama's attention block plus RMS norms on q and k (per head) before rope."""
+
     def __init__(self, cfg: Gemma3Config, layer: int):
-        super().__init__()
-        self.layer = layer
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        self.window = cfg.layer_windows[layer]
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        super().__init__(cfg, layer)
         self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
@@ -146,17 +135,12 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3ForCausalLM(LlamaForCausalLM):
     """Same interface as `LlamaForCausalLM` (name mapping, fused q/k/v and gate/up, logits)."""
 
+    decoder_layer = Gemma3DecoderLayer
+    final_norm = GemmaRMSNorm
+
     def __init__(self, cfg: Gemma3Config):
-        nn.Module.__init__(self)
-        self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.logits_linear = F.linear
+        super().__init__(cfg)
         self.embed_scale = float(cfg.hidden_size) ** 0.5
-        self.rope: RotaryEmbedding | None = None
         self.local_rope: RotaryEmbedding | None = None
 
     def init_rope(self, max_positions: int, device: torch.device | str) -> None:

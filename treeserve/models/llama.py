@@ -162,12 +162,15 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Token ids in, final hidden states out; `compute_logits` on the rows that need them."""
 
+    decoder_layer: type[nn.Module] = LlamaDecoderLayer  # subclasses (Gemma 3) swap the layer and norm
+    final_norm: type[nn.Module] = RMSNorm
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(self.decoder_layer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = self.final_norm(cfg.hidden_size, cfg.rms_norm_eps)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope: RotaryEmbedding | None = None
