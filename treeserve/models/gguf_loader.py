@@ -21,8 +21,9 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from functools import cached_property
+from functools import cached_property, lru_cache
 
+import gguf
 import numpy as np
 import torch
 
@@ -47,18 +48,28 @@ _GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
+@lru_cache(maxsize=2)
+def _read(path: str, size: int, mtime_ns: int) -> gguf.GGUFReader:  # noqa: ARG001 - size/mtime key the cache
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError/struct errors on bad headers
+        raise ValueError(f"malformed GGUF file {path!r}: {e}") from e
+
+
+def read_gguf(path: str) -> gguf.GGUFReader:
+    """The file's reader (memory-mapped). Parsing the metadata of a 262k-token vocabulary takes
+    ~8 s, so the model loader and the tokenizer share one reader per file version."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {path!r}")
+    stat = os.stat(path)
+    return _read(os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
+
+
 class GGUFCheckpoint:
     """One GGUF file, read lazily (the reader memory-maps it)."""
 
     def __init__(self, path: str):
-        import gguf
-
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"GGUF file not found: {path!r}")
-        try:
-            self.reader = gguf.GGUFReader(path)
-        except Exception as e:  # the reader raises ValueError/struct errors on bad headers
-            raise ValueError(f"malformed GGUF file {path!r}: {e}") from e
+        self.reader = read_gguf(path)
         self.path = path
         self.arch = self.field("general.architecture")
         if self.arch not in ARCH_MODEL_TYPES:
@@ -152,13 +163,11 @@ class GGUFCheckpoint:
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, fp32 tensor in Hugging Face layout) for every tensor of the file."""
-        from gguf import dequantize
-
         heads = self.config["num_attention_heads"]
         kv_heads = self.config["num_key_value_heads"]
         for tensor in self.reader.tensors:
             name = self.hf_name(tensor.name)
-            values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            values = np.asarray(gguf.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
             values = values.reshape([int(d) for d in reversed(tensor.shape)])
             weight = torch.from_numpy(values.copy())
             if self.arch == "llama" and ".q_proj." in name:

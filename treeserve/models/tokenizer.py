@@ -35,11 +35,10 @@ def _read_json(path: str) -> dict:
 
 def _load(model_dir: str) -> tuple[HFTokenizer, dict]:
     if model_dir.endswith(".gguf") and os.path.isfile(model_dir):
-        import gguf
-
+        from treeserve.models.gguf_loader import read_gguf
         from treeserve.models.gguf_tokenizer import tokenizer_from_gguf
 
-        return tokenizer_from_gguf(gguf.GGUFReader(model_dir))
+        return tokenizer_from_gguf(read_gguf(model_dir))
     path = os.path.join(model_dir, "tokenizer.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no tokenizer.json in model directory {model_dir!r}")
