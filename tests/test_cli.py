@@ -56,7 +56,7 @@ def test_eval_plot_solve(world, tmp_path, capsys):
     [
         (["--strategy", "astar"], "unknown strategy"),
         (["--n", "6", "--beam-width", "4"], "divisible"),
-        (["--generator", "/nope"], "generator model directory not found"),
+        (["--generator", "/nope"], "generator model not found"),
         (["--dataset", "BADJSONL"], "bad.jsonl:2: not valid JSON"),
         (["--dataset", "arith:level=9"], "level"),
     ],

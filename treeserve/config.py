@@ -15,6 +15,15 @@ DEFAULT_KV_CAP = 1 << 30
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def check_model_path(path: str, name: str = "model") -> None:
+    """A model is a Hugging Face checkpoint directory (with config.json) or a .gguf file."""
+    if os.path.isfile(os.path.join(path, "config.json")) or (path.endswith(".gguf") and os.path.isfile(path)):
+        return
+    if os.path.isdir(path):
+        raise FileNotFoundError(f"{name} directory has no config.json: {path!r}")
+    raise FileNotFoundError(f"{name} not found (a checkpoint directory or a .gguf file): {path!r}")
+
+
 @dataclass
 class EngineConfig:
     model: str  # a Hugging Face checkpoint directory or a GGUF file
@@ -35,8 +44,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if not os.path.isdir(self.model) and not (self.model.endswith(".gguf") and os.path.isfile(self.model)):
-            raise FileNotFoundError(f"model not found (a checkpoint directory or a .gguf file): {self.model!r}")
+        check_model_path(self.model)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -81,3 +81,19 @@ def test_bad_gguf_files_are_refused(tmp_path, make_llm):
         make_llm(str(junk))
     assert main(["convert-gguf", str(junk), str(tmp_path / "out")]) == 2
     assert main(["convert-gguf", str(tmp_path / "missing.gguf"), str(tmp_path / "out")]) == 2
+
+
+def test_every_entry_point_accepts_a_gguf_model_path(tmp_path):
+    """The engine, `eval` and `serve` check model paths with one rule: a directory or a .gguf file."""
+    from treeserve.config import check_model_path
+    from treeserve.eval.runner import EvalSettings
+    from treeserve.server.launch import ServerSettings
+
+    path = _gguf(tmp_path, "llama")
+    check_model_path(path)
+    ServerSettings(model=path, prm=None).check()
+    EvalSettings(generator=path).check()
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        check_model_path(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="a checkpoint directory or a .gguf file"):
+        check_model_path(str(tmp_path / "nope.gguf"))

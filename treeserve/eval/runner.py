@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from treeserve.config import check_model_path
 from treeserve.eval.datasets import load_dataset
 from treeserve.eval.grading import Grader
 from treeserve.eval.report import RunStats, build_results, grade_problems
@@ -51,8 +52,7 @@ class EvalSettings:
 
     def check(self) -> None:
         for name, path in (("generator", self.generator), ("prm", self.prm)):
-            if not Path(path, "config.json").is_file():
-                raise FileNotFoundError(f"{name} model directory not found (no config.json): {path!r}")
+            check_model_path(str(path), f"{name} model")
         if not 0.0 < self.prm_kv_fraction < 1.0:
             raise ValueError(f"prm_kv_fraction must be in (0, 1), got {self.prm_kv_fraction}")
 

@@ -10,6 +10,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from treeserve.config import check_model_path
 from treeserve.runtime.runtime import Runtime
 from treeserve.search.prm import load_prm
 from treeserve.server.completions import Served
@@ -32,8 +33,8 @@ class ServerSettings:
 
     def check(self) -> None:
         for name, path in (("model", self.model), ("prm", self.prm)):
-            if path is not None and not Path(path, "config.json").is_file():
-                raise FileNotFoundError(f"{name} directory not found (no config.json): {path!r}")
+            if path is not None:
+                check_model_path(path, name)
         if self.prm is not None and not 0.0 < self.prm_kv_fraction < 1.0:
             raise ValueError(f"prm_kv_fraction must be in (0, 1), got {self.prm_kv_fraction}")
         if not 0 <= self.port < 65536:
