@@ -23,6 +23,8 @@ static inline float load_bf16(bf16 x) {
     return v.f;
 }
 static inline float store_f32(float x) { return x; }
+#define load_bf16_generic load_bf16
+#define store_bf16_generic store_bf16
 static inline bf16 store_bf16(float f) {
     union { uint32_t u; float f; } v;
     v.f = f;
@@ -98,7 +100,7 @@ void paged_decode_##SUFFIX(const T *q, const T *k_cache, int64_t page_stride, in
 }
 
 DEFINE_PAGED_DECODE(f32, float)
-DEFINE_PAGED_DECODE(bf16, bf16)
+DEFINE_PAGED_DECODE(bf16_generic, bf16)
 
 #define DEFINE_SAMPLE_ROWS(SUFFIX, T)                                                           \
 void sample_rows_##SUFFIX(const T *logits, int64_t row_stride, int rows, int vocab,             \
@@ -136,6 +138,90 @@ void sample_rows_##SUFFIX(const T *logits, int64_t row_stride, int rows, int voc
 
 DEFINE_SAMPLE_ROWS(f32, float)
 DEFINE_SAMPLE_ROWS(bf16, bf16)
+
+/* paged_decode_bf16: the bf16 decode attention. Where the compiler targets AVX512-BF16 and
+ * head_dim is a multiple of 32, q.k runs as bf16 dot products (one instruction per 32 dims,
+ * fp32 accumulation, the scale applied to the dot), scores are kept per head so the softmax
+ * is a contiguous pass, and p.v accumulates in fp32 vectors; otherwise the generic loop. */
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+
+static inline __m512 bf16x16_to_ps(const bf16 *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static void decode_seq_bf16(const bf16 *qb, const bf16 *k_cache, int64_t page_stride, int64_t v_offset,
+                            const int64_t *table, int64_t start, int64_t len, int q_heads, int kv_heads,
+                            int head_dim, int block_size, float scale, float *scores, float *acc, bf16 *o) {
+    const int group = q_heads / kv_heads;
+    const int64_t n = len - start;
+    const int64_t token_stride = (int64_t)kv_heads * head_dim;
+    for (int64_t t = start; t < len; t++) {
+        const bf16 *row = k_cache + table[t / block_size] * page_stride + (t % block_size) * token_stride;
+        for (int hq = 0; hq < q_heads; hq++) {
+            const bf16 *k = row + (int64_t)(hq / group) * head_dim;
+            const bf16 *qh = qb + (int64_t)hq * head_dim;
+            __m512 dot = _mm512_setzero_ps();
+            for (int c = 0; c < head_dim; c += 32)
+                dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512(k + c), (__m512bh)_mm512_loadu_si512(qh + c));
+            scores[hq * n + (t - start)] = _mm512_reduce_add_ps(dot) * scale;
+        }
+    }
+    for (int hq = 0; hq < q_heads; hq++) {
+        float *s = scores + hq * n;
+        float m = -FLT_MAX, sum = 0.0f;
+        for (int64_t i = 0; i < n; i++) m = s[i] > m ? s[i] : m;
+        _Pragma("omp simd reduction(+:sum)")
+        for (int64_t i = 0; i < n; i++) {
+            s[i] = expf(s[i] - m);
+            sum += s[i];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t i = 0; i < n; i++) s[i] *= inv;
+    }
+    for (int i = 0; i < q_heads * head_dim; i++) acc[i] = 0.0f;
+    for (int64_t t = start; t < len; t++) {
+        const bf16 *row = k_cache + v_offset + table[t / block_size] * page_stride + (t % block_size) * token_stride;
+        for (int hq = 0; hq < q_heads; hq++) {
+            const bf16 *v = row + (int64_t)(hq / group) * head_dim;
+            const __m512 p = _mm512_set1_ps(scores[hq * n + (t - start)]);
+            float *a = acc + hq * head_dim;
+            for (int d = 0; d < head_dim; d += 16)
+                _mm512_storeu_ps(a + d, _mm512_fmadd_ps(p, bf16x16_to_ps(v + d), _mm512_loadu_ps(a + d)));
+        }
+    }
+    for (int i = 0; i < q_heads * head_dim; i++) o[i] = store_bf16(acc[i]);
+}
+
+void paged_decode_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride, int64_t v_offset,
+                       const int64_t *tables, int64_t table_stride, const int64_t *ctx_lens, int batch, int q_heads,
+                       int kv_heads, int head_dim, int block_size, float scale, int64_t window, int threads,
+                       bf16 *out) {
+    if (head_dim % 32 != 0) {
+        paged_decode_bf16_generic(q, k_cache, page_stride, v_offset, tables, table_stride, ctx_lens, batch, q_heads,
+                                  kv_heads, head_dim, block_size, scale, window, threads, out);
+        return;
+    }
+    _Pragma("omp parallel for schedule(dynamic, 4) num_threads(threads)")
+    for (int b = 0; b < batch; b++) {
+        const int64_t len = ctx_lens[b];
+        const int64_t start = (window > 0 && len > window) ? len - window : 0;
+        float *scores = (float *)malloc(sizeof(float) * ((len - start) * q_heads + q_heads * head_dim));
+        decode_seq_bf16(q + (int64_t)b * q_heads * head_dim, k_cache, page_stride, v_offset,
+                        tables + (int64_t)b * table_stride, start, len, q_heads, kv_heads, head_dim, block_size,
+                        scale, scores, scores + (len - start) * q_heads, out + (int64_t)b * q_heads * head_dim);
+        free(scores);
+    }
+}
+#else
+void paged_decode_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride, int64_t v_offset,
+                       const int64_t *tables, int64_t table_stride, const int64_t *ctx_lens, int batch, int q_heads,
+                       int kv_heads, int head_dim, int block_size, float scale, int64_t window, int threads,
+                       bf16 *out) {
+    paged_decode_bf16_generic(q, k_cache, page_stride, v_offset, tables, table_stride, ctx_lens, batch, q_heads,
+                              kv_heads, head_dim, block_size, scale, window, threads, out);
+}
+#endif
 
 /* rms_norm_bf16: each row x / rms(x) in fp32, then the model's gain, then one rounding.
  * Gemma (weight_bf16 NULL): out = bf16(x_hat * gain), gain fp32 (1 + w). Llama (gain NULL):
