@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     solve.set_defaults(func=cmd_solve)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with /v1/search")
-    srv.add_argument("--model", default=None, help="generator checkpoint directory (default: the shipped generator)")
+    srv.add_argument("--model", default=None, help="generator checkpoint dir or .gguf (default: shipped generator)")
     srv.add_argument("--prm", default=None, help="PRM checkpoint directory (default with no --model: the shipped PRM)")
     srv.add_argument("--prm-style", default=None, choices=["step_tag", "rlhflow", "reward_head", "value_head"])
     srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: directory name)")

@@ -11,13 +11,15 @@ from dataclasses import dataclass
 
 import torch
 
+from treeserve.models.gguf_loader import is_gguf
+
 DEFAULT_KV_CAP = 1 << 30
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def check_model_path(path: str, name: str = "model") -> None:
     """A model is a Hugging Face checkpoint directory (with config.json) or a .gguf file."""
-    if os.path.isfile(os.path.join(path, "config.json")) or (path.endswith(".gguf") and os.path.isfile(path)):
+    if os.path.isfile(os.path.join(path, "config.json")) or is_gguf(path):
         return
     if os.path.isdir(path):
         raise FileNotFoundError(f"{name} directory has no config.json: {path!r}")

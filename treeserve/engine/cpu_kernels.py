@@ -143,13 +143,14 @@ def _gemv_built() -> bool:
     return lib is not None and lib.linear_bf16_available() == 1
 
 
-def gemv_supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def gemv_supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """True when `linear_bf16` should run x @ weight.T: a few bf16 rows on a CPU with AVX512-BF16."""
     return (
         x.dim() == 2
         and x.shape[0] <= GEMV_MAX_ROWS
         and x.dtype == torch.bfloat16
         and weight.dtype == torch.bfloat16
+        and (bias is None or bias.dtype == torch.bfloat16)
         and x.device.type == "cpu"
         and _gemv_built()
     )
@@ -157,7 +158,7 @@ def gemv_supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through `linear_bf16` where `gemv_supports` says so."""
-    if gemv_supports(x, weight):
+    if gemv_supports(x, weight, bias):
         return linear_bf16(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -215,9 +216,7 @@ class _FastRMSNorm(RMSNorm):
 class _FastGemmaRMSNorm(GemmaRMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _norm_supported(x):
-            if self._gain is None:
-                self._gain = (1.0 + self.weight.float()).contiguous()
-            return rms_norm_bf16(x, self.eps, self._gain, None)
+            return rms_norm_bf16(x, self.eps, self.gain(), None)
         return super().forward(x)
 
 

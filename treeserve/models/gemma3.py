@@ -92,10 +92,13 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
         self._gain: torch.Tensor | None = None  # fp32 1 + weight, made at the first call (weights are frozen)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def gain(self) -> torch.Tensor:
         if self._gain is None:
             self._gain = 1.0 + self.weight.float()
-        return F.rms_norm(x.float(), self.weight.shape, self._gain, self.eps).to(x.dtype)
+        return self._gain
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), self.weight.shape, self.gain(), self.eps).to(x.dtype)
 
 
 class Gemma3Attention(LlamaAttentionBlock):
@@ -106,14 +109,8 @@ class Gemma3Attention(LlamaAttentionBlock):
         self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: Attention) -> torch.Tensor:
-        heads, kv_heads, head_dim = self.shape
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.view(-1, heads, head_dim))
-        k = self.k_norm(k.view(-1, kv_heads, head_dim))
-        q, k = rope(q, k, positions)
-        out = attn(self.layer, q, k, v.view(-1, kv_heads, head_dim), self.window)
-        return self.o_proj(out.reshape(-1, self.q_size))
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q_norm(q), self.k_norm(k)
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -144,9 +141,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.local_rope: RotaryEmbedding | None = None
 
     def init_rope(self, max_positions: int, device: torch.device | str) -> None:
+        super().init_rope(max_positions, device)  # the global layers' table
         cfg = self.config
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.rope = RotaryEmbedding(inv_freq, max_positions, device)
         local_inv_freq = rope_inv_freq(cfg.head_dim, cfg.local_rope_theta, cfg.local_rope_scaling)
         self.local_rope = RotaryEmbedding(local_inv_freq, max_positions, device)
 

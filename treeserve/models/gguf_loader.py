@@ -48,6 +48,10 @@ _GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
+def is_gguf(path: str) -> bool:
+    return path.endswith(".gguf") and os.path.isfile(path)
+
+
 @lru_cache(maxsize=2)
 def _read(path: str, size: int, mtime_ns: int) -> gguf.GGUFReader:  # noqa: ARG001 - size/mtime key the cache
     try:
@@ -149,8 +153,8 @@ class GGUFCheckpoint:
             return {"rope_type": "linear", "factor": float(self._arch_field("rope.scaling.factor"))}
         raise ValueError(f"unsupported rope scaling {kind!r} in {self.path!r} (supported: linear)")
 
-    def hf_name(self, name: str) -> str | None:
-        """Hugging Face name of a llama.cpp tensor name (None: not part of the model, e.g. rope tables)."""
+    def hf_name(self, name: str) -> str:
+        """Hugging Face name of a llama.cpp tensor name; an unknown name is an error."""
         stem, _, suffix = name.rpartition(".")
         if stem in _GLOBAL_NAMES:
             return f"{_GLOBAL_NAMES[stem]}.{suffix}"

@@ -124,9 +124,13 @@ class LlamaAttentionBlock(nn.Module):
         q = q.view(-1, heads, head_dim)
         k = k.view(-1, kv_heads, head_dim)
         v = v.view(-1, kv_heads, head_dim)
-        q, k = rope(q, k, positions)
+        q, k = rope(*self.norm_qk(q, k), positions)
         out = attn(self.layer, q, k, v, self.window)
         return self.o_proj(out.reshape(-1, self.q_size))
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head q/k norms before rope: none in Llama (Gemma 3 overrides this)."""
+        return q, k
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from torch import nn
 
 from treeserve.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
-from treeserve.models.gguf_loader import GGUFCheckpoint
+from treeserve.models.gguf_loader import GGUFCheckpoint, is_gguf
 from treeserve.models.llama import LlamaConfig, LlamaForCausalLM
 
 # model_type in config.json -> (config class, model class)
@@ -89,10 +89,6 @@ def _skip_init():
     finally:
         for name, fn in saved.items():
             setattr(torch.nn.init, name, fn)
-
-
-def is_gguf(path: str) -> bool:
-    return path.endswith(".gguf") and os.path.isfile(path)
 
 
 def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device) -> LoadedModel:

@@ -13,6 +13,7 @@ import os
 from tokenizers import Tokenizer as HFTokenizer
 
 from treeserve.models.chat import render_chat
+from treeserve.models.gguf_loader import is_gguf, read_gguf
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -34,8 +35,7 @@ def _read_json(path: str) -> dict:
 
 
 def _load(model_dir: str) -> tuple[HFTokenizer, dict]:
-    if model_dir.endswith(".gguf") and os.path.isfile(model_dir):
-        from treeserve.models.gguf_loader import read_gguf
+    if is_gguf(model_dir):
         from treeserve.models.gguf_tokenizer import tokenizer_from_gguf
 
         return tokenizer_from_gguf(read_gguf(model_dir))
