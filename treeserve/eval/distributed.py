@@ -30,8 +30,15 @@ from typing import Any
 
 from tqdm import tqdm
 
-from treeserve.eval.report import RunStats
-from treeserve.eval.runner import ASSETS, EvalSettings, build_runtime, grade_and_report, load_problems
+from treeserve.eval.runner import (
+    ASSETS,
+    EvalSettings,
+    build_runtime,
+    grade_and_report,
+    load_problems,
+    run_counters,
+    summarize,
+)
 from treeserve.search.context import SearchConfig, SearchContext
 from treeserve.search.prm import load_prm
 from treeserve.search.run import search_problems
@@ -102,31 +109,14 @@ class EvalWorker:
         return {
             "completions": [(b.text, list(b.scores)) for b in result.beams],
             "seconds": result.seconds,
-            "counters": self.counters(),
+            "counters": run_counters(self.runtime, self.ctx),
         }
 
     async def close(self) -> dict:
         """Stop the engines and check the page accounting (every page free or cached)."""
         await self.runtime.close()
         self.runtime.check_pages_idle()
-        return self.counters()
-
-    def counters(self) -> dict[str, int]:
-        """Everything this worker has done so far, as counts that add up across workers."""
-        out = {
-            "score_cache_hits": self.ctx.cache.hits,
-            "score_cache_misses": self.ctx.cache.misses,
-            "prm_requests": self.ctx.prm_requests,
-            "prm_unique_tokens": len(self.ctx.prm_tree),
-        }
-        for name, engine in self.runtime.engines.items():
-            stats = engine.blocks.stats
-            out |= {f"{name}_prefix_hits": stats.hits, f"{name}_prefix_misses": stats.misses}
-            out |= {f"{name}_evictions": stats.evictions, f"{name}_thrash": stats.thrash}
-            out |= {f"{name}_preemptions": engine.scheduler.num_preemptions, f"{name}_steps": self.runtime.steps[name]}
-            out[f"{name}_generated_tokens"] = engine.num_generated_tokens
-            out[f"{name}_computed_tokens"] = engine.num_computed_tokens
-        return out
+        return run_counters(self.runtime, self.ctx)
 
 
 def _local_path(path: str | None, driver_assets: str) -> str | None:
@@ -335,19 +325,8 @@ class ProblemDispatch:
         for counters in self.counters.values():
             for k, v in counters.items():
                 total[k] = total.get(k, 0) + v
-        engines = ["generator", "prm"] if "prm_steps" in total else ["generator"]
-        stats = RunStats(
-            wall_time_s=wall,
-            generated_tokens=total["generator_generated_tokens"],
-            prm_tokens_prefilled=total.get("prm_computed_tokens", 0),
-            prm_unique_tokens=total["prm_unique_tokens"],  # per worker, summed: a prompt on two workers counts twice
-            prefix_hit_rate=_rate(total, "generator"),
-        )
-        summary = {k: total[k] for k in ("score_cache_hits", "score_cache_misses", "prm_requests")}
-        for name in engines:
-            summary[f"{name}_prefix_hit_rate"] = _rate(total, name)
-            for k in ("evictions", "thrash", "preemptions", "steps"):
-                summary[f"{name}_{k}"] = total[f"{name}_{k}"]
+        # prm_unique_tokens is per worker, summed: a prompt searched on two workers counts twice
+        stats, summary = summarize(total, wall)
         summary |= {
             "workers": self.options.workers,
             "worker_startup_s": startup,
@@ -364,11 +343,6 @@ class ProblemDispatch:
         completions = [r["completions"] for r in self.results]  # type: ignore[index]
         return grade_and_report(self.settings, self.config, self.records, completions, stats, summary,
                                 {"distributed": distributed})  # fmt: skip
-
-
-def _rate(total: dict[str, int], engine: str) -> float:
-    hits, misses = total[f"{engine}_prefix_hits"], total[f"{engine}_prefix_misses"]
-    return hits / (hits + misses) if hits + misses else 0.0
 
 
 def _reason(error: Exception) -> str:

@@ -79,16 +79,8 @@ def run_eval(settings: EvalSettings, config: SearchConfig, inline: list[dict] | 
     runtime.check_pages_idle()
 
     completions = [[(b.text, b.scores) for b in r.beams] for r in results]
-    gen = runtime.engines["generator"]
-    prm_engine = runtime.engines.get("prm")
-    stats = RunStats(
-        wall_time_s=wall,
-        generated_tokens=gen.num_generated_tokens,
-        prm_tokens_prefilled=prm_engine.num_computed_tokens if prm_engine else 0,
-        prm_unique_tokens=len(ctx.prm_tree),
-        prefix_hit_rate=gen.blocks.stats.hit_rate,
-    )
-    return grade_and_report(settings, config, records, completions, stats, _cache_summary(runtime, ctx))
+    stats, summary = summarize(run_counters(runtime, ctx), wall)
+    return grade_and_report(settings, config, records, completions, stats, summary)
 
 
 def load_problems(settings: EvalSettings, inline: list[dict] | None = None) -> list[dict]:
@@ -143,13 +135,41 @@ async def _search(ctx: SearchContext, records: list[dict], progress: bool) -> li
         await ctx.runtime.close()
 
 
-def _cache_summary(runtime: Runtime, ctx: SearchContext) -> dict:
-    out = {"score_cache_hits": ctx.cache.hits, "score_cache_misses": ctx.cache.misses, "prm_requests": ctx.prm_requests}
+def run_counters(runtime: Runtime, ctx: SearchContext) -> dict[str, int]:
+    """Everything a run (or one Ray worker of it) has done, as counts that add up across workers."""
+    out = {
+        "score_cache_hits": ctx.cache.hits,
+        "score_cache_misses": ctx.cache.misses,
+        "prm_requests": ctx.prm_requests,
+        "prm_unique_tokens": len(ctx.prm_tree),
+    }
     for name, engine in runtime.engines.items():
         stats = engine.blocks.stats
-        out[f"{name}_prefix_hit_rate"] = stats.hit_rate
-        out[f"{name}_evictions"] = stats.evictions
-        out[f"{name}_thrash"] = stats.thrash
-        out[f"{name}_preemptions"] = engine.scheduler.num_preemptions
-        out[f"{name}_steps"] = runtime.steps[name]
+        out |= {f"{name}_prefix_hits": stats.hits, f"{name}_prefix_misses": stats.misses}
+        out |= {f"{name}_evictions": stats.evictions, f"{name}_thrash": stats.thrash}
+        out |= {f"{name}_preemptions": engine.scheduler.num_preemptions, f"{name}_steps": runtime.steps[name]}
+        out[f"{name}_generated_tokens"] = engine.num_generated_tokens
+        out[f"{name}_computed_tokens"] = engine.num_computed_tokens
     return out
+
+
+def summarize(counters: dict[str, int], wall: float) -> tuple[RunStats, dict]:
+    """The run's stats and the summary's cache/engine fields, from (summed) `run_counters`."""
+    stats = RunStats(
+        wall_time_s=wall,
+        generated_tokens=counters["generator_generated_tokens"],
+        prm_tokens_prefilled=counters.get("prm_computed_tokens", 0),
+        prm_unique_tokens=counters["prm_unique_tokens"],
+        prefix_hit_rate=_hit_rate(counters, "generator"),
+    )
+    summary = {k: counters[k] for k in ("score_cache_hits", "score_cache_misses", "prm_requests")}
+    for name in ("generator", "prm"):
+        if f"{name}_steps" in counters:
+            summary[f"{name}_prefix_hit_rate"] = _hit_rate(counters, name)
+            summary |= {f"{name}_{k}": counters[f"{name}_{k}"] for k in ("evictions", "thrash", "preemptions", "steps")}
+    return stats, summary
+
+
+def _hit_rate(counters: dict[str, int], engine: str) -> float:
+    hits, misses = counters[f"{engine}_prefix_hits"], counters[f"{engine}_prefix_misses"]
+    return hits / (hits + misses) if hits + misses else 0.0
