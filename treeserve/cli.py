@@ -107,14 +107,41 @@ def _add_search_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prm", default=prm)
     p.add_argument("--prm-style", default=None, choices=["step_tag", "rlhflow", "reward_head", "value_head"])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes for both models' KV pages")
-    p.add_argument("--prm-kv-fraction", type=float, default=0.3)
+    _add_memory_flags(p)
     p.add_argument("--max-concurrent-problems", type=int, default=64)
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--no-score-cache", action="store_true")
     p.add_argument("--speculative-steps", type=int, default=0,
                    help="beam search: decode K steps past each boundary while the PRM scores")  # fmt: skip
     p.add_argument("--reference", action="store_true", help="plain path: no caches, one problem at a time")
+
+
+MEMORY_KEYS = ("kv_cache_memory", "memory_budget", "memory_fraction", "prm_kv_fraction", "engine_args")
+
+
+def _add_memory_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-cache-memory", type=int, default=None,
+                   help="bytes for both models' KV pages (default 1 GiB unless a budget below is given)")  # fmt: skip
+    p.add_argument("--memory-budget", type=int, default=None,
+                   help="bytes for everything (weights, activations, KV): the planner sizes the KV arena")  # fmt: skip
+    p.add_argument("--memory-fraction", type=float, default=None,
+                   help="like --memory-budget, as a fraction of the memory free at start")  # fmt: skip
+    p.add_argument("--prm-kv-fraction", type=float, default=None,
+                   help="a static split: the PRM's share of KV (default: one arena shared by both models)")  # fmt: skip
+    p.add_argument("--config", default=None,
+                   help="a settings file from `treeserve tune` (flags given explicitly win)")  # fmt: skip
+
+
+def _apply_config_file(args: argparse.Namespace) -> None:
+    """Fill the memory and per-model engine settings that no flag set from `--config`."""
+    args.engine_args = None
+    if not getattr(args, "config", None):
+        return
+    from treeserve.runtime.tuner import read_config
+
+    for key, value in read_config(args.config).items():
+        if key in MEMORY_KEYS and getattr(args, key, None) is None:
+            setattr(args, key, value)
 
 
 def _search_settings(args: argparse.Namespace, dataset: str = ""):  # noqa: ANN202
@@ -189,8 +216,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         prm = prm or (DEFAULT_PRM if (Path(DEFAULT_PRM) / "config.json").is_file() else None)
     settings = ServerSettings(
         model=model, prm=prm, prm_style=args.prm_style, served_model_name=args.served_model_name, host=args.host,
-        port=args.port, api_key=args.api_key, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
-        prm_kv_fraction=args.prm_kv_fraction, max_model_len=args.max_model_len,
+        port=args.port, api_key=args.api_key, dtype=args.dtype, max_model_len=args.max_model_len,
+        **{key: getattr(args, key) for key in MEMORY_KEYS},
     )  # fmt: skip
     serve(settings)
     return 0
@@ -238,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="arith[:level=..,size=..,seed=..] or a MATH-500-style JSONL file")  # fmt: skip
     ev.add_argument("--output", default="results.json")
     ev.add_argument("--limit", type=int, default=None, help="only the first LIMIT problems")
+    ev.add_argument("--memory-report", default=None, help="write the memory plan (breakdown, pages) as JSON here")
     ev.add_argument("--select", default=None, choices=["naive", "weighted", "majority"],
                     help="how the final answer is chosen (default depends on the strategy)")  # fmt: skip
     _add_search_flags(ev)
@@ -262,8 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
     srv.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    srv.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes for both models' KV pages")
-    srv.add_argument("--prm-kv-fraction", type=float, default=0.3)
+    _add_memory_flags(srv)
     srv.add_argument("--max-model-len", type=int, default=None)
     srv.set_defaults(func=cmd_serve)
 
@@ -289,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        _apply_config_file(args)
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"treeserve: error: {e}", file=sys.stderr)

@@ -19,8 +19,10 @@ from treeserve.engine.model_runner import ModelRunner, ScheduledSeq
 from treeserve.engine.request import Request, Sequence
 from treeserve.engine.sampler import SamplingRow, TokenLogprobs, sample, seeded_uniform, temperatures, token_logprobs
 from treeserve.engine.scheduler import Scheduler
-from treeserve.kv.arena import KVArena, available_memory
+from treeserve.kv.arena import KVArena, KVLayout, PageArena, available_memory
 from treeserve.kv.block_manager import BlockManager
+from treeserve.kv.page_pool import PagePool
+from treeserve.kv.stats import PageLog
 from treeserve.models.loader import load_model
 from treeserve.models.tokenizer import Tokenizer
 from treeserve.outputs import Logprob, RequestOutput, ScoreOutput
@@ -28,7 +30,9 @@ from treeserve.sampling_params import SamplingParams, ScoreParams
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, attach_kv: bool = True):
+        """Load the model; with `attach_kv`, also give it a KV arena of its own sized from
+        `config` (a runtime that shares one arena between models attaches it later)."""
         self.config = config
         self.device = torch.device(config.device)
         loaded = load_model(config.model, config.torch_dtype, self.device)
@@ -40,35 +44,40 @@ class LLMEngine:
         limit = loaded.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
         cfg = loaded.config
-        page_bytes = KVArena.page_bytes(
-            cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim, config.torch_dtype
-        )
-        budget = config.kv_budget(available_memory(self.device))
-        num_blocks = budget // page_bytes
-        pages_per_seq = -(-self.max_model_len // config.block_size) + 1
-        if num_blocks < pages_per_seq:
-            raise ValueError(
-                f"the KV budget ({budget} bytes = {num_blocks} pages of {page_bytes} bytes) cannot hold one "
-                f"sequence of max_model_len={self.max_model_len} ({pages_per_seq} pages); "
-                "raise kv_cache_memory or lower max_model_len"
-            )
-        self.arena = KVArena(
-            num_blocks,
-            cfg.num_layers,
-            config.block_size,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            config.torch_dtype,
-            self.device,
-        )
-        self.blocks = BlockManager(num_blocks, config.block_size, config.model_id, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.arena, self.device, scale=cfg.attn_scale)
+        self.kv_layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.torch_dtype)
+        if attach_kv:
+            budget = config.kv_budget(available_memory(self.device))
+            page_bytes = self.kv_layout.page_bytes(config.block_size)
+            self.attach_kv(PageArena(max(budget // page_bytes, 1), page_bytes, self.device), config.block_size)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)
         self.num_generated_tokens = 0
         self.num_computed_tokens = 0  # every token run through the model (prompt, recompute, decode)
+
+    def attach_kv(self, pages: PageArena, block_size: int, pool: PagePool | None = None) -> None:
+        """Use `pages` (with `block_size` tokens per page of this model) for KV, its page states
+        in `pool` (shared with the other models on the same arena), or a pool of its own."""
+        config = self.config
+        pages_per_seq = -(-self.max_model_len // block_size) + 1
+        if pages.num_pages < pages_per_seq:
+            raise ValueError(
+                f"the KV budget ({pages.nbytes} bytes = {pages.num_pages} pages of {pages.page_bytes} bytes) "
+                f"cannot hold one sequence of max_model_len={self.max_model_len} ({pages_per_seq} pages); "
+                "raise kv_cache_memory or lower max_model_len"
+            )
+        layout = self.kv_layout
+        self.block_size = block_size
+        self.arena = KVArena(
+            pages.num_pages, layout.num_layers, block_size, layout.num_kv_heads, layout.head_dim, layout.dtype,
+            self.device, pages=pages,
+        )  # fmt: skip
+        self.blocks = BlockManager(
+            pages.num_pages, block_size, config.model_id, config.enable_prefix_caching, pool=pool
+        )
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.arena, self.device, scale=self.model_config.attn_scale)
+        self.page_log = PageLog(self.blocks)
 
     # ---- requests ----------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
@@ -127,7 +136,9 @@ class LLMEngine:
         text, token_ids = self.tokenize_prompt(prompt)
         self.check_request(request_id, token_ids, params)
         sampling = params if isinstance(params, SamplingParams) else None
-        seed = sampling.seed if sampling and sampling.seed is not None else self._seeds.getrandbits(63)
+        seed = 0  # forward-only requests sample nothing (and draw no seed, so they never shift later ones)
+        if sampling is not None:
+            seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(63)
         request = Request(
             request_id=request_id,
             prompt=text,
@@ -187,6 +198,7 @@ class LLMEngine:
             touched[request.request_id] = request
         if to_sample:
             self._sample(to_sample, hidden)
+        self.page_log.record()
         return [self._emit(r) for r in touched.values() if r.finished or r.stream]
 
     def _fork_siblings(self, seq: Sequence) -> list[Sequence]:
@@ -274,6 +286,6 @@ class LLMEngine:
             "running": len(self.scheduler.running),
             "pages_total": self.blocks.num_blocks,
             "pages_used": self.blocks.num_used_blocks,
-            "pages_cached": len(self.blocks.cached),
+            "pages_cached": self.blocks.num_cached_blocks,
             "preemptions": self.scheduler.num_preemptions,
         }

@@ -43,8 +43,12 @@ class EvalSettings:
     prm: str = DEFAULT_PRM
     prm_style: str | None = None
     dtype: str = "bfloat16"
-    kv_cache_memory: int = 1 << 30
-    prm_kv_fraction: float = 0.3
+    kv_cache_memory: int | None = None  # KV bytes (1 GiB when no budget below is given either)
+    memory_budget: int | None = None  # bytes for weights + activations + KV (see runtime/planner.py)
+    memory_fraction: float | None = None  # of the memory free at start, for everything
+    prm_kv_fraction: float | None = None  # None: one page arena shared by both models; else a static split
+    engine_args: dict | None = None  # per-model engine settings, {"generator": {...}, "prm": {...}} (from `tune`)
+    memory_report: str | None = None  # write the memory plan (JSON) here
     reference: bool = False
     limit: int | None = None  # only the first `limit` problems
     selection: str | None = None  # override SELECTION[strategy]
@@ -53,15 +57,16 @@ class EvalSettings:
     def check(self) -> None:
         for name, path in (("generator", self.generator), ("prm", self.prm)):
             check_model_path(str(path), f"{name} model")
-        if not 0.0 < self.prm_kv_fraction < 1.0:
+        if self.prm_kv_fraction is not None and not 0.0 < self.prm_kv_fraction < 1.0:
             raise ValueError(f"prm_kv_fraction must be in (0, 1), got {self.prm_kv_fraction}")
 
 
 def build_runtime(settings: EvalSettings, config: SearchConfig) -> Runtime:
     prm = settings.prm if config.strategy != "majority" else None
     return Runtime.for_search(
-        settings.generator, prm, settings.kv_cache_memory, settings.prm_kv_fraction, dtype=settings.dtype,
-        enable_prefix_caching=config.prefix_cache,
+        settings.generator, prm, settings.kv_cache_memory, settings.prm_kv_fraction, settings.engine_args,
+        dtype=settings.dtype, enable_prefix_caching=config.prefix_cache, memory_budget=settings.memory_budget,
+        memory_fraction=settings.memory_fraction,
     )  # fmt: skip
 
 
@@ -71,6 +76,8 @@ def run_eval(settings: EvalSettings, config: SearchConfig, inline: list[dict] | 
     if settings.reference:
         config = config.reference()
     runtime = build_runtime(settings, config)
+    if settings.memory_report:
+        runtime.memory_plan.write(settings.memory_report)
     prm = load_prm(runtime, "prm", settings.prm_style) if "prm" in runtime.engines else None
     ctx = SearchContext(config, runtime, "generator", prm)
     start = time.perf_counter()
@@ -80,7 +87,9 @@ def run_eval(settings: EvalSettings, config: SearchConfig, inline: list[dict] | 
 
     completions = [[(b.text, b.scores) for b in r.beams] for r in results]
     stats, summary = summarize(run_counters(runtime, ctx), wall)
-    return grade_and_report(settings, config, records, completions, stats, summary)
+    results = grade_and_report(settings, config, records, completions, stats, summary)
+    results["memory"] = runtime.memory_plan.to_json()
+    return results
 
 
 def load_problems(settings: EvalSettings, inline: list[dict] | None = None) -> list[dict]:

@@ -1,15 +1,21 @@
-"""The page arena: one preallocated KV buffer, cut into pages of `block_size` tokens.
+"""The page arena: one preallocated buffer of equal-sized pages, viewed by each model in its own shape.
 
-A page holds K and V of `block_size` tokens for every layer of one model and is contiguous
-in memory (layout [page, layer, k/v, token, kv_head, head_dim]), so a page is the unit that
-the block manager hands out, copies (copy-on-write) and evicts. Each layer sees the arena
-through strided views. This module owns the bytes; which page belongs to whom is the
-block manager's business.
+`PageArena` owns the bytes: `num_pages` pages of `page_bytes` each, one buffer per device.
+`KVArena` is one model's view of it: a page holds K and V of `block_size` tokens for every
+layer of that model, contiguous (layout [page, layer, k/v, token, kv_head, head_dim]), so a
+page is the unit the block manager hands out, copies (copy-on-write) and evicts, whichever
+model it goes to. When a model's page content is smaller than `page_bytes` (see
+`shared_block_sizes`), the rest of each page is unused by it. Which page belongs to whom is
+the page pool's business (`page_pool.py`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+PAGE_ALIGN = 64  # bytes: a page starts on a cache line and is a whole number of elements of any dtype
 
 
 def available_memory(device: torch.device) -> int:
@@ -21,7 +27,54 @@ def available_memory(device: torch.device) -> int:
     return info.get("MemAvailable", info["MemFree"])
 
 
+@dataclass(frozen=True)
+class KVLayout:
+    """The shape of one model's KV cache per token."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def token_bytes(self) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def page_bytes(self, block_size: int) -> int:
+        return -(-self.token_bytes * block_size // PAGE_ALIGN) * PAGE_ALIGN
+
+
+def shared_block_sizes(layouts: list[KVLayout], preferred: list[int]) -> tuple[int, list[int]]:
+    """Page bytes and per-model block sizes for models sharing one arena.
+
+    The rule: the page is the smallest of the models' preferred pages (preferred block size x
+    token bytes), but at least one token of the largest model; each model then gets as many
+    tokens per page as fit. Models with equal token bytes get equal block sizes and use whole
+    pages; otherwise a model uses `block_size x token_bytes` of each page and the rest is idle.
+    """
+    page = min(layout.page_bytes(bs) for layout, bs in zip(layouts, preferred, strict=True))
+    page = max(page, max(layout.page_bytes(1) for layout in layouts))
+    return page, [page // layout.token_bytes for layout in layouts]
+
+
+class PageArena:
+    def __init__(self, num_pages: int, page_bytes: int, device: torch.device | str):
+        if num_pages < 1:
+            raise ValueError(f"the KV budget is smaller than one page ({page_bytes} bytes)")
+        if page_bytes % PAGE_ALIGN:
+            raise ValueError(f"page_bytes must be a multiple of {PAGE_ALIGN}, got {page_bytes}")
+        self.num_pages = num_pages
+        self.page_bytes = page_bytes
+        self.buffer = torch.zeros(num_pages * page_bytes, dtype=torch.uint8, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+
 class KVArena:
+    """One model's view of a `PageArena` (its own arena when none is given)."""
+
     def __init__(
         self,
         num_blocks: int,
@@ -31,17 +84,26 @@ class KVArena:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        pages: PageArena | None = None,
     ):
-        if num_blocks < 1:
-            raise ValueError("the KV memory budget is smaller than one page")
-        self.num_blocks = num_blocks
+        layout = KVLayout(num_layers, num_kv_heads, head_dim, dtype)
+        if pages is None:
+            pages = PageArena(num_blocks, layout.page_bytes(block_size), device)
+        if layout.token_bytes * block_size > pages.page_bytes:
+            raise ValueError(
+                f"{block_size} tokens of {layout.token_bytes} bytes do not fit a {pages.page_bytes}-byte page"
+            )
+        self.pages = pages
+        self.num_blocks = pages.num_pages
         self.block_size = block_size
-        shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
-        self.buffer = torch.zeros(shape, dtype=dtype, device=device)
+        token = num_kv_heads * head_dim
+        shape = (pages.num_pages, num_layers, 2, block_size, num_kv_heads, head_dim)
+        strides = (pages.page_bytes // dtype.itemsize, 2 * block_size * token, block_size * token, token, head_dim, 1)
+        self.buffer = pages.buffer.view(dtype).as_strided(shape, strides)
 
     @staticmethod
     def page_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
+        return KVLayout(num_layers, num_kv_heads, head_dim, dtype).page_bytes(block_size)
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V views of one layer: each [num_blocks, block_size, kv_heads, head_dim]."""

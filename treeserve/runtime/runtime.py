@@ -11,13 +11,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from treeserve.config import EngineConfig
+import torch
+
+from treeserve.config import DEFAULT_KV_CAP, EngineConfig
 from treeserve.engine.llm_engine import LLMEngine
+from treeserve.kv.arena import PageArena, available_memory
+from treeserve.kv.page_pool import PagePool
 from treeserve.models.tokenizer import Tokenizer
 from treeserve.outputs import RequestOutput, ScoreOutput
+from treeserve.runtime import planner
 from treeserve.sampling_params import SamplingParams, ScoreParams
 
 
@@ -40,8 +46,9 @@ class Speculation:
 class ModelSpec:
     name: str
     path: str
-    kv_fraction: float  # share of the runtime's KV budget (a fixed split; see DESIGN.md)
-    block_size: int = 16  # tokens per page; small pages let a PRM skip more of a cached prefix
+    kv_fraction: float | None = None  # None: the shared arena; else this share of KV (a static split)
+    block_size: int = 16  # preferred tokens per page (the shared arena may give fewer; see kv/arena.py)
+    engine_args: dict = field(default_factory=dict)  # this model's EngineConfig settings (max_num_seqs, ...)
 
 
 class Runtime:
@@ -56,44 +63,90 @@ class Runtime:
         self._wake: asyncio.Event | None = None
         self._driver: asyncio.Task | None = None
         self.steps = {name: 0 for name in engines}
+        self.busy_s = {name: 0.0 for name in engines}  # seconds inside each engine's step()
+        self.memory_plan: planner.MemoryPlan | None = None  # set by `load`
 
     @classmethod
     def load(
         cls,
         specs: list[ModelSpec],
-        kv_cache_memory: int,
+        kv_cache_memory: int | None = None,
         dtype: str = "bfloat16",
         enable_prefix_caching: bool = True,
+        memory_budget: int | None = None,
+        memory_fraction: float | None = None,
         **engine_kwargs: object,
     ) -> Runtime:
-        if abs(sum(s.kv_fraction for s in specs) - 1.0) > 1e-6:
-            raise ValueError("the models' kv_fraction values must add up to 1")
+        """Load every model, plan memory (see `planner.py`: give one of `kv_cache_memory` bytes
+        of KV, a `memory_budget` in bytes for everything, or a `memory_fraction` of free memory)
+        and give the models KV pages: one shared arena when no spec has a `kv_fraction`, else a
+        static split whose fractions add up to 1."""
+        if kv_cache_memory is None and memory_budget is None and memory_fraction is None:
+            kv_cache_memory = DEFAULT_KV_CAP
+        planner.check_budget(kv_cache_memory, memory_budget, memory_fraction)
+        fractions = [s.kv_fraction for s in specs]
+        shared = all(f is None for f in fractions)
+        if not shared and (None in fractions or abs(sum(fractions) - 1.0) > 1e-6):
+            raise ValueError("either no model has a kv_fraction (one shared arena) or all do and they add up to 1")
+        if len({s.name for s in specs}) != len(specs):
+            raise ValueError("model names must be unique")
+        device = torch.device(str(engine_kwargs.get("device", "cpu")))
+        free_at_start, before = available_memory(device), planner.process_memory(device)
         engines = {
             s.name: LLMEngine(
                 EngineConfig(
                     model=s.path,
                     dtype=dtype,
-                    kv_cache_memory=int(kv_cache_memory * s.kv_fraction),
                     enable_prefix_caching=enable_prefix_caching,
                     model_id=s.name + ":" + s.path,
-                    **{"block_size": s.block_size, **engine_kwargs},  # a runtime-wide setting wins
-                )
+                    **{"block_size": s.block_size, **engine_kwargs, **s.engine_args},
+                ),
+                attach_kv=False,
             )
             for s in specs
         }
-        return cls(engines)
+        loaded = planner.process_memory(device) - before
+        memory = planner.plan(
+            engines, None if shared else {s.name: s.kv_fraction for s in specs}, free_at_start, loaded,
+            kv_cache_memory, memory_budget, memory_fraction,
+        )  # fmt: skip
+        if shared:
+            pages, pool = PageArena(memory.num_pages, memory.page_bytes, device), PagePool(memory.num_pages)
+            for m in memory.models:
+                engines[m.name].attach_kv(pages, m.block_size, pool)
+        else:
+            for m in memory.models:
+                engines[m.name].attach_kv(PageArena(m.num_pages, m.page_bytes, device), m.block_size)
+        runtime = cls(engines)
+        runtime.memory_plan = memory
+        return runtime
 
     @classmethod
     def for_search(
-        cls, generator: str, prm: str | None, kv_cache_memory: int, prm_kv_fraction: float, **load_kwargs: object
+        cls,
+        generator: str,
+        prm: str | None,
+        kv_cache_memory: int | None,
+        prm_kv_fraction: float | None = None,
+        engine_args: dict[str, dict] | None = None,
+        **load_kwargs: object,
     ) -> Runtime:
-        """A generator (engine "generator") and, when given, a PRM (engine "prm") sharing
-        `kv_cache_memory`, the PRM with a `prm_kv_fraction` share. The PRM gets 4-token pages:
-        each PRM request recomputes at most 3 cached tokens before its new step (16-token pages
-        measured 2.3x the unique tokens of the search tree, 4-token pages 1.4x)."""
-        specs = [ModelSpec("generator", generator, 1.0 - prm_kv_fraction if prm else 1.0)]
+        """A generator (engine "generator") and, when given, a PRM (engine "prm") with
+        `kv_cache_memory` bytes of KV: one shared arena, or a static split giving the PRM a
+        `prm_kv_fraction` share. `engine_args` holds per-model settings (from `treeserve tune`).
+        The PRM prefers 4-token pages: each PRM request recomputes at most 3 cached tokens before
+        its new step (16-token pages measured 2.3x the unique tokens of the search tree, 4-token
+        pages 1.4x). In a shared arena the smaller page wins, so the generator gets 4-token pages
+        too (measured about 2% slower than 16 on beam search)."""
+        args = engine_args or {}
+        split = prm and prm_kv_fraction is not None
+        specs = [
+            ModelSpec("generator", generator, 1.0 - prm_kv_fraction if split else None, 16, args.get("generator", {}))
+        ]
         if prm:
-            specs.append(ModelSpec("prm", prm, prm_kv_fraction, block_size=4))
+            specs.append(ModelSpec("prm", prm, prm_kv_fraction if split else None, 4, args.get("prm", {})))
+        elif prm_kv_fraction is not None:
+            specs[0].kv_fraction = 1.0
         return cls.load(specs, kv_cache_memory, **load_kwargs)
 
     # ---- the API search programs use -------------------------------------------------
@@ -194,12 +247,14 @@ class Runtime:
                 await self._wake.wait()
                 continue
             for name in busy:
+                start = time.perf_counter()
                 try:
                     outputs = self.engines[name].step()
                 except Exception as e:  # fail every waiter of this engine rather than hang them
                     self._fail(name, e)
                     continue
                 self.steps[name] += 1
+                self.busy_s[name] += time.perf_counter() - start
                 for out in outputs:
                     key = (name, out.request_id)
                     if (queue := self._streams.get(key)) is not None:

@@ -27,15 +27,18 @@ class ServerSettings:
     port: int = 8000
     api_key: str | None = None
     dtype: str = "bfloat16"
-    kv_cache_memory: int = 1 << 30  # bytes for both models' KV pages
-    prm_kv_fraction: float = 0.3
+    kv_cache_memory: int | None = None  # bytes for both models' KV pages (1 GiB when no budget is given)
+    memory_budget: int | None = None  # bytes for weights + activations + KV
+    memory_fraction: float | None = None  # of the memory free at start, for everything
+    prm_kv_fraction: float | None = None  # None: one page arena shared by both models; else a static split
+    engine_args: dict | None = None  # per-model engine settings (from `treeserve tune`)
     max_model_len: int | None = None
 
     def check(self) -> None:
         for name, path in (("model", self.model), ("prm", self.prm)):
             if path is not None:
                 check_model_path(path, name)
-        if self.prm is not None and not 0.0 < self.prm_kv_fraction < 1.0:
+        if self.prm_kv_fraction is not None and not 0.0 < self.prm_kv_fraction < 1.0:
             raise ValueError(f"prm_kv_fraction must be in (0, 1), got {self.prm_kv_fraction}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
@@ -44,8 +47,11 @@ class ServerSettings:
 def build_served(settings: ServerSettings) -> Served:
     settings.check()
     extra = {"max_model_len": settings.max_model_len} if settings.max_model_len else {}
-    runtime = Runtime.for_search(settings.model, settings.prm, settings.kv_cache_memory, settings.prm_kv_fraction,
-                                 dtype=settings.dtype, **extra)  # fmt: skip
+    runtime = Runtime.for_search(
+        settings.model, settings.prm, settings.kv_cache_memory, settings.prm_kv_fraction, settings.engine_args,
+        dtype=settings.dtype, memory_budget=settings.memory_budget, memory_fraction=settings.memory_fraction, **extra,
+    )  # fmt: skip
+    print(runtime.memory_plan.table(), flush=True)
     name = settings.served_model_name or Path(settings.model).resolve().name
     prm = load_prm(runtime, "prm", settings.prm_style) if settings.prm else None  # a bad PRM fails at startup
     return Served(runtime, name, ServerMetrics(runtime), prm=prm)

@@ -1,0 +1,146 @@
+"""The state of every page of one arena, shared by all the models that use it.
+
+Every page is in exactly one state:
+- in use: reference count > 0 (held by one or more block tables of one model; shared pages
+  are copy-on-write);
+- cached: count 0 but its content is keyed in the prefix cache; reusable by a later
+  sequence with the same prefix until evicted (least recently released first);
+- free: count 0, content meaningless.
+
+One free list and one LRU of cached pages serve every model of the arena, so pages flow to
+whichever model needs them: a page one model cached can be evicted for another. Keys are
+salted per model (see `block_manager.py`), so one key map serves all models. Each page in
+use or cached has an owner (the model index from `register`); the pool keeps per-owner
+counts so per-model statistics cost O(1). This module knows page numbers and keys, nothing
+about tokens or tensors.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+
+@dataclass
+class CacheStats:
+    """One model's prefix-cache counters (cumulative)."""
+
+    hits: int = 0  # full blocks found in the prefix cache
+    misses: int = 0  # full blocks looked up and not found
+    evictions: int = 0  # this model's cached pages reclaimed for new content (by any model)
+    thrash: int = 0  # misses on a key that was cached before and evicted
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+
+class NoFreePages(RuntimeError):
+    pass
+
+
+class PagePool:
+    def __init__(self, num_pages: int):
+        if num_pages < 1:
+            raise ValueError("the KV memory budget is smaller than one page")
+        self.num_pages = num_pages
+        self.ref_counts = [0] * num_pages
+        self.owner = [-1] * num_pages  # model index while in use or cached, -1 when free
+        self.block_hash: list[int | None] = [None] * num_pages
+        self.free: deque[int] = deque(range(num_pages))
+        self.cached: OrderedDict[int, None] = OrderedDict()  # count-0 keyed pages, LRU first
+        self.hash_to_block: dict[int, int] = {}
+        self.evicted_hashes: set[int] = set()
+        self.stats: list[CacheStats] = []  # per owner
+        self.in_use: list[int] = []  # per owner: pages with count > 0
+        self.num_cached: list[int] = []  # per owner: cached pages
+
+    def register(self) -> int:
+        """A new model on this pool; returns its owner index."""
+        self.stats.append(CacheStats())
+        self.in_use.append(0)
+        self.num_cached.append(0)
+        return len(self.stats) - 1
+
+    @property
+    def num_available(self) -> int:
+        """Pages that can be handed out now (free, or cached and evictable)."""
+        return len(self.free) + len(self.cached)
+
+    # ---- page state transitions --------------------------------------------------------
+    def take(self, owner: int) -> int:
+        """A page for `owner` with count 1: a free one, else the least recently cached one."""
+        if self.free:
+            block = self.free.popleft()
+        elif self.cached:
+            block, _ = self.cached.popitem(last=False)
+            key = self.block_hash[block]
+            del self.hash_to_block[key]
+            self.block_hash[block] = None
+            self.evicted_hashes.add(key)
+            self.num_cached[self.owner[block]] -= 1
+            self.stats[self.owner[block]].evictions += 1
+        else:
+            raise NoFreePages("no free KV pages")
+        self.ref_counts[block] = 1
+        self.owner[block] = owner
+        self.in_use[owner] += 1
+        return block
+
+    def acquire(self, block: int) -> None:
+        """One more owner of a page in use or cached (a prefix-cache hit, a fork)."""
+        if self.ref_counts[block] == 0:
+            self.cached.pop(block)
+            self.num_cached[self.owner[block]] -= 1
+            self.in_use[self.owner[block]] += 1
+        self.ref_counts[block] += 1
+
+    def release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        count = self.ref_counts[block]
+        if count < 0:
+            raise AssertionError(f"page {block} released more often than acquired")
+        if count == 0:
+            owner = self.owner[block]
+            self.in_use[owner] -= 1
+            if self.block_hash[block] is not None:
+                self.cached[block] = None
+                self.num_cached[owner] += 1
+            else:
+                self.free.append(block)
+                self.owner[block] = -1
+
+    def key(self, block: int, key: int) -> None:
+        """Enter an in-use page in the prefix cache under `key` (first writer wins)."""
+        if key not in self.hash_to_block and self.block_hash[block] is None:
+            self.hash_to_block[key] = block
+            self.block_hash[block] = key
+            self.evicted_hashes.discard(key)
+
+    # ---- invariants -------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless every page is in exactly one consistent state."""
+        free, cached = set(self.free), set(self.cached)
+        assert len(free) == len(self.free), "a page is twice on the free list"
+        assert not free & cached, "a page is both free and cached"
+        in_use = [0] * len(self.stats)
+        num_cached = [0] * len(self.stats)
+        for block, count in enumerate(self.ref_counts):
+            assert count >= 0, f"page {block} has a negative reference count"
+            assert (count > 0) + (block in free) + (block in cached) == 1, f"page {block} has no single state"
+            if block in free:
+                assert self.block_hash[block] is None, f"free page {block} still has a key"
+                assert self.owner[block] == -1, f"free page {block} still has an owner"
+                continue
+            assert 0 <= self.owner[block] < len(self.stats), f"page {block} has no owner"
+            if block in cached:
+                assert self.block_hash[block] is not None, f"cached page {block} has no key"
+                num_cached[self.owner[block]] += 1
+            else:
+                in_use[self.owner[block]] += 1
+        assert in_use == self.in_use, f"pages in use per model {self.in_use}, counted {in_use}"
+        assert num_cached == self.num_cached, f"cached pages per model {self.num_cached}, counted {num_cached}"
+        for key, block in self.hash_to_block.items():
+            assert self.block_hash[block] == key, f"prefix cache maps a key to page {block} which holds another"
+        assert sum(h is not None for h in self.block_hash) == len(self.hash_to_block)

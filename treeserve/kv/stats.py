@@ -1,0 +1,41 @@
+"""Per-step page statistics of one model: a timeline cheap enough to leave on.
+
+After every engine step the engine calls `PageLog.record()`, which appends one row of
+integers read from O(1) counters of the page pool: this model's pages in use and cached, the
+pool's free pages (shared with the other models of the arena) and this model's cumulative
+prefix-cache counters. The newest `max_rows` rows are kept (a long-running server does not
+grow without bound); `rows()` returns them as dicts for JSON and plots.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from treeserve.kv.block_manager import BlockManager
+
+COLUMNS = ("step", "time_s", "in_use", "cached", "free", "hits", "misses", "evictions", "thrash")
+
+
+class PageLog:
+    def __init__(self, blocks: BlockManager, max_rows: int = 200_000):
+        self.blocks = blocks
+        self.start = time.perf_counter()
+        self.steps = 0
+        self._rows: deque[tuple] = deque(maxlen=max_rows)
+
+    def record(self) -> None:
+        b, pool, stats = self.blocks, self.blocks.pool, self.blocks.stats
+        self.steps += 1
+        self._rows.append((
+            self.steps, time.perf_counter() - self.start, pool.in_use[b.owner], pool.num_cached[b.owner],
+            len(pool.free), stats.hits, stats.misses, stats.evictions, stats.thrash,
+        ))  # fmt: skip
+
+    def rows(self) -> list[dict]:
+        return [dict(zip(COLUMNS, row, strict=True)) for row in self._rows]
+
+    def clear(self) -> None:
+        self.start = time.perf_counter()
+        self.steps = 0
+        self._rows.clear()

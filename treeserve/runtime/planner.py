@@ -1,0 +1,206 @@
+"""The memory planner: what each model's weights and activations take, and what is left for KV pages.
+
+For every model it measures the weights (bytes of its parameters and buffers), the
+activation peak of one forward pass at `max_num_batched_tokens` (the largest batch its
+scheduler builds: a real step on a throwaway arena, bytes allocated above the start,
+tracked by the PyTorch profiler on CPU and by the CUDA allocator on GPU) and the other
+overhead (process memory the loads added beyond the weights: tokenizers, kernels, libraries).
+Then, as in the thesis, Mem_KV = Mem_budget - activations - weights - other, where the budget
+is a byte count or a fraction of the memory free when the runtime started; or the KV bytes
+are given directly (`kv_cache_memory`) and the breakdown only reports. The KV bytes become
+pages: one arena of equal pages shared by all models, or per-model arenas for a static split.
+Activation peaks are summed, not maxed: the runtime steps one engine at a time, but each
+keeps its allocator's cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from treeserve.engine.llm_engine import LLMEngine
+from treeserve.kv.arena import KVLayout, PageArena, shared_block_sizes
+from treeserve.sampling_params import ScoreParams
+
+
+@dataclass
+class ModelMemory:
+    name: str
+    weights: int
+    activation_peak: int
+    token_bytes: int
+    block_size: int = 0  # tokens per page (set by the plan)
+    page_bytes: int = 0
+    num_pages: int = 0  # pages of its own arena (static split); the whole shared arena otherwise
+    kv_fraction: float | None = None  # static split share; None: the shared arena
+
+
+@dataclass
+class MemoryPlan:
+    device: str
+    total_memory: int  # the device's memory
+    free_at_start: int  # free when the runtime started, before any model loaded
+    budget: int | None  # bytes for weights + activations + other + KV (None: KV bytes given directly)
+    other: int
+    kv_bytes: int
+    shared: bool
+    page_bytes: int = 0  # of the shared arena
+    num_pages: int = 0  # of the shared arena
+    models: list[ModelMemory] = field(default_factory=list)
+
+    @property
+    def weights(self) -> int:
+        return sum(m.weights for m in self.models)
+
+    @property
+    def activations(self) -> int:
+        return sum(m.activation_peak for m in self.models)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "weights": self.weights, "activations": self.activations}
+
+    def write(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, indent=2)
+
+    def table(self) -> str:
+        mib = 1 << 20
+        lines = [f"memory plan on {self.device} (MiB)"]
+        if self.budget is not None:
+            lines.append(f"  budget {self.budget / mib:10.1f}  (free at start {self.free_at_start / mib:.0f})")
+        lines += [
+            f"  weights {self.weights / mib:9.1f}   activations {self.activations / mib:.1f}"
+            f"   other {self.other / mib:.1f}",
+            f"  KV {self.kv_bytes / mib:14.1f}   " + (
+                f"one shared arena: {self.num_pages} pages of {self.page_bytes} bytes" if self.shared
+                else "static split"
+            ),
+        ]  # fmt: skip
+        for m in self.models:
+            share = "shared" if m.kv_fraction is None else f"{m.kv_fraction:.2f} of KV"
+            lines.append(
+                f"  {m.name:<10} weights {m.weights / mib:7.1f}  activations {m.activation_peak / mib:7.1f}  "
+                f"{m.num_pages} pages x {m.block_size} tokens ({share})"
+            )
+        return "\n".join(lines)
+
+
+def process_memory(device: torch.device) -> int:
+    """Bytes this process holds on `device` now (resident set on CPU, allocator reserve on GPU)."""
+    if device.type == "cuda":
+        return torch.cuda.memory_reserved(device)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def total_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in model.state_dict().values()}
+    return sum(storages.values())
+
+
+def activation_peak(engine: LLMEngine) -> int:
+    """Peak bytes allocated by one engine step that prefills `max_num_batched_tokens` tokens."""
+    num_tokens = engine.config.max_num_batched_tokens
+    chunk = engine.max_model_len
+    lengths = [chunk] * (num_tokens // chunk) + ([num_tokens % chunk] if num_tokens % chunk else [])
+    bs = engine.config.block_size
+    pages = max(sum(-(-n // bs) for n in lengths), -(-engine.max_model_len // bs) + 1)
+    engine.attach_kv(PageArena(pages, engine.kv_layout.page_bytes(bs), engine.device), bs)
+    has_head = engine.model_config.has_lm_head
+    for i, n in enumerate(lengths):
+        params = ScoreParams([n - 1], token_ids=[0] if has_head else [], return_hidden_states=not has_head)
+        engine.add_request(f"memory-probe-{i}", [1] * n, params)
+    computed = engine.num_computed_tokens
+    peak = _peak_bytes(engine.step, engine.device)
+    engine.num_computed_tokens = computed  # the probe is not work the engine did for anyone
+    for i in range(len(lengths)):
+        engine.abort(f"memory-probe-{i}")
+    engine.check_pages_idle()
+    return peak
+
+
+def _peak_bytes(fn: object, device: torch.device) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def check_budget(kv_cache_memory: int | None, memory_budget: int | None, memory_fraction: float | None) -> None:
+    if sum(x is not None for x in (kv_cache_memory, memory_budget, memory_fraction)) != 1:
+        raise ValueError("give exactly one of kv_cache_memory, memory_budget and memory_fraction")
+    for name, value in (("kv_cache_memory", kv_cache_memory), ("memory_budget", memory_budget)):
+        if value is not None and (not isinstance(value, int) or value <= 0):
+            raise ValueError(f"{name} must be a positive byte count, got {value!r}")
+    if memory_fraction is not None and not 0.0 < memory_fraction <= 1.0:
+        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+
+
+def plan(
+    engines: dict[str, LLMEngine],
+    kv_fractions: dict[str, float] | None,
+    free_at_start: int,
+    loaded_bytes: int,
+    kv_cache_memory: int | None = None,
+    memory_budget: int | None = None,
+    memory_fraction: float | None = None,
+) -> MemoryPlan:
+    """Measure the engines and size their KV. `kv_fractions` None: one shared arena;
+    `loaded_bytes`: process memory the model loads added. Give exactly one of
+    `kv_cache_memory` (KV bytes), `memory_budget` (bytes for everything) or `memory_fraction`
+    (of `free_at_start`)."""
+    check_budget(kv_cache_memory, memory_budget, memory_fraction)
+    device = next(iter(engines.values())).device
+    models = [
+        ModelMemory(name, weight_bytes(e.model), activation_peak(e), e.kv_layout.token_bytes)
+        for name, e in engines.items()
+    ]
+    weights = sum(m.weights for m in models)
+    other = max(0, loaded_bytes - weights)
+    budget = memory_budget if memory_fraction is None else int(memory_fraction * free_at_start)
+    if kv_cache_memory is None:
+        kv_cache_memory = budget - weights - sum(m.activation_peak for m in models) - other
+        if kv_cache_memory <= 0:
+            raise ValueError(
+                f"the memory budget ({budget} bytes) leaves nothing for KV pages after weights ({weights}), "
+                f"activations ({sum(m.activation_peak for m in models)}) and other overhead ({other})"
+            )
+    result = MemoryPlan(
+        str(device), total_memory(device), free_at_start, budget, other, kv_cache_memory, kv_fractions is None,
+        models=models,
+    )  # fmt: skip
+    layouts: list[KVLayout] = [e.kv_layout for e in engines.values()]
+    preferred = [e.config.block_size for e in engines.values()]
+    if kv_fractions is None:
+        result.page_bytes, sizes = shared_block_sizes(layouts, preferred)
+        result.num_pages = kv_cache_memory // result.page_bytes
+        for m, bs in zip(models, sizes, strict=True):
+            m.block_size, m.page_bytes, m.num_pages = bs, result.page_bytes, result.num_pages
+    else:
+        for m, layout, bs in zip(models, layouts, preferred, strict=True):
+            m.kv_fraction = kv_fractions[m.name]
+            m.block_size, m.page_bytes = bs, layout.page_bytes(bs)
+            m.num_pages = int(kv_cache_memory * m.kv_fraction) // m.page_bytes
+    return result

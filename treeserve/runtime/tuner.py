@@ -1,0 +1,67 @@
+"""The min-max tuner's rule and its settings file (thesis section 7.2).
+
+Given, for every KV split i and batch setting j, the generator's and the PRM's throughput
+T_LLM[i, j] and T_PRM[i, j], pick i* = argmax_i max_j min(T_LLM[i, j], T_PRM[i, j]): the
+setting under which the slower of the two models is fastest. The two throughputs are in
+different units (generated tokens against scored tokens), so each is first divided by its
+best value over the grid; min then compares how close each model is to its own best. The
+chosen setting is written as a JSON settings file that `eval` and `serve` read with
+`--config`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+CONFIG_KEYS = {"kv_cache_memory", "memory_budget", "memory_fraction", "prm_kv_fraction", "engine_args"}
+
+
+@dataclass
+class GridPoint:
+    prm_kv_fraction: float | None  # None: the shared arena
+    engine_args: dict  # {"generator": {...}, "prm": {...}}
+    generator_throughput: float  # generated tokens per second of generator step time
+    prm_throughput: float  # PRM tokens computed per second of PRM step time
+    problems_per_min: float  # end to end (reported, not used by the rule)
+
+
+def choose(points: list[GridPoint]) -> tuple[GridPoint, list[float]]:
+    """The min-max choice among `points` and every point's normalised min score."""
+    if not points:
+        raise ValueError("the tuning grid is empty")
+    best_gen = max(p.generator_throughput for p in points) or 1.0
+    best_prm = max(p.prm_throughput for p in points) or 1.0
+    scores = [min(p.generator_throughput / best_gen, p.prm_throughput / best_prm) for p in points]
+    return points[max(range(len(points)), key=scores.__getitem__)], scores
+
+
+def write_config(path: str, point: GridPoint, kv_cache_memory: int) -> dict:
+    config = {
+        "kv_cache_memory": kv_cache_memory,
+        "prm_kv_fraction": point.prm_kv_fraction,
+        "engine_args": point.engine_args,
+    }
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
+    return config
+
+
+def read_config(path: str) -> dict:
+    """A settings file from `treeserve tune` (or written by hand): only the known keys."""
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"settings file not found: {path!r}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"settings file {path!r} is not JSON: {e}") from None
+    if not isinstance(config, dict) or set(config) - CONFIG_KEYS:
+        unknown = sorted(set(config) - CONFIG_KEYS) if isinstance(config, dict) else config
+        raise ValueError(f"settings file {path!r} has unknown keys {unknown}; known: {sorted(CONFIG_KEYS)}")
+    args = config.get("engine_args") or {}
+    allowed = {"max_num_seqs", "max_num_batched_tokens", "block_size"}
+    for model, settings in args.items():
+        if model not in ("generator", "prm") or not isinstance(settings, dict) or set(settings) - allowed:
+            raise ValueError(f"settings file {path!r}: engine_args must map generator/prm to {sorted(allowed)}")
+    return config
