@@ -54,6 +54,7 @@ class LLMEngine:
         self._seeds = random.Random(config.seed)
         self.num_generated_tokens = 0
         self.num_computed_tokens = 0  # every token run through the model (prompt, recompute, decode)
+        self.stalled = False  # the last step had work but no pages for it
 
     def attach_kv(self, pages: PageArena, block_size: int, pool: PagePool | None = None) -> None:
         """Use `pages` (with `block_size` tokens per page of this model) for KV, its page states
@@ -174,10 +175,11 @@ class LLMEngine:
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput | ScoreOutput]:
         batch, copies = self.scheduler.schedule()
+        self.stalled = not batch and self.scheduler.has_work()
         if not batch:
-            if self.scheduler.has_work():
+            if self.stalled and not self.blocks.pool.shared:
                 raise RuntimeError("scheduler made no progress although requests are waiting")
-            return []
+            return []  # sharing the arena: it waits for pages the other models hold
         self.arena.copy_pages(copies)
         hidden = self.runner.run(batch)
         touched: dict[str, Request] = {}

@@ -55,6 +55,9 @@ class PagePool:
         self.stats: list[CacheStats] = []  # per owner
         self.in_use: list[int] = []  # per owner: pages with count > 0
         self.num_cached: list[int] = []  # per owner: cached pages
+        # owners whose next waiting sequence did not fit, first come first: while one waits,
+        # the others only run what they already hold, so pages flow to it as they are released
+        self.starving: dict[int, None] = {}
 
     def register(self) -> int:
         """A new model on this pool; returns its owner index."""
@@ -62,6 +65,20 @@ class PagePool:
         self.in_use.append(0)
         self.num_cached.append(0)
         return len(self.stats) - 1
+
+    def may_admit(self, owner: int) -> bool:
+        """Whether `owner` may take pages for new sequences now (no other model waits first)."""
+        return not self.starving or next(iter(self.starving)) == owner
+
+    def set_starving(self, owner: int, starving: bool) -> None:
+        if starving:
+            self.starving.setdefault(owner, None)
+        else:
+            self.starving.pop(owner, None)
+
+    @property
+    def shared(self) -> bool:
+        return len(self.stats) > 1
 
     @property
     def num_available(self) -> int:

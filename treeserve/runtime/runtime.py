@@ -63,6 +63,7 @@ class Runtime:
         self._wake: asyncio.Event | None = None
         self._driver: asyncio.Task | None = None
         self.steps = {name: 0 for name in engines}
+        self._stalled_round = False
         self.busy_s = {name: 0.0 for name in engines}  # seconds inside each engine's step()
         self.memory_plan: planner.MemoryPlan | None = None  # set by `load`
 
@@ -246,6 +247,11 @@ class Runtime:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            if all(self.engines[name].stalled for name in busy) and self._stalled_round:
+                error = RuntimeError("no engine can make progress: the KV pages are too few for the work in flight")
+                for name in busy:
+                    self._fail(name, error)
+                continue
             for name in busy:
                 start = time.perf_counter()
                 try:
@@ -263,6 +269,7 @@ class Runtime:
                         self._early.pop(key).set_result(out)
                     if out.finished and (future := self._futures.pop(key, None)) and not future.done():
                         future.set_result(out)
+            self._stalled_round = all(self.engines[name].stalled for name in busy)
             await asyncio.sleep(0)  # let search programs react and submit more work
 
     def _fail(self, name: str, error: Exception) -> None:
