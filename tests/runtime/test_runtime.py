@@ -10,9 +10,11 @@ from treeserve import SamplingParams, ScoreParams
 from treeserve.runtime.runtime import ModelSpec, Runtime
 
 
-@pytest.fixture
-def runtime(llama_dir, qwen2_dir):
-    rt = Runtime.load([ModelSpec("gen", llama_dir, 0.5), ModelSpec("prm", qwen2_dir, 0.5)], 16 << 20, dtype="float32")
+@pytest.fixture(params=[None, 0.5], ids=["shared-arena", "static-split"])
+def runtime(request, llama_dir, qwen2_dir):
+    share = request.param
+    specs = [ModelSpec("gen", llama_dir, share), ModelSpec("prm", qwen2_dir, share)]
+    rt = Runtime.load(specs, 16 << 20, dtype="float32")
     yield rt
     rt.check_pages_idle()
 

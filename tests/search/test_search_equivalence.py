@@ -24,10 +24,10 @@ def world(tmp_path_factory):
     return build_step_world(str(tmp_path_factory.mktemp("step_world")))
 
 
-def run(world, config: SearchConfig, reference: bool) -> dict:
+def run(world, config: SearchConfig, reference: bool, **memory) -> dict:
     generator, prm = world
-    settings = EvalSettings(generator=generator, prm=prm, dtype="float32", kv_cache_memory=64 << 20,
-                            reference=reference, progress=False)  # fmt: skip
+    settings = EvalSettings(generator=generator, prm=prm, dtype="float32", reference=reference, progress=False,
+                            **{"kv_cache_memory": 64 << 20, **memory})  # fmt: skip
     return run_eval(settings, config, inline=[dict(r) for r in RECORDS])
 
 
@@ -79,3 +79,16 @@ def test_speculation_reuses_text(world):
     assert spec["summary"]["generator_steps"] > 0
     plain = run(world, SearchConfig(**{**config.__dict__, "speculative_steps": 0}), reference=False)
     assert signature(spec) == signature(plain)
+
+
+@pytest.mark.parametrize("memory", [{"prm_kv_fraction": 0.3}, {"kv_cache_memory": 600 << 10}],
+                         ids=["static-split", "tight-shared-arena"])  # fmt: skip
+def test_memory_layout_does_not_change_the_search(world, memory):
+    """The shared arena (default), a static split and a shared arena so small that pages are
+    evicted and sequences preempted all select the same beams as the reference."""
+    config = CONFIGS["beam_spec"]
+    plain = run(world, config, reference=True)
+    other = run(world, config, reference=False, **memory)
+    assert signature(other) == signature(plain)
+    if "kv_cache_memory" in memory:
+        assert other["summary"]["prm_evictions"] + other["summary"]["generator_evictions"] > 0

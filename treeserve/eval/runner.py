@@ -7,6 +7,7 @@ model directories) is checked before any model is loaded or any problem is searc
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -78,6 +79,8 @@ def run_eval(settings: EvalSettings, config: SearchConfig, inline: list[dict] | 
     runtime = build_runtime(settings, config)
     if settings.memory_report:
         runtime.memory_plan.write(settings.memory_report)
+    if settings.progress:
+        print(runtime.memory_plan.table(), file=sys.stderr)
     prm = load_prm(runtime, "prm", settings.prm_style) if "prm" in runtime.engines else None
     ctx = SearchContext(config, runtime, "generator", prm)
     start = time.perf_counter()
@@ -159,6 +162,7 @@ def run_counters(runtime: Runtime, ctx: SearchContext) -> dict[str, int]:
         out |= {f"{name}_preemptions": engine.scheduler.num_preemptions, f"{name}_steps": runtime.steps[name]}
         out[f"{name}_generated_tokens"] = engine.num_generated_tokens
         out[f"{name}_computed_tokens"] = engine.num_computed_tokens
+        out[f"{name}_busy_ms"] = round(runtime.busy_s[name] * 1000)  # time inside its steps
     return out
 
 
@@ -176,6 +180,8 @@ def summarize(counters: dict[str, int], wall: float) -> tuple[RunStats, dict]:
         if f"{name}_steps" in counters:
             summary[f"{name}_prefix_hit_rate"] = _hit_rate(counters, name)
             summary |= {f"{name}_{k}": counters[f"{name}_{k}"] for k in ("evictions", "thrash", "preemptions", "steps")}
+            summary[f"{name}_computed_tokens"] = counters[f"{name}_computed_tokens"]
+            summary[f"{name}_busy_s"] = counters[f"{name}_busy_ms"] / 1000
     return stats, summary
 
 

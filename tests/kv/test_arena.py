@@ -1,0 +1,54 @@
+"""The shared page arena: the page-size rule and per-model views that never overlap across pages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treeserve.kv.arena import PAGE_ALIGN, KVArena, KVLayout, PageArena, shared_block_sizes
+
+SMALL = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16)  # 256 bytes per token
+BIG = KVLayout(num_layers=3, num_kv_heads=4, head_dim=16, dtype=torch.float32)  # 1536 bytes per token
+
+
+def test_equal_layouts_share_the_smaller_page():
+    page, sizes = shared_block_sizes([SMALL, SMALL], [16, 4])
+    assert page == 4 * SMALL.token_bytes and sizes == [4, 4]
+
+
+def test_unequal_layouts_fit_as_many_tokens_as_the_page_holds():
+    page, sizes = shared_block_sizes([SMALL, BIG], [16, 16])
+    assert page == 16 * SMALL.token_bytes  # 4096 bytes: the smaller preferred page
+    assert sizes == [16, 2]  # 2 x 1536 = 3072 of 4096 bytes used by the big model
+    page, sizes = shared_block_sizes([SMALL, BIG], [1, 16])
+    assert page == BIG.page_bytes(1) and sizes[1] == 1  # a page holds at least one token of every model
+    assert page % PAGE_ALIGN == 0
+
+
+def view(pages: PageArena, layout: KVLayout, block_size: int) -> KVArena:
+    return KVArena(0, layout.num_layers, block_size, layout.num_kv_heads, layout.head_dim, layout.dtype, "cpu", pages)
+
+
+def test_two_models_views_write_only_their_own_page():
+    page, (bs_small, bs_big) = shared_block_sizes([SMALL, BIG], [16, 16])
+    pages = PageArena(5, page, "cpu")
+    small, big = view(pages, SMALL, bs_small), view(pages, BIG, bs_big)
+    assert small.num_blocks == big.num_blocks == 5
+    k, v = big.layer(2)
+    k[3].fill_(1.0)
+    v[3].fill_(2.0)
+    touched = pages.buffer.view(5, page).ne(0).any(dim=1)
+    assert touched.tolist() == [False, False, False, True, False]
+    ks, _ = small.layer(0)
+    assert ks[2].eq(0).all() and ks[4].eq(0).all()
+    big.copy_pages([(3, 1)])
+    assert torch.equal(big.buffer[1], big.buffer[3])
+    assert pages.buffer.view(5, page).ne(0).any(dim=1).tolist() == [False, True, False, True, False]
+
+
+def test_a_page_too_small_for_the_block_is_refused():
+    pages = PageArena(2, SMALL.page_bytes(4), "cpu")
+    with pytest.raises(ValueError, match="do not fit"):
+        view(pages, SMALL, 8)
+    with pytest.raises(ValueError, match="smaller than one page"):
+        PageArena(0, 64, "cpu")

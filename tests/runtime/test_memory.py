@@ -1,0 +1,100 @@
+"""The memory planner and the shared arena under pressure: breakdown, page counts, bad budgets, no leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from treeserve import SamplingParams, ScoreParams
+from treeserve.runtime.planner import weight_bytes
+from treeserve.runtime.runtime import ModelSpec, Runtime
+
+
+def specs(llama_dir, qwen2_dir, share=None):
+    return [ModelSpec("gen", llama_dir, share, block_size=16), ModelSpec("prm", qwen2_dir, share, block_size=4)]
+
+
+def test_shared_plan_one_arena_of_equal_pages(llama_dir, qwen2_dir, tmp_path):
+    rt = Runtime.load(specs(llama_dir, qwen2_dir), 4 << 20, dtype="float32")
+    plan = rt.memory_plan
+    gen, prm = rt.engines["gen"], rt.engines["prm"]
+    assert plan.shared and plan.kv_bytes == 4 << 20
+    assert plan.num_pages == (4 << 20) // plan.page_bytes
+    assert gen.arena.pages is prm.arena.pages and gen.blocks.pool is prm.blocks.pool
+    assert gen.block_size == prm.block_size == 4  # equal layouts: the smaller preferred page wins
+    by_name = {m.name: m for m in plan.models}
+    assert by_name["gen"].weights == weight_bytes(gen.model) > 0
+    assert all(m.activation_peak > 0 for m in plan.models)
+    assert gen.num_computed_tokens == 0  # the activation probe is not counted as work
+    plan.write(str(tmp_path / "plan.json"))
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    assert doc["num_pages"] == plan.num_pages and doc["weights"] == plan.weights
+    assert "shared arena" in plan.table()
+    rt.check_pages_idle()
+
+
+def test_static_split_gives_each_model_its_share(llama_dir, qwen2_dir):
+    rt = Runtime.load(specs(llama_dir, qwen2_dir, 0.5), 4 << 20, dtype="float32")
+    gen, prm = rt.engines["gen"], rt.engines["prm"]
+    assert gen.blocks.pool is not prm.blocks.pool
+    assert (gen.block_size, prm.block_size) == (16, 4)
+    for engine in (gen, prm):
+        assert engine.arena.pages.nbytes <= 2 << 20 < engine.arena.pages.nbytes + engine.arena.pages.page_bytes
+
+
+def test_budget_mode_subtracts_weights_activations_and_other(llama_dir, qwen2_dir):
+    rt = Runtime.load(specs(llama_dir, qwen2_dir), memory_budget=600 << 20, dtype="float32")
+    plan = rt.memory_plan
+    assert plan.budget == 600 << 20
+    assert plan.kv_bytes == plan.budget - plan.weights - plan.activations - plan.other
+    assert plan.num_pages == plan.kv_bytes // plan.page_bytes
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"memory_budget": 1 << 20}, "leaves nothing for KV pages"),
+        ({"kv_cache_memory": 1 << 20, "memory_fraction": 0.5}, "exactly one"),
+        ({"kv_cache_memory": None, "memory_fraction": 1.5}, "memory_fraction"),
+        ({"kv_cache_memory": -5}, "positive byte count"),
+    ],
+)
+def test_bad_budgets_are_refused_clearly(llama_dir, qwen2_dir, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Runtime.load(specs(llama_dir, qwen2_dir), dtype="float32", **kwargs)
+
+
+def test_mixed_split_specs_are_refused(llama_dir, qwen2_dir):
+    with pytest.raises(ValueError, match="add up to 1"):
+        Runtime.load([ModelSpec("gen", llama_dir, 0.5), ModelSpec("prm", qwen2_dir)], 4 << 20, dtype="float32")
+
+
+def test_tight_shared_arena_serves_both_models_and_loses_no_page(llama_dir, qwen2_dir):
+    """Far more work than pages: the generator preempts, the PRM waits for pages the generator
+    releases, cached pages of one model are evicted for the other, and everything finishes."""
+    rt = Runtime.load(specs(llama_dir, qwen2_dir), 96 * 4 * 512, dtype="float32", max_model_len=128)
+    gen, prm = rt.engines["gen"], rt.engines["prm"]
+    assert rt.memory_plan.num_pages == 96
+
+    async def main():
+        async def one(i):
+            out = await rt.generate("gen", f"problem {i}", SamplingParams(n=4, max_tokens=40, seed=i, ignore_eos=True))
+            for c in out.outputs:
+                ids = out.prompt_token_ids + c.token_ids
+                await rt.score("prm", ids, ScoreParams(positions=[len(ids) - 1], token_ids=[3]))
+            return out
+
+        outs = await asyncio.gather(*(one(i) for i in range(12)))
+        await rt.close()
+        return outs
+
+    outs = asyncio.run(main())
+    assert all(len(c.token_ids) == 40 for out in outs for c in out.outputs)
+    assert gen.scheduler.num_preemptions > 0 or gen.blocks.stats.evictions + prm.blocks.stats.evictions > 0
+    rows = gen.page_log.rows()
+    assert rows and max(r["in_use"] for r in rows) <= 96
+    assert {"step", "in_use", "cached", "free", "hits", "misses", "evictions", "thrash"} <= set(rows[0])
+    rt.check_pages_idle()
+    assert gen.blocks.pool.num_available == 96
