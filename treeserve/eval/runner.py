@@ -50,6 +50,7 @@ class EvalSettings:
     prm_kv_fraction: float | None = None  # None: one page arena shared by both models; else a static split
     engine_args: dict | None = None  # per-model engine settings, {"generator": {...}, "prm": {...}} (from `tune`)
     memory_report: str | None = None  # write the memory plan (JSON) here
+    page_logs: bool = False  # put every engine's per-step page statistics in the results
     reference: bool = False
     limit: int | None = None  # only the first `limit` problems
     selection: str | None = None  # override SELECTION[strategy]
@@ -92,6 +93,8 @@ def run_eval(settings: EvalSettings, config: SearchConfig, inline: list[dict] | 
     stats, summary = summarize(run_counters(runtime, ctx), wall)
     results = grade_and_report(settings, config, records, completions, stats, summary)
     results["memory"] = runtime.memory_plan.to_json()
+    if settings.page_logs:
+        results["page_logs"] = {name: engine.page_log.rows() for name, engine in runtime.engines.items()}
     return results
 
 

@@ -1,0 +1,176 @@
+"""Memory and batching investigations on the arithmetic beam-search workload (thesis chapter 6).
+
+Each measurement is one real `run_eval` of PRM-guided beam search under one memory layout
+(one shared arena, or a static split giving the PRM a share) and one batch setting
+(`max_num_seqs`, `max_num_batched_tokens` for both models), reduced to a `Measurement`:
+end-to-end problems/min, each model's throughput (generated tokens per second of generator
+step time; PRM tokens computed per second of PRM step time), prefix-cache hit rates,
+evictions, thrash and preemptions. `profile` runs the sweeps behind `treeserve profile`
+(page timeline, budgets, splits, batch settings); `tune` runs the grid of `treeserve tune`
+and applies the min-max rule of `treeserve.runtime.tuner`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from treeserve.eval.runner import EvalSettings, load_problems, run_eval
+from treeserve.runtime.tuner import GridPoint, choose
+from treeserve.search.context import SearchConfig
+
+DEFAULT_SPLITS = (0.1, 0.2, 0.3, 0.5, 0.7)
+DEFAULT_BATCH = ((32, 512), (64, 1024), (256, 2048))  # (max_num_seqs, max_num_batched_tokens)
+
+
+@dataclass
+class Measurement:
+    kv_cache_memory: int
+    prm_kv_fraction: float | None  # None: one shared arena
+    max_num_seqs: int | None
+    max_num_batched_tokens: int | None
+    problems_per_min: float
+    accuracy: float
+    generator_throughput: float
+    prm_throughput: float
+    generator_hit_rate: float
+    prm_hit_rate: float
+    evictions: int
+    thrash: int
+    preemptions: int
+    error: str | None = None  # the setting cannot run (e.g. a share too small for one sequence)
+
+    @property
+    def engine_args(self) -> dict:
+        if self.max_num_seqs is None:
+            return {}
+        one = {"max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens}
+        return {"generator": dict(one), "prm": dict(one)}
+
+    @property
+    def label(self) -> str:
+        return "shared" if self.prm_kv_fraction is None else f"prm {self.prm_kv_fraction:g}"
+
+
+def measure(
+    settings: EvalSettings,
+    config: SearchConfig,
+    kv_cache_memory: int,
+    prm_kv_fraction: float | None,
+    batch: tuple[int, int] | None = None,
+    records: list[dict] | None = None,
+) -> tuple[Measurement, dict]:
+    """One run; returns its measurement and the whole results document."""
+    engine_args = None
+    if batch is not None:
+        one = {"max_num_seqs": batch[0], "max_num_batched_tokens": batch[1]}
+        engine_args = {"generator": dict(one), "prm": dict(one)}
+    run = replace(
+        settings, kv_cache_memory=kv_cache_memory, memory_budget=None, memory_fraction=None,
+        prm_kv_fraction=prm_kv_fraction, engine_args=engine_args, progress=False,
+    )  # fmt: skip
+    try:
+        doc = run_eval(run, config, inline=records)
+    except ValueError as e:  # refused at load time: counts as zero throughput
+        zero = Measurement(kv_cache_memory, prm_kv_fraction, *(batch or (None, None)), 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
+                           0, 0, 0, error=str(e))  # fmt: skip
+        return zero, {"page_logs": {}}
+    s = doc["summary"]
+    m = Measurement(
+        kv_cache_memory=kv_cache_memory,
+        prm_kv_fraction=prm_kv_fraction,
+        max_num_seqs=batch[0] if batch else None,
+        max_num_batched_tokens=batch[1] if batch else None,
+        problems_per_min=s["problems_per_s"] * 60,
+        accuracy=s["accuracy"],
+        generator_throughput=s["generated_tokens"] / max(s["generator_busy_s"], 1e-9),
+        prm_throughput=s.get("prm_computed_tokens", 0) / max(s.get("prm_busy_s", 0.0), 1e-9),
+        generator_hit_rate=s["generator_prefix_hit_rate"],
+        prm_hit_rate=s.get("prm_prefix_hit_rate", 0.0),
+        evictions=s["generator_evictions"] + s.get("prm_evictions", 0),
+        thrash=s["generator_thrash"] + s.get("prm_thrash", 0),
+        preemptions=s["generator_preemptions"] + s.get("prm_preemptions", 0),
+    )
+    return m, doc
+
+
+def profile(
+    settings: EvalSettings,
+    config: SearchConfig,
+    budgets: list[int],
+    splits: list[float],
+    batches: list[tuple[int, int]],
+    out_dir: str,
+    progress: bool = True,
+) -> dict:
+    """The sweeps of `treeserve profile`; writes profile.json and the plots into `out_dir`."""
+    from treeserve.eval.profile_plots import plot_all
+
+    records = load_problems(settings)
+    timeline_budget = budgets[len(budgets) // 2]
+    runs: list[Measurement] = []
+    timelines: dict[str, dict] = {}
+
+    def note(m: Measurement) -> None:
+        runs.append(m)
+        if progress and m.error:
+            print(f"  KV {m.kv_cache_memory / (1 << 20):g} MiB {m.label}: cannot run: {m.error}", flush=True)
+        elif progress:
+            batch = "" if m.max_num_seqs is None else f" seqs {m.max_num_seqs} tokens {m.max_num_batched_tokens}"
+            print(
+                f"  KV {m.kv_cache_memory / (1 << 20):g} MiB {m.label}{batch}: {m.problems_per_min:.1f} problems/min, "
+                f"hit gen {m.generator_hit_rate:.2f} prm {m.prm_hit_rate:.2f}, thrash {m.thrash}",
+                flush=True,
+            )
+
+    for budget in budgets:
+        for split in [None, *splits]:
+            m, doc = measure(replace(settings, page_logs=budget == timeline_budget), config, budget, split,
+                             records=records)  # fmt: skip
+            note(m)
+            if budget == timeline_budget and split in (None, 0.3) and not m.error:
+                timelines[m.label] = doc["page_logs"]
+    for batch in batches:
+        note(measure(settings, config, timeline_budget, None, batch, records)[0])
+    result = {
+        "config": {"search": asdict(config), "dataset": settings.dataset, "num_problems": len(records),
+                   "budgets": budgets, "splits": splits, "batches": batches, "timeline_budget": timeline_budget},
+        "runs": [asdict(m) for m in runs],
+        "timelines": timelines,
+    }  # fmt: skip
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile.json").write_text(json.dumps(result))
+    result["plots"] = [str(p) for p in plot_all(result, out)]
+    return result
+
+
+def tune(
+    settings: EvalSettings,
+    config: SearchConfig,
+    kv_cache_memory: int,
+    splits: list[float | None],
+    batches: list[tuple[int, int]],
+    progress: bool = True,
+) -> tuple[Measurement, list[Measurement], list[float]]:
+    """Measure every (split, batch setting) and pick by the min-max rule; returns the choice,
+    every measurement and every point's normalised min score."""
+    records = load_problems(settings)
+    grid: list[Measurement] = []
+    for split in splits:
+        for batch in batches:
+            m = measure(settings, config, kv_cache_memory, split, batch, records)[0]
+            grid.append(m)
+            if progress:
+                print(
+                    f"  {m.label} seqs {batch[0]} tokens {batch[1]}: generator {m.generator_throughput:.0f} tok/s, "
+                    f"PRM {m.prm_throughput:.0f} tok/s, {m.problems_per_min:.1f} problems/min",
+                    flush=True,
+                )
+    points = [
+        GridPoint(m.prm_kv_fraction, m.engine_args, m.generator_throughput, m.prm_throughput, m.problems_per_min)
+        for m in grid
+    ]
+    best, scores = choose(points)
+    return grid[points.index(best)], grid, scores

@@ -1,0 +1,106 @@
+"""The figures of `treeserve profile` (thesis figures 6.1-6.7), drawn from its profile.json document.
+
+- timeline.png: pages in use and cached per model, and free pages, over time (6.2/6.3);
+- budget.png: prefix-cache hit rate per model and thrash events against the KV budget (6.6/6.7);
+- split.png: problems/min against the PRM's static share of KV, one line per budget, the
+  shared arena as a dashed line at its budget's colour (6.1);
+- batch.png: each model's throughput over max_num_seqs x max_num_batched_tokens (6.4/6.5).
+
+matplotlib's object API with the Agg canvas (no pyplot), as in `plots.py`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _figure(ncols: int, width: float = 5.0):  # noqa: ANN202
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width * ncols, 4.0))
+    FigureCanvasAgg(fig)
+    return fig, [fig.add_subplot(1, ncols, i + 1) for i in range(ncols)]
+
+
+def plot_timeline(timelines: dict[str, dict], out: Path) -> Path:
+    fig, axes = _figure(max(len(timelines), 1), 6.0)
+    for ax, (label, logs) in zip(axes, timelines.items(), strict=False):
+        for name, rows in logs.items():
+            t = [r["time_s"] for r in rows]
+            ax.plot(t, [r["in_use"] for r in rows], label=f"{name} in use")
+            ax.plot(t, [r["cached"] for r in rows], "--", label=f"{name} cached")
+        first = next(iter(logs.values()))
+        if label == "shared":
+            ax.plot([r["time_s"] for r in first], [r["free"] for r in first], ":", color="grey", label="free (shared)")
+        ax.set(title=f"pages over time: {label}", xlabel="seconds", ylabel="pages")
+        ax.legend(fontsize=7)
+    return _save(fig, out / "timeline.png")
+
+
+def plot_budget(runs: list[dict], out: Path) -> Path:
+    fig, (hit, thrash) = _figure(2)
+    for label, split in (("shared", None), ("PRM 0.3", 0.3)):
+        rows = sorted((r for r in runs if r["prm_kv_fraction"] == split and r["max_num_seqs"] is None
+                       and not r["error"]),
+                      key=lambda r: r["kv_cache_memory"])  # fmt: skip
+        mib = [r["kv_cache_memory"] / (1 << 20) for r in rows]
+        hit.plot(mib, [r["generator_hit_rate"] for r in rows], "o-", label=f"generator, {label}")
+        hit.plot(mib, [r["prm_hit_rate"] for r in rows], "s--", label=f"PRM, {label}")
+        thrash.plot(mib, [r["thrash"] for r in rows], "o-", label=label)
+    hit.set(title="prefix-cache hit rate vs KV budget", xlabel="KV MiB", ylabel="hit rate", xscale="log")
+    thrash.set(title="thrash (misses on evicted keys) vs KV budget", xlabel="KV MiB", ylabel="events", xscale="log")
+    hit.legend(fontsize=7)
+    thrash.legend(fontsize=7)
+    return _save(fig, out / "budget.png")
+
+
+def plot_split(runs: list[dict], out: Path) -> Path:
+    fig, (ax,) = _figure(1, 6.0)
+    budgets = sorted({r["kv_cache_memory"] for r in runs})
+    for budget in budgets:
+        rows = [r for r in runs if r["kv_cache_memory"] == budget and r["max_num_seqs"] is None]
+        static = sorted((r for r in rows if r["prm_kv_fraction"] is not None), key=lambda r: r["prm_kv_fraction"])
+        line = ax.plot([r["prm_kv_fraction"] for r in static], [r["problems_per_min"] for r in static], "o-",
+                       label=f"static split, KV {budget / (1 << 20):g} MiB")[0]  # fmt: skip
+        for r in rows:
+            if r["prm_kv_fraction"] is None:
+                ax.axhline(r["problems_per_min"], linestyle="--", color=line.get_color(),
+                           label=f"shared arena, KV {budget / (1 << 20):g} MiB")  # fmt: skip
+    ax.set(title="throughput vs PRM share of KV", xlabel="PRM share of KV", ylabel="problems/min")
+    ax.legend(fontsize=7)
+    return _save(fig, out / "split.png")
+
+
+def plot_batch(runs: list[dict], out: Path) -> Path:
+    rows = [r for r in runs if r["max_num_seqs"] is not None]
+    seqs = sorted({r["max_num_seqs"] for r in rows})
+    tokens = sorted({r["max_num_batched_tokens"] for r in rows})
+    fig, axes = _figure(2)
+    for ax, (name, key) in zip(axes, (("generator", "generator_throughput"), ("PRM", "prm_throughput")), strict=True):
+        grid = [[float("nan")] * len(tokens) for _ in seqs]
+        for r in rows:
+            grid[seqs.index(r["max_num_seqs"])][tokens.index(r["max_num_batched_tokens"])] = r[key]
+        image = ax.imshow(grid, origin="lower", aspect="auto", cmap="viridis")
+        for i, row in enumerate(grid):
+            for j, value in enumerate(row):
+                ax.text(j, i, f"{value:.0f}", ha="center", va="center", color="white", fontsize=8)
+        ax.set_xticks(range(len(tokens)), [str(t) for t in tokens])
+        ax.set_yticks(range(len(seqs)), [str(s) for s in seqs])
+        ax.set(title=f"{name} tokens/s of step time", xlabel="max_num_batched_tokens", ylabel="max_num_seqs")
+        ax.figure.colorbar(image, ax=ax)
+    return _save(fig, out / "batch.png")
+
+
+def plot_all(result: dict, out: Path) -> list[Path]:
+    runs = result["runs"]
+    paths = [plot_timeline(result["timelines"], out), plot_budget(runs, out), plot_split(runs, out)]
+    if any(r["max_num_seqs"] is not None for r in runs):
+        paths.append(plot_batch(runs, out))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:  # noqa: ANN001
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
