@@ -386,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof = sub.add_parser("profile", help="memory and batching sweeps on arithmetic beam search (JSON + PNG plots)")
     prof.add_argument("--dataset", default="arith:level=4,5,size=16,seed=0")
     prof.add_argument("--out", default="profile_out", help="directory for profile.json and the plots")
-    prof.add_argument("--budgets", default="64M,8M,3M", help="KV budgets to sweep (bytes, K/M/G suffixes)")
+    prof.add_argument("--budgets", default="80M,12M,4M", help="KV budgets to sweep (bytes, K/M/G suffixes)")
     _add_grid_flags(prof, "0.1,0.2,0.3,0.5,0.7")
     _add_search_flags(prof)
     prof.set_defaults(func=cmd_profile)

@@ -145,7 +145,8 @@ def test_metrics_count_requests_tokens_and_pages(server: LiveServer) -> None:
                  "treeserve_generation_tokens_total", "treeserve_time_to_first_token_seconds_count",
                  "treeserve_inter_token_latency_seconds_count", "treeserve_num_requests_running{model=\"prm\"}",
                  "treeserve_kv_pages_used{model=\"generator\"}", "treeserve_kv_pages_cached{model=\"generator\"}",
-                 "treeserve_prefix_cache_hit_rate{model=\"generator\"}"):  # fmt: skip
+                 "treeserve_prefix_cache_hit_rate{model=\"generator\"}", "treeserve_kv_evictions_total{model=\"prm\"}",
+                 "treeserve_kv_thrash_total{model=\"generator\"}"):  # fmt: skip
         assert name in text, name
 
 

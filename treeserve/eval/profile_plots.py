@@ -50,8 +50,11 @@ def plot_budget(runs: list[dict], out: Path) -> Path:
         thrash.plot(mib, [r["thrash"] for r in rows], "o-", label=label)
     hit.set(title="prefix-cache hit rate vs KV budget", xlabel="KV MiB", ylabel="hit rate", xscale="log")
     thrash.set(title="thrash (misses on evicted keys) vs KV budget", xlabel="KV MiB", ylabel="events", xscale="log")
-    hit.legend(fontsize=7)
-    thrash.legend(fontsize=7)
+    budgets = sorted({r["kv_cache_memory"] / (1 << 20) for r in runs})
+    for ax in (hit, thrash):
+        ax.minorticks_off()
+        ax.set_xticks(budgets, [f"{b:g}" for b in budgets])
+        ax.legend(fontsize=7)
     return _save(fig, out / "budget.png")
 
 

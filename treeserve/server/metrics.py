@@ -2,7 +2,7 @@
 
 Owns one `CollectorRegistry` per app (so several apps in one process do not collide).
 Counters and histograms are updated by the routes; engine state (requests running and
-waiting, KV pages used and cached, prefix-cache hit rate, preemptions) is read from the
+waiting, KV pages used and cached, prefix-cache hit rate, preemptions, evictions, thrash) is read from the
 runtime at scrape time. `RequestCounter` is a plain ASGI middleware that counts every
 response by route and status, including 401s and validation errors.
 """
@@ -33,11 +33,16 @@ class RuntimeCollector(Collector):
             "num_requests_waiting": "sequences waiting to be scheduled",
             "kv_pages_used": "KV pages held by live sequences",
             "kv_pages_cached": "KV pages held only by the prefix cache (reusable, evictable)",
-            "kv_pages_total": "KV pages in the model's share of the arena",
+            "kv_pages_total": "KV pages the model can use (the whole arena when it is shared)",
             "prefix_cache_hit_rate": "share of looked-up full prompt pages found in the prefix cache",
         }
         families = {k: GaugeMetricFamily(f"treeserve_{k}", doc, labels=["model"]) for k, doc in gauges.items()}
-        preemptions = CounterMetricFamily("treeserve_preemptions", "sequences preempted (recompute)", labels=["model"])
+        counter_docs = {
+            "preemptions": "sequences preempted (recompute)",
+            "kv_evictions": "cached pages of the model evicted",
+            "kv_thrash": "prefix-cache misses on keys evicted before",
+        }
+        counters = {k: CounterMetricFamily(f"treeserve_{k}", doc, labels=["model"]) for k, doc in counter_docs.items()}
         for name, engine in self.runtime.engines.items():
             status = engine.status
             values = {
@@ -50,9 +55,11 @@ class RuntimeCollector(Collector):
             }
             for key, value in values.items():
                 families[key].add_metric([name], value)
-            preemptions.add_metric([name], status["preemptions"])
+            counters["preemptions"].add_metric([name], status["preemptions"])
+            counters["kv_evictions"].add_metric([name], engine.blocks.stats.evictions)
+            counters["kv_thrash"].add_metric([name], engine.blocks.stats.thrash)
         yield from families.values()
-        yield preemptions
+        yield from counters.values()
 
 
 class ServerMetrics:
