@@ -149,7 +149,11 @@ def _apply_config_file(args: argparse.Namespace) -> None:
         return
     from treeserve.runtime.tuner import read_config
 
+    budget_keys = ("kv_cache_memory", "memory_budget", "memory_fraction")
+    budget_given = any(getattr(args, key, None) is not None for key in budget_keys)
     for key, value in read_config(args.config).items():
+        if key in budget_keys and budget_given:
+            continue  # a budget flag replaces the file's budget, whichever kind
         if key in MEMORY_KEYS and getattr(args, key, None) is None:
             setattr(args, key, value)
 

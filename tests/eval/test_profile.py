@@ -45,6 +45,10 @@ def test_tune_writes_settings_that_eval_accepts(tmp_path):
     doc = json.loads(results.read_text())
     assert doc["config"]["engine_args"] == config["engine_args"]
     assert doc["memory"]["kv_bytes"] == 8 << 20
+    # a budget flag replaces the file's budget (any kind); the file's other settings still apply
+    assert main(["eval", *SMALL, "--config", str(tuned), "--memory-budget", "600M", "--output", str(results)]) == 0
+    doc = json.loads(results.read_text())
+    assert doc["memory"]["budget"] == 600 << 20 and doc["config"]["engine_args"] == config["engine_args"]
 
 
 def test_min_max_rule_picks_the_best_worst_model():
