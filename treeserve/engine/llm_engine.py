@@ -13,13 +13,14 @@ import random
 import torch
 
 from treeserve.config import EngineConfig
+from treeserve.device import available_memory
 from treeserve.engine import cpu_kernels
 from treeserve.engine.detokenizer import StopChecker
 from treeserve.engine.model_runner import ModelRunner, ScheduledSeq
 from treeserve.engine.request import Request, Sequence
 from treeserve.engine.sampler import SamplingRow, TokenLogprobs, sample, seeded_uniform, temperatures, token_logprobs
 from treeserve.engine.scheduler import Scheduler
-from treeserve.kv.arena import KVArena, KVLayout, PageArena, available_memory
+from treeserve.kv.arena import KVArena, KVLayout, PageArena, shared_block_sizes
 from treeserve.kv.block_manager import BlockManager
 from treeserve.kv.page_pool import PagePool
 from treeserve.kv.stats import PageLog
@@ -46,15 +47,18 @@ class LLMEngine:
         cfg = loaded.config
         self.kv_layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.torch_dtype)
         if attach_kv:
-            budget = config.kv_budget(available_memory(self.device))
-            page_bytes = self.kv_layout.page_bytes(config.block_size)
-            self.attach_kv(PageArena(max(budget // page_bytes, 1), page_bytes, self.device), config.block_size)
+            self.attach_own_kv(config.kv_budget(available_memory(self.device)))
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)
         self.num_generated_tokens = 0
         self.num_computed_tokens = 0  # every token run through the model (prompt, recompute, decode)
         self.stalled = False  # the last step had work but no pages for it
+
+    def attach_own_kv(self, kv_bytes: int) -> None:
+        """An arena of its own: as many pages of `config.block_size` tokens as fit `kv_bytes`."""
+        page_bytes = self.kv_layout.page_bytes(self.config.block_size)
+        self.attach_kv(PageArena(max(kv_bytes // page_bytes, 1), page_bytes, self.device), self.config.block_size)
 
     def attach_kv(self, pages: PageArena, block_size: int, pool: PagePool | None = None) -> None:
         """Use `pages` (with `block_size` tokens per page of this model) for KV, its page states
@@ -291,3 +295,14 @@ class LLMEngine:
             "pages_cached": self.blocks.num_cached_blocks,
             "preemptions": self.scheduler.num_preemptions,
         }
+
+
+def share_kv(engines: list[LLMEngine], kv_bytes: int) -> None:
+    """Give `engines` one arena of `kv_bytes` and one page pool: equal-sized pages (the rule in
+    `kv.arena.shared_block_sizes`), each engine with as many tokens per page as fit."""
+    layouts = [e.kv_layout for e in engines]
+    page_bytes, block_sizes = shared_block_sizes(layouts, [e.config.block_size for e in engines])
+    pages = PageArena(kv_bytes // page_bytes, page_bytes, engines[0].device)
+    pool = PagePool(pages.num_pages)
+    for engine, block_size in zip(engines, block_sizes, strict=True):
+        engine.attach_kv(pages, block_size, pool)

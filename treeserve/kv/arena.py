@@ -18,15 +18,6 @@ import torch
 PAGE_ALIGN = 64  # bytes: a page starts on a cache line and is a whole number of elements of any dtype
 
 
-def available_memory(device: torch.device) -> int:
-    """Bytes the device can still give us (free memory, not counting reclaimable caches twice)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    with open("/proc/meminfo") as f:
-        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-    return info.get("MemAvailable", info["MemFree"])
-
-
 @dataclass(frozen=True)
 class KVLayout:
     """The shape of one model's KV cache per token."""

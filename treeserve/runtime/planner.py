@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from treeserve.device import total_memory
 from treeserve.engine.llm_engine import LLMEngine
-from treeserve.kv.arena import KVLayout, PageArena, shared_block_sizes
 from treeserve.sampling_params import ScoreParams
 
 
@@ -91,20 +91,6 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def process_memory(device: torch.device) -> int:
-    """Bytes this process holds on `device` now (resident set on CPU, allocator reserve on GPU)."""
-    if device.type == "cuda":
-        return torch.cuda.memory_reserved(device)
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def total_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[1]
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def weight_bytes(model: torch.nn.Module) -> int:
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in model.state_dict().values()}
     return sum(storages.values())
@@ -117,7 +103,7 @@ def activation_peak(engine: LLMEngine) -> int:
     lengths = [chunk] * (num_tokens // chunk) + ([num_tokens % chunk] if num_tokens % chunk else [])
     bs = engine.config.block_size
     pages = max(sum(-(-n // bs) for n in lengths), -(-engine.max_model_len // bs) + 1)
-    engine.attach_kv(PageArena(pages, engine.kv_layout.page_bytes(bs), engine.device), bs)
+    engine.attach_own_kv(pages * engine.kv_layout.page_bytes(bs))
     has_head = engine.model_config.has_lm_head
     for i, n in enumerate(lengths):
         params = ScoreParams([n - 1], token_ids=[0] if has_head else [], return_hidden_states=not has_head)
@@ -208,16 +194,19 @@ def plan(
         str(device), total_memory(device), free_at_start, budget, other, kv_cache_memory, kv_fractions is None,
         models=models,
     )  # fmt: skip
-    layouts: list[KVLayout] = [e.kv_layout for e in engines.values()]
-    preferred = [e.config.block_size for e in engines.values()]
-    if kv_fractions is None:
-        result.page_bytes, sizes = shared_block_sizes(layouts, preferred)
-        result.num_pages = kv_cache_memory // result.page_bytes
-        for m, bs in zip(models, sizes, strict=True):
-            m.block_size, m.page_bytes, m.num_pages = bs, result.page_bytes, result.num_pages
-    else:
-        for m, layout, bs in zip(models, layouts, preferred, strict=True):
-            m.kv_fraction = kv_fractions[m.name]
-            m.block_size, m.page_bytes = bs, layout.page_bytes(bs)
-            m.num_pages = int(kv_cache_memory * m.kv_fraction) // m.page_bytes
+    for m in models:
+        m.kv_fraction = None if kv_fractions is None else kv_fractions[m.name]
     return result
+
+
+def record_pages(plan: MemoryPlan, engines: dict[str, LLMEngine]) -> None:
+    """Copy the page layout the engines were given (block sizes, page bytes, page counts) into `plan`."""
+    for m in plan.models:
+        engine = engines[m.name]
+        m.block_size, m.page_bytes, m.num_pages = (
+            engine.block_size,
+            engine.arena.pages.page_bytes,
+            engine.blocks.num_blocks,
+        )
+    if plan.shared:
+        plan.page_bytes, plan.num_pages = plan.models[0].page_bytes, plan.models[0].num_pages

@@ -18,9 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 from treeserve.config import DEFAULT_KV_CAP, EngineConfig
-from treeserve.engine.llm_engine import LLMEngine
-from treeserve.kv.arena import PageArena, available_memory
-from treeserve.kv.page_pool import PagePool
+from treeserve.device import available_memory, process_memory
+from treeserve.engine.llm_engine import LLMEngine, share_kv
 from treeserve.models.tokenizer import Tokenizer
 from treeserve.outputs import RequestOutput, ScoreOutput
 from treeserve.runtime import planner
@@ -92,7 +91,7 @@ class Runtime:
         if len({s.name for s in specs}) != len(specs):
             raise ValueError("model names must be unique")
         device = torch.device(str(engine_kwargs.get("device", "cpu")))
-        free_at_start, before = available_memory(device), planner.process_memory(device)
+        free_at_start, before = available_memory(device), process_memory(device)
         engines = {
             s.name: LLMEngine(
                 EngineConfig(
@@ -106,18 +105,17 @@ class Runtime:
             )
             for s in specs
         }
-        loaded = planner.process_memory(device) - before
+        loaded = process_memory(device) - before
         memory = planner.plan(
             engines, None if shared else {s.name: s.kv_fraction for s in specs}, free_at_start, loaded,
             kv_cache_memory, memory_budget, memory_fraction,
         )  # fmt: skip
         if shared:
-            pages, pool = PageArena(memory.num_pages, memory.page_bytes, device), PagePool(memory.num_pages)
-            for m in memory.models:
-                engines[m.name].attach_kv(pages, m.block_size, pool)
+            share_kv(list(engines.values()), memory.kv_bytes)
         else:
             for m in memory.models:
-                engines[m.name].attach_kv(PageArena(m.num_pages, m.page_bytes, device), m.block_size)
+                engines[m.name].attach_own_kv(int(memory.kv_bytes * m.kv_fraction))
+        planner.record_pages(memory, engines)
         runtime = cls(engines)
         runtime.memory_plan = memory
         return runtime
