@@ -5,13 +5,24 @@
 1. On-policy data: the shipped generator samples solutions (T=0.8 and T=1.0) to training
    problems (never the test split); the step judge labels every step.
 2. Synthetic data: reference solutions corrupted on purpose (`tools.arith.prm_data`).
-3. Fine-tune a copy of the generator: the loss is the next-token cross-entropy of '+'
-   (good) or '-' (bad) at each `<|step|>` position, nothing else.
+3. Optional drills (`--drill-passes`, `--prefix-drills-per-level`): the arithmetic fact table
+   right and wrong, and same-depth prefix pairs (`tools.arith.drills`), mixed in with the
+   rest for the whole run.
+4. Fine-tune a copy of the generator (or `--init` an earlier PRM, optionally with
+   `--extra-layers` identity-initialised layers on top): the loss is the next-token
+   cross-entropy of '+' (good) or '-' (bad) at each `<|step|>` position, plus, with
+   `--lm-weight`, the next-token cross-entropy of the result of every good operation step
+   (the facts the check compares against). `--check-every` prints the same-depth corruption
+   AUCs and the fact-drill AUC during training.
+
+The defaults are the shipped checkpoint's recipe (no drills, no LM term).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import json
 import random
 import time
 from pathlib import Path
@@ -22,6 +33,7 @@ from tools.arith.common import (
     GOOD_ID,
     PAD_ID,
     PRM_DIR,
+    VOCAB,
     WORK_DIR,
     length_batches,
     load_model,
@@ -30,6 +42,8 @@ from tools.arith.common import (
     write_json,
 )
 from tools.arith.data import LEVELS, held_out_texts, problem_stream
+from tools.arith.drills import drill_examples
+from tools.arith.evaluate import corruption_check, fact_drill_auc
 from tools.arith.prm_data import Example, synthetic_examples
 from tools.arith.prm_io import PRM_FORMAT, prm_input
 from tools.arith.sampling import generate, load_llm, max_new_tokens_for
@@ -39,7 +53,9 @@ from treeserve.eval.arith_labels import split_steps, step_labels
 DEFAULTS = {
     "on_policy_per_level": 400, "samples_per_problem": 4, "synthetic_per_level": 1500,
     "epochs": 4, "max_tokens": 2048, "lr": 1e-3,
+    "drill_passes": 0, "prefix_drills_per_level": 0, "lm_weight": 0.0, "check_every": 0,
 }  # fmt: skip
+EQUALS_ID, SPACE_ID = VOCAB["="], VOCAB[" "]
 
 
 def on_policy_examples(generator: LLM, problems_by_level: dict, n: int, seed: int) -> list[Example]:
@@ -61,9 +77,58 @@ def on_policy_examples(generator: LLM, problems_by_level: dict, n: int, seed: in
     return out
 
 
+def cached_on_policy(generator_dir: Path, problems_by_level: dict, n: int, seed: int) -> list[Example]:
+    """`on_policy_examples`, kept in the scratch directory: the same seed and sizes sample the same."""
+    sizes = "-".join(str(len(v)) for v in problems_by_level.values())
+    path = WORK_DIR / f"prm_on_policy_seed{seed}_n{n}_{sizes}.json"
+    if path.exists():
+        return [(p, steps, labels) for p, steps, labels in json.loads(path.read_text())]
+    out = on_policy_examples(load_llm(generator_dir), problems_by_level, n, seed)
+    write_json(path, out)
+    return out
+
+
+def result_targets(ids: list[int], tags: list[int], labels: list[bool]) -> list[int]:
+    """Next-token targets for the result of every good operation step (`a op b = c`: the
+    position before `c` predicts `c`), -100 elsewhere."""
+    target = [-100] * len(ids)
+    start = 0
+    for tag, good in zip(tags, labels, strict=True):
+        if good:
+            for pos in range(start, tag - 2):
+                if ids[pos] == EQUALS_ID and ids[pos + 1] == SPACE_ID:
+                    target[pos + 1] = ids[pos + 2]
+                    break
+        start = tag + 1
+    return target
+
+
+def deepen(model, extra_layers: int):
+    """`model` with `extra_layers` more decoder layers on top, each starting as the identity
+    (zero attention output and MLP down projections): the copied layers still compute what
+    they did (e.g. the generator's next result), the new ones have depth left to compare it."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    if not extra_layers:
+        return model
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers += extra_layers
+    deeper = LlamaForCausalLM(config).to(torch.float32)
+    missing, unexpected = deeper.load_state_dict(model.state_dict(), strict=False)
+    assert not unexpected and all(".layers." in name for name in missing), (missing, unexpected)
+    with torch.no_grad():
+        for layer in deeper.model.layers[-extra_layers:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return deeper
+
+
 def train(
     seed: int, on_policy_per_level: int, samples_per_problem: int, synthetic_per_level: int,
     epochs: int, max_tokens: int, lr: float, generator_dir: Path, out_dir: Path,
+    drill_passes: int = 0, prefix_drills_per_level: int = 0, lm_weight: float = 0.0, check_every: int = 0,
+    init_dir: Path | None = None, extra_layers: int = 0,
 ) -> dict:  # fmt: skip
     set_single_thread()
     import torch
@@ -72,17 +137,24 @@ def train(
     start = time.time()
     exclude = held_out_texts()
     streams = {lv: problem_stream(random.Random(f"prm-problems-{seed}-{lv}"), lv, exclude) for lv in LEVELS}
-    on_policy = on_policy_examples(
-        load_llm(generator_dir), {lv: [next(streams[lv]) for _ in range(on_policy_per_level)] for lv in LEVELS},
+    on_policy = cached_on_policy(
+        generator_dir, {lv: [next(streams[lv]) for _ in range(on_policy_per_level)] for lv in LEVELS},
         samples_per_problem, seed,
     )  # fmt: skip
     sample_seconds = time.time() - start
     rng = random.Random(f"prm-synthetic-{seed}")
     synthetic = synthetic_examples(rng, [next(streams[lv]) for lv in LEVELS for _ in range(synthetic_per_level)])
-    data = on_policy + synthetic
+    drill_rng = random.Random(f"prm-drills-{seed}")
+    drills = drill_examples(
+        drill_rng, drill_passes, [next(streams[lv]) for lv in LEVELS for _ in range(prefix_drills_per_level)]
+    )
+    data = on_policy + synthetic + drills
     n_steps = sum(len(labels) for _, _, labels in data)
     n_bad = sum(labels.count(False) for _, _, labels in data)
-    print(f"PRM data: {len(data)} solutions, {n_steps} steps, {n_bad} bad ({sample_seconds:.0f}s sampling)", flush=True)
+    print(
+        f"PRM data: {len(data)} solutions ({len(drills)} drills), {n_steps} steps, {n_bad} bad "
+        f"({sample_seconds:.0f}s sampling)", flush=True,
+    )  # fmt: skip
 
     encoded = []
     for problem, steps, labels in data:
@@ -90,11 +162,12 @@ def train(
         target = [-100] * len(ids)
         for pos, good in zip(tags, labels, strict=True):
             target[pos] = GOOD_ID if good else BAD_ID
-        encoded.append((ids, target))
-    model = load_model(generator_dir).train()  # the PRM starts as a copy of the generator
+        encoded.append((ids, target, result_targets(ids, tags, labels)))
+    # The PRM starts as a copy of the generator, or continues from `init_dir` (an earlier PRM).
+    model = deepen(load_model(init_dir or generator_dir), extra_layers).train()
     model.config._attn_implementation = "eager"
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    lengths = [len(ids) for ids, _ in encoded]
+    lengths = [len(ids) for ids, _, _ in encoded]
     batch_rng = random.Random(f"prm-batches-{seed}")
     schedule = [b for _ in range(epochs) for b in length_batches(lengths, max_tokens, batch_rng)]
     train_start, log, running = time.time(), [], 0.0
@@ -102,17 +175,24 @@ def train(
         width = max(lengths[i] for i in batch)
         input_ids = torch.full((len(batch), width), PAD_ID, dtype=torch.long)
         labels = torch.full((len(batch), width), -100, dtype=torch.long)
+        lm_labels = torch.full((len(batch), width), -100, dtype=torch.long)
         for row, i in enumerate(batch):
-            ids, target = encoded[i]
+            ids, target, lm_target = encoded[i]
             input_ids[row, : len(ids)] = torch.tensor(ids)
             labels[row, : len(ids)] = torch.tensor(target)
+            lm_labels[row, : len(ids)] = torch.tensor(lm_target)
         for group in opt.param_groups:  # linear warmup, linear decay to 10%
             group["lr"] = lr * min((step + 1) / 30, 1.0 - 0.9 * step / len(schedule))
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = model(input_ids=input_ids).logits  # right padding: causal masking suffices
         # The label is the next-token target at the tag position itself (no shift).
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
-        loss.backward()
+        flat = logits.float().flatten(0, 1)
+        loss = torch.nn.functional.cross_entropy(flat, labels.flatten(), ignore_index=-100)
+        if lm_weight and (lm_labels >= 0).any():
+            lm_loss = torch.nn.functional.cross_entropy(flat, lm_labels.flatten(), ignore_index=-100)
+            (loss + lm_weight * lm_loss).backward()
+        else:
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -122,12 +202,20 @@ def train(
             elapsed = time.time() - train_start
             print(f"step {step + 1}/{len(schedule)} loss {running / 50:.4f} {elapsed:.0f}s", flush=True)
             running = 0.0
+        if check_every and (step + 1) % check_every == 0:
+            model.eval()
+            checks = corruption_check(model)
+            text = " ".join(f"{k} {v['auc']:.3f}" for k, v in checks.items())
+            print(f"  corruption AUC {text}; fact drill AUC {fact_drill_auc(model):.3f}", flush=True)
+            model.train()
     train_seconds = time.time() - train_start
     model.eval()
     save_checkpoint(model, out_dir, extra_files={"prm_config.json": PRM_FORMAT})
     summary = {
         "seed": seed, "parameters": sum(p.numel() for p in model.parameters()),
-        "on_policy_solutions": len(on_policy), "synthetic_solutions": len(synthetic),
+        "on_policy_solutions": len(on_policy), "synthetic_solutions": len(synthetic), "drills": len(drills),
+        "init": "generator" if init_dir is None else init_dir.name, "extra_layers": extra_layers,
+        "drill_passes": drill_passes, "prefix_drills_per_level": prefix_drills_per_level, "lm_weight": lm_weight,
         "steps_labelled": n_steps, "bad_steps": n_bad, "optimizer_steps": len(schedule), "epochs": epochs,
         "max_tokens_per_batch": max_tokens, "peak_lr": lr, "sample_seconds": sample_seconds,
         "train_seconds": train_seconds, "total_seconds": time.time() - start, "log": log,
@@ -143,10 +231,14 @@ def main() -> None:
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     parser.add_argument("--generator", type=Path, default=GENERATOR_DIR)
     parser.add_argument("--out", type=Path, default=PRM_DIR)
+    parser.add_argument("--init", type=Path, default=None, help="start from this PRM instead of the generator")
+    parser.add_argument("--extra-layers", type=int, default=0, help="identity-initialised layers added on top")
     args = parser.parse_args()
     train(
         args.seed, args.on_policy_per_level, args.samples_per_problem, args.synthetic_per_level,
         args.epochs, args.max_tokens, args.lr, args.generator, args.out,
+        args.drill_passes, args.prefix_drills_per_level, args.lm_weight, args.check_every, args.init,
+        args.extra_layers,
     )  # fmt: skip
 
 
