@@ -1,8 +1,11 @@
 """One model's engine: requests in, one `step()` at a time: schedule -> run -> sample -> detokenize.
 
-Owns the model, its tokenizer, its KV arena and block manager, the scheduler and the live
-requests. `add_request` validates everything before it changes any state; `abort` and
-normal completion both return every page to the pool (or to the prefix cache).
+Owns the model, its tokenizer, its view of a KV arena and its block manager, the scheduler
+and the live requests. The arena is its own (`attach_own_kv`) or one shared with other
+engines (`share_kv`: one page pool, pages flow to whichever model needs them).
+`add_request` validates everything before it changes any state; `abort` and normal
+completion both return every page to the pool (or to the prefix cache). After every step
+the engine appends a row of page statistics to its `page_log`.
 """
 
 from __future__ import annotations

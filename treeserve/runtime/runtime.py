@@ -144,8 +144,6 @@ class Runtime:
         ]
         if prm:
             specs.append(ModelSpec("prm", prm, prm_kv_fraction if split else None, 4, args.get("prm", {})))
-        elif prm_kv_fraction is not None:
-            specs[0].kv_fraction = 1.0
         return cls.load(specs, kv_cache_memory, **load_kwargs)
 
     # ---- the API search programs use -------------------------------------------------
