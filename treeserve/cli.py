@@ -5,6 +5,8 @@
     treeserve eval ... --workers 4 [--ray-address auto] [--cpus-per-worker 2]   (on Ray: pip install 'treeserve[ray]')
     treeserve solve "Compute ((12 + 7) * 3) - 15."
     treeserve plot results*.json --output accuracy_vs_n.png
+    treeserve profile --out profile_out            (memory sweeps: profile.json + PNG plots)
+    treeserve tune --kv-cache-memory 24M --output tuned.json   (then: eval/serve --config tuned.json)
     treeserve serve [--model DIR] [--prm DIR] [--port 8000] [--api-key KEY]
     treeserve convert-gguf FILE.gguf OUT_DIR [--dtype float32]
     treeserve fetch-gguf gemma3-270m
