@@ -27,6 +27,7 @@ def test_shared_plan_one_arena_of_equal_pages(llama_dir, qwen2_dir, tmp_path):
     by_name = {m.name: m for m in plan.models}
     assert by_name["gen"].weights == weight_bytes(gen.model) > 0
     assert all(m.activation_peak > 0 for m in plan.models)
+    assert plan.other == sum(m.other for m in plan.models) and all(m.other >= 0 for m in plan.models)
     assert gen.num_computed_tokens == 0  # the activation probe is not counted as work
     plan.write(str(tmp_path / "plan.json"))
     doc = json.loads((tmp_path / "plan.json").read_text())

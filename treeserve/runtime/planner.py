@@ -35,6 +35,7 @@ class ModelMemory:
     weights: int
     activation_peak: int
     token_bytes: int
+    other: int = 0  # process memory its load added beyond its weights (tokenizer, libraries)
     block_size: int = 0  # tokens per page (set by the plan)
     page_bytes: int = 0
     num_pages: int = 0  # pages of its own arena (static split); the whole shared arena otherwise
@@ -86,6 +87,7 @@ class MemoryPlan:
             share = "shared" if m.kv_fraction is None else f"{m.kv_fraction:.2f} of KV"
             lines.append(
                 f"  {m.name:<10} weights {m.weights / mib:7.1f}  activations {m.activation_peak / mib:7.1f}  "
+                f"other {m.other / mib:6.1f}  "
                 f"{m.num_pages} pages x {m.block_size} tokens ({share})"
             )
         return "\n".join(lines)
@@ -165,13 +167,13 @@ def plan(
     engines: dict[str, LLMEngine],
     kv_fractions: dict[str, float] | None,
     free_at_start: int,
-    loaded_bytes: int,
+    loaded_bytes: dict[str, int],
     kv_cache_memory: int | None = None,
     memory_budget: int | None = None,
     memory_fraction: float | None = None,
 ) -> MemoryPlan:
     """Measure the engines and size their KV. `kv_fractions` None: one shared arena;
-    `loaded_bytes`: process memory the model loads added. Give exactly one of
+    `loaded_bytes`: process memory each model's load added. Give exactly one of
     `kv_cache_memory` (KV bytes), `memory_budget` (bytes for everything) or `memory_fraction`
     (of `free_at_start`)."""
     check_budget(kv_cache_memory, memory_budget, memory_fraction)
@@ -180,8 +182,10 @@ def plan(
         ModelMemory(name, weight_bytes(e.model), activation_peak(e), e.kv_layout.token_bytes)
         for name, e in engines.items()
     ]
+    for m in models:
+        m.other = max(0, loaded_bytes[m.name] - m.weights)
     weights = sum(m.weights for m in models)
-    other = max(0, loaded_bytes - weights)
+    other = sum(m.other for m in models)
     budget = memory_budget if memory_fraction is None else int(memory_fraction * free_at_start)
     if kv_cache_memory is None:
         kv_cache_memory = budget - weights - sum(m.activation_peak for m in models) - other

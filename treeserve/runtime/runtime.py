@@ -91,21 +91,20 @@ class Runtime:
         if len({s.name for s in specs}) != len(specs):
             raise ValueError("model names must be unique")
         device = torch.device(str(engine_kwargs.get("device", "cpu")))
-        free_at_start, before = available_memory(device), process_memory(device)
-        engines = {
-            s.name: LLMEngine(
-                EngineConfig(
-                    model=s.path,
-                    dtype=dtype,
-                    enable_prefix_caching=enable_prefix_caching,
-                    model_id=s.name + ":" + s.path,
-                    **{"block_size": s.block_size, **engine_kwargs, **s.engine_args},
-                ),
-                attach_kv=False,
+        free_at_start = available_memory(device)
+        engines: dict[str, LLMEngine] = {}
+        loaded: dict[str, int] = {}  # process memory each load added
+        for s in specs:
+            before = process_memory(device)
+            config = EngineConfig(
+                model=s.path,
+                dtype=dtype,
+                enable_prefix_caching=enable_prefix_caching,
+                model_id=s.name + ":" + s.path,
+                **{"block_size": s.block_size, **engine_kwargs, **s.engine_args},
             )
-            for s in specs
-        }
-        loaded = process_memory(device) - before
+            engines[s.name] = LLMEngine(config, attach_kv=False)
+            loaded[s.name] = process_memory(device) - before
         memory = planner.plan(
             engines, None if shared else {s.name: s.kv_fraction for s in specs}, free_at_start, loaded,
             kv_cache_memory, memory_budget, memory_fraction,
