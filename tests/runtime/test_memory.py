@@ -99,3 +99,21 @@ def test_tight_shared_arena_serves_both_models_and_loses_no_page(llama_dir, qwen
     assert {"step", "in_use", "cached", "free", "hits", "misses", "evictions", "thrash"} <= set(rows[0])
     rt.check_pages_idle()
     assert gen.blocks.pool.num_available == 96
+
+
+def test_an_aborted_starving_model_stops_blocking_the_other(llama_dir, qwen2_dir):
+    """A model that waits for pages blocks the other's admissions; once its waiting requests are
+    aborted, the other model admits again (no stale claim on the pool)."""
+    rt = Runtime.load(specs(llama_dir, qwen2_dir), 96 * 4 * 512, dtype="float32", max_model_len=128)
+    gen, prm = rt.engines["gen"], rt.engines["prm"]
+    pool = gen.blocks.pool
+    gen.add_request("g", [1] * 20, SamplingParams(n=3, max_tokens=100, ignore_eos=True, seed=0))
+    while gen.blocks.num_used_blocks < 70:
+        gen.step()
+    prm.add_request("p", [1] * 120, ScoreParams(positions=[119], token_ids=[3]))
+    assert prm.step() == [] and prm.stalled  # 30 pages needed, fewer free, nothing of its own running
+    assert not pool.may_admit(gen.blocks.owner)
+    prm.abort("p")
+    assert pool.may_admit(gen.blocks.owner) and not pool.starving
+    gen.abort("g")
+    rt.check_pages_idle()

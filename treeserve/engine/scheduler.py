@@ -161,3 +161,5 @@ class Scheduler:
             self.waiting.remove(seq)
         self.blocks.release(seq.block_table)
         seq.status = SeqStatus.FINISHED
+        if not self.waiting:  # nothing left to wait for pages (e.g. the waiting ones were aborted)
+            self.blocks.pool.set_starving(self.blocks.owner, False)
