@@ -62,7 +62,6 @@ class Runtime:
         self._wake: asyncio.Event | None = None
         self._driver: asyncio.Task | None = None
         self.steps = {name: 0 for name in engines}
-        self._stalled_round = False
         self.busy_s = {name: 0.0 for name in engines}  # seconds inside each engine's step()
         self.memory_plan: planner.MemoryPlan | None = None  # set by `load`
 
@@ -236,16 +235,18 @@ class Runtime:
         self._wake.set()
 
     async def _drive(self) -> None:
+        stuck: set[str] = set()  # the engines of the last round, when none of them could step
         while True:
             busy = [name for name, e in self.engines.items() if e.has_unfinished_requests()]
             if not busy:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            if all(self.engines[name].stalled for name in busy) and self._stalled_round:
+            if stuck and stuck.issuperset(busy):  # nothing changed since: no engine will ever progress
                 error = RuntimeError("no engine can make progress: the KV pages are too few for the work in flight")
                 for name in busy:
                     self._fail(name, error)
+                stuck = set()
                 continue
             for name in busy:
                 start = time.perf_counter()
@@ -264,7 +265,7 @@ class Runtime:
                         self._early.pop(key).set_result(out)
                     if out.finished and (future := self._futures.pop(key, None)) and not future.done():
                         future.set_result(out)
-            self._stalled_round = all(self.engines[name].stalled for name in busy)
+            stuck = set(busy) if all(self.engines[name].stalled for name in busy) else set()
             await asyncio.sleep(0)  # let search programs react and submit more work
 
     def _fail(self, name: str, error: Exception) -> None:
