@@ -34,8 +34,3 @@ class PageLog:
 
     def rows(self) -> list[dict]:
         return [dict(zip(COLUMNS, row, strict=True)) for row in self._rows]
-
-    def clear(self) -> None:
-        self.start = time.perf_counter()
-        self.steps = 0
-        self._rows.clear()

@@ -48,7 +48,6 @@ class MemoryPlan:
     total_memory: int  # the device's memory
     free_at_start: int  # free when the runtime started, before any model loaded
     budget: int | None  # bytes for weights + activations + other + KV (None: KV bytes given directly)
-    other: int
     kv_bytes: int
     shared: bool
     page_bytes: int = 0  # of the shared arena
@@ -63,8 +62,12 @@ class MemoryPlan:
     def activations(self) -> int:
         return sum(m.activation_peak for m in self.models)
 
+    @property
+    def other(self) -> int:
+        return sum(m.other for m in self.models)
+
     def to_json(self) -> dict:
-        return {**asdict(self), "weights": self.weights, "activations": self.activations}
+        return {**asdict(self), "weights": self.weights, "activations": self.activations, "other": self.other}
 
     def write(self, path: str) -> None:
         with open(path, "w") as f:
@@ -178,28 +181,26 @@ def plan(
     (of `free_at_start`)."""
     check_budget(kv_cache_memory, memory_budget, memory_fraction)
     device = next(iter(engines.values())).device
-    models = [
-        ModelMemory(name, weight_bytes(e.model), activation_peak(e), e.kv_layout.token_bytes)
-        for name, e in engines.items()
-    ]
-    for m in models:
-        m.other = max(0, loaded_bytes[m.name] - m.weights)
-    weights = sum(m.weights for m in models)
-    other = sum(m.other for m in models)
+    models = []
+    for name, engine in engines.items():
+        weights = weight_bytes(engine.model)
+        models.append(ModelMemory(
+            name, weights, activation_peak(engine), engine.kv_layout.token_bytes,
+            other=max(0, loaded_bytes[name] - weights),
+            kv_fraction=None if kv_fractions is None else kv_fractions[name],
+        ))  # fmt: skip
     budget = memory_budget if memory_fraction is None else int(memory_fraction * free_at_start)
-    if kv_cache_memory is None:
-        kv_cache_memory = budget - weights - sum(m.activation_peak for m in models) - other
-        if kv_cache_memory <= 0:
-            raise ValueError(
-                f"the memory budget ({budget} bytes) leaves nothing for KV pages after weights ({weights}), "
-                f"activations ({sum(m.activation_peak for m in models)}) and other overhead ({other})"
-            )
     result = MemoryPlan(
-        str(device), total_memory(device), free_at_start, budget, other, kv_cache_memory, kv_fractions is None,
+        str(device), total_memory(device), free_at_start, budget, kv_cache_memory or 0, kv_fractions is None,
         models=models,
     )  # fmt: skip
-    for m in models:
-        m.kv_fraction = None if kv_fractions is None else kv_fractions[m.name]
+    if kv_cache_memory is None:
+        result.kv_bytes = budget - result.weights - result.activations - result.other
+        if result.kv_bytes <= 0:
+            raise ValueError(
+                f"the memory budget ({budget} bytes) leaves nothing for KV pages after weights ({result.weights}), "
+                f"activations ({result.activations}) and other overhead ({result.other})"
+            )
     return result
 
 
