@@ -184,6 +184,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
             raise ValueError("--ray-address and --cpus-per-worker need --workers N")
         results = run_eval(settings, config)
     else:
+        if settings.memory_report:
+            raise ValueError("--memory-report describes one runtime; with --workers each worker plans its own")
         from treeserve.eval.distributed import RayMissing, RayOptions, WorkerError, run_eval_distributed
 
         options = RayOptions(args.workers, args.ray_address, args.cpus_per_worker or 1)

@@ -106,7 +106,11 @@ def test_without_ray_workers_names_the_extra(monkeypatch, tmp_path, capsys):
 
 @pytest.mark.parametrize(
     ("flags", "message"),
-    [(["--workers", "0"], "--workers must be >= 1"), (["--ray-address", "auto"], "need --workers")],
+    [
+        (["--workers", "0"], "--workers must be >= 1"),
+        (["--ray-address", "auto"], "need --workers"),
+        (["--workers", "2", "--memory-report", "plan.json"], "each worker plans its own"),
+    ],
 )
 def test_bad_ray_flags(flags, message, tmp_path, capsys):
     assert main(["eval", "--dataset", DATASET, "--output", str(tmp_path / "r.json"), *flags]) == 2
