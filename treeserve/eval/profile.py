@@ -45,12 +45,17 @@ class Measurement:
     def engine_args(self) -> dict:
         if self.max_num_seqs is None:
             return {}
-        one = {"max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens}
-        return {"generator": dict(one), "prm": dict(one)}
+        return batch_engine_args((self.max_num_seqs, self.max_num_batched_tokens))
 
     @property
     def label(self) -> str:
         return "shared" if self.prm_kv_fraction is None else f"prm {self.prm_kv_fraction:g}"
+
+
+def batch_engine_args(batch: tuple[int, int]) -> dict:
+    """Per-model engine settings giving both models `batch` = (max_num_seqs, max_num_batched_tokens)."""
+    one = {"max_num_seqs": batch[0], "max_num_batched_tokens": batch[1]}
+    return {"generator": dict(one), "prm": dict(one)}
 
 
 def measure(
@@ -62,13 +67,9 @@ def measure(
     records: list[dict] | None = None,
 ) -> tuple[Measurement, dict]:
     """One run; returns its measurement and the whole results document."""
-    engine_args = None
-    if batch is not None:
-        one = {"max_num_seqs": batch[0], "max_num_batched_tokens": batch[1]}
-        engine_args = {"generator": dict(one), "prm": dict(one)}
     run = replace(
         settings, kv_cache_memory=kv_cache_memory, memory_budget=None, memory_fraction=None,
-        prm_kv_fraction=prm_kv_fraction, engine_args=engine_args, progress=False,
+        prm_kv_fraction=prm_kv_fraction, engine_args=batch_engine_args(batch) if batch else None, progress=False,
     )  # fmt: skip
     try:
         doc = run_eval(run, config, inline=records)
