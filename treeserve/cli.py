@@ -122,9 +122,6 @@ def _add_search_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reference", action="store_true", help="plain path: no caches, one problem at a time")
 
 
-MEMORY_KEYS = ("kv_cache_memory", "memory_budget", "memory_fraction", "prm_kv_fraction", "engine_args")
-
-
 def _add_memory_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=_parse_bytes, default=None,
                    help="bytes for both models' KV pages (default 1 GiB unless a budget below is given)")  # fmt: skip
@@ -153,10 +150,10 @@ def _apply_config_file(args: argparse.Namespace) -> None:
 
     budget_keys = ("kv_cache_memory", "memory_budget", "memory_fraction")
     budget_given = any(getattr(args, key, None) is not None for key in budget_keys)
-    for key, value in read_config(args.config).items():
+    for key, value in read_config(args.config).items():  # only the memory and engine settings' keys
         if key in budget_keys and budget_given:
             continue  # a budget flag replaces the file's budget, whichever kind
-        if key in MEMORY_KEYS and getattr(args, key, None) is None:
+        if getattr(args, key, None) is None:
             setattr(args, key, value)
 
 
@@ -266,7 +263,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     kv = args.kv_cache_memory or (1 << 30)
     splits = _parse_list(args.splits, _split, "splits")
     choice, grid, scores = tune(settings, config, kv, splits, _batches(args))
-    written = write_config(args.output, choice, kv)
+    written = write_config(args.output, kv, choice.prm_kv_fraction, choice.engine_args)
     if args.report:
         with open(args.report, "w") as f:
             json.dump({"choice": asdict(choice), "grid": [asdict(m) for m in grid], "min_scores": scores}, f, indent=2)
@@ -293,6 +290,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from treeserve.eval.runner import DEFAULT_PRM
+    from treeserve.runtime.tuner import CONFIG_KEYS
     from treeserve.server.launch import ServerSettings, serve
 
     model, prm = args.model, args.prm
@@ -302,7 +300,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         model=model, prm=prm, prm_style=args.prm_style, served_model_name=args.served_model_name, host=args.host,
         port=args.port, api_key=args.api_key, dtype=args.dtype, max_model_len=args.max_model_len,
-        **{key: getattr(args, key) for key in MEMORY_KEYS},
+        **{key: getattr(args, key) for key in CONFIG_KEYS},
     )  # fmt: skip
     serve(settings)
     return 0

@@ -36,12 +36,8 @@ def choose(points: list[GridPoint]) -> tuple[GridPoint, list[float]]:
     return points[max(range(len(points)), key=scores.__getitem__)], scores
 
 
-def write_config(path: str, point: GridPoint, kv_cache_memory: int) -> dict:
-    config = {
-        "kv_cache_memory": kv_cache_memory,
-        "prm_kv_fraction": point.prm_kv_fraction,
-        "engine_args": point.engine_args,
-    }
+def write_config(path: str, kv_cache_memory: int, prm_kv_fraction: float | None, engine_args: dict) -> dict:
+    config = {"kv_cache_memory": kv_cache_memory, "prm_kv_fraction": prm_kv_fraction, "engine_args": engine_args}
     with open(path, "w") as f:
         json.dump(config, f, indent=2)
     return config
