@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS). The engine divides the hidden
+# state by the temperature in the model's dtype, where 1e-75 is 0 in bf16.
+GREEDY_BELOW = 1e-5
+
 
 @dataclass
 class SamplingParams:
@@ -36,6 +40,8 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
+        if self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0  # greedy, as in vLLM; dividing by it would overflow (or underflow in bf16)
 
     def _validate(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:

@@ -92,3 +92,16 @@ def test_logprobs_match_transformers(llama_dir, make_llm):
         assert set(top) <= set(entry)
         total += row[token].item()
     assert math.isclose(completion.cumulative_logprob, total, abs_tol=1e-3)
+
+
+def test_a_vanishing_temperature_is_greedy(llama_dir, make_llm):
+    """Temperatures below 1e-5 sample greedily (vLLM's rule): 1e-75 is 0 in bf16, and dividing the
+    hidden state by it used to produce NaN logits and an invalid token."""
+    llm = make_llm(llama_dir, dtype="bfloat16")
+    greedy = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    for t in (4e-75, 1e-30, 9e-6):
+        params = SamplingParams(temperature=t, max_tokens=8, ignore_eos=True, seed=3)
+        assert params.temperature == 0.0
+        out = llm.generate([PROMPT], params)
+        assert out[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5  # the rule's edge: still sampled
