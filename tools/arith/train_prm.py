@@ -33,7 +33,6 @@ from tools.arith.common import (
     GOOD_ID,
     PAD_ID,
     PRM_DIR,
-    VOCAB,
     WORK_DIR,
     length_batches,
     load_model,
@@ -44,6 +43,7 @@ from tools.arith.common import (
 from tools.arith.data import LEVELS, held_out_texts, problem_stream
 from tools.arith.drills import drill_examples
 from tools.arith.evaluate import corruption_check, fact_drill_auc
+from tools.arith.facts import fact_check_targets, result_targets
 from tools.arith.prm_data import Example, synthetic_examples
 from tools.arith.prm_io import PRM_FORMAT, prm_input
 from tools.arith.sampling import generate, load_llm, max_new_tokens_for
@@ -53,9 +53,8 @@ from treeserve.eval.arith_labels import split_steps, step_labels
 DEFAULTS = {
     "on_policy_per_level": 400, "samples_per_problem": 4, "synthetic_per_level": 1500,
     "epochs": 4, "max_tokens": 2048, "lr": 1e-3,
-    "drill_passes": 0, "prefix_drills_per_level": 0, "lm_weight": 0.0, "check_every": 0,
+    "drill_passes": 0, "prefix_drills_per_level": 0, "lm_weight": 0.0, "fact_check_weight": 0.0, "check_every": 0,
 }  # fmt: skip
-EQUALS_ID, SPACE_ID = VOCAB["="], VOCAB[" "]
 
 
 def on_policy_examples(generator: LLM, problems_by_level: dict, n: int, seed: int) -> list[Example]:
@@ -88,21 +87,6 @@ def cached_on_policy(generator_dir: Path, problems_by_level: dict, n: int, seed:
     return out
 
 
-def result_targets(ids: list[int], tags: list[int], labels: list[bool]) -> list[int]:
-    """Next-token targets for the result of every good operation step (`a op b = c`: the
-    position before `c` predicts `c`), -100 elsewhere."""
-    target = [-100] * len(ids)
-    start = 0
-    for tag, good in zip(tags, labels, strict=True):
-        if good:
-            for pos in range(start, tag - 2):
-                if ids[pos] == EQUALS_ID and ids[pos + 1] == SPACE_ID:
-                    target[pos + 1] = ids[pos + 2]
-                    break
-        start = tag + 1
-    return target
-
-
 def deepen(model, extra_layers: int):
     """`model` with `extra_layers` more decoder layers on top, each starting as the identity
     (zero attention output and MLP down projections): the copied layers still compute what
@@ -127,8 +111,8 @@ def deepen(model, extra_layers: int):
 def train(
     seed: int, on_policy_per_level: int, samples_per_problem: int, synthetic_per_level: int,
     epochs: int, max_tokens: int, lr: float, generator_dir: Path, out_dir: Path,
-    drill_passes: int = 0, prefix_drills_per_level: int = 0, lm_weight: float = 0.0, check_every: int = 0,
-    init_dir: Path | None = None, extra_layers: int = 0,
+    drill_passes: int = 0, prefix_drills_per_level: int = 0, lm_weight: float = 0.0, fact_check_weight: float = 0.0,
+    check_every: int = 0, init_dir: Path | None = None, extra_layers: int = 0,
 ) -> dict:  # fmt: skip
     set_single_thread()
     import torch
@@ -162,12 +146,12 @@ def train(
         target = [-100] * len(ids)
         for pos, good in zip(tags, labels, strict=True):
             target[pos] = GOOD_ID if good else BAD_ID
-        encoded.append((ids, target, result_targets(ids, tags, labels)))
+        encoded.append((ids, target, result_targets(ids, tags, labels), fact_check_targets(ids, tags)))
     # The PRM starts as a copy of the generator, or continues from `init_dir` (an earlier PRM).
     model = deepen(load_model(init_dir or generator_dir), extra_layers).train()
     model.config._attn_implementation = "eager"
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    lengths = [len(ids) for ids, _, _ in encoded]
+    lengths = [len(ids) for ids, *_ in encoded]
     batch_rng = random.Random(f"prm-batches-{seed}")
     schedule = [b for _ in range(epochs) for b in length_batches(lengths, max_tokens, batch_rng)]
     train_start, log, running = time.time(), [], 0.0
@@ -176,11 +160,13 @@ def train(
         input_ids = torch.full((len(batch), width), PAD_ID, dtype=torch.long)
         labels = torch.full((len(batch), width), -100, dtype=torch.long)
         lm_labels = torch.full((len(batch), width), -100, dtype=torch.long)
+        check_labels = torch.full((len(batch), width), -100, dtype=torch.long)
         for row, i in enumerate(batch):
-            ids, target, lm_target = encoded[i]
+            ids, target, lm_target, check_target = encoded[i]
             input_ids[row, : len(ids)] = torch.tensor(ids)
             labels[row, : len(ids)] = torch.tensor(target)
             lm_labels[row, : len(ids)] = torch.tensor(lm_target)
+            check_labels[row, : len(ids)] = torch.tensor(check_target)
         for group in opt.param_groups:  # linear warmup, linear decay to 10%
             group["lr"] = lr * min((step + 1) / 30, 1.0 - 0.9 * step / len(schedule))
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -188,11 +174,11 @@ def train(
         # The label is the next-token target at the tag position itself (no shift).
         flat = logits.float().flatten(0, 1)
         loss = torch.nn.functional.cross_entropy(flat, labels.flatten(), ignore_index=-100)
-        if lm_weight and (lm_labels >= 0).any():
-            lm_loss = torch.nn.functional.cross_entropy(flat, lm_labels.flatten(), ignore_index=-100)
-            (loss + lm_weight * lm_loss).backward()
-        else:
-            loss.backward()
+        total = loss
+        for weight, extra in ((lm_weight, lm_labels), (fact_check_weight, check_labels)):
+            if weight and (extra >= 0).any():
+                total = total + weight * torch.nn.functional.cross_entropy(flat, extra.flatten(), ignore_index=-100)
+        total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -216,6 +202,7 @@ def train(
         "on_policy_solutions": len(on_policy), "synthetic_solutions": len(synthetic), "drills": len(drills),
         "init": "generator" if init_dir is None else init_dir.name, "extra_layers": extra_layers,
         "drill_passes": drill_passes, "prefix_drills_per_level": prefix_drills_per_level, "lm_weight": lm_weight,
+        "fact_check_weight": fact_check_weight,
         "steps_labelled": n_steps, "bad_steps": n_bad, "optimizer_steps": len(schedule), "epochs": epochs,
         "max_tokens_per_batch": max_tokens, "peak_lr": lr, "sample_seconds": sample_seconds,
         "train_seconds": train_seconds, "total_seconds": time.time() - start, "log": log,
@@ -237,8 +224,8 @@ def main() -> None:
     train(
         args.seed, args.on_policy_per_level, args.samples_per_problem, args.synthetic_per_level,
         args.epochs, args.max_tokens, args.lr, args.generator, args.out,
-        args.drill_passes, args.prefix_drills_per_level, args.lm_weight, args.check_every, args.init,
-        args.extra_layers,
+        args.drill_passes, args.prefix_drills_per_level, args.lm_weight, args.fact_check_weight, args.check_every,
+        args.init, args.extra_layers,
     )  # fmt: skip
 
 

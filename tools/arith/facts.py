@@ -1,0 +1,186 @@
+"""Teach a model the arithmetic world's fact table by next-token loss, before it learns to judge.
+
+    python -m tools.arith.facts --seed 0 [--steps 6000] [--lr 0.002] [--out DIR]
+
+A PRM can only call `87 + 15 = 101` wrong if it knows that 87 + 15 is 102. The generator
+knows the facts of the small numbers it meets most (top-1 on the whole table: 23%), and a PRM
+trained on judged steps alone never learns the rest: a '+'/'-' label says little about which
+value would have been right. Predicting the result of every fact does, so the PRM's recipe
+starts here: rows in the PRM's own input format, each a one-operation problem followed by
+`FACTS_PER_ROW` operation steps of random facts (`a op b = c.<|step|>`), with the loss on
+every result token `c`. Numbers are single tokens, so the table (`drills.fact_table`,
+4,647 facts) is a lookup to memorise: AdamW with a cosine schedule, starting from the
+generator's weights. The checkpoint is scratch input for `train_prm --init` (not shipped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import time
+from pathlib import Path
+
+from tools.arith.common import (
+    BAD_ID,
+    GENERATOR_DIR,
+    GOOD_ID,
+    PAD_ID,
+    VOCAB,
+    WORK_DIR,
+    load_model,
+    save_checkpoint,
+    set_single_thread,
+)
+from tools.arith.drills import Fact, fact_table
+from tools.arith.prm_io import prm_input
+from treeserve.eval.arith import OPS, apply_op
+
+FACTS_DIR = WORK_DIR / "arith-facts"
+FACTS_PER_ROW = 8
+DEFAULTS = {"steps": 6000, "rows_per_batch": 32, "lr": 2e-3, "warmup": 100}
+EQUALS_ID, SPACE_ID = VOCAB["="], VOCAB[" "]
+TOKENS = {i: tok for tok, i in VOCAB.items()}
+
+
+def result_targets(ids: list[int], tags: list[int], labels: list[bool]) -> list[int]:
+    """Next-token targets for the result of every good operation step (`a op b = c`: the
+    position before `c` predicts `c`), -100 elsewhere."""
+    target = [-100] * len(ids)
+    start = 0
+    for tag, good in zip(tags, labels, strict=True):
+        if good:
+            for pos in range(start, tag - 2):
+                if ids[pos] == EQUALS_ID and ids[pos + 1] == SPACE_ID:
+                    target[pos + 1] = ids[pos + 2]
+                    break
+        start = tag + 1
+    return target
+
+
+def fact_check_targets(ids: list[int], tags: list[int]) -> list[int]:
+    """'+' or '-' at the result token of every operation step `a op b = c` (is c right for
+    the operands as written?), -100 elsewhere: dense supervision for the first half of the
+    PRM's check, right where the compared numbers sit."""
+    target = [-100] * len(ids)
+    start = 0
+    for tag in tags:
+        for pos in range(max(start, 6), tag - 2):
+            if ids[pos] == EQUALS_ID and ids[pos + 1] == SPACE_ID:
+                a, op, b, c = (TOKENS[ids[i]] for i in (pos - 6, pos - 4, pos - 2, pos + 2))
+                if a.isdigit() and b.isdigit() and c.isdigit() and op in OPS:
+                    target[pos + 2] = GOOD_ID if apply_op(op, int(a), int(b)) == int(c) else BAD_ID
+                break
+        start = tag + 1
+    return target
+
+
+def fact_row(facts: list[Fact]) -> tuple[list[int], list[int]]:
+    """Token ids and result targets of one row: the first fact as the problem, all as steps."""
+    a, op, b = facts[0]
+    steps = [f"{x} {o} {y} = {apply_op(o, x, y)}." for x, o, y in facts]
+    ids, tags = prm_input(f"Compute {a} {op} {b}.", steps)
+    return ids, result_targets(ids, tags, [True] * len(steps))
+
+
+def batch_tensors(rows: list[tuple[list[int], list[int]]]):
+    import torch
+
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
+    targets = torch.full((len(rows), width), -100, dtype=torch.long)
+    for r, (ids, target) in enumerate(rows):
+        input_ids[r, : len(ids)] = torch.tensor(ids)
+        targets[r, : len(ids)] = torch.tensor(target)
+    return input_ids, targets
+
+
+def fact_accuracy(model, facts: list[Fact], rows_per_batch: int = 64) -> float:
+    """Top-1 accuracy of the result token over `facts`, in the training format."""
+    import torch
+
+    rows = [fact_row(facts[i : i + FACTS_PER_ROW]) for i in range(0, len(facts), FACTS_PER_ROW)]
+    right = total = 0
+    with torch.no_grad():
+        for i in range(0, len(rows), rows_per_batch):
+            input_ids, targets = batch_tensors(rows[i : i + rows_per_batch])
+            predicted = model(input_ids=input_ids).logits.argmax(-1)
+            mask = targets >= 0
+            right += int((predicted[mask] == targets[mask]).sum())
+            total += int(mask.sum())
+    return right / total
+
+
+def teach(
+    model, seed: int, steps: int, rows_per_batch: int, lr: float, warmup: int, log_every: int = 250,
+    checkpoint: Path | None = None,
+) -> dict:  # fmt: skip
+    """Train `model` in place on the fact table; returns the training log. With `checkpoint`,
+    the model is saved there at every log line (a long run can be cut short)."""
+    import torch
+
+    torch.manual_seed(seed)
+    rng = random.Random(f"facts-{seed}")
+    facts = fact_table()
+    model.train()
+    model.config._attn_implementation = "eager"
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    start, log, running = time.time(), [], 0.0
+    order: list[Fact] = []
+    for step in range(steps):
+        rows = []
+        for _ in range(rows_per_batch):  # passes over the shuffled table, FACTS_PER_ROW at a time
+            if len(order) < FACTS_PER_ROW:
+                order += rng.sample(facts, len(facts))
+            rows.append(fact_row(order[:FACTS_PER_ROW]))
+            del order[:FACTS_PER_ROW]
+        input_ids, targets = batch_tensors(rows)
+        progress = max(0.0, (step - warmup) / max(1, steps - warmup))
+        for group in opt.param_groups:  # linear warmup, cosine decay to 5%
+            group["lr"] = lr * min((step + 1) / warmup, 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=input_ids).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        running += loss.item()
+        if (step + 1) % log_every == 0 or step + 1 == steps:
+            model.eval()
+            accuracy = fact_accuracy(model, rng.sample(facts, 1000))
+            model.train()
+            entry = {"step": step + 1, "loss": running / log_every, "sample_accuracy": accuracy,
+                     "elapsed_s": time.time() - start}  # fmt: skip
+            log.append(entry)
+            print(f"facts step {step + 1}/{steps} loss {entry['loss']:.4f} acc {accuracy:.3f} "
+                  f"{entry['elapsed_s']:.0f}s", flush=True)  # fmt: skip
+            running = 0.0
+            if checkpoint is not None:
+                save_checkpoint(model, checkpoint)
+    model.eval()
+    return {"seed": seed, "steps": steps, "rows_per_batch": rows_per_batch, "facts_per_row": FACTS_PER_ROW,
+            "peak_lr": lr, "warmup": warmup, "train_seconds": time.time() - start,
+            "table_accuracy": fact_accuracy(model, facts), "log": log}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=0)
+    for name, value in DEFAULTS.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    parser.add_argument("--init", type=Path, default=GENERATOR_DIR)
+    parser.add_argument("--out", type=Path, default=FACTS_DIR)
+    args = parser.parse_args()
+    set_single_thread()
+    model = load_model(args.init)
+    print(f"table accuracy before: {fact_accuracy(model, fact_table()):.3f}", flush=True)
+    summary = teach(
+        model, args.seed, args.steps, args.rows_per_batch, args.lr, args.warmup, checkpoint=args.out
+    )  # fmt: skip
+    save_checkpoint(model, args.out)
+    print(f"table accuracy after: {summary['table_accuracy']:.4f} ({summary['train_seconds'] / 60:.1f} min)")
+
+
+if __name__ == "__main__":
+    main()
