@@ -2,6 +2,8 @@
 
 `build_random_llama` writes a Hugging Face directory (bf16 safetensors, a WordLevel
 tokenizer of the requested vocabulary) that treeserve, transformers and vLLM all load.
+`build_twin` writes a larger random-weight twin of a shipped arithmetic model (its
+tokenizer, chat template and PRM format, a bigger Llama) for scaling benchmarks.
 """
 
 from __future__ import annotations
@@ -9,6 +11,15 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
+
+ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "treeserve", "assets")
+# twin sizes: hidden, layers, attention heads, KV heads, MLP width (head_dim 64 as in common Llamas)
+TWIN_SIZES = {
+    "s": (512, 8, 8, 4, 1408),  # ~24M parameters
+    "m": (1024, 8, 16, 8, 2816),  # ~95M
+    "l": (1536, 12, 24, 12, 4096),  # ~310M
+}
 
 
 def build_random_llama(
@@ -23,7 +34,6 @@ def build_random_llama(
 ) -> str:
     if os.path.isfile(os.path.join(out_dir, "model.safetensors")):
         return out_dir
-    import torch
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -45,7 +55,7 @@ def build_random_llama(
             },
             f,
         )
-    config = transformers.LlamaConfig(
+    return _save_random(out_dir, transformers.LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=intermediate or 4 * hidden,
@@ -56,7 +66,36 @@ def build_random_llama(
         bos_token_id=0,
         eos_token_id=1,
         tie_word_embeddings=False,
-    )
+    ), seed)  # fmt: skip
+
+
+def build_twin(size: str, role: str, out_root: str, seed: int = 0) -> str:
+    """The shipped arithmetic `role` ("generator" or "prm") at `size`: the asset directory's
+    tokenizer, chat template, generation and PRM config, a Llama of TWIN_SIZES[size] with the
+    asset's vocabulary and context, random bf16 weights (seeded). Built once into
+    out_root/size/role."""
+    import transformers
+
+    out_dir = os.path.join(out_root, size, role)
+    if os.path.isfile(os.path.join(out_dir, "model.safetensors")):
+        return out_dir
+    asset = os.path.join(ASSETS, f"arith-{role}")
+    os.makedirs(out_dir, exist_ok=True)
+    for name in os.listdir(asset):
+        if name not in ("config.json", "model.safetensors", "README.md", "eval.json"):
+            shutil.copy(os.path.join(asset, name), out_dir)
+    with open(os.path.join(asset, "config.json")) as f:
+        shipped = json.load(f)
+    hidden, layers, heads, kv_heads, intermediate = TWIN_SIZES[size]
+    shipped.update(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                   num_key_value_heads=kv_heads, intermediate_size=intermediate, head_dim=hidden // heads)  # fmt: skip
+    return _save_random(out_dir, transformers.LlamaConfig(**shipped), seed + (role == "prm"))
+
+
+def _save_random(out_dir: str, config: object, seed: int) -> str:
+    import torch
+    import transformers
+
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(out_dir)
