@@ -4,7 +4,8 @@ Each iteration every active beam samples one more step (up to "\n\n"); the PRM s
 the best n / beam_width unfinished beams survive and are copied back up to n beams. Beams
 that end (EOS, length, empty step) are set aside. At `num_iterations` the thesis returns
 what the beam holds; `final_to_eos` instead samples the last iteration to EOS, as
-search-and-learn does.
+search-and-learn does. With `fixed_steps` (random-weight benchmarks) every step is
+`max_tokens` long and beams end only at `num_iterations`.
 """
 
 from __future__ import annotations

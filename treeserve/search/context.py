@@ -35,6 +35,9 @@ class SearchConfig:
     agg: str = "last"  # step-score aggregation: last | min | prod
     filter_duplicates: bool = False
     final_to_eos: bool = False  # search-and-learn: sample the last iteration to EOS
+    # benchmarks on random weights: every step is max_tokens tokens (no stop string, EOS ignored)
+    # and only the last iteration ends a beam
+    fixed_steps: bool = False
     system_prompt: str | None = None
     seed: int = 0
     # optimisations (all on by default; `reference()` turns them off)
@@ -54,6 +57,8 @@ class SearchConfig:
             raise ValueError(f"agg must be last, min or prod, got {self.agg!r}")
         if self.max_concurrent_problems < 1 or self.speculative_steps < 0:
             raise ValueError("max_concurrent_problems must be >= 1 and speculative_steps >= 0")
+        if self.fixed_steps and self.speculative_steps:
+            raise ValueError("fixed_steps has no step boundaries to speculate past: use speculative_steps=0")
         SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens)  # validates
 
     def reference(self) -> SearchConfig:
@@ -177,8 +182,9 @@ class SearchContext:
             temperature=c.temperature,
             top_p=c.top_p,
             max_tokens=c.max_tokens,
-            stop=None if to_eos else [STEP_STOP],
+            stop=None if to_eos or c.fixed_steps else [STEP_STOP],
             include_stop_str_in_output=True,
+            ignore_eos=c.fixed_steps,
             seed=lineage_seed(c.seed, problem.uid, path),
         )
 
@@ -228,7 +234,7 @@ class SearchContext:
 
     def _extend(self, beam: Beam, copy: int, c: CompletionOutput) -> Beam:
         ended_by_stop_string = c.finish_reason == "stop" and c.stop_reason == STEP_STOP
-        return self._grow(beam, copy, c.token_ids, not ended_by_stop_string)
+        return self._grow(beam, copy, c.token_ids, not ended_by_stop_string and not self.config.fixed_steps)
 
     def _grow(self, beam: Beam, copy: int, tokens: list[int], ends: bool) -> Beam:
         child = beam.child(copy)
