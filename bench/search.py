@@ -18,8 +18,8 @@ repetitions give the same answers; they are not pooled).
 
 `--model-size s|m|l` swaps the shipped models for their random-weight twins at ~24M, ~95M and
 ~310M parameters (bench/workloads.py `build_twin`, built once under bench/out/twins). Random
-weights never write "\\n\\n", so the twin workload has a fixed shape on every system: 5
-iterations of exactly 32-token steps (`fixed_steps`: no stop string, EOS ignored). Their
+weights almost never write "\\n\\n", so the twin workload has a fixed shape on every system:
+5 iterations of exactly 32-token steps (`fixed_steps`: no stop string, EOS ignored). Their
 answers are noise, so accuracy is not graded.
 """
 
