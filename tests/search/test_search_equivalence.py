@@ -92,3 +92,16 @@ def test_memory_layout_does_not_change_the_search(world, memory):
     assert signature(other) == signature(plain)
     if "kv_cache_memory" in memory:
         assert other["summary"]["prm_evictions"] + other["summary"]["generator_evictions"] > 0
+
+
+def test_fixed_steps_runs_every_iteration(world):
+    """`fixed_steps` (random-weight benchmarks): no stop string and no EOS, so every beam
+    runs all iterations of exactly `max_tokens` tokens, and the reference agrees."""
+    config = SearchConfig(strategy="beam_search", n=4, beam_width=2, num_iterations=3, max_tokens=8, fixed_steps=True)
+    fast = run(world, config, reference=False)
+    assert signature(fast) == signature(run(world, config, reference=True))
+    completions = [c for p in fast["problems"] for c in p["completions"]]
+    assert {len(c["step_scores"]) for c in completions} == {3}
+    assert fast["summary"]["generated_tokens"] == len(QUESTIONS) * 3 * 4 * 8
+    with pytest.raises(ValueError, match="fixed_steps"):
+        SearchConfig(strategy="beam_search", n=4, beam_width=2, fixed_steps=True, speculative_steps=1)
