@@ -235,6 +235,19 @@ for it: trained on the boxed-answer mistake alone it separates right from wrong 
 0.05) after about 700 steps; with every kind of mistake mixed, as here, the checks had not
 formed after 6,600 steps. So PRM-guided search does not beat majority voting with this PRM yet
 (`BENCHMARKS.md`); a PRM that checks steps is the next piece of work on the arithmetic world.
+
+**Tried next (2026-11-23, not shipped).** A PRM cannot call `87 + 15 = 101` wrong without knowing
+87 + 15, and the generator knows 23% of the operation table (top-1). `tools.arith.facts` teaches
+the whole table (4,647 facts; numbers are single tokens) by next-token loss in the PRM's input
+format: 100.0% top-1 after 6,000 AdamW steps (46 min on one core). A PRM trained from that model
+(`python -m tools.arith.train_prm --init <facts model> --lm-weight 0.5`, 26 min) keeps the table
+but still does not compare the written result with the known one: fact-drill AUC 0.55 (0.5 = no
+check), held-out step AUC 0.902, beam search N=16 on 200 level-4/5 problems 17.0% (this
+checkpoint: 21.0%; majority voting: 26.0%), so it is not shipped. On rows of facts with right
+and wrong results and a '+'/'-' target at every result token (`--fact-check-weight`), 2
+identity-initialised layers on top of the fact model (frozen or not, and with query/key weights
+set to match a token against the predicted one) stayed at 51-56% accuracy for 500-900 steps.
+That comparison is the piece the next attempt has to build.
 """
 
 

@@ -8,12 +8,14 @@
 3. Optional drills (`--drill-passes`, `--prefix-drills-per-level`): the arithmetic fact table
    right and wrong, and same-depth prefix pairs (`tools.arith.drills`), mixed in with the
    rest for the whole run.
-4. Fine-tune a copy of the generator (or `--init` an earlier PRM, optionally with
-   `--extra-layers` identity-initialised layers on top): the loss is the next-token
-   cross-entropy of '+' (good) or '-' (bad) at each `<|step|>` position, plus, with
-   `--lm-weight`, the next-token cross-entropy of the result of every good operation step
-   (the facts the check compares against). `--check-every` prints the same-depth corruption
-   AUCs and the fact-drill AUC during training.
+4. Fine-tune a copy of the generator (or `--init` another checkpoint, e.g. an earlier PRM or
+   the fact-table model of `tools.arith.facts`, optionally with `--extra-layers`
+   identity-initialised layers on top): the loss is the next-token cross-entropy of '+'
+   (good) or '-' (bad) at each `<|step|>` position, plus, with `--lm-weight`, the next-token
+   cross-entropy of the result of every good operation step (the facts the check compares
+   against) and, with `--fact-check-weight`, '+'/'-' at the result token of every operation
+   step (is the result right for the operands as written). `--check-every` prints the
+   same-depth corruption AUCs and the fact-drill AUC during training.
 
 The defaults are the shipped checkpoint's recipe (no drills, no LM term).
 """
