@@ -1,0 +1,36 @@
+"""The fact-table stage's training targets (tools/arith/facts.py): where they sit and what they say."""
+
+from __future__ import annotations
+
+from tools.arith.common import BAD_ID, GOOD_ID, VOCAB
+from tools.arith.drills import fact_table
+from tools.arith.facts import FACTS_PER_ROW, fact_check_targets, fact_row, result_targets
+from tools.arith.prm_io import prm_input
+from treeserve.eval.arith import apply_op
+
+TOKENS = {i: t for t, i in VOCAB.items()}
+STEPS = ["5 + 7 = 13, leaving 13 * 3.", "13 * 3 = 39.", "The answer is \\boxed{39}."]
+
+
+def marked(ids: list[int], targets: list[int]) -> list[tuple[str, str]]:
+    """(token at the position, target token) wherever there is a target."""
+    return [(TOKENS[ids[i]], TOKENS[t]) for i, t in enumerate(targets) if t >= 0]
+
+
+def test_fact_check_marks_each_result_right_or_wrong():
+    ids, tags = prm_input("Compute (5 + 7) * 3.", STEPS)
+    assert marked(ids, fact_check_targets(ids, tags)) == [("13", "-"), ("39", "+")]
+
+
+def test_result_targets_predict_the_result_of_good_steps_only():
+    ids, tags = prm_input("Compute (5 + 7) * 3.", STEPS)
+    assert marked(ids, result_targets(ids, tags, [True, True, True])) == [(" ", "13"), (" ", "39")]
+    assert marked(ids, result_targets(ids, tags, [False, True, True])) == [(" ", "39")]
+
+
+def test_fact_rows_target_the_true_result_of_every_fact():
+    facts = fact_table()[100 : 100 + FACTS_PER_ROW]
+    ids, targets = fact_row(facts)
+    expected = [str(apply_op(op, a, b)) for a, op, b in facts]
+    assert [t for _, t in marked(ids, targets)] == expected
+    assert GOOD_ID not in targets and BAD_ID not in targets
