@@ -183,6 +183,18 @@ def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+def collate(rows: list[tuple[list[int], list[int]]]):
+    import torch
+
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)
+    for r, (ids, target) in enumerate(rows):
+        input_ids[r, : len(ids)] = torch.tensor(ids)
+        labels[r, : len(ids)] = torch.tensor(target)
+    return input_ids, labels  # right padding: causal masking alone is exact for the loss
+
+
 def length_batches(lengths: list[int], max_tokens: int, rng: random.Random, pool: int = 64) -> list[list[int]]:
     """Shuffled batches of indices, similar lengths together, at most `max_tokens` padded tokens."""
     order = list(range(len(lengths)))

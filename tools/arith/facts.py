@@ -25,9 +25,9 @@ from tools.arith.common import (
     BAD_ID,
     GENERATOR_DIR,
     GOOD_ID,
-    PAD_ID,
     VOCAB,
     WORK_DIR,
+    collate,
     load_model,
     save_checkpoint,
     set_single_thread,
@@ -83,18 +83,6 @@ def fact_row(facts: list[Fact]) -> tuple[list[int], list[int]]:
     return ids, result_targets(ids, tags, [True] * len(steps))
 
 
-def batch_tensors(rows: list[tuple[list[int], list[int]]]):
-    import torch
-
-    width = max(len(ids) for ids, _ in rows)
-    input_ids = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
-    targets = torch.full((len(rows), width), -100, dtype=torch.long)
-    for r, (ids, target) in enumerate(rows):
-        input_ids[r, : len(ids)] = torch.tensor(ids)
-        targets[r, : len(ids)] = torch.tensor(target)
-    return input_ids, targets
-
-
 def fact_accuracy(model, facts: list[Fact], rows_per_batch: int = 64) -> float:
     """Top-1 accuracy of the result token over `facts`, in the training format."""
     import torch
@@ -103,7 +91,7 @@ def fact_accuracy(model, facts: list[Fact], rows_per_batch: int = 64) -> float:
     right = total = 0
     with torch.no_grad():
         for i in range(0, len(rows), rows_per_batch):
-            input_ids, targets = batch_tensors(rows[i : i + rows_per_batch])
+            input_ids, targets = collate(rows[i : i + rows_per_batch])
             predicted = model(input_ids=input_ids).logits.argmax(-1)
             mask = targets >= 0
             right += int((predicted[mask] == targets[mask]).sum())
@@ -134,7 +122,7 @@ def teach(
                 order += rng.sample(facts, len(facts))
             rows.append(fact_row(order[:FACTS_PER_ROW]))
             del order[:FACTS_PER_ROW]
-        input_ids, targets = batch_tensors(rows)
+        input_ids, targets = collate(rows)
         progress = max(0.0, (step - warmup) / max(1, steps - warmup))
         for group in opt.param_groups:  # linear warmup, cosine decay to 5%
             group["lr"] = lr * min((step + 1) / warmup, 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))

@@ -22,8 +22,8 @@ from tools.arith.common import (
     BOS_ID,
     EOS_ID,
     GENERATOR_DIR,
-    PAD_ID,
     WORK_DIR,
+    collate,
     encode_text,
     model_config,
     prompt_ids,
@@ -69,18 +69,6 @@ def drill_row(streams, rng: random.Random, levels: tuple[int, ...], width: int) 
                 return ids, labels
             ids += prefix + target
             labels += [-100] * len(prefix) + target
-
-
-def collate(rows: list[tuple[list[int], list[int]]]):
-    import torch
-
-    width = max(len(ids) for ids, _ in rows)
-    input_ids = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
-    labels = torch.full((len(rows), width), -100, dtype=torch.long)
-    for r, (ids, target) in enumerate(rows):
-        input_ids[r, : len(ids)] = torch.tensor(ids)
-        labels[r, : len(ids)] = torch.tensor(target)
-    return input_ids, labels  # right padding: causal masking alone is exact for the loss
 
 
 def make_batch(streams, rng: random.Random, levels: tuple[int, ...], max_tokens: int, drill_frac: float):
