@@ -174,6 +174,27 @@ def load_model(ckpt_dir: Path):
     return model.eval()
 
 
+def deepen(model, extra_layers: int):
+    """`model` with `extra_layers` more decoder layers on top, each starting as the identity
+    (zero attention output and MLP down projections): the copied layers still compute what
+    they did (e.g. the generator's next result), the new ones have depth left to compare it."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    if not extra_layers:
+        return model
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers += extra_layers
+    deeper = LlamaForCausalLM(config).to(torch.float32)
+    missing, unexpected = deeper.load_state_dict(model.state_dict(), strict=False)
+    assert not unexpected and all(".layers." in name for name in missing), (missing, unexpected)
+    with torch.no_grad():
+        for layer in deeper.model.layers[-extra_layers:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return deeper
+
+
 def write_json(path: Path, payload: object) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, ensure_ascii=False) + "\n")

@@ -28,11 +28,13 @@ from tools.arith.common import (
     VOCAB,
     WORK_DIR,
     collate,
+    deepen,
+    encode_text,
     load_model,
     save_checkpoint,
     set_single_thread,
 )
-from tools.arith.drills import Fact, fact_table
+from tools.arith.drills import Fact, fact_table, wrong_result
 from tools.arith.prm_io import prm_input
 from treeserve.eval.arith import OPS, apply_op
 
@@ -83,6 +85,33 @@ def fact_row(facts: list[Fact]) -> tuple[list[int], list[int]]:
     return ids, result_targets(ids, tags, [True] * len(steps))
 
 
+def check_row(rng: random.Random, facts: list[Fact]) -> tuple[list[int], list[int]]:
+    """Like `fact_row`, but each result is wrong with probability 1/2 (`drills.wrong_result`).
+    Targets: the true result at the position before each result, '+'/'-' at the result."""
+    a, op, b = facts[0]
+    truths = [apply_op(o, x, y) for x, o, y in facts]
+    written = [t if rng.random() < 0.5 else wrong_result(rng, *f) for t, f in zip(truths, facts, strict=True)]
+    steps = [f"{x} {o} {y} = {w}." for (x, o, y), w in zip(facts, written, strict=True)]
+    ids, tags = prm_input(f"Compute {a} {op} {b}.", steps)
+    target = fact_check_targets(ids, tags)
+    before = [i for i, t in enumerate(result_targets(ids, tags, [True] * len(steps))) if t >= 0]
+    for pos, truth in zip(before, truths, strict=True):
+        target[pos] = encode_text(str(truth))[0]
+    return ids, target
+
+
+def check_accuracy(model, rows: list[tuple[list[int], list[int]]]) -> float:
+    """How often '+' against '-' at a result token says rightly whether the result is right."""
+    import torch
+
+    with torch.no_grad():
+        input_ids, targets = collate(rows)
+        logits = model(input_ids=input_ids).logits
+    mask = (targets == GOOD_ID) | (targets == BAD_ID)
+    said = torch.where(logits[..., GOOD_ID] > logits[..., BAD_ID], GOOD_ID, BAD_ID)
+    return float((said[mask] == targets[mask]).float().mean())
+
+
 def fact_accuracy(model, facts: list[Fact], rows_per_batch: int = 64) -> float:
     """Top-1 accuracy of the result token over `facts`, in the training format."""
     import torch
@@ -101,10 +130,11 @@ def fact_accuracy(model, facts: list[Fact], rows_per_batch: int = 64) -> float:
 
 def teach(
     model, seed: int, steps: int, rows_per_batch: int, lr: float, warmup: int, log_every: int = 250,
-    checkpoint: Path | None = None,
+    checkpoint: Path | None = None, check: bool = False,
 ) -> dict:  # fmt: skip
-    """Train `model` in place on the fact table; returns the training log. With `checkpoint`,
-    the model is saved there at every log line (a long run can be cut short)."""
+    """Train `model`'s trainable parameters in place on the fact table (with `check`, on
+    `check_row`s: half the results wrong, judged at the result token); returns the training
+    log. With `checkpoint`, the model is saved there at every log line."""
     import torch
 
     torch.manual_seed(seed)
@@ -112,7 +142,10 @@ def teach(
     facts = fact_table()
     model.train()
     model.config._attn_implementation = "eager"
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    check_rows = [check_row(random.Random(f"check-{i}"), random.Random(i).sample(facts, FACTS_PER_ROW))
+                  for i in range(100)] if check else []  # fmt: skip
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     start, log, running = time.time(), [], 0.0
     order: list[Fact] = []
     for step in range(steps):
@@ -120,7 +153,8 @@ def teach(
         for _ in range(rows_per_batch):  # passes over the shuffled table, FACTS_PER_ROW at a time
             if len(order) < FACTS_PER_ROW:
                 order += rng.sample(facts, len(facts))
-            rows.append(fact_row(order[:FACTS_PER_ROW]))
+            chunk = order[:FACTS_PER_ROW]
+            rows.append(check_row(rng, chunk) if check else fact_row(chunk))
             del order[:FACTS_PER_ROW]
         input_ids, targets = collate(rows)
         progress = max(0.0, (step - warmup) / max(1, steps - warmup))
@@ -130,25 +164,26 @@ def teach(
             logits = model(input_ids=input_ids).logits
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         running += loss.item()
         if (step + 1) % log_every == 0 or step + 1 == steps:
             model.eval()
             accuracy = fact_accuracy(model, rng.sample(facts, 1000))
+            checked = check_accuracy(model, check_rows) if check else None
             model.train()
             entry = {"step": step + 1, "loss": running / log_every, "sample_accuracy": accuracy,
-                     "elapsed_s": time.time() - start}  # fmt: skip
+                     "check_accuracy": checked, "elapsed_s": time.time() - start}  # fmt: skip
             log.append(entry)
             print(f"facts step {step + 1}/{steps} loss {entry['loss']:.4f} acc {accuracy:.3f} "
-                  f"{entry['elapsed_s']:.0f}s", flush=True)  # fmt: skip
+                  f"check {checked} {entry['elapsed_s']:.0f}s", flush=True)  # fmt: skip
             running = 0.0
             if checkpoint is not None:
                 save_checkpoint(model, checkpoint)
     model.eval()
     return {"seed": seed, "steps": steps, "rows_per_batch": rows_per_batch, "facts_per_row": FACTS_PER_ROW,
-            "peak_lr": lr, "warmup": warmup, "train_seconds": time.time() - start,
+            "peak_lr": lr, "warmup": warmup, "check": check, "train_seconds": time.time() - start,
             "table_accuracy": fact_accuracy(model, facts), "log": log}  # fmt: skip
 
 
@@ -159,12 +194,19 @@ def main() -> None:
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     parser.add_argument("--init", type=Path, default=GENERATOR_DIR)
     parser.add_argument("--out", type=Path, default=FACTS_DIR)
+    parser.add_argument("--check", action="store_true", help="train the fact check on rows with wrong results")
+    parser.add_argument("--extra-layers", type=int, default=0, help="train only this many new layers on top")
     args = parser.parse_args()
     set_single_thread()
-    model = load_model(args.init)
+    model = deepen(load_model(args.init), args.extra_layers)
+    if args.extra_layers:  # the table stays exactly as known; only the new layers learn
+        for name, param in model.named_parameters():
+            param.requires_grad_(
+                any(f"layers.{i}." in name for i in range(len(model.model.layers))[-args.extra_layers :])
+            )
     print(f"table accuracy before: {fact_accuracy(model, fact_table()):.3f}", flush=True)
     summary = teach(
-        model, args.seed, args.steps, args.rows_per_batch, args.lr, args.warmup, checkpoint=args.out
+        model, args.seed, args.steps, args.rows_per_batch, args.lr, args.warmup, checkpoint=args.out, check=args.check
     )  # fmt: skip
     save_checkpoint(model, args.out)
     print(f"table accuracy after: {summary['table_accuracy']:.4f} ({summary['train_seconds'] / 60:.1f} min)")

@@ -23,7 +23,6 @@ The defaults are the shipped checkpoint's recipe (no drills, no LM term).
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import random
 import time
@@ -36,6 +35,7 @@ from tools.arith.common import (
     PAD_ID,
     PRM_DIR,
     WORK_DIR,
+    deepen,
     length_batches,
     load_model,
     save_checkpoint,
@@ -87,27 +87,6 @@ def cached_on_policy(generator_dir: Path, problems_by_level: dict, n: int, seed:
     out = on_policy_examples(load_llm(generator_dir), problems_by_level, n, seed)
     write_json(path, out)
     return out
-
-
-def deepen(model, extra_layers: int):
-    """`model` with `extra_layers` more decoder layers on top, each starting as the identity
-    (zero attention output and MLP down projections): the copied layers still compute what
-    they did (e.g. the generator's next result), the new ones have depth left to compare it."""
-    import torch
-    from transformers import LlamaForCausalLM
-
-    if not extra_layers:
-        return model
-    config = copy.deepcopy(model.config)
-    config.num_hidden_layers += extra_layers
-    deeper = LlamaForCausalLM(config).to(torch.float32)
-    missing, unexpected = deeper.load_state_dict(model.state_dict(), strict=False)
-    assert not unexpected and all(".layers." in name for name in missing), (missing, unexpected)
-    with torch.no_grad():
-        for layer in deeper.model.layers[-extra_layers:]:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-    return deeper
 
 
 def train(
