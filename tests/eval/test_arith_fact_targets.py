@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 from tools.arith.common import BAD_ID, GOOD_ID, VOCAB
 from tools.arith.drills import fact_table
-from tools.arith.facts import FACTS_PER_ROW, fact_check_targets, fact_row, result_targets
+from tools.arith.facts import FACTS_PER_ROW, check_row, fact_check_targets, fact_row, result_targets
 from tools.arith.prm_io import prm_input
 from treeserve.eval.arith import apply_op
 
@@ -34,3 +36,18 @@ def test_fact_rows_target_the_true_result_of_every_fact():
     expected = [str(apply_op(op, a, b)) for a, op, b in facts]
     assert [t for _, t in marked(ids, targets)] == expected
     assert GOOD_ID not in targets and BAD_ID not in targets
+
+
+def test_check_rows_judge_each_written_result_and_target_the_true_one():
+    facts = fact_table()[: FACTS_PER_ROW * 20]
+    judged = []
+    for i in range(0, len(facts), FACTS_PER_ROW):
+        chunk = facts[i : i + FACTS_PER_ROW]
+        ids, targets = check_row(random.Random(i), chunk)
+        pairs = marked(ids, targets)
+        assert len(pairs) == 2 * len(chunk)
+        for (a, op, b), (_, truth), (written, verdict) in zip(chunk, pairs[0::2], pairs[1::2], strict=True):
+            assert truth == str(apply_op(op, a, b))
+            assert verdict == ("+" if written == truth else "-")
+            judged.append(verdict)
+    assert 0.3 < judged.count("-") / len(judged) < 0.7
