@@ -11,6 +11,14 @@ starts here: rows in the PRM's own input format, each a one-operation problem fo
 every result token `c`. Numbers are single tokens, so the table (`drills.fact_table`,
 4,647 facts) is a lookup to memorise: AdamW with a cosine schedule, starting from the
 generator's weights. The checkpoint is scratch input for `train_prm --init` (not shipped).
+
+The second half of a check is comparing the written result with the known one. `--check`
+trains it on rows whose results are wrong half the time (`check_row`: the true value is the
+target before each result, '+'/'-' the target at it), and `--extra-layers N` puts N new
+identity-initialised layers on top of a fact model and trains only those, so the table stays
+as known. It stays at chance for about 2,000 steps, then starts to compare.
+
+    python -m tools.arith.facts --init <facts model> --check --extra-layers 2 --lr 0.001 --out DIR
 """
 
 from __future__ import annotations
