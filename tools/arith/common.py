@@ -204,16 +204,18 @@ def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def collate(rows: list[tuple[list[int], list[int]]]):
+def collate(rows: list[tuple[list[int], ...]]):
+    """Rows of (ids, target, ...) -> (input_ids, one label tensor per target), right-padded
+    with PAD_ID and -100: causal masking alone is exact for the loss."""
     import torch
 
-    width = max(len(ids) for ids, _ in rows)
-    input_ids = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
-    labels = torch.full((len(rows), width), -100, dtype=torch.long)
-    for r, (ids, target) in enumerate(rows):
-        input_ids[r, : len(ids)] = torch.tensor(ids)
-        labels[r, : len(ids)] = torch.tensor(target)
-    return input_ids, labels  # right padding: causal masking alone is exact for the loss
+    width = max(len(ids) for ids, *_ in rows)
+    fills = [PAD_ID] + [-100] * (len(rows[0]) - 1)
+    tensors = [torch.full((len(rows), width), fill, dtype=torch.long) for fill in fills]
+    for r, row in enumerate(rows):
+        for tensor, values in zip(tensors, row, strict=True):
+            tensor[r, : len(values)] = torch.tensor(values)
+    return tuple(tensors)
 
 
 def length_batches(lengths: list[int], max_tokens: int, rng: random.Random, pool: int = 64) -> list[list[int]]:

@@ -53,18 +53,25 @@ EQUALS_ID, SPACE_ID = VOCAB["="], VOCAB[" "]
 TOKENS = {i: tok for tok, i in VOCAB.items()}
 
 
+def result_positions(ids: list[int], tags: list[int]) -> list[int | None]:
+    """For each step (ending at its tag), the position that predicts the result of `a op b = c`
+    (the space after '='), or None where the step has no operation."""
+    positions: list[int | None] = []
+    start = 0
+    for tag in tags:
+        found = (pos + 1 for pos in range(start, tag - 2) if ids[pos] == EQUALS_ID and ids[pos + 1] == SPACE_ID)
+        positions.append(next(found, None))
+        start = tag + 1
+    return positions
+
+
 def result_targets(ids: list[int], tags: list[int], labels: list[bool]) -> list[int]:
     """Next-token targets for the result of every good operation step (`a op b = c`: the
     position before `c` predicts `c`), -100 elsewhere."""
     target = [-100] * len(ids)
-    start = 0
-    for tag, good in zip(tags, labels, strict=True):
-        if good:
-            for pos in range(start, tag - 2):
-                if ids[pos] == EQUALS_ID and ids[pos + 1] == SPACE_ID:
-                    target[pos + 1] = ids[pos + 2]
-                    break
-        start = tag + 1
+    for pos, good in zip(result_positions(ids, tags), labels, strict=True):
+        if good and pos is not None:
+            target[pos] = ids[pos + 1]
     return target
 
 
@@ -73,15 +80,12 @@ def fact_check_targets(ids: list[int], tags: list[int]) -> list[int]:
     the operands as written?), -100 elsewhere: dense supervision for the first half of the
     PRM's check, right where the compared numbers sit."""
     target = [-100] * len(ids)
-    start = 0
-    for tag in tags:
-        for pos in range(max(start, 6), tag - 2):
-            if ids[pos] == EQUALS_ID and ids[pos + 1] == SPACE_ID:
-                a, op, b, c = (TOKENS[ids[i]] for i in (pos - 6, pos - 4, pos - 2, pos + 2))
-                if a.isdigit() and b.isdigit() and c.isdigit() and op in OPS:
-                    target[pos + 2] = GOOD_ID if apply_op(op, int(a), int(b)) == int(c) else BAD_ID
-                break
-        start = tag + 1
+    for pos in result_positions(ids, tags):
+        if pos is None or pos < 7:
+            continue
+        a, op, b, c = (TOKENS[ids[i]] for i in (pos - 7, pos - 5, pos - 3, pos + 1))
+        if a.isdigit() and b.isdigit() and c.isdigit() and op in OPS:
+            target[pos + 1] = GOOD_ID if apply_op(op, int(a), int(b)) == int(c) else BAD_ID
     return target
 
 
@@ -102,8 +106,7 @@ def check_row(rng: random.Random, facts: list[Fact]) -> tuple[list[int], list[in
     steps = [f"{x} {o} {y} = {w}." for (x, o, y), w in zip(facts, written, strict=True)]
     ids, tags = prm_input(f"Compute {a} {op} {b}.", steps)
     target = fact_check_targets(ids, tags)
-    before = [i for i, t in enumerate(result_targets(ids, tags, [True] * len(steps))) if t >= 0]
-    for pos, truth in zip(before, truths, strict=True):
+    for pos, truth in zip(result_positions(ids, tags), truths, strict=True):
         target[pos] = encode_text(str(truth))[0]
     return ids, target
 
@@ -208,10 +211,9 @@ def main() -> None:
     set_single_thread()
     model = deepen(load_model(args.init), args.extra_layers)
     if args.extra_layers:  # the table stays exactly as known; only the new layers learn
-        for name, param in model.named_parameters():
-            param.requires_grad_(
-                any(f"layers.{i}." in name for i in range(len(model.model.layers))[-args.extra_layers :])
-            )
+        model.requires_grad_(False)
+        for layer in model.model.layers[-args.extra_layers :]:
+            layer.requires_grad_(True)
     print(f"table accuracy before: {fact_accuracy(model, fact_table()):.3f}", flush=True)
     summary = teach(
         model, args.seed, args.steps, args.rows_per_batch, args.lr, args.warmup, checkpoint=args.out, check=args.check

@@ -32,9 +32,9 @@ from tools.arith.common import (
     BAD_ID,
     GENERATOR_DIR,
     GOOD_ID,
-    PAD_ID,
     PRM_DIR,
     WORK_DIR,
+    collate,
     deepen,
     length_batches,
     load_model,
@@ -137,17 +137,7 @@ def train(
     schedule = [b for _ in range(epochs) for b in length_batches(lengths, max_tokens, batch_rng)]
     train_start, log, running = time.time(), [], 0.0
     for step, batch in enumerate(schedule):
-        width = max(lengths[i] for i in batch)
-        input_ids = torch.full((len(batch), width), PAD_ID, dtype=torch.long)
-        labels = torch.full((len(batch), width), -100, dtype=torch.long)
-        lm_labels = torch.full((len(batch), width), -100, dtype=torch.long)
-        check_labels = torch.full((len(batch), width), -100, dtype=torch.long)
-        for row, i in enumerate(batch):
-            ids, target, lm_target, check_target = encoded[i]
-            input_ids[row, : len(ids)] = torch.tensor(ids)
-            labels[row, : len(ids)] = torch.tensor(target)
-            lm_labels[row, : len(ids)] = torch.tensor(lm_target)
-            check_labels[row, : len(ids)] = torch.tensor(check_target)
+        input_ids, labels, lm_labels, check_labels = collate([encoded[i] for i in batch])
         for group in opt.param_groups:  # linear warmup, linear decay to 10%
             group["lr"] = lr * min((step + 1) / 30, 1.0 - 0.9 * step / len(schedule))
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -199,7 +189,7 @@ def main() -> None:
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     parser.add_argument("--generator", type=Path, default=GENERATOR_DIR)
     parser.add_argument("--out", type=Path, default=PRM_DIR)
-    parser.add_argument("--init", type=Path, default=None, help="start from this PRM instead of the generator")
+    parser.add_argument("--init", type=Path, default=None, help="start from this checkpoint instead of the generator")
     parser.add_argument("--extra-layers", type=int, default=0, help="identity-initialised layers added on top")
     args = parser.parse_args()
     train(
