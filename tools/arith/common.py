@@ -6,6 +6,7 @@ Training-time only (uses torch and `transformers`); the runtime never imports `t
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 import json
@@ -56,6 +57,16 @@ CHAT_TEMPLATE = (
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 MAX_POSITIONS = 512
+
+
+def recipe_parser(doc: str, defaults: dict) -> argparse.ArgumentParser:
+    """A training script's command line: `--seed` and one flag per recipe default
+    (`lm_weight` -> `--lm-weight`, typed like its default)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=0)
+    for name, value in defaults.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    return parser
 
 
 def set_single_thread() -> None:

@@ -23,7 +23,6 @@ as known. It stays at chance for about 2,000 steps, then starts to compare.
 
 from __future__ import annotations
 
-import argparse
 import math
 import random
 import time
@@ -39,6 +38,7 @@ from tools.arith.common import (
     deepen,
     encode_text,
     load_model,
+    recipe_parser,
     save_checkpoint,
     set_single_thread,
 )
@@ -199,10 +199,7 @@ def teach(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seed", type=int, default=0)
-    for name, value in DEFAULTS.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    parser = recipe_parser(__doc__, DEFAULTS)
     parser.add_argument("--init", type=Path, default=GENERATOR_DIR)
     parser.add_argument("--out", type=Path, default=FACTS_DIR)
     parser.add_argument("--check", action="store_true", help="train the fact check on rows with wrong results")

@@ -12,7 +12,6 @@ then one more level every few hundred steps, then all levels uniformly."""
 
 from __future__ import annotations
 
-import argparse
 import math
 import random
 import time
@@ -27,6 +26,7 @@ from tools.arith.common import (
     encode_text,
     model_config,
     prompt_ids,
+    recipe_parser,
     save_checkpoint,
     set_single_thread,
     write_json,
@@ -225,10 +225,7 @@ def _weights(ckpt: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seed", type=int, default=0)
-    for name, value in DEFAULTS.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    parser = recipe_parser(__doc__, DEFAULTS)
     parser.add_argument("--out", type=Path, default=GENERATOR_DIR)
     parser.add_argument("--init", type=Path, default=None, help="continue from this checkpoint")
     parser.add_argument("--single", action="store_true", help="one run with the flags above, not the whole recipe")

@@ -22,7 +22,6 @@ The defaults are the shipped checkpoint's recipe (no drills, no LM term).
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import time
@@ -38,6 +37,7 @@ from tools.arith.common import (
     deepen,
     length_batches,
     load_model,
+    recipe_parser,
     save_checkpoint,
     set_single_thread,
     write_json,
@@ -183,10 +183,7 @@ def train(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seed", type=int, default=0)
-    for name, value in DEFAULTS.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    parser = recipe_parser(__doc__, DEFAULTS)
     parser.add_argument("--generator", type=Path, default=GENERATOR_DIR)
     parser.add_argument("--out", type=Path, default=PRM_DIR)
     parser.add_argument("--init", type=Path, default=None, help="start from this checkpoint instead of the generator")
