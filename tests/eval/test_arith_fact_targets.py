@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import torch
+
 from tools.arith.common import BAD_ID, GOOD_ID, VOCAB
 from tools.arith.drills import fact_table
 from tools.arith.facts import FACTS_PER_ROW, check_row, fact_check_targets, fact_row, result_targets
@@ -51,3 +53,36 @@ def test_check_rows_judge_each_written_result_and_target_the_true_one():
             assert verdict == ("+" if written == truth else "-")
             judged.append(verdict)
     assert 0.3 < judged.count("-") / len(judged) < 0.7
+
+
+def tiny_model(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    from tools.arith.common import model_config, save_checkpoint
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(model_config(hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64))
+    save_checkpoint(model, tmp_path / "init")
+    return model
+
+
+def test_check_stage_trains_only_the_new_layers_and_stops_at_its_target(tmp_path):
+    from tools.arith.common import load_model
+    from tools.arith.facts import build, teach
+
+    base = tiny_model(tmp_path)
+    summary = build(0, tmp_path / "init", tmp_path / "check", check=True, steps=2, rows_per_batch=2, lr=1e-2,
+                    warmup=1, target=1.0, extra_layers=1)  # fmt: skip
+    assert summary["steps"] == 2 and summary["extra_layers"] == 1
+    checked = load_model(tmp_path / "check")
+    assert checked.config.num_hidden_layers == 2
+    before, after = base.state_dict(), checked.state_dict()
+    # bf16 on disk: the frozen base is exactly what was saved, the new layer has learned
+    for name, value in before.items():
+        assert torch.equal(value.to(torch.bfloat16).float(), after[name]), name
+    new_layer = checked.model.layers[1]
+    assert new_layer.self_attn.o_proj.weight.abs().sum() > 0 and new_layer.mlp.down_proj.weight.abs().sum() > 0
+
+    stopped = teach(checked.train(), 0, steps=10, rows_per_batch=2, lr=1e-3, warmup=1, log_every=2, check=True,
+                    target=0.0)  # fmt: skip
+    assert stopped["steps"] == 2 and stopped["max_steps"] == 10

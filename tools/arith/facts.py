@@ -14,17 +14,20 @@ generator's weights. The checkpoint is scratch input for `train_prm --init` (not
 
 The second half of a check is comparing the written result with the known one. `--check`
 trains it on rows whose results are wrong half the time (`check_row`: the true value is the
-target before each result, '+'/'-' the target at it), and `--extra-layers N` puts N new
-identity-initialised layers on top of a fact model and trains only those, so the table stays
-as known. It stays at chance for about 2,000 steps, then starts to compare.
+target before each result, '+'/'-' the target at it). It puts `extra_layers` new
+identity-initialised layers on top of the table model and trains only those, so the table
+stays as known, at a constant learning rate until the check is right on `target` of 800
+held-out results (`CHECK_DEFAULTS`). It stays at chance for about 2,000 steps, then starts to
+compare (grokking-like); a cosine schedule decays the rate before the comparison has formed.
 
-    python -m tools.arith.facts --init <facts model> --check --extra-layers 2 --lr 0.001 --out DIR
+    python -m tools.arith.facts --check --seed 0 [--init <table model>] [--out DIR]
 """
 
 from __future__ import annotations
 
 import math
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -47,8 +50,12 @@ from tools.arith.prm_io import prm_input
 from treeserve.eval.arith import OPS, apply_op
 
 FACTS_DIR = WORK_DIR / "arith-facts"
+CHECK_DIR = WORK_DIR / "arith-check"
 FACTS_PER_ROW = 8
 DEFAULTS = {"steps": 6000, "rows_per_batch": 32, "lr": 2e-3, "warmup": 100}
+# The check stage: constant lr after warmup (a decaying one stalls the comparison while it is
+# still forming), stopped at the first log line where held-out check accuracy reaches `target`.
+CHECK_DEFAULTS = {"steps": 30000, "rows_per_batch": 32, "lr": 1e-3, "warmup": 100, "target": 0.95, "extra_layers": 2}
 EQUALS_ID, SPACE_ID = VOCAB["="], VOCAB[" "]
 TOKENS = {i: tok for tok, i in VOCAB.items()}
 
@@ -141,11 +148,12 @@ def fact_accuracy(model, facts: list[Fact], rows_per_batch: int = 64) -> float:
 
 def teach(
     model, seed: int, steps: int, rows_per_batch: int, lr: float, warmup: int, log_every: int = 250,
-    checkpoint: Path | None = None, check: bool = False,
+    checkpoint: Path | None = None, check: bool = False, target: float = 1.0,
 ) -> dict:  # fmt: skip
-    """Train `model`'s trainable parameters in place on the fact table (with `check`, on
-    `check_row`s: half the results wrong, judged at the result token); returns the training
-    log. With `checkpoint`, the model is saved there at every log line."""
+    """Train `model`'s trainable parameters in place on the fact table (cosine schedule), or
+    with `check` on `check_row`s (half the results wrong, judged at the result token; constant
+    lr, stopping once check accuracy on 100 held-out rows reaches `target`); returns the
+    training log. With `checkpoint`, the model is saved there at every log line."""
     import torch
 
     torch.manual_seed(seed)
@@ -168,8 +176,8 @@ def teach(
             rows.append(check_row(rng, chunk) if check else fact_row(chunk))
             del order[:FACTS_PER_ROW]
         input_ids, targets = collate(rows)
-        progress = max(0.0, (step - warmup) / max(1, steps - warmup))
-        for group in opt.param_groups:  # linear warmup, cosine decay to 5%
+        progress = 0.0 if check else max(0.0, (step - warmup) / max(1, steps - warmup))
+        for group in opt.param_groups:  # linear warmup, cosine decay to 5% (check: constant)
             group["lr"] = lr * min((step + 1) / warmup, 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = model(input_ids=input_ids).logits
@@ -192,31 +200,42 @@ def teach(
             running = 0.0
             if checkpoint is not None:
                 save_checkpoint(model, checkpoint)
+            if check and checked >= target:
+                break
     model.eval()
-    return {"seed": seed, "steps": steps, "rows_per_batch": rows_per_batch, "facts_per_row": FACTS_PER_ROW,
+    return {"seed": seed, "steps": step + 1, "max_steps": steps, "target": target, "rows_per_batch": rows_per_batch,
+            "facts_per_row": FACTS_PER_ROW,
             "peak_lr": lr, "warmup": warmup, "check": check, "train_seconds": time.time() - start,
             "table_accuracy": fact_accuracy(model, facts), "log": log}  # fmt: skip
 
 
-def main() -> None:
-    parser = recipe_parser(__doc__, DEFAULTS)
-    parser.add_argument("--init", type=Path, default=GENERATOR_DIR)
-    parser.add_argument("--out", type=Path, default=FACTS_DIR)
-    parser.add_argument("--check", action="store_true", help="train the fact check on rows with wrong results")
-    parser.add_argument("--extra-layers", type=int, default=0, help="train only this many new layers on top")
-    args = parser.parse_args()
+def build(seed: int, init: Path, out: Path, check: bool = False, **recipe) -> dict:
+    """Run one stage (the table, or with `check` the check on top of a table model) from the
+    checkpoint in `init` and save the result to `out`; returns the training summary.
+    `recipe` is `DEFAULTS` or `CHECK_DEFAULTS`, possibly changed."""
     set_single_thread()
-    model = deepen(load_model(args.init), args.extra_layers)
-    if args.extra_layers:  # the table stays exactly as known; only the new layers learn
+    extra_layers = recipe.pop("extra_layers", 0)
+    model = deepen(load_model(init), extra_layers)
+    if extra_layers:  # the table stays exactly as known; only the new layers learn
         model.requires_grad_(False)
-        for layer in model.model.layers[-args.extra_layers :]:
+        for layer in model.model.layers[-extra_layers:]:
             layer.requires_grad_(True)
     print(f"table accuracy before: {fact_accuracy(model, fact_table()):.3f}", flush=True)
-    summary = teach(
-        model, args.seed, args.steps, args.rows_per_batch, args.lr, args.warmup, checkpoint=args.out, check=args.check
-    )  # fmt: skip
-    save_checkpoint(model, args.out)
+    summary = teach(model, seed, checkpoint=out, check=check, **recipe)
+    save_checkpoint(model, out)
     print(f"table accuracy after: {summary['table_accuracy']:.4f} ({summary['train_seconds'] / 60:.1f} min)")
+    return summary | {"init": init.name, "extra_layers": extra_layers}
+
+
+def main() -> None:
+    check = "--check" in sys.argv[1:]
+    defaults = CHECK_DEFAULTS if check else DEFAULTS
+    parser = recipe_parser(__doc__, defaults)
+    parser.add_argument("--init", type=Path, default=FACTS_DIR if check else GENERATOR_DIR)
+    parser.add_argument("--out", type=Path, default=CHECK_DIR if check else FACTS_DIR)
+    parser.add_argument("--check", action="store_true", help="train the fact check on rows with wrong results")
+    args = parser.parse_args()
+    build(args.seed, args.init, args.out, check, **{name: getattr(args, name) for name in defaults})
 
 
 if __name__ == "__main__":
