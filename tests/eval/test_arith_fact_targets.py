@@ -66,12 +66,12 @@ def tiny_model(tmp_path):
     return model
 
 
-def test_check_stage_trains_only_the_new_layers_and_stops_at_its_target(tmp_path):
+def test_a_stage_trains_only_its_new_layers_and_stops_at_its_target(tmp_path):
     from tools.arith.common import load_model
     from tools.arith.facts import build, teach
 
     base = tiny_model(tmp_path)
-    summary = build(0, tmp_path / "init", tmp_path / "check", check=True, steps=2, rows_per_batch=2, lr=1e-2,
+    summary = build("check", 0, tmp_path / "init", tmp_path / "check", steps=2, rows_per_batch=2, lr=1e-2,
                     warmup=1, target=1.0, extra_layers=1)  # fmt: skip
     assert summary["steps"] == 2 and summary["extra_layers"] == 1
     checked = load_model(tmp_path / "check")
@@ -83,6 +83,26 @@ def test_check_stage_trains_only_the_new_layers_and_stops_at_its_target(tmp_path
     new_layer = checked.model.layers[1]
     assert new_layer.self_attn.o_proj.weight.abs().sum() > 0 and new_layer.mlp.down_proj.weight.abs().sum() > 0
 
-    stopped = teach(checked.train(), 0, steps=10, rows_per_batch=2, lr=1e-3, warmup=1, log_every=2, check=True,
-                    target=0.0)  # fmt: skip
-    assert stopped["steps"] == 2 and stopped["max_steps"] == 10
+    for stage in ("check", "route"):
+        stopped = teach(checked.train(), stage, 0, steps=10, rows_per_batch=2, lr=1e-3, warmup=1, target=0.0,
+                        log_every=2)  # fmt: skip
+        assert stopped["steps"] == 2 and stopped["max_steps"] == 10
+
+
+def test_drill_rows_judge_the_step_at_its_tag():
+    from tools.arith.common import STEP_TAG_ID
+    from tools.arith.facts import drill_row, result_positions
+
+    rng = random.Random(0)
+    verdicts = []
+    for a, op, b in fact_table()[:300]:
+        ids, targets = drill_row(rng, [(a, op, b)])
+        tags = [i for i, t in enumerate(targets) if t >= 0]
+        assert tags and all(ids[i] == STEP_TAG_ID for i in tags)
+        written = TOKENS[ids[result_positions(ids, tags)[0] + 1]]
+        verdict = targets[tags[0]]
+        # a wrong result is always judged '-'; '+' needs the right result (and a right carried value)
+        assert verdict == BAD_ID or written == str(apply_op(op, a, b))
+        assert written == str(apply_op(op, a, b)) or verdict == BAD_ID
+        verdicts.append(verdict)
+    assert 0.3 < verdicts.count(BAD_ID) / len(verdicts) < 0.7

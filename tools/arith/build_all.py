@@ -2,9 +2,11 @@
 
     python -m tools.arith.build_all --seed 0
 
-Trains the generator, samples it and trains the PRM, evaluates both on the test split and
-writes `treeserve/assets/arith-{generator,prm}/` (weights, tokenizer, chat template,
-`prm_config.json`, `README.md` model cards, `eval.json`). One CPU thread throughout.
+Trains the generator; then the PRM in three stages, each starting from the last: the fact
+table (`tools.arith.facts`), the fact check on top of it (`tools.arith.facts --check`), and
+the PRM on the generator's own samples (`tools.arith.train_prm`). Evaluates both models on the
+test split and writes `treeserve/assets/arith-{generator,prm}/` (weights, tokenizer, chat
+template, `prm_config.json`, `README.md` model cards, `eval.json`). One CPU thread throughout.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from tools.arith import evaluate, train_generator, train_prm
+from tools.arith import evaluate, facts, train_generator, train_prm
 from tools.arith.common import GENERATOR_DIR, PRM_DIR, WORK_DIR, read_json, set_single_thread, write_json
 from tools.arith.model_card import minutes_text, write_cards
 
@@ -33,15 +35,24 @@ def main() -> None:
     if args.skip_prm:
         prm_train = read_json(WORK_DIR / "prm_train.json")
     else:
-        prm_train = train_prm.train(args.seed, **train_prm.DEFAULTS, generator_dir=GENERATOR_DIR, out_dir=PRM_DIR)
+        stages, init = {}, GENERATOR_DIR
+        for stage in facts.STAGES:
+            stages[stage] = facts.build(stage, args.seed, init, facts.STAGE_DIRS[stage], **facts.DEFAULTS[stage])
+            init = facts.STAGE_DIRS[stage]
+        prm_train = train_prm.train(
+            args.seed, **train_prm.DEFAULTS, generator_dir=GENERATOR_DIR, out_dir=PRM_DIR, init_dir=init
+        )  # fmt: skip
+        prm_train["stages"] = stages
+        write_json(WORK_DIR / "prm_train.json", prm_train)
     results = evaluate.evaluate(GENERATOR_DIR, PRM_DIR, per_level_sampled=50, n=16, temperature=0.8, seed=args.seed)
     write_json(WORK_DIR / "eval.json", results)
     write_cards(GENERATOR_DIR, PRM_DIR, gen_train, prm_train, results)
     total = time.time() - start
     print(evaluate.format_table(results))
+    stages = " + ".join(f"{name} {st['train_seconds'] / 60:.1f}" for name, st in prm_train["stages"].items())
     print(
-        f"generator training {minutes_text(gen_train['train_seconds'])} min, PRM sampling "
-        f"{prm_train['sample_seconds'] / 60:.1f} min + training {prm_train['train_seconds'] / 60:.1f} min, "
+        f"generator training {minutes_text(gen_train['train_seconds'])} min; PRM stages {stages} min, "
+        f"sampling {prm_train['sample_seconds'] / 60:.1f} min + training {prm_train['train_seconds'] / 60:.1f} min; "
         f"build total {total / 60:.1f} min"
     )
 

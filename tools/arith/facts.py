@@ -25,9 +25,9 @@ compare (grokking-like); a cosine schedule decays the rate before the comparison
 
 from __future__ import annotations
 
+import argparse
 import math
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -45,17 +45,22 @@ from tools.arith.common import (
     save_checkpoint,
     set_single_thread,
 )
-from tools.arith.drills import Fact, fact_table, wrong_result
+from tools.arith.drills import Fact, fact_drill, fact_table, wrong_result
+from tools.arith.evaluate import fact_drill_auc
 from tools.arith.prm_io import prm_input
 from treeserve.eval.arith import OPS, apply_op
 
-FACTS_DIR = WORK_DIR / "arith-facts"
-CHECK_DIR = WORK_DIR / "arith-check"
 FACTS_PER_ROW = 8
-DEFAULTS = {"steps": 6000, "rows_per_batch": 32, "lr": 2e-3, "warmup": 100}
-# The check stage: constant lr after warmup (a decaying one stalls the comparison while it is
-# still forming), stopped at the first log line where held-out check accuracy reaches `target`.
-CHECK_DEFAULTS = {"steps": 30000, "rows_per_batch": 32, "lr": 1e-3, "warmup": 100, "target": 0.95, "extra_layers": 2}
+STAGES = ("table", "check", "route")
+STAGE_DIRS = {stage: WORK_DIR / f"arith-{stage}" for stage in STAGES}
+# The check and route stages run at a constant lr after warmup (a decaying one stalls a
+# comparison that is still forming) and stop at the first log line where their held-out score
+# reaches `target`; they train only their `extra_layers` new layers.
+DEFAULTS = {
+    "table": {"steps": 6000, "rows_per_batch": 32, "lr": 2e-3, "warmup": 100, "target": 1.0, "extra_layers": 0},
+    "check": {"steps": 30000, "rows_per_batch": 32, "lr": 1e-3, "warmup": 100, "target": 0.95, "extra_layers": 2},
+    "route": {"steps": 5000, "rows_per_batch": 32, "lr": 1e-3, "warmup": 100, "target": 0.95, "extra_layers": 1},
+}
 EQUALS_ID, SPACE_ID = VOCAB["="], VOCAB[" "]
 TOKENS = {i: tok for tok, i in VOCAB.items()}
 
@@ -118,6 +123,22 @@ def check_row(rng: random.Random, facts: list[Fact]) -> tuple[list[int], list[in
     return ids, target
 
 
+def tag_targets(ids: list[int], tags: list[int], labels: list[bool]) -> list[int]:
+    """'+' or '-' (the step's label) at each step tag, -100 elsewhere: the PRM's own target."""
+    target = [-100] * len(ids)
+    for pos, good in zip(tags, labels, strict=True):
+        target[pos] = GOOD_ID if good else BAD_ID
+    return target
+
+
+def drill_row(rng: random.Random, facts: list[Fact]) -> tuple[list[int], list[int]]:
+    """A fact drill (`drills.fact_drill`) of the first fact, right or wrong with probability
+    1/2, judged at its step tags: the check read where the PRM reports it."""
+    problem, steps, labels = fact_drill(rng, facts[0], rng.random() < 0.5)
+    ids, tags = prm_input(problem, steps)
+    return ids, tag_targets(ids, tags, labels)
+
+
 def check_accuracy(model, rows: list[tuple[list[int], list[int]]]) -> float:
     """How often '+' against '-' at a result token says rightly whether the result is right."""
     import torch
@@ -146,14 +167,26 @@ def fact_accuracy(model, facts: list[Fact], rows_per_batch: int = 64) -> float:
     return right / total
 
 
+def held_out_score(stage: str, facts: list[Fact]):
+    """The score that stops a stage at its target, as a function of the model (None: the
+    table stage runs its steps): check accuracy on 100 held-out check rows, or fact-drill AUC."""
+    if stage == "check":
+        rows = [
+            check_row(random.Random(f"check-{i}"), random.Random(i).sample(facts, FACTS_PER_ROW)) for i in range(100)
+        ]
+        return lambda model: check_accuracy(model, rows)
+    return fact_drill_auc if stage == "route" else None
+
+
 def teach(
-    model, seed: int, steps: int, rows_per_batch: int, lr: float, warmup: int, log_every: int = 250,
-    checkpoint: Path | None = None, check: bool = False, target: float = 1.0,
+    model, stage: str, seed: int, steps: int, rows_per_batch: int, lr: float, warmup: int, target: float = 1.0,
+    log_every: int = 250, checkpoint: Path | None = None,
 ) -> dict:  # fmt: skip
-    """Train `model`'s trainable parameters in place on the fact table (cosine schedule), or
-    with `check` on `check_row`s (half the results wrong, judged at the result token; constant
-    lr, stopping once check accuracy on 100 held-out rows reaches `target`); returns the
-    training log. With `checkpoint`, the model is saved there at every log line."""
+    """Train `model`'s trainable parameters in place on one stage's rows, walking the shuffled
+    table `FACTS_PER_ROW` facts at a time: `fact_row`s with a cosine schedule ("table"), or
+    `check_row`s / `drill_row`s at a constant lr until `held_out_score` reaches `target`
+    ("check" / "route"). Returns the training log; with `checkpoint`, the model is saved there
+    at every log line."""
     import torch
 
     torch.manual_seed(seed)
@@ -161,23 +194,22 @@ def teach(
     facts = fact_table()
     model.train()
     model.config._attn_implementation = "eager"
-    check_rows = [check_row(random.Random(f"check-{i}"), random.Random(i).sample(facts, FACTS_PER_ROW))
-                  for i in range(100)] if check else []  # fmt: skip
+    make_row = {"table": lambda rng, chunk: fact_row(chunk), "check": check_row, "route": drill_row}[stage]
+    score = held_out_score(stage, facts)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     start, log, running = time.time(), [], 0.0
     order: list[Fact] = []
     for step in range(steps):
         rows = []
-        for _ in range(rows_per_batch):  # passes over the shuffled table, FACTS_PER_ROW at a time
+        for _ in range(rows_per_batch):
             if len(order) < FACTS_PER_ROW:
                 order += rng.sample(facts, len(facts))
-            chunk = order[:FACTS_PER_ROW]
-            rows.append(check_row(rng, chunk) if check else fact_row(chunk))
+            rows.append(make_row(rng, order[:FACTS_PER_ROW]))
             del order[:FACTS_PER_ROW]
         input_ids, targets = collate(rows)
-        progress = 0.0 if check else max(0.0, (step - warmup) / max(1, steps - warmup))
-        for group in opt.param_groups:  # linear warmup, cosine decay to 5% (check: constant)
+        progress = 0.0 if score else max(0.0, (step - warmup) / max(1, steps - warmup))
+        for group in opt.param_groups:  # linear warmup, cosine decay to 5% (or constant)
             group["lr"] = lr * min((step + 1) / warmup, 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = model(input_ids=input_ids).logits
@@ -190,52 +222,52 @@ def teach(
         if (step + 1) % log_every == 0 or step + 1 == steps:
             model.eval()
             accuracy = fact_accuracy(model, rng.sample(facts, 1000))
-            checked = check_accuracy(model, check_rows) if check else None
+            held_out = score(model) if score else None
             model.train()
             entry = {"step": step + 1, "loss": running / log_every, "sample_accuracy": accuracy,
-                     "check_accuracy": checked, "elapsed_s": time.time() - start}  # fmt: skip
+                     "held_out_score": held_out, "elapsed_s": time.time() - start}  # fmt: skip
             log.append(entry)
-            print(f"facts step {step + 1}/{steps} loss {entry['loss']:.4f} acc {accuracy:.3f} "
-                  f"check {checked} {entry['elapsed_s']:.0f}s", flush=True)  # fmt: skip
+            print(f"{stage} step {step + 1}/{steps} loss {entry['loss']:.4f} table {accuracy:.3f} "
+                  f"held-out {held_out} {entry['elapsed_s']:.0f}s", flush=True)  # fmt: skip
             running = 0.0
             if checkpoint is not None:
                 save_checkpoint(model, checkpoint)
-            if check and checked >= target:
+            if held_out is not None and held_out >= target:
                 break
     model.eval()
-    return {"seed": seed, "steps": step + 1, "max_steps": steps, "target": target, "rows_per_batch": rows_per_batch,
-            "facts_per_row": FACTS_PER_ROW,
-            "peak_lr": lr, "warmup": warmup, "check": check, "train_seconds": time.time() - start,
+    return {"stage": stage, "seed": seed, "steps": step + 1, "max_steps": steps, "target": target,
+            "rows_per_batch": rows_per_batch, "peak_lr": lr, "warmup": warmup, "train_seconds": time.time() - start,
             "table_accuracy": fact_accuracy(model, facts), "log": log}  # fmt: skip
 
 
-def build(seed: int, init: Path, out: Path, check: bool = False, **recipe) -> dict:
-    """Run one stage (the table, or with `check` the check on top of a table model) from the
-    checkpoint in `init` and save the result to `out`; returns the training summary.
-    `recipe` is `DEFAULTS` or `CHECK_DEFAULTS`, possibly changed."""
+def build(stage: str, seed: int, init: Path, out: Path, extra_layers: int = 0, **recipe) -> dict:
+    """Run one stage from the checkpoint in `init` and save the result to `out`; returns the
+    training summary. With `extra_layers`, that many identity-initialised layers go on top and
+    only they learn, so what the layers below know (the table, the check) stays as it is."""
     set_single_thread()
-    extra_layers = recipe.pop("extra_layers", 0)
     model = deepen(load_model(init), extra_layers)
-    if extra_layers:  # the table stays exactly as known; only the new layers learn
+    if extra_layers:
         model.requires_grad_(False)
         for layer in model.model.layers[-extra_layers:]:
             layer.requires_grad_(True)
-    print(f"table accuracy before: {fact_accuracy(model, fact_table()):.3f}", flush=True)
-    summary = teach(model, seed, checkpoint=out, check=check, **recipe)
+    print(f"{stage}: table accuracy before {fact_accuracy(model, fact_table()):.3f}", flush=True)
+    summary = teach(model, stage, seed, checkpoint=out, **recipe)
     save_checkpoint(model, out)
-    print(f"table accuracy after: {summary['table_accuracy']:.4f} ({summary['train_seconds'] / 60:.1f} min)")
+    print(f"{stage}: table accuracy after {summary['table_accuracy']:.4f} ({summary['train_seconds'] / 60:.1f} min)")
     return summary | {"init": init.name, "extra_layers": extra_layers}
 
 
 def main() -> None:
-    check = "--check" in sys.argv[1:]
-    defaults = CHECK_DEFAULTS if check else DEFAULTS
-    parser = recipe_parser(__doc__, defaults)
-    parser.add_argument("--init", type=Path, default=FACTS_DIR if check else GENERATOR_DIR)
-    parser.add_argument("--out", type=Path, default=CHECK_DIR if check else FACTS_DIR)
-    parser.add_argument("--check", action="store_true", help="train the fact check on rows with wrong results")
+    stages = argparse.ArgumentParser(add_help=False)
+    stages.add_argument("--stage", choices=STAGES, default="table")
+    stage = stages.parse_known_args()[0].stage
+    parser = recipe_parser(__doc__, DEFAULTS[stage])
+    parser.add_argument("--stage", choices=STAGES, default="table")
+    previous = STAGE_DIRS[STAGES[STAGES.index(stage) - 1]] if stage != "table" else GENERATOR_DIR
+    parser.add_argument("--init", type=Path, default=previous)
+    parser.add_argument("--out", type=Path, default=STAGE_DIRS[stage])
     args = parser.parse_args()
-    build(args.seed, args.init, args.out, check, **{name: getattr(args, name) for name in defaults})
+    build(stage, args.seed, args.init, args.out, **{name: getattr(args, name) for name in DEFAULTS[stage]})
 
 
 if __name__ == "__main__":

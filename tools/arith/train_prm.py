@@ -28,9 +28,7 @@ import time
 from pathlib import Path
 
 from tools.arith.common import (
-    BAD_ID,
     GENERATOR_DIR,
-    GOOD_ID,
     PRM_DIR,
     WORK_DIR,
     collate,
@@ -45,7 +43,7 @@ from tools.arith.common import (
 from tools.arith.data import LEVELS, held_out_texts, problem_stream
 from tools.arith.drills import drill_examples
 from tools.arith.evaluate import corruption_check, fact_drill_auc
-from tools.arith.facts import fact_check_targets, result_targets
+from tools.arith.facts import STAGE_DIRS, fact_check_targets, result_targets, tag_targets
 from tools.arith.prm_data import Example, synthetic_examples
 from tools.arith.prm_io import PRM_FORMAT, prm_input
 from tools.arith.sampling import generate, load_llm, max_new_tokens_for
@@ -55,7 +53,8 @@ from treeserve.eval.arith_labels import split_steps, step_labels
 DEFAULTS = {
     "on_policy_per_level": 400, "samples_per_problem": 4, "synthetic_per_level": 1500,
     "epochs": 4, "max_tokens": 2048, "lr": 1e-3,
-    "drill_passes": 0, "prefix_drills_per_level": 0, "lm_weight": 0.0, "fact_check_weight": 0.0, "check_every": 0,
+    "drill_passes": 1, "prefix_drills_per_level": 0, "lm_weight": 0.5, "fact_check_weight": 1.0, "check_every": 0,
+    "extra_layers": 1,
 }  # fmt: skip
 
 
@@ -124,10 +123,8 @@ def train(
     encoded = []
     for problem, steps, labels in data:
         ids, tags = prm_input(problem, steps)
-        target = [-100] * len(ids)
-        for pos, good in zip(tags, labels, strict=True):
-            target[pos] = GOOD_ID if good else BAD_ID
-        encoded.append((ids, target, result_targets(ids, tags, labels), fact_check_targets(ids, tags)))
+        targets = (tag_targets(ids, tags, labels), result_targets(ids, tags, labels), fact_check_targets(ids, tags))
+        encoded.append((ids, *targets))
     # The PRM starts as a copy of the generator, or continues from `init_dir` (an earlier PRM).
     model = deepen(load_model(init_dir or generator_dir), extra_layers).train()
     model.config._attn_implementation = "eager"
@@ -186,15 +183,10 @@ def main() -> None:
     parser = recipe_parser(__doc__, DEFAULTS)
     parser.add_argument("--generator", type=Path, default=GENERATOR_DIR)
     parser.add_argument("--out", type=Path, default=PRM_DIR)
-    parser.add_argument("--init", type=Path, default=None, help="start from this checkpoint instead of the generator")
-    parser.add_argument("--extra-layers", type=int, default=0, help="identity-initialised layers added on top")
+    parser.add_argument("--init", type=Path, default=STAGE_DIRS["route"], help="the checkpoint to start from")
     args = parser.parse_args()
-    train(
-        args.seed, args.on_policy_per_level, args.samples_per_problem, args.synthetic_per_level,
-        args.epochs, args.max_tokens, args.lr, args.generator, args.out,
-        args.drill_passes, args.prefix_drills_per_level, args.lm_weight, args.fact_check_weight, args.check_every,
-        args.init, args.extra_layers,
-    )  # fmt: skip
+    recipe = {name: getattr(args, name) for name in DEFAULTS}
+    train(args.seed, **recipe, generator_dir=args.generator, out_dir=args.out, init_dir=args.init)
 
 
 if __name__ == "__main__":
