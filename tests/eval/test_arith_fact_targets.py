@@ -68,12 +68,13 @@ def tiny_model(tmp_path):
 
 def test_a_stage_trains_only_its_new_layers_and_stops_at_its_target(tmp_path):
     from tools.arith.common import load_model
-    from tools.arith.facts import build, teach
+    from tools.arith.facts import build, curriculum, teach
 
     base = tiny_model(tmp_path)
     summary = build("check", 0, tmp_path / "init", tmp_path / "check", steps=2, rows_per_batch=2, lr=1e-2,
                     warmup=1, target=1.0, extra_layers=1)  # fmt: skip
     assert summary["steps"] == 2 and summary["extra_layers"] == 1
+    assert list(curriculum(tmp_path / "check")) == ["check"] and curriculum(tmp_path / "init") == {}
     checked = load_model(tmp_path / "check")
     assert checked.config.num_hidden_layers == 2
     before, after = base.state_dict(), checked.state_dict()

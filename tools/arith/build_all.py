@@ -35,15 +35,13 @@ def main() -> None:
     if args.skip_prm:
         prm_train = read_json(WORK_DIR / "prm_train.json")
     else:
-        stages, init = {}, GENERATOR_DIR
+        init = GENERATOR_DIR
         for stage in facts.STAGES:
-            stages[stage] = facts.build(stage, args.seed, init, facts.STAGE_DIRS[stage], **facts.DEFAULTS[stage])
+            facts.build(stage, args.seed, init, facts.STAGE_DIRS[stage], **facts.DEFAULTS[stage])
             init = facts.STAGE_DIRS[stage]
         prm_train = train_prm.train(
             args.seed, **train_prm.DEFAULTS, generator_dir=GENERATOR_DIR, out_dir=PRM_DIR, init_dir=init
         )  # fmt: skip
-        prm_train["stages"] = stages
-        write_json(WORK_DIR / "prm_train.json", prm_train)
     results = evaluate.evaluate(GENERATOR_DIR, PRM_DIR, per_level_sampled=50, n=16, temperature=0.8, seed=args.seed)
     write_json(WORK_DIR / "eval.json", results)
     write_cards(GENERATOR_DIR, PRM_DIR, gen_train, prm_train, results)

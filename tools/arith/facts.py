@@ -41,9 +41,11 @@ from tools.arith.common import (
     deepen,
     encode_text,
     load_model,
+    read_json,
     recipe_parser,
     save_checkpoint,
     set_single_thread,
+    write_json,
 )
 from tools.arith.drills import Fact, fact_drill, fact_table, wrong_result
 from tools.arith.evaluate import fact_drill_auc
@@ -53,6 +55,7 @@ from treeserve.eval.arith import OPS, apply_op
 FACTS_PER_ROW = 8
 STAGES = ("table", "check", "route")
 STAGE_DIRS = {stage: WORK_DIR / f"arith-{stage}" for stage in STAGES}
+STAGE_FILE = "stage.json"  # a stage's training summary, saved with its checkpoint
 # The check and route stages run at a constant lr after warmup (a decaying one stalls a
 # comparison that is still forming) and stop at the first log line where their held-out score
 # reaches `target`; they train only their `extra_layers` new layers.
@@ -251,10 +254,22 @@ def build(stage: str, seed: int, init: Path, out: Path, extra_layers: int = 0, *
         for layer in model.model.layers[-extra_layers:]:
             layer.requires_grad_(True)
     print(f"{stage}: table accuracy before {fact_accuracy(model, fact_table()):.3f}", flush=True)
-    summary = teach(model, stage, seed, checkpoint=out, **recipe)
+    summary = teach(model, stage, seed, checkpoint=out, **recipe) | {"init": str(init), "extra_layers": extra_layers}
     save_checkpoint(model, out)
+    write_json(out / STAGE_FILE, summary)
     print(f"{stage}: table accuracy after {summary['table_accuracy']:.4f} ({summary['train_seconds'] / 60:.1f} min)")
-    return summary | {"init": init.name, "extra_layers": extra_layers}
+    return summary
+
+
+def curriculum(ckpt: Path) -> dict[str, dict]:
+    """The stages that made the checkpoint in `ckpt`, first to last, from the `STAGE_FILE`
+    each stage leaves next to its weights (empty for a checkpoint no stage made)."""
+    stages: dict[str, dict] = {}
+    while (ckpt / STAGE_FILE).exists():
+        summary = read_json(ckpt / STAGE_FILE)
+        stages = {summary["stage"]: summary} | stages
+        ckpt = Path(summary["init"])
+    return stages
 
 
 def main() -> None:

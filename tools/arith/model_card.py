@@ -151,6 +151,31 @@ requests); bf16 compute can differ by a few problems.
 """
 
 
+STAGE_TEXT = {
+    "table": ("the result of every `a op b` (4,647 facts)", "`fact_row`: 8 true facts, loss on each result"),
+    "check": ("is a written result right?", "`check_row`: half the results wrong, '+'/'-' at each"),
+    "route": ("reading the check at the step tag", "`drill_row`: one fact drill, '+'/'-' at its tags"),
+}
+
+
+def _stage_rows(stages: dict) -> str:
+    rows = [
+        "| stage | teaches | rows | layers trained | lr | steps | stopped at (held-out) | minutes |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, st in stages.items():
+        teaches, rows_text = STAGE_TEXT[name]
+        layers = f"{st['extra_layers']} new on top (rest frozen)" if st["extra_layers"] else "all"
+        schedule = "cosine" if name == "table" else "constant"
+        score = st["log"][-1]["held_out_score"]
+        stopped = f"{score:.3f} (target {st['target']})" if score is not None else f"table {st['table_accuracy']:.1%}"
+        rows.append(
+            f"| {name} | {teaches} | {rows_text} | {layers} | {st['peak_lr']} {schedule} | {st['steps']} "
+            f"| {stopped} | {st['train_seconds'] / 60:.1f} |"
+        )
+    return "\n".join(rows)
+
+
 def _corruption_rows(corruptions: dict) -> str:
     rows = ["| mistake | first wrong step | right step before it | step AUC |", "|---|---|---|---|"]
     for kind, m in corruptions.items():
@@ -165,6 +190,7 @@ def prm_card(ckpt: Path, train: dict, results: dict) -> str:
     for lv, m in prm["by_level"].items():
         rows.append(f"| {lv} | {m['steps']} | {m['bad_steps']} | {m['auc']:.3f} |")
     rows.append(f"| all | {prm['steps']} | {prm['bad_steps']} | {prm['auc']:.3f} |")
+    stage_minutes = sum(st["train_seconds"] for st in train["stages"].values()) / 60
     return f"""# arith-prm
 
 The process reward model of treeserve's built-in arithmetic world, Math-Shepherd style: a step
@@ -189,27 +215,39 @@ position of the i-th `<|step|>` (the label is the next-token prediction at the t
 ## Model
 
 {_arch(config, train["parameters"])}
-Initialised from `arith-generator`. {_tokens()}
+The generator's layers plus three layers added during training (below). {_tokens()}
 
-## Labels and data
+## Training: a curriculum, then judged solutions
 
-A step is good iff its arithmetic is right and it uses correct earlier results
-(`treeserve.eval.arith_labels.step_labels`: the step is an operation of the true current
-expression with correct operands, its result and its rewritten rest are exact; the final step
-is good iff its boxed value is the true answer). Training solutions: {train["on_policy_solutions"]}
-on-policy samples of the generator (T=0.8 and T=1.0) on training problems, plus
-{train["synthetic_solutions"]} synthetic solutions: reference solutions corrupted on purpose (wrong result,
-several slips, miscopied operand, miscopied rest, wrong order of operations, wrong final answer),
-each next to its correct reference, so that the pair differs only where the mistake is;
-{train["steps_labelled"]} labelled steps, {train["bad_steps"]} bad. Loss: cross-entropy of the label
-token at tag positions only; {train["optimizer_steps"]} AdamW steps ({train["epochs"]} epochs,
-~{train["max_tokens_per_batch"]} tokens each), peak lr {train["peak_lr"]}, bf16 autocast, seed {train["seed"]}.
+A PRM can only call `87 + 15 = 101` wrong if it knows that 87 + 15 is 102, compares that with
+the 101 written, and reports the comparison at the step's tag. Trained on judged solutions
+alone, a model of this size learns none of the three (it learned to judge steps by their depth
+and their copying instead, and beam search with it lost to majority voting). So it is taught
+one at a time, each stage starting from the last (`python -m tools.arith.facts --stage NAME`;
+all rows in the PRM's input format, AdamW, batches of 32 rows, bf16 autocast, one thread):
 
-## Training
+{_stage_rows(train["stages"])}
 
-`{COMMAND}` (this model: `python -m tools.arith.train_prm --seed {train["seed"]}`) on one CPU
-thread: {train["sample_seconds"] / 60:.1f} min sampling the generator, {train["train_seconds"] / 60:.1f} min
-training.
+The check forms late: it stays at chance for about 2,000 steps and then climbs (a decaying
+learning rate stalls it, hence the constant one). The route forms after about 300 steps.
+
+Then the PRM itself (`python -m tools.arith.train_prm`), all layers trained: the cross-entropy of
+the label ('+' good, '-' bad) at each tag, plus {train["lm_weight"]} x the next-token loss of each
+good step's result (keeps the table) and {train["fact_check_weight"]} x '+'/'-' at each result
+token (keeps the check). A step is good iff its arithmetic is right and it uses correct earlier
+results (`treeserve.eval.arith_labels.step_labels`: the step is an operation of the true current
+expression with correct operands, its result and its rewritten rest are exact; the final step is
+good iff its boxed value is the true answer). Data: {train["on_policy_solutions"]} on-policy samples of
+the generator (T=0.8 and T=1.0) on training problems; {train["synthetic_solutions"]} synthetic
+solutions (reference solutions corrupted on purpose: wrong result, several slips, miscopied
+operand, miscopied rest, wrong order of operations, wrong final answer, each next to its correct
+reference); {train["drills"]} fact drills (one pass over the table, each fact right and wrong), so
+the route stays in use. {train["steps_labelled"]} labelled steps, {train["bad_steps"]} bad;
+{train["optimizer_steps"]} AdamW steps ({train["epochs"]} epochs, ~{train["max_tokens_per_batch"]} tokens
+each), peak lr {train["peak_lr"]}, seed {train["seed"]}.
+
+`{COMMAND}` runs every stage; on one CPU thread the curriculum took {stage_minutes:.0f} min, sampling
+the generator {train["sample_seconds"] / 60:.1f} min and the PRM {train["train_seconds"] / 60:.1f} min.
 
 ## Results
 
@@ -219,37 +257,15 @@ labels from `step_labels`:
 
 {chr(10).join(rows)}
 
-## Known limitation: it barely tells a wrong step from a right one at the same depth
-
-Step AUC on generator samples rewards knowing that deep steps are more often wrong (after one
-wrong step every later step is wrong). Synthetic mistakes on levels 3-5 separate that from
-checking the step itself: the mean score of the first wrong step against the right step just
-before it (`tools.arith.evaluate.corruption_check`):
+Does it check the step itself? Fact drills (one operation, right or a plausible wrong result,
+nothing else to go on; 0.5 = no check): step AUC **{prm["fact_drill_auc"]:.3f}**. Synthetic mistakes
+on levels 3-5, the mean score of the first wrong step against the right step just before it
+(`tools.arith.evaluate.corruption_check`; step AUC on generator samples also rewards knowing that
+deep steps are more often wrong, this does not):
 
 {_corruption_rows(prm.get("corruptions", dict()))}
 
-Checking a step means comparing numbers across positions (a result with its operands, a
-rewritten expression with the previous one, the boxed answer with the last result). A model of
-this size learns such a comparison only after several hundred optimizer steps of steady signal
-for it: trained on the boxed-answer mistake alone it separates right from wrong (0.93 against
-0.05) after about 700 steps; with every kind of mistake mixed, as here, the checks had not
-formed after 6,600 steps. So PRM-guided search does not beat majority voting with this PRM yet
-(`BENCHMARKS.md`); a PRM that checks steps is the next piece of work on the arithmetic world.
-
-**Tried next (2026-11-23, not shipped).** A PRM cannot call `87 + 15 = 101` wrong without knowing
-87 + 15, and the generator knows 23% of the operation table (top-1). `tools.arith.facts` teaches
-the whole table (4,647 facts; numbers are single tokens) by next-token loss in the PRM's input
-format: 100.0% top-1 after 6,000 AdamW steps (46 min on one core). A PRM trained from that model
-(`python -m tools.arith.train_prm --init <facts model> --lm-weight 0.5`, 26 min) keeps the table
-but still does not compare the written result with the known one: fact-drill AUC 0.55 (0.5 = no
-check), held-out step AUC 0.902, beam search N=16 on 200 level-4/5 problems 17.0% (this
-checkpoint: 21.0%; majority voting: 26.0%), so it is not shipped. On rows of facts with right
-and wrong results and a '+'/'-' target at every result token (`--fact-check-weight`), 2
-identity-initialised layers on top of the frozen fact model stay at chance (51-57%) for about
-2,000 steps and then start to compare: 66% at 2,400 steps, 77% at 3,200, still rising when the
-run was stopped (`python -m tools.arith.facts --init <facts model> --check --extra-layers 2
---lr 0.001`). Training that comparison to the end and then the PRM on top of it is the next
-step.
+Beam search with it against majority voting: `BENCHMARKS.md` (search strategies).
 """
 
 

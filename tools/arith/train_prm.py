@@ -43,7 +43,7 @@ from tools.arith.common import (
 from tools.arith.data import LEVELS, held_out_texts, problem_stream
 from tools.arith.drills import drill_examples
 from tools.arith.evaluate import corruption_check, fact_drill_auc
-from tools.arith.facts import STAGE_DIRS, fact_check_targets, result_targets, tag_targets
+from tools.arith.facts import STAGE_DIRS, curriculum, fact_check_targets, result_targets, tag_targets
 from tools.arith.prm_data import Example, synthetic_examples
 from tools.arith.prm_io import PRM_FORMAT, prm_input
 from tools.arith.sampling import generate, load_llm, max_new_tokens_for
@@ -169,6 +169,7 @@ def train(
         "seed": seed, "parameters": sum(p.numel() for p in model.parameters()),
         "on_policy_solutions": len(on_policy), "synthetic_solutions": len(synthetic), "drills": len(drills),
         "init": "generator" if init_dir is None else init_dir.name, "extra_layers": extra_layers,
+        "stages": curriculum(init_dir) if init_dir is not None else {},
         "drill_passes": drill_passes, "prefix_drills_per_level": prefix_drills_per_level, "lm_weight": lm_weight,
         "fact_check_weight": fact_check_weight,
         "steps_labelled": n_steps, "bad_steps": n_bad, "optimizer_steps": len(schedule), "epochs": epochs,
