@@ -1,23 +1,25 @@
-"""Train the arithmetic-world PRM (Math-Shepherd style step tags), starting from the generator.
+"""Train the arithmetic-world PRM (Math-Shepherd style step tags) on judged solutions.
 
-    python -m tools.arith.train_prm --seed 0
+    python -m tools.arith.train_prm --seed 0 [--init DIR]
+
+It starts from the last stage of the fact curriculum (`tools.arith.facts`: the table, the
+check, the route to the tag; `--init`, by default that stage's scratch directory), which
+knows every `a op b`, compares a written result with it and reports the comparison at the
+step tag. Then:
 
 1. On-policy data: the shipped generator samples solutions (T=0.8 and T=1.0) to training
    problems (never the test split); the step judge labels every step.
 2. Synthetic data: reference solutions corrupted on purpose (`tools.arith.prm_data`).
-3. Optional drills (`--drill-passes`, `--prefix-drills-per-level`): the arithmetic fact table
-   right and wrong, and same-depth prefix pairs (`tools.arith.drills`), mixed in with the
-   rest for the whole run.
-4. Fine-tune a copy of the generator (or `--init` another checkpoint, e.g. an earlier PRM or
-   the fact-table model of `tools.arith.facts`, optionally with `--extra-layers`
-   identity-initialised layers on top): the loss is the next-token cross-entropy of '+'
-   (good) or '-' (bad) at each `<|step|>` position, plus, with `--lm-weight`, the next-token
-   cross-entropy of the result of every good operation step (the facts the check compares
-   against) and, with `--fact-check-weight`, '+'/'-' at the result token of every operation
-   step (is the result right for the operands as written). `--check-every` prints the
-   same-depth corruption AUCs and the fact-drill AUC during training.
+3. Drills (`--drill-passes`, `--prefix-drills-per-level`): the fact table right and wrong, and
+   same-depth prefix pairs (`tools.arith.drills`), mixed in with the rest for the whole run.
+4. Train every layer (`--extra-layers` adds identity-initialised ones on top): the loss is the
+   next-token cross-entropy of '+' (good) or '-' (bad) at each `<|step|>` position, plus
+   `--lm-weight` x the next-token cross-entropy of the result of every good operation step
+   (keeps the table) and `--fact-check-weight` x '+'/'-' at the result token of every
+   operation step (keeps the check). `--check-every` prints the same-depth corruption AUCs and
+   the fact-drill AUC during training.
 
-The defaults are the shipped checkpoint's recipe (no drills, no LM term).
+The defaults are the shipped checkpoint's recipe.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ DEFAULTS = {
     "on_policy_per_level": 400, "samples_per_problem": 4, "synthetic_per_level": 1500,
     "epochs": 4, "max_tokens": 2048, "lr": 1e-3,
     "drill_passes": 1, "prefix_drills_per_level": 0, "lm_weight": 0.5, "fact_check_weight": 1.0, "check_every": 0,
-    "extra_layers": 1,
+    "extra_layers": 0,
 }  # fmt: skip
 
 
