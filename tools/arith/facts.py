@@ -1,26 +1,27 @@
-"""Teach a model the arithmetic world's fact table by next-token loss, before it learns to judge.
+"""The PRM's curriculum on the arithmetic world's fact table: know, compare, report.
 
-    python -m tools.arith.facts --seed 0 [--steps 6000] [--lr 0.002] [--out DIR]
+    python -m tools.arith.facts --stage table|check|route --seed 0 [--init DIR] [--out DIR]
 
-A PRM can only call `87 + 15 = 101` wrong if it knows that 87 + 15 is 102. The generator
-knows the facts of the small numbers it meets most (top-1 on the whole table: 23%), and a PRM
-trained on judged steps alone never learns the rest: a '+'/'-' label says little about which
-value would have been right. Predicting the result of every fact does, so the PRM's recipe
-starts here: rows in the PRM's own input format, each a one-operation problem followed by
-`FACTS_PER_ROW` operation steps of random facts (`a op b = c.<|step|>`), with the loss on
-every result token `c`. Numbers are single tokens, so the table (`drills.fact_table`,
-4,647 facts) is a lookup to memorise: AdamW with a cosine schedule, starting from the
-generator's weights. The checkpoint is scratch input for `train_prm --init` (not shipped).
+A PRM can only call `87 + 15 = 101` wrong if it knows that 87 + 15 is 102, compares that with
+the 101 written, and reports the comparison at the step's tag. Trained on judged solutions
+alone, a model of this size learns none of the three, so each gets a stage; every stage
+starts from the last one's checkpoint (the first from the generator's), in the PRM's own
+input format, and the last one is `train_prm`'s starting point (none is shipped):
 
-The second half of a check is comparing the written result with the known one. `--check`
-trains it on rows whose results are wrong half the time (`check_row`: the true value is the
-target before each result, '+'/'-' the target at it). It puts `extra_layers` new
-identity-initialised layers on top of the table model and trains only those, so the table
-stays as known, at a constant learning rate until the check is right on `target` of 800
-held-out results (`CHECK_DEFAULTS`). It stays at chance for about 2,000 steps, then starts to
-compare (grokking-like); a cosine schedule decays the rate before the comparison has formed.
+- `table`: rows of `FACTS_PER_ROW` true facts (`a op b = c.<|step|>`), loss on every result
+  token `c`. Numbers are single tokens, so the table (`drills.fact_table`, 4,647 facts) is a
+  lookup to memorise: the generator knows 23% of it (top-1), 6,000 steps teach all of it.
+- `check`: rows whose results are wrong half the time (`check_row`: the true value is the
+  target before each result, '+'/'-' the target at it), on 2 new identity-initialised layers
+  over the frozen table model. It stays at chance for about 2,000 steps and then climbs
+  (grokking-like); a decaying learning rate stalls it, so it runs at a constant one until the
+  check is right on 95% of 800 held-out results.
+- `route`: fact drills judged at their step tags (`drill_row`), on 1 new layer over the frozen
+  check model, until the fact-drill AUC (`evaluate.fact_drill_auc`) reaches 0.95. Without it
+  a PRM trained from the check model kept a 0.97-AUC verdict at the result token, yet its
+  tags never read it.
 
-    python -m tools.arith.facts --check --seed 0 [--init <table model>] [--out DIR]
+Each stage saves its summary next to its weights (`STAGE_FILE`); `curriculum` reads them back.
 """
 
 from __future__ import annotations
