@@ -56,7 +56,7 @@ DEFAULTS = {
     "on_policy_per_level": 400, "samples_per_problem": 4, "synthetic_per_level": 1500,
     "epochs": 4, "max_tokens": 2048, "lr": 1e-3,
     "drill_passes": 1, "prefix_drills_per_level": 0, "lm_weight": 0.5, "fact_check_weight": 1.0, "check_every": 0,
-    "extra_layers": 0,
+    "extra_layers": 0, "base_lr_scale": 1.0,
 }  # fmt: skip
 
 
@@ -94,7 +94,7 @@ def train(
     seed: int, on_policy_per_level: int, samples_per_problem: int, synthetic_per_level: int,
     epochs: int, max_tokens: int, lr: float, generator_dir: Path, out_dir: Path,
     drill_passes: int = 0, prefix_drills_per_level: int = 0, lm_weight: float = 0.0, fact_check_weight: float = 0.0,
-    check_every: int = 0, init_dir: Path | None = None, extra_layers: int = 0,
+    check_every: int = 0, init_dir: Path | None = None, extra_layers: int = 0, base_lr_scale: float = 1.0,
 ) -> dict:  # fmt: skip
     set_single_thread()
     import torch
@@ -129,8 +129,18 @@ def train(
         encoded.append((ids, *targets))
     # The PRM starts as a copy of the generator, or continues from `init_dir` (an earlier PRM).
     model = deepen(load_model(init_dir or generator_dir), extra_layers).train()
+    # The layers the init checkpoint already has learn at base_lr_scale x lr (0: frozen), so a
+    # PRM can keep what the curriculum taught while its new layers learn to judge solutions.
+    new = {id(p) for layer in model.model.layers[len(model.model.layers) - extra_layers :] for p in layer.parameters()}
+    base = [p for p in model.parameters() if id(p) not in new]
+    if not base_lr_scale:
+        for p in base:
+            p.requires_grad_(False)
     model.config._attn_implementation = "eager"
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    groups = [{"params": [p for p in model.parameters() if id(p) in new], "scale": 1.0}]
+    groups = [g for g in groups + [{"params": base, "scale": base_lr_scale}] if g["params"] and g["scale"]]
+    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    params = [p for group in groups for p in group["params"]]
     lengths = [len(ids) for ids, *_ in encoded]
     batch_rng = random.Random(f"prm-batches-{seed}")
     schedule = [b for _ in range(epochs) for b in length_batches(lengths, max_tokens, batch_rng)]
@@ -138,7 +148,7 @@ def train(
     for step, batch in enumerate(schedule):
         input_ids, labels, lm_labels, check_labels = collate([encoded[i] for i in batch])
         for group in opt.param_groups:  # linear warmup, linear decay to 10%
-            group["lr"] = lr * min((step + 1) / 30, 1.0 - 0.9 * step / len(schedule))
+            group["lr"] = group["scale"] * lr * min((step + 1) / 30, 1.0 - 0.9 * step / len(schedule))
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = model(input_ids=input_ids).logits  # right padding: causal masking suffices
         # The label is the next-token target at the tag position itself (no shift).
@@ -149,7 +159,7 @@ def train(
             if weight and (extra >= 0).any():
                 total = total + weight * torch.nn.functional.cross_entropy(flat, extra.flatten(), ignore_index=-100)
         total.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         running += loss.item()
@@ -171,7 +181,7 @@ def train(
         "seed": seed, "parameters": sum(p.numel() for p in model.parameters()),
         "on_policy_solutions": len(on_policy), "synthetic_solutions": len(synthetic), "drills": len(drills),
         "init": "generator" if init_dir is None else init_dir.name, "extra_layers": extra_layers,
-        "stages": curriculum(init_dir) if init_dir is not None else {},
+        "base_lr_scale": base_lr_scale, "stages": curriculum(init_dir) if init_dir is not None else {},
         "drill_passes": drill_passes, "prefix_drills_per_level": prefix_drills_per_level, "lm_weight": lm_weight,
         "fact_check_weight": fact_check_weight,
         "steps_labelled": n_steps, "bad_steps": n_bad, "optimizer_steps": len(schedule), "epochs": epochs,
