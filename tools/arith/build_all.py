@@ -2,9 +2,9 @@
 
     python -m tools.arith.build_all --seed 0
 
-Trains the generator; then the PRM in three stages, each starting from the last: the fact
-table (`tools.arith.facts`), the fact check on top of it (`tools.arith.facts --check`), and
-the PRM on the generator's own samples (`tools.arith.train_prm`). Evaluates both models on the
+Trains the generator; then the PRM's curriculum (`tools.arith.facts`: the stages table, check
+and route, each starting from the last) and the PRM on judged solutions, starting from the
+curriculum (`tools.arith.train_prm`). Evaluates both models on the
 test split and writes `treeserve/assets/arith-{generator,prm}/` (weights, tokenizer, chat
 template, `prm_config.json`, `README.md` model cards, `eval.json`). One CPU thread throughout.
 """
