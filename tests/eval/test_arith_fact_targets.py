@@ -67,7 +67,7 @@ def tiny_model(tmp_path):
 
 
 def test_a_stage_trains_only_its_new_layers_and_stops_at_its_target(tmp_path):
-    from tools.arith.common import load_model
+    from tools.arith.common import load_model, read_json, write_json
     from tools.arith.facts import build, curriculum, teach
 
     base = tiny_model(tmp_path)
@@ -75,7 +75,16 @@ def test_a_stage_trains_only_its_new_layers_and_stops_at_its_target(tmp_path):
                     warmup=1, target=1.0, extra_layers=1)  # fmt: skip
     assert summary["steps"] == 2 and summary["extra_layers"] == 1
     assert list(curriculum(tmp_path / "check")) == ["check"] and curriculum(tmp_path / "init") == {}
-    checked = load_model(tmp_path / "check")
+    # a chain of stage directories moved elsewhere together still reads back
+    import shutil
+
+    (tmp_path / "moved").mkdir()
+    shutil.copytree(tmp_path / "check", tmp_path / "moved" / "route")
+    route = read_json(tmp_path / "moved" / "route" / "stage.json") | {"stage": "route", "init": str(tmp_path / "check")}
+    write_json(tmp_path / "moved" / "route" / "stage.json", route)
+    shutil.move(tmp_path / "check", tmp_path / "moved" / "check")
+    assert list(curriculum(tmp_path / "moved" / "route")) == ["check", "route"]
+    checked = load_model(tmp_path / "moved" / "check")
     assert checked.config.num_hidden_layers == 2
     before, after = base.state_dict(), checked.state_dict()
     # bf16 on disk: the frozen base is exactly what was saved, the new layer has learned

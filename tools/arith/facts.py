@@ -264,12 +264,15 @@ def build(stage: str, seed: int, init: Path, out: Path, extra_layers: int = 0, *
 
 def curriculum(ckpt: Path) -> dict[str, dict]:
     """The stages that made the checkpoint in `ckpt`, first to last, from the `STAGE_FILE`
-    each stage leaves next to its weights (empty for a checkpoint no stage made)."""
+    each stage leaves next to its weights (empty for a checkpoint no stage made). A stage's
+    `init` that no longer exists where it was trained is looked for next to `ckpt`, by its
+    name: stage directories copied together (e.g. out of the scratch dir) keep their chain."""
     stages: dict[str, dict] = {}
     while (ckpt / STAGE_FILE).exists():
         summary = read_json(ckpt / STAGE_FILE)
         stages = {summary["stage"]: summary} | stages
-        ckpt = Path(summary["init"])
+        init = Path(summary["init"])
+        ckpt = init if init.exists() else ckpt.parent / init.name
     return stages
 
 

@@ -55,9 +55,9 @@ from treeserve.eval.arith_labels import split_steps, step_labels
 
 DEFAULTS = {
     "on_policy_per_level": 400, "samples_per_problem": 4, "synthetic_per_level": 1500,
-    "epochs": 4, "max_tokens": 2048, "lr": 1e-3,
+    "epochs": 2, "max_tokens": 2048, "lr": 1e-3,
     "drill_passes": 1, "prefix_drills_per_level": 0, "lm_weight": 0.5, "fact_check_weight": 1.0, "check_every": 0,
-    "extra_layers": 0, "base_lr_scale": 1.0,
+    "extra_layers": 2, "base_lr_scale": 0.1,
 }  # fmt: skip
 
 
