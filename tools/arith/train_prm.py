@@ -80,15 +80,18 @@ def on_policy_examples(generator: LLM, problems_by_level: dict, n: int, seed: in
     return out
 
 
-def cached_on_policy(generator_dir: Path, problems_by_level: dict, n: int, seed: int) -> list[Example]:
-    """`on_policy_examples`, kept in the scratch directory: the same seed and sizes sample the same."""
+def cached_on_policy(generator_dir: Path, problems_by_level: dict, n: int, seed: int) -> tuple[list[Example], float]:
+    """`on_policy_examples` and the seconds they took to sample, kept in the scratch directory:
+    the same seed and sizes sample the same."""
     sizes = "-".join(str(len(v)) for v in problems_by_level.values())
     path = WORK_DIR / f"prm_on_policy_seed{seed}_n{n}_{sizes}.json"
     if path.exists():
-        return [(p, steps, labels) for p, steps, labels in json.loads(path.read_text())]
+        cached = json.loads(path.read_text())
+        return [(p, steps, labels) for p, steps, labels in cached["examples"]], cached["seconds"]
+    start = time.time()
     out = on_policy_examples(load_llm(generator_dir), problems_by_level, n, seed)
-    write_json(path, out)
-    return out
+    write_json(path, {"seconds": time.time() - start, "examples": out})
+    return out, time.time() - start
 
 
 def train(
@@ -101,14 +104,12 @@ def train(
     import torch
 
     torch.manual_seed(seed)
-    start = time.time()
     exclude = held_out_texts()
     streams = {lv: problem_stream(random.Random(f"prm-problems-{seed}-{lv}"), lv, exclude) for lv in LEVELS}
-    on_policy = cached_on_policy(
+    on_policy, sample_seconds = cached_on_policy(
         generator_dir, {lv: [next(streams[lv]) for _ in range(on_policy_per_level)] for lv in LEVELS},
         samples_per_problem, seed,
     )  # fmt: skip
-    sample_seconds = time.time() - start
     rng = random.Random(f"prm-synthetic-{seed}")
     synthetic = synthetic_examples(rng, [next(streams[lv]) for lv in LEVELS for _ in range(synthetic_per_level)])
     drill_rng = random.Random(f"prm-drills-{seed}")
@@ -187,7 +188,7 @@ def train(
         "fact_check_weight": fact_check_weight,
         "steps_labelled": n_steps, "bad_steps": n_bad, "optimizer_steps": len(schedule), "epochs": epochs,
         "max_tokens_per_batch": max_tokens, "peak_lr": lr, "sample_seconds": sample_seconds,
-        "train_seconds": train_seconds, "total_seconds": time.time() - start, "log": log,
+        "train_seconds": train_seconds, "log": log,
     }  # fmt: skip
     write_json(WORK_DIR / "prm_train.json", summary)
     return summary
