@@ -30,7 +30,7 @@ from treeserve.eval.arith import (
     render,
     solve,
 )
-from treeserve.eval.arith_labels import corrupt_value, split_steps, step_labels
+from treeserve.eval.arith_labels import corrupt_value, split_steps, step_labels, step_verdicts
 
 ASSETS = Path(__file__).resolve().parents[2] / "treeserve" / "assets"
 CHECKPOINTS = [ASSETS / "arith-generator", ASSETS / "arith-prm"]
@@ -144,6 +144,19 @@ def test_step_labels_flag_injected_wrong_step() -> None:
     assert step_labels(problem, ["12 plus 7 is 19"]) == [False]
     assert step_labels(problem, ["The answer is \\boxed{41}."]) == [False]
     assert step_labels(problem, ["The answer is \\boxed{42}."]) == [True]
+
+
+def test_step_verdicts_name_the_mistake() -> None:
+    problem = "Compute (12 + 7) * 3 - 15."
+    assert step_verdicts("Compute 3 + 4 * 5.", ["3 + 4 = 7, leaving 7 * 5."]) == ["operation"]
+    assert step_verdicts(problem, ["13 + 7 = 20, leaving (20 * 3) - 15."]) == ["operation"]
+    assert step_verdicts(problem, ["12 + 7 = 20, leaving (20 * 3) - 15."]) == ["result"]
+    assert step_verdicts(problem, ["12 + 7 = 19, leaving 19 * 3 - 16."]) == ["rest"]
+    assert step_verdicts(problem, ["12 plus 7 is 19"]) == ["format"]
+    # A carried wrong value makes the next operation one the true state does not have.
+    steps = ["12 + 7 = 20, leaving 20 * 3 - 15.", "20 * 3 = 60, leaving 60 - 15.", "The answer is \\boxed{45}."]
+    assert step_verdicts(problem, steps) == ["result", "operation", "final"]
+    assert step_verdicts(problem, ["12 + 7 = 19, leaving 19 * 3 - 15."]) == ["good"]
 
 
 def _safetensors_header(path: Path) -> dict:

@@ -22,7 +22,7 @@ from tools.arith.prm_data import KINDS, corrupted_steps
 from tools.arith.prm_io import roc_auc, score_steps
 from tools.arith.sampling import generate, load_llm, max_new_tokens_for
 from treeserve.eval.arith import arith_dataset, grade
-from treeserve.eval.arith_labels import split_steps, step_labels
+from treeserve.eval.arith_labels import MISTAKES, split_steps, step_labels, step_verdicts
 
 LEVELS = (1, 2, 3, 4, 5)
 
@@ -76,8 +76,9 @@ def prm_auc(prm, held_out: list[tuple[int, str, list[str]]]) -> dict:
     items = [(problem, steps) for _, problem, steps in held_out if steps]
     levels = [lv for lv, _, steps in held_out if steps]
     scores = score_steps(prm, items)
-    labels = [step_labels(problem, steps) for problem, steps in items]
-    out: dict = {"by_level": {}}
+    verdicts = [step_verdicts(problem, steps) for problem, steps in items]
+    labels = [[v == "good" for v in vs] for vs in verdicts]
+    out: dict = {"by_level": {}, "first_mistakes": first_mistakes(scores, verdicts)}
     all_s: list[float] = []
     all_y: list[bool] = []
     for lv in LEVELS:
@@ -89,6 +90,25 @@ def prm_auc(prm, held_out: list[tuple[int, str, list[str]]]) -> dict:
     out["auc"] = roc_auc(all_s, all_y)
     out["steps"], out["bad_steps"] = len(all_y), len(all_y) - sum(all_y)
     return out
+
+
+def first_mistakes(scores: list[list[float]], verdicts: list[list[str]]) -> dict:
+    """Does the PRM catch the generator's own mistakes? For each kind of first mistake in the
+    held-out samples (`step_verdicts`): its share of the wrong solutions and the AUC of those
+    first wrong steps against every good step."""
+    good = [x for ss, vs in zip(scores, verdicts, strict=True) for x, v in zip(ss, vs, strict=True) if v == "good"]
+    firsts = [(ss[i], vs[i]) for ss, vs in zip(scores, verdicts, strict=True) for i in _first_bad(vs)]
+    out = {}
+    for kind in MISTAKES:
+        wrong = [x for x, v in firsts if v == kind]
+        if wrong:
+            auc = roc_auc(wrong + good, [False] * len(wrong) + [True] * len(good))
+            out[kind] = {"share": len(wrong) / len(firsts), "solutions": len(wrong), "auc": auc}
+    return out
+
+
+def _first_bad(verdicts: list[str]) -> list[int]:
+    return [next(i for i, v in enumerate(verdicts) if v != "good")] if set(verdicts) - {"good"} else []
 
 
 def corruption_check(prm, per_kind: int = 45, seed: int = 5) -> dict:

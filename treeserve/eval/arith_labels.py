@@ -74,36 +74,53 @@ def _same_tree(text: str | None, expected: Expr) -> bool:
         return False
 
 
-def step_labels(problem: str | Expr, steps: Sequence[str]) -> list[bool]:
-    """Per-step good (True) / bad (False) labels for a solution of `problem`."""
+MISTAKES = ("format", "operation", "result", "rest", "final")  # what `step_verdicts` calls a bad step
+
+
+def step_verdicts(problem: str | Expr, steps: Sequence[str]) -> list[str]:
+    """Per-step "good", or what is wrong with the step: "format" (neither an operation step
+    nor the final one, or an operation after nothing is left), "operation" (its `a op b` is not
+    an operation of the true state: a miscopied operand, a wrong order, an earlier wrong result
+    carried in), "result" (wrong value), "rest" (right value, wrong rewritten rest) or "final"
+    (wrong boxed answer)."""
     state = problem_expression(problem) if isinstance(problem, str) else problem
     answer = evaluate(state)
-    labels: list[bool] = []
+    verdicts: list[str] = []
     for step in steps:
         boxed = extract_boxed(step)
         if boxed is not None:
-            labels.append(step.strip().startswith("The answer is") and to_number(boxed) == answer)
+            right = step.strip().startswith("The answer is") and to_number(boxed) == answer
+            verdicts.append("good" if right else "final")
             continue
         parsed = parse_op_step(step)
         if parsed is None or isinstance(state, int):
-            labels.append(False)
+            verdicts.append("format")
             continue
         a, op, b, c, rest = parsed
         candidates = [(p, n) for p, n in ready_nodes(state) if _matches(n, op, a, b)]
         if not candidates:
-            labels.append(False)
+            verdicts.append("operation")
             continue
-        good, next_state = False, None
+        verdict, next_state = "", None
         for path, node in candidates:
             true_value = apply_op(node.op, node.left, node.right)  # type: ignore[arg-type]
             after = replace(state, path, true_value)
             next_state = next_state if next_state is not None else after
-            if c == true_value and _same_tree(rest, after):
-                good, next_state = True, after
+            if c != true_value:
+                verdict = verdict or "result"
+            elif _same_tree(rest, after):
+                verdict, next_state = "good", after
                 break
-        labels.append(good)
+            else:
+                verdict = "rest"
+        verdicts.append(verdict)
         state = next_state  # type: ignore[assignment]
-    return labels
+    return verdicts
+
+
+def step_labels(problem: str | Expr, steps: Sequence[str]) -> list[bool]:
+    """Per-step good (True) / bad (False) labels for a solution of `problem`."""
+    return [verdict == "good" for verdict in step_verdicts(problem, steps)]
 
 
 def solution_labels(problem: str, solution: str) -> tuple[list[str], list[bool]]:
