@@ -15,7 +15,7 @@ SMALL = ["--dataset", "arith:level=1,size=2,seed=0", "--n", "4", "--beam-width",
 
 def test_profile_writes_runs_timelines_and_plots(tmp_path, capsys):
     out = tmp_path / "prof"
-    args = ["profile", *SMALL, "--budgets", "8M,16M", "--splits", "0.5", "--max-num-seqs", "4,64",
+    args = ["profile", *SMALL, "--budgets", "12M,16M", "--splits", "0.5", "--max-num-seqs", "4,64",
             "--max-num-batched-tokens", "512", "--out", str(out)]  # fmt: skip
     assert main(args) == 0
     doc = json.loads((out / "profile.json").read_text())
@@ -25,12 +25,12 @@ def test_profile_writes_runs_timelines_and_plots(tmp_path, capsys):
     assert set(shared) == {"generator", "prm"} and shared["generator"][-1]["step"] == len(shared["generator"])
     for name in ("timeline", "budget", "split", "batch"):
         assert (out / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
-    assert "KV 8 MiB shared" in capsys.readouterr().out
+    assert "KV 12 MiB shared" in capsys.readouterr().out
 
 
 def test_tune_writes_settings_that_eval_accepts(tmp_path):
     tuned, report = tmp_path / "tuned.json", tmp_path / "report.json"
-    args = ["tune", *SMALL, "--kv-cache-memory", "8M", "--splits", "shared,0.5", "--max-num-seqs", "4,64",
+    args = ["tune", *SMALL, "--kv-cache-memory", "12M", "--splits", "shared,0.5", "--max-num-seqs", "4,64",
             "--max-num-batched-tokens", "512", "--output", str(tuned), "--report", str(report)]  # fmt: skip
     assert main(args) == 0
     config = read_config(str(tuned))
@@ -38,13 +38,13 @@ def test_tune_writes_settings_that_eval_accepts(tmp_path):
     assert len(grid["grid"]) == len(grid["min_scores"]) == 4 and all(m["error"] is None for m in grid["grid"])
     assert grid["min_scores"][[m == grid["choice"] for m in grid["grid"]].index(True)] == max(grid["min_scores"])
     chosen = grid["choice"]
-    assert config["prm_kv_fraction"] == chosen["prm_kv_fraction"] and config["kv_cache_memory"] == 8 << 20
+    assert config["prm_kv_fraction"] == chosen["prm_kv_fraction"] and config["kv_cache_memory"] == 12 << 20
     assert config["engine_args"]["generator"]["max_num_seqs"] == chosen["max_num_seqs"]
     results = tmp_path / "results.json"
     assert main(["eval", *SMALL, "--config", str(tuned), "--output", str(results)]) == 0
     doc = json.loads(results.read_text())
     assert doc["config"]["engine_args"] == config["engine_args"]
-    assert doc["memory"]["kv_bytes"] == 8 << 20
+    assert doc["memory"]["kv_bytes"] == 12 << 20
     # a budget flag replaces the file's budget (any kind); the file's other settings still apply
     assert main(["eval", *SMALL, "--config", str(tuned), "--memory-budget", "600M", "--output", str(results)]) == 0
     doc = json.loads(results.read_text())
