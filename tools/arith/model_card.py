@@ -138,6 +138,13 @@ seed {train["seed"]}.
 `{COMMAND}` (this model: `python -m tools.arith.train_generator --seed {train["seed"]}`) on a 2-core
 CPU (threads per phase in the table above); generator training time in minutes: {minutes}.
 
+**Not reproduced.** A rerun of this recipe on 2026-11-23 (seed 0, phase 1 on one thread in 6.5
+min, phase 2 on two in 4.2 min; identical to the code of the commit that shipped this model for
+the first 800 steps compared) gave a much weaker generator: greedy 94%, 75%, 12%, 3%, 2% at
+levels 1-5 against this checkpoint's 100%, 85%, 64%, 44%, 20%. This checkpoint was trained by
+a run whose log is gone and whose exact settings the recipe above does not capture; until a
+recipe that reproduces it is found, it is the reference and rebuilding it is not supported.
+
 ## Results (test split, `python -m tools.arith.evaluate`)
 
 Greedy on all 100 problems per level; T={results["temperature"]} sampling (top-k/top-p off) with
