@@ -97,7 +97,11 @@ def first_mistakes(scores: list[list[float]], verdicts: list[list[str]]) -> dict
     held-out samples (`step_verdicts`): its share of the wrong solutions and the AUC of those
     first wrong steps against every good step."""
     good = [x for ss, vs in zip(scores, verdicts, strict=True) for x, v in zip(ss, vs, strict=True) if v == "good"]
-    firsts = [(ss[i], vs[i]) for ss, vs in zip(scores, verdicts, strict=True) for i in _first_bad(vs)]
+    firsts = [
+        next((x, v) for x, v in zip(ss, vs, strict=True) if v != "good")
+        for ss, vs in zip(scores, verdicts, strict=True)
+        if set(vs) - {"good"}
+    ]
     out = {}
     for kind in MISTAKES:
         wrong = [x for x, v in firsts if v == kind]
@@ -105,10 +109,6 @@ def first_mistakes(scores: list[list[float]], verdicts: list[list[str]]) -> dict
             auc = roc_auc(wrong + good, [False] * len(wrong) + [True] * len(good))
             out[kind] = {"share": len(wrong) / len(firsts), "solutions": len(wrong), "auc": auc}
     return out
-
-
-def _first_bad(verdicts: list[str]) -> list[int]:
-    return [next(i for i, v in enumerate(verdicts) if v != "good")] if set(verdicts) - {"good"} else []
 
 
 def corruption_check(prm, per_kind: int = 45, seed: int = 5) -> dict:

@@ -17,8 +17,9 @@ input format, and the last one is `train_prm`'s starting point (none is shipped)
   (grokking-like); a decaying learning rate stalls it, so it runs at a constant one until the
   check is right on 95% of 800 held-out results.
 - `route`: fact drills judged at their step tags (`drill_row`), on 2 new layers over the frozen
-  check model, until the fact-drill AUC (`evaluate.fact_drill_auc`) reaches 0.95 (seed 0:
-  0.965 at 2,250 steps, 8 min). Without it a PRM trained from the check model kept a 0.97-AUC
+  check model, until the fact-drill AUC (`evaluate.fact_drill_auc`) reaches 0.95 (seed 0, two runs
+  from the same check model: 0.965 at 2,250 steps in 8 min, and 0.964 at 1,000 steps in 3.9 min,
+  the shipped PRM's). Without it a PRM trained from the check model kept a 0.97-AUC
   verdict at the result token, yet its tags never read it. With 1 new layer it stayed at
   chance for 4,250 steps at lr 1e-3, and at lr 3e-3 it left chance only after 1,500 steps and
   reached just 0.85 by 3,500.

@@ -230,7 +230,7 @@ position of the i-th `<|step|>` (the label is the next-token prediction at the t
 ## Model
 
 {_arch(config, train["parameters"])}
-The generator's {config["num_hidden_layers"] - added} layers plus {added} added during training, 2 at a time.
+The generator's {config["num_hidden_layers"] - added} layers plus {added} added during training (below).
 {_tokens()}
 
 ## Training: a curriculum, then judged solutions

@@ -90,8 +90,9 @@ def cached_on_policy(generator_dir: Path, problems_by_level: dict, n: int, seed:
         return [(p, steps, labels) for p, steps, labels in cached["examples"]], cached["seconds"]
     start = time.time()
     out = on_policy_examples(load_llm(generator_dir), problems_by_level, n, seed)
-    write_json(path, {"seconds": time.time() - start, "examples": out})
-    return out, time.time() - start
+    seconds = time.time() - start
+    write_json(path, {"seconds": seconds, "examples": out})
+    return out, seconds
 
 
 def train(
