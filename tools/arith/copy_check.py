@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import re
 
-from tools.arith.common import BAD_ID, GOOD_ID, VOCAB, encode_text
+from tools.arith.common import BAD_ID, GOOD_ID, encode_text
+from tools.arith.facts import TOKENS
 from treeserve.eval.arith import (
+    OPS,
     BinOp,
     Expr,
     evaluate,
@@ -36,10 +38,8 @@ from treeserve.eval.arith import (
 )
 from treeserve.eval.arith_labels import parse_op_step, step_verdicts
 
-TOKENS = {i: tok for tok, i in VOCAB.items()}
 _NUMBER = re.compile(r"\d+")
 _ELEMENT = re.compile(r"\d+|[-+*]")  # the copied elements of a rest: numbers and operators
-OPERATORS = {"+", "-", "*"}
 
 
 def _skeleton(text: str) -> str:
@@ -63,9 +63,10 @@ def copy_verdicts(state: Expr, step: str) -> list[bool] | None:
     swapped = op in "+*" and (a, b) == (node.right, node.left)
     verdicts = [a == node.left or swapped, op == node.op, b == node.right or swapped]
     expected = replace(state, path, c)
-    if rest is not None and isinstance(expected, BinOp) and _skeleton(rest) == _skeleton(render(expected)):
-        written, wanted = _ELEMENT.findall(rest), _ELEMENT.findall(render(expected))
-        verdicts += [x == y for x, y in zip(written, wanted, strict=True)]
+    wanted = render(expected) if isinstance(expected, BinOp) else None
+    if rest is not None and wanted is not None and _skeleton(rest) == _skeleton(wanted):
+        pairs = zip(_ELEMENT.findall(rest), _ELEMENT.findall(wanted), strict=True)
+        verdicts += [x == y for x, y in pairs]
     return verdicts
 
 
@@ -79,9 +80,7 @@ def copied_positions(step_ids: list[int], final: bool) -> list[int]:
     if len(numbers) < 3:
         return []
     rest = [
-        j
-        for j in range(numbers[2] + 1, len(step_ids))
-        if TOKENS[step_ids[j]].isdigit() or TOKENS[step_ids[j]] in OPERATORS
+        j for j in range(numbers[2] + 1, len(step_ids)) if TOKENS[step_ids[j]].isdigit() or TOKENS[step_ids[j]] in OPS
     ]
     return [numbers[0], numbers[0] + 2, numbers[1], *rest]
 
