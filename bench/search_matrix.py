@@ -7,8 +7,9 @@ another, on the same problems (arithmetic levels 4-5, seed 0) with the shipped g
 and PRM:
 
 * greedy (one completion at temperature 0);
-* majority (self-consistency), best-of-N and weighted best-of-N (one best-of-N run gives both
-  selections from the same samples), beam search and DVTS, at each N of `--ns`;
+* at `--temperature` (default 0.8, search-and-learn's): majority (self-consistency), best-of-N
+  and weighted best-of-N (one best-of-N run gives both selections from the same samples), beam
+  search and DVTS, at each N of `--ns`;
 * beam search at N=16 with each optimisation switched off in turn, and the reference mode.
 
 Writes one results JSON per configuration and `matrix.json`/`matrix.md` with accuracy
@@ -82,13 +83,14 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=200, help="problems (levels 4 and 5, half each)")
     parser.add_argument("--ns", default="4,16,64")
     parser.add_argument("--beam-width", type=int, default=4)
+    parser.add_argument("--temperature", type=float, default=0.8, help="of every sampled configuration")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--skip-ablation", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("bench/out/search_matrix"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     settings = EvalSettings(dataset=f"arith:level=4,5,size={args.size},seed=0", dtype=args.dtype, progress=False)
-    base = SearchConfig(beam_width=args.beam_width, num_iterations=40, temperature=0.8)
+    base = SearchConfig(beam_width=args.beam_width, num_iterations=40, temperature=args.temperature)
     rows = run("greedy", settings, replace(base, strategy="majority", n=1, temperature=0.0), args.out)
     for n in (int(x) for x in args.ns.split(",")):
         rows += run(f"majority N={n}", settings, replace(base, strategy="majority", n=n), args.out)

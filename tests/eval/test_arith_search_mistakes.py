@@ -1,0 +1,54 @@
+"""tools/arith/search_mistakes.py: the first mistake of each completion in an eval results file."""
+
+from __future__ import annotations
+
+from tools.arith.search_mistakes import first_mistake, format_counts, mistake_counts
+
+PROBLEM = "Compute ((9 + 15) + 13) - 4."
+
+
+def solution(*steps: str) -> str:
+    return "\n\n".join(steps)
+
+
+GOOD = solution(
+    "9 + 15 = 24, leaving (24 + 13) - 4.", "24 + 13 = 37, leaving 37 - 4.", "37 - 4 = 33.", "The answer is \\boxed{33}."
+)
+WRONG_RESULT = solution(
+    "9 + 15 = 25, leaving (25 + 13) - 4.", "25 + 13 = 38, leaving 38 - 4.", "38 - 4 = 34.", "The answer is \\boxed{34}."
+)
+MISCOPIED_OPERAND = solution(
+    "9 + 16 = 25, leaving (25 + 13) - 4.", "25 + 13 = 38, leaving 38 - 4.", "38 - 4 = 34.", "The answer is \\boxed{34}."
+)
+MISCOPIED_REST = solution(
+    "9 + 15 = 24, leaving (24 + 18) - 4.", "24 + 18 = 42, leaving 42 - 4.", "42 - 4 = 38.", "The answer is \\boxed{38}."
+)
+
+
+def completion(text: str) -> dict:
+    return {"text": text, "answer": text.rsplit("{", 1)[1].split("}")[0], "step_scores": []}
+
+
+def test_first_mistake_names_the_kind_of_the_first_wrong_step():
+    assert first_mistake(PROBLEM, GOOD) == "none"
+    assert first_mistake(PROBLEM, WRONG_RESULT) == "result"
+    assert first_mistake(PROBLEM, MISCOPIED_OPERAND) == "operation"
+    assert first_mistake(PROBLEM, MISCOPIED_REST) == "rest"
+
+
+def test_counts_cover_all_completions_and_the_chosen_one_of_wrong_problems():
+    document = {
+        "problems": [
+            # wrong: the search picked 34, first written by the miscopied operand
+            {"problem": PROBLEM, "pred": "34", "correct": False,
+             "completions": [completion(t) for t in (GOOD, MISCOPIED_OPERAND, WRONG_RESULT)]},
+            # right: its completions count, its choice does not
+            {"problem": PROBLEM, "pred": "33", "correct": True,
+             "completions": [completion(t) for t in (MISCOPIED_REST, GOOD)]},
+        ]
+    }  # fmt: skip
+    counts = mistake_counts(document)
+    assert counts["all"] == {"none": 2, "operation": 1, "result": 1, "rest": 1}
+    assert counts["chosen_wrong"] == {"operation": 1}
+    text = format_counts("x", counts)
+    assert "| chosen_wrong | 0 (0%) | 0 (0%) | 1 (100%) |" in text
