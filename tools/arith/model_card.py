@@ -141,9 +141,15 @@ CPU (threads per phase in the table above); generator training time in minutes: 
 **Not reproduced.** A rerun of this recipe on 2026-11-23 (seed 0, phase 1 on one thread in 6.5
 min, phase 2 on two in 4.2 min; identical to the code of the commit that shipped this model for
 the first 800 steps compared) gave a much weaker generator: greedy 94%, 75%, 12%, 3%, 2% at
-levels 1-5 against this checkpoint's 100%, 85%, 64%, 44%, 20%. This checkpoint was trained by
-a run whose log is gone and whose exact settings the recipe above does not capture; until a
-recipe that reproduces it is found, it is the reference and rebuilding it is not supported.
+levels 1-5 against this checkpoint's 100%, 85%, 64%, 44%, 20%. The same recipe at seed 2
+(2026-11-23, both phases on one thread, 7.4 + 7.2 min, sharing the CPU with other runs) gave a
+much *stronger* one: greedy 100%, 95%, 89%, 76%, 55%; pass@16 at T=0.8 96% and 74% at levels
+4-5 (level 5: 19 points above greedy, one short of the issue's 20). So the recipe's outcome
+swings with the seed (and likely with the CPU: the shipped run's machine may have had AMX, the
+reruns' had AVX512-BF16 only, and bf16 matmuls round differently): whether long-range copying
+forms, and when, is not under its control. This checkpoint was trained by a run whose log is
+gone; until a recipe whose outcome is stable across seeds is found, it is the reference and
+rebuilding it is not supported.
 
 ## Results (test split, `python -m tools.arith.evaluate`)
 
@@ -305,6 +311,19 @@ only 0.78 AUC: the comparison was not learned. Training every layer with those t
 the result check (a stage of balanced copy drills at a constant learning rate, from a model whose
 lower layers may still change), it is the next piece of work. So PRM-guided search does not yet
 beat majority voting by a clear margin on this world: `BENCHMARKS.md` (search strategies).
+
+Two more findings (2026-11-23, not shipped). The curriculum's first stage trains every layer on
+fact rows, and it erases the generator's copying: the next copied token of a reference solution
+(level 4-5, PRM input) is the top-1 prediction of the generator 62% of the time, of the route
+model 7.8% and of this PRM 0.5%. Yet a base that still predicts copies does not help: 2 new
+layers learning the dense copy targets over the frozen *generator* reached copy-token AUC 0.81
+and 0.83 at 250 and 500 steps, as over this PRM (0.78, 0.83). In that model 168 of 177 miscopied
+tokens score below the median right token; the AUC is held down by right tokens that score low,
+mostly a step's first operand when it is the previous step's (large) result. And a search steers
+towards what its PRM cannot see: with a stronger generator (the recipe at seed 2; its wrong
+majority answers are 84% wrong results), beam search at N=16 and T=0.8 raises the share of
+completions whose first mistake is a miscopy from 12% (independent samples) to 27%, and 62% of
+its wrong answers start with a miscopy (`python -m tools.arith.search_mistakes results.json`).
 """
 
 

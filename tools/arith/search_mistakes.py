@@ -55,6 +55,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", type=Path, nargs="+", help="`treeserve eval --output` files")
     args = parser.parse_args()
+    missing = [str(p) for p in args.results if not p.is_file()]
+    if missing:
+        parser.error(f"no such results file: {', '.join(missing)}")
     for path in args.results:
         print(format_counts(str(path), mistake_counts(json.loads(path.read_text()))), end="\n\n")
 
