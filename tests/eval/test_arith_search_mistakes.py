@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from tools.arith.search_mistakes import first_mistake, format_counts, mistake_counts
+import pytest
+
+from tools.arith.search_mistakes import first_mistake, format_counts, main, mistake_counts
 
 PROBLEM = "Compute ((9 + 15) + 13) - 4."
 
@@ -52,3 +54,15 @@ def test_counts_cover_all_completions_and_the_chosen_one_of_wrong_problems():
     assert counts["chosen_wrong"] == {"operation": 1}
     text = format_counts("x", counts)
     assert "| chosen_wrong | 0 (0%) | 0 (0%) | 1 (100%) |" in text
+
+
+@pytest.mark.parametrize("content", ["not json", '{"summary": {}}', '{"problems": [{"problem": "x"}]}'])
+def test_the_cli_refuses_a_file_that_is_not_eval_results(tmp_path, monkeypatch, capsys, content):
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    for argv in ([str(bad)], [str(tmp_path / "missing.json")]):
+        monkeypatch.setattr("sys.argv", ["search_mistakes", *argv])
+        with pytest.raises(SystemExit) as exit_info:
+            main()
+        assert exit_info.value.code == 2
+        assert argv[0] in capsys.readouterr().err

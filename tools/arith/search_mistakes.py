@@ -59,7 +59,11 @@ def main() -> None:
     if missing:
         parser.error(f"no such results file: {', '.join(missing)}")
     for path in args.results:
-        print(format_counts(str(path), mistake_counts(json.loads(path.read_text()))), end="\n\n")
+        try:
+            counts = mistake_counts(json.loads(path.read_text()))
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            parser.error(f"{path} is not a `treeserve eval` results file ({type(error).__name__}: {error})")
+        print(format_counts(str(path), counts), end="\n\n")
 
 
 if __name__ == "__main__":
