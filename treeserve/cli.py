@@ -313,6 +313,13 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from treeserve.eval.compare import compare_results, format_comparison
+
+    print(format_comparison(compare_results(args.results)))
+    return 0
+
+
 def cmd_convert_gguf(args: argparse.Namespace) -> int:
     from treeserve.config import DTYPES
     from treeserve.models.gguf_loader import convert_gguf
@@ -409,6 +416,10 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("results", nargs="+")
     plot.add_argument("--output", default="accuracy_vs_n.png")
     plot.set_defaults(func=cmd_plot)
+
+    cmp = sub.add_parser("compare", help="paired accuracy comparison of results files (McNemar test vs the first)")
+    cmp.add_argument("results", nargs="+", help="results JSON files; the first is the baseline")
+    cmp.set_defaults(func=cmd_compare)
     return parser
 
 
