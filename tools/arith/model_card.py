@@ -325,22 +325,24 @@ majority answers are 84% wrong results), beam search at N=16 and T=0.8 raises th
 completions whose first mistake is a miscopy from 12% (independent samples) to 27%, and 62% of
 its wrong answers start with a miscopy (`python -m tools.arith.search_mistakes results.json`).
 
-Longer runs, and a likely cause (2026-11-23, not shipped; scratch scripts). A copy stage over this
-PRM, frozen, at a constant lr of 1e-3: each batch had 12 copy drills (a solution cut at a step
-that is right or has a miscopied operand or rest, with the dense copy targets) and 4 full
-solutions with step tags. With 2 new layers (1,250 steps) or 4 (1,500), the copy-token AUC sat
-at 0.82-0.84 from step 500 on. The synthetic miscopied operand reached 0.86 and the rest 0.76
-(this PRM: 0.755 and 0.659). Next, the result check's recipe: predict, then compare. Next-token
-targets were added for every right copy, on 4 new layers, for 3,250 steps. The copy
-next-token loss kept falling, but the copy-token AUC stayed at 0.80-0.83 (operand 0.82, rest
-0.72). The same targets with every layer trained (the old ones at 0.1x the lr) dropped the
-fact-drill AUC from 0.97 to 0.54 within 500 steps. A likely cause is the number embeddings.
-The curriculum's table stage makes them smooth in magnitude. The mean cosine between the
-embeddings of n and n+1 (n = 10-119) is 0.59 in the generator and 0.90 in the route model and
-in this PRM; for n and n+10 it is 0.40 and -0.08. The generator's own miscopies are mostly
-near misses ("19 + 8 = 27, leaving 26 + 1"; 48 copied as 46), which are exactly the pairs this
-PRM's embeddings barely tell apart. The next try: a table stage that keeps numbers distinct
-(embeddings frozen, or held near the generator's), then the copy stage.
+Longer runs (2026-11-23, not shipped; scratch scripts). A copy stage over this PRM, frozen, at a
+constant lr of 1e-3: each batch had 12 copy drills (a solution cut at a step that is right or
+has a miscopied operand or rest, with the dense copy targets) and 4 full solutions with step
+tags. With 2 new layers (1,250 steps) or 4 (1,500), the copy-token AUC sat at 0.82-0.84 from
+step 500 on. The synthetic miscopied operand reached 0.86 and the rest 0.76 (this PRM: 0.755 and
+0.659). That gain did not carry over to search. Beam search with the 4-layer model (N=16, T=0.4,
+600 level-4/5 problems) scored 33.5% against this PRM's 33.8% (T=0.8: 22.5% against 23.0%), and
+miscopies still began 80% of its wrong answers at T=0.4 and 91% at T=0.8. Next, the result
+check's recipe: predict, then compare. Next-token targets were added for every right copy, on 4
+new layers, for 3,250 steps. The copy next-token loss kept falling, but the copy-token AUC
+stayed at 0.80-0.83. The same targets with every layer trained (the old ones at 0.1x the lr)
+dropped the fact-drill AUC from 0.97 to 0.54 within 500 steps. A suspect was the number
+embeddings. The table stage makes them smooth in magnitude: the mean cosine between the
+embeddings of n and n+1 (n = 10-119) is 0.59 in the generator and 0.90 in the route model and in
+this PRM. The generator's miscopies are mostly near misses ("19 + 8 = 27, leaving 26 + 1"; 48
+copied as 46). But the same stage over the frozen *generator* plateaued at the same place (2 new
+layers, 2,000 steps: copy-token AUC 0.82-0.84, operand 0.89, rest 0.79), so the embeddings are
+not what holds it back. Why the copy check stops near 0.83 is open.
 """
 
 
