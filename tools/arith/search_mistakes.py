@@ -13,11 +13,10 @@ of the chosen wrong completions than of all completions.
 from __future__ import annotations
 
 import argparse
-import json
 from collections import Counter
-from pathlib import Path
 
 from treeserve.eval.arith_labels import MISTAKES, split_steps, step_verdicts
+from treeserve.eval.report import read_results
 
 KINDS = ("none", *MISTAKES)
 
@@ -53,17 +52,14 @@ def format_counts(name: str, counts: dict[str, Counter]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("results", type=Path, nargs="+", help="`treeserve eval --output` files")
+    parser.add_argument("results", nargs="+", help="`treeserve eval --output` files")
     args = parser.parse_args()
-    missing = [str(p) for p in args.results if not p.is_file()]
-    if missing:
-        parser.error(f"no such results file: {', '.join(missing)}")
-    for path in args.results:
-        try:
-            counts = mistake_counts(json.loads(path.read_text()))
-        except (json.JSONDecodeError, KeyError, TypeError) as error:
-            parser.error(f"{path} is not a `treeserve eval` results file ({type(error).__name__}: {error})")
-        print(format_counts(str(path), counts), end="\n\n")
+    try:  # every file is checked before anything is printed
+        documents = [read_results(path) for path in args.results]
+    except (ValueError, FileNotFoundError) as error:
+        parser.error(str(error))
+    for path, document in zip(args.results, documents, strict=True):
+        print(format_counts(path, mistake_counts(document)), end="\n\n")
 
 
 if __name__ == "__main__":
