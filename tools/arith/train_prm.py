@@ -135,7 +135,7 @@ def train(
         ids, tags = prm_input(problem, steps)
         targets = (
             tag_targets(ids, tags, labels), result_targets(ids, tags, labels), fact_check_targets(ids, tags),
-            copy_check_targets(problem, steps, ids, tags),
+            copy_check_targets(problem, steps, ids, tags) if copy_check_weight else [-100] * len(ids),
         )  # fmt: skip
         encoded.append((ids, *targets))
     # The PRM starts as a copy of the generator, or continues from `init_dir` (an earlier PRM).
