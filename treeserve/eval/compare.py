@@ -30,12 +30,15 @@ from treeserve.eval.report import read_results
 @dataclass
 class PairedComparison:
     name: str
-    correct: int
     total: int
     both: int  # solved by this run and the baseline
     only_this: int
     only_baseline: int
     neither: int
+
+    @property
+    def correct(self) -> int:
+        return self.both + self.only_this
 
     @property
     def accuracy(self) -> float:
@@ -105,7 +108,6 @@ def compare_results(paths: Sequence[str | Path]) -> list[PairedComparison]:
         comparisons.append(
             PairedComparison(
                 name=name,
-                correct=sum(mine),
                 total=len(ids),
                 both=pairs.count((True, True)),
                 only_this=pairs.count((True, False)),
