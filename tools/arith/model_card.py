@@ -156,14 +156,14 @@ reproducible on this machine: a second run at seed 2 logged the same losses, and
 wrote a generator byte-identical to a separate run. Seed 2 with phase 2 cut to 2,500 steps
 meets the issue's targets: greedy 100%, 90%, 77%, 63%, 34%; pass@16 88% and 56% at levels 4-5
 (+25 and +22 points; phase 2 at 3,500 steps gives +18 at level 5, at 5,000 +19). Its first
-mistakes are mostly wrong results (56%, which this PRM catches at AUC 0.98), not miscopies
-(27% operation, 11% rest), and this PRM scores its samples at step AUC 0.914. But the PRM that
-`build_all --seed 2` then trains from it (110.5 min on 2 threads) reaches only 0.892: its route
-stage stopped at 0.86 of its 0.95 target after 5,000 steps, and its result check fell (synthetic
-wrong results 0.83 against this PRM's 0.95). Paired with that new generator it also searches
-worse than the shipped PRM does (beam search at N=16 on 300 level-4/5 problems: 45.0% against 50.0% at
-T=0.4, 34.7% against 37.3% at T=0.8). So neither was shipped; the next step is a route stage
-that reaches its target from this generator.
+mistakes are mostly wrong results (56%, which the shipped PRM catches at AUC 0.98), not
+miscopies (27% operation, 11% rest), and the shipped PRM scores its samples at step AUC 0.914.
+But the PRM that `build_all --seed 2` then trains from it (110.5 min on 2 threads) reaches only
+0.892: its route stage stopped at 0.86 of its 0.95 target after 5,000 steps, and its result
+check fell (synthetic wrong results 0.83 against the shipped PRM's 0.95). Paired with the new
+generator it also searches worse than the shipped PRM does (beam search at N=16 on 300
+level-4/5 problems: 45.0% against 50.0% at T=0.4, 34.7% against 37.3% at T=0.8; `BENCHMARKS.md`).
+So neither was shipped; the next step is a route stage that reaches its target from this generator.
 
 ## Results (test split, `python -m tools.arith.evaluate`)
 
