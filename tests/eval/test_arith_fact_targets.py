@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import random
+import re
 
 import torch
 
 from tools.arith.common import BAD_ID, GOOD_ID, VOCAB
+from tools.arith.data import held_out_texts
 from tools.arith.drills import fact_table
-from tools.arith.facts import FACTS_PER_ROW, check_row, fact_check_targets, fact_row, result_targets
+from tools.arith.facts import FACTS_PER_ROW, check_row, fact_check_targets, fact_row, result_targets, row_problem
 from tools.arith.prm_io import prm_input
-from treeserve.eval.arith import apply_op
+from treeserve.eval.arith import apply_op, evaluate, problem_expression
 
 TOKENS = {i: t for t, i in VOCAB.items()}
 STEPS = ["5 + 7 = 13, leaving 13 * 3.", "13 * 3 = 39.", "The answer is \\boxed{39}."]
@@ -34,10 +36,23 @@ def test_result_targets_predict_the_result_of_good_steps_only():
 
 def test_fact_rows_target_the_true_result_of_every_fact():
     facts = fact_table()[100 : 100 + FACTS_PER_ROW]
-    ids, targets = fact_row(facts)
+    ids, targets = fact_row(random.Random(0), facts)
     expected = [str(apply_op(op, a, b)) for a, op, b in facts]
     assert [t for _, t in marked(ids, targets)] == expected
     assert GOOD_ID not in targets and BAD_ID not in targets
+
+
+def test_rows_sit_under_the_fact_alone_a_chain_starting_with_it_or_an_unrelated_problem():
+    a, op, b = fact = (17, "+", 5)
+    rng = random.Random(0)
+    problems = [row_problem(rng, fact) for _ in range(300)]
+    alone = [p for p in problems if p == f"Compute {a} {op} {b}."]
+    chained = [p for p in problems if re.match(r"Compute \(+" + re.escape(f"{a} {op} {b})"), p)]
+    for kind in (alone, chained):
+        assert 0.2 < len(kind) / len(problems) < 0.47
+    assert not set(problems) & held_out_texts()
+    for text in problems:  # every one is a well-formed problem
+        evaluate(problem_expression(text))
 
 
 def test_check_rows_judge_each_written_result_and_target_the_true_one():

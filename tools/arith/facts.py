@@ -8,14 +8,15 @@ alone, a model of this size learns none of the three, so each gets a stage; ever
 starts from the last one's checkpoint (the first from the generator's), in the PRM's own
 input format, and the last one is `train_prm`'s starting point (none is shipped):
 
-- `table`: rows of `FACTS_PER_ROW` true facts (`a op b = c.<|step|>`), loss on every result
-  token `c`. Numbers are single tokens, so the table (`drills.fact_table`, 4,647 facts) is a
-  lookup to memorise: the generator knows 23% of it (top-1), 6,000 steps teach all of it.
-- `check`: rows whose results are wrong half the time (`check_row`: the true value is the
-  target before each result, '+'/'-' the target at it), on 2 new identity-initialised layers
-  over the frozen table model. It stays at chance for about 2,000 steps and then climbs
-  (grokking-like); a decaying learning rate stalls it, so it runs at a constant one until the
-  check is right on 95% of 800 held-out results.
+- `table`: rows of `FACTS_PER_ROW` true facts (`a op b = c.<|step|>`) under a problem of one
+  of three kinds (`row_problem`), loss on every result token `c`. Numbers are single tokens,
+  so the table (`drills.fact_table`, 4,647 facts) is a lookup to memorise: the generator knows
+  23% of it (top-1), 6,000 steps teach all of it.
+- `check`: rows like the table's whose results are wrong half the time (`check_row`: the true
+  value is the target before each result, '+'/'-' the target at it), on 2 new
+  identity-initialised layers over the frozen table model. It stays at chance for about 2,000
+  steps and then climbs (grokking-like); a decaying learning rate stalls it, so it runs at a
+  constant one until the check is right on 95% of 800 held-out results.
 - `route`: fact drills judged at their step tags (`drill_row`), on 2 new layers over the frozen
   check model, until the fact-drill AUC (`evaluate.fact_drill_auc`) reaches 0.95 (seed 0, two runs
   from the same check model: 0.965 at 2,250 steps in 8 min, and 0.964 at 1,000 steps in 3.9 min,
@@ -30,6 +31,7 @@ Each stage saves its summary next to its weights (`STAGE_FILE`); `curriculum` re
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import random
 import time
@@ -51,10 +53,11 @@ from tools.arith.common import (
     set_single_thread,
     write_json,
 )
-from tools.arith.drills import Fact, fact_drill, fact_table, wrong_result
+from tools.arith.data import held_out_texts
+from tools.arith.drills import MAX_LEAF, Fact, fact_drill, fact_table, wrong_result
 from tools.arith.evaluate import fact_drill_auc
 from tools.arith.prm_io import prm_input
-from treeserve.eval.arith import OPS, apply_op
+from treeserve.eval.arith import OPS, BinOp, Expr, apply_op, make_problem, render
 
 FACTS_PER_ROW = 8
 STAGES = ("table", "check", "route")
@@ -108,22 +111,47 @@ def fact_check_targets(ids: list[int], tags: list[int]) -> list[int]:
     return target
 
 
-def fact_row(facts: list[Fact]) -> tuple[list[int], list[int]]:
-    """Token ids and result targets of one row: the first fact as the problem, all as steps."""
-    a, op, b = facts[0]
+held_out = functools.cache(held_out_texts)
+
+
+def row_problem(rng: random.Random, fact: Fact) -> str:
+    """The problem above a table or check row, one of three kinds: the row's first fact alone;
+    that fact as the first operation of a longer chain, as above a real solution's first step;
+    or an unrelated problem (never a test one), as above its later steps. A row's first step
+    must be read whatever the problem says: trained under the first kind alone, the seed-2
+    table model got the first step of `Compute (a op b) + 7.` right 49% of the time (100% under
+    `Compute a op b.`, and for every later step), the check model above it judged that step at
+    AUC 0.72, and the route stage above that stalled at 0.86."""
+    a, op, b = fact
+    kind = rng.randrange(3)
+    if kind == 0:
+        return f"Compute {a} {op} {b}."
+    if kind == 1:
+        expr: Expr = BinOp(op, a, b)
+        for _ in range(rng.randint(1, 4)):
+            op2 = rng.choice(OPS)
+            expr = BinOp(op2, expr, rng.randint(2, 9) if op2 == "*" else rng.randint(1, MAX_LEAF))
+        return f"Compute {render(expr)}."
+    while (text := make_problem(rng, rng.randint(1, 5)).text) in held_out():
+        pass
+    return text
+
+
+def fact_row(rng: random.Random, facts: list[Fact]) -> tuple[list[int], list[int]]:
+    """Token ids and result targets of one row: all facts as steps under a `row_problem`."""
     steps = [f"{x} {o} {y} = {apply_op(o, x, y)}." for x, o, y in facts]
-    ids, tags = prm_input(f"Compute {a} {op} {b}.", steps)
+    ids, tags = prm_input(row_problem(rng, facts[0]), steps)
     return ids, result_targets(ids, tags, [True] * len(steps))
 
 
 def check_row(rng: random.Random, facts: list[Fact]) -> tuple[list[int], list[int]]:
-    """Like `fact_row`, but each result is wrong with probability 1/2 (`drills.wrong_result`).
-    Targets: the true result at the position before each result, '+'/'-' at the result."""
-    a, op, b = facts[0]
+    """Like `fact_row`, but each result is wrong with probability 1/2 (`drills.wrong_result`)
+    and the problem above is any of `row_problem`'s kinds. Targets: the true result at the
+    position before each result, '+'/'-' at the result."""
     truths = [apply_op(o, x, y) for x, o, y in facts]
     written = [t if rng.random() < 0.5 else wrong_result(rng, *f) for t, f in zip(truths, facts, strict=True)]
     steps = [f"{x} {o} {y} = {w}." for (x, o, y), w in zip(facts, written, strict=True)]
-    ids, tags = prm_input(f"Compute {a} {op} {b}.", steps)
+    ids, tags = prm_input(row_problem(rng, facts[0]), steps)
     target = fact_check_targets(ids, tags)
     for pos, truth in zip(result_positions(ids, tags), truths, strict=True):
         target[pos] = encode_text(str(truth))[0]
@@ -162,7 +190,8 @@ def fact_accuracy(model, facts: list[Fact], rows_per_batch: int = 64) -> float:
     """Top-1 accuracy of the result token over `facts`, in the training format."""
     import torch
 
-    rows = [fact_row(facts[i : i + FACTS_PER_ROW]) for i in range(0, len(facts), FACTS_PER_ROW)]
+    rng = random.Random("fact-accuracy")
+    rows = [fact_row(rng, facts[i : i + FACTS_PER_ROW]) for i in range(0, len(facts), FACTS_PER_ROW)]
     right = total = 0
     with torch.no_grad():
         for i in range(0, len(rows), rows_per_batch):
@@ -201,7 +230,7 @@ def teach(
     facts = fact_table()
     model.train()
     model.config._attn_implementation = "eager"
-    make_row = {"table": lambda rng, chunk: fact_row(chunk), "check": check_row, "route": drill_row}[stage]
+    make_row = {"table": fact_row, "check": check_row, "route": drill_row}[stage]
     score = held_out_score(stage, facts)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
