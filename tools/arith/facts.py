@@ -57,7 +57,7 @@ from tools.arith.data import held_out_texts
 from tools.arith.drills import MAX_LEAF, Fact, fact_drill, fact_table, wrong_result
 from tools.arith.evaluate import fact_drill_auc
 from tools.arith.prm_io import prm_input
-from treeserve.eval.arith import OPS, BinOp, Expr, apply_op, make_problem, render
+from treeserve.eval.arith import OPS, BinOp, apply_op, extend_chain, make_problem, render
 
 FACTS_PER_ROW = 8
 STAGES = ("table", "check", "route")
@@ -127,11 +127,7 @@ def row_problem(rng: random.Random, fact: Fact) -> str:
     if kind == 0:
         return f"Compute {a} {op} {b}."
     if kind == 1:
-        expr: Expr = BinOp(op, a, b)
-        for _ in range(rng.randint(1, 4)):
-            op2 = rng.choice(OPS)
-            expr = BinOp(op2, expr, rng.randint(2, 9) if op2 == "*" else rng.randint(1, MAX_LEAF))
-        return f"Compute {render(expr)}."
+        return f"Compute {render(extend_chain(rng, BinOp(op, a, b), rng.randint(1, 4), MAX_LEAF))}."
     while (text := make_problem(rng, rng.randint(1, 5)).text) in held_out():
         pass
     return text

@@ -238,13 +238,13 @@ def _intermediates(expr: Expr) -> Iterator[int]:
         yield evaluate(expr)
 
 
-def _random_tree(rng: random.Random, n_ops: int, spec: LevelSpec) -> Expr:
-    """A left-deep chain `((a op b) op c) op d`: each operation takes the result so far and a
-    new number (for `*`, a single digit 2-9, so each step stays "long" arithmetic)."""
-    expr: Expr = rng.randint(1, spec.max_leaf)
+def extend_chain(rng: random.Random, expr: Expr, n_ops: int, max_leaf: int) -> Expr:
+    """`expr` as the start of a left-deep chain `((expr op b) op c) op d`: each operation takes
+    the result so far and a new number (for `*`, a single digit 2-9, so each step stays "long"
+    arithmetic; otherwise 1..max_leaf)."""
     for _ in range(n_ops):
         op = rng.choice(OPS)
-        expr = BinOp(op, expr, rng.randint(2, 9) if op == "*" else rng.randint(1, spec.max_leaf))
+        expr = BinOp(op, expr, rng.randint(2, 9) if op == "*" else rng.randint(1, max_leaf))
     return expr
 
 
@@ -254,7 +254,7 @@ def make_problem(rng: random.Random, level: int) -> Problem:
         raise ValueError(f"level must be one of {sorted(LEVELS)}, got {level!r}")
     spec = LEVELS[level]
     while True:
-        expr = _random_tree(rng, spec.n_ops, spec)
+        expr = extend_chain(rng, rng.randint(1, spec.max_leaf), spec.n_ops, spec.max_leaf)
         if any(v < 0 or v > spec.max_value for v in _intermediates(expr)):
             continue
         return Problem(expr, level)
