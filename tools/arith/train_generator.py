@@ -1,6 +1,6 @@
 """Train the arithmetic-world generator: a tiny Llama that solves problems step by step.
 
-    python -m tools.arith.train_generator --seed 0      # the shipped recipe, both phases
+    python -m tools.arith.train_generator --seed 2      # the shipped recipe, both phases
 
 Small batches (~512 tokens) and many steps: on one CPU core the attention patterns that
 copying and arithmetic need appear after a number of *steps*, so small batches get there
@@ -36,13 +36,13 @@ from treeserve.eval.arith import Problem, arith_dataset
 
 # Shape of the shipped generator (about 3.2M parameters).
 GENERATOR_SHAPE = {"hidden": 256, "layers": 4, "heads": 8, "kv_heads": 4, "intermediate": 704}
-# The shipped recipe: a first phase from scratch with the curriculum, then a continuation at a
-# lower learning rate (the shipped generator ran phase 1 on one thread, phase 2 on two).
+# The shipped recipe (seed 2): a first phase from scratch with the curriculum, then a shorter
+# continuation at a lower learning rate. Longer second phases raise greedy accuracy at level 5
+# faster than pass@16, which the search needs (the generator's model card).
 PHASES = (
     {"steps": 6000, "warm_steps": 500, "max_tokens": 512, "drill_frac": 0.4, "lr": 2e-3},
-    {"steps": 5000, "warm_steps": 0, "max_tokens": 512, "drill_frac": 0.3, "lr": 1e-3},
+    {"steps": 2500, "warm_steps": 0, "max_tokens": 512, "drill_frac": 0.3, "lr": 1e-3},
 )
-SHIPPED_THREADS = (1, 2)  # threads each phase of the shipped generator's run had
 DEFAULTS = PHASES[0]
 DRILL_WIDTH = 256
 LEVEL_MAX_LEN = {1: 56, 2: 88, 3: 128, 4: 176, 5: 224}  # prompt + answer + EOS, in tokens
@@ -140,6 +140,7 @@ def train(
     import torch
     from transformers import LlamaForCausalLM
 
+    torch.set_num_threads(1)  # on one thread a rerun repeats bit for bit (checked on this machine)
     torch.manual_seed(seed)
     rng = random.Random(f"generator-data-{seed}")
     exclude = held_out_texts()
@@ -208,12 +209,12 @@ def train_recipe(seed: int, out_dir: Path) -> dict:
 
 def recipe_summary(seed: int) -> dict:
     """What `train_recipe` reports, from the recipe alone (no timings): for model cards of a
-    generator whose training log is gone (the shipped one ran phase 1 on one thread, phase 2 on two)."""
+    generator whose training log is gone."""
     n_params = sum(t.numel() for t in _weights(GENERATOR_DIR).values())
     phases = [
         {"seed": seed, "steps": p["steps"], "warm_steps": p["warm_steps"], "max_tokens_per_batch": p["max_tokens"],
-         "drill_fraction": p["drill_frac"], "peak_lr": p["lr"], "threads": threads, "train_seconds": None}
-        for p, threads in zip(PHASES, SHIPPED_THREADS, strict=True)
+         "drill_fraction": p["drill_frac"], "peak_lr": p["lr"], "threads": 1, "train_seconds": None}
+        for p in PHASES
     ]  # fmt: skip
     return {"seed": seed, "parameters": n_params, "shape": GENERATOR_SHAPE, "phases": phases, "train_seconds": None}
 
