@@ -23,6 +23,11 @@ ASSETS = REPO / "treeserve" / "assets"
 GENERATOR_DIR = ASSETS / "arith-generator"
 PRM_DIR = ASSETS / "arith-prm"
 # Scratch (training logs, evaluation JSON): outside the repository, never committed.
+# The shipped pair's recipe: its seed, and the thread counts it trained on (bf16 matmuls round
+# differently on other thread counts, and the trained weights with them).
+SHIPPED_SEED = 2
+GENERATOR_THREADS = 1  # two runs on one thread wrote byte-identical generators
+PRM_THREADS = 2  # the curriculum stages and the PRM's training
 WORK_DIR = Path(os.environ.get("TREESERVE_ARITH_WORK", Path(tempfile.gettempdir()) / "treeserve-arith"))
 
 PAD, BOS, EOS, USER, ASSISTANT, SYSTEM, STEP_TAG, UNK = (
@@ -63,15 +68,17 @@ def recipe_parser(doc: str, defaults: dict) -> argparse.ArgumentParser:
     """A training script's command line: `--seed` and one flag per recipe default
     (`lm_weight` -> `--lm-weight`, typed like its default)."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=SHIPPED_SEED)
     for name, value in defaults.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     return parser
 
 
-def set_single_thread() -> None:
-    """This machine is shared: torch work runs on one core unless OMP_NUM_THREADS says more."""
-    threads = int(os.environ.setdefault("OMP_NUM_THREADS", "1"))
+def set_threads(pinned: int | None = None) -> None:
+    """Torch's thread count: `pinned` where a training recipe fixes it (float rounding, and so the
+    trained weights, depend on it; `GENERATOR_THREADS`, `PRM_THREADS`), else `OMP_NUM_THREADS`
+    (1 if unset: this machine is shared)."""
+    threads = pinned or int(os.environ.setdefault("OMP_NUM_THREADS", "1"))
     import torch
 
     torch.set_num_threads(threads)

@@ -15,7 +15,7 @@ import random
 import time
 from pathlib import Path
 
-from tools.arith.common import GENERATOR_DIR, PRM_DIR, WORK_DIR, load_model, set_single_thread, write_json
+from tools.arith.common import GENERATOR_DIR, PRM_DIR, SHIPPED_SEED, WORK_DIR, load_model, set_threads, write_json
 from tools.arith.data import problem_stream
 from tools.arith.drills import fact_drill, fact_table
 from tools.arith.prm_data import KINDS, corrupted_steps
@@ -34,7 +34,7 @@ def by_level(records: list[dict]) -> dict[int, list[dict]]:
 def evaluate(
     generator_dir: Path, prm_dir: Path | None, per_level_sampled: int, n: int, temperature: float, seed: int
 ) -> dict:
-    set_single_thread()
+    set_threads()
     records = by_level(arith_dataset(500, seed=0))
     llm = load_llm(generator_dir)
     results: dict = {"levels": {}, "n": n, "temperature": temperature, "per_level_sampled": per_level_sampled}
@@ -176,7 +176,7 @@ def main() -> None:
     parser.add_argument("--per-level-sampled", type=int, default=50)
     parser.add_argument("--n", type=int, default=16)
     parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=SHIPPED_SEED, help="sampling seed (the cards used the recipe's)")
     parser.add_argument("--out", type=Path, default=WORK_DIR / "eval.json")
     args = parser.parse_args()
     results = evaluate(

@@ -1,6 +1,6 @@
 """The PRM's curriculum on the arithmetic world's fact table: know, compare, report.
 
-    python -m tools.arith.facts --stage table|check|route --seed 0 [--init DIR] [--out DIR]
+    python -m tools.arith.facts --stage table|check|route [--init DIR] [--out DIR]
 
 A PRM can only call `87 + 15 = 101` wrong if it knows that 87 + 15 is 102, compares that with
 the 101 written, and reports the comparison at the step's tag. Trained on judged solutions
@@ -18,9 +18,9 @@ input format, and the last one is `train_prm`'s starting point (none is shipped)
   steps and then climbs (grokking-like); a decaying learning rate stalls it, so it runs at a
   constant one until the check is right on 95% of 800 held-out results.
 - `route`: fact drills judged at their step tags (`drill_row`), on 2 new layers over the frozen
-  check model, until the fact-drill AUC (`evaluate.fact_drill_auc`) reaches 0.95 (seed 0, two runs
-  from the same check model: 0.965 at 2,250 steps in 8 min, and 0.964 at 1,000 steps in 3.9 min,
-  the shipped PRM's). Without it a PRM trained from the check model kept a 0.97-AUC
+  check model, until the fact-drill AUC (`evaluate.fact_drill_auc`) reaches 0.95 (the shipped
+  PRM's, seed 2: 0.951 at 2,500 steps in 4.5 min; at seed 0 two runs from the same check model
+  reached 0.965 at 2,250 steps and 0.964 at 1,000). Without it a PRM trained from the check model kept a 0.97-AUC
   verdict at the result token, yet its tags never read it. With 1 new layer it stayed at
   chance for 4,250 steps at lr 1e-3, and at lr 3e-3 it left chance only after 1,500 steps and
   reached just 0.85 by 3,500.
@@ -41,6 +41,7 @@ from tools.arith.common import (
     BAD_ID,
     GENERATOR_DIR,
     GOOD_ID,
+    PRM_THREADS,
     VOCAB,
     WORK_DIR,
     collate,
@@ -50,7 +51,7 @@ from tools.arith.common import (
     read_json,
     recipe_parser,
     save_checkpoint,
-    set_single_thread,
+    set_threads,
     write_json,
 )
 from tools.arith.data import held_out_texts
@@ -276,7 +277,7 @@ def build(stage: str, seed: int, init: Path, out: Path, extra_layers: int = 0, *
     """Run one stage from the checkpoint in `init` and save the result to `out`; returns the
     training summary. With `extra_layers`, that many identity-initialised layers go on top and
     only they learn, so what the layers below know (the table, the check) stays as it is."""
-    set_single_thread()
+    set_threads(PRM_THREADS)
     model = deepen(load_model(init), extra_layers)
     if extra_layers:
         model.requires_grad_(False)

@@ -21,6 +21,7 @@ from tools.arith.common import (
     BOS_ID,
     EOS_ID,
     GENERATOR_DIR,
+    GENERATOR_THREADS,
     WORK_DIR,
     collate,
     encode_text,
@@ -28,7 +29,7 @@ from tools.arith.common import (
     prompt_ids,
     recipe_parser,
     save_checkpoint,
-    set_single_thread,
+    set_threads,
     write_json,
 )
 from tools.arith.data import LEVELS, held_out_texts, noisy_solution, problem_stream
@@ -136,11 +137,10 @@ def train(
     seed: int, steps: int, warm_steps: int, max_tokens: int, drill_frac: float, lr: float, out_dir: Path,
     init: Path | None = None,
 ) -> dict:  # fmt: skip
-    set_single_thread()
+    set_threads(GENERATOR_THREADS)
     import torch
     from transformers import LlamaForCausalLM
 
-    torch.set_num_threads(1)  # on one thread a rerun repeats bit for bit (checked on this machine)
     torch.manual_seed(seed)
     rng = random.Random(f"generator-data-{seed}")
     exclude = held_out_texts()

@@ -1,6 +1,6 @@
 """Train the arithmetic-world PRM (Math-Shepherd style step tags) on judged solutions.
 
-    python -m tools.arith.train_prm --seed 0 [--init DIR]
+    python -m tools.arith.train_prm [--init DIR]
 
 It starts from the last stage of the fact curriculum (`tools.arith.facts`: the table, the
 check, the route to the tag; `--init`, by default that stage's scratch directory), which
@@ -35,6 +35,7 @@ from pathlib import Path
 from tools.arith.common import (
     GENERATOR_DIR,
     PRM_DIR,
+    PRM_THREADS,
     WORK_DIR,
     collate,
     deepen,
@@ -42,7 +43,7 @@ from tools.arith.common import (
     load_model,
     recipe_parser,
     save_checkpoint,
-    set_single_thread,
+    set_threads,
     write_json,
 )
 from tools.arith.copy_check import copy_check_targets
@@ -106,7 +107,7 @@ def train(
     copy_check_weight: float = 0.0, check_every: int = 0, init_dir: Path | None = None, extra_layers: int = 0,
     base_lr_scale: float = 1.0,
 ) -> dict:  # fmt: skip
-    set_single_thread()
+    set_threads(PRM_THREADS)
     import torch
 
     torch.manual_seed(seed)
