@@ -273,7 +273,9 @@ each), peak lr {train["peak_lr"]}, seed {train["seed"]}.
 
 `{COMMAND}` runs every stage; on this 2-core CPU (2 threads) the curriculum took {stage_minutes:.0f} min,
 sampling the generator {train["sample_seconds"] / 60:.1f} min and the PRM {train["train_seconds"] / 60:.1f} min.
-Unlike the generator's, this part runs on two threads and has not been checked to repeat bit for bit.
+Unlike the generator's, this part runs on two threads (`PRM_THREADS`); this checkpoint's stages ran one
+by one with the same calls. A rerun of the table stage logged the same losses for 750 steps (2026-11-24),
+but a whole rerun has not been compared.
 
 ## Results
 
