@@ -22,12 +22,12 @@ REPO = Path(__file__).resolve().parents[2]
 ASSETS = REPO / "treeserve" / "assets"
 GENERATOR_DIR = ASSETS / "arith-generator"
 PRM_DIR = ASSETS / "arith-prm"
-# Scratch (training logs, evaluation JSON): outside the repository, never committed.
 # The shipped pair's recipe: its seed, and the thread counts it trained on (bf16 matmuls round
 # differently on other thread counts, and the trained weights with them).
 SHIPPED_SEED = 2
 GENERATOR_THREADS = 1  # two runs on one thread wrote byte-identical generators
 PRM_THREADS = 2  # the curriculum stages and the PRM's training
+# Scratch (training logs, evaluation JSON): outside the repository, never committed.
 WORK_DIR = Path(os.environ.get("TREESERVE_ARITH_WORK", Path(tempfile.gettempdir()) / "treeserve-arith"))
 
 PAD, BOS, EOS, USER, ASSISTANT, SYSTEM, STEP_TAG, UNK = (

@@ -13,6 +13,7 @@ from tools.arith.common import (
     EOS_ID,
     GOOD_ID,
     PAD_ID,
+    SHIPPED_SEED,
     SPECIAL_TOKENS,
     STEP_TAG_ID,
     VOCAB,
@@ -24,7 +25,7 @@ from tools.arith.evaluate import format_table
 from tools.arith.prm_io import PRM_FORMAT
 from treeserve.eval.arith import LEVELS
 
-COMMAND = "python -m tools.arith.build_all --seed 2"
+COMMAND = f"python -m tools.arith.build_all --seed {SHIPPED_SEED}"
 
 
 def _levels_table() -> str:

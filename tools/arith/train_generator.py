@@ -213,7 +213,7 @@ def recipe_summary(seed: int) -> dict:
     n_params = sum(t.numel() for t in _weights(GENERATOR_DIR).values())
     phases = [
         {"seed": seed, "steps": p["steps"], "warm_steps": p["warm_steps"], "max_tokens_per_batch": p["max_tokens"],
-         "drill_fraction": p["drill_frac"], "peak_lr": p["lr"], "threads": 1, "train_seconds": None}
+         "drill_fraction": p["drill_frac"], "peak_lr": p["lr"], "threads": GENERATOR_THREADS, "train_seconds": None}
         for p in PHASES
     ]  # fmt: skip
     return {"seed": seed, "parameters": n_params, "shape": GENERATOR_SHAPE, "phases": phases, "train_seconds": None}
