@@ -39,6 +39,71 @@ def test_paged_decode_matches_sdpa(dtype, window, head_dim):
     torch.testing.assert_close(got.float(), ref[:, :, 0], atol=tol, rtol=tol)
 
 
+prefill = pytest.mark.skipif(not cpu_kernels._prefill_built(), reason="no AVX512-BF16: the prefill kernel is not built")
+
+
+def _prefill_reference(q, k_cache, v_cache, tables, starts, lens, ctx, window):
+    out = torch.zeros(q.shape)
+    for b in range(tables.shape[0]):
+        keys = k_cache[tables[b]].flatten(0, 1).float().transpose(0, 1)  # [Hkv, K, D]
+        values = v_cache[tables[b]].flatten(0, 1).float().transpose(0, 1)
+        pos = ctx[b] - lens[b] + torch.arange(lens[b])
+        key_pos = torch.arange(keys.shape[1])
+        mask = key_pos[None] <= pos[:, None]
+        if window:
+            mask &= key_pos[None] > pos[:, None] - window
+        rows = slice(starts[b], starts[b] + lens[b])
+        attn = F.scaled_dot_product_attention(
+            q[rows].float().transpose(0, 1), keys, values, attn_mask=mask[None], enable_gqa=True
+        )
+        out[rows] = attn.transpose(0, 1)
+    return out
+
+
+@prefill
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize(
+    "head_dim,q_heads,kv_heads,block", [(32, 8, 4, 4), (32, 8, 4, 10), (64, 6, 2, 3), (32, 4, 1, 16)]
+)
+def test_paged_prefill_matches_sdpa(window, head_dim, q_heads, kv_heads, block):
+    """Chunks of 1-40 queries (tiles of 16 rows, partly padded) over cached prefixes that cross pages."""
+    torch.manual_seed(head_dim + block)
+    arena = KVArena(200, 2, block, kv_heads, head_dim, torch.bfloat16, "cpu")
+    arena.buffer.normal_()
+    batch, pages = 7, 20
+    tables = torch.randperm(200)[: batch * pages].view(batch, pages)
+    lens = torch.tensor([1, 40, 3, 16, 17, 8, 2])
+    ctx = lens + torch.randint(0, pages * block - 40, (batch,))
+    starts = torch.cumsum(lens, 0) - lens
+    q = torch.randn(int(lens.sum()), q_heads, head_dim, dtype=torch.bfloat16)
+    k_cache, v_cache = arena.layer(1)
+    got = torch.zeros_like(q)
+    cpu_kernels.paged_prefill(q, k_cache, v_cache, tables, starts, lens, ctx, head_dim**-0.5, window, got)
+    ref = _prefill_reference(q, k_cache, v_cache, tables, starts, lens, ctx, window)
+    torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@prefill
+def test_paged_prefill_rows_do_not_depend_on_the_chunk_around_them():
+    """A chunk prefilled whole, alone, or in two pieces over the cached first piece: identical bits."""
+    torch.manual_seed(0)
+    arena = KVArena(64, 1, 4, 4, 32, torch.bfloat16, "cpu")
+    arena.buffer.normal_()
+    tables = torch.randperm(64)[:40].view(2, 20)
+    q = torch.randn(50, 8, 32, dtype=torch.bfloat16)
+    k_cache, v_cache = arena.layer(0)
+
+    def run(seqs: list[tuple[int, int, int, int]]) -> torch.Tensor:  # (table row, first row, queries, context)
+        out = torch.zeros_like(q)
+        tab, starts, lens, ctx = (torch.tensor(c) for c in zip(*seqs, strict=True))
+        cpu_kernels.paged_prefill(q, k_cache, v_cache, tables[tab], starts, lens, ctx, 32**-0.5, None, out)
+        return out[10:47]
+
+    whole = run([(0, 0, 10, 60), (1, 10, 37, 70)])
+    assert torch.equal(run([(1, 10, 37, 70)]), whole)
+    assert torch.equal(run([(1, 10, 20, 53)]) + run([(1, 30, 17, 70)]), whole)
+
+
 def test_sample_rows_matches_inverse_cdf():
     torch.manual_seed(0)
     logits = torch.randn(64, 1000) * 3

@@ -4,9 +4,10 @@ Per layer, the new tokens' K/V are written into their pages (slot = page, offset
 queries attend to the pages of their own sequence. Sequences are split in two groups so
 neither pays for the other's shape: decodes (one query each) and prefill chunks (many
 queries each, padded to the longest chunk of this step only). Masks are built once per
-step and window, not per layer. Runs on any device PyTorch runs on. On a CPU, decodes go
-through a C kernel (`cpu_kernels.paged_decode`) that reads pages in place instead of
-gathering them, when it could be built; SDPA remains the reference path.
+step and window, not per layer. Runs on any device PyTorch runs on. On a CPU, C kernels
+read the pages in place instead of gathering them, when they could be built: decodes go
+through `cpu_kernels.paged_decode`, and bf16 prefill chunks through `cpu_kernels.paged_prefill`
+(no padding, no mask). SDPA remains the reference path.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ class SeqGroup:
     query_index: torch.Tensor  # [B, Q]: flat token index of each query (padding repeats the last)
     query_pos: torch.Tensor  # [B, Q]: absolute position of each query
     query_valid: torch.Tensor  # [B, Q]: False for padding
+    query_start: torch.Tensor  # [B]: flat token index of each sequence's first query
+    query_len: torch.Tensor  # [B]: queries of each sequence
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
     def mask(self, window: int | None, block_size: int) -> torch.Tensor:
@@ -59,13 +62,18 @@ class AttentionBatch:
         k_cache[self.slot_pages, self.slot_offsets] = k
         v_cache[self.slot_pages, self.slot_offsets] = v
         out = torch.empty_like(q)
+        scale = self.scale or q.shape[-1] ** -0.5
         for group in self.groups:
             if group.query_index.shape[1] == 1 and cpu_kernels.supports(q):
                 index = group.query_index[:, 0]
-                scale = self.scale or q.shape[-1] ** -0.5
                 out[index] = cpu_kernels.paged_decode(
                     q[index], k_cache, v_cache, group.block_tables, group.context_lens, scale, window
                 )
+            elif cpu_kernels.prefill_supports(q):
+                cpu_kernels.paged_prefill(
+                    q, k_cache, v_cache, group.block_tables, group.query_start, group.query_len,
+                    group.context_lens, scale, window, out,
+                )  # fmt: skip
             else:
                 out[group.query_index[group.query_valid]] = self._attend(group, q, k_cache, v_cache, window)
         return out

@@ -98,6 +98,10 @@ def load() -> ctypes.CDLL | None:
         getattr(lib, f"sample_rows_{suffix}").argtypes = [_ptr, _i64, _int, _int, _ptr, _ptr, _int]
     lib.rms_norm_bf16.argtypes = [_ptr, _i64, _int, _ptr, _ptr, _float, _ptr, _int]
     lib.linear_bf16_available.restype = _int
+    lib.paged_prefill_bf16_available.restype = _int
+    if lib.paged_prefill_bf16_available():
+        prefill_args = [_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _int, _int, _int, _int, _int]
+        lib.paged_prefill_bf16.argtypes = [*prefill_args, _float, _i64, _int, _ptr]
     if lib.linear_bf16_available():
         lib.linear_bf16.argtypes = [_ptr, _i64, _int, _ptr, _ptr, _i64, _int, _ptr, _i64, _int]
     return lib
@@ -132,6 +136,55 @@ def paged_decode(
         scale, window or 0, torch.get_num_threads(), out.data_ptr(),
     )  # fmt: skip
     return out
+
+
+@cache
+def _prefill_built() -> bool:
+    lib = load()
+    return lib is not None and lib.paged_prefill_bf16_available() == 1
+
+
+def prefill_supports(q: torch.Tensor) -> bool:
+    """True when `paged_prefill` runs attention for q [T, Hq, D]: bf16 on a CPU with AVX512-BF16, D % 32 == 0."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.bfloat16
+        and q.shape[-1] % 32 == 0
+        and q.is_contiguous()
+        and _prefill_built()
+    )
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    q_starts: torch.Tensor,
+    q_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    window: int | None,
+    out: torch.Tensor,
+) -> None:
+    """Causal attention of each sequence's chunk of queries, written into `out` in place.
+
+    q and out [T, Hq, D] are the step's flat batch; sequence b's queries are rows
+    q_starts[b] .. q_starts[b] + q_lens[b] - 1, the last of them at position context_lens[b] - 1.
+    """
+    assert q.is_contiguous() and out.is_contiguous() and q.shape == out.shape
+    tables, q_starts, q_lens, context_lens = (t.contiguous() for t in (tables, q_starts, q_lens, context_lens))
+    assert tables.dtype == q_starts.dtype == q_lens.dtype == context_lens.dtype == torch.int64
+    _, q_heads, head_dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    assert k_cache.stride()[1:] == (kv_heads * head_dim, head_dim, 1) and v_cache.stride() == k_cache.stride()
+    v_offset = (v_cache.data_ptr() - k_cache.data_ptr()) // k_cache.element_size()
+    load().paged_prefill_bf16(
+        q.data_ptr(), k_cache.data_ptr(), k_cache.stride(0), v_offset,
+        tables.data_ptr(), tables.stride(0), q_starts.data_ptr(), q_lens.data_ptr(),
+        context_lens.data_ptr(), tables.shape[0], q_heads, kv_heads, head_dim, block_size,
+        scale, window or 0, torch.get_num_threads(), out.data_ptr(),
+    )  # fmt: skip
 
 
 GEMV_MAX_ROWS = 4  # above this, a matmul reuses each weight enough for oneDNN's GEMM to win

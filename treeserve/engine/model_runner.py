@@ -91,4 +91,6 @@ class ModelRunner:
             query_index=offsets[index][:, None] + clamped,
             query_pos=starts[index][:, None] + clamped,
             query_valid=step <= last,
+            query_start=offsets[index],
+            query_len=lens[index],
         )
