@@ -1,7 +1,9 @@
-/* CPU kernels for the two passes that dominate decode on a memory-bound CPU.
+/* CPU kernels for the passes that dominate inference of small models on a CPU.
  *
  * paged_decode_*: attention of one query token per sequence over its KV pages, read in
  *   place through the block table (no gather copy), fp32 accumulation, GQA-aware.
+ * paged_prefill_bf16: the same for chunks of queries (a prefill over a cached prefix).
+ * rms_norm_bf16, linear_bf16: RMSNorm, and a GEMV for linear layers at a few rows.
  * sample_rows_*: inverse-CDF draw from softmax(logits) for rows without top-k/top-p/min-p,
  *   one read of the row plus a scan of an L2-resident exp buffer.
  *
@@ -141,91 +143,16 @@ DEFINE_SAMPLE_ROWS(f32, float)
 DEFINE_SAMPLE_ROWS(bf16, bf16)
 
 /* paged_decode_bf16: the bf16 decode attention. Where the compiler targets AVX512-BF16 and
- * head_dim is a multiple of 32, q.k runs as bf16 dot products (one instruction per 32 dims,
- * fp32 accumulation, the scale applied to the dot), scores are kept per head so the softmax
- * is a contiguous pass, and p.v accumulates in fp32 vectors; otherwise the generic loop. */
+ * head_dim is a multiple of 32, q.k runs as bf16 dot products over keys transposed 16 at a
+ * time (fp32 accumulation, the scale applied to the dot), the softmax is a vector pass per
+ * head, and p.v accumulates the heads of a KV group in fp32 registers; otherwise the generic
+ * loop. paged_prefill_bf16 (below) shares its helpers. */
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 
 static inline __m512 bf16x16_to_ps(const bf16 *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
-
-static void decode_seq_bf16(const bf16 *qb, const bf16 *k_cache, int64_t page_stride, int64_t v_offset,
-                            const int64_t *table, int64_t start, int64_t len, int q_heads, int kv_heads,
-                            int head_dim, int block_size, float scale, float *scores, float *acc, bf16 *o) {
-    const int group = q_heads / kv_heads;
-    const int64_t n = len - start;
-    const int64_t token_stride = (int64_t)kv_heads * head_dim;
-    for (int64_t t = start; t < len; t++) {
-        const bf16 *row = k_cache + table[t / block_size] * page_stride + (t % block_size) * token_stride;
-        for (int hq = 0; hq < q_heads; hq++) {
-            const bf16 *k = row + (int64_t)(hq / group) * head_dim;
-            const bf16 *qh = qb + (int64_t)hq * head_dim;
-            __m512 dot = _mm512_setzero_ps();
-            for (int c = 0; c < head_dim; c += 32)
-                dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512(k + c), (__m512bh)_mm512_loadu_si512(qh + c));
-            scores[hq * n + (t - start)] = _mm512_reduce_add_ps(dot) * scale;
-        }
-    }
-    for (int hq = 0; hq < q_heads; hq++) {
-        float *s = scores + hq * n;
-        float m = -FLT_MAX, sum = 0.0f;
-        for (int64_t i = 0; i < n; i++) m = s[i] > m ? s[i] : m;
-        _Pragma("omp simd reduction(+:sum)")
-        for (int64_t i = 0; i < n; i++) {
-            s[i] = expf(s[i] - m);
-            sum += s[i];
-        }
-        const float inv = 1.0f / sum;
-        for (int64_t i = 0; i < n; i++) s[i] *= inv;
-    }
-    for (int i = 0; i < q_heads * head_dim; i++) acc[i] = 0.0f;
-    for (int64_t t = start; t < len; t++) {
-        const bf16 *row = k_cache + v_offset + table[t / block_size] * page_stride + (t % block_size) * token_stride;
-        for (int hq = 0; hq < q_heads; hq++) {
-            const bf16 *v = row + (int64_t)(hq / group) * head_dim;
-            const __m512 p = _mm512_set1_ps(scores[hq * n + (t - start)]);
-            float *a = acc + hq * head_dim;
-            for (int d = 0; d < head_dim; d += 16)
-                _mm512_storeu_ps(a + d, _mm512_fmadd_ps(p, bf16x16_to_ps(v + d), _mm512_loadu_ps(a + d)));
-        }
-    }
-    for (int i = 0; i < q_heads * head_dim; i++) o[i] = store_bf16(acc[i]);
-}
-
-void paged_decode_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride, int64_t v_offset,
-                       const int64_t *tables, int64_t table_stride, const int64_t *ctx_lens, int batch, int q_heads,
-                       int kv_heads, int head_dim, int block_size, float scale, int64_t window, int threads,
-                       bf16 *out) {
-    if (head_dim % 32 != 0) {
-        paged_decode_bf16_generic(q, k_cache, page_stride, v_offset, tables, table_stride, ctx_lens, batch, q_heads,
-                                  kv_heads, head_dim, block_size, scale, window, threads, out);
-        return;
-    }
-    _Pragma("omp parallel for schedule(dynamic, 4) num_threads(threads)")
-    for (int b = 0; b < batch; b++) {
-        const int64_t len = ctx_lens[b];
-        const int64_t start = (window > 0 && len > window) ? len - window : 0;
-        float *scores = (float *)malloc(sizeof(float) * ((len - start) * q_heads + q_heads * head_dim));
-        decode_seq_bf16(q + (int64_t)b * q_heads * head_dim, k_cache, page_stride, v_offset,
-                        tables + (int64_t)b * table_stride, start, len, q_heads, kv_heads, head_dim, block_size,
-                        scale, scores, scores + (len - start) * q_heads, out + (int64_t)b * q_heads * head_dim);
-        free(scores);
-    }
-}
-
-/* paged_prefill_bf16: causal attention of chunks of queries over their KV pages, read in
- * place: sequence b's q_lens[b] queries start at flat row q_starts[b], query i sits at
- * position ctx_lens[b] - q_lens[b] + i and sees keys [max(0, pos + 1 - window), pos + 1).
- * A work item is (sequence, KV head, tile of 16 rows), a row being one (query, query head of
- * that KV head's group). The 16 rows sit in the 16 lanes of a vector: q.k takes one bf16 dot
- * product instruction per key and pair of dims (the key's pair broadcast straight from its
- * page), the softmax runs across the rows at once, and p.v accumulates 16 dims x 16 rows in
- * registers. A row's result depends only on its own query and keys (masked keys add exact
- * zeros), never on the chunk, tile or batch around it. head_dim must be a multiple of 32. */
-#define PREFILL_TILE 16
-#define MASKED_SCORE (-1e30f) /* finite: -ffast-math assumes no infinities */
 
 /* exp(x) for x <= 0: 2^(x log2 e) as 2^round * a degree-6 Taylor polynomial of 2^f, |f| <= 1/2
  * (relative error ~1e-7 from the polynomial, ~1e-5 from rounding x log2 e at x near -87). */
@@ -242,6 +169,151 @@ static inline __m512 exp_ps(__m512 x) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
 }
+
+/* Transpose 16 rows of 16 dwords in place: afterwards r[c] holds dword c of every row. */
+static inline void transpose16_epi32(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) { /* r[4m + j], 128-bit lane k: column 4k + j of rows 4m..4m+3 */
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int j = 0; j < 4; j++) { /* 4x4 transpose of 128-bit lanes across r[j], r[4+j], r[8+j], r[12+j] */
+        const __m512i u0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44), u1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xEE);
+        const __m512i u2 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44);
+        const __m512i u3 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xEE);
+        t[j] = _mm512_shuffle_i32x4(u0, u2, 0x88);
+        t[4 + j] = _mm512_shuffle_i32x4(u0, u2, 0xDD);
+        t[8 + j] = _mm512_shuffle_i32x4(u1, u3, 0x88);
+        t[12 + j] = _mm512_shuffle_i32x4(u1, u3, 0xDD);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+/* One sequence's decode. Keys go 16 at a time into the lanes of a vector: a block of 16 key
+ * rows of one KV head is transposed to kt[p] = dims (2p, 2p+1) of each key, so q.k for a query
+ * head is head_dim/2 bf16 dot products with the query's pair broadcast, giving 16 scores with no
+ * horizontal sum; each block is transposed once for the group of query heads sharing it. */
+static void decode_seq_bf16(const bf16 *qb, const bf16 *k_cache, int64_t page_stride, int64_t v_offset,
+                            const int64_t *table, int64_t start, int64_t len, int q_heads, int kv_heads,
+                            int head_dim, int block_size, float scale, float *scores, int64_t *rowoff, __m512i *kt,
+                            bf16 *o) {
+    const int group = q_heads / kv_heads, pairs = head_dim / 2;
+    const int64_t n = len - start;
+    const int64_t token_stride = (int64_t)kv_heads * head_dim;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    int64_t page = start / block_size, slot = start % block_size;
+    for (int64_t i = 0; i < n; i++, slot++) { /* offset of key i's row in the arena */
+        if (slot == block_size) page++, slot = 0;
+        rowoff[i] = table[page] * page_stride + slot * token_stride;
+    }
+    for (int h = 0; h < kv_heads; h++) {
+        for (int64_t i0 = 0; i0 < n; i0 += 16) {
+            const int m = n - i0 < 16 ? (int)(n - i0) : 16;
+            const bf16 *head = k_cache + (int64_t)h * head_dim;
+            for (int c = 0; c < pairs; c += 16) {
+                __m512i r[16];
+                for (int j = 0; j < 16; j++)
+                    r[j] = j < m ? _mm512_loadu_si512(head + rowoff[i0 + j] + 2 * c) : _mm512_setzero_si512();
+                transpose16_epi32(r);
+                for (int p = 0; p < 16; p++) kt[c + p] = r[p];
+            }
+            const __mmask16 keys = (__mmask16)((1u << m) - 1);
+            for (int g = 0; g < group; g++) {
+                const int hq = h * group + g;
+                const bf16 *qh = qb + (int64_t)hq * head_dim;
+                __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+                for (int p = 0; p < pairs; p += 2) {
+                    int32_t q0, q1;
+                    memcpy(&q0, qh + 2 * p, 4);
+                    memcpy(&q1, qh + 2 * p + 2, 4);
+                    acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)kt[p], (__m512bh)_mm512_set1_epi32(q0));
+                    acc1 = _mm512_dpbf16_ps(acc1, (__m512bh)kt[p + 1], (__m512bh)_mm512_set1_epi32(q1));
+                }
+                _mm512_mask_storeu_ps(scores + hq * n + i0, keys, _mm512_mul_ps(_mm512_add_ps(acc0, acc1), vscale));
+            }
+        }
+    }
+    float inv[q_heads];
+    for (int hq = 0; hq < q_heads; hq++) {
+        float *s = scores + hq * n;
+        __m512 vmax = _mm512_set1_ps(-FLT_MAX);
+        for (int64_t i = 0; i < n; i += 16) {
+            const __mmask16 keys = n - i < 16 ? (__mmask16)((1u << (n - i)) - 1) : 0xFFFF;
+            vmax = _mm512_mask_max_ps(vmax, keys, vmax, _mm512_maskz_loadu_ps(keys, s + i));
+        }
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+        __m512 vsum = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n; i += 16) {
+            const __mmask16 keys = n - i < 16 ? (__mmask16)((1u << (n - i)) - 1) : 0xFFFF;
+            const __m512 e = _mm512_maskz_mov_ps(keys, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(keys, s + i), m)));
+            _mm512_mask_storeu_ps(s + i, keys, e);
+            vsum = _mm512_add_ps(vsum, e);
+        }
+        inv[hq] = 1.0f / _mm512_reduce_add_ps(vsum);
+    }
+    /* p.v: per KV head and 16 dims, up to 8 query heads of the group accumulate in registers */
+    const bf16 *values = k_cache + v_offset;
+    for (int h = 0; h < kv_heads; h++)
+        for (int c = 0; c < head_dim; c += 16)
+            for (int g0 = 0; g0 < group; g0 += 8) {
+                const int gs = group - g0 < 8 ? group - g0 : 8;
+                const float *s = scores + (int64_t)(h * group + g0) * n;
+                __m512 acc[8];
+                for (int g = 0; g < 8; g++) acc[g] = _mm512_setzero_ps();
+                for (int64_t i = 0; i < n; i++) {
+                    const __m512 v = bf16x16_to_ps(values + rowoff[i] + (int64_t)h * head_dim + c);
+                    for (int g = 0; g < gs; g++) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(s[g * n + i]), v, acc[g]);
+                }
+                for (int g = 0; g < gs; g++) {
+                    float a[16];
+                    _mm512_storeu_ps(a, _mm512_mul_ps(acc[g], _mm512_set1_ps(inv[h * group + g0 + g])));
+                    bf16 *out = o + (int64_t)(h * group + g0 + g) * head_dim + c;
+                    for (int d = 0; d < 16; d++) out[d] = store_bf16(a[d]);
+                }
+            }
+}
+
+void paged_decode_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride, int64_t v_offset,
+                       const int64_t *tables, int64_t table_stride, const int64_t *ctx_lens, int batch, int q_heads,
+                       int kv_heads, int head_dim, int block_size, float scale, int64_t window, int threads,
+                       bf16 *out) {
+    if (head_dim % 32 != 0) {
+        paged_decode_bf16_generic(q, k_cache, page_stride, v_offset, tables, table_stride, ctx_lens, batch, q_heads,
+                                  kv_heads, head_dim, block_size, scale, window, threads, out);
+        return;
+    }
+    _Pragma("omp parallel for schedule(dynamic, 4) num_threads(threads)")
+    for (int b = 0; b < batch; b++) {
+        const int64_t len = ctx_lens[b];
+        const int64_t start = (window > 0 && len > window) ? len - window : 0;
+        const int64_t n = len - start; /* buf: kt [head_dim / 2 vectors], key row offsets [n], scores [q_heads][n] */
+        const size_t floats = (size_t)head_dim * 8 + (size_t)n * 2 + (size_t)n * q_heads;
+        float *buf = (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+        decode_seq_bf16(q + (int64_t)b * q_heads * head_dim, k_cache, page_stride, v_offset,
+                        tables + (int64_t)b * table_stride, start, len, q_heads, kv_heads, head_dim, block_size,
+                        scale, buf + head_dim * 8 + n * 2, (int64_t *)(buf + head_dim * 8), (__m512i *)buf,
+                        out + (int64_t)b * q_heads * head_dim);
+        free(buf);
+    }
+}
+
+/* paged_prefill_bf16: causal attention of chunks of queries over their KV pages, read in
+ * place: sequence b's q_lens[b] queries start at flat row q_starts[b], query i sits at
+ * position ctx_lens[b] - q_lens[b] + i and sees keys [max(0, pos + 1 - window), pos + 1).
+ * A work item is (sequence, KV head, tile of 16 rows), a row being one (query, query head of
+ * that KV head's group). The 16 rows sit in the 16 lanes of a vector: q.k takes one bf16 dot
+ * product instruction per key and pair of dims (the key's pair broadcast straight from its
+ * page), the softmax runs across the rows at once, and p.v accumulates 16 dims x 16 rows in
+ * registers. A row's result depends only on its own query and keys (masked keys add exact
+ * zeros), never on the chunk, tile or batch around it. head_dim must be a multiple of 32. */
+#define PREFILL_TILE 16
+#define MASKED_SCORE (-1e30f) /* finite: -ffast-math assumes no infinities */
 
 static void prefill_tile_bf16(const bf16 *q, int64_t q_row_stride, const bf16 *k_cache, int64_t page_stride,
                               int64_t v_offset, const int64_t *table, int block_size, int64_t token_stride,
