@@ -186,3 +186,16 @@ def test_rms_norm_bf16_matches_the_pytorch_norms(gemma):
     cpu_kernels.use_fast_kernels(norm)
     assert type(norm) is not (GemmaRMSNorm if gemma else RMSNorm)
     assert torch.equal(norm(x), expected)
+
+
+def test_rope_matches_pytorch_bit_for_bit_on_strided_heads():
+    from treeserve.models.rope import RotaryEmbedding, _rotate_half, rope_inv_freq
+
+    torch.manual_seed(0)
+    qkv = torch.randn(29, 512).bfloat16()
+    q = qkv[:, :256].view(-1, 8, 32)  # rows 512 apart, as split from the fused projection
+    rope = RotaryEmbedding(rope_inv_freq(32, 10000.0, None), 512, "cpu")
+    cos, sin = rope._lookup(torch.randint(0, 500, (29,)), torch.bfloat16)
+    got = cpu_kernels.rope_bf16(q, cos, sin)
+    assert got.is_contiguous()
+    assert torch.equal(got, q * cos + _rotate_half(q) * sin)

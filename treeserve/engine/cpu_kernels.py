@@ -1,7 +1,8 @@
 """Build once, cache, and call the C kernels of `csrc/cpu_kernels.c` (CPU fast paths).
 
-Kernels: paged decode attention, softmax sampling, and a bf16 GEMV for linear layers at
-small batch, and RMSNorm (`use_fast_kernels` routes a model's layers through them).
+Kernels: paged decode and prefill attention, softmax sampling, a bf16 GEMV for linear
+layers at small batch, RMSNorm and rotary embeddings (`use_fast_kernels` routes a model's
+layers through the last three).
 
 The library is compiled with the system C compiler at first use (about a second) into
 `$TREESERVE_CACHE` (default `~/.cache/treeserve`), keyed by the source, the compiler and the
@@ -29,6 +30,7 @@ from torch import nn
 
 from treeserve.models.gemma3 import GemmaRMSNorm
 from treeserve.models.llama import RMSNorm
+from treeserve.models.rope import RotaryEmbedding
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]  # inputs are finite
@@ -97,6 +99,7 @@ def load() -> ctypes.CDLL | None:
         ]
         getattr(lib, f"sample_rows_{suffix}").argtypes = [_ptr, _i64, _int, _int, _ptr, _ptr, _int]
     lib.rms_norm_bf16.argtypes = [_ptr, _i64, _int, _ptr, _ptr, _float, _ptr, _int]
+    lib.rope_bf16.argtypes = [_ptr, _i64, _i64, _int, _int, _ptr, _ptr, _ptr, _int]
     lib.linear_bf16_available.restype = _int
     lib.paged_prefill_bf16_available.restype = _int
     if lib.paged_prefill_bf16_available():
@@ -255,6 +258,18 @@ def rms_norm_bf16(x: torch.Tensor, eps: float, gain: torch.Tensor | None, weight
     return out
 
 
+def rope_bf16(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin in bf16, as PyTorch rounds it: x [T, H, D] with contiguous
+    heads, cos/sin [T, 1, D] contiguous -> contiguous [T, H, D]."""
+    tokens, heads, dim = x.shape
+    out = torch.empty(tokens, heads, dim, dtype=torch.bfloat16)
+    load().rope_bf16(
+        x.data_ptr(), x.stride(0), tokens, heads, dim, cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
 def _norm_supported(x: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 and x.device.type == "cpu"
 
@@ -273,17 +288,29 @@ class _FastGemmaRMSNorm(GemmaRMSNorm):
         return super().forward(x)
 
 
+class _FastRotaryEmbedding(RotaryEmbedding):
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not all(_norm_supported(t) and t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (q, k)):
+            return super().__call__(q, k, positions)
+        cos, sin = self._lookup(positions, q.dtype)
+        return rope_bf16(q, cos, sin), rope_bf16(k, cos, sin)
+
+
 class _FastLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
 
 def use_fast_kernels(model: nn.Module) -> None:
-    """Swap in the kernels for `model`'s RMS norms (bf16), and, where the GEMV is built, for its
-    nn.Linear layers and LM head (`logits_linear`); each falls back to PyTorch outside its case."""
+    """Swap in the kernels for `model`'s RMS norms and rotary embeddings (bf16), and, where the
+    GEMV is built, for its nn.Linear layers and LM head (`logits_linear`); each falls back to
+    PyTorch outside its case."""
     if load() is None:
         return
     fast = {RMSNorm: _FastRMSNorm, GemmaRMSNorm: _FastGemmaRMSNorm}
+    for rope in vars(model).values():
+        if type(rope) is RotaryEmbedding:
+            rope.__class__ = _FastRotaryEmbedding
     if _gemv_built():
         fast[nn.Linear] = _FastLinear
         if hasattr(model, "logits_linear"):

@@ -537,3 +537,29 @@ void linear_bf16(const bf16 *x, int64_t x_stride, int m, const bf16 *w, const bf
 #else
 int linear_bf16_available(void) { return 0; }
 #endif
+
+/* rope_bf16: rotary embedding of rows of heads, x [tokens, heads, dim] (rows `row_stride`
+ * apart, heads contiguous) into contiguous out, with per-token cos/sin rows [tokens, dim]:
+ * out = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)), the roundings of PyTorch's bf16 ops. */
+void rope_bf16(const bf16 *x, int64_t row_stride, int64_t tokens, int heads, int dim, const bf16 *cos,
+               const bf16 *sin, bf16 *out, int threads) {
+    const int half = dim / 2;
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if (tokens * heads * dim > 262144)")
+    for (int64_t t = 0; t < tokens; t++) {
+        const bf16 *c = cos + t * dim, *s = sin + t * dim;
+        for (int h = 0; h < heads; h++) {
+            const bf16 *xi = x + t * row_stride + (int64_t)h * dim;
+            bf16 *o = out + (t * heads + h) * dim;
+            _Pragma("omp simd")
+            for (int i = 0; i < half; i++) {
+                const float a = load_bf16(xi[i]), b = load_bf16(xi[i + half]);
+                const float ac = load_bf16(store_bf16(a * load_bf16(c[i])));
+                const float bs = load_bf16(store_bf16(-b * load_bf16(s[i])));
+                const float bc = load_bf16(store_bf16(b * load_bf16(c[i + half])));
+                const float as = load_bf16(store_bf16(a * load_bf16(s[i + half])));
+                o[i] = store_bf16(ac + bs);
+                o[i + half] = store_bf16(bc + as);
+            }
+        }
+    }
+}
