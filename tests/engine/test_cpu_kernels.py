@@ -199,3 +199,14 @@ def test_rope_matches_pytorch_bit_for_bit_on_strided_heads():
     got = cpu_kernels.rope_bf16(q, cos, sin)
     assert got.is_contiguous()
     assert torch.equal(got, q * cos + _rotate_half(q) * sin)
+
+
+@pytest.mark.parametrize("rows", [5, 17, 100, 240, 256])
+def test_bf16_linear_with_padded_rows_gives_the_unpadded_bits(rows):
+    """Rows are padded to a multiple of ROW_BUCKET so oneDNN reuses its kernels; results must not move."""
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 256).bfloat16()
+    weight, bias = (torch.randn(704, 256) * 0.05).bfloat16(), torch.randn(704).bfloat16()
+    got = cpu_kernels.linear(x, weight, bias)
+    assert got.shape == (rows, 704)
+    assert torch.equal(got, F.linear(x, weight, bias))

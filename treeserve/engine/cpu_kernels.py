@@ -212,11 +212,22 @@ def gemv_supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     )
 
 
+ROW_BUCKET = 16  # oneDNN builds a bf16 kernel per row count (~0.6 ms each): pad rows to a multiple of this
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through `linear_bf16` where `gemv_supports` says so."""
+    """F.linear, through `linear_bf16` where `gemv_supports` says so. Other bf16 inputs on a CPU
+    get their rows padded with zeros to a multiple of ROW_BUCKET, so that oneDNN reuses a few
+    kernels instead of building one for every batch size a search passes through (a row's
+    result does not change: oneDNN's bf16 kernels gave the same bits at every padded size tried)."""
     if gemv_supports(x, weight, bias):
         return linear_bf16(x, weight, bias)
-    return F.linear(x, weight, bias)
+    rows = x.shape[0]
+    if x.dim() != 2 or rows % ROW_BUCKET == 0 or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    padded = x.new_zeros(rows + ROW_BUCKET - rows % ROW_BUCKET, x.shape[1])
+    padded[:rows] = x
+    return F.linear(padded, weight, bias)[:rows]
 
 
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
