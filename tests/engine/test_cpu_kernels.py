@@ -119,6 +119,7 @@ def test_engine_same_greedy_tokens_without_kernels(llama_dir, make_llm, monkeypa
     prompts = ["The quick brown fox", "Numbers 0 1 2 3 4 5"]
     fast = [c.token_ids for o in make_llm(llama_dir).generate(prompts, params) for c in o.outputs]
     monkeypatch.setattr(cpu_kernels, "supports", lambda t: False)
+    monkeypatch.setattr(cpu_kernels, "prefill_supports", lambda t: False)
     plain = [c.token_ids for o in make_llm(llama_dir).generate(prompts, params) for c in o.outputs]
     assert fast == plain
 
