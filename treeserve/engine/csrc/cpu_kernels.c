@@ -195,6 +195,20 @@ static inline void transpose16_epi32(__m512i r[16]) {
     for (int i = 0; i < 16; i++) r[i] = t[i];
 }
 
+/* Lane l of the result: the dot product of lanes[*] lane l (dims 2p, 2p+1 of row l, p < pairs)
+ * with `x`, a bf16 vector of 2 * pairs dims broadcast a pair at a time; two accumulators. */
+static inline __m512 dot_lanes(const __m512i *lanes, const bf16 *x, int pairs) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    for (int p = 0; p < pairs; p += 2) {
+        int32_t x0, x1;
+        memcpy(&x0, x + 2 * p, 4);
+        memcpy(&x1, x + 2 * p + 2, 4);
+        acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)lanes[p], (__m512bh)_mm512_set1_epi32(x0));
+        acc1 = _mm512_dpbf16_ps(acc1, (__m512bh)lanes[p + 1], (__m512bh)_mm512_set1_epi32(x1));
+    }
+    return _mm512_add_ps(acc0, acc1);
+}
+
 /* One sequence's decode. Keys go 16 at a time into the lanes of a vector: a block of 16 key
  * rows of one KV head is transposed to kt[p] = dims (2p, 2p+1) of each key, so q.k for a query
  * head is head_dim/2 bf16 dot products with the query's pair broadcast, giving 16 scores with no
@@ -227,15 +241,7 @@ static void decode_seq_bf16(const bf16 *qb, const bf16 *k_cache, int64_t page_st
             for (int g = 0; g < group; g++) {
                 const int hq = h * group + g;
                 const bf16 *qh = qb + (int64_t)hq * head_dim;
-                __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-                for (int p = 0; p < pairs; p += 2) {
-                    int32_t q0, q1;
-                    memcpy(&q0, qh + 2 * p, 4);
-                    memcpy(&q1, qh + 2 * p + 2, 4);
-                    acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)kt[p], (__m512bh)_mm512_set1_epi32(q0));
-                    acc1 = _mm512_dpbf16_ps(acc1, (__m512bh)kt[p + 1], (__m512bh)_mm512_set1_epi32(q1));
-                }
-                _mm512_mask_storeu_ps(scores + hq * n + i0, keys, _mm512_mul_ps(_mm512_add_ps(acc0, acc1), vscale));
+                _mm512_mask_storeu_ps(scores + hq * n + i0, keys, _mm512_mul_ps(dot_lanes(kt, qh, pairs), vscale));
             }
         }
     }
@@ -346,17 +352,10 @@ static void prefill_tile_bf16(const bf16 *q, int64_t q_row_stride, const bf16 *k
     for (int64_t t = klo; t < khi; t++, slot++) {
         if (slot == block_size) page++, slot = 0;
         const bf16 *row = k_cache + table[page] * page_stride + slot * token_stride + (int64_t)kv_head * head_dim;
-        __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-        for (int p = 0; p < pairs; p += 2) {
-            int32_t k0, k1;
-            memcpy(&k0, row + 2 * p, 4);
-            memcpy(&k1, row + 2 * p + 2, 4);
-            acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)qt[p], (__m512bh)_mm512_set1_epi32(k0));
-            acc1 = _mm512_dpbf16_ps(acc1, (__m512bh)qt[p + 1], (__m512bh)_mm512_set1_epi32(k1));
-        }
+        const __m512 dot = dot_lanes(qt, row, pairs);
         const __m512i vt = _mm512_set1_epi32((int32_t)t);
         const __mmask16 valid = _mm512_cmpge_epi32_mask(vt, vlo) & _mm512_cmplt_epi32_mask(vt, vhi);
-        const __m512 s = _mm512_mask_mov_ps(vmasked, valid, _mm512_mul_ps(_mm512_add_ps(acc0, acc1), vscale));
+        const __m512 s = _mm512_mask_mov_ps(vmasked, valid, _mm512_mul_ps(dot, vscale));
         _mm512_storeu_ps(scores + (t - klo) * PREFILL_TILE, s);
         vmax = _mm512_max_ps(vmax, s);
         const bf16 *v = row + v_offset;
