@@ -39,7 +39,7 @@ def test_paged_decode_matches_sdpa(dtype, window, head_dim):
     torch.testing.assert_close(got.float(), ref[:, :, 0], atol=tol, rtol=tol)
 
 
-prefill = pytest.mark.skipif(not cpu_kernels._prefill_built(), reason="no AVX512-BF16: the prefill kernel is not built")
+prefill = pytest.mark.skipif(not cpu_kernels._bf16_built(), reason="no AVX512-BF16: the prefill kernel is not built")
 
 
 def _prefill_reference(q, k_cache, v_cache, tables, starts, lens, ctx, window):
@@ -136,7 +136,7 @@ def test_loading_the_kernels_leaves_subnormal_floats_alone():
     assert torch.tensor(torch.finfo(torch.float32).tiny) / 2 > 0
 
 
-gemv = pytest.mark.skipif(not cpu_kernels._gemv_built(), reason="no AVX512-BF16: the bf16 GEMV is not built")
+gemv = pytest.mark.skipif(not cpu_kernels._bf16_built(), reason="no AVX512-BF16: the bf16 GEMV is not built")
 
 
 @gemv
@@ -166,7 +166,7 @@ def test_fast_linear_model_matches_plain_linear(llama_dir, make_llm, monkeypatch
     """bf16 decode through the GEMV gives the tokens the oneDNN path gives (greedy, short)."""
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     fast = make_llm(llama_dir, dtype="bfloat16").generate(["The quick brown fox"], params)
-    monkeypatch.setattr(cpu_kernels, "_gemv_built", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "gemv_supports", lambda *args: False)
     plain = make_llm(llama_dir, dtype="bfloat16").generate(["The quick brown fox"], params)
     assert fast[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
 

@@ -100,12 +100,10 @@ def load() -> ctypes.CDLL | None:
         getattr(lib, f"sample_rows_{suffix}").argtypes = [_ptr, _i64, _int, _int, _ptr, _ptr, _int]
     lib.rms_norm_bf16.argtypes = [_ptr, _i64, _int, _ptr, _ptr, _float, _ptr, _int]
     lib.rope_bf16.argtypes = [_ptr, _i64, _i64, _int, _int, _ptr, _ptr, _ptr, _int]
-    lib.linear_bf16_available.restype = _int
-    lib.paged_prefill_bf16_available.restype = _int
-    if lib.paged_prefill_bf16_available():
+    lib.avx512_bf16_built.restype = _int
+    if lib.avx512_bf16_built():
         prefill_args = [_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _int, _int, _int, _int, _int]
         lib.paged_prefill_bf16.argtypes = [*prefill_args, _float, _i64, _int, _ptr]
-    if lib.linear_bf16_available():
         lib.linear_bf16.argtypes = [_ptr, _i64, _int, _ptr, _ptr, _i64, _int, _ptr, _i64, _int]
     return lib
 
@@ -142,9 +140,10 @@ def paged_decode(
 
 
 @cache
-def _prefill_built() -> bool:
+def _bf16_built() -> bool:
+    """True when the AVX512-BF16 kernels (the GEMV, the prefill attention) were compiled in."""
     lib = load()
-    return lib is not None and lib.paged_prefill_bf16_available() == 1
+    return lib is not None and lib.avx512_bf16_built() == 1
 
 
 def prefill_supports(q: torch.Tensor) -> bool:
@@ -154,7 +153,7 @@ def prefill_supports(q: torch.Tensor) -> bool:
         and q.dtype == torch.bfloat16
         and q.shape[-1] % 32 == 0
         and q.is_contiguous()
-        and _prefill_built()
+        and _bf16_built()
     )
 
 
@@ -193,12 +192,6 @@ def paged_prefill(
 GEMV_MAX_ROWS = 4  # above this, a matmul reuses each weight enough for oneDNN's GEMM to win
 
 
-@cache
-def _gemv_built() -> bool:
-    lib = load()
-    return lib is not None and lib.linear_bf16_available() == 1
-
-
 def gemv_supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """True when `linear_bf16` should run x @ weight.T: a few bf16 rows on a CPU with AVX512-BF16."""
     return (
@@ -208,7 +201,7 @@ def gemv_supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         and weight.dtype == torch.bfloat16
         and (bias is None or bias.dtype == torch.bfloat16)
         and x.device.type == "cpu"
-        and _gemv_built()
+        and _bf16_built()
     )
 
 
@@ -225,8 +218,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.shape[0]
     if x.dim() != 2 or rows % ROW_BUCKET == 0 or x.dtype != torch.bfloat16 or x.device.type != "cpu":
         return F.linear(x, weight, bias)
-    padded = x.new_zeros(rows + ROW_BUCKET - rows % ROW_BUCKET, x.shape[1])
-    padded[:rows] = x
+    padded = F.pad(x, (0, 0, 0, ROW_BUCKET - rows % ROW_BUCKET))
     return F.linear(padded, weight, bias)[:rows]
 
 
@@ -281,27 +273,27 @@ def rope_bf16(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     return out
 
 
-def _norm_supported(x: torch.Tensor) -> bool:
+def _bf16_cpu(x: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 and x.device.type == "cpu"
 
 
 class _FastRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _norm_supported(x) and self.weight.dtype == torch.bfloat16:
+        if _bf16_cpu(x) and self.weight.dtype == torch.bfloat16:
             return rms_norm_bf16(x, self.eps, None, self.weight)
         return super().forward(x)
 
 
 class _FastGemmaRMSNorm(GemmaRMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _norm_supported(x):
+        if _bf16_cpu(x):
             return rms_norm_bf16(x, self.eps, self.gain(), None)
         return super().forward(x)
 
 
 class _FastRotaryEmbedding(RotaryEmbedding):
     def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if not all(_norm_supported(t) and t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (q, k)):
+        if not all(_bf16_cpu(t) and t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (q, k)):
             return super().__call__(q, k, positions)
         cos, sin = self._lookup(positions, q.dtype)
         return rope_bf16(q, cos, sin), rope_bf16(k, cos, sin)
@@ -322,7 +314,7 @@ def use_fast_kernels(model: nn.Module) -> None:
     for rope in vars(model).values():
         if type(rope) is RotaryEmbedding:
             rope.__class__ = _FastRotaryEmbedding
-    if _gemv_built():
+    if _bf16_built():
         fast[nn.Linear] = _FastLinear
         if hasattr(model, "logits_linear"):
             model.logits_linear = linear

@@ -426,10 +426,7 @@ void paged_prefill_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride,
     free(work);
 }
 
-int paged_prefill_bf16_available(void) { return 1; }
 #else
-int paged_prefill_bf16_available(void) { return 0; }
-
 void paged_decode_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride, int64_t v_offset,
                        const int64_t *tables, int64_t table_stride, const int64_t *ctx_lens, int batch, int q_heads,
                        int kv_heads, int head_dim, int block_size, float scale, int64_t window, int threads,
@@ -470,11 +467,9 @@ void rms_norm_bf16(const bf16 *x, int64_t rows, int dim, const float *gain, cons
  * one rounding to bf16 at the end), 8 weight rows by 2 x rows at a time, split over threads
  * by weight rows.
  * Each output is summed in a fixed order whatever the number of x rows. Only built where
- * the compiler targets AVX512-BF16; linear_bf16_available() tells the caller. */
+ * the compiler targets AVX512-BF16; avx512_bf16_built() tells the caller. */
 #ifdef __AVX512BF16__
 #include <immintrin.h>
-
-int linear_bf16_available(void) { return 1; }
 
 static inline __m512 dot_step(__m512 acc, const bf16 *w, const bf16 *x, __mmask32 mask) {
     __m512i wv = _mm512_maskz_loadu_epi16(mask, w);
@@ -533,8 +528,6 @@ void linear_bf16(const bf16 *x, int64_t x_stride, int m, const bf16 *w, const bf
         }
     }
 }
-#else
-int linear_bf16_available(void) { return 0; }
 #endif
 
 /* rope_bf16: rotary embedding of rows of heads, x [tokens, heads, dim] (rows `row_stride`
@@ -562,3 +555,11 @@ void rope_bf16(const bf16 *x, int64_t row_stride, int64_t tokens, int heads, int
         }
     }
 }
+
+/* 1 where the AVX512-BF16 kernels (linear_bf16, paged_prefill_bf16, paged_decode_bf16's fast
+ * path) were compiled in: the compiler targets this CPU's AVX512-BF16. */
+#ifdef __AVX512BF16__
+int avx512_bf16_built(void) { return 1; }
+#else
+int avx512_bf16_built(void) { return 0; }
+#endif
