@@ -201,6 +201,36 @@ def _first_mistake_rows(mistakes: dict) -> str:
     return "\n".join(rows)
 
 
+def _search_rounds(rounds: list[dict]) -> str:
+    if not rounds:
+        return ""
+    first = rounds[0]
+    rows = [
+        "| round | started from | distinct final beams mined | with a bad step | mined so far | labelled steps "
+        "| AdamW steps | minutes mining + training |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rounds:
+        rows.append(
+            f"| {r['round']} | {r['init']} | {r['mined_this_round']} | {r['mined_bad']} | {r['mined_solutions']} "
+            f"| {r['steps_labelled']} | {r['optimizer_steps']} | {r['mine_seconds'] / 60:.1f} + "
+            f"{r['train_seconds'] / 60:.1f} |"
+        )
+    return f"""
+## Then search rounds
+
+Beam search selects hard on the PRM's score, so the solutions it returns collect the PRM's blind
+spots: a step it wrongly likes survives every pruning. Each round (`python -m tools.arith.mine_search`)
+runs treeserve's beam search (N=16, beam width 4) with the PRM so far on {first["mined_per_level"]} fresh
+training problems of each of levels 4 and 5 at T=0.4 and again at T=0.8, labels every step of every
+distinct final beam with `step_labels`, and fine-tunes the PRM on the data above plus every solution
+mined so far: every layer, {first["epochs"]} epoch, peak lr {first["peak_lr"]}, the same losses. Mining
+runs on one thread, the fine-tuning on two.
+
+{chr(10).join(rows)}
+"""
+
+
 def prm_card(ckpt: Path, train: dict, results: dict) -> str:
     config = read_json(ckpt / "config.json")
     prm = results["prm"]
@@ -277,7 +307,7 @@ sampling the generator {train["sample_seconds"] / 60:.1f} min and the PRM {train
 Unlike the generator's, this part runs on two threads (`PRM_THREADS`); this checkpoint's stages ran one
 by one with the same calls. A rerun of the table stage logged the same losses for 750 steps (2026-11-24),
 but a whole rerun has not been compared.
-
+{_search_rounds(train.get("search_rounds", []))}
 ## Results
 
 Step-level ROC-AUC on held-out generator samples (test-split problems, T={results["temperature"]},
@@ -302,11 +332,12 @@ not have, mostly a miscopied operand; "rest" is a right result with a miscopied 
 
 ## Known limitation: it checks results, not copies
 
-It catches a wrong result and a wrong order of operations, but hardly a miscopied operand or
-rest (the rows "operation" and "rest" above). Checking a copy means comparing the numbers of a
-step with those of the expression before it, a skill the curriculum does not teach yet. Beam
-search selects hard on this PRM's score, so it steers towards those miscopies. What was tried
-to teach the check, and what to try next: `docs/prm-copy-check.md`.
+It catches a wrong result and a wrong order of operations, but a miscopied operand or rest much
+less well (the rows "operation" and "rest" above; the search round raised them, but not to the
+level of the result check). Checking a copy means comparing the numbers of a step with those of
+the expression before it, a skill the curriculum does not teach yet. Beam search selects hard on
+this PRM's score, so it steers towards those miscopies, most at T=0.8. What was tried to teach
+the check, and what to try next: `docs/prm-copy-check.md`.
 """
 
 

@@ -41,6 +41,7 @@ from tools.arith.common import (
     deepen,
     length_batches,
     load_model,
+    read_json,
     recipe_parser,
     save_checkpoint,
     set_threads,
@@ -105,7 +106,7 @@ def train(
     epochs: int, max_tokens: int, lr: float, generator_dir: Path, out_dir: Path,
     drill_passes: int = 0, prefix_drills_per_level: int = 0, lm_weight: float = 0.0, fact_check_weight: float = 0.0,
     copy_check_weight: float = 0.0, check_every: int = 0, init_dir: Path | None = None, extra_layers: int = 0,
-    base_lr_scale: float = 1.0,
+    base_lr_scale: float = 1.0, mined: list[Example] | None = None,
 ) -> dict:  # fmt: skip
     set_threads(PRM_THREADS)
     import torch
@@ -123,11 +124,12 @@ def train(
     drills = drill_examples(
         drill_rng, drill_passes, [next(streams[lv]) for lv in LEVELS for _ in range(prefix_drills_per_level)]
     )
-    data = on_policy + synthetic + drills
+    mined = mined or []
+    data = on_policy + synthetic + drills + mined
     n_steps = sum(len(labels) for _, _, labels in data)
     n_bad = sum(labels.count(False) for _, _, labels in data)
     print(
-        f"PRM data: {len(data)} solutions ({len(drills)} drills), {n_steps} steps, {n_bad} bad "
+        f"PRM data: {len(data)} solutions ({len(drills)} drills, {len(mined)} mined), {n_steps} steps, {n_bad} bad "
         f"({sample_seconds:.0f}s sampling)", flush=True,
     )  # fmt: skip
 
@@ -196,6 +198,7 @@ def train(
     summary = {
         "seed": seed, "parameters": sum(p.numel() for p in model.parameters()),
         "on_policy_solutions": len(on_policy), "synthetic_solutions": len(synthetic), "drills": len(drills),
+        "mined_solutions": len(mined),
         "init": "generator" if init_dir is None else init_dir.name, "extra_layers": extra_layers,
         "base_lr_scale": base_lr_scale, "stages": curriculum(init_dir) if init_dir is not None else {},
         "drill_passes": drill_passes, "prefix_drills_per_level": prefix_drills_per_level, "lm_weight": lm_weight,
@@ -204,7 +207,6 @@ def train(
         "max_tokens_per_batch": max_tokens, "peak_lr": lr, "sample_seconds": sample_seconds,
         "train_seconds": train_seconds, "log": log,
     }  # fmt: skip
-    write_json(WORK_DIR / "prm_train.json", summary)
     return summary
 
 
@@ -213,9 +215,13 @@ def main() -> None:
     parser.add_argument("--generator", type=Path, default=GENERATOR_DIR)
     parser.add_argument("--out", type=Path, default=PRM_DIR)
     parser.add_argument("--init", type=Path, default=STAGE_DIRS["route"], help="the checkpoint to start from")
+    parser.add_argument("--mined", type=Path, help="search-mined solutions to add (JSON from tools.arith.mine_search)")
     args = parser.parse_args()
     recipe = {name: getattr(args, name) for name in DEFAULTS}
-    train(args.seed, **recipe, generator_dir=args.generator, out_dir=args.out, init_dir=args.init)
+    mined = [tuple(e) for e in read_json(args.mined)["examples"]] if args.mined else None
+    dirs = {"generator_dir": args.generator, "out_dir": args.out, "init_dir": args.init}
+    summary = train(args.seed, **recipe, **dirs, mined=mined)
+    write_json(WORK_DIR / "prm_train.json", summary)
 
 
 if __name__ == "__main__":
