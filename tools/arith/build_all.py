@@ -6,10 +6,9 @@ Trains the generator; then the PRM's curriculum (`tools.arith.facts`: the stages
 and route, each starting from the last), the PRM on judged solutions, starting from the
 curriculum (`tools.arith.train_prm`), and the PRM's search rounds, each mining the solutions
 beam search picks with it and fine-tuning on them (`tools.arith.mine_search`). Evaluates both
-models on the
-test split and writes `treeserve/assets/arith-{generator,prm}/` (weights, tokenizer, chat
-template, `prm_config.json`, `README.md` model cards, `eval.json`). The generator trains on one
-thread and the PRM on two (`common.GENERATOR_THREADS`, `PRM_THREADS`: the weights depend on
+models on the test split and writes `treeserve/assets/arith-{generator,prm}/` (weights,
+tokenizer, chat template, `prm_config.json`, `README.md` model cards, `eval.json`). The
+generator trains on one thread and the PRM on two (`common.GENERATOR_THREADS`, `PRM_THREADS`: the weights depend on
 the thread count); evaluation on `OMP_NUM_THREADS` (1 if unset). On this 2-core machine the
 whole build takes about 2.5 hours, most of it the PRM's curriculum (the cards list the minutes).
 """

@@ -1,6 +1,6 @@
 """Search rounds for the PRM: mine the solutions beam search picks with it, judge them, fine-tune.
 
-    python -m tools.arith.mine_search [--prm DIR] [--rounds 2] [--out DIR]
+    python -m tools.arith.mine_search [--prm DIR] [--rounds N] [--out DIR]
 
 Beam search selects hard on the PRM's score, so its final beams are where the PRM's blind spots
 collect: a step the PRM wrongly likes (mostly a miscopied operand or rest) survives every
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
 from pathlib import Path
 
 from tools.arith.common import (
@@ -26,12 +25,11 @@ from tools.arith.common import (
     PRM_DIR,
     SHIPPED_SEED,
     WORK_DIR,
-    read_json,
     set_threads,
     write_json,
 )
 from tools.arith.data import held_out_texts, problem_stream
-from tools.arith.prm_data import Example
+from tools.arith.prm_data import Example, cached_examples
 from treeserve.eval.arith import arith_dataset, to_record
 from treeserve.eval.arith_labels import split_steps, step_labels
 
@@ -83,17 +81,15 @@ def cached_mined(
     generator_dir: Path, prm_dir: Path, seed: int, per_level: int, round_: int = 1
 ) -> tuple[list[Example], float]:
     """`mine` at every temperature of `MINE_TEMPERATURES`, kept in the scratch directory."""
-    path = WORK_DIR / f"prm_mined_seed{seed}_{per_level}_round{round_}.json"
-    if path.exists():
-        cached = read_json(path)
-        return [(p, steps, labels) for p, steps, labels in cached["examples"]], cached["seconds"]
-    start, out = time.time(), []
-    for temperature in MINE_TEMPERATURES:
-        out += mine(generator_dir, prm_dir, seed, per_level, temperature, round_)
-        print(f"mined round {round_} T={temperature}: {len(out)} solutions so far", flush=True)
-    seconds = time.time() - start
-    write_json(path, {"seconds": seconds, "examples": out})
-    return out, seconds
+
+    def mine_all() -> list[Example]:
+        out: list[Example] = []
+        for temperature in MINE_TEMPERATURES:
+            out += mine(generator_dir, prm_dir, seed, per_level, temperature, round_)
+            print(f"mined round {round_} T={temperature}: {len(out)} solutions so far", flush=True)
+        return out
+
+    return cached_examples(WORK_DIR / f"prm_mined_seed{seed}_{per_level}_round{round_}.json", mine_all)
 
 
 def search_rounds(
@@ -105,13 +101,13 @@ def search_rounds(
     goes to `out_dir`, earlier ones to the scratch directory. Returns each round's summary."""
     from tools.arith.train_prm import DEFAULTS, train
 
+    recipe = {**DEFAULTS, **FINE_TUNE}
     mined: list[Example] = []
     summaries = []
     for round_ in range(1, rounds + 1):
         examples, seconds = cached_mined(generator_dir, prm_dir, seed, per_level, round_)
         mined += examples
         next_dir = out_dir if round_ == rounds else WORK_DIR / f"prm-round{round_}"
-        recipe = {**DEFAULTS, **FINE_TUNE}
         summary = train(seed, **recipe, generator_dir=generator_dir, out_dir=next_dir, init_dir=prm_dir, mined=mined)
         bad = sum(not all(labels) for _, _, labels in examples)
         summaries.append({

@@ -12,13 +12,20 @@ consistently from the mistake:
 * rest: the rewritten expression miscopies a number;
 * order: an operation that is not ready is done first (precedence or parenthesis error);
 * final: the boxed answer differs from the last result.
+
+Examples that take minutes to make (samples, search-mined beams) are kept as JSON in the scratch
+directory (`cached_examples`).
 """
 
 from __future__ import annotations
 
 import random
 import re
+import time
+from collections.abc import Callable
+from pathlib import Path
 
+from tools.arith.common import read_json, write_json
 from treeserve.eval.arith import (
     BinOp,
     Problem,
@@ -35,6 +42,24 @@ from treeserve.eval.arith_labels import corrupt_value, step_labels
 
 Example = tuple[str, list[str], list[bool]]
 KINDS = ("result", "many", "operand", "rest", "order", "final")
+
+
+def read_examples(path: Path) -> tuple[list[Example], float]:
+    """Examples saved by `cached_examples` (JSON `{"seconds", "examples"}`), and their seconds."""
+    saved = read_json(path)
+    return [(p, steps, labels) for p, steps, labels in saved["examples"]], saved["seconds"]
+
+
+def cached_examples(path: Path, make: Callable[[], list[Example]]) -> tuple[list[Example], float]:
+    """`make()` and the seconds it took, kept at `path` (in the scratch directory): a later call
+    with the same path reads them back instead."""
+    if path.exists():
+        return read_examples(path)
+    start = time.time()
+    examples = make()
+    seconds = time.time() - start
+    write_json(path, {"seconds": seconds, "examples": examples})
+    return examples, seconds
 
 
 def _steps_with_slips(rng: random.Random, problem: Problem, at: set[int]) -> list[str]:

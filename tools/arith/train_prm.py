@@ -27,7 +27,6 @@ and the measured AUCs).
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from pathlib import Path
@@ -41,7 +40,6 @@ from tools.arith.common import (
     deepen,
     length_batches,
     load_model,
-    read_json,
     recipe_parser,
     save_checkpoint,
     set_threads,
@@ -52,7 +50,7 @@ from tools.arith.data import LEVELS, held_out_texts, problem_stream
 from tools.arith.drills import drill_examples
 from tools.arith.evaluate import corruption_check, fact_drill_auc
 from tools.arith.facts import STAGE_DIRS, curriculum, fact_check_targets, result_targets, tag_targets
-from tools.arith.prm_data import Example, synthetic_examples
+from tools.arith.prm_data import Example, cached_examples, read_examples, synthetic_examples
 from tools.arith.prm_io import PRM_FORMAT, prm_input
 from tools.arith.sampling import generate, load_llm, max_new_tokens_for
 from treeserve import LLM
@@ -91,14 +89,7 @@ def cached_on_policy(generator_dir: Path, problems_by_level: dict, n: int, seed:
     the same seed and sizes sample the same."""
     sizes = "-".join(str(len(v)) for v in problems_by_level.values())
     path = WORK_DIR / f"prm_on_policy_seed{seed}_n{n}_{sizes}.json"
-    if path.exists():
-        cached = json.loads(path.read_text())
-        return [(p, steps, labels) for p, steps, labels in cached["examples"]], cached["seconds"]
-    start = time.time()
-    out = on_policy_examples(load_llm(generator_dir), problems_by_level, n, seed)
-    seconds = time.time() - start
-    write_json(path, {"seconds": seconds, "examples": out})
-    return out, seconds
+    return cached_examples(path, lambda: on_policy_examples(load_llm(generator_dir), problems_by_level, n, seed))
 
 
 def train(
@@ -218,7 +209,7 @@ def main() -> None:
     parser.add_argument("--mined", type=Path, help="search-mined solutions to add (JSON from tools.arith.mine_search)")
     args = parser.parse_args()
     recipe = {name: getattr(args, name) for name in DEFAULTS}
-    mined = [tuple(e) for e in read_json(args.mined)["examples"]] if args.mined else None
+    mined = read_examples(args.mined)[0] if args.mined else None
     dirs = {"generator_dir": args.generator, "out_dir": args.out, "init_dir": args.init}
     summary = train(args.seed, **recipe, **dirs, mined=mined)
     write_json(WORK_DIR / "prm_train.json", summary)
