@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tools.arith.search_mistakes import first_mistake, format_counts, main, mistake_counts
+from tools.arith.search_mistakes import first_mistake, format_counts, main, mistake_counts, paired_counts
 
 PROBLEM = "Compute ((9 + 15) + 13) - 4."
 
@@ -54,6 +54,28 @@ def test_counts_cover_all_completions_and_the_chosen_one_of_wrong_problems():
     assert counts["chosen_wrong"] == {"operation": 1}
     text = format_counts("x", counts)
     assert "| chosen_wrong | 0 (0%) | 0 (0%) | 1 (100%) |" in text
+
+
+def record(uid: str, pred: str, correct: bool, *texts: str) -> dict:
+    return {"unique_id": uid, "problem": PROBLEM, "pred": pred, "correct": correct,
+            "completions": [completion(t) for t in texts]}  # fmt: skip
+
+
+def test_paired_counts_name_the_mistake_of_the_run_that_is_wrong():
+    run = {"problems": [
+        record("a", "34", False, MISCOPIED_OPERAND, GOOD),  # lost: this run's miscopy
+        record("b", "33", True, GOOD, WRONG_RESULT),  # won: the baseline's wrong result
+        record("c", "33", True, GOOD),  # both right: not counted
+        record("d", "38", False, MISCOPIED_REST),  # not in the baseline: not counted
+    ]}  # fmt: skip
+    baseline = {"problems": [
+        record("a", "33", True, GOOD),
+        record("b", "34", False, WRONG_RESULT, GOOD),
+        record("c", "33", True, GOOD),
+    ]}  # fmt: skip
+    counts = paired_counts(run, baseline)
+    assert counts == {"lost": {"operation": 1}, "won": {"result": 1}}
+    assert paired_counts(baseline, run) == {"lost": {"result": 1}, "won": {"operation": 1}}
 
 
 @pytest.mark.parametrize("content", ["not json", '{"summary": {}}', '{"problems": [{"problem": "x"}]}'])
