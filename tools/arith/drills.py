@@ -110,7 +110,7 @@ def fact_drill(rng: random.Random, fact: Fact, good: bool) -> Example:
     return problem, steps, step_labels(problem, steps)
 
 
-def _state_at(problem: Problem, k: int) -> Expr:
+def state_at(problem: Problem, k: int) -> Expr:
     """The true expression left after the first `k` reference steps."""
     expr = problem.expr
     for _ in range(k):
@@ -121,7 +121,7 @@ def _state_at(problem: Problem, k: int) -> Expr:
 
 def slipped_step(rng: random.Random, problem: Problem, k: int, kind: str) -> str:
     """Reference step `k` (an operation) gone wrong in one of the generator's ways."""
-    state = _state_at(problem, k)
+    state = state_at(problem, k)
     path, node = next(ready_nodes(state))
     a, b = node.left, node.right
     if kind == "left":
