@@ -30,8 +30,7 @@ from pathlib import Path
 from tools.arith.common import PRM_DIR, collate, deepen, load_model, save_checkpoint, set_threads
 from tools.arith.copy_check import copy_check_targets
 from tools.arith.data import held_out_texts, problem_stream
-from tools.arith.drills import fact_table, near_miss, state_at
-from tools.arith.evaluate import fact_drill_auc
+from tools.arith.drills import fact_drill_auc, fact_table, near_miss, state_at
 from tools.arith.facts import drill_row, tag_targets
 from tools.arith.prm_data import Example
 from tools.arith.prm_io import PRM_FORMAT, prm_input, roc_auc, score_steps

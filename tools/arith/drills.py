@@ -25,6 +25,7 @@ from __future__ import annotations
 import random
 
 from tools.arith.prm_data import Example, corrupted_steps
+from tools.arith.prm_io import roc_auc, score_steps
 from treeserve.eval.arith import (
     LEVELS,
     OPS,
@@ -179,3 +180,12 @@ def drill_examples(rng: random.Random, fact_passes: int, problems: list[Problem]
     for problem in problems:
         out += prefix_drill_pair(rng, problem)
     return out
+
+
+def fact_drill_auc(prm, facts: int = 600, seed: int = 99) -> float:
+    """Step AUC on fact drills (`tools.arith.drills`): one operation, right or a plausible wrong
+    result, nothing else to go on. 0.5 means the PRM does not check arithmetic at all."""
+    rng = random.Random(seed)
+    drills = [fact_drill(rng, fact, good) for fact in rng.sample(fact_table(), facts) for good in (True, False)]
+    scores = score_steps(prm, [(problem, steps) for problem, steps, _ in drills])
+    return roc_auc([s[0] for s in scores], [labels[0] for _, _, labels in drills])

@@ -16,8 +16,9 @@ import time
 from pathlib import Path
 
 from tools.arith.common import GENERATOR_DIR, PRM_DIR, SHIPPED_SEED, WORK_DIR, load_model, set_threads, write_json
+from tools.arith.copy_drills import copy_drill_auc, held_out_pairs
 from tools.arith.data import problem_stream
-from tools.arith.drills import fact_drill, fact_table
+from tools.arith.drills import fact_drill_auc
 from tools.arith.prm_data import KINDS, corrupted_steps
 from tools.arith.prm_io import roc_auc, score_steps
 from tools.arith.sampling import generate, load_llm, max_new_tokens_for
@@ -66,6 +67,7 @@ def evaluate(
         results["prm"] = prm_auc(prm, held_out)
         results["prm"]["corruptions"] = corruption_check(prm)
         results["prm"]["fact_drill_auc"] = fact_drill_auc(prm)
+        results["prm"]["copy_drill_auc"] = copy_drill_auc(prm, held_out_pairs())
         for lv in LEVELS:
             results["levels"][lv]["prm_auc"] = results["prm"]["by_level"][lv]["auc"]
     return results
@@ -142,15 +144,6 @@ def corruption_check(prm, per_kind: int = 45, seed: int = 5) -> dict:
             "auc": roc_auc([x for s in scores for x in s], [x for y in labels for x in y]),
         }
     return out
-
-
-def fact_drill_auc(prm, facts: int = 600, seed: int = 99) -> float:
-    """Step AUC on fact drills (`tools.arith.drills`): one operation, right or a plausible wrong
-    result, nothing else to go on. 0.5 means the PRM does not check arithmetic at all."""
-    rng = random.Random(seed)
-    drills = [fact_drill(rng, fact, good) for fact in rng.sample(fact_table(), facts) for good in (True, False)]
-    scores = score_steps(prm, [(problem, steps) for problem, steps, _ in drills])
-    return roc_auc([s[0] for s in scores], [labels[0] for _, _, labels in drills])
 
 
 def format_table(results: dict) -> str:

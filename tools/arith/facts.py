@@ -18,7 +18,7 @@ input format, and the last one is `train_prm`'s starting point (none is shipped)
   steps and then climbs (grokking-like); a decaying learning rate stalls it, so it runs at a
   constant one until the check is right on 95% of 800 held-out results.
 - `route`: fact drills judged at their step tags (`drill_row`), on 2 new layers over the frozen
-  check model, until the fact-drill AUC (`evaluate.fact_drill_auc`) reaches 0.95 (the shipped
+  check model, until the fact-drill AUC (`drills.fact_drill_auc`) reaches 0.95 (the shipped
   PRM's, seed 2: 0.951 at 2,500 steps in 4.5 min; at seed 0 two runs from the same check model
   reached 0.965 at 2,250 steps and 0.964 at 1,000). Without it a PRM trained from the check model kept a 0.97-AUC
   verdict at the result token, yet its tags never read it. With 1 new layer it stayed at
@@ -55,8 +55,7 @@ from tools.arith.common import (
     write_json,
 )
 from tools.arith.data import held_out_texts
-from tools.arith.drills import MAX_LEAF, Fact, fact_drill, fact_table, wrong_result
-from tools.arith.evaluate import fact_drill_auc
+from tools.arith.drills import MAX_LEAF, Fact, fact_drill, fact_drill_auc, fact_table, wrong_result
 from tools.arith.prm_io import prm_input
 from treeserve.eval.arith import OPS, BinOp, apply_op, extend_chain, make_problem, render
 

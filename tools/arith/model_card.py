@@ -317,7 +317,9 @@ labels from `step_labels`:
 {chr(10).join(rows)}
 
 Does it check the step itself? Fact drills (one operation, right or a plausible wrong result,
-nothing else to go on; 0.5 = no check): step AUC **{prm["fact_drill_auc"]:.3f}**. Synthetic mistakes
+nothing else to go on; 0.5 = no check): step AUC **{prm["fact_drill_auc"]:.3f}**. Copy drills (a step
+with an operand or a rest number copied wrong, against the right step after the same steps,
+`tools.arith.copy_drills`): step AUC **{prm.get("copy_drill_auc", float("nan")):.3f}**. Synthetic mistakes
 on levels 3-5, the mean score of the first wrong step against the right step just before it
 (`tools.arith.evaluate.corruption_check`; step AUC on generator samples also rewards knowing that
 deep steps are more often wrong, this does not):
@@ -334,7 +336,8 @@ not have, mostly a miscopied operand; "rest" is a right result with a miscopied 
 
 It catches a wrong result and a wrong order of operations, but a miscopied operand or rest much
 less well (the rows "operation" and "rest" above; the search round raised them, but not to the
-level of the result check). Checking a copy means comparing the numbers of a step with those of
+level of the result check), and a step that differs from the right one only in the miscopy not
+at all (the copy drills above). Checking a copy means comparing the numbers of a step with those of
 the expression before it, a skill the curriculum does not teach yet. Beam search selects hard on
 this PRM's score, so it steers towards those miscopies, most at T=0.8. What was tried to teach
 the check, and what to try next: `docs/prm-copy-check.md`.

@@ -47,8 +47,8 @@ from tools.arith.common import (
 )
 from tools.arith.copy_check import copy_check_targets
 from tools.arith.data import LEVELS, held_out_texts, problem_stream
-from tools.arith.drills import drill_examples
-from tools.arith.evaluate import corruption_check, fact_drill_auc
+from tools.arith.drills import drill_examples, fact_drill_auc
+from tools.arith.evaluate import corruption_check
 from tools.arith.facts import STAGE_DIRS, curriculum, fact_check_targets, result_targets, tag_targets
 from tools.arith.prm_data import Example, cached_examples, read_examples, synthetic_examples
 from tools.arith.prm_io import PRM_FORMAT, prm_input
