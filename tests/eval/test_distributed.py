@@ -1,7 +1,7 @@
 """`treeserve eval --workers N` on a local Ray cluster (2 CPUs, 2 workers of 1 CPU each).
 
 The distributed run must write the single-process run's results: the same completions, step
-scores (to 5 decimals: batch shapes differ, as between the optimised and reference paths) and
+scores (within 1e-5: batch shapes differ, as between the optimised and reference paths) and
 answers, every problem exactly once, also when a worker dies mid-run. Each worker checks its
 pages when it closes (every page free or cached), and the single-process run checks its own.
 """
@@ -30,9 +30,15 @@ def config() -> SearchConfig:
     return SearchConfig(strategy="beam_search", n=4, beam_width=2)
 
 
-def signature(doc: dict) -> list:
+def signature(doc: dict, approx: bool = False) -> list:
+    """Problems, picks and completion texts; with `approx`, step scores to match within 1e-5
+    (rounding both sides instead flips at a rounding boundary now and then)."""
+
+    def scores(values: list[float]):
+        return pytest.approx(values, abs=1e-5) if approx else values
+
     return [
-        (p["unique_id"], p["pred"], [(c["text"], [round(s, 5) for s in c["step_scores"]]) for c in p["completions"]])
+        (p["unique_id"], p["pred"], [(c["text"], scores(c["step_scores"])) for c in p["completions"]])
         for p in doc["problems"]
     ]
 
@@ -56,7 +62,7 @@ def test_two_workers_write_the_single_process_results(cluster, single, tmp_path,
     assert main(["eval", "--dataset", DATASET, *FLAGS, "--output", str(out), "--workers", "2",
                  "--cpus-per-worker", "1"]) == 0  # fmt: skip
     doc = json.loads(out.read_text())
-    assert signature(doc) == signature(single)
+    assert signature(doc) == signature(single, approx=True)
     assert {k: doc["summary"][k] for k in QUALITY} == {k: single["summary"][k] for k in QUALITY}
     assert doc["summary"]["workers"] == 2 and doc["summary"]["worker_failures"] == 0
     assert doc["summary"]["retried_problems"] == []
@@ -72,7 +78,7 @@ def test_a_dead_workers_problems_are_retried_and_answered_once(cluster, single, 
     doc = run_eval_distributed(settings(), config(), RayOptions(workers=2, crash_after={0: 2}))
     uids = [p["unique_id"] for p in single["problems"]]
     assert [p["unique_id"] for p in doc["problems"]] == uids
-    assert signature(doc) == signature(single)
+    assert signature(doc) == signature(single, approx=True)
     summary = doc["summary"]
     assert summary["worker_failures"] == 1
     assert summary["retried_problems"] and set(summary["retried_problems"]) <= set(uids)
