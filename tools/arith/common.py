@@ -236,6 +236,22 @@ def collate(rows: list[tuple[list[int], ...]]):
     return tuple(tensors)
 
 
+def train_step(model, opt, params: list, input_ids, targets) -> float:
+    """One optimizer step on the cross-entropy of the logits at `targets` (-100: no loss, no
+    shift: the target at a position is that position's next token), in bf16 autocast with the
+    gradient clipped to norm 1; returns the loss."""
+    import torch
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(input_ids=input_ids).logits
+    loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()
+
+
 def length_batches(lengths: list[int], max_tokens: int, rng: random.Random, pool: int = 64) -> list[list[int]]:
     """Shuffled batches of indices, similar lengths together, at most `max_tokens` padded tokens."""
     order = list(range(len(lengths)))

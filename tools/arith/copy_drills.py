@@ -27,7 +27,7 @@ import re
 import time
 from pathlib import Path
 
-from tools.arith.common import PRM_DIR, collate, deepen, load_model, save_checkpoint, set_threads
+from tools.arith.common import PRM_DIR, collate, deepen, load_model, save_checkpoint, set_threads, train_step
 from tools.arith.copy_check import copy_check_targets
 from tools.arith.data import held_out_texts, problem_stream
 from tools.arith.drills import fact_drill_auc, fact_table, near_miss, state_at
@@ -138,14 +138,7 @@ def teach_copy(init: Path, out: Path, minutes: float, lr: float, extra_layers: i
         rows = [copy_row(problem, steps, dense) for problem, steps, _ in pairs]
         rows += [drill_row(rng, [rng.choice(facts)]) for _ in range(4)]
         input_ids, targets = collate(rows)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model(input_ids=input_ids).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        running, step = running + loss.item(), step + 1
+        running, step = running + train_step(model, opt, params, input_ids, targets), step + 1
         if step % 500 == 0:
             model.eval()
             aucs = f"copy-drill AUC {copy_drill_auc(model, held):.3f}, fact-drill AUC {fact_drill_auc(model):.3f}"

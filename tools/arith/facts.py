@@ -52,6 +52,7 @@ from tools.arith.common import (
     recipe_parser,
     save_checkpoint,
     set_threads,
+    train_step,
     write_json,
 )
 from tools.arith.data import held_out_texts
@@ -243,14 +244,7 @@ def teach(
         progress = 0.0 if score else max(0.0, (step - warmup) / max(1, steps - warmup))
         for group in opt.param_groups:  # linear warmup, cosine decay to 5% (or constant)
             group["lr"] = lr * min((step + 1) / warmup, 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model(input_ids=input_ids).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        running += loss.item()
+        running += train_step(model, opt, params, input_ids, targets)
         if (step + 1) % log_every == 0 or step + 1 == steps:
             model.eval()
             accuracy = fact_accuracy(model, rng.sample(facts, 1000))
