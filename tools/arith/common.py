@@ -213,6 +213,14 @@ def deepen(model, extra_layers: int):
     return deeper
 
 
+def train_new_layers_only(model, extra_layers: int) -> None:
+    """Freeze every parameter but those of the top `extra_layers` decoder layers (the ones
+    `deepen` added): what the layers below know stays as it is."""
+    model.requires_grad_(False)
+    for layer in model.model.layers[len(model.model.layers) - extra_layers :]:
+        layer.requires_grad_(True)
+
+
 def write_json(path: Path, payload: object) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, ensure_ascii=False) + "\n")

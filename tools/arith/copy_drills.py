@@ -27,7 +27,16 @@ import re
 import time
 from pathlib import Path
 
-from tools.arith.common import PRM_DIR, collate, deepen, load_model, save_checkpoint, set_threads, train_step
+from tools.arith.common import (
+    PRM_DIR,
+    collate,
+    deepen,
+    load_model,
+    save_checkpoint,
+    set_threads,
+    train_new_layers_only,
+    train_step,
+)
 from tools.arith.copy_check import copy_check_targets
 from tools.arith.data import held_out_texts, problem_stream
 from tools.arith.drills import fact_drill_auc, fact_table, near_miss, state_at
@@ -60,7 +69,7 @@ def miscopied_steps(rng: random.Random, problem: Problem, k: int) -> list[str] |
             a = miscopy(rng, a, in_view)  # type: ignore[arg-type]
         else:
             b = miscopy(rng, b, in_view)  # type: ignore[arg-type]
-        if (node.op == "*" and not 2 <= b <= 9) or (node.op == "-" and a < b):  # type: ignore[operator]
+        if node.op == "*" and not 2 <= b <= 9:  # type: ignore[operator]
             return None
         value = apply_op(node.op, a, b)  # type: ignore[arg-type]
         rest = replace(state, path, value)
@@ -79,12 +88,14 @@ def miscopied_steps(rng: random.Random, problem: Problem, k: int) -> list[str] |
 def copy_drill_pair(rng: random.Random, problem: Problem) -> list[Example]:
     """[miscopied, right], both cut after the miscopied step; [] where no miscopy was made."""
     k = rng.randrange(len(problem.steps) - 1)
-    bad = miscopied_steps(rng, problem, k)
-    if bad is None or step_labels(problem.text, bad[: k + 1])[k]:
+    steps = miscopied_steps(rng, problem, k)
+    if steps is None:
         return []
-    right = list(problem.steps[: k + 1])
-    return [(problem.text, bad[: k + 1], step_labels(problem.text, bad[: k + 1])),
-            (problem.text, right, step_labels(problem.text, right))]  # fmt: skip
+    bad, right = steps[: k + 1], list(problem.steps[: k + 1])
+    bad_labels = step_labels(problem.text, bad)
+    if bad_labels[k]:
+        return []
+    return [(problem.text, bad, bad_labels), (problem.text, right, step_labels(problem.text, right))]
 
 
 def held_out_pairs(per_level: int = 150) -> list[Example]:
@@ -125,9 +136,7 @@ def teach_copy(init: Path, out: Path, minutes: float, lr: float, extra_layers: i
     streams = [problem_stream(random.Random(f"copy-stage-{seed}-{lv}"), lv, exclude) for lv in (2, 3, 4, 4, 5, 5)]
     held = held_out_pairs()
     model = deepen(load_model(init), extra_layers)
-    model.requires_grad_(False)
-    for layer in model.model.layers[-extra_layers:]:
-        layer.requires_grad_(True)
+    train_new_layers_only(model, extra_layers)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     print(f"start: copy-drill AUC {copy_drill_auc(model, held):.3f}, fact-drill AUC {fact_drill_auc(model):.3f}")
@@ -160,6 +169,8 @@ def main() -> None:
     args = parser.parse_args()
     if not (args.prm / "config.json").is_file():
         parser.error(f"no checkpoint in {args.prm}")
+    if args.teach is not None and args.extra_layers < 1:
+        parser.error("--extra-layers must be at least 1: only the new layers learn")
     if args.teach is not None:
         teach_copy(args.prm, args.teach, args.minutes, args.lr, args.extra_layers, args.dense, args.seed)
         return

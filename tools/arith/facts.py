@@ -52,6 +52,7 @@ from tools.arith.common import (
     recipe_parser,
     save_checkpoint,
     set_threads,
+    train_new_layers_only,
     train_step,
     write_json,
 )
@@ -273,9 +274,7 @@ def build(stage: str, seed: int, init: Path, out: Path, extra_layers: int = 0, *
     set_threads(PRM_THREADS)
     model = deepen(load_model(init), extra_layers)
     if extra_layers:
-        model.requires_grad_(False)
-        for layer in model.model.layers[-extra_layers:]:
-            layer.requires_grad_(True)
+        train_new_layers_only(model, extra_layers)
     print(f"{stage}: table accuracy before {fact_accuracy(model, fact_table()):.3f}", flush=True)
     summary = teach(model, stage, seed, checkpoint=out, **recipe) | {"init": str(init), "extra_layers": extra_layers}
     save_checkpoint(model, out)
