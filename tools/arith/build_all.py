@@ -2,7 +2,8 @@
 
     python -m tools.arith.build_all --seed 2
 
-Trains the generator; then the PRM's curriculum (`tools.arith.facts`: the stages table, check
+Trains the generator (its phases, the copy phase last); then, on the generator before its copy
+phase (`common.PRM_BASE_DIR`), the PRM's curriculum (`tools.arith.facts`: the stages table, check
 and route, each starting from the last), the PRM on judged solutions, starting from the
 curriculum (`tools.arith.train_prm`), and the PRM's search rounds, each mining the solutions
 beam search picks with it and fine-tuning on them (`tools.arith.mine_search`). Evaluates both
@@ -19,7 +20,16 @@ import argparse
 import time
 
 from tools.arith import evaluate, facts, mine_search, train_generator, train_prm
-from tools.arith.common import GENERATOR_DIR, PRM_DIR, SHIPPED_SEED, WORK_DIR, read_json, set_threads, write_json
+from tools.arith.common import (
+    GENERATOR_DIR,
+    PRM_BASE_DIR,
+    PRM_DIR,
+    SHIPPED_SEED,
+    WORK_DIR,
+    read_json,
+    set_threads,
+    write_json,
+)
 from tools.arith.model_card import minutes_text, write_cards
 
 
@@ -39,17 +49,21 @@ def main() -> None:
     if args.skip_prm:
         prm_train = read_json(WORK_DIR / "prm_train.json")
     else:
-        init = GENERATOR_DIR
+        if not PRM_BASE_DIR.exists():
+            raise SystemExit(
+                f"{PRM_BASE_DIR} (the generator before its copy phase) is missing: train the generator first"
+            )
+        init = PRM_BASE_DIR
         for stage in facts.STAGES:
             facts.build(stage, args.seed, init, facts.STAGE_DIRS[stage], **facts.DEFAULTS[stage])
             init = facts.STAGE_DIRS[stage]
         round0 = mine_search.ROUND0_DIR
         prm_train = train_prm.train(
-            args.seed, **train_prm.DEFAULTS, generator_dir=GENERATOR_DIR, out_dir=round0, init_dir=init
+            args.seed, **train_prm.DEFAULTS, generator_dir=PRM_BASE_DIR, out_dir=round0, init_dir=init
         )  # fmt: skip
-        prm_train["search_rounds"] = mine_search.search_rounds(args.seed, GENERATOR_DIR, round0, PRM_DIR)
+        prm_train["search_rounds"] = mine_search.search_rounds(args.seed, PRM_BASE_DIR, round0, PRM_DIR)
         write_json(WORK_DIR / "prm_train.json", prm_train)
-    results = evaluate.evaluate(GENERATOR_DIR, PRM_DIR, per_level_sampled=50, n=16, temperature=0.8, seed=args.seed)
+    results = evaluate.evaluate(GENERATOR_DIR, PRM_DIR, per_level_sampled=100, n=16, temperature=0.8, seed=args.seed)
     write_json(WORK_DIR / "eval.json", results)
     write_cards(GENERATOR_DIR, PRM_DIR, gen_train, prm_train, results)
     total = time.time() - start

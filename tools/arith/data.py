@@ -19,6 +19,7 @@ LEVELS = (1, 2, 3, 4, 5)
 # Per-step error probability of the noisy teacher: BASE + PER_DIGIT * digits(result),
 # scaled by LEVEL_SCALE[level]. Tuned so that greedy decoding stays mostly right while
 # samples at T=0.8 go wrong often enough on hard problems.
+# The copy phase of the generator's recipe raises PER_DIGIT (`train_generator.PHASES`).
 NOISE_BASE = 0.0
 NOISE_PER_DIGIT = 0.02
 NOISE_LEVEL_SCALE = {1: 0.5, 2: 0.75, 3: 1.0, 4: 1.25, 5: 1.5}
@@ -31,14 +32,14 @@ def held_out_texts(seed: int = 0) -> set[str]:
     return {r["problem"] for r in arith_dataset(500, seed=seed)}
 
 
-def noise_rate(level: int, result: int) -> float:
+def noise_rate(level: int, result: int, per_digit: float = NOISE_PER_DIGIT) -> float:
     digits = len(str(abs(result)))
-    return (NOISE_BASE + NOISE_PER_DIGIT * digits) * NOISE_LEVEL_SCALE[level]
+    return (NOISE_BASE + per_digit * digits) * NOISE_LEVEL_SCALE[level]
 
 
-def noisy_teacher(rng: random.Random, level: int) -> Callable[[BinOp, int], int]:
+def noisy_teacher(rng: random.Random, level: int, per_digit: float) -> Callable[[BinOp, int], int]:
     def perturb(node: BinOp, value: int) -> int:
-        if rng.random() < noise_rate(level, value):
+        if rng.random() < noise_rate(level, value, per_digit):
             return corrupt_value(rng, value)
         return value
 
@@ -52,6 +53,7 @@ def problem_stream(rng: random.Random, level: int, exclude: set[str]) -> Iterato
             yield problem
 
 
-def noisy_solution(rng: random.Random, problem: Problem, noise: bool = True) -> str:
-    perturb = noisy_teacher(rng, problem.level) if noise else None
+def noisy_solution(rng: random.Random, problem: Problem, per_digit: float = NOISE_PER_DIGIT) -> str:
+    """A solution of `problem` whose step results the noisy teacher corrupts at `per_digit`."""
+    perturb = noisy_teacher(rng, problem.level, per_digit)
     return "\n\n".join(solve(problem.expr, perturb))

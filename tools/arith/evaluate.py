@@ -1,6 +1,6 @@
 """Measure the arithmetic-world checkpoints on the fixed test split (500 problems, seed 0).
 
-    python -m tools.arith.evaluate [--per-level-sampled 50] [--n 16]
+    python -m tools.arith.evaluate [--per-level-sampled 100] [--n 16]
 
 Greedy accuracy on all 500 problems; `--n` samples at T=0.8 for the first
 `--per-level-sampled` problems of each level: sampled accuracy (mean over samples) and
@@ -166,7 +166,7 @@ def main() -> None:
     parser.add_argument("--generator", type=Path, default=GENERATOR_DIR)
     parser.add_argument("--prm", type=Path, default=PRM_DIR)
     parser.add_argument("--no-prm", action="store_true")
-    parser.add_argument("--per-level-sampled", type=int, default=50)
+    parser.add_argument("--per-level-sampled", type=int, default=100)
     parser.add_argument("--n", type=int, default=16)
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--seed", type=int, default=SHIPPED_SEED, help="sampling seed (the cards used the recipe's)")

@@ -39,8 +39,8 @@ from pathlib import Path
 
 from tools.arith.common import (
     BAD_ID,
-    GENERATOR_DIR,
     GOOD_ID,
+    PRM_BASE_DIR,
     PRM_THREADS,
     VOCAB,
     WORK_DIR,
@@ -303,7 +303,7 @@ def main() -> None:
     stage = stages.parse_known_args()[0].stage
     parser = recipe_parser(__doc__, DEFAULTS[stage])
     parser.add_argument("--stage", choices=STAGES, default="table")
-    previous = STAGE_DIRS[STAGES[STAGES.index(stage) - 1]] if stage != "table" else GENERATOR_DIR
+    previous = STAGE_DIRS[STAGES[STAGES.index(stage) - 1]] if stage != "table" else PRM_BASE_DIR
     parser.add_argument("--init", type=Path, default=previous)
     parser.add_argument("--out", type=Path, default=STAGE_DIRS[stage])
     args = parser.parse_args()

@@ -21,7 +21,7 @@ import random
 from pathlib import Path
 
 from tools.arith.common import (
-    GENERATOR_DIR,
+    PRM_BASE_DIR,
     PRM_DIR,
     SHIPPED_SEED,
     WORK_DIR,
@@ -123,7 +123,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=SHIPPED_SEED)
     parser.add_argument("--rounds", type=int, default=SEARCH_ROUNDS)
     parser.add_argument("--per-level", type=int, default=MINE_PER_LEVEL)
-    parser.add_argument("--generator", type=Path, default=GENERATOR_DIR)
+    parser.add_argument("--generator", type=Path, default=PRM_BASE_DIR)
     parser.add_argument("--prm", type=Path, default=ROUND0_DIR, help="the PRM to start from")
     parser.add_argument("--out", type=Path, default=PRM_DIR)
     args = parser.parse_args()

@@ -8,7 +8,13 @@ soonest. Most batches are chat-formatted problems of one level (similar lengths,
 padding) with noisy-teacher answers (`tools.arith.data`; loss on the answer and the EOS);
 the others are arithmetic drills, the operations of reference solutions packed one per line
 with the loss on the results only. Levels follow a curriculum: level 1 during a warm phase,
-then one more level every few hundred steps, then all levels uniformly."""
+then one more level every few hundred steps, then all levels uniformly.
+
+The last phase is a copy phase: chat rows only, with the noisy teacher at a higher rate. The
+model stops miscopying operands and rewritten rests (mistakes the PRM cannot see), while its
+sampled results stay spread (mistakes the PRM sees): the error mix that PRM-guided search can
+fix. The PRM is built on, and trained with samples of, the generator before this phase
+(`common.PRM_BASE_DIR`)."""
 
 from __future__ import annotations
 
@@ -32,27 +38,29 @@ from tools.arith.common import (
     set_threads,
     write_json,
 )
-from tools.arith.data import LEVELS, held_out_texts, noisy_solution, problem_stream
+from tools.arith.data import LEVELS, NOISE_PER_DIGIT, held_out_texts, noisy_solution, problem_stream
 from treeserve.eval.arith import Problem, arith_dataset
 
 # Shape of the shipped generator (about 3.2M parameters).
 GENERATOR_SHAPE = {"hidden": 256, "layers": 4, "heads": 8, "kv_heads": 4, "intermediate": 704}
 # The shipped recipe (seed 2): a first phase from scratch with the curriculum, then a shorter
 # continuation at a lower learning rate. Longer second phases raise greedy accuracy at level 5
-# faster than pass@16, which the search needs (the generator's model card).
+# faster than pass@16, which the search needs (the generator's model card). Then the copy phase.
+# `noise`: the noisy teacher's error rate per digit of a result (`data.noise_rate`).
 PHASES = (
-    {"steps": 6000, "warm_steps": 500, "max_tokens": 512, "drill_frac": 0.4, "lr": 2e-3},
-    {"steps": 2500, "warm_steps": 0, "max_tokens": 512, "drill_frac": 0.3, "lr": 1e-3},
+    {"steps": 6000, "warm_steps": 500, "max_tokens": 512, "drill_frac": 0.4, "lr": 2e-3, "noise": NOISE_PER_DIGIT},
+    {"steps": 2500, "warm_steps": 0, "max_tokens": 512, "drill_frac": 0.3, "lr": 1e-3, "noise": NOISE_PER_DIGIT},
+    {"steps": 3000, "warm_steps": 0, "max_tokens": 512, "drill_frac": 0.0, "lr": 5e-4, "noise": 0.06},
 )
 DEFAULTS = PHASES[0]
 DRILL_WIDTH = 256
 LEVEL_MAX_LEN = {1: 56, 2: 88, 3: 128, 4: 176, 5: 224}  # prompt + answer + EOS, in tokens
 
 
-def chat_row(rng: random.Random, problem: Problem) -> tuple[list[int], list[int]]:
+def chat_row(rng: random.Random, problem: Problem, noise: float) -> tuple[list[int], list[int]]:
     """Prompt and noisy-teacher answer; the loss covers the answer and the EOS."""
     prompt = prompt_ids(problem.text)
-    answer = encode_text(noisy_solution(rng, problem)) + [EOS_ID]
+    answer = encode_text(noisy_solution(rng, problem, noise)) + [EOS_ID]
     return prompt + answer, [-100] * len(prompt) + answer
 
 
@@ -72,11 +80,12 @@ def drill_row(streams, rng: random.Random, levels: tuple[int, ...], width: int) 
             labels += [-100] * len(prefix) + target
 
 
-def make_batch(streams, rng: random.Random, levels: tuple[int, ...], max_tokens: int, drill_frac: float):
+def make_batch(streams, rng: random.Random, levels: tuple[int, ...], max_tokens: int, drill_frac: float, noise: float):
     if rng.random() < drill_frac:
         return collate([drill_row(streams, rng, levels, DRILL_WIDTH) for _ in range(max(1, max_tokens // DRILL_WIDTH))])
     level = rng.choice(levels)
-    return collate([chat_row(rng, next(streams[level])) for _ in range(max(1, max_tokens // LEVEL_MAX_LEN[level]))])
+    rows = max(1, max_tokens // LEVEL_MAX_LEN[level])
+    return collate([chat_row(rng, next(streams[level]), noise) for _ in range(rows)])
 
 
 def monitor_batch():
@@ -134,8 +143,8 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
 
 
 def train(
-    seed: int, steps: int, warm_steps: int, max_tokens: int, drill_frac: float, lr: float, out_dir: Path,
-    init: Path | None = None,
+    seed: int, steps: int, warm_steps: int, max_tokens: int, drill_frac: float, lr: float, noise: float,
+    out_dir: Path, init: Path | None = None,
 ) -> dict:  # fmt: skip
     set_threads(GENERATOR_THREADS)
     import torch
@@ -161,7 +170,7 @@ def train(
     watch = monitor_batch()
     for step in range(steps):
         levels = levels_at(step, warm_steps, steps)
-        input_ids, labels = make_batch(streams, rng, levels, max_tokens, drill_frac)
+        input_ids, labels = make_batch(streams, rng, levels, max_tokens, drill_frac, noise)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, lr, warmup=100)
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -185,8 +194,9 @@ def train(
     save_checkpoint(model, out_dir)
     summary = {
         "seed": seed, "steps": steps, "warm_steps": warm_steps, "max_tokens_per_batch": max_tokens,
-        "drill_fraction": drill_frac, "peak_lr": lr, "parameters": n_params, "shape": GENERATOR_SHAPE,
-        "threads": torch.get_num_threads(), "init": str(init) if init else None, "train_seconds": elapsed, "log": log,
+        "drill_fraction": drill_frac, "peak_lr": lr, "noise_per_digit": noise, "parameters": n_params,
+        "shape": GENERATOR_SHAPE, "threads": torch.get_num_threads(), "init": str(init) if init else None,
+        "train_seconds": elapsed, "log": log,
     }  # fmt: skip
     write_json(WORK_DIR / f"generator_train_{out_dir.name}.json", summary)
     return summary
@@ -213,7 +223,8 @@ def recipe_summary(seed: int) -> dict:
     n_params = sum(t.numel() for t in _weights(GENERATOR_DIR).values())
     phases = [
         {"seed": seed, "steps": p["steps"], "warm_steps": p["warm_steps"], "max_tokens_per_batch": p["max_tokens"],
-         "drill_fraction": p["drill_frac"], "peak_lr": p["lr"], "threads": GENERATOR_THREADS, "train_seconds": None}
+         "drill_fraction": p["drill_frac"], "peak_lr": p["lr"], "noise_per_digit": p["noise"],
+         "threads": GENERATOR_THREADS, "train_seconds": None}
         for p in PHASES
     ]  # fmt: skip
     return {"seed": seed, "parameters": n_params, "shape": GENERATOR_SHAPE, "phases": phases, "train_seconds": None}

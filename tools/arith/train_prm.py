@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from tools.arith.common import (
-    GENERATOR_DIR,
+    PRM_BASE_DIR,
     PRM_DIR,
     PRM_THREADS,
     WORK_DIR,
@@ -203,7 +203,7 @@ def train(
 
 def main() -> None:
     parser = recipe_parser(__doc__, DEFAULTS)
-    parser.add_argument("--generator", type=Path, default=GENERATOR_DIR)
+    parser.add_argument("--generator", type=Path, default=PRM_BASE_DIR)
     parser.add_argument("--out", type=Path, default=PRM_DIR)
     parser.add_argument("--init", type=Path, default=STAGE_DIRS["route"], help="the checkpoint to start from")
     parser.add_argument("--mined", type=Path, help="search-mined solutions to add (JSON from tools.arith.mine_search)")
