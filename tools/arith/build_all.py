@@ -36,7 +36,8 @@ from tools.arith.model_card import minutes_text, write_cards
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=SHIPPED_SEED)
-    parser.add_argument("--skip-generator", action="store_true", help="reuse the generator already in assets")
+    reuse = "reuse the generator in assets (and the phase-2 one in WORK_DIR)"
+    parser.add_argument("--skip-generator", action="store_true", help=reuse)
     parser.add_argument("--skip-prm", action="store_true", help="reuse the PRM already in assets")
     args = parser.parse_args()
     set_threads()

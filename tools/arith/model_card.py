@@ -123,25 +123,25 @@ the 500 problems of the test split (`arith_dataset(500, seed=0)`) are never trai
 
 Targets come from a noisy teacher (`tools/arith/data.py`): each step's result is replaced by a
 plausible wrong value (off by 1-2, off by a power of ten, swapped or changed digit) with
-probability p x digits(result) x level scale {NOISE_LEVEL_SCALE} (p: "noise per digit" below), and
-later steps use the wrong value consistently. Training ({len(train["phases"])} phases, each continuing
-from the one before): batches of ~512 tokens; a fraction of them are arithmetic drills (the
-operations of reference solutions, one `a op b = c.` per line, loss on the results), the rest
-chat-formatted problems of one level each with noisy-teacher answers (loss on the answer and
-EOS). Curriculum: level 1 only for the warm batches, then one more level unlocked every 7.5%
-of the rest, then uniform. AdamW (weight decay 0.1), cosine decay to 10%, bf16 autocast,
-seed {train["seed"]}.
+probability p x digits(result) x level scale {NOISE_LEVEL_SCALE}
+(p: "noise per digit" below), and later steps use the wrong value consistently. Training
+({len(train["phases"])} phases, each continuing from the one before): batches of ~512 tokens; a
+fraction of them are arithmetic drills (the operations of reference solutions, one `a op b = c.`
+per line, loss on the results), the rest chat-formatted problems of one level each with
+noisy-teacher answers (loss on the answer and EOS). Curriculum: level 1 only for the warm
+batches, then one more level unlocked every 7.5% of the rest, then uniform. AdamW (weight decay
+0.1), cosine decay to 10%, bf16 autocast, seed {train["seed"]}.
 
 {_phases(train["phases"])}
 
 The last phase is a copy phase: chat rows only, the noisy teacher at a higher rate. After phase 2
 the model miscopied often at T=0.4-0.8 (an operand copied wrong from the expression, e.g.
 `6 + 15 = 21` for `(6 + 14) + 4`, or a wrong rewritten rest): 39% of the first mistakes of its
-samples. The PRM checks results well and copies hardly at all (its card), so beam search with
-it steered towards those miscopies. The copy phase sharpens the copies while the noisier teacher
-keeps the sampled results spread: the error mix PRM-guided search can fix (the results below;
-`docs/prm-copy-check.md`, "A generator that copies"). The PRM is built on the generator after
-phase 2 (`common.PRM_BASE_DIR`).
+samples, 10% after the copy phase (the PRM card). The PRM checks results well and copies hardly
+at all (its card), so beam search with it steered towards those miscopies. The copy phase
+sharpens the copies while the noisier teacher keeps the sampled results spread: the error mix
+PRM-guided search can fix (the results below; `docs/prm-copy-check.md`, "A generator that
+copies"). The PRM is built on the generator after phase 2 (`common.PRM_BASE_DIR`).
 
 ## Training
 
