@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import random
 
-from tools.arith.common import PRM_BASE_DIR, WORK_DIR
+from tools.arith.common import PRM_BASE_DIR, generator_phase_dir
 from tools.arith.data import NOISE_PER_DIGIT, noisy_solution, problem_stream
 from tools.arith.train_generator import PHASES
-from treeserve.eval.arith import solve
 
 
 def _problems(level: int, count: int):
@@ -19,7 +18,7 @@ def _problems(level: int, count: int):
 def test_a_noiseless_teacher_writes_the_reference_solution():
     rng = random.Random(0)
     for problem in _problems(5, 50):
-        assert noisy_solution(rng, problem, per_digit=0.0) == "\n\n".join(solve(problem.expr))
+        assert noisy_solution(rng, problem, per_digit=0.0) == problem.solution
 
 
 def test_a_noisier_teacher_corrupts_more_solutions():
@@ -27,7 +26,7 @@ def test_a_noisier_teacher_corrupts_more_solutions():
 
     def corrupted(per_digit: float) -> int:
         rng = random.Random(1)
-        return sum(noisy_solution(rng, p, per_digit) != "\n\n".join(solve(p.expr)) for p in problems)
+        return sum(noisy_solution(rng, p, per_digit) != p.solution for p in problems)
 
     low, high = corrupted(NOISE_PER_DIGIT), corrupted(3 * NOISE_PER_DIGIT)
     assert 0 < low < high
@@ -39,5 +38,4 @@ def test_the_copy_phase_is_last_and_the_prm_is_built_on_the_phase_before_it():
     assert copy_phase["drill_frac"] == 0.0  # chat rows only: the copies are what it trains
     assert all(p["noise"] == NOISE_PER_DIGIT for p in earlier)
     assert copy_phase["noise"] > NOISE_PER_DIGIT  # sampled results stay spread
-    # train_recipe writes every phase but the last to WORK_DIR / generator-phaseK
-    assert WORK_DIR / f"generator-phase{len(PHASES) - 1}" == PRM_BASE_DIR
+    assert generator_phase_dir(len(PHASES) - 1) == PRM_BASE_DIR

@@ -29,9 +29,15 @@ GENERATOR_THREADS = 1  # two runs on one thread wrote byte-identical generators
 PRM_THREADS = 2  # the curriculum stages and the PRM's training
 # Scratch (training logs, evaluation JSON): outside the repository, never committed.
 WORK_DIR = Path(os.environ.get("TREESERVE_ARITH_WORK", Path(tempfile.gettempdir()) / "treeserve-arith"))
-# The generator the PRM is built on and trained with: the recipe's generator before its copy phase
-# (`train_generator.train_recipe` writes each phase but the last here, as generator-phaseK).
-PRM_BASE_DIR = WORK_DIR / "generator-phase2"
+
+
+def generator_phase_dir(phase: int) -> Path:
+    """Where `train_generator.train_recipe` writes every phase but the last (1-based)."""
+    return WORK_DIR / f"generator-phase{phase}"
+
+
+# The generator the PRM is built on and trained with: the recipe's generator before its copy phase.
+PRM_BASE_DIR = generator_phase_dir(2)
 
 PAD, BOS, EOS, USER, ASSISTANT, SYSTEM, STEP_TAG, UNK = (
     "<|pad|>",

@@ -32,7 +32,7 @@ def held_out_texts(seed: int = 0) -> set[str]:
     return {r["problem"] for r in arith_dataset(500, seed=seed)}
 
 
-def noise_rate(level: int, result: int, per_digit: float = NOISE_PER_DIGIT) -> float:
+def noise_rate(level: int, result: int, per_digit: float) -> float:
     digits = len(str(abs(result)))
     return (NOISE_BASE + per_digit * digits) * NOISE_LEVEL_SCALE[level]
 
@@ -53,7 +53,7 @@ def problem_stream(rng: random.Random, level: int, exclude: set[str]) -> Iterato
             yield problem
 
 
-def noisy_solution(rng: random.Random, problem: Problem, per_digit: float = NOISE_PER_DIGIT) -> str:
+def noisy_solution(rng: random.Random, problem: Problem, per_digit: float) -> str:
     """A solution of `problem` whose step results the noisy teacher corrupts at `per_digit`."""
     perturb = noisy_teacher(rng, problem.level, per_digit)
     return "\n\n".join(solve(problem.expr, perturb))

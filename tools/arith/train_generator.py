@@ -31,6 +31,7 @@ from tools.arith.common import (
     WORK_DIR,
     collate,
     encode_text,
+    generator_phase_dir,
     model_config,
     prompt_ids,
     recipe_parser,
@@ -206,7 +207,7 @@ def train_recipe(seed: int, out_dir: Path) -> dict:
     """Every phase of `PHASES`, each continuing from the one before; the last writes `out_dir`."""
     phases, init = [], None
     for k, phase in enumerate(PHASES):
-        target = out_dir if k == len(PHASES) - 1 else WORK_DIR / f"generator-phase{k + 1}"
+        target = out_dir if k == len(PHASES) - 1 else generator_phase_dir(k + 1)
         phases.append(train(seed, **phase, out_dir=target, init=init))
         init = target
     summary = {
