@@ -21,7 +21,8 @@ from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from treeserve import cli  # noqa: E402
-from treeserve.engine import attention, cpu_kernels, llm_engine, model_runner, scheduler  # noqa: E402
+from treeserve.engine import attention, llm_engine, model_runner, scheduler  # noqa: E402
+from treeserve.kernels import cpu as cpu_kernels  # noqa: E402
 
 seconds: Counter[str] = Counter()
 calls: Counter[str] = Counter()

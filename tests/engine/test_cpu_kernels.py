@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from treeserve import SamplingParams
-from treeserve.engine import cpu_kernels
+from treeserve.kernels import cpu as cpu_kernels
 from treeserve.kv.arena import KVArena
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler: kernels not built")
@@ -128,7 +128,7 @@ def test_loading_the_kernels_leaves_subnormal_floats_alone():
     """A library linked with -ffast-math would switch the whole process to flush-to-zero."""
     import sys
 
-    from treeserve.engine import cpu_kernels
+    from treeserve.kernels import cpu as cpu_kernels
 
     assert cpu_kernels.load() is not None
     tiny = sys.float_info.min

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from treeserve import LLM, SamplingParams
-from treeserve.engine import cpu_kernels
+from treeserve.kernels import cpu as cpu_kernels
 from treeserve.eval.arith import arith_dataset, extract_boxed, grade
 
 ASSETS = Path(__file__).resolve().parents[2] / "treeserve" / "assets"

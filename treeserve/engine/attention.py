@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from treeserve.engine import cpu_kernels
+from treeserve.kernels import cpu as cpu_kernels
 from treeserve.kv.arena import KVArena
 
 

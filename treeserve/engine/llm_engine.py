@@ -17,7 +17,7 @@ import torch
 
 from treeserve.config import EngineConfig
 from treeserve.device import available_memory
-from treeserve.engine import cpu_kernels
+from treeserve.kernels import cpu as cpu_kernels
 from treeserve.engine.detokenizer import StopChecker
 from treeserve.engine.model_runner import ModelRunner, ScheduledSeq
 from treeserve.engine.request import Request, Sequence

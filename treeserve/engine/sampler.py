@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from treeserve.engine import cpu_kernels
+from treeserve.kernels import cpu as cpu_kernels
 
 _M64 = (1 << 64) - 1
 

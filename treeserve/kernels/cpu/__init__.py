@@ -32,7 +32,7 @@ from treeserve.models.gemma3 import GemmaRMSNorm
 from treeserve.models.llama import RMSNorm
 from treeserve.models.rope import RotaryEmbedding
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
+SOURCE = Path(__file__).parent / "cpu_kernels.c"
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]  # inputs are finite
 # Linked without -ffast-math: with it, GCC < 13 links crtfastmath.o into the shared library,
 # whose constructor turns on flush-to-zero for the whole process when the library loads.
