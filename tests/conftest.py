@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from tests.tiny_models import build_checkpoint
-from treeserve import LLM
+# Without a GPU the Triton kernels run on CPU tensors in Triton's interpreter, which must be
+# chosen before triton is first imported (kernels are wrapped when their module loads).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tests.tiny_models import build_checkpoint  # noqa: E402
+from treeserve import LLM  # noqa: E402
 
 # Tiny models gain nothing from a second thread, and when another process keeps a core busy,
 # OpenMP spin-waiting makes two threads an order of magnitude slower than one.

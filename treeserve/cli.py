@@ -44,7 +44,14 @@ def _default_model() -> Path:
     return path
 
 
+def _add_device_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when torch sees a GPU)")
+    p.add_argument("--attention-backend", default=None, choices=["triton", "sdpa", "cpu"],
+                   help="attention kernels (default: triton on CUDA, cpu (C kernels) on a CPU; sdpa: the reference)")
+
+
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    _add_device_flags(p)
     p.add_argument("--model", default=None, help="checkpoint directory or .gguf file (default: the shipped generator)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument(
@@ -71,7 +78,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stop=args.stop or None,
     )
     start = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len)
+    llm = LLM(
+        args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
+        device=args.device, attention_backend=args.attention_backend,
+    )  # fmt: skip
     loaded = time.perf_counter()
     if chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
@@ -114,6 +124,7 @@ def _add_search_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prm-style", default=None, choices=["step_tag", "rlhflow", "reward_head", "value_head"])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     _add_memory_flags(p)
+    _add_device_flags(p)
     p.add_argument("--max-concurrent-problems", type=int, default=64)
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--no-score-cache", action="store_true")
@@ -167,7 +178,9 @@ def _search_settings(args: argparse.Namespace, dataset: str = ""):  # noqa: ANN2
     given = {**vars(args), "prefix_cache": not args.no_prefix_cache, "score_cache": not args.no_score_cache}
     config = SearchConfig(**{f.name: given[f.name] for f in fields(SearchConfig) if f.name in given})
     given["dataset"] = dataset
-    return EvalSettings(**{f.name: given[f.name] for f in fields(EvalSettings) if f.name in given}), config
+    settings = EvalSettings(**{f.name: given[f.name] for f in fields(EvalSettings) if f.name in given})
+    settings.check()  # device, backend and model paths, before any model loads (profile/tune would count errors as 0)
+    return settings, config
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -300,6 +313,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         model=model, prm=prm, prm_style=args.prm_style, served_model_name=args.served_model_name, host=args.host,
         port=args.port, api_key=args.api_key, dtype=args.dtype, max_model_len=args.max_model_len,
+        device=args.device, attention_backend=args.attention_backend,
         **{key: getattr(args, key) for key in CONFIG_KEYS},
     )  # fmt: skip
     serve(settings)
@@ -381,6 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
     srv.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     _add_memory_flags(srv)
+    _add_device_flags(srv)
     srv.add_argument("--max-model-len", type=int, default=None)
     srv.set_defaults(func=cmd_serve)
 

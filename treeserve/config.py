@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from treeserve.device import resolve_attention_backend, resolve_device
 from treeserve.models.gguf_loader import is_gguf
 
 DEFAULT_KV_CAP = 1 << 30
@@ -30,7 +31,8 @@ def check_model_path(path: str, name: str = "model") -> None:
 class EngineConfig:
     model: str  # a Hugging Face checkpoint directory or a GGUF file
     dtype: str = "bfloat16"
-    device: str = "cpu"
+    device: str | None = None  # "cuda", "cuda:N" or "cpu"; None: "cuda" when torch sees a GPU, else "cpu"
+    attention_backend: str | None = None  # "triton" | "sdpa" | "cpu"; None: triton on CUDA, cpu on a CPU
     max_model_len: int | None = None  # None: the model's max_position_embeddings (capped)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -46,6 +48,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        self.device = resolve_device(self.device)
+        self.attention_backend = resolve_attention_backend(self.attention_backend, self.device)
         check_model_path(self.model)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             value = getattr(self, name)

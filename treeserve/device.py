@@ -1,8 +1,11 @@
-"""How much memory a device has, has free, and this process holds on it.
+"""Which device and attention backend an engine runs on, and how much memory that device has.
 
-Plain queries used by the engine (its own KV budget) and the runtime's memory planner. CPU
-numbers come from /proc and sysconf; CUDA numbers from the CUDA allocator (that branch is not
-exercised on the CPU-only machines this project is tested on).
+`resolve_device` and `resolve_attention_backend` turn the user's settings (or their
+defaults: CUDA when torch sees a GPU, the Triton kernels there and the C kernels on a CPU)
+into checked values, with an error naming the fix before any model loads. The memory
+queries serve the engine (its own KV budget) and the runtime's memory planner: CPU numbers
+come from /proc and sysconf, CUDA numbers from `torch.cuda.mem_get_info` and the caching
+allocator (tests substitute those queries; no GPU has run them yet).
 """
 
 from __future__ import annotations
@@ -10,6 +13,49 @@ from __future__ import annotations
 import os
 
 import torch
+
+ATTENTION_BACKENDS = ("triton", "sdpa", "cpu")
+
+
+def resolve_device(device: str | None) -> str:
+    """The device an engine runs on: `device`, checked, or "cuda" when torch sees a GPU, else "cpu"."""
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'cuda', 'cuda:N' or 'cpu', got {device!r}") from None
+    if parsed.type not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda', 'cuda:N' or 'cpu', got {device!r}")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise ValueError(
+            f"device={device!r} but torch.cuda.is_available() is False (torch {torch.__version__}, {build}): "
+            "install a CUDA build of torch on a machine with an NVIDIA GPU, or use device='cpu'"
+        )
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise ValueError(f"device={device!r} but torch sees {torch.cuda.device_count()} CUDA device(s)")
+    return str(parsed)
+
+
+def resolve_attention_backend(backend: str | None, device: str) -> str:
+    """The attention backend: `backend`, checked against `device`, or the device's default
+    ("triton" on CUDA, "cpu" (the C kernels, SDPA where they do not apply) on a CPU)."""
+    kind = torch.device(device).type
+    if backend is None:
+        backend = "triton" if kind == "cuda" else "cpu"
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {backend!r}")
+    if backend == "cpu" and kind != "cpu":
+        raise ValueError(f"attention_backend='cpu' runs C kernels on host memory; device is {device!r}: "
+                         "use 'triton' or 'sdpa'")  # fmt: skip
+    if backend == "triton":
+        from treeserve.kernels.triton import available
+
+        reason = available(torch.device(device))
+        if reason is not None:
+            raise ValueError(f"attention_backend='triton' cannot run here: {reason}")
+    return backend
 
 
 def available_memory(device: torch.device) -> int:
@@ -28,8 +74,12 @@ def total_memory(device: torch.device) -> int:
 
 
 def process_memory(device: torch.device) -> int:
-    """Bytes this process holds on `device` now (resident set on CPU, allocator reserve on CUDA)."""
+    """Bytes in use on `device` now: this process's resident set on a CPU; on CUDA the device's
+    used memory (total - free), which, unlike the allocator's reserve, also counts the CUDA
+    context, cuBLAS workspaces and kernels' code that a model load brings (the difference across
+    a load is what the load took, other processes' changes aside)."""
     if device.type == "cuda":
-        return torch.cuda.memory_reserved(device)
+        free, total = torch.cuda.mem_get_info(device)
+        return total - free
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

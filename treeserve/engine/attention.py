@@ -1,13 +1,19 @@
-"""The portable paged-attention backend: PyTorch SDPA over pages gathered by block table.
+"""Paged attention for one step: the step's metadata and the three backends that run it.
 
 Per layer, the new tokens' K/V are written into their pages (slot = page, offset), then
-queries attend to the pages of their own sequence. Sequences are split in two groups so
-neither pays for the other's shape: decodes (one query each) and prefill chunks (many
-queries each, padded to the longest chunk of this step only). Masks are built once per
-step and window, not per layer. Runs on any device PyTorch runs on. On a CPU, C kernels
-read the pages in place instead of gathering them, when they could be built: decodes go
-through `cpu_kernels.paged_decode`, and bf16 prefill chunks through `cpu_kernels.paged_prefill`
-(no padding, no mask). SDPA remains the reference path.
+queries attend to the pages of their own sequence. Sequences come in two groups so neither
+pays for the other's shape: decodes (one query each) and prefill chunks (many queries each:
+prompts, later chunks of long prompts, PRM scoring steps; a chunk attends to the sequence's
+cached pages and causally within itself).
+
+Backends (chosen once per engine from `EngineConfig.attention_backend`):
+* `sdpa`: PyTorch SDPA over pages gathered by block table, prefill chunks padded to the
+  longest chunk of the step, masks built once per step and window. Runs on any device and
+  is the reference the kernels are tested against.
+* `cpu`: the C kernels of `kernels/cpu` read pages in place (decodes in fp32 and bf16, bf16
+  prefill chunks with AVX512-BF16); SDPA for the rest.
+* `triton`: the Triton kernels of `kernels/triton` for all three parts (store, decode,
+  prefill); on CUDA, and on CPU tensors under TRITON_INTERPRET=1 (how the tests run them).
 """
 
 from __future__ import annotations
@@ -29,10 +35,19 @@ class SeqGroup:
     context_lens: torch.Tensor  # [B]: tokens visible to the last query (cached + new)
     query_index: torch.Tensor  # [B, Q]: flat token index of each query (padding repeats the last)
     query_pos: torch.Tensor  # [B, Q]: absolute position of each query
-    query_valid: torch.Tensor  # [B, Q]: False for padding
     query_start: torch.Tensor  # [B]: flat token index of each sequence's first query
     query_len: torch.Tensor  # [B]: queries of each sequence
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.query_index.shape[1] == 1
+
+    @property
+    def query_valid(self) -> torch.Tensor:
+        """[B, Q]: False for padding."""
+        width = self.query_index.shape[1]
+        return torch.arange(width, device=self.query_len.device)[None, :] < self.query_len[:, None]
 
     def mask(self, window: int | None, block_size: int) -> torch.Tensor:
         if window not in self.masks:
@@ -45,6 +60,89 @@ class SeqGroup:
         return self.masks[window]
 
 
+class SdpaBackend:
+    """The portable reference: gathered pages, SDPA with masks."""
+
+    name = "sdpa"
+
+    def store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              pages: torch.Tensor, offsets: torch.Tensor) -> None:  # fmt: skip
+        k_cache[pages, offsets] = k
+        v_cache[pages, offsets] = v
+
+    def attend(self, group: SeqGroup, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               scale: float | None, window: int | None, out: torch.Tensor) -> None:  # fmt: skip
+        """Write the attention of `group`'s queries (rows of q) into the same rows of `out`
+        (`scale` None: head_dim ** -0.5, SDPA's own default, which kernels compute alike)."""
+        batch, pages = group.block_tables.shape
+        block_size, kv_heads, head_dim = k_cache.shape[1:]
+        tables = group.block_tables.flatten()  # index_select copies pages ~3x faster than [] indexing on CPU
+        keys = k_cache.index_select(0, tables).view(batch, pages * block_size, kv_heads, head_dim)
+        values = v_cache.index_select(0, tables).view(batch, pages * block_size, kv_heads, head_dim)
+        queries = q[group.query_index].transpose(1, 2)  # [B, Hq, Q, D]
+        attended = F.scaled_dot_product_attention(
+            queries,
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=group.mask(window, block_size),
+            scale=scale,
+            enable_gqa=True,
+        )
+        valid = group.query_valid
+        out[group.query_index[valid]] = attended.transpose(1, 2)[valid]
+
+
+class CpuBackend(SdpaBackend):
+    """C kernels where they apply (see `kernels/cpu`), SDPA elsewhere."""
+
+    name = "cpu"
+
+    def attend(self, group: SeqGroup, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               scale: float | None, window: int | None, out: torch.Tensor) -> None:  # fmt: skip
+        kernel_scale = scale or q.shape[-1] ** -0.5
+        if group.is_decode and cpu_kernels.supports(q):
+            index = group.query_index[:, 0]
+            out[index] = cpu_kernels.paged_decode(
+                q[index], k_cache, v_cache, group.block_tables, group.context_lens, kernel_scale, window
+            )
+        elif cpu_kernels.prefill_supports(q):
+            cpu_kernels.paged_prefill(
+                q, k_cache, v_cache, group.block_tables, group.query_start, group.query_len,
+                group.context_lens, kernel_scale, window, out,
+            )  # fmt: skip
+        else:
+            super().attend(group, q, k_cache, v_cache, scale, window, out)
+
+
+class TritonBackend:
+    """The Triton kernels (`kernels/triton`): the KV store, flash-decoding, chunked prefill."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from treeserve.kernels.triton import decode_attention, kv_store, prefill_attention
+
+        self.store = kv_store.store_kv
+        self._decode = decode_attention.paged_decode
+        self._prefill = prefill_attention.paged_prefill
+
+    def attend(self, group: SeqGroup, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               scale: float | None, window: int | None, out: torch.Tensor) -> None:  # fmt: skip
+        scale = scale or q.shape[-1] ** -0.5
+        if group.is_decode:
+            index = group.query_index[:, 0]
+            out[index] = self._decode(q[index], k_cache, v_cache, group.block_tables, group.context_lens, scale, window)
+        else:
+            self._prefill(
+                q, k_cache, v_cache, group.block_tables, group.query_start, group.query_len,
+                group.context_lens, scale, window, out,
+            )  # fmt: skip
+
+
+AttentionBackend = SdpaBackend | CpuBackend | TritonBackend
+BACKENDS: dict[str, type[AttentionBackend]] = {"sdpa": SdpaBackend, "cpu": CpuBackend, "triton": TritonBackend}
+
+
 @dataclass
 class AttentionBatch:
     """Everything attention needs for one step; passed explicitly to the model."""
@@ -53,46 +151,16 @@ class AttentionBatch:
     slot_pages: torch.Tensor  # [T]
     slot_offsets: torch.Tensor  # [T]
     groups: list[SeqGroup]
+    backend: AttentionBackend
     scale: float | None = None
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
     ) -> torch.Tensor:
         k_cache, v_cache = self.arena.layer(layer)
-        k_cache[self.slot_pages, self.slot_offsets] = k
-        v_cache[self.slot_pages, self.slot_offsets] = v
+        self.backend.store(k, v, k_cache, v_cache, self.slot_pages, self.slot_offsets)
+        q = q.contiguous()
         out = torch.empty_like(q)
-        scale = self.scale or q.shape[-1] ** -0.5
         for group in self.groups:
-            if group.query_index.shape[1] == 1 and cpu_kernels.supports(q):
-                index = group.query_index[:, 0]
-                out[index] = cpu_kernels.paged_decode(
-                    q[index], k_cache, v_cache, group.block_tables, group.context_lens, scale, window
-                )
-            elif cpu_kernels.prefill_supports(q):
-                cpu_kernels.paged_prefill(
-                    q, k_cache, v_cache, group.block_tables, group.query_start, group.query_len,
-                    group.context_lens, scale, window, out,
-                )  # fmt: skip
-            else:
-                out[group.query_index[group.query_valid]] = self._attend(group, q, k_cache, v_cache, window)
+            self.backend.attend(group, q, k_cache, v_cache, self.scale, window, out)
         return out
-
-    def _attend(
-        self, group: SeqGroup, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, window: int | None
-    ) -> torch.Tensor:
-        batch, pages = group.block_tables.shape
-        block_size, kv_heads, head_dim = k_cache.shape[1:]
-        tables = group.block_tables.flatten()  # index_select copies pages ~3x faster than [] indexing on CPU
-        keys = k_cache.index_select(0, tables).view(batch, pages * block_size, kv_heads, head_dim)
-        values = v_cache.index_select(0, tables).view(batch, pages * block_size, kv_heads, head_dim)
-        queries = q[group.query_index].transpose(1, 2)  # [B, Hq, Q, D]
-        out = F.scaled_dot_product_attention(
-            queries,
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=group.mask(window, block_size),
-            scale=self.scale,
-            enable_gqa=True,
-        )
-        return out.transpose(1, 2)[group.query_valid]  # [valid queries, Hq, D]

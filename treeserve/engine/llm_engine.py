@@ -17,12 +17,21 @@ import torch
 
 from treeserve.config import EngineConfig
 from treeserve.device import available_memory
-from treeserve.kernels import cpu as cpu_kernels
+from treeserve.engine.attention import BACKENDS
 from treeserve.engine.detokenizer import StopChecker
 from treeserve.engine.model_runner import ModelRunner, ScheduledSeq
 from treeserve.engine.request import Request, Sequence
-from treeserve.engine.sampler import SamplingRow, TokenLogprobs, sample, seeded_uniform, temperatures, token_logprobs
+from treeserve.engine.sampler import (
+    SamplingRow,
+    TokenLogprobs,
+    fused_draw,
+    sample,
+    seeded_uniform,
+    temperatures,
+    token_logprobs,
+)
 from treeserve.engine.scheduler import Scheduler
+from treeserve.kernels import cpu as cpu_kernels
 from treeserve.kv.arena import KVArena, KVLayout, PageArena, shared_block_sizes
 from treeserve.kv.block_manager import BlockManager
 from treeserve.kv.page_pool import PagePool
@@ -57,6 +66,7 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_computed_tokens = 0  # every token run through the model (prompt, recompute, decode)
         self.stalled = False  # the last step had work but no pages for it
+        self.draw = fused_draw(config.attention_backend)  # the sampler's batch-invariant plain draw
 
     def attach_own_kv(self, kv_bytes: int) -> None:
         """An arena of its own: as many pages of `config.block_size` tokens as fit `kv_bytes`."""
@@ -84,7 +94,8 @@ class LLMEngine:
             pages.num_pages, block_size, config.model_id, config.enable_prefix_caching, pool=pool
         )
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.arena, self.device, scale=self.model_config.attn_scale)
+        backend = BACKENDS[config.attention_backend]()
+        self.runner = ModelRunner(self.model, self.arena, self.device, self.model_config.attn_scale, backend)
         self.page_log = PageLog(self.blocks)
 
     # ---- requests ----------------------------------------------------------------------
@@ -250,14 +261,15 @@ class LLMEngine:
             )
             for seq, _ in to_sample
         ]
-        states = hidden[[r for _, r in to_sample]]
-        scale = torch.tensor(temperatures(rows), dtype=states.dtype, device=states.device)[:, None]
-        tokens = sample(self.model.compute_logits(states / scale, float32=False), rows)
+        (index,) = self.runner.staging.to_device(torch.tensor([r for _, r in to_sample]))
+        states = hidden[index]
+        (scale,) = self.runner.staging.to_device(torch.tensor(temperatures(rows), dtype=states.dtype)[:, None])
+        tokens = sample(self.model.compute_logits(states / scale, float32=False), rows, self.draw)
         wanted = [i for i, (seq, _) in enumerate(to_sample) if seq.logprobs is not None]
         if wanted:
             k = max(to_sample[i][0].request.params.logprobs for i in wanted)
             logprobs = token_logprobs(self.model.compute_logits(states[wanted]), tokens[wanted], k)
-        for i, ((seq, _), token) in enumerate(zip(to_sample, tokens.tolist(), strict=True)):
+        for i, ((seq, _), token) in enumerate(zip(to_sample, tokens.tolist(), strict=True)):  # the step's one D2H
             seq.token_ids.append(token)
             self.num_generated_tokens += 1
             if seq.logprobs is not None:

@@ -15,6 +15,7 @@ those passes cost more than the matmul. Log-probabilities are always those of th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,20 +53,42 @@ def temperatures(rows: list[SamplingRow]) -> list[float]:
     return [r.temperature or 1.0 for r in rows]
 
 
-def sample(scaled_logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+Draw = Callable[[torch.Tensor, list[SamplingRow]], torch.Tensor]
+
+
+def _draw_c(scaled: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    return cpu_kernels.sample_rows(scaled, [r.uniform for r in rows])
+
+
+def _draw_triton(scaled: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    from treeserve.kernels.triton.sampling import sample_rows
+
+    uniforms = torch.tensor([r.uniform for r in rows], dtype=torch.float64).to(scaled.device, non_blocking=True)
+    return sample_rows(scaled, uniforms)
+
+
+def fused_draw(attention_backend: str) -> Draw | None:
+    """The kernel family's fused plain draw for an engine on `attention_backend` (one program
+    or thread per row, so it is batch-invariant): C on a CPU, Triton with Triton attention,
+    none (PyTorch's `_draw`) with SDPA."""
+    return {"cpu": _draw_c, "triton": _draw_triton}.get(attention_backend)
+
+
+def sample(scaled_logits: torch.Tensor, rows: list[SamplingRow], draw: Draw | None = _draw_c) -> torch.Tensor:
     """scaled_logits: [B, V] = logits / temperature, any float dtype. Returns token ids [B].
 
     Rows go to one of three pickers by their own parameters only (never by the batch):
-    greedy, plain draws (a fused C pass on CPU when available), filtered draws (PyTorch).
+    greedy, plain draws (`draw`, the backend's fused kernel, where it runs on these logits),
+    filtered draws (PyTorch). Every picker runs on the logits' device.
     """
     vocab = scaled_logits.shape[-1]
-    fused = cpu_kernels.supports(scaled_logits)
-    pickers = {_argmax: [], _draw_fused: [], _draw: []}
+    fused = draw is _draw_triton or (draw is _draw_c and cpu_kernels.supports(scaled_logits))
+    pickers = {_argmax: [], draw: [], _draw: []}
     for i, r in enumerate(rows):
         if r.temperature == 0.0:
             pickers[_argmax].append(i)
         elif fused and not (0 < r.top_k < vocab or r.top_p < 1.0 or r.min_p > 0):
-            pickers[_draw_fused].append(i)
+            pickers[draw].append(i)
         else:
             pickers[_draw].append(i)
     tokens = torch.empty(len(rows), dtype=torch.long, device=scaled_logits.device)
@@ -80,10 +103,6 @@ def sample(scaled_logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
 
 def _argmax(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return logits.float().argmax(dim=-1)  # exact; bf16 argmax is ~5x slower on CPU
-
-
-def _draw_fused(scaled: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    return cpu_kernels.sample_rows(scaled, [r.uniform for r in rows])
 
 
 def _draw(scaled: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

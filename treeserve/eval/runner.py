@@ -15,6 +15,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from treeserve.config import check_model_path
+from treeserve.device import resolve_attention_backend, resolve_device
 from treeserve.eval.datasets import load_dataset
 from treeserve.eval.grading import Grader
 from treeserve.eval.report import RunStats, build_results, grade_problems
@@ -44,6 +45,8 @@ class EvalSettings:
     prm: str = DEFAULT_PRM
     prm_style: str | None = None
     dtype: str = "bfloat16"
+    device: str | None = None  # None: cuda when torch sees a GPU, else cpu
+    attention_backend: str | None = None  # None: the device's default (triton on CUDA, cpu on a CPU)
     kv_cache_memory: int | None = None  # KV bytes (1 GiB when no budget below is given either)
     memory_budget: int | None = None  # bytes for weights + activations + KV (see runtime/planner.py)
     memory_fraction: float | None = None  # of the memory free at start, for everything
@@ -57,6 +60,7 @@ class EvalSettings:
     progress: bool = True
 
     def check(self) -> None:
+        resolve_attention_backend(self.attention_backend, resolve_device(self.device))
         for name, path in (("generator", self.generator), ("prm", self.prm)):
             check_model_path(str(path), f"{name} model")
         if self.prm_kv_fraction is not None and not 0.0 < self.prm_kv_fraction < 1.0:
@@ -68,7 +72,7 @@ def build_runtime(settings: EvalSettings, config: SearchConfig) -> Runtime:
     return Runtime.for_search(
         settings.generator, prm, settings.kv_cache_memory, settings.prm_kv_fraction, settings.engine_args,
         dtype=settings.dtype, enable_prefix_caching=config.prefix_cache, memory_budget=settings.memory_budget,
-        memory_fraction=settings.memory_fraction,
+        memory_fraction=settings.memory_fraction, device=settings.device, attention_backend=settings.attention_backend,
     )  # fmt: skip
 
 

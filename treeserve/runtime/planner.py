@@ -10,7 +10,10 @@ is a byte count or a fraction of the memory free when the runtime started; or th
 are given directly (`kv_cache_memory`) and the breakdown only reports. The KV bytes become
 pages: one arena of equal pages shared by all models, or per-model arenas for a static split.
 Activation peaks are summed, not maxed: the runtime steps one engine at a time, but each
-keeps its allocator's cache.
+keeps its allocator's cache. One number is estimated, not measured: the sampler's peak at
+`max_num_seqs` rows (logits, probabilities and their running sum, 12 bytes per row and
+vocabulary entry), since the probe step scores rather than samples. `MemoryPlan.sources`
+says how each number was obtained on the plan's device.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class ModelMemory:
     weights: int
     activation_peak: int
     token_bytes: int
+    sampler_peak: int = 0  # estimated: max_num_seqs x vocab x SAMPLER_BYTES_PER_LOGIT
     other: int = 0  # process memory its load added beyond its weights (tokenizer, libraries)
     block_size: int = 0  # tokens per page (set by the plan)
     page_bytes: int = 0
@@ -53,6 +57,7 @@ class MemoryPlan:
     page_bytes: int = 0  # of the shared arena
     num_pages: int = 0  # of the shared arena
     models: list[ModelMemory] = field(default_factory=list)
+    sources: dict[str, str] = field(default_factory=dict)  # how each number was obtained (measured/estimated)
 
     @property
     def weights(self) -> int:
@@ -60,7 +65,8 @@ class MemoryPlan:
 
     @property
     def activations(self) -> int:
-        return sum(m.activation_peak for m in self.models)
+        """Measured forward peaks plus the estimated sampler peaks."""
+        return sum(m.activation_peak + m.sampler_peak for m in self.models)
 
     @property
     def other(self) -> int:
@@ -89,11 +95,31 @@ class MemoryPlan:
         for m in self.models:
             share = "shared" if m.kv_fraction is None else f"{m.kv_fraction:.2f} of KV"
             lines.append(
-                f"  {m.name:<10} weights {m.weights / mib:7.1f}  activations {m.activation_peak / mib:7.1f}  "
+                f"  {m.name:<10} weights {m.weights / mib:7.1f}  activations {m.activation_peak / mib:7.1f}"
+                f" (+{m.sampler_peak / mib:.1f} sampler, estimated)  "
                 f"other {m.other / mib:6.1f}  "
                 f"{m.num_pages} pages x {m.block_size} tokens ({share})"
             )
+        lines += [f"  {name}: {how}" for name, how in self.sources.items()]
         return "\n".join(lines)
+
+
+SAMPLER_BYTES_PER_LOGIT = 12  # the logits row, its fp32 probabilities and their running sum (the CDF)
+
+
+def sources(device: torch.device) -> dict[str, str]:
+    """How the plan's numbers are obtained on `device`: measured (by what) or estimated (how)."""
+    cuda = device.type == "cuda"
+    return {
+        "total_memory": "measured: " + ("torch.cuda.mem_get_info" if cuda else "sysconf physical pages"),
+        "free_at_start": "measured: " + ("torch.cuda.mem_get_info" if cuda else "/proc/meminfo MemAvailable"),
+        "weights": "measured: bytes of the models' parameters and buffers",
+        "activation_peak": "measured: peak allocated over one max_num_batched_tokens step, by "
+        + ("the CUDA caching allocator" if cuda else "the PyTorch profiler"),
+        "sampler_peak": f"estimated: max_num_seqs x vocab x {SAMPLER_BYTES_PER_LOGIT} bytes",
+        "other": "measured: beyond the weights, "
+        + ("device memory the loads took (mem_get_info: CUDA context, workspaces)" if cuda else "RSS the loads added"),
+    }
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -184,15 +210,16 @@ def plan(
     models = []
     for name, engine in engines.items():
         weights = weight_bytes(engine.model)
+        sampler = engine.config.max_num_seqs * engine.model_config.vocab_size * SAMPLER_BYTES_PER_LOGIT
         models.append(ModelMemory(
-            name, weights, activation_peak(engine), engine.kv_layout.token_bytes,
+            name, weights, activation_peak(engine), engine.kv_layout.token_bytes, sampler_peak=sampler,
             other=max(0, loaded_bytes[name] - weights),
             kv_fraction=None if kv_fractions is None else kv_fractions[name],
         ))  # fmt: skip
     budget = memory_budget if memory_fraction is None else int(memory_fraction * free_at_start)
     result = MemoryPlan(
         str(device), total_memory(device), free_at_start, budget, kv_cache_memory or 0, kv_fractions is None,
-        models=models,
+        models=models, sources=sources(device),
     )  # fmt: skip
     if kv_cache_memory is None:
         result.kv_bytes = budget - result.weights - result.activations - result.other

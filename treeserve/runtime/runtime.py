@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from treeserve.config import DEFAULT_KV_CAP, EngineConfig
-from treeserve.device import available_memory, process_memory
+from treeserve.device import available_memory, process_memory, resolve_attention_backend, resolve_device
 from treeserve.engine.llm_engine import LLMEngine, share_kv
 from treeserve.models.tokenizer import Tokenizer
 from treeserve.outputs import RequestOutput, ScoreOutput
@@ -89,7 +89,11 @@ class Runtime:
             raise ValueError("either no model has a kv_fraction (one shared arena) or all do and they add up to 1")
         if len({s.name for s in specs}) != len(specs):
             raise ValueError("model names must be unique")
-        device = torch.device(str(engine_kwargs.get("device", "cpu")))
+        engine_kwargs["device"] = resolve_device(engine_kwargs.get("device"))  # type: ignore[arg-type]
+        engine_kwargs["attention_backend"] = resolve_attention_backend(
+            engine_kwargs.get("attention_backend"), engine_kwargs["device"]  # type: ignore[arg-type]
+        )  # both checked before any model loads
+        device = torch.device(engine_kwargs["device"])
         free_at_start = available_memory(device)
         engines: dict[str, LLMEngine] = {}
         loaded: dict[str, int] = {}  # process memory each load added

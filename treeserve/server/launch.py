@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from treeserve.config import check_model_path
+from treeserve.device import resolve_attention_backend, resolve_device
 from treeserve.runtime.runtime import Runtime
 from treeserve.search.prm import load_prm
 from treeserve.server.completions import Served
@@ -27,6 +28,8 @@ class ServerSettings:
     port: int = 8000
     api_key: str | None = None
     dtype: str = "bfloat16"
+    device: str | None = None  # None: cuda when torch sees a GPU, else cpu
+    attention_backend: str | None = None  # None: the device's default (triton on CUDA, cpu on a CPU)
     kv_cache_memory: int | None = None  # bytes for both models' KV pages (1 GiB when no budget is given)
     memory_budget: int | None = None  # bytes for weights + activations + KV
     memory_fraction: float | None = None  # of the memory free at start, for everything
@@ -35,6 +38,7 @@ class ServerSettings:
     max_model_len: int | None = None
 
     def check(self) -> None:
+        resolve_attention_backend(self.attention_backend, resolve_device(self.device))
         for name, path in (("model", self.model), ("prm", self.prm)):
             if path is not None:
                 check_model_path(path, name)
@@ -49,7 +53,8 @@ def build_served(settings: ServerSettings) -> Served:
     extra = {"max_model_len": settings.max_model_len} if settings.max_model_len else {}
     runtime = Runtime.for_search(
         settings.model, settings.prm, settings.kv_cache_memory, settings.prm_kv_fraction, settings.engine_args,
-        dtype=settings.dtype, memory_budget=settings.memory_budget, memory_fraction=settings.memory_fraction, **extra,
+        dtype=settings.dtype, memory_budget=settings.memory_budget, memory_fraction=settings.memory_fraction,
+        device=settings.device, attention_backend=settings.attention_backend, **extra,
     )  # fmt: skip
     print(runtime.memory_plan.table(), flush=True)
     name = settings.served_model_name or Path(settings.model).resolve().name

@@ -1,0 +1,44 @@
+"""Host-to-device staging of a step's small input tensors: one pinned buffer, one copy per call.
+
+A step's index tensors (token ids, positions, slots, block tables, query offsets) and the
+sampler's inputs (temperatures, uniforms) are built on the host from per-sequence lists.
+On a CPU device they are used as they are. On CUDA, each call packs its tensors of one
+dtype into a reused page-locked buffer and sends them with one asynchronous copy, so a
+step issues a few transfers instead of one blocking copy per tensor. An event guards the
+buffer: it is refilled only after the previous copy out of it has finished.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Staging:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}
+        self._copied: dict[torch.dtype, torch.cuda.Event] = {}
+
+    def to_device(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """The same tensors on the device (host tensors of one dtype; any shapes)."""
+        if self.device.type == "cpu":
+            return list(tensors)
+        dtype = tensors[0].dtype
+        assert all(t.dtype == dtype and t.device.type == "cpu" for t in tensors)
+        sizes = [t.numel() for t in tensors]
+        staged = self._buffer(dtype, sum(sizes))
+        torch.cat([t.reshape(-1) for t in tensors], out=staged)
+        on_device = staged.to(self.device, non_blocking=True)
+        event = self._copied.setdefault(dtype, torch.cuda.Event())
+        event.record()
+        return [part.view(t.shape) for part, t in zip(on_device.split(sizes), tensors, strict=True)]
+
+    def _buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        event = self._copied.get(dtype)
+        if event is not None:
+            event.synchronize()  # the last copy out of this buffer is done: safe to refill
+        buffer = self._buffers.get(dtype)
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(max(numel, 4096), dtype=dtype, pin_memory=True)
+            self._buffers[dtype] = buffer
+        return buffer[:numel]
