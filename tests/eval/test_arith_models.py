@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from treeserve import LLM, SamplingParams
-from treeserve.kernels import cpu as cpu_kernels
 from treeserve.eval.arith import arith_dataset, extract_boxed, grade
+from treeserve.kernels import cpu as cpu_kernels
 
 ASSETS = Path(__file__).resolve().parents[2] / "treeserve" / "assets"
 GENERATOR, PRM = ASSETS / "arith-generator", ASSETS / "arith-prm"
@@ -61,18 +61,15 @@ def test_model_card_claims_hold_on_a_sample():
 
 
 @pytest.mark.skipif(not cpu_kernels._bf16_built(), reason="no AVX512-BF16: the bf16 attention kernels are not built")
-def test_bf16_attention_kernels_give_the_sdpa_path_greedy_solutions(make_llm, monkeypatch):
+def test_bf16_attention_kernels_give_the_sdpa_path_greedy_solutions(make_llm):
     """End to end in bf16 (the dtype search runs the shipped models in): the C decode and prefill
     attention kernels against gather + SDPA, on the shipped generator's greedy solutions."""
     problems = arith_dataset(size=12, seed=0, levels=(3, 4))
     conversations = [[{"role": "user", "content": p["problem"]}] for p in problems]
     params = SamplingParams(temperature=0.0, max_tokens=256)
 
-    def solutions() -> list[str]:
-        llm = make_llm(str(GENERATOR), dtype="bfloat16", kv_cache_memory=64 << 20)
+    def solutions(backend: str) -> list[str]:
+        llm = make_llm(str(GENERATOR), dtype="bfloat16", kv_cache_memory=64 << 20, attention_backend=backend)
         return [o.outputs[0].text for o in llm.chat(conversations, params)]
 
-    fast = solutions()
-    monkeypatch.setattr(cpu_kernels, "supports", lambda t: False)
-    monkeypatch.setattr(cpu_kernels, "prefill_supports", lambda t: False)
-    assert solutions() == fast
+    assert solutions("sdpa") == solutions("cpu")

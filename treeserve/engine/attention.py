@@ -135,7 +135,7 @@ class TritonBackend:
         else:
             self._prefill(
                 q, k_cache, v_cache, group.block_tables, group.query_start, group.query_len,
-                group.context_lens, scale, window, out,
+                group.context_lens, scale, window, out, group.query_index.shape[1],
             )  # fmt: skip
 
 

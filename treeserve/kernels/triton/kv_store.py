@@ -1,0 +1,54 @@
+"""The KV store: write a step's new K and V rows into their (page, offset) slots of the cache.
+
+k, v [T, Hkv, D] (views of the fused q/k/v projection are fine: their strides are passed)
+go to k_cache[slot_pages[t], slot_offsets[t]] and v_cache likewise; the caches are one
+layer's strided views of the shared page arena ([pages, block_size, Hkv, D], page stride
+the arena's, V at its own offset from K). One program per token writes every head of it
+and touches no other byte of the arena.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kv(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, pages_ptr, offsets_ptr,
+    k_stride_t, k_stride_h, v_stride_t, v_stride_h, cache_stride_page, cache_stride_slot, cache_stride_h,
+    HEADS: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    page = tl.load(pages_ptr + t).to(tl.int64)
+    offset = tl.load(offsets_ptr + t).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < HEADS) & (d < D)
+    slot = page * cache_stride_page + offset * cache_stride_slot + h * cache_stride_h + d
+    k = tl.load(k_ptr + t * k_stride_t + h * k_stride_h + d, mask=mask)
+    tl.store(k_cache_ptr + slot, k, mask=mask)
+    v = tl.load(v_ptr + t * v_stride_t + h * v_stride_h + d, mask=mask)
+    tl.store(v_cache_ptr + slot, v, mask=mask)
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_pages: torch.Tensor,
+    slot_offsets: torch.Tensor,
+) -> None:
+    """k_cache[slot_pages[t], slot_offsets[t]] = k[t] and v_cache[...] = v[t] for every token t."""
+    tokens, heads, dim = k.shape
+    if tokens == 0:
+        return
+    assert k.stride(-1) == v.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    assert k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+    _store_kv[(tokens,)](
+        k, v, k_cache, v_cache, slot_pages.contiguous(), slot_offsets.contiguous(),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        HEADS=heads, D=dim, BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(dim),
+    )  # fmt: skip
