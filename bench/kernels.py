@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from treeserve.engine.attention import AttentionBatch, SeqGroup  # noqa: E402
 from treeserve.kernels import cpu as cpu_kernels  # noqa: E402
 from treeserve.kv.arena import KVArena  # noqa: E402
-from treeserve.models.rope import RotaryEmbedding, _rotate_half, rope_inv_freq  # noqa: E402
+from treeserve.layers.rotary import RotaryEmbedding, _rotate_half, rope_inv_freq  # noqa: E402
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:

@@ -114,14 +114,12 @@ def test_sample_rows_matches_inverse_cdf():
     assert (got == ref.squeeze(1)).float().mean() > 0.98  # only float rounding at bucket edges may differ
 
 
-def test_engine_same_greedy_tokens_without_kernels(llama_dir, make_llm, monkeypatch):
+def test_engine_same_greedy_tokens_without_kernels(llama_dir, make_llm):
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, n=2)
     prompts = ["The quick brown fox", "Numbers 0 1 2 3 4 5"]
     fast = [c.token_ids for o in make_llm(llama_dir).generate(prompts, params) for c in o.outputs]
-    monkeypatch.setattr(cpu_kernels, "supports", lambda t: False)
-    monkeypatch.setattr(cpu_kernels, "prefill_supports", lambda t: False)
-    plain = [c.token_ids for o in make_llm(llama_dir).generate(prompts, params) for c in o.outputs]
-    assert fast == plain
+    plain = make_llm(llama_dir, attention_backend="sdpa").generate(prompts, params)
+    assert fast == [c.token_ids for o in plain for c in o.outputs]
 
 
 def test_loading_the_kernels_leaves_subnormal_floats_alone():
@@ -174,8 +172,7 @@ def test_fast_linear_model_matches_plain_linear(llama_dir, make_llm, monkeypatch
 @pytest.mark.parametrize("gemma", [True, False])
 def test_rms_norm_bf16_matches_the_pytorch_norms(gemma):
     """The fused kernel computes what GemmaRMSNorm / RMSNorm compute in PyTorch, bit for bit here."""
-    from treeserve.models.gemma3 import GemmaRMSNorm
-    from treeserve.models.llama import RMSNorm
+    from treeserve.layers.norm import GemmaRMSNorm, RMSNorm
 
     torch.manual_seed(0)
     norm = (GemmaRMSNorm if gemma else RMSNorm)(96, 1e-6)
@@ -184,13 +181,33 @@ def test_rms_norm_bf16_matches_the_pytorch_norms(gemma):
     norm = norm.to(torch.bfloat16)
     x = torch.randn(5, 3, 96, dtype=torch.bfloat16) * 4
     expected = norm(x)
-    cpu_kernels.use_fast_kernels(norm)
-    assert type(norm) is not (GemmaRMSNorm if gemma else RMSNorm)
+    norm.pick_kernel()
+    assert norm.use_c
     assert torch.equal(norm(x), expected)
 
 
+def test_layers_pick_their_kernels_at_load(llama_dir, monkeypatch):
+    """bf16 on a CPU: the C kernels (the GEMV where built); fp32, or TREESERVE_CPU_KERNELS=0: PyTorch."""
+    import torch.nn.functional as F
+
+    from treeserve.layers.linear import Linear
+    from treeserve.models.loader import load_model
+
+    def picked(dtype: torch.dtype) -> tuple[set, bool, bool]:
+        model = load_model(llama_dir, dtype, torch.device("cpu")).model
+        linears = {m.kernel for m in model.modules() if isinstance(m, Linear)} | {model.logits_linear}
+        return linears, model.layers[0].input_layernorm.use_c, model.rope.use_c
+
+    assert picked(torch.float32) == ({F.linear}, False, False)
+    if cpu_kernels._bf16_built():
+        assert picked(torch.bfloat16) == ({cpu_kernels.linear}, True, True)
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "_bf16_built", lambda: False)
+    assert picked(torch.bfloat16) == ({F.linear}, False, False)
+
+
 def test_rope_matches_pytorch_bit_for_bit_on_strided_heads():
-    from treeserve.models.rope import RotaryEmbedding, _rotate_half, rope_inv_freq
+    from treeserve.layers.rotary import RotaryEmbedding, _rotate_half, rope_inv_freq
 
     torch.manual_seed(0)
     qkv = torch.randn(29, 512).bfloat16()

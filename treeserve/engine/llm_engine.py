@@ -31,7 +31,6 @@ from treeserve.engine.sampler import (
     token_logprobs,
 )
 from treeserve.engine.scheduler import Scheduler
-from treeserve.kernels import cpu as cpu_kernels
 from treeserve.kv.arena import KVArena, KVLayout, PageArena, shared_block_sizes
 from treeserve.kv.block_manager import BlockManager
 from treeserve.kv.page_pool import PagePool
@@ -50,7 +49,6 @@ class LLMEngine:
         self.device = torch.device(config.device)
         loaded = load_model(config.model, config.torch_dtype, self.device)
         self.model = loaded.model
-        cpu_kernels.use_fast_kernels(self.model)
         self.model_config = loaded.config
         self.extra_tensors = loaded.extra_tensors
         self.tokenizer = Tokenizer(config.model, model_eos_ids=loaded.config.eos_token_ids)

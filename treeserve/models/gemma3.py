@@ -15,11 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from treeserve.models.llama import Attention, LlamaAttentionBlock, LlamaConfig, LlamaForCausalLM, LlamaMLP
-from treeserve.models.rope import RotaryEmbedding, rope_inv_freq
+from treeserve.layers.attention import Attention
+from treeserve.layers.norm import GemmaRMSNorm
+from treeserve.layers.rotary import RotaryEmbedding, rope_inv_freq
+from treeserve.models.llama import LlamaAttentionBlock, LlamaConfig, LlamaForCausalLM, LlamaMLP
 
 
 @dataclass
@@ -81,24 +82,6 @@ def _layer_windows(cfg: dict, layers: int) -> list[int | None]:
     if len(types) != layers:
         raise ValueError(f"layer_types has {len(types)} entries for {layers} layers")
     return [window if t == "sliding_attention" else None for t in types]
-
-
-class GemmaRMSNorm(nn.Module):
-    """x / rms(x) * (1 + weight), computed in fp32 and cast back (weights are offsets from 1)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
-        self._gain: torch.Tensor | None = None  # fp32 1 + weight, made at the first call (weights are frozen)
-
-    def gain(self) -> torch.Tensor:
-        if self._gain is None:
-            self._gain = 1.0 + self.weight.float()
-        return self._gain
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), self.weight.shape, self.gain(), self.eps).to(x.dtype)
 
 
 class Gemma3Attention(LlamaAttentionBlock):

@@ -9,21 +9,15 @@ padding. q/k/v and gate/up projections are fused so each layer runs four matmuls
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeserve.models.rope import RotaryEmbedding, rope_inv_freq
-
-
-class Attention(Protocol):
-    """Paged attention for one batch, supplied by the engine: q [T,Hq,D], k/v [T,Hkv,D]."""
-
-    def __call__(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
-    ) -> torch.Tensor: ...
+from treeserve.layers.attention import Attention
+from treeserve.layers.linear import Linear, linear_kernel
+from treeserve.layers.norm import RMSNorm
+from treeserve.layers.rotary import RotaryEmbedding, rope_inv_freq
 
 
 @dataclass
@@ -97,16 +91,6 @@ def _layer_windows(cfg: dict, model_type: str, layers: int) -> list[int | None]:
     return [window] * layers
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
-
-
 class LlamaAttentionBlock(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer: int):
         super().__init__()
@@ -115,8 +99,8 @@ class LlamaAttentionBlock(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.window = cfg.layer_windows[layer]
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: Attention) -> torch.Tensor:
         heads, kv_heads, head_dim = self.shape
@@ -141,8 +125,8 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act = ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -176,13 +160,21 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(self.decoder_layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = self.final_norm(cfg.hidden_size, cfg.rms_norm_eps)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope: RotaryEmbedding | None = None
-        self.logits_linear = F.linear  # the engine may swap in a faster kernel with F.linear's semantics
+        self.logits_linear = F.linear  # the LM head's matmul (`pick_kernel`); the tied table is no Linear
 
     def init_rope(self, max_positions: int, device: torch.device | str) -> None:
         inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
         self.rope = RotaryEmbedding(inv_freq, max_positions, device)
+
+    def pick_kernel(self) -> None:
+        """The LM head's matmul and the rotary tables' kernels (`layers.pick_kernels` calls this)."""
+        weight = self.embed_tokens.weight
+        self.logits_linear = linear_kernel(weight)
+        for rope in vars(self).values():
+            if isinstance(rope, RotaryEmbedding):
+                rope.pick_kernel(weight.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
         x = self.embed_tokens(input_ids)

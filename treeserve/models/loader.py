@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from treeserve.layers import pick_kernels
 from treeserve.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from treeserve.models.gguf_loader import GGUFCheckpoint, is_gguf
 from treeserve.models.llama import LlamaConfig, LlamaForCausalLM
@@ -127,6 +128,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device) -
     model.load_state_dict({k: v.to(device) for k, v in state.items()}, assign=True)
     model.init_rope(config.max_position_embeddings, device)
     model.eval().requires_grad_(False)
+    pick_kernels(model)
     return LoadedModel(model, config, hf_config, extra)
 
 

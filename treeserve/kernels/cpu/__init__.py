@@ -1,8 +1,9 @@
 """Build once, cache, and call the C kernels of `csrc/cpu_kernels.c` (CPU fast paths).
 
 Kernels: paged decode and prefill attention, softmax sampling, a bf16 GEMV for linear
-layers at small batch, RMSNorm and rotary embeddings (`use_fast_kernels` routes a model's
-layers through the last three).
+layers at small batch, RMSNorm and rotary embeddings. Nothing here knows about models:
+`layers/` picks these for a model's layers at load, the engine's `cpu` attention backend
+and the sampler call the others.
 
 The library is compiled with the system C compiler at first use (about a second) into
 `$TREESERVE_CACHE` (default `~/.cache/treeserve`), keyed by the source, the compiler and the
@@ -26,11 +27,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from treeserve.models.gemma3 import GemmaRMSNorm
-from treeserve.models.llama import RMSNorm
-from treeserve.models.rope import RotaryEmbedding
 
 SOURCE = Path(__file__).parent / "cpu_kernels.c"
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]  # inputs are finite
@@ -271,53 +267,3 @@ def rope_bf16(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
         torch.get_num_threads(),
     )  # fmt: skip
     return out
-
-
-def _bf16_cpu(x: torch.Tensor) -> bool:
-    return x.dtype == torch.bfloat16 and x.device.type == "cpu"
-
-
-class _FastRMSNorm(RMSNorm):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _bf16_cpu(x) and self.weight.dtype == torch.bfloat16:
-            return rms_norm_bf16(x, self.eps, None, self.weight)
-        return super().forward(x)
-
-
-class _FastGemmaRMSNorm(GemmaRMSNorm):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _bf16_cpu(x):
-            return rms_norm_bf16(x, self.eps, self.gain(), None)
-        return super().forward(x)
-
-
-class _FastRotaryEmbedding(RotaryEmbedding):
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if not all(_bf16_cpu(t) and t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (q, k)):
-            return super().__call__(q, k, positions)
-        cos, sin = self._lookup(positions, q.dtype)
-        return rope_bf16(q, cos, sin), rope_bf16(k, cos, sin)
-
-
-class _FastLinear(nn.Linear):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
-
-
-def use_fast_kernels(model: nn.Module) -> None:
-    """Swap in the kernels for `model`'s RMS norms and rotary embeddings (bf16), and, where the
-    GEMV is built, for its nn.Linear layers and LM head (`logits_linear`); each falls back to
-    PyTorch outside its case."""
-    if load() is None:
-        return
-    fast = {RMSNorm: _FastRMSNorm, GemmaRMSNorm: _FastGemmaRMSNorm}
-    for rope in vars(model).values():
-        if type(rope) is RotaryEmbedding:
-            rope.__class__ = _FastRotaryEmbedding
-    if _bf16_built():
-        fast[nn.Linear] = _FastLinear
-        if hasattr(model, "logits_linear"):
-            model.logits_linear = linear
-    for module in model.modules():
-        if type(module) in fast:
-            module.__class__ = fast[type(module)]

@@ -1,7 +1,9 @@
 """Rotary position embeddings: inverse frequencies (default, linear, llama3) and a cos/sin table.
 
 Computes exactly what `transformers` computes (fp32 inverse frequencies times integer
-positions), so logits match bit for bit in fp32.
+positions), so logits match bit for bit in fp32. For bf16 on a CPU, `pick_kernel` chooses
+the C kernel `kernels.cpu.rope_bf16` (PyTorch's bits, read from the fused projection's
+strided heads); inputs it cannot take go through the PyTorch lines.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from treeserve.kernels import cpu as cpu_kernels
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -49,10 +53,17 @@ class RotaryEmbedding:
         self.cos = emb.cos().to(device)
         self.sin = emb.sin().to(device)
         self._looked_up: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
+        self.use_c = False
+
+    def pick_kernel(self, dtype: torch.dtype) -> None:
+        """Choose the kernel for q/k of `dtype` (the model's), on this table's device."""
+        self.use_c = self.cos.device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels.load() is not None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hkv, D], positions: [T] -> rotated q, k in their dtype."""
         cos, sin = self._lookup(positions, q.dtype)
+        if self.use_c and all(_c_layout(t) for t in (q, k)):
+            return cpu_kernels.rope_bf16(q, cos, sin), cpu_kernels.rope_bf16(k, cos, sin)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
     def _lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,6 +74,11 @@ class RotaryEmbedding:
             sin = self.sin[positions].unsqueeze(1).to(dtype)
             last = self._looked_up = (positions, dtype, cos, sin)
         return last[2], last[3]
+
+
+def _c_layout(x: torch.Tensor) -> bool:
+    """bf16 heads contiguous within each token (rows may be strided): what the C kernel reads."""
+    return x.dtype == torch.bfloat16 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,19 @@
+"""The building blocks models are written in: linear layers, norms, rotary embeddings, the
+attention call. Each layer picks its kernel once, at load (`pick_kernels`), from its
+weights' device and dtype and what `kernels/` built: today the C kernels for bf16 on a
+CPU, PyTorch otherwise; quantised linear layers plug in here as further `Linear` kernels.
+Attention is the exception: its kernels are chosen per engine by the engine's attention
+backend (`engine/attention.py`), since they read the engine's pages.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def pick_kernels(model: nn.Module) -> None:
+    """Let every layer of a loaded model (weights in place, on their device) choose its kernel."""
+    for module in model.modules():
+        pick = getattr(module, "pick_kernel", None)
+        if pick is not None:
+            pick()
