@@ -60,7 +60,8 @@ class EvalSettings:
     progress: bool = True
 
     def check(self) -> None:
-        resolve_attention_backend(self.attention_backend, resolve_device(self.device))
+        self.device = resolve_device(self.device)  # resolved, so results record what ran
+        self.attention_backend = resolve_attention_backend(self.attention_backend, self.device)
         for name, path in (("generator", self.generator), ("prm", self.prm)):
             check_model_path(str(path), f"{name} model")
         if self.prm_kv_fraction is not None and not 0.0 < self.prm_kv_fraction < 1.0:

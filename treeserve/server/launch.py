@@ -38,7 +38,8 @@ class ServerSettings:
     max_model_len: int | None = None
 
     def check(self) -> None:
-        resolve_attention_backend(self.attention_backend, resolve_device(self.device))
+        self.device = resolve_device(self.device)  # resolved, so results record what ran
+        self.attention_backend = resolve_attention_backend(self.attention_backend, self.device)
         for name, path in (("model", self.model), ("prm", self.prm)):
             if path is not None:
                 check_model_path(path, name)
