@@ -109,7 +109,8 @@ def gemma_main(args: argparse.Namespace, engines: list[str]) -> None:
     def prompts(count: int, length: int) -> list[list[int]]:
         return [[2] + [rng.randrange(1000, 100000) for _ in range(length - 1)] for _ in range(count)]
 
-    base = {"dtype": "bfloat16", "max_num_seqs": 256, "max_num_batched_tokens": 2048, "kv_bytes": 1 << 30}
+    base = {"dtype": "bfloat16", "max_num_seqs": 256, "max_num_batched_tokens": 2048, "kv_bytes": 1 << 30,
+            "device": args.device}
     scenarios = {
         "decode1": dict(base, prompts=prompts(1, 16), n=1, max_tokens=128, temperature=0.0),
         "batch": dict(base, prompts=prompts(32, 32), n=4, max_tokens=128, temperature=0.8),
@@ -159,6 +160,7 @@ def main() -> None:
     ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "treeserve-bench-llama-256x4"))
     ap.add_argument("--output", default=None, help="write the raw runs here (JSON)")
     ap.add_argument("--gemma", action="store_true", help="Gemma 3 270M: decode1, batch and prefill scenarios")
+    ap.add_argument("--device", default="cpu", help="treeserve's device (cuda: see bench/gpu.py); peers use theirs")
     args = ap.parse_args()
 
     if args.gemma and args.engines == ap.get_default("engines"):
@@ -182,6 +184,7 @@ def main() -> None:
         "max_num_seqs": 256,
         "max_num_batched_tokens": 2048,
         "kv_bytes": 1 << 30,
+        "device": args.device,
     }
     runs = run_rotating(engines, {e: model for e in engines}, workload, args.repeats, args.threads)
     medians = {e: statistics.median(r["tokens_per_s"] for r in runs[e]) for e in engines}

@@ -94,6 +94,7 @@ def main() -> None:
     ap.add_argument("--generator", default=os.path.join(ASSETS, "arith-generator"), help="with --model-size arith")
     ap.add_argument("--prm", default=os.path.join(ASSETS, "arith-prm"), help="with --model-size arith")
     ap.add_argument("--out", default=os.path.join(HERE, "out", "search.json"))
+    ap.add_argument("--device", default="cpu", help="treeserve's device (cuda: see bench/gpu.py); peers use theirs")
     args = ap.parse_args()
     systems = args.systems.split(",")
     unknown = [s for s in systems if s not in SYSTEMS]
@@ -112,7 +113,7 @@ def main() -> None:
         shape = {"num_iterations": 40, "max_tokens": 256, "fixed_steps": False}
     workload = {
         "problems": records, **models, **shape, "n": args.n, "beam_width": args.beam_width, "temperature": 0.8,
-        "top_p": 1.0, "agg": "last", "seed": 0, "dtype": "bfloat16", "kv_gib": 1,
+        "top_p": 1.0, "agg": "last", "seed": 0, "dtype": "bfloat16", "kv_gib": 1, "device": args.device,
     }  # fmt: skip
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     workload_path = args.out + ".workload.json"

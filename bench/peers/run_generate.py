@@ -30,6 +30,7 @@ def run_treeserve(model: str, w: dict) -> tuple[float, int]:
         max_num_batched_tokens=w["max_num_batched_tokens"],
         kv_cache_memory=w["kv_bytes"],
         seed=0,
+        device=w.get("device", "cpu"),
     )
     params = SamplingParams(n=w["n"], temperature=w["temperature"], max_tokens=w["max_tokens"], ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in w["prompts"]]

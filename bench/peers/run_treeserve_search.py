@@ -23,7 +23,7 @@ def main() -> None:
         w = json.load(f)
     settings = EvalSettings(
         dataset="inline", generator=w["generator"], prm=w["prm"], dtype=w["dtype"], kv_cache_memory=w["kv_gib"] << 30,
-        reference="--reference" in sys.argv, progress=False,
+        reference="--reference" in sys.argv, progress=False, device=w.get("device", "cpu"),
     )  # fmt: skip
     config = SearchConfig(
         strategy="beam_search", n=w["n"], beam_width=w["beam_width"], num_iterations=w["num_iterations"],
