@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from treeserve.kernels.triton.pages import token_rows
+
 PARTITION_SIZE = 512  # keys per pass-1 program: long contexts spread over many programs
 BLOCK_N = 16  # keys per tile (also the smallest tl.dot dimension on a GPU)
 
@@ -55,8 +57,8 @@ def _partial(
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < hi
-        page = tl.load(tables_ptr + b * tables_stride + pos // PAGE, mask=valid, other=0).to(tl.int64)
-        rows = page * cache_stride_page + (pos % PAGE) * cache_stride_slot + kv_head * cache_stride_h
+        rows = token_rows(tables_ptr, b, tables_stride, pos, valid, kv_head, cache_stride_page, cache_stride_slot,
+                          cache_stride_h, PAGE)  # fmt: skip
         kv_mask = valid[:, None] & (d[None, :] < D)
         k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_G, BLOCK_N]

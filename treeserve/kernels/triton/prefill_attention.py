@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from treeserve.kernels.triton.pages import token_rows
+
 BLOCK_M = 16  # queries per program
 BLOCK_N = 16  # keys per tile
 
@@ -61,8 +63,8 @@ def _prefill(
         for start in range(lo, hi, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
             k_valid = pos < hi
-            page = tl.load(tables_ptr + b * tables_stride + pos // PAGE, mask=k_valid, other=0).to(tl.int64)
-            rows = page * cache_stride_page + (pos % PAGE) * cache_stride_slot + kv_head * cache_stride_h
+            rows = token_rows(tables_ptr, b, tables_stride, pos, k_valid, kv_head, cache_stride_page, cache_stride_slot,
+                              cache_stride_h, PAGE)  # fmt: skip
             kv_mask = k_valid[:, None] & (d[None, :] < D)
             k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
             if UPCAST:
