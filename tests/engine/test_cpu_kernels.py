@@ -201,9 +201,38 @@ def test_layers_pick_their_kernels_at_load(llama_dir, monkeypatch):
     assert picked(torch.float32) == ({F.linear}, False, False)
     if cpu_kernels._bf16_built():
         assert picked(torch.bfloat16) == ({cpu_kernels.linear}, True, True)
-    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
-    monkeypatch.setattr(cpu_kernels, "_bf16_built", lambda: False)
-    assert picked(torch.bfloat16) == ({F.linear}, False, False)
+    monkeypatch.setenv("TREESERVE_CPU_KERNELS", "0")
+    cpu_kernels.load.cache_clear()
+    cpu_kernels._bf16_built.cache_clear()
+    try:
+        assert picked(torch.bfloat16) == ({F.linear}, False, False)
+    finally:  # the next caller builds (finds) the library again, with the variable unset
+        cpu_kernels.load.cache_clear()
+        cpu_kernels._bf16_built.cache_clear()
+
+
+@gemv
+def test_bf16_layers_through_their_c_kernels_give_the_pytorch_bits():
+    """Linear (rows padded for oneDNN), RMSNorm and rope before and after `pick_kernel`."""
+    from treeserve.layers.linear import Linear
+    from treeserve.layers.norm import RMSNorm
+    from treeserve.layers.rotary import RotaryEmbedding, _rotate_half, rope_inv_freq
+
+    torch.manual_seed(0)
+    linear, norm = Linear(256, 704).bfloat16(), RMSNorm(256, 1e-6).bfloat16()
+    with torch.no_grad():
+        norm.weight.normal_()
+    rope = RotaryEmbedding(rope_inv_freq(32, 10000.0, None), 64, "cpu")
+    x, positions = torch.randn(17, 256).bfloat16(), torch.arange(17)
+    q, k = x.view(17, 8, 32), x[:, :128].view(17, 4, 32)  # k's rows are strided, as split from qkv
+    expected = linear(x), norm(x), rope(q, k, positions)
+    linear.pick_kernel(), norm.pick_kernel(), rope.pick_kernel(torch.bfloat16)
+    assert (linear.kernel, norm.use_c, rope.use_c) == (cpu_kernels.linear, True, True)
+    assert torch.equal(linear(x), expected[0]) and torch.equal(norm(x), expected[1])
+    assert all(torch.equal(a, b) for a, b in zip(rope(q, k, positions), expected[2], strict=True))
+    q_t = x.view(8, 17, 32).transpose(0, 1)  # heads not contiguous within a token: the PyTorch lines
+    cos, sin = rope._lookup(positions, q_t.dtype)
+    assert torch.equal(rope(q_t, k, positions)[0], q_t * cos + _rotate_half(q_t) * sin)
 
 
 def test_rope_matches_pytorch_bit_for_bit_on_strided_heads():

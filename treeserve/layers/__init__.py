@@ -12,7 +12,13 @@ from torch import nn
 
 
 def pick_kernels(model: nn.Module) -> None:
-    """Let every layer of a loaded model (weights in place, on their device) choose its kernel."""
+    """Let every layer of a loaded model (weights in place, on their device) choose its kernel.
+
+    Called once by `models.loader.load_model` (safetensors and GGUF alike) after the weights
+    are assigned and the rope tables built. Every module with a `pick_kernel()` method gets it
+    called; the model's own `pick_kernel` covers what is not a submodule: its rotary tables
+    (plain attributes) and the LM head's matmul (the tied embedding table is no `Linear`).
+    """
     for module in model.modules():
         pick = getattr(module, "pick_kernel", None)
         if pick is not None:

@@ -1,4 +1,4 @@
-"""Build once, cache, and call the C kernels of `csrc/cpu_kernels.c` (CPU fast paths).
+"""Build once, cache, and call the C kernels of `cpu_kernels.c` beside this file (CPU fast paths).
 
 Kernels: paged decode and prefill attention, softmax sampling, a bf16 GEMV for linear
 layers at small batch, RMSNorm and rotary embeddings. Nothing here knows about models:

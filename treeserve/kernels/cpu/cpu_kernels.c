@@ -8,8 +8,9 @@
  *   one read of the row plus a scan of an L2-resident exp buffer.
  *
  * Each sequence/row is computed by one thread in a fixed order, so results never depend on
- * the batch around it. Built at first use by treeserve/engine/cpu_kernels.py; the PyTorch
- * path in attention.py / sampler.py is the reference these are tested against.
+ * the batch around it. Built at first use by treeserve/kernels/cpu/__init__.py; the PyTorch
+ * paths (engine/attention.py, engine/sampler.py, layers/) are the reference these are
+ * tested against.
  */
 #include <float.h>
 #include <math.h>
