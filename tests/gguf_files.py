@@ -53,8 +53,27 @@ def _gguf_name(name: str, arch: str) -> str:
     return f"blk.{layer}.{HF_TO_GGUF[module]}.{suffix}"
 
 
-def write_gguf(hf_dir: str, out_path: str, arch: str) -> str:
-    """arch: 'llama' or 'gemma3'. Returns out_path."""
+# where each format keeps its fp16 scales (byte offsets in a block): random blocks get sane ones
+FP16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2],
+               "Q5_K": [0, 2], "Q6_K": [208]}  # fmt: skip
+BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
+          "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}  # fmt: skip
+
+
+def random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator, scale: float = 0.01) -> np.ndarray:
+    """uint8 [rows, bytes a row] of random blocks of `qtype` with fp16 scales ~ N(0, scale) (the
+    gguf package cannot quantise to the K formats; random blocks exercise every bit of them)."""
+    weights, nbytes = BLOCKS[qtype]
+    data = rng.integers(0, 256, size=(rows, cols // weights, nbytes), dtype=np.uint8)
+    for offset in FP16_FIELDS[qtype]:
+        values = (rng.standard_normal((rows, cols // weights)) * scale).astype(np.float16)
+        data[:, :, offset : offset + 2] = values.view(np.uint8).reshape(rows, cols // weights, 2)
+    return data.reshape(rows, -1)
+
+
+def write_gguf(hf_dir: str, out_path: str, arch: str, quants: tuple[str, ...] = ("Q8_0", "Q5_0", "Q4_0")) -> str:
+    """arch: 'llama' or 'gemma3'; 2-D weights take the formats `quants` in turn (Q4_0/Q4_1/
+    Q5_0/Q5_1/Q8_0 quantised from the checkpoint, K formats random blocks). Returns out_path."""
     import gguf
 
     with open(os.path.join(hf_dir, "config.json")) as f:
@@ -81,7 +100,7 @@ def write_gguf(hf_dir: str, out_path: str, arch: str) -> str:
     else:
         writer.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
     _add_tokenizer(writer, hf_dir, cfg)
-    quants = [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q5_0, gguf.GGMLQuantizationType.Q4_0]
+    rng = np.random.default_rng(0)
     for i, (name, data) in enumerate(sorted(tensors.items())):
         data = data.astype(np.float32)
         if arch == "llama" and ".q_proj." in name:
@@ -91,8 +110,11 @@ def write_gguf(hf_dir: str, out_path: str, arch: str) -> str:
         elif arch == "gemma3" and name.endswith("norm.weight"):
             data = data + 1.0
         target = _gguf_name(name, arch)
-        if data.ndim == 2 and data.shape[1] % 32 == 0:
-            qtype = quants[i % len(quants)]
+        qname = quants[i % len(quants)]
+        qtype = gguf.GGMLQuantizationType[qname]
+        if data.ndim == 2 and data.shape[1] % BLOCKS[qname][0] == 0 and qname.endswith("_K"):
+            writer.add_tensor(target, random_blocks(qname, *data.shape, rng, scale=0.002), raw_dtype=qtype)
+        elif data.ndim == 2 and data.shape[1] % 32 == 0 and not qname.endswith("_K"):
             writer.add_tensor(target, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(target, data)

@@ -46,12 +46,26 @@ def _default_model() -> Path:
 
 def _add_device_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when torch sees a GPU)")
-    p.add_argument("--attention-backend", default=None, choices=["triton", "sdpa", "cpu"],
-                   help="attention kernels (default: triton on CUDA, cpu (C kernels) on a CPU; sdpa: the reference)")
+    p.add_argument(
+        "--attention-backend",
+        default=None,
+        choices=["triton", "sdpa", "cpu"],
+        help="attention kernels (default: triton on CUDA, cpu (C kernels) on a CPU; sdpa: the reference)",
+    )
+
+
+def _add_quantization_flags(p: argparse.ArgumentParser, prm: bool) -> None:
+    p.add_argument("--quantization", default=None, choices=["int8", "gguf"],
+                   help="int8: quantise a Hugging Face checkpoint per channel at load; gguf: run a GGUF "
+                   "file's quantised blocks (the default for a GGUF file on a CPU)")  # fmt: skip
+    if prm:
+        p.add_argument("--prm-quantization", default=None, choices=["int8", "gguf"], help="the PRM's, likewise")
+    p.add_argument("--dequantize", action="store_true", help="load GGUF files dense (dequantised), as before")
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     _add_device_flags(p)
+    _add_quantization_flags(p, prm=False)
     p.add_argument("--model", default=None, help="checkpoint directory or .gguf file (default: the shipped generator)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument(
@@ -80,7 +94,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     llm = LLM(
         args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
-        device=args.device, attention_backend=args.attention_backend,
+        device=args.device, attention_backend=args.attention_backend, quantization=args.quantization,
+        dequantize=args.dequantize,
     )  # fmt: skip
     loaded = time.perf_counter()
     if chat:
@@ -125,6 +140,7 @@ def _add_search_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     _add_memory_flags(p)
     _add_device_flags(p)
+    _add_quantization_flags(p, prm=True)
     p.add_argument("--max-concurrent-problems", type=int, default=64)
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--no-score-cache", action="store_true")
@@ -313,7 +329,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         model=model, prm=prm, prm_style=args.prm_style, served_model_name=args.served_model_name, host=args.host,
         port=args.port, api_key=args.api_key, dtype=args.dtype, max_model_len=args.max_model_len,
-        device=args.device, attention_backend=args.attention_backend,
+        device=args.device, attention_backend=args.attention_backend, quantization=args.quantization,
+        prm_quantization=args.prm_quantization, dequantize=args.dequantize,
         **{key: getattr(args, key) for key in CONFIG_KEYS},
     )  # fmt: skip
     serve(settings)
@@ -396,6 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     _add_memory_flags(srv)
     _add_device_flags(srv)
+    _add_quantization_flags(srv, prm=True)
     srv.add_argument("--max-model-len", type=int, default=None)
     srv.set_defaults(func=cmd_serve)
 

@@ -6,13 +6,18 @@ The memory budget is resolved to a page count in `kv/arena.py`, not here.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
 
 from treeserve.device import resolve_attention_backend, resolve_device
+from treeserve.layers.quant import kernels_available
 from treeserve.models.gguf_loader import is_gguf
+from treeserve.models.loader import QUANTIZATIONS
+
+log = logging.getLogger(__name__)
 
 DEFAULT_KV_CAP = 1 << 30
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -44,6 +49,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     model_id: str = ""  # salts prefix-cache hashes so two models never share a page
+    # "int8": quantise a Hugging Face checkpoint per channel at load; "gguf": run a GGUF file's
+    # quantised blocks as they are (the default for a GGUF file on a CPU); None: dense weights
+    quantization: str | None = None
+    dequantize: bool = False  # load a GGUF file dense (dequantised), as before quantised kernels
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -63,6 +72,32 @@ class EngineConfig:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
         if not self.model_id:
             self.model_id = os.path.abspath(self.model)
+        self.quantization = self._resolve_quantization()
+
+    def _resolve_quantization(self) -> str | None:
+        method, gguf = self.quantization, is_gguf(self.model)
+        if method not in (None, *QUANTIZATIONS):
+            raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} or None, got {method!r}")
+        if method == "int8" and gguf:
+            raise ValueError(
+                "quantization='int8' is for Hugging Face checkpoints: a GGUF file runs its own quantised "
+                "formats (the default), or dense with dequantize=True"
+            )
+        if method == "int8" and self.dequantize:
+            raise ValueError("quantization='int8' and dequantize=True contradict each other")
+        if method == "gguf" and not gguf:
+            raise ValueError(f"quantization='gguf' needs a .gguf file, got {self.model!r}")
+        if not gguf or self.dequantize:
+            method = method if not gguf else None
+        elif method is None:
+            method = "gguf"
+        if method is None or (self.device == "cpu" and kernels_available()):
+            return method
+        why = "quantised kernels are CPU kernels" if self.device != "cpu" else "the CPU kernels are not built"
+        if method == "int8":
+            raise ValueError(f"quantization='int8' cannot run here: {why}")
+        log.warning("%s: %s; dequantising the GGUF weights on load", self.model, why)
+        return None
 
     def kv_budget(self, available: int) -> int:
         if self.kv_cache_memory is not None:

@@ -47,8 +47,9 @@ class LLMEngine:
         `config` (a runtime that shares one arena between models attaches it later)."""
         self.config = config
         self.device = torch.device(config.device)
-        loaded = load_model(config.model, config.torch_dtype, self.device)
+        loaded = load_model(config.model, config.torch_dtype, self.device, config.quantization)
         self.model = loaded.model
+        self.quantization = loaded.quantization  # e.g. "gguf:Q5_0+Q8_0", "int8", None
         self.model_config = loaded.config
         self.extra_tensors = loaded.extra_tensors
         self.tokenizer = Tokenizer(config.model, model_eos_ids=loaded.config.eos_token_ids)

@@ -19,7 +19,7 @@ from treeserve.device import resolve_attention_backend, resolve_device
 from treeserve.eval.datasets import load_dataset
 from treeserve.eval.grading import Grader
 from treeserve.eval.report import RunStats, build_results, grade_problems
-from treeserve.runtime.runtime import Runtime
+from treeserve.runtime.runtime import Runtime, per_model_engine_args
 from treeserve.search.context import SearchConfig, SearchContext
 from treeserve.search.prm import load_prm
 from treeserve.search.run import ProblemResult, search_problems
@@ -52,6 +52,9 @@ class EvalSettings:
     memory_fraction: float | None = None  # of the memory free at start, for everything
     prm_kv_fraction: float | None = None  # None: one page arena shared by both models; else a static split
     engine_args: dict | None = None  # per-model engine settings, {"generator": {...}, "prm": {...}} (from `tune`)
+    quantization: str | None = None  # the generator's: "int8" (a Hugging Face checkpoint), "gguf" (a GGUF file's own)
+    prm_quantization: str | None = None  # the PRM's, likewise
+    dequantize: bool = False  # load GGUF files dense
     memory_report: str | None = None  # write the memory plan (JSON) here
     page_logs: bool = False  # put every engine's per-step page statistics in the results
     reference: bool = False
@@ -70,8 +73,11 @@ class EvalSettings:
 
 def build_runtime(settings: EvalSettings, config: SearchConfig) -> Runtime:
     prm = settings.prm if config.strategy != "majority" else None
+    engine_args = per_model_engine_args(
+        settings.engine_args, settings.quantization, settings.prm_quantization, settings.dequantize
+    )
     return Runtime.for_search(
-        settings.generator, prm, settings.kv_cache_memory, settings.prm_kv_fraction, settings.engine_args,
+        settings.generator, prm, settings.kv_cache_memory, settings.prm_kv_fraction, engine_args,
         dtype=settings.dtype, enable_prefix_caching=config.prefix_cache, memory_budget=settings.memory_budget,
         memory_fraction=settings.memory_fraction, device=settings.device, attention_backend=settings.attention_backend,
     )  # fmt: skip
@@ -98,6 +104,7 @@ def run_eval(settings: EvalSettings, config: SearchConfig, inline: list[dict] | 
     stats, summary = summarize(run_counters(runtime, ctx), wall)
     results = grade_and_report(settings, config, records, completions, stats, summary)
     results["memory"] = runtime.memory_plan.to_json()
+    results["quantization"] = {name: engine.quantization for name, engine in runtime.engines.items()}
     if settings.page_logs:
         results["page_logs"] = {name: engine.page_log.rows() for name, engine in runtime.engines.items()}
     return results

@@ -3,9 +3,11 @@
 A GGUF file carries the architecture's hyper-parameters as metadata, its tensors under
 llama.cpp's names (`blk.3.attn_q.weight`), possibly quantised, and its tokenizer (see
 `gguf_tokenizer.py`). This module turns the metadata into the `config.json` dict a Hugging
-Face checkpoint of the same model has, and yields every tensor under its Hugging Face name,
-dequantised by the `gguf` package (Q4_K, Q5_0, Q6_K, Q8_0, F16, F32 and every other type
-it knows) and undoing what llama.cpp's converter did to it: Llama q/k rows were permuted for
+Face checkpoint of the same model has, and yields every tensor under its Hugging Face name:
+kept quantised (a `QuantTensor` over the memory-mapped bytes) where the quantised kernels
+take the format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), else dequantised by the
+`gguf` package (F16, F32 and every other type it knows); and undoing what llama.cpp's
+converter did to it: Llama q/k rows were permuted for
 llama.cpp's interleaved rope; Gemma norm weights were stored as 1 + w. `convert_gguf` writes
 the result as a Hugging Face directory that transformers and vLLM load.
 
@@ -19,13 +21,19 @@ query_pre_attn_scalar = head_dim (hidden / heads for the 62-layer 27B).
 from __future__ import annotations
 
 import json
+import logging
 import os
+import warnings
 from collections.abc import Iterator
 from functools import cached_property, lru_cache
 
 import gguf
 import numpy as np
 import torch
+
+from treeserve.layers.quant import KERNEL_FORMATS, QuantPart, QuantTensor
+
+log = logging.getLogger(__name__)
 
 ARCH_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3_text"}
 
@@ -165,12 +173,22 @@ class GGUFCheckpoint:
                 return f"model.layers.{parts[1]}.{table[parts[2]]}.{suffix}"
         raise ValueError(f"unknown tensor {name!r} in GGUF file {self.path!r}")
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, fp32 tensor in Hugging Face layout) for every tensor of the file."""
+    def tensors(self, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+        """(Hugging Face name, tensor in Hugging Face layout) for every tensor of the file: fp32,
+        or with `keep_quantized` a `QuantTensor` over the file's bytes for each matrix in a
+        format the quantised kernels take (others are dequantised, one log line a format)."""
         heads = self.config["num_attention_heads"]
         kv_heads = self.config["num_key_value_heads"]
+        dequantized: set[str] = set()
         for tensor in self.reader.tensors:
             name = self.hf_name(tensor.name)
+            kind = tensor.tensor_type
+            if keep_quantized and len(tensor.shape) == 2 and kind.value in KERNEL_FORMATS:
+                yield name, self._quantized(name, tensor, heads, kv_heads)
+                continue
+            if keep_quantized and kind.name not in _DENSE and kind.name not in dequantized:
+                dequantized.add(kind.name)
+                log.warning("%s: %s tensors have no quantised kernel; dequantising them on load", self.path, kind.name)
             values = np.asarray(gguf.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
             values = values.reshape([int(d) for d in reversed(tensor.shape)])
             weight = torch.from_numpy(values.copy())
@@ -181,6 +199,20 @@ class GGUFCheckpoint:
             elif self.arch == "gemma3" and name.endswith("norm.weight"):
                 weight = weight - 1.0
             yield name, weight
+
+    def _quantized(self, name: str, tensor: object, heads: int, kv_heads: int) -> QuantTensor:
+        with warnings.catch_warnings():  # a read-only memory map: the bytes are never written
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.from_numpy(tensor.data)
+        if self.arch == "llama" and ".q_proj." in name:
+            data = _unpermute_rope_rows(data, heads).contiguous()
+        elif self.arch == "llama" and ".k_proj." in name:
+            data = _unpermute_rope_rows(data, kv_heads).contiguous()
+        cols = int(tensor.shape[0])
+        return QuantTensor([QuantPart(tensor.tensor_type.value, data)], cols)
+
+
+_DENSE = {"F32", "F16", "BF16", "F64"}
 
 
 def _unpermute_rope_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treeserve.layers.attention import Attention
+from treeserve.layers.embedding import Embedding
 from treeserve.layers.linear import Linear, linear_kernel
 from treeserve.layers.norm import RMSNorm
 from treeserve.layers.rotary import RotaryEmbedding, rope_inv_freq
@@ -156,7 +157,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(self.decoder_layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = self.final_norm(cfg.hidden_size, cfg.rms_norm_eps)
         if not cfg.tie_word_embeddings:

@@ -5,11 +5,17 @@ shards listed by `model.safetensors.index.json`) or a GGUF file (`gguf_loader.py
 the same config and tensor names). Tensor names are mapped onto the local modules (fusing
 q/k/v and gate/up) and cast to the requested dtype on the requested device. Tensors the
 model does not use (reward heads, for example) are kept in `LoadedModel.extra_tensors`.
+
+Quantisation (`quantization`): "gguf" keeps a GGUF file's quantised matrices in their blocks
+(`layers/quant.py`; the parameter of the Linear/Embedding is replaced by a `QuantTensor`);
+"int8" quantises every linear layer, the embedding table and the LM head of a Hugging Face
+checkpoint per output channel at load; None loads dense weights (a GGUF file dequantised).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,6 +26,9 @@ from safetensors import safe_open
 from torch import nn
 
 from treeserve.layers import pick_kernels
+from treeserve.layers.embedding import Embedding
+from treeserve.layers.linear import Linear
+from treeserve.layers.quant import QuantTensor, describe, quantize_int8, set_quantized
 from treeserve.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from treeserve.models.gguf_loader import GGUFCheckpoint, is_gguf
 from treeserve.models.llama import LlamaConfig, LlamaForCausalLM
@@ -33,12 +42,17 @@ ARCHITECTURES: dict[str, tuple[type[LlamaConfig], type[LlamaForCausalLM]]] = {
 }
 
 
+QUANTIZATIONS = ("gguf", "int8")
+log = logging.getLogger(__name__)
+
+
 @dataclass
 class LoadedModel:
     model: nn.Module
     config: LlamaConfig
     hf_config: dict
     extra_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    quantization: str | None = None  # e.g. "gguf:Q5_0+Q6_K+Q8_0", "int8"; None: dense weights
 
 
 def read_hf_config(model_dir: str) -> dict:
@@ -92,11 +106,14 @@ def _skip_init():
             setattr(torch.nn.init, name, fn)
 
 
-def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device) -> LoadedModel:
-    """`model_dir`: a Hugging Face checkpoint directory or a GGUF file."""
+def load_model(
+    model_dir: str, dtype: torch.dtype, device: str | torch.device, quantization: str | None = None
+) -> LoadedModel:
+    """`model_dir`: a Hugging Face checkpoint directory or a GGUF file; `quantization`: one of
+    QUANTIZATIONS or None (checked by `EngineConfig`: "gguf" only for a GGUF file, on a CPU)."""
     if is_gguf(model_dir):
         gguf = GGUFCheckpoint(model_dir)
-        hf_config, tensors = gguf.config, gguf.tensors()
+        hf_config, tensors = gguf.config, gguf.tensors(keep_quantized=quantization == "gguf")
     else:
         hf_config, tensors = read_hf_config(model_dir), iter_safetensors(model_dir)
     model_type = hf_config.get("model_type")
@@ -107,9 +124,13 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device) -
         config = config_class.from_hf(hf_config)
     except KeyError as e:
         raise ValueError(f"config.json in {model_dir!r} lacks required field {e}") from e
+    if quantization == "int8":
+        check_int8_shapes(config)
     with torch.device("meta"), _skip_init():
         model = model_class(config)
     state, extra = _collect_state(model, model_dir, tensors, dtype)
+    if quantization == "int8":
+        state = _quantize_int8(model, state, dtype)
     expected = set(model.state_dict().keys())
     if "lm_head.weight" in expected - set(state) and extra:
         # a reward/value model: a head of its own instead of an LM head (see extra_tensors)
@@ -125,11 +146,42 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device) -
             raise ValueError(
                 f"tensor {name} in {model_dir!r} has shape {tuple(tensor.shape)}, config.json implies {tuple(want)}"
             )
+    for name, tensor in list(state.items()):
+        if isinstance(tensor, QuantTensor):
+            module_name, _, attr = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            if isinstance(module, Linear | Embedding):
+                set_quantized(module, attr, tensor)
+                del state[name]
+            else:  # a matrix the kernels are not wired for
+                state[name] = tensor.dequantize().to(dtype)
     model.load_state_dict({k: v.to(device) for k, v in state.items()}, assign=True)
     model.init_rope(config.max_position_embeddings, device)
     model.eval().requires_grad_(False)
     pick_kernels(model)
-    return LoadedModel(model, config, hf_config, extra)
+    formats = describe(model)
+    label = None if formats is None else ("int8" if quantization == "int8" else f"gguf:{formats}")
+    return LoadedModel(model, config, hf_config, extra, label)
+
+
+def check_int8_shapes(config: LlamaConfig) -> None:
+    """int8 rows are whole 32-weight blocks: every matrix's input width a multiple of 32."""
+    widths = {
+        "hidden_size": config.hidden_size,
+        "num_attention_heads x head_dim": config.num_heads * config.head_dim,
+        "intermediate_size": config.intermediate_size,
+    }
+    bad = {name: width for name, width in widths.items() if width % 32}
+    if bad:
+        raise ValueError(f"int8 quantisation needs matrix input widths that are multiples of 32, got {bad}")
+
+
+def _quantize_int8(
+    model: nn.Module, state: dict[str, torch.Tensor], dtype: torch.dtype
+) -> dict[str, torch.Tensor | QuantTensor]:
+    """Replace the weights of every Linear and the embedding table (the tied LM head) by int8."""
+    targets = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, Linear | Embedding)}
+    return {k: quantize_int8(v, dtype) if k in targets else v for k, v in state.items()}
 
 
 def _collect_state(
@@ -143,7 +195,7 @@ def _collect_state(
         local, part = model.hf_to_local(hf_name)
         if local not in expected:
             if "rotary_emb" not in hf_name and not (hf_name == "lm_head.weight" and model.config.tie_word_embeddings):
-                extra[hf_name] = tensor
+                extra[hf_name] = tensor.dequantize() if isinstance(tensor, QuantTensor) else tensor
             continue
         if part is None:
             state[local] = tensor.to(dtype)
@@ -153,5 +205,12 @@ def _collect_state(
         order = model.FUSED_ORDER[local.split(".")[-2]]
         if set(pieces) != set(order):
             raise ValueError(f"checkpoint {model_dir!r} lacks {set(order) - set(pieces)} for {local}")
-        state[local] = torch.cat([pieces[p] for p in order], dim=0)
+        state[local] = _fuse([pieces[p] for p in order], dtype)
     return state, extra
+
+
+def _fuse(pieces: list[torch.Tensor | QuantTensor], dtype: torch.dtype) -> torch.Tensor | QuantTensor:
+    """Row-stack q/k/v or gate/up: quantised parts stay quantised when all of them are."""
+    if all(isinstance(p, QuantTensor) for p in pieces):
+        return QuantTensor.cat(pieces)
+    return torch.cat([p.dequantize().to(dtype) if isinstance(p, QuantTensor) else p for p in pieces], dim=0)

@@ -29,6 +29,7 @@ import torch
 
 from treeserve.device import total_memory
 from treeserve.engine.llm_engine import LLMEngine
+from treeserve.layers.quant import quantized_weights
 from treeserve.sampling_params import ScoreParams
 
 
@@ -44,6 +45,7 @@ class ModelMemory:
     page_bytes: int = 0
     num_pages: int = 0  # pages of its own arena (static split); the whole shared arena otherwise
     kv_fraction: float | None = None  # static split share; None: the shared arena
+    quantization: str | None = None  # the formats its weights run in ("gguf:Q5_0+Q8_0", "int8"); None: dense
 
 
 @dataclass
@@ -123,7 +125,12 @@ def sources(device: torch.device) -> dict[str, str]:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in model.state_dict().values()}
+    """Bytes of a model's parameters, buffers and quantised weights (a GGUF file's memory-mapped
+    blocks at their size in the file), each storage counted once."""
+    tensors = list(model.state_dict().values())
+    for weight in quantized_weights(model).values():
+        tensors += [t for part in weight.parts for t in (part.data, part.scales) if t is not None]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())
 
 
@@ -214,7 +221,7 @@ def plan(
         models.append(ModelMemory(
             name, weights, activation_peak(engine), engine.kv_layout.token_bytes, sampler_peak=sampler,
             other=max(0, loaded_bytes[name] - weights),
-            kv_fraction=None if kv_fractions is None else kv_fractions[name],
+            kv_fraction=None if kv_fractions is None else kv_fractions[name], quantization=engine.quantization,
         ))  # fmt: skip
     budget = memory_budget if memory_fraction is None else int(memory_fraction * free_at_start)
     result = MemoryPlan(

@@ -91,7 +91,8 @@ class Runtime:
             raise ValueError("model names must be unique")
         engine_kwargs["device"] = resolve_device(engine_kwargs.get("device"))  # type: ignore[arg-type]
         engine_kwargs["attention_backend"] = resolve_attention_backend(
-            engine_kwargs.get("attention_backend"), engine_kwargs["device"]  # type: ignore[arg-type]
+            engine_kwargs.get("attention_backend"),
+            engine_kwargs["device"],  # type: ignore[arg-type]
         )  # both checked before any model loads
         device = torch.device(engine_kwargs["device"])
         free_at_start = available_memory(device)
@@ -295,3 +296,17 @@ class Runtime:
     def check_pages_idle(self) -> None:
         for engine in self.engines.values():
             engine.check_pages_idle()
+
+
+def per_model_engine_args(
+    engine_args: dict | None, quantization: str | None, prm_quantization: str | None, dequantize: bool
+) -> dict[str, dict]:
+    """`engine_args` ({"generator": {...}, "prm": {...}}) with each model's quantisation settings added."""
+    args = {name: dict(values) for name, values in (engine_args or {}).items()}
+    for name, method in (("generator", quantization), ("prm", prm_quantization)):
+        entry = args.setdefault(name, {})
+        if method is not None:
+            entry["quantization"] = method
+        if dequantize:
+            entry["dequantize"] = True
+    return args

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from treeserve.config import check_model_path
 from treeserve.device import resolve_attention_backend, resolve_device
-from treeserve.runtime.runtime import Runtime
+from treeserve.runtime.runtime import Runtime, per_model_engine_args
 from treeserve.search.prm import load_prm
 from treeserve.server.completions import Served
 from treeserve.server.metrics import ServerMetrics
@@ -36,6 +36,9 @@ class ServerSettings:
     prm_kv_fraction: float | None = None  # None: one page arena shared by both models; else a static split
     engine_args: dict | None = None  # per-model engine settings (from `treeserve tune`)
     max_model_len: int | None = None
+    quantization: str | None = None  # the model's: "int8" (a Hugging Face checkpoint), "gguf" (a GGUF file's own)
+    prm_quantization: str | None = None  # the PRM's, likewise
+    dequantize: bool = False  # load GGUF files dense
 
     def check(self) -> None:
         self.device = resolve_device(self.device)  # resolved, so results record what ran
@@ -52,8 +55,11 @@ class ServerSettings:
 def build_served(settings: ServerSettings) -> Served:
     settings.check()
     extra = {"max_model_len": settings.max_model_len} if settings.max_model_len else {}
+    engine_args = per_model_engine_args(
+        settings.engine_args, settings.quantization, settings.prm_quantization, settings.dequantize
+    )
     runtime = Runtime.for_search(
-        settings.model, settings.prm, settings.kv_cache_memory, settings.prm_kv_fraction, settings.engine_args,
+        settings.model, settings.prm, settings.kv_cache_memory, settings.prm_kv_fraction, engine_args,
         dtype=settings.dtype, memory_budget=settings.memory_budget, memory_fraction=settings.memory_fraction,
         device=settings.device, attention_backend=settings.attention_backend, **extra,
     )  # fmt: skip

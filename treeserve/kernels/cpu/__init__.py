@@ -1,7 +1,8 @@
 """Build once, cache, and call the C kernels of `cpu_kernels.c` beside this file (CPU fast paths).
 
 Kernels: paged decode and prefill attention, softmax sampling, a bf16 GEMV for linear
-layers at small batch, RMSNorm and rotary embeddings. Nothing here knows about models:
+layers at small batch, RMSNorm and rotary embeddings; `quant.py` beside this file wraps the
+matmuls of quantised weights (`quant_kernels.c`), built the same way. Nothing here knows about models:
 `layers/` picks these for a model's layers at load, the engine's `cpu` attention backend
 and the sampler call the others.
 
@@ -45,35 +46,43 @@ def _cpu_signature() -> bytes:
         return b""
 
 
-@cache
-def load() -> ctypes.CDLL | None:
+def build(source: Path, flags: list[str] = FLAGS) -> ctypes.CDLL | None:
+    """Compile `source` into a shared library (once per source, compiler and CPU) and load it;
+    None when kernels are switched off or cannot be built (callers use their PyTorch path)."""
     if os.environ.get("TREESERVE_CPU_KERNELS", "1") == "0":
         return None
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
-        warnings.warn("no C compiler found: using the PyTorch attention/sampling path", stacklevel=2)
+        warnings.warn(f"no C compiler found: {source.name} not built, using PyTorch paths", stacklevel=2)
         return None
-    flags = " ".join(FLAGS + LINK_FLAGS).encode()
-    key = hashlib.sha256(SOURCE.read_bytes() + flags + compiler.encode() + _cpu_signature())
+    signature = " ".join(flags + LINK_FLAGS).encode() + compiler.encode() + _cpu_signature()
+    key = hashlib.sha256(source.read_bytes() + signature)
     cache_dir = Path(os.environ.get("TREESERVE_CACHE", Path.home() / ".cache" / "treeserve")) / "kernels"
-    lib_path = cache_dir / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    lib_path = cache_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if not lib_path.exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=cache_dir, suffix=".so", delete=False) as tmp:
             pass
         obj = tmp.name + ".o"
-        for command in ([compiler, *FLAGS, "-c", str(SOURCE), "-o", obj], [compiler, obj, "-o", tmp.name, *LINK_FLAGS]):
+        for command in ([compiler, *flags, "-c", str(source), "-o", obj], [compiler, obj, "-o", tmp.name, *LINK_FLAGS]):
             result = subprocess.run(command, capture_output=True, text=True)
             if result.returncode != 0:
                 for path in (tmp.name, obj):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(path)
-                message = f"building CPU kernels failed, using PyTorch paths:\n{result.stderr[-2000:]}"
+                message = f"building {source.name} failed, using PyTorch paths:\n{result.stderr[-2000:]}"
                 warnings.warn(message, stacklevel=2)
                 return None
         os.unlink(obj)
         os.replace(tmp.name, lib_path)  # atomic: concurrent builders never see a partial file
-    lib = ctypes.CDLL(str(lib_path))
+    return ctypes.CDLL(str(lib_path))
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    lib = build(SOURCE)
+    if lib is None:
+        return None
     for suffix in _SUFFIX.values():
         getattr(lib, f"paged_decode_{suffix}").argtypes = [
             _ptr,

@@ -1,0 +1,108 @@
+"""The quantised-weight kernels against dequantise-then-matmul.
+
+Dequantisation is exact (the kernels and the `gguf` package compute the same fp32 weights),
+so the only error a quantised matmul may add is fp32 accumulation: for every format,
+|kernel - fp64 reference| <= k * 2^-24 * sum|w x| per output (`_bound`). The format's own
+rounding (weight vs quantised weight) is the converter's, not the kernel's. Rows never depend
+on the batch: the few-row path (<= 4 rows, weights unpacked in registers) and the panel path
+round every product and sum alike.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.gguf_files import BLOCKS, random_blocks
+from treeserve.kernels.cpu import quant
+from treeserve.layers.quant import QuantPart, QuantTensor, quant_embedding, quant_linear, quantize_int8
+
+pytestmark = pytest.mark.skipif(not quant.available(), reason="no C compiler: quantised kernels not built")
+FORMATS = list(BLOCKS)
+
+
+def _blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    return torch.from_numpy(random_blocks(qtype, rows, cols, np.random.default_rng(seed)))
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.shape[1] * 2.0**-24 * (x.double().abs() @ w.double().abs().T) + 1e-30
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_dequantised_rows_equal_the_gguf_package(qtype):
+    data = _blocks(qtype, 19, 512)
+    ref = gguf.dequantize(data.numpy(), gguf.GGMLQuantizationType[qtype]).reshape(19, 512)
+    got = quant.dequant_rows(quant.QTYPES[qtype], data, None, torch.arange(19), 512)
+    torch.testing.assert_close(got, torch.from_numpy(ref), rtol=1e-6, atol=0)
+    picked = quant.dequant_rows(quant.QTYPES[qtype], data, None, torch.tensor([7, 0, 7]), 512)
+    assert torch.equal(picked, got[[7, 0, 7]])
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17])
+def test_matmul_within_fp32_accumulation_of_the_reference(qtype, rows):
+    n, k = 23, 512  # 23: the last panel of 4 channels is partial
+    data = _blocks(qtype, n, k, seed=rows)
+    w = quant.dequant_rows(quant.QTYPES[qtype], data, None, torch.arange(n), k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    got = quant.qmatmul(quant.QTYPES[qtype], data, None, x, k)
+    err = (got.double() - x.double() @ w.double().T).abs()
+    assert (err <= _bound(x, w)).all(), f"max error {err.max().item()}"
+
+
+@pytest.mark.parametrize("qtype", [*FORMATS, "I8"])
+def test_a_rows_result_does_not_depend_on_the_batch(qtype):
+    n, k = 13, 256
+    if qtype == "I8":
+        q, scales = quant.quantize_i8(torch.randn(n, k))
+        data, number = q, quant.I8
+    else:
+        data, scales, number = _blocks(qtype, n, k), None, quant.QTYPES[qtype]
+    x = torch.randn(11, k)
+    full = quant.qmatmul(number, data, scales, x, k)
+    for m in range(1, 11):
+        assert torch.equal(quant.qmatmul(number, data, scales, x[:m], k), full[:m]), m
+        assert torch.equal(quant.qmatmul(number, data, scales, x[10 - m :], k), full[10 - m :]), m
+
+
+def test_int8_rounds_each_weight_to_half_a_step_and_multiplies_exactly():
+    w = torch.randn(37, 96) * torch.rand(37, 1)  # rows of different magnitude
+    w[5] = 0.0  # an all-zero channel: scale 0, no division by zero
+    q, scales = quant.quantize_i8(w)
+    step = w.abs().amax(dim=1) / 127
+    assert torch.allclose(scales, step)
+    deq = quant.dequant_rows(quant.I8, q, scales, torch.arange(37), 96)
+    assert ((deq - w).abs() <= step[:, None] / 2 + 1e-7).all()
+    assert torch.equal(deq[5], torch.zeros(96))
+    x = torch.randn(6, 96)
+    err = (quant.qmatmul(quant.I8, q, scales, x, 96).double() - x.double() @ deq.double().T).abs()
+    assert (err <= _bound(x, deq)).all()
+
+
+def test_quant_linear_of_mixed_parts_bias_and_bf16_equals_f_linear_on_the_dequantised_matrix():
+    parts = [QuantPart(quant.QTYPES["Q5_0"], _blocks("Q5_0", 8, 256, 1)),
+             QuantPart(quant.QTYPES["Q6_K"], _blocks("Q6_K", 6, 256, 2)),
+             QuantPart(quant.QTYPES["Q8_0"], _blocks("Q8_0", 5, 256, 3))]  # fmt: skip
+    weight = QuantTensor(parts, 256)
+    assert weight.shape == (19, 256) and weight.formats == ["Q5_0", "Q6_K", "Q8_0"]
+    assert weight.nbytes == 8 * 176 + 6 * 210 + 5 * 272
+    dense, bias, x = weight.dequantize(), torch.randn(19), torch.randn(2, 3, 256)
+    torch.testing.assert_close(quant_linear(x, weight, bias), F.linear(x, dense, bias), rtol=1e-5, atol=1e-5)
+    out_bf16 = quant_linear(x.bfloat16(), weight.to(torch.bfloat16), bias)
+    assert out_bf16.dtype == torch.bfloat16
+    assert torch.equal(out_bf16, quant_linear(x.bfloat16().float(), weight, bias).bfloat16())
+
+
+def test_quant_embedding_looks_rows_up_and_int8_of_a_dense_table():
+    table = torch.randn(50, 64)
+    weight = quantize_int8(table, torch.bfloat16)
+    ids = torch.tensor([[3, 49], [0, 3]])
+    rows = quant_embedding(ids, weight)
+    assert rows.shape == (2, 2, 64) and rows.dtype == torch.bfloat16
+    assert torch.equal(rows.float(), weight.dequantize()[ids].bfloat16().float())
+    with pytest.raises(IndexError, match="out of range"):
+        quant_embedding(torch.tensor([50]), weight)

@@ -1,0 +1,105 @@
+"""Models with quantised weights: GGUF blocks executed as they are, int8 Hugging Face checkpoints.
+
+The reference for a GGUF file is the same file dequantised on load (`dequantize=True`, fp32):
+both compute with the same fp32 weights, so logits agree to fp32 accumulation. int8 is
+compared with the dense fp32 checkpoint (its error is the rounding of each weight to
+half an int8 step of its channel). Every engine's pages are checked idle after each test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.gguf_files import write_gguf
+from tests.tiny_models import build_checkpoint
+from treeserve import LLM, SamplingParams, ScoreParams
+from treeserve.layers.quant import QuantTensor, kernels_available
+from treeserve.runtime.planner import weight_bytes
+
+pytestmark = pytest.mark.skipif(not kernels_available(), reason="no C compiler: quantised kernels not built")
+IDS = list(range(3, 40))
+K_QUANTS = ("Q4_K", "Q6_K", "Q5_K", "Q8_0", "Q4_1", "Q5_1")  # rows of 256: hidden/intermediate 256
+WIDE = dict(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+
+
+def _logits(llm: LLM) -> torch.Tensor:
+    out = llm.score([IDS], ScoreParams(positions=list(range(len(IDS))), return_hidden_states=True))[0]
+    return llm.engine.model.compute_logits(out.hidden_states)
+
+
+def _gguf(tmp_path, arch: str, quants: tuple[str, ...] | None = None, **overrides) -> str:
+    hf = build_checkpoint(str(tmp_path / "hf"), "gemma3_text" if arch == "gemma3" else arch, **overrides)
+    kwargs = {} if quants is None else {"quants": quants}
+    return write_gguf(hf, str(tmp_path / "tiny.gguf"), arch, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "arch,quants,overrides",
+    [
+        ("llama", None, {}),
+        ("gemma3", None, dict(head_dim=16, num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=16)),
+        ("llama", K_QUANTS, WIDE),
+        ("gemma3", K_QUANTS, dict(WIDE, num_hidden_layers=2, sliding_window=8, query_pre_attn_scalar=64)),
+    ],
+)
+def test_gguf_runs_quantised_and_matches_its_dequantised_logits(tmp_path, make_llm, arch, quants, overrides):
+    path = _gguf(tmp_path, arch, quants, **overrides)
+    quantised, dense = make_llm(path), make_llm(path, dequantize=True)
+    assert quantised.engine.quantization.startswith("gguf:") and dense.engine.quantization is None
+    model = quantised.engine.model
+    assert isinstance(model.layers[0].self_attn.qkv_proj.weight, QuantTensor)
+    assert isinstance(model.embed_tokens.weight, QuantTensor)
+    ours, ref = _logits(quantised), _logits(dense)
+    assert (ours - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+    a, b = quantised.generate(prompts, params), dense.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert weight_bytes(model) < weight_bytes(dense.engine.model) / 2.5  # fp32 vs blocks of <= 8.5 bits
+
+
+def test_quantised_bf16_seeded_samples_are_batch_invariant(tmp_path, make_llm):
+    llm = make_llm(_gguf(tmp_path, "llama", K_QUANTS, **WIDE), dtype="bfloat16")
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=10, ignore_eos=True)
+    alone = llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids
+    batch = llm.generate([[9, 8], [5, 6, 7], list(range(3, 30))], [SamplingParams(max_tokens=10), params, params])
+    assert batch[1].outputs[0].token_ids == alone
+
+
+def test_int8_hf_checkpoint_is_close_to_fp32(tmp_path, make_llm):
+    hf = build_checkpoint(str(tmp_path / "hf"), "llama", hidden_size=64, intermediate_size=128)
+    int8, dense = make_llm(hf, quantization="int8"), make_llm(hf)
+    assert int8.engine.quantization == "int8"
+    model = int8.engine.model
+    assert model.layers[1].mlp.down_proj.weight.formats == ["I8"]
+    ours, ref = _logits(int8), _logits(dense)
+    rel = ((ours - ref).norm() / ref.norm()).item()
+    assert rel < 0.05, rel  # each weight within half a step of 1/127 of its channel's max
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+    assert weight_bytes(model) < weight_bytes(dense.engine.model) / 3  # fp32 -> int8 + a scale a row
+
+
+def test_quantisation_settings_are_checked_before_loading(tmp_path):
+    hf = build_checkpoint(str(tmp_path / "hf"), "llama")
+    path = write_gguf(hf, str(tmp_path / "tiny.gguf"), "llama")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        LLM(hf, quantization="awq")
+    with pytest.raises(ValueError, match="for Hugging Face checkpoints"):
+        LLM(path, quantization="int8")
+    with pytest.raises(ValueError, match="needs a .gguf file"):
+        LLM(hf, quantization="gguf")
+    odd = build_checkpoint(str(tmp_path / "odd"), "llama", intermediate_size=100)
+    with pytest.raises(ValueError, match="multiples of 32.*intermediate_size"):
+        LLM(odd, quantization="int8", dtype="float32")
+
+
+def test_cli_generate_takes_quantization_flags(tmp_path, capsys):
+    from treeserve.cli import main
+
+    hf = build_checkpoint(str(tmp_path / "hf"), "llama")
+    path = write_gguf(hf, str(tmp_path / "tiny.gguf"), "llama")
+    for args in (["--model", hf, "--quantization", "int8"], ["--model", path, "--dequantize"]):
+        assert main(["generate", "def f", *args, "--n", "1", "--max-tokens", "4", "--kv-cache-memory", "8M"]) == 0
+    assert main(["generate", "x", "--model", path, "--quantization", "int8"]) != 0
+    assert "for Hugging Face checkpoints" in capsys.readouterr().err

@@ -1,0 +1,103 @@
+"""Call the quantised-weight kernels of `quant_kernels.c`: matmul, row dequantisation, int8.
+
+A quantised matrix is a uint8 tensor [n, row_bytes] of llama.cpp blocks (one row a output
+channel) plus, for our per-channel int8, an fp32 scale a row. `QTYPES` names the formats the
+kernels take, by ggml's type numbers; `BLOCKS` gives each one's (weights, bytes) a block.
+`available()` is False without a C compiler or with `TREESERVE_CPU_KERNELS=0`: callers then
+dequantise at load (the reference path).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from treeserve.kernels.cpu import FLAGS, build
+
+SOURCE = Path(__file__).parent / "quant_kernels.c"
+# No -ffast-math: the few-row path and the panel path must round every product and sum alike
+# (a row's result may not depend on the batch), so the compiler may not reassociate.
+QUANT_FLAGS = [flag for flag in FLAGS if flag != "-ffast-math"]
+I8 = 1000  # per-output-channel symmetric int8 (ours; not a ggml type)
+QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "I8": I8}
+BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (256, 144), 13: (256, 176),
+          14: (256, 210), I8: (32, 32)}  # fmt: skip
+_i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    lib = build(SOURCE, QUANT_FLAGS)
+    if lib is None:
+        return None
+    lib.qmatmul.argtypes = [_int, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _int, _ptr, _ptr, _i64, _int, _int]
+    lib.dequant_rows.argtypes = [_int, _ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _int]
+    lib.quantize_i8.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _int]
+    return lib
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def row_bytes(qtype: int, k: int) -> int:
+    weights, nbytes = BLOCKS[qtype]
+    if k % weights:
+        raise ValueError(f"a row of {k} weights is not a whole number of {weights}-weight blocks")
+    return k // weights * nbytes
+
+
+def _ptr_or_none(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def qmatmul(
+    qtype: int,
+    data: torch.Tensor,
+    scales: torch.Tensor | None,
+    x: torch.Tensor,
+    k: int,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [m, k] (fp32 rows with unit stride) @ W^T (+ bias fp32) -> out [m, n] fp32 or bf16 (a
+    view with unit column stride, e.g. a column slice of a wider output)."""
+    n = data.shape[0]
+    m = x.shape[0]
+    assert x.dtype == torch.float32 and x.stride(-1) == 1 and x.shape[1] == k and data.is_contiguous()
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float32)
+    assert out.shape == (m, n) and out.stride(-1) == 1 and out.dtype in (torch.float32, torch.bfloat16)
+    load().qmatmul(
+        qtype, data.data_ptr(), data.stride(0), _ptr_or_none(scales), n, k, x.data_ptr(), x.stride(0), m,
+        _ptr_or_none(bias), out.data_ptr(), out.stride(0), int(out.dtype == torch.bfloat16), torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def dequant_rows(
+    qtype: int, data: torch.Tensor, scales: torch.Tensor | None, ids: torch.Tensor, k: int
+) -> torch.Tensor:
+    """fp32 rows `ids` [count] of the matrix -> [count, k] (embedding lookups, dequantise)."""
+    ids = ids.to(torch.int64).contiguous()
+    if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < data.shape[0]):
+        raise IndexError(f"row ids out of range for a matrix of {data.shape[0]} rows")
+    out = torch.empty(ids.numel(), k, dtype=torch.float32)
+    load().dequant_rows(
+        qtype, data.data_ptr(), data.stride(0), _ptr_or_none(scales), ids.data_ptr(), ids.numel(), k,
+        out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def quantize_i8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric int8 of weight [n, k]: (int8 viewed as uint8 [n, k], fp32 scales [n])."""
+    w = weight.detach().to(torch.float32).contiguous()
+    n, k = w.shape
+    q = torch.empty(n, k, dtype=torch.uint8)
+    scales = torch.empty(n, dtype=torch.float32)
+    load().quantize_i8(w.data_ptr(), n, k, q.data_ptr(), scales.data_ptr(), torch.get_num_threads())
+    return q, scales

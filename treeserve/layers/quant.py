@@ -1,0 +1,133 @@
+"""Weights kept quantised: the matrix type quantised linear layers, embeddings and LM heads hold.
+
+A `QuantTensor` is an [n, k] weight matrix stored as row-stacked parts, each part a block of
+output channels in one format (GGUF's Q4_0 ... Q6_K blocks, or our per-channel int8 with a
+scale a row): a fused q/k/v projection of a GGUF file whose v rows are Q8_0 and q/k rows Q5_0
+is one `QuantTensor` of three parts. The bytes stay as loaded (a GGUF file's memory map).
+`dtype` is the dtype activations and results have (the engine's), so model code that asks
+`weight.dtype` works unchanged.
+
+`quant_linear` has F.linear's signature; `linear_kernel` returns it for a `QuantTensor`.
+`quant_embedding` looks rows up. Both call `kernels/cpu/quant.py` (CPU only: a GPU engine
+dequantises at load). `quantize_int8` makes an int8 `QuantTensor` of a dense weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from treeserve.kernels.cpu import quant as kernels
+
+QTYPE_NAMES = {number: name for name, number in kernels.QTYPES.items()}
+KERNEL_FORMATS = set(kernels.BLOCKS)  # ggml type numbers (and our int8) the kernels multiply
+
+
+def kernels_available() -> bool:
+    """False without a C compiler or with TREESERVE_CPU_KERNELS=0 (then weights are dequantised)."""
+    return kernels.available()
+
+
+@dataclass
+class QuantPart:
+    qtype: int  # kernels.QTYPES value
+    data: torch.Tensor  # uint8 [rows, row_bytes]
+    scales: torch.Tensor | None = None  # fp32 [rows], int8 only
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
+
+
+@dataclass
+class QuantTensor:
+    parts: list[QuantPart]
+    cols: int
+    dtype: torch.dtype = torch.float32
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((sum(p.rows for p in self.parts), self.cols))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.data.numel() + (0 if p.scales is None else p.scales.numel() * 4) for p in self.parts)
+
+    @property
+    def formats(self) -> list[str]:
+        return sorted({QTYPE_NAMES[p.qtype] for p in self.parts})
+
+    def to(self, dtype: torch.dtype) -> QuantTensor:
+        """The same bytes, computing in `dtype` (the loader's cast)."""
+        return QuantTensor(self.parts, self.cols, dtype, self.device)
+
+    @staticmethod
+    def cat(tensors: list[QuantTensor]) -> QuantTensor:
+        """Row-stack (a fused projection); the parts keep their own formats and bytes."""
+        assert len({t.cols for t in tensors}) == 1
+        return QuantTensor([p for t in tensors for p in t.parts], tensors[0].cols, tensors[0].dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 matrix (the reference the kernels are tested against)."""
+        return torch.cat(
+            [kernels.dequant_rows(p.qtype, p.data, p.scales, torch.arange(p.rows), self.cols) for p in self.parts]
+        )
+
+
+def quant_linear(x: torch.Tensor, weight: QuantTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for a quantised weight: x [..., k] -> [..., n] in x's dtype (fp32 accumulation)."""
+    rows = x.reshape(-1, weight.cols).to(torch.float32)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out_dtype = x.dtype if x.dtype == torch.bfloat16 else torch.float32
+    out = torch.empty(rows.shape[0], weight.shape[0], dtype=out_dtype)
+    bias32 = None if bias is None else bias.to(torch.float32)
+    start = 0
+    for part in weight.parts:
+        end = start + part.rows
+        part_bias = None if bias32 is None else bias32[start:end]
+        kernels.qmatmul(part.qtype, part.data, part.scales, rows, weight.cols, part_bias, out[:, start:end])
+        start = end
+    return out.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
+
+
+def quant_embedding(ids: torch.Tensor, weight: QuantTensor) -> torch.Tensor:
+    """Rows `ids` of a quantised table, in its dtype."""
+    flat = ids.reshape(-1)
+    if len(weight.parts) != 1:
+        raise ValueError("a quantised embedding table is one part")
+    part = weight.parts[0]
+    rows = kernels.dequant_rows(part.qtype, part.data, part.scales, flat, weight.cols)
+    return rows.view(*ids.shape, weight.cols).to(weight.dtype)
+
+
+def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> QuantTensor:
+    """Per-output-channel symmetric int8 of a dense [n, k] weight (k a multiple of 32)."""
+    data, scales = kernels.quantize_i8(weight)
+    return QuantTensor([QuantPart(kernels.I8, data, scales)], weight.shape[1], dtype)
+
+
+def set_quantized(module: nn.Module, name: str, weight: QuantTensor) -> None:
+    """Replace the parameter `name` of `module` by a quantised weight (a plain attribute)."""
+    if name in module._parameters:
+        del module._parameters[name]
+    setattr(module, name, weight)
+
+
+def quantized_weights(model: nn.Module) -> dict[str, QuantTensor]:
+    """Every quantised weight of a model, by dotted name."""
+    found = {}
+    for prefix, module in model.named_modules():
+        for name, value in vars(module).items():
+            if isinstance(value, QuantTensor):
+                found[f"{prefix}.{name}" if prefix else name] = value
+    return found
+
+
+def describe(model: nn.Module) -> str | None:
+    """'Q5_0+Q6_K+Q8_0'-style summary of the formats a model runs, None when it is not quantised."""
+    formats = sorted({f for w in quantized_weights(model).values() for f in w.formats})
+    return "+".join(formats) or None
