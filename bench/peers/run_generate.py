@@ -2,7 +2,7 @@
 
 Usage: python bench/peers/run_generate.py ENGINE MODEL WORKLOAD_JSON
 ENGINE is treeserve, vllm, transformers (MODEL: a checkpoint directory; treeserve also
-takes a GGUF file) or llamacpp (MODEL: a GGUF file; llama-cpp-python's low-level batch
+takes a GGUF file, run quantised; treeserve-bf16 runs it dequantised to bf16) or llamacpp (MODEL: a GGUF file; llama-cpp-python's low-level batch
 API, every sequence in one llama_batch per step, llama.cpp's own samplers). The workload
 JSON holds prompts (token ids), n, max_tokens, temperature, dtype. Model loading and a small
 warm-up (on other prompts) are not timed; the whole workload is, from submission to the
@@ -20,11 +20,12 @@ import time
 WARM_UP = [(7 * i) % 500 + 3 for i in range(24)]
 
 
-def run_treeserve(model: str, w: dict) -> tuple[float, int]:
+def run_treeserve(model: str, w: dict, dequantize: bool = False) -> tuple[float, int]:
     from treeserve import LLM, SamplingParams
 
     llm = LLM(
         model,
+        dequantize=dequantize,
         dtype=w["dtype"],
         max_num_seqs=w["max_num_seqs"],
         max_num_batched_tokens=w["max_num_batched_tokens"],
@@ -162,6 +163,7 @@ if __name__ == "__main__":
         w = json.load(f)
     runner = {
         "treeserve": run_treeserve,
+        "treeserve-bf16": lambda model, w: run_treeserve(model, w, dequantize=True),
         "vllm": run_vllm,
         "transformers": run_transformers,
         "llamacpp": run_llamacpp,

@@ -28,6 +28,10 @@ def _blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     return torch.from_numpy(random_blocks(qtype, rows, cols, np.random.default_rng(seed)))
 
 
+def _matmul(qtype: int, data: torch.Tensor, scales: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    return quant.qmatmul(quant.Plan([(qtype, data, scales)], x.shape[1]), x)
+
+
 def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.shape[1] * 2.0**-24 * (x.double().abs() @ w.double().abs().T) + 1e-30
 
@@ -49,7 +53,7 @@ def test_matmul_within_fp32_accumulation_of_the_reference(qtype, rows):
     data = _blocks(qtype, n, k, seed=rows)
     w = quant.dequant_rows(quant.QTYPES[qtype], data, None, torch.arange(n), k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-    got = quant.qmatmul(quant.QTYPES[qtype], data, None, x, k)
+    got = _matmul(quant.QTYPES[qtype], data, None, x)
     err = (got.double() - x.double() @ w.double().T).abs()
     assert (err <= _bound(x, w)).all(), f"max error {err.max().item()}"
 
@@ -63,10 +67,10 @@ def test_a_rows_result_does_not_depend_on_the_batch(qtype):
     else:
         data, scales, number = _blocks(qtype, n, k), None, quant.QTYPES[qtype]
     x = torch.randn(11, k)
-    full = quant.qmatmul(number, data, scales, x, k)
+    full = _matmul(number, data, scales, x)
     for m in range(1, 11):
-        assert torch.equal(quant.qmatmul(number, data, scales, x[:m], k), full[:m]), m
-        assert torch.equal(quant.qmatmul(number, data, scales, x[10 - m :], k), full[10 - m :]), m
+        assert torch.equal(_matmul(number, data, scales, x[:m]), full[:m]), m
+        assert torch.equal(_matmul(number, data, scales, x[10 - m :]), full[10 - m :]), m
 
 
 def test_int8_rounds_each_weight_to_half_a_step_and_multiplies_exactly():
@@ -79,7 +83,7 @@ def test_int8_rounds_each_weight_to_half_a_step_and_multiplies_exactly():
     assert ((deq - w).abs() <= step[:, None] / 2 + 1e-7).all()
     assert torch.equal(deq[5], torch.zeros(96))
     x = torch.randn(6, 96)
-    err = (quant.qmatmul(quant.I8, q, scales, x, 96).double() - x.double() @ deq.double().T).abs()
+    err = (_matmul(quant.I8, q, scales, x).double() - x.double() @ deq.double().T).abs()
     assert (err <= _bound(x, deq)).all()
 
 

@@ -47,6 +47,14 @@ class QuantTensor:
     cols: int
     dtype: torch.dtype = torch.float32
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    _plan: kernels.Plan | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def plan(self) -> kernels.Plan:
+        """The kernel's description of the parts (built at first use)."""
+        if self._plan is None:
+            self._plan = kernels.Plan([(p.qtype, p.data, p.scales) for p in self.parts], self.cols)
+        return self._plan
 
     @property
     def shape(self) -> torch.Size:
@@ -84,13 +92,7 @@ def quant_linear(x: torch.Tensor, weight: QuantTensor, bias: torch.Tensor | None
         rows = rows.contiguous()
     out_dtype = x.dtype if x.dtype == torch.bfloat16 else torch.float32
     out = torch.empty(rows.shape[0], weight.shape[0], dtype=out_dtype)
-    bias32 = None if bias is None else bias.to(torch.float32)
-    start = 0
-    for part in weight.parts:
-        end = start + part.rows
-        part_bias = None if bias32 is None else bias32[start:end]
-        kernels.qmatmul(part.qtype, part.data, part.scales, rows, weight.cols, part_bias, out[:, start:end])
-        start = end
+    kernels.qmatmul(weight.plan, rows, None if bias is None else bias.to(torch.float32).contiguous(), out)
     return out.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
 
 

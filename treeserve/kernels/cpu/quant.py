@@ -33,7 +33,7 @@ def load() -> ctypes.CDLL | None:
     lib = build(SOURCE, QUANT_FLAGS)
     if lib is None:
         return None
-    lib.qmatmul.argtypes = [_int, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _int, _ptr, _ptr, _i64, _int, _int]
+    lib.qmatmul.argtypes = [_int, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _i64, _int, _int]
     lib.dequant_rows.argtypes = [_int, _ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _int]
     lib.quantize_i8.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _int]
     return lib
@@ -54,26 +54,44 @@ def _ptr_or_none(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+MAX_PARTS = 8  # row-stacked matrices a `Plan` may hold (quant_kernels.c)
+
+
+class Plan:
+    """The ctypes arguments describing a row-stack of quantised matrices (built once a weight):
+    part j = (format, uint8 [rows, row_bytes], fp32 row scales or None)."""
+
+    def __init__(self, parts: list[tuple[int, torch.Tensor, torch.Tensor | None]], k: int):
+        if not 1 <= len(parts) <= MAX_PARTS:
+            raise ValueError(f"a quantised matrix has 1..{MAX_PARTS} parts, got {len(parts)}")
+        for qtype, data, _ in parts:
+            assert data.dtype == torch.uint8 and data.is_contiguous() and data.shape[1] == row_bytes(qtype, k)
+        count = len(parts)
+        self.k, self.n = k, sum(data.shape[0] for _, data, _ in parts)
+        self.tensors = parts  # keeps the bytes alive while the pointers below are used
+        self.args = (
+            count,
+            (ctypes.c_int * count)(*(qtype for qtype, _, _ in parts)),
+            (ctypes.c_void_p * count)(*(data.data_ptr() for _, data, _ in parts)),
+            (ctypes.c_int64 * count)(*(data.stride(0) for _, data, _ in parts)),
+            (ctypes.c_void_p * count)(*(None if s is None else s.data_ptr() for _, _, s in parts)),
+            (ctypes.c_int64 * count)(*(data.shape[0] for _, data, _ in parts)),
+            k,
+        )
+
+
 def qmatmul(
-    qtype: int,
-    data: torch.Tensor,
-    scales: torch.Tensor | None,
-    x: torch.Tensor,
-    k: int,
-    bias: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
+    plan: Plan, x: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x [m, k] (fp32 rows with unit stride) @ W^T (+ bias fp32) -> out [m, n] fp32 or bf16 (a
-    view with unit column stride, e.g. a column slice of a wider output)."""
-    n = data.shape[0]
+    """x [m, k] (fp32 rows with unit stride) @ W^T (+ bias, fp32 [n]) -> out [m, n], fp32 or bf16."""
     m = x.shape[0]
-    assert x.dtype == torch.float32 and x.stride(-1) == 1 and x.shape[1] == k and data.is_contiguous()
+    assert x.dtype == torch.float32 and x.stride(-1) == 1 and x.shape[1] == plan.k
     if out is None:
-        out = torch.empty(m, n, dtype=torch.float32)
-    assert out.shape == (m, n) and out.stride(-1) == 1 and out.dtype in (torch.float32, torch.bfloat16)
+        out = torch.empty(m, plan.n, dtype=torch.float32)
+    assert out.shape == (m, plan.n) and out.is_contiguous() and out.dtype in (torch.float32, torch.bfloat16)
     load().qmatmul(
-        qtype, data.data_ptr(), data.stride(0), _ptr_or_none(scales), n, k, x.data_ptr(), x.stride(0), m,
-        _ptr_or_none(bias), out.data_ptr(), out.stride(0), int(out.dtype == torch.bfloat16), torch.get_num_threads(),
+        *plan.args, x.data_ptr(), x.stride(0), m, _ptr_or_none(bias), out.data_ptr(), out.stride(0),
+        int(out.dtype == torch.bfloat16), torch.get_num_threads(),
     )  # fmt: skip
     return out
 

@@ -354,30 +354,44 @@ static void fused(int type, const uint8_t *const *rows, const float *scales, int
 
 #define FUSED_MAX_ROWS 4 /* up to here the weights are unpacked per use; above, once per panel */
 
-/* out[m, n] (fp32, or bf16 when out_bf16) = x[m, k] (fp32 rows x_stride apart) . W^T (+ bias). */
-void qmatmul(int type, const uint8_t *w, int64_t row_bytes, const float *row_scales, int64_t n, int64_t k,
-             const float *x, int64_t x_stride, int m, const float *bias, void *out, int64_t out_stride,
-             int out_bf16, int threads) {
-    const int64_t panels = (n + NP - 1) / NP;
+#define MAX_PARTS 8
+
+/* out[m, n] (fp32, or bf16 when out_bf16) = x[m, k] (fp32 rows x_stride apart) . W^T (+ bias),
+ * W row-stacked from `parts` matrices (a fused q/k/v or gate/up), each in its own format:
+ * part j is part_rows[j] rows of row_bytes[j] bytes at ws[j] (scales[j]: int8's row scales).
+ * One parallel region covers every part's panels. */
+void qmatmul(int parts, const int *types, const uint8_t *const *ws, const int64_t *row_bytes,
+             const float *const *row_scales, const int64_t *part_rows, int64_t k, const float *x, int64_t x_stride,
+             int m, const float *bias, void *out, int64_t out_stride, int out_bf16, int threads) {
+    int64_t first_panel[MAX_PARTS + 1] = {0}, first_col[MAX_PARTS + 1] = {0};
+    for (int j = 0; j < parts && j < MAX_PARTS; j++) {
+        first_panel[j + 1] = first_panel[j] + (part_rows[j] + NP - 1) / NP;
+        first_col[j + 1] = first_col[j] + part_rows[j];
+    }
+    const int64_t panels = first_panel[parts];
     #pragma omp parallel num_threads(threads)
     {
         float *wp = m > FUSED_MAX_ROWS ? (float *)aligned_alloc(64, sizeof(float) * NP * k) : NULL;
         float res[4 * NP];
         #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++) {
-            const int64_t c0 = p * NP;
+            int j = 0;
+            while (p >= first_panel[j + 1]) j++;
+            const int type = types[j];
+            const int64_t n = part_rows[j], rb = row_bytes[j], c0 = (p - first_panel[j]) * NP;
             const int np = (int)(n - c0 < NP ? n - c0 : NP);
             const uint8_t *rows[NP];
             float scales[NP];
             for (int c = 0; c < NP; c++) { /* the last panel repeats its last channel; those results are dropped */
                 const int64_t ch = c0 + (c < np ? c : np - 1);
-                rows[c] = w + ch * row_bytes;
-                scales[c] = row_scales ? row_scales[ch] : 0.0f;
+                rows[c] = ws[j] + ch * rb;
+                scales[c] = row_scales[j] ? row_scales[j][ch] : 0.0f;
                 if (wp) dequant_row(type, rows[c], k, scales[c], wp + c * k);
             }
-            if (!wp) /* a few rows: the bytes stream through once; ask for the next panel's early */
-                for (int64_t at = 2 * NP * row_bytes; at < 3 * NP * row_bytes && c0 + 2 * NP < n; at += 64)
+            if (!wp) /* a few rows: the bytes stream through once; ask for a later panel's early */
+                for (int64_t at = 2 * NP * rb; at < 3 * NP * rb && c0 + 2 * NP < n; at += 64)
                     __builtin_prefetch(rows[0] + at);
+            const int64_t col = first_col[j] + c0;
             for (int r0 = 0; r0 < m; r0 += 4) {
                 const int mr = m - r0 < 4 ? m - r0 : 4;
                 if (!wp) fused(type, rows, scales, k, x + r0 * x_stride, x_stride, mr, res);
@@ -389,8 +403,8 @@ void qmatmul(int type, const uint8_t *w, int64_t row_bytes, const float *row_sca
                 }
                 for (int r = 0; r < mr; r++)
                     for (int c = 0; c < np; c++) {
-                        const float v = res[r * NP + c] + (bias ? bias[c0 + c] : 0.0f);
-                        const int64_t at = (int64_t)(r0 + r) * out_stride + c0 + c;
+                        const float v = res[r * NP + c] + (bias ? bias[col + c] : 0.0f);
+                        const int64_t at = (int64_t)(r0 + r) * out_stride + col + c;
                         if (out_bf16) ((uint16_t *)out)[at] = f32_to_bf16(v);
                         else ((float *)out)[at] = v;
                     }
