@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import warnings
 from collections.abc import Iterator
 from functools import cached_property, lru_cache
 
@@ -32,6 +31,7 @@ import numpy as np
 import torch
 
 from treeserve.layers.quant import KERNEL_FORMATS, QuantPart, QuantTensor
+from treeserve.models.gguf_file import GGUFFile
 
 log = logging.getLogger(__name__)
 
@@ -61,16 +61,13 @@ def is_gguf(path: str) -> bool:
 
 
 @lru_cache(maxsize=2)
-def _read(path: str, size: int, mtime_ns: int) -> gguf.GGUFReader:  # noqa: ARG001 - size/mtime key the cache
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError/struct errors on bad headers
-        raise ValueError(f"malformed GGUF file {path!r}: {e}") from e
+def _read(path: str, size: int, mtime_ns: int) -> GGUFFile:  # noqa: ARG001 - size/mtime key the cache
+    return GGUFFile(path)
 
 
-def read_gguf(path: str) -> gguf.GGUFReader:
-    """The file's reader (memory-mapped). Parsing the metadata of a 262k-token vocabulary takes
-    ~8 s, so the model loader and the tokenizer share one reader per file version."""
+def read_gguf(path: str) -> GGUFFile:
+    """The file's reader (memory-mapped; see `gguf_file.py`), shared by the model loader and
+    the tokenizer: one parse per file version."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path!r}")
     stat = os.stat(path)
@@ -201,9 +198,7 @@ class GGUFCheckpoint:
             yield name, weight
 
     def _quantized(self, name: str, tensor: object, heads: int, kv_heads: int) -> QuantTensor:
-        with warnings.catch_warnings():  # a read-only memory map: the bytes are never written
-            warnings.simplefilter("ignore", UserWarning)
-            data = torch.from_numpy(tensor.data)
+        data = torch.from_numpy(tensor.data)  # a view of the (copy-on-write) memory map
         if self.arch == "llama" and ".q_proj." in name:
             data = _unpermute_rope_rows(data, heads).contiguous()
         elif self.arch == "llama" and ".k_proj." in name:

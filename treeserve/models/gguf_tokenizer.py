@@ -34,9 +34,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import gguf
 import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+from treeserve.models.gguf_file import GGUFFile
 
 UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4
 
@@ -67,7 +68,7 @@ _SPM_DEFAULT_IDS = {"bos": 1, "eos": 2, "unk": 0}
 _ID_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id", "pad": "padding_token_id"}
 
 
-def tokenizer_from_gguf(reader: gguf.GGUFReader) -> tuple[Tokenizer, dict]:
+def tokenizer_from_gguf(reader: GGUFFile) -> tuple[Tokenizer, dict]:
     """-> (tokenizer, tokenizer_config) for the vocabulary in `reader`'s metadata.
 
     tokenizer_config holds bos/eos/unk/pad token strings (where the ids are known), add_bos_token,
@@ -178,7 +179,7 @@ def _post_processor(
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=list(special.items()))
 
 
-def _special_ids(reader: gguf.GGUFReader, model_type: str, n_tokens: int) -> dict[str, int]:
+def _special_ids(reader: GGUFFile, model_type: str, n_tokens: int) -> dict[str, int]:
     """bos/eos/unk/pad ids from the file, else llama.cpp's defaults for an SPM vocabulary."""
     defaults = _SPM_DEFAULT_IDS if model_type == "llama" else {}
     ids = {}
@@ -189,7 +190,7 @@ def _special_ids(reader: gguf.GGUFReader, model_type: str, n_tokens: int) -> dic
     return ids
 
 
-def _tokens(reader: gguf.GGUFReader) -> list[str]:
+def _tokens(reader: GGUFFile) -> list[str]:
     tokens = _value(reader, "tokenizer.ggml.tokens")
     if not tokens:
         raise ValueError("GGUF file has no tokenizer.ggml.tokens")
@@ -200,7 +201,7 @@ def _tokens(reader: gguf.GGUFReader) -> list[str]:
     return tokens
 
 
-def _array(reader: gguf.GGUFReader, key: str, dtype: type, n: int, default: float) -> np.ndarray:
+def _array(reader: GGUFFile, key: str, dtype: type, n: int, default: float) -> np.ndarray:
     values = _value(reader, key)
     if values is None:
         return np.full(n, default, dtype=dtype)
@@ -209,6 +210,6 @@ def _array(reader: gguf.GGUFReader, key: str, dtype: type, n: int, default: floa
     return np.asarray(values[:n], dtype=dtype)
 
 
-def _value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+def _value(reader: GGUFFile, key: str, default: Any = None) -> Any:
     field = reader.get_field(key)
     return default if field is None else field.contents()
