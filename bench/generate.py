@@ -112,8 +112,13 @@ def gemma_main(args: argparse.Namespace, engines: list[str]) -> None:
     def prompts(count: int, length: int) -> list[list[int]]:
         return [[2] + [rng.randrange(1000, 100000) for _ in range(length - 1)] for _ in range(count)]
 
-    base = {"dtype": "bfloat16", "max_num_seqs": 256, "max_num_batched_tokens": 2048, "kv_bytes": 1 << 30,
-            "device": args.device}
+    base = {
+        "dtype": "bfloat16",
+        "max_num_seqs": 256,
+        "max_num_batched_tokens": 2048,
+        "kv_bytes": 1 << 30,
+        "device": args.device,
+    }
     scenarios = {
         "decode1": dict(base, prompts=prompts(1, 16), n=1, max_tokens=128, temperature=0.0),
         "batch": dict(base, prompts=prompts(32, 32), n=4, max_tokens=128, temperature=0.8),

@@ -2,7 +2,8 @@
 
 Usage: python bench/peers/run_generate.py ENGINE MODEL WORKLOAD_JSON
 ENGINE is treeserve, vllm, transformers (MODEL: a checkpoint directory; treeserve also
-takes a GGUF file, run quantised; treeserve-bf16 runs it dequantised to bf16) or llamacpp (MODEL: a GGUF file; llama-cpp-python's low-level batch
+takes a GGUF file, run quantised; treeserve-bf16 runs it dequantised to bf16) or llamacpp
+(MODEL: a GGUF file; llama-cpp-python's low-level batch
 API, every sequence in one llama_batch per step, llama.cpp's own samplers). The workload
 JSON holds prompts (token ids), n, max_tokens, temperature, dtype. Model loading and a small
 warm-up (on other prompts) are not timed; the whole workload is, from submission to the
