@@ -5,7 +5,8 @@
 
 Systems (each in its own subprocess and environment; peers' code in bench/peers/):
 * `treeserve` (every optimisation on) and `treeserve-reference` (no caches, one problem at a
-  time), through `treeserve eval`'s code path;
+  time), through `treeserve eval`'s code path; `treeserve-int8`: `treeserve` with both models'
+  weights in int8 (issue 33);
 * `sal-transformers`, `sal-vllm`, `thesis-vllm`: see bench/peers/sal_search.py.
 
 Workload: arithmetic problems of levels 4-5 (seed 0), the shipped generator and PRM (bf16),
@@ -44,6 +45,7 @@ VLLM_PYTHON = os.environ.get("VLLM_PYTHON", os.path.join(ROOT, ".venv-vllm", "bi
 SYSTEMS = {
     "treeserve": [sys.executable, os.path.join(HERE, "peers", "run_treeserve_search.py")],
     "treeserve-reference": [sys.executable, os.path.join(HERE, "peers", "run_treeserve_search.py")],
+    "treeserve-int8": [sys.executable, os.path.join(HERE, "peers", "run_treeserve_search.py"), "--int8"],
     "sal-transformers": [sys.executable, os.path.join(HERE, "peers", "sal_search.py"), "sal-transformers"],
     "sal-vllm": [VLLM_PYTHON, os.path.join(HERE, "peers", "sal_search.py"), "sal-vllm"],
     "thesis-vllm": [VLLM_PYTHON, os.path.join(HERE, "peers", "sal_search.py"), "thesis-vllm"],

@@ -1,9 +1,10 @@
 """treeserve's beam search on a search workload (run in a subprocess by bench/search.py).
 
-Usage: python bench/peers/run_treeserve_search.py WORKLOAD_JSON OUT_JSON [--reference]
+Usage: python bench/peers/run_treeserve_search.py WORKLOAD_JSON OUT_JSON [--reference] [--int8]
 
 The same settings as the peers get, through `treeserve eval`'s code path (`run_eval`) with
-every optimisation on, or the reference mode (no caches, one problem at a time). The last
+every optimisation on, or the reference mode (no caches, one problem at a time); `--int8`
+runs both models with int8 weights (`--quantization int8 --prm-quantization int8`). The last
 iteration samples to EOS (`final_to_eos`), as search-and-learn does. Model loading is not
 timed; the search is, from the first problem to the last.
 """
@@ -18,13 +19,15 @@ from treeserve.search.context import SearchConfig
 
 
 def main() -> None:
-    workload_path, out_path = sys.argv[1:3]
+    workload_path, out_path = [arg for arg in sys.argv[1:] if not arg.startswith("--")][:2]
     with open(workload_path) as f:
         w = json.load(f)
     settings = EvalSettings(
         dataset="inline", generator=w["generator"], prm=w["prm"], dtype=w["dtype"], kv_cache_memory=w["kv_gib"] << 30,
         reference="--reference" in sys.argv, progress=False, device=w.get("device", "cpu"),
     )  # fmt: skip
+    if "--int8" in sys.argv:
+        settings.quantization = settings.prm_quantization = "int8"
     config = SearchConfig(
         strategy="beam_search", n=w["n"], beam_width=w["beam_width"], num_iterations=w["num_iterations"],
         temperature=w["temperature"], top_p=w["top_p"], max_tokens=w["max_tokens"], agg=w["agg"], final_to_eos=True,

@@ -46,7 +46,7 @@ def test_bad_files_are_refused(tmp_path, tiny_gguf):
     with pytest.raises(ValueError, match="bad magic"):
         GGUFFile(str(bad))
     data = Path(tiny_gguf).read_bytes()
-    for cut in (10, 200, len(data) - 100):
+    for cut in (0, 10, 200, len(data) - 100):
         bad.write_bytes(data[:cut])
         with pytest.raises(ValueError, match="malformed GGUF file"):
             GGUFFile(str(bad))

@@ -103,3 +103,16 @@ def test_cli_generate_takes_quantization_flags(tmp_path, capsys):
         assert main(["generate", "def f", *args, "--n", "1", "--max-tokens", "4", "--kv-cache-memory", "8M"]) == 0
     assert main(["generate", "x", "--model", path, "--quantization", "int8"]) != 0
     assert "for Hugging Face checkpoints" in capsys.readouterr().err
+
+
+def test_eval_runs_both_models_in_int8_and_records_it():
+    from treeserve.eval.runner import EvalSettings, run_eval
+    from treeserve.search.context import SearchConfig
+
+    settings = EvalSettings(dataset="arith:level=1,size=2,seed=0", quantization="int8", prm_quantization="int8",
+                            kv_cache_memory=32 << 20, progress=False)  # fmt: skip
+    config = SearchConfig(strategy="beam_search", n=4, beam_width=2, num_iterations=2, max_tokens=24)
+    results = run_eval(settings, config)  # checks every page is back at the end
+    assert results["quantization"] == {"generator": "int8", "prm": "int8"}
+    assert [m["quantization"] for m in results["memory"]["models"]] == ["int8", "int8"]
+    assert len(results["problems"]) == 2

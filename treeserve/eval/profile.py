@@ -125,18 +125,21 @@ def profile(
                 flush=True,
             )
 
+    quantization = None  # what each model ran with, from the first run that loaded them
     for budget in budgets:
         for split in [None, *splits]:
             m, doc = measure(replace(settings, page_logs=budget == timeline_budget), config, budget, split,
                              records=records)  # fmt: skip
             note(m)
+            quantization = quantization or doc.get("quantization")
             if budget == timeline_budget and split in (None, 0.3) and not m.error:
                 timelines[m.label] = doc["page_logs"]
     for batch in batches:
         note(measure(settings, config, timeline_budget, None, batch, records)[0])
     result = {
         "config": {"search": asdict(config), "dataset": settings.dataset, "num_problems": len(records),
-                   "budgets": budgets, "splits": splits, "batches": batches, "timeline_budget": timeline_budget},
+                   "budgets": budgets, "splits": splits, "batches": batches, "timeline_budget": timeline_budget,
+                   "quantization": quantization},
         "runs": [asdict(m) for m in runs],
         "timelines": timelines,
     }  # fmt: skip

@@ -63,10 +63,10 @@ class Tensor:
 class GGUFFile:
     def __init__(self, path: str):
         self.path = path
-        self.mmap = np.memmap(path, dtype=np.uint8, mode="c")
-        self.buffer = memoryview(self.mmap)
         self.offset = 0
         try:
+            self.mmap = np.memmap(path, dtype=np.uint8, mode="c")  # raises ValueError on an empty file
+            self.buffer = memoryview(self.mmap)
             self._parse()
         except (struct.error, UnicodeDecodeError, IndexError, ValueError) as e:
             raise ValueError(f"malformed GGUF file {path!r}: {e}") from e

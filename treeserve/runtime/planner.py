@@ -101,6 +101,7 @@ class MemoryPlan:
                 f" (+{m.sampler_peak / mib:.1f} sampler, estimated)  "
                 f"other {m.other / mib:6.1f}  "
                 f"{m.num_pages} pages x {m.block_size} tokens ({share})"
+                + (f"  weights in {m.quantization}" if m.quantization else "")
             )
         lines += [f"  {name}: {how}" for name, how in self.sources.items()]
         return "\n".join(lines)
