@@ -58,15 +58,39 @@ def test_matmul_within_fp32_accumulation_of_the_reference(qtype, rows):
     assert (err <= _bound(x, w)).all(), f"max error {err.max().item()}"
 
 
+needs_bf16_dot = pytest.mark.skipif(not quant.bf16_dot(), reason="this CPU has no AVX512-BF16 dot products")
+
+
+@needs_bf16_dot
 @pytest.mark.parametrize("qtype", [*FORMATS, "I8"])
-def test_a_rows_result_does_not_depend_on_the_batch(qtype):
+@pytest.mark.parametrize("rows", [1, 4, 5, 17])
+def test_bf16_rows_multiply_the_bf16_rounded_weights_with_fp32_sums(qtype, rows):
+    """bf16 activations: the result is x @ bf16(W)^T with exact products and fp32 sums."""
+    n, k = 23, 512
+    if qtype == "I8":
+        data, scales = quant.quantize_i8(torch.randn(n, k))
+        number = quant.I8
+    else:
+        data, scales, number = _blocks(qtype, n, k, seed=rows), None, quant.QTYPES[qtype]
+    w = quant.dequant_rows(number, data, scales, torch.arange(n), k).to(torch.bfloat16).float()
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    got = _matmul(number, data, scales, x)
+    err = (got.double() - x.double() @ w.double().T).abs()
+    assert (err <= _bound(x.float(), w)).all(), f"max error {err.max().item()}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qtype", [*FORMATS, "I8"])
+def test_a_rows_result_does_not_depend_on_the_batch(qtype, dtype):
+    if dtype == torch.bfloat16 and not quant.bf16_dot():
+        pytest.skip("this CPU has no AVX512-BF16 dot products")
     n, k = 13, 256
     if qtype == "I8":
         q, scales = quant.quantize_i8(torch.randn(n, k))
         data, number = q, quant.I8
     else:
         data, scales, number = _blocks(qtype, n, k), None, quant.QTYPES[qtype]
-    x = torch.randn(11, k)
+    x = torch.randn(11, k).to(dtype)
     full = _matmul(number, data, scales, x)
     for m in range(1, 11):
         assert torch.equal(_matmul(number, data, scales, x[:m]), full[:m]), m
@@ -98,7 +122,11 @@ def test_quant_linear_of_mixed_parts_bias_and_bf16_equals_f_linear_on_the_dequan
     torch.testing.assert_close(quant_linear(x, weight, bias), F.linear(x, dense, bias), rtol=1e-5, atol=1e-5)
     out_bf16 = quant_linear(x.bfloat16(), weight.to(torch.bfloat16), bias)
     assert out_bf16.dtype == torch.bfloat16
-    assert torch.equal(out_bf16, quant_linear(x.bfloat16().float(), weight, bias).bfloat16())
+    if quant.bf16_dot():  # bf16 weights, fp32 sums: F.linear on the bf16 matrix, up to summation order
+        want = F.linear(x.bfloat16().float(), dense.bfloat16().float(), bias)
+        torch.testing.assert_close(out_bf16.float(), want, rtol=2**-7, atol=1e-3)
+    else:  # fp32 weights and sums, one rounding of the result
+        assert torch.equal(out_bf16, quant_linear(x.bfloat16().float(), weight, bias).bfloat16())
 
 
 def test_quant_embedding_looks_rows_up_and_int8_of_a_dense_table():

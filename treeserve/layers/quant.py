@@ -87,7 +87,9 @@ class QuantTensor:
 
 def quant_linear(x: torch.Tensor, weight: QuantTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for a quantised weight: x [..., k] -> [..., n] in x's dtype (fp32 accumulation)."""
-    rows = x.reshape(-1, weight.cols).to(torch.float32)
+    # bf16 activations go in as they are where the CPU has bf16 dot products (bf16 weights, fp32 sums)
+    keep = x.dtype == torch.bfloat16 and kernels.bf16_dot()
+    rows = x.reshape(-1, weight.cols).to(x.dtype if keep else torch.float32)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out_dtype = x.dtype if x.dtype == torch.bfloat16 else torch.float32

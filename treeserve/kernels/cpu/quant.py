@@ -33,7 +33,9 @@ def load() -> ctypes.CDLL | None:
     lib = build(SOURCE, QUANT_FLAGS)
     if lib is None:
         return None
-    lib.qmatmul.argtypes = [_int, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _i64, _int, _int]
+    lib.qmatmul.argtypes = [_int, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _i64, _int, _int,
+                            _int]  # fmt: skip
+    lib.bf16_dot_available.restype = _int
     lib.dequant_rows.argtypes = [_int, _ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _int]
     lib.quantize_i8.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _int]
     return lib
@@ -41,6 +43,13 @@ def load() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return load() is not None
+
+
+@cache
+def bf16_dot() -> bool:
+    """Whether qmatmul takes bf16 activations (AVX512-BF16 dot products; built for this CPU)."""
+    lib = load()
+    return lib is not None and bool(lib.bf16_dot_available())
 
 
 def row_bytes(qtype: int, k: int) -> int:
@@ -83,15 +92,18 @@ class Plan:
 def qmatmul(
     plan: Plan, x: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x [m, k] (fp32 rows with unit stride) @ W^T (+ bias, fp32 [n]) -> out [m, n], fp32 or bf16."""
+    """x [m, k] (rows with unit stride; fp32, or bf16 where `bf16_dot()`) @ W^T (+ bias, fp32 [n])
+    -> out [m, n], fp32 or bf16. With bf16 rows the weights are rounded to bf16 as they are
+    unpacked (products exact, sums fp32): the bf16 model's matmul on a bf16 copy of W."""
     m = x.shape[0]
-    assert x.dtype == torch.float32 and x.stride(-1) == 1 and x.shape[1] == plan.k
+    assert x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1 and x.shape[1] == plan.k
+    assert x.dtype == torch.float32 or bf16_dot()
     if out is None:
         out = torch.empty(m, plan.n, dtype=torch.float32)
     assert out.shape == (m, plan.n) and out.is_contiguous() and out.dtype in (torch.float32, torch.bfloat16)
     load().qmatmul(
         *plan.args, x.data_ptr(), x.stride(0), m, _ptr_or_none(bias), out.data_ptr(), out.stride(0),
-        int(out.dtype == torch.bfloat16), torch.get_num_threads(),
+        int(out.dtype == torch.bfloat16), int(x.dtype == torch.bfloat16), torch.get_num_threads(),
     )  # fmt: skip
     return out
 

@@ -352,17 +352,117 @@ static void fused(int type, const uint8_t *const *rows, const float *scales, int
     }
 }
 
+#if defined(HAVE_AVX512_DEQUANT) && defined(__AVX512BF16__)
+/* bf16 activations (a bf16 model): the unpacked weights are rounded to bf16 (what a bf16 copy
+ * of the dequantised matrix holds) and multiplied with AVX512-BF16 dot products (exact
+ * products, fp32 sums): twice the multiplies an instruction of the fp32 path. Both paths
+ * below round and add in the same order, so a row's result never depends on the batch. */
+#define HAVE_BF16_DOT 1
+
+static inline __m512bh bf16x32(const float *w) { /* 32 fp32 -> bf16, round to nearest even */
+    return _mm512_cvtne2ps_pbh(_mm512_loadu_ps(w + 16), _mm512_loadu_ps(w));
+}
+
+static inline __m512bh load_bh(const uint16_t *p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+static inline __attribute__((always_inline)) void finish_bh(__m512 acc[NP][4], int mr, float *res) {
+    for (int c = 0; c < NP; c++)
+        for (int r = 0; r < mr; r++) res[r * NP + c] = _mm512_reduce_add_ps(acc[c][r]); /* a fixed tree */
+}
+
+static inline __attribute__((always_inline)) void panel_rows_bh(const uint16_t *wp, int64_t k, const uint16_t *x,
+                                                                int64_t x_stride, int r0, int mr, float *res) {
+    __m512 acc[NP][4];
+    for (int c = 0; c < NP; c++)
+        for (int r = 0; r < mr; r++) acc[c][r] = _mm512_setzero_ps();
+    for (int64_t kk = 0; kk < k; kk += 32) {
+        __m512bh xv[4];
+        for (int r = 0; r < mr; r++) xv[r] = load_bh(x + (r0 + r) * x_stride + kk);
+        for (int c = 0; c < NP; c++) {
+            const __m512bh wv = load_bh(wp + c * k + kk);
+            for (int r = 0; r < mr; r++) acc[c][r] = _mm512_dpbf16_ps(acc[c][r], wv, xv[r]);
+        }
+    }
+    finish_bh(acc, mr, res);
+}
+
+static inline __attribute__((always_inline)) void fused_rows_bh(deq_fn deq, const uint8_t *const *rows,
+                                                                const float *scales, int64_t k, const uint16_t *x,
+                                                                int64_t x_stride, int mr, float *res) {
+    __m512 acc[NP][4];
+    float wb[NP][32] __attribute__((aligned(64)));
+    for (int c = 0; c < NP; c++)
+        for (int r = 0; r < mr; r++) acc[c][r] = _mm512_setzero_ps();
+    for (int64_t kc = 0; kc < k / 32; kc++) {
+        __m512bh xv[4];
+        for (int r = 0; r < mr; r++) xv[r] = load_bh(x + r * x_stride + kc * 32);
+        for (int c = 0; c < NP; c++) {
+            deq(rows[c], kc, scales[c], wb[c]);
+            const __m512bh wv = bf16x32(wb[c]);
+            for (int r = 0; r < mr; r++) acc[c][r] = _mm512_dpbf16_ps(acc[c][r], wv, xv[r]);
+        }
+    }
+    finish_bh(acc, mr, res);
+}
+
+#define FUSED_BH_MR(T)                                                              \
+    switch (mr) {                                                                   \
+    case 4: fused_rows_bh(deq_##T, rows, scales, k, x, x_stride, 4, res); break;    \
+    case 3: fused_rows_bh(deq_##T, rows, scales, k, x, x_stride, 3, res); break;    \
+    case 2: fused_rows_bh(deq_##T, rows, scales, k, x, x_stride, 2, res); break;    \
+    default: fused_rows_bh(deq_##T, rows, scales, k, x, x_stride, 1, res); break;   \
+    }                                                                               \
+    break
+
+static void fused_bh(int type, const uint8_t *const *rows, const float *scales, int64_t k, const uint16_t *x,
+                     int64_t x_stride, int mr, float *res) {
+    switch (type) {
+    case T_Q4_0: FUSED_BH_MR(Q4_0);
+    case T_Q4_1: FUSED_BH_MR(Q4_1);
+    case T_Q5_0: FUSED_BH_MR(Q5_0);
+    case T_Q5_1: FUSED_BH_MR(Q5_1);
+    case T_Q8_0: FUSED_BH_MR(Q8_0);
+    case T_Q4_K: FUSED_BH_MR(Q4_K);
+    case T_Q5_K: FUSED_BH_MR(Q5_K);
+    case T_Q6_K: FUSED_BH_MR(Q6_K);
+    case T_I8: FUSED_BH_MR(I8);
+    }
+}
+
+/* The panel's channels as bf16 (from fp32 rows through the same rounding as fused_rows_bh). */
+static void panel_to_bh(const float *wp, int64_t k, uint16_t *wpb) {
+    for (int64_t i = 0; i < NP * k; i += 32) _mm512_storeu_si512(wpb + i, (__m512i)bf16x32(wp + i));
+}
+
+static void rows_bh(const uint8_t *const *rows, const float *scales, int type, int64_t k, const uint16_t *wpb,
+                    const uint16_t *x, int64_t x_stride, int r0, int mr, int fused_path, float *res) {
+    if (fused_path) fused_bh(type, rows, scales, k, x + r0 * x_stride, x_stride, mr, res);
+    else switch (mr) {
+    case 4: panel_rows_bh(wpb, k, x, x_stride, r0, 4, res); break;
+    case 3: panel_rows_bh(wpb, k, x, x_stride, r0, 3, res); break;
+    case 2: panel_rows_bh(wpb, k, x, x_stride, r0, 2, res); break;
+    default: panel_rows_bh(wpb, k, x, x_stride, r0, 1, res); break;
+    }
+}
+
+int bf16_dot_available(void) { return 1; }
+#else
+int bf16_dot_available(void) { return 0; }
+#endif
+
 #define FUSED_MAX_ROWS 4 /* up to here the weights are unpacked per use; above, once per panel */
 
 #define MAX_PARTS 8
 
-/* out[m, n] (fp32, or bf16 when out_bf16) = x[m, k] (fp32 rows x_stride apart) . W^T (+ bias),
- * W row-stacked from `parts` matrices (a fused q/k/v or gate/up), each in its own format:
- * part j is part_rows[j] rows of row_bytes[j] bytes at ws[j] (scales[j]: int8's row scales).
- * One parallel region covers every part's panels. */
+/* out[m, n] (fp32, or bf16 when out_bf16) = x[m, k] (rows x_stride apart; fp32, or bf16 when
+ * x_bf16, which needs bf16_dot_available()) . W^T (+ bias), W row-stacked from `parts`
+ * matrices (a fused q/k/v or gate/up), each in its own format: part j is part_rows[j] rows of
+ * row_bytes[j] bytes at ws[j] (scales[j]: int8's row scales). One parallel region covers every
+ * part's panels. */
 void qmatmul(int parts, const int *types, const uint8_t *const *ws, const int64_t *row_bytes,
-             const float *const *row_scales, const int64_t *part_rows, int64_t k, const float *x, int64_t x_stride,
-             int m, const float *bias, void *out, int64_t out_stride, int out_bf16, int threads) {
+             const float *const *row_scales, const int64_t *part_rows, int64_t k, const void *xv, int64_t x_stride,
+             int m, const float *bias, void *out, int64_t out_stride, int out_bf16, int x_bf16, int threads) {
+    const float *x = (const float *)xv;
     int64_t first_panel[MAX_PARTS + 1] = {0}, first_col[MAX_PARTS + 1] = {0};
     for (int j = 0; j < parts && j < MAX_PARTS; j++) {
         first_panel[j + 1] = first_panel[j] + (part_rows[j] + NP - 1) / NP;
@@ -372,6 +472,7 @@ void qmatmul(int parts, const int *types, const uint8_t *const *ws, const int64_
     #pragma omp parallel num_threads(threads)
     {
         float *wp = m > FUSED_MAX_ROWS ? (float *)aligned_alloc(64, sizeof(float) * NP * k) : NULL;
+        uint16_t *wpb = wp && x_bf16 ? (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * NP * k) : NULL;
         float res[4 * NP];
         #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++) {
@@ -392,8 +493,15 @@ void qmatmul(int parts, const int *types, const uint8_t *const *ws, const int64_
                 for (int64_t at = 2 * NP * rb; at < 3 * NP * rb && c0 + 2 * NP < n; at += 64)
                     __builtin_prefetch(rows[0] + at);
             const int64_t col = first_col[j] + c0;
+#ifdef HAVE_BF16_DOT
+            if (wpb) panel_to_bh(wp, k, wpb);
+#endif
             for (int r0 = 0; r0 < m; r0 += 4) {
                 const int mr = m - r0 < 4 ? m - r0 : 4;
+#ifdef HAVE_BF16_DOT
+                if (x_bf16) rows_bh(rows, scales, type, k, wpb, (const uint16_t *)xv, x_stride, r0, mr, !wp, res);
+                else
+#endif
                 if (!wp) fused(type, rows, scales, k, x + r0 * x_stride, x_stride, mr, res);
                 else switch (mr) {
                 case 4: panel_rows(wp, k, x, x_stride, r0, 4, res); break;
@@ -411,6 +519,7 @@ void qmatmul(int parts, const int *types, const uint8_t *const *ws, const int64_
             }
         }
         free(wp);
+        free(wpb);
     }
 }
 
