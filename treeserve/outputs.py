@@ -38,6 +38,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: per prompt token, None for the first, else the actual
+    # token's entry and the top k (vLLM's shape)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass

@@ -29,7 +29,14 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token
+    prompt_logprobs: int | None = None  # number of top logprobs per prompt token (vLLM)
     skip_special_tokens: bool = True
+    # penalties and biases, applied to the raw logits before temperature (vLLM's order)
+    presence_penalty: float = 0.0  # OpenAI: minus this for every token generated at least once
+    frequency_penalty: float = 0.0  # OpenAI: minus this times each token's count in the output
+    repetition_penalty: float = 1.0  # transformers/vLLM: tokens in the prompt or the output
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    min_tokens: int = 0  # EOS and stop_token_ids are blocked until this many tokens exist
     # Stop at the k-th occurrence of a stop string instead of the first (used by
     # speculative tree expansion to decode several reasoning steps ahead).
     n_stop_occurrences: int = 1
@@ -39,6 +46,11 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:  # JSON object keys arrive as strings
+            try:
+                self.logit_bias = {int(k): v for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError, AttributeError):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
         self._validate()
         if self.temperature < GREEDY_BELOW:
             self.temperature = 0.0  # greedy, as in vLLM; dividing by it would overflow (or underflow in bf16)
@@ -58,6 +70,23 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise ValueError(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0):
+            raise ValueError(f"prompt_logprobs must be an integer >= 0, got {self.prompt_logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not isinstance(self.repetition_penalty, int | float) or not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+        for token, bias in (self.logit_bias or {}).items():
+            if token < 0:
+                raise ValueError(f"logit_bias token ids must be non-negative, got {token}")
+            if not isinstance(bias, int | float) or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.n_stop_occurrences, int) or self.n_stop_occurrences < 1:
@@ -70,6 +99,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler edits this request's logits (penalties, bias, min_tokens)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+            or self.logit_bias or self.min_tokens
+        )  # fmt: skip
 
 
 @dataclass

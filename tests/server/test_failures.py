@@ -56,7 +56,16 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": ""}, 400),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400),
-    ("/v1/completions", {"prompt": "hi", "presence_penalty": 1.0}, 400),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, 400),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": -3}, 400),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 200}}, 400),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"five": 1}}, 400),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999999": 1}}, 400),  # outside the vocabulary
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}, 400),  # above the server's cap
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400),  # only with echo
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, 400),
+    ("/v1/chat/completions", {"messages": CHAT, "presence_penalty": -2.1}, 400),
     ("/v1/completions", '{"prompt": "a\\ud800b"}', 400),  # a lone surrogate cannot be tokenized
     ("/v1/chat/completions", {"messages": []}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400),

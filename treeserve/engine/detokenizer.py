@@ -3,7 +3,8 @@
 Text is produced token by token with `tokenizers`' streaming decoder (it buffers partial
 UTF-8 sequences). After each token the checker applies, in vLLM's order: EOS (unless
 `ignore_eos`), `stop_token_ids`, stop strings (which may span several tokens; with
-`n_stop_occurrences=k` only the k-th occurrence stops), then `max_tokens`.
+`n_stop_occurrences=k` only the k-th occurrence stops; none before `min_tokens` tokens), then
+`max_tokens`. (The sampler blocks EOS and stop token ids before `min_tokens`.)
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ class StopChecker:
         if chunk:
             previous = len(self.text)
             self.text += chunk
-            if self.max_stop_len and (stop := self._find_stop(previous)) is not None:
+            searching = self.max_stop_len and self.num_tokens > self.params.min_tokens  # vLLM's rule
+            if searching and (stop := self._find_stop(previous)) is not None:
                 return "stop", stop
         if max_tokens is not None and self.num_tokens >= max_tokens:
             return "length", None

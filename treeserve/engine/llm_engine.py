@@ -20,6 +20,7 @@ from treeserve.device import available_memory
 from treeserve.engine.attention import BACKENDS
 from treeserve.engine.detokenizer import StopChecker
 from treeserve.engine.model_runner import ModelRunner, ScheduledSeq
+from treeserve.engine.penalties import RowHistory, adjust_logits
 from treeserve.engine.request import Request, Sequence
 from treeserve.engine.sampler import (
     SamplingRow,
@@ -39,6 +40,8 @@ from treeserve.models.loader import load_model
 from treeserve.models.tokenizer import Tokenizer
 from treeserve.outputs import Logprob, RequestOutput, ScoreOutput
 from treeserve.sampling_params import SamplingParams, ScoreParams
+
+PROMPT_LOGPROBS_ROWS = 256  # prompt positions per [rows, vocab] logits slice
 
 
 class LLMEngine:
@@ -141,6 +144,12 @@ class LLMEngine:
                     f"prompt of {len(token_ids)} tokens leaves no room to generate within "
                     f"max_model_len={self.max_model_len}"
                 )
+            if params.logit_bias and max(params.logit_bias) >= vocab:
+                raise ValueError(f"logit_bias token ids must be < vocab size {vocab}, got {max(params.logit_bias)}")
+            if params.logprobs is not None and params.logprobs > vocab:
+                raise ValueError(f"logprobs must be <= vocab size {vocab}, got {params.logprobs}")
+            if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
+                raise ValueError(f"prompt_logprobs must be <= vocab size {vocab}, got {params.prompt_logprobs}")
         else:
             raise ValueError(f"expected SamplingParams or ScoreParams, got {type(params).__name__}")
 
@@ -173,6 +182,8 @@ class LLMEngine:
         seq = Sequence(request=request, index=0, token_ids=list(token_ids), detok=detok)
         seq.pending_forks = request.width - 1
         seq.logprobs = [] if sampling and sampling.logprobs is not None else None
+        if sampling and sampling.prompt_logprobs is not None:
+            request.prompt_logprobs = [None] * len(token_ids)
         request.seqs.append(seq)
         self.requests[request_id] = request
         self.scheduler.add(seq)
@@ -208,6 +219,8 @@ class LLMEngine:
             seq.num_computed_tokens = item.end
             self.num_computed_tokens += item.num_tokens
             self.blocks.commit_full_blocks(seq.block_table, seq.block_hashes, seq.token_ids, item.end)
+            if request.prompt_logprobs is not None and item.start < seq.num_prompt_tokens - 1:
+                self._read_prompt_logprobs(request, item, hidden[row : row + item.num_tokens])
             if request.score is not None:
                 self._read_scores(seq, item, hidden[row : row + item.num_tokens])
             elif item.end == len(seq.token_ids):
@@ -249,6 +262,20 @@ class LLMEngine:
             seq.finish_reason = "stop"
             self.scheduler.finish(seq)
 
+    def _read_prompt_logprobs(self, request: Request, item: ScheduledSeq, hidden: torch.Tensor) -> None:
+        """Log-probabilities of the prompt tokens this chunk predicts: the hidden state at
+        position p scores prompt token p + 1 (computed in slices, as [rows, vocab] is large)."""
+        end = min(item.end, len(request.prompt_token_ids) - 1)
+        k = request.params.prompt_logprobs
+        for start in range(item.start, end, PROMPT_LOGPROBS_ROWS):
+            stop = min(start + PROMPT_LOGPROBS_ROWS, end)
+            targets = request.prompt_token_ids[start + 1 : stop + 1]
+            (tokens,) = self.runner.staging.to_device(torch.tensor(targets))
+            logits = self.model.compute_logits(hidden[start - item.start : stop - item.start])
+            lp = token_logprobs(logits, tokens, k)
+            for i, token in enumerate(targets):
+                request.prompt_logprobs[start + 1 + i] = self._logprob_entry(token, lp, i, k)
+
     def _sample(self, to_sample: list[tuple[Sequence, int]], hidden: torch.Tensor) -> None:
         rows = [
             SamplingRow(
@@ -260,10 +287,19 @@ class LLMEngine:
             )
             for seq, _ in to_sample
         ]
+        # rows with penalties or a bias get raw logits, edited, then divided by the temperature
+        edited = [i for i, (seq, _) in enumerate(to_sample) if seq.request.params.adjusts_logits]
+        divisors = temperatures(rows)
+        for i in edited:
+            divisors[i] = 1.0
         (index,) = self.runner.staging.to_device(torch.tensor([r for _, r in to_sample]))
         states = hidden[index]
-        (scale,) = self.runner.staging.to_device(torch.tensor(temperatures(rows), dtype=states.dtype)[:, None])
-        tokens = sample(self.model.compute_logits(states / scale, float32=False), rows, self.draw)
+        (scale,) = self.runner.staging.to_device(torch.tensor(divisors, dtype=states.dtype)[:, None])
+        logits = self.model.compute_logits(states / scale, float32=False)
+        if edited:
+            tokens = self._sample_edited(logits, rows, [to_sample[i][0] for i in edited], edited)
+        else:
+            tokens = sample(logits, rows, self.draw)
         wanted = [i for i, (seq, _) in enumerate(to_sample) if seq.logprobs is not None]
         if wanted:
             k = max(to_sample[i][0].request.params.logprobs for i in wanted)
@@ -280,14 +316,41 @@ class LLMEngine:
                 seq.finish_reason, seq.stop_reason = result
                 self.scheduler.finish(seq)
 
+    def _sample_edited(
+        self, logits: torch.Tensor, rows: list[SamplingRow], seqs: list[Sequence], edited: list[int]
+    ) -> torch.Tensor:
+        """Tokens for a batch in which the rows `edited` (of `seqs`) have penalties or a bias."""
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        plain = [i for i in range(len(rows)) if i not in set(edited)]
+        if plain:
+            tokens[plain] = sample(logits[plain], [rows[i] for i in plain], self.draw)
+        eos = list(self.tokenizer.eos_token_ids)
+        histories = [
+            RowHistory(
+                params=seq.request.params,
+                prompt_ids=seq.request.prompt_token_ids,
+                output_ids=seq.token_ids[seq.num_prompt_tokens :],
+                stop_ids=([] if seq.request.params.ignore_eos else eos) + seq.request.params.stop_token_ids,
+            )
+            for seq in seqs
+        ]
+        raw = adjust_logits(logits[edited].float(), histories)
+        edited_rows = [rows[i] for i in edited]
+        (scale,) = self.runner.staging.to_device(torch.tensor(temperatures(edited_rows))[:, None])
+        tokens[edited] = sample(raw / scale, edited_rows, self.draw)
+        return tokens
+
     def _record_logprobs(self, seq: Sequence, token: int, lp: TokenLogprobs, i: int) -> None:
         seq.cumulative_logprob += lp.logprobs[i]
+        seq.logprobs.append(self._logprob_entry(token, lp, i, seq.request.params.logprobs))
+
+    def _logprob_entry(self, token: int, lp: TokenLogprobs, i: int, k: int) -> dict[int, Logprob]:
+        """vLLM's shape: the actual token first, then the top k (the actual one may be among them)."""
         decode = self.tokenizer.decode
         entry = {token: Logprob(lp.logprobs[i], lp.ranks[i], decode([token], False))}
-        k = seq.request.params.logprobs
         for rank, (tid, value) in enumerate(zip(lp.top_ids[i][:k], lp.top_logprobs[i][:k], strict=True), 1):
             entry.setdefault(tid, Logprob(value, rank, decode([tid], False)))
-        seq.logprobs.append(entry)
+        return entry
 
     def _emit(self, request: Request) -> RequestOutput | ScoreOutput:
         if request.finished:

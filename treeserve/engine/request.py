@@ -104,6 +104,8 @@ class Request:
     stream: bool = False  # emit an output after every step, not only at the end
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # with SamplingParams.prompt_logprobs: one entry per prompt token (None for the first)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -132,4 +134,5 @@ class Request:
             outputs=[s.completion() for s in sorted(self.seqs, key=lambda s: s.index)],
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
+            prompt_logprobs=self.prompt_logprobs,
         )

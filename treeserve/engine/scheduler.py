@@ -108,6 +108,8 @@ class Scheduler:
         limit = len(seq.token_ids) - 1  # always compute at least the last token
         if seq.request.score is not None:
             limit = min(limit, seq.request.score.positions[0])
+        if seq.request.prompt_logprobs is not None:  # cached positions' logprobs are recomputed (as vLLM does)
+            limit = 0
         return self.blocks.find_prefix(seq.token_ids, limit)
 
     def _make_room(self, seq: Sequence, n: int, scheduled: set[int]) -> bool:

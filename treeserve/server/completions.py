@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from treeserve.outputs import CompletionOutput, Logprob, RequestOutput
 from treeserve.runtime.runtime import Runtime
@@ -57,13 +57,12 @@ class Job:
     prompts: list[list[int]]
     params: SamplingParams
     start: float = field(default_factory=time.perf_counter)
+    echo: list[str] | None = None  # completions' echo: each prompt's text, prepended to its choices
+    echo_only: bool = False  # echo with max_tokens=0: the one token generated is not returned
 
 
 def sampling_params(served: Served, req: SamplingFields, prompt_len: int, max_tokens: int | None,
-                    logprobs: int | None) -> SamplingParams:  # fmt: skip
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise ValueError(f"{name} is not supported by treeserve; leave it at 0")
+                    logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:  # fmt: skip
     limit = served.max_model_len
     if prompt_len >= limit:
         raise ValueError(f"This model's maximum context length is {limit} tokens; the prompt has {prompt_len}.")
@@ -79,22 +78,33 @@ def sampling_params(served: Served, req: SamplingFields, prompt_len: int, max_to
         n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
         max_tokens=max_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
         include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
-        skip_special_tokens=req.skip_special_tokens,
+        skip_special_tokens=req.skip_special_tokens, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+        logit_bias=req.logit_bias, min_tokens=req.min_tokens, prompt_logprobs=prompt_logprobs,
     )  # fmt: skip
 
 
 def completion_job(served: Served, req: CompletionRequest) -> Job:
     served.check_model(req.model)
-    if req.echo:
-        raise ValueError("echo is not supported by treeserve; leave it false")
     raw = req.prompt
     if isinstance(raw, str) or (raw and all(isinstance(t, int) for t in raw)):
         raw = [raw]
     if not raw:
         raise ValueError("prompt must not be empty")
+    if req.max_tokens == 0 and not req.echo:
+        raise ValueError("max_tokens=0 needs echo=true (it returns the prompt and its logprobs only)")
     engine = served.runtime.engine(served.generator)
     prompts = [engine.tokenize_prompt(p)[1] for p in raw]
-    return _checked(served, req, prompts, req.max_tokens, req.logprobs)
+    prompt_logprobs = req.prompt_logprobs
+    if req.echo and req.logprobs is not None:  # the prompt's own tokens' logprobs come first
+        prompt_logprobs = max(prompt_logprobs or 0, req.logprobs)
+    max_tokens = 1 if req.max_tokens == 0 else req.max_tokens  # echo_only: one token, not returned
+    job = _checked(served, req, prompts, max_tokens, req.logprobs, prompt_logprobs)
+    if req.echo:
+        decode = engine.tokenizer.decode
+        job.echo = [p if isinstance(p, str) else decode(ids, False) for p, ids in zip(raw, prompts, strict=True)]
+        job.echo_only = req.max_tokens == 0
+    return job
 
 
 def chat_job(served: Served, req: ChatCompletionRequest) -> Job:
@@ -106,14 +116,15 @@ def chat_job(served: Served, req: ChatCompletionRequest) -> Job:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     if req.top_logprobs and not req.logprobs:
         raise ValueError("top_logprobs needs logprobs=true")
-    return _checked(served, req, [prompt], req.max_completion_tokens or req.max_tokens, logprobs)
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    return _checked(served, req, [prompt], max_tokens, logprobs, req.prompt_logprobs)
 
 
 def _checked(served: Served, req: SamplingFields, prompts: list[list[int]], max_tokens: int | None,
-             logprobs: int | None) -> Job:  # fmt: skip
+             logprobs: int | None, prompt_logprobs: int | None) -> Job:  # fmt: skip
     engine = served.runtime.engine(served.generator)
     longest = max(prompts, key=len)
-    params = sampling_params(served, req, len(longest), max_tokens, logprobs)
+    params = sampling_params(served, req, len(longest), max_tokens, logprobs, prompt_logprobs)
     for prompt in prompts:
         engine.check_request(VALIDATION_ID, prompt, params)  # raises ValueError; changes nothing
     return Job(prompts, params)
@@ -195,6 +206,39 @@ def completion_logprobs(c: CompletionOutput, k: int, first: int = 0, offset: int
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
+def echo_logprobs(out: RequestOutput, k: int, decode: Callable[[list[int], bool], str]) -> dict:
+    """The prompt's part of a completions `logprobs` object (echo): its first token's is null."""
+    tokens, token_logprobs, tops, offsets, offset = [], [], [], [], 0
+    for token, entry in zip(out.prompt_token_ids, out.prompt_logprobs or [], strict=False):
+        text = decode([token], False) if entry is None else entry[token].decoded_token or ""
+        tokens.append(text)
+        token_logprobs.append(None if entry is None else entry[token].logprob)
+        top = {lp.decoded_token or "": lp.logprob for _, lp in _top(entry, k)} if entry is not None and k else None
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _joined(first: dict, second: dict) -> dict:
+    return {key: first[key] + second[key] for key in first}
+
+
+def prompt_logprobs_json(out: RequestOutput) -> list | None:
+    """vLLM's `prompt_logprobs`: null for the first token, then {token id: {logprob, rank, decoded_token}}."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if e is None else {str(t): asdict(lp) for t, lp in e.items()} for e in out.prompt_logprobs]
+
+
+def visible(job: Job, c: CompletionOutput) -> CompletionOutput:
+    """What a choice shows: with echo and max_tokens=0, nothing generated."""
+    if not job.echo_only:
+        return c
+    finish = "length" if c.finish_reason is not None else None
+    return replace(c, text="", token_ids=[], logprobs=[], finish_reason=finish, stop_reason=None)
+
+
 def chat_logprobs(c: CompletionOutput, k: int, first: int = 0) -> dict:
     """OpenAI's chat `logprobs` object (`content`: one entry per token) for tokens first.."""
 
@@ -220,32 +264,42 @@ async def full_response(served: Served, job: Job, chat: bool) -> dict:
         async for i, out in outputs:
             final[i] = out
     n, k = job.params.n, job.params.logprobs
+    decode = served.runtime.engine(served.generator).tokenizer.decode
     choices = []
     for i in range(len(job.prompts)):
-        for c in final[i].outputs:
+        for c in [visible(job, c) for c in final[i].outputs]:
             choice: dict = {"index": i * n + c.index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if chat:
                 choice["message"] = {"role": "assistant", "content": c.text}
                 choice["logprobs"] = chat_logprobs(c, k) if k is not None else None
             else:
-                choice["text"] = c.text
-                choice["logprobs"] = completion_logprobs(c, k) if k is not None else None
+                echo = job.echo[i] if job.echo else ""
+                choice["text"] = echo + c.text
+                choice["logprobs"] = completion_logprobs(c, k, offset=len(echo)) if k is not None else None
+                if job.echo and k is not None:
+                    choice["logprobs"] = _joined(echo_logprobs(final[i], k, decode), choice["logprobs"])
+                if final[i].prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_json(final[i])
             choices.append(choice)
-    tokens = sum(len(c.token_ids) for out in final.values() for c in out.outputs)
-    return {
+    tokens = sum(len(visible(job, c).token_ids) for out in final.values() for c in out.outputs)
+    body = {
         "id": new_id("chatcmpl" if chat else "cmpl"), "object": "chat.completion" if chat else "text_completion",
         "created": now(), "model": served.model_name, "choices": choices, "usage": _usage(job, tokens),
     }  # fmt: skip
+    if chat and final[0].prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs_json(final[0])  # vLLM's place for chat
+    return body
 
 
 @dataclass
 class StreamState:
     """What a stream has sent so far, per choice: characters, tokens, and whether it ended."""
 
+    job: Job
     chat: bool
-    n: int
     k: int | None  # top log-probabilities per token (None: no logprobs)
     hold: int  # characters held back: they may still become the start of a stop string
+    decode: Callable[[list[int], bool], str]
     chars: dict[int, int] = field(default_factory=dict)
     tokens: dict[int, int] = field(default_factory=dict)
     ended: set[int] = field(default_factory=set)
@@ -254,23 +308,31 @@ class StreamState:
     def choices(self, prompt_index: int, out: RequestOutput) -> list[dict]:
         """The choice deltas this output adds (new text, new tokens' logprobs, finish reasons)."""
         choices = []
-        for c in out.outputs:
-            index = prompt_index * self.n + c.index
+        job = self.job
+        for c in [visible(job, c) for c in out.outputs]:
+            index = prompt_index * job.params.n + c.index
             if index in self.ended:
                 continue
+            first = index not in self.chars
             chars, toks = self.chars.get(index, 0), self.tokens.get(index, 0)
             done = c.finish_reason is not None
             end = len(c.text) if done else max(len(c.text) - self.hold, chars)
             text = c.text[chars:end]
-            if not text and not done and not (self.k is not None and len(c.token_ids) > toks):
+            echo = job.echo[prompt_index] if job.echo else ""
+            if not text and not done and not (first and echo) and not (self.k is not None and len(c.token_ids) > toks):
                 continue
             choice: dict = {"index": index, "finish_reason": c.finish_reason if done else None}
             if self.chat:
                 choice["delta"] = {"content": text} if text or not done else {}
                 choice["logprobs"] = chat_logprobs(c, self.k, toks) if self.k is not None else None
             else:
-                choice["text"] = text
-                choice["logprobs"] = completion_logprobs(c, self.k, toks, chars) if self.k is not None else None
+                choice["text"] = (echo if first else "") + text
+                lp = completion_logprobs(c, self.k, toks, len(echo) + chars) if self.k is not None else None
+                if first and echo and lp is not None:
+                    lp = _joined(echo_logprobs(out, self.k, self.decode), lp)
+                choice["logprobs"] = lp
+            if first and out.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(out)
             choices.append(choice)
             self.chars[index], self.tokens[index] = end, len(c.token_ids)
             if done:
@@ -284,7 +346,8 @@ async def stream_events(served: Served, job: Job, chat: bool, include_usage: boo
     rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
     kind = "chat.completion.chunk" if chat else "text_completion"
     hold = max((len(s) for s in job.params.stop), default=1) - 1
-    state = StreamState(chat, job.params.n, job.params.logprobs, hold)
+    decode = served.runtime.engine(served.generator).tokenizer.decode
+    state = StreamState(job, chat, job.params.logprobs, hold, decode)
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
         body = {"id": rid, "object": kind, "created": created, "model": served.model_name, "choices": choices}
@@ -294,7 +357,7 @@ async def stream_events(served: Served, job: Job, chat: bool, include_usage: boo
 
     if chat:
         roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                 for i in range(len(job.prompts) * state.n)]  # fmt: skip
+                 for i in range(len(job.prompts) * job.params.n)]  # fmt: skip
         yield chunk(roles)
     async with aclosing(run_job(served, job)) as outputs:
         async for i, out in outputs:

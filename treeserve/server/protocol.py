@@ -2,8 +2,9 @@
 
 Owns validation at the HTTP boundary. Field names, defaults and response fields follow
 OpenAI's API reference; the extras vLLM accepts (`top_k`, `min_p`, `ignore_eos`,
-`stop_token_ids`, ...) are accepted too. Bounds that protect the server (at most
-`MAX_N` completions, `MAX_LOGPROBS` top log-probabilities, `MAX_STOP` stop strings) are
+`stop_token_ids`, `repetition_penalty`, `min_tokens`, `prompt_logprobs`, ...) are accepted
+too. Bounds that protect the server (at most `MAX_N` completions, `MAX_LOGPROBS` top
+log-probabilities, `MAX_STOP` stop strings, `MAX_LOGIT_BIAS` biased tokens) are
 part of the schema, so a bad value is a 400 before anything is queued.
 """
 
@@ -18,12 +19,15 @@ from pydantic import BaseModel, ConfigDict, Field
 MAX_N = 256  # completions per request (the largest beam-search N users run)
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_STOP = 16
+MAX_LOGIT_BIAS = 1024  # entries in one request's logit_bias (OpenAI allows 300)
 
 Temperature = Annotated[float, Field(ge=0.0, le=100.0)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 Count = Annotated[int, Field(ge=1, le=MAX_N)]
 MaxTokens = Annotated[int, Field(ge=1)]
 TokenId = Annotated[int, Field(ge=0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]  # OpenAI's range
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 
 
 def new_id(prefix: str) -> str:
@@ -51,10 +55,14 @@ class SamplingFields(BaseModel):
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0  # not implemented: only 0 is accepted (checked with a clear message)
-    frequency_penalty: float = 0.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: dict[str, Bias] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     user: str | None = None
     # vLLM's extras
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] = 1.0
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     top_k: Annotated[int, Field(ge=-1)] = -1
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     ignore_eos: bool = False
@@ -65,9 +73,9 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: MaxTokens | None = 16
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16  # 0 only with echo (the prompt's logprobs alone)
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: bool = False  # echoing the prompt is not implemented: only false is accepted
+    echo: bool = False  # prepend the prompt (and, with logprobs, its tokens' logprobs)
 
 
 class TextPart(BaseModel):
