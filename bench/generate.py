@@ -151,6 +151,7 @@ def gemma_main(args: argparse.Namespace, engines: list[str]) -> None:
     if args.output:
         meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
                 "threads": args.threads, "argv": sys.argv, "summary": summary, "results": results}  # fmt: skip
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         with open(args.output, "w") as out:
             json.dump(meta, out, indent=1)
 
@@ -209,6 +210,7 @@ def main() -> None:
             "medians": medians,
             "runs": runs,
         }
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         with open(args.output, "w") as out:
             json.dump(meta, out, indent=1)
 

@@ -76,8 +76,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not isinstance(value, int | float) or not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
-        if not isinstance(self.repetition_penalty, int | float) or not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+        # bounded below so that dividing an fp32 logit by it cannot overflow to inf
+        if not isinstance(self.repetition_penalty, int | float) or not 0.01 <= self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in [0.01, 2], got {self.repetition_penalty!r}")
         for token, bias in (self.logit_bias or {}).items():
             if token < 0:
                 raise ValueError(f"logit_bias token ids must be non-negative, got {token}")

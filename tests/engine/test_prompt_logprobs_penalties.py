@@ -155,6 +155,7 @@ def test_edited_requests_are_batch_invariant(llama_dir, make_llm):
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"frequency_penalty": -3}, "frequency_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": 5e-324}, "repetition_penalty"),
         ({"logit_bias": {1: 101}}, "logit_bias"),
         ({"logit_bias": {-1: 1}}, "logit_bias"),
         ({"logit_bias": {"a": 1}}, "logit_bias"),

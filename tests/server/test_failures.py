@@ -59,6 +59,7 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, 400),
     ("/v1/completions", {"prompt": "hi", "frequency_penalty": -3}, 400),
     ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400),
+    ("/v1/chat/completions", {"messages": CHAT, "repetition_penalty": 5e-324}, 400),  # found by the fuzz test
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 200}}, 400),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"five": 1}}, 400),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999999": 1}}, 400),  # outside the vocabulary

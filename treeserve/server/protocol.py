@@ -60,7 +60,7 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, Bias] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     user: str | None = None
     # vLLM's extras
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] = 1.0
+    repetition_penalty: Annotated[float, Field(ge=0.01, le=2.0)] = 1.0  # above 0: no fp32 overflow
     min_tokens: Annotated[int, Field(ge=0)] = 0
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     top_k: Annotated[int, Field(ge=-1)] = -1

@@ -328,28 +328,27 @@ static inline __attribute__((always_inline)) void fused_rows(deq_fn deq, const u
         for (int r = 0; r < mr; r++) res[r * NP + c] = hsum(acc[c][r]);
 }
 
-#define FUSED_MR(T)                                                                 \
-    switch (mr) {                                                                   \
-    case 4: fused_rows(deq_##T, rows, scales, k, x, x_stride, 4, res); break;       \
-    case 3: fused_rows(deq_##T, rows, scales, k, x, x_stride, 3, res); break;       \
-    case 2: fused_rows(deq_##T, rows, scales, k, x, x_stride, 2, res); break;       \
-    default: fused_rows(deq_##T, rows, scales, k, x, x_stride, 1, res); break;      \
-    }                                                                               \
-    break
+/* One switch over formats and row counts for a fused-rows kernel F (mr is a constant at each
+ * call, so its accumulators live in registers). */
+#define FUSED_CASE(F, T)                                                            \
+    case T_##T:                                                                     \
+        switch (mr) {                                                               \
+        case 4: F(deq_##T, rows, scales, k, x, x_stride, 4, res); break;            \
+        case 3: F(deq_##T, rows, scales, k, x, x_stride, 3, res); break;            \
+        case 2: F(deq_##T, rows, scales, k, x, x_stride, 2, res); break;            \
+        default: F(deq_##T, rows, scales, k, x, x_stride, 1, res); break;           \
+        }                                                                           \
+        break
+#define FUSED_SWITCH(F)                                                             \
+    switch (type) {                                                                 \
+        FUSED_CASE(F, Q4_0); FUSED_CASE(F, Q4_1); FUSED_CASE(F, Q5_0);              \
+        FUSED_CASE(F, Q5_1); FUSED_CASE(F, Q8_0); FUSED_CASE(F, Q4_K);              \
+        FUSED_CASE(F, Q5_K); FUSED_CASE(F, Q6_K); FUSED_CASE(F, I8);                \
+    }
 
 static void fused(int type, const uint8_t *const *rows, const float *scales, int64_t k, const float *x,
                   int64_t x_stride, int mr, float *res) {
-    switch (type) {
-    case T_Q4_0: FUSED_MR(Q4_0);
-    case T_Q4_1: FUSED_MR(Q4_1);
-    case T_Q5_0: FUSED_MR(Q5_0);
-    case T_Q5_1: FUSED_MR(Q5_1);
-    case T_Q8_0: FUSED_MR(Q8_0);
-    case T_Q4_K: FUSED_MR(Q4_K);
-    case T_Q5_K: FUSED_MR(Q5_K);
-    case T_Q6_K: FUSED_MR(Q6_K);
-    case T_I8: FUSED_MR(I8);
-    }
+    FUSED_SWITCH(fused_rows)
 }
 
 #if defined(HAVE_AVX512_DEQUANT) && defined(__AVX512BF16__)
@@ -405,28 +404,9 @@ static inline __attribute__((always_inline)) void fused_rows_bh(deq_fn deq, cons
     finish_bh(acc, mr, res);
 }
 
-#define FUSED_BH_MR(T)                                                              \
-    switch (mr) {                                                                   \
-    case 4: fused_rows_bh(deq_##T, rows, scales, k, x, x_stride, 4, res); break;    \
-    case 3: fused_rows_bh(deq_##T, rows, scales, k, x, x_stride, 3, res); break;    \
-    case 2: fused_rows_bh(deq_##T, rows, scales, k, x, x_stride, 2, res); break;    \
-    default: fused_rows_bh(deq_##T, rows, scales, k, x, x_stride, 1, res); break;   \
-    }                                                                               \
-    break
-
 static void fused_bh(int type, const uint8_t *const *rows, const float *scales, int64_t k, const uint16_t *x,
                      int64_t x_stride, int mr, float *res) {
-    switch (type) {
-    case T_Q4_0: FUSED_BH_MR(Q4_0);
-    case T_Q4_1: FUSED_BH_MR(Q4_1);
-    case T_Q5_0: FUSED_BH_MR(Q5_0);
-    case T_Q5_1: FUSED_BH_MR(Q5_1);
-    case T_Q8_0: FUSED_BH_MR(Q8_0);
-    case T_Q4_K: FUSED_BH_MR(Q4_K);
-    case T_Q5_K: FUSED_BH_MR(Q5_K);
-    case T_Q6_K: FUSED_BH_MR(Q6_K);
-    case T_I8: FUSED_BH_MR(I8);
-    }
+    FUSED_SWITCH(fused_rows_bh)
 }
 
 /* The panel's channels as bf16 (from fp32 rows through the same rounding as fused_rows_bh). */
