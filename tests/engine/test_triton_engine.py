@@ -82,5 +82,13 @@ def test_search_equivalence(world):  # noqa: F811 - the step-world fixture
         return run_eval(settings, config, inline=[dict(r) for r in RECORDS[:1]])
 
     fast, plain = run(False), run(True)
-    assert signature(fast) == signature(plain)
+    # same beams and answers; step scores equal up to fp32 rounding (the prefix-cached and the
+    # recomputed prefills chunk Triton attention differently): rounding both to 5 decimals made
+    # a ~1e-7 difference that straddled a rounding boundary fail (0.43980 vs 0.43979)
+    texts = [[(c[0], len(c[1])) for c in p[2]] for p in signature(fast)]
+    assert texts == [[(c[0], len(c[1])) for c in p[2]] for p in signature(plain)]
+    assert [p[:2] for p in signature(fast)] == [p[:2] for p in signature(plain)]
+    scores = [s for p in fast["problems"] for c in p["completions"] for s in c["step_scores"]]
+    ref = [s for p in plain["problems"] for c in p["completions"] for s in c["step_scores"]]
+    assert scores == pytest.approx(ref, abs=1e-5)
     assert max(len(c["step_scores"]) for p in fast["problems"] for c in p["completions"]) >= 3
