@@ -321,7 +321,7 @@ class LLMEngine:
     ) -> torch.Tensor:
         """Tokens for a batch in which the rows `edited` (of `seqs`) have penalties or a bias."""
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-        plain = [i for i in range(len(rows)) if i not in set(edited)]
+        plain = sorted(set(range(len(rows))) - set(edited))
         if plain:
             tokens[plain] = sample(logits[plain], [rows[i] for i in plain], self.draw)
         eos = list(self.tokenizer.eos_token_ids)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import aclosing
 from dataclasses import asdict, dataclass, field, replace
 
@@ -195,21 +195,20 @@ def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
 
 def completion_logprobs(c: CompletionOutput, k: int, first: int = 0, offset: int = 0) -> dict:
     """OpenAI's legacy completions `logprobs` object for tokens first.. of the completion."""
-    tokens, token_logprobs, tops, offsets = [], [], [], []
-    for token, entry in zip(c.token_ids[first:], (c.logprobs or [])[first:], strict=False):
-        chosen = entry[token]
-        tokens.append(chosen.decoded_token or "")
-        token_logprobs.append(chosen.logprob)
-        tops.append({lp.decoded_token or "": lp.logprob for _, lp in _top(entry, k)} if k else None)
-        offsets.append(offset)
-        offset += len(chosen.decoded_token or "")
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+    return _logprobs_object(zip(c.token_ids[first:], (c.logprobs or [])[first:], strict=False), k, offset)
 
 
 def echo_logprobs(out: RequestOutput, k: int, decode: Callable[[list[int], bool], str]) -> dict:
     """The prompt's part of a completions `logprobs` object (echo): its first token's is null."""
-    tokens, token_logprobs, tops, offsets, offset = [], [], [], [], 0
-    for token, entry in zip(out.prompt_token_ids, out.prompt_logprobs or [], strict=False):
+    return _logprobs_object(zip(out.prompt_token_ids, out.prompt_logprobs or [], strict=False), k, 0, decode)
+
+
+def _logprobs_object(pairs: Iterable[tuple[int, dict[int, Logprob] | None]], k: int, offset: int,
+                     decode: Callable[[list[int], bool], str] | None = None) -> dict:  # fmt: skip
+    """{tokens, token_logprobs, top_logprobs, text_offset} of (token, entry) pairs; an entry of
+    None (a prompt's first token) gives null log-probabilities and text from `decode`."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for token, entry in pairs:
         text = decode([token], False) if entry is None else entry[token].decoded_token or ""
         tokens.append(text)
         token_logprobs.append(None if entry is None else entry[token].logprob)
@@ -265,9 +264,10 @@ async def full_response(served: Served, job: Job, chat: bool) -> dict:
             final[i] = out
     n, k = job.params.n, job.params.logprobs
     decode = served.runtime.engine(served.generator).tokenizer.decode
-    choices = []
+    choices, tokens = [], 0
     for i in range(len(job.prompts)):
         for c in [visible(job, c) for c in final[i].outputs]:
+            tokens += len(c.token_ids)
             choice: dict = {"index": i * n + c.index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if chat:
                 choice["message"] = {"role": "assistant", "content": c.text}
@@ -281,7 +281,6 @@ async def full_response(served: Served, job: Job, chat: bool) -> dict:
                 if final[i].prompt_logprobs is not None:
                     choice["prompt_logprobs"] = prompt_logprobs_json(final[i])
             choices.append(choice)
-    tokens = sum(len(visible(job, c).token_ids) for out in final.values() for c in out.outputs)
     body = {
         "id": new_id("chatcmpl" if chat else "cmpl"), "object": "chat.completion" if chat else "text_completion",
         "created": now(), "model": served.model_name, "choices": choices, "usage": _usage(job, tokens),
@@ -297,13 +296,17 @@ class StreamState:
 
     job: Job
     chat: bool
-    k: int | None  # top log-probabilities per token (None: no logprobs)
     hold: int  # characters held back: they may still become the start of a stop string
     decode: Callable[[list[int], bool], str]
     chars: dict[int, int] = field(default_factory=dict)
     tokens: dict[int, int] = field(default_factory=dict)
     ended: set[int] = field(default_factory=set)
     completion_tokens: int = 0
+
+    @property
+    def k(self) -> int | None:
+        """Top log-probabilities per token (None: no logprobs)."""
+        return self.job.params.logprobs
 
     def choices(self, prompt_index: int, out: RequestOutput) -> list[dict]:
         """The choice deltas this output adds (new text, new tokens' logprobs, finish reasons)."""
@@ -347,7 +350,7 @@ async def stream_events(served: Served, job: Job, chat: bool, include_usage: boo
     kind = "chat.completion.chunk" if chat else "text_completion"
     hold = max((len(s) for s in job.params.stop), default=1) - 1
     decode = served.runtime.engine(served.generator).tokenizer.decode
-    state = StreamState(job, chat, job.params.logprobs, hold, decode)
+    state = StreamState(job, chat, hold, decode)
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
         body = {"id": rid, "object": kind, "created": created, "model": served.model_name, "choices": choices}

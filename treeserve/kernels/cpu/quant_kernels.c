@@ -414,23 +414,21 @@ static void panel_to_bh(const float *wp, int64_t k, uint16_t *wpb) {
     for (int64_t i = 0; i < NP * k; i += 32) _mm512_storeu_si512(wpb + i, (__m512i)bf16x32(wp + i));
 }
 
-static void rows_bh(const uint8_t *const *rows, const float *scales, int type, int64_t k, const uint16_t *wpb,
-                    const uint16_t *x, int64_t x_stride, int r0, int mr, int fused_path, float *res) {
-    if (fused_path) fused_bh(type, rows, scales, k, x + r0 * x_stride, x_stride, mr, res);
-    else switch (mr) {
-    case 4: panel_rows_bh(wpb, k, x, x_stride, r0, 4, res); break;
-    case 3: panel_rows_bh(wpb, k, x, x_stride, r0, 3, res); break;
-    case 2: panel_rows_bh(wpb, k, x, x_stride, r0, 2, res); break;
-    default: panel_rows_bh(wpb, k, x, x_stride, r0, 1, res); break;
-    }
-}
-
 int bf16_dot_available(void) { return 1; }
 #else
 int bf16_dot_available(void) { return 0; }
 #endif
 
 #define FUSED_MAX_ROWS 4 /* up to here the weights are unpacked per use; above, once per panel */
+
+/* A panel kernel F over rows r0..r0+mr-1, with mr a constant at each call. */
+#define PANEL_MR(F, panel, rows_x)                                                  \
+    switch (mr) {                                                                   \
+    case 4: F(panel, k, rows_x, x_stride, r0, 4, res); break;                       \
+    case 3: F(panel, k, rows_x, x_stride, r0, 3, res); break;                       \
+    case 2: F(panel, k, rows_x, x_stride, r0, 2, res); break;                       \
+    default: F(panel, k, rows_x, x_stride, r0, 1, res); break;                      \
+    }
 
 #define MAX_PARTS 8
 
@@ -479,16 +477,13 @@ void qmatmul(int parts, const int *types, const uint8_t *const *ws, const int64_
             for (int r0 = 0; r0 < m; r0 += 4) {
                 const int mr = m - r0 < 4 ? m - r0 : 4;
 #ifdef HAVE_BF16_DOT
-                if (x_bf16) rows_bh(rows, scales, type, k, wpb, (const uint16_t *)xv, x_stride, r0, mr, !wp, res);
+                const uint16_t *xb = (const uint16_t *)xv;
+                if (x_bf16 && !wp) fused_bh(type, rows, scales, k, xb + r0 * x_stride, x_stride, mr, res);
+                else if (x_bf16) PANEL_MR(panel_rows_bh, wpb, xb)
                 else
 #endif
                 if (!wp) fused(type, rows, scales, k, x + r0 * x_stride, x_stride, mr, res);
-                else switch (mr) {
-                case 4: panel_rows(wp, k, x, x_stride, r0, 4, res); break;
-                case 3: panel_rows(wp, k, x, x_stride, r0, 3, res); break;
-                case 2: panel_rows(wp, k, x, x_stride, r0, 2, res); break;
-                default: panel_rows(wp, k, x, x_stride, r0, 1, res); break;
-                }
+                else PANEL_MR(panel_rows, wp, x)
                 for (int r = 0; r < mr; r++)
                     for (int c = 0; c < np; c++) {
                         const float v = res[r * NP + c] + (bias ? bias[col + c] : 0.0f);
