@@ -11,6 +11,7 @@ the engine appends a row of page statistics to its `page_log`.
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 
 import torch
@@ -42,6 +43,11 @@ from treeserve.outputs import Logprob, RequestOutput, ScoreOutput
 from treeserve.sampling_params import SamplingParams, ScoreParams
 
 PROMPT_LOGPROBS_ROWS = 256  # prompt positions per [rows, vocab] logits slice
+# When max_model_len is not given and the KV budget cannot hold the model's whole context,
+# max_model_len is lowered to what fits, but never below this (or the model's own limit).
+MIN_AUTO_MODEL_LEN = 2048
+
+log = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -57,7 +63,8 @@ class LLMEngine:
         self.extra_tensors = loaded.extra_tensors
         self.tokenizer = Tokenizer(config.model, model_eos_ids=loaded.config.eos_token_ids)
         limit = loaded.config.max_position_embeddings
-        self.max_model_len = min(config.max_model_len or limit, limit)
+        self.context_len = min(config.max_model_len or limit, limit)  # max_model_len before the KV budget's say
+        self.max_model_len = self.context_len
         cfg = loaded.config
         self.kv_layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.torch_dtype)
         if attach_kv:
@@ -79,12 +86,26 @@ class LLMEngine:
         """Use `pages` (with `block_size` tokens per page of this model) for KV, its page states
         in `pool` (shared with the other models on the same arena), or a pool of its own."""
         config = self.config
+        self.max_model_len = self.context_len
         pages_per_seq = -(-self.max_model_len // block_size) + 1
+        fits = (pages.num_pages - 1) * block_size  # the longest sequence the arena holds
+        if pages.num_pages < pages_per_seq and config.max_model_len is None and fits >= MIN_AUTO_MODEL_LEN:
+            log.warning(
+                "max_model_len lowered from the model's %d to %d tokens, what a KV budget of %d MiB holds; "
+                "give more KV memory (kv_cache_memory / --kv-cache-memory) or set max_model_len to choose",
+                self.max_model_len, fits, pages.nbytes >> 20,
+            )  # fmt: skip
+            self.max_model_len, pages_per_seq = fits, pages.num_pages
         if pages.num_pages < pages_per_seq:
             raise ValueError(
                 f"the KV budget ({pages.nbytes} bytes = {pages.num_pages} pages of {pages.page_bytes} bytes) "
                 f"cannot hold one sequence of max_model_len={self.max_model_len} ({pages_per_seq} pages); "
                 "raise kv_cache_memory or lower max_model_len"
+                + (
+                    f" (without max_model_len it is lowered to what fits, but not below {MIN_AUTO_MODEL_LEN})"
+                    if config.max_model_len is None
+                    else ""
+                )
             )
         layout = self.kv_layout
         self.block_size = block_size
