@@ -14,6 +14,13 @@ and PRM:
 
 Writes one results JSON per configuration and `matrix.json`/`matrix.md` with accuracy
 (95% Wilson interval), problems/min, generated tokens and PRM tokens prefilled.
+
+`--lookaheads 0,1,2` adds beam search at N=16 with each lookahead K (issue 37's row),
+written to `lookahead.json`/`lookahead.md` with the rollouts' extra generated and PRM
+tokens and a paired comparison (`treeserve compare`) of each K against the first;
+`--only-lookahead` runs just those:
+
+    OMP_NUM_THREADS=1 python bench/search_matrix.py --size 200 --lookaheads 0,1,2 --only-lookahead
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from treeserve.eval.compare import compare_results, format_comparison
 from treeserve.eval.metrics import wilson_interval
 from treeserve.eval.report import write_results
 from treeserve.eval.runner import EvalSettings, run_eval
@@ -60,6 +68,8 @@ def run(name: str, settings: EvalSettings, config: SearchConfig, out: Path) -> l
             "problems_per_min": 60 * summary["problems_per_s"], "generated_tokens": summary["generated_tokens"],
             "prm_tokens_prefilled": summary.get("prm_tokens_prefilled", 0),
             "prm_unique_tokens": summary.get("prm_unique_tokens", 0), "wall_s": time.perf_counter() - start,
+            "lookahead": config.lookahead, "lookahead_generated_tokens": summary.get("lookahead_generated_tokens", 0),
+            "lookahead_prm_tokens": summary.get("lookahead_prm_tokens", 0),
         })  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -78,6 +88,31 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def run_lookaheads(settings: EvalSettings, beam: SearchConfig, ks: list[int], out: Path) -> str:
+    """Beam search at each lookahead K on the same problems: rows, and each K paired against the first."""
+    rows, paths = [], []
+    for k in ks:
+        name = f"beam_search N={beam.n} lookahead={k}"
+        rows += run(name, settings, replace(beam, lookahead=k), out)
+        paths.append(out / f"{name.replace(' ', '_')}.json")
+    lines = [
+        "| configuration | accuracy | 95% CI | problems/min | generated tokens | of them lookahead "
+        "| PRM tokens prefilled | lookahead PRM tokens |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['name']} | {r['accuracy']:.1%} | {r['ci95'][0]:.1%}-{r['ci95'][1]:.1%} "
+            f"| {r['problems_per_min']:.1f} | {r['generated_tokens']} | {r['lookahead_generated_tokens']} "
+            f"| {r['prm_tokens_prefilled']} | {r['lookahead_prm_tokens']} |"
+        )
+    paired = format_comparison(compare_results(paths))
+    (out / "lookahead.json").write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+    text = f"## Lookahead (beam search, N={beam.n})\n\n" + "\n".join(lines) + f"\n\nPaired:\n\n{paired}\n"
+    (out / "lookahead.md").write_text(text)
+    return text
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=200, help="problems (levels 4 and 5, half each)")
@@ -86,11 +121,20 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.8, help="of every sampled configuration")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--skip-ablation", action="store_true")
+    parser.add_argument("--lookaheads", default=None, help="also beam search N=16 at each lookahead K, e.g. 0,1,2")
+    parser.add_argument("--only-lookahead", action="store_true", help="run only the --lookaheads rows")
     parser.add_argument("--out", type=Path, default=Path("bench/out/search_matrix"))
     args = parser.parse_args()
+    if args.only_lookahead and not args.lookaheads:
+        parser.error("--only-lookahead needs --lookaheads K,K,...")
     args.out.mkdir(parents=True, exist_ok=True)
     settings = EvalSettings(dataset=f"arith:level=4,5,size={args.size},seed=0", dtype=args.dtype, progress=False)
     base = SearchConfig(beam_width=args.beam_width, num_iterations=40, temperature=args.temperature)
+    if args.lookaheads:
+        ks = [int(k) for k in args.lookaheads.split(",")]
+        print(run_lookaheads(settings, replace(base, strategy="beam_search", n=16), ks, args.out))
+    if args.only_lookahead:
+        return
     rows = run("greedy", settings, replace(base, strategy="majority", n=1, temperature=0.0), args.out)
     for n in (int(x) for x in args.ns.split(",")):
         rows += run(f"majority N={n}", settings, replace(base, strategy="majority", n=n), args.out)

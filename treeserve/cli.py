@@ -3,6 +3,7 @@
     treeserve generate [PROMPT ...] [--model DIR] [--chat] [--n N] [--temperature T] ...
     treeserve eval --dataset arith:level=4,5 --strategy beam_search --n 16 --output results.json
     treeserve eval ... --workers 4 [--ray-address auto] [--cpus-per-worker 2]   (on Ray: pip install 'treeserve[ray]')
+    treeserve eval ... --shard 0/4 --output s0.json; treeserve merge s0.json s1.json s2.json s3.json --output all.json
     treeserve solve "Compute ((12 + 7) * 3) - 15."
     treeserve plot results*.json --output accuracy_vs_n.png
     treeserve profile --out profile_out            (memory sweeps: profile.json + PNG plots)
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from dataclasses import asdict
@@ -133,6 +135,8 @@ def _add_search_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agg", default="last", choices=["last", "min", "prod"])
     p.add_argument("--filter-duplicates", action="store_true")
     p.add_argument("--final-to-eos", action="store_true", help="search-and-learn: sample the last iteration to EOS")
+    p.add_argument("--lookahead", type=int, default=0, metavar="K",
+                   help="beam search, DVTS: score each new step after K more greedy steps")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--generator", default=gen)
     p.add_argument("--prm", default=prm)
@@ -200,27 +204,33 @@ def _search_settings(args: argparse.Namespace, dataset: str = ""):  # noqa: ANN2
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from treeserve.eval.report import write_results
-    from treeserve.eval.runner import run_eval
+    from treeserve.eval.runner import Interrupted, run_eval
 
     settings, config = _search_settings(args, args.dataset)
     settings.selection = args.select
-    if args.workers is None:
-        if args.ray_address is not None or args.cpus_per_worker is not None:
-            raise ValueError("--ray-address and --cpus-per-worker need --workers N")
-        results = run_eval(settings, config)
-    else:
-        if settings.memory_report:
-            raise ValueError("--memory-report describes one runtime; with --workers each worker plans its own")
-        from treeserve.eval.distributed import RayMissing, RayOptions, WorkerError, run_eval_distributed
+    if args.grace < 0:
+        raise ValueError(f"--grace must be >= 0 seconds, got {args.grace}")
+    files = {"output": args.output, "resume": args.resume, "grace": args.grace}
+    try:
+        if args.workers is None:
+            if args.ray_address is not None or args.cpus_per_worker is not None:
+                raise ValueError("--ray-address and --cpus-per-worker need --workers N")
+            results = run_eval(settings, config, **files)
+        else:
+            if settings.memory_report:
+                raise ValueError("--memory-report describes one runtime; with --workers each worker plans its own")
+            from treeserve.eval.distributed import RayMissing, RayOptions, WorkerError, run_eval_distributed
 
-        options = RayOptions(args.workers, args.ray_address, args.cpus_per_worker or 1)
-        try:
-            results = run_eval_distributed(settings, config, options)
-        except (RayMissing, WorkerError) as e:
-            print(f"treeserve: error: {e}", file=sys.stderr)
-            return 2
-    write_results(results, args.output)
+            options = RayOptions(args.workers, args.ray_address, args.cpus_per_worker or 1)
+            try:
+                results = run_eval_distributed(settings, config, options, **files)
+            except (RayMissing, WorkerError) as e:
+                print(f"treeserve: error: {e}", file=sys.stderr)
+                return 2
+    except Interrupted as e:
+        again = shlex.join(["treeserve", *sys.argv[1:]] if sys.argv[1:2] == ["eval"] else ["treeserve", "eval", "..."])
+        print(f"treeserve: {e}; run the same command again to resume it: {again}", file=sys.stderr)
+        return 128 + e.signum
     s = results["summary"]
     if s.get("retried_problems"):
         print(f"{s['worker_failures']} worker failures; retried problems: {', '.join(s['retried_problems'])}")
@@ -351,6 +361,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_merge(args: argparse.Namespace) -> int:
+    from treeserve.eval.merge import merge_files
+
+    print(merge_files(args.shards, args.output))
+    return 0
+
+
 def cmd_convert_gguf(args: argparse.Namespace) -> int:
     from treeserve.config import DTYPES
     from treeserve.models.gguf_loader import convert_gguf
@@ -384,7 +401,15 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="run a search strategy over a dataset and grade it")
     ev.add_argument("--dataset", default="arith:level=4,5,size=40,seed=0",
                     help="arith[:level=..,size=..,seed=..] or a MATH-500-style JSONL file")  # fmt: skip
-    ev.add_argument("--output", default="results.json")
+    ev.add_argument("--output", default="results.json",
+                    help="results JSON; finished problems go to OUTPUT.partial.jsonl as they finish")  # fmt: skip
+    ev.add_argument("--resume", action="store_true",
+                    help="resume the run whose partial results are next to --output (the same command does so "
+                         "too; --resume also demands the file exists)")  # fmt: skip
+    ev.add_argument("--grace", type=float, default=30.0,
+                    help="seconds problems in flight get to finish after SIGINT/SIGTERM (default 30)")  # fmt: skip
+    ev.add_argument("--shard", default=None, metavar="I/K",
+                    help="only problems I, I+K, I+2K, ... (0 <= I < K); treeserve merge joins the shards")  # fmt: skip
     ev.add_argument("--limit", type=int, default=None, help="only the first LIMIT problems")
     ev.add_argument("--memory-report", default=None, help="write the memory plan (breakdown, pages) as JSON here")
     ev.add_argument("--select", default=None, choices=["naive", "weighted", "majority"],
@@ -453,6 +478,11 @@ def build_parser() -> argparse.ArgumentParser:
     cmp = sub.add_parser("compare", help="paired accuracy comparison of results files (McNemar test vs the first)")
     cmp.add_argument("results", nargs="+", help="results JSON files; the first is the baseline")
     cmp.set_defaults(func=cmd_compare)
+
+    mrg = sub.add_parser("merge", help="join the results files of `eval --shard i/k` runs into one")
+    mrg.add_argument("shards", nargs="+", help="the shards' results JSON files, one per shard")
+    mrg.add_argument("--output", default="results.json")
+    mrg.set_defaults(func=cmd_merge)
     return parser
 
 

@@ -86,6 +86,27 @@ def test_a_dead_workers_problems_are_retried_and_answered_once(cluster, single, 
     assert "worker 0" in err and "died" in err and "retried" in err
 
 
+def test_the_driver_resumes_a_journal_and_searches_only_the_rest(cluster, single, tmp_path):
+    from treeserve.eval.distributed import RayOptions, run_eval_distributed
+    from treeserve.eval.journal import Journal, journal_path
+    from treeserve.eval.runner import load_problems, run_config
+
+    out = tmp_path / "results.json"
+    s = settings()
+    journal = Journal.open(journal_path(out), run_config(s, config(), load_problems(s)))
+    for record in single["problems"][:3]:  # as a killed in-process run of the same config left them
+        journal.add(record, 1.0, {"generator_generated_tokens": 0})
+    journal.close()
+    doc = run_eval_distributed(settings(), config(), RayOptions(workers=2), output=str(out))
+    assert json.loads(out.read_text()) == doc and not journal_path(out).exists()
+    assert signature(doc) == signature(single, approx=True)
+    assert {k: doc["summary"][k] for k in QUALITY if k != "generated_tokens"} == {
+        k: single["summary"][k] for k in QUALITY if k != "generated_tokens"
+    }
+    assert doc["summary"]["sessions"] == 2
+    assert 0 < doc["summary"]["generated_tokens"] < single["summary"]["generated_tokens"]  # 3 of 6 searched
+
+
 def test_more_workers_than_cpus_is_a_clear_error(cluster):
     from treeserve.eval.distributed import RayOptions, run_eval_distributed
 

@@ -80,7 +80,7 @@ def test_build_results_shape_and_summary():
     assert summary["naive@n"]["4"] == 0.5 and summary["majority@n"]["4"] == 1.0 and summary["pass@N"] == 1.0
     assert summary["accuracy_by_level"] == {"1": 1.0, "2": 1.0}
     record = results["problems"][0]
-    assert tuple(record) == PROBLEM_KEYS and tuple(record["completions"][0]) == COMPLETION_KEYS
+    assert tuple(record) == PROBLEM_KEYS and tuple(record["completions"][0]) == (*COMPLETION_KEYS, "group")
     assert record["completions"][0]["score"] == 0.9 and record["completions"][3]["answer"] is None
 
 

@@ -73,6 +73,8 @@ BAD_INPUTS = [
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 100_000}, 400),
     ("/v1/search", {"problem": "Compute 1 + 2.", "strategy": "alphago"}, 400),
     ("/v1/search", {"problem": "Compute 1 + 2.", "n": 6, "beam_width": 4}, 400),
+    ("/v1/search", {"problem": "Compute 1 + 2.", "strategy": "majority", "lookahead": 1}, 400),  # no steps
+    ("/v1/search", {"problem": "Compute 1 + 2.", "lookahead": -1}, 400),
     ("/v1/search", {"problem": "x", "messages": CHAT}, 400),
     ("/v1/search", {}, 400),
     ("/v1/search", {"problem": "Compute 1 + 2.", "model": "other"}, 404),

@@ -129,6 +129,10 @@ def test_search_over_http(client: OpenAI) -> None:
     assert out["usage"]["prm_tokens"] >= out["usage"]["prm_unique_tokens"] > 0
     again = client.post("/search", body=body, cast_to=object)  # same seed, same search
     assert [c["text"] for c in again["completions"]] == [c["text"] for c in out["completions"]]
+    assert out["usage"]["lookahead_generator_tokens"] == out["usage"]["lookahead_prm_tokens"] == 0
+    ahead = client.post("/search", body={**body, "lookahead": 1}, cast_to=object)
+    assert ahead["usage"]["lookahead_generator_tokens"] > 0 and ahead["usage"]["lookahead_prm_tokens"] > 0
+    assert all(len(c["step_scores"]) == len(c["steps"]) for c in ahead["completions"])  # rollouts are not kept
 
 
 def test_search_streams_progress_then_the_result(server: LiveServer) -> None:

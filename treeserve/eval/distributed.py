@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import socket
 import sys
 import time
@@ -30,14 +31,19 @@ from typing import Any
 
 from tqdm import tqdm
 
+from treeserve.eval.grading import Grader
+from treeserve.eval.journal import Journal, journal_path
 from treeserve.eval.runner import (
     ASSETS,
+    SELECTION,
     EvalSettings,
+    Interrupted,
+    Recorder,
     build_runtime,
-    grade_and_report,
+    finish,
     load_problems,
+    run_config,
     run_counters,
-    summarize,
 )
 from treeserve.search.context import SearchConfig, SearchContext
 from treeserve.search.prm import load_prm
@@ -128,21 +134,50 @@ def _local_path(path: str | None, driver_assets: str) -> str | None:
 
 
 def run_eval_distributed(
-    settings: EvalSettings, config: SearchConfig, options: RayOptions, inline: list[dict] | None = None
+    settings: EvalSettings,
+    config: SearchConfig,
+    options: RayOptions,
+    inline: list[dict] | None = None,
+    output: str | None = None,
+    resume: bool = False,
+    grace: float | None = None,
 ) -> dict:
     """`run_eval` on `options.workers` Ray actors; the same results document, plus the run's
-    `workers`, `worker_failures` and `retried_problems` (unique ids) in its summary."""
+    `workers`, `worker_failures` and `retried_problems` (unique ids) in its summary. The driver
+    keeps the journal (`output`, `resume`) and handles the signals (`grace`) as `run_eval` does."""
     options.check()
     records = load_problems(settings, inline)
     if settings.reference:
         config = config.reference()
-    ray = import_ray()
-    started = _connect(ray, options)
-    try:
-        return ProblemDispatch(ray, settings, config, options, records).run()
-    finally:
-        if started:
-            ray.shutdown()
+    # each worker keeps up to `window` problems in flight: enough for full batches, few enough
+    # that at least half the problems are handed out as workers free up
+    window = min(config.max_concurrent_problems, max(1, math.ceil(len(records) / (2 * options.workers))))
+    distributed = {"workers": options.workers, "cpus_per_worker": options.cpus_per_worker,
+                   "ray_address": options.address, "problems_in_flight_per_worker": window}  # fmt: skip
+    journal = Journal.open(
+        journal_path(output) if output else None, run_config(settings, config, records, {"distributed": distributed}),
+        resume,
+    )  # fmt: skip
+    todo = [r for r in records if str(r["unique_id"]) not in journal.records]
+    summary: dict = {}
+    stopped = None
+    if todo:
+        ray = import_ray()
+        started = _connect(ray, options)
+        try:
+            with Grader() as grader:
+                dispatch = ProblemDispatch(ray, settings, config, options, todo, window)
+                recorder = Recorder(journal, grader, settings.selection or SELECTION[config.strategy], config.agg,
+                                    dispatch.total_counters)  # fmt: skip
+                summary = dispatch.run(recorder, grace)
+                stopped = dispatch.stopped
+        finally:
+            if started:
+                ray.shutdown()
+    if len(journal.records) < len(records):
+        journal.close()
+        raise Interrupted(stopped or signal.SIGINT, len(journal.records), len(records), journal.path)
+    return finish(journal, records, config.agg, output, summary)
 
 
 def _connect(ray: Any, options: RayOptions) -> bool:
@@ -187,14 +222,15 @@ class ProblemDispatch:
     """The driver's loop: problems go to workers with room, results and deaths come back."""
 
     def __init__(self, ray: Any, settings: EvalSettings, config: SearchConfig, options: RayOptions,
-                 records: list[dict]):  # fmt: skip
+                 records: list[dict], window: int):  # fmt: skip
         self.ray, self.settings, self.config, self.options, self.records = ray, settings, config, options, records
-        # each worker keeps up to `window` problems in flight: enough for full batches, few enough
-        # that at least half the problems are handed out as workers free up
-        self.window = min(config.max_concurrent_problems, max(1, math.ceil(len(records) / (2 * options.workers))))
+        self.window = window
         self.queue = deque(range(len(records)))
         self.attempts = [0] * len(records)
-        self.results: list[dict | None] = [None] * len(records)
+        self.answered: set[int] = set()
+        self.recorder: Recorder | None = None
+        self.stopped: int | None = None  # the signal that stopped admitting problems
+        self.deadline = math.inf  # after a signal: when problems still in flight are given up
         self.calls: dict[Any, tuple[_Slot, int, float]] = {}  # ref -> (slot, problem index, submitted at)
         self.counters: dict[int, dict[str, int]] = {}  # actor key -> its latest counters
         self.retried: list[str] = []  # unique ids, in the order their first worker died
@@ -204,9 +240,25 @@ class ProblemDispatch:
         self.slots: list[_Slot] = []
         self.bar: tqdm | None = None
 
-    def run(self) -> dict:
+    def run(self, recorder: Recorder, grace: float | None = None) -> dict:
+        """Search every problem, each recorded by `recorder` as it comes back; the summary's
+        distributed fields. With `grace`, SIGINT/SIGTERM stop handing out problems and give
+        those in flight `grace` seconds."""
         ray, options = self.ray, self.options
+        self.recorder = recorder
         begin = time.perf_counter()
+        handlers = {}
+        if grace is not None:
+
+            def on_signal(signum: int, frame: object) -> None:
+                if self.stopped is None:
+                    self.stopped, self.deadline = signum, time.perf_counter() + grace
+                    _log(f"{signal.Signals(signum).name}: handing out no more problems; those in flight get "
+                         f"{grace:g} s to finish (signal again to stop now)")  # fmt: skip
+                else:
+                    self.deadline = 0.0
+
+            handlers = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
         try:
             for i in range(options.workers):
                 self.slots.append(self._start(i, options.crash_after.get(i)))
@@ -217,7 +269,7 @@ class ProblemDispatch:
                     raise WorkerError(f"worker {slot.index} failed to start: {_reason(e)}") from None
                 slot.ready = None
             startup = time.perf_counter() - begin
-            start = time.perf_counter()
+            start = recorder.start = time.perf_counter()
             self.bar = tqdm(total=len(self.records), unit="problem", disable=not self.settings.progress,
                             dynamic_ncols=True)  # fmt: skip
             try:
@@ -225,7 +277,8 @@ class ProblemDispatch:
             finally:
                 self.bar.close()
             wall = time.perf_counter() - start
-            live = [(s, s.actor.close.remote()) for s in self.slots if s.alive and s.ready is None]
+            # after a stop that left problems in flight, the actors are killed below as they are
+            live = [(s, s.actor.close.remote()) for s in self.slots if s.alive and s.ready is None and not self.calls]
             for slot, ref in live:
                 try:
                     self.counters[slot.key] = ray.get(ref)
@@ -234,7 +287,17 @@ class ProblemDispatch:
         finally:
             for slot in self.slots:
                 ray.kill(slot.actor, no_restart=True)
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
         return self._report(wall, startup, seconds, overheads)
+
+    def total_counters(self) -> dict[str, int]:
+        """Every actor's latest counters (dead ones' included), summed."""
+        total: dict[str, int] = {}
+        for counters in self.counters.values():
+            for k, v in counters.items():
+                total[k] = total.get(k, 0) + v
+        return total
 
     def _start(self, index: int, crash_after: int | None = None) -> _Slot:
         worker = self.ray.remote(EvalWorker).options(num_cpus=self.options.cpus_per_worker, max_restarts=0)
@@ -250,11 +313,16 @@ class ProblemDispatch:
         overheads: list[float] = []
         remaining = len(self.records)
         while remaining:
+            if self.stopped is not None and (not self.calls or time.perf_counter() >= self.deadline):
+                break
             self._fill()
             starting = {s.ready: s for s in self.slots if s.alive and s.ready is not None}
             if not self.calls and not starting:
                 raise WorkerError(f"every worker died; {remaining} problems unanswered")
-            [ref], _ = ray.wait([*self.calls, *starting], num_returns=1)
+            ready, _ = ray.wait([*self.calls, *starting], num_returns=1, timeout=0.5)
+            if not ready:
+                continue
+            [ref] = ready
             if ref in starting:
                 self._started(starting[ref])
                 continue
@@ -268,9 +336,10 @@ class ProblemDispatch:
             seconds.append(out["seconds"])
             overheads.append(time.perf_counter() - submitted - out["seconds"])
             self.counters[slot.key] = out.pop("counters")
-            if self.results[i] is not None:
+            if i in self.answered:
                 raise AssertionError(f"problem {self.records[i]['unique_id']!r} answered twice")
-            self.results[i] = out
+            self.answered.add(i)
+            self.recorder.add(self.records[i], out["completions"])
             remaining -= 1
             self.bar.update(1)
             alive = sum(s.alive for s in self.slots)
@@ -279,6 +348,8 @@ class ProblemDispatch:
         return seconds, overheads
 
     def _fill(self) -> None:
+        if self.stopped is not None:
+            return
         for slot in self.slots:
             while slot.alive and slot.ready is None and slot.in_flight < self.window and self.queue:
                 i = self.queue.popleft()
@@ -321,28 +392,18 @@ class ProblemDispatch:
             self.slots[slot.index] = self._start(slot.index)
 
     def _report(self, wall: float, startup: float, seconds: list[float], overheads: list[float]) -> dict:
-        total: dict[str, int] = {}
-        for counters in self.counters.values():
-            for k, v in counters.items():
-                total[k] = total.get(k, 0) + v
         # prm_unique_tokens is per worker, summed: a prompt searched on two workers counts twice
-        stats, summary = summarize(total, wall)
-        summary |= {
-            "workers": self.options.workers,
-            "worker_startup_s": startup,
-            "worker_search_s": median(seconds),  # per problem, medians
-            "dispatch_overhead_s": median(overheads),
-            "worker_failures": self.failures,
-            "retried_problems": [str(r["unique_id"]) for r in self.records if str(r["unique_id"]) in self.retried],
-        }
         if self.retried:
             _log(f"{len(self.retried)} problems were retried after {self.failures} worker failures; "
                  "each is answered once, by the worker that finished it")  # fmt: skip
-        distributed = {"workers": self.options.workers, "cpus_per_worker": self.options.cpus_per_worker,
-                       "ray_address": self.options.address, "problems_in_flight_per_worker": self.window}  # fmt: skip
-        completions = [r["completions"] for r in self.results]  # type: ignore[index]
-        return grade_and_report(self.settings, self.config, self.records, completions, stats, summary,
-                                {"distributed": distributed})  # fmt: skip
+        return {
+            "workers": self.options.workers,
+            "worker_startup_s": startup,
+            "worker_search_s": median(seconds) if seconds else 0.0,  # per problem, medians
+            "dispatch_overhead_s": median(overheads) if overheads else 0.0,
+            "worker_failures": self.failures,
+            "retried_problems": [str(r["unique_id"]) for r in self.records if str(r["unique_id"]) in self.retried],
+        }
 
 
 def _reason(error: Exception) -> str:

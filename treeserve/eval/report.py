@@ -8,7 +8,8 @@ Owns the results JSON `treeserve eval` writes::
                                  # generated_tokens, prm_tokens_prefilled, prm_unique_tokens,
                                  # prefix_hit_rate, ...
      "problems": [{"unique_id", "level", "problem", "answer", "pred", "correct",
-                   "completions": [{"text", "answer", "step_scores", "score", "correct"}]}]}
+                   "completions": [{"text", "answer", "step_scores", "score", "correct", "group"}]}],
+     "counters": {...}}          # the run's raw counters (summed over resumed sessions and shards)
 
 and `grade_problems`, the glue from a search's raw output (texts and step scores per problem)
 to graded `ProblemOutcome`s. Throughput and cache numbers come in as `RunStats`: the caller
@@ -154,6 +155,7 @@ def problem_record(p: ProblemOutcome, agg: str = "last") -> dict:
                 "step_scores": [_finite(s) for s in c.step_scores],
                 "score": _finite(aggregate_scores(c.step_scores, agg)),
                 "correct": bool(c.correct),
+                "group": c.group,  # its class of equivalent answers (majority and weighted votes)
             }
             for c in p.completions
         ],
@@ -256,11 +258,14 @@ def validate_results(obj: Any, source: str = "results") -> dict:
 
 
 def problems_from_results(results: Mapping[str, Any]) -> list[ProblemOutcome]:
-    """ProblemOutcomes back from a results document (to recompute metrics, e.g. under another agg).
-
-    Answer groups are not stored, so voting afterwards groups answers by their stripped text.
-    """
+    """ProblemOutcomes back from a results document (to recompute metrics, e.g. under another agg)."""
     validate_results(results)
+    return problems_from_records(results["problems"])
+
+
+def problems_from_records(records: Sequence[Mapping[str, Any]]) -> list[ProblemOutcome]:
+    """ProblemOutcomes back from problem records (`problem_record`'s). Files written before
+    records kept answer groups vote by the answers' stripped text."""
     return [
         ProblemOutcome(
             unique_id=p["unique_id"],
@@ -273,11 +278,12 @@ def problems_from_results(results: Mapping[str, Any]) -> list[ProblemOutcome]:
                     answer=c["answer"],
                     correct=bool(c["correct"]),
                     step_scores=[math.nan if s is None else float(s) for s in c["step_scores"]],
+                    group=c.get("group"),
                 )
                 for c in p["completions"]
             ],
             pred=p["pred"],
             correct=bool(p["correct"]),
         )
-        for p in results["problems"]
+        for p in records
     ]

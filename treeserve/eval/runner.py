@@ -7,9 +7,11 @@ model directories) is checked before any model is loaded or any problem is searc
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
@@ -18,7 +20,15 @@ from treeserve.config import check_model_path
 from treeserve.device import resolve_attention_backend, resolve_device
 from treeserve.eval.datasets import load_dataset
 from treeserve.eval.grading import Grader
-from treeserve.eval.report import RunStats, build_results, grade_problems
+from treeserve.eval.journal import Journal, journal_path
+from treeserve.eval.report import (
+    RunStats,
+    build_results,
+    grade_problems,
+    problem_record,
+    problems_from_records,
+    write_results,
+)
 from treeserve.runtime.runtime import Runtime, per_model_engine_args
 from treeserve.search.context import SearchConfig, SearchContext
 from treeserve.search.prm import load_prm
@@ -59,6 +69,7 @@ class EvalSettings:
     page_logs: bool = False  # put every engine's per-step page statistics in the results
     reference: bool = False
     limit: int | None = None  # only the first `limit` problems
+    shard: str | None = None  # "i/k": of those, problems i, i+k, i+2k, ... (`treeserve merge` joins shards)
     selection: str | None = None  # override SELECTION[strategy]
     progress: bool = True
 
@@ -67,6 +78,8 @@ class EvalSettings:
         self.attention_backend = resolve_attention_backend(self.attention_backend, self.device)
         for name, path in (("generator", self.generator), ("prm", self.prm)):
             check_model_path(str(path), f"{name} model")
+        if self.shard is not None:
+            parse_shard(self.shard)
         if self.prm_kv_fraction is not None and not 0.0 < self.prm_kv_fraction < 1.0:
             raise ValueError(f"prm_kv_fraction must be in (0, 1), got {self.prm_kv_fraction}")
 
@@ -83,83 +96,181 @@ def build_runtime(settings: EvalSettings, config: SearchConfig) -> Runtime:
     )  # fmt: skip
 
 
-def run_eval(settings: EvalSettings, config: SearchConfig, inline: list[dict] | None = None) -> dict:
-    """Search and grade `settings.dataset` (or the `inline` records) and return the results document."""
+class Interrupted(RuntimeError):
+    """SIGINT or SIGTERM stopped a run before every problem was done; the finished ones are in
+    its journal, and running the same command again resumes it."""
+
+    def __init__(self, signum: int, done: int, total: int, journal: Path | None) -> None:
+        self.signum, self.done, self.total, self.journal = signum, done, total, journal
+        kept = f"kept in {journal}" if journal else "not kept: the run has no --output"
+        super().__init__(f"stopped by {signal.Signals(signum).name} with {done} of {total} problems done ({kept})")
+
+
+def run_eval(
+    settings: EvalSettings,
+    config: SearchConfig,
+    inline: list[dict] | None = None,
+    output: str | Path | None = None,
+    resume: bool = False,
+    grace: float | None = None,
+) -> dict:
+    """Search and grade `settings.dataset` (or the `inline` records) and return the results document.
+
+    With `output`, every finished problem goes to its journal (`journal.journal_path(output)`)
+    as it finishes, a journal left by an earlier run of the same config is resumed (`resume`
+    demands one), and the document is written to `output` at the end (atomically; the journal
+    is then removed). With `grace`, SIGINT/SIGTERM stop admitting problems, give those in
+    flight `grace` seconds, and raise `Interrupted`.
+    """
     records = load_problems(settings, inline)
     if settings.reference:
         config = config.reference()
-    runtime = build_runtime(settings, config)
-    if settings.memory_report:
-        runtime.memory_plan.write(settings.memory_report)
-    if settings.progress:
-        print(runtime.memory_plan.table(), file=sys.stderr)
-    prm = load_prm(runtime, "prm", settings.prm_style) if "prm" in runtime.engines else None
-    ctx = SearchContext(config, runtime, "generator", prm)
-    start = time.perf_counter()
-    results = asyncio.run(_search(ctx, records, settings.progress))
-    wall = time.perf_counter() - start
-    runtime.check_pages_idle()
-
-    completions = [[(b.text, b.scores) for b in r.beams] for r in results]
-    stats, summary = summarize(run_counters(runtime, ctx), wall)
-    results = grade_and_report(settings, config, records, completions, stats, summary)
-    results["memory"] = runtime.memory_plan.to_json()
-    results["quantization"] = {name: engine.quantization for name, engine in runtime.engines.items()}
-    if settings.page_logs:
-        results["page_logs"] = {name: engine.page_log.rows() for name, engine in runtime.engines.items()}
-    return results
+    journal = Journal.open(journal_path(output) if output else None, run_config(settings, config, records), resume)
+    todo = [r for r in records if str(r["unique_id"]) not in journal.records]
+    if journal.records and settings.progress:
+        print(f"treeserve: resuming {journal.path}: {len(records) - len(todo)} of {len(records)} problems done",
+              file=sys.stderr)  # fmt: skip
+    extra: dict = {}
+    stopped = None
+    if todo:
+        runtime = build_runtime(settings, config)
+        if settings.memory_report:
+            runtime.memory_plan.write(settings.memory_report)
+        if settings.progress:
+            print(runtime.memory_plan.table(), file=sys.stderr)
+        prm = load_prm(runtime, "prm", settings.prm_style) if "prm" in runtime.engines else None
+        ctx = SearchContext(config, runtime, "generator", prm)
+        with Grader() as grader:
+            recorder = Recorder(journal, grader, settings.selection or SELECTION[config.strategy], config.agg,
+                                lambda: run_counters(runtime, ctx))  # fmt: skip
+            stopped = asyncio.run(_search(ctx, todo, recorder, settings.progress, grace))
+        runtime.check_pages_idle()
+        extra["memory"] = runtime.memory_plan.to_json()
+        extra["quantization"] = {name: engine.quantization for name, engine in runtime.engines.items()}
+        if settings.page_logs:
+            extra["page_logs"] = {name: engine.page_log.rows() for name, engine in runtime.engines.items()}
+    if len(journal.records) < len(records):
+        journal.close()
+        raise Interrupted(stopped or signal.SIGINT, len(journal.records), len(records), journal.path)
+    return finish(journal, records, config.agg, output, sections=extra)
 
 
 def load_problems(settings: EvalSettings, inline: list[dict] | None = None) -> list[dict]:
-    """The records a run searches (`inline` or the dataset, cut to `settings.limit`), after
-    checking the settings; raises before any model is loaded."""
+    """The records a run searches (`inline` or the dataset, cut to `settings.limit`, then to
+    `settings.shard`), after checking the settings; raises before any model is loaded."""
     settings.check()
     records = (inline if inline is not None else load_dataset(settings.dataset))[: settings.limit]
+    if settings.shard:
+        index, count = parse_shard(settings.shard)
+        records = records[index::count]
     if not records:
-        raise ValueError(f"dataset {settings.dataset!r} has no problems")
+        where = f" in shard {settings.shard}" if settings.shard else ""
+        raise ValueError(f"dataset {settings.dataset!r} has no problems{where}")
     return records
 
 
-def grade_and_report(
-    settings: EvalSettings,
-    config: SearchConfig,
-    records: list[dict],
-    completions: list[list[tuple[str, list[float]]]],
-    stats: RunStats,
-    extra_summary: dict,
-    extra_config: dict | None = None,
-) -> dict:
-    """Grade the completions of every record and build the results document."""
-    with Grader() as grader:
-        outcomes = grade_problems(
-            records, completions, grader, selection=settings.selection or SELECTION[config.strategy], agg=config.agg
-        )
-    run_config = {
+def parse_shard(text: str) -> tuple[int, int]:
+    """`i/k` -> (i, k): the i-th of k strided slices (problems i, i+k, i+2k, ...), 0 <= i < k."""
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard must be i/k with whole numbers, e.g. 0/4; got {text!r}") from None
+    if count < 1 or not 0 <= index < count:
+        raise ValueError(f"--shard i/k needs k >= 1 and 0 <= i < k; got {text!r}")
+    return index, count
+
+
+def run_config(settings: EvalSettings, config: SearchConfig, records: list[dict], extra: dict | None = None) -> dict:
+    """The results document's "config": what ran, on how many problems."""
+    return {
         "search": asdict(config),
         **{k: v for k, v in asdict(settings).items() if k != "progress"},
         "selection": settings.selection or SELECTION[config.strategy],
         "num_problems": len(records),
-        **(extra_config or {}),
+        **(extra or {}),
     }
-    document = build_results(run_config, outcomes, stats, agg=config.agg)
-    document["summary"].update(extra_summary)
+
+
+@dataclass
+class Recorder:
+    """Grades each problem as its search finishes and writes its record to the run's journal,
+    with the run's counters at that moment (`counters()`)."""
+
+    journal: Journal
+    grader: Grader
+    selection: str
+    agg: str
+    counters: Callable[[], dict[str, int]]
+    start: float = field(default_factory=time.perf_counter)
+
+    def add(self, record: dict, completions: list[tuple[str, list[float]]]) -> None:
+        [outcome] = grade_problems([record], [completions], self.grader, selection=self.selection, agg=self.agg)
+        self.journal.add(problem_record(outcome, self.agg), time.perf_counter() - self.start, self.counters())
+
+
+def finish(journal: Journal, records: list[dict], agg: str, output: str | Path | None = None,
+           extra_summary: dict | None = None, sections: dict | None = None) -> dict:  # fmt: skip
+    """The results document from the journal's records (in `records`' order) and counters, plus
+    `extra_summary` and top-level `sections`; with `output`, written there atomically and the
+    journal removed."""
+    wall, counters = journal.totals()
+    rows = [journal.records[str(r["unique_id"])] for r in records]
+    stats, summary = summarize(counters, wall)
+    document = build_results(journal.config, problems_from_records(rows), stats, agg)
+    document["problems"] = rows
+    document["summary"] |= summary | (extra_summary or {}) | {"sessions": len(journal.sessions)}
+    document["counters"] = counters
+    document |= sections or {}
+    journal.close()
+    if output is not None:
+        write_results(document, output)
+        journal.close(remove=True)
     return document
 
 
-async def _search(ctx: SearchContext, records: list[dict], progress: bool) -> list[ProblemResult]:
+async def _search(
+    ctx: SearchContext, records: list[dict], recorder: Recorder, progress: bool, grace: float | None
+) -> int | None:
+    """Search `records`, each recorded as it finishes; the signal that stopped the run, or None."""
     bar = tqdm(total=len(records), unit="problem", disable=not progress, dynamic_ncols=True)
     start = time.perf_counter()
     engine = ctx.runtime.engines["generator"]
+    by_uid = {str(r["unique_id"]): r for r in records}
 
     def done(result: ProblemResult) -> None:
+        recorder.add(by_uid[result.uid], [(b.text, b.scores) for b in result.beams])
         bar.update(1)
         bar.set_postfix_str(f"{engine.num_generated_tokens / (time.perf_counter() - start):.0f} tok/s")
 
+    stop = asyncio.Event()
+    task = asyncio.ensure_future(search_problems(ctx, [(uid, r["problem"]) for uid, r in by_uid.items()], done, stop))
+    caught: list[int] = []
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        if caught:  # a second signal: stop now
+            task.cancel()
+            return
+        caught.append(signum)
+        stop.set()
+        tqdm.write(f"treeserve: {signal.Signals(signum).name}: admitting no more problems; those in flight get "
+                   f"{grace:g} s to finish (signal again to stop now)", file=sys.stderr)  # fmt: skip
+        loop.call_later(grace, task.cancel)
+
+    signals = (signal.SIGINT, signal.SIGTERM) if grace is not None else ()
+    for signum in signals:
+        loop.add_signal_handler(signum, on_signal, signum)
     try:
-        return await search_problems(ctx, [(r["unique_id"], r["problem"]) for r in records], done)
+        await task
+    except asyncio.CancelledError:
+        if not caught:
+            raise
     finally:
+        for signum in signals:
+            loop.remove_signal_handler(signum)
         bar.close()
         await ctx.runtime.close()
+    return caught[0] if caught else None
 
 
 def run_counters(runtime: Runtime, ctx: SearchContext) -> dict[str, int]:
@@ -169,6 +280,8 @@ def run_counters(runtime: Runtime, ctx: SearchContext) -> dict[str, int]:
         "score_cache_misses": ctx.cache.misses,
         "prm_requests": ctx.prm_requests,
         "prm_unique_tokens": len(ctx.prm_tree),
+        "lookahead_generated_tokens": ctx.lookahead_generated_tokens,  # rollouts' (text discarded)
+        "lookahead_prm_tokens": ctx.lookahead_prm_tokens,  # rollout steps' share of PRM inputs
     }
     for name, engine in runtime.engines.items():
         stats = engine.blocks.stats
@@ -191,6 +304,7 @@ def summarize(counters: dict[str, int], wall: float) -> tuple[RunStats, dict]:
         prefix_hit_rate=_hit_rate(counters, "generator"),
     )
     summary = {k: counters[k] for k in ("score_cache_hits", "score_cache_misses", "prm_requests")}
+    summary |= {k: counters.get(k, 0) for k in ("lookahead_generated_tokens", "lookahead_prm_tokens")}
     for name in ("generator", "prm"):
         if f"{name}_steps" in counters:
             summary[f"{name}_prefix_hit_rate"] = _hit_rate(counters, name)

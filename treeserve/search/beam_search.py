@@ -5,7 +5,9 @@ the best n / beam_width unfinished beams survive and are copied back up to n bea
 that end (EOS, length, empty step) are set aside. At `num_iterations` the thesis returns
 what the beam holds; `final_to_eos` instead samples the last iteration to EOS, as
 search-and-learn does. With `fixed_steps` (random-weight benchmarks) every step is
-`max_tokens` long and beams end only at `num_iterations`.
+`max_tokens` long and beams end only at `num_iterations`. With `lookahead` K, beams are
+ranked by the PRM's score at the end of a greedy rollout of K more steps (not on the last
+iteration, whose beams are not ranked); the beam keeps only its sampled step.
 """
 
 from __future__ import annotations
@@ -35,9 +37,7 @@ async def _iterate(
         last = iteration == c.num_iterations - 1
         grown = await asyncio.gather(*(ctx.expand(problem, b, to_eos=last and c.final_to_eos) for b in active))
         beams = [children[0] for children in grown]
-        scores = await asyncio.gather(*(ctx.score(problem, b.steps) for b in beams))
-        for beam, s in zip(beams, scores, strict=True):
-            beam.scores = s
+        await asyncio.gather(*(ctx.score_beam(problem, b, lookahead=not last) for b in beams))
         ctx.report(iteration, beams)
         finished += [b for b in beams if b.completed]
         active[:] = beams
@@ -47,7 +47,7 @@ async def _iterate(
         if not alive or last:
             finished += alive
             break
-        ranked = sorted(range(len(alive)), key=lambda i: (-aggregate(alive[i].scores, c.agg), i))
+        ranked = sorted(range(len(alive)), key=lambda i: (-alive[i].value(c.agg), i))
         survivors = [alive[i] for i in sorted(ranked[:keep])]
         for i in ranked[keep:]:
             alive[i].drop_speculation()

@@ -1,8 +1,9 @@
 """What every strategy needs for one run: settings, the runtime, the PRM, caches, counters.
 
-Also the two primitives strategies are written in: `expand` (generate the next step of a
-beam, as token ids so the next prompt is exactly what was sampled) and `score` (PRM
-scores of a beam's steps, through the score cache when it is on).
+Also the primitives strategies are written in: `expand` (generate the next step of a
+beam, as token ids so the next prompt is exactly what was sampled), `score` (PRM scores of
+a beam's steps, through the score cache when it is on) and `score_beam` (the same for a
+beam, after a greedy lookahead rollout whose text is scored and then discarded).
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ class SearchConfig:
     agg: str = "last"  # step-score aggregation: last | min | prod
     filter_duplicates: bool = False
     final_to_eos: bool = False  # search-and-learn: sample the last iteration to EOS
+    # beam search, DVTS: rank a new step by the PRM's score at the end of a greedy rollout of this
+    # many more steps (Snell et al. 2024's lookahead search; the rollout's text is discarded)
+    lookahead: int = 0
     # benchmarks on random weights: every step is max_tokens tokens (no stop string, EOS ignored)
     # and only the last iteration ends a beam
     fixed_steps: bool = False
@@ -57,6 +61,11 @@ class SearchConfig:
             raise ValueError(f"agg must be last, min or prod, got {self.agg!r}")
         if self.max_concurrent_problems < 1 or self.speculative_steps < 0:
             raise ValueError("max_concurrent_problems must be >= 1 and speculative_steps >= 0")
+        if self.lookahead < 0:
+            raise ValueError(f"lookahead must be >= 0, got {self.lookahead}")
+        if self.lookahead and self.strategy not in ("beam_search", "dvts"):
+            raise ValueError(f"lookahead={self.lookahead} rolls out further steps, but {self.strategy!r} has no steps: "
+                             "use it with beam_search or dvts, or leave lookahead at 0")  # fmt: skip
         if self.fixed_steps and self.speculative_steps:
             raise ValueError("fixed_steps has no step boundaries to speculate past: use speculative_steps=0")
         SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens)  # validates
@@ -81,6 +90,7 @@ class Beam:
     scores: list[float] = field(default_factory=list)
     completed: bool = False
     generated_tokens: int = 0
+    lookahead_scores: list[float] = field(default_factory=list)  # of this iteration's rollout (not inherited)
     # speculative tree expansion: the request still decoding past this beam's last step, or
     # the tokens it decoded there. Only copy 0 inherits them (it continues the same seed).
     pending: Speculation | None = None
@@ -97,6 +107,10 @@ class Beam:
         if self.pending is not None:
             self.pending.cancel()
         self.pending = self.spec = None
+
+    def value(self, agg: str) -> float:
+        """What search ranks the beam by: its step scores, continued by its rollout's, aggregated."""
+        return aggregate(self.scores + self.lookahead_scores, agg)
 
     @property
     def text(self) -> str:
@@ -148,8 +162,11 @@ class SearchContext:
     prm_tree: TreeTokens = field(default_factory=TreeTokens)  # distinct tokens the PRM was shown
     prm_requests: int = 0
     in_flight: dict[int, asyncio.Future] = field(default_factory=dict)  # prefix key -> scores being computed
+    rollouts: dict[tuple[int, ...], asyncio.Future] = field(default_factory=dict)  # prompt -> rollout running
     generated_tokens: int = 0  # every token the generator sampled for this context, kept or pruned
     prm_input_tokens: int = 0  # tokens of every PRM input built (cached or not)
+    lookahead_generated_tokens: int = 0  # of generated_tokens, those of lookahead rollouts
+    lookahead_prm_tokens: int = 0  # of the PRM inputs' tokens, those of rollout steps
     on_iteration: Callable[[int, list[Beam]], None] | None = None  # progress: (iteration, scored beams)
 
     def __post_init__(self) -> None:
@@ -231,6 +248,57 @@ class SearchContext:
             return child
         spec.cancel()  # no stop string within the step budget: this step ends the solution
         return self._grow(beam, 0, c.token_ids[:limit], True)
+
+    async def score_beam(self, problem: Problem, beam: Beam, lookahead: bool = False) -> None:
+        """Set `beam.scores` and, with `lookahead`, `beam.lookahead_scores`: the scores of a rollout
+        of `config.lookahead` more steps, which the PRM reads after the beam's own steps."""
+        rollout = await self.rollout(problem, beam) if lookahead else []
+        scores = await self.score(problem, beam.steps + rollout)
+        beam.scores, beam.lookahead_scores = scores[: len(beam.steps)], scores[len(beam.steps) :]
+        if rollout:  # the rollout's share of the PRM input (as if read whole: the same with caches or without)
+            _, positions = self.prm.build(problem.question, beam.steps + rollout)
+            own = positions[len(beam.steps) - 1] + 1 if beam.steps else 0
+            self.lookahead_prm_tokens += positions[-1] + 1 - own
+
+    async def rollout(self, problem: Problem, beam: Beam) -> list[str]:
+        """Up to `config.lookahead` steps after `beam`'s at temperature 0 (text, separator removed).
+        A finished beam has none. Greedy steps depend only on the prompt, so with the score cache
+        on, beams with the same tokens rolling out at the same time share one rollout (which
+        then finishes even if the beam that started it is cancelled)."""
+        if beam.completed or not self.config.lookahead:
+            return []
+        prompt = problem.prompt_ids + [t for step in beam.step_ids for t in step]
+        if not self.config.score_cache:
+            return await self._roll_out(prompt)
+        key = tuple(prompt)
+        shared = self.rollouts.get(key)
+        if shared is None:
+            shared = self.rollouts[key] = asyncio.ensure_future(self._roll_out(prompt))
+            shared.add_done_callback(lambda _: self.rollouts.pop(key, None))
+        return list(await asyncio.shield(shared))
+
+    async def _roll_out(self, prompt: list[int]) -> list[str]:
+        """One request per greedy step; each prompt is the tokens so far, so the prefix cache
+        holds all but the newest. Stops where a beam would end (EOS, length, empty step, full
+        context)."""
+        c = self.config
+        tokenizer = self.runtime.tokenizer(self.generator)
+        limit = self.runtime.engine(self.generator).max_model_len
+        steps: list[str] = []
+        ended = False
+        while not ended and len(steps) < c.lookahead and len(prompt) + 1 < limit:
+            stop = None if c.fixed_steps else [STEP_STOP]
+            params = SamplingParams(temperature=0.0, max_tokens=c.max_tokens, stop=stop,
+                                    include_stop_str_in_output=True, ignore_eos=c.fixed_steps)  # fmt: skip
+            out = (await self.runtime.generate(self.generator, {"prompt_token_ids": prompt}, params)).outputs[0]
+            self.generated_tokens += len(out.token_ids)
+            self.lookahead_generated_tokens += len(out.token_ids)
+            prompt = prompt + list(out.token_ids)
+            text = tokenizer.decode(list(out.token_ids))
+            steps.append(text.removesuffix(STEP_STOP))
+            ended_by_stop_string = out.finish_reason == "stop" and out.stop_reason == STEP_STOP
+            ended = not (ended_by_stop_string or c.fixed_steps) or not text.strip()
+        return steps
 
     def _extend(self, beam: Beam, copy: int, c: CompletionOutput) -> Beam:
         ended_by_stop_string = c.finish_reason == "stop" and c.stop_reason == STEP_STOP

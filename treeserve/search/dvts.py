@@ -4,13 +4,15 @@ Each subtree holds one beam; every iteration it samples beam_width candidate nex
 (one request, n=beam_width), the PRM scores them, and the best one is kept. A subtree
 stops when its chosen step ends the solution. As in search-and-learn, the result holds
 all beam_width candidates of each subtree's last expansion, so n completions come back.
+With `lookahead` K, candidates are compared by the PRM's score at the end of a greedy
+rollout of K more steps (as in search-and-learn); the kept candidate keeps only its step.
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from treeserve.search.context import Beam, Problem, SearchContext, aggregate
+from treeserve.search.context import Beam, Problem, SearchContext
 
 
 async def _subtree(ctx: SearchContext, problem: Problem, index: int) -> list[Beam]:
@@ -20,11 +22,9 @@ async def _subtree(ctx: SearchContext, problem: Problem, index: int) -> list[Bea
     for iteration in range(c.num_iterations):
         last = iteration == c.num_iterations - 1
         candidates = await ctx.expand(problem, beam, n=c.beam_width, to_eos=last and c.final_to_eos)
-        scores = await asyncio.gather(*(ctx.score(problem, b.steps) for b in candidates))
-        for candidate, s in zip(candidates, scores, strict=True):
-            candidate.scores = s
+        await asyncio.gather(*(ctx.score_beam(problem, b, lookahead=not last) for b in candidates))
         ctx.report(iteration, candidates)
-        best = max(range(len(candidates)), key=lambda i: (aggregate(candidates[i].scores, c.agg), -i))
+        best = max(range(len(candidates)), key=lambda i: (candidates[i].value(c.agg), -i))
         beam = candidates[best]
         if beam.completed:
             break

@@ -41,13 +41,17 @@ async def search_problems(
     ctx: SearchContext,
     problems: list[tuple[str, str]],
     on_done: Callable[[ProblemResult], None] | None = None,
-) -> list[ProblemResult]:
-    """problems: (unique id, question) pairs. Results come back in input order."""
+    stop: asyncio.Event | None = None,
+) -> list[ProblemResult | None]:
+    """problems: (unique id, question) pairs. Results come back in input order. Once `stop` is
+    set no problem starts (its result is None); those already started run to the end."""
     strategy = STRATEGY_FUNCTIONS[ctx.config.strategy]
     gate = asyncio.Semaphore(ctx.config.max_concurrent_problems)
 
-    async def one(uid: str, question: str) -> ProblemResult:
+    async def one(uid: str, question: str) -> ProblemResult | None:
         async with gate:
+            if stop is not None and stop.is_set():
+                return None
             start = time.perf_counter()
             beams = await strategy(ctx, ctx.problem(uid, question))
             result = ProblemResult(uid, beams, time.perf_counter() - start)

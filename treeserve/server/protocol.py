@@ -121,6 +121,7 @@ class SearchRequest(BaseModel):
     selection: Literal["naive", "weighted", "majority"] | None = None
     filter_duplicates: bool = False
     final_to_eos: bool = False
+    lookahead: Annotated[int, Field(ge=0, le=200)] = 0  # beam search, DVTS: greedy rollout steps to score
     seed: int = 0
     stream: bool = False
 

@@ -33,7 +33,7 @@ def search_context(served: Served, req: SearchRequest) -> tuple[SearchContext, P
     config = SearchConfig(
         strategy=req.strategy, n=req.n, beam_width=req.beam_width, num_iterations=req.num_iterations,
         temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_tokens, agg=req.agg,
-        filter_duplicates=req.filter_duplicates, final_to_eos=req.final_to_eos, seed=req.seed,
+        filter_duplicates=req.filter_duplicates, final_to_eos=req.final_to_eos, lookahead=req.lookahead, seed=req.seed,
     )  # fmt: skip
     prm = None
     if config.strategy != "majority":
@@ -84,7 +84,8 @@ def _result(served: Served, req: SearchRequest, ctx: SearchContext, prompt_token
         "completions": completions,
         "usage": {"prompt_tokens": prompt_tokens, "generator_tokens": ctx.generated_tokens,
                   "prm_tokens": ctx.prm_input_tokens, "prm_unique_tokens": len(ctx.prm_tree),
-                  "prm_requests": ctx.prm_requests},
+                  "prm_requests": ctx.prm_requests, "lookahead_generator_tokens": ctx.lookahead_generated_tokens,
+                  "lookahead_prm_tokens": ctx.lookahead_prm_tokens},
         "timing": {"seconds": seconds},
     }  # fmt: skip
 
