@@ -106,3 +106,18 @@ def test_quantised_path_matches_the_dequantised_path(gemma_gguf, make_llm):
         print(f"{dtype}: max rel {max_rel:.2e}, mean rel {mean_rel:.2e}, perplexity {ppl:.3f} vs {ref_ppl:.3f}")
         assert abs(ppl / ref_ppl - 1) <= 0.01
         assert max_rel <= (1e-4 if dtype == "float32" else 0.05)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_file_alone_is_enough(gemma_gguf, dtype):
+    """`LLM(model=<the GGUF>)` with no other argument: the default 1 GiB of KV holds the 32k
+    context in bf16; in fp32 it does not, and max_model_len is lowered to what fits."""
+    from treeserve import LLM
+
+    llm = LLM(model=gemma_gguf, dtype=dtype)
+    engine = llm.engine
+    assert engine.max_model_len == (32768 if dtype == "bfloat16" else (engine.blocks.num_blocks - 1) * 16)
+    assert engine.max_model_len >= 2048
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 4
+    engine.check_pages_idle()
