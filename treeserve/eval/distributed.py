@@ -32,7 +32,6 @@ from typing import Any
 from tqdm import tqdm
 
 from treeserve.eval.grading import Grader
-from treeserve.eval.journal import Journal, journal_path
 from treeserve.eval.runner import (
     ASSETS,
     SELECTION,
@@ -42,6 +41,7 @@ from treeserve.eval.runner import (
     build_runtime,
     finish,
     load_problems,
+    open_journal,
     run_config,
     run_counters,
 )
@@ -154,11 +154,8 @@ def run_eval_distributed(
     window = min(config.max_concurrent_problems, max(1, math.ceil(len(records) / (2 * options.workers))))
     distributed = {"workers": options.workers, "cpus_per_worker": options.cpus_per_worker,
                    "ray_address": options.address, "problems_in_flight_per_worker": window}  # fmt: skip
-    journal = Journal.open(
-        journal_path(output) if output else None, run_config(settings, config, records, {"distributed": distributed}),
-        resume,
-    )  # fmt: skip
-    todo = [r for r in records if str(r["unique_id"]) not in journal.records]
+    journal, todo = open_journal(settings, run_config(settings, config, records, {"distributed": distributed}),
+                                 records, output, resume)  # fmt: skip
     summary: dict = {}
     stopped = None
     if todo:

@@ -125,11 +125,7 @@ def run_eval(
     records = load_problems(settings, inline)
     if settings.reference:
         config = config.reference()
-    journal = Journal.open(journal_path(output) if output else None, run_config(settings, config, records), resume)
-    todo = [r for r in records if str(r["unique_id"]) not in journal.records]
-    if journal.records and settings.progress:
-        print(f"treeserve: resuming {journal.path}: {len(records) - len(todo)} of {len(records)} problems done",
-              file=sys.stderr)  # fmt: skip
+    journal, todo = open_journal(settings, run_config(settings, config, records), records, output, resume)
     extra: dict = {}
     stopped = None
     if todo:
@@ -153,6 +149,18 @@ def run_eval(
         journal.close()
         raise Interrupted(stopped or signal.SIGINT, len(journal.records), len(records), journal.path)
     return finish(journal, records, config.agg, output, sections=extra)
+
+
+def open_journal(
+    settings: EvalSettings, config: dict, records: list[dict], output: str | Path | None, resume: bool
+) -> tuple[Journal, list[dict]]:
+    """The run's journal (next to `output`, or in memory) and the records it has not finished."""
+    journal = Journal.open(journal_path(output) if output else None, config, resume)
+    todo = [r for r in records if str(r["unique_id"]) not in journal.records]
+    if journal.records and settings.progress:
+        print(f"treeserve: resuming {journal.path}: {len(records) - len(todo)} of {len(records)} problems done",
+              file=sys.stderr)  # fmt: skip
+    return journal, todo
 
 
 def load_problems(settings: EvalSettings, inline: list[dict] | None = None) -> list[dict]:
