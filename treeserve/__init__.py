@@ -16,6 +16,7 @@ _EXPORTS = {
     "ScoreOutput": "treeserve.outputs",
     "SamplingParams": "treeserve.sampling_params",
     "ScoreParams": "treeserve.sampling_params",
+    "StructuredOutputsParams": "treeserve.sampling_params",
 }
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"

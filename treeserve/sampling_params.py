@@ -14,6 +14,45 @@ GREEDY_BELOW = 1e-5
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on the generated text (vLLM's names): exactly one of a JSON schema (a dict
+    or its JSON text), any JSON object, a regex the whole output must match, a list of choices
+    (the output is one of them), or a grammar (Lark, or GBNF/EBNF with `::=` rules)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name)]
+        if len(given) != 1:
+            what = f"{len(given)} ({', '.join(given)})" if given else "none"
+            raise ValueError(
+                f"structured_outputs takes exactly one of json, regex, choice, grammar, json_object; got {what}"
+            )
+        if self.json is not None and not isinstance(self.json, dict | str):
+            raise ValueError(
+                f"structured_outputs.json must be a JSON schema (an object or its text), got {self.json!r:.80}"
+            )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"structured_outputs.{name} must be a string, got {value!r:.80}")
+        choice = self.choice
+        if choice is not None and (not isinstance(choice, list) or not all(isinstance(c, str) and c for c in choice)):
+            raise ValueError(f"structured_outputs.choice must be a list of non-empty strings, got {choice!r:.80}")
+
+    @property
+    def key(self) -> str:
+        """The constraint as one string (what compiled constraints are cached by)."""
+        import json
+
+        return json.dumps([self.json, self.regex, self.choice, self.grammar, self.json_object], sort_keys=True)
+
+
+@dataclass
 class SamplingParams:
     """How to sample one request's completions (same names and meanings as vLLM)."""
 
@@ -40,6 +79,8 @@ class SamplingParams:
     # Stop at the k-th occurrence of a stop string instead of the first (used by
     # speculative tree expansion to decode several reasoning steps ahead).
     n_stop_occurrences: int = 1
+    # constrained generation: masks from the constraint are applied before the seeded draw
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -96,6 +137,13 @@ class SamplingParams:
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError("structured_outputs must be a StructuredOutputsParams")
+            if self.ignore_eos:
+                raise ValueError(
+                    "ignore_eos cannot be combined with structured_outputs: the constraint decides where output ends"
+                )
 
     @property
     def greedy(self) -> bool:
@@ -103,10 +151,10 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether the sampler edits this request's logits (penalties, bias, min_tokens)."""
+        """Whether the sampler edits this request's logits (penalties, bias, min_tokens, a constraint)."""
         return bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-            or self.logit_bias or self.min_tokens
+            or self.logit_bias or self.min_tokens or self.structured_outputs
         )  # fmt: skip
 
 

@@ -20,6 +20,7 @@ from treeserve.config import EngineConfig
 from treeserve.device import available_memory
 from treeserve.engine.attention import BACKENDS
 from treeserve.engine.detokenizer import StopChecker
+from treeserve.engine.guided import Constraints, apply_masks
 from treeserve.engine.model_runner import ModelRunner, ScheduledSeq
 from treeserve.engine.penalties import RowHistory, adjust_logits
 from treeserve.engine.request import Request, Sequence
@@ -62,6 +63,7 @@ class LLMEngine:
         self.model_config = loaded.config
         self.extra_tensors = loaded.extra_tensors
         self.tokenizer = Tokenizer(config.model, model_eos_ids=loaded.config.eos_token_ids)
+        self.constraints = Constraints(self.tokenizer)  # structured outputs: compiled at first use, cached
         limit = loaded.config.max_position_embeddings
         self.context_len = min(config.max_model_len or limit, limit)  # max_model_len before the KV budget's say
         self.max_model_len = self.context_len
@@ -169,6 +171,9 @@ class LLMEngine:
                 raise ValueError(f"logit_bias token ids must be < vocab size {vocab}, got {max(params.logit_bias)}")
             if params.logprobs is not None and params.logprobs > vocab:
                 raise ValueError(f"logprobs must be <= vocab size {vocab}, got {params.logprobs}")
+            if params.structured_outputs is not None:
+                room = self.max_model_len - len(token_ids)
+                self.constraints.check(params.structured_outputs, min(params.max_tokens or room, room))
             if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
                 raise ValueError(f"prompt_logprobs must be <= vocab size {vocab}, got {params.prompt_logprobs}")
         else:
@@ -327,6 +332,8 @@ class LLMEngine:
             logprobs = token_logprobs(self.model.compute_logits(states[wanted]), tokens[wanted], k)
         for i, ((seq, _), token) in enumerate(zip(to_sample, tokens.tolist(), strict=True)):  # the step's one D2H
             seq.token_ids.append(token)
+            if seq.guide is not None:
+                seq.guide.advance(token)
             self.num_generated_tokens += 1
             if seq.logprobs is not None:
                 self._record_logprobs(seq, token, logprobs, wanted.index(i))
@@ -346,16 +353,25 @@ class LLMEngine:
         if plain:
             tokens[plain] = sample(logits[plain], [rows[i] for i in plain], self.draw)
         eos = list(self.tokenizer.eos_token_ids)
+        for seq in seqs:
+            if seq.request.params.structured_outputs is not None and seq.guide is None:
+                seq.guide = self.constraints.guide(seq.request.params.structured_outputs)
         histories = [
             RowHistory(
                 params=seq.request.params,
                 prompt_ids=seq.request.prompt_token_ids,
                 output_ids=seq.token_ids[seq.num_prompt_tokens :],
-                stop_ids=([] if seq.request.params.ignore_eos else eos) + seq.request.params.stop_token_ids,
+                # where the constraint accepts, it decides whether the output ends: min_tokens yields
+                stop_ids=[]
+                if seq.guide is not None and seq.guide.matcher.is_accepting()
+                else ([] if seq.request.params.ignore_eos else eos) + seq.request.params.stop_token_ids,
             )
             for seq in seqs
         ]
         raw = adjust_logits(logits[edited].float(), histories)
+        guided = [i for i, seq in enumerate(seqs) if seq.guide is not None]
+        if guided:
+            apply_masks(raw, guided, [seqs[i].guide for i in guided])
         edited_rows = [rows[i] for i in edited]
         (scale,) = self.runner.staging.to_device(torch.tensor(temperatures(edited_rows))[:, None])
         tokens[edited] = sample(raw / scale, edited_rows, self.draw)

@@ -11,12 +11,16 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import torch
 
 from treeserve.engine.detokenizer import StopChecker
 from treeserve.outputs import CompletionOutput, Logprob, RequestOutput, ScoreOutput
 from treeserve.sampling_params import SamplingParams, ScoreParams
+
+if TYPE_CHECKING:
+    from treeserve.engine.guided import Guide
 
 _seq_ids = itertools.count()
 
@@ -49,6 +53,7 @@ class Sequence:
     stop_reason: str | int | None = None
     # forward-only requests: what was read at each requested position (a recompute overwrites)
     score_rows: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = field(default_factory=dict)
+    guide: Guide | None = None  # structured outputs: where this sequence is in its constraint
 
     @property
     def num_prompt_tokens(self) -> int:

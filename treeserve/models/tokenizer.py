@@ -49,6 +49,19 @@ def _load(model_dir: str) -> tuple[HFTokenizer, dict]:
     return hf, _read_json(os.path.join(model_dir, "tokenizer_config.json"))
 
 
+def _byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's byte-to-unicode map: printable bytes stand for themselves, the rest are shifted to 256+."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    chars, shift = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + shift)
+            shift += 1
+    return chars
+
+
 class Tokenizer:
     def __init__(self, model_dir: str, model_eos_ids: list[int] | None = None):
         """`model_dir`: a Hugging Face checkpoint directory or a GGUF file."""
@@ -87,6 +100,31 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.hf.id_to_token(token_id)
+
+    def token_bytes(self) -> tuple[list[bytes], list[int]]:
+        """Each token id's bytes in decoded text (what a constraint library matches text against)
+        and the ids of special tokens (which decode to nothing). Follows the decoder: byte-level
+        (GPT-2's byte-to-unicode alphabet), SentencePiece-style (`<0xNN>` byte pieces, U+2581 as a
+        space) or plain (the token's text)."""
+        spec = json.loads(self.hf.to_str())
+        decoders = (spec.get("decoder") or {}).get("decoders") or [spec.get("decoder") or {}]
+        kinds = {d.get("type") for d in decoders}
+        specials = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+        to_byte = {c: b for b, c in _byte_level_alphabet().items()}
+        out = []
+        for i in range(self.vocab_size):
+            text = self.hf.id_to_token(i) or ""
+            if i in specials:
+                out.append(b"")
+            elif "ByteLevel" in kinds:
+                out.append(bytes(to_byte[c] for c in text) if all(c in to_byte for c in text) else text.encode())
+            elif "ByteFallback" in kinds and len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+                out.append(bytes([int(text[3:5], 16)]))
+            elif kinds & {"Metaspace", "ByteFallback", "Replace"}:
+                out.append(text.replace("\u2581", " ").encode())
+            else:
+                out.append(text.encode())
+        return out, sorted(specials)
 
     def apply_chat_template(
         self,
