@@ -43,8 +43,10 @@ from workloads import build_random_llama, random_prompts  # noqa: E402
 PYTHONS = {
     "treeserve": sys.executable,
     "treeserve-bf16": sys.executable,
+    "treeserve-guided": sys.executable,
     "transformers": sys.executable,
     "vllm": os.environ.get("VLLM_PYTHON", os.path.join(HERE, "..", ".venv-vllm", "bin", "python")),
+    "vllm-guided": os.environ.get("VLLM_PYTHON", os.path.join(HERE, "..", ".venv-vllm", "bin", "python")),
     "llamacpp": os.environ.get("LLAMACPP_PYTHON", os.path.join(HERE, "..", ".venv-llamacpp", "bin", "python")),
 }
 

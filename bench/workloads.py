@@ -31,18 +31,24 @@ def build_random_llama(
     vocab: int = 8192,
     intermediate: int | None = None,
     seed: int = 0,
+    byte_level: bool = False,
 ) -> str:
+    """`byte_level`: a byte-level BPE tokenizer of `vocab` tokens (trained here on text and
+    JSON) instead of the word-level one, whose words cannot spell JSON or any free text."""
     if os.path.isfile(os.path.join(out_dir, "model.safetensors")):
         return out_dir
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     os.makedirs(out_dir, exist_ok=True)
-    words = {"<s>": 0, "</s>": 1, "<unk>": 2}
-    words.update({f"w{i}": i for i in range(3, vocab)})
-    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    if byte_level:
+        tok = _byte_level_tokenizer(vocab)
+    else:
+        words = {"<s>": 0, "</s>": 1, "<unk>": 2}
+        words.update({f"w{i}": i for i in range(3, vocab)})
+        tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(
@@ -67,6 +73,30 @@ def build_random_llama(
         eos_token_id=1,
         tie_word_embeddings=False,
     ), seed)  # fmt: skip
+
+
+def _byte_level_tokenizer(vocab: int):  # noqa: ANN202 - tokenizers.Tokenizer
+    """GPT-2-style byte-level BPE with <s>, </s>, <unk> as ids 0-2, trained on generated text
+    and JSON (every byte is a token, so any text can be spelled)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = ["name", "age", "city", "people", "true", "false", "null"]
+    words += ["".join(rng.choices(letters, k=rng.randint(2, 9))) for _ in range(6000)]
+    corpus = []
+    for _ in range(4000):
+        record = {rng.choice(words): rng.choice([rng.randint(-999, 9999), rng.choice(words) * rng.randint(1, 3)])
+                  for _ in range(rng.randint(1, 5))}  # fmt: skip
+        corpus.append(json.dumps(record) + " " + " ".join(rng.choices(words, k=8)))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<s>", "</s>", "<unk>"], initial_alphabet=alphabet,
+                                  show_progress=False)  # fmt: skip
+    tok.train_from_iterator(corpus, trainer)
+    return tok
 
 
 def build_twin(size: str, role: str, out_root: str, seed: int = 0) -> str:

@@ -137,6 +137,10 @@ def _add_search_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--final-to-eos", action="store_true", help="search-and-learn: sample the last iteration to EOS")
     p.add_argument("--lookahead", type=int, default=0, metavar="K",
                    help="beam search, DVTS: score each new step after K more greedy steps")  # fmt: skip
+    p.add_argument("--step-regex", default=None, metavar="REGEX",
+                   help="every step the separator ends must match this (llguidance regex, whole step)")  # fmt: skip
+    p.add_argument("--answer-regex", default=None, metavar="REGEX",
+                   help=r"the final step must match this, e.g. '.*\\boxed\{[^{}]+\}.*'")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--generator", default=gen)
     p.add_argument("--prm", default=prm)

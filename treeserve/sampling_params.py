@@ -26,7 +26,8 @@ class StructuredOutputsParams:
     json_object: bool | None = None
 
     def __post_init__(self) -> None:
-        given = [name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name)]
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
         if len(given) != 1:
             what = f"{len(given)} ({', '.join(given)})" if given else "none"
             raise ValueError(

@@ -19,10 +19,17 @@ import time
 
 # warm-up prompt (not timed): no workload prompt, so prefix caches start cold
 WARM_UP = [(7 * i) % 500 + 3 for i in range(24)]
+EXTRA: dict = {}  # engine-specific measurements that go into the RESULT line
 
 
-def run_treeserve(model: str, w: dict, dequantize: bool = False) -> tuple[float, int]:
-    from treeserve import LLM, SamplingParams
+def _timed(fn) -> float:  # noqa: ANN001
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def run_treeserve(model: str, w: dict, dequantize: bool = False, guided: bool = False) -> tuple[float, int]:
+    from treeserve import LLM, SamplingParams, StructuredOutputsParams
 
     llm = LLM(
         model,
@@ -36,6 +43,16 @@ def run_treeserve(model: str, w: dict, dequantize: bool = False) -> tuple[float,
     )
     params = SamplingParams(n=w["n"], temperature=w["temperature"], max_tokens=w["max_tokens"], ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in w["prompts"]]
+    if guided:  # the first guided request (1 token) pays the tokenizer setup and the schema's compile
+        probe = SamplingParams(max_tokens=1, structured_outputs=StructuredOutputsParams(json=w["typical_schema"]))
+        EXTRA["first_guided_request_s"] = _timed(lambda: llm.generate([{"prompt_token_ids": WARM_UP}], probe))
+        EXTRA["plain_request_s"] = _timed(
+            lambda: llm.generate([{"prompt_token_ids": WARM_UP}], SamplingParams(max_tokens=1))
+        )
+        schema = StructuredOutputsParams(json=w["guided_json"])
+        params = SamplingParams(
+            n=w["n"], temperature=w["temperature"], max_tokens=w["max_tokens"], structured_outputs=schema
+        )
     llm.generate([{"prompt_token_ids": WARM_UP}], SamplingParams(n=2, max_tokens=8, ignore_eos=True))
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -43,10 +60,11 @@ def run_treeserve(model: str, w: dict, dequantize: bool = False) -> tuple[float,
     return elapsed, sum(len(c.token_ids) for o in outs for c in o.outputs)
 
 
-def run_vllm(model: str, w: dict) -> tuple[float, int]:
+def run_vllm(model: str, w: dict, guided: bool = False) -> tuple[float, int]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, w["kv_bytes"] >> 30)))
     from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm.sampling_params import StructuredOutputsParams
 
     llm = LLM(
         model=model,
@@ -59,6 +77,15 @@ def run_vllm(model: str, w: dict) -> tuple[float, int]:
     )
     params = SamplingParams(n=w["n"], temperature=w["temperature"], max_tokens=w["max_tokens"], ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in w["prompts"]]
+    if guided:
+        warm = [TokensPrompt(prompt_token_ids=WARM_UP)]
+        probe = SamplingParams(max_tokens=1, structured_outputs=StructuredOutputsParams(json=w["typical_schema"]))
+        EXTRA["first_guided_request_s"] = _timed(lambda: llm.generate(warm, probe, use_tqdm=False))
+        EXTRA["plain_request_s"] = _timed(lambda: llm.generate(warm, SamplingParams(max_tokens=1), use_tqdm=False))
+        schema = StructuredOutputsParams(json=w["guided_json"])
+        params = SamplingParams(
+            n=w["n"], temperature=w["temperature"], max_tokens=w["max_tokens"], structured_outputs=schema
+        )
     warm_up = SamplingParams(n=2, max_tokens=8, ignore_eos=True)
     llm.generate([TokensPrompt(prompt_token_ids=WARM_UP)], warm_up, use_tqdm=False)
     start = time.perf_counter()
@@ -165,9 +192,11 @@ if __name__ == "__main__":
     runner = {
         "treeserve": run_treeserve,
         "treeserve-bf16": lambda model, w: run_treeserve(model, w, dequantize=True),
+        "treeserve-guided": lambda model, w: run_treeserve(model, w, guided=True),
         "vllm": run_vllm,
+        "vllm-guided": lambda model, w: run_vllm(model, w, guided=True),
         "transformers": run_transformers,
         "llamacpp": run_llamacpp,
     }[engine]
     seconds, tokens = runner(model, w)
-    print("RESULT " + json.dumps({"engine": engine, "seconds": seconds, "tokens": tokens}), flush=True)
+    print("RESULT " + json.dumps({"engine": engine, "seconds": seconds, "tokens": tokens, **EXTRA}), flush=True)

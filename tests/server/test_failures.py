@@ -20,6 +20,9 @@ from treeserve.server.launch import ServerSettings
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CHAT = [{"role": "user", "content": "Compute ((12 + 7) * 3) - 15."}]
+JSON = {"type": "json_object"}
+NO_INTEGER = {"type": "integer", "minimum": 5, "maximum": 3}
+NO_INTEGER_FORMAT = {"type": "json_schema", "json_schema": {"name": "x", "schema": NO_INTEGER}}
 
 
 def post(server: LiveServer, path: str, body: object, **kwargs: object) -> httpx.Response:
@@ -71,10 +74,22 @@ BAD_INPUTS = [
     ("/v1/chat/completions", {"messages": []}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400),
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 100_000}, 400),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, 400),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema"}}, 400),  # no json_schema
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": NO_INTEGER_FORMAT}, 400),  # unsatisfiable
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"json": {"type": "bogus"}}}, 400),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "(a"}}, 400),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"grammar": "start: ("}}, 400),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "a{500}"}, "max_tokens": 5}, 400),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"choice": ["x" * 99, "y" * 99]}, "max_tokens": 5}, 400),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["a"]}}, 400),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "a"}, "response_format": JSON}, 400),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "a", "guided_choice": ["a"]}, 400),
     ("/v1/search", {"problem": "Compute 1 + 2.", "strategy": "alphago"}, 400),
     ("/v1/search", {"problem": "Compute 1 + 2.", "n": 6, "beam_width": 4}, 400),
     ("/v1/search", {"problem": "Compute 1 + 2.", "strategy": "majority", "lookahead": 1}, 400),  # no steps
     ("/v1/search", {"problem": "Compute 1 + 2.", "lookahead": -1}, 400),
+    ("/v1/search", {"problem": "Compute 1 + 2.", "answer_regex": "(unclosed"}, 400),  # checked before the search
     ("/v1/search", {"problem": "x", "messages": CHAT}, 400),
     ("/v1/search", {}, 400),
     ("/v1/search", {"problem": "Compute 1 + 2.", "model": "other"}, 404),

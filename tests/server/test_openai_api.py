@@ -5,6 +5,7 @@ offline `LLM` on the same checkpoint."""
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -133,6 +134,17 @@ def test_search_over_http(client: OpenAI) -> None:
     ahead = client.post("/search", body={**body, "lookahead": 1}, cast_to=object)
     assert ahead["usage"]["lookahead_generator_tokens"] > 0 and ahead["usage"]["lookahead_prm_tokens"] > 0
     assert all(len(c["step_scores"]) == len(c["steps"]) for c in ahead["completions"])  # rollouts are not kept
+
+
+def test_search_with_step_and_answer_regexes(client: OpenAI) -> None:
+    step, answer = r"[^\n]{1,100}", r"The answer is \\boxed\{-?[0-9]+\}\."
+    body = {"problem": QUESTION, "strategy": "beam_search", "n": 4, "beam_width": 2, "num_iterations": 10,
+            "seed": 3, "step_regex": step, "answer_regex": answer}  # fmt: skip
+    out = client.post("/search", body=body, cast_to=object)
+    for c in out["completions"]:
+        *middle, last = c["steps"]
+        assert all(re.fullmatch(step, s) for s in middle) and (re.fullmatch(answer, last) or re.fullmatch(step, last))
+    assert any(re.fullmatch(answer, c["steps"][-1]) for c in out["completions"]) and out["answer"]
 
 
 def test_search_streams_progress_then_the_result(server: LiveServer) -> None:

@@ -24,7 +24,6 @@ import torch
 from treeserve.models.tokenizer import Tokenizer
 from treeserve.sampling_params import StructuredOutputsParams
 
-
 # JSON is written as json.dumps writes it (", " and ": ", no other whitespace): with free
 # whitespace, small models loop on newlines and spaces until max_tokens. A schema's own
 # "x-guidance" options (e.g. {"whitespace_flexible": true}) override this.
@@ -68,8 +67,8 @@ def _checked(build, what: str) -> str:  # noqa: ANN001 - a thunk
 
 
 def _validate(grammar: str) -> tuple[bool, str]:
-    error, _warnings = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    return (not error, error)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    return (not is_error, messages[0] if is_error and messages else "")
 
 
 class Constraints:
@@ -81,14 +80,19 @@ class Constraints:
         self._lltok: llguidance.LLTokenizer | None = None
         self._grammars: dict[str, str] = {}
         self._max_token_bytes = 1
+        self.executor = llguidance.LLExecutor(num_threads=max(1, torch.get_num_threads()))
+        self.speakable = torch.ones(0, dtype=torch.bool)  # [vocab]: False for special tokens other than EOS
 
     @property
     def lltokenizer(self) -> llguidance.LLTokenizer:
         if self._lltok is None:
             tokens, specials = self.tokenizer.token_bytes()
             self._max_token_bytes = max(len(t) for t in tokens)
-            wrapped = llguidance.TokenizerWrapper(_TokenSource(self.tokenizer, tokens, specials))
             eos = list(self.tokenizer.eos_token_ids)
+            # a special token spells no text: the constraint may end with EOS but never emit another
+            self.speakable = torch.ones(len(tokens), dtype=torch.bool)
+            self.speakable[sorted(set(specials) - set(eos))] = False
+            wrapped = llguidance.TokenizerWrapper(_TokenSource(self.tokenizer, tokens, specials))
             self._lltok = llguidance.LLTokenizer(wrapped, n_vocab=self.tokenizer.vocab_size, eos_token=eos)
         return self._lltok
 
@@ -97,7 +101,8 @@ class Constraints:
         satisfy it: an empty language, or (regex and choice) more bytes than max_tokens of the
         vocabulary's longest token can spell. Compiles (and caches) it on the way."""
         guide = self.guide(constraint)
-        if not guide.matcher.is_accepting() and not guide.allowed().any():
+        allowed = self.allowed([guide])[0]  # an empty language puts the matcher in an error state here
+        if guide.matcher.is_error() or not (guide.matcher.is_accepting() or allowed.any()):
             raise ValueError("structured_outputs: no output satisfies this constraint")
         shortest = _shortest_bytes(constraint)
         if max_tokens is not None and shortest is not None and shortest > max_tokens * self._max_token_bytes:
@@ -114,24 +119,32 @@ class Constraints:
         matcher = llguidance.LLMatcher(self.lltokenizer, grammar)
         if matcher.is_error():
             raise ValueError(f"structured_outputs: {matcher.get_error()}")
-        return Guide(matcher, self.tokenizer.vocab_size)
+        return Guide(matcher)
+
+    def allowed(self, guides: list[Guide]) -> torch.Tensor:
+        """[len(guides), vocab] bool: the tokens each constraint allows next (EOS only where it
+        accepts; never a special token other than EOS). The masks are computed in parallel by
+        llguidance's executor (its threads run without the GIL)."""
+        vocab = self.tokenizer.vocab_size
+        words = torch.empty(len(guides), (vocab + 31) // 32, dtype=torch.int32)
+        self.executor.unsafe_compute_mask_ptr(
+            [(g.matcher, i) for i, g in enumerate(guides)], words.data_ptr(), words.shape[1] * 4, len(guides)
+        )
+        bits = np.unpackbits(words.numpy().view(np.uint8), axis=1, count=vocab, bitorder="little")
+        return torch.from_numpy(bits).view(torch.bool) & self.speakable
 
 
 @dataclass
 class Guide:
-    """One sequence's position in its constraint: which tokens may come next."""
+    """One sequence's position in its constraint."""
 
     matcher: llguidance.LLMatcher
-    vocab_size: int
 
-    def allowed(self) -> np.ndarray:
-        """[vocab_size] bool: the tokens the constraint allows next (EOS only where it accepts)."""
-        words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        return np.unpackbits(words, bitorder="little")[: self.vocab_size].astype(bool)
-
-    def advance(self, token: int) -> None:
-        if not self.matcher.consume_token(token):
-            raise RuntimeError(f"the constraint refused token {token}: {self.matcher.get_error()}")
+    def advance(self, token: int) -> bool:
+        """Consume a sampled token; False at a dead end: the mask allowed nothing (the sampler's
+        -1; e.g. the text needs a character the vocabulary can only spell as a special token) or
+        the matcher refused what it allowed. The engine ends that sequence alone ("abort")."""
+        return token >= 0 and self.matcher.consume_token(token)
 
     @property
     def done(self) -> bool:
@@ -139,16 +152,17 @@ class Guide:
         return self.matcher.is_stopped()
 
 
-def apply_masks(logits: torch.Tensor, rows: list[int], guides: list[Guide]) -> None:
-    """Set the logits of disallowed tokens to -inf in `rows` of `logits` ([B, V], in place).
-    Columns past the tokenizer's vocabulary (padding) are disallowed too."""
-    allowed = np.zeros((len(rows), logits.shape[1]), dtype=bool)
-    for i, guide in enumerate(guides):
-        mask = guide.allowed()
-        allowed[i, : mask.shape[0]] = mask
-    blocked = torch.from_numpy(~allowed).to(logits.device)
-    index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(blocked, float("-inf"))
+def apply_masks(logits: torch.Tensor, rows: list[int], allowed: torch.Tensor) -> None:
+    """Set the logits of tokens not `allowed` ([len(rows), vocab] bool) to -inf in `rows` of
+    `logits` ([B, V], in place). Columns past the tokenizer's vocabulary (padding) too."""
+    blocked = torch.ones(len(rows), logits.shape[1], dtype=torch.bool)
+    blocked[:, : allowed.shape[1]] = ~allowed
+    blocked = blocked.to(logits.device)
+    if len(rows) == logits.shape[0]:
+        logits.masked_fill_(blocked, float("-inf"))
+    else:
+        index = torch.tensor(rows, device=logits.device)
+        logits[index] = logits[index].masked_fill(blocked, float("-inf"))
 
 
 def _shortest_bytes(constraint: StructuredOutputsParams) -> int | None:

@@ -331,9 +331,11 @@ class LLMEngine:
             k = max(to_sample[i][0].request.params.logprobs for i in wanted)
             logprobs = token_logprobs(self.model.compute_logits(states[wanted]), tokens[wanted], k)
         for i, ((seq, _), token) in enumerate(zip(to_sample, tokens.tolist(), strict=True)):  # the step's one D2H
+            if seq.guide is not None and not seq.guide.advance(token):
+                seq.finish_reason, seq.stop_reason = "abort", None  # the constraint library contradicted itself
+                self.scheduler.finish(seq)
+                continue
             seq.token_ids.append(token)
-            if seq.guide is not None:
-                seq.guide.advance(token)
             self.num_generated_tokens += 1
             if seq.logprobs is not None:
                 self._record_logprobs(seq, token, logprobs, wanted.index(i))
@@ -371,7 +373,7 @@ class LLMEngine:
         raw = adjust_logits(logits[edited].float(), histories)
         guided = [i for i, seq in enumerate(seqs) if seq.guide is not None]
         if guided:
-            apply_masks(raw, guided, [seqs[i].guide for i in guided])
+            apply_masks(raw, guided, self.constraints.allowed([seqs[i].guide for i in guided]))
         edited_rows = [rows[i] for i in edited]
         (scale,) = self.runner.staging.to_device(torch.tensor(temperatures(edited_rows))[:, None])
         tokens[edited] = sample(raw / scale, edited_rows, self.draw)

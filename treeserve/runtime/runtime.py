@@ -19,11 +19,19 @@ import torch
 
 from treeserve.config import DEFAULT_KV_CAP, EngineConfig
 from treeserve.device import available_memory, process_memory, resolve_attention_backend, resolve_device
+from treeserve.engine.guided import grammar_of
 from treeserve.engine.llm_engine import LLMEngine, share_kv
 from treeserve.models.tokenizer import Tokenizer
 from treeserve.outputs import RequestOutput, ScoreOutput
 from treeserve.runtime import planner
-from treeserve.sampling_params import SamplingParams, ScoreParams
+from treeserve.sampling_params import SamplingParams, ScoreParams, StructuredOutputsParams
+
+
+def check_constraint(constraint: StructuredOutputsParams) -> None:
+    """Raise ValueError naming what is wrong if `constraint` does not compile. Needs no model,
+    so callers check their input before any loads; each engine checks every request again
+    against its own tokenizer (an empty language, too few `max_tokens`)."""
+    grammar_of(constraint)
 
 
 @dataclass

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from treeserve.outputs import CompletionOutput
-from treeserve.runtime.runtime import Runtime, Speculation
-from treeserve.sampling_params import SamplingParams
+from treeserve.runtime.runtime import Runtime, Speculation, check_constraint
+from treeserve.sampling_params import SamplingParams, StructuredOutputsParams
 from treeserve.search.prm.base import PRM
 from treeserve.search.score_cache import ScoreCache, prefix_keys
 from treeserve.search.seeds import lineage_seed
@@ -22,6 +22,10 @@ from treeserve.search.tree_tokens import TreeTokens
 
 STEP_STOP = "\n\n"
 STRATEGIES = ("best_of_n", "weighted_best_of_n", "majority", "beam_search", "dvts")
+# what an unset step_regex / answer_regex allows: any text without a blank line (the separator);
+# a step is not empty (an empty step would end the solution)
+ANY_STEP = r"(?:[^\n]|\n[^\n])+"
+ANY_ANSWER = r"(?:[^\n]|\n[^\n])*\n?"
 
 
 @dataclass
@@ -49,6 +53,10 @@ class SearchConfig:
     score_cache: bool = True
     max_concurrent_problems: int = 64
     speculative_steps: int = 0  # beam search: decode this many steps past the boundary while the PRM scores
+    # constrained steps (llguidance regexes, matched against the whole step, separator removed):
+    # a step that the separator ends matches step_regex, the final step (then EOS) answer_regex
+    step_regex: str | None = None
+    answer_regex: str | None = None
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -69,6 +77,38 @@ class SearchConfig:
         if self.fixed_steps and self.speculative_steps:
             raise ValueError("fixed_steps has no step boundaries to speculate past: use speculative_steps=0")
         SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens)  # validates
+        self._check_constraints()
+
+    def _check_constraints(self) -> None:
+        if self.step_regex is None and self.answer_regex is None:
+            return
+        if self.fixed_steps:
+            raise ValueError("fixed_steps has no step boundaries and ignores EOS: it cannot take step_regex or "
+                             "answer_regex")  # fmt: skip
+        if self.speculative_steps:
+            raise ValueError("speculative_steps decodes past the step boundary in one request, where a per-step "
+                             "constraint (step_regex, answer_regex) ends it: use speculative_steps=0")  # fmt: skip
+        for name in ("step_regex", "answer_regex"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{name} must be a non-empty regex, got {value!r}")
+            try:  # alone first: a fragment such as "a)|(b" would pass inside the combined regex
+                check_constraint(StructuredOutputsParams(regex=value))
+            except ValueError as e:
+                raise ValueError(f"{name} {value!r} is not a valid regex: {e}") from None
+        check_constraint(self.constraint(whole=False))
+        check_constraint(self.constraint(whole=True))
+
+    def constraint(self, whole: bool) -> StructuredOutputsParams | None:
+        """What every sampled step must match: one step (`(?:STEP)\\n\\n|(?:ANSWER)`), or with
+        `whole` the rest of a solution (`(?:(?:STEP)\\n\\n)*(?:ANSWER)`); None when unconstrained."""
+        if self.step_regex is None and self.answer_regex is None:
+            return None
+        step = rf"(?:{self.step_regex or ANY_STEP})\n\n"
+        answer = f"(?:{self.answer_regex or ANY_ANSWER})"
+        return StructuredOutputsParams(regex=f"(?:{step})*{answer}" if whole else f"{step}|{answer}")
 
     def reference(self) -> SearchConfig:
         """The plain path: no prefix cache, no score cache, one problem at a time."""
@@ -203,6 +243,7 @@ class SearchContext:
             include_stop_str_in_output=True,
             ignore_eos=c.fixed_steps,
             seed=lineage_seed(c.seed, problem.uid, path),
+            structured_outputs=c.constraint(whole=to_eos),
         )
 
     async def expand(self, problem: Problem, beam: Beam, n: int = 1, to_eos: bool = False) -> list[Beam]:
@@ -289,7 +330,8 @@ class SearchContext:
         while not ended and len(steps) < c.lookahead and len(prompt) + 1 < limit:
             stop = None if c.fixed_steps else [STEP_STOP]
             params = SamplingParams(temperature=0.0, max_tokens=c.max_tokens, stop=stop,
-                                    include_stop_str_in_output=True, ignore_eos=c.fixed_steps)  # fmt: skip
+                                    include_stop_str_in_output=True, ignore_eos=c.fixed_steps,
+                                    structured_outputs=c.constraint(whole=False))  # fmt: skip
             out = (await self.runtime.generate(self.generator, {"prompt_token_ids": prompt}, params)).outputs[0]
             self.generated_tokens += len(out.token_ids)
             self.lookahead_generated_tokens += len(out.token_ids)

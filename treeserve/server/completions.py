@@ -19,10 +19,18 @@ from dataclasses import asdict, dataclass, field, replace
 
 from treeserve.outputs import CompletionOutput, Logprob, RequestOutput
 from treeserve.runtime.runtime import Runtime
-from treeserve.sampling_params import SamplingParams
+from treeserve.sampling_params import SamplingParams, StructuredOutputsParams
 from treeserve.search.prm import PRM
 from treeserve.server.metrics import ServerMetrics
-from treeserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, new_id, now
+from treeserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    SamplingFields,
+    new_id,
+    now,
+)
 
 VALIDATION_ID = "(validation)"  # a request id the runtime never uses (its ids are numbers)
 
@@ -81,7 +89,33 @@ def sampling_params(served: Served, req: SamplingFields, prompt_len: int, max_to
         skip_special_tokens=req.skip_special_tokens, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
         logit_bias=req.logit_bias, min_tokens=req.min_tokens, prompt_logprobs=prompt_logprobs,
+        structured_outputs=structured_outputs(req),
     )  # fmt: skip
+
+
+GUIDED = ("json", "regex", "choice", "grammar")  # vLLM's older `guided_<name>` fields
+
+
+def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
+    """The request's constraint, from OpenAI's `response_format` (json_object, json_schema),
+    vLLM's `structured_outputs`, or vLLM's older `guided_*` fields. ValueError when more than
+    one is given, or the constraint itself is malformed (the engine checks it compiles)."""
+    fmt = req.response_format
+    guided = {name: value for name in GUIDED if (value := getattr(req, f"guided_{name}")) is not None}
+    given = [f"response_format ({fmt.type})"] if isinstance(fmt, JsonObjectFormat | JsonSchemaFormat) else []
+    if req.structured_outputs is not None:
+        given.append("structured_outputs")
+    given += [f"guided_{name}" for name in guided]
+    if len(given) > 1:
+        raise ValueError(f"two constraints at once: {' and '.join(given)}; give at most one")
+    if isinstance(fmt, JsonObjectFormat):
+        return StructuredOutputsParams(json_object=True)
+    if isinstance(fmt, JsonSchemaFormat):
+        return StructuredOutputsParams(json=fmt.json_schema.schema_)
+    if (so := req.structured_outputs) is not None:
+        return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                       json_object=so.json_object)  # fmt: skip
+    return StructuredOutputsParams(**guided) if guided else None
 
 
 def completion_job(served: Served, req: CompletionRequest) -> Job:

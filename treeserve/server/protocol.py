@@ -3,9 +3,11 @@
 Owns validation at the HTTP boundary. Field names, defaults and response fields follow
 OpenAI's API reference; the extras vLLM accepts (`top_k`, `min_p`, `ignore_eos`,
 `stop_token_ids`, `repetition_penalty`, `min_tokens`, `prompt_logprobs`, ...) are accepted
-too. Bounds that protect the server (at most `MAX_N` completions, `MAX_LOGPROBS` top
-log-probabilities, `MAX_STOP` stop strings, `MAX_LOGIT_BIAS` biased tokens) are
-part of the schema, so a bad value is a 400 before anything is queued.
+too, and so are the structured-output fields: OpenAI's `response_format`, vLLM's
+`structured_outputs` and its older `guided_*` names. Bounds that protect the server (at
+most `MAX_N` completions, `MAX_LOGPROBS` top log-probabilities, `MAX_STOP` stop strings,
+`MAX_LOGIT_BIAS` biased tokens) are part of the schema, so a bad value is a 400 before
+anything is queued.
 """
 
 from __future__ import annotations
@@ -42,6 +44,44 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchema(BaseModel):
+    """`response_format.json_schema` (OpenAI's): the schema is enforced whatever `strict` says."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class TextFormat(BaseModel):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(BaseModel):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(BaseModel):
+    type: Literal["json_schema"]
+    json_schema: JsonSchema
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+
+class StructuredOutputsFields(BaseModel):
+    """vLLM's `structured_outputs` body field; exactly one is checked by `StructuredOutputsParams`."""
+
+    model_config = ConfigDict(extra="forbid")  # an unknown constraint must not be dropped silently
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingFields(BaseModel):
     """Sampling fields shared by completions and chat completions (OpenAI's plus vLLM's extras)."""
 
@@ -59,6 +99,7 @@ class SamplingFields(BaseModel):
     frequency_penalty: Penalty = 0.0
     logit_bias: dict[str, Bias] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     user: str | None = None
+    response_format: ResponseFormat | None = None
     # vLLM's extras
     repetition_penalty: Annotated[float, Field(ge=0.01, le=2.0)] = 1.0  # above 0: no fp32 overflow
     min_tokens: Annotated[int, Field(ge=0)] = 0
@@ -69,6 +110,11 @@ class SamplingFields(BaseModel):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP)] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsFields | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older names for structured_outputs' fields
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -122,6 +168,8 @@ class SearchRequest(BaseModel):
     filter_duplicates: bool = False
     final_to_eos: bool = False
     lookahead: Annotated[int, Field(ge=0, le=200)] = 0  # beam search, DVTS: greedy rollout steps to score
+    step_regex: str | None = None  # every step the separator ends matches it (llguidance regex)
+    answer_regex: str | None = None  # the final step matches it
     seed: int = 0
     stream: bool = False
 

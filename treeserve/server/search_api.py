@@ -34,6 +34,7 @@ def search_context(served: Served, req: SearchRequest) -> tuple[SearchContext, P
         strategy=req.strategy, n=req.n, beam_width=req.beam_width, num_iterations=req.num_iterations,
         temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_tokens, agg=req.agg,
         filter_duplicates=req.filter_duplicates, final_to_eos=req.final_to_eos, lookahead=req.lookahead, seed=req.seed,
+        step_regex=req.step_regex, answer_regex=req.answer_regex,
     )  # fmt: skip
     prm = None
     if config.strategy != "majority":
