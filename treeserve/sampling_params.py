@@ -152,10 +152,10 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether the sampler edits this request's logits (penalties, bias, min_tokens, a constraint)."""
+        """Whether the sampler edits this request's raw logits (penalties, bias, min_tokens)."""
         return bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-            or self.logit_bias or self.min_tokens or self.structured_outputs
+            or self.logit_bias or self.min_tokens
         )  # fmt: skip
 
 

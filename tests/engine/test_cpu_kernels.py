@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -112,6 +113,30 @@ def test_sample_rows_matches_inverse_cdf():
     cdf = torch.softmax(logits.double(), -1).cumsum(-1)
     ref = torch.searchsorted(cdf, torch.tensor(uniforms, dtype=torch.float64)[:, None] * cdf[:, -1:], right=True)
     assert (got == ref.squeeze(1)).float().mean() > 0.98  # only float rounding at bucket edges may differ
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sample_rows_masked_draws_as_masking_then_sampling(dtype):
+    torch.manual_seed(1)
+    rows, vocab = 48, 1000
+    logits = (torch.randn(rows, vocab + 24) * 3).to(dtype)  # 24 padding columns past the vocabulary
+    allowed = torch.rand(rows, vocab) < torch.linspace(0.001, 0.9, rows)[:, None]
+    allowed[torch.arange(rows), torch.arange(rows)] = True
+    allowed[-1] = False  # a dead end
+    padded = torch.nn.functional.pad(allowed, (0, 24)).numpy()  # 1024 bits: 32 words a row
+    words = torch.from_numpy(np.packbits(padded, axis=1, bitorder="little")).view(torch.int32)
+    uniforms = [(i + 0.37) / rows if i % 5 else -1.0 for i in range(rows)]  # every 5th row greedy
+    got = cpu_kernels.sample_rows_masked(logits, words, vocab, uniforms)
+    masked = logits.float().masked_fill(~torch.nn.functional.pad(allowed, (0, 24)), float("-inf"))
+    drawn = cpu_kernels.sample_rows(masked, [u if u >= 0 else 0.5 for u in uniforms])
+    greedy = masked.argmax(-1)
+    for r in range(rows - 1):
+        assert allowed[r, got[r]]
+        if uniforms[r] < 0:
+            assert got[r] == greedy[r], r
+    same = [got[r] == drawn[r] for r in range(rows - 1) if uniforms[r] >= 0]
+    assert sum(same) >= len(same) - 1  # the sums run in another order: a bucket edge may differ
+    assert got[-1] == -1
 
 
 def test_engine_same_greedy_tokens_without_kernels(llama_dir, make_llm):

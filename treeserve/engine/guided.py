@@ -5,9 +5,9 @@ Owns what the engine needs for `SamplingParams.structured_outputs`: turning a co
 grammar, checking it before a request is queued, one llguidance tokenizer per engine (built
 from `Tokenizer.token_bytes`, so every tokenizer treeserve loads works: byte-level BPE,
 SentencePiece-style, word-level, the ones rebuilt from GGUF metadata), the per-sequence
-matcher (`Guide`), and applying a batch of masks to raw logits. The mask is applied before
-the seeded draw and depends only on the row's own tokens, so guided requests stay
-batch-invariant. Why llguidance and not xgrammar: `bench/structured_masks.py` (README,
+matcher (`Guide`), and a batch's bitmasks (`sampler.sample_masked` draws under them). The
+mask is applied before the seeded draw and depends only on the row's own tokens, so guided
+requests stay batch-invariant. Why llguidance and not xgrammar: `bench/structured_masks.py` (README,
 "Structured outputs").
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from dataclasses import dataclass
 
 import llguidance
@@ -81,7 +82,8 @@ class Constraints:
         self._grammars: dict[str, str] = {}
         self._max_token_bytes = 1
         self.executor = llguidance.LLExecutor(num_threads=max(1, torch.get_num_threads()))
-        self.speakable = torch.ones(0, dtype=torch.bool)  # [vocab]: False for special tokens other than EOS
+        self.speakable_words = torch.zeros(0, dtype=torch.int32)  # bitmask: special tokens other than EOS unset
+        self._pending: _Prefetch | None = None  # next-step masks being computed while the forward runs
 
     @property
     def lltokenizer(self) -> llguidance.LLTokenizer:
@@ -90,8 +92,9 @@ class Constraints:
             self._max_token_bytes = max(len(t) for t in tokens)
             eos = list(self.tokenizer.eos_token_ids)
             # a special token spells no text: the constraint may end with EOS but never emit another
-            self.speakable = torch.ones(len(tokens), dtype=torch.bool)
-            self.speakable[sorted(set(specials) - set(eos))] = False
+            speakable = np.ones(-(-len(tokens) // 32) * 32, dtype=bool)
+            speakable[sorted(set(specials) - set(eos))] = False
+            self.speakable_words = torch.from_numpy(np.packbits(speakable, bitorder="little")).view(torch.int32)
             wrapped = llguidance.TokenizerWrapper(_TokenSource(self.tokenizer, tokens, specials))
             self._lltok = llguidance.LLTokenizer(wrapped, n_vocab=self.tokenizer.vocab_size, eos_token=eos)
         return self._lltok
@@ -121,17 +124,59 @@ class Constraints:
             raise ValueError(f"structured_outputs: {matcher.get_error()}")
         return Guide(matcher)
 
+    def bitmask(self, guides: list[Guide]) -> torch.Tensor:
+        """[len(guides), ceil(vocab / 32)] int32, bit i of a row set where its constraint allows
+        token i next (EOS only where it accepts; never a special token other than EOS). Rows
+        that `prefetch` computed while the forward ran are taken from there."""
+        _ = self.lltokenizer  # built (with `speakable_words`) before the first mask
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.thread.join()
+            rows = {id(g): i for i, g in enumerate(pending.guides)}
+            if all(id(g) in rows for g in guides):
+                return pending.words[[rows[id(g)] for g in guides]] & self.speakable_words
+        return self._compute(guides) & self.speakable_words
+
+    def prefetch(self, guides: list[Guide]) -> None:
+        """Start computing the next masks of `guides` in a thread: llguidance's executor drops
+        the GIL, so they are computed while the next step's forward runs. Valid until one of
+        them consumes a token (the engine prefetches right after the tokens are consumed)."""
+        if self._pending is not None:
+            self._pending.thread.join()
+        words = torch.empty(len(guides), (self.tokenizer.vocab_size + 31) // 32, dtype=torch.int32)
+        thread = threading.Thread(target=self._fill, args=(guides, words), daemon=True)
+        self._pending = _Prefetch(guides, words, thread)  # holds the guides: their ids stay theirs
+        thread.start()
+
     def allowed(self, guides: list[Guide]) -> torch.Tensor:
-        """[len(guides), vocab] bool: the tokens each constraint allows next (EOS only where it
-        accepts; never a special token other than EOS). The masks are computed in parallel by
-        llguidance's executor (its threads run without the GIL)."""
-        vocab = self.tokenizer.vocab_size
-        words = torch.empty(len(guides), (vocab + 31) // 32, dtype=torch.int32)
-        self.executor.unsafe_compute_mask_ptr(
-            [(g.matcher, i) for i, g in enumerate(guides)], words.data_ptr(), words.shape[1] * 4, len(guides)
-        )
-        bits = np.unpackbits(words.numpy().view(np.uint8), axis=1, count=vocab, bitorder="little")
-        return torch.from_numpy(bits).view(torch.bool) & self.speakable
+        """[len(guides), vocab] bool, computed now (for checks; does not touch a prefetch)."""
+        _ = self.lltokenizer
+        if self._pending is not None:
+            self._pending.thread.join()  # one executor call at a time
+        return unpack(self._compute(guides) & self.speakable_words, self.tokenizer.vocab_size)
+
+    def _compute(self, guides: list[Guide]) -> torch.Tensor:
+        words = torch.empty(len(guides), (self.tokenizer.vocab_size + 31) // 32, dtype=torch.int32)
+        self._fill(guides, words)
+        return words
+
+    def _fill(self, guides: list[Guide], words: torch.Tensor) -> None:
+        """Masks computed in parallel by llguidance's executor (its threads drop the GIL)."""
+        targets = [(g.matcher, i) for i, g in enumerate(guides)]
+        self.executor.unsafe_compute_mask_ptr(targets, words.data_ptr(), words.shape[1] * 4, len(guides))
+
+
+@dataclass
+class _Prefetch:
+    guides: list[Guide]
+    words: torch.Tensor
+    thread: threading.Thread
+
+
+def unpack(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, words] int32 bitmasks -> [rows, vocab] bool."""
+    bits = np.unpackbits(words.numpy().view(np.uint8), axis=1, count=vocab, bitorder="little")
+    return torch.from_numpy(bits).view(torch.bool)
 
 
 @dataclass
@@ -150,19 +195,6 @@ class Guide:
     def done(self) -> bool:
         """The constraint is complete and admits nothing more (only EOS may follow)."""
         return self.matcher.is_stopped()
-
-
-def apply_masks(logits: torch.Tensor, rows: list[int], allowed: torch.Tensor) -> None:
-    """Set the logits of tokens not `allowed` ([len(rows), vocab] bool) to -inf in `rows` of
-    `logits` ([B, V], in place). Columns past the tokenizer's vocabulary (padding) too."""
-    blocked = torch.ones(len(rows), logits.shape[1], dtype=torch.bool)
-    blocked[:, : allowed.shape[1]] = ~allowed
-    blocked = blocked.to(logits.device)
-    if len(rows) == logits.shape[0]:
-        logits.masked_fill_(blocked, float("-inf"))
-    else:
-        index = torch.tensor(rows, device=logits.device)
-        logits[index] = logits[index].masked_fill(blocked, float("-inf"))
 
 
 def _shortest_bytes(constraint: StructuredOutputsParams) -> int | None:

@@ -20,7 +20,7 @@ from treeserve.config import EngineConfig
 from treeserve.device import available_memory
 from treeserve.engine.attention import BACKENDS
 from treeserve.engine.detokenizer import StopChecker
-from treeserve.engine.guided import Constraints, apply_masks
+from treeserve.engine.guided import Constraints
 from treeserve.engine.model_runner import ModelRunner, ScheduledSeq
 from treeserve.engine.penalties import RowHistory, adjust_logits
 from treeserve.engine.request import Request, Sequence
@@ -29,6 +29,7 @@ from treeserve.engine.sampler import (
     TokenLogprobs,
     fused_draw,
     sample,
+    sample_masked,
     seeded_uniform,
     temperatures,
     token_logprobs,
@@ -322,10 +323,20 @@ class LLMEngine:
         states = hidden[index]
         (scale,) = self.runner.staging.to_device(torch.tensor(divisors, dtype=states.dtype)[:, None])
         logits = self.model.compute_logits(states / scale, float32=False)
+        seqs = [seq for seq, _ in to_sample]
+        for seq in seqs:
+            if seq.request.params.structured_outputs is not None and seq.guide is None:
+                seq.guide = self.constraints.guide(seq.request.params.structured_outputs)
         if edited:
-            tokens = self._sample_edited(logits, rows, [to_sample[i][0] for i in edited], edited)
+            tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+            plain = sorted(set(range(len(rows))) - set(edited))
+            if plain:
+                tokens[plain] = self._draw([rows[i] for i in plain], logits[plain], [seqs[i] for i in plain])
+            edited_rows, edited_seqs = [rows[i] for i in edited], [seqs[i] for i in edited]
+            (scale,) = self.runner.staging.to_device(torch.tensor(temperatures(edited_rows))[:, None])
+            tokens[edited] = self._draw(edited_rows, self._edit(logits[edited], edited_seqs) / scale, edited_seqs)
         else:
-            tokens = sample(logits, rows, self.draw)
+            tokens = self._draw(rows, logits, seqs)
         wanted = [i for i, (seq, _) in enumerate(to_sample) if seq.logprobs is not None]
         if wanted:
             k = max(to_sample[i][0].request.params.logprobs for i in wanted)
@@ -345,39 +356,41 @@ class LLMEngine:
             if result is not None:
                 seq.finish_reason, seq.stop_reason = result
                 self.scheduler.finish(seq)
+        guides = [seq.guide for seq, _ in to_sample if seq.guide is not None and not seq.is_finished]
+        if guides:
+            self.constraints.prefetch(guides)  # the next masks, computed while the next forward runs
 
-    def _sample_edited(
-        self, logits: torch.Tensor, rows: list[SamplingRow], seqs: list[Sequence], edited: list[int]
-    ) -> torch.Tensor:
-        """Tokens for a batch in which the rows `edited` (of `seqs`) have penalties or a bias."""
-        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-        plain = sorted(set(range(len(rows))) - set(edited))
-        if plain:
-            tokens[plain] = sample(logits[plain], [rows[i] for i in plain], self.draw)
+    def _draw(self, rows: list[SamplingRow], scaled: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Tokens from temperature-scaled logits; constrained rows over what their constraint allows."""
+        guided = [i for i, seq in enumerate(seqs) if seq.guide is not None]
+        if not guided:
+            return sample(scaled, rows, self.draw)
+        masks = self.constraints.bitmask([seqs[i].guide for i in guided])
+        vocab = self.tokenizer.vocab_size
+        if len(guided) == len(rows):
+            return sample_masked(scaled, rows, masks, vocab, self.draw)
+        tokens = torch.empty(len(rows), dtype=torch.long, device=scaled.device)
+        free = sorted(set(range(len(rows))) - set(guided))
+        tokens[free] = sample(scaled[free], [rows[i] for i in free], self.draw)
+        tokens[guided] = sample_masked(scaled[guided], [rows[i] for i in guided], masks, vocab, self.draw)
+        return tokens
+
+    def _edit(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Raw logits of rows with penalties, a bias or min_tokens, edited (fp32)."""
         eos = list(self.tokenizer.eos_token_ids)
-        for seq in seqs:
-            if seq.request.params.structured_outputs is not None and seq.guide is None:
-                seq.guide = self.constraints.guide(seq.request.params.structured_outputs)
         histories = [
             RowHistory(
                 params=seq.request.params,
                 prompt_ids=seq.request.prompt_token_ids,
                 output_ids=seq.token_ids[seq.num_prompt_tokens :],
-                # where the constraint accepts, it decides whether the output ends: min_tokens yields
+                # where a constraint accepts, it decides whether the output ends: min_tokens yields
                 stop_ids=[]
                 if seq.guide is not None and seq.guide.matcher.is_accepting()
                 else ([] if seq.request.params.ignore_eos else eos) + seq.request.params.stop_token_ids,
             )
             for seq in seqs
         ]
-        raw = adjust_logits(logits[edited].float(), histories)
-        guided = [i for i, seq in enumerate(seqs) if seq.guide is not None]
-        if guided:
-            apply_masks(raw, guided, self.constraints.allowed([seqs[i].guide for i in guided]))
-        edited_rows = [rows[i] for i in edited]
-        (scale,) = self.runner.staging.to_device(torch.tensor(temperatures(edited_rows))[:, None])
-        tokens[edited] = sample(raw / scale, edited_rows, self.draw)
-        return tokens
+        return adjust_logits(logits.float(), histories)
 
     def _record_logprobs(self, seq: Sequence, token: int, lp: TokenLogprobs, i: int) -> None:
         seq.cumulative_logprob += lp.logprobs[i]

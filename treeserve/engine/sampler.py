@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from treeserve.engine.guided import unpack
 from treeserve.kernels import cpu as cpu_kernels
 
 _M64 = (1 << 64) - 1
@@ -98,6 +99,33 @@ def sample(scaled_logits: torch.Tensor, rows: list[SamplingRow], draw: Draw | No
         if members:
             index = torch.tensor(members, device=scaled_logits.device)
             tokens[index] = pick(scaled_logits[index], [rows[i] for i in members])
+    return tokens
+
+
+def sample_masked(
+    scaled_logits: torch.Tensor, rows: list[SamplingRow], masks: torch.Tensor, vocab: int, draw: Draw | None = _draw_c
+) -> torch.Tensor:
+    """`sample` over the tokens each row's bitmask allows (`masks` [B, ceil(vocab / 32)] int32,
+    bit i = token i; columns from `vocab` on never). Greedy and plain rows on the C kernels take
+    one pass (`sample_rows_masked`); the others get -inf logits, then `sample`. -1 where a row
+    allows nothing."""
+    width = scaled_logits.shape[-1]
+    direct = draw is _draw_c and cpu_kernels.supports(scaled_logits)
+    fast = [i for i, r in enumerate(rows) if direct and not (0 < r.top_k < width or r.top_p < 1.0 or r.min_p > 0)]
+    tokens = torch.empty(len(rows), dtype=torch.long, device=scaled_logits.device)
+    if fast:
+        uniforms = [-1.0 if rows[i].temperature == 0.0 else rows[i].uniform for i in fast]
+        if len(fast) == len(rows):  # no copy of a [rows, vocab] slice
+            return cpu_kernels.sample_rows_masked(scaled_logits, masks, vocab, uniforms)
+        tokens[fast] = cpu_kernels.sample_rows_masked(scaled_logits[fast], masks[fast], vocab, uniforms)
+    rest = sorted(set(range(len(rows))) - set(fast))
+    if rest:
+        allowed = torch.zeros(len(rest), width, dtype=torch.bool)
+        allowed[:, :vocab] = unpack(masks[rest], vocab)[:, :width]
+        logits = scaled_logits[rest].float().masked_fill(~allowed.to(scaled_logits.device), float("-inf"))
+        picked = sample(logits, [rows[i] for i in rest], draw)
+        picked[~allowed.any(dim=-1).to(picked.device)] = -1
+        tokens[rest] = picked
     return tokens
 
 

@@ -103,6 +103,8 @@ def load() -> ctypes.CDLL | None:
             _ptr,
         ]
         getattr(lib, f"sample_rows_{suffix}").argtypes = [_ptr, _i64, _int, _int, _ptr, _ptr, _int]
+        getattr(lib, f"sample_rows_masked_{suffix}").argtypes = [_ptr, _i64, _int, _int, _ptr, _i64, _int, _ptr,
+                                                                 _ptr, _int]  # fmt: skip
     lib.rms_norm_bf16.argtypes = [_ptr, _i64, _int, _ptr, _ptr, _float, _ptr, _int]
     lib.rope_bf16.argtypes = [_ptr, _i64, _i64, _int, _int, _ptr, _ptr, _ptr, _int]
     lib.avx512_bf16_built.restype = _int
@@ -251,6 +253,21 @@ def sample_rows(logits: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
     getattr(load(), f"sample_rows_{_SUFFIX[logits.dtype]}")(
         logits.data_ptr(), logits.stride(0), rows, vocab, u.data_ptr(), out.data_ptr(), torch.get_num_threads()
     )
+    return out
+
+
+def sample_rows_masked(logits: torch.Tensor, masks: torch.Tensor, vocab: int, uniforms: list[float]) -> torch.Tensor:
+    """`sample_rows` over the tokens each row's bitmask allows (`masks` [B, words] int32, bit i of
+    a row = token i; tokens >= `vocab` never allowed); a negative uniform picks the first allowed
+    maximum (greedy); -1 where a row allows nothing."""
+    logits, masks = logits.contiguous(), masks.contiguous()
+    rows, width = logits.shape
+    u = torch.tensor(uniforms, dtype=torch.float64)
+    out = torch.empty(rows, dtype=torch.int64)
+    getattr(load(), f"sample_rows_masked_{_SUFFIX[logits.dtype]}")(
+        logits.data_ptr(), logits.stride(0), rows, width, masks.data_ptr(), masks.stride(0), vocab, u.data_ptr(),
+        out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
     return out
 
 

@@ -5,7 +5,8 @@
  * paged_prefill_bf16: the same for chunks of queries (a prefill over a cached prefix).
  * rms_norm_bf16, linear_bf16: RMSNorm, and a GEMV for linear layers at a few rows.
  * sample_rows_*: inverse-CDF draw from softmax(logits) for rows without top-k/top-p/min-p,
- *   one read of the row plus a scan of an L2-resident exp buffer.
+ *   one read of the row plus a scan of an L2-resident exp buffer; sample_rows_masked_* the
+ *   same over the tokens a structured-output bitmask allows.
  *
  * Each sequence/row is computed by one thread in a fixed order, so results never depend on
  * the batch around it. Built at first use by treeserve/kernels/cpu/__init__.py; the PyTorch
@@ -142,6 +143,61 @@ void sample_rows_##SUFFIX(const T *logits, int64_t row_stride, int rows, int voc
 
 DEFINE_SAMPLE_ROWS(f32, float)
 DEFINE_SAMPLE_ROWS(bf16, bf16)
+
+/* sample_rows_masked_*: the same draw over the tokens a constraint allows (bit i of a row's
+ * int32 words; tokens at or past mask_vocab are never allowed), and for rows whose uniform is
+ * negative the first allowed maximum (greedy). A row with nothing allowed gets -1. It walks
+ * the set bits only (a grammar usually allows few tokens), so it reads a fraction of the row;
+ * the sum runs over the allowed tokens in index order. */
+#define DEFINE_SAMPLE_ROWS_MASKED(SUFFIX, T)                                                    \
+void sample_rows_masked_##SUFFIX(const T *logits, int64_t row_stride, int rows, int vocab,      \
+                                 const int32_t *masks, int64_t mask_stride, int mask_vocab,     \
+                                 const double *uniforms, int64_t *out, int threads) {           \
+    const int n = vocab < mask_vocab ? vocab : mask_vocab;                                      \
+    const int words = (n + 31) / 32;                                                            \
+    _Pragma("omp parallel num_threads(threads)")                                                \
+    {                                                                                           \
+        float *val = (float *)malloc(sizeof(float) * (n > 0 ? n : 1));                          \
+        int32_t *ids = (int32_t *)malloc(sizeof(int32_t) * (n > 0 ? n : 1));                    \
+        _Pragma("omp for schedule(static)")                                                     \
+        for (int r = 0; r < rows; r++) {                                                        \
+            const T *x = logits + (int64_t)r * row_stride;                                      \
+            const uint32_t *bits = (const uint32_t *)(masks + (int64_t)r * mask_stride);        \
+            int count = 0;                                                                      \
+            float m = -INFINITY;                                                                \
+            int64_t best = -1;                                                                  \
+            for (int w = 0; w < words; w++) {                                                   \
+                uint32_t word = bits[w];                                                        \
+                while (word) {                                                                  \
+                    const int i = w * 32 + __builtin_ctz(word);                                 \
+                    word &= word - 1;                                                           \
+                    if (i >= n) break;                                                          \
+                    const float v = load_##SUFFIX(x[i]);                                        \
+                    ids[count] = i;                                                             \
+                    val[count++] = v;                                                           \
+                    if (best < 0 || v > m) { m = v; best = i; }                                 \
+                }                                                                               \
+            }                                                                                   \
+            if (uniforms[r] < 0.0 || best < 0) { out[r] = best; continue; }                     \
+            float sum = 0.0f;                                                                   \
+            for (int j = 0; j < count; j++) { val[j] = expf(val[j] - m); sum += val[j]; }       \
+            const float target = (float)(uniforms[r] * sum);                                    \
+            float cum = 0.0f;                                                                   \
+            int64_t pick = -1;                                                                  \
+            for (int j = 0; j < count; j++) {                                                   \
+                if (val[j] > 0.0f) pick = ids[j];                                               \
+                cum += val[j];                                                                  \
+                if (cum > target && val[j] > 0.0f) break;                                       \
+            }                                                                                   \
+            out[r] = pick;                                                                      \
+        }                                                                                       \
+        free(val);                                                                              \
+        free(ids);                                                                              \
+    }                                                                                           \
+}
+
+DEFINE_SAMPLE_ROWS_MASKED(f32, float)
+DEFINE_SAMPLE_ROWS_MASKED(bf16, bf16)
 
 /* paged_decode_bf16: the bf16 decode attention. Where the compiler targets AVX512-BF16 and
  * head_dim is a multiple of 32, q.k runs as bf16 dot products over keys transposed 16 at a
