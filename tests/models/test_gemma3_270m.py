@@ -121,3 +121,34 @@ def test_the_file_alone_is_enough(gemma_gguf, dtype):
     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0))
     assert len(out[0].outputs[0].token_ids) == 4
     engine.check_pages_idle()
+
+
+def test_guided_json_on_the_gguf_tokenizer(gemma_gguf):
+    """Structured outputs on the 262k SentencePiece-style vocabulary rebuilt from GGUF metadata."""
+    import json
+
+    import jsonschema
+
+    from treeserve import LLM, StructuredOutputsParams
+
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}, "population": {"type": "integer", "minimum": 0},
+                       "country": {"enum": ["France", "Japan", "Peru"]}},
+        "required": ["city", "population", "country"],
+        "additionalProperties": False,
+    }  # fmt: skip
+    llm = LLM(model=gemma_gguf, kv_cache_memory=256 << 20, max_model_len=512)
+    so = StructuredOutputsParams(json=schema)
+    outs = llm.generate(
+        ["Paris facts as JSON:", "Tokyo facts as JSON:", "Lima en JSON:"],
+        SamplingParams(n=2, temperature=1.0, max_tokens=64, seed=0, structured_outputs=so),
+    )
+    finished = [c.text for o in outs for c in o.outputs if c.finish_reason == "stop"]
+    assert len(finished) >= 4
+    for text in finished:
+        jsonschema.validate(json.loads(text), schema)
+    regex = StructuredOutputsParams(regex=r"The answer is \\boxed\{[0-9]{1,3}\}\.")
+    out = llm.generate(["2 + 2 = ?"], SamplingParams(temperature=0.0, max_tokens=32, structured_outputs=regex))
+    assert out[0].outputs[0].finish_reason == "stop" and out[0].outputs[0].text.startswith("The answer is \\boxed{")
+    llm.engine.check_pages_idle()

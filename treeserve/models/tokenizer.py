@@ -106,14 +106,16 @@ class Tokenizer:
         and the ids of special tokens (which decode to nothing). Follows the decoder: byte-level
         (GPT-2's byte-to-unicode alphabet), SentencePiece-style (`<0xNN>` byte pieces, U+2581 as a
         space) or plain (the token's text)."""
-        spec = json.loads(self.hf.to_str())
-        decoders = (spec.get("decoder") or {}).get("decoders") or [spec.get("decoder") or {}]
-        kinds = {d.get("type") for d in decoders}
-        specials = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+        decoder = json.loads(self.hf.decoder.__getstate__()) if self.hf.decoder is not None else {}
+        kinds = {d.get("type") for d in decoder.get("decoders") or [decoder]}
+        specials = {i for i, t in self.hf.get_added_tokens_decoder().items() if t.special}
+        texts = [""] * self.vocab_size
+        for text, i in self.hf.get_vocab(with_added_tokens=True).items():
+            if i < self.vocab_size:
+                texts[i] = text
         to_byte = {c: b for b, c in _byte_level_alphabet().items()}
         out = []
-        for i in range(self.vocab_size):
-            text = self.hf.id_to_token(i) or ""
+        for i, text in enumerate(texts):
             if i in specials:
                 out.append(b"")
             elif "ByteLevel" in kinds:
