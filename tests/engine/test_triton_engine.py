@@ -9,6 +9,8 @@ optimised search selects the reference search's beams (invariant 5) on this back
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -67,6 +69,22 @@ def test_seeded_sampling_is_batch_invariant(llama_dir, make_llm):
     others = SamplingParams(temperature=0.7, seed=3, max_tokens=9, ignore_eos=True, n=3)
     batch = llm.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]], [others, params, others])
     assert batch[1].outputs[0].token_ids == alone
+
+
+def test_guided_requests_on_the_triton_path(llama_dir, make_llm):
+    """Masks drawn by the Triton sampler: outputs match the constraint and stay batch-invariant."""
+    from treeserve import StructuredOutputsParams
+
+    llm = make_llm(llama_dir, attention_backend="triton", device=DEVICE, **SMALL)
+    regex = r"[a-z]{2,5}-[0-9]{1,3}"
+    params = SamplingParams(
+        temperature=1.0, seed=11, max_tokens=12, structured_outputs=StructuredOutputsParams(regex=regex)
+    )
+    alone = llm.generate(PROMPTS[0], params)[0].outputs[0]
+    plain = SamplingParams(temperature=0.7, seed=3, max_tokens=9, ignore_eos=True, n=2)
+    batch = llm.generate([PROMPTS[1], PROMPTS[0]], [plain, params])
+    assert batch[1].outputs[0].token_ids == alone.token_ids
+    assert alone.finish_reason == "length" or re.fullmatch(regex, alone.text), alone.text
 
 
 @pytest.mark.slow  # ~3.5 min in the interpreter (one kernel program at a time, in Python)
