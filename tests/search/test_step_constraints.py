@@ -16,14 +16,12 @@ from dataclasses import replace
 import pytest
 
 from tests.search.step_world import build_step_world
+from tests.search.test_lookahead import QUESTIONS, run, settings
 from treeserve.cli import main
-from treeserve.eval.runner import EvalSettings, build_runtime, run_eval
+from treeserve.eval.runner import build_runtime
 from treeserve.search.context import Beam, SearchConfig, SearchContext
 from treeserve.search.prm import load_prm
 
-QUESTIONS = ["Compute 1+2.", "Compute 3*4-5.", "Compute (6+7)*8."]
-RECORDS = [{"problem": q, "answer": "3", "unique_id": f"q{i}", "level": 1, "grader": "arith"}
-           for i, q in enumerate(QUESTIONS)]  # fmt: skip
 # bounded, so no step reaches max_tokens (each character is at least one token)
 STEP = r"[abc0-9]{1,5}"
 ANSWER = r"=[0-9]{1,3}"
@@ -42,16 +40,6 @@ CONFIGS = {
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     return build_step_world(str(tmp_path_factory.mktemp("constrained_world")))
-
-
-def settings(world, reference: bool = False) -> EvalSettings:
-    generator, prm = world
-    return EvalSettings(generator=generator, prm=prm, dtype="float32", reference=reference, progress=False,
-                        kv_cache_memory=64 << 20)  # fmt: skip
-
-
-def run(world, config: SearchConfig, reference: bool = False) -> dict:
-    return run_eval(settings(world, reference), config, inline=[dict(r) for r in RECORDS])
 
 
 def signature(doc: dict) -> list:
