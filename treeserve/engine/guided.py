@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from dataclasses import dataclass
 
 import llguidance
@@ -83,7 +82,6 @@ class Constraints:
         self._max_token_bytes = 1
         self.executor = llguidance.LLExecutor(num_threads=max(1, torch.get_num_threads()))
         self.speakable_words = torch.zeros(0, dtype=torch.int32)  # bitmask: special tokens other than EOS unset
-        self._pending: _Prefetch | None = None  # next-step masks being computed while the forward runs
 
     @property
     def lltokenizer(self) -> llguidance.LLTokenizer:
@@ -126,51 +124,19 @@ class Constraints:
 
     def bitmask(self, guides: list[Guide]) -> torch.Tensor:
         """[len(guides), ceil(vocab / 32)] int32, bit i of a row set where its constraint allows
-        token i next (EOS only where it accepts; never a special token other than EOS). Rows
-        that `prefetch` computed while the forward ran are taken from there."""
+        token i next (EOS only where it accepts; never a special token other than EOS). The
+        masks are computed in parallel by llguidance's executor, one thread per core. (Computing
+        the next step's masks in a thread during the forward was measured and dropped: on two
+        cores it gained nothing on Gemma 3 270M and cost 20% on a tiny model; bench/structured.py.)"""
         _ = self.lltokenizer  # built (with `speakable_words`) before the first mask
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.thread.join()
-            rows = {id(g): i for i, g in enumerate(pending.guides)}
-            if all(id(g) in rows for g in guides):
-                return pending.words[[rows[id(g)] for g in guides]] & self.speakable_words
-        return self._compute(guides) & self.speakable_words
-
-    def prefetch(self, guides: list[Guide]) -> None:
-        """Start computing the next masks of `guides` in a thread: llguidance's executor drops
-        the GIL, so they are computed while the next step's forward runs. Valid until one of
-        them consumes a token (the engine prefetches right after the tokens are consumed)."""
-        if self._pending is not None:
-            self._pending.thread.join()
         words = torch.empty(len(guides), (self.tokenizer.vocab_size + 31) // 32, dtype=torch.int32)
-        thread = threading.Thread(target=self._fill, args=(guides, words), daemon=True)
-        self._pending = _Prefetch(guides, words, thread)  # holds the guides: their ids stay theirs
-        thread.start()
-
-    def allowed(self, guides: list[Guide]) -> torch.Tensor:
-        """[len(guides), vocab] bool, computed now (for checks; does not touch a prefetch)."""
-        _ = self.lltokenizer
-        if self._pending is not None:
-            self._pending.thread.join()  # one executor call at a time
-        return unpack(self._compute(guides) & self.speakable_words, self.tokenizer.vocab_size)
-
-    def _compute(self, guides: list[Guide]) -> torch.Tensor:
-        words = torch.empty(len(guides), (self.tokenizer.vocab_size + 31) // 32, dtype=torch.int32)
-        self._fill(guides, words)
-        return words
-
-    def _fill(self, guides: list[Guide], words: torch.Tensor) -> None:
-        """Masks computed in parallel by llguidance's executor (its threads drop the GIL)."""
         targets = [(g.matcher, i) for i, g in enumerate(guides)]
         self.executor.unsafe_compute_mask_ptr(targets, words.data_ptr(), words.shape[1] * 4, len(guides))
+        return words & self.speakable_words
 
-
-@dataclass
-class _Prefetch:
-    guides: list[Guide]
-    words: torch.Tensor
-    thread: threading.Thread
+    def allowed(self, guides: list[Guide]) -> torch.Tensor:
+        """`bitmask` unpacked: [len(guides), vocab] bool."""
+        return unpack(self.bitmask(guides), self.tokenizer.vocab_size)
 
 
 def unpack(words: torch.Tensor, vocab: int) -> torch.Tensor:

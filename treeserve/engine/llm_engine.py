@@ -356,9 +356,6 @@ class LLMEngine:
             if result is not None:
                 seq.finish_reason, seq.stop_reason = result
                 self.scheduler.finish(seq)
-        guides = [seq.guide for seq, _ in to_sample if seq.guide is not None and not seq.is_finished]
-        if guides:
-            self.constraints.prefetch(guides)  # the next masks, computed while the next forward runs
 
     def _draw(self, rows: list[SamplingRow], scaled: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Tokens from temperature-scaled logits; constrained rows over what their constraint allows."""
