@@ -125,7 +125,7 @@ class Constraints:
     def bitmask(self, guides: list[Guide]) -> torch.Tensor:
         """[len(guides), ceil(vocab / 32)] int32, bit i of a row set where its constraint allows
         token i next (EOS only where it accepts; never a special token other than EOS). The
-        masks are computed in parallel by llguidance's executor, one thread per core. (Computing
+        masks are computed in parallel by llguidance's executor, with as many threads as torch. (Computing
         the next step's masks in a thread during the forward was measured and dropped: on two
         cores it gained nothing on Gemma 3 270M and cost 20% on a tiny model; bench/structured.py.)"""
         _ = self.lltokenizer  # built (with `speakable_words`) before the first mask
