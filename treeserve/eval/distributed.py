@@ -36,7 +36,6 @@ from treeserve.eval.runner import (
     ASSETS,
     SELECTION,
     EvalSettings,
-    Interrupted,
     Recorder,
     build_runtime,
     finish,
@@ -171,10 +170,7 @@ def run_eval_distributed(
         finally:
             if started:
                 ray.shutdown()
-    if len(journal.records) < len(records):
-        journal.close()
-        raise Interrupted(stopped or signal.SIGINT, len(journal.records), len(records), journal.path)
-    return finish(journal, records, config.agg, output, summary)
+    return finish(journal, records, config.agg, output, summary, stopped=stopped)
 
 
 def _connect(ray: Any, options: RayOptions) -> bool:

@@ -145,10 +145,7 @@ def run_eval(
         extra["quantization"] = {name: engine.quantization for name, engine in runtime.engines.items()}
         if settings.page_logs:
             extra["page_logs"] = {name: engine.page_log.rows() for name, engine in runtime.engines.items()}
-    if len(journal.records) < len(records):
-        journal.close()
-        raise Interrupted(stopped or signal.SIGINT, len(journal.records), len(records), journal.path)
-    return finish(journal, records, config.agg, output, sections=extra)
+    return finish(journal, records, config.agg, output, sections=extra, stopped=stopped)
 
 
 def open_journal(
@@ -217,10 +214,15 @@ class Recorder:
 
 
 def finish(journal: Journal, records: list[dict], agg: str, output: str | Path | None = None,
-           extra_summary: dict | None = None, sections: dict | None = None) -> dict:  # fmt: skip
+           extra_summary: dict | None = None, sections: dict | None = None,
+           stopped: int | None = None) -> dict:  # fmt: skip
     """The results document from the journal's records (in `records`' order) and counters, plus
     `extra_summary` and top-level `sections`; with `output`, written there atomically and the
-    journal removed."""
+    journal removed. Raises `Interrupted` (the journal kept) when a problem is missing: the run
+    was stopped, by the signal `stopped`."""
+    if len(journal.records) < len(records):
+        journal.close()
+        raise Interrupted(stopped or signal.SIGINT, len(journal.records), len(records), journal.path)
     wall, counters = journal.totals()
     rows = [journal.records[str(r["unique_id"])] for r in records]
     stats, summary = summarize(counters, wall)
@@ -229,10 +231,9 @@ def finish(journal: Journal, records: list[dict], agg: str, output: str | Path |
     document["summary"] |= summary | (extra_summary or {}) | {"sessions": len(journal.sessions)}
     document["counters"] = counters
     document |= sections or {}
-    journal.close()
     if output is not None:
         write_results(document, output)
-        journal.close(remove=True)
+    journal.close(remove=output is not None)  # only once the results are written
     return document
 
 
