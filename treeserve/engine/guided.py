@@ -157,11 +157,6 @@ class Guide:
         the matcher refused what it allowed. The engine ends that sequence alone ("abort")."""
         return token >= 0 and self.matcher.consume_token(token)
 
-    @property
-    def done(self) -> bool:
-        """The constraint is complete and admits nothing more (only EOS may follow)."""
-        return self.matcher.is_stopped()
-
 
 def _shortest_bytes(constraint: StructuredOutputsParams) -> int | None:
     """A lower bound on the UTF-8 length of any accepted output (None: not computed)."""
