@@ -17,7 +17,7 @@ import pytest
 from tests.search.step_world import build_step_world
 from treeserve.cli import main
 from treeserve.eval.runner import EvalSettings, build_runtime, run_eval
-from treeserve.search.context import Beam, SearchConfig, SearchContext
+from treeserve.search.context import Beam, Problem, SearchConfig, SearchContext
 from treeserve.search.prm import load_prm
 
 QUESTIONS = ["Compute 1+2.", "Compute 3*4-5.", "Compute (6+7)*8."]
@@ -77,14 +77,23 @@ def test_lookahead_changes_the_search(world, base):
     assert signature(run(world, replace(one, lookahead=2))) == signature(run(world, replace(one, lookahead=0)))
 
 
-def test_rollout_is_greedy_scored_and_discarded(world):
-    config = replace(BEAM, lookahead=2)
+def search_context(world, config: SearchConfig) -> SearchContext:
     runtime = build_runtime(settings(world), config)
-    ctx = SearchContext(config, runtime, "generator", load_prm(runtime, "prm", None))
+    return SearchContext(config, runtime, "generator", load_prm(runtime, "prm", None))
+
+
+async def first_beams(ctx: SearchContext) -> tuple[Problem, list[Beam]]:
+    """The first question and its four root beams, each after its first step."""
+    problem = ctx.problem("q0", QUESTIONS[0])
+    return problem, [(await ctx.expand(problem, Beam(path=(j,))))[0] for j in range(4)]
+
+
+def test_rollout_is_greedy_scored_and_discarded(world):
+    ctx = search_context(world, replace(BEAM, lookahead=2))
+    runtime = ctx.runtime
 
     async def go() -> None:
-        problem = ctx.problem("q0", QUESTIONS[0])
-        beams = [(await ctx.expand(problem, Beam(path=(j,))))[0] for j in range(4)]
+        problem, beams = await first_beams(ctx)
         rolled = 0
         for beam in beams:
             own = list(beam.steps)

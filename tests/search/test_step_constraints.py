@@ -16,11 +16,9 @@ from dataclasses import replace
 import pytest
 
 from tests.search.step_world import build_step_world
-from tests.search.test_lookahead import QUESTIONS, run, settings
+from tests.search.test_lookahead import first_beams, run, search_context
 from treeserve.cli import main
-from treeserve.eval.runner import build_runtime
-from treeserve.search.context import Beam, SearchConfig, SearchContext
-from treeserve.search.prm import load_prm
+from treeserve.search.context import SearchConfig
 
 # bounded, so no step reaches max_tokens (each character is at least one token)
 STEP = r"[abc0-9]{1,5}"
@@ -100,13 +98,11 @@ def test_constraint_construction(fields, whole, accepted, refused):
 
 
 def test_rollout_steps_obey_the_constraint(world):
-    config = replace(CONFIGS["beam_search"], lookahead=3, **CONSTRAINED)
-    runtime = build_runtime(settings(world), config)
-    ctx = SearchContext(config, runtime, "generator", load_prm(runtime, "prm", None))
+    ctx = search_context(world, replace(CONFIGS["beam_search"], lookahead=3, **CONSTRAINED))
+    runtime = ctx.runtime
 
     async def go() -> None:
-        problem = ctx.problem("q0", QUESTIONS[0])
-        beams = [(await ctx.expand(problem, Beam(path=(j,))))[0] for j in range(4)]
+        problem, beams = await first_beams(ctx)
         rolled = 0
         for beam in beams:
             rollout = await ctx.rollout(problem, beam)
