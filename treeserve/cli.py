@@ -65,9 +65,17 @@ def _add_quantization_flags(p: argparse.ArgumentParser, prm: bool) -> None:
     p.add_argument("--dequantize", action="store_true", help="load GGUF files dense (dequantised), as before")
 
 
+def _add_speculative_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", '
+                   '"num_speculative_tokens": 4}\', method "tree" (drafts from the other beams of a search) or '
+                   '\'{"model": DIR, "num_speculative_tokens": 4}\' (a draft model); same outputs')  # fmt: skip
+
+
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     _add_device_flags(p)
     _add_quantization_flags(p, prm=False)
+    _add_speculative_flag(p)
     p.add_argument("--model", default=None, help="checkpoint directory or .gguf file (default: the shipped generator)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument(
@@ -97,7 +105,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(
         args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
         device=args.device, attention_backend=args.attention_backend, quantization=args.quantization,
-        dequantize=args.dequantize,
+        dequantize=args.dequantize, speculative_config=args.speculative_config,
     )  # fmt: skip
     loaded = time.perf_counter()
     if chat:
@@ -149,6 +157,7 @@ def _add_search_flags(p: argparse.ArgumentParser) -> None:
     _add_memory_flags(p)
     _add_device_flags(p)
     _add_quantization_flags(p, prm=True)
+    _add_speculative_flag(p)
     p.add_argument("--max-concurrent-problems", type=int, default=64)
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--no-score-cache", action="store_true")
@@ -345,7 +354,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=args.port, api_key=args.api_key, dtype=args.dtype, max_model_len=args.max_model_len,
         device=args.device, attention_backend=args.attention_backend, quantization=args.quantization,
         prm_quantization=args.prm_quantization, dequantize=args.dequantize,
-        **{key: getattr(args, key) for key in CONFIG_KEYS},
+        speculative_config=args.speculative_config, **{key: getattr(args, key) for key in CONFIG_KEYS},
     )  # fmt: skip
     serve(settings)
     return 0
@@ -443,6 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_memory_flags(srv)
     _add_device_flags(srv)
     _add_quantization_flags(srv, prm=True)
+    _add_speculative_flag(srv)
     srv.add_argument("--max-model-len", type=int, default=None)
     srv.set_defaults(func=cmd_serve)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from treeserve.device import resolve_attention_backend, resolve_device
+from treeserve.engine.speculative import SpeculativeConfig
 from treeserve.layers.quant import kernels_available
 from treeserve.models.gguf_loader import is_gguf
 from treeserve.models.loader import QUANTIZATIONS
@@ -53,6 +54,9 @@ class EngineConfig:
     # quantised blocks as they are (the default for a GGUF file on a CPU); None: dense weights
     quantization: str | None = None
     dequantize: bool = False  # load a GGUF file dense (dequantised), as before quantised kernels
+    # speculative decoding, vLLM's dict: {"method": "ngram" | "tree", "num_speculative_tokens": k,
+    # "prompt_lookup_min": a, "prompt_lookup_max": b} or {"model": DIR, "num_speculative_tokens": k}
+    speculative_config: dict | str | SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -73,6 +77,9 @@ class EngineConfig:
         if not self.model_id:
             self.model_id = os.path.abspath(self.model)
         self.quantization = self._resolve_quantization()
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.speculative_config is not None:
+            self.speculative_config.check_draft(self.model)
 
     def _resolve_quantization(self) -> str | None:
         method, gguf = self.quantization, is_gguf(self.model)

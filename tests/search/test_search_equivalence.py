@@ -105,3 +105,19 @@ def test_fixed_steps_runs_every_iteration(world):
     assert fast["summary"]["generated_tokens"] == len(QUESTIONS) * 3 * 4 * 8
     with pytest.raises(ValueError, match="fixed_steps"):
         SearchConfig(strategy="beam_search", n=4, beam_width=2, fixed_steps=True, speculative_steps=1)
+
+
+@pytest.mark.parametrize("method", ["ngram", "tree", "model"])
+@pytest.mark.parametrize("name", ["beam_spec", "dvts", "best_of_n"])
+def test_speculative_decoding_does_not_change_the_search(world, method, name):
+    """Speculative decoding of the generator (each method; the generator drafting for itself as
+    the draft model) under every search optimisation selects what the plain reference selects."""
+    generator, _ = world
+    spec = {"method": method, "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    if method == "model":
+        spec = {"model": generator, "num_speculative_tokens": 4}
+    config = CONFIGS[name]
+    fast = run(world, config, reference=False, speculative_config=spec)
+    assert signature(fast) == signature(run(world, config, reference=True))
+    assert fast["summary"]["generator_spec_accepted_tokens"] > 0
+    assert fast["config"]["speculative_config"]["method"] == method

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+from dataclasses import dataclass
 
 import torch
 
@@ -20,6 +21,7 @@ from treeserve.config import EngineConfig
 from treeserve.device import available_memory
 from treeserve.engine.attention import BACKENDS
 from treeserve.engine.detokenizer import StopChecker
+from treeserve.engine.draft_model import DraftModel
 from treeserve.engine.guided import Constraints
 from treeserve.engine.model_runner import ModelRunner, ScheduledSeq
 from treeserve.engine.penalties import RowHistory, adjust_logits
@@ -35,6 +37,7 @@ from treeserve.engine.sampler import (
     token_logprobs,
 )
 from treeserve.engine.scheduler import Scheduler
+from treeserve.engine.speculative import Speculator
 from treeserve.kv.arena import KVArena, KVLayout, PageArena, shared_block_sizes
 from treeserve.kv.block_manager import BlockManager
 from treeserve.kv.page_pool import PagePool
@@ -50,6 +53,19 @@ PROMPT_LOGPROBS_ROWS = 256  # prompt positions per [rows, vocab] logits slice
 MIN_AUTO_MODEL_LEN = 2048
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class ToSample:
+    """One token to sample: from which hidden row, at which position (its seeded uniform). A
+    speculating sequence has one per drafted token and one more; `draft[draft_index]` is the
+    drafted token the sample is compared with (none for the last)."""
+
+    seq: Sequence
+    row: int
+    position: int
+    draft: list[int] | None = None
+    draft_index: int = 0
 
 
 class LLMEngine:
@@ -70,8 +86,6 @@ class LLMEngine:
         self.max_model_len = self.context_len
         cfg = loaded.config
         self.kv_layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.torch_dtype)
-        if attach_kv:
-            self.attach_own_kv(config.kv_budget(available_memory(self.device)))
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)
@@ -79,6 +93,13 @@ class LLMEngine:
         self.num_computed_tokens = 0  # every token run through the model (prompt, recompute, decode)
         self.stalled = False  # the last step had work but no pages for it
         self.draw = fused_draw(config.attention_backend)  # the sampler's batch-invariant plain draw
+        spec = config.speculative_config
+        draft = None
+        if spec is not None and spec.method == "model":
+            draft = DraftModel(spec.model, config.torch_dtype, self.device, cfg.vocab_size)
+        self.speculator = Speculator(spec, draft) if spec is not None else None
+        if attach_kv:
+            self.attach_own_kv(config.kv_budget(available_memory(self.device)))
 
     def attach_own_kv(self, kv_bytes: int) -> None:
         """An arena of its own: as many pages of `config.block_size` tokens as fit `kv_bytes`."""
@@ -123,6 +144,10 @@ class LLMEngine:
         backend = BACKENDS[config.attention_backend]()
         self.runner = ModelRunner(self.model, self.arena, self.device, self.model_config.attn_scale, backend)
         self.page_log = PageLog(self.blocks)
+        if self.speculator is not None:
+            self.scheduler.on_release = self.speculator.release
+            if self.speculator.draft_model is not None:
+                self.speculator.draft_model.attach(pages, self.blocks.pool, backend, config.model_id)
 
     # ---- requests ----------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
@@ -186,7 +211,10 @@ class LLMEngine:
         prompt: str | list[int] | dict,
         params: SamplingParams | ScoreParams,
         stream: bool = False,
+        draft_group: str | None = None,
     ) -> None:
+        """Queue a request (bad input raises before anything changes). With speculative `tree`
+        drafting, requests of one `draft_group` draft from each other's text."""
         text, token_ids = self.tokenize_prompt(prompt)
         self.check_request(request_id, token_ids, params)
         sampling = params if isinstance(params, SamplingParams) else None
@@ -202,6 +230,7 @@ class LLMEngine:
             seed=seed,
             arrival=next(self._arrivals),
             stream=stream,
+            draft_group=draft_group,
         )
         detok = None
         if sampling is not None:
@@ -229,6 +258,8 @@ class LLMEngine:
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput | ScoreOutput]:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self.max_model_len)
         batch, copies = self.scheduler.schedule()
         self.stalled = not batch and self.scheduler.has_work()
         if not batch:
@@ -238,21 +269,25 @@ class LLMEngine:
         self.arena.copy_pages(copies)
         hidden = self.runner.run(batch)
         touched: dict[str, Request] = {}
-        to_sample: list[tuple[Sequence, int]] = []  # (sequence, hidden row)
+        to_sample: list[ToSample] = []
         row = 0
         for item in batch:
             seq = item.seq
             request = seq.request
-            seq.num_computed_tokens = item.end
+            seq.num_computed_tokens = item.end - len(item.draft)  # drafted tokens count once accepted
             self.num_computed_tokens += item.num_tokens
-            self.blocks.commit_full_blocks(seq.block_table, seq.block_hashes, seq.token_ids, item.end)
+            self.blocks.commit_full_blocks(seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed_tokens)
             if request.prompt_logprobs is not None and item.start < seq.num_prompt_tokens - 1:
                 self._read_prompt_logprobs(request, item, hidden[row : row + item.num_tokens])
             if request.score is not None:
                 self._read_scores(seq, item, hidden[row : row + item.num_tokens])
-            elif item.end == len(seq.token_ids):
+            elif seq.num_computed_tokens == len(seq.token_ids):
+                last = row + item.num_tokens - 1 - len(item.draft)
+                draft = item.draft or None
                 for member in [seq, *self._fork_siblings(seq)]:
-                    to_sample.append((member, row + item.num_tokens - 1))
+                    to_sample.append(ToSample(member, last, len(member.token_ids), draft if member is seq else None))
+                for j in range(1, len(item.draft) + 1):  # the target's token after each drafted one
+                    to_sample.append(ToSample(seq, last + j, len(seq.token_ids) + j, draft, j))
             row += item.num_tokens
             touched[request.request_id] = request
         if to_sample:
@@ -303,27 +338,27 @@ class LLMEngine:
             for i, token in enumerate(targets):
                 request.prompt_logprobs[start + 1 + i] = self._logprob_entry(token, lp, i, k)
 
-    def _sample(self, to_sample: list[tuple[Sequence, int]], hidden: torch.Tensor) -> None:
+    def _sample(self, to_sample: list[ToSample], hidden: torch.Tensor) -> None:
         rows = [
             SamplingRow(
-                temperature=seq.request.params.temperature,
-                top_p=seq.request.params.top_p,
-                top_k=seq.request.params.top_k,
-                min_p=seq.request.params.min_p,
-                uniform=seeded_uniform(seq.request.seed, seq.index, len(seq.token_ids)),
+                temperature=s.seq.request.params.temperature,
+                top_p=s.seq.request.params.top_p,
+                top_k=s.seq.request.params.top_k,
+                min_p=s.seq.request.params.min_p,
+                uniform=seeded_uniform(s.seq.request.seed, s.seq.index, s.position),
             )
-            for seq, _ in to_sample
+            for s in to_sample
         ]
         # rows with penalties or a bias get raw logits, edited, then divided by the temperature
-        edited = [i for i, (seq, _) in enumerate(to_sample) if seq.request.params.adjusts_logits]
+        edited = [i for i, s in enumerate(to_sample) if s.seq.request.params.adjusts_logits]
         divisors = temperatures(rows)
         for i in edited:
             divisors[i] = 1.0
-        (index,) = self.runner.staging.to_device(torch.tensor([r for _, r in to_sample]))
+        (index,) = self.runner.staging.to_device(torch.tensor([s.row for s in to_sample]))
         states = hidden[index]
         (scale,) = self.runner.staging.to_device(torch.tensor(divisors, dtype=states.dtype)[:, None])
         logits = self.model.compute_logits(states / scale, float32=False)
-        seqs = [seq for seq, _ in to_sample]
+        seqs = [s.seq for s in to_sample]
         for seq in seqs:
             if seq.request.params.structured_outputs is not None and seq.guide is None:
                 seq.guide = self.constraints.guide(seq.request.params.structured_outputs)
@@ -337,25 +372,50 @@ class LLMEngine:
             tokens[edited] = self._draw(edited_rows, self._edit(logits[edited], edited_seqs) / scale, edited_seqs)
         else:
             tokens = self._draw(rows, logits, seqs)
-        wanted = [i for i, (seq, _) in enumerate(to_sample) if seq.logprobs is not None]
+        wanted = [i for i, s in enumerate(to_sample) if s.seq.logprobs is not None]
+        logprobs = None
         if wanted:
-            k = max(to_sample[i][0].request.params.logprobs for i in wanted)
+            k = max(to_sample[i].seq.request.params.logprobs for i in wanted)
             logprobs = token_logprobs(self.model.compute_logits(states[wanted]), tokens[wanted], k)
-        for i, ((seq, _), token) in enumerate(zip(to_sample, tokens.tolist(), strict=True)):  # the step's one D2H
-            if seq.guide is not None and not seq.guide.advance(token):
-                seq.finish_reason, seq.stop_reason = "abort", None  # the constraint library contradicted itself
-                self.scheduler.finish(seq)
-                continue
-            seq.token_ids.append(token)
-            self.num_generated_tokens += 1
-            if seq.logprobs is not None:
-                self._record_logprobs(seq, token, logprobs, wanted.index(i))
-            result = seq.detok.append(token, seq.request.params.max_tokens)
-            if result is None and len(seq.token_ids) >= self.max_model_len:
-                result = ("length", None)
-            if result is not None:
-                seq.finish_reason, seq.stop_reason = result
-                self.scheduler.finish(seq)
+        verifying: dict[int, list] = {}  # seq_id -> [sequence, drafted, accepted, still going]
+        for i, (s, token) in enumerate(zip(to_sample, tokens.tolist(), strict=True)):  # the step's one D2H
+            seq = s.seq
+            if s.draft is not None:
+                state = verifying.setdefault(seq.seq_id, [seq, len(s.draft), 0, True])
+                if not state[3]:
+                    continue  # an earlier position of this draft was rejected: this row is void
+            going = self._append(seq, token, logprobs, wanted.index(i) if seq.logprobs is not None else -1)
+            if s.draft is not None:
+                matched = s.draft_index < len(s.draft) and token == s.draft[s.draft_index]
+                state[2] += matched
+                state[3] = going and matched
+        for seq, drafted, accepted, _ in verifying.values():
+            self.speculator.verified(seq, drafted, accepted)
+            if not seq.is_finished:  # the accepted drafted tokens' KV is valid, the rest is dropped
+                seq.num_computed_tokens += accepted
+                self.blocks.commit_full_blocks(
+                    seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed_tokens
+                )
+                self.blocks.truncate(seq.block_table, len(seq.token_ids))
+
+    def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, row: int) -> bool:
+        """Add a sampled token to `seq` and apply the stop rules; False when the sequence ended."""
+        if seq.guide is not None and not seq.guide.advance(token):
+            seq.finish_reason, seq.stop_reason = "abort", None  # the constraint library contradicted itself
+            self.scheduler.finish(seq)
+            return False
+        seq.token_ids.append(token)
+        self.num_generated_tokens += 1
+        if seq.logprobs is not None:
+            self._record_logprobs(seq, token, logprobs, row)
+        result = seq.detok.append(token, seq.request.params.max_tokens)
+        if result is None and len(seq.token_ids) >= self.max_model_len:
+            result = ("length", None)
+        if result is not None:
+            seq.finish_reason, seq.stop_reason = result
+            self.scheduler.finish(seq)
+            return False
+        return True
 
     def _draw(self, rows: list[SamplingRow], scaled: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Tokens from temperature-scaled logits; constrained rows over what their constraint allows."""
@@ -410,6 +470,8 @@ class LLMEngine:
     def check_pages_idle(self) -> None:
         """Assert the page accounting invariant for an engine with no live requests."""
         self.blocks.check_idle()
+        if self.speculator is not None and self.speculator.draft_model is not None:
+            self.speculator.draft_model.blocks.check_idle()
 
     @property
     def status(self) -> dict:

@@ -11,7 +11,7 @@ reach the device in one staged copy (`staging.py`); the attention backend the en
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -25,7 +25,12 @@ from treeserve.kv.arena import KVArena
 class ScheduledSeq:
     seq: Sequence
     start: int  # tokens already computed (cached) before this step
-    num_tokens: int  # tokens computed this step
+    num_tokens: int  # tokens computed this step (a speculating decode: its last token + the draft)
+    draft: list[int] = field(default_factory=list)  # drafted tokens run after the sequence's own
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start : self.end - len(self.draft)] + self.draft
 
     @property
     def end(self) -> int:
@@ -54,7 +59,7 @@ class ModelRunner:
         """Index tensors are built on the host and reach the device in one staged copy."""
         input_ids: list[int] = []
         for item in batch:
-            input_ids.extend(item.seq.token_ids[item.start : item.end])
+            input_ids.extend(item.token_ids)
         tokens = torch.tensor(input_ids, dtype=torch.long)
         starts = torch.tensor([b.start for b in batch])
         lens = torch.tensor([b.num_tokens for b in batch])
@@ -63,9 +68,10 @@ class ModelRunner:
         positions = starts[seq_of_token] + torch.arange(len(input_ids)) - offsets[seq_of_token]
         tables = self._block_tables([b.seq.block_table for b in batch])
         slot_pages = tables[seq_of_token, positions // self.block_size]
+        rows = self._query_rows(batch)
         groups = [
-            self._group(batch, tables, starts, lens, offsets, [i for i, b in enumerate(batch) if b.num_tokens == 1]),
-            self._group(batch, tables, starts, lens, offsets, [i for i, b in enumerate(batch) if b.num_tokens > 1]),
+            self._group(tables, rows, [i for i, r in enumerate(rows) if r[3] == 1]),
+            self._group(tables, rows, [i for i, r in enumerate(rows) if r[3] > 1]),
         ]
         groups = [g for g in groups if g is not None]
         host = [tokens, positions, slot_pages, positions % self.block_size]
@@ -81,27 +87,36 @@ class ModelRunner:
         padded = [t + [0] * (width - len(t)) for t in tables]
         return torch.tensor(padded, dtype=torch.long)
 
+    @staticmethod
+    def _query_rows(batch: list[ScheduledSeq]) -> list[tuple[int, int, int, int]]:
+        """(batch item, flat offset, first position, queries) of each attention row. A speculating
+        decode's positions are decode rows of their own (context up to each position), so each
+        drafted position's hidden state is computed exactly as plain decoding computes it."""
+        rows = []
+        offset = 0
+        for i, b in enumerate(batch):
+            if b.draft:
+                rows += [(i, offset + j, b.start + j, 1) for j in range(b.num_tokens)]
+            else:
+                rows.append((i, offset, b.start, b.num_tokens))
+            offset += b.num_tokens
+        return rows
+
     def _group(
-        self,
-        batch: list[ScheduledSeq],
-        tables: torch.Tensor,
-        starts: torch.Tensor,
-        lens: torch.Tensor,
-        offsets: torch.Tensor,
-        members: list[int],
+        self, tables: torch.Tensor, rows: list[tuple[int, int, int, int]], members: list[int]
     ) -> SeqGroup | None:
         if not members:
             return None
-        index = torch.tensor(members)
-        pages = -(-max(batch[i].end for i in members) // self.block_size)
-        width = max(batch[i].num_tokens for i in members)
+        item, offset, start, length = (torch.tensor(column) for column in zip(*(rows[i] for i in members), strict=True))
+        pages = -(-int((start + length).max()) // self.block_size)
+        width = int(length.max())
         step = torch.arange(width)[None, :]
-        clamped = torch.minimum(step, lens[index][:, None] - 1)
+        clamped = torch.minimum(step, length[:, None] - 1)
         return SeqGroup(
-            block_tables=tables[index, :pages],
-            context_lens=starts[index] + lens[index],
-            query_index=offsets[index][:, None] + clamped,
-            query_pos=starts[index][:, None] + clamped,
-            query_start=offsets[index],
-            query_len=lens[index],
+            block_tables=tables[item, :pages],
+            context_lens=start + length,
+            query_index=offset[:, None] + clamped,
+            query_pos=start[:, None] + clamped,
+            query_start=offset,
+            query_len=length,
         )

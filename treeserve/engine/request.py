@@ -21,6 +21,7 @@ from treeserve.sampling_params import SamplingParams, ScoreParams
 
 if TYPE_CHECKING:
     from treeserve.engine.guided import Guide
+    from treeserve.engine.speculative import SeqSpec
 
 _seq_ids = itertools.count()
 
@@ -54,6 +55,9 @@ class Sequence:
     # forward-only requests: what was read at each requested position (a recompute overwrites)
     score_rows: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = field(default_factory=dict)
     guide: Guide | None = None  # structured outputs: where this sequence is in its constraint
+    # speculative decoding: this step's drafted tokens (set before scheduling), the drafting state
+    draft: list[int] = field(default_factory=list)
+    spec: SeqSpec | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -107,6 +111,7 @@ class Request:
     seed: int
     arrival: int
     stream: bool = False  # emit an output after every step, not only at the end
+    draft_group: str | None = None  # speculative `tree` drafting: requests that draft from each other
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0
     # with SamplingParams.prompt_logprobs: one entry per prompt token (None for the first)

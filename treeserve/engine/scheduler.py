@@ -2,7 +2,8 @@
 
 Each step: running decodes first (one token each), then running prefills, then waiting
 sequences, each taking what is left of `max_num_batched_tokens` (a long prompt is split
-into chunks over several steps). A waiting sequence first takes what the prefix cache
+into chunks over several steps). A decode with drafted tokens (speculative decoding) runs them
+too, as far as the budget and the free pages allow. A waiting sequence first takes what the prefix cache
 holds of it, and is admitted only if the running ones keep room to grow (headroom). When
 pages run out, the most recently arrived running sequence is preempted: its pages are
 released and it is recomputed later (its outputs are kept). On an arena shared with other
@@ -13,6 +14,7 @@ starving in the page pool; the other models then admit nothing new until it is s
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from treeserve.engine.model_runner import ScheduledSeq
 from treeserve.engine.request import SeqStatus, Sequence
@@ -33,6 +35,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.on_release: Callable[[Sequence], None] | None = None  # told of every sequence that gives its pages back
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -59,8 +62,10 @@ class Scheduler:
             n = min(seq.num_uncomputed, budget)
             if not self._make_room(seq, n, scheduled):
                 continue
+            draft = self._fit_draft(seq, n, budget - n)
+            n += len(draft)
             copies += self.blocks.grow(seq.block_table, seq.num_computed_tokens, seq.num_computed_tokens + n)
-            batch.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+            batch.append(ScheduledSeq(seq, seq.num_computed_tokens, n, draft))
             scheduled.add(seq.seq_id)
             budget -= n
         promised = self._promised_blocks() if self.waiting else set()
@@ -112,6 +117,18 @@ class Scheduler:
             limit = 0
         return self.blocks.find_prefix(seq.token_ids, limit)
 
+    def _fit_draft(self, seq: Sequence, n: int, spare: int) -> list[int]:
+        """The part of `seq.draft` this step verifies: what the token budget and the free pages
+        allow (drafts never preempt anything), none unless the sequence runs its last token."""
+        draft = seq.draft[:spare] if n == seq.num_uncomputed else []
+        start = seq.num_computed_tokens
+        if (
+            draft
+            and self.blocks.blocks_to_grow(seq.block_table, start, start + n + len(draft)) > self.blocks.num_free_blocks
+        ):
+            return []
+        return draft
+
     def _make_room(self, seq: Sequence, n: int, scheduled: set[int]) -> bool:
         """Preempt later sequences until `seq` can grow by n tokens; False if seq itself went."""
         start = seq.num_computed_tokens
@@ -147,6 +164,8 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self.blocks.release(seq.block_table)
+        if self.on_release is not None:
+            self.on_release(seq)
         seq.block_hashes.clear()
         seq.promised_blocks = []
         seq.num_computed_tokens = 0
@@ -162,6 +181,8 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.release(seq.block_table)
+        if self.on_release is not None:
+            self.on_release(seq)
         seq.status = SeqStatus.FINISHED
         if not self.waiting:  # nothing left to wait for pages (e.g. the waiting ones were aborted)
             self.blocks.pool.set_starving(self.blocks.owner, False)

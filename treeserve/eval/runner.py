@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from treeserve.config import check_model_path
 from treeserve.device import resolve_attention_backend, resolve_device
+from treeserve.engine.speculative import SpeculativeConfig
 from treeserve.eval.datasets import load_dataset
 from treeserve.eval.grading import Grader
 from treeserve.eval.journal import Journal, journal_path
@@ -65,6 +66,7 @@ class EvalSettings:
     quantization: str | None = None  # the generator's: "int8" (a Hugging Face checkpoint), "gguf" (a GGUF file's own)
     prm_quantization: str | None = None  # the PRM's, likewise
     dequantize: bool = False  # load GGUF files dense
+    speculative_config: dict | str | None = None  # the generator's speculative decoding (EngineConfig's)
     memory_report: str | None = None  # write the memory plan (JSON) here
     page_logs: bool = False  # put every engine's per-step page statistics in the results
     reference: bool = False
@@ -80,6 +82,8 @@ class EvalSettings:
             check_model_path(str(path), f"{name} model")
         if self.shard is not None:
             parse_shard(self.shard)
+        spec = SpeculativeConfig.parse(self.speculative_config)  # checked before any model loads
+        self.speculative_config = None if spec is None else asdict(spec)
         if self.prm_kv_fraction is not None and not 0.0 < self.prm_kv_fraction < 1.0:
             raise ValueError(f"prm_kv_fraction must be in (0, 1), got {self.prm_kv_fraction}")
 
@@ -87,7 +91,11 @@ class EvalSettings:
 def build_runtime(settings: EvalSettings, config: SearchConfig) -> Runtime:
     prm = settings.prm if config.strategy != "majority" else None
     engine_args = per_model_engine_args(
-        settings.engine_args, settings.quantization, settings.prm_quantization, settings.dequantize
+        settings.engine_args,
+        settings.quantization,
+        settings.prm_quantization,
+        settings.dequantize,
+        settings.speculative_config,
     )
     return Runtime.for_search(
         settings.generator, prm, settings.kv_cache_memory, settings.prm_kv_fraction, engine_args,
@@ -300,6 +308,11 @@ def run_counters(runtime: Runtime, ctx: SearchContext) -> dict[str, int]:
         out[f"{name}_generated_tokens"] = engine.num_generated_tokens
         out[f"{name}_computed_tokens"] = engine.num_computed_tokens
         out[f"{name}_busy_ms"] = round(runtime.busy_s[name] * 1000)  # time inside its steps
+        if engine.speculator is not None:
+            spec = engine.speculator.stats
+            out[f"{name}_spec_drafts"] = spec.num_drafts
+            out[f"{name}_spec_draft_tokens"] = spec.num_draft_tokens
+            out[f"{name}_spec_accepted_tokens"] = spec.num_accepted_tokens
     return out
 
 
@@ -320,6 +333,14 @@ def summarize(counters: dict[str, int], wall: float) -> tuple[RunStats, dict]:
             summary |= {f"{name}_{k}": counters[f"{name}_{k}"] for k in ("evictions", "thrash", "preemptions", "steps")}
             summary[f"{name}_computed_tokens"] = counters[f"{name}_computed_tokens"]
             summary[f"{name}_busy_s"] = counters[f"{name}_busy_ms"] / 1000
+        if f"{name}_spec_drafts" in counters:
+            drafts, drafted, accepted = (
+                counters[f"{name}_spec_{k}"] for k in ("drafts", "draft_tokens", "accepted_tokens")
+            )
+            summary[f"{name}_spec_draft_tokens"] = drafted
+            summary[f"{name}_spec_accepted_tokens"] = accepted
+            summary[f"{name}_spec_acceptance_rate"] = accepted / drafted if drafted else 0.0
+            summary[f"{name}_spec_mean_acceptance_length"] = 1 + accepted / drafts if drafts else 0.0
     return stats, summary
 
 

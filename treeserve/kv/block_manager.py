@@ -147,6 +147,13 @@ class BlockManager:
             self.pool.acquire(block)
         return list(block_table)
 
+    def truncate(self, block_table: list[int], num_tokens: int) -> None:
+        """Drop the pages past the first `num_tokens` tokens (rejected speculative tokens' pages)."""
+        keep = -(-num_tokens // self.block_size)
+        for block in reversed(block_table[keep:]):
+            self.pool.release(block)
+        del block_table[keep:]
+
     def release(self, block_table: list[int]) -> None:
         """Drop one owner of each page; tail pages become evictable before the prefix."""
         for block in reversed(block_table):

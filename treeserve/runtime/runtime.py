@@ -149,6 +149,8 @@ class Runtime:
         pages 1.4x). In a shared arena the smaller page wins, so the generator gets 4-token pages
         too (measured about 2% slower than 16 on beam search)."""
         args = engine_args or {}
+        if prm and args.get("prm", {}).get("speculative_config") is not None:
+            raise ValueError("a PRM only scores (one forward per input): speculative decoding is for the generator")
         split = prm and prm_kv_fraction is not None
         specs = [
             ModelSpec("generator", generator, 1.0 - prm_kv_fraction if split else None, 16, args.get("generator", {}))
@@ -164,8 +166,12 @@ class Runtime:
     def engine(self, model: str) -> LLMEngine:
         return self._engine(model)
 
-    async def generate(self, model: str, prompt: str | list[int] | dict, params: SamplingParams) -> RequestOutput:
-        return await self._submit(model, prompt, params)
+    async def generate(
+        self, model: str, prompt: str | list[int] | dict, params: SamplingParams, draft_group: str | None = None
+    ) -> RequestOutput:
+        """One generation request. Requests of one `draft_group` (the beams of one problem) draft
+        from each other's text when the model decodes speculatively with the `tree` method."""
+        return await self._submit(model, prompt, params, draft_group)
 
     async def score(self, model: str, token_ids: list[int], params: ScoreParams) -> ScoreOutput:
         return await self._submit(model, {"prompt_token_ids": token_ids}, params)
@@ -200,13 +206,13 @@ class Runtime:
                 engine.abort(request_id)
 
     async def generate_speculative(
-        self, model: str, prompt: str | list[int] | dict, params: SamplingParams
+        self, model: str, prompt: str | list[int] | dict, params: SamplingParams, draft_group: str | None = None
     ) -> Speculation:
         """Like `generate`, but `first` resolves as soon as the first stop string occurs while
         decoding continues (up to `params.n_stop_occurrences`) until `final`, or `cancel()`."""
         engine = self._engine(model)
         request_id = str(next(self._ids))
-        engine.add_request(request_id, prompt, params, stream=True)
+        engine.add_request(request_id, prompt, params, stream=True, draft_group=draft_group)
         loop = asyncio.get_running_loop()
         spec = Speculation(self, model, request_id, loop.create_future(), loop.create_future())
         self._futures[(model, request_id)] = spec.final
@@ -227,10 +233,18 @@ class Runtime:
             raise ValueError(f"unknown model {model!r}; this runtime hosts {sorted(self.engines)}")
         return self.engines[model]
 
-    async def _submit(self, model: str, prompt: str | list[int] | dict, params: object) -> object:
+    def forget_draft_group(self, model: str, draft_group: str) -> None:
+        """The group's requests are all done (a problem's search ended): drop its drafting text."""
+        speculator = self._engine(model).speculator
+        if speculator is not None:
+            speculator.forget_group(draft_group)
+
+    async def _submit(
+        self, model: str, prompt: str | list[int] | dict, params: object, draft_group: str | None = None
+    ) -> object:
         engine = self._engine(model)
         request_id = str(next(self._ids))
-        engine.add_request(request_id, prompt, params)  # raises on bad input, nothing queued
+        engine.add_request(request_id, prompt, params, draft_group=draft_group)  # raises on bad input, nothing queued
         future = asyncio.get_running_loop().create_future()
         self._futures[(model, request_id)] = future
         self._ensure_driver()
@@ -307,10 +321,17 @@ class Runtime:
 
 
 def per_model_engine_args(
-    engine_args: dict | None, quantization: str | None, prm_quantization: str | None, dequantize: bool
+    engine_args: dict | None,
+    quantization: str | None,
+    prm_quantization: str | None,
+    dequantize: bool,
+    speculative_config: dict | str | None = None,
 ) -> dict[str, dict]:
-    """`engine_args` ({"generator": {...}, "prm": {...}}) with each model's quantisation settings added."""
+    """`engine_args` ({"generator": {...}, "prm": {...}}) with each model's quantisation settings
+    and the generator's speculative decoding added."""
     args = {name: dict(values) for name, values in (engine_args or {}).items()}
+    if speculative_config is not None:
+        args.setdefault("generator", {})["speculative_config"] = speculative_config
     for name, method in (("generator", quantization), ("prm", prm_quantization)):
         entry = args.setdefault(name, {})
         if method is not None:

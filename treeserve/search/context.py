@@ -256,12 +256,14 @@ class SearchContext:
             return [done]
         params = self.sampling(problem, beam.path, n, to_eos)
         if n == 1 and self.config.speculative_steps and not to_eos:
-            return [await self._expand_speculative(prompt, beam, params)]
-        out = await self.runtime.generate(self.generator, {"prompt_token_ids": prompt}, params)
+            return [await self._expand_speculative(problem, prompt, beam, params)]
+        out = await self.runtime.generate(self.generator, {"prompt_token_ids": prompt}, params, problem.uid)
         self.generated_tokens += sum(len(c.token_ids) for c in out.outputs)
         return [self._extend(beam, i, c) for i, c in enumerate(out.outputs)]
 
-    async def _expand_speculative(self, prompt: list[int], beam: Beam, params: SamplingParams) -> Beam:
+    async def _expand_speculative(
+        self, problem: Problem, prompt: list[int], beam: Beam, params: SamplingParams
+    ) -> Beam:
         """Take the next step from what this lineage already decoded, or start a request that
         reports its first step early and keeps decoding `speculative_steps` more."""
         limit = self.config.max_tokens
@@ -281,7 +283,9 @@ class SearchContext:
             return child
         params.n_stop_occurrences = 1 + self.config.speculative_steps
         params.max_tokens = limit * params.n_stop_occurrences
-        spec = await self.runtime.generate_speculative(self.generator, {"prompt_token_ids": prompt}, params)
+        spec = await self.runtime.generate_speculative(
+            self.generator, {"prompt_token_ids": prompt}, params, problem.uid
+        )
         c = (await spec.first).outputs[0]
         if c.stop_offsets and c.stop_offsets[0][0] <= limit:
             child = self._grow(beam, 0, c.token_ids[: c.stop_offsets[0][0]], False)
@@ -310,15 +314,15 @@ class SearchContext:
             return []
         prompt = problem.prompt_ids + [t for step in beam.step_ids for t in step]
         if not self.config.score_cache:
-            return await self._roll_out(prompt)
+            return await self._roll_out(problem, prompt)
         key = tuple(prompt)
         shared = self.rollouts.get(key)
         if shared is None:
-            shared = self.rollouts[key] = asyncio.ensure_future(self._roll_out(prompt))
+            shared = self.rollouts[key] = asyncio.ensure_future(self._roll_out(problem, prompt))
             shared.add_done_callback(lambda _: self.rollouts.pop(key, None))
         return list(await asyncio.shield(shared))
 
-    async def _roll_out(self, prompt: list[int]) -> list[str]:
+    async def _roll_out(self, problem: Problem, prompt: list[int]) -> list[str]:
         """One request per greedy step; each prompt is the tokens so far, so the prefix cache
         holds all but the newest. Stops where a beam would end (EOS, length, empty step, full
         context)."""
@@ -332,7 +336,8 @@ class SearchContext:
             params = SamplingParams(temperature=0.0, max_tokens=c.max_tokens, stop=stop,
                                     include_stop_str_in_output=True, ignore_eos=c.fixed_steps,
                                     structured_outputs=c.constraint(whole=False))  # fmt: skip
-            out = (await self.runtime.generate(self.generator, {"prompt_token_ids": prompt}, params)).outputs[0]
+            out = await self.runtime.generate(self.generator, {"prompt_token_ids": prompt}, params, problem.uid)
+            out = out.outputs[0]
             self.generated_tokens += len(out.token_ids)
             self.lookahead_generated_tokens += len(out.token_ids)
             prompt = prompt + list(out.token_ids)

@@ -7,11 +7,12 @@ engines (the runtime's driver task), so every request shares one engine loop.
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from treeserve.config import check_model_path
 from treeserve.device import resolve_attention_backend, resolve_device
+from treeserve.engine.speculative import SpeculativeConfig
 from treeserve.runtime.runtime import Runtime, per_model_engine_args
 from treeserve.search.prm import load_prm
 from treeserve.server.completions import Served
@@ -39,6 +40,7 @@ class ServerSettings:
     quantization: str | None = None  # the model's: "int8" (a Hugging Face checkpoint), "gguf" (a GGUF file's own)
     prm_quantization: str | None = None  # the PRM's, likewise
     dequantize: bool = False  # load GGUF files dense
+    speculative_config: dict | str | None = None  # the generator's speculative decoding (EngineConfig's)
 
     def check(self) -> None:
         self.device = resolve_device(self.device)  # resolved, so results record what ran
@@ -46,6 +48,8 @@ class ServerSettings:
         for name, path in (("model", self.model), ("prm", self.prm)):
             if path is not None:
                 check_model_path(path, name)
+        spec = SpeculativeConfig.parse(self.speculative_config)  # checked before any model loads
+        self.speculative_config = None if spec is None else asdict(spec)
         if self.prm_kv_fraction is not None and not 0.0 < self.prm_kv_fraction < 1.0:
             raise ValueError(f"prm_kv_fraction must be in (0, 1), got {self.prm_kv_fraction}")
         if not 0 <= self.port < 65536:
@@ -56,7 +60,11 @@ def build_served(settings: ServerSettings) -> Served:
     settings.check()
     extra = {"max_model_len": settings.max_model_len} if settings.max_model_len else {}
     engine_args = per_model_engine_args(
-        settings.engine_args, settings.quantization, settings.prm_quantization, settings.dequantize
+        settings.engine_args,
+        settings.quantization,
+        settings.prm_quantization,
+        settings.dequantize,
+        settings.speculative_config,
     )
     runtime = Runtime.for_search(
         settings.model, settings.prm, settings.kv_cache_memory, settings.prm_kv_fraction, engine_args,

@@ -41,6 +41,9 @@ class RuntimeCollector(Collector):
             "preemptions": "sequences preempted (recompute)",
             "kv_evictions": "cached pages of the model evicted",
             "kv_thrash": "prefix-cache misses on keys evicted before",
+            "spec_decode_num_drafts": "speculative decoding: sequence-steps that verified drafted tokens",
+            "spec_decode_num_draft_tokens": "speculative decoding: tokens drafted",
+            "spec_decode_num_accepted_tokens": "speculative decoding: drafted tokens accepted",
         }
         counters = {k: CounterMetricFamily(f"treeserve_{k}", doc, labels=["model"]) for k, doc in counter_docs.items()}
         for name, engine in self.runtime.engines.items():
@@ -58,6 +61,11 @@ class RuntimeCollector(Collector):
             counters["preemptions"].add_metric([name], status["preemptions"])
             counters["kv_evictions"].add_metric([name], engine.blocks.stats.evictions)
             counters["kv_thrash"].add_metric([name], engine.blocks.stats.thrash)
+            if engine.speculator is not None:
+                spec = engine.speculator.stats
+                counters["spec_decode_num_drafts"].add_metric([name], spec.num_drafts)
+                counters["spec_decode_num_draft_tokens"].add_metric([name], spec.num_draft_tokens)
+                counters["spec_decode_num_accepted_tokens"].add_metric([name], spec.num_accepted_tokens)
         yield from families.values()
         yield from counters.values()
 

@@ -1,0 +1,127 @@
+"""A draft model for speculative decoding: a smaller model of the same vocabulary proposes k
+tokens greedily, the target verifies them (see `speculative.py`).
+
+The draft keeps a KV cache per target sequence in the target's page arena: its own view of the
+same pages (as many of its tokens per page as fit, like a PRM sharing the arena) and its own
+block tables in the same page pool, so its pages come from and go back to the one budget. Each
+step, a drafting sequence first catches the draft up on the tokens it has not seen (a prompt,
+or the target's last tokens), which yields the first drafted token, then runs k - 1 single-token
+forwards for the rest. After verification the draft's cache keeps what the target accepted.
+Drafting never preempts anything: a sequence the pool cannot give pages to drafts nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from treeserve.engine.attention import AttentionBackend
+from treeserve.engine.model_runner import ModelRunner, ScheduledSeq
+from treeserve.engine.request import Sequence
+from treeserve.kv.arena import KVArena, KVLayout, PageArena
+from treeserve.kv.block_manager import BlockManager
+from treeserve.kv.page_pool import PagePool
+from treeserve.models.loader import load_model
+
+
+@dataclass
+class DraftSeq:
+    """What the draft's runner reads of a sequence: its tokens (with the drafted ones) and pages."""
+
+    token_ids: list[int]
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    synced: int = 0  # tokens known equal to the target's (the draft's own come after)
+
+
+class DraftModel:
+    def __init__(self, path: str, dtype: torch.dtype, device: torch.device, vocab_size: int):
+        loaded = load_model(path, dtype, device)
+        if not loaded.config.has_lm_head:
+            raise ValueError(f"draft model {path!r} has no LM head: it cannot propose tokens")
+        if loaded.config.vocab_size != vocab_size:
+            raise ValueError(
+                f"draft model {path!r} has a vocabulary of {loaded.config.vocab_size} tokens, the target "
+                f"{vocab_size}: a draft must share the target's tokenizer"
+            )
+        self.model = loaded.model
+        self.path = path
+        cfg = loaded.config
+        self.layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
+        self.attn_scale = cfg.attn_scale
+        self.device = device
+        self.states: dict[int, tuple[Sequence, DraftSeq]] = {}  # target seq_id -> its draft cache
+
+    def attach(self, pages: PageArena, pool: PagePool, backend: AttentionBackend, model_id: str) -> None:
+        """Use `pages` and `pool` (the target's) for the draft's KV."""
+        block_size = pages.page_bytes // self.layout.token_bytes
+        if block_size < 1:
+            raise ValueError(f"draft model {self.path!r} needs more KV bytes per token than a page holds")
+        layout = self.layout
+        arena = KVArena(pages.num_pages, layout.num_layers, block_size, layout.num_kv_heads, layout.head_dim,
+                        layout.dtype, self.device, pages=pages)  # fmt: skip
+        self.blocks = BlockManager(pages.num_pages, block_size, "draft:" + model_id, True, pool=pool)
+        self.runner = ModelRunner(self.model, arena, self.device, self.attn_scale, backend)
+
+    @torch.inference_mode()
+    def propose(self, wanting: list[tuple[Sequence, int]]) -> None:
+        """Set `seq.draft` (k greedy tokens) for each (sequence, k) the pool has pages for."""
+        items: list[ScheduledSeq] = []
+        ends: dict[int, int] = {}  # id(draft) -> its length with all k drafted tokens
+        for seq, k in wanting:
+            draft = self._sync(seq)
+            start, end = draft.num_computed_tokens, len(seq.token_ids) + k - 1  # catch up, then k - 1 drafted
+            if self.blocks.blocks_to_grow(draft.block_table, start, end) > self.blocks.num_free_blocks:
+                continue
+            self.blocks.grow(draft.block_table, start, end)
+            items.append(ScheduledSeq(draft, start, len(seq.token_ids) - start))
+            ends[id(draft)] = len(seq.token_ids) + k
+        while items:
+            hidden = self.runner.run(items)
+            last = torch.cumsum(torch.tensor([i.num_tokens for i in items]), 0) - 1
+            tokens = self.model.compute_logits(hidden[last]).float().argmax(dim=-1).tolist()
+            going = []
+            for item, token in zip(items, tokens, strict=True):
+                draft = item.seq
+                draft.num_computed_tokens = item.end
+                draft.token_ids.append(token)
+                if len(draft.token_ids) < ends[id(draft)]:
+                    going.append(ScheduledSeq(draft, item.end, 1))
+            items = going
+        for seq, _ in wanting:
+            draft = self.states[seq.seq_id][1]
+            seq.draft = draft.token_ids[len(seq.token_ids) :]
+
+    def _sync(self, seq: Sequence) -> DraftSeq:
+        """The draft cache of `seq`, cut back to the longest prefix its tokens still share with
+        the target's (drafted tokens the target rejected are dropped), leaving the last token to
+        compute (its logits give the first drafted token)."""
+        state = self.states.get(seq.seq_id)
+        if state is None:
+            draft = DraftSeq(list(seq.token_ids))
+            hit = self.blocks.find_prefix(draft.token_ids, len(draft.token_ids) - 1)
+            if self.blocks.pages_to_acquire(hit) <= self.blocks.num_free_blocks:
+                self.blocks.acquire_prefix(hit)
+                draft.block_table, draft.block_hashes = list(hit.blocks), list(hit.hashes)
+                draft.num_computed_tokens = len(hit.blocks) * self.blocks.block_size
+            self.states[seq.seq_id] = (seq, draft)
+        else:
+            draft = state[1]
+        target, mine = seq.token_ids, draft.token_ids
+        valid = draft.synced = min(draft.synced, draft.num_computed_tokens)
+        end = min(draft.num_computed_tokens, len(target) - 1)
+        while valid < end and mine[valid] == target[valid]:
+            valid += 1
+        draft.num_computed_tokens = draft.synced = valid
+        draft.token_ids = list(target)
+        self.blocks.commit_full_blocks(draft.block_table, draft.block_hashes, draft.token_ids, valid)
+        self.blocks.truncate(draft.block_table, valid)
+        return draft
+
+    def release(self, seq: Sequence) -> None:
+        """The target sequence ended or was preempted: its draft pages go back to the pool."""
+        state = self.states.pop(seq.seq_id, None)
+        if state is not None:
+            self.blocks.release(state[1].block_table)

@@ -1,0 +1,313 @@
+"""Speculative decoding: the setting, where drafts come from, and how many to draft.
+
+A speculating sequence runs its last sampled token plus k drafted tokens in one forward; the
+engine samples the target at every one of those positions with that position's own seeded
+uniform and keeps drafted tokens while they equal the target's sample (see `LLMEngine.step`).
+Since every token is the one plain decoding samples, outputs are identical to decoding without
+speculation, greedy or sampled; drafts only decide how many tokens one forward yields.
+
+Drafts come from prompt lookup (`ngram`: the sequence's own prompt and output), from the text
+of the other sequences of the same search (`tree`: siblings and cousins of a beam, which the
+search layer groups by passing a `draft_group` with each request), or from a smaller draft
+model of the same vocabulary (`model`: see `draft_model.py`). Each sequence drafts
+`num_speculative_tokens` at most and adapts: after a partial acceptance it drafts one more
+than it accepted, and after repeated rejections it stops drafting for a growing number of
+steps, so a workload whose drafts fail pays little.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from treeserve.engine.draft_model import DraftModel
+    from treeserve.engine.request import Sequence
+
+METHODS = ("ngram", "tree", "model")
+SEPARATOR = array("i", [-1]).tobytes()  # between the sequences of a group: no n-gram spans two
+MAX_PAUSE_STEPS = 64
+GROUPS_KEPT = 4096  # draft groups remembered (least recently used dropped)
+FINISHED_KEPT = 64  # finished sequences of a group still searched for drafts
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's `speculative_config` keys: `method` (ngram | tree | model; a `model` path alone
+    means a draft model), `num_speculative_tokens` (k, the most drafted per step),
+    `prompt_lookup_min` / `prompt_lookup_max` (n-gram lengths the lookups match)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    model: str | None = None
+
+    @classmethod
+    def parse(cls, value: dict | str | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """From a dict (or its JSON text); raises ValueError naming what is wrong."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; it takes {sorted(known)}")
+        method = value.get("method", "model" if value.get("model") else None)
+        if method not in METHODS:
+            raise ValueError(f"speculative_config method must be one of {list(METHODS)}, got {method!r}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config needs num_speculative_tokens (k, the tokens drafted per step)")
+        config = cls(method=method, **{k: v for k, v in value.items() if k != "method"})
+        config.check()
+        return config
+
+    def check(self) -> None:
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)) or not 1 <= lo <= hi:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r} and {hi!r}")
+        if self.method == "model":
+            if not self.model:
+                raise ValueError("speculative_config method 'model' needs model: a draft model's checkpoint")
+            if not os.path.isfile(os.path.join(self.model, "config.json")):
+                raise FileNotFoundError(f"draft model directory has no config.json: {self.model!r}")
+        elif self.model:
+            raise ValueError(f"speculative_config method {self.method!r} takes no model")
+
+    def check_draft(self, target: str) -> None:
+        """Before anything loads: a draft model must have the target's vocabulary (config.json;
+        a GGUF target is checked when the draft loads)."""
+        if self.method != "model":
+            return
+        draft, mine = _vocab_size(self.model), _vocab_size(target)
+        if mine is not None and draft != mine:
+            raise ValueError(
+                f"draft model {self.model!r} has a vocabulary of {draft} tokens, the target {mine}: "
+                "a draft must share the target's tokenizer"
+            )
+
+
+def _vocab_size(path: str) -> int | None:
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        return None
+    with open(config_path) as f:
+        config = json.load(f)
+    return config.get("vocab_size", config.get("text_config", {}).get("vocab_size"))
+
+
+@dataclass
+class SpecStats:
+    """Cumulative counters of one engine (vLLM's names where it has them)."""
+
+    method: str
+    num_drafts: int = 0  # sequence-steps that verified a draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens one speculating forward yields per sequence on average (accepted + the target's)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "method": self.method,
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "acceptance_rate": self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0,
+            "mean_acceptance_length": self.mean_acceptance_length,
+        }
+
+
+@dataclass
+class SeqSpec:
+    """One sequence's speculation state: its tokens as bytes (for lookups), its adaptive k."""
+
+    k: int
+    buffer: bytearray = field(default_factory=bytearray)  # token_ids as int32, kept in step
+    misses: int = 0  # verifications in a row that accepted nothing
+    paused_until: int = 0  # engine step before which this sequence drafts nothing
+
+    def sync(self, token_ids: list[int]) -> bytearray:
+        have = len(self.buffer) // 4
+        if have < len(token_ids):
+            self.buffer += array("i", token_ids[have:]).tobytes()
+        return self.buffer
+
+    def adapt(self, drafted: int, accepted: int, limit: int, step: int) -> None:
+        """After a verification: all accepted -> one more next time; some -> one more than that;
+        none (twice in a row or more) -> pause for 2, 4, ... 64 steps, then try 1."""
+        if accepted == drafted:
+            self.k, self.misses = min(limit, drafted + 1), 0
+        elif accepted:
+            self.k, self.misses = min(limit, accepted + 1), 0
+        else:
+            self.misses += 1
+            self.k = 1
+            if self.misses >= 2:
+                self.paused_until = step + min(MAX_PAUSE_STEPS, 1 << (self.misses - 1))
+
+
+def lookup(corpus: bytes | bytearray, own_end: int, suffix: bytes, k: int) -> list[int]:
+    """The up to `k` tokens after the latest occurrence of `suffix` in `corpus` whose
+    continuation is not empty (the occurrence at `own_end`, the sequence's own suffix, has none)."""
+    end = len(corpus)
+    while True:
+        at = corpus.rfind(suffix, 0, end)
+        if at < 0:
+            return []
+        if at % 4:  # not on a token boundary
+            end = at + len(suffix) - 1
+            continue
+        start = at + len(suffix)
+        if start != own_end:
+            stop = corpus.find(SEPARATOR, start, start + 4 * k)
+            tail = corpus[start : start + 4 * k] if stop < 0 else corpus[start:stop]
+            tail = tail[: len(tail) - len(tail) % 4]
+            if tail:
+                return array("i", tail).tolist()
+        end = at + len(suffix) - 1
+
+
+def propose_lookup(
+    corpus: bytes | bytearray, own_end: int, tokens: bytes | bytearray, k: int, n_min: int, n_max: int
+) -> list[int]:
+    """Prompt lookup: the longest suffix n-gram (n_max down to n_min) of `tokens` found in
+    `corpus` with a continuation decides the draft."""
+    total = len(tokens) // 4
+    for n in range(min(n_max, total - 1), n_min - 1, -1):
+        draft = lookup(corpus, own_end, tokens[4 * (total - n) :], k)
+        if draft:
+            return draft
+    return []
+
+
+class DraftGroups:
+    """The sequences of each draft group (live, and the last FINISHED_KEPT finished), for `tree`."""
+
+    def __init__(self) -> None:
+        self.groups: OrderedDict[str, Group] = OrderedDict()
+
+    def join(self, key: str) -> Group:
+        group = self.groups.pop(key, None) or Group()
+        self.groups[key] = group  # most recently used last
+        while len(self.groups) > GROUPS_KEPT:
+            self.groups.popitem(last=False)
+        return group
+
+    def forget(self, key: str) -> None:
+        self.groups.pop(key, None)
+
+
+@dataclass
+class Group:
+    live: dict[int, Sequence] = field(default_factory=dict)  # seq_id -> a member still decoding
+    finished: list[bytes] = field(default_factory=list)
+    corpus: bytes = b""
+    corpus_step: int = -1
+    offsets: dict[int, int] = field(default_factory=dict)  # seq_id -> end of its tokens in corpus
+
+    def build(self, step: int) -> None:
+        """The group's text as one corpus (finished members first, then live ones, each followed
+        by a separator), once per engine step; members that finished move to `finished`."""
+        if self.corpus_step == step:
+            return
+        for seq_id, seq in list(self.live.items()):
+            if seq.is_finished:
+                del self.live[seq_id]
+                self.finished = [*self.finished[-(FINISHED_KEPT - 1) :], bytes(seq.spec.sync(seq.token_ids))]
+        parts = [p + SEPARATOR for p in self.finished]
+        at = sum(len(p) for p in parts)
+        offsets = {}
+        for seq_id, seq in self.live.items():
+            buffer = seq.spec.sync(seq.token_ids)
+            parts.append(bytes(buffer) + SEPARATOR)
+            offsets[seq_id] = at + len(buffer)
+            at += len(buffer) + 4
+        self.corpus, self.offsets, self.corpus_step = b"".join(parts), offsets, step
+
+
+class Speculator:
+    """One engine's drafting: which sequences draft this step, and how many tokens."""
+
+    def __init__(self, config: SpeculativeConfig, draft_model: DraftModel | None = None):
+        self.config = config
+        self.stats = SpecStats(config.method)
+        self.groups = DraftGroups()
+        self.draft_model = draft_model  # method "model"
+        self.step = 0
+
+    def propose(self, running: list[Sequence], max_model_len: int) -> None:
+        """Set `seq.draft` of every running sequence ([] where it drafts nothing this step)."""
+        self.step += 1
+        c = self.config
+        wanting: list[tuple[Sequence, int]] = []
+        for seq in running:
+            seq.draft = []
+            room = self._room(seq, max_model_len)
+            if room > 0:
+                spec = seq.spec or self._start(seq)
+                if spec.paused_until <= self.step:
+                    wanting.append((seq, min(spec.k, room)))
+        if self.draft_model is not None:
+            self.draft_model.propose(wanting)
+            return
+        for seq, k in wanting:
+            tokens = seq.spec.sync(seq.token_ids)
+            group = self.groups.groups.get(seq.request.draft_group) if c.method == "tree" else None
+            if group is not None and seq.seq_id in group.live:
+                group.build(self.step)
+                corpus, own_end = group.corpus, group.offsets[seq.seq_id]
+            else:
+                corpus, own_end = tokens, len(tokens)
+            seq.draft = propose_lookup(corpus, own_end, tokens, k, c.prompt_lookup_min, c.prompt_lookup_max)
+
+    def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        self.stats.num_drafts += 1
+        self.stats.num_draft_tokens += drafted
+        self.stats.num_accepted_tokens += accepted
+        seq.spec.adapt(drafted, accepted, self.config.num_speculative_tokens, self.step)
+
+    def release(self, seq: Sequence) -> None:
+        """`seq` ended or was preempted (a draft model's pages for it go back to the pool)."""
+        if self.draft_model is not None:
+            self.draft_model.release(seq)
+
+    def forget_group(self, key: str) -> None:
+        self.groups.forget(key)
+
+    def _start(self, seq: Sequence) -> SeqSpec:
+        seq.spec = SeqSpec(k=self.config.num_speculative_tokens)
+        key = seq.request.draft_group
+        if self.config.method == "tree" and key is not None:
+            self.groups.join(key).live[seq.seq_id] = seq
+        return seq.spec
+
+    @staticmethod
+    def _room(seq: Sequence, max_model_len: int) -> int:
+        """How many tokens `seq` may draft now: 0 unless it is decoding without logit edits or a
+        constraint; never past max_tokens or the context."""
+        params = seq.request.params
+        if params is None or seq.num_uncomputed != 1 or seq.pending_forks or seq.num_output_tokens == 0:
+            return 0
+        if seq.guide is not None or params.structured_outputs is not None or params.adjusts_logits:
+            return 0
+        room = max_model_len - 1 - len(seq.token_ids)
+        if params.max_tokens is not None:
+            room = min(room, params.max_tokens - seq.num_output_tokens - 1)
+        return room
