@@ -22,6 +22,8 @@ def test_bad_input_exits_2(llama_dir, capsys):
     assert "model not found" in capsys.readouterr().err
     assert main(["generate", "--model", llama_dir, "--n", "0", "x", "--kv-cache-memory", str(8 << 20)]) == 2
     assert "n must be" in capsys.readouterr().err
+    assert main(["generate", "--model", llama_dir, "--speculative-config", '{"method": "eagle"}', "x"]) == 2
+    assert "method must be one of" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +61,9 @@ def test_eval_plot_solve(world, tmp_path, capsys):
         (["--generator", "/nope"], "generator model not found"),
         (["--dataset", "BADJSONL"], "bad.jsonl:2: not valid JSON"),
         (["--dataset", "arith:level=9"], "level"),
+        (["--speculative-config", "{bad"], "not valid JSON"),
+        (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'], "integer >= 1"),
+        (["--speculative-config", '{"model": "/nope", "num_speculative_tokens": 2}'], "draft model directory"),
     ],
 )
 def test_eval_bad_input(world, tmp_path, capsys, extra, message):

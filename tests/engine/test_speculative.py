@@ -157,6 +157,7 @@ def test_lookup_takes_the_longest_suffix_match_with_a_continuation():
         ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown keys"),
         ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "takes no model"),
         ({"method": "model", "num_speculative_tokens": 2}, "needs model"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
         ("{not json", "not valid JSON"),
         ([1, 2], "must be a dict"),
     ],
@@ -199,4 +200,14 @@ def test_every_attention_backend_verifies_exactly(llama_dir, make_llm, backend):
     llm = make_llm(llama_dir, attention_backend=backend, speculative_config=config)
     got = llm.generate(["the the the"], params)[0]
     assert [c.token_ids for c in got.outputs] == [c.token_ids for c in expected.outputs]
+    assert llm.engine.speculator.stats.num_accepted_tokens > 0
+
+
+def test_no_drafts_in_batches_larger_than_disable_by_batch_size(llama_dir, make_llm):
+    config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 2}
+    llm = make_llm(llama_dir, speculative_config=config)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    llm.generate(["the the the"] * 3, params)  # three running: never drafts
+    assert llm.engine.speculator.stats.num_drafts == 0
+    llm.generate(["the the the"] * 2, params)
     assert llm.engine.speculator.stats.num_accepted_tokens > 0

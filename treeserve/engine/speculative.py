@@ -39,13 +39,17 @@ FINISHED_KEPT = 64  # finished sequences of a group still searched for drafts
 class SpeculativeConfig:
     """vLLM's `speculative_config` keys: `method` (ngram | tree | model; a `model` path alone
     means a draft model), `num_speculative_tokens` (k, the most drafted per step),
-    `prompt_lookup_min` / `prompt_lookup_max` (n-gram lengths the lookups match)."""
+    `prompt_lookup_min` / `prompt_lookup_max` (n-gram lengths the lookups match),
+    `disable_by_batch_size` (no drafting in steps with more running sequences)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     model: str | None = None
+    # no drafts in a step with more running sequences than this (vLLM v0's key): a large batch
+    # is compute-bound on a CPU, so verifying drafts costs about what decoding them would
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def parse(cls, value: dict | str | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -59,7 +63,8 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config is not valid JSON: {e}") from None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
+                 "disable_by_batch_size"}  # fmt: skip
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config has unknown keys {unknown}; it takes {sorted(known)}")
@@ -79,6 +84,9 @@ class SpeculativeConfig:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)) or not 1 <= lo <= hi:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r} and {hi!r}")
+        limit = self.disable_by_batch_size
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+            raise ValueError(f"disable_by_batch_size must be an integer >= 1 or None, got {limit!r}")
         if self.method == "model":
             if not self.model:
                 raise ValueError("speculative_config method 'model' needs model: a draft model's checkpoint")
@@ -259,6 +267,9 @@ class Speculator:
         wanting: list[tuple[Sequence, int]] = []
         for seq in running:
             seq.draft = []
+        if c.disable_by_batch_size is not None and len(running) > c.disable_by_batch_size:
+            return
+        for seq in running:
             room = self._room(seq, max_model_len)
             if room > 0:
                 spec = seq.spec or self._start(seq)

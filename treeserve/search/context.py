@@ -228,6 +228,15 @@ class SearchContext:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return Problem(uid, question, tokenizer.encode(text, add_special_tokens=False))
 
+    def draft_group(self, problem: Problem) -> str:
+        """The generator's draft group of `problem`'s requests (speculative `tree` drafting: the
+        beams of one problem draft from each other's text)."""
+        return f"{id(self):x}/{problem.uid}"
+
+    def forget(self, problem: Problem) -> None:
+        """`problem`'s search ended: the generator drops its drafting text."""
+        self.runtime.forget_draft_group(self.generator, self.draft_group(problem))
+
     def report(self, iteration: int, beams: list[Beam]) -> None:
         if self.on_iteration is not None:
             self.on_iteration(iteration, beams)
@@ -257,7 +266,9 @@ class SearchContext:
         params = self.sampling(problem, beam.path, n, to_eos)
         if n == 1 and self.config.speculative_steps and not to_eos:
             return [await self._expand_speculative(problem, prompt, beam, params)]
-        out = await self.runtime.generate(self.generator, {"prompt_token_ids": prompt}, params, problem.uid)
+        out = await self.runtime.generate(
+            self.generator, {"prompt_token_ids": prompt}, params, self.draft_group(problem)
+        )
         self.generated_tokens += sum(len(c.token_ids) for c in out.outputs)
         return [self._extend(beam, i, c) for i, c in enumerate(out.outputs)]
 
@@ -284,7 +295,7 @@ class SearchContext:
         params.n_stop_occurrences = 1 + self.config.speculative_steps
         params.max_tokens = limit * params.n_stop_occurrences
         spec = await self.runtime.generate_speculative(
-            self.generator, {"prompt_token_ids": prompt}, params, problem.uid
+            self.generator, {"prompt_token_ids": prompt}, params, self.draft_group(problem)
         )
         c = (await spec.first).outputs[0]
         if c.stop_offsets and c.stop_offsets[0][0] <= limit:
@@ -336,7 +347,9 @@ class SearchContext:
             params = SamplingParams(temperature=0.0, max_tokens=c.max_tokens, stop=stop,
                                     include_stop_str_in_output=True, ignore_eos=c.fixed_steps,
                                     structured_outputs=c.constraint(whole=False))  # fmt: skip
-            out = await self.runtime.generate(self.generator, {"prompt_token_ids": prompt}, params, problem.uid)
+            out = await self.runtime.generate(
+                self.generator, {"prompt_token_ids": prompt}, params, self.draft_group(problem)
+            )
             out = out.outputs[0]
             self.generated_tokens += len(out.token_ids)
             self.lookahead_generated_tokens += len(out.token_ids)

@@ -53,10 +53,11 @@ async def search_problems(
             if stop is not None and stop.is_set():
                 return None
             start = time.perf_counter()
+            problem = ctx.problem(uid, question)
             try:
-                beams = await strategy(ctx, ctx.problem(uid, question))
-            finally:  # speculative `tree` drafting: the problem's requests are done
-                ctx.runtime.forget_draft_group(ctx.generator, uid)
+                beams = await strategy(ctx, problem)
+            finally:
+                ctx.forget(problem)
             result = ProblemResult(uid, beams, time.perf_counter() - start)
             if on_done is not None:
                 on_done(result)

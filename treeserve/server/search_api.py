@@ -61,7 +61,10 @@ def search_context(served: Served, req: SearchRequest) -> tuple[SearchContext, P
 
 async def run_search(served: Served, req: SearchRequest, ctx: SearchContext, problem: Problem) -> dict:
     start = time.perf_counter()
-    beams = await STRATEGY_FUNCTIONS[ctx.config.strategy](ctx, problem)
+    try:
+        beams = await STRATEGY_FUNCTIONS[ctx.config.strategy](ctx, problem)
+    finally:
+        ctx.forget(problem)
     seconds = time.perf_counter() - start
     served.metrics.search_seconds.labels(ctx.config.strategy).observe(seconds)
     return _result(served, req, ctx, len(problem.prompt_ids), beams, seconds)
