@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tests.tiny_models import build_checkpoint
 from treeserve import LLM, SamplingParams
 from treeserve.config import EngineConfig
-from treeserve.engine.speculative import SpeculativeConfig, propose_lookup
+from treeserve.engine.speculative import SEPARATOR, SpeculativeConfig, propose_lookup
 from treeserve.runtime.runtime import Runtime
 
 WORDS = ["The quick brown fox", "Numbers 0 1 2 3", "def f(x):", "Once upon a time", "Compute (12 + 7)", "the the"]
@@ -133,17 +133,21 @@ def test_tree_drafts_from_the_other_requests_of_its_group(llama_dir, make_llm):
 
 
 def test_lookup_takes_the_longest_suffix_match_with_a_continuation():
-    from array import array
+    def text(tokens):
+        return "".join(map(chr, tokens))
 
-    def b(tokens):
-        return array("i", tokens).tobytes()
-
-    tokens = b([5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7])
+    tokens = text([5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7])
     assert propose_lookup(tokens, len(tokens), tokens, 3, 1, 3) == [9, 2, 6]  # latest match of (6, 7)
-    tokens = b([1, 2, 3, 4, 9, 9, 2, 3])
+    tokens = text([1, 2, 3, 4, 9, 9, 2, 3])
     assert propose_lookup(tokens, len(tokens), tokens, 2, 1, 3) == [4, 9]
     assert propose_lookup(tokens, len(tokens), tokens, 2, 3, 3) == []  # no 3-gram match
-    assert propose_lookup(b([7, 7]), 8, b([7, 7]), 4, 1, 1) == [7]
+    assert propose_lookup(text([7, 7]), 2, text([7, 7]), 4, 1, 1) == [7]
+    # a group: another member's continuation, never across the separator, never the own suffix
+    mine, other = text([4, 5, 6]), text([5, 6, 0xD800, 262143])  # surrogate and large ids are tokens too
+    corpus = other + SEPARATOR + mine + SEPARATOR
+    assert propose_lookup(corpus, len(other) + 1 + len(mine), mine, 4, 1, 2) == [0xD800, 262143]
+    assert propose_lookup(other + SEPARATOR + mine, len(corpus) - 1, mine, 4, 1, 2) == [0xD800, 262143]
+    assert propose_lookup(mine + SEPARATOR + mine, 7, mine, 4, 1, 2) == []
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -29,7 +28,7 @@ if TYPE_CHECKING:
     from treeserve.engine.request import Sequence
 
 METHODS = ("ngram", "tree", "model")
-SEPARATOR = array("i", [-1]).tobytes()  # between the sequences of a group: no n-gram spans two
+SEPARATOR = chr(0x10FFFF)  # between the sequences of a group (no vocabulary is that large): no n-gram spans two
 MAX_PAUSE_STEPS = 64
 GROUPS_KEPT = 4096  # draft groups remembered (least recently used dropped)
 FINISHED_KEPT = 64  # finished sequences of a group still searched for drafts
@@ -144,18 +143,17 @@ class SpecStats:
 
 @dataclass
 class SeqSpec:
-    """One sequence's speculation state: its tokens as bytes (for lookups), its adaptive k."""
+    """One sequence's speculation state: its tokens as text (for lookups), its adaptive k."""
 
     k: int
-    buffer: bytearray = field(default_factory=bytearray)  # token_ids as int32, kept in step
+    text: str = ""  # token_ids as a string, one character (code point = token id) per token
     misses: int = 0  # verifications in a row that accepted nothing
     paused_until: int = 0  # engine step before which this sequence drafts nothing
 
-    def sync(self, token_ids: list[int]) -> bytearray:
-        have = len(self.buffer) // 4
-        if have < len(token_ids):
-            self.buffer += array("i", token_ids[have:]).tobytes()
-        return self.buffer
+    def sync(self, token_ids: list[int]) -> str:
+        if len(self.text) < len(token_ids):
+            self.text += "".join(map(chr, token_ids[len(self.text) :]))
+        return self.text
 
     def adapt(self, drafted: int, accepted: int, limit: int, step: int) -> None:
         """After a verification: all accepted -> one more next time; some -> one more than that;
@@ -171,35 +169,25 @@ class SeqSpec:
                 self.paused_until = step + min(MAX_PAUSE_STEPS, 1 << (self.misses - 1))
 
 
-def lookup(corpus: bytes | bytearray, own_end: int, suffix: bytes, k: int) -> list[int]:
+def lookup(corpus: str, own_end: int, suffix: str, k: int) -> list[int]:
     """The up to `k` tokens after the latest occurrence of `suffix` in `corpus` whose
-    continuation is not empty (the occurrence at `own_end`, the sequence's own suffix, has none)."""
+    continuation is not empty (the occurrence at `own_end`, the sequence's own suffix, has
+    none; neither has one that a separator follows). Tokens are characters: `str.rfind`."""
     end = len(corpus)
-    while True:
-        at = corpus.rfind(suffix, 0, end)
-        if at < 0:
-            return []
-        if at % 4:  # not on a token boundary
-            end = at + len(suffix) - 1
-            continue
+    while (at := corpus.rfind(suffix, 0, end)) >= 0:
         start = at + len(suffix)
-        if start != own_end:
-            stop = corpus.find(SEPARATOR, start, start + 4 * k)
-            tail = corpus[start : start + 4 * k] if stop < 0 else corpus[start:stop]
-            tail = tail[: len(tail) - len(tail) % 4]
-            if tail:
-                return array("i", tail).tolist()
-        end = at + len(suffix) - 1
+        tail = corpus[start : start + k].split(SEPARATOR, 1)[0] if start != own_end else ""
+        if tail:
+            return [ord(c) for c in tail]
+        end = start - 1
+    return []
 
 
-def propose_lookup(
-    corpus: bytes | bytearray, own_end: int, tokens: bytes | bytearray, k: int, n_min: int, n_max: int
-) -> list[int]:
+def propose_lookup(corpus: str, own_end: int, tokens: str, k: int, n_min: int, n_max: int) -> list[int]:
     """Prompt lookup: the longest suffix n-gram (n_max down to n_min) of `tokens` found in
     `corpus` with a continuation decides the draft."""
-    total = len(tokens) // 4
-    for n in range(min(n_max, total - 1), n_min - 1, -1):
-        draft = lookup(corpus, own_end, tokens[4 * (total - n) :], k)
+    for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+        draft = lookup(corpus, own_end, tokens[len(tokens) - n :], k)
         if draft:
             return draft
     return []
@@ -225,8 +213,8 @@ class DraftGroups:
 @dataclass
 class Group:
     live: dict[int, Sequence] = field(default_factory=dict)  # seq_id -> a member still decoding
-    finished: list[bytes] = field(default_factory=list)
-    corpus: bytes = b""
+    finished: list[str] = field(default_factory=list)
+    corpus: str = ""
     corpus_step: int = -1
     offsets: dict[int, int] = field(default_factory=dict)  # seq_id -> end of its tokens in corpus
 
@@ -238,16 +226,16 @@ class Group:
         for seq_id, seq in list(self.live.items()):
             if seq.is_finished:
                 del self.live[seq_id]
-                self.finished = [*self.finished[-(FINISHED_KEPT - 1) :], bytes(seq.spec.sync(seq.token_ids))]
+                self.finished = [*self.finished[-(FINISHED_KEPT - 1) :], seq.spec.sync(seq.token_ids)]
         parts = [p + SEPARATOR for p in self.finished]
         at = sum(len(p) for p in parts)
         offsets = {}
         for seq_id, seq in self.live.items():
-            buffer = seq.spec.sync(seq.token_ids)
-            parts.append(bytes(buffer) + SEPARATOR)
-            offsets[seq_id] = at + len(buffer)
-            at += len(buffer) + 4
-        self.corpus, self.offsets, self.corpus_step = b"".join(parts), offsets, step
+            text = seq.spec.sync(seq.token_ids)
+            parts.append(text + SEPARATOR)
+            offsets[seq_id] = at + len(text)
+            at += len(text) + 1
+        self.corpus, self.offsets, self.corpus_step = "".join(parts), offsets, step
 
 
 class Speculator:
