@@ -48,6 +48,11 @@ STORY_PROMPT = "Once upon a time, in a small village at the edge of a great fore
 TOKENS = 128
 
 
+def rotated(names: list[str], rep: int) -> list[str]:
+    """The settings in the order of repetition `rep` (each goes first in turn)."""
+    return names[rep % len(names) :] + names[: rep % len(names)]
+
+
 def ngram(k: int) -> dict:
     return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
@@ -74,9 +79,7 @@ def gemma(workloads: list[str], repeats: int) -> list[dict]:
         texts: dict[str, list[int]] = {}
         accepted: dict[str, dict] = {}
         for rep in range(repeats):
-            names = list(llms)
-            names = names[rep % len(names) :] + names[: rep % len(names)]
-            for name in names:
+            for name in rotated(list(llms), rep):
                 llm = llms[name]
                 before = llm.engine.speculator.stats.as_dict() if llm.engine.speculator else None
                 start = time.perf_counter()
@@ -119,9 +122,7 @@ def search(workloads: list[str], repeats: int, problems: int) -> list[dict]:
         runs: dict[str, list[float]] = {name: [] for name in settings}
         last: dict[str, dict] = {}
         for rep in range(repeats):
-            names = list(settings)
-            names = names[rep % len(names) :] + names[: rep % len(names)]
-            for name in names:
+            for name in rotated(list(settings), rep):
                 doc = run(settings[name], "bfloat16")
                 runs[name].append(doc["summary"]["problems_per_s"] * 60)
                 last[name] = doc
@@ -166,9 +167,7 @@ def draft(workloads: list[str], repeats: int) -> list[dict]:
     outputs: dict[str, list] = {}
     stats: dict[str, dict] = {}
     for rep in range(repeats):
-        names = list(llms)
-        names = names[rep % len(names) :] + names[: rep % len(names)]
-        for name in names:
+        for name in rotated(list(llms), rep):
             llm = llms[name]
             start, tokens, outs = time.perf_counter(), 0, []
             for chat in chats:  # batch 1: one problem at a time
