@@ -20,6 +20,7 @@ import torch
 from treeserve.config import EngineConfig
 from treeserve.device import available_memory
 from treeserve.engine.attention import BACKENDS
+from treeserve.engine.dedup import expand, split_twins
 from treeserve.engine.detokenizer import StopChecker
 from treeserve.engine.draft_model import DraftModel
 from treeserve.engine.guided import Constraints
@@ -267,7 +268,11 @@ class LLMEngine:
                 raise RuntimeError("scheduler made no progress although requests are waiting")
             return []  # sharing the arena: it waits for pages the other models hold
         self.arena.copy_pages(copies)
-        hidden = self.runner.run(batch)
+        computed, source = split_twins(batch)
+        hidden = self.runner.run(computed)
+        if len(computed) < len(batch):
+            hidden = expand(batch, computed, source, hidden, self.arena)
+        self.num_computed_tokens += sum(item.num_tokens for item in computed)  # twins' rows are not computed
         touched: dict[str, Request] = {}
         to_sample: list[ToSample] = []
         row = 0
@@ -275,7 +280,6 @@ class LLMEngine:
             seq = item.seq
             request = seq.request
             seq.num_computed_tokens = item.end - len(item.draft)  # drafted tokens count once accepted
-            self.num_computed_tokens += item.num_tokens
             self.blocks.commit_full_blocks(seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed_tokens)
             if request.prompt_logprobs is not None and item.start < seq.num_prompt_tokens - 1:
                 self._read_prompt_logprobs(request, item, hidden[row : row + item.num_tokens])

@@ -58,6 +58,9 @@ class Sequence:
     # speculative decoding: this step's drafted tokens (set before scheduling), the drafting state
     draft: list[int] = field(default_factory=list)
     spec: SeqSpec | None = None
+    # a hash of token_ids[:hashed], kept up to date by history_key (twin rows: dedup.py)
+    history_hash: int | None = None
+    hashed: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -75,6 +78,15 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SeqStatus.FINISHED
 
+    def history_key(self) -> tuple[int, int]:
+        """(length, hash of the token ids): equal for sequences with equal token ids."""
+        if self.history_hash is None:
+            self.history_hash, self.hashed = hash(tuple(self.token_ids)), len(self.token_ids)
+        for token in self.token_ids[self.hashed :]:
+            self.history_hash = hash((self.history_hash, token))
+        self.hashed = len(self.token_ids)
+        return self.hashed, self.history_hash
+
     def fork(self, index: int, block_table: list[int]) -> Sequence:
         return Sequence(
             request=self.request,
@@ -86,6 +98,8 @@ class Sequence:
             block_table=block_table,
             block_hashes=list(self.block_hashes),
             logprobs=[] if self.logprobs is not None else None,
+            history_hash=self.history_hash,
+            hashed=self.hashed,
         )
 
     def completion(self) -> CompletionOutput:

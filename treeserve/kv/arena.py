@@ -100,6 +100,14 @@ class KVArena:
         """K and V views of one layer: each [num_blocks, block_size, kv_heads, head_dim]."""
         return self.buffer[:, index, 0], self.buffer[:, index, 1]
 
+    def copy_slots(self, src: list[tuple[int, int]], dst: list[tuple[int, int]]) -> None:
+        """Copy single tokens' K/V, every layer: (page, offset) in `src` to the same index in `dst`."""
+        if src:
+            device = self.buffer.device
+            src_pages, src_offsets = (torch.tensor(column, device=device) for column in zip(*src, strict=True))
+            dst_pages, dst_offsets = (torch.tensor(column, device=device) for column in zip(*dst, strict=True))
+            self.buffer[dst_pages, :, :, dst_offsets] = self.buffer[src_pages, :, :, src_offsets]
+
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         if copies:
             src = torch.tensor([s for s, _ in copies], device=self.buffer.device)
