@@ -30,7 +30,7 @@ def split_twins(batch: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], list[int
         if item.num_tokens == 1 + len(item.draft) and seq.request.params is not None:
             key = (seq.history_key(), tuple(item.draft))
             for index in seen.get(key, ()):
-                if computed[index].seq.token_ids == seq.token_ids and computed[index].draft == item.draft:
+                if computed[index].seq.token_ids == seq.token_ids:  # the key holds the draft itself
                     source.append(index)
                     break
             else:

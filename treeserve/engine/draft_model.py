@@ -52,7 +52,7 @@ class DraftModel:
         self.layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
         self.attn_scale = cfg.attn_scale
         self.device = device
-        self.states: dict[int, tuple[Sequence, DraftSeq]] = {}  # target seq_id -> its draft cache
+        self.states: dict[int, DraftSeq] = {}  # target seq_id -> its draft cache
 
     def attach(self, pages: PageArena, pool: PagePool, backend: AttentionBackend, model_id: str) -> None:
         """Use `pages` and `pool` (the target's) for the draft's KV."""
@@ -91,24 +91,20 @@ class DraftModel:
                     going.append(ScheduledSeq(draft, item.end, 1))
             items = going
         for seq, _ in wanting:
-            draft = self.states[seq.seq_id][1]
-            seq.draft = draft.token_ids[len(seq.token_ids) :]
+            seq.draft = self.states[seq.seq_id].token_ids[len(seq.token_ids) :]
 
     def _sync(self, seq: Sequence) -> DraftSeq:
         """The draft cache of `seq`, cut back to the longest prefix its tokens still share with
         the target's (drafted tokens the target rejected are dropped), leaving the last token to
         compute (its logits give the first drafted token)."""
-        state = self.states.get(seq.seq_id)
-        if state is None:
-            draft = DraftSeq(list(seq.token_ids))
+        draft = self.states.get(seq.seq_id)
+        if draft is None:
+            draft = self.states[seq.seq_id] = DraftSeq(list(seq.token_ids))
             hit = self.blocks.find_prefix(draft.token_ids, len(draft.token_ids) - 1)
             if self.blocks.pages_to_acquire(hit) <= self.blocks.num_free_blocks:
                 self.blocks.acquire_prefix(hit)
                 draft.block_table, draft.block_hashes = list(hit.blocks), list(hit.hashes)
                 draft.num_computed_tokens = len(hit.blocks) * self.blocks.block_size
-            self.states[seq.seq_id] = (seq, draft)
-        else:
-            draft = state[1]
         target, mine = seq.token_ids, draft.token_ids
         valid = draft.synced = min(draft.synced, draft.num_computed_tokens)
         end = min(draft.num_computed_tokens, len(target) - 1)
@@ -122,6 +118,6 @@ class DraftModel:
 
     def release(self, seq: Sequence) -> None:
         """The target sequence ended or was preempted: its draft pages go back to the pool."""
-        state = self.states.pop(seq.seq_id, None)
-        if state is not None:
-            self.blocks.release(state[1].block_table)
+        draft = self.states.pop(seq.seq_id, None)
+        if draft is not None:
+            self.blocks.release(draft.block_table)

@@ -69,6 +69,16 @@ class ToSample:
     draft_index: int = 0
 
 
+@dataclass
+class Verification:
+    """One speculating sequence's draft, checked position by position against the target's samples."""
+
+    seq: Sequence
+    drafted: int
+    accepted: int = 0
+    going: bool = True  # every position so far matched and the sequence has not ended
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, attach_kv: bool = True):
         """Load the model; with `attach_kv`, also give it a KV arena of its own sized from
@@ -381,22 +391,23 @@ class LLMEngine:
         if wanted:
             k = max(to_sample[i].seq.request.params.logprobs for i in wanted)
             logprobs = token_logprobs(self.model.compute_logits(states[wanted]), tokens[wanted], k)
-        verifying: dict[int, list] = {}  # seq_id -> [sequence, drafted, accepted, still going]
+        verifying: dict[int, Verification] = {}  # seq_id -> its draft's verification so far
         for i, (s, token) in enumerate(zip(to_sample, tokens.tolist(), strict=True)):  # the step's one D2H
             seq = s.seq
             if s.draft is not None:
-                state = verifying.setdefault(seq.seq_id, [seq, len(s.draft), 0, True])
-                if not state[3]:
+                check = verifying.setdefault(seq.seq_id, Verification(seq, len(s.draft)))
+                if not check.going:
                     continue  # an earlier position of this draft was rejected: this row is void
             going = self._append(seq, token, logprobs, wanted.index(i) if seq.logprobs is not None else -1)
             if s.draft is not None:
                 matched = s.draft_index < len(s.draft) and token == s.draft[s.draft_index]
-                state[2] += matched
-                state[3] = going and matched
-        for seq, drafted, accepted, _ in verifying.values():
-            self.speculator.verified(seq, drafted, accepted)
+                check.accepted += matched
+                check.going = going and matched
+        for check in verifying.values():
+            seq = check.seq
+            self.speculator.verified(seq, check.drafted, check.accepted)
             if not seq.is_finished:  # the accepted drafted tokens' KV is valid, the rest is dropped
-                seq.num_computed_tokens += accepted
+                seq.num_computed_tokens += check.accepted
                 self.blocks.commit_full_blocks(
                     seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed_tokens
                 )

@@ -206,6 +206,9 @@ class DraftGroups:
             self.groups.popitem(last=False)
         return group
 
+    def get(self, key: str | None) -> Group | None:
+        return self.groups.get(key)
+
     def forget(self, key: str) -> None:
         self.groups.pop(key, None)
 
@@ -268,7 +271,7 @@ class Speculator:
             return
         for seq, k in wanting:
             tokens = seq.spec.sync(seq.token_ids)
-            group = self.groups.groups.get(seq.request.draft_group) if c.method == "tree" else None
+            group = self.groups.get(seq.request.draft_group) if c.method == "tree" else None
             if group is not None and seq.seq_id in group.live:
                 group.build(self.step)
                 corpus, own_end = group.corpus, group.offsets[seq.seq_id]
@@ -304,7 +307,7 @@ class Speculator:
         params = seq.request.params
         if params is None or seq.num_uncomputed != 1 or seq.pending_forks or seq.num_output_tokens == 0:
             return 0
-        if seq.guide is not None or params.structured_outputs is not None or params.adjusts_logits:
+        if params.structured_outputs is not None or params.adjusts_logits:
             return 0
         room = max_model_len - 1 - len(seq.token_ids)
         if params.max_tokens is not None:
