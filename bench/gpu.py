@@ -4,16 +4,21 @@
     python bench/gpu.py --device cpu --repeats 1 --problems 2 --prompts 4 --out /tmp/gpu-smoke   # a smoke run
 
 Runs, each in its own subprocess with the engines' order rotated per repetition (the CPU
-benchmarks' machinery, with treeserve on `--device`):
+benchmarks' machinery, with treeserve on `--device`; the `transformers` peers run on the
+same device):
 * generation, the issue-2 workload (`bench/generate.py`: random bf16 Llama, 64 prompts x
-  n=4 x 128 tokens) and Gemma 3 270M (`bench/generate.py --gemma`: batch-1 decode, 32
-  prompts x n=4, a 512-token prefill; treeserve reads the GGUF file, vLLM its bf16 directory);
-* arithmetic beam search at N=16 and N=64 (`bench/search.py`, the shipped models, 40
-  level-4/5 problems) against `sal-vllm` and `thesis-vllm`.
+  n=4 x 128 tokens) against `transformers` `generate`, and Gemma 3 270M
+  (`bench/generate.py --gemma`: batch-1 decode, 32 prompts x n=4, a 512-token prefill;
+  treeserve reads the GGUF file, vLLM its bf16 directory);
+* arithmetic beam search at N=16 and N=64 (`bench/search.py`, the shipped models or
+  `--model-size` twins, 40 level-4/5 problems) against `sal-vllm`, `thesis-vllm` and
+  `vllm-prefix-prm`, and at N=16 on `--transformers-problems` problems against
+  `sal-transformers` (search-and-learn's loop over `transformers` on the same GPU).
 vLLM runs from the Python that `VLLM_PYTHON` names (default `.venv-vllm/bin/python`), a GPU
 build installed with `pip install vllm`; without it, the vLLM peers are left out and the
-JSON says so. Writes `OUT/gpu.json` (the GPU, versions, backend, every sub-run's JSON and its
-medians) and prints each sub-benchmark's table. Nothing here has run on a GPU yet.
+JSON says so. A sub-benchmark that fails is recorded as failed and the next one runs.
+Writes `OUT/gpu.json` (the GPU, versions, backend, every sub-run's JSON and its medians)
+and prints each sub-benchmark's table.
 """
 
 from __future__ import annotations
@@ -52,11 +57,21 @@ def environment(device: str) -> dict:
     return info
 
 
-def run(name: str, command: list[str], out: str) -> dict:
+def run(results: dict, key: str, name: str, command: list[str], out_dir: str) -> None:
+    """One sub-benchmark into results["runs"][key], then gpu.json rewritten (a later one may
+    not finish); a failure is recorded and printed, and the next one runs."""
+    out = os.path.join(out_dir, f"{key}.json")
+    command = [*command, "--output" if command[0].endswith("generate.py") else "--out", out]
     print(f"\n== {name}: {' '.join(command)}", flush=True)
-    subprocess.run([sys.executable, *command], check=True, cwd=os.path.join(HERE, ".."))
-    with open(out) as f:
-        return json.load(f)
+    proc = subprocess.run([sys.executable, *command], cwd=os.path.join(HERE, ".."))
+    if proc.returncode == 0 and os.path.exists(out):
+        with open(out) as f:
+            results["runs"][key] = json.load(f)
+    else:
+        print(f"== {name} FAILED (exit {proc.returncode})", flush=True)
+        results["runs"][key] = {"error": f"exit {proc.returncode}", "command": command}
+    with open(os.path.join(out_dir, "gpu.json"), "w") as f:
+        json.dump(results, f, indent=1)
 
 
 def main() -> None:
@@ -67,34 +82,34 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64, help="generation prompts (issue-2 workload)")
     ap.add_argument("--ns", default="16,64", help="beam search N values")
     ap.add_argument("--skip-gemma", action="store_true", help="without the Gemma 3 270M generation runs")
+    ap.add_argument("--model-size", default="arith", help="search models: arith (shipped) or a twin size (s, m, l)")
+    ap.add_argument("--transformers-problems", type=int, default=10,
+                    help="problems for the sal-transformers search peer (0: leave it out)")  # fmt: skip
     ap.add_argument("--out", default=os.path.join(HERE, "out", "gpu"))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     env = environment(args.device)
     with_vllm = env["vllm"] is not None
     if not with_vllm:
-        print(f"vLLM not found at {VLLM_PYTHON} (a GPU build: pip install vllm): treeserve runs alone", flush=True)
-    engines = "treeserve,vllm" if with_vllm else "treeserve"
+        print(f"vLLM not found at {VLLM_PYTHON} (a GPU build: pip install vllm): its peers are left out", flush=True)
+    engines = "treeserve,transformers,vllm" if with_vllm else "treeserve,transformers"
     common = ["--device", args.device, "--repeats", str(args.repeats)]
     results: dict = {"environment": env, "runs": {}}
-    gen = os.path.join(args.out, "generate.json")
-    results["runs"]["generate"] = run("generation (issue-2 workload)", [
-        "bench/generate.py", *common, "--engines", engines, "--prompts", str(args.prompts), "--output", gen,
-    ], gen)  # fmt: skip
+    generate = ["bench/generate.py", *common, "--engines", engines]
+    run(results, "generate", "generation (issue-2 workload)", [*generate, "--prompts", str(args.prompts)], args.out)
     if not args.skip_gemma:
-        gemma = os.path.join(args.out, "generate_gemma.json")
-        results["runs"]["generate_gemma"] = run("Gemma 3 270M", [
-            "bench/generate.py", "--gemma", *common, "--engines", engines, "--output", gemma,
-        ], gemma)  # fmt: skip
-    systems = "treeserve,sal-vllm,thesis-vllm" if with_vllm else "treeserve"
+        run(results, "generate_gemma", "Gemma 3 270M", [*generate, "--gemma"], args.out)
+    search = ["bench/search.py", *common, "--model-size", args.model_size]
+    peers = ",sal-vllm,thesis-vllm,vllm-prefix-prm" if with_vllm else ""
     for n in args.ns.split(","):
-        search = os.path.join(args.out, f"search_n{n}.json")
-        results["runs"][f"search_n{n}"] = run(f"beam search N={n}", [
-            "bench/search.py", *common, "--systems", systems, "--n", n, "--problems", str(args.problems),
-            "--out", search,
-        ], search)  # fmt: skip
-    with open(os.path.join(args.out, "gpu.json"), "w") as f:
-        json.dump(results, f, indent=1)
+        run(results, f"search_n{n}", f"beam search N={n}", [
+            *search, "--systems", "treeserve" + peers, "--n", n, "--problems", str(args.problems),
+        ], args.out)  # fmt: skip
+    if args.transformers_problems:  # the slow peer on a few problems, treeserve beside it on the same ones
+        run(results, "search_sal_transformers", "beam search N=16 against sal-transformers", [
+            *search, "--systems", "treeserve,sal-transformers", "--n", "16",
+            "--problems", str(args.transformers_problems),
+        ], args.out)  # fmt: skip
     print(f"\n{json.dumps(env)}\nwrote {os.path.join(args.out, 'gpu.json')}")
 
 

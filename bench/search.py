@@ -74,8 +74,13 @@ def run_system(system: str, workload_path: str, threads: int) -> dict:
     command = [*SYSTEMS[system], workload_path, out_path]
     if system == "treeserve-reference":
         command.append("--reference")
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_ENABLE_V1_MULTIPROCESSING="0",
-               VLLM_CPU_OMP_THREADS_BIND="nobind", PYTHONPATH=ROOT)  # fmt: skip
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=str(threads),
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+    )
     result = subprocess.run(command, env=env, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{system} failed:\n{result.stderr[-3000:]}")

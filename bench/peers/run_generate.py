@@ -98,11 +98,11 @@ def run_transformers(model: str, w: dict) -> tuple[float, int]:
     import torch
     import transformers
 
-    dtype = getattr(torch, w["dtype"])
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
+    dtype, device = getattr(torch, w["dtype"]), w.get("device", "cpu")  # on a GPU machine, the same GPU
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval().to(device)
     longest = max(len(p) for p in w["prompts"])
-    ids = torch.tensor([[0] * (longest - len(p)) + p for p in w["prompts"]])  # left padding
-    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in w["prompts"]])
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in w["prompts"]], device=device)  # left padding
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in w["prompts"]], device=device)
     kwargs = dict(
         do_sample=w["temperature"] > 0,
         temperature=w["temperature"] or None,
@@ -113,11 +113,12 @@ def run_transformers(model: str, w: dict) -> tuple[float, int]:
         eos_token_id=None,
     )
     with torch.inference_mode():
-        hf.generate(torch.tensor([WARM_UP]), max_new_tokens=8, min_new_tokens=8, **kwargs)
+        hf.generate(torch.tensor([WARM_UP], device=device), max_new_tokens=8, min_new_tokens=8, **kwargs)
         start = time.perf_counter()
         out = hf.generate(
             ids, attention_mask=mask, max_new_tokens=w["max_tokens"], min_new_tokens=w["max_tokens"], **kwargs
         )
+        out = out.cpu()
         elapsed = time.perf_counter() - start
     return elapsed, (out.shape[1] - longest) * out.shape[0]
 

@@ -123,15 +123,15 @@ class RoomLeft:
 
 
 class TransformersGenerator:
-    def __init__(self, model_dir: str, dtype: str, seed: int):
+    def __init__(self, model_dir: str, dtype: str, seed: int, device: str = "cpu"):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteriaList
 
         torch.manual_seed(seed)
-        self.torch = torch
+        self.torch, self.device = torch, device
         self.criteria = StoppingCriteriaList
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval().to(device)
 
     def generate(self, prompts: list[str], w: dict, stop: bool, counters: Counters) -> list[tuple[str, str]]:
         """(text, stop reason) per prompt; the stop reason is "\\n\\n" or "EOS" (search-and-learn
@@ -145,7 +145,7 @@ class TransformersGenerator:
             return results
         room = [MAX_LEN - len(ids[i]) for i in fits]
         max_new = min(w["max_tokens"], max(room))
-        enc = tok.pad({"input_ids": [ids[i] for i in fits]}, return_tensors="pt")
+        enc = tok.pad({"input_ids": [ids[i] for i in fits]}, return_tensors="pt").to(self.device)
         width = enc.input_ids.shape[1]
         kwargs = {"stop_strings": [STOP], "tokenizer": tok} if stop else {}
         if w["fixed_steps"]:
@@ -192,14 +192,14 @@ class VLLMGenerator:
 
 
 class TransformersPRM:
-    def __init__(self, prm_dir: str, dtype: str):
+    def __init__(self, prm_dir: str, dtype: str, device: str = "cpu"):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.torch = torch
+        self.torch, self.device = torch, device
         self.format = PRMFormat(prm_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(prm_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(prm_dir, dtype=getattr(torch, dtype)).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(prm_dir, dtype=getattr(torch, dtype)).eval().to(device)
         c = self.format.config
         self.tag, self.good, self.bad = c["step_tag_id"], c["good_token_id"], c["bad_token_id"]
 
@@ -212,6 +212,7 @@ class TransformersPRM:
             inputs.append(ids[:MAX_LEN])  # steps past the context score 0, as in treeserve
         for start in range(0, len(inputs), batch_size):
             enc = self.tokenizer.pad({"input_ids": inputs[start : start + batch_size]}, return_tensors="pt")
+            enc = enc.to(self.device)
             counters.prm_tokens_prefilled += int(enc.attention_mask.sum())
             counters.prm_tokens_total += int(enc.attention_mask.sum())
             with torch.inference_mode():
@@ -529,8 +530,8 @@ def main() -> None:
     load_start = time.perf_counter()
     if system == "sal-transformers":
         generator, prm = (
-            TransformersGenerator(w["generator"], w["dtype"], w["seed"]),
-            TransformersPRM(w["prm"], w["dtype"]),
+            TransformersGenerator(w["generator"], w["dtype"], w["seed"], w.get("device", "cpu")),
+            TransformersPRM(w["prm"], w["dtype"], w.get("device", "cpu")),
         )
     elif system == "sal-vllm":
         generator = VLLMGenerator(w["generator"], w["dtype"], w["seed"], w["kv_gib"])

@@ -1,8 +1,8 @@
 """The engine end to end on the Triton backend (a GPU, or CPU tensors under TRITON_INTERPRET=1).
 
-Greedy tokens equal the CPU path's on the tiny Llama, Qwen2 and Gemma 3 checkpoints, with
-4-token pages, chunked prefill and prefix-cache hits; scored log-probabilities equal the
-SDPA reference's; seeded sampling stays batch-invariant (the Triton sampler); and the
+fp32 logits equal transformers' and greedy tokens equal the CPU path's on the tiny Llama,
+Qwen2 and Gemma 3 checkpoints, with 4-token pages, chunked prefill and prefix-cache hits;
+scored log-probabilities equal the SDPA reference's; seeded sampling stays batch-invariant (the Triton sampler); and the
 optimised search selects the reference search's beams (invariant 5) on this backend too
 (marked slow: the interpreter runs a beam search at a few steps per second).
 """
@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]' installs it)")
 
 from tests.models.test_gemma3 import gemma3_dir  # noqa: E402, F401 - a fixture
+from tests.models.test_parity import our_logits, reference_logits  # noqa: E402
 from tests.search.test_search_equivalence import CONFIGS, RECORDS, signature, world  # noqa: E402, F401
 from treeserve import SamplingParams, ScoreParams  # noqa: E402
 from treeserve.eval.runner import EvalSettings, run_eval  # noqa: E402
@@ -44,6 +45,18 @@ def test_greedy_tokens_equal_the_cpu_path(model, request, make_llm):
     again = triton.generate(PROMPTS, params)  # now the prompts' full pages are prefix-cache hits
     assert all(o.num_cached_tokens > 0 for o in again)
     assert [o.outputs[0].token_ids for o in again] == want
+
+
+@pytest.mark.parametrize("model", ["llama_dir", "qwen2_dir", "gemma3_dir"])
+def test_logits_equal_transformers(model, request, make_llm):
+    """Invariant 2 on this backend and device: fp32 logits at every position of a chunked,
+    paged prefill equal transformers' on the CPU."""
+    path = request.getfixturevalue(model)
+    llm = make_llm(path, attention_backend="triton", device=DEVICE, **SMALL)
+    for prompt in PROMPTS[1:]:
+        ids = llm.get_tokenizer().encode(prompt)
+        diff = (our_logits(llm, ids).cpu() - reference_logits(path, ids)).abs().max().item()
+        assert diff <= 1e-4, f"max abs logit diff {diff} for {prompt!r}"
 
 
 def test_scores_equal_the_sdpa_reference(llama_dir, make_llm):

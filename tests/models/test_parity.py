@@ -26,7 +26,7 @@ def reference_logits(model_dir: str, ids: list[int]) -> torch.Tensor:
 
 def our_logits(llm, ids: list[int]) -> torch.Tensor:
     out = llm.score([ids], ScoreParams(positions=list(range(len(ids))), return_hidden_states=True))[0]
-    return llm.engine.model.compute_logits(out.hidden_states)
+    return llm.engine.model.compute_logits(out.hidden_states.to(llm.engine.device)).cpu()
 
 
 def assert_parity(model_dir: str, make_llm, **engine_kwargs) -> None:

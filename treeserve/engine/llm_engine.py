@@ -268,6 +268,7 @@ class LLMEngine:
         return bool(self.requests)
 
     # ---- one step ------------------------------------------------------------------------
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput | ScoreOutput]:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.max_model_len)

@@ -39,6 +39,7 @@ class Staging:
             event.synchronize()  # the last copy out of this buffer is done: safe to refill
         buffer = self._buffers.get(dtype)
         if buffer is None or buffer.numel() < numel:
-            buffer = torch.empty(max(numel, 4096), dtype=dtype, pin_memory=True)
+            with torch.inference_mode(False):  # a normal tensor: refilled in and out of inference mode
+                buffer = torch.empty(max(numel, 4096), dtype=dtype, pin_memory=True)
             self._buffers[dtype] = buffer
         return buffer[:numel]

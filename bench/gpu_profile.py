@@ -1,0 +1,52 @@
+"""Where a beam search's time goes on a GPU: one small eval under torch.profiler.
+
+    python bench/gpu_profile.py [--problems 16] [--n 16] [--device cuda]
+
+Runs `treeserve eval`'s code path (the shipped arithmetic models, bf16) once to warm up
+(Triton compiles, allocator), then again under the profiler, and prints: wall time, engine
+steps and busy time per model, the wall time per step, the GPU's kernel time against the
+wall time, and the operators that take the most host (CPU) and device time.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from torch.profiler import ProfilerActivity, profile
+
+from treeserve.eval.runner import EvalSettings, run_eval
+from treeserve.search.context import SearchConfig
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--problems", type=int, default=16)
+    ap.add_argument("--n", type=int, default=16)
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    settings = EvalSettings(dataset=f"arith:level=4,5,size={args.problems},seed=0", dtype="bfloat16",
+                            kv_cache_memory=1 << 30, progress=False, device=args.device)  # fmt: skip
+    config = SearchConfig(strategy="beam_search", n=args.n, beam_width=4, seed=0)
+    run_eval(settings, config)  # warm-up
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    with profile(activities=activities) as prof:
+        s = run_eval(settings, config)["summary"]
+    wall = s["wall_time_s"]  # the search, without loading
+    steps = s["generator_steps"] + s["prm_steps"]
+    print(f"search {wall:.2f} s (profiled), {60 * args.problems / wall:.1f} problems/min, accuracy {s['accuracy']:.3f}")
+    for name in ("generator", "prm"):
+        print(f"  {name}: {s[f'{name}_steps']} steps, busy {s[f'{name}_busy_s']:.2f} s, "
+              f"{s[f'{name}_computed_tokens']} tokens computed")  # fmt: skip
+    print(f"  {1000 * wall / steps:.2f} ms of wall time per engine step")
+    events = prof.key_averages()
+    if not events:
+        raise SystemExit("the profiler recorded nothing (on a CPU the memory planner's own profiler ends it)")
+    if args.device.startswith("cuda"):
+        kernels = sum(e.self_device_time_total for e in events) / 1e6
+        print(f"  GPU busy (sum of kernel times) {kernels:.2f} s = {100 * kernels / wall:.0f}% of the wall time")
+        print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
