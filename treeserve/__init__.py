@@ -17,6 +17,7 @@ _EXPORTS = {
     "SamplingParams": "treeserve.sampling_params",
     "ScoreParams": "treeserve.sampling_params",
     "StructuredOutputsParams": "treeserve.sampling_params",
+    "StepFailed": "treeserve.engine.llm_engine",
 }
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"

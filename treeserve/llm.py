@@ -84,8 +84,13 @@ class LLM:
         for request_id, prompt, p in staged:
             engine.add_request(request_id, prompt, p)
         done: dict[str, RequestOutput | ScoreOutput] = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+        except Exception:  # a failed step aborted its batch (StepFailed): abort the rest of this call too
+            for request_id, _, _ in staged:
+                engine.abort(request_id)
+            raise
         return [done[request_id] for request_id, _, _ in staged]

@@ -56,6 +56,17 @@ MIN_AUTO_MODEL_LEN = 2048
 log = logging.getLogger(__name__)
 
 
+class StepFailed(RuntimeError):
+    """A step raised while running its batch. Its requests (`request_ids`) were aborted and
+    their pages released; every other request is untouched and the next step runs normally."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        what = f"{type(cause).__name__}: {cause}"
+        super().__init__(f"the engine step serving {len(request_ids)} request(s) failed: {what}")
+        self.request_ids = request_ids
+        self.cause = cause
+
+
 @dataclass
 class ToSample:
     """One token to sample: from which hidden row, at which position (its seeded uniform). A
@@ -103,6 +114,7 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_computed_tokens = 0  # every token run through the model (prompt, recompute, decode)
         self.stalled = False  # the last step had work but no pages for it
+        self._injected: Exception | None = None  # inject_failure's error, raised by the next batch
         self.draw = fused_draw(config.attention_backend)  # the sampler's batch-invariant plain draw
         spec = config.speculative_config
         draft = None
@@ -278,9 +290,27 @@ class LLMEngine:
             if self.stalled and not self.blocks.pool.shared:
                 raise RuntimeError("scheduler made no progress although requests are waiting")
             return []  # sharing the arena: it waits for pages the other models hold
+        try:
+            return self._run_batch(batch, copies)
+        except Exception as e:  # atomic: the batch's requests fail, nothing else changes
+            failed = list(dict.fromkeys(item.seq.request.request_id for item in batch))
+            for request_id in failed:
+                self.abort(request_id)
+            log.error("step failed, aborted %d request(s): %s: %s", len(failed), type(e).__name__, e)
+            raise StepFailed(failed, e) from e
+
+    def inject_failure(self, error: Exception | None = None) -> None:
+        """Test hook: the next step that runs a batch raises `error` (default: a RuntimeError)
+        right after the model's forward, as a failing kernel or an out-of-memory would."""
+        self._injected = error or RuntimeError("injected step failure")
+
+    def _run_batch(self, batch: list[ScheduledSeq], copies: list[tuple[int, int]]) -> list:
         self.arena.copy_pages(copies)
         computed, source = split_twins(batch)
         hidden = self.runner.run(computed)
+        if self._injected is not None:
+            error, self._injected = self._injected, None
+            raise error
         if len(computed) < len(batch):
             hidden = expand(batch, computed, source, hidden, self.arena)
         self.num_computed_tokens += sum(item.num_tokens for item in computed)  # twins' rows are not computed

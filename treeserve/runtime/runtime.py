@@ -20,7 +20,7 @@ import torch
 from treeserve.config import DEFAULT_KV_CAP, EngineConfig
 from treeserve.device import available_memory, process_memory, resolve_attention_backend, resolve_device
 from treeserve.engine.guided import grammar_of
-from treeserve.engine.llm_engine import LLMEngine, share_kv
+from treeserve.engine.llm_engine import LLMEngine, StepFailed, share_kv  # noqa: F401 - StepFailed: for the server
 from treeserve.models.tokenizer import Tokenizer
 from treeserve.outputs import RequestOutput, ScoreOutput
 from treeserve.runtime import planner
@@ -279,7 +279,10 @@ class Runtime:
                 start = time.perf_counter()
                 try:
                     outputs = self.engines[name].step()
-                except Exception as e:  # fail every waiter of this engine rather than hang them
+                except StepFailed as e:  # the step's own requests fail; the others go on
+                    self._fail(name, e, set(e.request_ids))
+                    continue
+                except Exception as e:  # outside a batch (scheduling): fail every waiter rather than hang them
                     self._fail(name, e)
                     continue
                 self.steps[name] += 1
@@ -295,14 +298,15 @@ class Runtime:
             stuck = set(busy) if all(self.engines[name].stalled for name in busy) else set()
             await asyncio.sleep(0)  # let search programs react and submit more work
 
-    def _fail(self, name: str, error: Exception) -> None:
+    def _fail(self, name: str, error: Exception, only: set[str] | None = None) -> None:
+        """Abort the engine's requests (those in `only`, or all) and hand `error` to their waiters."""
         for (model, request_id), queue in self._streams.items():
-            if model == name:
+            if model == name and (only is None or request_id in only):
                 self.engines[name].abort(request_id)
                 queue.put_nowait(error)
         for table in (self._early, self._futures):
             for (model, request_id), future in list(table.items()):
-                if model == name:
+                if model == name and (only is None or request_id in only):
                     self.engines[name].abort(request_id)
                     del table[(model, request_id)]
                     if not future.done():

@@ -2,7 +2,8 @@
 
 Owns the HTTP surface and its failure behaviour. Every error is an OpenAI-style body
 (`{"error": {"message", "type", "param", "code"}}`): validation errors and bad values are
-400, an unknown model 404, a missing or wrong API key 401. A client that disconnects
+400, an unknown model 404, a missing or wrong API key 401, an engine step that failed
+while serving the request 500 (a stream already under way ends with an error event). A client that disconnects
 aborts its engine requests (streaming: Starlette cancels the response; non-streaming: a
 watcher polls for the disconnect), so their pages return to the pool.
 """
@@ -21,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from treeserve.runtime.runtime import StepFailed
 from treeserve.server.completions import (
     Job,
     ModelNotFound,
@@ -163,6 +165,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ModelNotFound)
     async def no_model(request: Request, exc: ModelNotFound) -> JSONResponse:
         return JSONResponse(error_body(404, str(exc)), status_code=404)
+
+    @app.exception_handler(StepFailed)
+    async def step_failed(request: Request, exc: StepFailed) -> JSONResponse:
+        return JSONResponse(error_body(500, str(exc)), status_code=500)
 
     @app.exception_handler(ValueError)
     async def bad_value(request: Request, exc: ValueError) -> JSONResponse:

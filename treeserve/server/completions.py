@@ -18,7 +18,7 @@ from contextlib import aclosing
 from dataclasses import asdict, dataclass, field, replace
 
 from treeserve.outputs import CompletionOutput, Logprob, RequestOutput
-from treeserve.runtime.runtime import Runtime
+from treeserve.runtime.runtime import Runtime, StepFailed
 from treeserve.sampling_params import SamplingParams, StructuredOutputsParams
 from treeserve.search.prm import PRM
 from treeserve.server.metrics import ServerMetrics
@@ -28,6 +28,7 @@ from treeserve.server.protocol import (
     JsonObjectFormat,
     JsonSchemaFormat,
     SamplingFields,
+    error_body,
     new_id,
     now,
 )
@@ -396,10 +397,15 @@ async def stream_events(served: Served, job: Job, chat: bool, include_usage: boo
         roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                  for i in range(len(job.prompts) * job.params.n)]  # fmt: skip
         yield chunk(roles)
-    async with aclosing(run_job(served, job)) as outputs:
-        async for i, out in outputs:
-            if choices := state.choices(i, out):
-                yield chunk(choices)
+    try:
+        async with aclosing(run_job(served, job)) as outputs:
+            async for i, out in outputs:
+                if choices := state.choices(i, out):
+                    yield chunk(choices)
+    except StepFailed as e:  # the status (200) is sent: the error goes in the stream, as vLLM does
+        yield f"data: {json.dumps(error_body(500, str(e)))}\n\n"
+        yield "data: [DONE]\n\n"
+        return
     if include_usage:
         yield chunk([], _usage(job, state.completion_tokens))
     yield "data: [DONE]\n\n"

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from treeserve.eval.grading import extract_answer
 from treeserve.eval.metrics import ScoredCompletion, aggregate_scores, select
 from treeserve.eval.runner import SELECTION
+from treeserve.runtime.runtime import StepFailed
 from treeserve.search.context import Beam, Problem, SearchConfig, SearchContext
 from treeserve.search.run import STRATEGY_FUNCTIONS
 from treeserve.server.completions import Served
@@ -116,6 +117,8 @@ async def stream_search(served: Served, req: SearchRequest, ctx: SearchContext, 
             result = task.result()
         except ValueError as e:  # a bad input found only while searching
             result = error_body(400, str(e))
+        except StepFailed as e:  # an engine step serving this search failed
+            result = error_body(500, str(e))
         yield f"data: {json.dumps(result)}\n\n"
         yield "data: [DONE]\n\n"
     finally:  # the client went away: stop the search, which aborts its engine requests
