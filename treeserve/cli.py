@@ -354,7 +354,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=args.port, api_key=args.api_key, dtype=args.dtype, max_model_len=args.max_model_len,
         device=args.device, attention_backend=args.attention_backend, quantization=args.quantization,
         prm_quantization=args.prm_quantization, dequantize=args.dequantize,
-        speculative_config=args.speculative_config, **{key: getattr(args, key) for key in CONFIG_KEYS},
+        speculative_config=args.speculative_config, engine_process=not args.engine_in_process,
+        shutdown_timeout=args.shutdown_timeout, **{key: getattr(args, key) for key in CONFIG_KEYS},
     )  # fmt: skip
     serve(settings)
     return 0
@@ -454,6 +455,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quantization_flags(srv, prm=True)
     _add_speculative_flag(srv)
     srv.add_argument("--max-model-len", type=int, default=None)
+    srv.add_argument(
+        "--engine-in-process",
+        action="store_true",
+        help="step the engines in the HTTP process (default: an engine-core process of their own)",
+    )
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="on SIGTERM: seconds open requests get to finish before they are aborted")  # fmt: skip
     srv.set_defaults(func=cmd_serve)
 
     conv = sub.add_parser("convert-gguf", help="write a GGUF model as a Hugging Face checkpoint directory")

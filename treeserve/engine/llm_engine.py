@@ -39,6 +39,7 @@ from treeserve.engine.sampler import (
 )
 from treeserve.engine.scheduler import Scheduler
 from treeserve.engine.speculative import Speculator
+from treeserve.engine.validation import check_request, check_text_length, tokenize_prompt
 from treeserve.kv.arena import KVArena, KVLayout, PageArena, shared_block_sizes
 from treeserve.kv.block_manager import BlockManager
 from treeserve.kv.page_pool import PagePool
@@ -174,59 +175,17 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        return tokenize_prompt(self.tokenizer, prompt)
+
+    def check_text_length(self, text: str) -> None:
+        check_text_length(self.tokenizer, text, self.max_model_len)
 
     def check_request(self, request_id: str, token_ids: list[int], params: SamplingParams | ScoreParams) -> None:
         """Raise ValueError for anything that cannot run; changes nothing."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if min(token_ids) < 0 or max(token_ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(token_ids)}..{max(token_ids)}")
-        lm_head = self.model_config.has_lm_head
-        if isinstance(params, ScoreParams):
-            if params.token_ids and not lm_head:
-                raise ValueError("this model has no LM head: ask for hidden states, not token log-probabilities")
-            if len(token_ids) > self.max_model_len:
-                raise ValueError(f"input of {len(token_ids)} tokens exceeds max_model_len={self.max_model_len}")
-            if params.positions[-1] >= len(token_ids):
-                raise ValueError(f"position {params.positions[-1]} is outside the {len(token_ids)}-token input")
-            if params.token_ids and max(params.token_ids) >= vocab:
-                raise ValueError(f"candidate token ids must be < vocab size {vocab}")
-        elif isinstance(params, SamplingParams):
-            if not lm_head:
-                raise ValueError("this model has no LM head (a reward model): it can score but not generate")
-            if len(token_ids) >= self.max_model_len:
-                raise ValueError(
-                    f"prompt of {len(token_ids)} tokens leaves no room to generate within "
-                    f"max_model_len={self.max_model_len}"
-                )
-            if params.logit_bias and max(params.logit_bias) >= vocab:
-                raise ValueError(f"logit_bias token ids must be < vocab size {vocab}, got {max(params.logit_bias)}")
-            if params.logprobs is not None and params.logprobs > vocab:
-                raise ValueError(f"logprobs must be <= vocab size {vocab}, got {params.logprobs}")
-            if params.structured_outputs is not None:
-                room = self.max_model_len - len(token_ids)
-                self.constraints.check(params.structured_outputs, min(params.max_tokens or room, room))
-            if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
-                raise ValueError(f"prompt_logprobs must be <= vocab size {vocab}, got {params.prompt_logprobs}")
-        else:
-            raise ValueError(f"expected SamplingParams or ScoreParams, got {type(params).__name__}")
+        cfg = self.model_config
+        check_request(token_ids, params, cfg.vocab_size, cfg.has_lm_head, self.max_model_len, self.constraints)
 
     def add_request(
         self,

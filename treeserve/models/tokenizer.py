@@ -7,6 +7,7 @@ GGUF file, the same two come from its metadata (`gguf_tokenizer.py`).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -88,6 +89,12 @@ class Tokenizer:
             named = {t["name"]: t["template"] for t in template}
             return named.get("default")
         return template
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest token's length in characters: a text of c characters is at least
+        c / max_token_chars tokens (a bound that needs no tokenising)."""
+        return max(len(token) for token in self.hf.get_vocab(with_added_tokens=True))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         try:

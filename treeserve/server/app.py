@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import hmac
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -32,6 +32,7 @@ from treeserve.server.completions import (
     full_response,
     stream_events,
 )
+from treeserve.server.core_client import CoreClient
 from treeserve.server.metrics import RequestCounter
 from treeserve.server.protocol import (
     ChatCompletionRequest,
@@ -42,6 +43,7 @@ from treeserve.server.protocol import (
     error_body,
 )
 from treeserve.server.search_api import run_search, search_context, stream_search
+from treeserve.server.wire import CoreError
 
 ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404)}
 DISCONNECT_POLL_S = 0.05  # how often a stream or a waiting request checks that its client is still there
@@ -66,8 +68,12 @@ class APIKeyMiddleware:
 
 
 def build_app(served: Served, api_key: str | None = None) -> FastAPI:
+    core = served.runtime if isinstance(served.runtime, CoreClient) else None
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if core is not None:
+            await core.start()  # in this event loop: its sockets and supervisor live here
         yield
         await served.runtime.close()
 
@@ -75,11 +81,15 @@ def build_app(served: Served, api_key: str | None = None) -> FastAPI:
     _add_error_handlers(app)
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    async def health() -> Response:
+        if core is not None and not core.up:
+            return JSONResponse(error_body(503, "the engine core is not running (restarting)"), status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics", responses=ERRORS)
     async def metrics() -> Response:
+        if core is not None:
+            await core.stats()  # the engine state the collector reports
         content, media_type = served.metrics.render()
         return Response(content, media_type=media_type)
 
@@ -95,16 +105,23 @@ def build_app(served: Served, api_key: str | None = None) -> FastAPI:
             return _sse(request, stream_events(served, job, chat=chat, include_usage=include_usage))
         return await _unless_disconnected(request, full_response(served, job, chat=chat))
 
+    async def job(make: Callable[[Served, Any], Job], body: SamplingFields) -> Job:
+        """Tokenise and check; beside an engine core, in a worker thread, so that a huge
+        prompt does not stall this process's event loop (the tokenizer releases the GIL)."""
+        return make(served, body) if core is None else await asyncio.to_thread(make, served, body)
+
     @app.post("/v1/completions", responses=ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await complete(request, body, completion_job(served, body), chat=False)
+        return await complete(request, body, await job(completion_job, body), chat=False)
 
     @app.post("/v1/chat/completions", responses=ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await complete(request, body, chat_job(served, body), chat=True)
+        return await complete(request, body, await job(chat_job, body), chat=True)
 
     @app.post("/v1/search", responses=ERRORS)
     async def search(body: SearchRequest, request: Request) -> Response:
+        if core is not None:  # the search program runs in the core, next to the engines
+            return await _core_search(served, core, body, request)
         ctx, problem = search_context(served, body)
         if body.stream:
             return _sse(request, stream_search(served, body, ctx, problem))
@@ -114,6 +131,36 @@ def build_app(served: Served, api_key: str | None = None) -> FastAPI:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(RequestCounter, metrics=served.metrics)  # outermost: counts 401s too
     return app
+
+
+async def _core_search(served: Served, core: CoreClient, body: SearchRequest, request: Request) -> Response:
+    """`/v1/search` forwarded to the core: a 400 before any work, else the result or its events."""
+    start = time.perf_counter()
+    messages = core.search(await request.body())
+    try:
+        await anext(messages)  # ["ok"], or the request's error raised
+    except BaseException:
+        await messages.aclose()
+        raise
+
+    async def events() -> AsyncIterator[str]:
+        async with contextlib.aclosing(messages) as it:
+            async for kind, *rest in it:
+                if kind == "event":
+                    yield rest[0]
+        served.metrics.search_seconds.labels(body.strategy).observe(time.perf_counter() - start)
+
+    async def result() -> dict:
+        async with contextlib.aclosing(messages) as it:
+            async for kind, *rest in it:
+                if kind == "done":
+                    served.metrics.search_seconds.labels(body.strategy).observe(time.perf_counter() - start)
+                    return rest[0]
+        raise CoreError(500, "the engine core ended the search without a result")
+
+    if body.stream:
+        return _sse(request, events())
+    return await _unless_disconnected(request, result())
 
 
 def _sse(request: Request, events: AsyncIterator[str]) -> StreamingResponse:
@@ -165,6 +212,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ModelNotFound)
     async def no_model(request: Request, exc: ModelNotFound) -> JSONResponse:
         return JSONResponse(error_body(404, str(exc)), status_code=404)
+
+    @app.exception_handler(CoreError)
+    async def core_error(request: Request, exc: CoreError) -> JSONResponse:
+        return JSONResponse(error_body(exc.status, str(exc)), status_code=exc.status)
 
     @app.exception_handler(StepFailed)
     async def step_failed(request: Request, exc: StepFailed) -> JSONResponse:

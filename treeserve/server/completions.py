@@ -32,6 +32,7 @@ from treeserve.server.protocol import (
     new_id,
     now,
 )
+from treeserve.server.wire import CoreError
 
 VALIDATION_ID = "(validation)"  # a request id the runtime never uses (its ids are numbers)
 
@@ -129,6 +130,9 @@ def completion_job(served: Served, req: CompletionRequest) -> Job:
     if req.max_tokens == 0 and not req.echo:
         raise ValueError("max_tokens=0 needs echo=true (it returns the prompt and its logprobs only)")
     engine = served.runtime.engine(served.generator)
+    for p in raw:
+        if isinstance(p, str):
+            engine.check_text_length(p)  # before tokenising megabytes
     prompts = [engine.tokenize_prompt(p)[1] for p in raw]
     prompt_logprobs = req.prompt_logprobs
     if req.echo and req.logprobs is not None:  # the prompt's own tokens' logprobs come first
@@ -147,6 +151,7 @@ def chat_job(served: Served, req: ChatCompletionRequest) -> Job:
     engine = served.runtime.engine(served.generator)
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     text = engine.tokenizer.apply_chat_template(messages, req.add_generation_prompt, req.continue_final_message)
+    engine.check_text_length(text)  # before tokenising megabytes
     prompt = engine.tokenizer.encode(text, add_special_tokens=False)  # the template placed special tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     if req.top_logprobs and not req.logprobs:
@@ -402,8 +407,8 @@ async def stream_events(served: Served, job: Job, chat: bool, include_usage: boo
             async for i, out in outputs:
                 if choices := state.choices(i, out):
                     yield chunk(choices)
-    except StepFailed as e:  # the status (200) is sent: the error goes in the stream, as vLLM does
-        yield f"data: {json.dumps(error_body(500, str(e)))}\n\n"
+    except (StepFailed, CoreError) as e:  # the status (200) is sent: the error goes in the stream, as vLLM does
+        yield f"data: {json.dumps(error_body(getattr(e, 'status', 500), str(e)))}\n\n"
         yield "data: [DONE]\n\n"
         return
     if include_usage:

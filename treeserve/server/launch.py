@@ -1,11 +1,13 @@
 """`treeserve serve`: load the generator (and optionally a PRM) into one runtime and run uvicorn.
 
-Binds to loopback unless told otherwise. One event loop serves HTTP and drives the
-engines (the runtime's driver task), so every request shares one engine loop.
+Binds to loopback unless told otherwise. By default the engines run in an engine-core
+process of their own (`core.py`, supervised by `core_client.py`) and this process serves
+HTTP; with `engine_process=False` one event loop serves HTTP and drives the engines.
 """
 
 from __future__ import annotations
 
+import signal
 import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -16,7 +18,7 @@ from treeserve.engine.speculative import SpeculativeConfig
 from treeserve.runtime.runtime import Runtime, per_model_engine_args
 from treeserve.search.prm import load_prm
 from treeserve.server.completions import Served
-from treeserve.server.metrics import ServerMetrics
+from treeserve.server.metrics import ServerMetrics, engine_stats
 
 
 @dataclass
@@ -41,6 +43,8 @@ class ServerSettings:
     prm_quantization: str | None = None  # the PRM's, likewise
     dequantize: bool = False  # load GGUF files dense
     speculative_config: dict | str | None = None  # the generator's speculative decoding (EngineConfig's)
+    engine_process: bool = True  # the engines in an engine-core process of their own (False: in this one)
+    shutdown_timeout: float = 30.0  # on SIGTERM, seconds open requests get before they are aborted
 
     def check(self) -> None:
         self.device = resolve_device(self.device)  # resolved, so results record what ran
@@ -54,6 +58,8 @@ class ServerSettings:
             raise ValueError(f"prm_kv_fraction must be in (0, 1), got {self.prm_kv_fraction}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
 
 
 def build_served(settings: ServerSettings) -> Served:
@@ -74,16 +80,38 @@ def build_served(settings: ServerSettings) -> Served:
     print(runtime.memory_plan.table(), flush=True)
     name = settings.served_model_name or Path(settings.model).resolve().name
     prm = load_prm(runtime, "prm", settings.prm_style) if settings.prm else None  # a bad PRM fails at startup
-    return Served(runtime, name, ServerMetrics(runtime), prm=prm)
+    return Served(runtime, name, ServerMetrics(lambda: engine_stats(runtime)), prm=prm)
+
+
+def build_core_served(settings: ServerSettings) -> Served:
+    """The API process's side: the models load in the engine-core process when the app starts."""
+    from treeserve.server.core_client import CoreClient
+
+    settings.check()  # bad settings fail here, before a process is started
+    client = CoreClient(settings)
+    name = settings.served_model_name or Path(settings.model).resolve().name
+    served = Served(client, name, ServerMetrics(lambda: client.last_stats))  # type: ignore[arg-type]
+    client.on_restart = served.metrics.core_restarts.inc
+    return served
 
 
 def serve(settings: ServerSettings, sock: socket.socket | None = None) -> None:
-    """Run until interrupted. `sock` (already bound) overrides host and port, as tests do."""
+    """Run until interrupted (SIGINT/SIGTERM: stop accepting, give open requests
+    `shutdown_timeout` seconds, abort the rest, stop the core). `sock` (already bound)
+    overrides host and port, as tests do."""
     import uvicorn
 
     from treeserve.server.app import build_app
 
-    app = build_app(build_served(settings), settings.api_key)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info", access_log=False)
+    served = build_core_served(settings) if settings.engine_process else build_served(settings)
+    app = build_app(served, settings.api_key)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info", access_log=False,
+                            timeout_graceful_shutdown=settings.shutdown_timeout)  # fmt: skip
     server = uvicorn.Server(config)
-    server.run(sockets=[sock] if sock is not None else None)
+    # uvicorn re-raises the signal it stopped on once it is done; a SIGTERM handled gracefully
+    # is then a normal exit (status 0), as process managers expect
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        server.run(sockets=[sock] if sock is not None else None)
+    finally:
+        signal.signal(signal.SIGTERM, previous)

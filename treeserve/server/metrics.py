@@ -9,7 +9,7 @@ response by route and status, including 401s and validation errors.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -21,57 +21,69 @@ ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/search",
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
-class RuntimeCollector(Collector):
-    """Engine state per hosted model, read when Prometheus scrapes."""
+def engine_stats(runtime: Runtime) -> dict[str, dict[str, float]]:
+    """Per hosted model, the engine state `/metrics` reports (plain numbers: the engine-core
+    process sends this to the API process)."""
+    stats = {}
+    for name, engine in runtime.engines.items():
+        status, blocks = engine.status, engine.blocks.stats
+        values = {
+            "num_requests_running": status["running"],
+            "num_requests_waiting": status["waiting"],
+            "kv_pages_used": status["pages_used"],
+            "kv_pages_cached": status["pages_cached"],
+            "kv_pages_total": status["pages_total"],
+            "prefix_cache_hit_rate": blocks.hit_rate,
+            "preemptions": status["preemptions"],
+            "kv_evictions": blocks.evictions,
+            "kv_thrash": blocks.thrash,
+        }
+        if engine.speculator is not None:
+            spec = engine.speculator.stats
+            values |= {"spec_decode_num_drafts": spec.num_drafts, "spec_decode_num_draft_tokens":
+                       spec.num_draft_tokens, "spec_decode_num_accepted_tokens": spec.num_accepted_tokens}  # fmt: skip
+        stats[name] = values
+    return stats
 
-    def __init__(self, runtime: Runtime):
-        self.runtime = runtime
+
+GAUGES = {
+    "num_requests_running": "sequences in the running batch",
+    "num_requests_waiting": "sequences waiting to be scheduled",
+    "kv_pages_used": "KV pages held by live sequences",
+    "kv_pages_cached": "KV pages held only by the prefix cache (reusable, evictable)",
+    "kv_pages_total": "KV pages the model can use (the whole arena when it is shared)",
+    "prefix_cache_hit_rate": "share of looked-up full prompt pages found in the prefix cache",
+}
+COUNTERS = {
+    "preemptions": "sequences preempted (recompute)",
+    "kv_evictions": "cached pages of the model evicted",
+    "kv_thrash": "prefix-cache misses on keys evicted before",
+    "spec_decode_num_drafts": "speculative decoding: sequence-steps that verified drafted tokens",
+    "spec_decode_num_draft_tokens": "speculative decoding: tokens drafted",
+    "spec_decode_num_accepted_tokens": "speculative decoding: drafted tokens accepted",
+}
+
+
+class RuntimeCollector(Collector):
+    """Engine state per hosted model, read when Prometheus scrapes (from `source`: the
+    in-process runtime, or the engine core's last report)."""
+
+    def __init__(self, source: Callable[[], dict[str, dict[str, float]]]):
+        self.source = source
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        gauges = {
-            "num_requests_running": "sequences in the running batch",
-            "num_requests_waiting": "sequences waiting to be scheduled",
-            "kv_pages_used": "KV pages held by live sequences",
-            "kv_pages_cached": "KV pages held only by the prefix cache (reusable, evictable)",
-            "kv_pages_total": "KV pages the model can use (the whole arena when it is shared)",
-            "prefix_cache_hit_rate": "share of looked-up full prompt pages found in the prefix cache",
-        }
-        families = {k: GaugeMetricFamily(f"treeserve_{k}", doc, labels=["model"]) for k, doc in gauges.items()}
-        counter_docs = {
-            "preemptions": "sequences preempted (recompute)",
-            "kv_evictions": "cached pages of the model evicted",
-            "kv_thrash": "prefix-cache misses on keys evicted before",
-            "spec_decode_num_drafts": "speculative decoding: sequence-steps that verified drafted tokens",
-            "spec_decode_num_draft_tokens": "speculative decoding: tokens drafted",
-            "spec_decode_num_accepted_tokens": "speculative decoding: drafted tokens accepted",
-        }
-        counters = {k: CounterMetricFamily(f"treeserve_{k}", doc, labels=["model"]) for k, doc in counter_docs.items()}
-        for name, engine in self.runtime.engines.items():
-            status = engine.status
-            values = {
-                "num_requests_running": status["running"],
-                "num_requests_waiting": status["waiting"],
-                "kv_pages_used": status["pages_used"],
-                "kv_pages_cached": status["pages_cached"],
-                "kv_pages_total": status["pages_total"],
-                "prefix_cache_hit_rate": engine.blocks.stats.hit_rate,
-            }
+        families = {k: GaugeMetricFamily(f"treeserve_{k}", doc, labels=["model"]) for k, doc in GAUGES.items()}
+        counters = {k: CounterMetricFamily(f"treeserve_{k}", doc, labels=["model"]) for k, doc in COUNTERS.items()}
+        for name, values in self.source().items():
             for key, value in values.items():
-                families[key].add_metric([name], value)
-            counters["preemptions"].add_metric([name], status["preemptions"])
-            counters["kv_evictions"].add_metric([name], engine.blocks.stats.evictions)
-            counters["kv_thrash"].add_metric([name], engine.blocks.stats.thrash)
-            if engine.speculator is not None:
-                spec = engine.speculator.stats
-                counters["spec_decode_num_drafts"].add_metric([name], spec.num_drafts)
-                counters["spec_decode_num_draft_tokens"].add_metric([name], spec.num_draft_tokens)
-                counters["spec_decode_num_accepted_tokens"].add_metric([name], spec.num_accepted_tokens)
+                (families.get(key) or counters[key]).add_metric([name], value)
         yield from families.values()
         yield from counters.values()
 
 
 class ServerMetrics:
-    def __init__(self, runtime: Runtime):
+    def __init__(self, source: Callable[[], dict[str, dict[str, float]]]):
+        """`source`: the engine state per model (`engine_stats` of a runtime, or the core's report)."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("treeserve_http_requests", "HTTP responses by route and status", ["route", "status"],
@@ -85,7 +97,9 @@ class ServerMetrics:
                              "produced tokens", ["model"], buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
         self.search_seconds = Histogram("treeserve_search_seconds", "wall time of /v1/search requests", ["strategy"],
                                         buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
-        r.register(RuntimeCollector(runtime))
+        self.core_restarts = Counter("treeserve_engine_core_restarts", "times the engine-core process was restarted",
+                                     registry=r)  # fmt: skip
+        r.register(RuntimeCollector(source))
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

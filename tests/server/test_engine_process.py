@@ -1,0 +1,239 @@
+"""The server with its engines in an engine-core process (what `treeserve serve` runs).
+
+Answers equal the in-process server's (greedy and seeded, logprobs, echo, streaming,
+`/v1/search`), so the deltas rebuild every output exactly. Fault tests: an injected failing
+step fails only its request (500); kill -9 of the core mid-load answers in-flight requests
+503, `/health` says 503 until the core is back, later requests succeed and the new core
+holds no page; SIGTERM with streams open exits 0 within the shutdown timeout; a 10 MB JSON
+body, a slow-loris client and 1,000 dropped connections leave `/health` answering.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import uvicorn
+
+from tests.server.conftest import API_KEY, MODEL, LiveServer
+from tests.server.test_failures import AUTH, CHAT, post
+from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM
+from treeserve.server.app import build_app
+from treeserve.server.launch import ServerSettings, build_core_served
+
+SETTINGS = dict(model=DEFAULT_GENERATOR, prm=DEFAULT_PRM, served_model_name=MODEL, api_key=API_KEY, dtype="float32",
+                kv_cache_memory=64 << 20)  # fmt: skip
+SEARCH = {"problem": "Compute (12 + 7) * 3.", "n": 4, "beam_width": 2, "seed": 3}
+
+
+def free_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+def metric(server: LiveServer, name: str, model: str | None = None) -> float:
+    text = httpx.get(server.base_url + "/metrics", headers=AUTH, timeout=10).text
+    label = f'{{model="{model}"}}' if model else ""
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + label + " "))
+
+
+def wait_healthy(base_url: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.1)
+    raise AssertionError("the server did not become healthy")
+
+
+@pytest.fixture(scope="module")
+def core_server() -> Iterator[LiveServer]:
+    sock = free_socket()
+    served = build_core_served(ServerSettings(**SETTINGS))
+    app = build_app(served, API_KEY)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    live = LiveServer(served, server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}")
+    wait_healthy(live.base_url)
+    yield live
+    live.stop()
+    assert not served.runtime.process.is_alive()  # the core stopped with the server
+
+
+def idle(server: LiveServer) -> None:
+    """No request live in the core and no page held by one (the prefix cache may keep some)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if metric(server, "treeserve_kv_pages_used") == 0 and metric(server, "treeserve_num_requests_running") == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError("pages still held after the test")
+
+
+BODIES = [
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 24, "temperature": 0.0}),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 24, "temperature": 0.9, "seed": 5, "n": 2,
+                              "logprobs": True, "top_logprobs": 2}),
+    ("/v1/completions", {"prompt": "Compute 3 + 4.", "max_tokens": 12, "echo": True, "logprobs": 1,
+                         "stop": ["="], "seed": 1}),
+    ("/v1/search", SEARCH),
+]  # fmt: skip
+
+
+def strip_ids(body: object) -> object:
+    """The body without its ids and times, floats to 5 significant digits (two processes may
+    run a different number of threads: log-probabilities can differ in the last bits)."""
+    if isinstance(body, dict):
+        return {k: strip_ids(v) for k, v in body.items() if k not in ("id", "created", "timing")}
+    if isinstance(body, list):
+        return [strip_ids(v) for v in body]
+    return float(f"{body:.5g}") if isinstance(body, float) else body
+
+
+@pytest.mark.parametrize(("path", "body"), BODIES)
+def test_answers_equal_the_in_process_server(core_server, server, path, body):
+    want = post(server, path, body)
+    got = post(core_server, path, body)
+    assert got.status_code == want.status_code == 200
+    assert strip_ids(got.json()) == strip_ids(want.json())
+    idle(core_server)
+
+
+def test_streams_equal_the_in_process_server(core_server, server):
+    body = {"messages": CHAT, "max_tokens": 24, "temperature": 0.9, "seed": 5, "n": 2, "stream": True}
+
+    def text(live: LiveServer) -> dict[int, str]:
+        out: dict[int, str] = {}
+        with httpx.stream("POST", live.base_url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:])["choices"]:
+                        out[choice["index"]] = out.get(choice["index"], "") + choice["delta"].get("content", "")
+        return out
+
+    assert text(core_server) == text(server)
+    idle(core_server)
+
+
+def test_bad_input_is_answered_by_the_api_process(core_server):
+    bad = post(core_server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 10**6})
+    assert bad.status_code == 400 and "maximum context length" in bad.json()["error"]["message"]
+    bad_search = post(core_server, "/v1/search", {**SEARCH, "strategy": "alphago"})
+    assert bad_search.status_code == 400
+
+
+def test_an_injected_failing_step_fails_only_its_request(core_server):
+    core_server.served.runtime.inject_failure("generator")
+    time.sleep(0.2)
+    failed = post(core_server, "/v1/chat/completions", BODIES[0][1])
+    assert failed.status_code == 500 and "injected step failure" in failed.json()["error"]["message"]
+    assert post(core_server, "/v1/chat/completions", BODIES[0][1]).status_code == 200
+    idle(core_server)
+
+
+def test_kill_9_mid_load(core_server):
+    client = core_server.served.runtime
+    restarts = client.restarts
+    statuses: list[object] = []
+
+    def stream() -> None:
+        body = {"messages": CHAT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", core_server.base_url + "/v1/chat/completions", json=body, headers=AUTH,
+                              timeout=60) as r:  # fmt: skip
+                last = [line for line in r.iter_lines() if line.startswith("data: ")][-2]
+                statuses.append(r.status_code if r.status_code != 200 else json.loads(last[6:]).get("error"))
+        except httpx.HTTPError as e:
+            statuses.append(e)
+
+    threads = [threading.Thread(target=stream) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)  # the streams are running
+    os.kill(client.process.pid, signal.SIGKILL)
+    for t in threads:
+        t.join(30)
+    assert all(isinstance(s, dict) and s["code"] == 503 for s in statuses), statuses
+    assert httpx.get(core_server.base_url + "/health", timeout=5).status_code in (200, 503)
+    wait_healthy(core_server.base_url)
+    assert client.restarts == restarts + 1
+    ok = post(core_server, "/v1/chat/completions", BODIES[0][1])
+    assert ok.status_code == 200
+    assert metric(core_server, "treeserve_engine_core_restarts_total") >= 1
+    idle(core_server)  # the new core's pages are all back
+
+
+def test_hostile_clients_leave_health_answering(core_server):
+    huge = '{"messages": [{"role": "user", "content": "' + "x" * (10 << 20) + '"}], "max_tokens": 4}'
+    result: list[int] = []
+    sender = threading.Thread(target=lambda: result.append(post(core_server, "/v1/chat/completions", huge).status_code))
+    port = int(core_server.base_url.rsplit(":", 1)[1])
+    loris = socket.create_connection(("127.0.0.1", port))
+    loris.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+    sender.start()
+    dropped = []
+    for _ in range(1000):
+        s = socket.create_connection(("127.0.0.1", port))
+        dropped.append(s)
+        if len(dropped) == 100:
+            for d in dropped:
+                d.close()
+            dropped.clear()
+        if _ % 200 == 0:
+            start = time.monotonic()
+            assert httpx.get(core_server.base_url + "/health", timeout=5).status_code == 200
+            assert time.monotonic() - start < 2.0
+    sender.join(60)
+    assert result and result[0] == 400  # the prompt is far past the context
+    assert httpx.get(core_server.base_url + "/health", timeout=5).status_code == 200
+    loris.close()
+
+
+def test_sigterm_with_streams_open(tmp_path):
+    sock = free_socket()
+    port = sock.getsockname()[1]
+    sock.close()
+    command = [sys.executable, "-m", "treeserve.cli", "serve", "--port", str(port), "--dtype", "float32",
+               "--kv-cache-memory", "64M", "--shutdown-timeout", "2"]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_healthy(base)
+        lines: list[str] = []
+
+        def stream() -> None:
+            body = {"messages": CHAT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+            with (
+                contextlib.suppress(httpx.HTTPError),
+                httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as r,
+            ):
+                lines.extend(r.iter_lines())
+
+        t = threading.Thread(target=stream)
+        t.start()
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        t.join(30)
+        assert lines  # it was streaming when the signal came
+        deadline = time.monotonic() + 10  # the core (and multiprocessing's helper) end with the server
+        while (left := subprocess.run(["pgrep", "-a", "-g", str(proc.pid)], capture_output=True, text=True).stdout):
+            assert time.monotonic() < deadline, f"processes left behind: {left}"
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

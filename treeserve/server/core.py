@@ -1,0 +1,148 @@
+"""The engine-core process: the runtime (generator and PRM engines, one page arena) and the
+search programs of `/v1/search`, driven over ZeroMQ by the API process (`core_client.py`).
+
+`core_main` loads the models from the server's settings (exactly as the in-process server
+does: `build_served`), says hello (each model's `ModelInfo`), then serves messages (see
+`wire.py`) while the runtime's driver steps the engines in the same event loop. A
+generation is one `runtime.generate_stream`, whose outputs go back as deltas; a search runs
+the same code as the in-process `/v1/search`. Messages produced while the loop runs are sent
+together, one ZeroMQ message per flush. The core exits when told to stop, or when the API
+process is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import os
+import pickle
+import signal
+from collections.abc import Coroutine
+from dataclasses import asdict
+
+import zmq
+import zmq.asyncio
+
+from treeserve.runtime.frontend import ModelInfo
+from treeserve.runtime.runtime import StepFailed
+from treeserve.server.completions import Served
+from treeserve.server.launch import ServerSettings, build_served
+from treeserve.server.metrics import engine_stats
+from treeserve.server.protocol import SearchRequest
+from treeserve.server.search_api import run_search, search_context, stream_search
+from treeserve.server.wire import DECODER, ENCODER, Sent, encode_delta
+
+PARENT_POLL_S = 1.0
+
+
+def core_main(settings: ServerSettings, to_core: str, from_core: str) -> None:
+    """The core process's entry point (multiprocessing, spawn)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the API process decides when the core stops
+        signal.signal(sig, signal.SIG_IGN)
+    asyncio.run(Core(build_served(settings), to_core, from_core).run())
+
+
+def error_of(e: BaseException) -> tuple[int, str]:
+    """The HTTP status and message a failed request gets."""
+    if isinstance(e, ValueError):
+        return 400, str(e)
+    if isinstance(e, StepFailed):
+        return 500, str(e)
+    return 500, f"{type(e).__name__}: {e}"
+
+
+class Core:
+    def __init__(self, served: Served, to_core: str, from_core: str):
+        self.served = served
+        self.runtime = served.runtime
+        context = zmq.asyncio.Context()
+        self.inbox = context.socket(zmq.PULL)
+        self.inbox.connect(to_core)
+        self.outbox = context.socket(zmq.PUSH)
+        self.outbox.setsockopt(zmq.SNDHWM, 0)  # never drop or block: the API reads as fast as it can
+        self.outbox.setsockopt(zmq.LINGER, 1000)
+        self.outbox.connect(from_core)
+        self.pending: list[list] = []
+        self.tasks: dict[str, asyncio.Task] = {}
+
+    async def run(self) -> None:
+        info = {name: asdict(ModelInfo.of(engine)) for name, engine in self.runtime.engines.items()}
+        self.send(["hello", info])
+        orphan = asyncio.create_task(self._exit_with_parent())
+        try:
+            while True:
+                message = DECODER.decode(await self.inbox.recv())
+                if message[0] == "stop":
+                    break
+                self.handle(message)
+        finally:
+            orphan.cancel()
+            for task in list(self.tasks.values()):
+                task.cancel()
+            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+            self.flush()
+            await self.runtime.close()
+
+    def handle(self, message: list) -> None:
+        kind = message[0]
+        if kind == "gen":
+            _, rid, model, prompt_ids, params = message
+            self.start(rid, self.generate(rid, model, prompt_ids, pickle.loads(params)))
+        elif kind == "search":
+            _, rid, body = message
+            self.start(rid, self.search(rid, body))
+        elif kind == "abort":
+            if (task := self.tasks.get(message[1])) is not None:
+                task.cancel()  # closing its stream aborts its engine requests: pages go back
+        elif kind == "stats":
+            self.send(["stats", message[1], engine_stats(self.runtime)])
+        elif kind == "fail":
+            self.runtime.engine(message[1]).inject_failure()
+
+    def start(self, rid: str, work: Coroutine) -> None:
+        task = asyncio.create_task(work)
+        self.tasks[rid] = task
+        task.add_done_callback(lambda _: self.tasks.pop(rid, None))
+
+    async def generate(self, rid: str, model: str, prompt_ids: list[int], params: object) -> None:
+        sent: dict[int, Sent] = {}
+        try:
+            async with contextlib.aclosing(
+                self.runtime.generate_stream(model, {"prompt_token_ids": prompt_ids}, params)
+            ) as stream:
+                async for out in stream:
+                    self.send(["out", rid, encode_delta(out, sent)])
+        except Exception as e:  # noqa: BLE001 - every failure goes back to its request
+            self.send(["err", rid, *error_of(e)])
+
+    async def search(self, rid: str, body: bytes) -> None:
+        try:
+            req = SearchRequest.model_validate_json(body)
+            ctx, problem = search_context(self.served, req)
+            self.send(["ok", rid])
+            if req.stream:
+                async with contextlib.aclosing(stream_search(self.served, req, ctx, problem)) as events:
+                    async for event in events:
+                        self.send(["event", rid, event])
+                self.send(["done", rid, None])
+            else:
+                self.send(["done", rid, await run_search(self.served, req, ctx, problem)])
+        except Exception as e:  # noqa: BLE001 - every failure goes back to its request
+            self.send(["err", rid, *error_of(e)])
+
+    def send(self, message: list) -> None:
+        if not self.pending:
+            asyncio.get_running_loop().call_soon(self.flush)  # after what runs now: one message per flush
+        self.pending.append(message)
+
+    def flush(self) -> None:
+        if self.pending:
+            self.outbox.send(ENCODER.encode(self.pending), copy=False)
+            self.pending = []
+
+    async def _exit_with_parent(self) -> None:
+        parent = multiprocessing.parent_process()
+        while parent is None or parent.is_alive():
+            await asyncio.sleep(PARENT_POLL_S)
+        os._exit(0)  # nobody is left to serve
