@@ -34,6 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 DEFAULT_MODEL = os.path.join(ROOT, "treeserve", "assets", "arith-generator")
+DEFAULT_PRM = os.path.join(ROOT, "treeserve", "assets", "arith-prm")
 VLLM_PYTHON = os.environ.get("VLLM_PYTHON", os.path.join(ROOT, ".venv-vllm", "bin", "python"))
 NAME = "bench-model"
 
@@ -46,12 +47,17 @@ def free_port() -> int:
 
 def launch(server: str, model: str, port: int, threads: int, kv_gib: int) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    if server == "treeserve":
+    if server.startswith("treeserve"):
         cmd = [sys.executable, "-m", "treeserve.cli", "serve", "--model", model, "--port", str(port),
                "--served-model-name", NAME, "--kv-cache-memory", str(kv_gib << 30)]  # fmt: skip
-    else:
-        env.update(VLLM_CPU_KVCACHE_SPACE=str(kv_gib), VLLM_CPU_OMP_THREADS_BIND="nobind",
-                   VLLM_ENABLE_V1_MULTIPROCESSING="0")  # fmt: skip
+        if server == "treeserve-inprocess":
+            cmd.append("--engine-in-process")
+        if model == DEFAULT_MODEL:  # the shipped pair: /v1/search needs the PRM
+            cmd += ["--prm", DEFAULT_PRM]
+    else:  # vllm: its engine core in a process of its own (its default); vllm-inprocess: not
+        env.update(VLLM_CPU_KVCACHE_SPACE=str(kv_gib), VLLM_CPU_OMP_THREADS_BIND="nobind")
+        if server == "vllm-inprocess":
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         cmd = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
                "--served-model-name", NAME, "--dtype", "bfloat16", "--max-model-len", "512", "--seed", "0",
                "--host", "127.0.0.1"]  # fmt: skip
@@ -88,6 +94,7 @@ class Load:
     max_tokens: int
     disconnect: list[int | None]  # per request: disconnect after this many chunks, or None
     outcomes: list[Outcome] = field(default_factory=list)
+    search_n: int = 0  # > 0: each request is a /v1/search with this N, not a chat completion
 
 
 def build_load(num: int, max_tokens: int, disconnect_share: float, seed: int) -> Load:
@@ -97,6 +104,22 @@ def build_load(num: int, max_tokens: int, disconnect_share: float, seed: int) ->
     prompts = [make_problem(rng, rng.randint(1, 5)).text for _ in range(num)]
     disconnect = [rng.randint(1, 8) if rng.random() < disconnect_share else None for _ in range(num)]
     return Load(prompts, max_tokens, disconnect)
+
+
+async def one_search(client: httpx.AsyncClient, base: str, load: Load, i: int) -> Outcome:
+    """One /v1/search (beam search, N=load.search_n, width 4), not streamed: completed on 200."""
+    body = {"problem": load.prompts[i], "n": load.search_n, "beam_width": 4, "seed": i}
+    out, start = Outcome(), time.perf_counter()
+    try:
+        response = await client.post(base + "/v1/search", json=body)
+        out.ttft = time.perf_counter() - start  # here: the whole search's latency
+        if response.status_code != 200:
+            out.error = f"HTTP {response.status_code}"
+            return out
+        out.tokens, out.completed = response.json()["usage"]["generator_tokens"], True
+    except httpx.HTTPError as e:
+        out.error = repr(e)
+    return out
 
 
 async def one_request(client: httpx.AsyncClient, base: str, load: Load, i: int) -> Outcome:
@@ -141,7 +164,8 @@ async def run_load(base: str, load: Load, clients: int) -> float:
     async def worker(client: httpx.AsyncClient) -> None:
         while not queue.empty():
             i = queue.get_nowait()
-            load.outcomes[i] = await one_request(client, base, load, i)
+            request = one_search if load.search_n else one_request
+            load.outcomes[i] = await request(client, base, load, i)
 
     start = time.perf_counter()
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
@@ -151,7 +175,7 @@ async def run_load(base: str, load: Load, clients: int) -> float:
 
 def pool_at_baseline(server: str, base: str, timeout: float = 30) -> tuple[bool, str]:
     """Whether the server holds no requests and no KV pages (beyond its prefix cache)."""
-    if server == "treeserve":
+    if server.startswith("treeserve"):
         names = ["treeserve_kv_pages_used", "treeserve_num_requests_running", "treeserve_num_requests_waiting"]
     else:
         names = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"]
@@ -192,10 +216,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--kv-gib", type=int, default=1)
+    ap.add_argument("--search-n", type=int, default=0,
+                    help="> 0: the load is /v1/search requests (beam search with this N), not chats")  # fmt: skip
     ap.add_argument("--out", default=os.path.join(HERE, "out", "serve_load.json"))
     args = ap.parse_args()
     servers = args.servers.split(",")
-    if "vllm" in servers and not os.path.exists(VLLM_PYTHON):
+    if any(s.startswith("vllm") for s in servers) and not os.path.exists(VLLM_PYTHON):
         raise SystemExit(f"vllm python not found at {VLLM_PYTHON}: run bench/setup_vllm.sh first")
     os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
     runs: dict[str, list[dict]] = {s: [] for s in servers}
@@ -209,6 +235,7 @@ def main() -> None:
                 warm = build_load(4, 8, 0.0, seed=10_000 + rep)
                 asyncio.run(run_load(base, warm, 4))
                 load = build_load(args.requests, args.max_tokens, args.disconnect_share, seed=rep)
+                load.search_n = args.search_n
                 wall = asyncio.run(run_load(base, load, args.clients))
                 result = summarize(load, wall)
                 result["pool_at_baseline"], result["pool_metrics"] = pool_at_baseline(server, base)
@@ -220,17 +247,18 @@ def main() -> None:
     keys = ("requests_per_s", "tokens_per_s", "ttft_p50_s", "ttft_p99_s")
     medians = {s: {k: statistics.median(r[k] for r in rs) for k in keys} for s, rs in runs.items()}
     report = {"args": vars(args), "runs": runs, "medians": medians}
-    if "treeserve" in medians and "vllm" in medians:
-        t, v = medians["treeserve"], medians["vllm"]
-        report["ratios_treeserve_over_vllm"] = {
-            "requests_per_s": t["requests_per_s"] / v["requests_per_s"],
-            "tokens_per_s": t["tokens_per_s"] / v["tokens_per_s"],
-            "ttft_p50 (vllm/treeserve)": v["ttft_p50_s"] / t["ttft_p50_s"],
-            "ttft_p99 (vllm/treeserve)": v["ttft_p99_s"] / t["ttft_p99_s"],
+    report["ratios"] = {
+        f"{t}/{v}": {
+            "requests_per_s": medians[t]["requests_per_s"] / medians[v]["requests_per_s"],
+            "tokens_per_s": medians[t]["tokens_per_s"] / medians[v]["tokens_per_s"],
+            f"ttft_p50 ({v}/{t})": medians[v]["ttft_p50_s"] / medians[t]["ttft_p50_s"],
+            f"ttft_p99 ({v}/{t})": medians[v]["ttft_p99_s"] / medians[t]["ttft_p99_s"],
         }
+        for t in servers if t.startswith("treeserve") for v in servers if v != t
+    }  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
-    print(json.dumps({"medians": medians, "ratios": report.get("ratios_treeserve_over_vllm")}, indent=1))
+    print(json.dumps({"medians": medians, "ratios": report["ratios"]}, indent=1))
 
 
 if __name__ == "__main__":

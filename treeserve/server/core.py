@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import multiprocessing
 import os
 import pickle
@@ -22,7 +23,6 @@ from collections.abc import Coroutine
 from dataclasses import asdict
 
 import zmq
-import zmq.asyncio
 
 from treeserve.runtime.frontend import ModelInfo
 from treeserve.runtime.runtime import StepFailed
@@ -31,7 +31,7 @@ from treeserve.server.launch import ServerSettings, build_served
 from treeserve.server.metrics import engine_stats
 from treeserve.server.protocol import SearchRequest
 from treeserve.server.search_api import run_search, search_context, stream_search
-from treeserve.server.wire import DECODER, ENCODER, Sent, encode_delta
+from treeserve.server.wire import DECODER, ENCODER, Sent, encode_delta, receive, socket
 
 PARENT_POLL_S = 1.0
 
@@ -40,7 +40,10 @@ def core_main(settings: ServerSettings, to_core: str, from_core: str) -> None:
     """The core process's entry point (multiprocessing, spawn)."""
     for sig in (signal.SIGINT, signal.SIGTERM):  # the API process decides when the core stops
         signal.signal(sig, signal.SIG_IGN)
-    asyncio.run(Core(build_served(settings), to_core, from_core).run())
+    served = build_served(settings)
+    gc.collect()
+    gc.freeze()  # the models' objects live as long as the process: later collections skip them (as vLLM does)
+    asyncio.run(Core(served, to_core, from_core).run())
 
 
 def error_of(e: BaseException) -> tuple[int, str]:
@@ -56,13 +59,8 @@ class Core:
     def __init__(self, served: Served, to_core: str, from_core: str):
         self.served = served
         self.runtime = served.runtime
-        context = zmq.asyncio.Context()
-        self.inbox = context.socket(zmq.PULL)
-        self.inbox.connect(to_core)
-        self.outbox = context.socket(zmq.PUSH)
-        self.outbox.setsockopt(zmq.SNDHWM, 0)  # never drop or block: the API reads as fast as it can
-        self.outbox.setsockopt(zmq.LINGER, 1000)
-        self.outbox.connect(from_core)
+        self.inbox = socket(zmq.PULL, to_core, bind=False)
+        self.outbox = socket(zmq.PUSH, from_core, bind=False)
         self.pending: list[list] = []
         self.tasks: dict[str, asyncio.Task] = {}
 
@@ -71,8 +69,8 @@ class Core:
         self.send(["hello", info])
         orphan = asyncio.create_task(self._exit_with_parent())
         try:
-            while True:
-                message = DECODER.decode(await self.inbox.recv())
+            async for raw in receive(self.inbox):
+                message = DECODER.decode(raw)
                 if message[0] == "stop":
                     break
                 self.handle(message)
@@ -138,7 +136,7 @@ class Core:
 
     def flush(self) -> None:
         if self.pending:
-            self.outbox.send(ENCODER.encode(self.pending), copy=False)
+            self.outbox.send(ENCODER.encode(self.pending), zmq.NOBLOCK, copy=False)
             self.pending = []
 
     async def _exit_with_parent(self) -> None:

@@ -23,13 +23,12 @@ import tempfile
 from collections.abc import AsyncIterator, Callable
 
 import zmq
-import zmq.asyncio
 
 from treeserve.runtime.frontend import Frontend, ModelInfo
 from treeserve.sampling_params import SamplingParams
 from treeserve.server.core import core_main
 from treeserve.server.launch import ServerSettings
-from treeserve.server.wire import DECODER, ENCODER, Assembler, CoreDown, CoreError
+from treeserve.server.wire import DECODER, ENCODER, Assembler, CoreDown, CoreError, receive, socket
 
 SUPERVISE_POLL_S = 0.1
 STATS_TIMEOUT_S = 2.0
@@ -58,13 +57,8 @@ class CoreClient:
         """Bind the sockets, start the core and wait until its models are loaded."""
         self._dir = tempfile.mkdtemp(prefix="treeserve-core-")
         self.to_core, self.from_core = f"ipc://{self._dir}/to_core", f"ipc://{self._dir}/from_core"
-        context = zmq.asyncio.Context.instance()
-        self.push = context.socket(zmq.PUSH)
-        self.push.setsockopt(zmq.SNDHWM, 0)
-        self.push.setsockopt(zmq.LINGER, 0)
-        self.push.bind(self.to_core)
-        self.pull = context.socket(zmq.PULL)
-        self.pull.bind(self.from_core)
+        self.push = socket(zmq.PUSH, self.to_core, bind=True)
+        self.pull = socket(zmq.PULL, self.from_core, bind=True)
         self._reader = asyncio.create_task(self._read())
         await self._spawn()
         self._monitor = asyncio.create_task(self._supervise())
@@ -132,8 +126,8 @@ class CoreClient:
         for task in (getattr(self, "_monitor", None), getattr(self, "_reader", None)):
             if task is not None:
                 task.cancel()
-        self.push.close(linger=0)
-        self.pull.close(linger=0)
+        self.push.close()
+        self.pull.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
     # ---- what the routes call ----------------------------------------------------------
@@ -223,8 +217,8 @@ class CoreClient:
         return message[2] if kind is not None else None
 
     async def _read(self) -> None:
-        while True:
-            for message in DECODER.decode(await self.pull.recv()):
+        async for raw in receive(self.pull):
+            for message in DECODER.decode(raw):
                 kind = message[0]
                 if kind == "hello":
                     if self._hello is not None and not self._hello.done():

@@ -7,6 +7,7 @@ HTTP; with `engine_process=False` one event loop serves HTTP and drives the engi
 
 from __future__ import annotations
 
+import gc
 import signal
 import socket
 from dataclasses import asdict, dataclass
@@ -111,6 +112,8 @@ def serve(settings: ServerSettings, sock: socket.socket | None = None) -> None:
     # uvicorn re-raises the signal it stopped on once it is done; a SIGTERM handled gracefully
     # is then a normal exit (status 0), as process managers expect
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    gc.collect()
+    gc.freeze()  # what is loaded now lives as long as the server: collections skip it (as vLLM does)
     try:
         server.run(sockets=[sock] if sock is not None else None)
     finally:

@@ -18,9 +18,12 @@ the new log-probabilities and the finish state; the prompt's fields come once.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import msgspec
+import zmq
 
 from treeserve.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -39,6 +42,34 @@ class CoreError(RuntimeError):
 class CoreDown(CoreError):
     def __init__(self, message: str):
         super().__init__(503, message)
+
+
+def socket(kind: int, address: str, bind: bool) -> zmq.Socket:
+    """A plain (non-asyncio) ZeroMQ socket: sends never block (no high-water mark), reads go
+    through `receive`."""
+    sock = zmq.Context.instance().socket(kind)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(address) if bind else sock.connect(address)
+    return sock
+
+
+async def receive(sock: zmq.Socket) -> AsyncIterator[bytes]:
+    """Every message of `sock`, read in the running event loop. ZeroMQ's descriptor is edge-
+    triggered: each wake-up drains the socket until EVENTS says nothing is left, so no message
+    waits for the next one (zmq.asyncio was measured leaving first outputs ~0.12 s behind)."""
+    loop = asyncio.get_running_loop()
+    ready = asyncio.Event()
+    loop.add_reader(sock.getsockopt(zmq.FD), ready.set)
+    try:
+        while True:
+            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                yield sock.recv(zmq.NOBLOCK)
+            ready.clear()
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # checked after clear: no wake-up is lost
+                await ready.wait()
+    finally:
+        loop.remove_reader(sock.getsockopt(zmq.FD))
 
 
 def _common_prefix(a: str | list, b: str | list) -> int:

@@ -212,7 +212,7 @@ def gemv_supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     )
 
 
-ROW_BUCKET = 32  # oneDNN builds a bf16 kernel per row count (~0.6 ms each): pad rows to a multiple of this
+ROW_BUCKET = 16  # oneDNN builds a bf16 kernel per row count (~0.6 ms each): pad rows to a multiple of this
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
