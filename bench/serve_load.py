@@ -3,7 +3,8 @@
 Each server runs as a subprocess on a loopback port, on the same weights and the same
 requests (chat completions of arithmetic problems, streamed, `ignore_eos` so both
 generate the same number of tokens). A share of clients disconnect after a few chunks.
-Reported per server: p50/p99 time to first token, requests/s, generated tokens/s, and a
+Reported per server: p50/p99 time to first token, requests/s, generated tokens/s, the CPU
+seconds its API process and its engine-core process spent during the load, and a
 check that every request either completed or was aborted by its client and that the
 server's KV pool is back at its baseline afterwards (read from its /metrics).
 
@@ -181,7 +182,10 @@ def pool_at_baseline(server: str, base: str, timeout: float = 30) -> tuple[bool,
         names = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"]
     deadline, values = time.monotonic() + timeout, {}
     while time.monotonic() < deadline:
-        text = httpx.get(base + "/metrics", timeout=10).text
+        try:
+            text = httpx.get(base + "/metrics", timeout=10).text
+        except httpx.HTTPError as e:  # the server died under the load
+            return False, f"server unreachable: {e!r}"
         values = {}
         for name in names:
             found = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, re.M)
@@ -190,6 +194,32 @@ def pool_at_baseline(server: str, base: str, timeout: float = 30) -> tuple[bool,
             return True, json.dumps(values)
         time.sleep(0.5)
     return False, json.dumps(values)
+
+
+def descendants(pid: int) -> list[int]:
+    children = map(int, subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split())
+    return [p for child in children for p in (child, *descendants(child))]
+
+
+def cpu_seconds(pid: int) -> dict[int, float]:
+    """CPU time (user + system) of `pid` and each of its descendants, by pid (from /proc)."""
+    pids = [pid, *descendants(pid)]
+    seconds = {}
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        seconds[p] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return seconds
+
+
+def cpu_split(pid: int, before: dict[int, float], after: dict[int, float]) -> dict[str, float]:
+    """Seconds of CPU during the load: the API (HTTP) process, and its descendants (the engine
+    core; for vLLM also its worker process)."""
+    used = {p: after[p] - before.get(p, 0.0) for p in after}
+    return {"api": round(used.get(pid, 0.0), 2), "engine": round(sum(s for p, s in used.items() if p != pid), 2)}
 
 
 def summarize(load: Load, wall: float) -> dict:
@@ -236,8 +266,10 @@ def main() -> None:
                 asyncio.run(run_load(base, warm, 4))
                 load = build_load(args.requests, args.max_tokens, args.disconnect_share, seed=rep)
                 load.search_n = args.search_n
+                before = cpu_seconds(proc.pid)
                 wall = asyncio.run(run_load(base, load, args.clients))
                 result = summarize(load, wall)
+                result["cpu_s"] = cpu_split(proc.pid, before, cpu_seconds(proc.pid))
                 result["pool_at_baseline"], result["pool_metrics"] = pool_at_baseline(server, base)
             finally:
                 proc.terminate()

@@ -231,7 +231,7 @@ def test_sigterm_with_streams_open(tmp_path):
         t.join(30)
         assert lines  # it was streaming when the signal came
         deadline = time.monotonic() + 10  # the core (and multiprocessing's helper) end with the server
-        while (left := subprocess.run(["pgrep", "-a", "-g", str(proc.pid)], capture_output=True, text=True).stdout):
+        while left := subprocess.run(["pgrep", "-a", "-g", str(proc.pid)], capture_output=True, text=True).stdout:
             assert time.monotonic() < deadline, f"processes left behind: {left}"
             time.sleep(0.1)
     finally:
