@@ -160,14 +160,19 @@ def test_kill_9_mid_load(core_server):
         except httpx.HTTPError as e:
             statuses.append(e)
 
-    threads = [threading.Thread(target=stream) for _ in range(4)]
+    def whole() -> None:
+        body = {"messages": CHAT, "max_tokens": 400, "ignore_eos": True}
+        response = post(core_server, "/v1/chat/completions", body)
+        statuses.append(response.json()["error"] if response.status_code != 200 else 200)
+
+    threads = [threading.Thread(target=stream) for _ in range(4)] + [threading.Thread(target=whole)]
     for t in threads:
         t.start()
     time.sleep(0.5)  # the streams are running
     os.kill(client.process.pid, signal.SIGKILL)
     for t in threads:
         t.join(30)
-    assert all(isinstance(s, dict) and s["code"] == 503 for s in statuses), statuses
+    assert len(statuses) == 5 and all(isinstance(s, dict) and s["code"] == 503 for s in statuses), statuses
     assert httpx.get(core_server.base_url + "/health", timeout=5).status_code in (200, 503)
     wait_healthy(core_server.base_url)
     assert client.restarts == restarts + 1

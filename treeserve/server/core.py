@@ -44,6 +44,7 @@ def core_main(settings: ServerSettings, to_core: str, from_core: str) -> None:
     gc.collect()
     gc.freeze()  # the models' objects live as long as the process: later collections skip them (as vLLM does)
     asyncio.run(Core(served, to_core, from_core).run())
+    gc.unfreeze()  # let interpreter shutdown free them (bindings report frozen objects as leaks)
 
 
 def error_of(e: BaseException) -> tuple[int, str]:

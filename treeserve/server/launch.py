@@ -118,3 +118,4 @@ def serve(settings: ServerSettings, sock: socket.socket | None = None) -> None:
         server.run(sockets=[sock] if sock is not None else None)
     finally:
         signal.signal(signal.SIGTERM, previous)
+        gc.unfreeze()
