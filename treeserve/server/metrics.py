@@ -2,8 +2,9 @@
 
 Owns one `CollectorRegistry` per app (so several apps in one process do not collide).
 Counters and histograms are updated by the routes; engine state (requests running and
-waiting, KV pages used and cached, prefix-cache hit rate, preemptions, evictions, thrash) is read from the
-runtime at scrape time. `RequestCounter` is a plain ASGI middleware that counts every
+waiting, KV pages used and cached, prefix-cache hit rate, preemptions, evictions, thrash:
+`engine_stats`) is read at scrape time, from the runtime in this process or from the report
+the engine-core process sends. `RequestCounter` is a plain ASGI middleware that counts every
 response by route and status, including 401s and validation errors.
 """
 
