@@ -12,9 +12,7 @@ iteration, whose beams are not ranked); the beam keeps only its sampled step.
 
 from __future__ import annotations
 
-import asyncio
-
-from treeserve.search.context import Beam, Problem, SearchContext, aggregate
+from treeserve.search.context import Beam, Problem, SearchContext, aggregate, gather_or_cancel
 
 
 async def beam_search(ctx: SearchContext, problem: Problem) -> list[Beam]:
@@ -35,9 +33,9 @@ async def _iterate(
     c = ctx.config
     for iteration in range(c.num_iterations):
         last = iteration == c.num_iterations - 1
-        grown = await asyncio.gather(*(ctx.expand(problem, b, to_eos=last and c.final_to_eos) for b in active))
+        grown = await gather_or_cancel(*(ctx.expand(problem, b, to_eos=last and c.final_to_eos) for b in active))
         beams = [children[0] for children in grown]
-        await asyncio.gather(*(ctx.score_beam(problem, b, lookahead=not last) for b in beams))
+        await gather_or_cancel(*(ctx.score_beam(problem, b, lookahead=not last) for b in beams))
         ctx.report(iteration, beams)
         finished += [b for b in beams if b.completed]
         active[:] = beams

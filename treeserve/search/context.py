@@ -9,7 +9,7 @@ beam, after a greedy lookahead rollout whose text is scored and then discarded).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
 from treeserve.outputs import CompletionOutput
@@ -177,6 +177,20 @@ class Leftover:
         if len(self.tokens) >= max_tokens:
             return self.tokens[:max_tokens], True, None  # a fresh request would stop on length
         return None
+
+
+async def gather_or_cancel(*aws: Awaitable) -> list:
+    """`asyncio.gather`, except that when one fails the others are cancelled (their engine
+    requests aborted) before the error propagates: a failed engine step ends the whole search
+    at once instead of leaving its other beams decoding for nobody."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def aggregate(scores: list[float], agg: str) -> float:

@@ -10,9 +10,7 @@ rollout of K more steps (as in search-and-learn); the kept candidate keeps only 
 
 from __future__ import annotations
 
-import asyncio
-
-from treeserve.search.context import Beam, Problem, SearchContext
+from treeserve.search.context import Beam, Problem, SearchContext, gather_or_cancel
 
 
 async def _subtree(ctx: SearchContext, problem: Problem, index: int) -> list[Beam]:
@@ -22,7 +20,7 @@ async def _subtree(ctx: SearchContext, problem: Problem, index: int) -> list[Bea
     for iteration in range(c.num_iterations):
         last = iteration == c.num_iterations - 1
         candidates = await ctx.expand(problem, beam, n=c.beam_width, to_eos=last and c.final_to_eos)
-        await asyncio.gather(*(ctx.score_beam(problem, b, lookahead=not last) for b in candidates))
+        await gather_or_cancel(*(ctx.score_beam(problem, b, lookahead=not last) for b in candidates))
         ctx.report(iteration, candidates)
         best = max(range(len(candidates)), key=lambda i: (candidates[i].value(c.agg), -i))
         beam = candidates[best]
@@ -33,5 +31,5 @@ async def _subtree(ctx: SearchContext, problem: Problem, index: int) -> list[Bea
 
 async def dvts(ctx: SearchContext, problem: Problem) -> list[Beam]:
     c = ctx.config
-    subtrees = await asyncio.gather(*(_subtree(ctx, problem, i) for i in range(c.n // c.beam_width)))
+    subtrees = await gather_or_cancel(*(_subtree(ctx, problem, i) for i in range(c.n // c.beam_width)))
     return [b for tree in subtrees for b in tree]

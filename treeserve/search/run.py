@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from treeserve.search.beam_search import beam_search
 from treeserve.search.best_of_n import best_of_n, majority
-from treeserve.search.context import Beam, SearchContext
+from treeserve.search.context import Beam, SearchContext, gather_or_cancel
 from treeserve.search.dvts import dvts
 
 STRATEGY_FUNCTIONS = {
@@ -63,4 +63,4 @@ async def search_problems(
                 on_done(result)
             return result
 
-    return list(await asyncio.gather(*(one(uid, q) for uid, q in problems)))
+    return list(await gather_or_cancel(*(one(uid, q) for uid, q in problems)))
