@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -144,10 +145,14 @@ async def _core_search(served: Served, core: CoreClient, body: SearchRequest, re
         raise
 
     async def events() -> AsyncIterator[str]:
-        async with contextlib.aclosing(messages) as it:
-            async for kind, *rest in it:
-                if kind == "event":
-                    yield rest[0]
+        try:
+            async with contextlib.aclosing(messages) as it:
+                async for kind, *rest in it:
+                    if kind == "event":
+                        yield rest[0]
+        except CoreError as e:  # the core died mid-search: the stream ends with the error (503)
+            yield f"data: {json.dumps(error_body(e.status, str(e)))}\n\ndata: [DONE]\n\n"
+            return
         served.metrics.search_seconds.labels(body.strategy).observe(time.perf_counter() - start)
 
     async def result() -> dict:

@@ -199,7 +199,8 @@ class CoreClient:
 
     def _close(self, rid: str, done: bool) -> None:
         if self.queues.pop(rid, None) is not None and not done and self.up:
-            self._send(["abort", rid])  # the client went away: the core aborts it, its pages go back
+            with contextlib.suppress(CoreDown):  # a core that just died aborted everything anyway
+                self._send(["abort", rid])  # the client went away: the core aborts it, its pages go back
 
     def _send(self, message: list) -> None:
         try:
