@@ -11,7 +11,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -51,11 +51,12 @@ class LiveServer:
         self.thread.join(timeout=10)
 
 
-def start_server(settings: ServerSettings) -> LiveServer:
+def start_server(settings: ServerSettings, build: Callable[[ServerSettings], Served] = build_served) -> LiveServer:
+    """A live server on a free loopback port; `build_core_served` puts its engines in a core process."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
-    served = build_served(settings)
+    served = build(settings)
     app = build_app(served, settings.api_key)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

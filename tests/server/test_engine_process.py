@@ -23,12 +23,10 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-import uvicorn
 
-from tests.server.conftest import API_KEY, MODEL, LiveServer
+from tests.server.conftest import API_KEY, MODEL, LiveServer, start_server
 from tests.server.test_failures import AUTH, CHAT, post
 from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM
-from treeserve.server.app import build_app
 from treeserve.server.launch import ServerSettings, build_core_served
 
 SETTINGS = dict(model=DEFAULT_GENERATOR, prm=DEFAULT_PRM, served_model_name=MODEL, api_key=API_KEY, dtype="float32",
@@ -61,17 +59,10 @@ def wait_healthy(base_url: str, timeout: float = 60.0) -> None:
 
 @pytest.fixture(scope="module")
 def core_server() -> Iterator[LiveServer]:
-    sock = free_socket()
-    served = build_core_served(ServerSettings(**SETTINGS))
-    app = build_app(served, API_KEY)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    live = LiveServer(served, server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}")
-    wait_healthy(live.base_url)
+    live = start_server(ServerSettings(**SETTINGS), build=build_core_served)  # started: the core is up
     yield live
     live.stop()
-    assert not served.runtime.process.is_alive()  # the core stopped with the server
+    assert not live.served.runtime.process.is_alive()  # the core stopped with the server
 
 
 def idle(server: LiveServer) -> None:

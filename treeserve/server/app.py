@@ -15,7 +15,7 @@ import contextlib
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -106,18 +106,13 @@ def build_app(served: Served, api_key: str | None = None) -> FastAPI:
             return _sse(request, stream_events(served, job, chat=chat, include_usage=include_usage))
         return await _unless_disconnected(request, full_response(served, job, chat=chat))
 
-    async def job(make: Callable[[Served, Any], Job], body: SamplingFields) -> Job:
-        """Tokenise and check; beside an engine core, in a worker thread, so that a huge
-        prompt does not stall this process's event loop (the tokenizer releases the GIL)."""
-        return make(served, body) if core is None else await asyncio.to_thread(make, served, body)
-
     @app.post("/v1/completions", responses=ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await complete(request, body, await job(completion_job, body), chat=False)
+        return await complete(request, body, completion_job(served, body), chat=False)
 
     @app.post("/v1/chat/completions", responses=ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await complete(request, body, await job(chat_job, body), chat=True)
+        return await complete(request, body, chat_job(served, body), chat=True)
 
     @app.post("/v1/search", responses=ERRORS)
     async def search(body: SearchRequest, request: Request) -> Response:

@@ -148,7 +148,7 @@ class CoreClient:
             while not finished:
                 message = await queue.get()
                 while True:  # every delta is applied; a consumer that lags gets the newest output
-                    out = assembler.apply(self._payload(message, "out"))
+                    out = assembler.apply(self._checked(message)[2])
                     finished = out.finished
                     if finished or queue.empty():
                         break
@@ -164,8 +164,7 @@ class CoreClient:
         done = False
         try:
             while not done:
-                message = await queue.get()
-                self._payload(message, None)  # raises on errors
+                message = self._checked(await queue.get())
                 done = message[0] == "done"
                 yield [message[0], *message[2:]]
         finally:
@@ -209,13 +208,15 @@ class CoreClient:
             raise CoreDown("the engine core is not reachable") from e
 
     @staticmethod
-    def _payload(message: list | Exception, kind: str | None) -> object:
+    def _checked(message: list | Exception) -> list:
+        """`message`, unless it says the request failed: then its error is raised (a 400 as
+        ValueError, as the in-process server raises it)."""
         if isinstance(message, Exception):
             raise message
         if message[0] == "err":
             _, _, status, text = message
             raise ValueError(text) if status == 400 else CoreError(status, text)
-        return message[2] if kind is not None else None
+        return message
 
     async def _read(self) -> None:
         async for raw in receive(self.pull):

@@ -47,6 +47,11 @@ class ServerSettings:
     engine_process: bool = True  # the engines in an engine-core process of their own (False: in this one)
     shutdown_timeout: float = 30.0  # on SIGTERM, seconds open requests get before they are aborted
 
+    @property
+    def name(self) -> str:
+        """The model id clients send: `served_model_name`, else the model directory's name."""
+        return self.served_model_name or Path(self.model).resolve().name
+
     def check(self) -> None:
         self.device = resolve_device(self.device)  # resolved, so results record what ran
         self.attention_backend = resolve_attention_backend(self.attention_backend, self.device)
@@ -79,9 +84,8 @@ def build_served(settings: ServerSettings) -> Served:
         device=settings.device, attention_backend=settings.attention_backend, **extra,
     )  # fmt: skip
     print(runtime.memory_plan.table(), flush=True)
-    name = settings.served_model_name or Path(settings.model).resolve().name
     prm = load_prm(runtime, "prm", settings.prm_style) if settings.prm else None  # a bad PRM fails at startup
-    return Served(runtime, name, ServerMetrics(lambda: engine_stats(runtime)), prm=prm)
+    return Served(runtime, settings.name, ServerMetrics(lambda: engine_stats(runtime)), prm=prm)
 
 
 def build_core_served(settings: ServerSettings) -> Served:
@@ -90,8 +94,7 @@ def build_core_served(settings: ServerSettings) -> Served:
 
     settings.check()  # bad settings fail here, before a process is started
     client = CoreClient(settings)
-    name = settings.served_model_name or Path(settings.model).resolve().name
-    served = Served(client, name, ServerMetrics(lambda: client.last_stats))  # type: ignore[arg-type]
+    served = Served(client, settings.name, ServerMetrics(lambda: client.last_stats))  # type: ignore[arg-type]
     client.on_restart = served.metrics.core_restarts.inc
     return served
 
