@@ -6,6 +6,11 @@ so the only error a quantised matmul may add is fp32 accumulation: for every for
 rounding (weight vs quantised weight) is the converter's, not the kernel's. Rows never depend
 on the batch: the few-row path (<= 4 rows, weights unpacked in registers) and the panel path
 round every product and sum alike.
+
+With 8-bit activations (`q8_kernels.c`, llama.cpp's way) each row is first rounded to int8 in
+blocks of 32 (`_int8_rows` does it as the kernel does); the products are then exact integers,
+so the result is within the same fp32 bound of x8 @ W^T, and within
+sum over blocks of (block scale / 2) * sum|w| (the activations' own rounding) of x @ W^T.
 """
 
 from __future__ import annotations
@@ -97,6 +102,67 @@ def test_a_rows_result_does_not_depend_on_the_batch(qtype, dtype):
         assert torch.equal(_matmul(number, data, scales, x[10 - m :]), full[10 - m :]), m
 
 
+needs_q8 = pytest.mark.skipif(not quant.q8_available(), reason="this CPU has no AVX512-VNNI: no 8-bit activations")
+Q8 = ["Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q6_K", "I8"]
+
+
+def _weights(qtype: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    if qtype == "I8":
+        data, scales = quant.quantize_i8(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)))
+        return data, scales, quant.I8
+    return _blocks(qtype, n, k, seed=seed), None, quant.QTYPES[qtype]
+
+
+def _int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the rows as the kernel rounds them, fp64; each block's scale): scale = max|x| / 127,
+    code = round-half-even(x * (1 / scale)), in fp32."""
+    blocks = x.float().view(x.shape[0], -1, 32)
+    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    return (torch.round(blocks * inverse) * scale).view(x.shape).double(), scale.squeeze(-1).double()
+
+
+@needs_q8
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qtype", Q8)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17])
+def test_int8_activations_multiply_the_rounded_rows_exactly(qtype, rows, dtype):
+    n, k = 23, 512
+    data, scales, number = _weights(qtype, n, k, seed=rows)
+    plan = quant.Plan([(number, data, scales)], k)
+    assert plan.q8
+    w = quant.dequant_rows(number, data, scales, torch.arange(n), k).double()
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    got = quant.qmatmul(plan, x, int8_activations=True).double()
+    x8, block_scale = _int8_rows(x)
+    err = (got - x8 @ w.T).abs()
+    assert (err <= _bound(x8, w)).all(), f"max error {err.max().item()}"
+    # against the unrounded rows: the activations' rounding, half a step a weight, plus the sums
+    rounding = (block_scale / 2).repeat_interleave(32, dim=1) @ w.abs().T
+    assert ((got - x.double() @ w.T).abs() <= rounding + _bound(x.float(), w)).all()
+
+
+@needs_q8
+@pytest.mark.parametrize("qtype", Q8)
+def test_int8_activations_rows_do_not_depend_on_the_batch(qtype):
+    n, k = 13, 256
+    data, scales, number = _weights(qtype, n, k, seed=3)
+    plan = quant.Plan([(number, data, scales)], k)
+    x = torch.randn(11, k).bfloat16()
+    full = quant.qmatmul(plan, x, int8_activations=True)
+    for m in range(1, 11):  # 1-4 rows unpack the weights as they go, 5+ unpack each panel once
+        assert torch.equal(quant.qmatmul(plan, x[:m], int8_activations=True), full[:m]), m
+        assert torch.equal(quant.qmatmul(plan, x[10 - m :], int8_activations=True), full[10 - m :]), m
+
+
+def test_formats_or_widths_the_int8_kernels_do_not_take_keep_float_activations():
+    assert not quant.Plan([(quant.QTYPES["Q4_1"], _blocks("Q4_1", 4, 256), None)], 256).q8
+    assert not quant.Plan([(quant.QTYPES["Q8_0"], _blocks("Q8_0", 4, 96), None)], 96).q8  # 96 % 64
+    mixed = quant.Plan([(quant.QTYPES["Q8_0"], _blocks("Q8_0", 4, 256), None),
+                        (quant.QTYPES["Q5_K"], _blocks("Q5_K", 4, 256), None)], 256)  # fmt: skip
+    assert not mixed.q8
+
+
 def test_int8_rounds_each_weight_to_half_a_step_and_multiplies_exactly():
     w = torch.randn(37, 96) * torch.rand(37, 1)  # rows of different magnitude
     w[5] = 0.0  # an all-zero channel: scale 0, no division by zero
@@ -120,10 +186,16 @@ def test_quant_linear_of_mixed_parts_bias_and_bf16_equals_f_linear_on_the_dequan
     assert weight.nbytes == 8 * 176 + 6 * 210 + 5 * 272
     g = torch.Generator().manual_seed(0)
     dense, bias, x = weight.dequantize(), torch.randn(19, generator=g), torch.randn(2, 3, 256, generator=g)
-    # fp32 sums in two orders (ours, oneDNN's): k * 2^-24 * sum|w x| is ~1e-4 here
-    torch.testing.assert_close(quant_linear(x, weight, bias), F.linear(x, dense, bias), rtol=1e-4, atol=1e-4)
     out_bf16 = quant_linear(x.bfloat16(), weight.to(torch.bfloat16), bias)
     assert out_bf16.dtype == torch.bfloat16
+    if weight.plan.q8:  # 8-bit activations: F.linear on the rows as the kernel rounds them
+        x8 = _int8_rows(x.reshape(-1, 256))[0].float().view(x.shape)
+        torch.testing.assert_close(quant_linear(x, weight, bias), F.linear(x8, dense, bias), rtol=1e-4, atol=1e-4)
+        x8 = _int8_rows(x.bfloat16().reshape(-1, 256))[0].float().view(x.shape)
+        torch.testing.assert_close(out_bf16.float(), F.linear(x8, dense, bias), rtol=2**-7, atol=1e-3)
+        return
+    # fp32 sums in two orders (ours, oneDNN's): k * 2^-24 * sum|w x| is ~1e-4 here
+    torch.testing.assert_close(quant_linear(x, weight, bias), F.linear(x, dense, bias), rtol=1e-4, atol=1e-4)
     if quant.bf16_dot():  # bf16 weights, fp32 sums: F.linear on the bf16 matrix, up to summation order
         want = F.linear(x.bfloat16().float(), dense.bfloat16().float(), bias)
         torch.testing.assert_close(out_bf16.float(), want, rtol=2**-7, atol=1e-3)

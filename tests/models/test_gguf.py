@@ -4,6 +4,8 @@ Tiny Llama and Gemma 3 checkpoints are written as GGUF files the way llama.cpp's
 writes them (`tests/gguf_files.py`, Q8_0/Q5_0/Q4_0 weights). The reference is transformers
 loading the same GGUF file with its own GGUF reader: our fp32 logits must equal its logits.
 The converted Hugging Face directory must load in transformers and give the same logits too.
+Our side loads the file dequantised (`dequantize=True`): the reader is what is tested here; the
+quantised kernels are compared with this dequantised model in `test_quantized_models.py`.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def test_gguf_logits_equal_transformers_gguf_reader(tmp_path, make_llm, arch, ov
     # head_dim); llama.cpp, and we, take the file's head_dim
     config = {"query_pre_attn_scalar": overrides["head_dim"]} if arch == "gemma3" else {}
     ref = _transformers_logits(os.path.dirname(path), os.path.basename(path), **config)
-    diff = (_our_logits(make_llm(path)) - ref).abs().max().item()
+    diff = (_our_logits(make_llm(path, dequantize=True)) - ref).abs().max().item()
     assert diff <= 1e-4, f"max abs logit diff {diff}"
 
 
@@ -67,7 +69,7 @@ def test_convert_gguf_writes_a_directory_transformers_loads(tmp_path, make_llm, 
     out = str(tmp_path / "converted")
     assert main(["convert-gguf", path, out]) == 0
     ref = _transformers_logits(out)
-    assert (_our_logits(make_llm(path)) - ref).abs().max().item() <= 1e-4
+    assert (_our_logits(make_llm(path, dequantize=True)) - ref).abs().max().item() <= 1e-4
     assert (_our_logits(make_llm(out)) - ref).abs().max().item() <= 1e-4
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     text = "Compute (12 + 7) * 3 - 15."

@@ -1,9 +1,11 @@
 """Models with quantised weights: GGUF blocks executed as they are, int8 Hugging Face checkpoints.
 
 The reference for a GGUF file is the same file dequantised on load (`dequantize=True`, fp32):
-both compute with the same fp32 weights, so logits agree to fp32 accumulation. int8 is
-compared with the dense fp32 checkpoint (its error is the rounding of each weight to
-half an int8 step of its channel). Every engine's pages are checked idle after each test.
+both compute with the same fp32 weights, so logits agree to fp32 accumulation, except where the
+kernels multiply 8-bit activations (a CPU with AVX512-VNNI): then the activations' rounding is
+the difference (each matmul's exact bound is in `tests/kernels/test_quant_kernels.py`). int8 is compared
+with the dense fp32 checkpoint (its error is the rounding of each weight to half an int8 step
+of its channel, and of the activations). Every engine's pages are checked idle after each test.
 """
 
 from __future__ import annotations
@@ -51,6 +53,12 @@ def test_gguf_runs_quantised_and_matches_its_dequantised_logits(tmp_path, make_l
     assert isinstance(model.layers[0].self_attn.qkv_proj.weight, QuantTensor)
     assert isinstance(model.embed_tokens.weight, QuantTensor)
     ours, ref = _logits(quantised), _logits(dense)
+    if model.embed_tokens.weight.plan.q8:
+        # 8-bit activations (the kernels' own tests bound each matmul exactly): the activations'
+        # rounding moves the logits by a few percent of their norm on these tiny random models
+        assert ((ours - ref).norm() / ref.norm()).item() < 0.05
+        assert (ours.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
+        return
     assert (ours - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = [[5, 6, 7], [9, 10, 11, 12]]

@@ -86,16 +86,22 @@ class QuantTensor:
 
 
 def quant_linear(x: torch.Tensor, weight: QuantTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for a quantised weight: x [..., k] -> [..., n] in x's dtype (fp32 accumulation)."""
-    # bf16 activations go in as they are where the CPU has bf16 dot products (bf16 weights, fp32 sums)
-    keep = x.dtype == torch.bfloat16 and kernels.bf16_dot()
-    rows = x.reshape(-1, weight.cols).to(x.dtype if keep else torch.float32)
+    """F.linear for a quantised weight: x [..., k] -> [..., n] in x's dtype (fp32 accumulation).
+    Activations are rounded to 8 bits where the plan says so (llama.cpp's way: the formats and the
+    CPU allow it); otherwise bf16 activations go in as they are where the CPU has bf16 dot
+    products (bf16 weights, fp32 sums), and anything else as fp32."""
+    plan = weight.plan
+    bf16 = x.dtype == torch.bfloat16
+    rows = x.reshape(-1, plan.k)
+    if not (bf16 and (plan.q8 or kernels.bf16_dot())):
+        rows = rows.float()
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out_dtype = x.dtype if x.dtype == torch.bfloat16 else torch.float32
-    out = torch.empty(rows.shape[0], weight.shape[0], dtype=out_dtype)
-    kernels.qmatmul(weight.plan, rows, None if bias is None else bias.to(torch.float32).contiguous(), out)
-    return out.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
+    out = torch.empty(rows.shape[0], plan.n, dtype=torch.bfloat16 if bf16 else torch.float32)
+    kernels.qmatmul(plan, rows, None if bias is None else bias.float().contiguous(), out, plan.q8)
+    if x.dim() != 2:
+        out = out.view(*x.shape[:-1], plan.n)
+    return out if bf16 or x.dtype == torch.float32 else out.to(x.dtype)
 
 
 def quant_embedding(ids: torch.Tensor, weight: QuantTensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 from treeserve.kernels.cpu import FLAGS, build
 
 SOURCE = Path(__file__).parent / "quant_kernels.c"
+Q8_SOURCE = Path(__file__).parent / "q8_kernels.c"  # the same matmul with 8-bit activations
 # No -ffast-math: the few-row path and the panel path must round every product and sum alike
 # (a row's result may not depend on the batch), so the compiler may not reassociate.
 QUANT_FLAGS = [flag for flag in FLAGS if flag != "-ffast-math"]
@@ -39,6 +40,23 @@ def load() -> ctypes.CDLL | None:
     lib.dequant_rows.argtypes = [_int, _ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _int]
     lib.quantize_i8.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _int]
     return lib
+
+
+@cache
+def load_q8() -> ctypes.CDLL | None:
+    lib = build(Q8_SOURCE, QUANT_FLAGS)
+    if lib is None or not lib.q8_available():
+        return None
+    lib.q8_matmul.argtypes = load().qmatmul.argtypes
+    return lib
+
+
+Q8_FORMATS = {2, 6, 8, 12, 14, I8}  # Q4_0, Q5_0, Q8_0, Q4_K, Q6_K, int8: what q8_kernels.c multiplies
+
+
+def q8_available() -> bool:
+    """Whether this CPU multiplies quantised weights with 8-bit activations (AVX512-VNNI)."""
+    return available() and load_q8() is not None
 
 
 def available() -> bool:
@@ -87,21 +105,31 @@ class Plan:
             (ctypes.c_int64 * count)(*(data.shape[0] for _, data, _ in parts)),
             k,
         )
+        # whether to multiply 8-bit activations: every part in a format q8_kernels.c takes, rows of
+        # whole 64-weight groups, and a CPU with AVX512-VNNI
+        self.q8 = k % 64 == 0 and all(qtype in Q8_FORMATS for qtype, _, _ in parts) and q8_available()
 
 
 def qmatmul(
-    plan: Plan, x: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None
+    plan: Plan,
+    x: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    int8_activations: bool = False,
 ) -> torch.Tensor:
     """x [m, k] (rows with unit stride; fp32, or bf16 where `bf16_dot()`) @ W^T (+ bias, fp32 [n])
     -> out [m, n], fp32 or bf16. With bf16 rows the weights are rounded to bf16 as they are
-    unpacked (products exact, sums fp32): the bf16 model's matmul on a bf16 copy of W."""
+    unpacked (products exact, sums fp32): the bf16 model's matmul on a bf16 copy of W.
+    `int8_activations` (needs `plan.q8`; fp32 or bf16 rows): each row is
+    rounded to int8 in blocks of 32 and multiplied in integers (q8_kernels.c), llama.cpp's way."""
     m = x.shape[0]
     assert x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1 and x.shape[1] == plan.k
-    assert x.dtype == torch.float32 or bf16_dot()
+    assert x.dtype == torch.float32 or bf16_dot() or int8_activations
+    assert not int8_activations or plan.q8
     if out is None:
         out = torch.empty(m, plan.n, dtype=torch.float32)
     assert out.shape == (m, plan.n) and out.is_contiguous() and out.dtype in (torch.float32, torch.bfloat16)
-    load().qmatmul(
+    (load_q8().q8_matmul if int8_activations else load().qmatmul)(
         *plan.args, x.data_ptr(), x.stride(0), m, _ptr_or_none(bias), out.data_ptr(), out.stride(0),
         int(out.dtype == torch.bfloat16), int(x.dtype == torch.bfloat16), torch.get_num_threads(),
     )  # fmt: skip
