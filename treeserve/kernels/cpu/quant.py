@@ -1,10 +1,12 @@
-"""Call the quantised-weight kernels of `quant_kernels.c`: matmul, row dequantisation, int8.
+"""Call the quantised-weight kernels of `quant_kernels.c` (matmul with float activations, row
+dequantisation, int8 quantisation) and `q8_kernels.c` (the same matmul with 8-bit activations).
 
 A quantised matrix is a uint8 tensor [n, row_bytes] of llama.cpp blocks (one row a output
 channel) plus, for our per-channel int8, an fp32 scale a row. `QTYPES` names the formats the
 kernels take, by ggml's type numbers; `BLOCKS` gives each one's (weights, bytes) a block.
 `available()` is False without a C compiler or with `TREESERVE_CPU_KERNELS=0`: callers then
-dequantise at load (the reference path).
+dequantise at load (the reference path). A `Plan`'s `q8` says whether its matmul rounds the
+activations to 8 bits (formats and CPU allow it); `layers/quant.py` follows it.
 """
 
 from __future__ import annotations
