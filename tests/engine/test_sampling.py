@@ -105,3 +105,20 @@ def test_a_vanishing_temperature_is_greedy(llama_dir, make_llm):
         out = llm.generate([PROMPT], params)
         assert out[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
     assert SamplingParams(temperature=1e-5).temperature == 1e-5  # the rule's edge: still sampled
+
+
+def test_greedy_argmax_over_a_wide_vocabulary_is_torchs_argmax():
+    """The two-pass argmax (chunk maxima, then the first chunk holding the maximum) picks what
+    torch.argmax picks: the first of tied maxima, the first NaN, 0 for a row of -inf."""
+    from treeserve.engine.sampler import _argmax
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        rows, vocab = 1 + trial % 4, 16_384 + 997 * trial  # widths that do and do not fill the last chunk
+        x = torch.randint(-5, 5, (rows, vocab), generator=g).float()  # many ties at the maximum
+        if trial % 5 == 0:
+            x[0, 3 * trial] = float("nan")
+        if trial % 7 == 0:
+            x[-1] = float("-inf")
+        for dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(_argmax(x.to(dtype), []), x.to(dtype).float().argmax(dim=-1)), (trial, dtype)

@@ -148,11 +148,11 @@ def test_int8_activations_rows_do_not_depend_on_the_batch(qtype):
     n, k = 13, 256
     data, scales, number = _weights(qtype, n, k, seed=3)
     plan = quant.Plan([(number, data, scales)], k)
-    x = torch.randn(11, k).bfloat16()
+    x = torch.randn(37, k).bfloat16()
     full = quant.qmatmul(plan, x, int8_activations=True)
-    for m in range(1, 11):  # 1-4 rows unpack the weights as they go, 5+ unpack each panel once
+    for m in (1, 2, 3, 5, 8, 9, 15, 16, 17, 31, 32, 33, 36):  # tiles of 8 rows; from 16 rows AMX where there is one
         assert torch.equal(quant.qmatmul(plan, x[:m], int8_activations=True), full[:m]), m
-        assert torch.equal(quant.qmatmul(plan, x[10 - m :], int8_activations=True), full[10 - m :]), m
+        assert torch.equal(quant.qmatmul(plan, x[37 - m :], int8_activations=True), full[37 - m :]), m
 
 
 def test_formats_or_widths_the_int8_kernels_do_not_take_keep_float_activations():

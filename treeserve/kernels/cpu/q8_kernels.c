@@ -2,17 +2,20 @@
  *
  * q8_matmul computes out[m, n] = x[m, k] . W[n, k]^T like quant_kernels.c's qmatmul, but first
  * rounds each activation row to int8 in blocks of 32 (scale = max|x| / 127 a block, as ggml's
- * Q8_0), then multiplies integers: AVX512-VNNI `vpdpbusd` takes 64 unsigned weight codes and 64
- * signed activations and sums each 4 products into an int32 lane. Every format is unpacked to
- * 64 unsigned codes u with a float scale a per lane (and, for Q4_K, a float offset b per lane):
+ * Q8_0) and then multiplies integers. Every format is unpacked to unsigned codes u with a float
+ * scale a per block (32 weights; 16 for Q6_K) and, for Q4_K, a float minimum b per block:
  *     w = a * (u - off) + b,   off in {0, 8, 16, 32, 128} per format.
- * The `- off` is folded into the integer accumulator's start value (-off * the lane's activation
- * sum, computed once a row), the min term b through the lane's float activation sum. So a weight
- * is never turned into a float, which is what bounds the float-activation kernels at one row.
+ * Output channels go in panels of 16, one per int32 lane: a panel's codes are unpacked once,
+ * interleaved so that 64 bytes hold 4 consecutive weights of each of the 16 channels, and every
+ * activation row multiplies them: AVX512-VNNI `vpdpbusd` with 4 activations broadcast to all
+ * lanes, or, for 16 rows at a time where the CPU has AMX, one tile product a block (TDPBSUD).
+ * Either way each (row, channel, block) gets its exact integer sum, the `- off` folded in as
+ * -off * the block's activation sum; then, block after block, in one order:
+ *     acc = fma(float(sum), a * activation scale, acc)   [+ b * activation scale * code sum]
+ * So a weight is never turned into a float, and a row's result is the same bits whatever m,
+ * the tiling, the threads, or which of VNNI and AMX computed its sums (tested).
  *
- * Results: the dequantised matrix times the int8-rounded activations, up to float summation
- * order; each row is rounded, accumulated and reduced in one fixed order whatever m, the tiling
- * and the threads, so a row's result never depends on the batch around it.
+ * Results: the dequantised matrix times the int8-rounded activations, up to float summation.
  * Formats: Q4_0, Q5_0, Q8_0, Q4_K, Q6_K and our per-channel int8; k a multiple of 64 (and of the
  * format's block). The caller checks `q8_available()` and the formats (quant.py).
  */
@@ -29,15 +32,10 @@ int q8_available(void) { return 1; }
 
 static inline float fp16(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8))); }
 
-/* One 64-weight group of a channel: codes, per-lane scale and (Q4_K) per-lane offset. */
-typedef struct {
-    __m512i u;
-    __m512 a, b;
-} group;
-
-static inline __m512 two(float lo, float hi) { /* lanes 0-7 = lo, 8-15 = hi */
-    return _mm512_insertf32x8(_mm512_set1_ps(lo), _mm256_set1_ps(hi), 1);
-}
+/* Each format: codes_T gives the 64 unsigned codes of a channel's 64-weight group g; scales_T
+ * writes the group's block scales a (2 blocks, 4 for Q6_K) at a[0], a[NC], ... and, for Q4_K,
+ * the blocks' minimum terms at b[0], b[NC]. `rs` is int8's row scale. */
+#define NC 16 /* output channels a panel: one per int32 lane */
 
 static inline __m512i halves(__m256i lo, __m256i hi) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
@@ -51,30 +49,38 @@ static inline __m512i nibbles2(const uint8_t *a, const uint8_t *b) {
     return _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));
 }
 
-static inline group g_Q8_0(const uint8_t *row, int64_t g, float rs) {
-    const uint8_t *b0 = row + 2 * g * 34, *b1 = b0 + 34;
-    const __m512i q = halves(_mm256_loadu_si256((const __m256i *)(b0 + 2)), _mm256_loadu_si256((const __m256i *)(b1 + 2)));
-    return (group){_mm512_xor_si512(q, _mm512_set1_epi8((char)0x80)), two(fp16(b0), fp16(b1))};
+static inline __m512i codes_Q8_0(const uint8_t *row, int64_t g) {
+    const uint8_t *b0 = row + 2 * g * 34;
+    const __m512i q = halves(_mm256_loadu_si256((const __m256i *)(b0 + 2)), _mm256_loadu_si256((const __m256i *)(b0 + 36)));
+    return _mm512_xor_si512(q, _mm512_set1_epi8((char)0x80));
+}
+static inline void scales_Q8_0(const uint8_t *row, int64_t g, float rs, float *a, float *b) {
+    a[0] = fp16(row + 2 * g * 34), a[NC] = fp16(row + 2 * g * 34 + 34);
 }
 
-static inline group g_I8(const uint8_t *row, int64_t g, float rs) {
-    const __m512i q = _mm512_loadu_si512(row + 64 * g);
-    return (group){_mm512_xor_si512(q, _mm512_set1_epi8((char)0x80)), _mm512_set1_ps(rs)};
+static inline __m512i codes_I8(const uint8_t *row, int64_t g) {
+    return _mm512_xor_si512(_mm512_loadu_si512(row + 64 * g), _mm512_set1_epi8((char)0x80));
+}
+static inline void scales_I8(const uint8_t *row, int64_t g, float rs, float *a, float *b) { a[0] = a[NC] = rs; }
+
+static inline __m512i codes_Q4_0(const uint8_t *row, int64_t g) {
+    return nibbles2(row + 2 * g * 18 + 2, row + 2 * g * 18 + 20);
+}
+static inline void scales_Q4_0(const uint8_t *row, int64_t g, float rs, float *a, float *b) {
+    a[0] = fp16(row + 2 * g * 18), a[NC] = fp16(row + 2 * g * 18 + 18);
 }
 
-static inline group g_Q4_0(const uint8_t *row, int64_t g, float rs) {
-    const uint8_t *b0 = row + 2 * g * 18, *b1 = b0 + 18;
-    return (group){nibbles2(b0 + 2, b1 + 2), two(fp16(b0), fp16(b1))};
-}
-
-static inline group g_Q5_0(const uint8_t *row, int64_t g, float rs) {
+static inline __m512i codes_Q5_0(const uint8_t *row, int64_t g) {
     const uint8_t *b0 = row + 2 * g * 22, *b1 = b0 + 22;
     uint32_t h0, h1;
     memcpy(&h0, b0 + 2, 4);
     memcpy(&h1, b1 + 2, 4);
     const __m512i u = nibbles2(b0 + 6, b1 + 6);
     const __mmask64 high = (__mmask64)h0 | ((__mmask64)h1 << 32); /* bit i: the 5th bit of weight i */
-    return (group){_mm512_mask_add_epi8(u, high, u, _mm512_set1_epi8(16)), two(fp16(b0), fp16(b1))};
+    return _mm512_mask_add_epi8(u, high, u, _mm512_set1_epi8(16));
+}
+static inline void scales_Q5_0(const uint8_t *row, int64_t g, float rs, float *a, float *b) {
+    a[0] = fp16(row + 2 * g * 22), a[NC] = fp16(row + 2 * g * 22 + 22);
 }
 
 /* d, dmin, scales[12], qs[128]: group j of a super-block is sub-blocks 2j (low nibbles of
@@ -89,46 +95,53 @@ static inline void scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
     }
 }
 
-static inline group g_Q4_K(const uint8_t *row, int64_t g, float rs) {
-    const uint8_t *b = row + (g >> 2) * 144;
+static inline __m512i codes_Q4_K(const uint8_t *row, int64_t g) {
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(row + (g >> 2) * 144 + 16 + 32 * (g & 3)));
+    const __m256i f = _mm256_set1_epi8(0xF);
+    return halves(_mm256_and_si256(q, f), _mm256_and_si256(_mm256_srli_epi16(q, 4), f));
+}
+static inline void scales_Q4_K(const uint8_t *row, int64_t g, float rs, float *a, float *b) {
+    const uint8_t *blk = row + (g >> 2) * 144;
     const int j = (int)(g & 3);
     int s0, m0, s1, m1;
-    scale_min_k4(2 * j, b + 4, &s0, &m0);
-    scale_min_k4(2 * j + 1, b + 4, &s1, &m1);
-    const float d = fp16(b), dmin = fp16(b + 2);
-    const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * j)), f = _mm256_set1_epi8(0xF);
-    return (group){halves(_mm256_and_si256(q, f), _mm256_and_si256(_mm256_srli_epi16(q, 4), f)),
-                   two(d * s0, d * s1), two(-dmin * m0, -dmin * m1)};
+    scale_min_k4(2 * j, blk + 4, &s0, &m0);
+    scale_min_k4(2 * j + 1, blk + 4, &s1, &m1);
+    const float d = fp16(blk), dmin = fp16(blk + 2);
+    a[0] = d * s0, a[NC] = d * s1;
+    b[0] = -dmin * m0, b[NC] = -dmin * m1;
 }
 
 /* ql[128], qh[64], int8 scales[16], d: group j is half j/2, quarters 2(j%2) and 2(j%2)+1; a
  * quarter's 32 weights take ql's nibbles (low for quarters 0-1) and 2 bits of qh; 16 weights a scale. */
-static inline group g_Q6_K(const uint8_t *row, int64_t g, float rs) {
-    const uint8_t *b = row + (g >> 2) * 210;
+static inline __m512i codes_Q6_K(const uint8_t *row, int64_t g) {
+    const uint8_t *blk = row + (g >> 2) * 210;
     const int j = (int)(g & 3), half = j >> 1, q0 = 2 * (j & 1);
-    __m512i lo = _mm512_loadu_si512(b + 64 * half);
+    __m512i lo = _mm512_loadu_si512(blk + 64 * half);
     if (j & 1) lo = _mm512_srli_epi16(lo, 4);
     lo = _mm512_and_si512(lo, _mm512_set1_epi8(0xF));
-    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * half));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * half));
     __m512i hi = halves(_mm256_srli_epi16(qh, 2 * q0), _mm256_srli_epi16(qh, 2 * q0 + 2));
     hi = _mm512_slli_epi16(_mm512_and_si512(hi, _mm512_set1_epi8(3)), 4);
-    const int8_t *sc = (const int8_t *)(b + 192) + 8 * half + 2 * q0;
-    const __m128 s4 = _mm_mul_ps(_mm_set1_ps(fp16(b + 208)), _mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(*(const int *)sc))));
-    const __m512 a = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
-                                           _mm512_castps128_ps512(s4));
-    return (group){_mm512_or_si512(lo, hi), a};
+    return _mm512_or_si512(lo, hi);
+}
+static inline void scales_Q6_K(const uint8_t *row, int64_t g, float rs, float *a, float *b) {
+    const uint8_t *blk = row + (g >> 2) * 210;
+    const int j = (int)(g & 3);
+    const int8_t *sc = (const int8_t *)(blk + 192) + 8 * (j >> 1) + 4 * (j & 1);
+    const float d = fp16(blk + 208);
+    for (int i = 0; i < 4; i++) a[i * NC] = d * sc[i];
 }
 
-/* Activation rows rounded to int8 in blocks of 32, with what the kernels need per int32 lane
- * (4 activations): the block's scale, minus the lane's code sum, and scale x code sum. */
+/* Activation rows rounded to int8 in blocks of 32: codes, each block's scale, each 16 codes'
+ * sum (the `- off` term and Q4_K's minimums need it) and scale x the 32-block's code sum. */
 typedef struct {
-    int8_t *q;     /* [m][k] codes */
-    float *d;      /* [m][k/4] block scale of each lane */
-    int32_t *neg;  /* [m][k/4] -(sum of the lane's 4 codes) */
-    float *sum;    /* [m][k/4] block scale * the lane's code sum */
+    int8_t *q;      /* [m][k] codes */
+    float *d;       /* [m][k/32] block scales */
+    int32_t *s16;   /* [m][k/16] code sums of 16 */
+    float *sum;     /* [m][k/32] block scale * code sum */
 } acts;
 
-static void quantize_row(const void *xv, int bf16, int64_t k, int8_t *q, float *d, int32_t *neg, float *sum) {
+static void quantize_row(const void *xv, int bf16, int64_t k, int8_t *q, float *d, int32_t *s16, float *sum) {
     float x[32] __attribute__((aligned(64)));
     for (int64_t b = 0; b < k / 32; b++) {
         for (int i = 0; i < 32; i++) {
@@ -142,99 +155,232 @@ static void quantize_row(const void *xv, int bf16, int64_t k, int8_t *q, float *
         float amax = 0.0f;
         for (int i = 0; i < 32; i++) amax = __builtin_fabsf(x[i]) > amax ? __builtin_fabsf(x[i]) : amax;
         const float scale = amax / 127.0f, inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-        for (int i = 0; i < 32; i++) q[b * 32 + i] = (int8_t)__builtin_nearbyintf(x[i] * inv);
-        for (int l = 0; l < 8; l++) {
-            const int8_t *c = q + b * 32 + 4 * l;
-            const int32_t s = c[0] + c[1] + c[2] + c[3];
-            d[b * 8 + l] = scale;
-            neg[b * 8 + l] = -s;
-            sum[b * 8 + l] = scale * (float)s;
+        int32_t halves[2] = {0, 0};
+        for (int i = 0; i < 32; i++) {
+            q[b * 32 + i] = (int8_t)__builtin_nearbyintf(x[i] * inv);
+            halves[i / 16] += q[b * 32 + i];
         }
+        d[b] = scale;
+        s16[2 * b] = halves[0];
+        s16[2 * b + 1] = halves[1];
+        sum[b] = scale * (float)(halves[0] + halves[1]);
     }
 }
 
-#define NP 4 /* output channels a panel */
-#define MR 4 /* activation rows a tile */
-#ifndef PF_BYTES
-#define PF_BYTES 4096
-#endif
+#define MR 8 /* activation rows a tile */
 
-/* Rows x.*[r0 .. r0+mr) against NP channels; `unpack`, `shift` (log2 off, or -1 for none) and
- * `with_min` are constants at each call, so the NP x mr accumulators live in registers. The
- * channels' groups come from `unpacked` (the panel unpacked once, for many rows) or are
- * unpacked as they are used (a few rows: one pass over the bytes); the arithmetic is the same. */
-static inline __attribute__((always_inline)) void tile(group (*unpack)(const uint8_t *, int64_t, float), int shift,
-                                                       int with_min, const uint8_t *const *rows, const float *scales,
-                                                       int64_t k, const group *unpacked, acts x, int64_t r0, int mr,
-                                                       int64_t row_bytes, int64_t ahead,
-                                                       float *res) {
-    __m512 acc[NP][MR];
-    const int64_t step = row_bytes / (k / 64); /* a row's bytes a group */
-    for (int c = 0; c < NP; c++)
-        for (int r = 0; r < mr; r++) acc[c][r] = _mm512_setzero_ps();
+/* A panel: NC channels unpacked for every row that multiplies them. codes[c4][lane][4] holds
+ * weights 4*c4 .. 4*c4+3 of channel `lane` (64 bytes a chunk of 4: one vpdpbusd multiplies them
+ * with 4 activations broadcast to every lane), scale[blk][lane] each block's weight scale,
+ * low[blk][lane] Q4_K's minimum term (-dmin * m). Blocks are 32 weights, 16 for Q6_K. */
+typedef struct {
+    uint8_t *codes;
+    float *scale, *low;
+} panel;
+
+/* 16 x 16 dwords: in[c] holds 16 dwords of channel c; out[i] gets dword i of every channel. */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* now r[4a+j] holds, in each 128-bit lane L, dword j of channels 4a..4a+3 of source lane L */
+    for (int i = 0; i < 4; i++) {
+        const __m512i a = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88), b = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xDD);
+        const __m512i c = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88), d = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xDD);
+        t[i] = _mm512_shuffle_i32x4(a, c, 0x88);      /* source lane 0 */
+        t[i + 4] = _mm512_shuffle_i32x4(b, d, 0x88);  /* source lane 1 */
+        t[i + 8] = _mm512_shuffle_i32x4(a, c, 0xDD);  /* source lane 2 */
+        t[i + 12] = _mm512_shuffle_i32x4(b, d, 0xDD); /* source lane 3 */
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+/* Unpack NC channels (rows[c], row scales scales[c]) into p; `per_group`: weight-scale blocks a
+ * 64-weight group (2, or 4 for Q6_K). */
+static inline __attribute__((always_inline)) void unpack_panel(__m512i (*codes)(const uint8_t *, int64_t),
+                                                               void (*scale)(const uint8_t *, int64_t, float, float *,
+                                                                             float *),
+                                                               int per_group, const uint8_t *const *rows,
+                                                               const float *scales, int64_t k, int64_t ahead,
+                                                               int64_t step, panel p) {
     for (int64_t g = 0; g < k / 64; g++) {
-        __m512i xq[MR], start[MR];
-        for (int r = 0; r < mr; r++) {
-            const int64_t row = r0 + r;
-            xq[r] = _mm512_loadu_si512(x.q + row * k + 64 * g);
-            start[r] = shift < 0 ? _mm512_setzero_si512()
-                                 : _mm512_slli_epi32(_mm512_loadu_si512(x.neg + row * (k / 4) + 16 * g), shift);
+        __m512i r[NC];
+        for (int c = 0; c < NC; c++) {
+            if (ahead) _mm_prefetch((const char *)rows[c] + ahead + g * step, _MM_HINT_T1);
+            r[c] = codes(rows[c], g);
+            scale(rows[c], g, scales[c], p.scale + g * per_group * NC + c, p.low + g * per_group * NC + c);
         }
-        for (int c = 0; c < NP; c++) {
-            if (ahead) _mm_prefetch((const char *)rows[c] + ahead + g * step, _MM_HINT_T0);
-            const group w = unpacked ? unpacked[g * NP + c] : unpack(rows[c], g, scales[c]);
+        transpose16(r);
+        for (int i = 0; i < 16; i++) _mm512_store_si512(p.codes + (g * 16 + i) * 64, r[i]);
+    }
+}
+
+#define UNPACK_CASE(T, PER_GROUP)                                                              \
+    case T_##T: unpack_panel(codes_##T, scales_##T, PER_GROUP, rows, scales, k, ahead, step, p); break
+
+static void unpack_any(int type, const uint8_t *const *rows, const float *scales, int64_t k, int64_t ahead,
+                       int64_t step, panel p) {
+    switch (type) {
+        UNPACK_CASE(Q8_0, 2); UNPACK_CASE(I8, 2); UNPACK_CASE(Q4_0, 2);
+        UNPACK_CASE(Q5_0, 2); UNPACK_CASE(Q6_K, 4); UNPACK_CASE(Q4_K, 2);
+    }
+}
+
+/* Rows r0 .. r0+mr of x against a panel: out lane c of row r = sum over blocks, in order, of
+ * float(integer block sum) * (weight scale * activation scale) [+ Q4_K's minimum term]. The
+ * integer sums are exact, so this is the one rounding order of a (row, channel), whatever m. */
+static inline __attribute__((always_inline)) void multiply(panel p, int block, int shift, int with_min, int64_t k,
+                                                           acts x, int64_t r0, int mr, __m512 *acc) {
+    const int chunks = block / 4;
+    for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t blk = 0; blk < k / block; blk++) {
+        __m512i s[MR];
+        for (int r = 0; r < mr; r++) {
+            const int32_t *s16 = x.s16 + (r0 + r) * (k / 16) + blk * block / 16;
+            const int32_t total = block == 32 ? s16[0] + s16[1] : s16[0];
+            s[r] = _mm512_set1_epi32(shift < 0 ? 0 : -(total << shift));
+        }
+        for (int i = 0; i < chunks; i++) {
+            const __m512i w = _mm512_load_si512(p.codes + (blk * chunks + i) * 64);
             for (int r = 0; r < mr; r++) {
-                const int64_t lane = (r0 + r) * (k / 4) + 16 * g;
-                const __m512i s = _mm512_dpbusd_epi32(start[r], w.u, xq[r]);
-                const __m512 a = _mm512_mul_ps(w.a, _mm512_loadu_ps(x.d + lane));
-                acc[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), a, acc[c][r]);
-                if (with_min) acc[c][r] = _mm512_fmadd_ps(_mm512_loadu_ps(x.sum + lane), w.b, acc[c][r]);
+                const int32_t four = *(const int32_t *)(x.q + (r0 + r) * k + blk * block + 4 * i);
+                s[r] = _mm512_dpbusd_epi32(s[r], w, _mm512_set1_epi32(four));
             }
         }
+        const __m512 scale = _mm512_load_ps(p.scale + blk * NC);
+        for (int r = 0; r < mr; r++) {
+            const float xd = x.d[(r0 + r) * (k / 32) + blk * block / 32];
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(scale, _mm512_set1_ps(xd)), acc[r]);
+            if (with_min)
+                acc[r] = _mm512_fmadd_ps(_mm512_load_ps(p.low + blk * NC),
+                                         _mm512_set1_ps(x.sum[(r0 + r) * (k / 32) + blk * block / 32]), acc[r]);
+        }
     }
-    for (int c = 0; c < NP; c++)
-        for (int r = 0; r < mr; r++) res[r * NP + c] = _mm512_reduce_add_ps(acc[c][r]); /* a fixed tree */
 }
 
-#define TILE_CASE(T, SHIFT, MIN)                                                          \
-    case T_##T:                                                                           \
-        switch (mr) {                                                                     \
-        case 4: tile(g_##T, SHIFT, MIN, rows, scales, k, unpacked, x, r0, 4, row_bytes, ahead, res); break;           \
-        case 3: tile(g_##T, SHIFT, MIN, rows, scales, k, unpacked, x, r0, 3, row_bytes, ahead, res); break;           \
-        case 2: tile(g_##T, SHIFT, MIN, rows, scales, k, unpacked, x, r0, 2, row_bytes, ahead, res); break;           \
-        default: tile(g_##T, SHIFT, MIN, rows, scales, k, unpacked, x, r0, 1, row_bytes, ahead, res); break;          \
-        }                                                                                 \
-        break
+#define MULTIPLY_MR(BLOCK, SHIFT, MIN)                                                        \
+    switch (mr) {                                                                             \
+    case 8: multiply(p, BLOCK, SHIFT, MIN, k, x, r0, 8, acc); break;                          \
+    case 7: multiply(p, BLOCK, SHIFT, MIN, k, x, r0, 7, acc); break;                          \
+    case 6: multiply(p, BLOCK, SHIFT, MIN, k, x, r0, 6, acc); break;                          \
+    case 5: multiply(p, BLOCK, SHIFT, MIN, k, x, r0, 5, acc); break;                          \
+    case 4: multiply(p, BLOCK, SHIFT, MIN, k, x, r0, 4, acc); break;                          \
+    case 3: multiply(p, BLOCK, SHIFT, MIN, k, x, r0, 3, acc); break;                          \
+    case 2: multiply(p, BLOCK, SHIFT, MIN, k, x, r0, 2, acc); break;                          \
+    default: multiply(p, BLOCK, SHIFT, MIN, k, x, r0, 1, acc); break;                         \
+    }                                                                                         \
+    break
 
-static void tile_any(int type, const uint8_t *const *rows, const float *scales, int64_t k, const group *unpacked,
-                     acts x, int64_t r0, int mr, int64_t row_bytes, int64_t ahead, float *res) {
+static void multiply_any(int type, panel p, int64_t k, acts x, int64_t r0, int mr, __m512 *acc) {
     switch (type) { /* off = 2^shift: Q8_0/int8 128 (codes stored signed), Q4_0 8, Q5_0 16, Q6_K 32 */
-        TILE_CASE(Q8_0, 7, 0); TILE_CASE(I8, 7, 0); TILE_CASE(Q4_0, 3, 0);
-        TILE_CASE(Q5_0, 4, 0); TILE_CASE(Q6_K, 5, 0); TILE_CASE(Q4_K, -1, 1);
+    case T_Q8_0: case T_I8: MULTIPLY_MR(32, 7, 0);
+    case T_Q4_0: MULTIPLY_MR(32, 3, 0);
+    case T_Q5_0: MULTIPLY_MR(32, 4, 0);
+    case T_Q6_K: MULTIPLY_MR(16, 5, 0);
+    case T_Q4_K: MULTIPLY_MR(32, -1, 1);
     }
 }
 
-#define UNPACK_CASE(T)                                                                    \
-    case T_##T:                                                                           \
-        for (int64_t g = 0; g < k / 64; g++)                                              \
-            for (int c = 0; c < NP; c++) out[g * NP + c] = g_##T(rows[c], g, scales[c]);  \
-        break
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#define AMX_ROWS 16 /* activation rows a tile */
 
-/* A panel's groups, unpacked once for many rows (the order `tile` reads them in). */
-static void unpack_panel(int type, const uint8_t *const *rows, const float *scales, int64_t k, group *out) {
+/* Linux hands out AMX tile state on request (once a process); 0 where it refuses. */
+static int amx_permitted(void) {
+    static int state = -1;
+    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return state;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* tile 0: C (16 rows x 16 int32); 1, 2: A and B for 32-weight blocks; 3, 4: for 16-weight ones */
+static void configure_tiles(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    cfg.rows[0] = AMX_ROWS, cfg.colsb[0] = 64;
+    cfg.rows[1] = AMX_ROWS, cfg.colsb[1] = 32;
+    cfg.rows[2] = 8, cfg.colsb[2] = 64;
+    cfg.rows[3] = AMX_ROWS, cfg.colsb[3] = 16;
+    cfg.rows[4] = 4, cfg.colsb[4] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+/* `multiply` for AMX_ROWS rows at once: each block's integer sums come from one tile product
+ * (TDPBSUD: signed activations x unsigned codes), then the same float steps as `multiply`. */
+static inline __attribute__((always_inline)) void multiply_amx(panel p, int block, int shift, int with_min, int64_t k,
+                                                               acts x, int64_t r0, int mr, __m512 *acc) {
+    int32_t sums[AMX_ROWS][16] __attribute__((aligned(64)));
+    for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t blk = 0; blk < k / block; blk++) {
+        _tile_zero(0);
+        if (block == 32) {
+            _tile_loadd(1, x.q + r0 * k + blk * 32, k);
+            _tile_loadd(2, p.codes + blk * 8 * 64, 64);
+            _tile_dpbsud(0, 1, 2);
+        } else {
+            _tile_loadd(3, x.q + r0 * k + blk * 16, k);
+            _tile_loadd(4, p.codes + blk * 4 * 64, 64);
+            _tile_dpbsud(0, 3, 4);
+        }
+        _tile_stored(0, sums, 64);
+        const __m512 scale = _mm512_load_ps(p.scale + blk * NC);
+        for (int r = 0; r < mr; r++) {
+            const int32_t *s16 = x.s16 + (r0 + r) * (k / 16) + blk * block / 16;
+            const int32_t total = block == 32 ? s16[0] + s16[1] : s16[0];
+            const __m512i s = _mm512_add_epi32(_mm512_load_si512(sums[r]),
+                                               _mm512_set1_epi32(shift < 0 ? 0 : -(total << shift)));
+            const float xd = x.d[(r0 + r) * (k / 32) + blk * block / 32];
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(scale, _mm512_set1_ps(xd)), acc[r]);
+            if (with_min)
+                acc[r] = _mm512_fmadd_ps(_mm512_load_ps(p.low + blk * NC),
+                                         _mm512_set1_ps(x.sum[(r0 + r) * (k / 32) + blk * block / 32]), acc[r]);
+        }
+    }
+}
+
+static void multiply_amx_any(int type, panel p, int64_t k, acts x, int64_t r0, int mr, __m512 *acc) {
     switch (type) {
-        UNPACK_CASE(Q8_0); UNPACK_CASE(I8); UNPACK_CASE(Q4_0);
-        UNPACK_CASE(Q5_0); UNPACK_CASE(Q6_K); UNPACK_CASE(Q4_K);
+    case T_Q8_0: case T_I8: multiply_amx(p, 32, 7, 0, k, x, r0, mr, acc); break;
+    case T_Q4_0: multiply_amx(p, 32, 3, 0, k, x, r0, mr, acc); break;
+    case T_Q5_0: multiply_amx(p, 32, 4, 0, k, x, r0, mr, acc); break;
+    case T_Q6_K: multiply_amx(p, 16, 5, 0, k, x, r0, mr, acc); break;
+    case T_Q4_K: multiply_amx(p, 32, -1, 1, k, x, r0, mr, acc); break;
     }
 }
 
-static inline uint16_t f32_to_bf16(float f) {
-    union { float f; uint32_t u; } v = {f};
-    v.u += 0x7fffu + ((v.u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(v.u >> 16);
+int q8_amx(void) { return amx_permitted(); }
+#else
+int q8_amx(void) { return 0; }
+#endif
+
+/* 16 fp32 -> bf16, round to nearest even (as f32_to_bf16 a value) */
+static inline __m256i to_bf16(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
 #define MAX_PARTS 8
+#ifndef PF_BYTES
+#define PF_BYTES 4096
+#endif
 
 /* Arguments as quant_kernels.c's qmatmul: W row-stacked from `parts` matrices in their formats. */
 void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int64_t *row_bytes,
@@ -242,60 +388,86 @@ void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int6
                int m, const float *bias, void *out, int64_t out_stride, int out_bf16, int x_bf16, int threads) {
     int64_t first_panel[MAX_PARTS + 1] = {0}, first_col[MAX_PARTS + 1] = {0};
     for (int j = 0; j < parts && j < MAX_PARTS; j++) {
-        first_panel[j + 1] = first_panel[j] + (part_rows[j] + NP - 1) / NP;
+        first_panel[j + 1] = first_panel[j] + (part_rows[j] + NC - 1) / NC;
         first_col[j + 1] = first_col[j] + part_rows[j];
     }
     const int64_t panels = first_panel[parts];
-    const size_t codes = ((size_t)m * k + 63) / 64 * 64, lanes = ((size_t)m * (k / 4) * 4 + 63) / 64 * 64;
-    acts x = {aligned_alloc(64, codes), aligned_alloc(64, lanes), aligned_alloc(64, lanes), aligned_alloc(64, lanes)};
+#ifdef HAVE_AMX
+    const int amx = m >= AMX_ROWS && amx_permitted(); /* same sums, same float steps: the rows' bits agree */
+    const int64_t padded = amx ? (m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : m; /* whole tiles of codes */
+#else
+    const int amx = 0;
+    const int64_t padded = m;
+#endif
+    const size_t codes = ((size_t)padded * k + 63) / 64 * 64, blocks = ((size_t)m * (k / 32) * 4 + 63) / 64 * 64;
+    acts x = {aligned_alloc(64, codes), aligned_alloc(64, blocks), aligned_alloc(64, 2 * blocks),
+              aligned_alloc(64, blocks)};
     const int elem = x_bf16 ? 2 : 4;
+    memset(x.q + (int64_t)m * k, 0, (size_t)(padded - m) * k);
     #pragma omp parallel num_threads(threads)
     {
+#ifdef HAVE_AMX
+        if (amx) configure_tiles();
+#endif
         #pragma omp for schedule(static)
         for (int r = 0; r < m; r++)
             quantize_row((const char *)xv + (int64_t)r * x_stride * elem, x_bf16, k, x.q + (int64_t)r * k,
-                         x.d + (int64_t)r * (k / 4), x.neg + (int64_t)r * (k / 4), x.sum + (int64_t)r * (k / 4));
-        float res[MR * NP];
-        group *unpacked = m > MR ? aligned_alloc(64, sizeof(group) * NP * (k / 64)) : NULL;
+                         x.d + (int64_t)r * (k / 32), x.s16 + (int64_t)r * (k / 16), x.sum + (int64_t)r * (k / 32));
+        panel p = {aligned_alloc(64, (size_t)k * NC), aligned_alloc(64, sizeof(float) * NC * (k / 16)),
+                   aligned_alloc(64, sizeof(float) * NC * (k / 16))};
+        __m512 acc[MR > 16 ? MR : 16];
         #pragma omp for schedule(static)
-        for (int64_t p = 0; p < panels; p++) {
+        for (int64_t pn = 0; pn < panels; pn++) {
             int j = 0;
-            while (p >= first_panel[j + 1]) j++;
-            const int64_t n = part_rows[j], rb = row_bytes[j], c0 = (p - first_panel[j]) * NP;
-            const int np = (int)(n - c0 < NP ? n - c0 : NP);
-            const uint8_t *rows[NP];
-            float scales[NP];
-            for (int c = 0; c < NP; c++) { /* the last panel repeats its last channel; those results are dropped */
+            while (pn >= first_panel[j + 1]) j++;
+            const int64_t n = part_rows[j], rb = row_bytes[j], c0 = (pn - first_panel[j]) * NC;
+            const int np = (int)(n - c0 < NC ? n - c0 : NC);
+            const uint8_t *rows[NC];
+            float scales[NC];
+            for (int c = 0; c < NC; c++) { /* the last panel repeats its last channel; those results are dropped */
                 const int64_t ch = c0 + (c < np ? c : np - 1);
                 rows[c] = ws[j] + ch * rb;
                 scales[c] = row_scales[j] ? row_scales[j][ch] : 0.0f;
             }
-            const int64_t panels_ahead = (PF_BYTES + NP * rb - 1) / (NP * rb);
-            const int64_t ahead = m <= MR && c0 + panels_ahead * NP < n ? panels_ahead * NP * rb : 0;
+            /* the bytes stream through once: ask for a later panel's rows as this one's are read */
+            const int64_t panels_ahead = (PF_BYTES + NC * rb - 1) / (NC * rb);
+            const int64_t ahead = c0 + (panels_ahead + 1) * NC <= n ? panels_ahead * NC * rb : 0;
+            unpack_any(types[j], rows, scales, k, ahead, rb / (k / 64), p);
             const int64_t col = first_col[j] + c0;
-            if (unpacked) unpack_panel(types[j], rows, scales, k, unpacked);
-            for (int64_t r0 = 0; r0 < m; r0 += MR) {
-                const int mr = m - r0 < MR ? (int)(m - r0) : MR;
-                tile_any(types[j], rows, scales, k, unpacked, x, r0, mr, rb, ahead, res);
-                for (int r = 0; r < mr; r++)
-                    for (int c = 0; c < np; c++) {
-                        const float v = res[r * NP + c] + (bias ? bias[col + c] : 0.0f);
-                        const int64_t at = (r0 + r) * out_stride + col + c;
-                        if (out_bf16) ((uint16_t *)out)[at] = f32_to_bf16(v);
-                        else ((float *)out)[at] = v;
-                    }
+            const __mmask16 keep = (__mmask16)((1u << np) - 1);
+            const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + col) : _mm512_setzero_ps();
+            const int tile_rows = amx ? 16 : MR;
+            for (int64_t r0 = 0; r0 < m; r0 += tile_rows) {
+                const int mr = m - r0 < tile_rows ? (int)(m - r0) : tile_rows;
+#ifdef HAVE_AMX
+                if (amx) multiply_amx_any(types[j], p, k, x, r0, mr, acc);
+                else
+#endif
+                multiply_any(types[j], p, k, x, r0, mr, acc);
+                for (int r = 0; r < mr; r++) {
+                    const __m512 v = _mm512_add_ps(acc[r], b);
+                    const int64_t at = (r0 + r) * out_stride + col;
+                    if (out_bf16) _mm256_mask_storeu_epi16((uint16_t *)out + at, keep, to_bf16(v));
+                    else _mm512_mask_storeu_ps((float *)out + at, keep, v);
+                }
             }
         }
-        free(unpacked);
+        free(p.codes);
+        free(p.scale);
+        free(p.low);
+#ifdef HAVE_AMX
+        if (amx) _tile_release();
+#endif
     }
     free(x.q);
     free(x.d);
-    free(x.neg);
+    free(x.s16);
     free(x.sum);
 }
 
 #else
 int q8_available(void) { return 0; }
+int q8_amx(void) { return 0; }
 void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int64_t *row_bytes,
                const float *const *row_scales, const int64_t *part_rows, int64_t k, const void *xv, int64_t x_stride,
                int m, const float *bias, void *out, int64_t out_stride, int out_bf16, int x_bf16, int threads) {
