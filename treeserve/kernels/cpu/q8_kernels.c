@@ -30,11 +30,8 @@ enum { T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14, T_I8 = 1000
 
 int q8_available(void) { return 1; }
 
-static inline float fp16(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8))); }
-
 /* Each format: codes_T gives the 64 unsigned codes of a channel's 64-weight group g; scales_T
- * writes the group's block scales a (2 blocks, 4 for Q6_K) at a[0], a[NC], ... and, for Q4_K,
- * the blocks' minimum terms at b[0], b[NC]. `rs` is int8's row scale. */
+ * (below) the group's block scales for 16 channels at once. */
 #define NC 16 /* output channels a panel: one per int32 lane */
 
 static inline __m512i halves(__m256i lo, __m256i hi) {
@@ -54,20 +51,13 @@ static inline __m512i codes_Q8_0(const uint8_t *row, int64_t g) {
     const __m512i q = halves(_mm256_loadu_si256((const __m256i *)(b0 + 2)), _mm256_loadu_si256((const __m256i *)(b0 + 36)));
     return _mm512_xor_si512(q, _mm512_set1_epi8((char)0x80));
 }
-static inline void scales_Q8_0(const uint8_t *row, int64_t g, float rs, float *a, float *b) {
-    a[0] = fp16(row + 2 * g * 34), a[NC] = fp16(row + 2 * g * 34 + 34);
-}
 
 static inline __m512i codes_I8(const uint8_t *row, int64_t g) {
     return _mm512_xor_si512(_mm512_loadu_si512(row + 64 * g), _mm512_set1_epi8((char)0x80));
 }
-static inline void scales_I8(const uint8_t *row, int64_t g, float rs, float *a, float *b) { a[0] = a[NC] = rs; }
 
 static inline __m512i codes_Q4_0(const uint8_t *row, int64_t g) {
     return nibbles2(row + 2 * g * 18 + 2, row + 2 * g * 18 + 20);
-}
-static inline void scales_Q4_0(const uint8_t *row, int64_t g, float rs, float *a, float *b) {
-    a[0] = fp16(row + 2 * g * 18), a[NC] = fp16(row + 2 * g * 18 + 18);
 }
 
 static inline __m512i codes_Q5_0(const uint8_t *row, int64_t g) {
@@ -79,36 +69,13 @@ static inline __m512i codes_Q5_0(const uint8_t *row, int64_t g) {
     const __mmask64 high = (__mmask64)h0 | ((__mmask64)h1 << 32); /* bit i: the 5th bit of weight i */
     return _mm512_mask_add_epi8(u, high, u, _mm512_set1_epi8(16));
 }
-static inline void scales_Q5_0(const uint8_t *row, int64_t g, float rs, float *a, float *b) {
-    a[0] = fp16(row + 2 * g * 22), a[NC] = fp16(row + 2 * g * 22 + 22);
-}
 
 /* d, dmin, scales[12], qs[128]: group j of a super-block is sub-blocks 2j (low nibbles of
  * qs[32j..]) and 2j+1 (high nibbles), each with a 6-bit scale and min. */
-static inline void scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
-    if (j < 4) {
-        *sc = q[j] & 63;
-        *m = q[j + 4] & 63;
-    } else {
-        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
-}
-
 static inline __m512i codes_Q4_K(const uint8_t *row, int64_t g) {
     const __m256i q = _mm256_loadu_si256((const __m256i *)(row + (g >> 2) * 144 + 16 + 32 * (g & 3)));
     const __m256i f = _mm256_set1_epi8(0xF);
     return halves(_mm256_and_si256(q, f), _mm256_and_si256(_mm256_srli_epi16(q, 4), f));
-}
-static inline void scales_Q4_K(const uint8_t *row, int64_t g, float rs, float *a, float *b) {
-    const uint8_t *blk = row + (g >> 2) * 144;
-    const int j = (int)(g & 3);
-    int s0, m0, s1, m1;
-    scale_min_k4(2 * j, blk + 4, &s0, &m0);
-    scale_min_k4(2 * j + 1, blk + 4, &s1, &m1);
-    const float d = fp16(blk), dmin = fp16(blk + 2);
-    a[0] = d * s0, a[NC] = d * s1;
-    b[0] = -dmin * m0, b[NC] = -dmin * m1;
 }
 
 /* ql[128], qh[64], int8 scales[16], d: group j is half j/2, quarters 2(j%2) and 2(j%2)+1; a
@@ -123,13 +90,6 @@ static inline __m512i codes_Q6_K(const uint8_t *row, int64_t g) {
     __m512i hi = halves(_mm256_srli_epi16(qh, 2 * q0), _mm256_srli_epi16(qh, 2 * q0 + 2));
     hi = _mm512_slli_epi16(_mm512_and_si512(hi, _mm512_set1_epi8(3)), 4);
     return _mm512_or_si512(lo, hi);
-}
-static inline void scales_Q6_K(const uint8_t *row, int64_t g, float rs, float *a, float *b) {
-    const uint8_t *blk = row + (g >> 2) * 210;
-    const int j = (int)(g & 3);
-    const int8_t *sc = (const int8_t *)(blk + 192) + 8 * (j >> 1) + 4 * (j & 1);
-    const float d = fp16(blk + 208);
-    for (int i = 0; i < 4; i++) a[i * NC] = d * sc[i];
 }
 
 /* Activation rows rounded to int8 in blocks of 32: codes, each block's scale, each 16 codes'
@@ -203,21 +163,84 @@ static inline void transpose16(__m512i r[16]) {
     for (int i = 0; i < 16; i++) r[i] = t[i];
 }
 
+/* scales_T: group g's block scales of 16 channels, as vectors a[0], a[NC], ... (2 blocks, 4 for
+ * Q6_K), and Q4_K's minimum terms b[0], b[NC]: gathered from the channels' rows (`base` + the
+ * lanes of `at`), each computed as the dequantiser does (the same float operations). */
+static inline __m512i gather(const uint8_t *base, __m512i at, int64_t offset) {
+    return _mm512_i32gather_epi32(at, base + offset, 1);
+}
+static inline __m512 low_fp16(__m512i words) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words)); }
+static inline __m512 high_fp16(__m512i words) { return low_fp16(_mm512_srli_epi32(words, 16)); }
+static inline __m512i byte_of(__m512i words, int i) { /* unsigned byte i of each lane */
+    return _mm512_and_si512(_mm512_srli_epi32(words, 8 * i), _mm512_set1_epi32(0xFF));
+}
+
+#define FP16_FIRST(T, BYTES)                                                                  \
+    static inline void scales_##T(const uint8_t *base, __m512i at, int64_t g, const float *rs, float *a, float *b) { \
+        _mm512_store_ps(a, low_fp16(gather(base, at, 2 * g * BYTES)));                        \
+        _mm512_store_ps(a + NC, low_fp16(gather(base, at, (2 * g + 1) * BYTES)));             \
+    }
+FP16_FIRST(Q8_0, 34)
+FP16_FIRST(Q4_0, 18)
+FP16_FIRST(Q5_0, 22)
+
+static inline void scales_I8(const uint8_t *base, __m512i at, int64_t g, const float *rs, float *a, float *b) {
+    _mm512_store_ps(a, _mm512_loadu_ps(rs));
+    _mm512_store_ps(a + NC, _mm512_loadu_ps(rs));
+}
+
+/* Q4_K's 6-bit scale and min of sub-block s from the 12 scale bytes q (dwords q0..3, q4..7, q8..11) */
+static inline void scales_Q4_K(const uint8_t *base, __m512i at, int64_t g, const float *rs, float *a, float *b) {
+    const int64_t blk = (g >> 2) * 144;
+    const __m512i dd = gather(base, at, blk), q0 = gather(base, at, blk + 4), q4 = gather(base, at, blk + 8),
+                  q8 = gather(base, at, blk + 12);
+    const __m512 d = low_fp16(dd), minus_dmin = _mm512_castsi512_ps(
+        _mm512_xor_si512(_mm512_castps_si512(high_fp16(dd)), _mm512_set1_epi32((int)0x80000000u)));
+    const __m512i six = _mm512_set1_epi32(63), four = _mm512_set1_epi32(0xF);
+    for (int h = 0; h < 2; h++) {
+        const int sub = 2 * (int)(g & 3) + h;
+        __m512i sc, mn;
+        if (sub < 4) {
+            sc = _mm512_and_si512(byte_of(q0, sub), six);
+            mn = _mm512_and_si512(byte_of(q4, sub), six);
+        } else {
+            const __m512i hi = byte_of(q8, sub - 4);
+            sc = _mm512_or_si512(_mm512_and_si512(hi, four), _mm512_slli_epi32(_mm512_srli_epi32(byte_of(q0, sub - 4), 6), 4));
+            mn = _mm512_or_si512(_mm512_srli_epi32(hi, 4), _mm512_slli_epi32(_mm512_srli_epi32(byte_of(q4, sub - 4), 6), 4));
+        }
+        _mm512_store_ps(a + h * NC, _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
+        _mm512_store_ps(b + h * NC, _mm512_mul_ps(minus_dmin, _mm512_cvtepi32_ps(mn)));
+    }
+}
+
+/* Q6_K: int8 scales[16] at 192 (four a group), d at 208 (gathered from 206: inside the block) */
+static inline void scales_Q6_K(const uint8_t *base, __m512i at, int64_t g, const float *rs, float *a, float *b) {
+    const int64_t blk = (g >> 2) * 210;
+    const int j = (int)(g & 3);
+    const __m512 d = high_fp16(gather(base, at, blk + 206));
+    const __m512i sc = gather(base, at, blk + 192 + 8 * (j >> 1) + 4 * (j & 1));
+    for (int i = 0; i < 4; i++) { /* sign-extend byte i */
+        const __m512i v = _mm512_srai_epi32(_mm512_slli_epi32(sc, 24 - 8 * i), 24);
+        _mm512_store_ps(a + i * NC, _mm512_mul_ps(d, _mm512_cvtepi32_ps(v)));
+    }
+}
+
 /* Unpack NC channels (rows[c], row scales scales[c]) into p; `per_group`: weight-scale blocks a
  * 64-weight group (2, or 4 for Q6_K). */
-static inline __attribute__((always_inline)) void unpack_panel(__m512i (*codes)(const uint8_t *, int64_t),
-                                                               void (*scale)(const uint8_t *, int64_t, float, float *,
-                                                                             float *),
-                                                               int per_group, const uint8_t *const *rows,
-                                                               const float *scales, int64_t k, int64_t ahead,
-                                                               int64_t step, panel p) {
+static inline __attribute__((always_inline)) void unpack_panel(
+    __m512i (*codes)(const uint8_t *, int64_t),
+    void (*scale)(const uint8_t *, __m512i, int64_t, const float *, float *, float *), int per_group,
+    const uint8_t *const *rows, const float *scales, int64_t k, int64_t ahead, int64_t step, panel p) {
+    int32_t offsets[NC];
+    for (int c = 0; c < NC; c++) offsets[c] = (int32_t)(rows[c] - rows[0]);
+    const __m512i at = _mm512_loadu_si512(offsets);
     for (int64_t g = 0; g < k / 64; g++) {
         __m512i r[NC];
         for (int c = 0; c < NC; c++) {
             if (ahead) _mm_prefetch((const char *)rows[c] + ahead + g * step, _MM_HINT_T1);
             r[c] = codes(rows[c], g);
-            scale(rows[c], g, scales[c], p.scale + g * per_group * NC + c, p.low + g * per_group * NC + c);
         }
+        scale(rows[0], at, g, scales, p.scale + g * per_group * NC, p.low + g * per_group * NC);
         transpose16(r);
         for (int i = 0; i < 16; i++) _mm512_store_si512(p.codes + (g * 16 + i) * 64, r[i]);
     }
@@ -248,13 +271,20 @@ static inline __attribute__((always_inline)) void multiply(panel p, int block, i
             const int32_t total = block == 32 ? s16[0] + s16[1] : s16[0];
             s[r] = _mm512_set1_epi32(shift < 0 ? 0 : -(total << shift));
         }
+        /* a few rows: two chains of dot products a block (integer sums: the same total) */
+        const int split = mr <= 4;
+        __m512i odd[MR];
+        for (int r = 0; r < mr; r++) odd[r] = _mm512_setzero_si512();
         for (int i = 0; i < chunks; i++) {
             const __m512i w = _mm512_load_si512(p.codes + (blk * chunks + i) * 64);
             for (int r = 0; r < mr; r++) {
-                const int32_t four = *(const int32_t *)(x.q + (r0 + r) * k + blk * block + 4 * i);
-                s[r] = _mm512_dpbusd_epi32(s[r], w, _mm512_set1_epi32(four));
+                const __m512i four = _mm512_set1_epi32(*(const int32_t *)(x.q + (r0 + r) * k + blk * block + 4 * i));
+                if (split && (i & 1)) odd[r] = _mm512_dpbusd_epi32(odd[r], w, four);
+                else s[r] = _mm512_dpbusd_epi32(s[r], w, four);
             }
         }
+        if (split)
+            for (int r = 0; r < mr; r++) s[r] = _mm512_add_epi32(s[r], odd[r]);
         const __m512 scale = _mm512_load_ps(p.scale + blk * NC);
         for (int r = 0; r < mr; r++) {
             const float xd = x.d[(r0 + r) * (k / 32) + blk * block / 32];
