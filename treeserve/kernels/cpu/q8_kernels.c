@@ -338,42 +338,48 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-/* tile 0: C (16 rows x 16 int32); 1, 2: A and B for 32-weight blocks; 3, 4: for 16-weight ones */
-static void configure_tiles(void) {
+/* Two sets of tiles, so one block's product runs while the last one's sums are scaled: C in
+ * tiles 0 and 3 (16 rows x 16 int32), A (16 rows of `block` activation codes) in 1 and 4, B
+ * (the panel's codes of the block, 4 a channel a row) in 2 and 5. */
+static void configure_tiles(int block) {
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    cfg.rows[0] = AMX_ROWS, cfg.colsb[0] = 64;
-    cfg.rows[1] = AMX_ROWS, cfg.colsb[1] = 32;
-    cfg.rows[2] = 8, cfg.colsb[2] = 64;
-    cfg.rows[3] = AMX_ROWS, cfg.colsb[3] = 16;
-    cfg.rows[4] = 4, cfg.colsb[4] = 64;
+    for (int t = 0; t < 6; t += 3) {
+        cfg.rows[t] = AMX_ROWS, cfg.colsb[t] = 64;
+        cfg.rows[t + 1] = AMX_ROWS, cfg.colsb[t + 1] = (uint16_t)block;
+        cfg.rows[t + 2] = (uint8_t)(block / 4), cfg.colsb[t + 2] = 64;
+    }
     _tile_loadconfig(&cfg);
 }
+
+#define PRODUCT(C, A, B, blk, sums)                                                           \
+    do {                                                                                      \
+        _tile_zero(C);                                                                        \
+        _tile_loadd(A, x.q + r0 * k + (blk) * block, k);                                      \
+        _tile_loadd(B, p.codes + (blk) * block * 16, 64);                                     \
+        _tile_dpbsud(C, A, B);                                                                \
+        _tile_stored(C, sums, 64);                                                            \
+    } while (0)
 
 /* `multiply` for AMX_ROWS rows at once: each block's integer sums come from one tile product
  * (TDPBSUD: signed activations x unsigned codes), then the same float steps as `multiply`. */
 static inline __attribute__((always_inline)) void multiply_amx(panel p, int block, int shift, int with_min, int64_t k,
                                                                acts x, int64_t r0, int mr, __m512 *acc) {
-    int32_t sums[AMX_ROWS][16] __attribute__((aligned(64)));
+    int32_t sums[2][AMX_ROWS][16] __attribute__((aligned(64)));
+    const int64_t blocks = k / block;
     for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t blk = 0; blk < k / block; blk++) {
-        _tile_zero(0);
-        if (block == 32) {
-            _tile_loadd(1, x.q + r0 * k + blk * 32, k);
-            _tile_loadd(2, p.codes + blk * 8 * 64, 64);
-            _tile_dpbsud(0, 1, 2);
-        } else {
-            _tile_loadd(3, x.q + r0 * k + blk * 16, k);
-            _tile_loadd(4, p.codes + blk * 4 * 64, 64);
-            _tile_dpbsud(0, 3, 4);
+    PRODUCT(0, 1, 2, 0, sums[0]);
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        if (blk + 1 < blocks) { /* the next block's product first: it overlaps the scaling below */
+            if ((blk + 1) & 1) PRODUCT(3, 4, 5, blk + 1, sums[1]);
+            else PRODUCT(0, 1, 2, blk + 1, sums[0]);
         }
-        _tile_stored(0, sums, 64);
         const __m512 scale = _mm512_load_ps(p.scale + blk * NC);
         for (int r = 0; r < mr; r++) {
             const int32_t *s16 = x.s16 + (r0 + r) * (k / 16) + blk * block / 16;
             const int32_t total = block == 32 ? s16[0] + s16[1] : s16[0];
-            const __m512i s = _mm512_add_epi32(_mm512_load_si512(sums[r]),
+            const __m512i s = _mm512_add_epi32(_mm512_load_si512(sums[blk & 1][r]),
                                                _mm512_set1_epi32(shift < 0 ? 0 : -(total << shift)));
             const float xd = x.d[(r0 + r) * (k / 32) + blk * block / 32];
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(scale, _mm512_set1_ps(xd)), acc[r]);
@@ -436,9 +442,8 @@ void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int6
     memset(x.q + (int64_t)m * k, 0, (size_t)(padded - m) * k);
     #pragma omp parallel num_threads(threads)
     {
-#ifdef HAVE_AMX
-        if (amx) configure_tiles();
-#endif
+        int tiles = 0; /* the block size the AMX tiles are configured for */
+        (void)tiles;
         #pragma omp for schedule(static)
         for (int r = 0; r < m; r++)
             quantize_row((const char *)xv + (int64_t)r * x_stride * elem, x_bf16, k, x.q + (int64_t)r * k,
@@ -463,6 +468,10 @@ void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int6
             const int64_t panels_ahead = (PF_BYTES + NC * rb - 1) / (NC * rb);
             const int64_t ahead = c0 + (panels_ahead + 1) * NC <= n ? panels_ahead * NC * rb : 0;
             unpack_any(types[j], rows, scales, k, ahead, rb / (k / 64), p);
+#ifdef HAVE_AMX
+            const int block = types[j] == T_Q6_K ? 16 : 32;
+            if (amx && tiles != block) configure_tiles(tiles = block);
+#endif
             const int64_t col = first_col[j] + c0;
             const __mmask16 keep = (__mmask16)((1u << np) - 1);
             const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + col) : _mm512_setzero_ps();
@@ -486,7 +495,7 @@ void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int6
         free(p.scale);
         free(p.low);
 #ifdef HAVE_AMX
-        if (amx) _tile_release();
+        if (tiles) _tile_release();
 #endif
     }
     free(x.q);
