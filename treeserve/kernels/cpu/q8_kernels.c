@@ -226,11 +226,13 @@ static inline void scales_Q6_K(const uint8_t *base, __m512i at, int64_t g, const
 }
 
 /* Unpack NC channels (rows[c], row scales scales[c]) into p; `per_group`: weight-scale blocks a
- * 64-weight group (2, or 4 for Q6_K). */
+ * 64-weight group (2, or 4 for Q6_K). `channel_rows`: codes a channel a row (for AMX) instead of
+ * interleaved. */
 static inline __attribute__((always_inline)) void unpack_panel(
     __m512i (*codes)(const uint8_t *, int64_t),
     void (*scale)(const uint8_t *, __m512i, int64_t, const float *, float *, float *), int per_group,
-    const uint8_t *const *rows, const float *scales, int64_t k, int64_t ahead, int64_t step, panel p) {
+    const uint8_t *const *rows, const float *scales, int64_t k, int64_t ahead, int64_t step, int channel_rows,
+    panel p) {
     int32_t offsets[NC];
     for (int c = 0; c < NC; c++) offsets[c] = (int32_t)(rows[c] - rows[0]);
     const __m512i at = _mm512_loadu_si512(offsets);
@@ -241,16 +243,20 @@ static inline __attribute__((always_inline)) void unpack_panel(
             r[c] = codes(rows[c], g);
         }
         scale(rows[0], at, g, scales, p.scale + g * per_group * NC, p.low + g * per_group * NC);
+        if (channel_rows) { /* AMX: a channel's codes in a row of their own (the A operand) */
+            for (int c = 0; c < NC; c++) _mm512_store_si512(p.codes + c * k + 64 * g, r[c]);
+            continue;
+        }
         transpose16(r);
         for (int i = 0; i < 16; i++) _mm512_store_si512(p.codes + (g * 16 + i) * 64, r[i]);
     }
 }
 
 #define UNPACK_CASE(T, PER_GROUP)                                                              \
-    case T_##T: unpack_panel(codes_##T, scales_##T, PER_GROUP, rows, scales, k, ahead, step, p); break
+    case T_##T: unpack_panel(codes_##T, scales_##T, PER_GROUP, rows, scales, k, ahead, step, channel_rows, p); break
 
 static void unpack_any(int type, const uint8_t *const *rows, const float *scales, int64_t k, int64_t ahead,
-                       int64_t step, panel p) {
+                       int64_t step, int channel_rows, panel p) {
     switch (type) {
         UNPACK_CASE(Q8_0, 2); UNPACK_CASE(I8, 2); UNPACK_CASE(Q4_0, 2);
         UNPACK_CASE(Q5_0, 2); UNPACK_CASE(Q6_K, 4); UNPACK_CASE(Q4_K, 2);
@@ -338,16 +344,41 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
+/* 16 rows of activations as AMX wants them (the B operand): rows[k/4][16][4], 4 codes of each
+ * row side by side; and, per block, the 16 rows' scales, code sums (of 16) and scale x sum. */
+typedef struct {
+    int8_t *q;
+    int32_t *s16; /* [k/16][16] */
+    float *d, *sum; /* [k/32][16] */
+} act_tile;
+
+static void tile_rows(acts x, int64_t r0, int64_t m, int64_t k, act_tile t) {
+    for (int64_t g = 0; g < k / 64; g++) {
+        __m512i r[16];
+        for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(x.q + (r0 + i) * k + 64 * g); /* padded rows: 0 */
+        transpose16(r);
+        for (int i = 0; i < 16; i++) _mm512_store_si512(t.q + (g * 16 + i) * 64, r[i]);
+    }
+    for (int i = 0; i < 16; i++) {
+        const int64_t row = r0 + i;
+        for (int64_t b = 0; b < k / 16; b++) t.s16[b * 16 + i] = row < m ? x.s16[row * (k / 16) + b] : 0;
+        for (int64_t b = 0; b < k / 32; b++) {
+            t.d[b * 16 + i] = row < m ? x.d[row * (k / 32) + b] : 0.0f;
+            t.sum[b * 16 + i] = row < m ? x.sum[row * (k / 32) + b] : 0.0f;
+        }
+    }
+}
+
 /* Two sets of tiles, so one block's product runs while the last one's sums are scaled: C in
- * tiles 0 and 3 (16 rows x 16 int32), A (16 rows of `block` activation codes) in 1 and 4, B
- * (the panel's codes of the block, 4 a channel a row) in 2 and 5. */
+ * tiles 0 and 3 (16 channels x 16 rows, int32), A (16 channels' `block` codes) in 1 and 4, B
+ * (the block's activations, 4 a row a tile row) in 2 and 5. */
 static void configure_tiles(int block) {
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int t = 0; t < 6; t += 3) {
-        cfg.rows[t] = AMX_ROWS, cfg.colsb[t] = 64;
-        cfg.rows[t + 1] = AMX_ROWS, cfg.colsb[t + 1] = (uint16_t)block;
+        cfg.rows[t] = NC, cfg.colsb[t] = 64;
+        cfg.rows[t + 1] = NC, cfg.colsb[t + 1] = (uint16_t)block;
         cfg.rows[t + 2] = (uint8_t)(block / 4), cfg.colsb[t + 2] = 64;
     }
     _tile_loadconfig(&cfg);
@@ -356,47 +387,49 @@ static void configure_tiles(int block) {
 #define PRODUCT(C, A, B, blk, sums)                                                           \
     do {                                                                                      \
         _tile_zero(C);                                                                        \
-        _tile_loadd(A, x.q + r0 * k + (blk) * block, k);                                      \
-        _tile_loadd(B, p.codes + (blk) * block * 16, 64);                                     \
-        _tile_dpbsud(C, A, B);                                                                \
+        _tile_loadd(A, p.codes + (blk) * block, k);                                           \
+        _tile_loadd(B, t.q + (blk) * block * 16, 64);                                         \
+        _tile_dpbusd(C, A, B);                                                                \
         _tile_stored(C, sums, 64);                                                            \
     } while (0)
 
-/* `multiply` for AMX_ROWS rows at once: each block's integer sums come from one tile product
- * (TDPBSUD: signed activations x unsigned codes), then the same float steps as `multiply`. */
+/* `multiply` for AMX_ROWS rows at once, channels in tile rows and activation rows in lanes:
+ * each block's integer sums come from one tile product (TDPBUSD: unsigned codes x signed
+ * activations), then the same float steps as `multiply` (a product of two floats is the same
+ * either way round). acc[c] holds channel c for the 16 rows: the caller transposes it. */
 static inline __attribute__((always_inline)) void multiply_amx(panel p, int block, int shift, int with_min, int64_t k,
-                                                               acts x, int64_t r0, int mr, __m512 *acc) {
-    int32_t sums[2][AMX_ROWS][16] __attribute__((aligned(64)));
+                                                               act_tile t, __m512 *acc) {
+    int32_t sums[2][NC][16] __attribute__((aligned(64)));
     const int64_t blocks = k / block;
-    for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
+    for (int c = 0; c < NC; c++) acc[c] = _mm512_setzero_ps();
     PRODUCT(0, 1, 2, 0, sums[0]);
     for (int64_t blk = 0; blk < blocks; blk++) {
         if (blk + 1 < blocks) { /* the next block's product first: it overlaps the scaling below */
             if ((blk + 1) & 1) PRODUCT(3, 4, 5, blk + 1, sums[1]);
             else PRODUCT(0, 1, 2, blk + 1, sums[0]);
         }
-        const __m512 scale = _mm512_load_ps(p.scale + blk * NC);
-        for (int r = 0; r < mr; r++) {
-            const int32_t *s16 = x.s16 + (r0 + r) * (k / 16) + blk * block / 16;
-            const int32_t total = block == 32 ? s16[0] + s16[1] : s16[0];
-            const __m512i s = _mm512_add_epi32(_mm512_load_si512(sums[blk & 1][r]),
-                                               _mm512_set1_epi32(shift < 0 ? 0 : -(total << shift)));
-            const float xd = x.d[(r0 + r) * (k / 32) + blk * block / 32];
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(scale, _mm512_set1_ps(xd)), acc[r]);
+        __m512i total = _mm512_load_si512(t.s16 + blk * block / 16 * 16);
+        if (block == 32) total = _mm512_add_epi32(total, _mm512_load_si512(t.s16 + (2 * blk + 1) * 16));
+        const __m512i start = shift < 0 ? _mm512_setzero_si512()
+                                        : _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(total, shift));
+        const __m512 xd = _mm512_load_ps(t.d + blk * block / 32 * 16);
+        for (int c = 0; c < NC; c++) {
+            const __m512i s = _mm512_add_epi32(_mm512_load_si512(sums[blk & 1][c]), start);
+            acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(xd, _mm512_set1_ps(p.scale[blk * NC + c])),
+                                     acc[c]);
             if (with_min)
-                acc[r] = _mm512_fmadd_ps(_mm512_load_ps(p.low + blk * NC),
-                                         _mm512_set1_ps(x.sum[(r0 + r) * (k / 32) + blk * block / 32]), acc[r]);
+                acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(p.low[blk * NC + c]), _mm512_load_ps(t.sum + blk * 16), acc[c]);
         }
     }
 }
 
-static void multiply_amx_any(int type, panel p, int64_t k, acts x, int64_t r0, int mr, __m512 *acc) {
+static void multiply_amx_any(int type, panel p, int64_t k, act_tile t, __m512 *acc) {
     switch (type) {
-    case T_Q8_0: case T_I8: multiply_amx(p, 32, 7, 0, k, x, r0, mr, acc); break;
-    case T_Q4_0: multiply_amx(p, 32, 3, 0, k, x, r0, mr, acc); break;
-    case T_Q5_0: multiply_amx(p, 32, 4, 0, k, x, r0, mr, acc); break;
-    case T_Q6_K: multiply_amx(p, 16, 5, 0, k, x, r0, mr, acc); break;
-    case T_Q4_K: multiply_amx(p, 32, -1, 1, k, x, r0, mr, acc); break;
+    case T_Q8_0: case T_I8: multiply_amx(p, 32, 7, 0, k, t, acc); break;
+    case T_Q4_0: multiply_amx(p, 32, 3, 0, k, t, acc); break;
+    case T_Q5_0: multiply_amx(p, 32, 4, 0, k, t, acc); break;
+    case T_Q6_K: multiply_amx(p, 16, 5, 0, k, t, acc); break;
+    case T_Q4_K: multiply_amx(p, 32, -1, 1, k, t, acc); break;
     }
 }
 
@@ -440,6 +473,11 @@ void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int6
               aligned_alloc(64, blocks)};
     const int elem = x_bf16 ? 2 : 4;
     memset(x.q + (int64_t)m * k, 0, (size_t)(padded - m) * k);
+#ifdef HAVE_AMX
+    const size_t tile_lanes = amx ? sizeof(float) * padded * (k / 16) : 64;
+    act_tile xt = {amx ? aligned_alloc(64, codes) : NULL, aligned_alloc(64, tile_lanes), aligned_alloc(64, tile_lanes),
+                   aligned_alloc(64, tile_lanes)};
+#endif
     #pragma omp parallel num_threads(threads)
     {
         int tiles = 0; /* the block size the AMX tiles are configured for */
@@ -448,6 +486,13 @@ void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int6
         for (int r = 0; r < m; r++)
             quantize_row((const char *)xv + (int64_t)r * x_stride * elem, x_bf16, k, x.q + (int64_t)r * k,
                          x.d + (int64_t)r * (k / 32), x.s16 + (int64_t)r * (k / 16), x.sum + (int64_t)r * (k / 32));
+#ifdef HAVE_AMX
+        #pragma omp for schedule(static)
+        for (int64_t r0 = 0; r0 < m; r0 += AMX_ROWS)
+            if (amx)
+                tile_rows(x, r0, m, k, (act_tile){xt.q + r0 * k, xt.s16 + r0 * (k / 16), xt.d + r0 * (k / 32),
+                                                  xt.sum + r0 * (k / 32)});
+#endif
         panel p = {aligned_alloc(64, (size_t)k * NC), aligned_alloc(64, sizeof(float) * NC * (k / 16)),
                    aligned_alloc(64, sizeof(float) * NC * (k / 16))};
         __m512 acc[MR > 16 ? MR : 16];
@@ -467,7 +512,7 @@ void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int6
             /* the bytes stream through once: ask for a later panel's rows as this one's are read */
             const int64_t panels_ahead = (PF_BYTES + NC * rb - 1) / (NC * rb);
             const int64_t ahead = c0 + (panels_ahead + 1) * NC <= n ? panels_ahead * NC * rb : 0;
-            unpack_any(types[j], rows, scales, k, ahead, rb / (k / 64), p);
+            unpack_any(types[j], rows, scales, k, ahead, rb / (k / 64), amx, p);
 #ifdef HAVE_AMX
             const int block = types[j] == T_Q6_K ? 16 : 32;
             if (amx && tiles != block) configure_tiles(tiles = block);
@@ -479,8 +524,11 @@ void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int6
             for (int64_t r0 = 0; r0 < m; r0 += tile_rows) {
                 const int mr = m - r0 < tile_rows ? (int)(m - r0) : tile_rows;
 #ifdef HAVE_AMX
-                if (amx) multiply_amx_any(types[j], p, k, x, r0, mr, acc);
-                else
+                if (amx) {
+                    multiply_amx_any(types[j], p, k, (act_tile){xt.q + r0 * k, xt.s16 + r0 * (k / 16),
+                                                                xt.d + r0 * (k / 32), xt.sum + r0 * (k / 32)}, acc);
+                    transpose16((__m512i *)acc); /* [channel][row] -> [row][channel] */
+                } else
 #endif
                 multiply_any(types[j], p, k, x, r0, mr, acc);
                 for (int r = 0; r < mr; r++) {
@@ -502,6 +550,12 @@ void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int6
     free(x.d);
     free(x.s16);
     free(x.sum);
+#ifdef HAVE_AMX
+    free(xt.q);
+    free(xt.s16);
+    free(xt.d);
+    free(xt.sum);
+#endif
 }
 
 #else
