@@ -487,11 +487,12 @@ void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int6
             quantize_row((const char *)xv + (int64_t)r * x_stride * elem, x_bf16, k, x.q + (int64_t)r * k,
                          x.d + (int64_t)r * (k / 32), x.s16 + (int64_t)r * (k / 16), x.sum + (int64_t)r * (k / 32));
 #ifdef HAVE_AMX
-        #pragma omp for schedule(static)
-        for (int64_t r0 = 0; r0 < m; r0 += AMX_ROWS)
-            if (amx)
+        if (amx) { /* every thread takes this branch or none: `amx` is shared */
+            #pragma omp for schedule(static)
+            for (int64_t r0 = 0; r0 < m; r0 += AMX_ROWS)
                 tile_rows(x, r0, m, k, (act_tile){xt.q + r0 * k, xt.s16 + r0 * (k / 16), xt.d + r0 * (k / 32),
                                                   xt.sum + r0 * (k / 32)});
+        }
 #endif
         panel p = {aligned_alloc(64, (size_t)k * NC), aligned_alloc(64, sizeof(float) * NC * (k / 16)),
                    aligned_alloc(64, sizeof(float) * NC * (k / 16))};
