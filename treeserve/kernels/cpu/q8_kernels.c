@@ -327,16 +327,10 @@ static void multiply_any(int type, panel p, int64_t k, acts x, int64_t r0, int m
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #define HAVE_AMX 1
 #define AMX_ROWS 16 /* activation rows a tile */
-
-/* Linux hands out AMX tile state on request (once a process); 0 where it refuses. */
-static int amx_permitted(void) {
-    static int state = -1;
-    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    return state;
-}
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -382,6 +376,26 @@ static void configure_tiles(int block) {
         cfg.rows[t + 2] = (uint8_t)(block / 4), cfg.colsb[t + 2] = 64;
     }
     _tile_loadconfig(&cfg);
+}
+
+/* AMX where Linux hands out tile state (asked once a process) and a tile instruction runs: a
+ * child process tries one first, since a CPU flag alone has not been enough on every VM (a
+ * hypervisor that does not pass tile state through kills the instruction with SIGILL). */
+static int amx_usable(void) {
+    static int state = -1;
+    if (state >= 0) return state;
+    state = 0;
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0) return state;
+    const pid_t child = fork();
+    if (child == 0) {
+        configure_tiles(32);
+        _tile_zero(0);
+        _tile_release();
+        _exit(0);
+    }
+    int status = 0;
+    state = child > 0 && waitpid(child, &status, 0) == child && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    return state;
 }
 
 #define PRODUCT(C, A, B, blk, sums)                                                           \
@@ -433,7 +447,7 @@ static void multiply_amx_any(int type, panel p, int64_t k, act_tile t, __m512 *a
     }
 }
 
-int q8_amx(void) { return amx_permitted(); }
+int q8_amx(void) { return amx_usable(); }
 #else
 int q8_amx(void) { return 0; }
 #endif
@@ -462,7 +476,7 @@ void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int6
     }
     const int64_t panels = first_panel[parts];
 #ifdef HAVE_AMX
-    const int amx = m >= AMX_ROWS && amx_permitted(); /* same sums, same float steps: the rows' bits agree */
+    const int amx = m >= AMX_ROWS && amx_usable(); /* same sums, same float steps: the rows' bits agree */
     const int64_t padded = amx ? (m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : m; /* whole tiles of codes */
 #else
     const int amx = 0;
