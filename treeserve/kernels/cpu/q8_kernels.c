@@ -25,6 +25,11 @@
 
 enum { T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14, T_I8 = 1000 };
 
+/* The formats, once for every switch below: X(format, weights a scale block, log2 of the code
+ * offset (-1: none; Q8_0 and int8 store signed codes, offset 128), whether a minimum term). */
+#define FORMATS(X)                                                                                \
+    X(Q8_0, 32, 7, 0) X(I8, 32, 7, 0) X(Q4_0, 32, 3, 0) X(Q5_0, 32, 4, 0) X(Q6_K, 16, 5, 0) X(Q4_K, 32, -1, 1)
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
 #include <immintrin.h>
 
@@ -128,6 +133,7 @@ static void quantize_row(const void *xv, int bf16, int64_t k, int8_t *q, float *
 }
 
 #define MR 8 /* activation rows a tile */
+#define AMX_ROWS 16 /* activation rows an AMX tile */
 
 /* A panel: NC channels unpacked for every row that multiplies them. codes[c4][lane][4] holds
  * weights 4*c4 .. 4*c4+3 of channel `lane` (64 bytes a chunk of 4: one vpdpbusd multiplies them
@@ -252,15 +258,12 @@ static inline __attribute__((always_inline)) void unpack_panel(
     }
 }
 
-#define UNPACK_CASE(T, PER_GROUP)                                                              \
-    case T_##T: unpack_panel(codes_##T, scales_##T, PER_GROUP, rows, scales, k, ahead, step, channel_rows, p); break
+#define UNPACK_CASE(T, BLOCK, SHIFT, MIN)                                                     \
+    case T_##T: unpack_panel(codes_##T, scales_##T, 64 / BLOCK, rows, scales, k, ahead, step, channel_rows, p); break;
 
 static void unpack_any(int type, const uint8_t *const *rows, const float *scales, int64_t k, int64_t ahead,
                        int64_t step, int channel_rows, panel p) {
-    switch (type) {
-        UNPACK_CASE(Q8_0, 2); UNPACK_CASE(I8, 2); UNPACK_CASE(Q4_0, 2);
-        UNPACK_CASE(Q5_0, 2); UNPACK_CASE(Q6_K, 4); UNPACK_CASE(Q4_K, 2);
-    }
+    switch (type) { FORMATS(UNPACK_CASE) }
 }
 
 /* Rows r0 .. r0+mr of x against a panel: out lane c of row r = sum over blocks, in order, of
@@ -315,14 +318,17 @@ static inline __attribute__((always_inline)) void multiply(panel p, int block, i
     }                                                                                         \
     break
 
+#define MULTIPLY_CASE(T, BLOCK, SHIFT, MIN) case T_##T: MULTIPLY_MR(BLOCK, SHIFT, MIN);
+
 static void multiply_any(int type, panel p, int64_t k, acts x, int64_t r0, int mr, __m512 *acc) {
-    switch (type) { /* off = 2^shift: Q8_0/int8 128 (codes stored signed), Q4_0 8, Q5_0 16, Q6_K 32 */
-    case T_Q8_0: case T_I8: MULTIPLY_MR(32, 7, 0);
-    case T_Q4_0: MULTIPLY_MR(32, 3, 0);
-    case T_Q5_0: MULTIPLY_MR(32, 4, 0);
-    case T_Q6_K: MULTIPLY_MR(16, 5, 0);
-    case T_Q4_K: MULTIPLY_MR(32, -1, 1);
-    }
+    switch (type) { FORMATS(MULTIPLY_CASE) }
+}
+
+#define BLOCK_CASE(T, BLOCK, SHIFT, MIN) case T_##T: return BLOCK;
+
+static inline int block_of(int type) { /* weights a scale block */
+    switch (type) { FORMATS(BLOCK_CASE) }
+    return 32;
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
@@ -330,7 +336,6 @@ static void multiply_any(int type, panel p, int64_t k, acts x, int64_t r0, int m
 #include <sys/wait.h>
 #include <unistd.h>
 #define HAVE_AMX 1
-#define AMX_ROWS 16 /* activation rows a tile */
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -437,19 +442,12 @@ static inline __attribute__((always_inline)) void multiply_amx(panel p, int bloc
     }
 }
 
+#define AMX_CASE(T, BLOCK, SHIFT, MIN) case T_##T: multiply_amx(p, BLOCK, SHIFT, MIN, k, t, acc); break;
+
 static void multiply_amx_any(int type, panel p, int64_t k, act_tile t, __m512 *acc) {
-    switch (type) {
-    case T_Q8_0: case T_I8: multiply_amx(p, 32, 7, 0, k, t, acc); break;
-    case T_Q4_0: multiply_amx(p, 32, 3, 0, k, t, acc); break;
-    case T_Q5_0: multiply_amx(p, 32, 4, 0, k, t, acc); break;
-    case T_Q6_K: multiply_amx(p, 16, 5, 0, k, t, acc); break;
-    case T_Q4_K: multiply_amx(p, 32, -1, 1, k, t, acc); break;
-    }
+    switch (type) { FORMATS(AMX_CASE) }
 }
 
-int q8_amx(void) { return amx_usable(); }
-#else
-int q8_amx(void) { return 0; }
 #endif
 
 /* 16 fp32 -> bf16, round to nearest even (as f32_to_bf16 a value) */
@@ -529,15 +527,15 @@ void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int6
             const int64_t ahead = c0 + (panels_ahead + 1) * NC <= n ? panels_ahead * NC * rb : 0;
             unpack_any(types[j], rows, scales, k, ahead, rb / (k / 64), amx, p);
 #ifdef HAVE_AMX
-            const int block = types[j] == T_Q6_K ? 16 : 32;
+            const int block = block_of(types[j]);
             if (amx && tiles != block) configure_tiles(tiles = block);
 #endif
             const int64_t col = first_col[j] + c0;
             const __mmask16 keep = (__mmask16)((1u << np) - 1);
             const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + col) : _mm512_setzero_ps();
-            const int tile_rows = amx ? 16 : MR;
-            for (int64_t r0 = 0; r0 < m; r0 += tile_rows) {
-                const int mr = m - r0 < tile_rows ? (int)(m - r0) : tile_rows;
+            const int rows_a_tile = amx ? AMX_ROWS : MR;
+            for (int64_t r0 = 0; r0 < m; r0 += rows_a_tile) {
+                const int mr = m - r0 < rows_a_tile ? (int)(m - r0) : rows_a_tile;
 #ifdef HAVE_AMX
                 if (amx) {
                     multiply_amx_any(types[j], p, k, (act_tile){xt.q + r0 * k, xt.s16 + r0 * (k / 16),
@@ -575,7 +573,6 @@ void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int6
 
 #else
 int q8_available(void) { return 0; }
-int q8_amx(void) { return 0; }
 void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int64_t *row_bytes,
                const float *const *row_scales, const int64_t *part_rows, int64_t k, const void *xv, int64_t x_stride,
                int m, const float *bias, void *out, int64_t out_stride, int out_bf16, int x_bf16, int threads) {

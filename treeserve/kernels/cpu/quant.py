@@ -53,13 +53,7 @@ def load_q8() -> ctypes.CDLL | None:
     return lib
 
 
-def q8_amx() -> bool:
-    """Whether batches of 16 rows and more take their integer sums from AMX tiles."""
-    lib = load_q8()
-    return lib is not None and bool(lib.q8_amx())
-
-
-Q8_FORMATS = {2, 6, 8, 12, 14, I8}  # Q4_0, Q5_0, Q8_0, Q4_K, Q6_K, int8: what q8_kernels.c multiplies
+Q8_FORMATS = {QTYPES[name] for name in ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q6_K", "I8")}  # what q8_kernels.c takes
 
 
 def q8_available() -> bool:
