@@ -53,9 +53,11 @@ def test_gguf_runs_quantised_and_matches_its_dequantised_logits(tmp_path, make_l
     assert isinstance(model.layers[0].self_attn.qkv_proj.weight, QuantTensor)
     assert isinstance(model.embed_tokens.weight, QuantTensor)
     ours, ref = _logits(quantised), _logits(dense)
+    assert weight_bytes(model) < weight_bytes(dense.engine.model) / 2.5  # fp32 vs blocks of <= 8.5 bits
     if model.embed_tokens.weight.plan.q8:
         # 8-bit activations (the kernels' own tests bound each matmul exactly): the activations'
-        # rounding moves the logits by a few percent of their norm on these tiny random models
+        # rounding moves the logits by a few percent of their norm on these tiny random models,
+        # enough to change a near-tied greedy token, so the token-for-token check is the fp32 path's
         assert ((ours - ref).norm() / ref.norm()).item() < 0.05
         assert (ours.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
         return
@@ -64,7 +66,6 @@ def test_gguf_runs_quantised_and_matches_its_dequantised_logits(tmp_path, make_l
     prompts = [[5, 6, 7], [9, 10, 11, 12]]
     a, b = quantised.generate(prompts, params), dense.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
-    assert weight_bytes(model) < weight_bytes(dense.engine.model) / 2.5  # fp32 vs blocks of <= 8.5 bits
 
 
 def test_quantised_bf16_seeded_samples_are_batch_invariant(tmp_path, make_llm):
