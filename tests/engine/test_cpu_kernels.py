@@ -188,6 +188,7 @@ def test_linear_bf16_row_does_not_depend_on_the_batch():
 def test_fast_linear_model_matches_plain_linear(llama_dir, make_llm, monkeypatch):
     """bf16 decode through the GEMV gives the tokens the oneDNN path gives (greedy, short)."""
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    monkeypatch.setattr(cpu_kernels, "amx_supports", lambda weight: False)  # AMX tiles: tests/kernels/test_amx_linear.py
     fast = make_llm(llama_dir, dtype="bfloat16").generate(["The quick brown fox"], params)
     monkeypatch.setattr(cpu_kernels, "gemv_supports", lambda *args: False)
     plain = make_llm(llama_dir, dtype="bfloat16").generate(["The quick brown fox"], params)
@@ -218,31 +219,36 @@ def test_layers_pick_their_kernels_at_load(llama_dir, monkeypatch):
     from treeserve.layers.linear import Linear
     from treeserve.models.loader import load_model
 
+    from treeserve.layers.linear import tiled_linear
+
     def picked(dtype: torch.dtype) -> tuple[set, bool, bool]:
         model = load_model(llama_dir, dtype, torch.device("cpu")).model
-        linears = {m.kernel for m in model.modules() if isinstance(m, Linear)} | {model.logits_linear}
+        linears = {getattr(m.kernel, "func", m.kernel) for m in model.modules() if isinstance(m, Linear)}
         return linears, model.layers[0].input_layernorm.use_c, model.rope.use_c
 
     assert picked(torch.float32) == ({F.linear}, False, False)
     if cpu_kernels._bf16_built():
-        assert picked(torch.bfloat16) == ({cpu_kernels.linear}, True, True)
+        tiles = cpu_kernels.load_amx() is not None  # AMX: every bf16 Linear on tiles
+        assert picked(torch.bfloat16) == ({tiled_linear if tiles else cpu_kernels.linear}, True, True)
     monkeypatch.setenv("TREESERVE_CPU_KERNELS", "0")
-    cpu_kernels.load.cache_clear()
-    cpu_kernels._bf16_built.cache_clear()
+    caches = (cpu_kernels.load, cpu_kernels._bf16_built, cpu_kernels.load_amx)
+    for cached in caches:
+        cached.cache_clear()
     try:
         assert picked(torch.bfloat16) == ({F.linear}, False, False)
-    finally:  # the next caller builds (finds) the library again, with the variable unset
-        cpu_kernels.load.cache_clear()
-        cpu_kernels._bf16_built.cache_clear()
+    finally:  # the next caller builds (finds) the libraries again, with the variable unset
+        for cached in caches:
+            cached.cache_clear()
 
 
 @gemv
-def test_bf16_layers_through_their_c_kernels_give_the_pytorch_bits():
+def test_bf16_layers_through_their_c_kernels_give_the_pytorch_bits(monkeypatch):
     """Linear (rows padded for oneDNN), RMSNorm and rope before and after `pick_kernel`."""
     from treeserve.layers.linear import Linear
     from treeserve.layers.norm import RMSNorm
     from treeserve.layers.rotary import RotaryEmbedding, _rotate_half, rope_inv_freq
 
+    monkeypatch.setattr(cpu_kernels, "amx_supports", lambda weight: False)  # AMX tiles: test_amx_linear.py
     torch.manual_seed(0)
     linear, norm = Linear(256, 704).bfloat16(), RMSNorm(256, 1e-6).bfloat16()
     with torch.no_grad():

@@ -1,16 +1,21 @@
 """Linear layers and the LM head's matmul, with the kernel picked at load.
 
 `Linear` is `nn.Linear` (same parameters, same checkpoint names) whose forward calls
-`self.kernel`. `linear_kernel(weight)` picks it: for bf16 weights on a CPU where the
-AVX512-BF16 kernels were built, `kernels.cpu.linear` (a GEMV that streams the weights for
-up to 4 rows, oneDNN with rows padded to a bucket above that, PyTorch's bits); for a
-`QuantTensor` (the loader replaced the parameter by quantised bytes), `quant_linear`;
-F.linear everywhere else (cuBLAS on a GPU).
+`self.kernel`. On a CPU with usable AMX tiles, a bf16 `Linear` lays its weight out as tiles
+once (`kernels.cpu.amx_pack`; the parameter becomes that [n/16, k/32, 16, 16, 2] tensor, no
+second copy) and multiplies every batch size on them (`amx_linear`: one kernel, so a row's
+bits never depend on the batch). Otherwise `linear_kernel(weight)` picks: for bf16 weights
+on a CPU where the AVX512-BF16 kernels were built, `kernels.cpu.linear` (a GEMV that streams
+the weights for up to 4 rows, oneDNN with rows padded to a bucket above that, PyTorch's
+bits); for a `QuantTensor` (the loader replaced the parameter by quantised bytes),
+`quant_linear`; F.linear everywhere else (cuBLAS on a GPU). The tied LM head of a model
+multiplies by its embedding table, which stays a plain matrix (`linear_kernel`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +42,17 @@ class Linear(nn.Linear):
         self.kernel: LinearKernel = F.linear  # until `pick_kernel` (a model built for training keeps PyTorch)
 
     def pick_kernel(self) -> None:
-        self.kernel = linear_kernel(self.weight)
+        if cpu_kernels.amx_supports(self.weight):
+            self.weight = nn.Parameter(cpu_kernels.amx_pack(self.weight), requires_grad=False)
+            self.kernel = partial(tiled_linear, n=self.out_features)
+        elif not (isinstance(self.weight, torch.Tensor) and self.weight.dim() == 5):  # not laid out as tiles already
+            self.kernel = linear_kernel(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, self.weight, self.bias)
+
+
+def tiled_linear(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """F.linear for x [..., k] and a weight laid out by `amx_pack` (n: the weight's rows)."""
+    out = cpu_kernels.amx_linear(x.reshape(-1, x.shape[-1]), tiles, bias, n)
+    return out.view(*x.shape[:-1], n)

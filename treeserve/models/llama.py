@@ -163,14 +163,14 @@ class LlamaForCausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope: RotaryEmbedding | None = None
-        self.logits_linear = F.linear  # the LM head's matmul (`pick_kernel`); the tied table is no Linear
+        self.logits_linear = F.linear  # the tied LM head's matmul (`pick_kernel`): the table is no Linear
 
     def init_rope(self, max_positions: int, device: torch.device | str) -> None:
         inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
         self.rope = RotaryEmbedding(inv_freq, max_positions, device)
 
     def pick_kernel(self) -> None:
-        """The LM head's matmul and the rotary tables' kernels (`layers.pick_kernels` calls this)."""
+        """The tied LM head's matmul and the rotary tables' kernels (`layers.pick_kernels` calls this)."""
         weight = self.embed_tokens.weight
         self.logits_linear = linear_kernel(weight)
         for rope in vars(self).values():
@@ -186,8 +186,11 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         if not self.config.has_lm_head:
             raise ValueError("this checkpoint has no LM head (a reward model): ask for hidden states instead")
-        weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        logits = self.logits_linear(hidden.to(weight.dtype), weight)
+        if self.config.tie_word_embeddings:
+            weight = self.embed_tokens.weight
+            logits = self.logits_linear(hidden.to(weight.dtype), weight)
+        else:  # a Linear of its own, with the kernel it picked
+            logits = self.lm_head(hidden.to(self.lm_head.weight.dtype))
         return logits.float() if float32 else logits
 
     @staticmethod

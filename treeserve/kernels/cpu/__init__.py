@@ -56,7 +56,8 @@ def build(source: Path, flags: list[str] = FLAGS) -> ctypes.CDLL | None:
         warnings.warn(f"no C compiler found: {source.name} not built, using PyTorch paths", stacklevel=2)
         return None
     signature = " ".join(flags + LINK_FLAGS).encode() + compiler.encode() + _cpu_signature()
-    key = hashlib.sha256(source.read_bytes() + signature)
+    headers = b"".join(path.read_bytes() for path in sorted(source.parent.glob("*.h")))  # what sources include
+    key = hashlib.sha256(source.read_bytes() + headers + signature)
     cache_dir = Path(os.environ.get("TREESERVE_CACHE", Path.home() / ".cache" / "treeserve")) / "kernels"
     lib_path = cache_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if not lib_path.exists():
@@ -292,4 +293,54 @@ def rope_bf16(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
         x.data_ptr(), x.stride(0), tokens, heads, dim, cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip
+    return out
+
+
+AMX_SOURCE = Path(__file__).parent / "amx_linear.c"
+
+
+@cache
+def load_amx() -> ctypes.CDLL | None:
+    """`amx_linear.c`, where this CPU and process may use AMX tiles; else None."""
+    lib = build(AMX_SOURCE, [flag for flag in FLAGS if flag != "-ffast-math"])
+    if lib is None or not lib.amx_linear_available():
+        return None
+    lib.amx_linear_bf16.argtypes = [_ptr, _i64, _int, _ptr, _ptr, _i64, _i64, _ptr, _i64, _int]
+    return lib
+
+
+AMX_PANEL, AMX_CHUNK = 16, 32
+
+
+def amx_supports(weight: torch.Tensor) -> bool:
+    """True when `amx_linear` can multiply by `weight` [n, k]: bf16 on a CPU with usable AMX, k % 32 == 0."""
+    return (
+        isinstance(weight, torch.Tensor)
+        and weight.dim() == 2
+        and weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and weight.shape[1] % AMX_CHUNK == 0
+        and load_amx() is not None
+    )
+
+
+def amx_pack(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [n, k] laid out as amx_linear.c's tiles: [panels, k/32, 16, 16, 2], channels padded with zeros."""
+    n, k = weight.shape
+    panels = -(-n // AMX_PANEL)
+    padded = F.pad(weight, (0, 0, 0, panels * AMX_PANEL - n))
+    return padded.view(panels, AMX_PANEL, k // AMX_CHUNK, AMX_CHUNK // 2, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """F.linear(x, weight, bias) for bf16 x [m, k], `packed` = amx_pack(weight) and n = weight.shape[0]."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows, k = x.shape
+    out = torch.empty(rows, n, dtype=torch.bfloat16)
+    if rows:
+        load_amx().amx_linear_bf16(
+            x.data_ptr(), x.stride(0), rows, packed.data_ptr(), None if bias is None else bias.contiguous().data_ptr(),
+            n, k, out.data_ptr(), out.stride(0), torch.get_num_threads(),
+        )  # fmt: skip
     return out

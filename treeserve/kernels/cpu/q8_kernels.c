@@ -332,16 +332,8 @@ static inline int block_of(int type) { /* weights a scale block */
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
-#include <sys/syscall.h>
-#include <sys/wait.h>
-#include <unistd.h>
+#include "amx.h"
 #define HAVE_AMX 1
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
 
 /* 16 rows of activations as AMX wants them (the B operand): rows[k/4][16][4], 4 codes of each
  * row side by side; and, per block, the 16 rows' scales, code sums (of 16) and scale x sum. */
@@ -381,26 +373,6 @@ static void configure_tiles(int block) {
         cfg.rows[t + 2] = (uint8_t)(block / 4), cfg.colsb[t + 2] = 64;
     }
     _tile_loadconfig(&cfg);
-}
-
-/* AMX where Linux hands out tile state (asked once a process) and a tile instruction runs: a
- * child process tries one first, since a CPU flag alone has not been enough on every VM (a
- * hypervisor that does not pass tile state through kills the instruction with SIGILL). */
-static int amx_usable(void) {
-    static int state = -1;
-    if (state >= 0) return state;
-    state = 0;
-    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0) return state;
-    const pid_t child = fork();
-    if (child == 0) {
-        configure_tiles(32);
-        _tile_zero(0);
-        _tile_release();
-        _exit(0);
-    }
-    int status = 0;
-    state = child > 0 && waitpid(child, &status, 0) == child && WIFEXITED(status) && WEXITSTATUS(status) == 0;
-    return state;
 }
 
 #define PRODUCT(C, A, B, blk, sums)                                                           \

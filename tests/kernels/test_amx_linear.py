@@ -1,0 +1,75 @@
+"""The bf16 linear layer on AMX tiles (`kernels/cpu/amx_linear.c`): one bf16 rounding of the
+exact product, and a row's bits independent of the batch, its place in a tile and the threads.
+Skipped where the CPU (or the VM under it) gives no AMX tiles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from treeserve import SamplingParams
+from treeserve.kernels import cpu as cpu_kernels
+from treeserve.layers.linear import Linear, tiled_linear
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load_amx() is None, reason="no usable AMX tiles on this CPU")
+
+
+def amx(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return cpu_kernels.amx_linear(x, cpu_kernels.amx_pack(weight), bias, weight.shape[0])
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])
+@pytest.mark.parametrize("n,k", [(37, 96), (512, 256), (256, 704), (1204, 256)])
+def test_amx_linear_rounds_the_fp32_product_once(rows, n, k):
+    """|ours - x.W^T - b| <= one bf16 rounding (2^-8 relative) + fp32 summation, for n not a multiple of
+    16 (zero channels pad the last panel), strided x rows and a last partial tile of rows."""
+    torch.manual_seed(rows * n + k)
+    x = torch.randn(rows, 2 * k, dtype=torch.bfloat16)[:, :k]
+    weight = torch.randn(n, k, dtype=torch.bfloat16)
+    bias = torch.randn(n, dtype=torch.bfloat16)
+    exact = F.linear(x.double(), weight.double(), bias.double())
+    scale = F.linear(x.double().abs(), weight.double().abs(), bias.double().abs())
+    error = (amx(x, weight, bias).double() - exact).abs()
+    assert (error <= 2**-8 * exact.abs() + k * 2**-23 * scale).all()
+
+
+def test_amx_linear_row_does_not_depend_on_the_batch_or_threads():
+    torch.manual_seed(0)
+    weight = torch.randn(300, 640, dtype=torch.bfloat16)
+    x = torch.randn(40, 640, dtype=torch.bfloat16)
+    tiles = cpu_kernels.amx_pack(weight)
+    batch = cpu_kernels.amx_linear(x, tiles, None, 300)
+    for rows in (1, 3, 15, 16, 17, 33):
+        assert torch.equal(cpu_kernels.amx_linear(x[:rows], tiles, None, 300), batch[:rows])
+    for i in (0, 15, 16, 39):  # first and last lane of a tile, alone
+        assert torch.equal(cpu_kernels.amx_linear(x[i : i + 1], tiles, None, 300), batch[i : i + 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu_kernels.amx_linear(x, tiles, None, 300), batch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bf16_linear_lays_its_weight_out_as_tiles_once():
+    """`pick_kernel` replaces the weight by its tiles (no second copy); 3-D input keeps its shape."""
+    torch.manual_seed(0)
+    linear = Linear(256, 100).bfloat16()
+    x = torch.randn(2, 9, 256, dtype=torch.bfloat16)
+    weight, bias = linear.weight.detach().clone(), linear.bias.detach().clone()
+    linear.pick_kernel()
+    assert linear.kernel.func is tiled_linear and linear.weight.shape == (7, 8, 16, 16, 2)
+    linear.pick_kernel()  # a second pick keeps the tiles
+    assert linear.weight.shape == (7, 8, 16, 16, 2)
+    assert torch.equal(linear(x), amx(x.view(18, 256), weight, bias).view(2, 9, 100))
+
+
+def test_engine_same_greedy_tokens_with_and_without_tiles(llama_dir, make_llm, monkeypatch):
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = ["The quick brown fox", "Numbers 0 1 2 3"]
+    tiled = make_llm(llama_dir, dtype="bfloat16").generate(prompts, params)
+    assert make_llm(llama_dir, dtype="bfloat16").engine.model.layers[0].mlp.down_proj.weight.dim() == 5
+    monkeypatch.setattr(cpu_kernels, "amx_supports", lambda weight: False)
+    plain = make_llm(llama_dir, dtype="bfloat16").generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in tiled] == [o.outputs[0].token_ids for o in plain]
