@@ -188,7 +188,7 @@ def test_linear_bf16_row_does_not_depend_on_the_batch():
 def test_fast_linear_model_matches_plain_linear(llama_dir, make_llm, monkeypatch):
     """bf16 decode through the GEMV gives the tokens the oneDNN path gives (greedy, short)."""
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    monkeypatch.setattr(cpu_kernels, "amx_supports", lambda weight: False)  # AMX tiles: tests/kernels/test_amx_linear.py
+    monkeypatch.setattr(cpu_kernels, "amx_supports", lambda weight: False)  # tiles: test_amx_linear.py
     fast = make_llm(llama_dir, dtype="bfloat16").generate(["The quick brown fox"], params)
     monkeypatch.setattr(cpu_kernels, "gemv_supports", lambda *args: False)
     plain = make_llm(llama_dir, dtype="bfloat16").generate(["The quick brown fox"], params)
@@ -216,10 +216,8 @@ def test_layers_pick_their_kernels_at_load(llama_dir, monkeypatch):
     """bf16 on a CPU: the C kernels (the GEMV where built); fp32, or TREESERVE_CPU_KERNELS=0: PyTorch."""
     import torch.nn.functional as F
 
-    from treeserve.layers.linear import Linear
+    from treeserve.layers.linear import Linear, tiled_linear
     from treeserve.models.loader import load_model
-
-    from treeserve.layers.linear import tiled_linear
 
     def picked(dtype: torch.dtype) -> tuple[set, bool, bool]:
         model = load_model(llama_dir, dtype, torch.device("cpu")).model
