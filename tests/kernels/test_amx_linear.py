@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from treeserve import SamplingParams
 from treeserve.kernels import cpu as cpu_kernels
+from treeserve.layers.embedding import Embedding
 from treeserve.layers.linear import Linear, tiled_linear
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load_amx() is None, reason="no usable AMX tiles on this CPU")
@@ -65,11 +66,25 @@ def test_bf16_linear_lays_its_weight_out_as_tiles_once():
     assert torch.equal(linear(x), amx(x.view(18, 256), weight, bias).view(2, 9, 100))
 
 
-def test_engine_same_greedy_tokens_with_and_without_tiles(llama_dir, make_llm, monkeypatch):
+def test_embedding_table_laid_out_as_tiles_gives_its_rows():
+    torch.manual_seed(0)
+    table = Embedding(100, 64).bfloat16()
+    ids = torch.tensor([[0, 15, 16, 99], [42, 42, 7, 1]])
+    expected = table(ids)
+    table.pick_kernel()
+    assert table.tiled and table.weight.shape == (7, 2, 16, 16, 2)
+    assert torch.equal(table(ids), expected)
+
+
+@pytest.mark.parametrize("checkpoint", ["llama_dir", "qwen2_dir"])  # an LM head of its own; one tied to the table
+def test_engine_same_greedy_tokens_with_and_without_tiles(checkpoint, make_llm, monkeypatch, request):
+    path = request.getfixturevalue(checkpoint)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     prompts = ["The quick brown fox", "Numbers 0 1 2 3"]
-    tiled = make_llm(llama_dir, dtype="bfloat16").generate(prompts, params)
-    assert make_llm(llama_dir, dtype="bfloat16").engine.model.layers[0].mlp.down_proj.weight.dim() == 5
+    llm = make_llm(path, dtype="bfloat16")
+    tiled = llm.generate(prompts, params)
+    model = llm.engine.model
+    assert model.layers[0].mlp.down_proj.weight.dim() == 5 and model.embed_tokens.tiled
     monkeypatch.setattr(cpu_kernels, "amx_supports", lambda weight: False)
-    plain = make_llm(llama_dir, dtype="bfloat16").generate(prompts, params)
+    plain = make_llm(path, dtype="bfloat16").generate(prompts, params)
     assert [o.outputs[0].token_ids for o in tiled] == [o.outputs[0].token_ids for o in plain]

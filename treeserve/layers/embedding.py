@@ -2,8 +2,10 @@
 
 `Embedding` is `nn.Embedding` (same parameter, same checkpoint name) whose forward calls
 `self.lookup`: F.embedding for a dense table, `quant_embedding` when the loader replaced the
-table by a `QuantTensor` (GGUF's Q8_0 table, an int8 one). A tied LM head multiplies by the
-same table (`linear_kernel`).
+table by a `QuantTensor` (GGUF's Q8_0 table, an int8 one), `tiled_embedding` for a bf16 table
+laid out as AMX tiles (as a bf16 `Linear` lays out its weight, where the CPU has AMX: a tied
+LM head then multiplies on the tiles, and the table has no second copy). A tied LM head
+multiplies by the same table (the model's `pick_kernel`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treeserve.kernels import cpu as cpu_kernels
 from treeserve.layers.quant import QuantTensor, quant_embedding
 
 
@@ -23,7 +26,24 @@ class Embedding(nn.Embedding):
         self.lookup: Callable[[torch.Tensor, torch.Tensor | QuantTensor], torch.Tensor] = F.embedding
 
     def pick_kernel(self) -> None:
-        self.lookup = quant_embedding if isinstance(self.weight, QuantTensor) else F.embedding
+        """Called by `pick_kernels` and, first, by the model's own `pick_kernel` (a second call keeps the tiles)."""
+        if cpu_kernels.amx_supports(self.weight):
+            self.weight = nn.Parameter(cpu_kernels.amx_pack(self.weight), requires_grad=False)
+        if isinstance(self.weight, QuantTensor):
+            self.lookup = quant_embedding
+        else:
+            self.lookup = tiled_embedding if self.weight.dim() == 5 else F.embedding
+
+    @property
+    def tiled(self) -> bool:
+        return isinstance(self.weight, torch.Tensor) and self.weight.dim() == 5
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.lookup(input_ids, self.weight)
+
+
+def tiled_embedding(ids: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a table laid out by `amx_pack`: row r is channel r % 16 of panel r // 16."""
+    flat = ids.reshape(-1)
+    rows = tiles[flat // 16, :, :, flat % 16, :]  # [len, k/32, 16, 2]
+    return rows.reshape(*ids.shape, -1)

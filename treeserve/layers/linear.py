@@ -52,7 +52,7 @@ class Linear(nn.Linear):
         return self.kernel(x, self.weight, self.bias)
 
 
-def tiled_linear(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+def tiled_linear(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None = None, *, n: int) -> torch.Tensor:
     """F.linear for x [..., k] and a weight laid out by `amx_pack` (n: the weight's rows)."""
     out = cpu_kernels.amx_linear(x.reshape(-1, x.shape[-1]), tiles, bias, n)
     return out.view(*x.shape[:-1], n)

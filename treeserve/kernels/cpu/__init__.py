@@ -1,8 +1,9 @@
 """Build once, cache, and call the C kernels of `cpu_kernels.c` beside this file (CPU fast paths).
 
 Kernels: paged decode and prefill attention, softmax sampling, a bf16 GEMV for linear
-layers at small batch, RMSNorm and rotary embeddings; `quant.py` beside this file wraps the
-matmuls of quantised weights (`quant_kernels.c`), built the same way. Nothing here knows about models:
+layers at small batch, RMSNorm and rotary embeddings; `amx_linear.c` (bf16 linear layers on
+AMX tiles, weights laid out once by `amx_pack`) and `quant.py` beside this file (the matmuls
+of quantised weights, `quant_kernels.c`) are built the same way. Nothing here knows about models:
 `layers/` picks these for a model's layers at load, the engine's `cpu` attention backend
 and the sampler call the others.
 
