@@ -213,10 +213,11 @@ def test_rms_norm_bf16_matches_the_pytorch_norms(gemma):
 
 
 def test_layers_pick_their_kernels_at_load(llama_dir, monkeypatch):
-    """bf16 on a CPU: the C kernels (the GEMV where built); fp32, or TREESERVE_CPU_KERNELS=0: PyTorch."""
+    """bf16 on a CPU: the C kernels (the GEMV where built); fp32: PyTorch's with rows padded;
+    bf16 with TREESERVE_CPU_KERNELS=0: PyTorch."""
     import torch.nn.functional as F
 
-    from treeserve.layers.linear import Linear, tiled_linear
+    from treeserve.layers.linear import Linear, row_invariant_linear, tiled_linear
     from treeserve.models.loader import load_model
 
     def picked(dtype: torch.dtype) -> tuple[set, bool, bool]:
@@ -224,7 +225,7 @@ def test_layers_pick_their_kernels_at_load(llama_dir, monkeypatch):
         linears = {getattr(m.kernel, "func", m.kernel) for m in model.modules() if isinstance(m, Linear)}
         return linears, model.layers[0].input_layernorm.use_c, model.rope.use_c
 
-    assert picked(torch.float32) == ({F.linear}, False, False)
+    assert picked(torch.float32) == ({row_invariant_linear}, False, False)
     if cpu_kernels._bf16_built():
         tiles = cpu_kernels.load_amx() is not None  # AMX: every bf16 Linear on tiles
         assert picked(torch.bfloat16) == ({tiled_linear if tiles else cpu_kernels.linear}, True, True)
@@ -286,3 +287,21 @@ def test_bf16_linear_with_padded_rows_gives_the_unpadded_bits(rows):
     got = cpu_kernels.linear(x, weight, bias)
     assert got.shape == (rows, 704)
     assert torch.equal(got, F.linear(x, weight, bias))
+
+
+@pytest.mark.parametrize("k, n", [(64, 192), (128, 64), (896, 1152)])
+def test_fp32_linear_rows_do_not_depend_on_the_batch(k, n):
+    """A row's bits are the same whether it is multiplied alone, beside a few rows or among many
+    (MKL runs fewer than 16 rows through other kernels: a decode step of 3 rows and a speculating
+    one of 4 gave the same token other logits). Checked through `linear_kernel`, as layers pick it."""
+    from treeserve.layers.linear import linear_kernel
+
+    torch.manual_seed(k)
+    weight, bias, x = torch.randn(n, k), torch.randn(n), torch.randn(40, k)
+    matmul = linear_kernel(weight)
+    full = matmul(x, weight, bias)
+    assert torch.equal(full, F.linear(x, weight, bias))  # from MIN_GEMM_ROWS rows on: PyTorch's bits
+    for rows in range(1, 40):
+        for first in (0, 40 - rows):
+            assert torch.equal(matmul(x[first : first + rows], weight, bias), full[first : first + rows]), rows
+    assert torch.equal(matmul(x.view(4, 10, k)[:1], weight, bias), full[:10].view(1, 10, n))  # leading dims kept

@@ -8,7 +8,8 @@ bits never depend on the batch). Otherwise `linear_kernel(weight)` picks: for bf
 on a CPU where the AVX512-BF16 kernels were built, `kernels.cpu.linear` (a GEMV that streams
 the weights for up to 4 rows, oneDNN with rows padded to a bucket above that, PyTorch's
 bits); for a `QuantTensor` (the loader replaced the parameter by quantised bytes),
-`quant_linear`; F.linear everywhere else (cuBLAS on a GPU). The tied LM head of a model
+`quant_linear`; for fp32 weights on a CPU, `row_invariant_linear` (F.linear with at least
+MIN_GEMM_ROWS rows); F.linear everywhere else (cuBLAS on a GPU). The tied LM head of a model
 multiplies by its embedding table, which stays a plain matrix (`linear_kernel`).
 """
 
@@ -26,6 +27,12 @@ from treeserve.layers.quant import QuantTensor, quant_linear
 
 LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
+# MKL's fp32 GEMM multiplies fewer rows than this with other kernels (a GEMV at one row,
+# small-matrix kernels up to 15 rows for k >= 512, up to 5 at k = 128) that sum each dot
+# product in another order, so a row's last bits depended on how many rows shared its matmul
+# (from 16 rows on, every row count gave the same bits: 16-2048 rows, k 64-4096, tested).
+MIN_GEMM_ROWS = 16
+
 
 def linear_kernel(weight: torch.Tensor | QuantTensor) -> LinearKernel:
     """The matmul with F.linear's semantics that suits `weight`'s format, device and dtype."""
@@ -33,7 +40,22 @@ def linear_kernel(weight: torch.Tensor | QuantTensor) -> LinearKernel:
         return quant_linear
     if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and cpu_kernels._bf16_built():
         return cpu_kernels.linear
+    if weight.device.type == "cpu" and weight.dtype == torch.float32:
+        return row_invariant_linear
     return F.linear
+
+
+def row_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear whose rows' bits do not depend on how many rows are multiplied together (fp32
+    on a CPU): fewer than MIN_GEMM_ROWS rows are padded with zero rows. Without it a decode step
+    of 3 sequences and a speculating one of 4 rows computed the same token's logits in other
+    last bits, and a sampled token at a CDF boundary changed: speculation changed an output."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows >= MIN_GEMM_ROWS or rows == 0:
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, x.shape[-1])
+    out = F.linear(F.pad(flat, (0, 0, 0, MIN_GEMM_ROWS - rows)), weight, bias)[:rows]
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 class Linear(nn.Linear):
