@@ -72,7 +72,7 @@ def test_embedding_table_laid_out_as_tiles_gives_its_rows():
     ids = torch.tensor([[0, 15, 16, 99], [42, 42, 7, 1]])
     expected = table(ids)
     table.pick_kernel()
-    assert table.tiled and table.weight.shape == (7, 2, 16, 16, 2)
+    assert cpu_kernels.amx_tiled(table.weight) and table.weight.shape == (7, 2, 16, 16, 2)
     assert torch.equal(table(ids), expected)
 
 
@@ -84,7 +84,7 @@ def test_engine_same_greedy_tokens_with_and_without_tiles(checkpoint, make_llm, 
     llm = make_llm(path, dtype="bfloat16")
     tiled = llm.generate(prompts, params)
     model = llm.engine.model
-    assert model.layers[0].mlp.down_proj.weight.dim() == 5 and model.embed_tokens.tiled
+    assert all(cpu_kernels.amx_tiled(w) for w in (model.layers[0].mlp.down_proj.weight, model.embed_tokens.weight))
     monkeypatch.setattr(cpu_kernels, "amx_supports", lambda weight: False)
     plain = make_llm(path, dtype="bfloat16").generate(prompts, params)
     assert [o.outputs[0].token_ids for o in tiled] == [o.outputs[0].token_ids for o in plain]

@@ -16,10 +16,12 @@ def pick_kernels(model: nn.Module) -> None:
 
     Called once by `models.loader.load_model` (safetensors and GGUF alike) after the weights
     are assigned and the rope tables built. Every module with a `pick_kernel()` method gets it
-    called; the model's own `pick_kernel` covers what is not a submodule: its rotary tables
-    (plain attributes) and the LM head's matmul (the tied embedding table is no `Linear`).
+    called, submodules before the module holding them (so a model's tied LM head follows the
+    layout its embedding table chose); the model's own `pick_kernel` covers what is not a
+    submodule: its rotary tables (plain attributes) and the tied LM head's matmul (the
+    embedding table is no `Linear`).
     """
-    for module in model.modules():
+    for module in reversed(list(model.modules())):  # pre-order reversed: every module after its submodules
         pick = getattr(module, "pick_kernel", None)
         if pick is not None:
             pick()

@@ -26,17 +26,12 @@ class Embedding(nn.Embedding):
         self.lookup: Callable[[torch.Tensor, torch.Tensor | QuantTensor], torch.Tensor] = F.embedding
 
     def pick_kernel(self) -> None:
-        """Called by `pick_kernels` and, first, by the model's own `pick_kernel` (a second call keeps the tiles)."""
         if cpu_kernels.amx_supports(self.weight):
             self.weight = nn.Parameter(cpu_kernels.amx_pack(self.weight), requires_grad=False)
         if isinstance(self.weight, QuantTensor):
             self.lookup = quant_embedding
         else:
-            self.lookup = tiled_embedding if self.weight.dim() == 5 else F.embedding
-
-    @property
-    def tiled(self) -> bool:
-        return isinstance(self.weight, torch.Tensor) and self.weight.dim() == 5
+            self.lookup = tiled_embedding if cpu_kernels.amx_tiled(self.weight) else F.embedding
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.lookup(input_ids, self.weight)
@@ -45,5 +40,5 @@ class Embedding(nn.Embedding):
 def tiled_embedding(ids: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of a table laid out by `amx_pack`: row r is channel r % 16 of panel r // 16."""
     flat = ids.reshape(-1)
-    rows = tiles[flat // 16, :, :, flat % 16, :]  # [len, k/32, 16, 2]
+    rows = tiles[flat // cpu_kernels.AMX_PANEL, :, :, flat % cpu_kernels.AMX_PANEL, :]  # [len, k/32, 16, 2]
     return rows.reshape(*ids.shape, -1)

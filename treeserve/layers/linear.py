@@ -3,14 +3,14 @@
 `Linear` is `nn.Linear` (same parameters, same checkpoint names) whose forward calls
 `self.kernel`. On a CPU with usable AMX tiles, a bf16 `Linear` lays its weight out as tiles
 once (`kernels.cpu.amx_pack`; the parameter becomes that [n/16, k/32, 16, 16, 2] tensor, no
-second copy) and multiplies every batch size on them (`amx_linear`: one kernel, so a row's
-bits never depend on the batch). Otherwise `linear_kernel(weight)` picks: for bf16 weights
-on a CPU where the AVX512-BF16 kernels were built, `kernels.cpu.linear` (a GEMV that streams
+second copy). `linear_kernel(weight, rows)` then picks `tiled_linear` for tiles (`amx_linear`:
+one kernel for every batch size, so a row's bits never depend on the batch); otherwise, for
+bf16 weights on a CPU where the AVX512-BF16 kernels were built, `kernels.cpu.linear` (a GEMV that streams
 the weights for up to 4 rows, oneDNN with rows padded to a bucket above that, PyTorch's
 bits); for a `QuantTensor` (the loader replaced the parameter by quantised bytes),
 `quant_linear`; for fp32 weights on a CPU, `row_invariant_linear` (F.linear with at least
 MIN_GEMM_ROWS rows); F.linear everywhere else (cuBLAS on a GPU). The tied LM head of a model
-multiplies by its embedding table, which stays a plain matrix (`linear_kernel`).
+multiplies by its embedding table (tiles too where the CPU has AMX) through `linear_kernel`.
 """
 
 from __future__ import annotations
@@ -34,8 +34,11 @@ LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch
 MIN_GEMM_ROWS = 16
 
 
-def linear_kernel(weight: torch.Tensor | QuantTensor) -> LinearKernel:
-    """The matmul with F.linear's semantics that suits `weight`'s format, device and dtype."""
+def linear_kernel(weight: torch.Tensor | QuantTensor, rows: int) -> LinearKernel:
+    """The matmul with F.linear's semantics that suits `weight`'s format, device and dtype
+    (`rows`: the matrix's rows, which AMX tiles pad to a multiple of 16)."""
+    if cpu_kernels.amx_tiled(weight):
+        return partial(tiled_linear, n=rows)
     if isinstance(weight, QuantTensor):
         return quant_linear
     if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and cpu_kernels._bf16_built():
@@ -66,9 +69,7 @@ class Linear(nn.Linear):
     def pick_kernel(self) -> None:
         if cpu_kernels.amx_supports(self.weight):
             self.weight = nn.Parameter(cpu_kernels.amx_pack(self.weight), requires_grad=False)
-            self.kernel = partial(tiled_linear, n=self.out_features)
-        elif not (isinstance(self.weight, torch.Tensor) and self.weight.dim() == 5):  # not laid out as tiles already
-            self.kernel = linear_kernel(self.weight)
+        self.kernel = linear_kernel(self.weight, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, self.weight, self.bias)

@@ -9,7 +9,6 @@ padding. q/k/v and gate/up projections are fused so each layer runs four matmuls
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +16,7 @@ from torch import nn
 
 from treeserve.layers.attention import Attention
 from treeserve.layers.embedding import Embedding
-from treeserve.layers.linear import Linear, linear_kernel, tiled_linear
+from treeserve.layers.linear import Linear, linear_kernel
 from treeserve.layers.norm import RMSNorm
 from treeserve.layers.rotary import RotaryEmbedding, rope_inv_freq
 
@@ -172,12 +171,8 @@ class LlamaForCausalLM(nn.Module):
 
     def pick_kernel(self) -> None:
         """The tied LM head's matmul and the rotary tables' kernels (`layers.pick_kernels` calls this)."""
-        self.embed_tokens.pick_kernel()  # the table's layout first (AMX tiles), which the head's matmul follows
-        weight = self.embed_tokens.weight
-        if self.embed_tokens.tiled:
-            self.logits_linear = partial(tiled_linear, n=self.embed_tokens.num_embeddings)
-        else:
-            self.logits_linear = linear_kernel(weight)
+        weight = self.embed_tokens.weight  # its layout picked already (`pick_kernels`: submodules first)
+        self.logits_linear = linear_kernel(weight, self.embed_tokens.num_embeddings)
         for rope in vars(self).values():
             if isinstance(rope, RotaryEmbedding):
                 rope.pick_kernel(weight.dtype)

@@ -333,6 +333,11 @@ def amx_pack(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(panels, AMX_PANEL, k // AMX_CHUNK, AMX_CHUNK // 2, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 
+def amx_tiled(weight: object) -> bool:
+    """Whether `weight` is a matrix laid out by `amx_pack` (its tiles' 5 dimensions)."""
+    return isinstance(weight, torch.Tensor) and weight.dim() == 5
+
+
 def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
     """F.linear(x, weight, bias) for bf16 x [m, k], `packed` = amx_pack(weight) and n = weight.shape[0]."""
     if x.stride(-1) != 1:
