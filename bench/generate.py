@@ -131,7 +131,12 @@ def gemma_main(args: argparse.Namespace, engines: list[str]) -> None:
     weight_bytes = sum(int(t.n_bytes) for t in checkpoint.reader.tensors)  # as stored; tied LM head once
     floor_ms = weight_bytes / bandwidth * 1e3
     results = {}
+    unknown = set(args.scenarios) - set(scenarios)
+    if unknown:
+        raise SystemExit(f"unknown --scenarios {sorted(unknown)}; choose from {sorted(scenarios)}")
     for name, workload in scenarios.items():
+        if name not in args.scenarios:
+            continue
         print(f"\n== {name}", flush=True)
         runs = run_rotating(engines, models, workload, args.repeats, args.threads)
         medians = {e: statistics.median(r["tokens_per_s"] for r in runs[e]) for e in engines}
@@ -144,7 +149,7 @@ def gemma_main(args: argparse.Namespace, engines: list[str]) -> None:
         ratios = [f"{m['treeserve'] / m[e]:.2f}x" for e in engines if e != "treeserve"] if "treeserve" in m else []
         print(f"| {name} | " + " | ".join(f"{m[e]:.1f}" for e in engines) + " | " + " | ".join(ratios) + " |")
     summary = {"bandwidth_gb_s": bandwidth / 1e9, "weight_bytes": weight_bytes, "floor_ms_per_token": floor_ms}
-    if "treeserve" in engines:
+    if "treeserve" in engines and "decode1" in results:
         decode_ms = 1e3 / results["decode1"]["medians"]["treeserve"]
         summary.update(treeserve_decode_ms_per_token=decode_ms, ratio_to_floor=decode_ms / floor_ms)
         print(f"memory bandwidth (copy) {bandwidth / 1e9:.1f} GB/s; quantised weights {weight_bytes / 1e6:.0f} MB; "
@@ -171,6 +176,12 @@ def main() -> None:
     ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "treeserve-bench-llama-256x4"))
     ap.add_argument("--output", default=None, help="write the raw runs here (JSON)")
     ap.add_argument("--gemma", action="store_true", help="Gemma 3 270M: decode1, batch and prefill scenarios")
+    ap.add_argument(
+        "--scenarios",
+        default="decode1,batch,prefill",
+        type=lambda s: s.split(","),
+        help="with --gemma: which of decode1, batch, prefill to run",
+    )
     ap.add_argument("--device", default="cpu", help="treeserve's device (cuda: see bench/gpu.py); peers use theirs")
     args = ap.parse_args()
 

@@ -34,7 +34,7 @@ def _blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
 
 
 def _matmul(qtype: int, data: torch.Tensor, scales: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    return quant.qmatmul(quant.Plan([(qtype, data, scales)], x.shape[1]), x)
+    return quant.qmatmul(quant.Plan([(qtype, data, scales, data.shape[0])], x.shape[1]), x)
 
 
 def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -129,7 +129,7 @@ def _int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def test_int8_activations_multiply_the_rounded_rows_exactly(qtype, rows, dtype):
     n, k = 23, 512
     data, scales, number = _weights(qtype, n, k, seed=rows)
-    plan = quant.Plan([(number, data, scales)], k)
+    plan = quant.Plan([(number, data, scales, n)], k)
     assert plan.q8
     w = quant.dequant_rows(number, data, scales, torch.arange(n), k).double()
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
@@ -147,7 +147,7 @@ def test_int8_activations_multiply_the_rounded_rows_exactly(qtype, rows, dtype):
 def test_int8_activations_rows_do_not_depend_on_the_batch(qtype):
     n, k = 13, 256
     data, scales, number = _weights(qtype, n, k, seed=3)
-    plan = quant.Plan([(number, data, scales)], k)
+    plan = quant.Plan([(number, data, scales, n)], k)
     x = torch.randn(37, k).bfloat16()
     full = quant.qmatmul(plan, x, int8_activations=True)
     for m in (1, 2, 3, 5, 8, 9, 15, 16, 17, 31, 32, 33, 36):  # tiles of 8 rows; from 16 rows AMX where there is one
@@ -155,11 +155,44 @@ def test_int8_activations_rows_do_not_depend_on_the_batch(qtype):
         assert torch.equal(quant.qmatmul(plan, x[37 - m :], int8_activations=True), full[37 - m :]), m
 
 
+@needs_q8
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q8_0_laid_out_as_panels_gives_the_files_results_to_the_bit(dtype):
+    """Laid-out panels hold the file's codes and scales in the kernel's order: the same products
+    and sums, for few rows (VNNI) and tiles of 16 (AMX where there is one), alone and beside a
+    part of another format (which stays as it is)."""
+    qtype, n, k = "Q8_0", 37, 512  # 37: the last panel holds 5 channels
+    data = _blocks(qtype, n, k, seed=4)
+    other = _blocks("Q5_0", 9, k, seed=5)
+    filed = QuantTensor([QuantPart(quant.QTYPES["Q5_0"], other), QuantPart(quant.QTYPES[qtype], data)], k, dtype)
+    laid = filed.in_panels()
+    assert laid.parts[0] is filed.parts[0] and laid.parts[1].qtype == quant.PANELS + quant.QTYPES[qtype]
+    assert laid.formats == ["Q5_0", "Q8_0"] and laid.shape == (46, k) and laid.in_panels() is laid
+    assert laid.parts[1].data.shape == (3, 16 * quant.row_bytes(quant.QTYPES[qtype], k))  # the file's bytes
+    assert torch.equal(laid.dequantize(), filed.dequantize())
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(6)).to(dtype)
+    bias = torch.randn(46)
+    for m in (1, 2, 3, 5, 8, 9, 15, 16, 17, 31, 32, 33, 40):
+        assert torch.equal(quant_linear(x[:m], laid, bias), quant_linear(x[:m], filed, bias)), m
+    table, laid_table = QuantTensor([filed.parts[1]], k), QuantTensor([laid.parts[1]], k)
+    ids = torch.tensor([[36, 0], [17, 36]])
+    assert torch.equal(quant_embedding(ids, laid_table), quant_embedding(ids, table))
+    with pytest.raises(IndexError, match="out of range"):
+        quant_embedding(torch.tensor([37]), laid_table)
+
+
+def test_a_matrix_the_int8_kernel_does_not_multiply_is_not_laid_out():
+    narrow = QuantTensor([QuantPart(quant.QTYPES["Q8_0"], _blocks("Q8_0", 4, 96))], 96)  # 96 % 64
+    mixed = QuantTensor([QuantPart(quant.QTYPES["Q8_0"], _blocks("Q8_0", 4, 256)),
+                         QuantPart(quant.QTYPES["Q4_1"], _blocks("Q4_1", 4, 256))], 256)  # fmt: skip
+    assert narrow.in_panels() is narrow and mixed.in_panels() is mixed
+
+
 def test_formats_or_widths_the_int8_kernels_do_not_take_keep_float_activations():
-    assert not quant.Plan([(quant.QTYPES["Q4_1"], _blocks("Q4_1", 4, 256), None)], 256).q8
-    assert not quant.Plan([(quant.QTYPES["Q8_0"], _blocks("Q8_0", 4, 96), None)], 96).q8  # 96 % 64
-    mixed = quant.Plan([(quant.QTYPES["Q8_0"], _blocks("Q8_0", 4, 256), None),
-                        (quant.QTYPES["Q5_K"], _blocks("Q5_K", 4, 256), None)], 256)  # fmt: skip
+    assert not quant.Plan([(quant.QTYPES["Q4_1"], _blocks("Q4_1", 4, 256), None, 4)], 256).q8
+    assert not quant.Plan([(quant.QTYPES["Q8_0"], _blocks("Q8_0", 4, 96), None, 4)], 96).q8  # 96 % 64
+    mixed = quant.Plan([(quant.QTYPES["Q8_0"], _blocks("Q8_0", 4, 256), None, 4),
+                        (quant.QTYPES["Q5_K"], _blocks("Q5_K", 4, 256), None, 4)], 256)  # fmt: skip
     assert not mixed.q8
 
 

@@ -69,6 +69,8 @@ class Linear(nn.Linear):
     def pick_kernel(self) -> None:
         if cpu_kernels.amx_supports(self.weight):
             self.weight = nn.Parameter(cpu_kernels.amx_pack(self.weight), requires_grad=False)
+        if isinstance(self.weight, QuantTensor):
+            self.weight = self.weight.in_panels()
         self.kernel = linear_kernel(self.weight, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,10 @@ is one `QuantTensor` of three parts. The bytes stay as loaded (a GGUF file's mem
 `dtype` is the dtype activations and results have (the engine's), so model code that asks
 `weight.dtype` works unchanged.
 
+Where the 8-bit kernel multiplies a matrix, `in_panels()` lays its Q8_0 parts out once as that
+kernel's panels (at kernel pick time, `Linear`/`Embedding`): a copy of the same size, in the
+kernel's order, replaces the file's bytes.
+
 `quant_linear` has F.linear's signature; `linear_kernel` returns it for a `QuantTensor`.
 `quant_embedding` looks rows up. Both call `kernels/cpu/quant.py` (CPU only: a GPU engine
 dequantises at load). `quantize_int8` makes an int8 `QuantTensor` of a dense weight.
@@ -22,6 +26,7 @@ from torch import nn
 from treeserve.kernels.cpu import quant as kernels
 
 QTYPE_NAMES = {number: name for name, number in kernels.QTYPES.items()}
+QTYPE_NAMES |= {kernels.PANELS + number: name for number, name in QTYPE_NAMES.items()}  # laid out: the same format
 KERNEL_FORMATS = set(kernels.BLOCKS)  # ggml type numbers (and our int8) the kernels multiply
 
 
@@ -32,13 +37,30 @@ def kernels_available() -> bool:
 
 @dataclass
 class QuantPart:
-    qtype: int  # kernels.QTYPES value
-    data: torch.Tensor  # uint8 [rows, row_bytes]
+    qtype: int  # kernels.QTYPES value, or kernels.PANELS + one (laid out)
+    data: torch.Tensor  # uint8 [rows, row_bytes] (laid out: [ceil(rows / 16) panels, row_bytes])
     scales: torch.Tensor | None = None  # fp32 [rows], int8 only
+    panel_rows: int = 0  # panels: the output channels they hold
 
     @property
     def rows(self) -> int:
-        return self.data.shape[0]
+        return self.panel_rows if self.qtype > kernels.PANELS else self.data.shape[0]
+
+    def in_panels(self, cols: int) -> QuantPart:
+        """This part laid out as the 8-bit kernel's panels (`QuantTensor.in_panels` checks that
+        kernel multiplies the matrix) where its format has a layout (Q8_0), else itself."""
+        if self.qtype not in kernels.LAYOUTS:
+            return self
+        panels = kernels.lay_out(self.qtype, self.data, cols)
+        return QuantPart(kernels.PANELS + self.qtype, panels, panel_rows=self.rows)
+
+    def dequantize(self, ids: torch.Tensor, cols: int) -> torch.Tensor:
+        """fp32 rows `ids`: the dequantiser's values, to the bit (laid out too)."""
+        if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < self.rows):
+            raise IndexError(f"row ids out of range for a matrix of {self.rows} rows")
+        if self.qtype > kernels.PANELS:
+            return kernels.panel_rows(self.qtype, self.data, ids, cols)
+        return kernels.dequant_rows(self.qtype, self.data, self.scales, ids, cols)
 
 
 @dataclass
@@ -53,7 +75,7 @@ class QuantTensor:
     def plan(self) -> kernels.Plan:
         """The kernel's description of the parts (built at first use)."""
         if self._plan is None:
-            self._plan = kernels.Plan([(p.qtype, p.data, p.scales) for p in self.parts], self.cols)
+            self._plan = kernels.Plan([(p.qtype, p.data, p.scales, p.rows) for p in self.parts], self.cols)
         return self._plan
 
     @property
@@ -78,11 +100,20 @@ class QuantTensor:
         assert len({t.cols for t in tensors}) == 1
         return QuantTensor([p for t in tensors for p in t.parts], tensors[0].cols, tensors[0].dtype)
 
+    def in_panels(self) -> QuantTensor:
+        """The same matrix with its Q8_0 parts laid out as the 8-bit kernel's panels, where
+        that kernel multiplies the whole matrix (this CPU, every part's format, the width;
+        other parts stay as they are). Itself when nothing changes."""
+        if not self.plan.q8:
+            return self
+        parts = [p.in_panels(self.cols) for p in self.parts]
+        if all(new is old for new, old in zip(parts, self.parts, strict=True)):
+            return self
+        return QuantTensor(parts, self.cols, self.dtype, self.device)
+
     def dequantize(self) -> torch.Tensor:
         """The fp32 matrix (the reference the kernels are tested against)."""
-        return torch.cat(
-            [kernels.dequant_rows(p.qtype, p.data, p.scales, torch.arange(p.rows), self.cols) for p in self.parts]
-        )
+        return torch.cat([p.dequantize(torch.arange(p.rows), self.cols) for p in self.parts])
 
 
 def quant_linear(x: torch.Tensor, weight: QuantTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -91,6 +122,13 @@ def quant_linear(x: torch.Tensor, weight: QuantTensor, bias: torch.Tensor | None
     CPU allow it); otherwise bf16 activations go in as they are where the CPU has bf16 dot
     products (bf16 weights, fp32 sums), and anything else as fp32."""
     plan = weight.plan
+    if plan.q8 and bias is None and x.is_contiguous() and x.dtype in (torch.bfloat16, torch.float32):
+        # the decode path, ~70 calls a token: no copies, no checks the kernel's own call repeats
+        out = torch.empty(*x.shape[:-1], plan.n, dtype=x.dtype)
+        bf16 = int(x.dtype == torch.bfloat16)
+        plan.q8_call(x.data_ptr(), plan.k, x.numel() // plan.k, None, out.data_ptr(), plan.n, bf16, bf16,
+                     torch.get_num_threads())  # fmt: skip
+        return out
     bf16 = x.dtype == torch.bfloat16
     rows = x.reshape(-1, plan.k)
     if not (bf16 and (plan.q8 or kernels.bf16_dot())):
@@ -109,8 +147,7 @@ def quant_embedding(ids: torch.Tensor, weight: QuantTensor) -> torch.Tensor:
     flat = ids.reshape(-1)
     if len(weight.parts) != 1:
         raise ValueError("a quantised embedding table is one part")
-    part = weight.parts[0]
-    rows = kernels.dequant_rows(part.qtype, part.data, part.scales, flat, weight.cols)
+    rows = weight.parts[0].dequantize(flat, weight.cols)
     return rows.view(*ids.shape, weight.cols).to(weight.dtype)
 
 

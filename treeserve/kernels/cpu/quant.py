@@ -7,12 +7,15 @@ kernels take, by ggml's type numbers; `BLOCKS` gives each one's (weights, bytes)
 `available()` is False without a C compiler or with `TREESERVE_CPU_KERNELS=0`: callers then
 dequantise at load (the reference path). A `Plan`'s `q8` says whether its matmul rounds the
 activations to 8 bits (formats and CPU allow it); `layers/quant.py` follows it.
+`lay_out` lays a Q8_0 matrix out once as the 8-bit kernel's panels (type PANELS + Q8_0: 16
+output channels a panel, the codes in the order the kernel reads them, the file's size), which
+it then streams as one run of bytes instead of 16 rows at once: the same results, to the bit.
 """
 
 from __future__ import annotations
 
 import ctypes
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 
 import torch
@@ -25,9 +28,12 @@ Q8_SOURCE = Path(__file__).parent / "q8_kernels.c"  # the same matmul with 8-bit
 # (a row's result may not depend on the batch), so the compiler may not reassociate.
 QUANT_FLAGS = [flag for flag in FLAGS if flag != "-ffast-math"]
 I8 = 1000  # per-output-channel symmetric int8 (ours; not a ggml type)
+PANELS = 2000  # a format's number + PANELS: that format laid out as q8_kernels.c's panels (ours)
+PANEL = 16  # output channels a panel
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "I8": I8}
 BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (256, 144), 13: (256, 176),
           14: (256, 210), I8: (32, 32)}  # fmt: skip
+LAYOUTS = {QTYPES["Q8_0"]}  # formats `lay_out` takes (the nibble formats laid out measured no faster)
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 
@@ -50,10 +56,13 @@ def load_q8() -> ctypes.CDLL | None:
     if lib is None or not lib.q8_available():
         return None
     lib.q8_matmul.argtypes = load().qmatmul.argtypes
+    lib.q8_0_panels.argtypes = [_ptr, _i64, _i64, _ptr, _int]
+    lib.q8_panel_rows.argtypes = [_ptr, _i64, _ptr, _i64, _ptr]
     return lib
 
 
 Q8_FORMATS = {QTYPES[name] for name in ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q6_K", "I8")}  # what q8_kernels.c takes
+Q8_FORMATS |= {PANELS + qtype for qtype in LAYOUTS}
 
 
 def q8_available() -> bool:
@@ -73,6 +82,9 @@ def bf16_dot() -> bool:
 
 
 def row_bytes(qtype: int, k: int) -> int:
+    """Bytes a row of k weights (laid out: a panel of PANEL rows, the codes and fp16 scales)."""
+    if qtype > PANELS:
+        return PANEL * row_bytes(qtype - PANELS, k)
     weights, nbytes = BLOCKS[qtype]
     if k % weights:
         raise ValueError(f"a row of {k} weights is not a whole number of {weights}-weight blocks")
@@ -88,28 +100,33 @@ MAX_PARTS = 8  # row-stacked matrices a `Plan` may hold (quant_kernels.c)
 
 class Plan:
     """The ctypes arguments describing a row-stack of quantised matrices (built once a weight):
-    part j = (format, uint8 [rows, row_bytes], fp32 row scales or None)."""
+    part j = (format, uint8 [rows (or panels), row_bytes], fp32 row scales or None, rows)."""
 
-    def __init__(self, parts: list[tuple[int, torch.Tensor, torch.Tensor | None]], k: int):
+    def __init__(self, parts: list[tuple[int, torch.Tensor, torch.Tensor | None, int]], k: int):
         if not 1 <= len(parts) <= MAX_PARTS:
             raise ValueError(f"a quantised matrix has 1..{MAX_PARTS} parts, got {len(parts)}")
-        for qtype, data, _ in parts:
-            assert data.dtype == torch.uint8 and data.is_contiguous() and data.shape[1] == row_bytes(qtype, k)
+        for qtype, data, _, rows in parts:
+            stored = -(-rows // PANEL) if qtype > PANELS else rows
+            assert data.dtype == torch.uint8 and data.is_contiguous() and data.shape == (stored, row_bytes(qtype, k))
         count = len(parts)
-        self.k, self.n = k, sum(data.shape[0] for _, data, _ in parts)
+        self.k, self.n = k, sum(rows for *_, rows in parts)
         self.tensors = parts  # keeps the bytes alive while the pointers below are used
         self.args = (
             count,
-            (ctypes.c_int * count)(*(qtype for qtype, _, _ in parts)),
-            (ctypes.c_void_p * count)(*(data.data_ptr() for _, data, _ in parts)),
-            (ctypes.c_int64 * count)(*(data.stride(0) for _, data, _ in parts)),
-            (ctypes.c_void_p * count)(*(None if s is None else s.data_ptr() for _, _, s in parts)),
-            (ctypes.c_int64 * count)(*(data.shape[0] for _, data, _ in parts)),
+            (ctypes.c_int * count)(*(qtype for qtype, *_ in parts)),
+            (ctypes.c_void_p * count)(*(data.data_ptr() for _, data, *_ in parts)),
+            (ctypes.c_int64 * count)(*(data.stride(0) for _, data, *_ in parts)),
+            (ctypes.c_void_p * count)(*(None if s is None else s.data_ptr() for _, _, s, _ in parts)),
+            (ctypes.c_int64 * count)(*(rows for *_, rows in parts)),
             k,
         )
         # whether to multiply 8-bit activations: every part in a format q8_kernels.c takes, rows of
         # whole 64-weight groups, and a CPU with AVX512-VNNI
-        self.q8 = k % 64 == 0 and all(qtype in Q8_FORMATS for qtype, _, _ in parts) and q8_available()
+        self.q8 = k % 64 == 0 and all(qtype in Q8_FORMATS for qtype, *_ in parts) and q8_available()
+        # the matmuls with this matrix's arguments bound (a decode step makes ~70 calls)
+        self.float_call = partial(load().qmatmul, *self.args)
+        self.q8_call = partial(load_q8().q8_matmul, *self.args) if self.q8 else None
+        self.laid_out = any(qtype > PANELS for qtype, *_ in parts)  # only the 8-bit kernel reads panels
 
 
 def qmatmul(
@@ -127,12 +144,12 @@ def qmatmul(
     m = x.shape[0]
     assert x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1 and x.shape[1] == plan.k
     assert x.dtype == torch.float32 or bf16_dot() or int8_activations
-    assert not int8_activations or plan.q8
+    assert int8_activations or not plan.laid_out
     if out is None:
         out = torch.empty(m, plan.n, dtype=torch.float32)
     assert out.shape == (m, plan.n) and out.is_contiguous() and out.dtype in (torch.float32, torch.bfloat16)
-    (load_q8().q8_matmul if int8_activations else load().qmatmul)(
-        *plan.args, x.data_ptr(), x.stride(0), m, _ptr_or_none(bias), out.data_ptr(), out.stride(0),
+    (plan.q8_call if int8_activations else plan.float_call)(
+        x.data_ptr(), x.stride(0), m, _ptr_or_none(bias), out.data_ptr(), out.stride(0),
         int(out.dtype == torch.bfloat16), int(x.dtype == torch.bfloat16), torch.get_num_threads(),
     )  # fmt: skip
     return out
@@ -150,6 +167,27 @@ def dequant_rows(
         qtype, data.data_ptr(), data.stride(0), _ptr_or_none(scales), ids.data_ptr(), ids.numel(), k,
         out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
+    return out
+
+
+def lay_out(qtype: int, data: torch.Tensor, k: int) -> torch.Tensor:
+    """A matrix (uint8 [n, row_bytes], a format in LAYOUTS) laid out as the 8-bit kernel's
+    panels: uint8 [ceil(n / PANEL), row_bytes(PANELS + qtype, k)] (needs `q8_available()`, k a
+    multiple of 64). Channels past n in the last panel are zero weights."""
+    assert q8_available() and qtype in LAYOUTS and k % 64 == 0 and data.shape[1] == row_bytes(qtype, k)
+    data = data.contiguous()
+    out = torch.empty(-(-data.shape[0] // PANEL), row_bytes(PANELS + qtype, k), dtype=torch.uint8)
+    assert out.data_ptr() % 64 == 0  # the kernel reads a panel's scales with aligned loads
+    load_q8().q8_0_panels(data.data_ptr(), data.shape[0], k, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def panel_rows(qtype: int, data: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """fp32 rows `ids` of a laid-out matrix (type PANELS + Q8_0): the dequantiser's values."""
+    assert qtype == PANELS + QTYPES["Q8_0"]
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty(ids.numel(), k, dtype=torch.float32)
+    load_q8().q8_panel_rows(data.data_ptr(), k, ids.data_ptr(), ids.numel(), out.data_ptr())
     return out
 
 
