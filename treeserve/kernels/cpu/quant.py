@@ -14,6 +14,7 @@ it then streams as one run of bytes instead of 16 rows at once: the same results
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from functools import cache, partial
 from pathlib import Path
@@ -179,7 +180,19 @@ def lay_out(qtype: int, data: torch.Tensor, k: int) -> torch.Tensor:
     out = torch.empty(-(-data.shape[0] // PANEL), row_bytes(PANELS + qtype, k), dtype=torch.uint8)
     assert out.data_ptr() % 64 == 0  # the kernel reads a panel's scales with aligned loads
     load_q8().q8_0_panels(data.data_ptr(), data.shape[0], k, out.data_ptr(), torch.get_num_threads())
+    _page_out(data)
     return out
+
+
+def _page_out(t: torch.Tensor) -> None:
+    """Ask Linux to reclaim a tensor's pages (MADV_PAGEOUT, a hint: the data stays valid). A GGUF
+    file's memory map read once for `lay_out` then leaves the resident set instead of staying
+    beside its copy; anonymous memory without swap stays as it is."""
+    page = 4096
+    start = t.data_ptr() // page * page
+    end = -(-(t.data_ptr() + t.numel() * t.element_size()) // page) * page
+    with contextlib.suppress(AttributeError, OSError):
+        ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 21)
 
 
 def panel_rows(qtype: int, data: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
