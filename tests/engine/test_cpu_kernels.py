@@ -305,3 +305,50 @@ def test_fp32_linear_rows_do_not_depend_on_the_batch(k, n):
         for first in (0, 40 - rows):
             assert torch.equal(matmul(x[first : first + rows], weight, bias), full[first : first + rows]), rows
     assert torch.equal(matmul(x.view(4, 10, k)[:1], weight, bias), full[:10].view(1, 10, n))  # leading dims kept
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_the_slots_indexing_writes(dtype):
+    arena = KVArena(12, 2, 4, 2, 16, dtype, "cpu")
+    k_cache, v_cache = arena.layer(1)
+    other = arena.buffer[:, 0].clone()
+    torch.manual_seed(0)
+    qkv = torch.randn(9, 3 * 32).to(dtype)
+    k, v = qkv[:, 32:64].view(9, 2, 16), qkv[:, 64:].view(9, 2, 16)  # rows 96 apart, as split from qkv
+    pages, offsets = torch.tensor([3, 3, 7, 0, 11, 11, 11, 11, 5]), torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 0])
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want_k[pages, offsets], want_v[pages, offsets] = k, v
+    assert cpu_kernels.store_kv(k, v, k_cache, v_cache, pages, offsets)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    assert torch.equal(arena.buffer[:, 0], other)  # the other layer untouched
+    strided = k.transpose(1, 2).contiguous().transpose(1, 2)  # heads not contiguous: indexing stores it
+    assert not cpu_kernels.store_kv(strided, v, k_cache, v_cache, pages, offsets)
+
+
+def test_decode_rows_in_the_steps_lead_are_attended_in_place_with_the_gathered_bits():
+    from treeserve.engine.attention import CpuBackend, SeqGroup
+
+    arena = KVArena(16, 1, 4, 2, 32, torch.bfloat16, "cpu")
+    k_cache, v_cache = arena.layer(0)
+    torch.manual_seed(0)
+    k_cache.copy_(torch.randn_like(k_cache, dtype=torch.float32).bfloat16())
+    v_cache.copy_(torch.randn_like(v_cache, dtype=torch.float32).bfloat16())
+    q = torch.randn(5, 4, 32).bfloat16()
+    tables, lens = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8]]), torch.tensor([9, 5, 12])
+
+    def group(rows: list[int]) -> SeqGroup:
+        index = torch.tensor(rows)[:, None]
+        return SeqGroup(tables, lens, index, lens[:, None] - 1, index[:, 0], torch.ones(3, dtype=torch.int64))
+
+    leading, shuffled = group([0, 1, 2]), group([3, 0, 4])
+    assert leading.leads and not shuffled.leads
+    outs = []
+    for g in (leading, shuffled):
+        out = torch.zeros_like(q)
+        CpuBackend().attend(g, q, k_cache, v_cache, None, None, out)
+        outs.append(out)
+    want = cpu_kernels.paged_decode(q[:3], k_cache, v_cache, tables, lens, 32**-0.5, None)
+    assert torch.equal(outs[0][:3], want) and not outs[0][3:].any()
+    assert torch.equal(
+        outs[1][[3, 0, 4]], cpu_kernels.paged_decode(q[[3, 0, 4]], k_cache, v_cache, tables, lens, 32**-0.5, None)
+    )

@@ -19,6 +19,7 @@ Backends (chosen once per engine from `EngineConfig.attention_backend`):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,13 @@ class SeqGroup:
     @property
     def is_decode(self) -> bool:
         return self.query_index.shape[1] == 1
+
+    @cached_property
+    def leads(self) -> bool:
+        """Decodes whose queries are the step's first rows, in order (q[index] is q[:B]): read
+        once a step, on a CPU (a GPU would wait for it)."""
+        index = self.query_index[:, 0]
+        return self.is_decode and bool((index == torch.arange(index.numel(), device=index.device)).all())
 
     @property
     def query_valid(self) -> torch.Tensor:
@@ -97,14 +105,22 @@ class CpuBackend(SdpaBackend):
 
     name = "cpu"
 
+    def store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              pages: torch.Tensor, offsets: torch.Tensor) -> None:  # fmt: skip
+        if not cpu_kernels.store_kv(k, v, k_cache, v_cache, pages, offsets):
+            super().store(k, v, k_cache, v_cache, pages, offsets)
+
     def attend(self, group: SeqGroup, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                scale: float | None, window: int | None, out: torch.Tensor) -> None:  # fmt: skip
         kernel_scale = scale or q.shape[-1] ** -0.5
         if group.is_decode and cpu_kernels.supports(q):
-            index = group.query_index[:, 0]
-            out[index] = cpu_kernels.paged_decode(
-                q[index], k_cache, v_cache, group.block_tables, group.context_lens, kernel_scale, window
-            )
+            args = (k_cache, v_cache, group.block_tables, group.context_lens, kernel_scale, window)
+            if group.leads:  # no gather, no scatter: the kernel writes the rows in place
+                rows = group.query_index.shape[0]
+                cpu_kernels.paged_decode(q[:rows], *args, out=out[:rows])
+            else:
+                index = group.query_index[:, 0]
+                out[index] = cpu_kernels.paged_decode(q[index], *args)
         elif cpu_kernels.prefill_supports(q):
             cpu_kernels.paged_prefill(
                 q, k_cache, v_cache, group.block_tables, group.query_start, group.query_len,

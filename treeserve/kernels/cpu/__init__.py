@@ -108,6 +108,7 @@ def load() -> ctypes.CDLL | None:
         getattr(lib, f"sample_rows_masked_{suffix}").argtypes = [_ptr, _i64, _int, _int, _ptr, _i64, _int, _ptr,
                                                                  _ptr, _int]  # fmt: skip
     lib.rms_norm_bf16.argtypes = [_ptr, _i64, _int, _ptr, _ptr, _float, _ptr, _int]
+    lib.store_kv.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _int, _ptr, _i64, _i64, _i64, _ptr, _ptr]
     lib.rope_bf16.argtypes = [_ptr, _i64, _i64, _int, _int, _ptr, _ptr, _ptr, _int]
     lib.avx512_bf16_built.restype = _int
     if lib.avx512_bf16_built():
@@ -121,6 +122,30 @@ def supports(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype in _SUFFIX and load() is not None
 
 
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             pages: torch.Tensor, offsets: torch.Tensor) -> bool:  # fmt: skip
+    """`k_cache[pages, offsets] = k` and the same for v, in one C call: k/v [T, Hkv, D] with
+    contiguous heads, k/v_cache [pages, block, Hkv, D] views of one arena, pages/offsets int64
+    slots the engine allocated. False (nothing written) where the layouts do not fit."""
+    kv_heads, head_dim = k_cache.shape[2:]
+    width = kv_heads * head_dim
+    fits = (
+        supports(k) and v.dtype == k.dtype == k_cache.dtype
+        and k.shape == v.shape and k.shape[1:] == (kv_heads, head_dim)
+        and k.stride()[1:] == (head_dim, 1) and v.stride()[1:] == (head_dim, 1)
+        and k_cache.stride()[1:] == (width, head_dim, 1) and v_cache.stride() == k_cache.stride()
+        and pages.dtype == offsets.dtype == torch.int64 and pages.is_contiguous() and offsets.is_contiguous()
+    )  # fmt: skip
+    if not fits:
+        return False
+    load().store_kv(
+        k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.shape[0], width, k.element_size(),
+        k_cache.data_ptr(), k_cache.stride(0), width, (v_cache.data_ptr() - k_cache.data_ptr()) // k.element_size(),
+        pages.data_ptr(), offsets.data_ptr(),
+    )  # fmt: skip
+    return True
+
+
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -129,15 +154,19 @@ def paged_decode(
     context_lens: torch.Tensor,
     scale: float,
     window: int | None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [B, Hq, D]; k/v_cache [pages, block, Hkv, D] views of one arena; -> [B, Hq, D]."""
+    """q [B, Hq, D]; k/v_cache [pages, block, Hkv, D] views of one arena; -> [B, Hq, D] (into
+    `out`, contiguous and like q, where given)."""
     q = q.contiguous()
     tables = tables.contiguous()
     context_lens = context_lens.contiguous()
     batch, q_heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert k_cache.stride()[1:] == (kv_heads * head_dim, head_dim, 1) and v_cache.stride() == k_cache.stride()
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
     v_offset = (v_cache.data_ptr() - k_cache.data_ptr()) // k_cache.element_size()
     getattr(load(), f"paged_decode_{_SUFFIX[q.dtype]}")(
         q.data_ptr(), k_cache.data_ptr(), k_cache.stride(0), v_offset,

@@ -613,6 +613,20 @@ void rope_bf16(const bf16 *x, int64_t row_stride, int64_t tokens, int heads, int
     }
 }
 
+/* store_kv: the K and V rows of `tokens` new tokens (`width` elements of `elem` bytes each, rows
+ * `k_stride` / `v_stride` elements apart) copied into their slots (pages[t], offsets[t]) of one
+ * layer's cache (page_stride, token_stride elements; V at v_offset elements from K): the bytes
+ * `k_cache[pages, offsets] = k` writes, in one call instead of two indexing ops a layer. */
+void store_kv(const char *k, int64_t k_stride, const char *v, int64_t v_stride, int64_t tokens, int64_t width,
+              int elem, char *k_cache, int64_t page_stride, int64_t token_stride, int64_t v_offset,
+              const int64_t *pages, const int64_t *offsets) {
+    for (int64_t t = 0; t < tokens; t++) {
+        char *slot = k_cache + (pages[t] * page_stride + offsets[t] * token_stride) * elem;
+        memcpy(slot, k + t * k_stride * elem, (size_t)(width * elem));
+        memcpy(slot + v_offset * elem, v + t * v_stride * elem, (size_t)(width * elem));
+    }
+}
+
 /* 1 where the AVX512-BF16 kernels (linear_bf16, paged_prefill_bf16, paged_decode_bf16's fast
  * path) were compiled in: the compiler targets this CPU's AVX512-BF16. */
 #ifdef __AVX512BF16__
