@@ -125,9 +125,7 @@ def quant_linear(x: torch.Tensor, weight: QuantTensor, bias: torch.Tensor | None
     if plan.q8 and bias is None and x.is_contiguous() and x.dtype in (torch.bfloat16, torch.float32):
         # the decode path, ~70 calls a token: no copies, no checks the kernel's own call repeats
         out = torch.empty(*x.shape[:-1], plan.n, dtype=x.dtype)
-        bf16 = int(x.dtype == torch.bfloat16)
-        plan.q8_call(x.data_ptr(), plan.k, x.numel() // plan.k, None, out.data_ptr(), plan.n, bf16, bf16,
-                     torch.get_num_threads())  # fmt: skip
+        plan.run(x, x.numel() // plan.k, out, None, True)
         return out
     bf16 = x.dtype == torch.bfloat16
     rows = x.reshape(-1, plan.k)

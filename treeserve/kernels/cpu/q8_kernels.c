@@ -430,25 +430,24 @@ static void multiply_amx_any(int type, panel p, int64_t k, act_tile t, __m512 *a
     switch (type) { FORMATS(AMX_CASE) }
 }
 
-/* `multiply` for 16 rows against a laid-out panel: its codes are the B operand as they lie (4
- * weights of each of 16 channels a tile row) and the activation rows the A operand (TDPBSUD:
- * signed activations x unsigned codes), so acc[r] holds row r (no transposes); then `multiply`'s
- * float steps. Tiles as `configure_tiles(block)` sets them. (The file's layouts keep
- * `multiply_amx`: unpacked into this layout instead, their matmuls took 5-15% longer at 128-512
- * rows, the same bits.) */
+/* `multiply` for 16 rows against a laid-out Q8_0 panel: its codes are the B operand as they
+ * lie (4 weights of each of 16 channels a tile row) and the activation rows the A operand
+ * (TDPBSUD: signed activations x unsigned codes), so acc[r] holds row r (no transposes); then
+ * `multiply`'s float steps for Q8_0 (blocks of 32, codes offset by 128). Tiles as
+ * `configure_tiles(32)` sets them. (The file's layouts keep `multiply_amx`: unpacked into this
+ * layout instead, their matmuls took 5-15% longer at 128-512 rows, the same bits.) */
 #define PANEL_PRODUCT(C, A, B, blk, sums)                                                     \
     do {                                                                                      \
         _tile_zero(C);                                                                        \
-        _tile_loadd(A, x.q + r0 * k + (blk) * block, k);                                      \
-        _tile_loadd(B, p.codes + (blk) * block * NC, 64);                                     \
+        _tile_loadd(A, x.q + r0 * k + (blk) * 32, k);                                         \
+        _tile_loadd(B, p.codes + (blk) * 32 * NC, 64);                                        \
         _tile_dpbsud(C, A, B);                                                                \
         _tile_stored(C, sums, 64);                                                            \
     } while (0)
 
-static inline __attribute__((always_inline)) void multiply_amx_panel(panel p, int block, int shift, int with_min,
-                                                                     int64_t k, acts x, int64_t r0, int mr, __m512 *acc) {
+static void multiply_amx_q8_0_panel(panel p, int64_t k, acts x, int64_t r0, int mr, __m512 *acc) {
     int32_t sums[2][AMX_ROWS][NC] __attribute__((aligned(64)));
-    const int64_t blocks = k / block;
+    const int64_t blocks = k / 32;
     for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();
     PANEL_PRODUCT(0, 1, 2, 0, sums[0]);
     for (int64_t blk = 0; blk < blocks; blk++) {
@@ -458,14 +457,11 @@ static inline __attribute__((always_inline)) void multiply_amx_panel(panel p, in
         }
         const __m512 scale = _mm512_load_ps(p.scale + blk * NC);
         for (int r = 0; r < mr; r++) {
-            const int32_t *s16 = x.s16 + (r0 + r) * (k / 16) + blk * block / 16;
-            const int32_t total = block == 32 ? s16[0] + s16[1] : s16[0];
+            const int32_t *s16 = x.s16 + (r0 + r) * (k / 16) + 2 * blk;
             const __m512i s = _mm512_add_epi32(_mm512_load_si512(sums[blk & 1][r]),
-                                               _mm512_set1_epi32(shift < 0 ? 0 : -(total << shift)));
-            const int64_t at = (r0 + r) * (k / 32) + blk * block / 32;
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(scale, _mm512_set1_ps(x.d[at])), acc[r]);
-            if (with_min)
-                acc[r] = _mm512_fmadd_ps(_mm512_load_ps(p.low + blk * NC), _mm512_set1_ps(x.sum[at]), acc[r]);
+                                               _mm512_set1_epi32(-((s16[0] + s16[1]) << 7)));
+            const float xd = x.d[(r0 + r) * (k / 32) + blk];
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(scale, _mm512_set1_ps(xd)), acc[r]);
         }
     }
 }
@@ -619,7 +615,7 @@ void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int6
                 const int mr = m - r0 < rows_a_tile ? (int)(m - r0) : rows_a_tile;
 #ifdef HAVE_AMX
                 if (amx && laid_out) {
-                    multiply_amx_panel(q, 32, 7, 0, k, x, r0, mr, acc); /* Q8_0 */
+                    multiply_amx_q8_0_panel(q, k, x, r0, mr, acc);
                 } else if (amx) {
                     multiply_amx_any(type, p, k, (act_tile){xt.q + r0 * k, xt.s16 + r0 * (k / 16),
                                                                 xt.d + r0 * (k / 32), xt.sum + r0 * (k / 32)}, acc);

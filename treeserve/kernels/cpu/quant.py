@@ -129,6 +129,14 @@ class Plan:
         self.q8_call = partial(load_q8().q8_matmul, *self.args) if self.q8 else None
         self.laid_out = any(qtype > PANELS for qtype, *_ in parts)  # only the 8-bit kernel reads panels
 
+    def run(self, x: torch.Tensor, m: int, out: torch.Tensor, bias: torch.Tensor | None, int8: bool) -> None:
+        """The kernel call, unchecked: x's m rows (unit stride) @ W^T (+ bias) into out's rows
+        (`qmatmul` checks the arguments; the decode path of `quant_linear` calls this directly)."""
+        (self.q8_call if int8 else self.float_call)(
+            x.data_ptr(), x.stride(0) if x.dim() == 2 else self.k, m, _ptr_or_none(bias), out.data_ptr(), self.n,
+            int(out.dtype == torch.bfloat16), int(x.dtype == torch.bfloat16), torch.get_num_threads(),
+        )  # fmt: skip
+
 
 def qmatmul(
     plan: Plan,
@@ -149,10 +157,7 @@ def qmatmul(
     if out is None:
         out = torch.empty(m, plan.n, dtype=torch.float32)
     assert out.shape == (m, plan.n) and out.is_contiguous() and out.dtype in (torch.float32, torch.bfloat16)
-    (plan.q8_call if int8_activations else plan.float_call)(
-        x.data_ptr(), x.stride(0), m, _ptr_or_none(bias), out.data_ptr(), out.stride(0),
-        int(out.dtype == torch.bfloat16), int(x.dtype == torch.bfloat16), torch.get_num_threads(),
-    )  # fmt: skip
+    plan.run(x, m, out, bias, int8_activations)
     return out
 
 
