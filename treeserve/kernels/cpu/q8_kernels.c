@@ -112,9 +112,11 @@ typedef struct {
     float *d;       /* [m][k/32] block scales */
     int32_t *s16;   /* [m][k/16] code sums of 16 */
     float *sum;     /* [m][k/32] block scale * code sum */
+    int32_t *off;   /* [m][k/32] -128 x the block's code sum: the term codes stored + 128 add */
 } acts;
 
-static void quantize_row(const void *xv, int bf16, int64_t k, int8_t *q, float *d, int32_t *s16, float *sum) {
+static void quantize_row(const void *xv, int bf16, int64_t k, int8_t *q, float *d, int32_t *s16, float *sum,
+                         int32_t *off) {
     float x[32] __attribute__((aligned(64)));
     for (int64_t b = 0; b < k / 32; b++) {
         for (int i = 0; i < 32; i++) {
@@ -137,6 +139,7 @@ static void quantize_row(const void *xv, int bf16, int64_t k, int8_t *q, float *
         s16[2 * b] = halves[0];
         s16[2 * b + 1] = halves[1];
         sum[b] = scale * (float)(halves[0] + halves[1]);
+        off[b] = -((halves[0] + halves[1]) << 7);
     }
 }
 
@@ -385,43 +388,54 @@ static void configure_tiles(int block) {
     _tile_loadconfig(&cfg);
 }
 
-#define PRODUCT(C, A, B, blk, sums)                                                           \
+#define PRODUCT(C, A, B, blk)                                                                 \
     do {                                                                                      \
         _tile_zero(C);                                                                        \
         _tile_loadd(A, p.codes + (blk) * block, k);                                           \
         _tile_loadd(B, t.q + (blk) * block * 16, 64);                                         \
         _tile_dpbusd(C, A, B);                                                                \
-        _tile_stored(C, sums, 64);                                                            \
     } while (0)
+
+/* One block's stored sums (16 channels x 16 rows) into the channels' accumulators. */
+static inline __attribute__((always_inline)) void amx_block_sums(const int32_t sums[NC][16], panel p, int block,
+                                                                 int shift, int with_min, act_tile t, int64_t blk,
+                                                                 __m512 *acc) {
+    __m512i total = _mm512_load_si512(t.s16 + blk * block / 16 * 16);
+    if (block == 32) total = _mm512_add_epi32(total, _mm512_load_si512(t.s16 + (2 * blk + 1) * 16));
+    const __m512i start = shift < 0 ? _mm512_setzero_si512()
+                                    : _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(total, shift));
+    const __m512 xd = _mm512_load_ps(t.d + blk * block / 32 * 16);
+    for (int c = 0; c < NC; c++) {
+        const __m512i s = _mm512_add_epi32(_mm512_load_si512(sums[c]), start);
+        acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(xd, _mm512_set1_ps(p.scale[blk * NC + c])), acc[c]);
+        if (with_min)
+            acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(p.low[blk * NC + c]), _mm512_load_ps(t.sum + blk * 16), acc[c]);
+    }
+}
 
 /* `multiply` for AMX_ROWS rows at once, channels in tile rows and activation rows in lanes:
  * each block's integer sums come from one tile product (TDPBUSD: unsigned codes x signed
  * activations), then the same float steps as `multiply` (a product of two floats is the same
- * either way round). acc[c] holds channel c for the 16 rows: the caller transposes it. */
+ * either way round). acc[c] holds channel c for the 16 rows: the caller transposes it.
+ * Three blocks are in flight: block blk+1's product is issued, then block blk's sums are
+ * stored and block blk-1's (stored a block ago) scaled, so no store waits on a product just
+ * issued and no load on a store just made (at 128 rows: the Gemma head 72 -> 57-60 ms). */
 static inline __attribute__((always_inline)) void multiply_amx(panel p, int block, int shift, int with_min, int64_t k,
                                                                act_tile t, __m512 *acc) {
     int32_t sums[2][NC][16] __attribute__((aligned(64)));
     const int64_t blocks = k / block;
-    for (int c = 0; c < NC; c++) acc[c] = _mm512_setzero_ps();
-    PRODUCT(0, 1, 2, 0, sums[0]);
+    __m512 a[NC];
+    for (int c = 0; c < NC; c++) a[c] = _mm512_setzero_ps();
+    PRODUCT(0, 1, 2, 0);
     for (int64_t blk = 0; blk < blocks; blk++) {
-        if (blk + 1 < blocks) { /* the next block's product first: it overlaps the scaling below */
-            if ((blk + 1) & 1) PRODUCT(3, 4, 5, blk + 1, sums[1]);
-            else PRODUCT(0, 1, 2, blk + 1, sums[0]);
-        }
-        __m512i total = _mm512_load_si512(t.s16 + blk * block / 16 * 16);
-        if (block == 32) total = _mm512_add_epi32(total, _mm512_load_si512(t.s16 + (2 * blk + 1) * 16));
-        const __m512i start = shift < 0 ? _mm512_setzero_si512()
-                                        : _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(total, shift));
-        const __m512 xd = _mm512_load_ps(t.d + blk * block / 32 * 16);
-        for (int c = 0; c < NC; c++) {
-            const __m512i s = _mm512_add_epi32(_mm512_load_si512(sums[blk & 1][c]), start);
-            acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(xd, _mm512_set1_ps(p.scale[blk * NC + c])),
-                                     acc[c]);
-            if (with_min)
-                acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(p.low[blk * NC + c]), _mm512_load_ps(t.sum + blk * 16), acc[c]);
-        }
+        if (blk + 1 < blocks && ((blk + 1) & 1)) PRODUCT(3, 4, 5, blk + 1);
+        if (blk + 1 < blocks && !((blk + 1) & 1)) PRODUCT(0, 1, 2, blk + 1);
+        if (blk & 1) _tile_stored(3, sums[1], 64);
+        else _tile_stored(0, sums[0], 64);
+        if (blk > 0) amx_block_sums(sums[(blk - 1) & 1], p, block, shift, with_min, t, blk - 1, a);
     }
+    amx_block_sums(sums[(blocks - 1) & 1], p, block, shift, with_min, t, blocks - 1, a);
+    for (int c = 0; c < NC; c++) acc[c] = a[c];
 }
 
 #define AMX_CASE(T, BLOCK, SHIFT, MIN) case T_##T: multiply_amx(p, BLOCK, SHIFT, MIN, k, t, acc); break;
@@ -436,34 +450,45 @@ static void multiply_amx_any(int type, panel p, int64_t k, act_tile t, __m512 *a
  * `multiply`'s float steps for Q8_0 (blocks of 32, codes offset by 128). Tiles as
  * `configure_tiles(32)` sets them. (The file's layouts keep `multiply_amx`: unpacked into this
  * layout instead, their matmuls took 5-15% longer at 128-512 rows, the same bits.) */
-#define PANEL_PRODUCT(C, A, B, blk, sums)                                                     \
+#define PANEL_PRODUCT(C, A, B, blk)                                                           \
     do {                                                                                      \
         _tile_zero(C);                                                                        \
         _tile_loadd(A, x.q + r0 * k + (blk) * 32, k);                                         \
         _tile_loadd(B, p.codes + (blk) * 32 * NC, 64);                                        \
         _tile_dpbsud(C, A, B);                                                                \
-        _tile_stored(C, sums, 64);                                                            \
     } while (0)
 
-static void multiply_amx_q8_0_panel(panel p, int64_t k, acts x, int64_t r0, int mr, __m512 *acc) {
+/* One block's sums (16 rows x 16 channels, stored) into the rows' accumulators. */
+static inline __attribute__((always_inline)) void panel_block_sums(const int32_t sums[AMX_ROWS][NC], panel p, int64_t k,
+                                                                   acts x, int64_t r0, int64_t blk, __m512 *a) {
+    const int64_t blocks = k / 32;
+    const __m512 scale = _mm512_load_ps(p.scale + blk * NC);
+    const int32_t *off = x.off + r0 * blocks + blk;
+    const float *xd = x.d + r0 * blocks + blk;
+#pragma GCC unroll 16
+    for (int r = 0; r < AMX_ROWS; r++) {
+        const __m512i s = _mm512_add_epi32(_mm512_load_si512(sums[r]), _mm512_set1_epi32(off[r * blocks]));
+        a[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(scale, _mm512_set1_ps(xd[r * blocks])), a[r]);
+    }
+}
+
+static void multiply_amx_q8_0_panel(panel p, int64_t k, acts x, int64_t r0, __m512 *acc) {
     int32_t sums[2][AMX_ROWS][NC] __attribute__((aligned(64)));
     const int64_t blocks = k / 32;
-    for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();
-    PANEL_PRODUCT(0, 1, 2, 0, sums[0]);
+    __m512 a[AMX_ROWS]; /* all 16 rows, padded ones too (zero codes): a fixed count keeps them in registers */
+    for (int r = 0; r < AMX_ROWS; r++) a[r] = _mm512_setzero_ps();
+    PANEL_PRODUCT(0, 1, 2, 0);
+    /* A pipeline of three: block blk+1's product is issued, block blk's sums stored, block
+     * blk-1's sums (stored one block ago, not just now) scaled into the accumulators. */
     for (int64_t blk = 0; blk < blocks; blk++) {
-        if (blk + 1 < blocks) { /* the next block's product first: it overlaps the scaling below */
-            if ((blk + 1) & 1) PANEL_PRODUCT(3, 4, 5, blk + 1, sums[1]);
-            else PANEL_PRODUCT(0, 1, 2, blk + 1, sums[0]);
-        }
-        const __m512 scale = _mm512_load_ps(p.scale + blk * NC);
-        for (int r = 0; r < mr; r++) {
-            const int32_t *s16 = x.s16 + (r0 + r) * (k / 16) + 2 * blk;
-            const __m512i s = _mm512_add_epi32(_mm512_load_si512(sums[blk & 1][r]),
-                                               _mm512_set1_epi32(-((s16[0] + s16[1]) << 7)));
-            const float xd = x.d[(r0 + r) * (k / 32) + blk];
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(scale, _mm512_set1_ps(xd)), acc[r]);
-        }
+        if (blk + 1 < blocks && ((blk + 1) & 1)) PANEL_PRODUCT(3, 4, 5, blk + 1);
+        if (blk + 1 < blocks && !((blk + 1) & 1)) PANEL_PRODUCT(0, 1, 2, blk + 1);
+        if (blk & 1) _tile_stored(3, sums[1], 64);
+        else _tile_stored(0, sums[0], 64);
+        if (blk > 0) panel_block_sums(sums[(blk - 1) & 1], p, k, x, r0, blk - 1, a);
     }
+    panel_block_sums(sums[(blocks - 1) & 1], p, k, x, r0, blocks - 1, a);
+    for (int r = 0; r < AMX_ROWS; r++) acc[r] = a[r];
 }
 
 #endif
@@ -546,11 +571,13 @@ void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int6
     const int amx = 0;
     const int64_t padded = m;
 #endif
-    const size_t codes = ((size_t)padded * k + 63) / 64 * 64, blocks = ((size_t)m * (k / 32) * 4 + 63) / 64 * 64;
+    const size_t codes = ((size_t)padded * k + 63) / 64 * 64, blocks = ((size_t)padded * (k / 32) * 4 + 63) / 64 * 64;
     acts x = {aligned_alloc(64, codes), aligned_alloc(64, blocks), aligned_alloc(64, 2 * blocks),
-              aligned_alloc(64, blocks)};
+              aligned_alloc(64, blocks), aligned_alloc(64, blocks)};
     const int elem = x_bf16 ? 2 : 4;
-    memset(x.q + (int64_t)m * k, 0, (size_t)(padded - m) * k);
+    memset(x.q + (int64_t)m * k, 0, (size_t)(padded - m) * k); /* rows past m: zero codes, scales and sums */
+    memset(x.d + (int64_t)m * (k / 32), 0, (size_t)(padded - m) * (k / 32) * 4);
+    memset(x.off + (int64_t)m * (k / 32), 0, (size_t)(padded - m) * (k / 32) * 4);
 #ifdef HAVE_AMX
     const int tiled = amx && !all_laid_out; /* parts in the file's layout: activations as act_tiles */
     const size_t tile_lanes = tiled ? sizeof(float) * padded * (k / 16) : 64;
@@ -564,7 +591,7 @@ void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int6
         #pragma omp for schedule(static)
         for (int r = 0; r < m; r++)
             quantize_row((const char *)xv + (int64_t)r * x_stride * elem, x_bf16, k, x.q + (int64_t)r * k,
-                         x.d + (int64_t)r * (k / 32), x.s16 + (int64_t)r * (k / 16), x.sum + (int64_t)r * (k / 32));
+                         x.d + (int64_t)r * (k / 32), x.s16 + (int64_t)r * (k / 16), x.sum + (int64_t)r * (k / 32), x.off + (int64_t)r * (k / 32));
 #ifdef HAVE_AMX
         if (tiled) { /* every thread takes this branch or none: `tiled` is shared */
             #pragma omp for schedule(static)
@@ -615,7 +642,7 @@ void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int6
                 const int mr = m - r0 < rows_a_tile ? (int)(m - r0) : rows_a_tile;
 #ifdef HAVE_AMX
                 if (amx && laid_out) {
-                    multiply_amx_q8_0_panel(q, k, x, r0, mr, acc);
+                    multiply_amx_q8_0_panel(q, k, x, r0, acc);
                 } else if (amx) {
                     multiply_amx_any(type, p, k, (act_tile){xt.q + r0 * k, xt.s16 + r0 * (k / 16),
                                                                 xt.d + r0 * (k / 32), xt.sum + r0 * (k / 32)}, acc);
@@ -642,6 +669,7 @@ void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int6
     free(x.d);
     free(x.s16);
     free(x.sum);
+    free(x.off);
 #ifdef HAVE_AMX
     free(xt.q);
     free(xt.s16);
