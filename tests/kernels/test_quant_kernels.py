@@ -15,6 +15,11 @@ sum over blocks of (block scale / 2) * sum|w| (the activations' own rounding) of
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -22,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.gguf_files import BLOCKS, random_blocks
+from treeserve.kernels import cpu as cpu_kernels
 from treeserve.kernels.cpu import quant
 from treeserve.layers.quant import QuantPart, QuantTensor, quant_embedding, quant_linear, quantize_int8
 
@@ -245,3 +251,42 @@ def test_quant_embedding_looks_rows_up_and_int8_of_a_dense_table():
     assert torch.equal(rows.float(), weight.dequantize()[ids].bfloat16().float())
     with pytest.raises(IndexError, match="out of range"):
         quant_embedding(torch.tensor([50]), weight)
+
+
+_WITHOUT_TILES = """
+import sys, torch
+from tests.kernels.test_quant_kernels import Q8, _weights
+from treeserve.kernels import cpu as cpu_kernels
+from treeserve.kernels.cpu import quant
+assert cpu_kernels.load_amx() is None
+x = torch.load(sys.argv[1])
+out = {}
+for qtype in Q8:
+    data, scales, number = _weights(qtype, 37, 512, seed=7)
+    out[qtype] = quant.qmatmul(quant.Plan([(number, data, scales, 37)], 512), x, int8_activations=True)
+panels = quant.lay_out(quant.QTYPES["Q8_0"], _weights("Q8_0", 37, 512, seed=7)[0], 512)
+out["panels"] = quant.qmatmul(quant.Plan([(quant.PANELS + quant.QTYPES["Q8_0"], panels, None, 37)], 512), x,
+                              int8_activations=True)
+torch.save(out, sys.argv[2])
+"""
+
+
+@needs_q8
+@pytest.mark.skipif(cpu_kernels.load_amx() is None, reason="no usable AMX tiles: every row already takes VNNI")
+def test_tiles_off_the_int8_kernels_give_the_tiles_bits(tmp_path):
+    """TREESERVE_AMX=0 (a process that may not use AMX) multiplies 16+ rows with VNNI instead of
+    tiles: the same bits, in every format and in the laid-out panels."""
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(8)).bfloat16()
+    torch.save(x, tmp_path / "x.pt")
+    env = {**os.environ, "TREESERVE_AMX": "0"}
+    subprocess.run([sys.executable, "-c", _WITHOUT_TILES, str(tmp_path / "x.pt"), str(tmp_path / "out.pt")],
+                   env=env, check=True, cwd=Path(__file__).parents[2])  # fmt: skip
+    without = torch.load(tmp_path / "out.pt")
+    for qtype in Q8:
+        data, scales, number = _weights(qtype, 37, 512, seed=7)
+        got = quant.qmatmul(quant.Plan([(number, data, scales, 37)], 512), x, int8_activations=True)
+        assert torch.equal(got, without[qtype]), qtype
+    panels = quant.lay_out(quant.QTYPES["Q8_0"], _weights("Q8_0", 37, 512, seed=7)[0], 512)
+    got = quant.qmatmul(quant.Plan([(quant.PANELS + quant.QTYPES["Q8_0"], panels, None, 37)], 512), x,
+                        int8_activations=True)  # fmt: skip
+    assert torch.equal(got, without["panels"])

@@ -5,6 +5,7 @@
 #define TREESERVE_AMX_H
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -17,11 +18,15 @@ typedef struct {
 
 /* AMX where Linux hands out tile state (asked once a process) and a tile instruction runs: a
  * child process tries one first, since a CPU flag alone has not been enough on every VM (a
- * hypervisor that does not pass tile state through kills the instruction with SIGILL). */
+ * hypervisor that does not pass tile state through kills the instruction with SIGILL).
+ * TREESERVE_AMX=0 turns tiles off: the kernels then take the paths of an AVX-512 CPU without
+ * AMX (to compare them, or to test those paths on an AMX machine). */
 static int amx_usable(void) {
     static int state = -1;
     if (state >= 0) return state;
     state = 0;
+    const char *setting = getenv("TREESERVE_AMX");
+    if (setting && setting[0] == '0' && setting[1] == 0) return state;
     if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0) return state;
     const pid_t child = fork();
     if (child == 0) {
