@@ -253,21 +253,24 @@ def test_quant_embedding_looks_rows_up_and_int8_of_a_dense_table():
         quant_embedding(torch.tensor([50]), weight)
 
 
+def _int8_products(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """x @ W^T with 8-bit activations for a 37 x 512 matrix of each format, and of Q8_0 laid out."""
+    out = {}
+    for qtype in Q8:
+        data, scales, number = _weights(qtype, 37, 512, seed=7)
+        out[qtype] = quant.qmatmul(quant.Plan([(number, data, scales, 37)], 512), x, int8_activations=True)
+    panels = quant.lay_out(quant.QTYPES["Q8_0"], _weights("Q8_0", 37, 512, seed=7)[0], 512)
+    plan = quant.Plan([(quant.PANELS + quant.QTYPES["Q8_0"], panels, None, 37)], 512)
+    out["panels"] = quant.qmatmul(plan, x, int8_activations=True)
+    return out
+
+
 _WITHOUT_TILES = """
 import sys, torch
-from tests.kernels.test_quant_kernels import Q8, _weights
+from tests.kernels.test_quant_kernels import _int8_products
 from treeserve.kernels import cpu as cpu_kernels
-from treeserve.kernels.cpu import quant
 assert cpu_kernels.load_amx() is None
-x = torch.load(sys.argv[1])
-out = {}
-for qtype in Q8:
-    data, scales, number = _weights(qtype, 37, 512, seed=7)
-    out[qtype] = quant.qmatmul(quant.Plan([(number, data, scales, 37)], 512), x, int8_activations=True)
-panels = quant.lay_out(quant.QTYPES["Q8_0"], _weights("Q8_0", 37, 512, seed=7)[0], 512)
-out["panels"] = quant.qmatmul(quant.Plan([(quant.PANELS + quant.QTYPES["Q8_0"], panels, None, 37)], 512), x,
-                              int8_activations=True)
-torch.save(out, sys.argv[2])
+torch.save(_int8_products(torch.load(sys.argv[1])), sys.argv[2])
 """
 
 
@@ -282,11 +285,7 @@ def test_tiles_off_the_int8_kernels_give_the_tiles_bits(tmp_path):
     subprocess.run([sys.executable, "-c", _WITHOUT_TILES, str(tmp_path / "x.pt"), str(tmp_path / "out.pt")],
                    env=env, check=True, cwd=Path(__file__).parents[2])  # fmt: skip
     without = torch.load(tmp_path / "out.pt")
-    for qtype in Q8:
-        data, scales, number = _weights(qtype, 37, 512, seed=7)
-        got = quant.qmatmul(quant.Plan([(number, data, scales, 37)], 512), x, int8_activations=True)
-        assert torch.equal(got, without[qtype]), qtype
-    panels = quant.lay_out(quant.QTYPES["Q8_0"], _weights("Q8_0", 37, 512, seed=7)[0], 512)
-    got = quant.qmatmul(quant.Plan([(quant.PANELS + quant.QTYPES["Q8_0"], panels, None, 37)], 512), x,
-                        int8_activations=True)  # fmt: skip
-    assert torch.equal(got, without["panels"])
+    with_tiles = _int8_products(x)
+    assert with_tiles.keys() == without.keys()
+    for name, got in with_tiles.items():
+        assert torch.equal(got, without[name]), name
