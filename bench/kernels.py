@@ -85,7 +85,7 @@ def rope_case() -> tuple[Callable[[], object], Callable[[], object]]:
     qkv = torch.randn(240, 512).bfloat16()
     q = qkv[:, :256].view(-1, 8, 32)
     rope = RotaryEmbedding(rope_inv_freq(32, 10000.0, None), 512, "cpu")
-    cos, sin = rope._lookup(torch.randint(0, 500, (240,)), torch.bfloat16)
+    cos, sin = rope.lookup(torch.randint(0, 500, (240,)), torch.bfloat16)
     return lambda: cpu_kernels.rope_bf16(q, cos, sin), lambda: q * cos + _rotate_half(q) * sin
 
 

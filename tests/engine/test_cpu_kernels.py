@@ -274,7 +274,7 @@ def test_bf16_layers_through_their_c_kernels_give_the_pytorch_bits(monkeypatch):
     assert torch.equal(linear(x), expected[0]) and torch.equal(norm(x), expected[1])
     assert all(torch.equal(a, b) for a, b in zip(rope(q, k, positions), expected[2], strict=True))
     q_t = x.view(8, 17, 32).transpose(0, 1)  # heads not contiguous within a token: the PyTorch lines
-    cos, sin = rope._lookup(positions, q_t.dtype)
+    cos, sin = rope.lookup(positions, q_t.dtype)
     assert torch.equal(rope(q_t, k, positions)[0], q_t * cos + _rotate_half(q_t) * sin)
 
 
@@ -285,7 +285,7 @@ def test_rope_matches_pytorch_bit_for_bit_on_strided_heads():
     qkv = torch.randn(29, 512).bfloat16()
     q = qkv[:, :256].view(-1, 8, 32)  # rows 512 apart, as split from the fused projection
     rope = RotaryEmbedding(rope_inv_freq(32, 10000.0, None), 512, "cpu")
-    cos, sin = rope._lookup(torch.randint(0, 500, (29,)), torch.bfloat16)
+    cos, sin = rope.lookup(torch.randint(0, 500, (29,)), torch.bfloat16)
     got = cpu_kernels.rope_bf16(q, cos, sin)
     assert got.is_contiguous()
     assert torch.equal(got, q * cos + _rotate_half(q) * sin)

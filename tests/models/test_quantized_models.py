@@ -125,3 +125,42 @@ def test_eval_runs_both_models_in_int8_and_records_it():
     assert results["quantization"] == {"generator": "int8", "prm": "int8"}
     assert [m["quantization"] for m in results["memory"]["models"]] == ["int8", "int8"]
     assert len(results["problems"]) == 2
+
+
+def _steps_through(llm: LLM, fused: bool) -> list[int]:
+    """Count the steps the fused decode stack takes while `fused`; with it off, the per-layer path."""
+    model = llm.engine.model
+    stack, taken = model.decode_stack, []
+    if not fused:
+        model.decode_stack = None
+        return taken
+
+    def counted(x, positions, attn):  # noqa: ANN001, ANN202 - the stack's own signature
+        ran = stack(x, positions, attn)
+        taken.append(x.shape[0] if ran else 0)
+        return ran
+
+    model.decode_stack = counted
+    return taken
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}])
+def test_fused_decode_stack_gives_the_per_layer_bits(tmp_path, make_llm, spec):
+    """Gemma 3 with every matmul 8-bit quantised, bf16: a decode step through all layers in one C
+    call (`layers/decode_stack.py`) gives the per-layer path's logprobs to the bit, alone, in a
+    batch of sequences at other lengths, and in a speculating sequence's rows."""
+    path = _gguf(tmp_path, "gemma3", ("Q8_0", "Q5_0", "Q4_0"), **dict(WIDE, num_hidden_layers=3, sliding_window=8,
+                                                                        query_pre_attn_scalar=64))  # fmt: skip
+    llm = make_llm(path, dtype="bfloat16", speculative_config=spec)
+    if llm.engine.model.decode_stack is None:
+        pytest.skip("no 8-bit kernels on this CPU: the stack is not built")
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], list(range(3, 30)), [9, 8]]
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=20, logprobs=2, ignore_eos=True) for s in (1, 2, 3)]
+    runs = {}
+    for fused in (True, False):
+        taken = _steps_through(llm, fused)
+        outs = llm.generate(prompts, params)
+        runs[fused] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+        if fused:
+            assert sum(t > 0 for t in taken) >= 5 and max(taken) >= (4 if spec else 3)  # batched (and drafted) rows
+    assert runs[True] == runs[False]

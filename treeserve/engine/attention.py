@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from treeserve.kernels import cpu as cpu_kernels
 from treeserve.kv.arena import KVArena
+from treeserve.layers.attention import DecodePages
 
 
 @dataclass
@@ -180,3 +181,19 @@ class AttentionBatch:
         for group in self.groups:
             self.backend.attend(group, q, k_cache, v_cache, self.scale, window, out)
         return out
+
+    def decode_pages(self) -> DecodePages | None:
+        """The pages for `layers/decode_stack.py`: where this step is one group of decodes in row
+        order (plain decoding, or a speculating sequence's rows) on the `cpu` backend."""
+        if self.backend.name != "cpu" or len(self.groups) != 1:
+            return None
+        group = self.groups[0]
+        tensors = (self.slot_pages, self.slot_offsets, group.block_tables, group.context_lens)
+        if not (group.leads and group.context_lens.shape[0] == self.slot_pages.shape[0]):
+            return None
+        if not all(t.dtype == torch.int64 and t.is_contiguous() for t in tensors):
+            return None
+        buffer = self.arena.buffer  # [pages, layers, 2 (K, V), block, kv_heads, head_dim]
+        k_cache, _ = self.arena.layer(0)
+        return DecodePages(k_cache, buffer.stride(1), buffer.stride(2), group.block_tables, group.context_lens,
+                           self.slot_pages, self.slot_offsets, self.scale)  # fmt: skip

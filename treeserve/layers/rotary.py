@@ -61,13 +61,13 @@ class RotaryEmbedding:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hkv, D], positions: [T] -> rotated q, k in their dtype."""
-        cos, sin = self._lookup(positions, q.dtype)
+        cos, sin = self.lookup(positions, q.dtype)
         if self.use_c and all(_c_layout(t) for t in (q, k)):
             return cpu_kernels.rope_bf16(q, cos, sin), cpu_kernels.rope_bf16(k, cos, sin)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
-    def _lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin rows of `positions`, reused while every layer of one forward passes the same tensor."""
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows [T, 1, D] of `positions`, reused while every layer of one forward passes the same tensor."""
         last = self._looked_up
         if last is None or last[0] is not positions or last[1] != dtype:
             cos = self.cos[positions].unsqueeze(1).to(dtype)

@@ -1,0 +1,155 @@
+/* decode_stack_bf16: a decode step through every decoder layer of a model in one call.
+ *
+ * A decode step of a small model on a CPU is ~20 kernel calls a layer, and at one row each
+ * costs more in Python, PyTorch dispatch and ctypes than in arithmetic. This runs the same
+ * kernels in the same order from C: the quantised matmuls (q8_kernels.c), RMSNorm, rope,
+ * the KV store and paged decode attention (cpu_kernels.c), reached through the function
+ * pointers in `stack` (those libraries are built with their own flags). What PyTorch ops did
+ * between them is done here with PyTorch's roundings: residual adds and the activation's
+ * product in fp32 rounded once to bf16, and the activation itself read from a table of
+ * bf16 act(x) for all 65536 bf16 inputs that PyTorch's own kernel filled. So every row
+ * gets the bits the per-op path gives it, whatever the batch.
+ *
+ * The layer (Gemma 3's; a null norm is skipped, which gives Llama's order minus its norm
+ * weights' extra rounding, not supported): x += post_attn(attn(rope(qk_norm(split(qkv(
+ * input_norm(x))))))); x += post_ff(down(act(gate) * up)) with gate|up = gate_up(pre_ff(x)).
+ * Tokens are the step's rows; row t is sequence t's one query (speculative rows are
+ * sequences of their own here, as in the engine's decode group).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef uint16_t bf16;
+
+typedef void (*matmul_fn)(int parts, const int *types, const uint8_t *const *ws, const int64_t *row_bytes,
+                          const float *const *row_scales, const int64_t *part_rows, int64_t k, const void *x,
+                          int64_t x_stride, int m, const float *bias, void *out, int64_t out_stride, int out_bf16,
+                          int x_bf16, int threads);
+typedef void (*norm_fn)(const bf16 *x, int64_t rows, int dim, const float *gain, const bf16 *weight, float eps,
+                        bf16 *out, int threads);
+typedef void (*rope_fn)(const bf16 *x, int64_t row_stride, int64_t tokens, int heads, int dim, const bf16 *cos,
+                        const bf16 *sin, bf16 *out, int threads);
+typedef void (*store_fn)(const char *k, int64_t k_stride, const char *v, int64_t v_stride, int64_t tokens,
+                         int64_t width, int elem, char *k_cache, int64_t page_stride, int64_t token_stride,
+                         int64_t v_offset, const int64_t *pages, const int64_t *offsets);
+typedef void (*attend_fn)(const bf16 *q, const bf16 *k_cache, int64_t page_stride, int64_t v_offset,
+                          const int64_t *tables, int64_t table_stride, const int64_t *ctx_lens, int batch,
+                          int q_heads, int kv_heads, int head_dim, int block_size, float scale, int64_t window,
+                          int threads, bf16 *out);
+
+typedef struct { /* a quantised matrix: q8_matmul's first seven arguments, and its output width */
+    int parts;
+    const int *types;
+    const uint8_t *const *ws;
+    const int64_t *row_bytes;
+    const float *const *row_scales;
+    const int64_t *part_rows;
+    int64_t k, n;
+} matrix;
+
+typedef struct { /* one decoder layer: its matrices, fp32 norm gains (1 + w), window and rope table */
+    matrix qkv, o, gate_up, down;
+    const float *input_norm, *q_norm, *k_norm, *post_attn_norm, *pre_ff_norm, *post_ff_norm;
+    int64_t window; /* 0: global attention */
+    int rope;       /* which of the step's cos/sin rows: 0 global, 1 local */
+} layer;
+
+typedef struct { /* the model's shapes and the kernels the layers call */
+    int hidden, q_heads, kv_heads, head_dim, intermediate;
+    float eps;
+    const bf16 *act; /* act(x) for every bf16 bit pattern x */
+    matmul_fn matmul;
+    norm_fn norm;
+    rope_fn rope;
+    store_fn store;
+    attend_fn attend;
+} stack;
+
+typedef struct { /* one step: rows, their rope rows, KV slots and pages */
+    int64_t tokens;
+    const bf16 *cos[2], *sin[2]; /* [tokens, head_dim] each */
+    const int64_t *slot_pages, *slot_offsets, *tables, *context_lens;
+    int64_t table_stride;
+    bf16 *k_cache;         /* layer 0's K pages; layer l's at k_cache + l * layer_stride */
+    int64_t layer_stride, page_stride, v_offset;
+    int block_size;
+    float scale;
+    int threads;
+} step;
+
+static inline float f32(bf16 x) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)x << 16;
+    return v.f;
+}
+static inline bf16 to_bf16(float f) { /* round to nearest even, as PyTorch's casts */
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    v.u += 0x7fffu + ((v.u >> 16) & 1u);
+    return (bf16)(v.u >> 16);
+}
+
+static void residual_add(bf16 *x, const bf16 *y, int64_t count) {
+    for (int64_t i = 0; i < count; i++) x[i] = to_bf16(f32(x[i]) + f32(y[i]));
+}
+
+static void matmul(const stack *s, const matrix *w, const bf16 *x, int64_t m, bf16 *out, int threads) {
+    s->matmul(w->parts, w->types, w->ws, w->row_bytes, w->row_scales, w->part_rows, w->k, x, w->k, (int)m, NULL,
+              out, w->n, 1, 1, threads);
+}
+
+/* `out` = the norm of x's rows, or x itself when the layer has no such norm */
+static const bf16 *norm(const stack *s, const float *gain, const bf16 *x, int64_t rows, int dim, bf16 *out,
+                        int threads) {
+    if (!gain) return x;
+    s->norm(x, rows, dim, gain, NULL, s->eps, out, threads);
+    return out;
+}
+
+void decode_stack_bf16(const stack *s, const layer *layers, int count, const step *st, bf16 *x) {
+    const int64_t t = st->tokens, hidden = s->hidden, dim = s->head_dim;
+    const int64_t q_size = (int64_t)s->q_heads * dim, kv_size = (int64_t)s->kv_heads * dim;
+    const int64_t qkv_width = q_size + 2 * kv_size, inter = s->intermediate;
+    const int threads = st->threads;
+    /* scratch rows, each run starting on a 64-byte line (what torch.empty gives the per-op path) */
+    const int64_t widths[10] = {hidden, hidden, qkv_width, q_size, q_size, q_size, kv_size, kv_size, 2 * inter, inter};
+    size_t offsets[11] = {0};
+    for (int i = 0; i < 10; i++) offsets[i + 1] = offsets[i] + ((size_t)t * widths[i] * sizeof(bf16) + 63) / 64 * 64;
+    char *buf = (char *)aligned_alloc(64, offsets[10]);
+    bf16 *run[10];
+    for (int i = 0; i < 10; i++) run[i] = (bf16 *)(buf + offsets[i]);
+    bf16 *h = run[0], *y = run[1], *qkv = run[2], *qn = run[3], *q = run[4], *att = run[5], *kn = run[6], *k = run[7],
+         *gu = run[8], *mix = run[9];
+    for (int l = 0; l < count; l++) {
+        const layer *ly = &layers[l];
+        /* attention */
+        matmul(s, &ly->qkv, norm(s, ly->input_norm, x, t, hidden, h, threads), t, qkv, threads);
+        for (int64_t r = 0; r < t; r++) { /* the split's q and k rows, contiguous (as .contiguous()) */
+            memcpy(qn + r * q_size, qkv + r * qkv_width, q_size * sizeof(bf16));
+            memcpy(kn + r * kv_size, qkv + r * qkv_width + q_size, kv_size * sizeof(bf16));
+        }
+        const bf16 *qh = norm(s, ly->q_norm, qn, t * s->q_heads, dim, qn, threads);
+        const bf16 *kh = norm(s, ly->k_norm, kn, t * s->kv_heads, dim, kn, threads);
+        s->rope(qh, q_size, t, s->q_heads, dim, st->cos[ly->rope], st->sin[ly->rope], q, threads);
+        s->rope(kh, kv_size, t, s->kv_heads, dim, st->cos[ly->rope], st->sin[ly->rope], k, threads);
+        char *k_cache = (char *)(st->k_cache + l * st->layer_stride);
+        s->store((const char *)k, kv_size, (const char *)(qkv + q_size + kv_size), qkv_width, t, kv_size,
+                 sizeof(bf16), k_cache, st->page_stride, kv_size, st->v_offset, st->slot_pages, st->slot_offsets);
+        s->attend(q, (const bf16 *)k_cache, st->page_stride, st->v_offset, st->tables, st->table_stride,
+                  st->context_lens, (int)t, s->q_heads, s->kv_heads, (int)dim, st->block_size, st->scale,
+                  ly->window, threads, att);
+        matmul(s, &ly->o, att, t, y, threads);
+        residual_add(x, norm(s, ly->post_attn_norm, y, t, hidden, h, threads), t * hidden);
+        /* MLP */
+        matmul(s, &ly->gate_up, norm(s, ly->pre_ff_norm, x, t, hidden, h, threads), t, gu, threads);
+        for (int64_t r = 0; r < t; r++) {
+            const bf16 *gate = gu + r * 2 * inter, *up = gate + inter;
+            bf16 *out = mix + r * inter;
+            for (int64_t i = 0; i < inter; i++) out[i] = to_bf16(f32(s->act[gate[i]]) * f32(up[i]));
+        }
+        matmul(s, &ly->down, mix, t, y, threads);
+        residual_add(x, norm(s, ly->post_ff_norm, y, t, hidden, h, threads), t * hidden);
+    }
+    free(buf);
+}

@@ -1,0 +1,124 @@
+"""Call `decode_stack.c`: a decode step through every decoder layer in one C call.
+
+`Stack` holds the C structs of a model's layers (built once, at kernel pick time) and the
+tensors they point into; `Stack.run` fills the step's struct and makes the call. Nothing
+here knows about models: `layers/decode_stack.py` reads a model's modules into a `Stack`.
+The kernels it chains are `q8_kernels.c`'s matmul and `cpu_kernels.c`'s RMSNorm, rope, KV
+store and paged decode, passed as function pointers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from treeserve.kernels import cpu as cpu_kernels
+from treeserve.kernels.cpu import build, quant
+
+SOURCE = Path(__file__).parent / "decode_stack.c"
+_i64, _int, _float, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+
+
+class Matrix(ctypes.Structure):
+    _fields_ = [("parts", _int), ("types", _ptr), ("ws", _ptr), ("row_bytes", _ptr), ("row_scales", _ptr),
+                ("part_rows", _ptr), ("k", _i64), ("n", _i64)]  # fmt: skip
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [(name, Matrix) for name in ("qkv", "o", "gate_up", "down")] + [
+        (name, _ptr) for name in ("input_norm", "q_norm", "k_norm", "post_attn_norm", "pre_ff_norm", "post_ff_norm")
+    ] + [("window", _i64), ("rope", _int)]  # fmt: skip
+
+
+class StackArgs(ctypes.Structure):
+    _fields_ = [("hidden", _int), ("q_heads", _int), ("kv_heads", _int), ("head_dim", _int), ("intermediate", _int),
+                ("eps", _float), ("act", _ptr), ("matmul", _ptr), ("norm", _ptr), ("rope", _ptr), ("store", _ptr),
+                ("attend", _ptr)]  # fmt: skip
+
+
+class Step(ctypes.Structure):
+    _fields_ = [("tokens", _i64), ("cos", _ptr * 2), ("sin", _ptr * 2), ("slot_pages", _ptr), ("slot_offsets", _ptr),
+                ("tables", _ptr), ("context_lens", _ptr), ("table_stride", _i64), ("k_cache", _ptr),
+                ("layer_stride", _i64), ("page_stride", _i64), ("v_offset", _i64), ("block_size", _int),
+                ("scale", _float), ("threads", _int)]  # fmt: skip
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    """The library, where the kernels it chains were built (8-bit matmuls, bf16 attention)."""
+    if not quant.q8_available() or cpu_kernels.load() is None:
+        return None
+    lib = build(SOURCE, quant.QUANT_FLAGS)
+    if lib is None:
+        return None
+    lib.decode_stack_bf16.argtypes = [ctypes.POINTER(StackArgs), ctypes.POINTER(Layer), _int, ctypes.POINTER(Step),
+                                      _ptr]  # fmt: skip
+    return lib
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def _address(function: ctypes._CFuncPtr) -> int:
+    return ctypes.cast(function, ctypes.c_void_p).value
+
+
+def matrix(plan: quant.Plan) -> Matrix:
+    """A quantised matrix's plan as the C struct (the plan keeps its arrays and bytes alive)."""
+    count, types, ws, row_bytes, scales, rows, k = plan.args
+    return Matrix(count, ctypes.cast(types, _ptr), ctypes.cast(ws, _ptr), ctypes.cast(row_bytes, _ptr),
+                  ctypes.cast(scales, _ptr), ctypes.cast(rows, _ptr), k, plan.n)  # fmt: skip
+
+
+@dataclass
+class LayerWeights:
+    """What one layer's struct points at: 8-bit plans, fp32 gains (None: no such norm)."""
+
+    qkv: quant.Plan
+    o: quant.Plan
+    gate_up: quant.Plan
+    down: quant.Plan
+    norms: tuple[torch.Tensor | None, ...]  # input, q, k, post-attention, pre-MLP, post-MLP
+    window: int | None
+    local_rope: bool
+
+
+class Stack:
+    """The C structs of a model's decoder layers (shapes as `decode_stack.c` documents)."""
+
+    def __init__(self, shapes: dict[str, int], eps: float, act: torch.Tensor, layers: list[LayerWeights]):
+        assert act.dtype == torch.bfloat16 and act.shape == (1 << 16,) and act.is_contiguous()
+        cpu, q8 = cpu_kernels.load(), quant.load_q8()
+        self.shapes = shapes
+        self.keep = [act, layers]  # the tensors and plans the structs point into
+        self.args = StackArgs(shapes["hidden"], shapes["q_heads"], shapes["kv_heads"], shapes["head_dim"],
+                              shapes["intermediate"], eps, act.data_ptr(), _address(q8.q8_matmul),
+                              _address(cpu.rms_norm_bf16), _address(cpu.rope_bf16), _address(cpu.store_kv),
+                              _address(cpu.paged_decode_bf16))  # fmt: skip
+        self.layers = (Layer * len(layers))()
+        for i, w in enumerate(layers):
+            assert all(plan.q8 for plan in (w.qkv, w.o, w.gate_up, w.down))
+            gains = [None if g is None else g.data_ptr() for g in w.norms]
+            assert all(g is None or (g.dtype == torch.float32 and g.is_contiguous()) for g in w.norms)
+            self.layers[i] = Layer(matrix(w.qkv), matrix(w.o), matrix(w.gate_up), matrix(w.down), *gains,
+                                   w.window or 0, int(w.local_rope))  # fmt: skip
+
+    def run(self, x: torch.Tensor, rope_rows: list[tuple[torch.Tensor, torch.Tensor]], slot_pages: torch.Tensor,
+            slot_offsets: torch.Tensor, tables: torch.Tensor, context_lens: torch.Tensor, k_cache: torch.Tensor,
+            layer_stride: int, v_offset: int, scale: float) -> None:  # fmt: skip
+        """Every layer over x [T, hidden] (bf16, contiguous, updated in place): row t is the
+        query of sequence t (tables[t], context_lens[t]; its K/V go to slot_pages/offsets[t]);
+        rope_rows = [(cos, sin) global, (cos, sin) local], each [T, 1, head_dim] bf16; k_cache
+        is layer 0's K pages [pages, block, kv_heads, head_dim], layer l's `layer_stride`
+        elements on, V `v_offset` elements after K."""
+        (gc, gs), (lc, ls) = rope_rows
+        step = Step(x.shape[0], (_ptr * 2)(gc.data_ptr(), lc.data_ptr()), (_ptr * 2)(gs.data_ptr(), ls.data_ptr()),
+                    slot_pages.data_ptr(), slot_offsets.data_ptr(), tables.data_ptr(), context_lens.data_ptr(),
+                    tables.stride(0), k_cache.data_ptr(), layer_stride, k_cache.stride(0), v_offset,
+                    k_cache.shape[1], scale, torch.get_num_threads())  # fmt: skip
+        load().decode_stack_bf16(self.args, self.layers, len(self.layers), step, x.data_ptr())

@@ -1,0 +1,88 @@
+"""A decode step through all decoder layers in one C call (`kernels/cpu/decode_stack.c`).
+
+At one row a Gemma 3 270M layer is ~20 kernel calls and PyTorch ops whose Python, dispatch
+and ctypes overhead (~0.3 ms a layer) costs more than their arithmetic. Where a model's
+decoder runs on the CPU kernels anyway (bf16, every matmul 8-bit quantised, the C norms and
+rope), `DecodeStack.build` reads its layers into the C structs once; the model's forward then
+hands a step to it when the engine says the step is plain decodes in row order
+(`Attention.decode_pages`). The C chain calls the same kernels on the same inputs and does
+PyTorch's roundings in between (the activation from a table PyTorch fills), so a row gets the
+per-layer path's bits at every batch size: that path stays the reference (tests compare).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from treeserve.kernels.cpu import decode_stack as kernels
+from treeserve.layers.attention import Attention
+from treeserve.layers.norm import GemmaRMSNorm
+from treeserve.layers.quant import QuantTensor
+from treeserve.layers.rotary import RotaryEmbedding
+
+
+def act_table(act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """act(x) in bf16 for every bf16 bit pattern x (index = the pattern), by PyTorch's own kernel
+    over a contiguous run (its vectorised path, which a row of a whole number of vectors takes)."""
+    patterns = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    return act(patterns).contiguous()
+
+
+def _weights(layer: nn.Module, local_rope: bool) -> kernels.LayerWeights | None:
+    """One Gemma 3 layer's plans and gains, or None where a piece is not on the C kernels."""
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    if any(not isinstance(lin.weight, QuantTensor) or lin.bias is not None or not lin.weight.plan.q8
+           or lin.weight.dtype != torch.bfloat16 for lin in linears):  # fmt: skip
+        return None
+    norms = (layer.input_layernorm, attn.q_norm, attn.k_norm, layer.post_attention_layernorm,
+             layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)  # fmt: skip
+    if not all(isinstance(norm, GemmaRMSNorm) and norm.use_c for norm in norms):
+        return None
+    plans = [lin.weight.plan for lin in linears]
+    return kernels.LayerWeights(*plans, tuple(norm.gain() for norm in norms), attn.window, local_rope)
+
+
+class DecodeStack:
+    """Runs a step's decoder layers in one C call; `__call__` says whether it took the step."""
+
+    def __init__(self, stack: kernels.Stack, ropes: tuple[RotaryEmbedding, RotaryEmbedding], head_dim: int):
+        self.stack = stack
+        self.ropes = ropes
+        self.head_dim = head_dim
+
+    @staticmethod
+    def build(
+        layers: Sequence[nn.Module],
+        ropes: tuple[RotaryEmbedding, RotaryEmbedding],
+        act: Callable[[torch.Tensor], torch.Tensor],
+        intermediate: int,
+        eps: float,
+    ) -> DecodeStack | None:
+        """For Gemma 3 decoder layers (global rope first, then local; the layers' activation):
+        None unless every layer runs on the C kernels (picked already) and the library built."""
+        if not kernels.available() or not all(rope.use_c for rope in ropes) or intermediate % 64:
+            return None
+        weights = [_weights(layer, layer.self_attn.window is not None) for layer in layers]
+        if not weights or any(w is None for w in weights):
+            return None
+        q_heads, kv_heads, head_dim = layers[0].self_attn.shape
+        hidden = layers[0].input_layernorm.weight.shape[0]
+        shapes = dict(hidden=hidden, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, intermediate=intermediate)
+        return DecodeStack(kernels.Stack(shapes, eps, act_table(act), weights), ropes, head_dim)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, attn: Attention) -> bool:
+        """Run every layer over x [T, hidden] in place, where the step allows; False: it did not."""
+        if x.dtype != torch.bfloat16 or not x.is_contiguous():
+            return False
+        pages = attn.decode_pages()
+        if pages is None or pages.k_cache.dtype != torch.bfloat16:
+            return False
+        rows = [rope.lookup(positions, torch.bfloat16) for rope in self.ropes]
+        scale = pages.scale or self.head_dim**-0.5
+        self.stack.run(x, rows, pages.slot_pages, pages.slot_offsets, pages.tables, pages.context_lens,
+                       pages.k_cache, pages.layer_stride, pages.v_offset, scale)  # fmt: skip
+        return True
