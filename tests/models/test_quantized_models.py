@@ -16,6 +16,7 @@ import torch
 from tests.gguf_files import write_gguf
 from tests.tiny_models import build_checkpoint
 from treeserve import LLM, SamplingParams, ScoreParams
+from treeserve.kernels.cpu import quant as quant_kernels
 from treeserve.layers.quant import QuantTensor, kernels_available
 from treeserve.runtime.planner import weight_bytes
 
@@ -144,15 +145,30 @@ def _steps_through(llm: LLM, fused: bool) -> list[int]:
     return taken
 
 
-@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}])
-def test_fused_decode_stack_gives_the_per_layer_bits(tmp_path, make_llm, spec):
-    """Gemma 3 with every matmul 8-bit quantised, bf16: a decode step through all layers in one C
-    call (`layers/decode_stack.py`) gives the per-layer path's logprobs to the bit, alone, in a
-    batch of sequences at other lengths, and in a speculating sequence's rows."""
-    path = _gguf(tmp_path, "gemma3", ("Q8_0", "Q5_0", "Q4_0"), **dict(WIDE, num_hidden_layers=3, sliding_window=8,
-                                                                        query_pre_attn_scalar=64))  # fmt: skip
-    llm = make_llm(path, dtype="bfloat16", speculative_config=spec)
+GEMMA_STACK = dict(WIDE, num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=64)
+
+
+@pytest.mark.parametrize(
+    "arch,spec",
+    [
+        ("gemma3", None),
+        ("gemma3", {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}),
+        ("llama", None),
+        ("llama-int8", None),
+    ],
+)
+def test_fused_decode_stack_gives_the_per_layer_bits(tmp_path, make_llm, arch, spec):
+    """Every matmul 8-bit quantised, bf16: a decode step through all layers in one C call
+    (`layers/decode_stack.py`) gives the per-layer path's logprobs to the bit, alone, in a batch
+    of sequences at other lengths, and in a speculating sequence's rows; for Gemma 3 and the
+    Llama family, GGUF blocks and int8 of a Hugging Face checkpoint."""
+    if arch == "llama-int8":
+        llm = make_llm(build_checkpoint(str(tmp_path / "hf"), "llama", **WIDE), dtype="bfloat16", quantization="int8")
+    else:
+        path = _gguf(tmp_path, arch, ("Q8_0", "Q5_0", "Q4_0"), **(GEMMA_STACK if arch == "gemma3" else WIDE))
+        llm = make_llm(path, dtype="bfloat16", speculative_config=spec)
     if llm.engine.model.decode_stack is None:
+        assert not quant_kernels.q8_available()
         pytest.skip("no 8-bit kernels on this CPU: the stack is not built")
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], list(range(3, 30)), [9, 8]]
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=20, logprobs=2, ignore_eos=True) for s in (1, 2, 3)]

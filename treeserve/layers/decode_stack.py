@@ -2,9 +2,10 @@
 
 At one row a Gemma 3 270M layer is ~20 kernel calls and PyTorch ops whose Python, dispatch
 and ctypes overhead (~0.3 ms a layer) costs more than their arithmetic. Where a model's
-decoder runs on the CPU kernels anyway (bf16, every matmul 8-bit quantised, the C norms and
-rope), `DecodeStack.build` reads its layers into the C structs once; the model's forward then
-hands a step to it when the engine says the step is plain decodes in row order
+decoder (Gemma 3, or the Llama family without biases) runs on the CPU kernels anyway (bf16,
+every matmul 8-bit quantised: a GGUF file or `quantization="int8"`; the C norms and rope),
+`DecodeStack.build` reads its layers into the C structs once; the model's forward then hands
+a step to it when the engine says the step is plain decodes in row order
 (`Attention.decode_pages`). The C chain calls the same kernels on the same inputs and does
 PyTorch's roundings in between (the activation from a table PyTorch fills), so a row gets the
 per-layer path's bits at every batch size: that path stays the reference (tests compare).
@@ -19,7 +20,7 @@ from torch import nn
 
 from treeserve.kernels.cpu import decode_stack as kernels
 from treeserve.layers.attention import Attention
-from treeserve.layers.norm import GemmaRMSNorm
+from treeserve.layers.norm import GemmaRMSNorm, RMSNorm
 from treeserve.layers.quant import QuantTensor
 from treeserve.layers.rotary import RotaryEmbedding
 
@@ -32,18 +33,30 @@ def act_table(act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
 
 
 def _weights(layer: nn.Module, local_rope: bool) -> kernels.LayerWeights | None:
-    """One Gemma 3 layer's plans and gains, or None where a piece is not on the C kernels."""
+    """One decoder layer's plans and norms (Gemma 3's, or the Llama family's), None where a piece is
+    not on the C kernels."""
     attn, mlp = layer.self_attn, layer.mlp
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if any(not isinstance(lin.weight, QuantTensor) or lin.bias is not None or not lin.weight.plan.q8
            or lin.weight.dtype != torch.bfloat16 for lin in linears):  # fmt: skip
         return None
-    norms = (layer.input_layernorm, attn.q_norm, attn.k_norm, layer.post_attention_layernorm,
-             layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)  # fmt: skip
-    if not all(isinstance(norm, GemmaRMSNorm) and norm.use_c for norm in norms):
-        return None
+    if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3: every norm
+        norms = (layer.input_layernorm, attn.q_norm, attn.k_norm, layer.post_attention_layernorm,
+                 layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)  # fmt: skip
+    else:  # Llama: a norm before attention and one before the MLP
+        norms = (layer.input_layernorm, None, None, None, layer.post_attention_layernorm, None)
+    tensors = []
+    for norm in norms:
+        if norm is None:
+            tensors.append(None)
+        elif isinstance(norm, GemmaRMSNorm) and norm.use_c:
+            tensors.append(norm.gain())
+        elif isinstance(norm, RMSNorm) and norm.use_c:
+            tensors.append(norm.weight.detach())
+        else:
+            return None
     plans = [lin.weight.plan for lin in linears]
-    return kernels.LayerWeights(*plans, tuple(norm.gain() for norm in norms), attn.window, local_rope)
+    return kernels.LayerWeights(*plans, tuple(tensors), attn.window, local_rope)
 
 
 class DecodeStack:
@@ -62,8 +75,9 @@ class DecodeStack:
         intermediate: int,
         eps: float,
     ) -> DecodeStack | None:
-        """For Gemma 3 decoder layers (global rope first, then local; the layers' activation):
-        None unless every layer runs on the C kernels (picked already) and the library built."""
+        """For Gemma 3 or Llama-family decoder layers (`ropes`: the global layers' table, then the
+        sliding-window layers'; `act` the MLP's activation): None unless every layer runs on the
+        C kernels (picked already), the activation's rows are whole vectors, and the library built."""
         if not kernels.available() or not all(rope.use_c for rope in ropes) or intermediate % 64:
             return None
         weights = [_weights(layer, layer.self_attn.window is not None) for layer in layers]

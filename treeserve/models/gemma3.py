@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from treeserve.layers.attention import Attention
-from treeserve.layers.decode_stack import DecodeStack
 from treeserve.layers.norm import GemmaRMSNorm
 from treeserve.layers.rotary import RotaryEmbedding, rope_inv_freq
 from treeserve.models.llama import LlamaAttentionBlock, LlamaConfig, LlamaForCausalLM, LlamaMLP
@@ -123,7 +122,6 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         super().__init__(cfg)
         self.embed_scale = float(cfg.hidden_size) ** 0.5
         self.local_rope: RotaryEmbedding | None = None
-        self.decode_stack: DecodeStack | None = None  # all layers of a decode step in one C call, where picked
 
     def init_rope(self, max_positions: int, device: torch.device | str) -> None:
         super().init_rope(max_positions, device)  # the global layers' table
@@ -131,12 +129,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         local_inv_freq = rope_inv_freq(cfg.head_dim, cfg.local_rope_theta, cfg.local_rope_scaling)
         self.local_rope = RotaryEmbedding(local_inv_freq, max_positions, device)
 
-    def pick_kernel(self) -> None:
-        super().pick_kernel()
-        cfg = self.config
-        ropes = (self.rope, self.local_rope)
-        mlp = self.layers[0].mlp
-        self.decode_stack = DecodeStack.build(self.layers, ropes, mlp.act, cfg.intermediate_size, cfg.rms_norm_eps)
+    def rope_tables(self) -> tuple[RotaryEmbedding, RotaryEmbedding]:
+        return self.rope, self.local_rope
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
         x = self.embed_tokens(input_ids)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treeserve.layers.attention import Attention
+from treeserve.layers.decode_stack import DecodeStack
 from treeserve.layers.embedding import Embedding
 from treeserve.layers.linear import Linear, linear_kernel
 from treeserve.layers.norm import RMSNorm
@@ -164,21 +165,33 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope: RotaryEmbedding | None = None
         self.logits_linear = F.linear  # the tied LM head's matmul (`pick_kernel`): the table is no Linear
+        self.decode_stack: DecodeStack | None = None  # all layers of a decode step in one C call, where picked
 
     def init_rope(self, max_positions: int, device: torch.device | str) -> None:
         inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
         self.rope = RotaryEmbedding(inv_freq, max_positions, device)
 
     def pick_kernel(self) -> None:
-        """The tied LM head's matmul and the rotary tables' kernels (`layers.pick_kernels` calls this)."""
+        """The tied LM head's matmul, the rotary tables' kernels and the fused decode stack
+        (`layers.pick_kernels` calls this after every submodule picked its own)."""
         weight = self.embed_tokens.weight  # its layout picked already (`pick_kernels`: submodules first)
         self.logits_linear = linear_kernel(weight, self.embed_tokens.num_embeddings)
         for rope in vars(self).values():
             if isinstance(rope, RotaryEmbedding):
                 rope.pick_kernel(weight.dtype)
+        cfg = self.config
+        act = self.layers[0].mlp.act
+        self.decode_stack = DecodeStack.build(self.layers, self.rope_tables(), act, cfg.intermediate_size,
+                                              cfg.rms_norm_eps)  # fmt: skip
+
+    def rope_tables(self) -> tuple[RotaryEmbedding, RotaryEmbedding]:
+        """(global layers' table, sliding-window layers' table): one table here, two in Gemma 3."""
+        return self.rope, self.rope
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.decode_stack is not None and self.decode_stack(x, positions, attn):
+            return self.norm(x)
         for layer in self.layers:
             x = layer(x, positions, self.rope, attn)
         return self.norm(x)

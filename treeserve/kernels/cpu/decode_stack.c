@@ -10,9 +10,10 @@
  * bf16 act(x) for all 65536 bf16 inputs that PyTorch's own kernel filled. So every row
  * gets the bits the per-op path gives it, whatever the batch.
  *
- * The layer (Gemma 3's; a null norm is skipped, which gives Llama's order minus its norm
- * weights' extra rounding, not supported): x += post_attn(attn(rope(qk_norm(split(qkv(
- * input_norm(x))))))); x += post_ff(down(act(gate) * up)) with gate|up = gate_up(pre_ff(x)).
+ * The layer: x += post_attn(attn(rope(qk_norm(split(qkv(input_norm(x))))))); x += post_mlp(
+ * down(act(gate) * up)) with gate|up = gate_up(pre_mlp(x)). Gemma 3 has every norm (fp32
+ * gains); Llama/Qwen2/Mistral only the input and pre-MLP ones (bf16 weights): a norm the layer
+ * lacks is skipped.
  * Tokens are the step's rows; row t is sequence t's one query (speculative rows are
  * sequences of their own here, as in the engine's decode group).
  */
@@ -48,11 +49,14 @@ typedef struct { /* a quantised matrix: q8_matmul's first seven arguments, and i
     int64_t k, n;
 } matrix;
 
-typedef struct { /* one decoder layer: its matrices, fp32 norm gains (1 + w), window and rope table */
+enum { INPUT_NORM, Q_NORM, K_NORM, POST_ATTN_NORM, PRE_MLP_NORM, POST_MLP_NORM, NORMS };
+
+typedef struct { /* one decoder layer: its matrices, norms, window and rope table */
     matrix qkv, o, gate_up, down;
-    const float *input_norm, *q_norm, *k_norm, *post_attn_norm, *pre_ff_norm, *post_ff_norm;
-    int64_t window; /* 0: global attention */
-    int rope;       /* which of the step's cos/sin rows: 0 global, 1 local */
+    const float *gain[NORMS];  /* Gemma's norms: fp32 1 + w */
+    const bf16 *weight[NORMS]; /* Llama's: bf16 w (a norm with neither is not in the layer) */
+    int64_t window;            /* 0: global attention */
+    int rope;                  /* which of the step's cos/sin rows: 0 global, 1 local */
 } layer;
 
 typedef struct { /* the model's shapes and the kernels the layers call */
@@ -99,11 +103,11 @@ static void matmul(const stack *s, const matrix *w, const bf16 *x, int64_t m, bf
               out, w->n, 1, 1, threads);
 }
 
-/* `out` = the norm of x's rows, or x itself when the layer has no such norm */
-static const bf16 *norm(const stack *s, const float *gain, const bf16 *x, int64_t rows, int dim, bf16 *out,
+/* `out` = norm `which` of the layer over x's rows, or x itself when the layer has no such norm */
+static const bf16 *norm(const stack *s, const layer *ly, int which, const bf16 *x, int64_t rows, int dim, bf16 *out,
                         int threads) {
-    if (!gain) return x;
-    s->norm(x, rows, dim, gain, NULL, s->eps, out, threads);
+    if (!ly->gain[which] && !ly->weight[which]) return x;
+    s->norm(x, rows, dim, ly->gain[which], ly->weight[which], s->eps, out, threads);
     return out;
 }
 
@@ -124,13 +128,13 @@ void decode_stack_bf16(const stack *s, const layer *layers, int count, const ste
     for (int l = 0; l < count; l++) {
         const layer *ly = &layers[l];
         /* attention */
-        matmul(s, &ly->qkv, norm(s, ly->input_norm, x, t, hidden, h, threads), t, qkv, threads);
+        matmul(s, &ly->qkv, norm(s, ly, INPUT_NORM, x, t, hidden, h, threads), t, qkv, threads);
         for (int64_t r = 0; r < t; r++) { /* the split's q and k rows, contiguous (as .contiguous()) */
             memcpy(qn + r * q_size, qkv + r * qkv_width, q_size * sizeof(bf16));
             memcpy(kn + r * kv_size, qkv + r * qkv_width + q_size, kv_size * sizeof(bf16));
         }
-        const bf16 *qh = norm(s, ly->q_norm, qn, t * s->q_heads, dim, qn, threads);
-        const bf16 *kh = norm(s, ly->k_norm, kn, t * s->kv_heads, dim, kn, threads);
+        const bf16 *qh = norm(s, ly, Q_NORM, qn, t * s->q_heads, dim, qn, threads);
+        const bf16 *kh = norm(s, ly, K_NORM, kn, t * s->kv_heads, dim, kn, threads);
         s->rope(qh, q_size, t, s->q_heads, dim, st->cos[ly->rope], st->sin[ly->rope], q, threads);
         s->rope(kh, kv_size, t, s->kv_heads, dim, st->cos[ly->rope], st->sin[ly->rope], k, threads);
         char *k_cache = (char *)(st->k_cache + l * st->layer_stride);
@@ -140,16 +144,16 @@ void decode_stack_bf16(const stack *s, const layer *layers, int count, const ste
                   st->context_lens, (int)t, s->q_heads, s->kv_heads, (int)dim, st->block_size, st->scale,
                   ly->window, threads, att);
         matmul(s, &ly->o, att, t, y, threads);
-        residual_add(x, norm(s, ly->post_attn_norm, y, t, hidden, h, threads), t * hidden);
+        residual_add(x, norm(s, ly, POST_ATTN_NORM, y, t, hidden, h, threads), t * hidden);
         /* MLP */
-        matmul(s, &ly->gate_up, norm(s, ly->pre_ff_norm, x, t, hidden, h, threads), t, gu, threads);
+        matmul(s, &ly->gate_up, norm(s, ly, PRE_MLP_NORM, x, t, hidden, h, threads), t, gu, threads);
         for (int64_t r = 0; r < t; r++) {
             const bf16 *gate = gu + r * 2 * inter, *up = gate + inter;
             bf16 *out = mix + r * inter;
             for (int64_t i = 0; i < inter; i++) out[i] = to_bf16(f32(s->act[gate[i]]) * f32(up[i]));
         }
         matmul(s, &ly->down, mix, t, y, threads);
-        residual_add(x, norm(s, ly->post_ff_norm, y, t, hidden, h, threads), t * hidden);
+        residual_add(x, norm(s, ly, POST_MLP_NORM, y, t, hidden, h, threads), t * hidden);
     }
     free(buf);
 }

@@ -28,10 +28,13 @@ class Matrix(ctypes.Structure):
                 ("part_rows", _ptr), ("k", _i64), ("n", _i64)]  # fmt: skip
 
 
+NORMS = 6  # input, q, k, post-attention, pre-MLP, post-MLP
+
+
 class Layer(ctypes.Structure):
     _fields_ = [(name, Matrix) for name in ("qkv", "o", "gate_up", "down")] + [
-        (name, _ptr) for name in ("input_norm", "q_norm", "k_norm", "post_attn_norm", "pre_ff_norm", "post_ff_norm")
-    ] + [("window", _i64), ("rope", _int)]  # fmt: skip
+        ("gain", _ptr * NORMS), ("weight", _ptr * NORMS), ("window", _i64), ("rope", _int)
+    ]  # fmt: skip
 
 
 class StackArgs(ctypes.Structure):
@@ -77,13 +80,14 @@ def matrix(plan: quant.Plan) -> Matrix:
 
 @dataclass
 class LayerWeights:
-    """What one layer's struct points at: 8-bit plans, fp32 gains (None: no such norm)."""
+    """What one layer's struct points at: 8-bit plans, norms as fp32 gains (Gemma's 1 + w) or bf16
+    weights (Llama's), None where the layer has no such norm."""
 
     qkv: quant.Plan
     o: quant.Plan
     gate_up: quant.Plan
     down: quant.Plan
-    norms: tuple[torch.Tensor | None, ...]  # input, q, k, post-attention, pre-MLP, post-MLP
+    norms: tuple[torch.Tensor | None, ...]  # NORMS of them: input, q, k, post-attention, pre-MLP, post-MLP
     window: int | None
     local_rope: bool
 
@@ -103,10 +107,12 @@ class Stack:
         self.layers = (Layer * len(layers))()
         for i, w in enumerate(layers):
             assert all(plan.q8 for plan in (w.qkv, w.o, w.gate_up, w.down))
-            gains = [None if g is None else g.data_ptr() for g in w.norms]
-            assert all(g is None or (g.dtype == torch.float32 and g.is_contiguous()) for g in w.norms)
-            self.layers[i] = Layer(matrix(w.qkv), matrix(w.o), matrix(w.gate_up), matrix(w.down), *gains,
-                                   w.window or 0, int(w.local_rope))  # fmt: skip
+            assert len(w.norms) == NORMS and all(n is None or n.is_contiguous() for n in w.norms)
+            gains = [n.data_ptr() if n is not None and n.dtype == torch.float32 else None for n in w.norms]
+            weights = [n.data_ptr() if n is not None and n.dtype == torch.bfloat16 else None for n in w.norms]
+            matrices = (matrix(w.qkv), matrix(w.o), matrix(w.gate_up), matrix(w.down))
+            norms = ((_ptr * NORMS)(*gains), (_ptr * NORMS)(*weights))
+            self.layers[i] = Layer(*matrices, *norms, w.window or 0, int(w.local_rope))
 
     def run(self, x: torch.Tensor, rope_rows: list[tuple[torch.Tensor, torch.Tensor]], slot_pages: torch.Tensor,
             slot_offsets: torch.Tensor, tables: torch.Tensor, context_lens: torch.Tensor, k_cache: torch.Tensor,
