@@ -159,3 +159,17 @@ def test_guided_json_on_the_gguf_tokenizer(gemma_gguf):
     out = llm.generate(["2 + 2 = ?"], SamplingParams(temperature=0.0, max_tokens=32, structured_outputs=regex))
     assert out[0].outputs[0].finish_reason == "stop" and out[0].outputs[0].text.startswith("The answer is \\boxed{")
     llm.engine.check_pages_idle()
+
+
+def test_fused_decode_stack_gives_the_per_layer_bits(gemma_gguf, make_llm):
+    """The file's blocks in bf16, where the 8-bit kernels run: every decode step through all 18
+    layers in one C call gives the per-layer path's tokens and logprobs, the 20 prompts batched."""
+    llm = make_llm(gemma_gguf, dtype="bfloat16", kv_cache_memory=64 << 20, max_model_len=512)
+    model = llm.engine.model
+    if model.decode_stack is None:
+        pytest.skip("no 8-bit kernels on this CPU: the stack is not built")
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.7, seed=5, logprobs=3)
+    fused = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(PROMPTS, params)]
+    model.decode_stack = None
+    per_layer = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(PROMPTS, params)]
+    assert fused == per_layer

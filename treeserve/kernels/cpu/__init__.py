@@ -3,7 +3,8 @@
 Kernels: paged decode and prefill attention, softmax sampling, a bf16 GEMV for linear
 layers at small batch, RMSNorm and rotary embeddings; `amx_linear.c` (bf16 linear layers on
 AMX tiles, weights laid out once by `amx_pack`) and `quant.py` beside this file (the matmuls
-of quantised weights, `quant_kernels.c`) are built the same way. Nothing here knows about models:
+of quantised weights, `quant_kernels.c`) and `decode_stack.py` (every layer of a decode step in one
+call, chaining these) are built the same way. Nothing here knows about models:
 `layers/` picks these for a model's layers at load, the engine's `cpu` attention backend
 and the sampler call the others.
 
