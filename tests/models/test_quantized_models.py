@@ -180,3 +180,21 @@ def test_fused_decode_stack_gives_the_per_layer_bits(tmp_path, make_llm, arch, s
         if fused:
             assert sum(t > 0 for t in taken) >= 5 and max(taken) >= (4 if spec else 3)  # batched (and drafted) rows
     assert runs[True] == runs[False]
+
+
+@pytest.mark.parametrize("name", ["gelu_pytorch_tanh", "silu"])
+def test_activation_table_is_pytorchs_activation(name):
+    """The decode stack's table of act(x) for every bf16 x gives what PyTorch's kernel gives on the
+    gate half of a fused gate|up output (strided rows of whole vectors), for every finite input."""
+    from treeserve.layers.decode_stack import act_table
+    from treeserve.models.llama import ACTIVATIONS
+
+    act = ACTIVATIONS[name]
+    table = act_table(act)
+    gate_up = (torch.randn(37, 2 * 704) * 4).to(torch.bfloat16)
+    gate = gate_up[:, :704]  # the view the per-layer path activates
+    looked_up = table[gate.contiguous().view(torch.int16).long() & 0xFFFF]
+    assert torch.equal(looked_up.view(torch.int16), act(gate).view(torch.int16))
+    finite = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    finite = finite[torch.isfinite(finite)]
+    assert torch.equal(table[finite.view(torch.int16).long() & 0xFFFF].view(torch.int16), act(finite).view(torch.int16))

@@ -78,10 +78,10 @@ class DecodeStack:
         """For Gemma 3 or Llama-family decoder layers (`ropes`: the global layers' table, then the
         sliding-window layers'; `act` the MLP's activation): None unless every layer runs on the
         C kernels (picked already), the activation's rows are whole vectors, and the library built."""
-        if not kernels.available() or not all(rope.use_c for rope in ropes) or intermediate % 64:
+        if not all(rope.use_c for rope in ropes) or intermediate % 64:
             return None
         weights = [_weights(layer, layer.self_attn.window is not None) for layer in layers]
-        if not weights or any(w is None for w in weights):
+        if not weights or any(w is None for w in weights) or not kernels.available():  # built only when used
             return None
         q_heads, kv_heads, head_dim = layers[0].self_attn.shape
         hidden = layers[0].input_layernorm.weight.shape[0]
