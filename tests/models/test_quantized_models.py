@@ -155,15 +155,17 @@ GEMMA_STACK = dict(WIDE, num_hidden_layers=3, sliding_window=8, query_pre_attn_s
         ("gemma3", {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}),
         ("llama", None),
         ("llama-int8", None),
+        ("qwen2-int8", None),
     ],
 )
 def test_fused_decode_stack_gives_the_per_layer_bits(tmp_path, make_llm, arch, spec):
     """Every matmul 8-bit quantised, bf16: a decode step through all layers in one C call
     (`layers/decode_stack.py`) gives the per-layer path's logprobs to the bit, alone, in a batch
     of sequences at other lengths, and in a speculating sequence's rows; for Gemma 3 and the
-    Llama family, GGUF blocks and int8 of a Hugging Face checkpoint."""
-    if arch == "llama-int8":
-        llm = make_llm(build_checkpoint(str(tmp_path / "hf"), "llama", **WIDE), dtype="bfloat16", quantization="int8")
+    Llama family (Qwen2's biases too), GGUF blocks and int8 of a Hugging Face checkpoint."""
+    if arch.endswith("-int8"):  # Qwen2: q/k/v biases, passed to the matmul
+        hf = build_checkpoint(str(tmp_path / "hf"), arch.removesuffix("-int8"), **WIDE)
+        llm = make_llm(hf, dtype="bfloat16", quantization="int8")
     else:
         path = _gguf(tmp_path, arch, ("Q8_0", "Q5_0", "Q4_0"), **(GEMMA_STACK if arch == "gemma3" else WIDE))
         llm = make_llm(path, dtype="bfloat16", speculative_config=spec)

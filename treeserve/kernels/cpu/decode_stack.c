@@ -13,7 +13,8 @@
  * The layer: x += post_attn(attn(rope(qk_norm(split(qkv(input_norm(x))))))); x += post_mlp(
  * down(act(gate) * up)) with gate|up = gate_up(pre_mlp(x)). Gemma 3 has every norm (fp32
  * gains); Llama/Qwen2/Mistral only the input and pre-MLP ones (bf16 weights): a norm the layer
- * lacks is skipped.
+ * lacks is skipped. A matrix's bias (Qwen2's q/k/v) goes to the matmul, as the per-layer path
+ * passes it.
  * Tokens are the step's rows; row t is sequence t's one query (speculative rows are
  * sequences of their own here, as in the engine's decode group).
  */
@@ -39,7 +40,7 @@ typedef void (*attend_fn)(const bf16 *q, const bf16 *k_cache, int64_t page_strid
                           int q_heads, int kv_heads, int head_dim, int block_size, float scale, int64_t window,
                           int threads, bf16 *out);
 
-typedef struct { /* a quantised matrix: q8_matmul's first seven arguments, and its output width */
+typedef struct { /* a quantised matrix: q8_matmul's first seven arguments, its output width and bias */
     int parts;
     const int *types;
     const uint8_t *const *ws;
@@ -47,6 +48,7 @@ typedef struct { /* a quantised matrix: q8_matmul's first seven arguments, and i
     const float *const *row_scales;
     const int64_t *part_rows;
     int64_t k, n;
+    const float *bias; /* fp32 [n], or NULL */
 } matrix;
 
 enum { INPUT_NORM, Q_NORM, K_NORM, POST_ATTN_NORM, PRE_MLP_NORM, POST_MLP_NORM, NORMS };
@@ -99,7 +101,7 @@ static void residual_add(bf16 *x, const bf16 *y, int64_t count) {
 }
 
 static void matmul(const stack *s, const matrix *w, const bf16 *x, int64_t m, bf16 *out, int threads) {
-    s->matmul(w->parts, w->types, w->ws, w->row_bytes, w->row_scales, w->part_rows, w->k, x, w->k, (int)m, NULL,
+    s->matmul(w->parts, w->types, w->ws, w->row_bytes, w->row_scales, w->part_rows, w->k, x, w->k, (int)m, w->bias,
               out, w->n, 1, 1, threads);
 }
 

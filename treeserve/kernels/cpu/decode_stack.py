@@ -25,7 +25,7 @@ _i64, _int, _float, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.
 
 class Matrix(ctypes.Structure):
     _fields_ = [("parts", _int), ("types", _ptr), ("ws", _ptr), ("row_bytes", _ptr), ("row_scales", _ptr),
-                ("part_rows", _ptr), ("k", _i64), ("n", _i64)]  # fmt: skip
+                ("part_rows", _ptr), ("k", _i64), ("n", _i64), ("bias", _ptr)]  # fmt: skip
 
 
 NORMS = 6  # input, q, k, post-attention, pre-MLP, post-MLP
@@ -71,11 +71,13 @@ def _address(function: ctypes._CFuncPtr) -> int:
     return ctypes.cast(function, ctypes.c_void_p).value
 
 
-def matrix(plan: quant.Plan) -> Matrix:
-    """A quantised matrix's plan as the C struct (the plan keeps its arrays and bytes alive)."""
+def matrix(plan: quant.Plan, bias: torch.Tensor | None) -> Matrix:
+    """A quantised matrix's plan (which keeps its arrays and bytes alive) and fp32 bias as the C struct."""
     count, types, ws, row_bytes, scales, rows, k = plan.args
+    assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == (plan.n,))
     return Matrix(count, ctypes.cast(types, _ptr), ctypes.cast(ws, _ptr), ctypes.cast(row_bytes, _ptr),
-                  ctypes.cast(scales, _ptr), ctypes.cast(rows, _ptr), k, plan.n)  # fmt: skip
+                  ctypes.cast(scales, _ptr), ctypes.cast(rows, _ptr), k, plan.n,
+                  None if bias is None else bias.data_ptr())  # fmt: skip
 
 
 @dataclass
@@ -88,6 +90,7 @@ class LayerWeights:
     gate_up: quant.Plan
     down: quant.Plan
     norms: tuple[torch.Tensor | None, ...]  # NORMS of them: input, q, k, post-attention, pre-MLP, post-MLP
+    biases: tuple[torch.Tensor | None, ...]  # fp32, of qkv, o, gate_up, down (None: no bias)
     window: int | None
     local_rope: bool
 
@@ -110,7 +113,8 @@ class Stack:
             assert len(w.norms) == NORMS and all(n is None or n.is_contiguous() for n in w.norms)
             gains = [n.data_ptr() if n is not None and n.dtype == torch.float32 else None for n in w.norms]
             weights = [n.data_ptr() if n is not None and n.dtype == torch.bfloat16 else None for n in w.norms]
-            matrices = (matrix(w.qkv), matrix(w.o), matrix(w.gate_up), matrix(w.down))
+            plans = (w.qkv, w.o, w.gate_up, w.down)
+            matrices = [matrix(plan, bias) for plan, bias in zip(plans, w.biases, strict=True)]
             norms = ((_ptr * NORMS)(*gains), (_ptr * NORMS)(*weights))
             self.layers[i] = Layer(*matrices, *norms, w.window or 0, int(w.local_rope))
 
