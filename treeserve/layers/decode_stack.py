@@ -63,10 +63,9 @@ def _weights(layer: nn.Module, local_rope: bool) -> kernels.LayerWeights | None:
 class DecodeStack:
     """Runs a step's decoder layers in one C call; `__call__` says whether it took the step."""
 
-    def __init__(self, stack: kernels.Stack, ropes: tuple[RotaryEmbedding, RotaryEmbedding], head_dim: int):
+    def __init__(self, stack: kernels.Stack, ropes: tuple[RotaryEmbedding, RotaryEmbedding]):
         self.stack = stack
         self.ropes = ropes
-        self.head_dim = head_dim
 
     @staticmethod
     def build(
@@ -87,7 +86,7 @@ class DecodeStack:
         q_heads, kv_heads, head_dim = layers[0].self_attn.shape
         hidden = layers[0].input_layernorm.weight.shape[0]
         shapes = dict(hidden=hidden, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, intermediate=intermediate)
-        return DecodeStack(kernels.Stack(shapes, eps, act_table(act), weights), ropes, head_dim)
+        return DecodeStack(kernels.Stack(shapes, eps, act_table(act), weights), ropes)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, attn: Attention) -> bool:
         """Run every layer over x [T, hidden] in place, where the step allows; False: it did not."""
@@ -97,7 +96,7 @@ class DecodeStack:
         if pages is None or pages.k_cache.dtype != torch.bfloat16:
             return False
         rows = [rope.lookup(positions, torch.bfloat16) for rope in self.ropes]
-        scale = pages.scale or self.head_dim**-0.5
+        scale = pages.scale or self.stack.shapes["head_dim"] ** -0.5
         self.stack.run(x, rows, pages.slot_pages, pages.slot_offsets, pages.tables, pages.context_lens,
                        pages.k_cache, pages.layer_stride, pages.v_offset, scale)  # fmt: skip
         return True

@@ -20,7 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef uint16_t bf16;
+#include "bf16.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include "amx.h"

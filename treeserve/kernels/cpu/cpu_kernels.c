@@ -19,23 +19,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef uint16_t bf16;
+#include "bf16.h"
 
 static inline float load_f32(float x) { return x; }
-static inline float load_bf16(bf16 x) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)x << 16;
-    return v.f;
-}
 static inline float store_f32(float x) { return x; }
 #define load_bf16_generic load_bf16
 #define store_bf16_generic store_bf16
-static inline bf16 store_bf16(float f) {
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    v.u += 0x7fffu + ((v.u >> 16) & 1u); /* round to nearest even */
-    return (bf16)(v.u >> 16);
-}
 
 #define DEFINE_PAGED_DECODE(SUFFIX, T)                                                          \
 void paged_decode_##SUFFIX(const T *q, const T *k_cache, int64_t page_stride, int64_t v_offset, \

@@ -22,7 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef uint16_t bf16;
+#include "bf16.h"
 
 typedef void (*matmul_fn)(int parts, const int *types, const uint8_t *const *ws, const int64_t *row_bytes,
                           const float *const *row_scales, const int64_t *part_rows, int64_t k, const void *x,
@@ -84,20 +84,8 @@ typedef struct { /* one step: rows, their rope rows, KV slots and pages */
     int threads;
 } step;
 
-static inline float f32(bf16 x) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)x << 16;
-    return v.f;
-}
-static inline bf16 to_bf16(float f) { /* round to nearest even, as PyTorch's casts */
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    v.u += 0x7fffu + ((v.u >> 16) & 1u);
-    return (bf16)(v.u >> 16);
-}
-
 static void residual_add(bf16 *x, const bf16 *y, int64_t count) {
-    for (int64_t i = 0; i < count; i++) x[i] = to_bf16(f32(x[i]) + f32(y[i]));
+    for (int64_t i = 0; i < count; i++) x[i] = store_bf16(load_bf16(x[i]) + load_bf16(y[i]));
 }
 
 static void matmul(const stack *s, const matrix *w, const bf16 *x, int64_t m, bf16 *out, int threads) {
@@ -152,7 +140,7 @@ void decode_stack_bf16(const stack *s, const layer *layers, int count, const ste
         for (int64_t r = 0; r < t; r++) {
             const bf16 *gate = gu + r * 2 * inter, *up = gate + inter;
             bf16 *out = mix + r * inter;
-            for (int64_t i = 0; i < inter; i++) out[i] = to_bf16(f32(s->act[gate[i]]) * f32(up[i]));
+            for (int64_t i = 0; i < inter; i++) out[i] = store_bf16(load_bf16(s->act[gate[i]]) * load_bf16(up[i]));
         }
         matmul(s, &ly->down, mix, t, y, threads);
         residual_add(x, norm(s, ly, POST_MLP_NORM, y, t, hidden, h, threads), t * hidden);

@@ -494,7 +494,7 @@ static void multiply_amx_q8_0_panel(panel p, int64_t k, acts x, int64_t r0, __m5
 
 #endif
 
-/* 16 fp32 -> bf16, round to nearest even (as f32_to_bf16 a value) */
+/* 16 fp32 -> bf16, round to nearest even (as bf16.h's store_bf16 a value) */
 static inline __m256i to_bf16(__m512 v) {
     const __m512i bits = _mm512_castps_si512(v);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));

@@ -19,6 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14,
        T_I8 = 1000 };
 
@@ -268,12 +270,6 @@ void dequant_rows(int type, const uint8_t *w, int64_t row_bytes, const float *ro
     }
 }
 
-static inline uint16_t f32_to_bf16(float f) {
-    union { float f; uint32_t u; } v = {f};
-    v.u += 0x7fffu + ((v.u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(v.u >> 16);
-}
-
 static inline float hsum(v16 a) { /* fixed order: the same for every row and channel */
     float s = 0.0f;
     for (int i = 0; i < 16; i++) s += a[i];
@@ -488,7 +484,7 @@ void qmatmul(int parts, const int *types, const uint8_t *const *ws, const int64_
                     for (int c = 0; c < np; c++) {
                         const float v = res[r * NP + c] + (bias ? bias[col + c] : 0.0f);
                         const int64_t at = (int64_t)(r0 + r) * out_stride + col + c;
-                        if (out_bf16) ((uint16_t *)out)[at] = f32_to_bf16(v);
+                        if (out_bf16) ((uint16_t *)out)[at] = store_bf16(v);
                         else ((float *)out)[at] = v;
                     }
             }
