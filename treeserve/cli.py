@@ -63,6 +63,10 @@ def _add_quantization_flags(p: argparse.ArgumentParser, prm: bool) -> None:
     if prm:
         p.add_argument("--prm-quantization", default=None, choices=["int8", "gguf"], help="the PRM's, likewise")
     p.add_argument("--dequantize", action="store_true", help="load GGUF files dense (dequantised), as before")
+    p.add_argument("--quant-activations", default=None, choices=["int8", "bf16"],
+                   help="what quantised matmuls take activations as (every model): int8 (the default; "
+                   "llama.cpp's way, fastest at a few rows) or bf16 (on an AMX CPU: bf16 tiles of the "
+                   "dequantised weights, the dequantised model's exact outputs, for batches of 32+ rows)")  # fmt: skip
 
 
 def _add_speculative_flag(p: argparse.ArgumentParser) -> None:
@@ -106,6 +110,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
         device=args.device, attention_backend=args.attention_backend, quantization=args.quantization,
         dequantize=args.dequantize, speculative_config=args.speculative_config,
+        quant_activations=args.quant_activations or "int8",
     )  # fmt: skip
     loaded = time.perf_counter()
     if chat:
@@ -353,7 +358,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model=model, prm=prm, prm_style=args.prm_style, served_model_name=args.served_model_name, host=args.host,
         port=args.port, api_key=args.api_key, dtype=args.dtype, max_model_len=args.max_model_len,
         device=args.device, attention_backend=args.attention_backend, quantization=args.quantization,
-        prm_quantization=args.prm_quantization, dequantize=args.dequantize,
+        prm_quantization=args.prm_quantization, dequantize=args.dequantize, quant_activations=args.quant_activations,
         speculative_config=args.speculative_config, engine_process=not args.engine_in_process,
         shutdown_timeout=args.shutdown_timeout, **{key: getattr(args, key) for key in CONFIG_KEYS},
     )  # fmt: skip

@@ -16,7 +16,7 @@ from treeserve.device import resolve_attention_backend, resolve_device
 from treeserve.engine.speculative import SpeculativeConfig
 from treeserve.layers.quant import kernels_available
 from treeserve.models.gguf_loader import is_gguf
-from treeserve.models.loader import QUANTIZATIONS
+from treeserve.models.loader import QUANT_ACTIVATIONS, QUANTIZATIONS
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,10 @@ class EngineConfig:
     # quantised blocks as they are (the default for a GGUF file on a CPU); None: dense weights
     quantization: str | None = None
     dequantize: bool = False  # load a GGUF file dense (dequantised), as before quantised kernels
+    # what quantised matmuls take activations as: "int8" (rounded to 8 bits a 32-block, llama.cpp's
+    # way: fastest at a few rows) or "bf16" (as they are; on an AMX CPU the weights dequantised into
+    # bf16 tiles, the dequantised model's bits: fastest from ~32 rows on). See README.
+    quant_activations: str = "int8"
     # speculative decoding, vLLM's dict: {"method": "ngram" | "tree", "num_speculative_tokens": k,
     # "prompt_lookup_min": a, "prompt_lookup_max": b} or {"model": DIR, "num_speculative_tokens": k}
     speculative_config: dict | str | SpeculativeConfig | None = None
@@ -77,6 +81,9 @@ class EngineConfig:
         if not self.model_id:
             self.model_id = os.path.abspath(self.model)
         self.quantization = self._resolve_quantization()
+        if self.quant_activations not in QUANT_ACTIVATIONS:
+            choices = list(QUANT_ACTIVATIONS)
+            raise ValueError(f"quant_activations must be one of {choices}, got {self.quant_activations!r}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.speculative_config is not None:
             self.speculative_config.check_draft(self.model)

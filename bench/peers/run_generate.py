@@ -2,7 +2,8 @@
 
 Usage: python bench/peers/run_generate.py ENGINE MODEL WORKLOAD_JSON
 ENGINE is treeserve, vllm, transformers (MODEL: a checkpoint directory; treeserve also
-takes a GGUF file, run quantised; treeserve-bf16 runs it dequantised to bf16) or llamacpp
+takes a GGUF file, run quantised; treeserve-bf16 runs it dequantised to bf16; treeserve-tiles
+runs it quantised with bf16 activations, `quant_activations="bf16"`) or llamacpp
 (MODEL: a GGUF file; llama-cpp-python's low-level batch
 API, every sequence in one llama_batch per step, llama.cpp's own samplers). The workload
 JSON holds prompts (token ids), n, max_tokens, temperature, dtype. Model loading and a small
@@ -28,12 +29,15 @@ def _timed(fn) -> float:  # noqa: ANN001
     return time.perf_counter() - start
 
 
-def run_treeserve(model: str, w: dict, dequantize: bool = False, guided: bool = False) -> tuple[float, int]:
+def run_treeserve(
+    model: str, w: dict, dequantize: bool = False, guided: bool = False, quant_activations: str = "int8"
+) -> tuple[float, int]:
     from treeserve import LLM, SamplingParams, StructuredOutputsParams
 
     llm = LLM(
         model,
         dequantize=dequantize,
+        quant_activations=quant_activations,
         dtype=w["dtype"],
         max_num_seqs=w["max_num_seqs"],
         max_num_batched_tokens=w["max_num_batched_tokens"],
@@ -193,6 +197,7 @@ if __name__ == "__main__":
     runner = {
         "treeserve": run_treeserve,
         "treeserve-bf16": lambda model, w: run_treeserve(model, w, dequantize=True),
+        "treeserve-tiles": lambda model, w: run_treeserve(model, w, quant_activations="bf16"),
         "treeserve-guided": lambda model, w: run_treeserve(model, w, guided=True),
         "vllm": run_vllm,
         "vllm-guided": lambda model, w: run_vllm(model, w, guided=True),

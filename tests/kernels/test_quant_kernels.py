@@ -139,7 +139,7 @@ def test_int8_activations_multiply_the_rounded_rows_exactly(qtype, rows, dtype):
     assert plan.q8
     w = quant.dequant_rows(number, data, scales, torch.arange(n), k).double()
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
-    got = quant.qmatmul(plan, x, int8_activations=True).double()
+    got = quant.qmatmul(plan, x, fast=True).double()
     x8, block_scale = _int8_rows(x)
     err = (got - x8 @ w.T).abs()
     assert (err <= _bound(x8, w)).all(), f"max error {err.max().item()}"
@@ -155,10 +155,10 @@ def test_int8_activations_rows_do_not_depend_on_the_batch(qtype):
     data, scales, number = _weights(qtype, n, k, seed=3)
     plan = quant.Plan([(number, data, scales, n)], k)
     x = torch.randn(37, k).bfloat16()
-    full = quant.qmatmul(plan, x, int8_activations=True)
+    full = quant.qmatmul(plan, x, fast=True)
     for m in (1, 2, 3, 5, 8, 9, 15, 16, 17, 31, 32, 33, 36):  # tiles of 8 rows; from 16 rows AMX where there is one
-        assert torch.equal(quant.qmatmul(plan, x[:m], int8_activations=True), full[:m]), m
-        assert torch.equal(quant.qmatmul(plan, x[37 - m :], int8_activations=True), full[37 - m :]), m
+        assert torch.equal(quant.qmatmul(plan, x[:m], fast=True), full[:m]), m
+        assert torch.equal(quant.qmatmul(plan, x[37 - m :], fast=True), full[37 - m :]), m
 
 
 @needs_q8
@@ -258,10 +258,10 @@ def _int8_products(x: torch.Tensor) -> dict[str, torch.Tensor]:
     out = {}
     for qtype in Q8:
         data, scales, number = _weights(qtype, 37, 512, seed=7)
-        out[qtype] = quant.qmatmul(quant.Plan([(number, data, scales, 37)], 512), x, int8_activations=True)
+        out[qtype] = quant.qmatmul(quant.Plan([(number, data, scales, 37)], 512), x, fast=True)
     panels = quant.lay_out(quant.QTYPES["Q8_0"], _weights("Q8_0", 37, 512, seed=7)[0], 512)
     plan = quant.Plan([(quant.PANELS + quant.QTYPES["Q8_0"], panels, None, 37)], 512)
-    out["panels"] = quant.qmatmul(plan, x, int8_activations=True)
+    out["panels"] = quant.qmatmul(plan, x, fast=True)
     return out
 
 

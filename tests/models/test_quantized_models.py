@@ -99,6 +99,8 @@ def test_quantisation_settings_are_checked_before_loading(tmp_path):
         LLM(path, quantization="int8")
     with pytest.raises(ValueError, match="needs a .gguf file"):
         LLM(hf, quantization="gguf")
+    with pytest.raises(ValueError, match="quant_activations must be one of"):
+        LLM(path, quant_activations="fp8")
     odd = build_checkpoint(str(tmp_path / "odd"), "llama", intermediate_size=100)
     with pytest.raises(ValueError, match="multiples of 32.*intermediate_size"):
         LLM(odd, quantization="int8", dtype="float32")
@@ -109,7 +111,8 @@ def test_cli_generate_takes_quantization_flags(tmp_path, capsys):
 
     hf = build_checkpoint(str(tmp_path / "hf"), "llama")
     path = write_gguf(hf, str(tmp_path / "tiny.gguf"), "llama")
-    for args in (["--model", hf, "--quantization", "int8"], ["--model", path, "--dequantize"]):
+    for args in (["--model", hf, "--quantization", "int8"], ["--model", path, "--dequantize"],
+                 ["--model", path, "--quant-activations", "bf16"]):  # fmt: skip
         assert main(["generate", "def f", *args, "--n", "1", "--max-tokens", "4", "--kv-cache-memory", "8M"]) == 0
     assert main(["generate", "x", "--model", path, "--quantization", "int8"]) != 0
     assert "for Hugging Face checkpoints" in capsys.readouterr().err
@@ -182,6 +185,27 @@ def test_fused_decode_stack_gives_the_per_layer_bits(tmp_path, make_llm, arch, s
         if fused:
             assert sum(t > 0 for t in taken) >= 5 and max(taken) >= (4 if spec else 3)  # batched (and drafted) rows
     assert runs[True] == runs[False]
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "llama"])
+def test_bf16_activations_on_tiles_give_the_dequantised_bf16_models_bits(tmp_path, make_llm, arch):
+    """`quant_activations="bf16"` on an AMX CPU: the quantised file's weights dequantised into bf16
+    tiles per call, so tokens and logprobs are the dequantised bf16 model's, to the bit, through
+    the decode stack, in a batch and alone; the file's bytes stay the resident weights."""
+    path = _gguf(tmp_path, arch, ("Q8_0", "Q5_0", "Q4_0"), **(GEMMA_STACK if arch == "gemma3" else WIDE))
+    tiled = make_llm(path, dtype="bfloat16", quant_activations="bf16")
+    dense = make_llm(path, dtype="bfloat16", dequantize=True)
+    if not tiled.engine.model.layers[0].mlp.down_proj.weight.plan.tiles:
+        pytest.skip("no usable AMX tiles on this CPU: bf16 activations take the bf16 dot-product kernel")
+    assert tiled.engine.model.decode_stack is not None and tiled.engine.quantization.endswith(", bf16 activations")
+    assert weight_bytes(tiled.engine.model) < weight_bytes(dense.engine.model) / 1.5
+    prompts = [[5, 6, 7, 5, 6, 7], list(range(3, 30)), [9, 8]]
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=16, logprobs=2, ignore_eos=True) for s in (1, 2, 3)]
+    runs = [[(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+            for llm in (tiled, dense)]  # fmt: skip
+    assert runs[0] == runs[1]
+    alone = tiled.generate([prompts[1]], [params[1]])[0].outputs[0]
+    assert (alone.token_ids, alone.logprobs) == runs[0][1]
 
 
 @pytest.mark.parametrize("name", ["gelu_pytorch_tanh", "silu"])

@@ -97,7 +97,9 @@ class LLMEngine:
         `config` (a runtime that shares one arena between models attaches it later)."""
         self.config = config
         self.device = torch.device(config.device)
-        loaded = load_model(config.model, config.torch_dtype, self.device, config.quantization)
+        loaded = load_model(
+            config.model, config.torch_dtype, self.device, config.quantization, config.quant_activations
+        )
         self.model = loaded.model
         self.quantization = loaded.quantization  # e.g. "gguf:Q5_0+Q8_0", "int8", None
         self.model_config = loaded.config

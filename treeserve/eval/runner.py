@@ -66,6 +66,7 @@ class EvalSettings:
     quantization: str | None = None  # the generator's: "int8" (a Hugging Face checkpoint), "gguf" (a GGUF file's own)
     prm_quantization: str | None = None  # the PRM's, likewise
     dequantize: bool = False  # load GGUF files dense
+    quant_activations: str | None = None  # every model's quantised matmuls: "int8" | "bf16" (None: the default)
     speculative_config: dict | str | None = None  # the generator's speculative decoding (EngineConfig's)
     memory_report: str | None = None  # write the memory plan (JSON) here
     page_logs: bool = False  # put every engine's per-step page statistics in the results
@@ -96,6 +97,7 @@ def build_runtime(settings: EvalSettings, config: SearchConfig) -> Runtime:
         settings.prm_quantization,
         settings.dequantize,
         settings.speculative_config,
+        settings.quant_activations,
     )
     return Runtime.for_search(
         settings.generator, prm, settings.kv_cache_memory, settings.prm_kv_fraction, engine_args,

@@ -3,7 +3,8 @@
 At one row a Gemma 3 270M layer is ~20 kernel calls and PyTorch ops whose Python, dispatch
 and ctypes overhead (~0.3 ms a layer) costs more than their arithmetic. Where a model's
 decoder (Gemma 3, or the Llama family: Llama, Mistral, Qwen2) runs on the CPU kernels anyway
-(bf16, every matmul 8-bit quantised: a GGUF file or `quantization="int8"`; the C norms, rope),
+(bf16, every matmul quantised on one C kernel: a GGUF file or `quantization="int8"`, with
+8-bit activations or bf16 tiles; the C norms, rope),
 `DecodeStack.build` reads its layers into the C structs once; the model's forward then hands
 a step to it when the engine says the step is plain decodes in row order
 (`Attention.decode_pages`). The C chain calls the same kernels on the same inputs and does
@@ -37,7 +38,7 @@ def _weights(layer: nn.Module, local_rope: bool) -> kernels.LayerWeights | None:
     not on the C kernels."""
     attn, mlp = layer.self_attn, layer.mlp
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    if any(not isinstance(lin.weight, QuantTensor) or not lin.weight.plan.q8 or lin.weight.dtype != torch.bfloat16
+    if any(not isinstance(lin.weight, QuantTensor) or lin.weight.plan.call is None or lin.weight.dtype != torch.bfloat16
            for lin in linears):  # fmt: skip
         return None
     if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3: every norm

@@ -27,6 +27,7 @@ from treeserve.kernels.cpu import quant as kernels
 
 QTYPE_NAMES = {number: name for name, number in kernels.QTYPES.items()}
 QTYPE_NAMES |= {kernels.PANELS + number: name for number, name in QTYPE_NAMES.items()}  # laid out: the same format
+ACTIVATIONS = kernels.ACTIVATIONS  # what a matmul takes activations as: "int8" | "bf16" (`QuantTensor.activations`)
 KERNEL_FORMATS = set(kernels.BLOCKS)  # ggml type numbers (and our int8) the kernels multiply
 
 
@@ -69,13 +70,15 @@ class QuantTensor:
     cols: int
     dtype: torch.dtype = torch.float32
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    activations: str = "int8"  # what the matmul takes activations as: kernels.ACTIVATIONS (`Plan`)
     _plan: kernels.Plan | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def plan(self) -> kernels.Plan:
         """The kernel's description of the parts (built at first use)."""
         if self._plan is None:
-            self._plan = kernels.Plan([(p.qtype, p.data, p.scales, p.rows) for p in self.parts], self.cols)
+            parts = [(p.qtype, p.data, p.scales, p.rows) for p in self.parts]
+            self._plan = kernels.Plan(parts, self.cols, self.activations)
         return self._plan
 
     @property
@@ -92,24 +95,29 @@ class QuantTensor:
 
     def to(self, dtype: torch.dtype) -> QuantTensor:
         """The same bytes, computing in `dtype` (the loader's cast)."""
-        return QuantTensor(self.parts, self.cols, dtype, self.device)
+        return QuantTensor(self.parts, self.cols, dtype, self.device, self.activations)
 
     @staticmethod
     def cat(tensors: list[QuantTensor]) -> QuantTensor:
         """Row-stack (a fused projection); the parts keep their own formats and bytes."""
         assert len({t.cols for t in tensors}) == 1
-        return QuantTensor([p for t in tensors for p in t.parts], tensors[0].cols, tensors[0].dtype)
+        parts, first = [p for t in tensors for p in t.parts], tensors[0]
+        return QuantTensor(parts, first.cols, first.dtype, activations=first.activations)
 
     def in_panels(self) -> QuantTensor:
         """The same matrix with its Q8_0 parts laid out as the 8-bit kernel's panels, where
-        that kernel multiplies the whole matrix (this CPU, every part's format, the width;
-        other parts stay as they are). Itself when nothing changes."""
-        if not self.plan.q8:
+        that kernel or the tiles multiply the whole matrix (this CPU, every part's format, the
+        width; other parts stay as they are). Itself when nothing changes."""
+        if not (self.plan.q8_formats and (self.plan.q8 or self.plan.tiles)):
             return self
         parts = [p.in_panels(self.cols) for p in self.parts]
         if all(new is old for new, old in zip(parts, self.parts, strict=True)):
             return self
-        return QuantTensor(parts, self.cols, self.dtype, self.device)
+        return QuantTensor(parts, self.cols, self.dtype, self.device, self.activations)
+
+    def with_activations(self, activations: str) -> QuantTensor:
+        """The same bytes, multiplied with activations as `activations` says (kernels.ACTIVATIONS)."""
+        return QuantTensor(self.parts, self.cols, self.dtype, self.device, activations)
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 matrix (the reference the kernels are tested against)."""
@@ -119,22 +127,24 @@ class QuantTensor:
 def quant_linear(x: torch.Tensor, weight: QuantTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for a quantised weight: x [..., k] -> [..., n] in x's dtype (fp32 accumulation).
     Activations are rounded to 8 bits where the plan says so (llama.cpp's way: the formats and the
-    CPU allow it); otherwise bf16 activations go in as they are where the CPU has bf16 dot
+    CPU allow it); bf16 activations go onto bf16 AMX tiles of the dequantised weights where the
+    plan says so; otherwise bf16 activations go in as they are where the CPU has bf16 dot
     products (bf16 weights, fp32 sums), and anything else as fp32."""
     plan = weight.plan
-    if plan.q8 and bias is None and x.is_contiguous() and x.dtype in (torch.bfloat16, torch.float32):
+    bf16 = x.dtype == torch.bfloat16
+    fast = plan.q8 or (plan.tiles and bf16)
+    if fast and bias is None and x.is_contiguous() and x.dtype in (torch.bfloat16, torch.float32):
         # the decode path, ~70 calls a token: no copies, no checks the kernel's own call repeats
         out = torch.empty(*x.shape[:-1], plan.n, dtype=x.dtype)
         plan.run(x, x.numel() // plan.k, out, None, True)
         return out
-    bf16 = x.dtype == torch.bfloat16
     rows = x.reshape(-1, plan.k)
-    if not (bf16 and (plan.q8 or kernels.bf16_dot())):
+    if not (bf16 and (fast or kernels.bf16_dot())):
         rows = rows.float()
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], plan.n, dtype=torch.bfloat16 if bf16 else torch.float32)
-    kernels.qmatmul(plan, rows, None if bias is None else bias.float().contiguous(), out, plan.q8)
+    kernels.qmatmul(plan, rows, None if bias is None else bias.float().contiguous(), out, fast)
     if x.dim() != 2:
         out = out.view(*x.shape[:-1], plan.n)
     return out if bf16 or x.dtype == torch.float32 else out.to(x.dtype)

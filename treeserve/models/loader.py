@@ -28,7 +28,7 @@ from torch import nn
 from treeserve.layers import pick_kernels
 from treeserve.layers.embedding import Embedding
 from treeserve.layers.linear import Linear
-from treeserve.layers.quant import QuantTensor, describe, quantize_int8, set_quantized
+from treeserve.layers.quant import ACTIVATIONS, QuantTensor, describe, quantize_int8, set_quantized
 from treeserve.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from treeserve.models.gguf_loader import GGUFCheckpoint, is_gguf
 from treeserve.models.llama import LlamaConfig, LlamaForCausalLM
@@ -43,6 +43,7 @@ ARCHITECTURES: dict[str, tuple[type[LlamaConfig], type[LlamaForCausalLM]]] = {
 
 
 QUANTIZATIONS = ("gguf", "int8")
+QUANT_ACTIVATIONS = ACTIVATIONS  # "int8" | "bf16": what quantised matmuls take activations as (layers/quant.py)
 log = logging.getLogger(__name__)
 
 
@@ -52,7 +53,8 @@ class LoadedModel:
     config: LlamaConfig
     hf_config: dict
     extra_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    quantization: str | None = None  # e.g. "gguf:Q5_0+Q6_K+Q8_0", "int8"; None: dense weights
+    # e.g. "gguf:Q5_0+Q6_K+Q8_0", "int8" (+ ", bf16 activations" where set); None: dense weights
+    quantization: str | None = None
 
 
 def read_hf_config(model_dir: str) -> dict:
@@ -107,10 +109,15 @@ def _skip_init():
 
 
 def load_model(
-    model_dir: str, dtype: torch.dtype, device: str | torch.device, quantization: str | None = None
+    model_dir: str,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    quantization: str | None = None,
+    quant_activations: str = "int8",
 ) -> LoadedModel:
     """`model_dir`: a Hugging Face checkpoint directory or a GGUF file; `quantization`: one of
-    QUANTIZATIONS or None (checked by `EngineConfig`: "gguf" only for a GGUF file, on a CPU)."""
+    QUANTIZATIONS or None (checked by `EngineConfig`: "gguf" only for a GGUF file, on a CPU);
+    `quant_activations`: what the quantised matmuls take activations as (QUANT_ACTIVATIONS)."""
     if is_gguf(model_dir):
         gguf = GGUFCheckpoint(model_dir)
         hf_config, tensors = gguf.config, gguf.tensors(keep_quantized=quantization == "gguf")
@@ -151,7 +158,7 @@ def load_model(
             module_name, _, attr = name.rpartition(".")
             module = model.get_submodule(module_name)
             if isinstance(module, Linear | Embedding):
-                set_quantized(module, attr, tensor)
+                set_quantized(module, attr, tensor.with_activations(quant_activations))
                 del state[name]
             else:  # a matrix the kernels are not wired for
                 state[name] = tensor.dequantize().to(dtype)
@@ -161,6 +168,8 @@ def load_model(
     pick_kernels(model)
     formats = describe(model)
     label = None if formats is None else ("int8" if quantization == "int8" else f"gguf:{formats}")
+    if label is not None and quant_activations != "int8":
+        label += f", {quant_activations} activations"
     return LoadedModel(model, config, hf_config, extra, label)
 
 

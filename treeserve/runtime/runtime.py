@@ -330,9 +330,10 @@ def per_model_engine_args(
     prm_quantization: str | None,
     dequantize: bool,
     speculative_config: dict | str | None = None,
+    quant_activations: str | None = None,
 ) -> dict[str, dict]:
     """`engine_args` ({"generator": {...}, "prm": {...}}) with each model's quantisation settings
-    and the generator's speculative decoding added."""
+    (`quant_activations` for both) and the generator's speculative decoding added."""
     args = {name: dict(values) for name, values in (engine_args or {}).items()}
     if speculative_config is not None:
         args.setdefault("generator", {})["speculative_config"] = speculative_config
@@ -342,4 +343,6 @@ def per_model_engine_args(
             entry["quantization"] = method
         if dequantize:
             entry["dequantize"] = True
+        if quant_activations is not None:
+            entry["quant_activations"] = quant_activations
     return args

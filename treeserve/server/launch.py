@@ -43,6 +43,7 @@ class ServerSettings:
     quantization: str | None = None  # the model's: "int8" (a Hugging Face checkpoint), "gguf" (a GGUF file's own)
     prm_quantization: str | None = None  # the PRM's, likewise
     dequantize: bool = False  # load GGUF files dense
+    quant_activations: str | None = None  # every model's quantised matmuls: "int8" | "bf16" (None: the default)
     speculative_config: dict | str | None = None  # the generator's speculative decoding (EngineConfig's)
     engine_process: bool = True  # the engines in an engine-core process of their own (False: in this one)
     shutdown_timeout: float = 30.0  # on SIGTERM, seconds open requests get before they are aborted
@@ -77,6 +78,7 @@ def build_served(settings: ServerSettings) -> Served:
         settings.prm_quantization,
         settings.dequantize,
         settings.speculative_config,
+        settings.quant_activations,
     )
     runtime = Runtime.for_search(
         settings.model, settings.prm, settings.kv_cache_memory, settings.prm_kv_fraction, engine_args,

@@ -332,11 +332,15 @@ AMX_SOURCE = Path(__file__).parent / "amx_linear.c"
 
 @cache
 def load_amx() -> ctypes.CDLL | None:
-    """`amx_linear.c`, where this CPU and process may use AMX tiles; else None."""
+    """`amx_linear.c` (bf16 and dequantised-quantised linear layers on tiles), where this CPU and
+    process may use AMX tiles; else None."""
     lib = build(AMX_SOURCE, [flag for flag in FLAGS if flag != "-ffast-math"])
     if lib is None or not lib.amx_linear_available():
         return None
     lib.amx_linear_bf16.argtypes = [_ptr, _i64, _int, _ptr, _ptr, _i64, _i64, _ptr, _i64, _int]
+    # quant_kernels.c's qmatmul's arguments
+    lib.amx_quant_matmul.argtypes = [_int, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _i64,
+                                     _int, _int, _int]  # fmt: skip
     return lib
 
 

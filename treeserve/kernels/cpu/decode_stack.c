@@ -2,7 +2,8 @@
  *
  * A decode step of a small model on a CPU is ~20 kernel calls a layer, and at one row each
  * costs more in Python, PyTorch dispatch and ctypes than in arithmetic. This runs the same
- * kernels in the same order from C: the quantised matmuls (q8_kernels.c), RMSNorm, rope,
+ * kernels in the same order from C: the quantised matmuls (q8_kernels.c's 8-bit one or
+ * amx_linear.c's bf16 tiles, whichever the plans picked), RMSNorm, rope,
  * the KV store and paged decode attention (cpu_kernels.c), reached through the function
  * pointers in `stack` (those libraries are built with their own flags). What PyTorch ops did
  * between them is done here with PyTorch's roundings: residual adds and the activation's

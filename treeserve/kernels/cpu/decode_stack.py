@@ -3,8 +3,9 @@
 `Stack` holds the C structs of a model's layers (built once, at kernel pick time) and the
 tensors they point into; `Stack.run` fills the step's struct and makes the call. Nothing
 here knows about models: `layers/decode_stack.py` reads a model's modules into a `Stack`.
-The kernels it chains are `q8_kernels.c`'s matmul and `cpu_kernels.c`'s RMSNorm, rope, KV
-store and paged decode, passed as function pointers.
+The kernels it chains are the quantised matmul the plans picked (`q8_kernels.c`'s 8-bit one,
+or `amx_linear.c`'s bf16 tiles) and `cpu_kernels.c`'s RMSNorm, rope, KV store and paged
+decode, passed as function pointers.
 """
 
 from __future__ import annotations
@@ -100,16 +101,17 @@ class Stack:
 
     def __init__(self, shapes: dict[str, int], eps: float, act: torch.Tensor, layers: list[LayerWeights]):
         assert act.dtype == torch.bfloat16 and act.shape == (1 << 16,) and act.is_contiguous()
-        cpu, q8 = cpu_kernels.load(), quant.load_q8()
+        cpu = cpu_kernels.load()
+        functions = {_address(plan.function) for w in layers for plan in (w.qkv, w.o, w.gate_up, w.down)}
+        assert len(functions) == 1, "every matrix of the stack on one matmul (8-bit or tiles)"
         self.shapes = shapes
         self.keep = [act, layers]  # the tensors and plans the structs point into
         self.args = StackArgs(shapes["hidden"], shapes["q_heads"], shapes["kv_heads"], shapes["head_dim"],
-                              shapes["intermediate"], eps, act.data_ptr(), _address(q8.q8_matmul),
+                              shapes["intermediate"], eps, act.data_ptr(), functions.pop(),
                               _address(cpu.rms_norm_bf16), _address(cpu.rope_bf16), _address(cpu.store_kv),
                               _address(cpu.paged_decode_bf16))  # fmt: skip
         self.layers = (Layer * len(layers))()
         for i, w in enumerate(layers):
-            assert all(plan.q8 for plan in (w.qkv, w.o, w.gate_up, w.down))
             assert len(w.norms) == NORMS and all(n is None or n.is_contiguous() for n in w.norms)
             gains = [n.data_ptr() if n is not None and n.dtype == torch.float32 else None for n in w.norms]
             weights = [n.data_ptr() if n is not None and n.dtype == torch.bfloat16 else None for n in w.norms]

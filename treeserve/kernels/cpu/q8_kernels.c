@@ -41,6 +41,8 @@ enum { T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14, T_I8 = 1000
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
 #include <immintrin.h>
 
+#include "transpose.h"
+
 int q8_available(void) { return 1; }
 
 /* Each format: codes_T gives the 64 unsigned codes of a channel's 64-weight group g; scales_T
@@ -155,31 +157,6 @@ typedef struct {
     float *scale, *low;
     int64_t ahead; /* laid-out panels (streamed from memory): prefetch this many bytes ahead; else 0 */
 } panel;
-
-/* 16 x 16 dwords: in[c] holds 16 dwords of channel c; out[i] gets dword i of every channel. */
-static inline void transpose16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    /* now r[4a+j] holds, in each 128-bit lane L, dword j of channels 4a..4a+3 of source lane L */
-    for (int i = 0; i < 4; i++) {
-        const __m512i a = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88), b = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xDD);
-        const __m512i c = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88), d = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xDD);
-        t[i] = _mm512_shuffle_i32x4(a, c, 0x88);      /* source lane 0 */
-        t[i + 4] = _mm512_shuffle_i32x4(b, d, 0x88);  /* source lane 1 */
-        t[i + 8] = _mm512_shuffle_i32x4(a, c, 0xDD);  /* source lane 2 */
-        t[i + 12] = _mm512_shuffle_i32x4(b, d, 0xDD); /* source lane 3 */
-    }
-    for (int i = 0; i < 16; i++) r[i] = t[i];
-}
 
 /* scales_T: group g's block scales of 16 channels, as vectors a[0], a[NC], ... (2 blocks, 4 for
  * Q6_K), and Q4_K's minimum terms b[0], b[NC]: gathered from the channels' rows (`base` + the

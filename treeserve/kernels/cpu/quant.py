@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from treeserve.kernels.cpu import FLAGS, build
+from treeserve.kernels.cpu import FLAGS, build, load_amx
 
 SOURCE = Path(__file__).parent / "quant_kernels.c"
 Q8_SOURCE = Path(__file__).parent / "q8_kernels.c"  # the same matmul with 8-bit activations
@@ -64,6 +64,8 @@ def load_q8() -> ctypes.CDLL | None:
 
 Q8_FORMATS = {QTYPES[name] for name in ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q6_K", "I8")}  # what q8_kernels.c takes
 Q8_FORMATS |= {PANELS + qtype for qtype in LAYOUTS}
+TILE_FORMATS = set(QTYPES.values()) | {PANELS + qtype for qtype in LAYOUTS}  # what amx_linear.c dequantises
+ACTIVATIONS = ("int8", "bf16")  # what quantised matmuls take activations as (`Plan`)
 
 
 def q8_available() -> bool:
@@ -101,38 +103,52 @@ MAX_PARTS = 8  # row-stacked matrices a `Plan` may hold (quant_kernels.c)
 
 class Plan:
     """The ctypes arguments describing a row-stack of quantised matrices (built once a weight):
-    part j = (format, uint8 [rows (or panels), row_bytes], fp32 row scales or None, rows)."""
+    part j = (format, uint8 [rows (or panels), row_bytes], fp32 row scales or None, rows).
 
-    def __init__(self, parts: list[tuple[int, torch.Tensor, torch.Tensor | None, int]], k: int):
+    `activations` says which matmul multiplies it: "int8" rounds each activation row to 8 bits
+    in blocks of 32 and multiplies integers (q8_kernels.c, llama.cpp's way: `q8`); "bf16" takes
+    bf16 rows as they are and, on a CPU with AMX, dequantises the weights into bf16 tiles
+    (amx_linear.c: the bf16 layer of the dequantised matrix, to the bit: `tiles`). `call` is
+    that matmul with this matrix's arguments bound (None where neither applies: `float_call`,
+    quant_kernels.c's fp32/bf16-dot kernel, then multiplies)."""
+
+    def __init__(self, parts: list[tuple[int, torch.Tensor, torch.Tensor | None, int]], k: int,
+                 activations: str = "int8"):  # fmt: skip
         if not 1 <= len(parts) <= MAX_PARTS:
             raise ValueError(f"a quantised matrix has 1..{MAX_PARTS} parts, got {len(parts)}")
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"quantised activations must be one of {list(ACTIVATIONS)}, got {activations!r}")
         for qtype, data, _, rows in parts:
             stored = -(-rows // PANEL) if qtype > PANELS else rows
             assert data.dtype == torch.uint8 and data.is_contiguous() and data.shape == (stored, row_bytes(qtype, k))
         count = len(parts)
+        types = [qtype for qtype, *_ in parts]
         self.k, self.n = k, sum(rows for *_, rows in parts)
         self.tensors = parts  # keeps the bytes alive while the pointers below are used
         self.args = (
             count,
-            (ctypes.c_int * count)(*(qtype for qtype, *_ in parts)),
+            (ctypes.c_int * count)(*types),
             (ctypes.c_void_p * count)(*(data.data_ptr() for _, data, *_ in parts)),
             (ctypes.c_int64 * count)(*(data.stride(0) for _, data, *_ in parts)),
             (ctypes.c_void_p * count)(*(None if s is None else s.data_ptr() for _, _, s, _ in parts)),
             (ctypes.c_int64 * count)(*(rows for *_, rows in parts)),
             k,
         )
-        # whether to multiply 8-bit activations: every part in a format q8_kernels.c takes, rows of
-        # whole 64-weight groups, and a CPU with AVX512-VNNI
-        self.q8 = k % 64 == 0 and all(qtype in Q8_FORMATS for qtype, *_ in parts) and q8_available()
-        # the matmuls with this matrix's arguments bound (a decode step makes ~70 calls)
+        # the 8-bit kernel: every part in a format q8_kernels.c takes, rows of whole 64-weight
+        # groups, and a CPU with AVX512-VNNI (its Q8_0 panels, `lay_out`, are read by the tiles too)
+        self.q8_formats = k % 64 == 0 and all(qtype in Q8_FORMATS for qtype in types) and q8_available()
+        self.q8 = activations == "int8" and self.q8_formats
+        self.tiles = activations == "bf16" and all(qtype in TILE_FORMATS for qtype in types) and load_amx() is not None
         self.float_call = partial(load().qmatmul, *self.args)
-        self.q8_call = partial(load_q8().q8_matmul, *self.args) if self.q8 else None
-        self.laid_out = any(qtype > PANELS for qtype, *_ in parts)  # only the 8-bit kernel reads panels
+        self.function = load_q8().q8_matmul if self.q8 else load_amx().amx_quant_matmul if self.tiles else None
+        self.call = partial(self.function, *self.args) if self.function is not None else None
+        self.laid_out = any(qtype > PANELS for qtype in types)  # only the 8-bit kernel and the tiles read panels
 
-    def run(self, x: torch.Tensor, m: int, out: torch.Tensor, bias: torch.Tensor | None, int8: bool) -> None:
-        """The kernel call, unchecked: x's m rows (unit stride) @ W^T (+ bias) into out's rows
-        (`qmatmul` checks the arguments; the decode path of `quant_linear` calls this directly)."""
-        (self.q8_call if int8 else self.float_call)(
+    def run(self, x: torch.Tensor, m: int, out: torch.Tensor, bias: torch.Tensor | None, fast: bool) -> None:
+        """The kernel call, unchecked: x's m rows (unit stride) @ W^T (+ bias) into out's rows,
+        by `call` where `fast` (`qmatmul` checks the arguments; the decode path of `quant_linear`
+        calls this directly), else by `float_call`."""
+        (self.call if fast else self.float_call)(
             x.data_ptr(), x.stride(0) if x.dim() == 2 else self.k, m, _ptr_or_none(bias), out.data_ptr(), self.n,
             int(out.dtype == torch.bfloat16), int(x.dtype == torch.bfloat16), torch.get_num_threads(),
         )  # fmt: skip
@@ -143,21 +159,23 @@ def qmatmul(
     x: torch.Tensor,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
-    int8_activations: bool = False,
+    fast: bool = False,
 ) -> torch.Tensor:
     """x [m, k] (rows with unit stride; fp32, or bf16 where `bf16_dot()`) @ W^T (+ bias, fp32 [n])
     -> out [m, n], fp32 or bf16. With bf16 rows the weights are rounded to bf16 as they are
     unpacked (products exact, sums fp32): the bf16 model's matmul on a bf16 copy of W.
-    `int8_activations` (needs `plan.q8`; fp32 or bf16 rows): each row is
-    rounded to int8 in blocks of 32 and multiplied in integers (q8_kernels.c), llama.cpp's way."""
+    `fast`: by the plan's `call` instead: with `plan.q8` (fp32 or bf16 rows) each row is rounded
+    to int8 in blocks of 32 and multiplied in integers (q8_kernels.c), llama.cpp's way; with
+    `plan.tiles` (bf16 rows) on bf16 AMX tiles of the dequantised weights (amx_linear.c)."""
     m = x.shape[0]
     assert x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1 and x.shape[1] == plan.k
-    assert x.dtype == torch.float32 or bf16_dot() or int8_activations
-    assert int8_activations or not plan.laid_out
+    assert not fast or plan.q8 or (plan.tiles and x.dtype == torch.bfloat16)
+    assert x.dtype == torch.float32 or bf16_dot() or fast
+    assert fast or not plan.laid_out
     if out is None:
         out = torch.empty(m, plan.n, dtype=torch.float32)
     assert out.shape == (m, plan.n) and out.is_contiguous() and out.dtype in (torch.float32, torch.bfloat16)
-    plan.run(x, m, out, bias, int8_activations)
+    plan.run(x, m, out, bias, fast)
     return out
 
 

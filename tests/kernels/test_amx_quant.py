@@ -1,0 +1,80 @@
+"""Quantised weights on bf16 AMX tiles (`amx_linear.c`'s `amx_quant_matmul`, picked by
+`quant_activations="bf16"`): a panel's weights dequantised per call into the tiles `amx_pack`
+lays a bf16 matrix out in, so the result is, to the bit, `amx_linear` on the dequantised
+matrix rounded to bf16 (the bf16 model of the dequantised file), in every format, for mixed
+parts, laid-out Q8_0 panels and int8 rows, and whatever the number of rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.gguf_files import BLOCKS, random_blocks
+from treeserve.kernels import cpu as cpu_kernels
+from treeserve.kernels.cpu import quant
+from treeserve.layers.quant import QuantPart, QuantTensor, quant_linear
+
+pytestmark = pytest.mark.skipif(
+    not quant.available() or cpu_kernels.load_amx() is None, reason="no usable AMX tiles on this CPU"
+)
+
+
+def _blocks(qtype: str, rows: int, cols: int, seed: int) -> torch.Tensor:
+    return torch.from_numpy(random_blocks(qtype, rows, cols, np.random.default_rng(seed)))
+
+
+def _bf16_layer(weight: QuantTensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The reference: the dequantised matrix as a bf16 model holds it, on `amx_linear`'s tiles."""
+    dense = weight.dequantize().bfloat16()
+    return cpu_kernels.amx_linear(x, cpu_kernels.amx_pack(dense), bias, dense.shape[0])
+
+
+def _tiles(weight: QuantTensor) -> QuantTensor:
+    tiled = weight.to(torch.bfloat16).with_activations("bf16").in_panels()
+    assert tiled.plan.tiles and not tiled.plan.q8
+    return tiled
+
+
+@pytest.mark.parametrize("qtype", sorted(BLOCKS))
+@pytest.mark.parametrize("rows", [1, 5, 16, 37])
+def test_tiles_are_the_bf16_layer_of_the_dequantised_matrix(qtype, rows):
+    weight = _tiles(QuantTensor([QuantPart(quant.QTYPES[qtype], _blocks(qtype, 37, 512, 1))], 512))
+    g = torch.Generator().manual_seed(rows)
+    x, bias = torch.randn(rows, 512, generator=g).bfloat16(), torch.randn(37, generator=g).bfloat16()
+    assert torch.equal(quant_linear(x, weight, bias), _bf16_layer(weight, x, bias))
+    assert torch.equal(quant_linear(x, weight), _bf16_layer(weight, x, None))
+
+
+def test_mixed_parts_panels_and_int8_rows_are_the_bf16_layer_and_rows_keep_their_bits():
+    """A fused matrix of Q5_0, Q6_K, laid-out Q8_0 and int8 parts, none a whole number of
+    16-channel panels; each row's result is the same alone, in any batch and thread count."""
+    q8, scales = quant.quantize_i8(torch.randn(7, 256))
+    parts = [QuantPart(quant.QTYPES["Q5_0"], _blocks("Q5_0", 9, 256, 2)),
+             QuantPart(quant.QTYPES["Q6_K"], _blocks("Q6_K", 6, 256, 3)),
+             QuantPart(quant.QTYPES["Q8_0"], _blocks("Q8_0", 21, 256, 4)),
+             QuantPart(quant.I8, q8, scales)]  # fmt: skip
+    weight = _tiles(QuantTensor(parts, 256))
+    if quant.q8_available():  # the Q8_0 part as the 8-bit kernel's panels, which the tiles read too
+        assert weight.plan.laid_out
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(5)).bfloat16()
+    batch = quant_linear(x, weight)
+    assert torch.equal(batch, _bf16_layer(weight, x, None))
+    for lo, hi in ((0, 1), (3, 4), (0, 16), (7, 40), (16, 33)):
+        assert torch.equal(quant_linear(x[lo:hi], weight), batch[lo:hi])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(quant_linear(x, weight), batch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_fp32_activations_and_unknown_settings_do_not_take_the_tiles():
+    weight = QuantTensor([QuantPart(quant.QTYPES["Q8_0"], _blocks("Q8_0", 16, 256, 6))], 256)
+    tiled = weight.with_activations("bf16")
+    x = torch.randn(3, 256)
+    # fp32 rows: the fp32 kernel (tiles take bf16 rows only), the dequantised fp32 matmul's values
+    torch.testing.assert_close(quant_linear(x, tiled), x @ weight.dequantize().T, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="must be one of"):
+        _ = weight.with_activations("fp8").plan
