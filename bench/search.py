@@ -7,8 +7,10 @@
 Systems (each in its own subprocess and environment; peers' code in bench/peers/):
 * `treeserve` (every optimisation on) and `treeserve-reference` (no caches, one problem at a
   time), through `treeserve eval`'s code path; `treeserve-int8`: `treeserve` with both models'
-  weights in int8 (issue 33); `treeserve-tree`, `treeserve-ngram`: `treeserve` with the
-  generator decoding speculatively (issue 35; k=4);
+  weights in int8 (issue 33), `treeserve-int8-tiles` the same with bf16 activations
+  (`--quant-activations bf16`: on an AMX CPU the int8 weights dequantised into bf16 tiles);
+  `treeserve-tree`, `treeserve-ngram`: `treeserve` with the generator decoding speculatively
+  (issue 35; k=4);
 * `sal-transformers`, `sal-vllm`, `thesis-vllm`, `vllm-prefix-prm`: see bench/peers/sal_search.py.
 
 Workload: arithmetic problems of levels 4-5 (seed 0), the shipped generator and PRM (bf16),
@@ -48,6 +50,12 @@ SYSTEMS = {
     "treeserve": [sys.executable, os.path.join(HERE, "peers", "run_treeserve_search.py")],
     "treeserve-reference": [sys.executable, os.path.join(HERE, "peers", "run_treeserve_search.py")],
     "treeserve-int8": [sys.executable, os.path.join(HERE, "peers", "run_treeserve_search.py"), "--int8"],
+    "treeserve-int8-tiles": [
+        sys.executable,
+        os.path.join(HERE, "peers", "run_treeserve_search.py"),
+        "--int8",
+        "--quant-activations=bf16",
+    ],
     "treeserve-tree": [
         sys.executable,
         os.path.join(HERE, "peers", "run_treeserve_search.py"),
