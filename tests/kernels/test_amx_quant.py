@@ -73,6 +73,7 @@ def test_mixed_parts_panels_and_int8_rows_are_the_bf16_layer_and_rows_keep_their
 def test_fp32_activations_and_unknown_settings_do_not_take_the_tiles():
     weight = QuantTensor([QuantPart(quant.QTYPES["Q8_0"], _blocks("Q8_0", 16, 256, 6))], 256)
     tiled = weight.with_activations("bf16")
+    assert tiled.in_panels() is tiled  # an fp32 model's: the fp32 kernel reads the file's layout
     x = torch.randn(3, 256)
     # fp32 rows: the fp32 kernel (tiles take bf16 rows only), the dequantised fp32 matmul's values
     torch.testing.assert_close(quant_linear(x, tiled), x @ weight.dequantize().T, rtol=1e-5, atol=1e-5)

@@ -106,9 +106,10 @@ class QuantTensor:
 
     def in_panels(self) -> QuantTensor:
         """The same matrix with its Q8_0 parts laid out as the 8-bit kernel's panels, where
-        that kernel or the tiles multiply the whole matrix (this CPU, every part's format, the
-        width; other parts stay as they are). Itself when nothing changes."""
-        if not (self.plan.q8_formats and (self.plan.q8 or self.plan.tiles)):
+        that kernel or the tiles (bf16 activations) multiply the whole matrix (this CPU, every
+        part's format, the width; other parts stay as they are). Itself when nothing changes."""
+        tiles = self.plan.tiles and self.dtype == torch.bfloat16  # fp32 activations: the fp32 kernel
+        if not (self.plan.q8_formats and (self.plan.q8 or tiles)):
             return self
         parts = [p.in_panels(self.cols) for p in self.parts]
         if all(new is old for new, old in zip(parts, self.parts, strict=True)):
