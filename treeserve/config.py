@@ -14,9 +14,9 @@ import torch
 
 from treeserve.device import resolve_attention_backend, resolve_device
 from treeserve.engine.speculative import SpeculativeConfig
-from treeserve.layers.quant import kernels_available
+from treeserve.layers.quant import ACTIVATIONS, kernels_available
 from treeserve.models.gguf_loader import is_gguf
-from treeserve.models.loader import QUANT_ACTIVATIONS, QUANTIZATIONS
+from treeserve.models.loader import QUANTIZATIONS
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +81,8 @@ class EngineConfig:
         if not self.model_id:
             self.model_id = os.path.abspath(self.model)
         self.quantization = self._resolve_quantization()
-        if self.quant_activations not in QUANT_ACTIVATIONS:
-            choices = list(QUANT_ACTIVATIONS)
+        if self.quant_activations not in ACTIVATIONS:
+            choices = list(ACTIVATIONS)
             raise ValueError(f"quant_activations must be one of {choices}, got {self.quant_activations!r}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.speculative_config is not None:

@@ -28,7 +28,7 @@ from torch import nn
 from treeserve.layers import pick_kernels
 from treeserve.layers.embedding import Embedding
 from treeserve.layers.linear import Linear
-from treeserve.layers.quant import ACTIVATIONS, QuantTensor, describe, quantize_int8, set_quantized
+from treeserve.layers.quant import QuantTensor, describe, quantize_int8, set_quantized
 from treeserve.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from treeserve.models.gguf_loader import GGUFCheckpoint, is_gguf
 from treeserve.models.llama import LlamaConfig, LlamaForCausalLM
@@ -43,7 +43,6 @@ ARCHITECTURES: dict[str, tuple[type[LlamaConfig], type[LlamaForCausalLM]]] = {
 
 
 QUANTIZATIONS = ("gguf", "int8")
-QUANT_ACTIVATIONS = ACTIVATIONS  # "int8" | "bf16": what quantised matmuls take activations as (layers/quant.py)
 log = logging.getLogger(__name__)
 
 
@@ -117,7 +116,7 @@ def load_model(
 ) -> LoadedModel:
     """`model_dir`: a Hugging Face checkpoint directory or a GGUF file; `quantization`: one of
     QUANTIZATIONS or None (checked by `EngineConfig`: "gguf" only for a GGUF file, on a CPU);
-    `quant_activations`: what the quantised matmuls take activations as (QUANT_ACTIVATIONS)."""
+    `quant_activations`: what the quantised matmuls take activations as (layers/quant.py ACTIVATIONS)."""
     if is_gguf(model_dir):
         gguf = GGUFCheckpoint(model_dir)
         hf_config, tensors = gguf.config, gguf.tensors(keep_quantized=quantization == "gguf")
