@@ -46,6 +46,35 @@ def test_tiles_are_the_bf16_layer_of_the_dequantised_matrix(qtype, rows):
     assert torch.equal(quant_linear(x, weight), _bf16_layer(weight, x, None))
 
 
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q4_K", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 20, 130])
+def test_next_group_dequantised_while_one_multiplies(qtype, rows):
+    """300 channels: 5 groups of 4 panels, so each of 2 threads multiplies one group while it
+    dequantises the next (Q8_0 laid out as panels: the unswapped operands)."""
+    weight = _tiles(QuantTensor([QuantPart(quant.QTYPES[qtype], _blocks(qtype, 300, 512, 8))], 512))
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(quant_linear(x, weight), _bf16_layer(weight, x, None))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_swapped_operands_keep_the_bits_across_magnitudes():
+    """Row-stored weights are the tiles' A operand and x the B one, the reverse of a bf16
+    weight's: int8 rows scaled from 2^-30 to 2^30 and x rows from 2^-20 to 2^20 (cancellation,
+    tiny and huge partial sums, zeros) still give `amx_linear`'s bits."""
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(70, 640, generator=g) * torch.exp2(torch.randint(-30, 31, (70, 1), generator=g).float())
+    w[:, ::7] = 0.0
+    q8, scales = quant.quantize_i8(w)
+    weight = _tiles(QuantTensor([QuantPart(quant.I8, q8, scales)], 640))
+    x = torch.randn(33, 640, generator=g) * torch.exp2(torch.randint(-20, 21, (33, 640), generator=g).float())
+    x = x.bfloat16()
+    assert torch.equal(quant_linear(x, weight), _bf16_layer(weight, x, None))
+
+
 def test_mixed_parts_panels_and_int8_rows_are_the_bf16_layer_and_rows_keep_their_bits():
     """A fused matrix of Q5_0, Q6_K, laid-out Q8_0 and int8 parts, none a whole number of
     16-channel panels; each row's result is the same alone, in any batch and thread count."""

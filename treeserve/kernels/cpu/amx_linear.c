@@ -16,12 +16,18 @@
  * A row's result does not depend on m, its place in a tile or the threads: each output is one
  * accumulator lane taken through the same chunks in the same order (tested).
  *
- * A quantised weight (GGUF blocks, our int8, or q8_kernels.c's Q8_0 panels) takes the same
- * path: a thread dequantises its group's 4 panels into that tile layout (dequant.h's fp32
- * values, rounded to bf16 as PyTorch's cast rounds), then multiplies every 16-row block with
- * them. So the result is, to the bit, the bf16 layer of the dequantised matrix, whatever m; the
- * dequantising is paid once a call, which the tiles amortise over a batch's rows (at one row it
- * costs more than the 8-bit kernels: `quant_activations` in the engine picks).
+ * A quantised weight (GGUF blocks, our int8, or q8_kernels.c's Q8_0 panels) is dequantised per
+ * call, a group of 4 panels at a time, into bf16 tiles (tile_dequant.h: the dequantised
+ * matrix's bf16 weights, to the bit) in a thread's buffer, and multiplied there. Row-stored
+ * formats become A tiles (a channel's weights a tile row, as dequantisers write them, so no
+ * transpose) and x, laid out once a call, the B operand (`multiply`, swapped): every product pair
+ * is the one a bf16 weight's takes, in the same order, so each sum has the same bits (TDPBF16PS
+ * gives the same fp32 sum with its operands' roles swapped; tested). While a group multiplies,
+ * the vector units dequantise the next one into the other half of the buffer, a slice between
+ * chunks (`advance`). So the result is, to the bit, the bf16 layer of the dequantised matrix,
+ * whatever m; the dequantising is paid once a call, which the tiles amortise over a batch's
+ * rows (at one row it costs more than the 8-bit kernels: `quant_activations` in the engine
+ * picks).
  * Only built where the compiler targets AMX-BF16 and AVX512-BF16; the caller checks
  * `amx_linear_available()` (which also asks Linux for tile state and probes it, amx.h).
  */
@@ -33,15 +39,14 @@
 #include "dequant.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <omp.h>
+
 #include "amx.h"
+#include "tile_dequant.h"
 #include "transpose.h"
 
-#define PANEL 16 /* output channels a tile: the 16 fp32 lanes of an accumulator row */
-#define GROUP 4  /* panels a pass over x: accumulator tiles 0-3 */
-#define CHUNK 32 /* weights of k a tile product */
-#define TILE (CHUNK * PANEL) /* bf16 values a weight tile */
+#define GROUP 4  /* panels a pass over x: accumulator tiles 0-3 (PANEL channels a panel: an accumulator row's lanes) */
 #define ROWS 16  /* x rows a tile */
-#define PANELS 2000 /* + T_Q8_0: q8_kernels.c's laid-out Q8_0 panels */
 #define MAX_PARTS 8
 
 int amx_linear_available(void) { return amx_usable(); }
@@ -71,45 +76,85 @@ static rows_in rows_of(const bf16 *x, int64_t x_stride, int m, int64_t k) {
     return r;
 }
 
-/* Rows r0..r0+15 times the `np` panels of tiles at w (panel j's chunks at w + j * chunks * TILE),
- * then out[r][col[j] + c] = sum + bias[j] lane c, for the live channels, bf16 or fp32. */
-static void multiply_rows(rows_in in, int r0, const bf16 *w, int64_t chunks, int np, const __m512 *bias,
-                          const int64_t *col, const __mmask16 *live, void *out, int64_t out_stride, int out_bf16) {
+typedef struct tiling tiling;
+static void advance(tiling *next);
+
+/* The x operand of a 16-row block: `at` + chunk c * `step` (row stride `stride` bytes), x's own
+ * rows as A (`x_rows`), or lay_out_x's tiles as B. */
+typedef struct {
+    const bf16 *at;
+    int64_t stride, step;
+} x_block;
+
+static x_block x_rows(rows_in in, int r0) {
+    return r0 < in.full ? (x_block){in.x + r0 * in.x_stride, sizeof(bf16) * in.x_stride, CHUNK}
+                        : (x_block){in.tail, sizeof(bf16) * in.k, CHUNK};
+}
+
+/* Rows r0..r0+15 (`rows` of them live) times the `np` panels of tiles at w (panel j's chunks at
+ * w + j * chunks * TILE), then out[r][col[j] + c] = sum + bias[j] lane c, for the live channels,
+ * bf16 or fp32. Between chunks it advances `next` (if any): the vector units dequantise while
+ * the tiles multiply. `swapped` (a constant at each call: inlined), the weights are the A operand
+ * and x the B one: an accumulator holds [channel][row], transposed on the way out; each product
+ * pair is the same, taken in the same order, so every sum has the same bits (tested). */
+static inline __attribute__((always_inline)) void multiply(x_block x, int swapped, int r0, int rows, const bf16 *w,
+                                                           int64_t chunks, int np, const __m512 *bias,
+                                                           const int64_t *col, const __mmask16 *live, void *out,
+                                                           int64_t out_stride, int out_bf16, tiling *next) {
+#define PRODUCT(acc, weights) \
+    if (swapped) _tile_dpbf16ps(acc, weights, 4); \
+    else _tile_dpbf16ps(acc, 4, weights)
     float sums[GROUP][ROWS][PANEL] __attribute__((aligned(64)));
-    const bf16 *a = r0 < in.full ? in.x + r0 * in.x_stride : in.tail;
-    const int64_t a_stride = sizeof(bf16) * (r0 < in.full ? in.x_stride : in.k);
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t c = 0; c < chunks; c++) {
-        _tile_loadd(4, a + c * CHUNK, a_stride);
+        _tile_loadd(4, x.at + c * x.step, x.stride);
         _tile_loadd(5, w + c * TILE, 64);
-        _tile_dpbf16ps(0, 4, 5);
+        PRODUCT(0, 5);
         if (np > 1) {
             _tile_loadd(6, w + (chunks + c) * TILE, 64);
-            _tile_dpbf16ps(1, 4, 6);
+            PRODUCT(1, 6);
         }
         if (np > 2) {
             _tile_loadd(5, w + (2 * chunks + c) * TILE, 64);
-            _tile_dpbf16ps(2, 4, 5);
+            PRODUCT(2, 5);
         }
         if (np > 3) {
             _tile_loadd(6, w + (3 * chunks + c) * TILE, 64);
-            _tile_dpbf16ps(3, 4, 6);
+            PRODUCT(3, 6);
         }
+        if (next) advance(next);
     }
+#undef PRODUCT
     _tile_stored(0, sums[0], 64);
     _tile_stored(1, sums[1], 64);
     _tile_stored(2, sums[2], 64);
     _tile_stored(3, sums[3], 64);
-    const int rows = in.m - r0 < ROWS ? in.m - r0 : ROWS;
-    for (int j = 0; j < np; j++)
+    for (int j = 0; j < np; j++) {
+        __m512i r[ROWS];
+        for (int i = 0; i < ROWS; i++) r[i] = _mm512_load_si512(sums[j][i]);
+        if (swapped) transpose16(r); /* [channel][row] -> [row][channel] */
         for (int i = 0; i < rows; i++) {
-            const __m512 v = _mm512_add_ps(_mm512_load_ps(sums[j][i]), bias[j]);
+            const __m512 v = _mm512_add_ps((__m512)r[i], bias[j]);
             const int64_t at = (r0 + i) * out_stride + col[j];
             if (out_bf16) _mm256_mask_storeu_epi16((bf16 *)out + at, live[j], (__m256i)_mm512_cvtneps_pbh(v));
             else _mm512_mask_storeu_ps((float *)out + at, live[j], v);
+        }
+    }
+}
+
+/* x as swapped multiply's B operands: 16-row block b's chunk c at xt + (b * chunks + c) * TILE, tile
+ * row p holding weights 2p, 2p+1 of the chunk for each of the block's 16 rows (zeros past m). */
+static void lay_out_x(const bf16 *x, int64_t x_stride, int m, int64_t chunks, bf16 *xt) {
+    for (int r0 = 0; r0 < m; r0 += ROWS)
+        for (int64_t c = 0; c < chunks; c++) {
+            __m512i r[ROWS];
+            for (int i = 0; i < ROWS; i++)
+                r[i] = r0 + i < m ? _mm512_loadu_si512(x + (r0 + i) * x_stride + c * CHUNK) : _mm512_setzero_si512();
+            transpose16(r);
+            for (int p = 0; p < ROWS; p++) _mm512_store_si512(xt + (r0 / ROWS * chunks + c) * TILE + p * CHUNK, r[p]);
         }
 }
 
@@ -133,125 +178,143 @@ void amx_linear_bf16(const bf16 *x, int64_t x_stride, int m, const bf16 *w, cons
                             : _mm512_setzero_ps();
             }
             for (int r0 = 0; r0 < m; r0 += ROWS)
-                multiply_rows(in, r0, w + p0 * chunks * TILE, chunks, np, b, col, live, out, out_stride, 1);
+                multiply(x_rows(in, r0), 0, r0, m - r0 < ROWS ? m - r0 : ROWS, w + p0 * chunks * TILE, chunks, np, b, col,
+                         live, out, out_stride, 1, NULL);
         }
         _tile_release();
     }
     free((void *)in.tail);
 }
 
-/* A panel's 16 channels (rows[c], int8 row scales scales[c]) as bf16 tiles at dst: each
- * 32-weight chunk dequantised a channel at a time, rounded to bf16 (nearest even), and
- * transposed so that tile row p holds weights 2p, 2p+1 of every channel. */
-static inline __attribute__((always_inline)) void tile_panel(void (*deq)(const uint8_t *, int64_t, float, float *),
-                                                             const uint8_t *const *rows, const float *scales,
-                                                             int64_t k, bf16 *dst) {
-    float f[PANEL][CHUNK] __attribute__((aligned(64)));
-    for (int64_t c = 0; c < k / CHUNK; c++) {
-        __m512i r[PANEL];
-        for (int ch = 0; ch < PANEL; ch++) {
-            deq(rows[ch], c, scales[ch], f[ch]);
-            r[ch] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(f[ch] + 16), _mm512_load_ps(f[ch]));
+/* W row-stacked from `parts` matrices, each in its own format (quant_kernels.c's qmatmul). */
+typedef struct {
+    int parts;
+    const int *types;
+    const uint8_t *const *ws;
+    const int64_t *row_bytes, *part_rows;
+    const float *const *row_scales;
+    const float *bias;
+    int64_t k, chunks, panels, first_panel[MAX_PARTS + 1], first_col[MAX_PARTS + 1];
+} stacked;
+
+/* A group of 4 panels on its way into bf16 tiles: what to read, where the tiles go, how far it
+ * got (`done` of `units`, a unit one panel's chunk) and its pace: `advance` (once a chunk of the
+ * previous group's multiplying, `steps` of them) does units so that the group is ready when the
+ * previous one is done. */
+struct tiling {
+    int np, type[GROUP], b_tiles;
+    const uint8_t *rows[GROUP][PANEL];
+    float scales[GROUP][PANEL];
+    int64_t k, chunks, units, done, steps, owed;
+    bf16 *tiles;
+    __m512 bias[GROUP];
+    int64_t col[GROUP];
+    __mmask16 live[GROUP];
+};
+
+static void start(tiling *t, const stacked *s, int64_t g, bf16 *tiles, int64_t steps, int b_tiles) {
+    const int64_t p0 = g * GROUP;
+    t->np = s->panels - p0 < GROUP ? (int)(s->panels - p0) : GROUP;
+    t->k = s->k, t->chunks = s->chunks, t->units = t->np * s->chunks, t->done = 0, t->steps = steps, t->owed = 0;
+    t->tiles = tiles, t->b_tiles = b_tiles;
+    for (int jp = 0; jp < t->np; jp++) {
+        const int64_t pn = p0 + jp;
+        int j = 0;
+        while (pn >= s->first_panel[j + 1]) j++;
+        const int64_t n = s->part_rows[j], c0 = (pn - s->first_panel[j]) * PANEL;
+        const int nc = (int)(n - c0 < PANEL ? n - c0 : PANEL);
+        for (int c = 0; c < PANEL; c++) {
+            const int64_t ch = c0 + (c < nc ? c : nc - 1);
+            t->rows[jp][c] = s->types[j] >= PANELS ? s->ws[j] + (pn - s->first_panel[j]) * s->row_bytes[j]
+                                                   : s->ws[j] + ch * s->row_bytes[j];
+            t->scales[jp][c] = s->row_scales[j] ? s->row_scales[j][ch] : 0.0f;
         }
-        transpose16(r);
-        for (int i = 0; i < PANEL; i++) _mm512_store_si512(dst + c * TILE + i * CHUNK, r[i]);
+        t->type[jp] = s->types[j];
+        t->col[jp] = s->first_col[j] + c0;
+        t->live[jp] = (__mmask16)((1u << nc) - 1);
+        t->bias[jp] = s->bias ? _mm512_maskz_loadu_ps(t->live[jp], s->bias + t->col[jp]) : _mm512_setzero_ps();
     }
 }
 
-/* A laid-out Q8_0 panel (codes[k/4][16][4] ^ 0x80, then fp16 scales [k/32][16]) as bf16 tiles:
- * 4 consecutive weights of the 16 channels a 64-byte line, each scaled as deq_Q8_0 scales it
- * (float(code) * float(scale): exact), two tile rows a line. Panels stream from memory one
- * after the other: the line AHEAD bytes on is asked for (q8_kernels.c's PANEL_AHEAD). */
-#define AHEAD 16384
-static void tile_q8_0_panel(const uint8_t *codes, int64_t k, bf16 *dst) {
-    const uint16_t *half = (const uint16_t *)(codes + PANEL * k);
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0); /* [a x16, b x16] -> (a, b) x16 */
-    for (int64_t blk = 0; blk < k / CHUNK; blk++) {
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(half + blk * PANEL)));
-        for (int i = 0; i < 8; i++) {
-            _mm_prefetch((const char *)codes + (blk * 8 + i) * 64 + AHEAD, _MM_HINT_T1);
-            const __m512i v = _mm512_xor_si512(_mm512_load_si512(codes + (blk * 8 + i) * 64), flip);
-            __m512 w[4];
-            for (int b = 0; b < 4; b++) /* sign-extend byte b of each lane */
-                w[b] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * b), 24)));
-            bf16 *row = dst + blk * TILE + 2 * i * CHUNK;
-            _mm512_store_si512(row, _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0])));
-            _mm512_store_si512(row + CHUNK, _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(w[3], w[2])));
-        }
-    }
+static void unit(tiling *t) {
+    const int jp = (int)(t->done / t->chunks);
+    const int64_t c = t->done % t->chunks;
+    tile_any(t->type[jp], t->rows[jp], t->scales[jp], t->k, c, t->b_tiles, t->tiles + (jp * t->chunks + c) * TILE);
+    t->done++;
 }
 
-/* This thread's buffer for a group's tiles, kept from call to call (OpenMP keeps its threads):
- * allocated afresh, a buffer above malloc's mmap threshold (128 KB: k >= 1024) was new pages,
- * page-faulted in, on every call. */
-static bf16 *scratch(size_t bytes) {
-    static __thread bf16 *buffer;
-    static __thread size_t size;
-    if (bytes > size) {
-        free(buffer);
-        buffer = aligned_alloc(64, bytes);
-        size = bytes;
-    }
-    return buffer;
+static void advance(tiling *t) {
+    for (t->owed += t->units; t->owed >= t->steps && t->done < t->units; t->owed -= t->steps) unit(t);
 }
 
-#define TILE_CASE(T) case T_##T: tile_panel(deq_##T, rows, scales, k, dst); break
+static void finish(tiling *t) {
+    while (t->done < t->units) unit(t);
+}
 
-static void tile_any(int type, const uint8_t *const *rows, const float *scales, int64_t k, bf16 *dst) {
-    switch (type) {
-        TILE_CASE(Q4_0); TILE_CASE(Q4_1); TILE_CASE(Q5_0); TILE_CASE(Q5_1); TILE_CASE(Q8_0);
-        TILE_CASE(Q4_K); TILE_CASE(Q5_K); TILE_CASE(Q6_K); TILE_CASE(I8);
-        case PANELS + T_Q8_0: tile_q8_0_panel(rows[0], k, dst); break;
+/* This thread's buffers (0: two groups' tiles, 1: x laid out), kept from call to call (OpenMP
+ * keeps its threads): allocated afresh, a buffer above malloc's mmap threshold (128 KB) was new
+ * pages, page-faulted in, on every call. */
+static bf16 *scratch(int slot, size_t bytes) {
+    static __thread bf16 *buffer[2];
+    static __thread size_t size[2];
+    if (bytes > size[slot]) {
+        free(buffer[slot]);
+        buffer[slot] = aligned_alloc(64, bytes);
+        size[slot] = bytes;
     }
+    return buffer[slot];
 }
 
 /* quant_kernels.c's qmatmul with bf16 x (x_bf16 must be 1): W row-stacked from `parts` matrices,
  * each in its own format (part j: part_rows[j] rows, or panels, of row_bytes[j] bytes at
  * ws[j]; row_scales[j]: int8's). A part's last panel repeats its last channel; those lanes are
- * not stored. */
+ * not stored. A thread's groups are contiguous; while one group multiplies, the next one is
+ * dequantised into the other half of its buffer. */
 void amx_quant_matmul(int parts, const int *types, const uint8_t *const *ws, const int64_t *row_bytes,
                       const float *const *row_scales, const int64_t *part_rows, int64_t k, const void *x,
                       int64_t x_stride, int m, const float *bias, void *out, int64_t out_stride, int out_bf16,
                       int x_bf16, int threads) {
     (void)x_bf16;
-    int64_t first_panel[MAX_PARTS + 1] = {0}, first_col[MAX_PARTS + 1] = {0};
+    stacked s = {parts, types, ws, row_bytes, part_rows, row_scales, bias, k, k / CHUNK, 0, {0}, {0}};
     for (int j = 0; j < parts && j < MAX_PARTS; j++) {
-        first_panel[j + 1] = first_panel[j] + (part_rows[j] + PANEL - 1) / PANEL;
-        first_col[j + 1] = first_col[j] + part_rows[j];
+        s.first_panel[j + 1] = s.first_panel[j] + (part_rows[j] + PANEL - 1) / PANEL;
+        s.first_col[j + 1] = s.first_col[j] + part_rows[j];
     }
-    const int64_t chunks = k / CHUNK, panels = first_panel[parts], groups = (panels + GROUP - 1) / GROUP;
-    const rows_in in = rows_of((const bf16 *)x, x_stride, m, k);
+    s.panels = s.first_panel[parts];
+    const int64_t groups = (s.panels + GROUP - 1) / GROUP, group_tiles = GROUP * s.chunks * TILE;
+    /* Laid-out Q8_0 panels alone are B tiles as they are dequantised, with x the A operand
+     * (multiply unswapped); any other part makes the weights A tiles and x, laid out, B. */
+    int b_tiles = 1;
+    for (int j = 0; j < parts; j++) b_tiles &= types[j] >= PANELS;
+    const int64_t blocks = (m + ROWS - 1) / ROWS;
+    const rows_in in = b_tiles ? rows_of((const bf16 *)x, x_stride, m, k) : (rows_in){0};
     _Pragma("omp parallel num_threads(threads)") {
-        bf16 *w = scratch(sizeof(bf16) * GROUP * PANEL * k);
+        const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+        const int64_t g0 = groups * tid / nth, g1 = groups * (tid + 1) / nth;
+        bf16 *buffer = scratch(0, sizeof(bf16) * 2 * group_tiles), *xt = NULL;
+        if (!b_tiles && g0 < g1) {
+            xt = scratch(1, sizeof(bf16) * blocks * s.chunks * TILE);
+            lay_out_x((const bf16 *)x, x_stride, m, s.chunks, xt);
+        }
+        tiling t[2];
         configure();
-        _Pragma("omp for schedule(static)") for (int64_t g = 0; g < groups; g++) {
-            const int64_t p0 = g * GROUP;
-            const int np = panels - p0 < GROUP ? (int)(panels - p0) : GROUP;
-            __m512 b[GROUP];
-            int64_t col[GROUP];
-            __mmask16 live[GROUP];
-            for (int jp = 0; jp < np; jp++) {
-                const int64_t pn = p0 + jp;
-                int j = 0;
-                while (pn >= first_panel[j + 1]) j++;
-                const int64_t n = part_rows[j], c0 = (pn - first_panel[j]) * PANEL;
-                const int nc = (int)(n - c0 < PANEL ? n - c0 : PANEL);
-                const uint8_t *rows[PANEL];
-                float scales[PANEL];
-                for (int c = 0; c < PANEL; c++) {
-                    const int64_t ch = c0 + (c < nc ? c : nc - 1);
-                    rows[c] = types[j] >= PANELS ? ws[j] + (pn - first_panel[j]) * row_bytes[j] : ws[j] + ch * row_bytes[j];
-                    scales[c] = row_scales[j] ? row_scales[j][ch] : 0.0f;
-                }
-                tile_any(types[j], rows, scales, k, w + jp * chunks * TILE);
-                col[jp] = first_col[j] + c0;
-                live[jp] = (__mmask16)((1u << nc) - 1);
-                b[jp] = bias ? _mm512_maskz_loadu_ps(live[jp], bias + col[jp]) : _mm512_setzero_ps();
+        if (g0 < g1) {
+            start(&t[0], &s, g0, buffer, blocks * s.chunks, b_tiles);
+            finish(&t[0]);
+        }
+        for (int64_t g = g0; g < g1; g++) {
+            tiling *now = &t[(g - g0) % 2], *next = g + 1 < g1 ? &t[(g - g0 + 1) % 2] : NULL;
+            if (next) start(next, &s, g + 1, buffer + (g - g0 + 1) % 2 * group_tiles, blocks * s.chunks, b_tiles);
+            for (int r0 = 0; r0 < m; r0 += ROWS) {
+                const int rows = m - r0 < ROWS ? m - r0 : ROWS;
+                if (b_tiles)
+                    multiply(x_rows(in, r0), 0, r0, rows, now->tiles, s.chunks, now->np, now->bias, now->col,
+                             now->live, out, out_stride, out_bf16, next);
+                else
+                    multiply((x_block){xt + r0 / ROWS * s.chunks * TILE, 64, TILE}, 1, r0, rows, now->tiles, s.chunks,
+                             now->np, now->bias, now->col, now->live, out, out_stride, out_bf16, next);
             }
-            for (int r0 = 0; r0 < m; r0 += ROWS)
-                multiply_rows(in, r0, w, chunks, np, b, col, live, out, out_stride, out_bf16);
+            if (next) finish(next);
         }
         _tile_release();
     }
