@@ -79,16 +79,16 @@ static rows_in rows_of(const bf16 *x, int64_t x_stride, int m, int64_t k) {
 typedef struct tiling tiling;
 static void advance(tiling *next);
 
-/* The x operand of a 16-row block: `at` + chunk c * `step` (row stride `stride` bytes), x's own
- * rows as A (`x_rows`), or lay_out_x's tiles as B. */
+/* The x operand of a 16-row block (row stride `stride` bytes): x's own rows as A (`x_rows`;
+ * chunk c at `at` + c * CHUNK), or lay_out_x's tiles as B (chunk c at `at` + c * TILE). */
 typedef struct {
     const bf16 *at;
-    int64_t stride, step;
+    int64_t stride;
 } x_block;
 
 static x_block x_rows(rows_in in, int r0) {
-    return r0 < in.full ? (x_block){in.x + r0 * in.x_stride, sizeof(bf16) * in.x_stride, CHUNK}
-                        : (x_block){in.tail, sizeof(bf16) * in.k, CHUNK};
+    return r0 < in.full ? (x_block){in.x + r0 * in.x_stride, sizeof(bf16) * in.x_stride}
+                        : (x_block){in.tail, sizeof(bf16) * in.k};
 }
 
 /* Rows r0..r0+15 (`rows` of them live) times the `np` panels of tiles at w (panel j's chunks at
@@ -110,7 +110,7 @@ static inline __attribute__((always_inline)) void multiply(x_block x, int swappe
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t c = 0; c < chunks; c++) {
-        _tile_loadd(4, x.at + c * x.step, x.stride);
+        _tile_loadd(4, x.at + c * (swapped ? TILE : CHUNK), x.stride);
         _tile_loadd(5, w + c * TILE, 64);
         PRODUCT(0, 5);
         if (np > 1) {
@@ -311,7 +311,7 @@ void amx_quant_matmul(int parts, const int *types, const uint8_t *const *ws, con
                     multiply(x_rows(in, r0), 0, r0, rows, now->tiles, s.chunks, now->np, now->bias, now->col,
                              now->live, out, out_stride, out_bf16, next);
                 else
-                    multiply((x_block){xt + r0 / ROWS * s.chunks * TILE, 64, TILE}, 1, r0, rows, now->tiles, s.chunks,
+                    multiply((x_block){xt + r0 / ROWS * s.chunks * TILE, 64}, 1, r0, rows, now->tiles, s.chunks,
                              now->np, now->bias, now->col, now->live, out, out_stride, out_bf16, next);
             }
             if (next) finish(next);

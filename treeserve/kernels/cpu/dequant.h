@@ -34,14 +34,20 @@ static inline float fp16_to_f32(const uint8_t *p) {
 }
 #endif
 
-static inline void scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
+/* Sub-block j's scale and min in a Q4_K/Q5_K super-block b (d, dmin, then 6-bit scales[12]):
+ * d * sc and dmin * mn, both exact in fp32. */
+static inline void k_scale_min(const uint8_t *b, int j, float *d, float *m) {
+    const uint8_t *q = b + 4;
+    int sc, mn;
     if (j < 4) {
-        *sc = q[j] & 63;
-        *m = q[j + 4] & 63;
+        sc = q[j] & 63;
+        mn = q[j + 4] & 63;
     } else {
-        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+        sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
     }
+    *d = fp16_to_f32(b) * sc;
+    *m = fp16_to_f32(b + 2) * mn;
 }
 
 /* deq_T: weights c*32 .. c*32+31 of a row into w[32]. With AVX-512 (BW) the common formats
@@ -93,9 +99,9 @@ static inline void deq_Q5_0(const uint8_t *row, int64_t c, float row_scale, floa
 static inline void deq_Q4_K(const uint8_t *row, int64_t c, float row_scale, float *restrict w) {
     const uint8_t *b = row + (c >> 3) * 144;
     const int s = (int)(c & 7);
-    int sc, mn;
-    scale_min_k4(s, b + 4, &sc, &mn);
-    const __m512 d = _mm512_set1_ps(fp16_to_f32(b) * sc), m = _mm512_set1_ps(fp16_to_f32(b + 2) * mn);
+    float ds, ms;
+    k_scale_min(b, s, &ds, &ms);
+    const __m512 d = _mm512_set1_ps(ds), m = _mm512_set1_ps(ms);
     __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (s >> 1)));
     if (s & 1) q = _mm256_srli_epi16(q, 4);
     q = _mm256_and_si256(q, _mm256_set1_epi8(0xF));
@@ -184,9 +190,8 @@ static inline void deq_Q5_1(const uint8_t *row, int64_t c, float row_scale, floa
 static inline void deq_Q4_K(const uint8_t *row, int64_t c, float row_scale, float *restrict w) {
     const uint8_t *b = row + (c >> 3) * 144;
     const int s = (int)(c & 7);
-    int sc, mn;
-    scale_min_k4(s, b + 4, &sc, &mn);
-    const float d = fp16_to_f32(b) * sc, m = fp16_to_f32(b + 2) * mn;
+    float d, m;
+    k_scale_min(b, s, &d, &m);
     const uint8_t *q = b + 16 + 32 * (s >> 1);
     const int shift = 4 * (s & 1);
     for (int l = 0; l < 32; l++) w[l] = d * ((q[l] >> shift) & 0xF) - m;
@@ -197,9 +202,8 @@ static inline void deq_Q4_K(const uint8_t *row, int64_t c, float row_scale, floa
 static inline void deq_Q5_K(const uint8_t *row, int64_t c, float row_scale, float *restrict w) {
     const uint8_t *b = row + (c >> 3) * 176;
     const int s = (int)(c & 7);
-    int sc, mn;
-    scale_min_k4(s, b + 4, &sc, &mn);
-    const float d = fp16_to_f32(b) * sc, m = fp16_to_f32(b + 2) * mn;
+    float d, m;
+    k_scale_min(b, s, &d, &m);
     const uint8_t *qh = b + 16, *q = b + 48 + 32 * (s >> 1);
     const int shift = 4 * (s & 1);
     for (int l = 0; l < 32; l++) w[l] = d * (((q[l] >> shift) & 0xF) | (((qh[l] >> s) & 1) << 4)) - m;

@@ -93,9 +93,9 @@ static void tile_q4_k_chunk(const uint8_t *const *rows, int64_t c, bf16 *dst) {
     const int s = (int)(c & 7);
     for (int ch = 0; ch < PANEL; ch++) {
         const uint8_t *b = rows[ch] + (c >> 3) * 144;
-        int sc, mn;
-        scale_min_k4(s, b + 4, &sc, &mn);
-        const __m512 d = _mm512_set1_ps(fp16_to_f32(b) * sc), m = _mm512_set1_ps(fp16_to_f32(b + 2) * mn);
+        float ds, ms;
+        k_scale_min(b, s, &ds, &ms);
+        const __m512 d = _mm512_set1_ps(ds), m = _mm512_set1_ps(ms);
         const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(d, _mm512_sub_ps(_mm512_mul_ps(d, codes), m));
         __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (s >> 1)));
         if (s & 1) q = _mm256_srli_epi16(q, 4);
