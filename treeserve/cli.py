@@ -54,6 +54,9 @@ def _add_device_flags(p: argparse.ArgumentParser) -> None:
         choices=["triton", "sdpa", "cpu"],
         help="attention kernels (default: triton on CUDA, cpu (C kernels) on a CPU; sdpa: the reference)",
     )
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlapped steps: schedule the next step while the device runs this one (default: on "
+                   "with CUDA; on a CPU off, or TREESERVE_ASYNC_SCHEDULING=0|1)")  # fmt: skip
 
 
 def _add_quantization_flags(p: argparse.ArgumentParser, prm: bool) -> None:
@@ -110,7 +113,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
         device=args.device, attention_backend=args.attention_backend, quantization=args.quantization,
         dequantize=args.dequantize, speculative_config=args.speculative_config,
-        quant_activations=args.quant_activations or "int8",
+        quant_activations=args.quant_activations or "int8", async_scheduling=args.async_scheduling,
     )  # fmt: skip
     loaded = time.perf_counter()
     if chat:
@@ -359,7 +362,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=args.port, api_key=args.api_key, dtype=args.dtype, max_model_len=args.max_model_len,
         device=args.device, attention_backend=args.attention_backend, quantization=args.quantization,
         prm_quantization=args.prm_quantization, dequantize=args.dequantize, quant_activations=args.quant_activations,
-        speculative_config=args.speculative_config, engine_process=not args.engine_in_process,
+        speculative_config=args.speculative_config, async_scheduling=args.async_scheduling,
+        engine_process=not args.engine_in_process,
         shutdown_timeout=args.shutdown_timeout, **{key: getattr(args, key) for key in CONFIG_KEYS},
     )  # fmt: skip
     serve(settings)

@@ -33,6 +33,29 @@ def check_model_path(path: str, name: str = "model") -> None:
     raise FileNotFoundError(f"{name} not found (a checkpoint directory or a .gguf file): {path!r}")
 
 
+ASYNC_ENV = "TREESERVE_ASYNC_SCHEDULING"
+
+
+def resolve_async_scheduling(value: bool | None, device: str, speculating: bool) -> bool:
+    """`async_scheduling` as an engine runs it. Unset (None): on with CUDA; on a CPU as the
+    environment's TREESERVE_ASYNC_SCHEDULING says (0 or 1), else off; off with speculative
+    decoding, which cannot be combined with it."""
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"async_scheduling must be True, False or None (the default), got {value!r}")
+    if value and speculating:
+        raise ValueError(
+            "async_scheduling and speculative_config cannot be combined: drafts are proposed from the last "
+            "sampled token, which overlapped steps read back one step late; turn one of them off"
+        )
+    if value is not None:
+        return value
+    env = os.environ.get(ASYNC_ENV)
+    if env is not None and env not in ("0", "1"):
+        raise ValueError(f"{ASYNC_ENV} must be 0 or 1, got {env!r}")
+    on = env == "1" if env is not None else not device.startswith("cpu")
+    return on and not speculating
+
+
 @dataclass
 class EngineConfig:
     model: str  # a Hugging Face checkpoint directory or a GGUF file
@@ -61,6 +84,11 @@ class EngineConfig:
     # speculative decoding, vLLM's dict: {"method": "ngram" | "tree", "num_speculative_tokens": k,
     # "prompt_lookup_min": a, "prompt_lookup_max": b} or {"model": DIR, "num_speculative_tokens": k}
     speculative_config: dict | str | SpeculativeConfig | None = None
+    # overlapped steps (vLLM's name): the host schedules step t+1 and builds its inputs while the
+    # device runs step t. None: on with CUDA; on a CPU (a worker thread runs the forward), the
+    # environment's TREESERVE_ASYNC_SCHEDULING=0|1, else off (README: where it pays on a CPU).
+    # Speculative decoding drafts from the last token, so it steps without overlap.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -87,6 +115,9 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.speculative_config is not None:
             self.speculative_config.check_draft(self.model)
+        self.async_scheduling = resolve_async_scheduling(
+            self.async_scheduling, self.device, self.speculative_config is not None
+        )
 
     def _resolve_quantization(self) -> str | None:
         method, gguf = self.quantization, is_gguf(self.model)

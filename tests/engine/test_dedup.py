@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from treeserve import SamplingParams
-from treeserve.engine import llm_engine
-from treeserve.engine.dedup import split_twins
+from treeserve.engine.dedup import Twins
 
 
 def test_twins_computed_once_same_outputs(llama_dir, make_llm, monkeypatch):
@@ -15,14 +14,15 @@ def test_twins_computed_once_same_outputs(llama_dir, make_llm, monkeypatch):
     params = [SamplingParams(temperature=0.4, seed=s, max_tokens=40, ignore_eos=True) for s in range(8)]
     alone = [make_llm(llama_dir).generate([prompt], p)[0].outputs[0].token_ids for p in params]
     rows = {"scheduled": 0, "computed": 0}
+    find = Twins.find
 
-    def counting(batch):
-        computed, source = split_twins(batch)
-        rows["scheduled"] += len(batch)
-        rows["computed"] += len(computed)
-        return computed, source
+    def counting(batch, groups, block_size):
+        twins = find(batch, groups, block_size)
+        rows["scheduled"] += batch.token_ids.shape[0]
+        rows["computed"] += (twins.computed if twins else batch).token_ids.shape[0]
+        return twins
 
-    monkeypatch.setattr(llm_engine, "split_twins", counting)
+    monkeypatch.setattr(Twins, "find", counting)
     llm = make_llm(llama_dir)
     together = [o.outputs[0].token_ids for o in llm.generate([prompt] * 8, params)]
     assert together == alone

@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from treeserve import SamplingParams
-from treeserve.engine.sampler import SamplingRow, sample, seeded_uniform
+from treeserve.engine.sampler import SamplingBatch, sample, seeded_uniform
 
 PROMPT = "Once upon a time, in a land far away"
 
@@ -54,8 +54,8 @@ def test_sampling_follows_the_distribution():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2, 0.0]]))
     counts = [0, 0, 0, 0]
     for pos in range(4000):
-        row = SamplingRow(1.0, 1.0, -1, 0.0, seeded_uniform(3, 0, pos))
-        counts[sample(logits, [row]).item()] += 1
+        row = SamplingBatch.of(1.0, 1.0, -1, 0.0, seeded_uniform(3, 0, pos))
+        counts[sample(logits, row).item()] += 1
     assert counts[3] == 0
     for got, want in zip(counts[:3], [0.5, 0.3, 0.2], strict=True):
         assert abs(got / 4000 - want) < 0.03
@@ -63,11 +63,8 @@ def test_sampling_follows_the_distribution():
 
 def test_top_k_top_p_min_p_filters():
     logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]])).repeat(3, 1)
-    rows = lambda u: [  # noqa: E731
-        SamplingRow(1.0, 1.0, 2, 0.0, u),  # top-k 2: tokens 0, 1
-        SamplingRow(1.0, 0.65, -1, 0.0, u),  # nucleus 0.65: tokens 0, 1
-        SamplingRow(1.0, 1.0, -1, 0.6, u),  # min-p 0.6 * 0.4 = 0.24: tokens 0, 1
-    ]
+    # top-k 2, nucleus 0.65, min-p 0.6 * 0.4 = 0.24: each keeps tokens 0 and 1
+    rows = lambda u: SamplingBatch.of(1.0, [1.0, 0.65, 1.0], [2, -1, -1], [0.0, 0.0, 0.6], u)  # noqa: E731
     seen = set()
     for i in range(200):
         seen |= {(r, t) for r, t in enumerate(sample(logits, rows(seeded_uniform(0, 0, i))).tolist())}

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]' installs it)")
 
-from treeserve.engine.sampler import SamplingRow, _draw, seeded_uniform  # noqa: E402
+from treeserve.engine.sampler import SamplingBatch, _draw, seeded_uniform  # noqa: E402
 from treeserve.kernels.triton import sampling  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -34,7 +34,7 @@ def test_draw_matches_the_inverse_cdf(vocab, dtype):
     logits = (torch.randn(48, vocab, generator=torch.Generator().manual_seed(0)) * 3).to(DEVICE, dtype)
     u = uniforms(48)
     got = draw(logits, u).cpu()
-    want = _draw(logits, [SamplingRow(1.0, 1.0, 0, 0.0, x) for x in u]).cpu()
+    want = _draw(logits, SamplingBatch.of(1.0, 1.0, 0, 0.0, u)).cpu()
     cdf = torch.softmax(logits.cpu().double(), dim=-1).cumsum(-1)
     lower = torch.cat([torch.zeros(48, 1, dtype=torch.float64), cdf[:, :-1]], 1)
     u = torch.tensor(u, dtype=torch.float64)

@@ -6,61 +6,79 @@ world's beam search, 72% of the generator's decode rows had a twin with equal to
 sequences with equal token ids have equal hidden states and equal K/V at every position, so a
 step computes each such token once: one representative row runs through the model, its
 hidden state serves every twin (each still samples with its own seeded uniform, so outputs do
-not change), and the K/V it wrote is copied into each twin's own slots. Decode rows of generation requests take
-part (one new token, or one and the same drafted tokens when speculating); equality of the
-whole token history and draft is checked, a hash only finds the candidates.
+not change), and the K/V it wrote is copied into each twin's own slots.
+
+The decision is split so that it can wait for the step's input tokens: the host groups decode
+items whose whole history before their first input token is equal (checked exactly, a hash only
+finds candidates) and whose drafts are equal (`twin_groups`); `Twins.find` then compares the
+first input tokens themselves, which with overlapped steps are the previous step's samples and
+exist only on the device side.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from treeserve.engine.model_runner import ScheduledSeq
+from treeserve.engine.forward_batch import ForwardBatch
 from treeserve.kv.arena import KVArena
 
 
-def split_twins(batch: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], list[int]]:
-    """The items to compute, and for each batch item the index of the computed item whose rows
-    it takes (itself, or its representative twin)."""
-    computed: list[ScheduledSeq] = []
-    source: list[int] = []
-    seen: dict[tuple, list[int]] = {}  # (history key, draft) -> computed items with that key
-    for item in batch:
-        seq = item.seq
-        if item.num_tokens == 1 + len(item.draft) and seq.request.params is not None:
-            key = (seq.history_key(), tuple(item.draft))
-            for index in seen.get(key, ()):
-                if computed[index].seq.token_ids == seq.token_ids:  # the key holds the draft itself
-                    source.append(index)
-                    break
-            else:
-                seen.setdefault(key, []).append(len(computed))
-                source.append(len(computed))
-                computed.append(item)
-            continue
-        source.append(len(computed))
-        computed.append(item)
-    return computed, source
+def representatives(groups: torch.Tensor, first_tokens: torch.Tensor) -> torch.Tensor:
+    """Per item, the first item of its group (`groups`, -1: none) with its first token (itself
+    when it has no twin)."""
+    items = torch.arange(groups.shape[0])
+    candidates = groups >= 0
+    rep = items.clone()
+    if int(candidates.sum()) < 2:
+        return rep
+    key = groups[candidates] * (int(first_tokens.max()) + 1) + first_tokens[candidates]
+    unique, inverse = torch.unique(key, return_inverse=True)
+    first = torch.full((unique.shape[0],), groups.shape[0], dtype=torch.long)
+    first.scatter_reduce_(0, inverse, items[candidates], "amin")
+    rep[candidates] = first[inverse]
+    return rep
 
 
-def expand(batch: list[ScheduledSeq], computed: list[ScheduledSeq], source: list[int], hidden: torch.Tensor,
-           arena: KVArena) -> torch.Tensor:  # fmt: skip
-    """The hidden rows of every batch item (twins share their representative's) after copying
-    the representative's new K/V into each twin's slot."""
-    offsets, at = [], 0
-    for item in computed:
-        offsets.append(at)
-        at += item.num_tokens
-    rows: list[int] = []
-    src_slots, dst_slots = [], []
-    block_size = arena.block_size
-    for item, index in zip(batch, source, strict=True):
-        rep = computed[index]
-        rows.extend(range(offsets[index], offsets[index] + item.num_tokens))
-        if rep is not item:
-            for position in range(item.start, item.end):
-                src_slots.append((rep.seq.block_table[position // block_size], position % block_size))
-                dst_slots.append((item.seq.block_table[position // block_size], position % block_size))
-    arena.copy_slots(src_slots, dst_slots)
-    index = torch.tensor(rows, device=hidden.device)
-    return hidden.index_select(0, index)
+@dataclass
+class Twins:
+    """A batch with its twin items dropped, and how to give the twins their rows back."""
+
+    computed: ForwardBatch  # representatives and every item without a twin, in batch order
+    rows: torch.Tensor  # [T] for each row of the whole batch, its row in `computed`
+    src_pages: torch.Tensor  # K/V slots to copy into the twins' own slots after the forward
+    src_offsets: torch.Tensor
+    dst_pages: torch.Tensor
+    dst_offsets: torch.Tensor
+
+    @classmethod
+    def find(cls, batch: ForwardBatch, groups: torch.Tensor, block_size: int) -> Twins | None:
+        """The twins of `batch` (items of one group with equal first tokens), None when there are none."""
+        rep = representatives(groups, batch.token_ids[batch.offsets])
+        items = torch.arange(rep.shape[0])
+        twin = rep != items
+        if not bool(twin.any()):
+            return None
+        kept = torch.nonzero(~twin).squeeze(1)
+        position_in_kept = torch.full_like(rep, -1)
+        position_in_kept[kept] = torch.arange(kept.shape[0])
+        computed = batch.take(kept)
+        item_of = torch.repeat_interleave(items, batch.lens)
+        within = torch.arange(item_of.shape[0]) - batch.offsets[item_of]
+        rows = computed.offsets[position_in_kept[rep[item_of]]] + within
+        copy = twin[item_of]  # a twin has its representative's length and positions
+        positions = (batch.starts[item_of] + within)[copy]
+        pages = positions // block_size
+        return cls(
+            computed, rows,
+            batch.tables[rep[item_of][copy], pages], positions % block_size,
+            batch.tables[item_of[copy], pages], positions % block_size,
+        )  # fmt: skip
+
+    def expand(self, hidden: torch.Tensor, arena: KVArena) -> torch.Tensor:
+        """The hidden rows of the whole batch, after copying each representative's new K/V into
+        its twins' slots."""
+        device = hidden.device
+        arena.copy_slots(*(t.to(device) for t in (self.src_pages, self.src_offsets, self.dst_pages, self.dst_offsets)))
+        return hidden.index_select(0, self.rows.to(device))

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from treeserve.engine.attention import AttentionBackend
-from treeserve.engine.model_runner import ModelRunner, ScheduledSeq
+from treeserve.engine.forward_batch import ForwardBatch
+from treeserve.engine.model_runner import ModelRunner
 from treeserve.engine.request import Sequence
 from treeserve.kv.arena import KVArena, KVLayout, PageArena
 from treeserve.kv.block_manager import BlockManager
@@ -68,7 +69,7 @@ class DraftModel:
     @torch.inference_mode()
     def propose(self, wanting: list[tuple[Sequence, int]]) -> None:
         """Set `seq.draft` (k greedy tokens) for each (sequence, k) the pool has pages for."""
-        items: list[ScheduledSeq] = []
+        items: list[tuple[DraftSeq, int, int]] = []  # (draft cache, first position, tokens to compute)
         ends: dict[int, int] = {}  # id(draft) -> its length with all k drafted tokens
         for seq, k in wanting:
             draft = self._sync(seq)
@@ -76,19 +77,19 @@ class DraftModel:
             if self.blocks.blocks_to_grow(draft.block_table, start, end) > self.blocks.num_free_blocks:
                 continue
             self.blocks.grow(draft.block_table, start, end)
-            items.append(ScheduledSeq(draft, start, len(seq.token_ids) - start))
+            items.append((draft, start, len(seq.token_ids) - start))
             ends[id(draft)] = len(seq.token_ids) + k
         while items:
-            hidden = self.runner.run(items)
-            last = torch.cumsum(torch.tensor([i.num_tokens for i in items]), 0) - 1
-            tokens = self.model.compute_logits(hidden[last]).float().argmax(dim=-1).tolist()
+            batch = ForwardBatch.of([(d.token_ids[start : start + n], start, d.block_table) for d, start, n in items])
+            hidden = self.runner.forward(batch)
+            last = torch.cumsum(batch.lens, 0) - 1
+            tokens = self.model.compute_logits(hidden[last.to(hidden.device)]).float().argmax(dim=-1).tolist()
             going = []
-            for item, token in zip(items, tokens, strict=True):
-                draft = item.seq
-                draft.num_computed_tokens = item.end
+            for (draft, start, n), token in zip(items, tokens, strict=True):
+                draft.num_computed_tokens = start + n
                 draft.token_ids.append(token)
                 if len(draft.token_ids) < ends[id(draft)]:
-                    going.append(ScheduledSeq(draft, item.end, 1))
+                    going.append((draft, start + n, 1))
             items = going
         for seq, _ in wanting:
             seq.draft = self.states[seq.seq_id].token_ids[len(seq.token_ids) :]

@@ -6,6 +6,17 @@ engines (`share_kv`: one page pool, pages flow to whichever model needs them).
 `add_request` validates everything before it changes any state; `abort` and normal
 completion both return every page to the pool (or to the prefix cache). After every step
 the engine appends a row of page statistics to its `page_log`.
+
+A step is launched (scheduled, its plan built: `input_batch.py`; its device work submitted:
+`model_runner.py`, `executor.py`) and later read back (`read_back.py`: tokens appended, stop
+rules, outputs). With `async_scheduling` (overlapped steps, vLLM's name) `step()` launches step
+t+1 before it reads back step t: the host schedules while the device computes, and step t's
+samples reach step t+1 on the device. Scheduling then treats a token in flight as known to
+exist (`Sequence.num_pending`); a sequence found finished when its token arrives has one more
+token in flight, which is discarded (its pages go back with the sequence's, none of it keyed
+in the prefix cache). A step whose sequences need their new token on the host before they
+sample again (a constraint, logit edits, speculative drafts), or that would preempt, waits
+for the step in flight instead. Outputs are the same either way.
 """
 
 from __future__ import annotations
@@ -13,6 +24,8 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+from concurrent.futures import Future
+from contextlib import suppress
 from dataclasses import dataclass
 
 import torch
@@ -20,23 +33,15 @@ import torch
 from treeserve.config import EngineConfig
 from treeserve.device import available_memory
 from treeserve.engine.attention import BACKENDS
-from treeserve.engine.dedup import expand, split_twins
 from treeserve.engine.detokenizer import StopChecker
 from treeserve.engine.draft_model import DraftModel
+from treeserve.engine.executor import run_here, run_on_worker
 from treeserve.engine.guided import Constraints
-from treeserve.engine.model_runner import ModelRunner, ScheduledSeq
-from treeserve.engine.penalties import RowHistory, adjust_logits
+from treeserve.engine.input_batch import InputBatch, PreparedStep
+from treeserve.engine.model_runner import ModelRunner
+from treeserve.engine.read_back import StepFailed, StepReader
 from treeserve.engine.request import Request, Sequence
-from treeserve.engine.sampler import (
-    SamplingRow,
-    TokenLogprobs,
-    fused_draw,
-    sample,
-    sample_masked,
-    seeded_uniform,
-    temperatures,
-    token_logprobs,
-)
+from treeserve.engine.sampler import fused_draw
 from treeserve.engine.scheduler import Scheduler
 from treeserve.engine.speculative import Speculator
 from treeserve.engine.validation import check_request, check_text_length, tokenize_prompt
@@ -46,10 +51,11 @@ from treeserve.kv.page_pool import PagePool
 from treeserve.kv.stats import PageLog
 from treeserve.models.loader import load_model
 from treeserve.models.tokenizer import Tokenizer
-from treeserve.outputs import Logprob, RequestOutput, ScoreOutput
+from treeserve.outputs import RequestOutput, ScoreOutput
 from treeserve.sampling_params import SamplingParams, ScoreParams
 
-PROMPT_LOGPROBS_ROWS = 256  # prompt positions per [rows, vocab] logits slice
+__all__ = ["LLMEngine", "StepFailed", "share_kv"]
+
 # When max_model_len is not given and the KV budget cannot hold the model's whole context,
 # max_model_len is lowered to what fits, but never below this (or the model's own limit).
 MIN_AUTO_MODEL_LEN = 2048
@@ -57,38 +63,15 @@ MIN_AUTO_MODEL_LEN = 2048
 log = logging.getLogger(__name__)
 
 
-class StepFailed(RuntimeError):
-    """A step raised while running its batch. Its requests (`request_ids`) were aborted and
-    their pages released; every other request is untouched and the next step runs normally."""
-
-    def __init__(self, request_ids: list[str], cause: BaseException):
-        what = f"{type(cause).__name__}: {cause}"
-        super().__init__(f"the engine step serving {len(request_ids)} request(s) failed: {what}")
-        self.request_ids = request_ids
-        self.cause = cause
-
-
 @dataclass
-class ToSample:
-    """One token to sample: from which hidden row, at which position (its seeded uniform). A
-    speculating sequence has one per drafted token and one more; `draft[draft_index]` is the
-    drafted token the sample is compared with (none for the last)."""
+class InFlight:
+    """A launched step: its plan and what it means to the host, and its device work's future."""
 
-    seq: Sequence
-    row: int
-    position: int
-    draft: list[int] | None = None
-    draft_index: int = 0
+    step: PreparedStep
+    result: Future
 
 
-@dataclass
-class Verification:
-    """One speculating sequence's draft, checked position by position against the target's samples."""
-
-    seq: Sequence
-    drafted: int
-    accepted: int = 0
-    going: bool = True  # every position so far matched and the sequence has not ended
+_NEEDS_SYNC = object()  # a step that must wait for the one in flight (it would preempt)
 
 
 class LLMEngine:
@@ -114,10 +97,12 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)
-        self.num_generated_tokens = 0
         self.num_computed_tokens = 0  # every token run through the model (prompt, recompute, decode)
         self.stalled = False  # the last step had work but no pages for it
         self._injected: Exception | None = None  # inject_failure's error, raised by the next batch
+        self.async_scheduling = config.async_scheduling  # resolved by EngineConfig: True or False
+        self._in_flight: InFlight | None = None
+        self._undelivered: list[RequestOutput | ScoreOutput] = []  # read back by a step that then failed
         self.draw = fused_draw(config.attention_backend)  # the sampler's batch-invariant plain draw
         spec = config.speculative_config
         draft = None
@@ -166,14 +151,19 @@ class LLMEngine:
         self.blocks = BlockManager(
             pages.num_pages, block_size, config.model_id, config.enable_prefix_caching, pool=pool
         )
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        self.scheduler.on_release = self._released
+        self.inputs = InputBatch(block_size, pages_per_seq, list(self.tokenizer.eos_token_ids), self.constraints)
         backend = BACKENDS[config.attention_backend]()
-        self.runner = ModelRunner(self.model, self.arena, self.device, self.model_config.attn_scale, backend)
+        self.runner = ModelRunner(self.model, self.arena, self.device, self.model_config.attn_scale, backend,
+                                  self.draw, self.tokenizer.vocab_size)  # fmt: skip
         self.page_log = PageLog(self.blocks)
-        if self.speculator is not None:
-            self.scheduler.on_release = self.speculator.release
-            if self.speculator.draft_model is not None:
-                self.speculator.draft_model.attach(pages, self.blocks.pool, backend, config.model_id)
+        generated = self.reader.num_generated_tokens if hasattr(self, "reader") else 0
+        self.reader = StepReader(self.scheduler, self.blocks, self.tokenizer, self.constraints, self.speculator,
+                                 self.max_model_len)  # fmt: skip
+        self.reader.num_generated_tokens = generated
+        if self.speculator is not None and self.speculator.draft_model is not None:
+            self.speculator.draft_model.attach(pages, self.blocks.pool, backend, config.model_id)
 
     # ---- requests ----------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
@@ -237,236 +227,136 @@ class LLMEngine:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
 
+    @property
+    def num_generated_tokens(self) -> int:
+        return self.reader.num_generated_tokens
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests not yet finished, or a step whose results are still to be read back."""
+        return bool(self.requests) or self._in_flight is not None
+
+    def _released(self, seq: Sequence) -> None:
+        """`seq` gave its pages back (finished, aborted or preempted)."""
+        self.inputs.release(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)
 
     # ---- one step ------------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self) -> list[RequestOutput | ScoreOutput]:
-        if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running, self.max_model_len)
-        batch, copies = self.scheduler.schedule()
-        self.stalled = not batch and self.scheduler.has_work()
-        if not batch:
-            if self.stalled and not self.blocks.pool.shared:
-                raise RuntimeError("scheduler made no progress although requests are waiting")
-            return []  # sharing the arena: it waits for pages the other models hold
+    def step(self, overlap: bool | None = None) -> list[RequestOutput | ScoreOutput]:
+        """Run the next step and return the outputs of the requests it touched. With overlap
+        (`async_scheduling`, or `overlap=True`) the next step is launched first and the step in
+        flight read back after it, so the outputs are of the step before; `overlap=False` also
+        reads back the step it launches."""
+        overlap = self.async_scheduling if overlap is None else overlap
+        outputs, self._undelivered = self._undelivered, []
+        flight, self._in_flight = self._in_flight, None
         try:
-            return self._run_batch(batch, copies)
-        except Exception as e:  # atomic: the batch's requests fail, nothing else changes
-            failed = list(dict.fromkeys(item.seq.request.request_id for item in batch))
-            for request_id in failed:
-                self.abort(request_id)
-            log.error("step failed, aborted %d request(s): %s: %s", len(failed), type(e).__name__, e)
-            raise StepFailed(failed, e) from e
+            if flight is not None and not (overlap and flight.step.overlappable):
+                done, flight = flight, None
+                outputs += self._finish(done)
+            launched = self._launch(flight, overlap)
+            if launched is _NEEDS_SYNC:
+                done, flight = flight, None
+                outputs += self._finish(done)
+                launched = self._launch(None, overlap)
+        except BaseException:
+            self._in_flight, self._undelivered = flight, outputs  # still to be read back, still to deliver
+            raise
+        self._in_flight = launched
+        if flight is not None:
+            outputs = self._deliver(outputs, flight)
+        if not overlap and self._in_flight is not None:
+            done, self._in_flight = self._in_flight, None
+            outputs = self._deliver(outputs, done)
+        return outputs
+
+    def _deliver(self, outputs: list, flight: InFlight) -> list:
+        try:
+            return outputs + self._finish(flight)
+        except BaseException:
+            self._undelivered = outputs
+            raise
 
     def inject_failure(self, error: Exception | None = None) -> None:
         """Test hook: the next step that runs a batch raises `error` (default: a RuntimeError)
         right after the model's forward, as a failing kernel or an out-of-memory would."""
         self._injected = error or RuntimeError("injected step failure")
 
-    def _run_batch(self, batch: list[ScheduledSeq], copies: list[tuple[int, int]]) -> list:
-        self.arena.copy_pages(copies)
-        computed, source = split_twins(batch)
-        hidden = self.runner.run(computed)
-        if self._injected is not None:
-            error, self._injected = self._injected, None
-            raise error
-        if len(computed) < len(batch):
-            hidden = expand(batch, computed, source, hidden, self.arena)
-        self.num_computed_tokens += sum(item.num_tokens for item in computed)  # twins' rows are not computed
-        touched: dict[str, Request] = {}
-        to_sample: list[ToSample] = []
-        row = 0
+    def _launch(self, flight: InFlight | None, overlap: bool) -> InFlight | None | object:
+        """Schedule a step and submit its device work (`flight`: the step still in flight)."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self.max_model_len)
+        scheduled = self.scheduler.schedule(can_preempt=flight is None)
+        if scheduled is None:
+            return _NEEDS_SYNC
+        batch, copies = scheduled
+        self.stalled = not batch and flight is None and self.scheduler.has_work()
+        if not batch:
+            if self.stalled and not self.blocks.pool.shared:
+                raise RuntimeError("scheduler made no progress although requests are waiting")
+            return None  # sharing the arena: it waits for pages the other models hold
+        try:
+            step = self.inputs.prepare(batch, copies)
+        except Exception as e:  # atomic: the batch's requests fail, nothing else changes
+            raise self._fail(batch, e) from e
+        step.plan.fail, self._injected = self._injected, None
         for item in batch:
-            seq = item.seq
-            request = seq.request
-            seq.num_computed_tokens = item.end - len(item.draft)  # drafted tokens count once accepted
-            self.blocks.commit_full_blocks(seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed_tokens)
-            if request.prompt_logprobs is not None and item.start < seq.num_prompt_tokens - 1:
-                self._read_prompt_logprobs(request, item, hidden[row : row + item.num_tokens])
-            if request.score is not None:
-                self._read_scores(seq, item, hidden[row : row + item.num_tokens])
-            elif seq.num_computed_tokens == len(seq.token_ids):
-                last = row + item.num_tokens - 1 - len(item.draft)
-                draft = item.draft or None
-                for member in [seq, *self._fork_siblings(seq)]:
-                    to_sample.append(ToSample(member, last, len(member.token_ids), draft if member is seq else None))
-                for j in range(1, len(item.draft) + 1):  # the target's token after each drafted one
-                    to_sample.append(ToSample(seq, last + j, len(seq.token_ids) + j, draft, j))
-            row += item.num_tokens
-            touched[request.request_id] = request
-        if to_sample:
-            self._sample(to_sample, hidden)
-        self.page_log.record()
-        return [self._emit(r) for r in touched.values() if r.finished or r.stream]
-
-    def _fork_siblings(self, seq: Sequence) -> list[Sequence]:
-        siblings = []
-        for i in range(1, seq.pending_forks + 1):
-            sibling = seq.fork(i, self.blocks.fork(seq.block_table))
-            seq.request.seqs.append(sibling)
-            self.scheduler.add_running(sibling)
-            siblings.append(sibling)
-        seq.pending_forks = 0
-        return siblings
-
-    def _read_scores(self, seq: Sequence, item: ScheduledSeq, hidden: torch.Tensor) -> None:
-        score = seq.request.score
-        wanted = [p for p in score.positions if item.start <= p < item.end]
-        if wanted:
-            rows = hidden[[p - item.start for p in wanted]]
-            logprobs = None
-            if score.token_ids:
-                logits = self.model.compute_logits(rows)
-                logprobs = torch.log_softmax(logits, dim=-1)[:, score.token_ids].cpu()
-            states = rows.float().cpu() if score.return_hidden_states else None
-            for i, p in enumerate(wanted):
-                seq.score_rows[p] = (
-                    None if logprobs is None else logprobs[i],
-                    None if states is None else states[i],
-                )
-        if item.end == len(seq.token_ids):
-            seq.finish_reason = "stop"
-            self.scheduler.finish(seq)
-
-    def _read_prompt_logprobs(self, request: Request, item: ScheduledSeq, hidden: torch.Tensor) -> None:
-        """Log-probabilities of the prompt tokens this chunk predicts: the hidden state at
-        position p scores prompt token p + 1 (computed in slices, as [rows, vocab] is large)."""
-        end = min(item.end, len(request.prompt_token_ids) - 1)
-        k = request.params.prompt_logprobs
-        for start in range(item.start, end, PROMPT_LOGPROBS_ROWS):
-            stop = min(start + PROMPT_LOGPROBS_ROWS, end)
-            targets = request.prompt_token_ids[start + 1 : stop + 1]
-            (tokens,) = self.runner.staging.to_device(torch.tensor(targets))
-            logits = self.model.compute_logits(hidden[start - item.start : stop - item.start])
-            lp = token_logprobs(logits, tokens, k)
-            for i, token in enumerate(targets):
-                request.prompt_logprobs[start + 1 + i] = self._logprob_entry(token, lp, i, k)
-
-    def _sample(self, to_sample: list[ToSample], hidden: torch.Tensor) -> None:
-        rows = [
-            SamplingRow(
-                temperature=s.seq.request.params.temperature,
-                top_p=s.seq.request.params.top_p,
-                top_k=s.seq.request.params.top_k,
-                min_p=s.seq.request.params.min_p,
-                uniform=seeded_uniform(s.seq.request.seed, s.seq.index, s.position),
-            )
-            for s in to_sample
-        ]
-        # rows with penalties or a bias get raw logits, edited, then divided by the temperature
-        edited = [i for i, s in enumerate(to_sample) if s.seq.request.params.adjusts_logits]
-        divisors = temperatures(rows)
-        for i in edited:
-            divisors[i] = 1.0
-        (index,) = self.runner.staging.to_device(torch.tensor([s.row for s in to_sample]))
-        states = hidden[index]
-        (scale,) = self.runner.staging.to_device(torch.tensor(divisors, dtype=states.dtype)[:, None])
-        logits = self.model.compute_logits(states / scale, float32=False)
-        seqs = [s.seq for s in to_sample]
-        for seq in seqs:
-            if seq.request.params.structured_outputs is not None and seq.guide is None:
-                seq.guide = self.constraints.guide(seq.request.params.structured_outputs)
-        if edited:
-            tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-            plain = sorted(set(range(len(rows))) - set(edited))
-            if plain:
-                tokens[plain] = self._draw([rows[i] for i in plain], logits[plain], [seqs[i] for i in plain])
-            edited_rows, edited_seqs = [rows[i] for i in edited], [seqs[i] for i in edited]
-            (scale,) = self.runner.staging.to_device(torch.tensor(temperatures(edited_rows))[:, None])
-            tokens[edited] = self._draw(edited_rows, self._edit(logits[edited], edited_seqs) / scale, edited_seqs)
+            item.seq.num_computed_tokens = item.end - len(item.draft)  # drafted tokens count once accepted
+        for row, sample in enumerate(step.samples):
+            if sample.fork == 0 and sample.draft_index == 0:
+                sample.seq.num_pending += 1
+                sample.seq.pending_row = row
+        previous = flight.result if flight is not None else None  # its failure stops this step too
+        if overlap and self.device.type == "cpu":
+            result = run_on_worker(self.device, self.runner.execute, step.plan, previous)
         else:
-            tokens = self._draw(rows, logits, seqs)
-        wanted = [i for i, s in enumerate(to_sample) if s.seq.logprobs is not None]
-        logprobs = None
-        if wanted:
-            k = max(to_sample[i].seq.request.params.logprobs for i in wanted)
-            logprobs = token_logprobs(self.model.compute_logits(states[wanted]), tokens[wanted], k)
-        verifying: dict[int, Verification] = {}  # seq_id -> its draft's verification so far
-        for i, (s, token) in enumerate(zip(to_sample, tokens.tolist(), strict=True)):  # the step's one D2H
-            seq = s.seq
-            if s.draft is not None:
-                check = verifying.setdefault(seq.seq_id, Verification(seq, len(s.draft)))
-                if not check.going:
-                    continue  # an earlier position of this draft was rejected: this row is void
-            going = self._append(seq, token, logprobs, wanted.index(i) if seq.logprobs is not None else -1)
-            if s.draft is not None:
-                matched = s.draft_index < len(s.draft) and token == s.draft[s.draft_index]
-                check.accepted += matched
-                check.going = going and matched
-        for check in verifying.values():
-            seq = check.seq
-            self.speculator.verified(seq, check.drafted, check.accepted)
-            if not seq.is_finished:  # the accepted drafted tokens' KV is valid, the rest is dropped
-                seq.num_computed_tokens += check.accepted
-                self.blocks.commit_full_blocks(
-                    seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed_tokens
-                )
-                self.blocks.truncate(seq.block_table, len(seq.token_ids))
+            result = run_here(self.runner.execute, step.plan, previous)
+        return InFlight(step, result)
 
-    def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, row: int) -> bool:
-        """Add a sampled token to `seq` and apply the stop rules; False when the sequence ended."""
-        if seq.guide is not None and not seq.guide.advance(token):
-            seq.finish_reason, seq.stop_reason = "abort", None  # the constraint library contradicted itself
-            self.scheduler.finish(seq)
-            return False
-        seq.token_ids.append(token)
-        self.num_generated_tokens += 1
-        if seq.logprobs is not None:
-            self._record_logprobs(seq, token, logprobs, row)
-        result = seq.detok.append(token, seq.request.params.max_tokens)
-        if result is None and len(seq.token_ids) >= self.max_model_len:
-            result = ("length", None)
-        if result is not None:
-            seq.finish_reason, seq.stop_reason = result
-            self.scheduler.finish(seq)
-            return False
-        return True
+    def _finish(self, flight: InFlight) -> list[RequestOutput | ScoreOutput]:
+        """Read a launched step back: tokens, stop rules, outputs. A step whose device work failed
+        fails its requests (`StepFailed`), and the step launched after it is undone."""
+        step = flight.step
+        try:
+            result = flight.result.result()
+        except Exception as e:
+            error = self._fail(step.batch, e)
+            successor, self._in_flight = self._in_flight, None
+            if successor is not None:  # it read this step's samples: it did not run
+                with suppress(Exception):
+                    successor.result.result()
+                self._roll_back(successor.step)
+            raise error from e
+        self.num_computed_tokens += result.num_computed
+        try:
+            touched = self.reader.read(step, result)
+        except Exception as e:
+            raise self._fail(step.batch, e) from e
+        self.page_log.record()
+        return [self._emit(r) for r in touched if r.finished or r.stream]
 
-    def _draw(self, rows: list[SamplingRow], scaled: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Tokens from temperature-scaled logits; constrained rows over what their constraint allows."""
-        guided = [i for i, seq in enumerate(seqs) if seq.guide is not None]
-        if not guided:
-            return sample(scaled, rows, self.draw)
-        masks = self.constraints.bitmask([seqs[i].guide for i in guided])
-        vocab = self.tokenizer.vocab_size
-        if len(guided) == len(rows):
-            return sample_masked(scaled, rows, masks, vocab, self.draw)
-        tokens = torch.empty(len(rows), dtype=torch.long, device=scaled.device)
-        free = sorted(set(range(len(rows))) - set(guided))
-        tokens[free] = sample(scaled[free], [rows[i] for i in free], self.draw)
-        tokens[guided] = sample_masked(scaled[guided], [rows[i] for i in guided], masks, vocab, self.draw)
-        return tokens
+    def _fail(self, batch: list, cause: BaseException) -> StepFailed:
+        """Abort the requests of a failed step; the error to raise."""
+        failed = list(dict.fromkeys(item.seq.request.request_id for item in batch))
+        for request_id in failed:
+            self.abort(request_id)
+        log.error("step failed, aborted %d request(s): %s: %s", len(failed), type(cause).__name__, cause)
+        return StepFailed(failed, cause)
 
-    def _edit(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Raw logits of rows with penalties, a bias or min_tokens, edited (fp32)."""
-        eos = list(self.tokenizer.eos_token_ids)
-        histories = [
-            RowHistory(
-                params=seq.request.params,
-                prompt_ids=seq.request.prompt_token_ids,
-                output_ids=seq.token_ids[seq.num_prompt_tokens :],
-                # where a constraint accepts, it decides whether the output ends: min_tokens yields
-                stop_ids=[]
-                if seq.guide is not None and seq.guide.matcher.is_accepting()
-                else ([] if seq.request.params.ignore_eos else eos) + seq.request.params.stop_token_ids,
-            )
-            for seq in seqs
-        ]
-        return adjust_logits(logits.float(), histories)
-
-    def _record_logprobs(self, seq: Sequence, token: int, lp: TokenLogprobs, i: int) -> None:
-        seq.cumulative_logprob += lp.logprobs[i]
-        seq.logprobs.append(self._logprob_entry(token, lp, i, seq.request.params.logprobs))
-
-    def _logprob_entry(self, token: int, lp: TokenLogprobs, i: int, k: int) -> dict[int, Logprob]:
-        """vLLM's shape: the actual token first, then the top k (the actual one may be among them)."""
-        decode = self.tokenizer.decode
-        entry = {token: Logprob(lp.logprobs[i], lp.ranks[i], decode([token], False))}
-        for rank, (tid, value) in enumerate(zip(lp.top_ids[i][:k], lp.top_logprobs[i][:k], strict=True), 1):
-            entry.setdefault(tid, Logprob(value, rank, decode([tid], False)))
-        return entry
+    def _roll_back(self, step: PreparedStep) -> None:
+        """Undo a launched step that never ran: its live sequences compute the same tokens again."""
+        for item in step.batch:
+            if not item.seq.is_finished:
+                item.seq.num_computed_tokens = item.start
+        for sample in step.samples:
+            seq = sample.seq
+            if seq.is_finished:
+                continue
+            if sample.fork:
+                seq.pending_forks += 1
+            elif sample.draft_index == 0:
+                seq.num_pending -= 1
 
     def _emit(self, request: Request) -> RequestOutput | ScoreOutput:
         if request.finished:

@@ -1,40 +1,98 @@
-"""Turn one scheduled batch into flat tensors and run one forward pass.
+"""One step on the device: a plan built on the host in, sampled tokens and read-outs out.
 
-Input: the sequences of this step, each with the range of tokens to compute. Output: the
-final hidden state of every computed token, flat ([T, hidden]); the engine picks the
-rows it samples from or scores. No padding to the longest prompt: tokens are
-concatenated; only the attention of prefill chunks pads, and only within its group.
-Index tensors are built on the host from per-sequence lists (never per token in Python) and
-reach the device in one staged copy (`staging.py`); the attention backend the engine chose
-(`attention.py`) runs each layer's attention.
+The host (`input_batch.py`) describes a step as a `StepPlan`: the flat token ids (a token the
+previous step sampled and has not reported yet is named by its row in that step's samples),
+each item's start, length and block table, which items may be twins (`dedup.py`), and what
+to sample and read. `ModelRunner.execute` turns it into the forward's tensors (positions, KV
+slots, attention groups: built on the host from a few arrays, sent in one staged copy), runs
+the model and samples. Nothing it reads changes after the plan is built, so it may run on a
+worker thread while the host schedules the next step (`executor.py`); every write to the KV
+arena (page copies, twins' slots, the forward's own) happens here, in step order.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field, fields
 
+import numpy as np
 import torch
 
 from treeserve.engine.attention import AttentionBackend, AttentionBatch, SdpaBackend, SeqGroup
-from treeserve.engine.request import Sequence
+from treeserve.engine.dedup import Twins
+from treeserve.engine.forward_batch import ForwardBatch, attention_inputs
+from treeserve.engine.penalties import RowHistory, adjust_logits
+from treeserve.engine.sampler import Draw, SamplingBatch, TokenLogprobs, sample, sample_masked, token_logprobs
 from treeserve.engine.staging import Staging
 from treeserve.kv.arena import KVArena
 
 
+class PreviousStepFailed(RuntimeError):
+    """This step read tokens of a step that failed: it did not run (the host rolls it back)."""
+
+
 @dataclass
-class ScheduledSeq:
-    seq: Sequence
-    start: int  # tokens already computed (cached) before this step
-    num_tokens: int  # tokens computed this step (a speculating decode: its last token + the draft)
-    draft: list[int] = field(default_factory=list)  # drafted tokens run after the sequence's own
+class SampleSpec:
+    """What a step samples: rows of its (full) hidden states and each row's parameters."""
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start : self.end - len(self.draft)] + self.draft
+    rows: torch.Tensor  # [S] flat row indices
+    params: SamplingBatch
+    edited: list[int] = field(default_factory=list)  # rows whose raw logits get edits (penalties, bias, min_tokens)
+    histories: list[RowHistory] = field(default_factory=list)  # what those edits read, in the same order
+    guided: list[int] = field(default_factory=list)  # rows drawn among what their constraint allows ...
+    masks: torch.Tensor | None = None  # ... [len(guided), words] int32 bitmasks
+    logprob_rows: list[int] = field(default_factory=list)  # rows whose sampled token's logprobs are returned
+    logprobs_k: int = 0  # how many top alternatives they get
 
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
+
+@dataclass
+class ScoreSpec:
+    """Forward-only read-outs: log-probabilities of chosen tokens and hidden states at rows."""
+
+    rows: torch.Tensor  # [R] flat row indices
+    token_ids: torch.Tensor  # [R, K] candidate ids per row (padded; K may be 0)
+    states: bool  # also return the rows' hidden states (float32)
+
+
+@dataclass
+class PromptLogprobSpec:
+    """Log-probabilities of prompt tokens predicted by rows [start, stop) of the flat batch."""
+
+    start: int
+    stop: int
+    targets: torch.Tensor  # [stop - start] the prompt tokens those rows predict
+    k: int
+
+
+@dataclass
+class StepPlan:
+    batch: ForwardBatch
+    pending_at: torch.Tensor  # [P] flat rows whose token is the previous step's sample ...
+    pending_from: torch.Tensor  # [P] ... at these sample rows of it
+    twins: torch.Tensor | None = None  # [B] per item: first item of its twin group (`dedup.py`), -1: none
+    copies: list[tuple[int, int]] = field(default_factory=list)  # pages to copy before the forward
+    sample: SampleSpec | None = None
+    scores: ScoreSpec | None = None
+    prompt_logprobs: list[PromptLogprobSpec] = field(default_factory=list)
+    fail: Exception | None = None  # test hook (`LLMEngine.inject_failure`): raised after the forward
+
+
+@dataclass
+class StepResult:
+    tokens: torch.Tensor | None = None  # [S] sampled ids on the device: the next step's pending inputs
+    host_tokens: torch.Tensor | None = None  # the same on the host (copied without blocking on CUDA)
+    copied: torch.cuda.Event | None = None  # recorded after that copy (CUDA)
+    logprobs: TokenLogprobs | None = None  # of SampleSpec.logprob_rows
+    scores: torch.Tensor | None = None  # [R, K] float32, host
+    states: torch.Tensor | None = None  # [R, hidden] float32, host
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_computed: int = 0  # tokens run through the model (a twin's are not)
+
+    def sampled(self) -> list[int]:
+        """The sampled token ids (waits for the device-to-host copy)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host_tokens.tolist()
 
 
 class ModelRunner:
@@ -45,6 +103,8 @@ class ModelRunner:
         device: torch.device,
         scale: float | None = None,
         backend: AttentionBackend | None = None,
+        draw: Draw | None = None,
+        vocab_size: int = 0,
     ):
         self.model = model
         self.arena = arena
@@ -52,71 +112,120 @@ class ModelRunner:
         self.device = device
         self.scale = scale
         self.backend = backend or SdpaBackend()
+        self.draw = draw
+        self.vocab_size = vocab_size
         self.staging = Staging(device)
 
     @torch.inference_mode()
-    def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        """Index tensors are built on the host and reach the device in one staged copy."""
-        input_ids: list[int] = []
-        for item in batch:
-            input_ids.extend(item.token_ids)
-        tokens = torch.tensor(input_ids, dtype=torch.long)
-        starts = torch.tensor([b.start for b in batch])
-        lens = torch.tensor([b.num_tokens for b in batch])
-        offsets = torch.cumsum(lens, 0) - lens
-        seq_of_token = torch.repeat_interleave(torch.arange(len(batch)), lens)
-        positions = starts[seq_of_token] + torch.arange(len(input_ids)) - offsets[seq_of_token]
-        tables = self._block_tables([b.seq.block_table for b in batch])
-        slot_pages = tables[seq_of_token, positions // self.block_size]
-        rows = self._query_rows(batch)
-        groups = [
-            self._group(tables, rows, [i for i, r in enumerate(rows) if r[3] == 1]),
-            self._group(tables, rows, [i for i, r in enumerate(rows) if r[3] > 1]),
-        ]
-        groups = [g for g in groups if g is not None]
-        host = [tokens, positions, slot_pages, positions % self.block_size]
-        host += [getattr(g, f.name) for g in groups for f in fields(SeqGroup) if f.name != "masks"]
+    def execute(self, plan: StepPlan, previous: Future | None = None) -> StepResult:
+        """Run one step; `previous` is the step before it when this one reads its samples."""
+        prev_tokens = None
+        if previous is not None:
+            try:
+                prev_tokens = previous.result().tokens
+            except BaseException as e:
+                raise PreviousStepFailed("the step this one continues failed") from e
+        self.arena.copy_pages(plan.copies)
+        batch, fill = plan.batch, None
+        if plan.pending_at.numel():
+            if self.device.type == "cpu":
+                batch.token_ids[plan.pending_at] = prev_tokens[plan.pending_from]
+            else:  # filled on the device: the host does not wait for the previous step
+                fill = (plan.pending_at, plan.pending_from, prev_tokens)
+        twins = Twins.find(batch, plan.twins, self.block_size) if plan.twins is not None and fill is None else None
+        hidden = self.forward(twins.computed if twins else batch, fill)
+        if plan.fail is not None:
+            raise plan.fail
+        result = StepResult(num_computed=hidden.shape[0])
+        if twins:
+            hidden = twins.expand(hidden, self.arena)
+        if plan.sample is not None:
+            self._sample(plan.sample, hidden, result)
+        if plan.scores is not None:
+            self._score(plan.scores, hidden, result)
+        for spec in plan.prompt_logprobs:
+            (targets,) = self.staging.to_device(spec.targets)
+            logits = self.model.compute_logits(hidden[spec.start : spec.stop])
+            result.prompt_logprobs.append(token_logprobs(logits, targets, spec.k))
+        return result
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, fill: tuple | None = None) -> torch.Tensor:
+        """The final hidden state of every row of `batch` ([T, hidden]); `fill` (CUDA): (rows,
+        sample rows, previous samples) to write into the token ids once they are on the device."""
+        positions, slot_pages, slot_offsets, groups = attention_inputs(batch, self.block_size)
+        names = [f.name for f in fields(SeqGroup) if f.name != "masks"]
+        host = [batch.token_ids, positions, slot_pages, slot_offsets]
+        host += [getattr(g, name) for g in groups for name in names]
+        if fill is not None:
+            host += fill[:2]
         staged = iter(self.staging.to_device(*host))
         tokens, positions, slot_pages, slot_offsets = (next(staged) for _ in range(4))
-        groups = [SeqGroup(*(next(staged) for f in fields(SeqGroup) if f.name != "masks")) for _ in groups]
+        groups = [SeqGroup(*(next(staged) for _ in names)) for _ in groups]
+        if fill is not None:
+            at, source = next(staged), next(staged)
+            tokens[at] = fill[2][source]
         attn = AttentionBatch(self.arena, slot_pages, slot_offsets, groups, self.backend, self.scale)
         return self.model(tokens, positions, attn)
 
-    def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        return torch.tensor(padded, dtype=torch.long)
+    def _sample(self, spec: SampleSpec, hidden: torch.Tensor, result: StepResult) -> None:
+        params = spec.params
+        divisors = params.divisors()
+        divisors[spec.edited] = 1.0  # edited rows: raw logits, edited, then divided by the temperature
+        (index,) = self.staging.to_device(spec.rows)
+        states = hidden[index]
+        (scale,) = self.staging.to_device(torch.from_numpy(divisors).to(states.dtype)[:, None])
+        logits = self.model.compute_logits(states / scale, float32=False)
+        if spec.edited:
+            tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
+            plain = sorted(set(range(len(params))) - set(spec.edited))
+            if plain:
+                tokens[plain] = self._draw(spec, plain, logits[plain])
+            raw = adjust_logits(logits[spec.edited].float(), spec.histories)
+            (temps,) = self.staging.to_device(torch.from_numpy(params.take(spec.edited).divisors()).float()[:, None])
+            tokens[spec.edited] = self._draw(spec, spec.edited, raw / temps)
+        else:
+            tokens = self._draw(spec, list(range(len(params))), logits)
+        if spec.logprob_rows:
+            wanted = torch.tensor(spec.logprob_rows, device=tokens.device)
+            raw = self.model.compute_logits(states[wanted])
+            result.logprobs = token_logprobs(raw, tokens[wanted], spec.logprobs_k)
+        result.tokens = tokens
+        if tokens.device.type == "cpu":
+            result.host_tokens = tokens
+        else:
+            result.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            result.host_tokens.copy_(tokens, non_blocking=True)
+            result.copied = torch.cuda.Event()
+            result.copied.record()
 
-    @staticmethod
-    def _query_rows(batch: list[ScheduledSeq]) -> list[tuple[int, int, int, int]]:
-        """(batch item, flat offset, first position, queries) of each attention row. A speculating
-        decode's positions are decode rows of their own (context up to each position), so each
-        drafted position's hidden state is computed exactly as plain decoding computes it."""
-        rows = []
-        offset = 0
-        for i, b in enumerate(batch):
-            if b.draft:
-                rows += [(i, offset + j, b.start + j, 1) for j in range(b.num_tokens)]
-            else:
-                rows.append((i, offset, b.start, b.num_tokens))
-            offset += b.num_tokens
-        return rows
+    def _draw(self, spec: SampleSpec, rows: list[int], scaled: torch.Tensor) -> torch.Tensor:
+        """Tokens of sample rows `rows` from their scaled logits; constrained rows over what their
+        constraint allows."""
+        params = spec.params.take(rows)
+        mask_of = {row: i for i, row in enumerate(spec.guided)}
+        guided = [i for i, row in enumerate(rows) if row in mask_of]
+        if not guided:
+            return sample(scaled, params, self.draw)
+        masks = spec.masks[[mask_of[rows[i]] for i in guided]]
+        if len(guided) == len(rows):
+            return sample_masked(scaled, params, masks, self.vocab_size, self.draw)
+        tokens = torch.empty(len(rows), dtype=torch.long, device=scaled.device)
+        free = sorted(set(range(len(rows))) - set(guided))
+        tokens[free] = sample(scaled[free], params.take(free), self.draw)
+        tokens[guided] = sample_masked(scaled[guided], params.take(guided), masks, self.vocab_size, self.draw)
+        return tokens
 
-    def _group(
-        self, tables: torch.Tensor, rows: list[tuple[int, int, int, int]], members: list[int]
-    ) -> SeqGroup | None:
-        if not members:
-            return None
-        item, offset, start, length = (torch.tensor(column) for column in zip(*(rows[i] for i in members), strict=True))
-        pages = -(-int((start + length).max()) // self.block_size)
-        width = int(length.max())
-        step = torch.arange(width)[None, :]
-        clamped = torch.minimum(step, length[:, None] - 1)
-        return SeqGroup(
-            block_tables=tables[item, :pages],
-            context_lens=start + length,
-            query_index=offset[:, None] + clamped,
-            query_pos=start[:, None] + clamped,
-            query_start=offset,
-            query_len=length,
-        )
+    def _score(self, spec: ScoreSpec, hidden: torch.Tensor, result: StepResult) -> None:
+        (index,) = self.staging.to_device(spec.rows)
+        rows = hidden[index]
+        if spec.token_ids.shape[1]:
+            (ids,) = self.staging.to_device(spec.token_ids)
+            logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
+            result.scores = logprobs.gather(1, ids).cpu()
+        if spec.states:
+            result.states = rows.float().cpu()
+
+
+def as_tensor(values: list[int] | np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(values, dtype=np.int64))

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from treeserve.engine.detokenizer import StopChecker
+from treeserve.engine.prompt_lookup import SeqSpec
 from treeserve.outputs import CompletionOutput, Logprob, RequestOutput, ScoreOutput
 from treeserve.sampling_params import SamplingParams, ScoreParams
 
 if TYPE_CHECKING:
     from treeserve.engine.guided import Guide
-    from treeserve.engine.speculative import SeqSpec
 
 _seq_ids = itertools.count()
 
@@ -61,6 +61,11 @@ class Sequence:
     # a hash of token_ids[:hashed], kept up to date by history_key (twin rows: dedup.py)
     history_hash: int | None = None
     hashed: int = 0
+    # tokens sampled by steps not yet read back (overlapped steps); the newest is row
+    # `pending_row` of the samples of the step in flight, which the next step reads on the device
+    num_pending: int = 0
+    pending_row: int = -1
+    row: int = -1  # its row of the engine's persistent arrays while it runs (`input_batch.py`)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -71,30 +76,37 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def num_tokens(self) -> int:
+        """Its tokens, those sampled but not yet read back included."""
+        return len(self.token_ids) + self.num_pending
+
+    @property
     def num_uncomputed(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return self.num_tokens - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:
         return self.status == SeqStatus.FINISHED
 
-    def history_key(self) -> tuple[int, int]:
-        """(length, hash of the token ids): equal for sequences with equal token ids."""
-        if self.history_hash is None:
-            self.history_hash, self.hashed = hash(tuple(self.token_ids)), len(self.token_ids)
-        for token in self.token_ids[self.hashed :]:
+    def history_key(self, n: int) -> tuple[int, int]:
+        """(n, a hash of the first n token ids): equal for sequences with equal first n tokens."""
+        if self.history_hash is None or self.hashed > n:
+            self.history_hash, self.hashed = hash(tuple(self.token_ids[:n])), n
+        for token in self.token_ids[self.hashed : n]:
             self.history_hash = hash((self.history_hash, token))
-        self.hashed = len(self.token_ids)
-        return self.hashed, self.history_hash
+        self.hashed = n
+        return n, self.history_hash
 
     def fork(self, index: int, block_table: list[int]) -> Sequence:
+        """A sibling at this sequence's state before its first sampled token (n > 1), sharing the
+        pages of `block_table`."""
         return Sequence(
             request=self.request,
             index=index,
             token_ids=list(self.token_ids),
             detok=self.detok.clone() if self.detok else None,
             status=self.status,
-            num_computed_tokens=self.num_computed_tokens,
+            num_computed_tokens=len(self.token_ids),
             block_table=block_table,
             block_hashes=list(self.block_hashes),
             logprobs=[] if self.logprobs is not None else None,

@@ -16,8 +16,9 @@ those passes cost more than the matmul. Log-probabilities are always those of th
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -41,31 +42,69 @@ def seeded_uniform(seed: int, index: int, position: int) -> float:
     return (h >> 11) * 2.0**-53
 
 
+def _mix64_array(x: np.ndarray) -> np.ndarray:
+    """`_mix64` of every entry of a uint64 array (numpy's uint64 arithmetic wraps mod 2**64)."""
+    with np.errstate(over="ignore"):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def seeded_uniforms(seeds: np.ndarray, index: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """`seeded_uniform` for arrays of (seed & 2**64 - 1, index, position): the same float64 bits."""
+    h = _mix64_array(_mix64_array(_mix64_array(seeds.astype(np.uint64)) ^ index.astype(np.uint64))
+                     ^ positions.astype(np.uint64))  # fmt: skip
+    return (h >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
 @dataclass
-class SamplingRow:
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    uniform: float
+class SamplingBatch:
+    """The sampling parameters of a step's rows, one array entry per row (vLLM's per-request
+    arrays): temperature (0: greedy), top_p, top_k (<= 0: off), min_p, and the row's uniform."""
+
+    temperature: np.ndarray  # float64
+    top_p: np.ndarray  # float64
+    top_k: np.ndarray  # int64
+    min_p: np.ndarray  # float64
+    uniform: np.ndarray  # float64
+
+    @classmethod
+    def of(cls, temperature: object, top_p: object, top_k: object, min_p: object, uniform: object) -> SamplingBatch:
+        """From sequences (or scalars, broadcast to the others' length)."""
+        arrays = [np.atleast_1d(np.asarray(v, dtype)) for v, dtype in
+                  zip((temperature, top_p, top_k, min_p, uniform), _DTYPES, strict=True)]  # fmt: skip
+        rows = max(a.shape[0] for a in arrays)
+        return cls(*(np.broadcast_to(a, (rows,)).copy() for a in arrays))
+
+    def __len__(self) -> int:
+        return self.uniform.shape[0]
+
+    def take(self, rows: np.ndarray | list[int]) -> SamplingBatch:
+        return SamplingBatch(*(getattr(self, f.name)[rows] for f in fields(self)))
+
+    def divisors(self) -> np.ndarray:
+        """What each row's hidden state is divided by before the LM head (greedy rows: 1)."""
+        return np.where(self.temperature == 0.0, 1.0, self.temperature)
+
+    def filtered(self, vocab: int) -> np.ndarray:
+        """Rows that ask for top-k, top-p or min-p (the fused draws take none of them)."""
+        return ((self.top_k > 0) & (self.top_k < vocab)) | (self.top_p < 1.0) | (self.min_p > 0)
 
 
-def temperatures(rows: list[SamplingRow]) -> list[float]:
-    """What each row's hidden state is divided by before the LM head (greedy rows: 1)."""
-    return [r.temperature or 1.0 for r in rows]
+_DTYPES = (np.float64, np.float64, np.int64, np.float64, np.float64)
+
+Draw = Callable[[torch.Tensor, SamplingBatch], torch.Tensor]
 
 
-Draw = Callable[[torch.Tensor, list[SamplingRow]], torch.Tensor]
+def _draw_c(scaled: torch.Tensor, rows: SamplingBatch) -> torch.Tensor:
+    return cpu_kernels.sample_rows(scaled, rows.uniform)
 
 
-def _draw_c(scaled: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    return cpu_kernels.sample_rows(scaled, [r.uniform for r in rows])
-
-
-def _draw_triton(scaled: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def _draw_triton(scaled: torch.Tensor, rows: SamplingBatch) -> torch.Tensor:
     from treeserve.kernels.triton.sampling import sample_rows
 
-    uniforms = torch.tensor([r.uniform for r in rows], dtype=torch.float64).to(scaled.device, non_blocking=True)
+    uniforms = torch.from_numpy(rows.uniform).to(scaled.device, non_blocking=True)
     return sample_rows(scaled, uniforms)
 
 
@@ -76,7 +115,7 @@ def fused_draw(attention_backend: str) -> Draw | None:
     return {"cpu": _draw_c, "triton": _draw_triton}.get(attention_backend)
 
 
-def sample(scaled_logits: torch.Tensor, rows: list[SamplingRow], draw: Draw | None = _draw_c) -> torch.Tensor:
+def sample(scaled_logits: torch.Tensor, rows: SamplingBatch, draw: Draw | None = _draw_c) -> torch.Tensor:
     """scaled_logits: [B, V] = logits / temperature, any float dtype. Returns token ids [B].
 
     Rows go to one of three pickers by their own parameters only (never by the batch):
@@ -85,26 +124,25 @@ def sample(scaled_logits: torch.Tensor, rows: list[SamplingRow], draw: Draw | No
     """
     vocab = scaled_logits.shape[-1]
     fused = draw is _draw_triton or (draw is _draw_c and cpu_kernels.supports(scaled_logits))
-    pickers = {_argmax: [], draw: [], _draw: []}
-    for i, r in enumerate(rows):
-        if r.temperature == 0.0:
-            pickers[_argmax].append(i)
-        elif fused and not (0 < r.top_k < vocab or r.top_p < 1.0 or r.min_p > 0):
-            pickers[draw].append(i)
-        else:
-            pickers[_draw].append(i)
-    tokens = torch.empty(len(rows), dtype=torch.long, device=scaled_logits.device)
-    for pick, members in pickers.items():
-        if len(members) == len(rows):
+    greedy = rows.temperature == 0.0
+    filtered = rows.filtered(vocab) & ~greedy
+    plain = ~greedy & ~filtered if fused else np.zeros_like(greedy)
+    slow = ~greedy & ~plain
+    tokens = None
+    for pick, members in ((_argmax, greedy), (draw, plain), (_draw, slow)):
+        if members.all():
             return pick(scaled_logits, rows)
-        if members:
-            index = torch.tensor(members, device=scaled_logits.device)
-            tokens[index] = pick(scaled_logits[index], [rows[i] for i in members])
+        if members.any():
+            if tokens is None:
+                tokens = torch.empty(len(rows), dtype=torch.long, device=scaled_logits.device)
+            index = np.flatnonzero(members)
+            at = torch.from_numpy(index).to(scaled_logits.device)
+            tokens[at] = pick(scaled_logits[at], rows.take(index))
     return tokens
 
 
 def sample_masked(
-    scaled_logits: torch.Tensor, rows: list[SamplingRow], masks: torch.Tensor, vocab: int, draw: Draw | None = _draw_c
+    scaled_logits: torch.Tensor, rows: SamplingBatch, masks: torch.Tensor, vocab: int, draw: Draw | None = _draw_c
 ) -> torch.Tensor:
     """`sample` over the tokens each row's bitmask allows (`masks` [B, ceil(vocab / 32)] int32,
     bit i = token i; columns from `vocab` on never). Greedy and plain rows on the C kernels take
@@ -112,28 +150,31 @@ def sample_masked(
     allows nothing."""
     width = scaled_logits.shape[-1]
     direct = draw is _draw_c and cpu_kernels.supports(scaled_logits)
-    fast = [i for i, r in enumerate(rows) if direct and not (0 < r.top_k < width or r.top_p < 1.0 or r.min_p > 0)]
+    fast = ~rows.filtered(width) if direct else np.zeros(len(rows), dtype=bool)
     tokens = torch.empty(len(rows), dtype=torch.long, device=scaled_logits.device)
-    if fast:
-        uniforms = [-1.0 if rows[i].temperature == 0.0 else rows[i].uniform for i in fast]
-        if len(fast) == len(rows):  # no copy of a [rows, vocab] slice
+    if fast.any():
+        uniforms = np.where(rows.temperature == 0.0, -1.0, rows.uniform)[fast]
+        if fast.all():  # no copy of a [rows, vocab] slice
             return cpu_kernels.sample_rows_masked(scaled_logits, masks, vocab, uniforms)
-        tokens[fast] = cpu_kernels.sample_rows_masked(scaled_logits[fast], masks[fast], vocab, uniforms)
-    rest = sorted(set(range(len(rows))) - set(fast))
-    if rest:
-        allowed = torch.zeros(len(rest), width, dtype=torch.bool)
-        allowed[:, :vocab] = unpack(masks[rest], vocab)[:, :width]
-        logits = scaled_logits[rest].float().masked_fill(~allowed.to(scaled_logits.device), float("-inf"))
-        picked = sample(logits, [rows[i] for i in rest], draw)
+        index = torch.from_numpy(np.flatnonzero(fast))
+        tokens[index] = cpu_kernels.sample_rows_masked(scaled_logits[index], masks[index], vocab, uniforms)
+    rest = np.flatnonzero(~fast)
+    if rest.size:
+        at = torch.from_numpy(rest)
+        allowed = torch.zeros(rest.size, width, dtype=torch.bool)
+        allowed[:, :vocab] = unpack(masks[at], vocab)[:, :width]
+        logits = scaled_logits[at.to(scaled_logits.device)].float()
+        logits = logits.masked_fill(~allowed.to(scaled_logits.device), float("-inf"))
+        picked = sample(logits, rows.take(rest), draw)
         picked[~allowed.any(dim=-1).to(picked.device)] = -1
-        tokens[rest] = picked
+        tokens[at.to(tokens.device)] = picked
     return tokens
 
 
 ARGMAX_CHUNK = 1024
 
 
-def _argmax(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def _argmax(logits: torch.Tensor, rows: SamplingBatch | None = None) -> torch.Tensor:
     """torch's argmax (the first maximum; the first NaN if any). A wide row goes in two passes:
     chunk maxima (vectorised, in the logits' dtype: no fp32 copy of the row), then the first
     chunk holding the row's maximum. On a CPU argmax over one 262k-token row runs one scalar
@@ -150,31 +191,45 @@ def _argmax(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return first * ARGMAX_CHUNK + within
 
 
-def _draw(scaled: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def _draw(scaled: torch.Tensor, rows: SamplingBatch) -> torch.Tensor:
     """Inverse-CDF draw per row over the top-k / top-p / min-p filtered distribution."""
     device = scaled.device
     vocab = scaled.shape[-1]
-    filtered = [i for i, r in enumerate(rows) if 0 < r.top_k < vocab or r.top_p < 1.0]
-    if filtered:  # sorting is costly on a CPU: only rows that ask for top-k/top-p pay for it
+    filtered = np.flatnonzero(((rows.top_k > 0) & (rows.top_k < vocab)) | (rows.top_p < 1.0))
+    if filtered.size:  # sorting is costly on a CPU: only rows that ask for top-k/top-p pay for it
         scaled = scaled.float()
-        index = torch.tensor(filtered, device=device)
-        top_k = torch.tensor([rows[i].top_k if rows[i].top_k > 0 else vocab for i in filtered], device=device)
-        top_p = torch.tensor([rows[i].top_p for i in filtered], device=device)
+        index = torch.from_numpy(filtered).to(device)
+        top_k = np.where(rows.top_k[filtered] > 0, rows.top_k[filtered], vocab)
+        top_k = torch.from_numpy(top_k).to(device)
+        top_p = torch.from_numpy(rows.top_p[filtered]).to(device)
         scaled[index] = _top_k_top_p(scaled[index], top_k, top_p)
     probs = torch.softmax(scaled, dim=-1, dtype=torch.float32)
-    min_p = [r.min_p for r in rows]
-    if any(min_p):
-        limit = torch.tensor(min_p, device=device)[:, None] * probs.amax(dim=-1, keepdim=True)
+    if rows.min_p.any():
+        limit = torch.from_numpy(rows.min_p).to(device, probs.dtype)[:, None] * probs.amax(dim=-1, keepdim=True)
         probs.masked_fill_(probs < limit, 0.0)
     cdf = probs.cumsum_(dim=-1)
-    uniform = torch.tensor([r.uniform for r in rows], dtype=cdf.dtype, device=device)
+    uniform = torch.from_numpy(rows.uniform).to(device, cdf.dtype)
     picked = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).squeeze(1)
     return picked.clamp_(max=vocab - 1)
 
 
 @dataclass
 class TokenLogprobs:
-    logprobs: list[float]  # the chosen tokens' log-probabilities
+    """Log-probabilities of sampled tokens, as tensors on the logits' device until `host()`."""
+
+    logprobs: torch.Tensor  # [R] the chosen tokens' log-probabilities
+    ranks: torch.Tensor  # [R]
+    top_ids: torch.Tensor  # [R, k]
+    top_logprobs: torch.Tensor  # [R, k]
+
+    def host(self) -> HostLogprobs:
+        return HostLogprobs(self.logprobs.tolist(), self.ranks.tolist(), self.top_ids.tolist(),
+                            self.top_logprobs.tolist())  # fmt: skip
+
+
+@dataclass
+class HostLogprobs:
+    logprobs: list[float]
     ranks: list[int]
     top_ids: list[list[int]]
     top_logprobs: list[list[float]]
@@ -184,9 +239,9 @@ def token_logprobs(raw_logits: torch.Tensor, tokens: torch.Tensor, k: int) -> To
     """Log-probabilities of `tokens` and the top-k alternatives under the raw distribution."""
     raw = torch.log_softmax(raw_logits.float(), dim=-1)
     chosen = raw.gather(1, tokens[:, None])
-    ranks = ((raw > chosen).sum(dim=-1) + 1).tolist()
+    ranks = (raw > chosen).sum(dim=-1) + 1
     values, ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
-    return TokenLogprobs(chosen.squeeze(1).tolist(), ranks, ids.tolist(), values.tolist())
+    return TokenLogprobs(chosen.squeeze(1), ranks, ids, values)
 
 
 def _top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

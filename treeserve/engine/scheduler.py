@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from treeserve.engine.model_runner import ScheduledSeq
 from treeserve.engine.request import SeqStatus, Sequence
 from treeserve.kv.block_manager import BlockManager, PrefixHit
 
@@ -27,11 +27,25 @@ from treeserve.kv.block_manager import BlockManager, PrefixHit
 GROWTH_HEADROOM_TOKENS = 32
 
 
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # tokens already computed (cached) before this step
+    num_tokens: int  # tokens computed this step (a speculating decode: its last token + the draft)
+    draft: list[int] = field(default_factory=list)  # drafted tokens run after the sequence's own
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int):  # fmt: skip
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -47,8 +61,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> tuple[list[ScheduledSeq], list[tuple[int, int]]]:
-        """Pick this step's work; returns the batch and the page copies to do before it runs."""
+    def schedule(self, can_preempt: bool = True) -> tuple[list[ScheduledSeq], list[tuple[int, int]]] | None:
+        """Pick this step's work; returns the batch and the page copies to do before it runs, or
+        None if making room would preempt a sequence while `can_preempt` is False (a step is in
+        flight: the engine reads it back first, then schedules again)."""
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
         copies: list[tuple[int, int]] = []
@@ -57,10 +73,13 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status != SeqStatus.RUNNING:
-                continue  # preempted to make room for an earlier sequence
+            if seq.status != SeqStatus.RUNNING or seq.num_uncomputed == 0 or self._ends_in_flight(seq):
+                continue  # preempted to make room for an earlier one; or waiting for its step's results
             n = min(seq.num_uncomputed, budget)
-            if not self._make_room(seq, n, scheduled):
+            room = self._make_room(seq, n, scheduled, can_preempt)
+            if room is None:
+                return None
+            if not room:
                 continue
             draft = self._fit_draft(seq, n, budget - n)
             n += len(draft)
@@ -129,10 +148,23 @@ class Scheduler:
             return []
         return draft
 
-    def _make_room(self, seq: Sequence, n: int, scheduled: set[int]) -> bool:
-        """Preempt later sequences until `seq` can grow by n tokens; False if seq itself went."""
+    def _ends_in_flight(self, seq: Sequence) -> bool:
+        """The token a step in flight samples for `seq` is certainly its last (max_tokens or the
+        context): nothing more to compute for it."""
+        if not seq.num_pending:
+            return False
+        max_tokens = seq.request.params.max_tokens
+        return seq.num_tokens >= self.max_model_len or (
+            max_tokens is not None and seq.num_tokens - seq.num_prompt_tokens >= max_tokens
+        )
+
+    def _make_room(self, seq: Sequence, n: int, scheduled: set[int], can_preempt: bool) -> bool | None:
+        """Preempt later sequences until `seq` can grow by n tokens; False if seq itself went;
+        None if that needs a preemption and `can_preempt` is False."""
         start = seq.num_computed_tokens
         while self.blocks.blocks_to_grow(seq.block_table, start, start + n) > self.blocks.num_free_blocks:
+            if not can_preempt:
+                return None
             victims = [s for s in self.running if s.seq_id not in scheduled]
             victim = max(victims, key=lambda s: (s.request.arrival, s.index))
             self.preempt(victim)

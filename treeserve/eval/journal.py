@@ -30,7 +30,7 @@ from treeserve.eval.report import PROBLEM_KEYS
 
 VERSION = 1
 # config keys that say how a run was executed, not what it computes: they may change on resume
-OPERATIONAL = ("memory_report", "page_logs", "progress", "distributed")
+OPERATIONAL = ("memory_report", "page_logs", "progress", "distributed", "async_scheduling")
 
 
 def journal_path(output: str | Path) -> Path:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from treeserve.config import check_model_path
+from treeserve.config import check_model_path, resolve_async_scheduling
 from treeserve.device import resolve_attention_backend, resolve_device
 from treeserve.engine.speculative import SpeculativeConfig
 from treeserve.eval.datasets import load_dataset
@@ -68,6 +68,7 @@ class EvalSettings:
     dequantize: bool = False  # load GGUF files dense
     quant_activations: str | None = None  # every model's quantised matmuls: "int8" | "bf16" (None: the default)
     speculative_config: dict | str | None = None  # the generator's speculative decoding (EngineConfig's)
+    async_scheduling: bool | None = None  # overlapped steps, both models (None: the device's default)
     memory_report: str | None = None  # write the memory plan (JSON) here
     page_logs: bool = False  # put every engine's per-step page statistics in the results
     reference: bool = False
@@ -85,6 +86,7 @@ class EvalSettings:
             parse_shard(self.shard)
         spec = SpeculativeConfig.parse(self.speculative_config)  # checked before any model loads
         self.speculative_config = None if spec is None else asdict(spec)
+        self.async_scheduling = resolve_async_scheduling(self.async_scheduling, self.device, spec is not None)
         if self.prm_kv_fraction is not None and not 0.0 < self.prm_kv_fraction < 1.0:
             raise ValueError(f"prm_kv_fraction must be in (0, 1), got {self.prm_kv_fraction}")
 
@@ -103,6 +105,7 @@ def build_runtime(settings: EvalSettings, config: SearchConfig) -> Runtime:
         settings.generator, prm, settings.kv_cache_memory, settings.prm_kv_fraction, engine_args,
         dtype=settings.dtype, enable_prefix_caching=config.prefix_cache, memory_budget=settings.memory_budget,
         memory_fraction=settings.memory_fraction, device=settings.device, attention_backend=settings.attention_backend,
+        async_scheduling=settings.async_scheduling,
     )  # fmt: skip
 
 

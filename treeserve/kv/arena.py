@@ -100,12 +100,10 @@ class KVArena:
         """K and V views of one layer: each [num_blocks, block_size, kv_heads, head_dim]."""
         return self.buffer[:, index, 0], self.buffer[:, index, 1]
 
-    def copy_slots(self, src: list[tuple[int, int]], dst: list[tuple[int, int]]) -> None:
-        """Copy single tokens' K/V, every layer: (page, offset) in `src` to the same index in `dst`."""
-        if src:
-            device = self.buffer.device
-            src_pages, src_offsets = (torch.tensor(column, device=device) for column in zip(*src, strict=True))
-            dst_pages, dst_offsets = (torch.tensor(column, device=device) for column in zip(*dst, strict=True))
+    def copy_slots(self, src_pages: torch.Tensor, src_offsets: torch.Tensor, dst_pages: torch.Tensor,
+                   dst_offsets: torch.Tensor) -> None:  # fmt: skip
+        """Copy single tokens' K/V, every layer: slot (page, offset) i of `src` to slot i of `dst`."""
+        if src_pages.numel():
             self.buffer[dst_pages, :, :, dst_offsets] = self.buffer[src_pages, :, :, src_offsets]
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:

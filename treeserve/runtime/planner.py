@@ -148,7 +148,7 @@ def activation_peak(engine: LLMEngine) -> int:
         params = ScoreParams([n - 1], token_ids=[0] if has_head else [], return_hidden_states=not has_head)
         engine.add_request(f"memory-probe-{i}", [1] * n, params)
     computed = engine.num_computed_tokens
-    peak = _peak_bytes(engine.step, engine.device)
+    peak = _peak_bytes(lambda: engine.step(overlap=False), engine.device)  # on this thread: the profiler sees it
     engine.num_computed_tokens = computed  # the probe is not work the engine did for anyone
     for i in range(len(lengths)):
         engine.abort(f"memory-probe-{i}")
@@ -164,16 +164,32 @@ def _peak_bytes(fn: object, device: torch.device) -> int:
         fn()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - base
-    from torch.profiler import ProfilerActivity, profile
-
-    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    events = _allocations(fn)
     live = peak = 0
-    for _, nbytes in events:
+    for _, nbytes in sorted(events):
         live += nbytes
         peak = max(peak, live)
     return peak
+
+
+def _allocations(fn: object) -> list[tuple[int, int]]:
+    """(time, bytes) of every allocation (+) and free (-) of PyTorch's CPU allocator during `fn()`,
+    from the profiler's memory events. The profiler's C++ side is driven directly:
+    `torch.profiler.profile` would import torch._dynamo and torch._inductor on the way in (~1.5 s
+    of every run's start-up) for the same events."""
+    from torch._C._profiler import ProfilerActivity, ProfilerConfig, ProfilerState, _ExperimentalConfig
+    from torch.autograd import _disable_profiler, _enable_profiler, _prepare_profiler
+
+    config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
+    activities = {ProfilerActivity.CPU}
+    with _quiet_stderr():
+        _prepare_profiler(config, activities)
+        _enable_profiler(config, activities)
+        try:
+            fn()
+        finally:
+            result = _disable_profiler()
+    return [(e.start_ns(), e.nbytes()) for e in result.events() if e.name() == "[memory]"]
 
 
 def check_budget(kv_cache_memory: int | None, memory_budget: int | None, memory_fraction: float | None) -> None:

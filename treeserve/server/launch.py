@@ -13,7 +13,7 @@ import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from treeserve.config import check_model_path
+from treeserve.config import check_model_path, resolve_async_scheduling
 from treeserve.device import resolve_attention_backend, resolve_device
 from treeserve.engine.speculative import SpeculativeConfig
 from treeserve.runtime.runtime import Runtime, per_model_engine_args
@@ -45,6 +45,7 @@ class ServerSettings:
     dequantize: bool = False  # load GGUF files dense
     quant_activations: str | None = None  # every model's quantised matmuls: "int8" | "bf16" (None: the default)
     speculative_config: dict | str | None = None  # the generator's speculative decoding (EngineConfig's)
+    async_scheduling: bool | None = None  # overlapped steps, both models (None: the device's default)
     engine_process: bool = True  # the engines in an engine-core process of their own (False: in this one)
     shutdown_timeout: float = 30.0  # on SIGTERM, seconds open requests get before they are aborted
 
@@ -61,6 +62,7 @@ class ServerSettings:
                 check_model_path(path, name)
         spec = SpeculativeConfig.parse(self.speculative_config)  # checked before any model loads
         self.speculative_config = None if spec is None else asdict(spec)
+        self.async_scheduling = resolve_async_scheduling(self.async_scheduling, self.device, spec is not None)
         if self.prm_kv_fraction is not None and not 0.0 < self.prm_kv_fraction < 1.0:
             raise ValueError(f"prm_kv_fraction must be in (0, 1), got {self.prm_kv_fraction}")
         if not 0 <= self.port < 65536:
@@ -83,7 +85,8 @@ def build_served(settings: ServerSettings) -> Served:
     runtime = Runtime.for_search(
         settings.model, settings.prm, settings.kv_cache_memory, settings.prm_kv_fraction, engine_args,
         dtype=settings.dtype, memory_budget=settings.memory_budget, memory_fraction=settings.memory_fraction,
-        device=settings.device, attention_backend=settings.attention_backend, **extra,
+        device=settings.device, attention_backend=settings.attention_backend,
+        async_scheduling=settings.async_scheduling, **extra,
     )  # fmt: skip
     print(runtime.memory_plan.table(), flush=True)
     prm = load_prm(runtime, "prm", settings.prm_style) if settings.prm else None  # a bad PRM fails at startup

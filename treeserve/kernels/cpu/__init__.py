@@ -25,9 +25,11 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -276,11 +278,11 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out
 
 
-def sample_rows(logits: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
+def sample_rows(logits: torch.Tensor, uniforms: Sequence[float] | np.ndarray) -> torch.Tensor:
     """Inverse-CDF draw from softmax of each row of `logits` [B, V] (already temperature-scaled)."""
     logits = logits.contiguous()
     rows, vocab = logits.shape
-    u = torch.tensor(uniforms, dtype=torch.float64)
+    u = torch.from_numpy(np.ascontiguousarray(uniforms, dtype=np.float64))
     out = torch.empty(rows, dtype=torch.int64)
     getattr(load(), f"sample_rows_{_SUFFIX[logits.dtype]}")(
         logits.data_ptr(), logits.stride(0), rows, vocab, u.data_ptr(), out.data_ptr(), torch.get_num_threads()
@@ -288,13 +290,15 @@ def sample_rows(logits: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
     return out
 
 
-def sample_rows_masked(logits: torch.Tensor, masks: torch.Tensor, vocab: int, uniforms: list[float]) -> torch.Tensor:
+def sample_rows_masked(
+    logits: torch.Tensor, masks: torch.Tensor, vocab: int, uniforms: Sequence[float] | np.ndarray
+) -> torch.Tensor:
     """`sample_rows` over the tokens each row's bitmask allows (`masks` [B, words] int32, bit i of
     a row = token i; tokens >= `vocab` never allowed); a negative uniform picks the first allowed
     maximum (greedy); -1 where a row allows nothing."""
     logits, masks = logits.contiguous(), masks.contiguous()
     rows, width = logits.shape
-    u = torch.tensor(uniforms, dtype=torch.float64)
+    u = torch.from_numpy(np.ascontiguousarray(uniforms, dtype=np.float64))
     out = torch.empty(rows, dtype=torch.int64)
     getattr(load(), f"sample_rows_masked_{_SUFFIX[logits.dtype]}")(
         logits.data_ptr(), logits.stride(0), rows, width, masks.data_ptr(), masks.stride(0), vocab, u.data_ptr(),

@@ -1,0 +1,264 @@
+"""The host side of a step: per-sequence state in preallocated arrays, and the step's plan.
+
+vLLM V1's persistent batch, at treeserve's scale: every running sequence owns a row of arrays
+(its block table, its sampling parameters and seed) from the step it first runs until it
+finishes or is preempted. A step writes only what changed into them (a new sequence's row; the
+pages a sequence gained or copied since it last ran) and reads the batch's rows with numpy,
+instead of rebuilding per-sequence lists. `prepare` turns the scheduler's batch into the
+`StepPlan` the device runs, with what each of its sampled and read rows means to the host
+(`PreparedStep`), which the engine reads back when the step's results arrive.
+
+A token the previous step sampled but has not yet reported (overlapped steps: `seq.num_pending`)
+is an input here all the same: its flat row is named in `pending_at`, and the device fills it
+from that step's samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from treeserve.engine.forward_batch import ForwardBatch
+from treeserve.engine.guided import Constraints
+from treeserve.engine.model_runner import (
+    PromptLogprobSpec,
+    SampleSpec,
+    ScoreSpec,
+    StepPlan,
+    as_tensor,
+)
+from treeserve.engine.penalties import RowHistory
+from treeserve.engine.request import Request, Sequence
+from treeserve.engine.sampler import SamplingBatch, seeded_uniforms
+from treeserve.engine.scheduler import ScheduledSeq
+
+PROMPT_LOGPROBS_ROWS = 256  # prompt positions per [rows, vocab] logits slice
+_M64 = (1 << 64) - 1
+
+
+@dataclass
+class SampleRow:
+    """What one sampled row is: the next token of `seq`; or the first token of its fork number
+    `fork` (n > 1: forked when the token arrives); or, speculating, the target's token at
+    drafted position `draft_index` of `draft`."""
+
+    seq: Sequence
+    fork: int = 0
+    draft: list[int] | None = None
+    draft_index: int = 0
+
+
+@dataclass
+class PreparedStep:
+    """A step's plan and the host's key to its results."""
+
+    plan: StepPlan
+    batch: list[ScheduledSeq]
+    samples: list[SampleRow] = field(default_factory=list)
+    score_reads: list[tuple[Sequence, list[int], int]] = field(default_factory=list)  # (seq, positions, first row)
+    prompt_reads: list[tuple[Request, int, list[int], int]] = field(default_factory=list)  # (request, index, ids, k)
+    # the next step may be scheduled before this one's tokens are read: no sequence that samples
+    # here needs its new token on the host before it samples again (constraints, logit edits)
+    overlappable: bool = True
+
+
+class InputBatch:
+    def __init__(self, block_size: int, max_pages: int, eos_ids: list[int], constraints: Constraints,
+                 capacity: int = 64):  # fmt: skip
+        self.block_size = block_size
+        self.eos_ids = list(eos_ids)
+        self.constraints = constraints
+        self.tables = np.zeros((capacity, max_pages), dtype=np.int64)
+        self.temperature = np.zeros(capacity, dtype=np.float64)
+        self.top_p = np.ones(capacity, dtype=np.float64)
+        self.top_k = np.zeros(capacity, dtype=np.int64)
+        self.min_p = np.zeros(capacity, dtype=np.float64)
+        self.seed = np.zeros(capacity, dtype=np.uint64)
+        self.free_rows = list(range(capacity - 1, -1, -1))
+
+    # ---- rows ------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> int:
+        """Give `seq` a row and write its sampling parameters there."""
+        if not self.free_rows:
+            self._grow()
+        row = seq.row = self.free_rows.pop()
+        p = seq.request.params
+        if p is not None:
+            self.temperature[row], self.top_p[row], self.top_k[row], self.min_p[row] = (
+                p.temperature,
+                p.top_p,
+                p.top_k,
+                p.min_p,
+            )
+            self.seed[row] = seq.request.seed & _M64
+        return row
+
+    def release(self, seq: Sequence) -> None:
+        """`seq` left the running set (finished or preempted): its row is free again."""
+        if seq.row >= 0:
+            self.free_rows.append(seq.row)
+            seq.row = -1
+
+    def _grow(self) -> None:
+        capacity = self.tables.shape[0]
+        for name in ("tables", "temperature", "top_p", "top_k", "min_p", "seed"):
+            old = getattr(self, name)
+            new = np.zeros((2 * capacity, *old.shape[1:]), dtype=old.dtype)
+            new[:capacity] = old
+            setattr(self, name, new)
+        self.free_rows += range(2 * capacity - 1, capacity - 1, -1)
+
+    # ---- one step --------------------------------------------------------------------
+    def prepare(self, batch: list[ScheduledSeq], copies: list[tuple[int, int]]) -> PreparedStep:
+        bs = self.block_size
+        tokens: list[int] = []
+        pending_at: list[int] = []
+        pending_from: list[int] = []
+        starts, lens, spec, rows = [], [], [], []
+        sync_rows: list[int] = []
+        sync_cols: list[int] = []
+        sync_pages: list[int] = []
+        groups = [-1] * len(batch)
+        histories: dict[tuple, list[tuple[int, Sequence]]] = {}
+        step = PreparedStep(StepPlan(None, None, None), batch)  # type: ignore[arg-type] - filled below
+        sample_at: list[int] = []
+        sample_rows: list[int] = []
+        sample_index: list[int] = []
+        sample_pos: list[int] = []
+        score_rows: list[int] = []
+        score_ids: list[list[int]] = []
+        want_states = False
+        width = 1
+        for i, item in enumerate(batch):
+            seq = item.seq
+            request = seq.request
+            new = seq.row < 0
+            row = self.add(seq) if new else seq.row
+            table = seq.block_table
+            first = 0 if new else item.start // bs
+            sync_rows += [row] * (len(table) - first)
+            sync_cols += range(first, len(table))
+            sync_pages += table[first:]
+            width = max(width, -(-item.end // bs))
+            at = len(tokens)
+            own_end = item.end - len(item.draft)
+            known_end = min(own_end, len(seq.token_ids))
+            tokens += seq.token_ids[item.start : known_end]
+            if own_end > known_end:  # the token the step in flight samples for it
+                pending_at.append(len(tokens))
+                pending_from.append(seq.pending_row)
+                tokens.append(0)
+            tokens += item.draft
+            starts.append(item.start)
+            lens.append(item.num_tokens)
+            spec.append(bool(item.draft))
+            rows.append(row)
+            if request.params is not None and item.num_tokens == 1 + len(item.draft):  # a decode: twins?
+                groups[i] = self._twin_group(i, seq, item, histories)
+            if request.prompt_logprobs is not None and item.start < seq.num_prompt_tokens - 1:
+                self._prompt_logprobs(step, request, item, at)
+            if request.score is not None:
+                wanted = [p for p in request.score.positions if item.start <= p < item.end]
+                if wanted:
+                    step.score_reads.append((seq, wanted, len(score_rows)))
+                    score_rows += [at + p - item.start for p in wanted]
+                    score_ids += [request.score.token_ids] * len(wanted)
+                    want_states |= request.score.return_hidden_states
+            elif own_end == seq.num_tokens:  # its last token is computed: sample the next
+                last = at + own_end - item.start - 1
+                forks, seq.pending_forks = seq.pending_forks, 0  # forked when the token arrives
+                for fork in range(forks + 1):
+                    step.samples.append(SampleRow(seq, fork, (item.draft or None) if fork == 0 else None))
+                    sample_at.append(last)
+                    sample_rows.append(row)
+                    sample_index.append(fork or seq.index)
+                    sample_pos.append(own_end)
+                for j in range(1, len(item.draft) + 1):  # the target's token after each drafted one
+                    step.samples.append(SampleRow(seq, 0, item.draft, j))
+                    sample_at.append(last + j)
+                    sample_rows.append(row)
+                    sample_index.append(seq.index)
+                    sample_pos.append(own_end + j)
+        self.tables[sync_rows, sync_cols] = sync_pages
+        plan = step.plan
+        plan.batch = ForwardBatch(
+            as_tensor(tokens), as_tensor(starts), as_tensor(lens), torch.tensor(spec, dtype=torch.bool),
+            torch.from_numpy(self.tables[rows, :width]),
+        )  # fmt: skip
+        plan.pending_at, plan.pending_from = as_tensor(pending_at), as_tensor(pending_from)
+        plan.copies = copies
+        if max(groups) >= 0:
+            plan.twins = as_tensor(groups)
+        if sample_at:
+            plan.sample = self._sampling(step, sample_at, sample_rows, sample_index, sample_pos)
+        if score_rows:
+            k = max(len(ids) for ids in score_ids)
+            ids = torch.tensor([list(ids) + [0] * (k - len(ids)) for ids in score_ids], dtype=torch.long)
+            plan.scores = ScoreSpec(as_tensor(score_rows), ids.view(len(score_rows), k), want_states)
+        return step
+
+    def _twin_group(self, i: int, seq: Sequence, item: ScheduledSeq, groups: dict) -> int:
+        """The first item before `i` whose tokens before its first input and whose draft equal
+        `seq`'s (hashes find candidates, lists are compared), else `i` itself."""
+        key = (seq.history_key(item.start), tuple(item.draft))
+        members = groups.setdefault(key, [])
+        for j, other in members:
+            if other.token_ids[: item.start] == seq.token_ids[: item.start]:
+                return j
+        members.append((i, seq))
+        return i
+
+    def _prompt_logprobs(self, step: PreparedStep, request: Request, item: ScheduledSeq, at: int) -> None:
+        """Rows of this chunk that predict prompt tokens: the row at position p scores token p + 1
+        (in slices, as [rows, vocab] logits are large)."""
+        end = min(item.end, len(request.prompt_token_ids) - 1)
+        k = request.params.prompt_logprobs
+        for start in range(item.start, end, PROMPT_LOGPROBS_ROWS):
+            stop = min(start + PROMPT_LOGPROBS_ROWS, end)
+            targets = request.prompt_token_ids[start + 1 : stop + 1]
+            step.plan.prompt_logprobs.append(
+                PromptLogprobSpec(at + start - item.start, at + stop - item.start, as_tensor(targets), k)
+            )
+            step.prompt_reads.append((request, start + 1, targets, k))
+
+    def _sampling(self, step: PreparedStep, at: list[int], rows: list[int], index: list[int],
+                  positions: list[int]) -> SampleSpec:  # fmt: skip
+        rows_ = np.asarray(rows)
+        uniform = seeded_uniforms(self.seed[rows_], np.asarray(index), np.asarray(positions))
+        params = SamplingBatch(self.temperature[rows_], self.top_p[rows_], self.top_k[rows_], self.min_p[rows_],
+                               uniform)  # fmt: skip
+        spec = SampleSpec(as_tensor(at), params)
+        guides = []
+        for i, sample in enumerate(step.samples):
+            seq = sample.seq
+            p = seq.request.params
+            if seq.logprobs is not None:
+                spec.logprob_rows.append(i)
+                spec.logprobs_k = max(spec.logprobs_k, p.logprobs)
+            if p.structured_outputs is not None:
+                if seq.guide is None:
+                    seq.guide = self.constraints.guide(p.structured_outputs)
+                spec.guided.append(i)
+                guides.append(seq.guide)  # a fork's constraint starts where its parent's is now
+            if p.adjusts_logits:
+                spec.edited.append(i)
+                spec.histories.append(self._history(seq))
+        if guides:  # one mask per guide (a parent's row and its forks' rows share it)
+            unique = list({id(g): g for g in guides}.values())
+            at = {id(g): i for i, g in enumerate(unique)}
+            spec.masks = self.constraints.bitmask(unique)[[at[id(g)] for g in guides]]
+        step.overlappable = not (spec.guided or spec.edited)
+        return spec
+
+    def _history(self, seq: Sequence) -> RowHistory:
+        p = seq.request.params
+        accepting = seq.guide is not None and seq.guide.matcher.is_accepting()
+        return RowHistory(
+            params=p,
+            prompt_ids=seq.request.prompt_token_ids,
+            output_ids=seq.token_ids[seq.num_prompt_tokens :],
+            # where a constraint accepts, it decides whether the output ends: min_tokens yields
+            stop_ids=[] if accepting else ([] if p.ignore_eos else self.eos_ids) + p.stop_token_ids,
+        )

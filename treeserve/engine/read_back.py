@@ -1,0 +1,173 @@
+"""Reading a step back: its sampled tokens appended, the stop rules applied, its read-outs stored.
+
+After a step's device work is done, `StepReader.read` walks what each of its rows meant
+(`PreparedStep`): prefix-cache keys for the blocks the step completed, scores and prompt
+logprobs, and each sampled token (a fork's first token creates the fork; a speculating
+sequence's tokens are kept while they match its draft). A sequence finished or aborted since
+the step was launched is skipped: its token in flight is discarded with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from treeserve.engine.guided import Constraints
+from treeserve.engine.input_batch import PreparedStep, SampleRow
+from treeserve.engine.model_runner import StepResult
+from treeserve.engine.request import Request, Sequence
+from treeserve.engine.sampler import HostLogprobs
+from treeserve.engine.scheduler import Scheduler
+from treeserve.engine.speculative import Speculator
+from treeserve.kv.block_manager import BlockManager
+from treeserve.models.tokenizer import Tokenizer
+from treeserve.outputs import Logprob
+
+
+class StepFailed(RuntimeError):
+    """A step raised while running its batch. Its requests (`request_ids`) were aborted and
+    their pages released; every other request is untouched and the next step runs normally."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        what = f"{type(cause).__name__}: {cause}"
+        super().__init__(f"the engine step serving {len(request_ids)} request(s) failed: {what}")
+        self.request_ids = request_ids
+        self.cause = cause
+
+
+@dataclass
+class Verification:
+    """One speculating sequence's draft, checked position by position against the target's samples."""
+
+    seq: Sequence
+    drafted: int
+    accepted: int = 0
+    going: bool = True  # every position so far matched and the sequence has not ended
+
+
+class StepReader:
+    def __init__(self, scheduler: Scheduler, blocks: BlockManager, tokenizer: Tokenizer, constraints: Constraints,
+                 speculator: Speculator | None, max_model_len: int):  # fmt: skip
+        self.scheduler = scheduler
+        self.blocks = blocks
+        self.tokenizer = tokenizer
+        self.constraints = constraints
+        self.speculator = speculator
+        self.max_model_len = max_model_len
+        self.num_generated_tokens = 0
+
+    def read(self, step: PreparedStep, result: StepResult) -> list[Request]:
+        """Apply `result` to the live sequences of `step`; the requests it touched."""
+        touched: dict[str, Request] = {}
+        for item in step.batch:
+            seq = item.seq
+            if seq.is_finished:
+                continue
+            self.blocks.commit_full_blocks(seq.block_table, seq.block_hashes, seq.token_ids, item.end - len(item.draft))
+            touched[seq.request.request_id] = seq.request
+        for seq, positions, first in step.score_reads:
+            if seq.is_finished:
+                continue
+            score = seq.request.score
+            for i, p in enumerate(positions):
+                seq.score_rows[p] = (
+                    result.scores[first + i, : len(score.token_ids)] if score.token_ids else None,
+                    result.states[first + i] if score.return_hidden_states else None,
+                )
+        for item in step.batch:
+            seq = item.seq
+            if seq.request.score is not None and not seq.is_finished and item.end == len(seq.token_ids):
+                seq.finish_reason = "stop"
+                self.scheduler.finish(seq)
+        for (request, index, targets, k), lp in zip(step.prompt_reads, result.prompt_logprobs, strict=True):
+            lp = lp.host()
+            for i, token in enumerate(targets):
+                request.prompt_logprobs[index + i] = self.logprob_entry(token, lp, i, k)
+        if step.samples:
+            self._samples(step, result)
+        return list(touched.values())
+
+    def _samples(self, step: PreparedStep, result: StepResult) -> None:
+        logprobs = result.logprobs.host() if result.logprobs is not None else None
+        logprob_row = {row: i for i, row in enumerate(step.plan.sample.logprob_rows)}
+        forks: dict[tuple[int, int], Sequence] = {}
+        verifying: dict[int, Verification] = {}  # seq_id -> its draft's verification so far
+        for row, (sample, token) in enumerate(zip(step.samples, result.sampled(), strict=True)):
+            seq = sample.seq
+            if sample.fork:
+                seq = forks.get((seq.seq_id, sample.fork))
+                if seq is None:
+                    continue  # its parent was gone when the token arrived
+            elif sample.draft_index == 0:
+                if seq.is_finished:
+                    continue  # aborted, or ended by a token before this one: this one is void
+                seq.num_pending -= 1
+                for fork in self._forks_of(step.samples, row):
+                    forks[(seq.seq_id, fork)] = self._fork(seq, fork)
+            if sample.draft is not None:
+                check = verifying.setdefault(seq.seq_id, Verification(seq, len(sample.draft)))
+                if not check.going:
+                    continue  # an earlier position of this draft was rejected: this row is void
+            going = self._append(seq, token, logprobs, logprob_row.get(row, -1))
+            if sample.draft is not None:
+                matched = sample.draft_index < len(sample.draft) and token == sample.draft[sample.draft_index]
+                check.accepted += matched
+                check.going = going and matched
+        for check in verifying.values():
+            seq = check.seq
+            self.speculator.verified(seq, check.drafted, check.accepted)
+            if not seq.is_finished:  # the accepted drafted tokens' KV is valid, the rest is dropped
+                seq.num_computed_tokens += check.accepted
+                self.blocks.commit_full_blocks(
+                    seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed_tokens
+                )
+                self.blocks.truncate(seq.block_table, len(seq.token_ids))
+
+    @staticmethod
+    def _forks_of(samples: list[SampleRow], row: int) -> list[int]:
+        """The fork numbers sampled right after `row` (a parent's first token)."""
+        forks = []
+        for sample in samples[row + 1 :]:
+            if not sample.fork:
+                break
+            forks.append(sample.fork)
+        return forks
+
+    def _fork(self, parent: Sequence, index: int) -> Sequence:
+        """Completion `index` of the parent's request (n > 1), at the parent's state before its first
+        token, sharing the parent's pages up to there (copy-on-write)."""
+        pages = -(-len(parent.token_ids) // self.blocks.block_size)
+        sibling = parent.fork(index, self.blocks.fork(parent.block_table[:pages]))
+        constraint = parent.request.params.structured_outputs
+        if constraint is not None:
+            sibling.guide = self.constraints.guide(constraint)
+        parent.request.seqs.append(sibling)
+        self.scheduler.add_running(sibling)
+        return sibling
+
+    def _append(self, seq: Sequence, token: int, logprobs: HostLogprobs | None, row: int) -> bool:
+        """Add a sampled token to `seq` and apply the stop rules; False when the sequence ended."""
+        if seq.guide is not None and not seq.guide.advance(token):
+            seq.finish_reason, seq.stop_reason = "abort", None  # the constraint library contradicted itself
+            self.scheduler.finish(seq)
+            return False
+        seq.token_ids.append(token)
+        self.num_generated_tokens += 1
+        if seq.logprobs is not None:
+            seq.cumulative_logprob += logprobs.logprobs[row]
+            seq.logprobs.append(self.logprob_entry(token, logprobs, row, seq.request.params.logprobs))
+        result = seq.detok.append(token, seq.request.params.max_tokens)
+        if result is None and len(seq.token_ids) >= self.max_model_len:
+            result = ("length", None)
+        if result is not None:
+            seq.finish_reason, seq.stop_reason = result
+            self.scheduler.finish(seq)
+            return False
+        return True
+
+    def logprob_entry(self, token: int, lp: HostLogprobs, i: int, k: int) -> dict[int, Logprob]:
+        """vLLM's shape: the actual token first, then the top k (the actual one may be among them)."""
+        decode = self.tokenizer.decode
+        entry = {token: Logprob(lp.logprobs[i], lp.ranks[i], decode([token], False))}
+        for rank, (tid, value) in enumerate(zip(lp.top_ids[i][:k], lp.top_logprobs[i][:k], strict=True), 1):
+            entry.setdefault(tid, Logprob(value, rank, decode([tid], False)))
+        return entry
