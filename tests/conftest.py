@@ -11,6 +11,10 @@ import torch
 # chosen before triton is first imported (kernels are wrapped when their module loads).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The suite runs with overlapped steps (`async_scheduling`), which a CPU leaves off by default:
+# every engine, runtime and server the tests build steps overlapped unless a test says otherwise
+# (tests/engine/test_steps_not_overlapped.py runs the core engine tests without it).
+os.environ.setdefault("TREESERVE_ASYNC_SCHEDULING", "1")
 
 from tests.tiny_models import build_checkpoint  # noqa: E402
 from treeserve import LLM  # noqa: E402

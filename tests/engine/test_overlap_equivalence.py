@@ -136,3 +136,14 @@ def test_preemption_and_overlap_happen(engines):
     mix = [(p, params, None) for p in PROMPTS]
     assert_same(run(overlapped, mix), run(plain, mix))
     assert engine.scheduler.num_preemptions > preempted
+
+
+def test_tokens_filled_on_the_device(llama_dir, make_llm):
+    """CUDA's path: the previous step's samples are written into the next step's inputs on the
+    device, without the host reading them (and without looking for twins). Run here on CPU tensors."""
+    params = [SamplingParams(temperature=0.8, seed=s, max_tokens=20, n=2, ignore_eos=True) for s in range(4)]
+    want = make_llm(llama_dir, async_scheduling=False).generate(PROMPTS[:4], params)
+    llm = make_llm(llama_dir, async_scheduling=True)
+    llm.engine.runner.fill_on_device = True
+    got = llm.generate(PROMPTS[:4], params)
+    assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]

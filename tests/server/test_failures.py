@@ -122,6 +122,12 @@ def test_bad_requests_leave_a_running_request_alone(server: LiveServer) -> None:
     assert result["text"] == alone
 
 
+def test_the_server_steps_overlapped(server: LiveServer) -> None:
+    """The suite's servers overlap their steps (tests/conftest.py), so the disconnects below meet
+    steps in flight."""
+    assert all(engine.async_scheduling for engine in server.served.runtime.engines.values())
+
+
 def test_disconnect_mid_stream_aborts_and_returns_the_pages(server: LiveServer) -> None:
     full = 4 * 400
     body = {"model": MODEL, "prompt": "Compute 1 + 2.", "max_tokens": 400, "n": 4, "ignore_eos": True, "stream": True}

@@ -19,25 +19,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from treeserve.engine.forward_batch import ForwardBatch
 from treeserve.kv.arena import KVArena
 
 
-def representatives(groups: torch.Tensor, first_tokens: torch.Tensor) -> torch.Tensor:
+def representatives(groups: np.ndarray, first_tokens: np.ndarray) -> np.ndarray:
     """Per item, the first item of its group (`groups`, -1: none) with its first token (itself
     when it has no twin)."""
-    items = torch.arange(groups.shape[0])
-    candidates = groups >= 0
-    rep = items.clone()
-    if int(candidates.sum()) < 2:
-        return rep
+    items = np.arange(groups.shape[0])
+    candidates = np.flatnonzero(groups >= 0)
     key = groups[candidates] * (int(first_tokens.max()) + 1) + first_tokens[candidates]
-    unique, inverse = torch.unique(key, return_inverse=True)
-    first = torch.full((unique.shape[0],), groups.shape[0], dtype=torch.long)
-    first.scatter_reduce_(0, inverse, items[candidates], "amin")
-    rep[candidates] = first[inverse]
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)  # first: lowest index per key
+    rep = items.copy()
+    rep[candidates] = candidates[first[inverse.reshape(-1)]]
     return rep
 
 
@@ -46,26 +43,26 @@ class Twins:
     """A batch with its twin items dropped, and how to give the twins their rows back."""
 
     computed: ForwardBatch  # representatives and every item without a twin, in batch order
-    rows: torch.Tensor  # [T] for each row of the whole batch, its row in `computed`
-    src_pages: torch.Tensor  # K/V slots to copy into the twins' own slots after the forward
-    src_offsets: torch.Tensor
-    dst_pages: torch.Tensor
-    dst_offsets: torch.Tensor
+    rows: np.ndarray  # [T] for each row of the whole batch, its row in `computed`
+    src_pages: np.ndarray  # K/V slots to copy into the twins' own slots after the forward
+    src_offsets: np.ndarray
+    dst_pages: np.ndarray
+    dst_offsets: np.ndarray
 
     @classmethod
-    def find(cls, batch: ForwardBatch, groups: torch.Tensor, block_size: int) -> Twins | None:
+    def find(cls, batch: ForwardBatch, groups: np.ndarray, block_size: int) -> Twins | None:
         """The twins of `batch` (items of one group with equal first tokens), None when there are none."""
         rep = representatives(groups, batch.token_ids[batch.offsets])
-        items = torch.arange(rep.shape[0])
+        items = np.arange(rep.shape[0])
         twin = rep != items
-        if not bool(twin.any()):
+        if not twin.any():
             return None
-        kept = torch.nonzero(~twin).squeeze(1)
-        position_in_kept = torch.full_like(rep, -1)
-        position_in_kept[kept] = torch.arange(kept.shape[0])
+        kept = np.flatnonzero(~twin)
+        position_in_kept = np.full_like(rep, -1)
+        position_in_kept[kept] = np.arange(kept.shape[0])
         computed = batch.take(kept)
-        item_of = torch.repeat_interleave(items, batch.lens)
-        within = torch.arange(item_of.shape[0]) - batch.offsets[item_of]
+        item_of = np.repeat(items, batch.lens)
+        within = np.arange(item_of.shape[0]) - batch.offsets[item_of]
         rows = computed.offsets[position_in_kept[rep[item_of]]] + within
         copy = twin[item_of]  # a twin has its representative's length and positions
         positions = (batch.starts[item_of] + within)[copy]
@@ -80,5 +77,6 @@ class Twins:
         """The hidden rows of the whole batch, after copying each representative's new K/V into
         its twins' slots."""
         device = hidden.device
-        arena.copy_slots(*(t.to(device) for t in (self.src_pages, self.src_offsets, self.dst_pages, self.dst_offsets)))
-        return hidden.index_select(0, self.rows.to(device))
+        slots = (self.src_pages, self.src_offsets, self.dst_pages, self.dst_offsets)
+        arena.copy_slots(*(torch.from_numpy(t).to(device) for t in slots))
+        return hidden.index_select(0, torch.from_numpy(self.rows).to(device))

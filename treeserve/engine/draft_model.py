@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from treeserve.engine.attention import AttentionBackend
@@ -82,7 +83,7 @@ class DraftModel:
         while items:
             batch = ForwardBatch.of([(d.token_ids[start : start + n], start, d.block_table) for d, start, n in items])
             hidden = self.runner.forward(batch)
-            last = torch.cumsum(batch.lens, 0) - 1
+            last = torch.from_numpy(np.cumsum(batch.lens) - 1)
             tokens = self.model.compute_logits(hidden[last.to(hidden.device)]).float().argmax(dim=-1).tolist()
             going = []
             for (draft, start, n), token in zip(items, tokens, strict=True):

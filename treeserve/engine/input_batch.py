@@ -39,26 +39,22 @@ _M64 = (1 << 64) - 1
 
 
 @dataclass
-class SampleRow:
-    """What one sampled row is: the next token of `seq`; or the first token of its fork number
-    `fork` (n > 1: forked when the token arrives); or, speculating, the target's token at
-    drafted position `draft_index` of `draft`."""
-
-    seq: Sequence
-    fork: int = 0
-    draft: list[int] | None = None
-    draft_index: int = 0
-
-
-@dataclass
 class PreparedStep:
-    """A step's plan and the host's key to its results."""
+    """A step's plan and the host's key to its results.
+
+    Sampled row r is `samples[r]`'s token of kind `kinds[r]`: 0, its next token; f > 0, the first
+    token of its fork number f (n > 1: the fork is made when the token arrives); -j (speculating),
+    the target's token at drafted position j of `drafts[seq_id]`. Plain lists: they are read for
+    every sequence of every step."""
 
     plan: StepPlan
     batch: list[ScheduledSeq]
-    samples: list[SampleRow] = field(default_factory=list)
+    samples: list[Sequence] = field(default_factory=list)
+    kinds: list[int] = field(default_factory=list)
+    drafts: dict[int, list[int]] = field(default_factory=dict)
     score_reads: list[tuple[Sequence, list[int], int]] = field(default_factory=list)  # (seq, positions, first row)
     prompt_reads: list[tuple[Request, int, list[int], int]] = field(default_factory=list)  # (request, index, ids, k)
+    scoring: bool = False  # it holds forward-only requests
     # the next step may be scheduled before this one's tokens are read: no sequence that samples
     # here needs its new token on the host before it samples again (constraints, logit edits)
     overlappable: bool = True
@@ -77,6 +73,10 @@ class InputBatch:
         self.min_p = np.zeros(capacity, dtype=np.float64)
         self.seed = np.zeros(capacity, dtype=np.uint64)
         self.free_rows = list(range(capacity - 1, -1, -1))
+        # per row, the table length and last page written into `tables` (a decode that stays in its
+        # page changes neither, and writes nothing)
+        self.synced_len = [0] * capacity
+        self.synced_last = [-1] * capacity
 
     # ---- rows ------------------------------------------------------------------------
     def add(self, seq: Sequence) -> int:
@@ -84,6 +84,7 @@ class InputBatch:
         if not self.free_rows:
             self._grow()
         row = seq.row = self.free_rows.pop()
+        self.synced_len[row], self.synced_last[row] = 0, -1
         p = seq.request.params
         if p is not None:
             self.temperature[row], self.top_p[row], self.top_k[row], self.min_p[row] = (
@@ -109,10 +110,14 @@ class InputBatch:
             new[:capacity] = old
             setattr(self, name, new)
         self.free_rows += range(2 * capacity - 1, capacity - 1, -1)
+        self.synced_len += [0] * capacity
+        self.synced_last += [-1] * capacity
 
     # ---- one step --------------------------------------------------------------------
     def prepare(self, batch: list[ScheduledSeq], copies: list[tuple[int, int]]) -> PreparedStep:
         bs = self.block_size
+        step = PreparedStep(StepPlan(None, None, None), batch)  # type: ignore[arg-type] - filled below
+        samples, kinds = step.samples, step.kinds
         tokens: list[int] = []
         pending_at: list[int] = []
         pending_from: list[int] = []
@@ -122,76 +127,89 @@ class InputBatch:
         sync_pages: list[int] = []
         groups = [-1] * len(batch)
         histories: dict[tuple, list[tuple[int, Sequence]]] = {}
-        step = PreparedStep(StepPlan(None, None, None), batch)  # type: ignore[arg-type] - filled below
         sample_at: list[int] = []
-        sample_rows: list[int] = []
         sample_index: list[int] = []
         sample_pos: list[int] = []
         score_rows: list[int] = []
         score_ids: list[list[int]] = []
         want_states = False
-        width = 1
+        max_end = 1
         for i, item in enumerate(batch):
-            seq = item.seq
+            seq, start, draft = item.seq, item.start, item.draft
             request = seq.request
-            new = seq.row < 0
-            row = self.add(seq) if new else seq.row
+            end = start + item.num_tokens
+            row = seq.row
             table = seq.block_table
-            first = 0 if new else item.start // bs
-            sync_rows += [row] * (len(table) - first)
-            sync_cols += range(first, len(table))
-            sync_pages += table[first:]
-            width = max(width, -(-item.end // bs))
+            if row < 0:
+                row = self.add(seq)
+                first = 0
+            else:
+                first = start // bs
+            if len(table) != self.synced_len[row] or table[-1] != self.synced_last[row]:
+                sync_rows += [row] * (len(table) - first)
+                sync_cols += range(first, len(table))
+                sync_pages += table[first:]
+                self.synced_len[row], self.synced_last[row] = len(table), table[-1]
+            max_end = max(max_end, end)
             at = len(tokens)
-            own_end = item.end - len(item.draft)
-            known_end = min(own_end, len(seq.token_ids))
-            tokens += seq.token_ids[item.start : known_end]
-            if own_end > known_end:  # the token the step in flight samples for it
+            own_end = end - len(draft)
+            ids = seq.token_ids
+            if own_end > len(ids):  # its last input is the token the step in flight samples for it
+                tokens += ids[start:]
                 pending_at.append(len(tokens))
                 pending_from.append(seq.pending_row)
                 tokens.append(0)
-            tokens += item.draft
-            starts.append(item.start)
-            lens.append(item.num_tokens)
-            spec.append(bool(item.draft))
+            else:
+                tokens += ids[start:own_end]
+            if draft:
+                tokens += draft
+            starts.append(start)
+            lens.append(end - start)
+            spec.append(bool(draft))
             rows.append(row)
-            if request.params is not None and item.num_tokens == 1 + len(item.draft):  # a decode: twins?
+            if request.params is not None and end - start == 1 + len(draft):  # a decode: twins?
                 groups[i] = self._twin_group(i, seq, item, histories)
-            if request.prompt_logprobs is not None and item.start < seq.num_prompt_tokens - 1:
+            if request.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
                 self._prompt_logprobs(step, request, item, at)
             if request.score is not None:
-                wanted = [p for p in request.score.positions if item.start <= p < item.end]
+                step.scoring = True
+                wanted = [p for p in request.score.positions if start <= p < end]
                 if wanted:
                     step.score_reads.append((seq, wanted, len(score_rows)))
-                    score_rows += [at + p - item.start for p in wanted]
+                    score_rows += [at + p - start for p in wanted]
                     score_ids += [request.score.token_ids] * len(wanted)
                     want_states |= request.score.return_hidden_states
-            elif own_end == seq.num_tokens:  # its last token is computed: sample the next
-                last = at + own_end - item.start - 1
+            elif own_end == len(ids) + seq.num_pending:  # its last token is computed: sample the next
+                last = at + own_end - start - 1
                 forks, seq.pending_forks = seq.pending_forks, 0  # forked when the token arrives
-                for fork in range(forks + 1):
-                    step.samples.append(SampleRow(seq, fork, (item.draft or None) if fork == 0 else None))
-                    sample_at.append(last)
-                    sample_rows.append(row)
-                    sample_index.append(fork or seq.index)
-                    sample_pos.append(own_end)
-                for j in range(1, len(item.draft) + 1):  # the target's token after each drafted one
-                    step.samples.append(SampleRow(seq, 0, item.draft, j))
-                    sample_at.append(last + j)
-                    sample_rows.append(row)
-                    sample_index.append(seq.index)
-                    sample_pos.append(own_end + j)
-        self.tables[sync_rows, sync_cols] = sync_pages
+                samples += [seq] * (forks + 1 + len(draft))
+                kinds += range(forks + 1)
+                sample_at += [last] * (forks + 1)
+                sample_index.append(seq.index)
+                sample_index += range(1, forks + 1)
+                sample_pos += [own_end] * (forks + 1)
+                if draft:  # the target's token after each drafted one
+                    step.drafts[seq.seq_id] = draft
+                    kinds += range(-1, -len(draft) - 1, -1)
+                    sample_at += range(last + 1, last + 1 + len(draft))
+                    sample_index += [seq.index] * len(draft)
+                    sample_pos += range(own_end + 1, own_end + 1 + len(draft))
+        if sync_rows:
+            self.tables[sync_rows, sync_cols] = sync_pages
         plan = step.plan
         plan.batch = ForwardBatch(
-            as_tensor(tokens), as_tensor(starts), as_tensor(lens), torch.tensor(spec, dtype=torch.bool),
-            torch.from_numpy(self.tables[rows, :width]),
+            np.array(tokens, dtype=np.int64),
+            np.array(starts, dtype=np.int64),
+            np.array(lens, dtype=np.int64),
+            np.array(spec, dtype=bool),
+            self.tables[rows, : -(-max_end // bs)],
         )  # fmt: skip
-        plan.pending_at, plan.pending_from = as_tensor(pending_at), as_tensor(pending_from)
+        plan.pending_at, plan.pending_from = np.array(pending_at, np.int64), np.array(pending_from, np.int64)
         plan.copies = copies
-        if max(groups) >= 0:
-            plan.twins = as_tensor(groups)
+        if any(g != i for i, g in enumerate(groups) if g >= 0):  # some item has a twin candidate
+            plan.twins = np.array(groups, dtype=np.int64)
         if sample_at:
+            sample_rows = [s.row for s in samples]
             plan.sample = self._sampling(step, sample_at, sample_rows, sample_index, sample_pos)
         if score_rows:
             k = max(len(ids) for ids in score_ids)
@@ -225,18 +243,19 @@ class InputBatch:
 
     def _sampling(self, step: PreparedStep, at: list[int], rows: list[int], index: list[int],
                   positions: list[int]) -> SampleSpec:  # fmt: skip
-        rows_ = np.asarray(rows)
-        uniform = seeded_uniforms(self.seed[rows_], np.asarray(index), np.asarray(positions))
+        rows_ = np.array(rows, dtype=np.int64)
+        uniform = seeded_uniforms(self.seed[rows_], np.array(index), np.array(positions))
         params = SamplingBatch(self.temperature[rows_], self.top_p[rows_], self.top_k[rows_], self.min_p[rows_],
                                uniform)  # fmt: skip
         spec = SampleSpec(as_tensor(at), params)
         guides = []
-        for i, sample in enumerate(step.samples):
-            seq = sample.seq
+        for i, seq in enumerate(step.samples):
             p = seq.request.params
             if seq.logprobs is not None:
                 spec.logprob_rows.append(i)
                 spec.logprobs_k = max(spec.logprobs_k, p.logprobs)
+            if p.structured_outputs is None and not p.adjusts_logits:
+                continue
             if p.structured_outputs is not None:
                 if seq.guide is None:
                     seq.guide = self.constraints.guide(p.structured_outputs)

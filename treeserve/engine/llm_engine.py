@@ -303,10 +303,10 @@ class LLMEngine:
         step.plan.fail, self._injected = self._injected, None
         for item in batch:
             item.seq.num_computed_tokens = item.end - len(item.draft)  # drafted tokens count once accepted
-        for row, sample in enumerate(step.samples):
-            if sample.fork == 0 and sample.draft_index == 0:
-                sample.seq.num_pending += 1
-                sample.seq.pending_row = row
+        for row, (seq, kind) in enumerate(zip(step.samples, step.kinds, strict=True)):
+            if kind == 0:  # its next token: the next step may take it as an input before it is read back
+                seq.num_pending += 1
+                seq.pending_row = row
         previous = flight.result if flight is not None else None  # its failure stops this step too
         if overlap and self.device.type == "cpu":
             result = run_on_worker(self.device, self.runner.execute, step.plan, previous)
@@ -349,13 +349,12 @@ class LLMEngine:
         for item in step.batch:
             if not item.seq.is_finished:
                 item.seq.num_computed_tokens = item.start
-        for sample in step.samples:
-            seq = sample.seq
+        for seq, kind in zip(step.samples, step.kinds, strict=True):
             if seq.is_finished:
                 continue
-            if sample.fork:
+            if kind > 0:
                 seq.pending_forks += 1
-            elif sample.draft_index == 0:
+            elif kind == 0:
                 seq.num_pending -= 1
 
     def _emit(self, request: Request) -> RequestOutput | ScoreOutput:

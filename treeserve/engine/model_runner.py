@@ -67,9 +67,9 @@ class PromptLogprobSpec:
 @dataclass
 class StepPlan:
     batch: ForwardBatch
-    pending_at: torch.Tensor  # [P] flat rows whose token is the previous step's sample ...
-    pending_from: torch.Tensor  # [P] ... at these sample rows of it
-    twins: torch.Tensor | None = None  # [B] per item: first item of its twin group (`dedup.py`), -1: none
+    pending_at: np.ndarray  # [P] flat rows whose token is the previous step's sample ...
+    pending_from: np.ndarray  # [P] ... at these sample rows of it
+    twins: np.ndarray | None = None  # [B] per item: first item of its twin group (`dedup.py`), -1: none
     copies: list[tuple[int, int]] = field(default_factory=list)  # pages to copy before the forward
     sample: SampleSpec | None = None
     scores: ScoreSpec | None = None
@@ -115,6 +115,9 @@ class ModelRunner:
         self.draw = draw
         self.vocab_size = vocab_size
         self.staging = Staging(device)
+        # a token the previous step sampled is written into the inputs on the device (CUDA: the
+        # host does not wait for it; twins are then not looked for) or here (a CPU)
+        self.fill_on_device = device.type != "cpu"
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, previous: Future | None = None) -> StepResult:
@@ -127,11 +130,11 @@ class ModelRunner:
                 raise PreviousStepFailed("the step this one continues failed") from e
         self.arena.copy_pages(plan.copies)
         batch, fill = plan.batch, None
-        if plan.pending_at.numel():
-            if self.device.type == "cpu":
-                batch.token_ids[plan.pending_at] = prev_tokens[plan.pending_from]
-            else:  # filled on the device: the host does not wait for the previous step
+        if plan.pending_at.size:
+            if self.fill_on_device:
                 fill = (plan.pending_at, plan.pending_from, prev_tokens)
+            else:
+                batch.token_ids[plan.pending_at] = prev_tokens.numpy()[plan.pending_from]
         twins = Twins.find(batch, plan.twins, self.block_size) if plan.twins is not None and fill is None else None
         hidden = self.forward(twins.computed if twins else batch, fill)
         if plan.fail is not None:
@@ -154,14 +157,13 @@ class ModelRunner:
         """The final hidden state of every row of `batch` ([T, hidden]); `fill` (CUDA): (rows,
         sample rows, previous samples) to write into the token ids once they are on the device."""
         positions, slot_pages, slot_offsets, groups = attention_inputs(batch, self.block_size)
-        names = [f.name for f in fields(SeqGroup) if f.name != "masks"]
         host = [batch.token_ids, positions, slot_pages, slot_offsets]
-        host += [getattr(g, name) for g in groups for name in names]
+        host += [getattr(g, name) for g in groups for name in GROUP_FIELDS]
         if fill is not None:
             host += fill[:2]
-        staged = iter(self.staging.to_device(*host))
+        staged = iter(self.staging.to_device(*(torch.from_numpy(np.ascontiguousarray(a)) for a in host)))
         tokens, positions, slot_pages, slot_offsets = (next(staged) for _ in range(4))
-        groups = [SeqGroup(*(next(staged) for _ in names)) for _ in groups]
+        groups = [SeqGroup(*(next(staged) for _ in GROUP_FIELDS)) for _ in groups]
         if fill is not None:
             at, source = next(staged), next(staged)
             tokens[at] = fill[2][source]
@@ -174,8 +176,11 @@ class ModelRunner:
         divisors[spec.edited] = 1.0  # edited rows: raw logits, edited, then divided by the temperature
         (index,) = self.staging.to_device(spec.rows)
         states = hidden[index]
-        (scale,) = self.staging.to_device(torch.from_numpy(divisors).to(states.dtype)[:, None])
-        logits = self.model.compute_logits(states / scale, float32=False)
+        scaled = states
+        if (divisors != 1.0).any():  # x / 1 is x: greedy and T=1 batches skip the division
+            (scale,) = self.staging.to_device(torch.from_numpy(divisors).to(states.dtype)[:, None])
+            scaled = states / scale
+        logits = self.model.compute_logits(scaled, float32=False)
         if spec.edited:
             tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
             plain = sorted(set(range(len(params))) - set(spec.edited))
@@ -185,7 +190,7 @@ class ModelRunner:
             (temps,) = self.staging.to_device(torch.from_numpy(params.take(spec.edited).divisors()).float()[:, None])
             tokens[spec.edited] = self._draw(spec, spec.edited, raw / temps)
         else:
-            tokens = self._draw(spec, list(range(len(params))), logits)
+            tokens = self._draw(spec, None, logits)
         if spec.logprob_rows:
             wanted = torch.tensor(spec.logprob_rows, device=tokens.device)
             raw = self.model.compute_logits(states[wanted])
@@ -199,9 +204,12 @@ class ModelRunner:
             result.copied = torch.cuda.Event()
             result.copied.record()
 
-    def _draw(self, spec: SampleSpec, rows: list[int], scaled: torch.Tensor) -> torch.Tensor:
-        """Tokens of sample rows `rows` from their scaled logits; constrained rows over what their
-        constraint allows."""
+    def _draw(self, spec: SampleSpec, rows: list[int] | None, scaled: torch.Tensor) -> torch.Tensor:
+        """Tokens of sample rows `rows` (None: all) from their scaled logits; constrained rows over
+        what their constraint allows."""
+        if not spec.guided:
+            return sample(scaled, spec.params if rows is None else spec.params.take(rows), self.draw)
+        rows = list(range(len(spec.params))) if rows is None else rows
         params = spec.params.take(rows)
         mask_of = {row: i for i, row in enumerate(spec.guided)}
         guided = [i for i, row in enumerate(rows) if row in mask_of]
@@ -225,6 +233,9 @@ class ModelRunner:
             result.scores = logprobs.gather(1, ids).cpu()
         if spec.states:
             result.states = rows.float().cpu()
+
+
+GROUP_FIELDS = [f.name for f in fields(SeqGroup) if f.name != "masks"]
 
 
 def as_tensor(values: list[int] | np.ndarray) -> torch.Tensor:

