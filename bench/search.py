@@ -10,7 +10,8 @@ Systems (each in its own subprocess and environment; peers' code in bench/peers/
   weights in int8 (issue 33), `treeserve-int8-tiles` the same with bf16 activations
   (`--quant-activations bf16`: on an AMX CPU the int8 weights dequantised into bf16 tiles);
   `treeserve-tree`, `treeserve-ngram`: `treeserve` with the generator decoding speculatively
-  (issue 35; k=4);
+  (issue 35; k=4); `treeserve-overlap`: `treeserve` with overlapped steps (`--async-scheduling`,
+  issue 52: a CPU leaves it off by default);
 * `sal-transformers`, `sal-vllm`, `thesis-vllm`, `vllm-prefix-prm`: see bench/peers/sal_search.py.
 
 Workload: arithmetic problems of levels 4-5 (seed 0), the shipped generator and PRM (bf16),
@@ -61,6 +62,11 @@ SYSTEMS = {
         os.path.join(HERE, "peers", "run_treeserve_search.py"),
         "--speculative-config",
         '{"method": "tree", "num_speculative_tokens": 4}',
+    ],
+    "treeserve-overlap": [
+        sys.executable,
+        os.path.join(HERE, "peers", "run_treeserve_search.py"),
+        "--async-scheduling",
     ],
     "treeserve-ngram": [
         sys.executable,

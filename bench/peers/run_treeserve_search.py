@@ -1,14 +1,15 @@
 """treeserve's beam search on a search workload (run in a subprocess by bench/search.py).
 
 Usage: python bench/peers/run_treeserve_search.py WORKLOAD_JSON OUT_JSON [--reference] [--int8]
-       [--quant-activations=bf16] [--speculative-config JSON]
+       [--quant-activations=bf16] [--speculative-config JSON] [--async-scheduling]
 
 The same settings as the peers get, through `treeserve eval`'s code path (`run_eval`) with
 every optimisation on, or the reference mode (no caches, one problem at a time); `--int8`
 runs both models with int8 weights (`--quantization int8 --prm-quantization int8`), and
 `--quant-activations=bf16` multiplies them with bf16 activations (AMX tiles). The last
 iteration samples to EOS (`final_to_eos`), as search-and-learn does. `--speculative-config`
-turns on the generator's speculative decoding (issue 35). Model loading is not
+turns on the generator's speculative decoding (issue 35), `--async-scheduling` overlapped
+steps (issue 52; off by default on a CPU). Model loading is not
 timed; the search is, from the first problem to the last.
 """
 
@@ -38,6 +39,8 @@ def main() -> None:
         settings.quantization = settings.prm_quantization = "int8"
     if "--quant-activations=bf16" in sys.argv:
         settings.quant_activations = "bf16"
+    if "--async-scheduling" in sys.argv:
+        settings.async_scheduling = True
     config = SearchConfig(
         strategy="beam_search", n=w["n"], beam_width=w["beam_width"], num_iterations=w["num_iterations"],
         temperature=w["temperature"], top_p=w["top_p"], max_tokens=w["max_tokens"], agg=w["agg"], final_to_eos=True,

@@ -47,8 +47,8 @@ class PreparedStep:
     the target's token at drafted position j of `drafts[seq_id]`. Plain lists: they are read for
     every sequence of every step."""
 
-    plan: StepPlan
     batch: list[ScheduledSeq]
+    plan: StepPlan | None = None  # set once the batch is read
     samples: list[Sequence] = field(default_factory=list)
     kinds: list[int] = field(default_factory=list)
     drafts: dict[int, list[int]] = field(default_factory=dict)
@@ -116,7 +116,8 @@ class InputBatch:
     # ---- one step --------------------------------------------------------------------
     def prepare(self, batch: list[ScheduledSeq], copies: list[tuple[int, int]]) -> PreparedStep:
         bs = self.block_size
-        step = PreparedStep(StepPlan(None, None, None), batch)  # type: ignore[arg-type] - filled below
+        step = PreparedStep(batch)
+        prompt_specs: list[PromptLogprobSpec] = []
         samples, kinds = step.samples, step.kinds
         tokens: list[int] = []
         pending_at: list[int] = []
@@ -170,7 +171,7 @@ class InputBatch:
             if request.params is not None and end - start == 1 + len(draft):  # a decode: twins?
                 groups[i] = self._twin_group(i, seq, item, histories)
             if request.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
-                self._prompt_logprobs(step, request, item, at)
+                prompt_specs += self._prompt_logprobs(step, request, item, at)
             if request.score is not None:
                 step.scoring = True
                 wanted = [p for p in request.score.positions if start <= p < end]
@@ -196,16 +197,19 @@ class InputBatch:
                     sample_pos += range(own_end + 1, own_end + 1 + len(draft))
         if sync_rows:
             self.tables[sync_rows, sync_cols] = sync_pages
-        plan = step.plan
-        plan.batch = ForwardBatch(
-            np.array(tokens, dtype=np.int64),
-            np.array(starts, dtype=np.int64),
-            np.array(lens, dtype=np.int64),
-            np.array(spec, dtype=bool),
-            self.tables[rows, : -(-max_end // bs)],
-        )  # fmt: skip
-        plan.pending_at, plan.pending_from = np.array(pending_at, np.int64), np.array(pending_from, np.int64)
-        plan.copies = copies
+        plan = step.plan = StepPlan(
+            ForwardBatch(
+                np.array(tokens, dtype=np.int64),
+                np.array(starts, dtype=np.int64),
+                np.array(lens, dtype=np.int64),
+                np.array(spec, dtype=bool),
+                self.tables[rows, : -(-max_end // bs)],
+            ),
+            np.array(pending_at, dtype=np.int64),
+            np.array(pending_from, dtype=np.int64),
+            copies=copies,
+            prompt_logprobs=prompt_specs,
+        )
         if any(g != i for i, g in enumerate(groups) if g >= 0):  # some item has a twin candidate
             plan.twins = np.array(groups, dtype=np.int64)
         if sample_at:
@@ -228,18 +232,19 @@ class InputBatch:
         members.append((i, seq))
         return i
 
-    def _prompt_logprobs(self, step: PreparedStep, request: Request, item: ScheduledSeq, at: int) -> None:
+    @staticmethod
+    def _prompt_logprobs(step: PreparedStep, request: Request, item: ScheduledSeq, at: int) -> list[PromptLogprobSpec]:
         """Rows of this chunk that predict prompt tokens: the row at position p scores token p + 1
         (in slices, as [rows, vocab] logits are large)."""
         end = min(item.end, len(request.prompt_token_ids) - 1)
         k = request.params.prompt_logprobs
+        specs = []
         for start in range(item.start, end, PROMPT_LOGPROBS_ROWS):
             stop = min(start + PROMPT_LOGPROBS_ROWS, end)
             targets = request.prompt_token_ids[start + 1 : stop + 1]
-            step.plan.prompt_logprobs.append(
-                PromptLogprobSpec(at + start - item.start, at + stop - item.start, as_tensor(targets), k)
-            )
+            specs.append(PromptLogprobSpec(at + start - item.start, at + stop - item.start, as_tensor(targets), k))
             step.prompt_reads.append((request, start + 1, targets, k))
+        return specs
 
     def _sampling(self, step: PreparedStep, at: list[int], rows: list[int], index: list[int],
                   positions: list[int]) -> SampleSpec:  # fmt: skip

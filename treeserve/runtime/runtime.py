@@ -58,6 +58,12 @@ class ModelSpec:
     engine_args: dict = field(default_factory=dict)  # this model's EngineConfig settings (max_num_seqs, ...)
 
 
+# event-loop turns given to search programs after each engine step: a program awaiting a gather of
+# its beams' outputs needs about three (the beams' tasks finish, the gather completes, the program
+# runs on to its next request), so its next request makes the next engine's step
+REACTION_YIELDS = 3
+
+
 class Runtime:
     def __init__(self, engines: dict[str, LLMEngine]):
         if not engines:
@@ -275,10 +281,14 @@ class Runtime:
                     self._fail(name, error)
                 stuck = set()
                 continue
-            for name in busy:
+            stepped = []
+            for name, engine in self.engines.items():
+                if not engine.has_unfinished_requests():
+                    continue  # (outputs of the engine stepped before may have given it work: then it steps now)
+                stepped.append(name)
                 start = time.perf_counter()
                 try:
-                    outputs = self.engines[name].step()
+                    outputs = engine.step()
                 except StepFailed as e:  # the step's own requests fail; the others go on
                     self._fail(name, e, set(e.request_ids))
                     continue
@@ -295,8 +305,10 @@ class Runtime:
                         self._early.pop(key).set_result(out)
                     if out.finished and (future := self._futures.pop(key, None)) and not future.done():
                         future.set_result(out)
-            stuck = set(busy) if all(self.engines[name].stalled for name in busy) else set()
-            await asyncio.sleep(0)  # let search programs react and submit more work
+                for _ in range(REACTION_YIELDS):  # the search programs react (the PRM's requests follow the
+                    await asyncio.sleep(0)  # generator's outputs) before the next engine schedules
+            stuck = set(stepped) if stepped and all(self.engines[name].stalled for name in stepped) else set()
+            await asyncio.sleep(0)
 
     def _fail(self, name: str, error: Exception, only: set[str] | None = None) -> None:
         """Abort the engine's requests (those in `only`, or all) and hand `error` to their waiters."""
