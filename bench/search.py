@@ -17,10 +17,11 @@ Systems (each in its own subprocess and environment; peers' code in bench/peers/
 Workload: arithmetic problems of levels 4-5 (seed 0), the shipped generator and PRM (bf16),
 beam search with n, beam width 4, up to 40 iterations, steps of at most 256 tokens ending at
 "\\n\\n", T=0.8, `agg=last`, the last iteration sampled to EOS. Every system's completions
-are graded here the same way (weighted selection by the last step score, as `treeserve eval`
-does for beam search). The order of systems rotates every repetition; medians are reported,
-accuracy with a 95% Wilson interval over the problems (every system is seeded, so its
-repetitions give the same answers; they are not pooled).
+are graded here the same way, under the same answer rules: `weighted` (the answer whose
+completions' last step scores sum highest, `treeserve eval`'s rule for beam search), with a 95%
+Wilson interval over the problems, and `naive` (the best-scored completion: search-and-learn's
+`pred`); the table names them. The order of systems rotates every repetition; medians are
+reported (every system is seeded, so its repetitions give the same answers; they are not pooled).
 
 `--model-size s|m|l` swaps the shipped models for their random-weight twins at ~24M, ~95M and
 ~310M parameters (bench/workloads.py `build_twin`, built once under bench/out/twins). Random
@@ -104,15 +105,24 @@ def run_system(system: str, workload_path: str, threads: int) -> dict:
     return out
 
 
-def grade(records: list[dict], out: dict) -> list[bool]:
+RULES = ("weighted", "naive")  # every system's accuracy under each; the first is the headline
+
+
+def grade(records: list[dict], out: dict) -> dict[str, list[bool]]:
+    """{rule: each problem solved?} for RULES, from the system's completions and step scores."""
     from treeserve.eval.grading import Grader
+    from treeserve.eval.metrics import select
     from treeserve.eval.report import grade_problems
 
     by_id = {p["unique_id"]: p["completions"] for p in out["problems"]}
     completions = [[(c["text"], c["step_scores"]) for c in by_id[r["unique_id"]]] for r in records]
     with Grader() as grader:
-        outcomes = grade_problems(records, completions, grader, selection="weighted", agg="last")
-    return [o.correct for o in outcomes]
+        outcomes = grade_problems(records, completions, grader, agg="last")
+    picks = {rule: [select(o.completions, rule, "last") for o in outcomes] for rule in RULES}
+    return {
+        rule: [i is not None and o.completions[i].correct for i, o in zip(chosen, outcomes, strict=True)]
+        for rule, chosen in picks.items()
+    }
 
 
 def main() -> None:
@@ -167,20 +177,22 @@ def main() -> None:
                 "generated_tokens": out["generated_tokens"],
                 "generated_tokens_per_s": out["generated_tokens"] / out["wall_s"],
                 "prm_tokens_prefilled": out["prm_tokens_prefilled"], "prm_unique_tokens": out.get("prm_unique_tokens"),
-                "correct": correct and sum(correct), "accuracy": correct and sum(correct) / len(correct),
+                **({} if correct is None else {f"correct_{rule}": sum(hits) for rule, hits in correct.items()}),
             }  # fmt: skip
             runs[system].append(row)
             print(system, rep, json.dumps(row), flush=True)
     table = {}
+    total = len(records)
     for system, rows in runs.items():
-        correct, total = None if twin else int(statistics.median(r["correct"] for r in rows)), len(records)
         table[system] = {
             "problems_per_min": statistics.median(r["problems_per_min"] for r in rows),
             "generated_tokens_per_s": statistics.median(r["generated_tokens_per_s"] for r in rows),
             "prm_tokens_prefilled": statistics.median(r["prm_tokens_prefilled"] for r in rows),
-            "accuracy": None if twin else correct / total,  # seeded runs repeat their answers
-            "accuracy_ci95": None if twin else wilson_interval(correct, total),
         }  # fmt: skip
+        for rule in () if twin else RULES:  # seeded runs repeat their answers
+            correct = int(statistics.median(r[f"correct_{rule}"] for r in rows))
+            table[system][f"accuracy_{rule}"] = correct / total
+            table[system][f"accuracy_{rule}_ci95"] = wilson_interval(correct, total)
     base = table.get("treeserve")
     for row in table.values():
         row["treeserve_speedup"] = base["problems_per_min"] / row["problems_per_min"] if base else None
@@ -188,12 +200,16 @@ def main() -> None:
         json.dump({"args": vars(args), "runs": runs, "table": table}, f, indent=1)
     models = f"{args.model_size} twins" if twin else "levels 4-5"
     print(f"\nn={args.n}, {len(records)} problems ({models}), {args.repeats} repetitions, medians:")
-    print("| system | problems/min | generated tok/s | PRM tokens prefilled | accuracy (95% CI) | treeserve speed-up |")
-    print("|---|---|---|---|---|---|")
+    print("| system | problems/min | generated tok/s | PRM tokens prefilled | accuracy, weighted (95% CI) "
+          "| accuracy, naive | treeserve speed-up |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     for system, r in table.items():
-        accuracy = "-" if twin else f"{r['accuracy']:.1%} ({r['accuracy_ci95'][0]:.1%}-{r['accuracy_ci95'][1]:.1%})"
+        weighted, naive = "-", "-"
+        if not twin:
+            low, high = r["accuracy_weighted_ci95"]
+            weighted, naive = f"{r['accuracy_weighted']:.1%} ({low:.1%}-{high:.1%})", f"{r['accuracy_naive']:.1%}"
         print(f"| {system} | {r['problems_per_min']:.1f} | {r['generated_tokens_per_s']:.0f} | "
-              f"{r['prm_tokens_prefilled']:.0f} | {accuracy} | "
+              f"{r['prm_tokens_prefilled']:.0f} | {weighted} | {naive} | "
               f"{r['treeserve_speedup'] or float('nan'):.2f}x |")  # fmt: skip
 
 

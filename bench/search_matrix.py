@@ -31,7 +31,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from treeserve.eval.compare import compare_results, format_comparison
+from treeserve.eval.compare import compare_by_rule, format_by_rule
 from treeserve.eval.metrics import wilson_interval
 from treeserve.eval.report import write_results
 from treeserve.eval.runner import EvalSettings, run_eval
@@ -64,6 +64,7 @@ def run(name: str, settings: EvalSettings, config: SearchConfig, out: Path) -> l
         low, high = wilson_interval(correct, len(problems))
         rows.append({
             "name": label if selection else name, "strategy": config.strategy, "n": config.n,
+            "rule": selection or summary["accuracy_rule"],
             "accuracy": correct / len(problems), "ci95": [low, high], "problems": len(problems),
             "problems_per_min": 60 * summary["problems_per_s"], "generated_tokens": summary["generated_tokens"],
             "prm_tokens_prefilled": summary.get("prm_tokens_prefilled", 0),
@@ -77,12 +78,13 @@ def run(name: str, settings: EvalSettings, config: SearchConfig, out: Path) -> l
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| configuration | N | accuracy | 95% CI | problems/min | generated tokens | PRM tokens prefilled |",
-        "|---|---|---|---|---|---|---|",
+        "| configuration | N | accuracy | answer rule | 95% CI | problems/min | generated tokens "
+        "| PRM tokens prefilled |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['name']} | {r['n']} | {r['accuracy']:.1%} | {r['ci95'][0]:.1%}-{r['ci95'][1]:.1%} "
+            f"| {r['name']} | {r['n']} | {r['accuracy']:.1%} | {r['rule']} | {r['ci95'][0]:.1%}-{r['ci95'][1]:.1%} "
             f"| {r['problems_per_min']:.1f} | {r['generated_tokens']} | {r['prm_tokens_prefilled']} |"
         )
     return "\n".join(lines)
@@ -96,17 +98,17 @@ def run_lookaheads(settings: EvalSettings, beam: SearchConfig, ks: list[int], ou
         rows += run(name, settings, replace(beam, lookahead=k), out)
         paths.append(out / f"{name.replace(' ', '_')}.json")
     lines = [
-        "| configuration | accuracy | 95% CI | problems/min | generated tokens | of them lookahead "
+        "| configuration | accuracy | answer rule | 95% CI | problems/min | generated tokens | of them lookahead "
         "| PRM tokens prefilled | lookahead PRM tokens |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['name']} | {r['accuracy']:.1%} | {r['ci95'][0]:.1%}-{r['ci95'][1]:.1%} "
+            f"| {r['name']} | {r['accuracy']:.1%} | {r['rule']} | {r['ci95'][0]:.1%}-{r['ci95'][1]:.1%} "
             f"| {r['problems_per_min']:.1f} | {r['generated_tokens']} | {r['lookahead_generated_tokens']} "
             f"| {r['prm_tokens_prefilled']} | {r['lookahead_prm_tokens']} |"
         )
-    paired = format_comparison(compare_results(paths))
+    paired = format_by_rule(compare_by_rule(paths))
     (out / "lookahead.json").write_text(json.dumps({"rows": rows}, indent=1) + "\n")
     text = f"## Lookahead (beam search, N={beam.n})\n\n" + "\n".join(lines) + f"\n\nPaired:\n\n{paired}\n"
     (out / "lookahead.md").write_text(text)

@@ -29,6 +29,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from treeserve.eval.metrics import SELECTIONS, describe_accuracy
+
 ASSETS = Path(__file__).parent / "assets"
 DEFAULT_GENERATOR = ASSETS / "arith-generator"
 DEFAULT_PROBLEMS = ["Compute ((12 + 7) * 3) - 15.", "Compute (((9 * 4) - 6) + 11) - 8."]
@@ -257,7 +259,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(f"{s['worker_failures']} worker failures; retried problems: {', '.join(s['retried_problems'])}")
     by_level = ", ".join(f"L{k}: {v:.2f}" for k, v in sorted(s.get("accuracy_by_level", {}).items()))
     print(
-        f"{config.strategy} n={config.n}: accuracy {s['accuracy']:.3f} ({by_level}) | "
+        f"{config.strategy} n={config.n}: {describe_accuracy(s)} | by level {by_level} | "
         f"{s['problems_per_s'] * 60:.1f} problems/min | {s['generated_tokens']} generated tokens | "
         f"PRM prefilled {s['prm_tokens_prefilled']} / unique {s['prm_unique_tokens']} tokens | "
         f"results: {args.output}"
@@ -378,9 +380,9 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from treeserve.eval.compare import compare_results, format_comparison
+    from treeserve.eval.compare import compare_by_rule, format_by_rule
 
-    print(format_comparison(compare_results(args.results)))
+    print(format_by_rule(compare_by_rule(args.results)))
     return 0
 
 
@@ -435,8 +437,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="only problems I, I+K, I+2K, ... (0 <= I < K); treeserve merge joins the shards")  # fmt: skip
     ev.add_argument("--limit", type=int, default=None, help="only the first LIMIT problems")
     ev.add_argument("--memory-report", default=None, help="write the memory plan (breakdown, pages) as JSON here")
-    ev.add_argument("--select", default=None, choices=["naive", "weighted", "majority"],
-                    help="how the final answer is chosen (default depends on the strategy)")  # fmt: skip
+    ev.add_argument("--select", default=None, choices=SELECTIONS,
+                    help="the rule that picks each problem's answer, and so the headline accuracy: naive (the "
+                         "best-scored completion, search-and-learn's pred), weighted (the answer whose "
+                         "completions' scores sum highest), majority (the most frequent answer); default: "
+                         "naive for best_of_n, majority for majority, weighted otherwise. All three are "
+                         "reported either way")  # fmt: skip
     _add_search_flags(ev)
     ev.add_argument("--workers", type=int, default=None,
                     help="search on N Ray actors, one runtime each (needs: pip install 'treeserve[ray]')")  # fmt: skip

@@ -160,6 +160,9 @@ def test_search_streams_progress_then_the_result(server: LiveServer) -> None:
     assert progress and all(p["object"] == "search.progress" for p in progress)
     assert [p["iteration"] for p in progress] == list(range(len(progress)))
     assert result["object"] == "search" and len(result["completions"]) == 4
+    assert result["selection"] == "weighted"  # the rule that picked `answer`, and every rule's pick
+    assert set(result["answers_by_rule"]) == {"naive", "weighted", "majority"}
+    assert result["answer"] == result["answers_by_rule"]["weighted"]
 
 
 def test_majority_search_needs_no_prm_and_chat_messages_work(client: OpenAI) -> None:

@@ -13,23 +13,34 @@ this module matches problems by `unique_id` and reports, for each run against th
   "only the baseline" with p = 1/2. Small p (say < 0.05) means the difference is unlikely
   to be sampling noise over these problems.
 
+Like is compared with like. A file's `correct` flags come from its answer rule (the config's
+`selection`: naive, weighted or majority; `metrics.py`). When every file used the same rule, one
+table compares them under it. When the rules differ (a weighted beam search against a naive
+best-of-N, say), `compare_by_rule` re-selects each problem's answer from its graded completions
+under each rule the files used, and gives one table per rule, saying so: a weighted accuracy is
+never paired with a naive one.
+
 It reads results documents (`report.read_results`) and never runs a search.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from treeserve.eval.metrics import wilson_interval
-from treeserve.eval.report import read_results
+from treeserve.eval.metrics import SELECTIONS, select, wilson_interval
+from treeserve.eval.report import problems_from_records, read_results
 
 
 @dataclass
 class PairedComparison:
     name: str
+    rule: str | None  # the answer rule both accuracies use (None: as recorded, by files that name none)
+    recorded_rule: str | None  # the rule this file's own answers were chosen by
+    file: str  # the file's name
     total: int
     both: int  # solved by this run and the baseline
     only_this: int
@@ -69,29 +80,57 @@ def mcnemar_exact(b: int, c: int) -> float:
     return min(1.0, 2 * tail)
 
 
-def _outcomes(path: str | Path) -> tuple[str, dict[str, tuple[str, bool]]]:
-    results = read_results(path)
-    search = results["config"].get("search", {})
-    selection = results["config"].get("selection")
-    parts = [search.get("strategy"), selection, f"n={search['n']}" if "n" in search else None]
-    parts.append(f"T={search['temperature']}" if "temperature" in search else None)
-    label = ", ".join(str(x) for x in parts if x is not None)
-    name = f"{Path(path).name} ({label})"
-    outcomes: dict[str, tuple[str, bool]] = {}
-    for p in results["problems"]:
-        if p["unique_id"] in outcomes:
-            raise ValueError(f"{path}: problem {p['unique_id']!r} appears twice")
-        outcomes[p["unique_id"]] = (p["problem"], bool(p["correct"]))
-    return name, outcomes
+@dataclass
+class Run:
+    """One results file: its label, the rule its `correct` flags came from, the document."""
+
+    path: str | Path
+    name: str
+    rule: str | None
+    results: dict
+
+    @classmethod
+    def read(cls, path: str | Path) -> Run:
+        results = read_results(path)
+        search = results["config"].get("search", {})
+        rule = results["config"].get("selection") or results["summary"].get("accuracy_rule")
+        parts = [search.get("strategy"), f"n={search['n']}" if "n" in search else None]
+        parts.append(f"T={search['temperature']}" if "temperature" in search else None)
+        label = ", ".join(str(x) for x in parts if x is not None)
+        return cls(path, f"{Path(path).name} ({label})", rule, results)
+
+    def outcomes(self, rule: str | None = None) -> dict[str, tuple[str, bool]]:
+        """{unique_id: (problem, solved?)}: as recorded, or with each answer re-selected under `rule`."""
+        agg = self.results["config"].get("search", {}).get("agg") or self.results["summary"].get("agg", "last")
+        records = self.results["problems"]
+        ids = [str(p["unique_id"]) for p in records]
+        duplicates = [uid for uid, count in Counter(ids).items() if count > 1]
+        if duplicates:
+            raise ValueError(f"{self.path}: problem {duplicates[0]!r} appears twice")
+        if rule is None or rule == self.rule:
+            return {uid: (p["problem"], bool(p["correct"])) for uid, p in zip(ids, records, strict=True)}
+        solved = {}
+        for uid, problem in zip(ids, problems_from_records(records), strict=True):
+            i = select(problem.completions, rule, agg)
+            solved[uid] = (problem.problem, i is not None and problem.completions[i].correct)
+        return solved
 
 
-def compare_results(paths: Sequence[str | Path]) -> list[PairedComparison]:
+def compare_results(paths: Sequence[str | Path], rule: str | None = None) -> list[PairedComparison]:
     """One PairedComparison per file (the first, the baseline, against itself), over the
-    problems all files share. ValueError when fewer than two files are given, when they share
-    no problem, or when one `unique_id` names different problems in two files."""
+    problems all files share; each file's answers as recorded, or re-selected under `rule`.
+    ValueError when fewer than two files are given, when they share no problem, or when one
+    `unique_id` names different problems in two files."""
     if len(paths) < 2:
         raise ValueError("compare needs at least two results files")
-    runs = [_outcomes(p) for p in paths]
+    return _compare([Run.read(p) for p in paths], rule)
+
+
+def _compare(files: Sequence[Run], rule: str | None) -> list[PairedComparison]:
+    if rule is not None and rule not in SELECTIONS:
+        raise ValueError(f"rule must be one of {', '.join(SELECTIONS)}, got {rule!r}")
+    paths = [f.path for f in files]
+    runs = [(f.name, f.outcomes(rule)) for f in files]
     shared = set(runs[0][1]).intersection(*(set(o) for _, o in runs[1:]))
     if not shared:
         raise ValueError("the results files share no problem (matched by unique_id)")
@@ -102,12 +141,15 @@ def compare_results(paths: Sequence[str | Path]) -> list[PairedComparison]:
                 raise ValueError(f"{path}: problem {uid!r} differs from the one in {paths[0]}")
     baseline = [runs[0][1][uid][1] for uid in ids]
     comparisons = []
-    for name, outcomes in runs:
+    for file, (name, outcomes) in zip(files, runs, strict=True):
         mine = [outcomes[uid][1] for uid in ids]
         pairs = list(zip(mine, baseline, strict=True))
         comparisons.append(
             PairedComparison(
                 name=name,
+                rule=rule or file.rule,
+                recorded_rule=file.rule,
+                file=Path(file.path).name,
                 total=len(ids),
                 both=pairs.count((True, True)),
                 only_this=pairs.count((True, False)),
@@ -118,10 +160,36 @@ def compare_results(paths: Sequence[str | Path]) -> list[PairedComparison]:
     return comparisons
 
 
+def compare_by_rule(paths: Sequence[str | Path]) -> dict[str | None, list[PairedComparison]]:
+    """{rule: comparisons}: one entry, the files as recorded, when they all used one rule;
+    otherwise one entry per rule any of them used, every file re-selected under it."""
+    if len(paths) < 2:
+        raise ValueError("compare needs at least two results files")
+    files = [Run.read(p) for p in paths]
+    rules = {f.rule for f in files}
+    if len(rules) == 1:
+        return {rules.pop(): _compare(files, None)}
+    return {rule: _compare(files, rule) for rule in SELECTIONS if rule in rules}
+
+
+def format_by_rule(by_rule: dict[str | None, list[PairedComparison]]) -> str:
+    """`compare_by_rule`'s tables, after a note when the files' own rules differed."""
+    tables = list(by_rule.values())
+    if len(tables) == 1:
+        return format_comparison(tables[0])
+    own = ", ".join(f"{c.file}: {c.recorded_rule or 'not recorded'}" for c in tables[0])
+    note = (
+        f"The files chose their answers by different rules ({own}); a comparison across rules "
+        "would not compare like with like, so every file is compared under each rule."
+    )
+    return "\n\n".join([note, *(format_comparison(c) for c in tables)])
+
+
 def format_comparison(comparisons: Sequence[PairedComparison]) -> str:
-    """A Markdown table: the first row is the baseline."""
+    """A Markdown table under its answer rule: the first row is the baseline."""
+    rule = comparisons[0].rule or "as recorded (rule not recorded)"
     lines = [
-        f"{comparisons[0].total} shared problems; baseline: {comparisons[0].name}",
+        f"{comparisons[0].total} shared problems; answer rule: {rule}; baseline: {comparisons[0].name}",
         "",
         "| run | accuracy (95% CI) | both | only this | only baseline | neither | difference (95% CI) | McNemar p |",
         "|---|---|---|---|---|---|---|---|",

@@ -34,7 +34,6 @@ from tqdm import tqdm
 from treeserve.eval.grading import Grader
 from treeserve.eval.runner import (
     ASSETS,
-    SELECTION,
     EvalSettings,
     Recorder,
     build_runtime,
@@ -163,7 +162,7 @@ def run_eval_distributed(
         try:
             with Grader() as grader:
                 dispatch = ProblemDispatch(ray, settings, config, options, todo, window)
-                recorder = Recorder(journal, grader, settings.selection or SELECTION[config.strategy], config.agg,
+                recorder = Recorder(journal, grader, settings.answer_rule(config.strategy), config.agg,
                                     dispatch.total_counters)  # fmt: skip
                 summary = dispatch.run(recorder, grace)
                 stopped = dispatch.stopped

@@ -13,6 +13,13 @@ reports, as plain functions over graded completions:
 * `pass@N` (any completion correct), accuracy overall and by level, and the 95% Wilson
   interval of an accuracy (the benchmarks report it).
 
+A run's headline accuracy is one rule's: `DEFAULT_SELECTION[strategy]` unless the user chose
+another (`--select`). The summary names it (`accuracy_rule`) beside every rule's accuracy at N
+(`accuracy_by_rule`), and `describe_accuracy` writes the line the CLI prints, so a number is
+never read under the wrong rule. search-and-learn's `pred` is `naive` for every strategy
+(`sal/search/best_of_n.py` l. 90, `beam_search.py` l. 217, `diverse_verifier_tree_search.py`
+l. 176-178: the argmax of the aggregated scores); its `score` computes all three at each n.
+
 Differences from search-and-learn, on purpose: a completion with no final answer does not vote
 in `weighted`/`majority` (search-and-learn votes for the empty string); a completion with no
 step scores gets the aggregated score 0.0. A pick is the *index* of a completion, so its
@@ -31,6 +38,15 @@ from dataclasses import dataclass, field
 
 AGGREGATIONS = ("last", "min", "prod")
 SELECTIONS = ("naive", "weighted", "majority")
+
+# the rule that picks each strategy's final answer unless the user names another (`--select`)
+DEFAULT_SELECTION = {
+    "best_of_n": "naive",
+    "weighted_best_of_n": "weighted",
+    "majority": "majority",
+    "beam_search": "weighted",
+    "dvts": "weighted",
+}
 
 
 @dataclass
@@ -195,16 +211,20 @@ def accuracy_by_level(problems: Sequence[ProblemOutcome]) -> dict[str, float]:
     return {("none" if lv is None else str(lv)): _mean(by_level[lv]) for lv in order}
 
 
-def summarize(problems: Sequence[ProblemOutcome], agg: str = "last") -> dict:
+def summarize(problems: Sequence[ProblemOutcome], agg: str = "last", rule: str | None = None) -> dict:
     """The quality half of a results summary (JSON-ready: table keys are strings).
 
-    Keys: num_problems, accuracy, accuracy_by_level, agg, N, naive@n, weighted@n, majority@n,
-    pass@n, pass@N.
+    Keys: num_problems, accuracy, accuracy_rule (`rule`: the selection that chose each problem's
+    answer, None when unknown), accuracy_by_rule ({rule: accuracy at N} for every selection and
+    pass@N), accuracy_by_level, agg, N, naive@n, weighted@n, majority@n, pass@n, pass@N.
     """
+    if rule is not None and rule not in SELECTIONS:
+        raise ValueError(f"accuracy rule must be one of {SELECTIONS}, got {rule!r}")
     num = max((len(p.completions) for p in problems), default=0)
     summary: dict = {
         "num_problems": len(problems),
         "accuracy": accuracy(problems),
+        "accuracy_rule": rule,
         "accuracy_by_level": accuracy_by_level(problems),
         "agg": agg,
         "N": num,
@@ -214,4 +234,19 @@ def summarize(problems: Sequence[ProblemOutcome], agg: str = "last") -> dict:
     passes = pass_at_n(problems)
     summary["pass@n"] = {str(n): value for n, value in passes.items()}
     summary["pass@N"] = passes.get(num, 0.0)
+    by_rule = {method: summary[f"{method}@n"].get(str(num), 0.0) for method in SELECTIONS}
+    summary["accuracy_by_rule"] = by_rule | {"pass@N": summary["pass@N"]}
     return summary
+
+
+def describe_accuracy(summary: dict) -> str:
+    """`accuracy 0.600 (weighted@16; naive 0.525, majority 0.600, pass@16 0.625)`: the headline
+    accuracy, the rule that produced it, and the others at the same N. Summaries written before
+    rules were recorded say `rule not recorded`."""
+    rule, num, by_rule = summary.get("accuracy_rule"), summary.get("N"), summary.get("accuracy_by_rule")
+    head = f"accuracy {summary['accuracy']:.3f}"
+    if by_rule is None:
+        return f"{head} (rule not recorded)"
+    others = [f"{m} {by_rule[m]:.3f}" for m in SELECTIONS if m != rule and m in by_rule]
+    others.append(f"pass@{num} {by_rule['pass@N']:.3f}")
+    return f"{head} ({f'{rule}@{num}' if rule else 'rule not recorded'}; {', '.join(others)})"

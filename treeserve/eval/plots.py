@@ -4,9 +4,12 @@ Owns `plot_accuracy_vs_n`, which reads results documents (`treeserve.eval.report
 accuracy vs N on a log2 axis, the figure of search-and-learn and "Scaling test-time compute":
 
 * a results file whose summary has `naive@n` / `weighted@n` / `majority@n` tables gets one
-  line per table, labelled `<strategy> N=<n>: <method>`;
-* files without tables add one point (their `accuracy` at their N) to a line per strategy,
-  so separate beam-search runs at N = 4, 16, 64 form one line.
+  line per table, labelled `<strategy> N=<n>: <method>`, the rule of its headline accuracy
+  marked `(headline)`;
+* files without tables add one point (their `accuracy` at their N) to a line per strategy and
+  answer rule, so separate beam-search runs at N = 4, 16, 64 form one line.
+
+Unless given a title, the figure's title names each file's headline rule (`headline_title`).
 
 It uses matplotlib's object API with the Agg canvas (no pyplot, no global backend change),
 imported only when a plot is drawn. It never computes metrics itself.
@@ -14,6 +17,7 @@ imported only when a plot is drawn. It never computes metrics itself.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,9 +28,26 @@ _METHOD_STYLES = {"naive": ":", "weighted": "-", "majority": "--"}  # overlappin
 
 
 def _label(config: dict, path: Path) -> tuple[str, int | None]:
-    strategy = str(config.get("strategy") or path.stem)
-    n = config.get("n")
+    search = config.get("search") or config  # `treeserve eval` nests the search's settings
+    strategy = str(search.get("strategy") or path.stem)
+    n = search.get("n")
     return strategy, n if isinstance(n, int) and not isinstance(n, bool) else None
+
+
+def _rule(results: dict) -> str | None:
+    return results["config"].get("selection") or results["summary"].get("accuracy_rule")
+
+
+def headline_title(results: Sequence[tuple[Path, dict]]) -> str:
+    """`accuracy vs N; headline rule: beam_search N=16 weighted, best_of_n N=16 naive`."""
+    heads: list[str] = []
+    for path, document in results:
+        strategy, n = _label(document["config"], path)
+        head = f"{strategy} N={n}" if n is not None else strategy
+        text = f"{head} {_rule(document) or '(rule not recorded)'}"
+        if text not in heads:
+            heads.append(text)
+    return "\n".join(textwrap.wrap(f"accuracy vs N; headline rule: {', '.join(heads)}", 90))
 
 
 def plot_accuracy_vs_n(results_paths: Sequence[str | Path], out_png: str | Path, title: str | None = None) -> Path:
@@ -41,10 +62,9 @@ def plot_accuracy_vs_n(results_paths: Sequence[str | Path], out_png: str | Path,
 
     lines: list[tuple[str, list[int], list[float], str, str]] = []  # label, xs, ys, marker, line style
     points: dict[str, list[tuple[int, float]]] = {}
-    for raw_path in results_paths:
-        path = Path(raw_path)
-        results = read_results(path)
-        summary = results["summary"]
+    documents = [(Path(p), read_results(p)) for p in results_paths]
+    for path, results in documents:
+        summary, rule = results["summary"], _rule(results)
         strategy, n = _label(results["config"], path)
         tables = {m: summary.get(f"{m}@n") for m in SELECTIONS if summary.get(f"{m}@n")}
         if tables:
@@ -52,12 +72,13 @@ def plot_accuracy_vs_n(results_paths: Sequence[str | Path], out_png: str | Path,
                 pairs = sorted((int(k), float(v)) for k, v in table.items())
                 head = f"{strategy} N={n}" if n is not None else strategy
                 style = _METHOD_STYLES.get(method, "-")
-                lines.append((f"{head}: {method}", [x for x, _ in pairs], [y for _, y in pairs], "o", style))
+                label = f"{head}: {method}" + (" (headline)" if method == rule else "")
+                lines.append((label, [x for x, _ in pairs], [y for _, y in pairs], "o", style))
         else:
             x = n if n is not None else summary.get("N")
             if not isinstance(x, int) or x < 1:
                 raise ValueError(f"{path}: no @n tables and no N (config 'n' or summary 'N') to place accuracy at")
-            points.setdefault(strategy, []).append((x, float(summary["accuracy"])))
+            points.setdefault(f"{strategy} ({rule or 'rule not recorded'})", []).append((x, float(summary["accuracy"])))
     for strategy, pairs in points.items():
         pairs.sort()
         lines.append((strategy, [x for x, _ in pairs], [y for _, y in pairs], "s", "-"))
@@ -77,8 +98,7 @@ def plot_accuracy_vs_n(results_paths: Sequence[str | Path], out_png: str | Path,
     ax.set_ylim(-0.02, 1.02)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
-    if title:
-        ax.set_title(title)
+    ax.set_title(title or headline_title(documents), fontsize="medium")
     fig.tight_layout()
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)

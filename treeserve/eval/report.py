@@ -3,7 +3,8 @@
 Owns the results JSON `treeserve eval` writes::
 
     {"config": {...},            # what ran (strategy, n, models, dataset, seeds...), free-form
-     "summary": {...},           # accuracy, problems_per_s, accuracy_by_level, naive@n, weighted@n,
+     "summary": {...},           # accuracy, accuracy_rule (the config's selection), accuracy_by_rule,
+                                 # problems_per_s, accuracy_by_level, naive@n, weighted@n,
                                  # majority@n, pass@n, pass@N, num_problems, wall_time_s,
                                  # generated_tokens, prm_tokens_prefilled, prm_unique_tokens,
                                  # prefix_hit_rate, ...
@@ -167,10 +168,13 @@ def _finite(x: float) -> float | None:
     return float(x) if math.isfinite(x) else None
 
 
-def build_summary(problems: Sequence[ProblemOutcome], stats: RunStats, agg: str = "last") -> dict:
-    """Quality metrics (`metrics.summarize`) plus throughput and cache numbers from `stats`."""
+def build_summary(
+    problems: Sequence[ProblemOutcome], stats: RunStats, agg: str = "last", rule: str | None = None
+) -> dict:
+    """Quality metrics (`metrics.summarize`; `rule`: the selection that chose the answers) plus
+    throughput and cache numbers from `stats`."""
     wall = stats.wall_time_s
-    summary = summarize(problems, agg)
+    summary = summarize(problems, agg, rule)
     summary.update(
         wall_time_s=wall,
         problems_per_s=len(problems) / wall if wall > 0 else 0.0,
@@ -187,12 +191,13 @@ def build_summary(problems: Sequence[ProblemOutcome], stats: RunStats, agg: str 
 def build_results(
     config: Mapping[str, Any], problems: Sequence[ProblemOutcome], stats: RunStats, agg: str = "last"
 ) -> dict:
-    """The whole results document: {"config", "summary", "problems"}."""
+    """The whole results document: {"config", "summary", "problems"}; the summary's
+    `accuracy_rule` is the config's `selection`."""
     if stats.wall_time_s < 0:
         raise ValueError(f"wall_time_s must be >= 0, got {stats.wall_time_s}")
     return {
         "config": dict(config),
-        "summary": build_summary(problems, stats, agg),
+        "summary": build_summary(problems, stats, agg, config.get("selection")),
         "problems": [problem_record(p, agg) for p in problems],
     }
 

@@ -22,6 +22,7 @@ from treeserve.engine.speculative import SpeculativeConfig
 from treeserve.eval.datasets import load_dataset
 from treeserve.eval.grading import Grader
 from treeserve.eval.journal import Journal, journal_path
+from treeserve.eval.metrics import DEFAULT_SELECTION, SELECTIONS
 from treeserve.eval.report import (
     RunStats,
     build_results,
@@ -38,15 +39,6 @@ from treeserve.search.run import ProblemResult, search_problems
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DEFAULT_GENERATOR = str(ASSETS / "arith-generator")
 DEFAULT_PRM = str(ASSETS / "arith-prm")
-
-# how each strategy picks its final answer from its completions (all three are reported)
-SELECTION = {
-    "best_of_n": "naive",
-    "weighted_best_of_n": "weighted",
-    "majority": "majority",
-    "beam_search": "weighted",
-    "dvts": "weighted",
-}
 
 
 @dataclass
@@ -74,8 +66,12 @@ class EvalSettings:
     reference: bool = False
     limit: int | None = None  # only the first `limit` problems
     shard: str | None = None  # "i/k": of those, problems i, i+k, i+2k, ... (`treeserve merge` joins shards)
-    selection: str | None = None  # override SELECTION[strategy]
+    selection: str | None = None  # override DEFAULT_SELECTION[strategy] (metrics.py)
     progress: bool = True
+
+    def answer_rule(self, strategy: str) -> str:
+        """The selection that picks each problem's answer (`--select`, else the strategy's default)."""
+        return self.selection or DEFAULT_SELECTION[strategy]
 
     def check(self) -> None:
         self.device = resolve_device(self.device)  # resolved, so results record what ran
@@ -89,6 +85,8 @@ class EvalSettings:
         self.async_scheduling = resolve_async_scheduling(self.async_scheduling, self.device, spec is not None)
         if self.prm_kv_fraction is not None and not 0.0 < self.prm_kv_fraction < 1.0:
             raise ValueError(f"prm_kv_fraction must be in (0, 1), got {self.prm_kv_fraction}")
+        if self.selection is not None and self.selection not in SELECTIONS:
+            raise ValueError(f"selection must be one of {', '.join(SELECTIONS)}, got {self.selection!r}")
 
 
 def build_runtime(settings: EvalSettings, config: SearchConfig) -> Runtime:
@@ -150,7 +148,7 @@ def run_eval(
         prm = load_prm(runtime, "prm", settings.prm_style) if "prm" in runtime.engines else None
         ctx = SearchContext(config, runtime, "generator", prm)
         with Grader() as grader:
-            recorder = Recorder(journal, grader, settings.selection or SELECTION[config.strategy], config.agg,
+            recorder = Recorder(journal, grader, settings.answer_rule(config.strategy), config.agg,
                                 lambda: run_counters(runtime, ctx))  # fmt: skip
             stopped = asyncio.run(_search(ctx, todo, recorder, settings.progress, grace))
         runtime.check_pages_idle()
@@ -203,7 +201,7 @@ def run_config(settings: EvalSettings, config: SearchConfig, records: list[dict]
     return {
         "search": asdict(config),
         **{k: v for k, v in asdict(settings).items() if k != "progress"},
-        "selection": settings.selection or SELECTION[config.strategy],
+        "selection": settings.answer_rule(config.strategy),
         "num_problems": len(records),
         **(extra or {}),
     }

@@ -3,9 +3,10 @@
 A request becomes a `SearchConfig` (the same fields as `treeserve eval`'s flags) and a
 `SearchContext` of its own (its own score cache and counters) over the shared runtime, so
 concurrent searches batch together in the engines. The answer is chosen among the final
-completions the way `treeserve eval` chooses (naive / weighted / majority by strategy),
-comparing answers as stripped strings (no math-verify equivalence: that needs the
-grading workers). With `stream`, progress events follow each scored iteration.
+completions the way `treeserve eval` chooses (naive / weighted / majority by strategy, or the
+request's `selection`), comparing answers as stripped strings (no math-verify equivalence: that
+needs the grading workers). The response names the rule (`selection`) and gives every rule's
+pick (`answers_by_rule`). With `stream`, progress events follow each scored iteration.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ import time
 from collections.abc import AsyncIterator
 
 from treeserve.eval.grading import extract_answer
-from treeserve.eval.metrics import ScoredCompletion, aggregate_scores, select
-from treeserve.eval.runner import SELECTION
+from treeserve.eval.metrics import DEFAULT_SELECTION, SELECTIONS, ScoredCompletion, aggregate_scores, select
 from treeserve.runtime.runtime import StepFailed
 from treeserve.search.context import Beam, Problem, SearchConfig, SearchContext
 from treeserve.search.run import STRATEGY_FUNCTIONS
@@ -75,8 +75,9 @@ def _result(served: Served, req: SearchRequest, ctx: SearchContext, prompt_token
             seconds: float) -> dict:  # fmt: skip
     config = ctx.config
     scored = [ScoredCompletion(b.text, extract_answer(b.text), b.scores, correct=False) for b in beams]
-    method = req.selection or SELECTION[config.strategy]
+    method = req.selection or DEFAULT_SELECTION[config.strategy]
     chosen = select(scored, method, config.agg)
+    picks = {rule: select(scored, rule, config.agg) for rule in SELECTIONS}
     completions = [
         {"index": i, "text": b.text, "steps": b.steps, "step_scores": b.scores,
          "score": aggregate_scores(b.scores, config.agg), "answer": s.answer, "generated_tokens": b.generated_tokens}
@@ -86,6 +87,7 @@ def _result(served: Served, req: SearchRequest, ctx: SearchContext, prompt_token
         "id": new_id("search"), "object": "search", "created": now(), "model": served.model_name,
         "strategy": config.strategy, "selection": method, "agg": config.agg,
         "answer": None if chosen is None else scored[chosen].answer, "chosen_index": chosen,
+        "answers_by_rule": {rule: None if i is None else scored[i].answer for rule, i in picks.items()},
         "completions": completions,
         "usage": {"prompt_tokens": prompt_tokens, "generator_tokens": ctx.generated_tokens,
                   "prm_tokens": ctx.prm_input_tokens, "prm_unique_tokens": len(ctx.prm_tree),
