@@ -5,7 +5,9 @@
 table by a `QuantTensor` (GGUF's Q8_0 table, an int8 one), `tiled_embedding` for a bf16 table
 laid out as AMX tiles (as a bf16 `Linear` lays out its weight, where the CPU has AMX: a tied
 LM head then multiplies on the tiles, and the table has no second copy). A tied LM head
-multiplies by the same table (the model's `pick_kernel`).
+multiplies by the same table (the model's `pick_kernel`). On a CPU that does not multiply bf16
+itself, a bf16 table is widened to fp32 like a `Linear`'s weight (`linear.widens`; its rows looked
+up are rounded back to bf16, exactly), and a tied LM head multiplies by it in fp32.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treeserve.kernels import cpu as cpu_kernels
+from treeserve.layers.linear import widens
 from treeserve.layers.quant import QuantTensor, quant_embedding
 
 
@@ -24,8 +27,13 @@ class Embedding(nn.Embedding):
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__(num_embeddings, embedding_dim)
         self.lookup: Callable[[torch.Tensor, torch.Tensor | QuantTensor], torch.Tensor] = F.embedding
+        self.widened = False  # a bf16 table held in fp32 (`linear.widens`)
 
     def pick_kernel(self) -> None:
+        if widens(self.weight):
+            self.weight = nn.Parameter(self.weight.float(), requires_grad=False)
+            self.lookup, self.widened = widened_embedding, True
+            return
         if cpu_kernels.amx_supports(self.weight):
             self.weight = nn.Parameter(cpu_kernels.amx_pack(self.weight), requires_grad=False)
         if isinstance(self.weight, QuantTensor):
@@ -43,3 +51,8 @@ def tiled_embedding(ids: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
     flat = ids.reshape(-1)
     rows = tiles[flat // cpu_kernels.AMX_PANEL, :, :, flat % cpu_kernels.AMX_PANEL, :]  # [len, k/32, 16, 2]
     return rows.reshape(*ids.shape, -1)
+
+
+def widened_embedding(input_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rows of a bf16 table held in fp32, back in bf16 (exactly their values)."""
+    return F.embedding(input_ids, table).to(torch.bfloat16)

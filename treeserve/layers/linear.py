@@ -11,6 +11,12 @@ bits); for a `QuantTensor` (the loader replaced the parameter by quantised bytes
 `quant_linear`; for fp32 weights on a CPU, `row_invariant_linear` (F.linear with at least
 MIN_GEMM_ROWS rows); F.linear everywhere else (cuBLAS on a GPU). The tied LM head of a model
 multiplies by its embedding table (tiles too where the CPU has AMX) through `linear_kernel`.
+
+On a CPU that does not multiply bf16 itself (neither AVX512-BF16 nor AMX: PyTorch emulates the
+products, 7x slower than fp32 on an AVX2 AMD EPYC), a bf16 `Linear` widens its weight to fp32 at
+load (`widens`; exact: every bf16 is an fp32) and `widened_linear` multiplies the bf16 inputs in
+fp32, row-invariant as an fp32 layer, rounding the product to bf16 once: the layer's outputs stay
+bf16. The weights take twice the memory.
 """
 
 from __future__ import annotations
@@ -32,6 +38,25 @@ LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch
 # product in another order, so a row's last bits depended on how many rows shared its matmul
 # (from 16 rows on, every row count gave the same bits: 16-2048 rows, k 64-4096, tested).
 MIN_GEMM_ROWS = 16
+
+
+def widens(weight: torch.Tensor | QuantTensor) -> bool:
+    """A dense bf16 matrix on a CPU that does not multiply bf16 itself, and has no AMX tiles for it:
+    widened to fp32 at load (`widened_linear`)."""
+    return (
+        isinstance(weight, torch.Tensor)
+        and weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and not cpu_kernels.native_bf16()
+        and not cpu_kernels.amx_supports(weight)
+    )
+
+
+def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A bf16 layer whose weight (and bias) were widened to fp32 at load: bf16 rows x multiplied in
+    fp32, the product rounded to bf16 once."""
+    return row_invariant_linear(x.float(), weight, bias).to(torch.bfloat16)
 
 
 def linear_kernel(weight: torch.Tensor | QuantTensor, rows: int) -> LinearKernel:
@@ -67,6 +92,12 @@ class Linear(nn.Linear):
         self.kernel: LinearKernel = F.linear  # until `pick_kernel` (a model built for training keeps PyTorch)
 
     def pick_kernel(self) -> None:
+        if widens(self.weight):
+            self.weight = nn.Parameter(self.weight.float(), requires_grad=False)
+            if self.bias is not None:
+                self.bias = nn.Parameter(self.bias.float(), requires_grad=False)
+            self.kernel = widened_linear
+            return
         if cpu_kernels.amx_supports(self.weight):
             self.weight = nn.Parameter(cpu_kernels.amx_pack(self.weight), requires_grad=False)
         if isinstance(self.weight, QuantTensor):

@@ -17,7 +17,7 @@ from torch import nn
 from treeserve.layers.attention import Attention
 from treeserve.layers.decode_stack import DecodeStack
 from treeserve.layers.embedding import Embedding
-from treeserve.layers.linear import Linear, linear_kernel
+from treeserve.layers.linear import Linear, linear_kernel, widened_linear
 from treeserve.layers.norm import RMSNorm
 from treeserve.layers.rotary import RotaryEmbedding, rope_inv_freq
 
@@ -175,10 +175,11 @@ class LlamaForCausalLM(nn.Module):
         """The tied LM head's matmul, the rotary tables' kernels and the fused decode stack
         (`layers.pick_kernels` calls this after every submodule picked its own)."""
         weight = self.embed_tokens.weight  # its layout picked already (`pick_kernels`: submodules first)
-        self.logits_linear = linear_kernel(weight, self.embed_tokens.num_embeddings)
+        widened = self.embed_tokens.widened  # a bf16 table held in fp32: a bf16 model all the same
+        self.logits_linear = widened_linear if widened else linear_kernel(weight, self.embed_tokens.num_embeddings)
         for rope in vars(self).values():
             if isinstance(rope, RotaryEmbedding):
-                rope.pick_kernel(weight.dtype)
+                rope.pick_kernel(torch.bfloat16 if widened else weight.dtype)
         cfg = self.config
         act = self.layers[0].mlp.act
         self.decode_stack = DecodeStack.build(self.layers, self.rope_tables(), act, cfg.intermediate_size,
