@@ -1,6 +1,6 @@
 """bf16 models on a CPU that does not multiply bf16 itself: weights widened to fp32 at load.
 
-Without AVX512-BF16 or AMX, PyTorch emulates bf16 products (7x slower than fp32 on an AVX2 AMD
+Without AVX512-BF16 or AMX, PyTorch emulates bf16 products (3-7x slower than fp32 on an AVX2 AMD
 EPYC), so `Linear` and `Embedding` hold a bf16 model's matrices in fp32 and multiply the bf16
 activations in fp32, rounding each product to bf16 once (`layers/linear.py`). These tests force
 that path on any CPU (`native_bf16` reported False) and check the layer, a whole model against its

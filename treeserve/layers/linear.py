@@ -13,7 +13,7 @@ MIN_GEMM_ROWS rows); F.linear everywhere else (cuBLAS on a GPU). The tied LM hea
 multiplies by its embedding table (tiles too where the CPU has AMX) through `linear_kernel`.
 
 On a CPU that does not multiply bf16 itself (neither AVX512-BF16 nor AMX: PyTorch emulates the
-products, 7x slower than fp32 on an AVX2 AMD EPYC), a bf16 `Linear` widens its weight to fp32 at
+products, 3-7x slower than fp32 on an AVX2 AMD EPYC), a bf16 `Linear` widens its weight to fp32 at
 load (`widens`; exact: every bf16 is an fp32) and `widened_linear` multiplies the bf16 inputs in
 fp32, row-invariant as an fp32 layer, rounding the product to bf16 once: the layer's outputs stay
 bf16. The weights take twice the memory.

@@ -53,7 +53,7 @@ def _cpu_signature() -> bytes:
 @cache
 def native_bf16() -> bool:
     """Whether the CPU multiplies bf16 itself (AVX512-BF16 or AMX-BF16 in /proc/cpuinfo's flags).
-    Without, PyTorch emulates bf16 products (7x slower than fp32 on an AVX2 AMD EPYC); True where
+    Without, PyTorch emulates bf16 products (3-7x slower than fp32 on an AVX2 AMD EPYC); True where
     the flags cannot be read."""
     flags = _cpu_signature().split()
     return not flags or b"avx512_bf16" in flags or b"amx_bf16" in flags
