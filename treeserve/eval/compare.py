@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from treeserve.eval.metrics import SELECTIONS, select, wilson_interval
-from treeserve.eval.report import problems_from_records, read_results
+from treeserve.eval.report import answer_rule, problems_from_records, read_results
 
 
 @dataclass
@@ -92,21 +92,21 @@ class Run:
     @classmethod
     def read(cls, path: str | Path) -> Run:
         results = read_results(path)
+        ids = Counter(str(p["unique_id"]) for p in results["problems"])
+        duplicates = [uid for uid, count in ids.items() if count > 1]
+        if duplicates:
+            raise ValueError(f"{path}: problem {duplicates[0]!r} appears twice")
         search = results["config"].get("search", {})
-        rule = results["config"].get("selection") or results["summary"].get("accuracy_rule")
         parts = [search.get("strategy"), f"n={search['n']}" if "n" in search else None]
         parts.append(f"T={search['temperature']}" if "temperature" in search else None)
         label = ", ".join(str(x) for x in parts if x is not None)
-        return cls(path, f"{Path(path).name} ({label})", rule, results)
+        return cls(path, f"{Path(path).name} ({label})", answer_rule(results), results)
 
     def outcomes(self, rule: str | None = None) -> dict[str, tuple[str, bool]]:
         """{unique_id: (problem, solved?)}: as recorded, or with each answer re-selected under `rule`."""
         agg = self.results["config"].get("search", {}).get("agg") or self.results["summary"].get("agg", "last")
         records = self.results["problems"]
         ids = [str(p["unique_id"]) for p in records]
-        duplicates = [uid for uid, count in Counter(ids).items() if count > 1]
-        if duplicates:
-            raise ValueError(f"{self.path}: problem {duplicates[0]!r} appears twice")
         if rule is None or rule == self.rule:
             return {uid: (p["problem"], bool(p["correct"])) for uid, p in zip(ids, records, strict=True)}
         solved = {}

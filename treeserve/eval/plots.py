@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from treeserve.eval.metrics import SELECTIONS
-from treeserve.eval.report import read_results
+from treeserve.eval.report import answer_rule, read_results
 
 _METHOD_STYLES = {"naive": ":", "weighted": "-", "majority": "--"}  # overlapping lines stay visible
 
@@ -34,17 +34,13 @@ def _label(config: dict, path: Path) -> tuple[str, int | None]:
     return strategy, n if isinstance(n, int) and not isinstance(n, bool) else None
 
 
-def _rule(results: dict) -> str | None:
-    return results["config"].get("selection") or results["summary"].get("accuracy_rule")
-
-
 def headline_title(results: Sequence[tuple[Path, dict]]) -> str:
     """`accuracy vs N; headline rule: beam_search N=16 weighted, best_of_n N=16 naive`."""
     heads: list[str] = []
     for path, document in results:
         strategy, n = _label(document["config"], path)
         head = f"{strategy} N={n}" if n is not None else strategy
-        text = f"{head} {_rule(document) or '(rule not recorded)'}"
+        text = f"{head} {answer_rule(document) or '(rule not recorded)'}"
         if text not in heads:
             heads.append(text)
     return "\n".join(textwrap.wrap(f"accuracy vs N; headline rule: {', '.join(heads)}", 90))
@@ -64,7 +60,7 @@ def plot_accuracy_vs_n(results_paths: Sequence[str | Path], out_png: str | Path,
     points: dict[str, list[tuple[int, float]]] = {}
     documents = [(Path(p), read_results(p)) for p in results_paths]
     for path, results in documents:
-        summary, rule = results["summary"], _rule(results)
+        summary, rule = results["summary"], answer_rule(results)
         strategy, n = _label(results["config"], path)
         tables = {m: summary.get(f"{m}@n") for m in SELECTIONS if summary.get(f"{m}@n")}
         if tables:

@@ -262,6 +262,12 @@ def validate_results(obj: Any, source: str = "results") -> dict:
     return dict(obj)
 
 
+def answer_rule(results: Mapping[str, Any]) -> str | None:
+    """The rule that chose a results document's answers: the config's `selection` (the summary's
+    `accuracy_rule` in documents that only record it there); None when neither does."""
+    return results["config"].get("selection") or results["summary"].get("accuracy_rule")
+
+
 def problems_from_results(results: Mapping[str, Any]) -> list[ProblemOutcome]:
     """ProblemOutcomes back from a results document (to recompute metrics, e.g. under another agg)."""
     validate_results(results)

@@ -41,15 +41,14 @@ MIN_GEMM_ROWS = 16
 
 
 def widens(weight: torch.Tensor | QuantTensor) -> bool:
-    """A dense bf16 matrix on a CPU that does not multiply bf16 itself, and has no AMX tiles for it:
-    widened to fp32 at load (`widened_linear`)."""
+    """A dense bf16 matrix on a CPU that does not multiply bf16 itself (so it has no AMX tiles
+    either): widened to fp32 at load (`widened_linear`)."""
     return (
         isinstance(weight, torch.Tensor)
         and weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
         and weight.dim() == 2
         and not cpu_kernels.native_bf16()
-        and not cpu_kernels.amx_supports(weight)
     )
 
 

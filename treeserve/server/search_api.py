@@ -76,8 +76,8 @@ def _result(served: Served, req: SearchRequest, ctx: SearchContext, prompt_token
     config = ctx.config
     scored = [ScoredCompletion(b.text, extract_answer(b.text), b.scores, correct=False) for b in beams]
     method = req.selection or DEFAULT_SELECTION[config.strategy]
-    chosen = select(scored, method, config.agg)
     picks = {rule: select(scored, rule, config.agg) for rule in SELECTIONS}
+    chosen = picks[method]
     completions = [
         {"index": i, "text": b.text, "steps": b.steps, "step_scores": b.scores,
          "score": aggregate_scores(b.scores, config.agg), "answer": s.answer, "generated_tokens": b.generated_tokens}
