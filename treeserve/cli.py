@@ -6,6 +6,7 @@
     treeserve eval ... --shard 0/4 --output s0.json; treeserve merge s0.json s1.json s2.json s3.json --output all.json
     treeserve solve "Compute ((12 + 7) * 3) - 15."
     treeserve plot results*.json --output accuracy_vs_n.png
+    treeserve eval ... --trace --output results.json; treeserve view results.json --output report.html
     treeserve profile --out profile_out            (memory sweeps: profile.json + PNG plots)
     treeserve tune --kv-cache-memory 24M --output tuned.json   (then: eval/serve --config tuned.json)
     treeserve serve [--model DIR] [--prm DIR] [--port 8000] [--api-key KEY]
@@ -176,6 +177,12 @@ def _add_search_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reference", action="store_true", help="plain path: no caches, one problem at a time")
 
 
+def _add_trace_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", action="store_true",
+                   help="record every candidate step, its PRM scores and its fate in the results "
+                        "(see them with treeserve view); changes no answer")  # fmt: skip
+
+
 def _add_memory_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=_parse_bytes, default=None,
                    help="bytes for both models' KV pages (default 1 GiB unless a budget below is given)")  # fmt: skip
@@ -219,6 +226,7 @@ def _search_settings(args: argparse.Namespace, dataset: str = ""):  # noqa: ANN2
     from treeserve.search.context import SearchConfig
 
     given = {**vars(args), "prefix_cache": not args.no_prefix_cache, "score_cache": not args.no_score_cache}
+    given["trace"] = getattr(args, "trace", False)
     config = SearchConfig(**{f.name: given[f.name] for f in fields(SearchConfig) if f.name in given})
     given["dataset"] = dataset
     settings = EvalSettings(**{f.name: given[f.name] for f in fields(EvalSettings) if f.name in given})
@@ -340,13 +348,17 @@ def cmd_solve(args: argparse.Namespace) -> int:
     settings, config = _search_settings(args)
     settings.progress = False
     settings.dataset = "inline"
-    results = run_eval(settings, config, inline=[{"problem": args.question, "answer": "", "unique_id": "q0"}])
+    inline = [{"problem": args.question, "answer": "", "unique_id": "q0"}]
+    output = args.output or ("solve.json" if args.trace else None)
+    results = run_eval(settings, config, inline=inline, output=output)
     problem = results["problems"][0]
     best = max(problem["completions"], key=lambda c: c["score"] if c["score"] is not None else -1.0)
     print(f"question: {args.question}\n")
     for i, (step, score) in enumerate(zip(best["text"].split("\n\n"), best["step_scores"], strict=False), 1):
         print(f"[step {i}, PRM {score:.3f}] {step}")
     print(f"\nanswer: {best['answer']}  (chosen among {len(problem['completions'])} by {config.strategy})")
+    if output:
+        print(f"results: {output}" + (f"  (see the search: treeserve view {output})" if args.trace else ""))
     return 0
 
 
@@ -366,7 +378,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         prm_quantization=args.prm_quantization, dequantize=args.dequantize, quant_activations=args.quant_activations,
         speculative_config=args.speculative_config, async_scheduling=args.async_scheduling,
         engine_process=not args.engine_in_process,
-        shutdown_timeout=args.shutdown_timeout, **{key: getattr(args, key) for key in CONFIG_KEYS},
+        shutdown_timeout=args.shutdown_timeout, trace_ring=args.trace_ring,
+        **{key: getattr(args, key) for key in CONFIG_KEYS},
     )  # fmt: skip
     serve(settings)
     return 0
@@ -383,6 +396,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from treeserve.eval.compare import compare_by_rule, format_by_rule
 
     print(format_by_rule(compare_by_rule(args.results)))
+    return 0
+
+
+def cmd_view(args: argparse.Namespace) -> int:
+    from treeserve.eval.view import write_view
+
+    print(write_view(args.results, args.output, args.problem))
     return 0
 
 
@@ -437,6 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="only problems I, I+K, I+2K, ... (0 <= I < K); treeserve merge joins the shards")  # fmt: skip
     ev.add_argument("--limit", type=int, default=None, help="only the first LIMIT problems")
     ev.add_argument("--memory-report", default=None, help="write the memory plan (breakdown, pages) as JSON here")
+    ev.add_argument("--page-logs", action="store_true",
+                    help="keep every engine's per-step page statistics in the results (view plots them)")  # fmt: skip
     ev.add_argument("--select", default=None, choices=SELECTIONS,
                     help="the rule that picks each problem's answer, and so the headline accuracy: naive (the "
                          "best-scored completion, search-and-learn's pred), weighted (the answer whose "
@@ -444,6 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "naive for best_of_n, majority for majority, weighted otherwise. All three are "
                          "reported either way")  # fmt: skip
     _add_search_flags(ev)
+    _add_trace_flag(ev)
     ev.add_argument("--workers", type=int, default=None,
                     help="search on N Ray actors, one runtime each (needs: pip install 'treeserve[ray]')")  # fmt: skip
     ev.add_argument("--ray-address", default=None,
@@ -454,6 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
     solve = sub.add_parser("solve", help="solve one question and print the chosen solution with step scores")
     solve.add_argument("question")
     _add_search_flags(solve)
+    _add_trace_flag(solve)
+    solve.add_argument("--output", default=None,
+                       help="also write the results JSON here (default with --trace: solve.json)")  # fmt: skip
     solve.set_defaults(func=cmd_solve)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with /v1/search")
@@ -477,6 +503,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="on SIGTERM: seconds open requests get to finish before they are aborted")  # fmt: skip
+    srv.add_argument("--trace-ring", type=int, default=32,
+                     help="traced searches (/v1/search with trace: true) kept for GET /ui, newest first")  # fmt: skip
     srv.set_defaults(func=cmd_serve)
 
     conv = sub.add_parser("convert-gguf", help="write a GGUF model as a Hugging Face checkpoint directory")
@@ -515,6 +543,12 @@ def build_parser() -> argparse.ArgumentParser:
     cmp = sub.add_parser("compare", help="paired accuracy comparison of results files (McNemar test vs the first)")
     cmp.add_argument("results", nargs="+", help="results JSON files; the first is the baseline")
     cmp.set_defaults(func=cmd_compare)
+
+    view = sub.add_parser("view", help="every problem's search tree as one HTML page that opens offline")
+    view.add_argument("results", nargs="+", help="a results JSON file, or two of the same problems side by side")
+    view.add_argument("--output", default="report.html")
+    view.add_argument("--problem", default=None, metavar="ID", help="only this problem")
+    view.set_defaults(func=cmd_view)
 
     mrg = sub.add_parser("merge", help="join the results files of `eval --shard i/k` runs into one")
     mrg.add_argument("shards", nargs="+", help="the shards' results JSON files, one per shard")

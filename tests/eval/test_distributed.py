@@ -60,9 +60,10 @@ def cluster():
 def test_two_workers_write_the_single_process_results(cluster, single, tmp_path, capsys):
     out = tmp_path / "results.json"
     assert main(["eval", "--dataset", DATASET, *FLAGS, "--output", str(out), "--workers", "2",
-                 "--cpus-per-worker", "1"]) == 0  # fmt: skip
+                 "--cpus-per-worker", "1", "--trace"]) == 0  # fmt: skip
     doc = json.loads(out.read_text())
-    assert signature(doc) == signature(single, approx=True)
+    assert signature(doc) == signature(single, approx=True)  # traced on the workers: the same search
+    assert all(len(p["trace"]["completions"]) == len(p["completions"]) for p in doc["problems"])
     assert {k: doc["summary"][k] for k in QUALITY} == {k: single["summary"][k] for k in QUALITY}
     assert doc["summary"]["workers"] == 2 and doc["summary"]["worker_failures"] == 0
     assert doc["summary"]["retried_problems"] == []

@@ -113,6 +113,7 @@ class EvalWorker:
         return {
             "completions": [(b.text, list(b.scores)) for b in result.beams],
             "seconds": result.seconds,
+            "trace": result.trace,
             "counters": run_counters(self.runtime, self.ctx),
         }
 
@@ -331,7 +332,7 @@ class ProblemDispatch:
             if i in self.answered:
                 raise AssertionError(f"problem {self.records[i]['unique_id']!r} answered twice")
             self.answered.add(i)
-            self.recorder.add(self.records[i], out["completions"])
+            self.recorder.add(self.records[i], out["completions"], out["trace"])
             remaining -= 1
             self.bar.update(1)
             alive = sum(s.alive for s in self.slots)

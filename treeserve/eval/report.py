@@ -210,13 +210,34 @@ def write_results(results: Mapping[str, Any], path: str | Path) -> Path:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=1, ensure_ascii=False, allow_nan=False)
-            f.write("\n")
+            f.write(_dumps(results))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _dumps(results: Mapping[str, Any]) -> str:
+    """The document as JSON: indented, except each problem (with its completions and trace) and
+    each page-log row, which take one line each (traces and page logs are most of a file)."""
+
+    def compact(obj: Any) -> str:
+        return json.dumps(obj, ensure_ascii=False, allow_nan=False)
+
+    def lines(items: Sequence[Any]) -> str:
+        return "[\n  " + ",\n  ".join(map(compact, items)) + "\n ]" if items else "[]"
+
+    parts = []
+    for key, value in results.items():
+        if key == "problems":
+            text = lines(value)
+        elif key == "page_logs" and isinstance(value, Mapping) and value:
+            text = "{\n" + ",\n".join(f" {compact(name)}: {lines(rows)}" for name, rows in value.items()) + "\n }"
+        else:
+            text = json.dumps(value, indent=1, ensure_ascii=False, allow_nan=False).replace("\n", "\n ")
+        parts.append(f" {compact(key)}: {text}")
+    return "{\n" + ",\n".join(parts) + "\n}\n"
 
 
 def read_results(path: str | Path) -> dict:

@@ -219,9 +219,12 @@ class Recorder:
     counters: Callable[[], dict[str, int]]
     start: float = field(default_factory=time.perf_counter)
 
-    def add(self, record: dict, completions: list[tuple[str, list[float]]]) -> None:
+    def add(self, record: dict, completions: list[tuple[str, list[float]]], trace: dict | None = None) -> None:
         [outcome] = grade_problems([record], [completions], self.grader, selection=self.selection, agg=self.agg)
-        self.journal.add(problem_record(outcome, self.agg), time.perf_counter() - self.start, self.counters())
+        row = problem_record(outcome, self.agg)
+        if trace is not None:
+            row["trace"] = trace
+        self.journal.add(row, time.perf_counter() - self.start, self.counters())
 
 
 def finish(journal: Journal, records: list[dict], agg: str, output: str | Path | None = None,
@@ -258,7 +261,7 @@ async def _search(
     by_uid = {str(r["unique_id"]): r for r in records}
 
     def done(result: ProblemResult) -> None:
-        recorder.add(by_uid[result.uid], [(b.text, b.scores) for b in result.beams])
+        recorder.add(by_uid[result.uid], [(b.text, b.scores) for b in result.beams], result.trace)
         bar.update(1)
         bar.set_postfix_str(f"{engine.num_generated_tokens / (time.perf_counter() - start):.0f} tok/s")
 

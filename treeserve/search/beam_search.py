@@ -13,6 +13,7 @@ iteration, whose beams are not ranked); the beam keeps only its sampled step.
 from __future__ import annotations
 
 from treeserve.search.context import Beam, Problem, SearchContext, aggregate, gather_or_cancel
+from treeserve.search.trace import DUPLICATE, FINISHED, KEPT, PRUNED
 
 
 async def beam_search(ctx: SearchContext, problem: Problem) -> list[Beam]:
@@ -36,19 +37,27 @@ async def _iterate(
         grown = await gather_or_cancel(*(ctx.expand(problem, b, to_eos=last and c.final_to_eos) for b in active))
         beams = [children[0] for children in grown]
         await gather_or_cancel(*(ctx.score_beam(problem, b, lookahead=not last) for b in beams))
-        ctx.report(iteration, beams)
         finished += [b for b in beams if b.completed]
         active[:] = beams
-        alive = [b for b in beams if not b.completed]
-        if c.filter_duplicates:
-            alive = list({b.text: b for b in reversed(alive)}.values())[::-1]  # first of each text
+        alive = [i for i, b in enumerate(beams) if not b.completed]  # indices into beams
+        fates = [FINISHED] * len(beams)
+        if c.filter_duplicates:  # the first of each text, in search-and-learn's order
+            unique = list({beams[i].text: i for i in reversed(alive)}.values())[::-1]
+            for i in set(alive) - set(unique):
+                fates[i] = DUPLICATE
+            alive = unique
         if not alive or last:
-            finished += alive
+            finished += [beams[i] for i in alive]
+            ctx.report(problem, iteration, beams, fates)
             break
-        ranked = sorted(range(len(alive)), key=lambda i: (-alive[i].value(c.agg), i))
-        survivors = [alive[i] for i in sorted(ranked[:keep])]
-        for i in ranked[keep:]:
-            alive[i].drop_speculation()
+        ranked = sorted(range(len(alive)), key=lambda k: (-beams[alive[k]].value(c.agg), k))
+        survivors = [beams[alive[k]] for k in sorted(ranked[:keep])]
+        for k in ranked[keep:]:
+            fates[alive[k]] = PRUNED
+            beams[alive[k]].drop_speculation()
+        for k in ranked[:keep]:
+            fates[alive[k]] = KEPT
+        ctx.report(problem, iteration, beams, fates)
         # copy survivors back up to n beams, round robin (search-and-learn's order)
         active[:] = [survivors[j % len(survivors)].child(j // len(survivors)) for j in range(c.n)]
     finished.sort(key=lambda b: -aggregate(b.scores, c.agg))  # stable: ties keep their order

@@ -9,6 +9,7 @@ Which answer wins (naive / weighted / majority) is decided by eval/metrics from 
 from __future__ import annotations
 
 from treeserve.search.context import Beam, Problem, SearchContext
+from treeserve.search.trace import FINISHED
 
 
 async def sample_n(ctx: SearchContext, problem: Problem) -> list[Beam]:
@@ -24,12 +25,12 @@ async def sample_n(ctx: SearchContext, problem: Problem) -> list[Beam]:
 async def best_of_n(ctx: SearchContext, problem: Problem) -> list[Beam]:
     beams = await sample_n(ctx, problem)
     for beam in beams:
-        beam.scores = await ctx.score(problem, beam.steps)
-    ctx.report(0, beams)
+        await ctx.score_beam(problem, beam)
+    ctx.report(problem, 0, beams, [FINISHED] * len(beams))
     return beams
 
 
 async def majority(ctx: SearchContext, problem: Problem) -> list[Beam]:
     beams = await sample_n(ctx, problem)
-    ctx.report(0, beams)
+    ctx.report(problem, 0, beams, [FINISHED] * len(beams))
     return beams

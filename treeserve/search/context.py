@@ -18,6 +18,7 @@ from treeserve.sampling_params import SamplingParams, StructuredOutputsParams
 from treeserve.search.prm.base import PRM
 from treeserve.search.score_cache import ScoreCache, prefix_keys
 from treeserve.search.seeds import lineage_seed
+from treeserve.search.trace import SearchTrace
 from treeserve.search.tree_tokens import TreeTokens
 
 STEP_STOP = "\n\n"
@@ -57,6 +58,7 @@ class SearchConfig:
     # a step that the separator ends matches step_regex, the final step (then EOS) answer_regex
     step_regex: str | None = None
     answer_regex: str | None = None
+    trace: bool = False  # record every candidate step, its scores and its fate (search/trace.py); outputs only
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -135,6 +137,10 @@ class Beam:
     # the tokens it decoded there. Only copy 0 inherits them (it continues the same seed).
     pending: Speculation | None = None
     spec: Leftover | None = None
+    # for traces, of this beam's newest step (not inherited): decoded past the previous boundary;
+    # where its scores came from ("prm", "cache", "shared"; "" before any)
+    speculative: bool = False
+    score_source: str = ""
 
     def child(self, copy: int) -> Beam:
         child = Beam(self.path + (copy,), list(self.step_ids), list(self.steps), list(self.scores), self.completed,
@@ -222,6 +228,7 @@ class SearchContext:
     lookahead_generated_tokens: int = 0  # of generated_tokens, those of lookahead rollouts
     lookahead_prm_tokens: int = 0  # of the PRM inputs' tokens, those of rollout steps
     on_iteration: Callable[[int, list[Beam]], None] | None = None  # progress: (iteration, scored beams)
+    traces: dict[str, SearchTrace] = field(default_factory=dict)  # problem id -> its trace (config.trace)
 
     def __post_init__(self) -> None:
         if self.prm is not None:
@@ -251,9 +258,24 @@ class SearchContext:
         """`problem`'s search ended: the generator drops its drafting text."""
         self.runtime.forget_draft_group(self.generator, self.draft_group(problem))
 
-    def report(self, iteration: int, beams: list[Beam]) -> None:
+    def report(self, problem: Problem, iteration: int, beams: list[Beam], fates: list[str]) -> None:
+        """An iteration's scored candidates and what the search did with each (trace.FATES)."""
+        if self.config.trace:
+            c = self.config
+            trace = self.traces.setdefault(problem.uid, SearchTrace(c.strategy, c.n, c.beam_width, c.agg))
+            trace.add(iteration, beams, fates)
         if self.on_iteration is not None:
             self.on_iteration(iteration, beams)
+
+    def take_trace(self, problem: Problem, completions: list[Beam], seconds: float) -> dict | None:
+        """`problem`'s trace as JSON (None unless `config.trace`), forgotten here."""
+        trace = self.traces.pop(problem.uid, None)
+        if not self.config.trace:
+            return None
+        if trace is None:  # a search that reported no iteration
+            c = self.config
+            trace = SearchTrace(c.strategy, c.n, c.beam_width, c.agg)
+        return trace.to_json(completions, seconds)
 
     def sampling(self, problem: Problem, path: tuple[int, ...], n: int, to_eos: bool) -> SamplingParams:
         c = self.config
@@ -304,7 +326,7 @@ class SearchContext:
         if taken is not None:
             tokens, ends, rest = taken
             child = self._grow(beam, 0, tokens, ends)
-            child.spec = rest
+            child.spec, child.speculative = rest, True
             return child
         params.n_stop_occurrences = 1 + self.config.speculative_steps
         params.max_tokens = limit * params.n_stop_occurrences
@@ -323,7 +345,7 @@ class SearchContext:
         """Set `beam.scores` and, with `lookahead`, `beam.lookahead_scores`: the scores of a rollout
         of `config.lookahead` more steps, which the PRM reads after the beam's own steps."""
         rollout = await self.rollout(problem, beam) if lookahead else []
-        scores = await self.score(problem, beam.steps + rollout)
+        scores, beam.score_source = await self._score(problem, beam.steps + rollout)
         beam.scores, beam.lookahead_scores = scores[: len(beam.steps)], scores[len(beam.steps) :]
         if rollout:  # the rollout's share of the PRM input (as if read whole: the same with caches or without)
             _, positions = self.prm.build(problem.question, beam.steps + rollout)
@@ -391,21 +413,26 @@ class SearchContext:
     async def score(self, problem: Problem, steps: list[str]) -> list[float]:
         """PRM scores of every step; with the score cache, only steps never scored are read,
         and beams with the same steps asking at the same time share one PRM request."""
+        return (await self._score(problem, steps))[0]
+
+    async def _score(self, problem: Problem, steps: list[str]) -> tuple[list[float], str]:
+        """`score`'s scores and where they came from: "prm" (a request of its own), "cache"
+        (every step scored before), "shared" (another beam's request for the same steps)."""
         if self.prm is None:
             raise ValueError(f"strategy {self.config.strategy!r} needs a PRM")
         if not steps:
-            return []
+            return [], ""
         if not self.config.score_cache:
             self.prm_requests += 1
-            return await self.prm.score(problem.question, steps)
+            return await self.prm.score(problem.question, steps), "prm"
         keys = prefix_keys(problem.question, steps)
         known = self.cache.known(keys)
         if len(known) == len(steps):
-            return known
+            return known, "cache"
         pending = self.in_flight.get(keys[-1])
         if pending is not None:
             try:
-                return list(await asyncio.shield(pending))
+                return list(await asyncio.shield(pending)), "shared"
             except asyncio.CancelledError:
                 if not pending.cancelled():
                     raise  # this caller was cancelled
@@ -426,4 +453,4 @@ class SearchContext:
             self.in_flight.pop(keys[-1], None)
         self.cache.store(keys, scores)
         future.set_result(scores)
-        return scores
+        return scores, "prm"

@@ -11,6 +11,7 @@ rollout of K more steps (as in search-and-learn); the kept candidate keeps only 
 from __future__ import annotations
 
 from treeserve.search.context import Beam, Problem, SearchContext, gather_or_cancel
+from treeserve.search.trace import FINISHED, KEPT, PRUNED
 
 
 async def _subtree(ctx: SearchContext, problem: Problem, index: int) -> list[Beam]:
@@ -21,9 +22,11 @@ async def _subtree(ctx: SearchContext, problem: Problem, index: int) -> list[Bea
         last = iteration == c.num_iterations - 1
         candidates = await ctx.expand(problem, beam, n=c.beam_width, to_eos=last and c.final_to_eos)
         await gather_or_cancel(*(ctx.score_beam(problem, b, lookahead=not last) for b in candidates))
-        ctx.report(iteration, candidates)
         best = max(range(len(candidates)), key=lambda i: (candidates[i].value(c.agg), -i))
         beam = candidates[best]
+        ends = beam.completed or last  # the result is this expansion's candidates
+        fates = [FINISHED if ends else KEPT if i == best else PRUNED for i in range(len(candidates))]
+        ctx.report(problem, iteration, candidates, fates)
         if beam.completed:
             break
     return candidates

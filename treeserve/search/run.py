@@ -31,6 +31,7 @@ class ProblemResult:
     uid: str
     beams: list[Beam]
     seconds: float
+    trace: dict | None = None  # search/trace.py's JSON, when the config traces
 
     @property
     def generated_tokens(self) -> int:
@@ -58,7 +59,8 @@ async def search_problems(
                 beams = await strategy(ctx, problem)
             finally:
                 ctx.forget(problem)
-            result = ProblemResult(uid, beams, time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            result = ProblemResult(uid, beams, seconds, ctx.take_trace(problem, beams, seconds))
             if on_done is not None:
                 on_done(result)
             return result
