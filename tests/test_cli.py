@@ -51,6 +51,11 @@ def test_eval_plot_solve(world, tmp_path, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert main(["solve", "Compute 1+2.", *common]) == 0
     assert "[step 1, PRM" in capsys.readouterr().out
+    solved = tmp_path / "solve.json"
+    assert main(["solve", "Compute 1+2.", *common, "--trace", "--output", str(solved)]) == 0
+    assert f"treeserve view {solved}" in capsys.readouterr().out
+    assert json.loads(solved.read_text())["problems"][0]["trace"]["nodes"]
+    assert main(["view", str(solved), "--output", str(tmp_path / "solve.html")]) == 0
 
 
 @pytest.mark.parametrize(

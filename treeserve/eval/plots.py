@@ -100,3 +100,33 @@ def plot_accuracy_vs_n(results_paths: Sequence[str | Path], out_png: str | Path,
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
     return out
+
+
+def plot_pages(page_logs: dict[str, list[dict]], out_png: str | Path) -> Path:
+    """A run's page log (`eval --page-logs`: one row per engine step, `kv/stats.py`'s columns)
+    as two panels: each model's pages in use and cached, and the free pages, over time; and
+    each model's prefix-cache hit rate so far (cumulative hits / lookups) over time."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 3.8))
+    FigureCanvasAgg(fig)
+    pages, hits = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    for name, rows in page_logs.items():
+        t = [r["time_s"] for r in rows]
+        pages.plot(t, [r["in_use"] for r in rows], label=f"{name} in use")
+        pages.plot(t, [r["cached"] for r in rows], "--", label=f"{name} cached")
+        hits.plot(t, [r["hits"] / max(r["hits"] + r["misses"], 1) for r in rows], label=name)
+    if page_logs:
+        rows = next(iter(page_logs.values()))
+        pages.plot([r["time_s"] for r in rows], [r["free"] for r in rows], ":", color="grey", label="free")
+    pages.set(title="pages over time", xlabel="seconds", ylabel="pages")
+    hits.set(title="prefix-cache hit rate so far", xlabel="seconds", ylabel="hits / lookups", ylim=(-0.02, 1.02))
+    for ax in (pages, hits):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    return out

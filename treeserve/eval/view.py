@@ -1,0 +1,138 @@
+"""`treeserve view`: a run's searches as one self-contained HTML page (no network needed).
+
+Owns the page: an index (every problem's verdict, answers, tokens and time, per results file)
+as JSON, each problem's whole record (completions and search trace, `search/trace.py`) as
+gzip + base64 that the page inflates when the problem is opened (so 500 problems at N=64 load
+in seconds), the run's plots as inline PNGs, and the script and styles of `view_assets/`.
+Two files of the same problems are shown side by side. Nothing from a results file is put
+into the HTML as markup: the data sit in script elements (JSON with `<`, `>`, `&` escaped, or
+base64), and the script sets every text as textContent.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import html
+import json
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from treeserve.eval.metrics import describe_accuracy
+from treeserve.eval.report import answer_rule, read_results
+
+ASSETS = Path(__file__).with_name("view_assets")
+PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>{title}</title>
+<link rel="icon" href="data:,"><meta name="viewport" content="width=device-width, initial-scale=1">
+<style>{css}</style></head>
+<body><header><h1>{title}</h1><div class="runinfo" id="runinfo"></div></header>
+<main><section id="list"><div id="filters"></div><div id="rows"></div></section>
+<section id="view"><details id="plots" open><summary>plots</summary></details><div id="problem"></div></section></main>
+<script id="index" type="application/json">{index}</script>
+{blobs}
+<script>{js}</script></body></html>
+"""
+
+
+def _json_for_script(obj: Any) -> str:
+    """JSON that cannot end its script element or start markup."""
+    text = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def _blob(obj: Any) -> str:
+    return base64.b64encode(gzip.compress(json.dumps(obj, separators=(",", ":")).encode(), mtime=0)).decode()
+
+
+def _describe(name: str, document: dict) -> str:
+    search = document["config"].get("search") or document["config"]
+    s = document["summary"]
+    head = f"{name}: {search.get('strategy', '?')} n={search.get('n', '?')}"
+    if "accuracy" in s and "naive@n" in s:
+        head += f", {describe_accuracy(s)}"
+    return head + f", {len(document['problems'])} problems"
+
+
+def _index_entry(i: int, p: dict) -> dict:
+    trace = p.get("trace") or {}
+    return {
+        "index": i, "level": p.get("level"), "problem": str(p.get("problem", ""))[:300], "answer": p.get("answer"),
+        "pred": p.get("pred"), "correct": p.get("correct"), "traced": bool(trace),
+        "tokens": trace.get("generated_tokens"), "seconds": trace.get("seconds"),
+    }  # fmt: skip
+
+
+def _plots(paths: Sequence[Path], documents: Sequence[dict]) -> list[dict]:
+    """The run's plots as data URLs: accuracy vs N, and pages and prefix hits over time when
+    the run kept its page logs (`eval --page-logs`)."""
+    from treeserve.eval.plots import plot_accuracy_vs_n, plot_pages
+
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        files = [p for p, d in zip(paths, documents, strict=True) if any(k.endswith("@n") for k in d["summary"])]
+        if files:
+            out.append(("accuracy vs N", plot_accuracy_vs_n(files, Path(tmp) / "accuracy.png")))
+        for k, (path, doc) in enumerate(zip(paths, documents, strict=True)):
+            if doc.get("page_logs"):
+                png = plot_pages(doc["page_logs"], Path(tmp) / f"pages{k}.png")
+                out.append((f"{path.name}: pages and prefix hits", png))
+        return [{"title": t, "src": "data:image/png;base64," + base64.b64encode(f.read_bytes()).decode()}
+                for t, f in out]  # fmt: skip
+
+
+def build_page(documents: Sequence[tuple[str, dict]], problem: str | None = None,
+               plots: Sequence[dict] = ()) -> str:  # fmt: skip
+    """The HTML of `documents` ((name, results document) pairs; two are shown side by side),
+    only `problem` when given (ValueError listing the ids when no file has it)."""
+    if not documents:
+        raise ValueError("view needs a results file")
+    order: list[str] = []
+    runs = []
+    for name, doc in documents:
+        problems = {str(p["unique_id"]): _index_entry(i, p) for i, p in enumerate(doc["problems"])}
+        order += [uid for uid in problems if uid not in order]
+        runs.append({"name": name, "describe": _describe(name, doc), "problems": problems,
+                     "traced": any(p["traced"] for p in problems.values())})  # fmt: skip
+    if problem is not None:
+        if problem not in order:
+            shown = ", ".join(order[:50]) + (f", ... ({len(order) - 50} more)" if len(order) > 50 else "")
+            raise ValueError(f"no problem {problem!r} in {', '.join(n for n, _ in documents)}; its ids are: {shown}")
+        order = [problem]
+        for run in runs:
+            run["problems"] = {problem: run["problems"][problem]} if problem in run["problems"] else {}
+    blobs = [
+        f'<script type="application/octet-stream" id="p{r}_{entry["index"]}">'
+        f"{_blob(documents[r][1]['problems'][entry['index']])}</script>"
+        for r, run in enumerate(runs)
+        for entry in run["problems"].values()
+    ]
+    names = " vs ".join(name for name, _ in documents)
+    index = {"runs": runs, "order": order, "plots": list(plots), "rule": [answer_rule(d) for _, d in documents]}
+    return PAGE.format(
+        title=html.escape(f"treeserve view: {names}"),
+        css=(ASSETS / "view.css").read_text(encoding="utf-8"),
+        js=(ASSETS / "view.js").read_text(encoding="utf-8"),
+        index=_json_for_script(index),
+        blobs="\n".join(blobs),
+    )
+
+
+def write_view(paths: Sequence[str | Path], output: str | Path, problem: str | None = None) -> Path:
+    """`treeserve view`: read and check the results files, write the page to `output`."""
+    if not 1 <= len(paths) <= 2:
+        raise ValueError(f"view takes one results file, or two of the same problems to compare; got {len(paths)}")
+    paths = [Path(p) for p in paths]
+    documents = [read_results(p) for p in paths]
+    if len(documents) == 2:
+        ids = [{str(p["unique_id"]) for p in d["problems"]} for d in documents]
+        if not ids[0] & ids[1]:
+            raise ValueError(f"{paths[0]} and {paths[1]} share no problem: compare runs of the same dataset")
+    names = [p.name if len({q.name for q in paths}) == len(paths) else str(p) for p in paths]
+    page = build_page(list(zip(names, documents, strict=True)), problem, _plots(paths, documents))
+    out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(page, encoding="utf-8")
+    return out
