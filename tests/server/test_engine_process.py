@@ -120,6 +120,14 @@ def test_streams_equal_the_in_process_server(core_server, server):
     idle(core_server)
 
 
+def test_a_traced_search_in_the_core_is_kept_by_the_api_process(core_server):
+    out = post(core_server, "/v1/search", {**SEARCH, "trace": True})
+    assert out.status_code == 200 and out.json()["trace"]["nodes"]
+    kept = httpx.get(f"{core_server.base_url}/v1/search/{out.json()['id']}/trace", headers=AUTH, timeout=10)
+    assert kept.status_code == 200 and kept.json()["trace"] == out.json()["trace"]
+    idle(core_server)
+
+
 def test_bad_input_is_answered_by_the_api_process(core_server):
     bad = post(core_server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 10**6})
     assert bad.status_code == 400 and "maximum context length" in bad.json()["error"]["message"]

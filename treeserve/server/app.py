@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI-compatible routes, `/v1/search`, health, metrics, auth, errors.
+"""The FastAPI app: OpenAI-compatible routes, `/v1/search`, health, metrics, auth, errors, and
+the traced searches' pages (`/v1/search/{id}/trace`, `/ui`, `/ui/{id}`; server/traces.py).
 
 Owns the HTTP surface and its failure behaviour. Every error is an OpenAI-style body
 (`{"error": {"message", "type", "param", "code"}}`): validation errors and bad values are
@@ -17,10 +18,11 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
+from urllib.parse import urlencode
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from treeserve.runtime.runtime import StepFailed
@@ -44,28 +46,50 @@ from treeserve.server.protocol import (
     error_body,
 )
 from treeserve.server.search_api import run_search, search_context, stream_search
+from treeserve.server.traces import list_page, search_page
 from treeserve.server.wire import CoreError
 
 ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404)}
 DISCONNECT_POLL_S = 0.05  # how often a stream or a waiting request checks that its client is still there
 CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never seen by the client
+UI_COOKIE = "treeserve_api_key"
 
 
 class APIKeyMiddleware:
-    """ASGI middleware: every route but /health needs `Authorization: Bearer KEY`."""
+    """ASGI middleware: every route but /health needs `Authorization: Bearer KEY`. A browser,
+    which cannot send that header, opens `/ui?token=KEY` once (as Jupyter does): the key goes
+    into an HttpOnly cookie scoped to /ui and the address bar loses it; /ui pages then accept
+    the cookie."""
 
     def __init__(self, app: Any, api_key: str):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
+        self.expected = b"Bearer " + self.key
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] != "/health":
+            request = Request(scope)
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                body = error_body(401, "missing or invalid API key (send 'Authorization: Bearer KEY')")
+            ui = scope["path"] == "/ui" or scope["path"].startswith("/ui/")
+            token = request.query_params.get("token", "").encode() if ui else b""
+            if ui and token and hmac.compare_digest(token, self.key):
+                await _remember_key(request, token.decode())(scope, receive, send)
+                return
+            cookie = request.cookies.get(UI_COOKIE, "").encode() if ui else b""
+            if not (hmac.compare_digest(given, self.expected) or (cookie and hmac.compare_digest(cookie, self.key))):
+                hint = ", or open /ui?token=KEY once in a browser" if ui else ""
+                body = error_body(401, f"missing or invalid API key (send 'Authorization: Bearer KEY'{hint})")
                 await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _remember_key(request: Request, key: str) -> Response:
+    """303 to the same /ui address without its token, setting the key's cookie."""
+    query = urlencode([(k, v) for k, v in request.query_params.multi_items() if k != "token"])
+    response = RedirectResponse(request.url.path + (f"?{query}" if query else ""), status_code=303)
+    response.set_cookie(UI_COOKIE, key, path="/ui", httponly=True, samesite="strict")
+    return response
 
 
 def build_app(served: Served, api_key: str | None = None) -> FastAPI:
@@ -120,8 +144,27 @@ def build_app(served: Served, api_key: str | None = None) -> FastAPI:
             return await _core_search(served, core, body, request)
         ctx, problem = search_context(served, body)
         if body.stream:
-            return _sse(request, stream_search(served, body, ctx, problem))
-        return await _unless_disconnected(request, run_search(served, body, ctx, problem))
+            return _sse(request, _keeping_traces(served, body, stream_search(served, body, ctx, problem)))
+        return await _unless_disconnected(request, _keeping_trace(served, body, run_search(served, body, ctx, problem)))
+
+    @app.get("/v1/search/{search_id}/trace", responses=ERRORS)
+    async def search_trace(search_id: str) -> Response:
+        kept = served.traces.get(search_id)
+        if kept is None:
+            return JSONResponse(error_body(404, served.traces.missing(search_id)), status_code=404)
+        question, result = kept
+        return JSONResponse({"id": search_id, "object": "search.trace", "problem": question, "trace": result["trace"]})
+
+    @app.get("/ui", response_class=HTMLResponse)
+    async def ui() -> Response:
+        return HTMLResponse(list_page(served.traces))
+
+    @app.get("/ui/{search_id}", response_class=HTMLResponse)
+    async def ui_search(search_id: str) -> Response:
+        kept = served.traces.get(search_id)
+        if kept is None:
+            return JSONResponse(error_body(404, served.traces.missing(search_id)), status_code=404)
+        return HTMLResponse(search_page(*kept))
 
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
@@ -159,8 +202,34 @@ async def _core_search(served: Served, core: CoreClient, body: SearchRequest, re
         raise CoreError(500, "the engine core ended the search without a result")
 
     if body.stream:
-        return _sse(request, events())
-    return await _unless_disconnected(request, result())
+        return _sse(request, _keeping_traces(served, body, events()))
+    return await _unless_disconnected(request, _keeping_trace(served, body, result()))
+
+
+def _question(body: SearchRequest) -> str:
+    if body.problem is not None:
+        return body.problem
+    users = [m.text() for m in body.messages or [] if m.role == "user"]
+    return users[-1] if users else ""
+
+
+async def _keeping_trace(served: Served, body: SearchRequest, work: Awaitable[dict]) -> dict:
+    """`work`'s search result, kept in the server's trace ring when it was traced."""
+    result = await work
+    if body.trace:
+        served.traces.add(_question(body), result)
+    return result
+
+
+async def _keeping_traces(served: Served, body: SearchRequest, events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A search's SSE events, its final result kept in the trace ring when it was traced."""
+    async with contextlib.aclosing(events) as it:
+        async for event in it:
+            if body.trace and event.startswith("data: {"):
+                result = json.loads(event[len("data: "):])
+                if result.get("object") == "search":
+                    served.traces.add(_question(body), result)
+            yield event
 
 
 def _sse(request: Request, events: AsyncIterator[str]) -> StreamingResponse:

@@ -32,6 +32,7 @@ from treeserve.server.protocol import (
     new_id,
     now,
 )
+from treeserve.server.traces import TraceRing
 from treeserve.server.wire import CoreError
 
 VALIDATION_ID = "(validation)"  # a request id the runtime never uses (its ids are numbers)
@@ -50,6 +51,7 @@ class Served:
     metrics: ServerMetrics
     generator: str = "generator"
     prm: PRM | None = None  # the PRM adapter, when a PRM is hosted (loaded once, at startup)
+    traces: TraceRing = field(default_factory=TraceRing)  # the newest traced searches (GET /ui)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:

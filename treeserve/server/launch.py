@@ -20,6 +20,7 @@ from treeserve.runtime.runtime import Runtime, per_model_engine_args
 from treeserve.search.prm import load_prm
 from treeserve.server.completions import Served
 from treeserve.server.metrics import ServerMetrics, engine_stats
+from treeserve.server.traces import TraceRing
 
 
 @dataclass
@@ -48,6 +49,7 @@ class ServerSettings:
     async_scheduling: bool | None = None  # overlapped steps, both models (None: the device's default)
     engine_process: bool = True  # the engines in an engine-core process of their own (False: in this one)
     shutdown_timeout: float = 30.0  # on SIGTERM, seconds open requests get before they are aborted
+    trace_ring: int = 32  # how many traced searches (/v1/search "trace": true) GET /ui keeps, newest first
 
     @property
     def name(self) -> str:
@@ -69,6 +71,8 @@ class ServerSettings:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.trace_ring < 0:
+            raise ValueError(f"trace_ring must be >= 0 (0 keeps no traced search), got {self.trace_ring}")
 
 
 def build_served(settings: ServerSettings) -> Served:
@@ -90,7 +94,8 @@ def build_served(settings: ServerSettings) -> Served:
     )  # fmt: skip
     print(runtime.memory_plan.table(), flush=True)
     prm = load_prm(runtime, "prm", settings.prm_style) if settings.prm else None  # a bad PRM fails at startup
-    return Served(runtime, settings.name, ServerMetrics(lambda: engine_stats(runtime)), prm=prm)
+    metrics = ServerMetrics(lambda: engine_stats(runtime))
+    return Served(runtime, settings.name, metrics, prm=prm, traces=TraceRing(settings.trace_ring))
 
 
 def build_core_served(settings: ServerSettings) -> Served:
@@ -99,7 +104,8 @@ def build_core_served(settings: ServerSettings) -> Served:
 
     settings.check()  # bad settings fail here, before a process is started
     client = CoreClient(settings)
-    served = Served(client, settings.name, ServerMetrics(lambda: client.last_stats))  # type: ignore[arg-type]
+    metrics = ServerMetrics(lambda: client.last_stats)
+    served = Served(client, settings.name, metrics, traces=TraceRing(settings.trace_ring))  # type: ignore[arg-type]
     client.on_restart = served.metrics.core_restarts.inc
     return served
 

@@ -172,6 +172,7 @@ class SearchRequest(BaseModel):
     answer_regex: str | None = None  # the final step matches it
     seed: int = 0
     stream: bool = False
+    trace: bool = False  # return every candidate step, its scores and fate; kept for GET /ui
 
 
 class Usage(BaseModel):

@@ -6,7 +6,8 @@ concurrent searches batch together in the engines. The answer is chosen among th
 completions the way `treeserve eval` chooses (naive / weighted / majority by strategy, or the
 request's `selection`), comparing answers as stripped strings (no math-verify equivalence: that
 needs the grading workers). The response names the rule (`selection`) and gives every rule's
-pick (`answers_by_rule`). With `stream`, progress events follow each scored iteration.
+pick (`answers_by_rule`). With `stream`, progress events follow each scored iteration. With
+`trace`, the result carries the search's trace (`search/trace.py`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def search_context(served: Served, req: SearchRequest) -> tuple[SearchContext, P
         strategy=req.strategy, n=req.n, beam_width=req.beam_width, num_iterations=req.num_iterations,
         temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_tokens, agg=req.agg,
         filter_duplicates=req.filter_duplicates, final_to_eos=req.final_to_eos, lookahead=req.lookahead, seed=req.seed,
-        step_regex=req.step_regex, answer_regex=req.answer_regex,
+        step_regex=req.step_regex, answer_regex=req.answer_regex, trace=req.trace,
     )  # fmt: skip
     prm = None
     if config.strategy != "majority":
@@ -68,7 +69,10 @@ async def run_search(served: Served, req: SearchRequest, ctx: SearchContext, pro
         ctx.forget(problem)
     seconds = time.perf_counter() - start
     served.metrics.search_seconds.labels(ctx.config.strategy).observe(seconds)
-    return _result(served, req, ctx, len(problem.prompt_ids), beams, seconds)
+    result = _result(served, req, ctx, len(problem.prompt_ids), beams, seconds)
+    if req.trace:
+        result["trace"] = ctx.take_trace(problem, beams, seconds)
+    return result
 
 
 def _result(served: Served, req: SearchRequest, ctx: SearchContext, prompt_tokens: int, beams: list[Beam],
