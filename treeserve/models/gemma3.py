@@ -132,12 +132,12 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def rope_tables(self) -> tuple[RotaryEmbedding, RotaryEmbedding]:
         return self.rope, self.local_rope
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        x = x * torch.tensor(self.embed_scale).to(x.dtype)  # rounded via fp32, as transformers does
-        if self.decode_stack is not None and self.decode_stack(x, positions, attn):
-            return self.norm(x)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = super().embed(input_ids)
+        return x * torch.tensor(self.embed_scale).to(x.dtype)  # rounded via fp32, as transformers does
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
         for layer in self.layers:
             rope = self.rope if layer.self_attn.window is None else self.local_rope
             x = layer(x, positions, rope, attn)
-        return self.norm(x)
+        return x

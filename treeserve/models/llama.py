@@ -19,6 +19,7 @@ from treeserve.layers.decode_stack import DecodeStack
 from treeserve.layers.embedding import Embedding
 from treeserve.layers.linear import Linear, linear_kernel, widened_linear
 from treeserve.layers.norm import RMSNorm
+from treeserve.layers.parallel import TPGroup, vocab_parallel_lookup
 from treeserve.layers.rotary import RotaryEmbedding, rope_inv_freq
 
 
@@ -45,6 +46,12 @@ class LlamaConfig:
     has_lm_head: bool = True  # False for reward models whose checkpoint has a head of its own
     hidden_act: str = "silu"  # MLP activation: "silu" or "gelu_pytorch_tanh"
     attn_scale: float | None = None  # softmax scale of attention; None: head_dim ** -0.5
+    tp_rank: int = 0  # tensor parallelism (layers/parallel.py): this rank's heads, KV heads and
+    tp_size: int = 1  # intermediate rows are in the fields above; the vocabulary is whole
+    full_kv_heads: int = 0  # the model's KV heads (more than num_kv_heads when split; a rank may hold a copy)
+    pp_rank: int = 0  # pipeline parallelism: this stage's layers are num_layers (and layer_windows)
+    pp_size: int = 1  # from first_layer on; stage 0 also holds the embedding, final norm and LM head
+    first_layer: int = 0
 
     @classmethod
     def from_hf(cls, cfg: dict) -> LlamaConfig:
@@ -94,6 +101,8 @@ def _layer_windows(cfg: dict, model_type: str, layers: int) -> list[int | None]:
 
 
 class LlamaAttentionBlock(nn.Module):
+    tp: TPGroup | None = None  # with tensor parallelism: o_proj's partial sums are all-reduced
+
     def __init__(self, cfg: LlamaConfig, layer: int):
         super().__init__()
         self.layer = layer
@@ -111,8 +120,8 @@ class LlamaAttentionBlock(nn.Module):
         k = k.view(-1, kv_heads, head_dim)
         v = v.view(-1, kv_heads, head_dim)
         q, k = rope(*self.norm_qk(q, k), positions)
-        out = attn(self.layer, q, k, v, self.window)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        out = self.o_proj(attn(self.layer, q, k, v, self.window).reshape(-1, self.q_size))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head q/k norms before rope: none in Llama (Gemma 3 overrides this)."""
@@ -125,6 +134,8 @@ ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approxim
 class LlamaMLP(nn.Module):
     """Gated MLP, down(act(gate(x)) * up(x)); Gemma uses it with a tanh-approximated GELU."""
 
+    tp: TPGroup | None = None  # with tensor parallelism: down_proj's partial sums are all-reduced
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
@@ -133,7 +144,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        out = self.down_proj(self.act(gate) * up)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -154,15 +166,16 @@ class LlamaForCausalLM(nn.Module):
 
     decoder_layer: type[nn.Module] = LlamaDecoderLayer  # subclasses (Gemma 3) swap the layer and norm
     final_norm: type[nn.Module] = RMSNorm
+    tp: TPGroup | None = None  # with tensor parallelism: vocab-parallel embedding and LM head
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size // cfg.tp_size, cfg.hidden_size)
         self.layers = nn.ModuleList(self.decoder_layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = self.final_norm(cfg.hidden_size, cfg.rms_norm_eps)
         if not cfg.tie_word_embeddings:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size // cfg.tp_size, bias=False)
         self.rope: RotaryEmbedding | None = None
         self.logits_linear = F.linear  # the tied LM head's matmul (`pick_kernel`): the table is no Linear
         self.decode_stack: DecodeStack | None = None  # all layers of a decode step in one C call, where picked
@@ -174,28 +187,49 @@ class LlamaForCausalLM(nn.Module):
     def pick_kernel(self) -> None:
         """The tied LM head's matmul, the rotary tables' kernels and the fused decode stack
         (`layers.pick_kernels` calls this after every submodule picked its own)."""
-        weight = self.embed_tokens.weight  # its layout picked already (`pick_kernels`: submodules first)
-        widened = self.embed_tokens.widened  # a bf16 table held in fp32: a bf16 model all the same
-        self.logits_linear = widened_linear if widened else linear_kernel(weight, self.embed_tokens.num_embeddings)
+        if hasattr(self, "embed_tokens"):
+            weight = self.embed_tokens.weight  # its layout picked already (`pick_kernels`: submodules first)
+            widened = self.embed_tokens.widened  # a bf16 table held in fp32: a bf16 model all the same
+            self.logits_linear = widened_linear if widened else linear_kernel(weight, self.embed_tokens.num_embeddings)
+            dtype = torch.bfloat16 if widened else weight.dtype
+        else:  # a later pipeline stage: the norms keep the model's dtype
+            dtype = self.layers[0].input_layernorm.weight.dtype
         for rope in vars(self).values():
             if isinstance(rope, RotaryEmbedding):
-                rope.pick_kernel(torch.bfloat16 if widened else weight.dtype)
+                rope.pick_kernel(dtype)
         cfg = self.config
         act = self.layers[0].mlp.act
-        self.decode_stack = DecodeStack.build(self.layers, self.rope_tables(), act, cfg.intermediate_size,
-                                              cfg.rms_norm_eps)  # fmt: skip
+        if cfg.tp_size == 1 and cfg.pp_size == 1:  # one C call for every layer: no place for collectives
+            self.decode_stack = DecodeStack.build(self.layers, self.rope_tables(), act, cfg.intermediate_size,
+                                                  cfg.rms_norm_eps)  # fmt: skip
+
+    def attach(self, tp: TPGroup) -> None:
+        """Join `tp` (this model holds rank tp.rank's shard): every layer that reduces or gathers."""
+        for module in self.modules():
+            if isinstance(module, LlamaAttentionBlock | LlamaMLP | LlamaForCausalLM):
+                module.tp = tp
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self.embed_tokens(input_ids)
+        table = self.embed_tokens
+        return vocab_parallel_lookup(table.lookup, input_ids, table.weight, table.num_embeddings, self.tp)
 
     def rope_tables(self) -> tuple[RotaryEmbedding, RotaryEmbedding]:
         """(global layers' table, sliding-window layers' table): one table here, two in Gemma 3."""
         return self.rope, self.rope
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         if self.decode_stack is not None and self.decode_stack(x, positions, attn):
             return self.norm(x)
+        return self.norm(self.run_layers(x, positions, attn))
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
+        """The decoder layers this model holds (all of them, or a pipeline stage's) on `x`."""
         for layer in self.layers:
             x = layer(x, positions, self.rope, attn)
-        return self.norm(x)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         if not self.config.has_lm_head:
@@ -205,6 +239,8 @@ class LlamaForCausalLM(nn.Module):
             logits = self.logits_linear(hidden.to(weight.dtype), weight)
         else:  # a Linear of its own, with the kernel it picked
             logits = self.lm_head(hidden.to(self.lm_head.weight.dtype))
+        if self.tp is not None:  # every rank's slice of the vocabulary
+            logits = self.tp.gather_vocab(logits)
         return logits.float() if float32 else logits
 
     @staticmethod

@@ -28,6 +28,7 @@ from torch import nn
 from treeserve.layers import pick_kernels
 from treeserve.layers.embedding import Embedding
 from treeserve.layers.linear import Linear
+from treeserve.layers.parallel import shard_config, shard_tensor, stage_config, stage_name
 from treeserve.layers.quant import QuantTensor, describe, quantize_int8, set_quantized
 from treeserve.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from treeserve.models.gguf_loader import GGUFCheckpoint, is_gguf
@@ -113,27 +114,31 @@ def load_model(
     device: str | torch.device,
     quantization: str | None = None,
     quant_activations: str = "int8",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    pp_rank: int = 0,
+    pp_size: int = 1,
 ) -> LoadedModel:
     """`model_dir`: a Hugging Face checkpoint directory or a GGUF file; `quantization`: one of
     QUANTIZATIONS or None (checked by `EngineConfig`: "gguf" only for a GGUF file, on a CPU);
-    `quant_activations`: what the quantised matmuls take activations as (layers/quant.py ACTIVATIONS)."""
+    `quant_activations`: what the quantised matmuls take activations as (layers/quant.py ACTIVATIONS);
+    `tp_rank` of `tp_size`: load that rank's shard only; `pp_rank` of `pp_size`: that pipeline
+    stage's layers only (layers/parallel.py; dense weights)."""
     if is_gguf(model_dir):
         gguf = GGUFCheckpoint(model_dir)
         hf_config, tensors = gguf.config, gguf.tensors(keep_quantized=quantization == "gguf")
     else:
         hf_config, tensors = read_hf_config(model_dir), iter_safetensors(model_dir)
-    model_type = hf_config.get("model_type")
-    if model_type not in ARCHITECTURES:
-        raise ValueError(f"unsupported model_type {model_type!r} in {model_dir!r} (supported: {sorted(ARCHITECTURES)})")
-    config_class, model_class = ARCHITECTURES[model_type]
-    try:
-        config = config_class.from_hf(hf_config)
-    except KeyError as e:
-        raise ValueError(f"config.json in {model_dir!r} lacks required field {e}") from e
+    config = stage_config(shard_config(_config(model_dir, hf_config), tp_rank, tp_size), pp_rank, pp_size)
+    model_class = ARCHITECTURES[hf_config["model_type"]][1]
     if quantization == "int8":
         check_int8_shapes(config)
     with torch.device("meta"), _skip_init():
         model = model_class(config)
+    if pp_rank > 0:  # a later pipeline stage: its layers only
+        for name in ("embed_tokens", "norm", "lm_head"):
+            if hasattr(model, name):
+                delattr(model, name)
     state, extra = _collect_state(model, model_dir, tensors, dtype)
     if quantization == "int8":
         state = _quantize_int8(model, state, dtype)
@@ -172,6 +177,22 @@ def load_model(
     return LoadedModel(model, config, hf_config, extra, label)
 
 
+def _config(model_dir: str, hf_config: dict) -> LlamaConfig:
+    model_type = hf_config.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"unsupported model_type {model_type!r} in {model_dir!r} (supported: {sorted(ARCHITECTURES)})")
+    try:
+        return ARCHITECTURES[model_type][0].from_hf(hf_config)
+    except KeyError as e:
+        raise ValueError(f"config.json in {model_dir!r} lacks required field {e}") from e
+
+
+def read_model_config(model_dir: str) -> LlamaConfig:
+    """The model's config from its checkpoint, without its weights."""
+    hf_config = GGUFCheckpoint(model_dir).config if is_gguf(model_dir) else read_hf_config(model_dir)
+    return _config(model_dir, hf_config)
+
+
 def check_int8_shapes(config: LlamaConfig) -> None:
     """int8 rows are whole 32-weight blocks: every matrix's input width a multiple of 32."""
     widths = {
@@ -201,10 +222,14 @@ def _collect_state(
     extra: dict[str, torch.Tensor] = {}
     for hf_name, tensor in tensors:
         local, part = model.hf_to_local(hf_name)
+        local = stage_name(local, model.config)
+        if local is None:  # another pipeline stage's
+            continue
         if local not in expected:
             if "rotary_emb" not in hf_name and not (hf_name == "lm_head.weight" and model.config.tie_word_embeddings):
                 extra[hf_name] = tensor.dequantize() if isinstance(tensor, QuantTensor) else tensor
             continue
+        tensor = shard_tensor(local, tensor, part, model.config)
         if part is None:
             state[local] = tensor.to(dtype)
         else:
