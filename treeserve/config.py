@@ -56,6 +56,38 @@ def resolve_async_scheduling(value: bool | None, device: str, speculating: bool)
     return on and not speculating
 
 
+def check_parallel(model: str, device: str, tp: int, pp: int, quantization: str | None = None,
+                   speculating: bool = False) -> None:  # fmt: skip
+    """Parallel sizes against the devices, the formats and the model's shapes (its config only:
+    before any weight loads); ValueError naming the numbers."""
+    for name, size in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"{name} must be a positive integer, got {size!r}")
+    if tp * pp == 1:
+        return
+    sizes = f"tensor_parallel_size={tp} x pipeline_parallel_size={pp}"
+    if tp > 1 and pp > 1:
+        raise ValueError(f"{sizes}: one kind of parallelism at a time for now (ranks are tensor shards or "
+                         "pipeline stages)")  # fmt: skip
+    available = torch.cuda.device_count() if device.startswith("cuda") else os.cpu_count() or 1
+    kind = "GPUs" if device.startswith("cuda") else "CPU cores (a rank needs a core)"
+    if tp * pp > available:
+        raise ValueError(f"{sizes} needs {tp * pp} ranks, more than the {available} {kind} here")
+    if quantization is not None:
+        raise ValueError(f"{sizes} runs dense weights only: {quantization!r} blocks are not split across ranks "
+                         "yet (load dense with dequantize=True, or use one rank)")  # fmt: skip
+    if speculating:
+        raise ValueError(f"speculative decoding runs on one rank: it is not supported at {sizes}")
+    from treeserve.layers.parallel import check_divisible
+    from treeserve.models.loader import read_model_config
+
+    config = read_model_config(model)
+    if tp > 1:
+        check_divisible(config, tp, config.vocab_size)
+    if pp > config.num_layers:
+        raise ValueError(f"pipeline_parallel_size={pp} is more than the model's {config.num_layers} layers")
+
+
 @dataclass
 class EngineConfig:
     model: str  # a Hugging Face checkpoint directory or a GGUF file
@@ -89,6 +121,12 @@ class EngineConfig:
     # environment's TREESERVE_ASYNC_SCHEDULING=0|1, else off (README: where it pays on a CPU).
     # Speculative decoding drafts from the last token, so it steps without overlap.
     async_scheduling: bool | None = None
+    # tensor and pipeline parallelism (vLLM's names): the model split over this many ranks, rank 0
+    # here and the others in processes the engine starts (layers/parallel.py, engine/ranks.py); a
+    # rank that does not answer within parallel_timeout_s (it died or hangs) fails the requests
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    parallel_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -118,6 +156,10 @@ class EngineConfig:
         self.async_scheduling = resolve_async_scheduling(
             self.async_scheduling, self.device, self.speculative_config is not None
         )
+        if not self.parallel_timeout_s > 0:
+            raise ValueError(f"parallel_timeout_s must be > 0 seconds, got {self.parallel_timeout_s}")
+        check_parallel(self.model, self.device, self.tensor_parallel_size, self.pipeline_parallel_size,
+                       self.quantization, self.speculative_config is not None)  # fmt: skip
 
     def _resolve_quantization(self) -> str | None:
         method, gguf = self.quantization, is_gguf(self.model)

@@ -50,6 +50,15 @@ class ForwardBatch:
                             self.lens[items], self.spec[items], self.tables[items])  # fmt: skip
 
 
+def micro_batches(batch: ForwardBatch, parts: int) -> list[np.ndarray]:
+    """`batch`'s items in up to `parts` contiguous runs of about equal tokens (pipeline stages
+    work on one run while the next stage works on the one before)."""
+    ends = np.cumsum(batch.lens)
+    cuts = np.searchsorted(ends, ends[-1] * np.arange(1, parts) / parts, side="left") + 1
+    bounds = sorted({0, *cuts.tolist(), len(ends)})
+    return [np.arange(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+
+
 def rows_of(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
     """The concatenated ranges [starts[i], starts[i] + lens[i])."""
     within = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)

@@ -39,6 +39,7 @@ from treeserve.engine.executor import run_here, run_on_worker
 from treeserve.engine.guided import Constraints
 from treeserve.engine.input_batch import InputBatch, PreparedStep
 from treeserve.engine.model_runner import ModelRunner
+from treeserve.engine.ranks import Ranks
 from treeserve.engine.read_back import StepFailed, StepReader
 from treeserve.engine.request import Request, Sequence
 from treeserve.engine.sampler import fused_draw
@@ -80,9 +81,22 @@ class LLMEngine:
         `config` (a runtime that shares one arena between models attaches it later)."""
         self.config = config
         self.device = torch.device(config.device)
-        loaded = load_model(
-            config.model, config.torch_dtype, self.device, config.quantization, config.quant_activations
-        )
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        self.workers = None  # a parallel model's ranks 1..k-1, started before this rank loads its part
+        if tp * pp > 1:
+            self.workers = Ranks(config.model, config.dtype, self.device, config.attention_backend, tp, pp,
+                                 config.parallel_timeout_s)  # fmt: skip
+        try:
+            loaded = load_model(config.model, config.torch_dtype, self.device, config.quantization,
+                                config.quant_activations, tp_size=tp, pp_size=pp)  # fmt: skip
+            if self.workers is not None:
+                if tp > 1:
+                    loaded.model.attach(self.workers.group)
+                self.workers.wait_ready()
+        except BaseException:
+            if self.workers is not None:
+                self.workers.close()
+            raise
         self.model = loaded.model
         self.quantization = loaded.quantization  # e.g. "gguf:Q5_0+Q8_0", "int8", None
         self.model_config = loaded.config
@@ -155,8 +169,14 @@ class LLMEngine:
         self.scheduler.on_release = self._released
         self.inputs = InputBatch(block_size, pages_per_seq, list(self.tokenizer.eos_token_ids), self.constraints)
         backend = BACKENDS[config.attention_backend]()
+        workers, stage = self.workers, None
+        if workers is not None:
+            workers.send(("kv", pages.num_pages, block_size))
+            if workers.pp_size > 1:
+                stage = (workers.group, 0, workers.pp_size, config.torch_dtype)
         self.runner = ModelRunner(self.model, self.arena, self.device, self.model_config.attn_scale, backend,
-                                  self.draw, self.tokenizer.vocab_size)  # fmt: skip
+                                  self.draw, self.tokenizer.vocab_size, workers and workers.send,
+                                  workers is not None and workers.tp_size > 1, stage)  # fmt: skip
         self.page_log = PageLog(self.blocks)
         generated = self.reader.num_generated_tokens if hasattr(self, "reader") else 0
         self.reader = StepReader(self.scheduler, self.blocks, self.tokenizer, self.constraints, self.speculator,
@@ -341,6 +361,8 @@ class LLMEngine:
         failed = list(dict.fromkeys(item.seq.request.request_id for item in batch))
         for request_id in failed:
             self.abort(request_id)
+        if self.workers is not None:  # a collective that failed: say which rank, and stop them all
+            cause = self.workers.explain(cause)
         log.error("step failed, aborted %d request(s): %s: %s", len(failed), type(cause).__name__, cause)
         return StepFailed(failed, cause)
 
@@ -363,6 +385,11 @@ class LLMEngine:
         return request.output()
 
     # ---- introspection -------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the model's other ranks (a parallel model); the engine cannot step afterwards."""
+        if self.workers is not None:
+            self.workers.close()
+
     def check_pages_idle(self) -> None:
         """Assert the page accounting invariant for an engine with no live requests."""
         self.blocks.check_idle()

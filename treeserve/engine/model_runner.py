@@ -12,6 +12,7 @@ arena (page copies, twins' slots, the forward's own) happens here, in step order
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, fields
 
@@ -20,11 +21,12 @@ import torch
 
 from treeserve.engine.attention import AttentionBackend, AttentionBatch, SdpaBackend, SeqGroup
 from treeserve.engine.dedup import Twins
-from treeserve.engine.forward_batch import ForwardBatch, attention_inputs
+from treeserve.engine.forward_batch import ForwardBatch, attention_inputs, micro_batches
 from treeserve.engine.penalties import RowHistory, adjust_logits
 from treeserve.engine.sampler import Draw, SamplingBatch, TokenLogprobs, sample, sample_masked, token_logprobs
 from treeserve.engine.staging import Staging
 from treeserve.kv.arena import KVArena
+from treeserve.layers.parallel import TPGroup
 
 
 class PreviousStepFailed(RuntimeError):
@@ -105,8 +107,16 @@ class ModelRunner:
         backend: AttentionBackend | None = None,
         draw: Draw | None = None,
         vocab_size: int = 0,
+        mirror: Callable[[tuple], None] | None = None,
+        mirror_logits: bool = False,
+        stage: tuple[TPGroup, int, int, torch.dtype] | None = None,
     ):
         self.model = model
+        # rank 0 of a parallel model (engine/ranks.py): sends each step to the other ranks, which
+        # mirror its forward (and, tensor parallel, its logits: each rank holds a vocabulary slice)
+        self.mirror, self.mirror_logits = mirror, mirror_logits
+        # a pipeline stage: (group, this stage, stages, activation dtype); its forward runs micro-batches
+        self.stage = stage
         self.arena = arena
         self.block_size = arena.block_size
         self.device = device
@@ -116,8 +126,9 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.staging = Staging(device)
         # a token the previous step sampled is written into the inputs on the device (CUDA: the
-        # host does not wait for it; twins are then not looked for) or here (a CPU)
-        self.fill_on_device = device.type != "cpu"
+        # host does not wait for it; twins are then not looked for) or here (a CPU, or the other
+        # ranks' inputs are sent from here)
+        self.fill_on_device = device.type != "cpu" and mirror is None
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, previous: Future | None = None) -> StepResult:
@@ -135,7 +146,10 @@ class ModelRunner:
                 fill = (plan.pending_at, plan.pending_from, prev_tokens)
             else:
                 batch.token_ids[plan.pending_at] = prev_tokens.numpy()[plan.pending_from]
-        twins = Twins.find(batch, plan.twins, self.block_size) if plan.twins is not None and fill is None else None
+        twins_of = plan.twins if fill is None and self.stage is None else None  # pipelines split the batch
+        if self.mirror is not None:
+            self.mirror(("step", plan.copies, batch, twins_of))
+        twins = Twins.find(batch, twins_of, self.block_size) if twins_of is not None else None
         hidden = self.forward(twins.computed if twins else batch, fill)
         if plan.fail is not None:
             raise plan.fail
@@ -148,14 +162,52 @@ class ModelRunner:
             self._score(plan.scores, hidden, result)
         for spec in plan.prompt_logprobs:
             (targets,) = self.staging.to_device(spec.targets)
-            logits = self.model.compute_logits(hidden[spec.start : spec.stop])
+            logits = self.compute_logits(hidden[spec.start : spec.stop])
             result.prompt_logprobs.append(token_logprobs(logits, targets, spec.k))
         return result
 
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """The model's logits of rows `hidden`; with tensor parallelism every rank computes its
+        slice of the vocabulary (they are sent the rows) and the slices are gathered."""
+        if self.mirror_logits:
+            self.mirror(("logits", hidden.cpu()))  # each rank moves it to its device
+        return self.model.compute_logits(hidden, float32)
+
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, fill: tuple | None = None) -> torch.Tensor:
-        """The final hidden state of every row of `batch` ([T, hidden]); `fill` (CUDA): (rows,
-        sample rows, previous samples) to write into the token ids once they are on the device."""
+    def forward(self, batch: ForwardBatch, fill: tuple | None = None) -> torch.Tensor | None:
+        """The final hidden state of every row of `batch` ([T, hidden]; None on a pipeline stage
+        past the first); `fill` (CUDA): (rows, sample rows, previous samples) to write into the
+        token ids once they are on the device."""
+        if self.stage is not None:
+            return self._pipelined(batch)
+        return self.model(*self._inputs(batch, fill))
+
+    def _pipelined(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """This stage's layers over `batch` in micro-batches: each stage works on one while the
+        next works on the one before. Stage 0 embeds and sends; the last stage sends back to
+        stage 0, which norms."""
+        group, rank, stages, dtype = self.stage
+        hidden_size = self.model.config.hidden_size
+        parts = [batch.take(items) for items in micro_batches(batch, stages)]
+        sends = []
+        for part in parts:
+            tokens, positions, attn = self._inputs(part, None)
+            if rank == 0:
+                x = self.model.embed(tokens)
+            else:
+                x = group.recv((part.token_ids.shape[0], hidden_size), dtype, rank - 1, self.device)
+            sends.append(group.isend(self.model.run_layers(x, positions, attn), (rank + 1) % stages))
+        if rank > 0:
+            for work in sends:
+                work.wait()
+            return None
+        outs = [group.recv((part.token_ids.shape[0], hidden_size), dtype, stages - 1, self.device) for part in parts]
+        for work in sends:
+            work.wait()
+        return self.model.norm(torch.cat(outs))
+
+    def _inputs(self, batch: ForwardBatch, fill: tuple | None) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        """The forward's token ids, positions and attention batch, on the device."""
         positions, slot_pages, slot_offsets, groups = attention_inputs(batch, self.block_size)
         host = [batch.token_ids, positions, slot_pages, slot_offsets]
         host += [getattr(g, name) for g in groups for name in GROUP_FIELDS]
@@ -168,7 +220,7 @@ class ModelRunner:
             at, source = next(staged), next(staged)
             tokens[at] = fill[2][source]
         attn = AttentionBatch(self.arena, slot_pages, slot_offsets, groups, self.backend, self.scale)
-        return self.model(tokens, positions, attn)
+        return tokens, positions, attn
 
     def _sample(self, spec: SampleSpec, hidden: torch.Tensor, result: StepResult) -> None:
         params = spec.params
@@ -180,7 +232,7 @@ class ModelRunner:
         if (divisors != 1.0).any():  # x / 1 is x: greedy and T=1 batches skip the division
             (scale,) = self.staging.to_device(torch.from_numpy(divisors).to(states.dtype)[:, None])
             scaled = states / scale
-        logits = self.model.compute_logits(scaled, float32=False)
+        logits = self.compute_logits(scaled, float32=False)
         if spec.edited:
             tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
             plain = sorted(set(range(len(params))) - set(spec.edited))
@@ -193,7 +245,7 @@ class ModelRunner:
             tokens = self._draw(spec, None, logits)
         if spec.logprob_rows:
             wanted = torch.tensor(spec.logprob_rows, device=tokens.device)
-            raw = self.model.compute_logits(states[wanted])
+            raw = self.compute_logits(states[wanted])
             result.logprobs = token_logprobs(raw, tokens[wanted], spec.logprobs_k)
         result.tokens = tokens
         if tokens.device.type == "cpu":
@@ -229,7 +281,7 @@ class ModelRunner:
         rows = hidden[index]
         if spec.token_ids.shape[1]:
             (ids,) = self.staging.to_device(spec.token_ids)
-            logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
+            logprobs = torch.log_softmax(self.compute_logits(rows), dim=-1)
             result.scores = logprobs.gather(1, ids).cpu()
         if spec.states:
             result.states = rows.float().cpu()
