@@ -75,6 +75,17 @@ def _add_quantization_flags(p: argparse.ArgumentParser, prm: bool) -> None:
                    "dequantised weights, the dequantised model's exact outputs, for batches of 32+ rows)")  # fmt: skip
 
 
+def _add_parallel_flags(p: argparse.ArgumentParser, prm: bool) -> None:
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="K",
+                   help="split the model over K ranks (tensor shards; processes the engine starts; gloo on a "
+                        "CPU, NCCL on CUDA)")  # fmt: skip
+    p.add_argument("--pipeline-parallel-size", type=int, default=1, metavar="K",
+                   help="split the model's layers into K pipeline stages (ranks)")  # fmt: skip
+    if prm:
+        p.add_argument("--prm-tensor-parallel-size", type=int, default=1, metavar="K", help="the PRM's, likewise")
+        p.add_argument("--prm-pipeline-parallel-size", type=int, default=1, metavar="K", help="the PRM's, likewise")
+
+
 def _add_speculative_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", '
@@ -84,6 +95,7 @@ def _add_speculative_flag(p: argparse.ArgumentParser) -> None:
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     _add_device_flags(p)
+    _add_parallel_flags(p, prm=False)
     _add_quantization_flags(p, prm=False)
     _add_speculative_flag(p)
     p.add_argument("--model", default=None, help="checkpoint directory or .gguf file (default: the shipped generator)")
@@ -117,6 +129,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         device=args.device, attention_backend=args.attention_backend, quantization=args.quantization,
         dequantize=args.dequantize, speculative_config=args.speculative_config,
         quant_activations=args.quant_activations or "int8", async_scheduling=args.async_scheduling,
+        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
     )  # fmt: skip
     loaded = time.perf_counter()
     if chat:
@@ -167,6 +180,7 @@ def _add_search_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     _add_memory_flags(p)
     _add_device_flags(p)
+    _add_parallel_flags(p, prm=True)
     _add_quantization_flags(p, prm=True)
     _add_speculative_flag(p)
     p.add_argument("--max-concurrent-problems", type=int, default=64)
@@ -252,7 +266,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 raise ValueError("--memory-report describes one runtime; with --workers each worker plans its own")
             from treeserve.eval.distributed import RayMissing, RayOptions, WorkerError, run_eval_distributed
 
-            options = RayOptions(args.workers, args.ray_address, args.cpus_per_worker or 1)
+            options = RayOptions(args.workers, args.ray_address, args.cpus_per_worker or 1, args.worker_timeout)
             try:
                 results = run_eval_distributed(settings, config, options, **files)
             except (RayMissing, WorkerError) as e:
@@ -379,6 +393,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         speculative_config=args.speculative_config, async_scheduling=args.async_scheduling,
         engine_process=not args.engine_in_process,
         shutdown_timeout=args.shutdown_timeout, trace_ring=args.trace_ring,
+        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+        prm_tensor_parallel_size=args.prm_tensor_parallel_size,
+        prm_pipeline_parallel_size=args.prm_pipeline_parallel_size,
         **{key: getattr(args, key) for key in CONFIG_KEYS},
     )  # fmt: skip
     serve(settings)
@@ -472,6 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--ray-address", default=None,
                     help="join this Ray cluster ('auto' or HEAD_IP:6379); default: start one here")  # fmt: skip
     ev.add_argument("--cpus-per-worker", type=int, default=None, help="Ray CPUs and torch threads per worker (1)")
+    ev.add_argument("--worker-timeout", type=float, default=120.0, metavar="S",
+                    help="a busy worker silent for S seconds (hung) is killed and its problems retried")  # fmt: skip
     ev.set_defaults(func=cmd_eval)
 
     solve = sub.add_parser("solve", help="solve one question and print the chosen solution with step scores")
@@ -493,6 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     _add_memory_flags(srv)
     _add_device_flags(srv)
+    _add_parallel_flags(srv, prm=True)
     _add_quantization_flags(srv, prm=True)
     _add_speculative_flag(srv)
     srv.add_argument("--max-model-len", type=int, default=None)

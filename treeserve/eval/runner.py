@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from treeserve.config import check_model_path, resolve_async_scheduling
+from treeserve.config import check_model_path, check_parallel, resolve_async_scheduling
 from treeserve.device import resolve_attention_backend, resolve_device
 from treeserve.engine.speculative import SpeculativeConfig
 from treeserve.eval.datasets import load_dataset
@@ -61,6 +61,10 @@ class EvalSettings:
     quant_activations: str | None = None  # every model's quantised matmuls: "int8" | "bf16" (None: the default)
     speculative_config: dict | str | None = None  # the generator's speculative decoding (EngineConfig's)
     async_scheduling: bool | None = None  # overlapped steps, both models (None: the device's default)
+    tensor_parallel_size: int = 1  # the generator's ranks (tensor shards), and the PRM's:
+    prm_tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1  # the generator's pipeline stages, and the PRM's
+    prm_pipeline_parallel_size: int = 1
     memory_report: str | None = None  # write the memory plan (JSON) here
     page_logs: bool = False  # put every engine's per-step page statistics in the results
     reference: bool = False
@@ -69,6 +73,15 @@ class EvalSettings:
     selection: str | None = None  # override DEFAULT_SELECTION[strategy] (metrics.py)
     progress: bool = True
 
+    def parallel(self) -> dict[str, dict[str, int]]:
+        """Each model's parallel sizes, as `per_model_engine_args` takes them."""
+        return {
+            "generator": {"tensor_parallel_size": self.tensor_parallel_size,
+                          "pipeline_parallel_size": self.pipeline_parallel_size},
+            "prm": {"tensor_parallel_size": self.prm_tensor_parallel_size,
+                    "pipeline_parallel_size": self.prm_pipeline_parallel_size},
+        }  # fmt: skip
+
     def answer_rule(self, strategy: str) -> str:
         """The selection that picks each problem's answer (`--select`, else the strategy's default)."""
         return self.selection or DEFAULT_SELECTION[strategy]
@@ -76,8 +89,15 @@ class EvalSettings:
     def check(self) -> None:
         self.device = resolve_device(self.device)  # resolved, so results record what ran
         self.attention_backend = resolve_attention_backend(self.attention_backend, self.device)
-        for name, path in (("generator", self.generator), ("prm", self.prm)):
+        for name, path, quantization in (("generator", self.generator, self.quantization),
+                                         ("prm", self.prm, self.prm_quantization)):  # fmt: skip
             check_model_path(str(path), f"{name} model")
+            sizes = self.parallel()[name]
+            try:
+                check_parallel(str(path), self.device, sizes["tensor_parallel_size"], sizes["pipeline_parallel_size"],
+                               quantization)  # fmt: skip
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
         if self.shard is not None:
             parse_shard(self.shard)
         spec = SpeculativeConfig.parse(self.speculative_config)  # checked before any model loads
@@ -98,6 +118,7 @@ def build_runtime(settings: EvalSettings, config: SearchConfig) -> Runtime:
         settings.dequantize,
         settings.speculative_config,
         settings.quant_activations,
+        settings.parallel(),
     )
     return Runtime.for_search(
         settings.generator, prm, settings.kv_cache_memory, settings.prm_kv_fraction, engine_args,

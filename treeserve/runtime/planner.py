@@ -46,6 +46,10 @@ class ModelMemory:
     num_pages: int = 0  # pages of its own arena (static split); the whole shared arena otherwise
     kv_fraction: float | None = None  # static split share; None: the shared arena
     quantization: str | None = None  # the formats its weights run in ("gguf:Q5_0+Q8_0", "int8"); None: dense
+    # a parallel model: {"tensor_parallel_size": k, "pipeline_parallel_size": p, "ranks": [{"rank",
+    # "weights", "kv_bytes"}, ...]}; the rest of this plan is rank 0's (its shard or stage, its
+    # heads' or layers' pages); each other rank holds what it reported, in a process of its own
+    parallel: dict | None = None
 
 
 @dataclass
@@ -102,9 +106,23 @@ class MemoryPlan:
                 f"other {m.other / mib:6.1f}  "
                 f"{m.num_pages} pages x {m.block_size} tokens ({share})"
                 + (f"  weights in {m.quantization}" if m.quantization else "")
+                + (f"  rank 0 of {_describe(m.parallel)}" if m.parallel else "")
             )
+            for rank in (m.parallel or {}).get("ranks", []):
+                lines.append(f"  {'':<10}   rank {rank['rank']}: weights {rank['weights'] / mib:.1f}, "
+                             f"KV {rank['kv_bytes'] / mib:.1f} (its process)")  # fmt: skip
         lines += [f"  {name}: {how}" for name, how in self.sources.items()]
         return "\n".join(lines)
+
+
+def _parallel(config: object) -> dict | None:
+    sizes = {k: getattr(config, k) for k in ("tensor_parallel_size", "pipeline_parallel_size")}
+    return sizes if any(v > 1 for v in sizes.values()) else None
+
+
+def _describe(parallel: dict[str, int]) -> str:
+    tp, pp = parallel["tensor_parallel_size"], parallel["pipeline_parallel_size"]
+    return f"{tp} tensor-parallel shards" if tp > 1 else f"{pp} pipeline stages"
 
 
 SAMPLER_BYTES_PER_LOGIT = 12  # the logits row, its fp32 probabilities and their running sum (the CDF)
@@ -239,6 +257,7 @@ def plan(
             name, weights, activation_peak(engine), engine.kv_layout.token_bytes, sampler_peak=sampler,
             other=max(0, loaded_bytes[name] - weights),
             kv_fraction=None if kv_fractions is None else kv_fractions[name], quantization=engine.quantization,
+            parallel=_parallel(engine.config),
         ))  # fmt: skip
     budget = memory_budget if memory_fraction is None else int(memory_fraction * free_at_start)
     result = MemoryPlan(
@@ -264,5 +283,10 @@ def record_pages(plan: MemoryPlan, engines: dict[str, LLMEngine]) -> None:
             engine.arena.pages.page_bytes,
             engine.blocks.num_blocks,
         )
+        if m.parallel and engine.workers is not None:  # what each other rank reported holding
+            m.parallel["ranks"] = [
+                {"rank": r, "weights": part["weights"], "kv_bytes": m.num_pages * m.block_size * part["kv_token_bytes"]}
+                for r, part in enumerate(engine.workers.parts, start=1)
+            ]  # fmt: skip
     if plan.shared:
         plan.page_bytes, plan.num_pages = plan.models[0].page_bytes, plan.models[0].num_pages

@@ -110,19 +110,22 @@ class Runtime:
         )  # both checked before any model loads
         device = torch.device(engine_kwargs["device"])
         free_at_start = available_memory(device)
-        engines: dict[str, LLMEngine] = {}
-        loaded: dict[str, int] = {}  # process memory each load added
-        for s in specs:
-            before = process_memory(device)
-            config = EngineConfig(
+        configs = {  # every model's settings checked before any model loads
+            s.name: EngineConfig(
                 model=s.path,
                 dtype=dtype,
                 enable_prefix_caching=enable_prefix_caching,
                 model_id=s.name + ":" + s.path,
                 **{"block_size": s.block_size, **engine_kwargs, **s.engine_args},
             )
-            engines[s.name] = LLMEngine(config, attach_kv=False)
-            loaded[s.name] = process_memory(device) - before
+            for s in specs
+        }
+        engines: dict[str, LLMEngine] = {}
+        loaded: dict[str, int] = {}  # process memory each load added
+        for name, config in configs.items():
+            before = process_memory(device)
+            engines[name] = LLMEngine(config, attach_kv=False)
+            loaded[name] = process_memory(device) - before
         memory = planner.plan(
             engines, None if shared else {s.name: s.kv_fraction for s in specs}, free_at_start, loaded,
             kv_cache_memory, memory_budget, memory_fraction,
@@ -325,11 +328,14 @@ class Runtime:
                         future.set_exception(error)
 
     async def close(self) -> None:
+        """Stop stepping; a parallel model's other ranks stop too (the engines step no more)."""
         if self._driver is not None:
             self._driver.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._driver
             self._driver = None
+        for engine in self.engines.values():
+            engine.close()
 
     def check_pages_idle(self) -> None:
         for engine in self.engines.values():
@@ -343,10 +349,14 @@ def per_model_engine_args(
     dequantize: bool,
     speculative_config: dict | str | None = None,
     quant_activations: str | None = None,
+    parallel: dict[str, dict[str, int]] | None = None,
 ) -> dict[str, dict]:
     """`engine_args` ({"generator": {...}, "prm": {...}}) with each model's quantisation settings
-    (`quant_activations` for both) and the generator's speculative decoding added."""
+    (`quant_activations` for both), the generator's speculative decoding and each model's
+    `parallel` sizes ({"prm": {"tensor_parallel_size": 4}}; sizes of 1 are left out) added."""
     args = {name: dict(values) for name, values in (engine_args or {}).items()}
+    for name, sizes in (parallel or {}).items():
+        args.setdefault(name, {}).update({key: size for key, size in sizes.items() if size != 1})
     if speculative_config is not None:
         args.setdefault("generator", {})["speculative_config"] = speculative_config
     for name, method in (("generator", quantization), ("prm", prm_quantization)):

@@ -34,6 +34,7 @@ from treeserve.server.search_api import run_search, search_context, stream_searc
 from treeserve.server.wire import DECODER, ENCODER, Sent, encode_delta, receive, socket
 
 PARENT_POLL_S = 1.0
+RANKS_FAILED = 3  # the exit code of a core whose parallel model lost a rank (the supervisor restarts it)
 
 
 def core_main(settings: ServerSettings, to_core: str, from_core: str) -> None:
@@ -114,6 +115,7 @@ class Core:
                     self.send(["out", rid, encode_delta(out, sent)])
         except Exception as e:  # noqa: BLE001 - every failure goes back to its request
             self.send(["err", rid, *error_of(e)])
+            self._exit_if_ranks_failed()
 
     async def search(self, rid: str, body: bytes) -> None:
         try:
@@ -129,6 +131,14 @@ class Core:
                 self.send(["done", rid, await run_search(self.served, req, ctx, problem)])
         except Exception as e:  # noqa: BLE001 - every failure goes back to its request
             self.send(["err", rid, *error_of(e)])
+            self._exit_if_ranks_failed()
+
+    def _exit_if_ranks_failed(self) -> None:
+        """A parallel model whose ranks failed (one died or hung: they were all stopped) cannot
+        step again: exit, and the API process's supervisor starts a new core with new ranks."""
+        if any(e.workers is not None and not e.workers.pipes for e in self.runtime.engines.values()):
+            self.flush()
+            os._exit(RANKS_FAILED)
 
     def send(self, message: list) -> None:
         if not self.pending:

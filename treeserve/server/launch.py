@@ -13,7 +13,7 @@ import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from treeserve.config import check_model_path, resolve_async_scheduling
+from treeserve.config import check_model_path, check_parallel, resolve_async_scheduling
 from treeserve.device import resolve_attention_backend, resolve_device
 from treeserve.engine.speculative import SpeculativeConfig
 from treeserve.runtime.runtime import Runtime, per_model_engine_args
@@ -50,6 +50,10 @@ class ServerSettings:
     engine_process: bool = True  # the engines in an engine-core process of their own (False: in this one)
     shutdown_timeout: float = 30.0  # on SIGTERM, seconds open requests get before they are aborted
     trace_ring: int = 32  # how many traced searches (/v1/search "trace": true) GET /ui keeps, newest first
+    tensor_parallel_size: int = 1  # the model's ranks (tensor shards), and the PRM's
+    prm_tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1  # the model's pipeline stages, and the PRM's
+    prm_pipeline_parallel_size: int = 1
 
     @property
     def name(self) -> str:
@@ -59,9 +63,11 @@ class ServerSettings:
     def check(self) -> None:
         self.device = resolve_device(self.device)  # resolved, so results record what ran
         self.attention_backend = resolve_attention_backend(self.attention_backend, self.device)
-        for name, path in (("model", self.model), ("prm", self.prm)):
+        for name, path, tp, pp in (("model", self.model, self.tensor_parallel_size, self.pipeline_parallel_size),
+                                   ("prm", self.prm, self.prm_tensor_parallel_size, self.prm_pipeline_parallel_size)):
             if path is not None:
                 check_model_path(path, name)
+                check_parallel(path, self.device, tp, pp)
         spec = SpeculativeConfig.parse(self.speculative_config)  # checked before any model loads
         self.speculative_config = None if spec is None else asdict(spec)
         self.async_scheduling = resolve_async_scheduling(self.async_scheduling, self.device, spec is not None)
@@ -85,7 +91,11 @@ def build_served(settings: ServerSettings) -> Served:
         settings.dequantize,
         settings.speculative_config,
         settings.quant_activations,
-    )
+        {"generator": {"tensor_parallel_size": settings.tensor_parallel_size,
+                       "pipeline_parallel_size": settings.pipeline_parallel_size},
+         "prm": {"tensor_parallel_size": settings.prm_tensor_parallel_size,
+                 "pipeline_parallel_size": settings.prm_pipeline_parallel_size}},
+    )  # fmt: skip
     runtime = Runtime.for_search(
         settings.model, settings.prm, settings.kv_cache_memory, settings.prm_kv_fraction, engine_args,
         dtype=settings.dtype, memory_budget=settings.memory_budget, memory_fraction=settings.memory_fraction,
