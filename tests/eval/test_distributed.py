@@ -153,3 +153,17 @@ def test_shipped_models_resolve_to_each_nodes_installed_copy():
         str(ASSETS / "arith-prm")
     )
     assert _local_path("/models/generator", "/other/site-packages/treeserve/assets") == "/models/generator"
+
+
+def test_a_hung_worker_is_killed_and_its_problems_retried(cluster, single, capsys):
+    from treeserve.eval.distributed import RayOptions, run_eval_distributed
+
+    # worker 0's event loop blocks for good as it finishes its first problem (a hung step): its
+    # heartbeat goes unanswered, and it is killed like a dead worker
+    options = RayOptions(workers=2, heartbeat_timeout_s=3.0, hang_after={0: 1})
+    doc = run_eval_distributed(settings(), config(), options)
+    assert [p["unique_id"] for p in doc["problems"]] == [p["unique_id"] for p in single["problems"]]
+    assert signature(doc) == signature(single, approx=True)
+    assert doc["summary"]["worker_failures"] == 1
+    err = capsys.readouterr().err
+    assert "worker 0" in err and "no answer to a heartbeat for 3 s" in err

@@ -48,6 +48,7 @@ from treeserve.search.prm import load_prm
 from treeserve.search.run import search_problems
 
 RAY_EXTRA = "pip install 'treeserve[ray]'"
+HEARTBEAT_S = 2.0  # how often the driver pings each busy worker
 MAX_ATTEMPTS = 3  # a problem in flight on this many dying workers fails the run rather than kill more
 
 
@@ -72,22 +73,28 @@ class RayOptions:
     workers: int
     address: str | None = None  # an existing cluster ("auto" or "HEAD_IP:6379"); None starts one here
     cpus_per_worker: int = 1  # Ray's num_cpus per actor and its torch threads
-    # tests only: worker index -> that worker's process exits (os._exit) as it finishes its k-th problem
+    # a busy worker that does not answer a heartbeat for this long (its event loop is stuck: a hung
+    # step) is killed and its problems go to the others, as if it had died
+    heartbeat_timeout_s: float = 120.0
+    # tests only: worker index -> that worker's process exits (os._exit) as it finishes its k-th problem,
+    # or (hang_after) its event loop blocks for good there
     crash_after: dict[int, int] = field(default_factory=dict)
+    hang_after: dict[int, int] = field(default_factory=dict)
 
     def check(self) -> None:
         if self.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
         if self.cpus_per_worker < 1:
             raise ValueError(f"--cpus-per-worker must be >= 1, got {self.cpus_per_worker}")
+        if not self.heartbeat_timeout_s > 0:
+            raise ValueError(f"--worker-timeout must be > 0 seconds, got {self.heartbeat_timeout_s}")
 
 
 class EvalWorker:
     """One runtime (generator + PRM) in a Ray actor; searches one problem per call, many calls at once."""
 
-    def __init__(
-        self, settings: EvalSettings, config: SearchConfig, threads: int, driver_assets: str, crash_after: int | None
-    ):
+    def __init__(self, settings: EvalSettings, config: SearchConfig, threads: int, driver_assets: str,
+                 crash_after: int | None, hang_after: int | None = None):  # fmt: skip
         import torch
 
         torch.set_num_threads(threads)
@@ -100,16 +107,21 @@ class EvalWorker:
         prm = load_prm(self.runtime, "prm", settings.prm_style) if "prm" in self.runtime.engines else None
         self.ctx = SearchContext(config, self.runtime, "generator", prm)
         self.finished = 0
-        self.crash_after = crash_after
+        self.crash_after, self.hang_after = crash_after, hang_after
 
     async def ready(self) -> str:
         return f"{socket.gethostname()} pid {os.getpid()}"
+
+    async def ping(self) -> None:
+        """The driver's heartbeat: answered whenever the event loop runs (a hung step blocks it)."""
 
     async def search(self, uid: str, question: str) -> dict:
         [result] = await search_problems(self.ctx, [(uid, question)])
         self.finished += 1
         if self.crash_after is not None and self.finished >= self.crash_after:
             os._exit(1)  # tests: die like a killed process, with other problems in flight
+        if self.hang_after is not None and self.finished >= self.hang_after:
+            time.sleep(3600)  # tests: hang like a stuck step, the event loop blocked
         return {
             "completions": [(b.text, list(b.scores)) for b in result.beams],
             "seconds": result.seconds,
@@ -209,6 +221,9 @@ class _Slot:
     name: str = ""
     in_flight: int = 0
     alive: bool = True
+    ping: Any = None  # a heartbeat in flight, sent at `pinged`; the last one answered at `answered`
+    pinged: float = 0.0
+    answered: float = 0.0
 
 
 class ProblemDispatch:
@@ -254,7 +269,7 @@ class ProblemDispatch:
             handlers = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
         try:
             for i in range(options.workers):
-                self.slots.append(self._start(i, options.crash_after.get(i)))
+                self.slots.append(self._start(i, options.crash_after.get(i), options.hang_after.get(i)))
             for slot in self.slots:
                 try:
                     slot.name = ray.get(slot.ready)
@@ -292,9 +307,10 @@ class ProblemDispatch:
                 total[k] = total.get(k, 0) + v
         return total
 
-    def _start(self, index: int, crash_after: int | None = None) -> _Slot:
+    def _start(self, index: int, crash_after: int | None = None, hang_after: int | None = None) -> _Slot:
         worker = self.ray.remote(EvalWorker).options(num_cpus=self.options.cpus_per_worker, max_restarts=0)
-        actor = worker.remote(self.settings, self.config, self.options.cpus_per_worker, str(ASSETS), crash_after)
+        actor = worker.remote(self.settings, self.config, self.options.cpus_per_worker, str(ASSETS), crash_after,
+                              hang_after)  # fmt: skip
         self.actors += 1
         return _Slot(index, actor, self.actors, actor.ready.remote())
 
@@ -309,6 +325,7 @@ class ProblemDispatch:
             if self.stopped is not None and (not self.calls or time.perf_counter() >= self.deadline):
                 break
             self._fill()
+            self._heartbeats()
             starting = {s.ready: s for s in self.slots if s.alive and s.ready is not None}
             if not self.calls and not starting:
                 raise WorkerError(f"every worker died; {remaining} problems unanswered")
@@ -350,6 +367,29 @@ class ProblemDispatch:
                 ref = slot.actor.search.remote(str(rec["unique_id"]), rec["problem"])
                 self.calls[ref] = (slot, i, time.perf_counter())
                 slot.in_flight += 1
+
+    def _heartbeats(self) -> None:
+        """Ping every busy worker every HEARTBEAT_S; one that leaves a ping unanswered for
+        `heartbeat_timeout_s` is hung: killed, its problems retried elsewhere (as for a death)."""
+        now, timeout = time.perf_counter(), self.options.heartbeat_timeout_s
+        for slot in self.slots:
+            if not slot.alive or slot.ready is not None or not slot.in_flight:
+                slot.ping = None
+                continue
+            if slot.ping is None:
+                if now - slot.answered >= HEARTBEAT_S:
+                    slot.ping, slot.pinged = slot.actor.ping.remote(), now
+                continue
+            done, _ = self.ray.wait([slot.ping], timeout=0)
+            if done:
+                slot.ping, slot.answered = None, now
+            elif now - slot.pinged > timeout:
+                slot.ping = None
+                error = WorkerError(f"no answer to a heartbeat for {timeout:g} s (hung)")
+                for ref in [ref for ref, (s, _, _) in self.calls.items() if s is slot]:
+                    _, i, _ = self.calls.pop(ref)
+                    slot.in_flight -= 1
+                    self._lost(slot, i, error)
 
     def _started(self, slot: _Slot) -> None:
         try:
