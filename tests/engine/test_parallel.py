@@ -1,0 +1,194 @@
+"""Tensor and pipeline parallelism on a CPU (gloo, 2 processes): the same outputs as one rank,
+the arithmetic pair's beam search unchanged, a killed rank a clear error with no process left
+behind, and bad sizes refused before any weight loads."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.tiny_models import build_checkpoint
+from treeserve import LLM, SamplingParams
+from treeserve.config import EngineConfig
+from treeserve.eval.runner import EvalSettings, run_eval
+from treeserve.sampling_params import ScoreParams
+from treeserve.search.context import SearchConfig
+
+PROMPTS = ["def f(x):", "hello world", "the quick brown fox"]
+KINDS = ("tensor_parallel_size", "pipeline_parallel_size")
+pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two ranks need two cores")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    out = {arch: build_checkpoint(str(tmp_path_factory.mktemp(arch)), arch, num_hidden_layers=3,
+                                  tie_word_embeddings=arch == "qwen2")  # fmt: skip
+           for arch in ("llama", "qwen2", "gemma3_text")}
+    # one KV head for two ranks (Gemma 3 270M's shape): each rank holds a copy of it
+    out["llama-1kv"] = build_checkpoint(str(tmp_path_factory.mktemp("mqa")), "llama", num_key_value_heads=1)
+    return out
+
+
+def outputs(llm: LLM) -> tuple:
+    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16))
+    sampled = llm.generate(PROMPTS, SamplingParams(temperature=0.9, max_tokens=16, seed=7, n=2))
+    ids = llm.get_tokenizer().encode("def f(x): return x * x", add_special_tokens=False)
+    [scored] = llm.score([ids], ScoreParams(positions=list(range(len(ids))), token_ids=[3, 5, 7, 11],
+                                            return_hidden_states=True))  # fmt: skip
+    return ([o.outputs[0].token_ids for o in greedy], [[c.token_ids for c in o.outputs] for o in sampled],
+            torch.as_tensor(scored.logprobs), scored.hidden_states)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def one_rank(checkpoints) -> dict[str, tuple]:
+    """Each checkpoint's outputs on one rank (computed once)."""
+    out = {}
+    for arch, path in checkpoints.items():
+        llm = LLM(path, dtype="float32", kv_cache_memory=8 << 20)
+        out[arch] = outputs(llm)
+        llm.engine.check_pages_idle()
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3_text", "llama-1kv"])
+def test_two_ranks_give_one_ranks_outputs(checkpoints, one_rank, make_llm, arch, kind):
+    one = one_rank[arch]
+    llm = make_llm(checkpoints[arch], **{kind: 2})
+    two = outputs(llm)
+    assert two[0] == one[0]  # greedy tokens
+    assert two[1] == one[1]  # seeded sampling: drawn on rank 0 from the gathered logits
+    assert torch.allclose(two[2], one[2], atol=1e-5, rtol=0)  # fp32 log-probabilities
+    assert torch.allclose(two[3], one[3], atol=1e-5, rtol=0)  # and final hidden states
+    if kind == "pipeline_parallel_size":  # the same sums in the same order, split across processes
+        assert torch.equal(two[2], one[2])
+    assert len(llm.engine.workers.processes) == 1
+    llm.engine.close()
+    assert all(p.exitcode is not None for p in llm.engine.workers.processes)
+
+
+def search(**sizes: int) -> dict:
+    settings = EvalSettings(dataset="arith:level=4,size=3,seed=1", dtype="float32", kv_cache_memory=64 << 20,
+                            progress=False, **sizes)  # fmt: skip
+    return run_eval(settings, SearchConfig(n=4, beam_width=2, num_iterations=5))  # checks the pages are idle
+
+
+def beams(doc: dict) -> list:
+    return [(p["pred"], [c["text"] for c in p["completions"]]) for p in doc["problems"]]
+
+
+def scores(doc: dict) -> list[float]:
+    return [s for p in doc["problems"] for c in p["completions"] for s in c["step_scores"]]
+
+
+@pytest.fixture(scope="module")
+def plain_search() -> dict:
+    return search()
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        {"tensor_parallel_size": 2, "prm_tensor_parallel_size": 2},
+        {"prm_tensor_parallel_size": 2},  # a one-rank generator and a two-rank PRM on the shared arena
+        {"pipeline_parallel_size": 2, "prm_pipeline_parallel_size": 2},
+    ],
+)
+def test_beam_search_keeps_its_beams(plain_search, sizes):
+    parallel, plain = search(**sizes), plain_search
+    assert beams(parallel) == beams(plain)
+    assert scores(parallel) == pytest.approx(scores(plain), abs=1e-5)
+    assert {k: parallel["config"][k] for k in sizes} == sizes  # the results record the sizes
+    prm = next(m for m in parallel["memory"]["models"] if m["name"] == "prm")
+    [rank1] = prm["parallel"]["ranks"]  # the memory plan: what the other rank holds
+    assert rank1["weights"] > 0 and rank1["kv_bytes"] > 0
+
+
+def test_a_killed_rank_is_a_clear_error_and_no_rank_is_left(checkpoints):
+    llm = LLM(checkpoints["llama"], dtype="float32", kv_cache_memory=8 << 20, tensor_parallel_size=2,
+              parallel_timeout_s=10.0)  # fmt: skip
+    engine, [rank1] = llm.engine, llm.engine.workers.processes
+    for i in range(8):
+        engine.add_request(str(i), PROMPTS[i % 3], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+    threading.Timer(0.3, os.kill, (rank1.pid, signal.SIGKILL)).start()
+    start = time.monotonic()
+    with pytest.raises(Exception, match="rank 1") as failure:
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert time.monotonic() - start < 10.0 + 5.0  # within the timeout (a dead peer is noticed at once)
+    assert "rank 1 died during a step" in str(failure.value) and "exit code -9" in str(failure.value)
+    rank1.join(timeout=5)
+    assert rank1.exitcode is not None
+    engine.add_request("again", PROMPTS[0], SamplingParams(max_tokens=4))
+    with pytest.raises(Exception, match="ranks were stopped"):  # the engine stays failed, and says so
+        while engine.has_unfinished_requests():
+            engine.step()
+    engine.check_pages_idle()
+
+
+def test_ranks_exit_when_rank_0_is_killed(checkpoints):
+    script = (
+        "import sys, time, torch; torch.set_num_threads(1)\n"
+        "from treeserve import LLM\n"
+        f"llm = LLM({checkpoints['llama']!r}, dtype='float32', kv_cache_memory=8 << 20, pipeline_parallel_size=2)\n"
+        "print(llm.engine.workers.processes[0].pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )  # fmt: skip
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        rank1 = int(parent.stdout.readline())
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _alive(rank1):
+            time.sleep(0.1)
+        assert not _alive(rank1), "rank 1 outlived rank 0"
+    finally:
+        parent.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize(
+    ("overrides", "kwargs", "message"),
+    [
+        ({"num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 48}, {"tensor_parallel_size": 2},
+         "attention heads 6|KV heads 3"),
+        ({"num_attention_heads": 3, "num_key_value_heads": 3, "hidden_size": 48}, {"tensor_parallel_size": 2},
+         "attention heads 3, KV heads 3"),
+        ({}, {"tensor_parallel_size": 2, "quantization": "int8"}, "dense weights only: 'int8'"),
+        ({}, {"tensor_parallel_size": 2, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+         "speculative decoding runs on one rank"),
+        ({"num_hidden_layers": 1}, {"pipeline_parallel_size": 2}, "more than the model's 1 layers"),
+        ({}, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, "one kind of parallelism at a time"),
+        ({}, {"tensor_parallel_size": (os.cpu_count() or 1) + 1}, "more than the"),
+        ({}, {"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer"),
+    ],
+)
+def test_bad_sizes_are_refused_before_any_weight_loads(tmp_path, overrides, kwargs, message):
+    path = build_checkpoint(str(tmp_path), "llama", **overrides)
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model=path, dtype="float32", **kwargs)  # the config alone: no engine, no process
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL parity needs two GPUs")
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_gpus_give_one_gpus_outputs(checkpoints, kind):
+    """The same parity over NCCL, rank r on cuda:r (never run here: one GPU is lent at a time)."""
+    one = outputs(LLM(checkpoints["llama"], dtype="float32", kv_cache_memory=8 << 20, device="cuda:0"))
+    two = outputs(LLM(checkpoints["llama"], dtype="float32", kv_cache_memory=8 << 20, device="cuda:0", **{kind: 2}))
+    assert two[0] == one[0] and two[1] == one[1]
+    assert torch.allclose(two[2].cpu(), one[2].cpu(), atol=1e-5, rtol=0)
