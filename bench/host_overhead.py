@@ -367,20 +367,14 @@ def main() -> None:
                      f"{med['sampling_ms']:.2f} | {med['host_us_per_seq_step']:.2f} | {ops} |")  # fmt: skip
     print("\n".join(table))
     if args.output:
+        from treeserve.device import cpu_model
+
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         with open(args.output, "w") as f:
             json.dump({"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M"),
-                       "machine": platform.processor() or platform.machine(), "cpu": cpu_name(),
+                       "machine": platform.processor() or platform.machine(), "cpu": cpu_model(),
                        "threads": args.threads, "before": args.before, "runs": runs,
                        "medians": medians}, f, indent=1)  # fmt: skip
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return ""
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """A roofline estimate of the thesis's setup: a 1B generator and an 8B PRM in bf16 on one H100.
 
     python bench/roofline_floor.py [--gpu h100-sxm|h100-pcie|h200]
+    python bench/roofline_floor.py --prm-72b-tp 4      (a 72B PRM split over 4 GPUs: its all-reduces)
 
 Computed, not measured: bytes and FLOPs per generator decode step and per PRM scoring step
 at the batch sizes beam search produces, the time floor of each (max of bytes / bandwidth
@@ -12,6 +13,13 @@ MLP 8192, vocab 128256, tied embeddings); the PRM is Llama 3.1 8B (32 layers, hi
 32 / 8 heads of 128, MLP 14336, vocab 128256; it reads two logits per step tag, so its LM
 head is negligible). Datasheet numbers: H100 SXM 3.35 TB/s and 989 TFLOP/s dense bf16,
 H100 PCIe 2.0 TB/s and 756, H200 4.8 TB/s and 989.
+
+`--prm-72b-tp K`: a Qwen2.5-Math-PRM-72B-shaped PRM (80 layers, hidden 8192, 64 / 8 heads of
+128, MLP 29568, vocab 152064; a reward head: hidden states, no logits) tensor-parallel over K
+GPUs: per scoring step, each GPU's share of the floor above, and the two all-reduces per layer
+(after o_proj and down_proj, [tokens, hidden] bf16 each, as layers/parallel.py makes them): a
+ring moves 2 (K-1)/K of each message through every GPU, at NVLink 4's 450 GB/s a direction,
+plus a fixed ~10 us an all-reduce (small-message latency, an assumption, not a measurement).
 """
 
 from __future__ import annotations
@@ -55,6 +63,9 @@ class Shape:
 
 GENERATOR = Shape("generator 1B", 16, 2048, 32, 8, 64, 8192, 128256)
 PRM = Shape("PRM 8B", 32, 4096, 32, 8, 128, 14336, 128256)
+PRM_72B = Shape("PRM 72B", 80, 8192, 64, 8, 128, 29568, 152064)
+NVLINK_BYTES_PER_S = 450e9  # NVLink 4 (H100 SXM), one direction
+ALL_REDUCE_LATENCY_S = 10e-6
 
 
 def floor(nbytes: float, flops: float, gpu: tuple[float, float]) -> tuple[float, str]:
@@ -94,11 +105,39 @@ def search_floor(n: int, prompt: int, iterations: int, step: int, gpu: tuple[flo
             "problems_per_min": 60.0 / (gen_t + prm_t)}  # fmt: skip
 
 
+def tp_prm_step(n: int, context: int, step: int, k: int, gpu: tuple[float, float]) -> dict:
+    """One scoring step of the 72B PRM over k GPUs: each GPU's compute floor and its all-reduces."""
+    p = PRM_72B
+    nbytes = (p.body_params * BF16 + n * (context + step) * p.kv_bytes_per_token) / k
+    flops = (2.0 * p.body_params * n * step + p.attention_flops(n * step, context + step // 2)) / k
+    compute, bound = floor(nbytes, flops, gpu)
+    message = n * step * p.hidden * BF16  # one all-reduce's [tokens, hidden] bf16
+    count = 2 * p.layers
+    comm = count * (2 * (k - 1) / k * message / NVLINK_BYTES_PER_S + ALL_REDUCE_LATENCY_S)
+    return {"compute_s": compute, "bound": bound, "message_bytes": message, "all_reduces": count,
+            "ring_bytes_per_gpu": count * 2 * (k - 1) / k * message, "comm_s": comm,
+            "comm_share": comm / (compute + comm)}  # fmt: skip
+
+
+def tp_table(k: int, gpu: tuple[float, float]) -> None:
+    print(f"PRM 72B at tensor_parallel_size={k}, scoring 100 new tokens a beam after 1024 cached:\n")
+    print("| N | tokens | compute floor per GPU (ms) | all-reduces | MB each | GB through each GPU | "
+          "all-reduce time (ms) | share of the step (not overlapped) |\n|---|---|---|---|---|---|---|---|")
+    for n in (4, 16, 64, 256):
+        e = tp_prm_step(n, 1024, 100, k, gpu)
+        print(f"| {n} | {n * 100} | {e['compute_s'] * 1e3:.1f} ({e['bound']}) | {e['all_reduces']} | "
+              f"{e['message_bytes'] / 1e6:.2f} | {e['ring_bytes_per_gpu'] / 1e9:.2f} | {e['comm_s'] * 1e3:.1f} | "
+              f"{e['comm_share']:.0%} |")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpu", default="h100-sxm", choices=sorted(GPUS))
+    parser.add_argument("--prm-72b-tp", type=int, default=None, metavar="K")
     args = parser.parse_args()
     gpu = GPUS[args.gpu]
+    if args.prm_72b_tp:
+        return tp_table(args.prm_72b_tp, gpu)
     print(f"{args.gpu}: {gpu[0] / 1e12:.2f} TB/s, {gpu[1] / 1e12:.0f} TFLOP/s bf16\n")
     print("| step | N | context | GB read | GFLOP | floor (ms) | bound |\n|---|---|---|---|---|---|---|")
     for n in (4, 16, 64, 256):

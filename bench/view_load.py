@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shutil
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from treeserve.device import cpu_model
 from treeserve.eval.report import read_results, write_results
 from treeserve.eval.view import write_view
 
@@ -60,14 +60,6 @@ def load_times(page: Path, largest: str, repeats: int) -> tuple[list[float], lis
     return ready, tree, nodes
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return platform.processor()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results")
@@ -94,7 +86,7 @@ def main() -> None:
             "tiled_results_bytes": big.stat().st_size, "page_bytes": page.stat().st_size,
             "ready_s": statistics.median(ready), "largest_tree_s": statistics.median(tree),
             "largest_tree_nodes": nodes, "ready_s_all": ready, "largest_tree_s_all": tree,
-            "cpu": cpu_name(), "date": time.strftime("%Y-%m-%d"),
+            "cpu": cpu_model(), "date": time.strftime("%Y-%m-%d"),
         }  # fmt: skip
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(row, indent=1))

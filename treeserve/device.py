@@ -83,3 +83,12 @@ def process_memory(device: torch.device) -> int:
         return total - free
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def cpu_model() -> str:
+    """The CPU's model name as the kernel reports it (benchmarks name the machine they ran on)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
