@@ -73,8 +73,8 @@ def check_parallel(model: str, device: str, tp: int, pp: int, quantization: str 
     kind = "GPUs" if device.startswith("cuda") else "CPU cores (a rank needs a core)"
     if tp * pp > available:
         raise ValueError(f"{sizes} needs {tp * pp} ranks, more than the {available} {kind} here")
-    if quantization is not None:
-        raise ValueError(f"{sizes} runs dense weights only: {quantization!r} blocks are not split across ranks "
+    if quantization not in (None, "int8"):
+        raise ValueError(f"{sizes} runs dense or int8 weights: {quantization!r} blocks are not split across ranks "
                          "yet (load dense with dequantize=True, or use one rank)")  # fmt: skip
     if speculating:
         raise ValueError(f"speculative decoding runs on one rank: it is not supported at {sizes}")
@@ -84,6 +84,13 @@ def check_parallel(model: str, device: str, tp: int, pp: int, quantization: str 
     config = read_model_config(model)
     if tp > 1:
         check_divisible(config, tp, config.vocab_size)
+    if tp > 1 and quantization == "int8":  # each rank quantises its shard: whole 32-weight blocks
+        widths = {"attention heads x head_dim": config.num_heads * config.head_dim // tp,
+                  "intermediate size": config.intermediate_size // tp}  # fmt: skip
+        bad = {name: width for name, width in widths.items() if width % 32}
+        if bad:
+            raise ValueError(f"int8 at tensor_parallel_size={tp} needs each rank's matrix widths to be multiples "
+                             f"of 32 (whole blocks), got {bad}")  # fmt: skip
     if pp > config.num_layers:
         raise ValueError(f"pipeline_parallel_size={pp} is more than the model's {config.num_layers} layers")
 

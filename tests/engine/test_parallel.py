@@ -169,7 +169,8 @@ def _alive(pid: int) -> bool:
          "attention heads 6|KV heads 3"),
         ({"num_attention_heads": 3, "num_key_value_heads": 3, "hidden_size": 48}, {"tensor_parallel_size": 2},
          "attention heads 3, KV heads 3"),
-        ({}, {"tensor_parallel_size": 2, "quantization": "int8"}, "dense weights only: 'int8'"),
+        ({"intermediate_size": 96}, {"tensor_parallel_size": 2, "quantization": "int8"},
+         "int8 at tensor_parallel_size=2 needs each rank's matrix widths to be multiples of 32"),
         ({}, {"tensor_parallel_size": 2, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
          "speculative decoding runs on one rank"),
         ({"num_hidden_layers": 1}, {"pipeline_parallel_size": 2}, "more than the model's 1 layers"),
@@ -182,6 +183,37 @@ def test_bad_sizes_are_refused_before_any_weight_loads(tmp_path, overrides, kwar
     path = build_checkpoint(str(tmp_path), "llama", **overrides)
     with pytest.raises(ValueError, match=message):
         EngineConfig(model=path, dtype="float32", **kwargs)  # the config alone: no engine, no process
+
+
+def test_int8_shards_quantise_the_same_blocks(tmp_path):
+    """Each rank quantises its shard per output channel: column-parallel rows are one rank's rows
+    exactly; a row-parallel rank's rows get a scale of their own over its half of the inputs (one
+    int8 step at most from one rank's). Outputs are close, not equal: activations are rounded to
+    8 bits too, which turns sums' last-bit differences into visible ones."""
+    path = build_checkpoint(str(tmp_path), "llama", hidden_size=128, intermediate_size=256)
+    one = LLM(path, dtype="float32", kv_cache_memory=8 << 20, quantization="int8")
+    two = LLM(path, dtype="float32", kv_cache_memory=8 << 20, quantization="int8", tensor_parallel_size=2)
+    assert one.engine.quantization == two.engine.quantization == "int8"
+    mlp1, mlp2 = one.engine.model.layers[1].mlp, two.engine.model.layers[1].mlp
+    down1, down2 = mlp1.down_proj.weight.dequantize(), mlp2.down_proj.weight.dequantize()
+    step = down1.abs().amax(dim=1, keepdim=True) / 127  # one rank's int8 step per row
+    assert (down2 - down1[:, : down1.shape[1] // 2]).abs().le(step).all()  # row-parallel: the first half
+    gate_up1, gate_up2 = mlp1.gate_up_proj.weight.dequantize(), mlp2.gate_up_proj.weight.dequantize()
+    half = gate_up2.shape[0] // 2
+    assert torch.equal(gate_up2, torch.cat([gate_up1[:half], gate_up1[2 * half : 3 * half]]))  # gate's, up's rows
+    assert torch.allclose(outputs(two)[2], outputs(one)[2], atol=0.1, rtol=0)
+    for llm in (one, two):
+        llm.engine.check_pages_idle()
+    two.engine.close()
+
+
+def test_gguf_blocks_are_refused_at_two_ranks(tmp_path):
+    from tests.gguf_files import write_gguf
+
+    hf_dir = build_checkpoint(str(tmp_path / "hf"), "llama")
+    gguf = write_gguf(hf_dir, str(tmp_path / "model.gguf"), "llama")
+    with pytest.raises(ValueError, match="'gguf' blocks are not split across ranks yet"):
+        EngineConfig(model=gguf, dtype="float32", tensor_parallel_size=2)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL parity needs two GPUs")
