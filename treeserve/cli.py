@@ -379,7 +379,8 @@ def cmd_solve(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from treeserve.eval.runner import DEFAULT_PRM
     from treeserve.runtime.tuner import CONFIG_KEYS
-    from treeserve.server.launch import ServerSettings, serve
+    from treeserve.server.launch import serve
+    from treeserve.server.settings import ServerSettings
 
     model, prm = args.model, args.prm
     if model is None:  # the shipped arithmetic pair, so /v1/search works out of the box

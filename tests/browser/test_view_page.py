@@ -19,7 +19,7 @@ from tests.server.conftest import API_KEY, start_server
 from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM
 from treeserve.eval.view import write_view
 from treeserve.search.trace import nodes
-from treeserve.server.launch import ServerSettings
+from treeserve.server.settings import ServerSettings
 
 pytestmark = pytest.mark.browser
 OUT = Path(__file__).resolve().parents[2] / "bench" / "out"

@@ -89,7 +89,7 @@ def test_every_entry_point_accepts_a_gguf_model_path(tmp_path):
     """The engine, `eval` and `serve` check model paths with one rule: a directory or a .gguf file."""
     from treeserve.config import check_model_path
     from treeserve.eval.runner import EvalSettings
-    from treeserve.server.launch import ServerSettings
+    from treeserve.server.settings import ServerSettings
 
     path = _gguf(tmp_path, "llama")
     check_model_path(path)

@@ -20,7 +20,7 @@ import uvicorn
 from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM
 from treeserve.server.app import build_app
 from treeserve.server.completions import Served
-from treeserve.server.launch import ServerSettings, build_served
+from treeserve.server.settings import ServerSettings, build_served
 
 API_KEY = "test-key"
 MODEL = "arith"

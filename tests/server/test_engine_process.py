@@ -27,7 +27,8 @@ import pytest
 from tests.server.conftest import API_KEY, MODEL, LiveServer, start_server
 from tests.server.test_failures import AUTH, CHAT, post
 from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM
-from treeserve.server.launch import ServerSettings, build_core_served
+from treeserve.server.launch import build_core_served
+from treeserve.server.settings import ServerSettings
 
 SETTINGS = dict(model=DEFAULT_GENERATOR, prm=DEFAULT_PRM, served_model_name=MODEL, api_key=API_KEY, dtype="float32",
                 kv_cache_memory=64 << 20)  # fmt: skip

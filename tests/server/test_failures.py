@@ -16,7 +16,7 @@ from tests.server.conftest import API_KEY, MODEL, LiveServer, start_server
 from treeserve import LLM, SamplingParams
 from treeserve.eval.runner import DEFAULT_GENERATOR
 from treeserve.kv.arena import KVArena
-from treeserve.server.launch import ServerSettings
+from treeserve.server.settings import ServerSettings
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CHAT = [{"role": "user", "content": "Compute ((12 + 7) * 3) - 15."}]

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 
 from tests.server.conftest import API_KEY, LiveServer, start_server
 from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM
-from treeserve.server.launch import ServerSettings
+from treeserve.server.settings import ServerSettings
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 

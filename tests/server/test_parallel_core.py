@@ -13,7 +13,8 @@ import pytest
 from tests.server.conftest import start_server
 from tests.server.test_engine_process import SEARCH, SETTINGS, wait_healthy
 from tests.server.test_failures import post
-from treeserve.server.launch import ServerSettings, build_core_served
+from treeserve.server.launch import build_core_served
+from treeserve.server.settings import ServerSettings
 
 pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two ranks need two cores")
 

@@ -89,7 +89,7 @@ def test_the_ring_keeps_the_newest():
 @pytest.mark.parametrize("size", [-1])
 def test_a_negative_ring_is_refused(size):
     from treeserve.eval.runner import DEFAULT_GENERATOR
-    from treeserve.server.launch import ServerSettings
+    from treeserve.server.settings import ServerSettings
 
     with pytest.raises(ValueError, match="trace_ring"):
         ServerSettings(model=DEFAULT_GENERATOR, trace_ring=size).check()

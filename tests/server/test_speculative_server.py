@@ -8,7 +8,7 @@ from openai import OpenAI
 
 from tests.server.conftest import API_KEY, MODEL, LiveServer, start_server
 from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM
-from treeserve.server.launch import ServerSettings
+from treeserve.server.settings import ServerSettings
 
 
 def test_speculative_server_answers_as_the_plain_one(server: LiveServer) -> None:

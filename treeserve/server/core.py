@@ -27,10 +27,10 @@ import zmq
 from treeserve.runtime.frontend import ModelInfo
 from treeserve.runtime.runtime import StepFailed
 from treeserve.server.completions import Served
-from treeserve.server.launch import ServerSettings, build_served
 from treeserve.server.metrics import engine_stats
 from treeserve.server.protocol import SearchRequest
 from treeserve.server.search_api import run_search, search_context, stream_search
+from treeserve.server.settings import ServerSettings, build_served
 from treeserve.server.wire import DECODER, ENCODER, Sent, encode_delta, receive, socket
 
 PARENT_POLL_S = 1.0

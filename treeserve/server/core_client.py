@@ -27,7 +27,7 @@ import zmq
 from treeserve.runtime.frontend import Frontend, ModelInfo
 from treeserve.sampling_params import SamplingParams
 from treeserve.server.core import core_main
-from treeserve.server.launch import ServerSettings
+from treeserve.server.settings import ServerSettings
 from treeserve.server.wire import DECODER, ENCODER, Assembler, CoreDown, CoreError, receive, socket
 
 SUPERVISE_POLL_S = 0.1
