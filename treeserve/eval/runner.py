@@ -31,7 +31,7 @@ from treeserve.eval.report import (
     problems_from_records,
     write_results,
 )
-from treeserve.runtime.runtime import Runtime, per_model_engine_args
+from treeserve.runtime.runtime import Runtime, parallel_sizes, per_model_engine_args
 from treeserve.search.context import SearchConfig, SearchContext
 from treeserve.search.prm import load_prm
 from treeserve.search.run import ProblemResult, search_problems
@@ -73,15 +73,6 @@ class EvalSettings:
     selection: str | None = None  # override DEFAULT_SELECTION[strategy] (metrics.py)
     progress: bool = True
 
-    def parallel(self) -> dict[str, dict[str, int]]:
-        """Each model's parallel sizes, as `per_model_engine_args` takes them."""
-        return {
-            "generator": {"tensor_parallel_size": self.tensor_parallel_size,
-                          "pipeline_parallel_size": self.pipeline_parallel_size},
-            "prm": {"tensor_parallel_size": self.prm_tensor_parallel_size,
-                    "pipeline_parallel_size": self.prm_pipeline_parallel_size},
-        }  # fmt: skip
-
     def answer_rule(self, strategy: str) -> str:
         """The selection that picks each problem's answer (`--select`, else the strategy's default)."""
         return self.selection or DEFAULT_SELECTION[strategy]
@@ -92,7 +83,7 @@ class EvalSettings:
         for name, path, quantization in (("generator", self.generator, self.quantization),
                                          ("prm", self.prm, self.prm_quantization)):  # fmt: skip
             check_model_path(str(path), f"{name} model")
-            sizes = self.parallel()[name]
+            sizes = parallel_sizes(self)[name]
             try:
                 check_parallel(str(path), self.device, sizes["tensor_parallel_size"], sizes["pipeline_parallel_size"],
                                quantization)  # fmt: skip
@@ -118,7 +109,7 @@ def build_runtime(settings: EvalSettings, config: SearchConfig) -> Runtime:
         settings.dequantize,
         settings.speculative_config,
         settings.quant_activations,
-        settings.parallel(),
+        parallel_sizes(settings),
     )
     return Runtime.for_search(
         settings.generator, prm, settings.kv_cache_memory, settings.prm_kv_fraction, engine_args,

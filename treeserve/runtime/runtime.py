@@ -342,6 +342,14 @@ class Runtime:
             engine.check_pages_idle()
 
 
+def parallel_sizes(settings: object) -> dict[str, dict[str, int]]:
+    """The generator's and the PRM's parallel sizes from settings with `tensor_parallel_size`,
+    `pipeline_parallel_size` and their `prm_` twins (EvalSettings, ServerSettings)."""
+    keys = ("tensor_parallel_size", "pipeline_parallel_size")
+    generator = {k: getattr(settings, k) for k in keys}
+    return {"generator": generator, "prm": {k: getattr(settings, f"prm_{k}") for k in keys}}
+
+
 def per_model_engine_args(
     engine_args: dict | None,
     quantization: str | None,

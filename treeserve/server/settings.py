@@ -14,7 +14,7 @@ from pathlib import Path
 from treeserve.config import check_model_path, check_parallel, resolve_async_scheduling
 from treeserve.device import resolve_attention_backend, resolve_device
 from treeserve.engine.speculative import SpeculativeConfig
-from treeserve.runtime.runtime import Runtime, per_model_engine_args
+from treeserve.runtime.runtime import Runtime, parallel_sizes, per_model_engine_args
 from treeserve.search.prm import load_prm
 from treeserve.server.completions import Served
 from treeserve.server.metrics import ServerMetrics, engine_stats
@@ -89,11 +89,8 @@ def build_served(settings: ServerSettings) -> Served:
         settings.dequantize,
         settings.speculative_config,
         settings.quant_activations,
-        {"generator": {"tensor_parallel_size": settings.tensor_parallel_size,
-                       "pipeline_parallel_size": settings.pipeline_parallel_size},
-         "prm": {"tensor_parallel_size": settings.prm_tensor_parallel_size,
-                 "pipeline_parallel_size": settings.prm_pipeline_parallel_size}},
-    )  # fmt: skip
+        parallel_sizes(settings),
+    )
     runtime = Runtime.for_search(
         settings.model, settings.prm, settings.kv_cache_memory, settings.prm_kv_fraction, engine_args,
         dtype=settings.dtype, memory_budget=settings.memory_budget, memory_fraction=settings.memory_fraction,
