@@ -102,17 +102,8 @@ class EvalSettings:
 
 def build_runtime(settings: EvalSettings, config: SearchConfig) -> Runtime:
     prm = settings.prm if config.strategy != "majority" else None
-    engine_args = per_model_engine_args(
-        settings.engine_args,
-        settings.quantization,
-        settings.prm_quantization,
-        settings.dequantize,
-        settings.speculative_config,
-        settings.quant_activations,
-        parallel_sizes(settings),
-    )
     return Runtime.for_search(
-        settings.generator, prm, settings.kv_cache_memory, settings.prm_kv_fraction, engine_args,
+        settings.generator, prm, settings.kv_cache_memory, settings.prm_kv_fraction, per_model_engine_args(settings),
         dtype=settings.dtype, enable_prefix_caching=config.prefix_cache, memory_budget=settings.memory_budget,
         memory_fraction=settings.memory_fraction, device=settings.device, attention_backend=settings.attention_backend,
         async_scheduling=settings.async_scheduling,

@@ -350,29 +350,22 @@ def parallel_sizes(settings: object) -> dict[str, dict[str, int]]:
     return {"generator": generator, "prm": {k: getattr(settings, f"prm_{k}") for k in keys}}
 
 
-def per_model_engine_args(
-    engine_args: dict | None,
-    quantization: str | None,
-    prm_quantization: str | None,
-    dequantize: bool,
-    speculative_config: dict | str | None = None,
-    quant_activations: str | None = None,
-    parallel: dict[str, dict[str, int]] | None = None,
-) -> dict[str, dict]:
-    """`engine_args` ({"generator": {...}, "prm": {...}}) with each model's quantisation settings
+def per_model_engine_args(settings: object) -> dict[str, dict]:
+    """The per-model engine settings of `settings` (EvalSettings, ServerSettings): its
+    `engine_args` ({"generator": {...}, "prm": {...}}) with each model's quantisation settings
     (`quant_activations` for both), the generator's speculative decoding and each model's
-    `parallel` sizes ({"prm": {"tensor_parallel_size": 4}}; sizes of 1 are left out) added."""
-    args = {name: dict(values) for name, values in (engine_args or {}).items()}
-    for name, sizes in (parallel or {}).items():
+    parallel sizes (`parallel_sizes`; sizes of 1 are left out) added."""
+    args = {name: dict(values) for name, values in (settings.engine_args or {}).items()}
+    for name, sizes in parallel_sizes(settings).items():
         args.setdefault(name, {}).update({key: size for key, size in sizes.items() if size != 1})
-    if speculative_config is not None:
-        args.setdefault("generator", {})["speculative_config"] = speculative_config
-    for name, method in (("generator", quantization), ("prm", prm_quantization)):
+    if settings.speculative_config is not None:
+        args.setdefault("generator", {})["speculative_config"] = settings.speculative_config
+    for name, method in (("generator", settings.quantization), ("prm", settings.prm_quantization)):
         entry = args.setdefault(name, {})
         if method is not None:
             entry["quantization"] = method
-        if dequantize:
+        if settings.dequantize:
             entry["dequantize"] = True
-        if quant_activations is not None:
-            entry["quant_activations"] = quant_activations
+        if settings.quant_activations is not None:
+            entry["quant_activations"] = settings.quant_activations
     return args

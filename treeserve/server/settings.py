@@ -61,11 +61,11 @@ class ServerSettings:
     def check(self) -> None:
         self.device = resolve_device(self.device)  # resolved, so results record what ran
         self.attention_backend = resolve_attention_backend(self.attention_backend, self.device)
-        for name, path, tp, pp in (("model", self.model, self.tensor_parallel_size, self.pipeline_parallel_size),
-                                   ("prm", self.prm, self.prm_tensor_parallel_size, self.prm_pipeline_parallel_size)):
+        sizes_of = parallel_sizes(self)
+        for name, path, sizes in (("model", self.model, sizes_of["generator"]), ("prm", self.prm, sizes_of["prm"])):
             if path is not None:
                 check_model_path(path, name)
-                check_parallel(path, self.device, tp, pp)
+                check_parallel(path, self.device, sizes["tensor_parallel_size"], sizes["pipeline_parallel_size"])
         spec = SpeculativeConfig.parse(self.speculative_config)  # checked before any model loads
         self.speculative_config = None if spec is None else asdict(spec)
         self.async_scheduling = resolve_async_scheduling(self.async_scheduling, self.device, spec is not None)
@@ -82,17 +82,9 @@ class ServerSettings:
 def build_served(settings: ServerSettings) -> Served:
     settings.check()
     extra = {"max_model_len": settings.max_model_len} if settings.max_model_len else {}
-    engine_args = per_model_engine_args(
-        settings.engine_args,
-        settings.quantization,
-        settings.prm_quantization,
-        settings.dequantize,
-        settings.speculative_config,
-        settings.quant_activations,
-        parallel_sizes(settings),
-    )
     runtime = Runtime.for_search(
-        settings.model, settings.prm, settings.kv_cache_memory, settings.prm_kv_fraction, engine_args,
+        settings.model, settings.prm, settings.kv_cache_memory, settings.prm_kv_fraction,
+        per_model_engine_args(settings),
         dtype=settings.dtype, memory_budget=settings.memory_budget, memory_fraction=settings.memory_fraction,
         device=settings.device, attention_backend=settings.attention_backend,
         async_scheduling=settings.async_scheduling, **extra,
