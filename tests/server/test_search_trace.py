@@ -30,7 +30,8 @@ def get(server: LiveServer, path: str, **kwargs) -> httpx.Response:
 def test_a_traced_search_returns_and_keeps_its_trace(server):
     plain = post(server, SEARCH)
     traced = post(server, {**SEARCH, "trace": True})
-    assert "trace" not in plain
+    assert "trace" not in plain and "problem" not in plain
+    assert traced["problem"] == SEARCH["problem"]
     assert [c["text"] for c in traced["completions"]] == [c["text"] for c in plain["completions"]]
     assert traced["answer"] == plain["answer"]
     trace = traced["trace"]
@@ -77,12 +78,12 @@ def test_ui_takes_the_key_once_as_a_token_then_as_a_cookie(server):
 def test_the_ring_keeps_the_newest():
     ring = TraceRing(size=2)
     for i in range(3):
-        ring.add(f"q{i}", {"id": f"s{i}", "trace": {"nodes": []}})
-    ring.add("untraced", {"id": "s9"})  # a result without a trace is not kept
+        ring.add({"id": f"s{i}", "problem": f"q{i}", "trace": {"nodes": []}})
+    ring.add({"id": "s9", "problem": "untraced"})  # a result without a trace is not kept
     assert list(ring.entries) == ["s1", "s2"]
     assert ring.get("s0") is None and "newest 2" in ring.missing("s0")
     none = TraceRing(size=0)
-    none.add("q", {"id": "s", "trace": {"nodes": []}})
+    none.add({"id": "s", "problem": "q", "trace": {"nodes": []}})
     assert not none.entries  # 0 keeps none
 
 

@@ -68,9 +68,9 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] != "/health":
-            request = Request(scope)
             given = dict(scope["headers"]).get(b"authorization", b"")
             ui = scope["path"] == "/ui" or scope["path"].startswith("/ui/")
+            request = Request(scope) if ui else None  # its query and cookies: read on /ui pages only
             token = request.query_params.get("token", "").encode() if ui else b""
             if ui and token and hmac.compare_digest(token, self.key):
                 await _remember_key(request, token.decode())(scope, receive, send)
@@ -152,8 +152,8 @@ def build_app(served: Served, api_key: str | None = None) -> FastAPI:
         kept = served.traces.get(search_id)
         if kept is None:
             return JSONResponse(error_body(404, served.traces.missing(search_id)), status_code=404)
-        question, result = kept
-        return JSONResponse({"id": search_id, "object": "search.trace", "problem": question, "trace": result["trace"]})
+        return JSONResponse({"id": search_id, "object": "search.trace", "problem": kept["problem"],
+                             "trace": kept["trace"]})  # fmt: skip
 
     @app.get("/ui", response_class=HTMLResponse)
     async def ui() -> Response:
@@ -164,7 +164,7 @@ def build_app(served: Served, api_key: str | None = None) -> FastAPI:
         kept = served.traces.get(search_id)
         if kept is None:
             return JSONResponse(error_body(404, served.traces.missing(search_id)), status_code=404)
-        return HTMLResponse(search_page(*kept))
+        return HTMLResponse(search_page(kept))
 
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
@@ -206,30 +206,34 @@ async def _core_search(served: Served, core: CoreClient, body: SearchRequest, re
     return await _unless_disconnected(request, _keeping_trace(served, body, result()))
 
 
-def _question(body: SearchRequest) -> str:
-    if body.problem is not None:
-        return body.problem
-    users = [m.text() for m in body.messages or [] if m.role == "user"]
-    return users[-1] if users else ""
+def _keeping_trace(served: Served, body: SearchRequest, work: Awaitable[dict]) -> Awaitable[dict]:
+    """`work` (a search's result), kept in the server's trace ring when the search is traced."""
+    if not body.trace:
+        return work
+
+    async def keep() -> dict:
+        result = await work
+        served.traces.add(result)
+        return result
+
+    return keep()
 
 
-async def _keeping_trace(served: Served, body: SearchRequest, work: Awaitable[dict]) -> dict:
-    """`work`'s search result, kept in the server's trace ring when it was traced."""
-    result = await work
-    if body.trace:
-        served.traces.add(_question(body), result)
-    return result
+def _keeping_traces(served: Served, body: SearchRequest, events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A search's SSE events, its final result kept in the trace ring when the search is traced."""
+    if not body.trace:
+        return events
 
+    async def keep() -> AsyncIterator[str]:
+        async with contextlib.aclosing(events) as it:
+            async for event in it:
+                if event.startswith("data: {"):
+                    result = json.loads(event[len("data: ") :])
+                    if result.get("object") == "search":
+                        served.traces.add(result)
+                yield event
 
-async def _keeping_traces(served: Served, body: SearchRequest, events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """A search's SSE events, its final result kept in the trace ring when it was traced."""
-    async with contextlib.aclosing(events) as it:
-        async for event in it:
-            if body.trace and event.startswith("data: {"):
-                result = json.loads(event[len("data: "):])
-                if result.get("object") == "search":
-                    served.traces.add(_question(body), result)
-            yield event
+    return keep()
 
 
 def _sse(request: Request, events: AsyncIterator[str]) -> StreamingResponse:

@@ -7,7 +7,7 @@ completions the way `treeserve eval` chooses (naive / weighted / majority by str
 request's `selection`), comparing answers as stripped strings (no math-verify equivalence: that
 needs the grading workers). The response names the rule (`selection`) and gives every rule's
 pick (`answers_by_rule`). With `stream`, progress events follow each scored iteration. With
-`trace`, the result carries the search's trace (`search/trace.py`).
+`trace`, the result carries the search's trace (`search/trace.py`) and its problem.
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ async def run_search(served: Served, req: SearchRequest, ctx: SearchContext, pro
     result = _result(served, req, ctx, len(problem.prompt_ids), beams, seconds)
     if req.trace:
         result["trace"] = ctx.take_trace(problem, beams, seconds)
+        result["problem"] = problem.question  # what the trace's page shows (a conversation's last user turn)
     return result
 
 

@@ -19,16 +19,17 @@ from treeserve.eval.view import build_page
 @dataclass
 class TraceRing:
     size: int = 32
-    entries: OrderedDict[str, tuple[str, dict]] = field(default_factory=OrderedDict)  # id -> (question, result)
+    entries: OrderedDict[str, dict] = field(default_factory=OrderedDict)  # id -> traced result
 
-    def add(self, question: str, result: dict) -> None:
+    def add(self, result: dict) -> None:
+        """Keep a traced `/v1/search` result (its "trace" and "problem"); others are not kept."""
         if self.size <= 0 or not result.get("trace"):
             return
-        self.entries[result["id"]] = (question, result)
+        self.entries[result["id"]] = result
         while len(self.entries) > self.size:
             self.entries.popitem(last=False)
 
-    def get(self, search_id: str) -> tuple[str, dict] | None:
+    def get(self, search_id: str) -> dict | None:
         return self.entries.get(search_id)
 
     def missing(self, search_id: str) -> str:
@@ -36,7 +37,7 @@ class TraceRing:
                 f"{self.size}, --trace-ring; send \"trace\": true on /v1/search to record one)")  # fmt: skip
 
 
-def as_results(question: str, result: dict) -> dict:
+def as_results(result: dict) -> dict:
     """A traced `/v1/search` result as a one-problem results document for the view."""
     completions = [
         {"text": c["text"], "answer": c["answer"], "step_scores": c["step_scores"], "score": c["score"],
@@ -44,27 +45,27 @@ def as_results(question: str, result: dict) -> dict:
         for c in result["completions"]
     ]  # fmt: skip
     trace = result["trace"]
-    record = {"unique_id": result["id"], "level": None, "problem": question, "answer": None,
+    record = {"unique_id": result["id"], "level": None, "problem": result["problem"], "answer": None,
               "pred": result["answer"], "correct": None, "completions": completions, "trace": trace}  # fmt: skip
     config = {"search": {"strategy": result["strategy"], "n": trace["n"], "beam_width": trace["beam_width"],
                          "agg": result["agg"]}, "selection": result["selection"]}  # fmt: skip
     return {"config": config, "summary": {}, "problems": [record]}
 
 
-def search_page(question: str, result: dict) -> str:
-    return build_page([(f"search {result['id']}", as_results(question, result))])
+def search_page(result: dict) -> str:
+    return build_page([(f"search {result['id']}", as_results(result))])
 
 
 def list_page(ring: TraceRing) -> str:
     """`/ui`: the kept searches, newest first, each linking to its page."""
     rows = []
-    for search_id, (question, result) in reversed(ring.entries.items()):
+    for search_id, result in reversed(ring.entries.items()):
         cells = [
             f'<a href="/ui/{html.escape(search_id)}">{html.escape(search_id)}</a>',
             html.escape(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(result["created"]))),
             html.escape(f"{result['strategy']} n={result['trace']['n']}"),
             html.escape(str(result["answer"])),
-            html.escape(question[:200]),
+            html.escape(result["problem"][:200]),
         ]
         rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     body = "".join(rows) or '<tr><td colspan="5">no traced searches yet: POST /v1/search with "trace": true</td></tr>'
