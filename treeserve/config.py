@@ -78,7 +78,7 @@ def check_parallel(model: str, device: str, tp: int, pp: int, quantization: str 
                          "yet (load dense with dequantize=True, or use one rank)")  # fmt: skip
     if speculating:
         raise ValueError(f"speculative decoding runs on one rank: it is not supported at {sizes}")
-    from treeserve.layers.parallel import check_divisible
+    from treeserve.layers.parallel import check_divisible, check_stages
     from treeserve.models.loader import read_model_config
 
     config = read_model_config(model)
@@ -91,8 +91,7 @@ def check_parallel(model: str, device: str, tp: int, pp: int, quantization: str 
         if bad:
             raise ValueError(f"int8 at tensor_parallel_size={tp} needs each rank's matrix widths to be multiples "
                              f"of 32 (whole blocks), got {bad}")  # fmt: skip
-    if pp > config.num_layers:
-        raise ValueError(f"pipeline_parallel_size={pp} is more than the model's {config.num_layers} layers")
+    check_stages(config, pp)
 
 
 @dataclass

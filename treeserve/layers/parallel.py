@@ -120,12 +120,17 @@ def stage_layers(num_layers: int, rank: int, size: int) -> tuple[int, int]:
     return sum(counts[:rank]), counts[rank]
 
 
+def check_stages(cfg: LlamaConfig, size: int) -> None:
+    """Refuse more pipeline stages than layers (before any weight loads)."""
+    if cfg.num_layers < size:
+        raise ValueError(f"pipeline_parallel_size={size} is more than the model's {cfg.num_layers} layers")
+
+
 def stage_config(cfg: LlamaConfig, rank: int, size: int) -> LlamaConfig:
     """Stage `rank`'s config: its layers (num_layers, layer_windows) and where they start."""
     if size == 1:
         return cfg
-    if cfg.num_layers < size:
-        raise ValueError(f"pipeline_parallel_size={size} is more than the model's {cfg.num_layers} layers")
+    check_stages(cfg, size)
     first, count = stage_layers(cfg.num_layers, rank, size)
     return replace(cfg, num_layers=count, layer_windows=cfg.layer_windows[first : first + count], pp_rank=rank,
                    pp_size=size, first_layer=first)  # fmt: skip
