@@ -166,6 +166,16 @@ class ModelRunner:
             result.prompt_logprobs.append(token_logprobs(logits, targets, spec.k))
         return result
 
+    @torch.inference_mode()
+    def mirror_step(self, copies: list[tuple[int, int]], batch: ForwardBatch, twins_of: np.ndarray | None) -> None:
+        """On a rank > 0: what `execute` does to this rank's arena and collectives for the step
+        rank 0 sent (page copies, the forward of `batch` and its twins' slots); nothing sampled."""
+        self.arena.copy_pages(copies)
+        twins = Twins.find(batch, twins_of, self.block_size) if twins_of is not None else None
+        hidden = self.forward(twins.computed if twins else batch)
+        if twins:
+            twins.expand(hidden, self.arena)
+
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """The model's logits of rows `hidden`; with tensor parallelism every rank computes its
         slice of the vocabulary (they are sent the rows) and the slices are gathered."""

@@ -68,10 +68,7 @@ class Ranks:
 
     def __init__(self, model: str, dtype: str, device: torch.device, attention_backend: str, tp_size: int,
                  pp_size: int, timeout_s: float) -> None:  # fmt: skip
-        if tp_size > 1 and pp_size > 1:
-            raise ValueError(f"tensor_parallel_size={tp_size} with pipeline_parallel_size={pp_size}: one of the two "
-                             "at a time for now")  # fmt: skip
-        size = tp_size * pp_size
+        size = tp_size * pp_size  # one of the two is 1 (config.check_parallel)
         self.tp_size, self.pp_size = tp_size, pp_size
         port = free_port()
         context = mp.get_context("spawn")
@@ -189,7 +186,6 @@ def worker_main(args: WorkerArgs, pipe: Connection) -> None:
     """Rank `args.rank`: join the group, load its part, then run what rank 0 sends until it stops."""
     from treeserve.config import DTYPES
     from treeserve.engine.attention import BACKENDS
-    from treeserve.engine.dedup import Twins
     from treeserve.engine.model_runner import ModelRunner
     from treeserve.kv.arena import KVArena, KVLayout, PageArena
     from treeserve.models.loader import load_model
@@ -231,12 +227,7 @@ def worker_main(args: WorkerArgs, pipe: Connection) -> None:
                 runner = ModelRunner(model, arena, device, cfg.attn_scale, BACKENDS[args.attention_backend](),
                                      stage=stage)  # fmt: skip
             elif kind == "step":
-                _, copies, batch, twins = message
-                runner.arena.copy_pages(copies)
-                found = Twins.find(batch, twins, runner.block_size) if twins is not None else None
-                hidden = runner.forward(found.computed if found else batch)
-                if found:
-                    found.expand(hidden, runner.arena)
+                runner.mirror_step(*message[1:])
             elif kind == "logits":
                 with torch.inference_mode():
                     model.compute_logits(message[1].to(device))
