@@ -84,6 +84,9 @@ def _add_parallel_flags(p: argparse.ArgumentParser, prm: bool) -> None:
     if prm:
         p.add_argument("--prm-tensor-parallel-size", type=int, default=1, metavar="K", help="the PRM's, likewise")
         p.add_argument("--prm-pipeline-parallel-size", type=int, default=1, metavar="K", help="the PRM's, likewise")
+    p.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"],
+                   help="how a parallel model's other ranks start: mp (processes on this host) or ray (actors in a "
+                        "placement group of the Ray cluster this host belongs to: other hosts too)")  # fmt: skip
 
 
 def _add_speculative_flag(p: argparse.ArgumentParser) -> None:
@@ -130,6 +133,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         dequantize=args.dequantize, speculative_config=args.speculative_config,
         quant_activations=args.quant_activations or "int8", async_scheduling=args.async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
     )  # fmt: skip
     loaded = time.perf_counter()
     if chat:
@@ -397,6 +401,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
         prm_tensor_parallel_size=args.prm_tensor_parallel_size,
         prm_pipeline_parallel_size=args.prm_pipeline_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
         **{key: getattr(args, key) for key in CONFIG_KEYS},
     )  # fmt: skip
     serve(settings)

@@ -15,13 +15,14 @@ import torch
 from treeserve.device import resolve_attention_backend, resolve_device
 from treeserve.engine.speculative import SpeculativeConfig
 from treeserve.layers.quant import ACTIVATIONS, kernels_available
-from treeserve.models.gguf_loader import is_gguf
+from treeserve.models.gguf_loader import GGUFCheckpoint, is_gguf
 from treeserve.models.loader import QUANTIZATIONS
 
 log = logging.getLogger(__name__)
 
 DEFAULT_KV_CAP = 1 << 30
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EXECUTOR_BACKENDS = ("mp", "ray")  # how a parallel engine starts its other ranks (vLLM's names)
 
 
 def check_model_path(path: str, name: str = "model") -> None:
@@ -57,28 +58,25 @@ def resolve_async_scheduling(value: bool | None, device: str, speculating: bool)
 
 
 def check_parallel(model: str, device: str, tp: int, pp: int, quantization: str | None = None,
-                   speculating: bool = False) -> None:  # fmt: skip
-    """Parallel sizes against the devices, the formats and the model's shapes (its config only:
-    before any weight loads); ValueError naming the numbers."""
+                   speculating: bool = False, backend: str = "mp") -> None:  # fmt: skip
+    """Parallel sizes against the devices (`backend` "mp": this host's; a Ray cluster's are
+    checked when its placement group is made), the formats and the model's shapes (its config
+    only: before any weight loads); ValueError naming the numbers."""
+    if backend not in EXECUTOR_BACKENDS:
+        raise ValueError(f"distributed_executor_backend must be one of {list(EXECUTOR_BACKENDS)}, got {backend!r}")
     for name, size in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"{name} must be a positive integer, got {size!r}")
     if tp * pp == 1:
         return
     sizes = f"tensor_parallel_size={tp} x pipeline_parallel_size={pp}"
-    if tp > 1 and pp > 1:
-        raise ValueError(f"{sizes}: one kind of parallelism at a time for now (ranks are tensor shards or "
-                         "pipeline stages)")  # fmt: skip
     available = torch.cuda.device_count() if device.startswith("cuda") else os.cpu_count() or 1
     kind = "GPUs" if device.startswith("cuda") else "CPU cores (a rank needs a core)"
-    if tp * pp > available:
+    if backend == "mp" and tp * pp > available:
         raise ValueError(f"{sizes} needs {tp * pp} ranks, more than the {available} {kind} here")
-    if quantization not in (None, "int8"):
-        raise ValueError(f"{sizes} runs dense or int8 weights: {quantization!r} blocks are not split across ranks "
-                         "yet (load dense with dequantize=True, or use one rank)")  # fmt: skip
     if speculating:
         raise ValueError(f"speculative decoding runs on one rank: it is not supported at {sizes}")
-    from treeserve.layers.parallel import check_divisible, check_stages
+    from treeserve.layers.parallel import check_divisible, check_stages, check_whole_blocks
     from treeserve.models.loader import read_model_config
 
     config = read_model_config(model)
@@ -91,6 +89,8 @@ def check_parallel(model: str, device: str, tp: int, pp: int, quantization: str 
         if bad:
             raise ValueError(f"int8 at tensor_parallel_size={tp} needs each rank's matrix widths to be multiples "
                              f"of 32 (whole blocks), got {bad}")  # fmt: skip
+    if tp > 1 and quantization == "gguf":  # a rank's blocks are the file's: row-parallel inputs split whole blocks
+        check_whole_blocks(GGUFCheckpoint(model).quantized_blocks(), tp)
     check_stages(config, pp)
 
 
@@ -133,6 +133,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     parallel_timeout_s: float = 60.0
+    # how ranks 1..k-1 start: "mp" (processes on this host) or "ray" (actors in a placement group
+    # of the Ray cluster this process joins: other hosts too; engine/ray_ranks.py)
+    distributed_executor_backend: str = "mp"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -165,7 +168,8 @@ class EngineConfig:
         if not self.parallel_timeout_s > 0:
             raise ValueError(f"parallel_timeout_s must be > 0 seconds, got {self.parallel_timeout_s}")
         check_parallel(self.model, self.device, self.tensor_parallel_size, self.pipeline_parallel_size,
-                       self.quantization, self.speculative_config is not None)  # fmt: skip
+                       self.quantization, self.speculative_config is not None,
+                       self.distributed_executor_backend)  # fmt: skip
 
     def _resolve_quantization(self) -> str | None:
         method, gguf = self.quantization, is_gguf(self.model)

@@ -84,14 +84,13 @@ class LLMEngine:
         tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
         self.workers = None  # a parallel model's ranks 1..k-1, started before this rank loads its part
         if tp * pp > 1:
-            self.workers = Ranks(config.model, config.dtype, self.device, config.attention_backend, tp, pp,
-                                 config.parallel_timeout_s)  # fmt: skip
+            self.workers = Ranks(config, self.device)
         try:
             loaded = load_model(config.model, config.torch_dtype, self.device, config.quantization,
                                 config.quant_activations, tp_size=tp, pp_size=pp)  # fmt: skip
             if self.workers is not None:
                 if tp > 1:
-                    loaded.model.attach(self.workers.group)
+                    loaded.model.attach(self.workers.placement.tp)
                 self.workers.wait_ready()
         except BaseException:
             if self.workers is not None:
@@ -173,7 +172,7 @@ class LLMEngine:
         if workers is not None:
             workers.send(("kv", pages.num_pages, block_size))
             if workers.pp_size > 1:
-                stage = (workers.group, 0, workers.pp_size, config.torch_dtype)
+                stage = (workers.placement.pp, 0, workers.pp_size, config.torch_dtype)
         self.runner = ModelRunner(self.model, self.arena, self.device, self.model_config.attn_scale, backend,
                                   self.draw, self.tokenizer.vocab_size, workers and workers.send,
                                   workers is not None and workers.tp_size > 1, stage)  # fmt: skip

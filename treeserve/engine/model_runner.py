@@ -26,7 +26,7 @@ from treeserve.engine.penalties import RowHistory, adjust_logits
 from treeserve.engine.sampler import Draw, SamplingBatch, TokenLogprobs, sample, sample_masked, token_logprobs
 from treeserve.engine.staging import Staging
 from treeserve.kv.arena import KVArena
-from treeserve.layers.parallel import TPGroup
+from treeserve.layers.parallel import RankGroup
 
 
 class PreviousStepFailed(RuntimeError):
@@ -109,7 +109,7 @@ class ModelRunner:
         vocab_size: int = 0,
         mirror: Callable[[tuple], None] | None = None,
         mirror_logits: bool = False,
-        stage: tuple[TPGroup, int, int, torch.dtype] | None = None,
+        stage: tuple[RankGroup, int, int, torch.dtype] | None = None,
     ):
         self.model = model
         # rank 0 of a parallel model (engine/ranks.py): sends each step to the other ranks, which

@@ -1,23 +1,24 @@
 """The other ranks of a parallel engine: processes that hold part of the model and run forwards only.
 
-Owns `Ranks` (rank 0's handle: starts ranks 1..k-1 with torch.multiprocessing's spawn, sends
-them each step in one message, notices a rank that died or stopped answering, and stops them)
-and `worker_main` (what a rank > 0 runs). Rank 0 (the engine's process) schedules, samples and
-detokenises; the other ranks never see a request. A rank is a tensor-parallel shard
-(`tensor_parallel_size`: every rank runs every layer on its heads) or a pipeline stage
-(`pipeline_parallel_size`: rank s runs its contiguous layers on the activations stage s - 1
-sends it, and the last stage sends its output back to rank 0); layers/parallel.py splits the
-checkpoint either way.
+Owns `Ranks` (rank 0's handle: starts ranks 1..k-1, sends them each step in one message,
+notices a rank that died or stopped answering, and stops them), `LocalRank` (a rank started with
+torch.multiprocessing's spawn on this host, messages down a pipe) and `RankWorker` (what a rank
+> 0 runs). Rank 0 (the engine's process) schedules, samples and detokenises; the other ranks
+never see a request. Ranks are tensor_parallel_size x pipeline_parallel_size: a pipeline
+stage's tensor shards are consecutive ranks (`layers/parallel.py::Placement`); a shard runs
+every layer of its stage on its heads, a stage its contiguous layers on the activations the
+stage before sends it (the last stage sends its output back to stage 0); layers/parallel.py
+splits the checkpoint either way. Ray actors in a placement group (`engine/ray_ranks.py`) are
+the other kind of rank, for ranks on other hosts.
 
-Messages go down a pipe per rank (a rank waits on it for as long as the engine is idle, and a
-pipe's end tells it that rank 0 is gone); tensors meet in the group's collectives and sends,
-which fail after `timeout_s` when a rank stops answering, or at once when one died. A rank
-runs what rank 0 runs, in the same order (rank 0 runs one step at a time), so every
-collective is met by every rank:
+A rank waits for messages for as long as the engine is idle (a pipe's end tells it that rank 0
+is gone); tensors meet in the groups' collectives and sends, which fail after `timeout_s` when
+a rank stops answering, or at once when one died. A rank runs what rank 0 runs, in the same
+order (rank 0 runs one step at a time), so every collective is met by every rank:
 
     ("kv", num_pages, block_size)      an arena of num_pages pages of this rank's heads / layers
     ("step", copies, batch, twins)     page copies, then the forward of `batch` (and its twins)
-    ("logits", hidden)                 tensor parallel: this rank's vocabulary slice, gathered
+    ("logits", hidden)                 tensor parallel: stage 0's vocabulary slices, gathered
     ("stop",)
 """
 
@@ -30,11 +31,15 @@ import traceback
 import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.multiprocessing as mp
 
-from treeserve.layers.parallel import TPGroup
+from treeserve.layers.parallel import Placement
+
+if TYPE_CHECKING:
+    from treeserve.config import EngineConfig
 
 READY_TIMEOUT_S = 600.0  # for a rank to load its part of the model
 
@@ -43,89 +48,96 @@ class RankFailed(RuntimeError):
     """A rank died or stopped answering: the engine cannot step any more."""
 
 
+class RankGone(Exception):
+    """A message could not reach a rank (it exited)."""
+
+
 @dataclass
 class WorkerArgs:
-    model: str
-    dtype: str
-    device: str
-    attention_backend: str
+    config: EngineConfig
+    device: str  # this rank's
     rank: int
-    tp_size: int
-    pp_size: int
+    host: str  # where rank 0's TCP store listens
     port: int
-    timeout_s: float
     threads: int
+
+
+class RankHandle(Protocol):
+    """Rank 0's view of one other rank, however it was started."""
+
+    def ready(self, timeout_s: float) -> tuple[str, Any]: ...  # ("ready", parts) | ("error", why)
+    def send(self, message: tuple) -> None: ...  # RankGone when it cannot be reached
+    def exited(self, timeout_s: float = 0.0) -> bool: ...  # waits up to timeout_s for it to exit
+    def state(self) -> str: ...
+    def stop(self) -> None: ...
 
 
 def free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 
 class Ranks:
     """Ranks 1..size-1 of one engine's model, seen from rank 0."""
 
-    def __init__(self, model: str, dtype: str, device: torch.device, attention_backend: str, tp_size: int,
-                 pp_size: int, timeout_s: float) -> None:  # fmt: skip
-        size = tp_size * pp_size  # one of the two is 1 (config.check_parallel)
-        self.tp_size, self.pp_size = tp_size, pp_size
-        port = free_port()
-        context = mp.get_context("spawn")
-        self.processes, self.pipes = [], []
-        for rank in range(1, size):
-            ours, theirs = context.Pipe()
-            args = WorkerArgs(model, dtype, str(device), attention_backend, rank, tp_size, pp_size, port, timeout_s,
-                              torch.get_num_threads())  # fmt: skip
-            process = context.Process(target=worker_main, args=(args, theirs), daemon=True,
-                                      name=f"treeserve-rank{rank}")  # fmt: skip
-            _start(process)
-            theirs.close()
-            self.processes.append(process)
-            self.pipes.append(ours)
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        self.tp_size, self.pp_size = tp, pp
+        if config.distributed_executor_backend == "ray":
+            from treeserve.engine.ray_ranks import start_ray_ranks
+
+            host, port, self.handles, release = start_ray_ranks(config, device)
+        else:
+            host, port, release = "127.0.0.1", free_port(), None
+            self.handles = [LocalRank(WorkerArgs(config, _local_device(device, rank), rank, host, port,
+                                                 torch.get_num_threads())) for rank in range(1, tp * pp)]  # fmt: skip
         self.send_s = 0.0  # seconds spent sending messages to the ranks (pickling the steps' inputs)
         self.parts: list[dict] = []  # per rank > 0, as it reported: its weights' bytes, its KV bytes a token
-        self._finalizer = weakref.finalize(self, _stop, list(self.pipes), list(self.processes))
+        self.stopped = False
+        self._finalizer = weakref.finalize(self, _stop, list(self.handles), release)
         try:
-            self.group = TPGroup.connect(0, size, port, device, timeout_s)
+            self.placement = Placement(0, tp, pp).connect(host, port, device, config.parallel_timeout_s)
         except Exception as e:  # a rank that never joined (it died starting, or hangs)
-            states = ", ".join(f"rank {r}: {self._state(r)}" for r in range(1, size))
+            states = self._states()
             self.close()
-            raise RankFailed(f"the ranks did not meet within {timeout_s:g} s ({states}): {e}") from e
+            raise RankFailed(f"the ranks did not meet within {config.parallel_timeout_s:g} s ({states}): {e}") from e
 
     def wait_ready(self) -> None:
         """Until every rank has loaded its part; its error (a ValueError) when one could not."""
-        for rank, pipe in enumerate(self.pipes, start=1):
-            if not wait([pipe, self.processes[rank - 1].sentinel], READY_TIMEOUT_S) or not pipe.poll():
+        for rank, handle in enumerate(self.handles, start=1):
+            status, detail = handle.ready(READY_TIMEOUT_S)
+            if status == "timeout":
                 self.close()
-                raise RankFailed(f"rank {rank} did not load its part of the model ({self._state(rank)})")
-            try:
-                status, detail = pipe.recv()
-            except EOFError:  # it exited without a word
-                status, detail = "error", f"it exited ({self._state(rank)})"
+                raise RankFailed(f"rank {rank} did not load its part of the model ({handle.state()})")
             if status != "ready":
                 self.close()
                 raise ValueError(f"rank {rank} could not load its part of the model: {detail}")
             self.parts.append(detail)
 
+    @property
+    def wait_s(self) -> float:
+        """Seconds rank 0 spent in collectives and receives (communication and waiting)."""
+        return self.placement.wait_s
+
     def send(self, message: tuple) -> None:
         """`message` to every rank; RankFailed naming the rank that is gone."""
         self.check()
         start = time.perf_counter()
-        for rank, pipe in enumerate(self.pipes, start=1):
+        for rank, handle in enumerate(self.handles, start=1):
             try:
-                pipe.send(message)
-            except (BrokenPipeError, ConnectionError, OSError):
+                handle.send(message)
+            except RankGone:
                 self.close()
-                raise RankFailed(f"rank {rank} is gone ({self._state(rank)}); every rank is stopped") from None
+                raise RankFailed(f"rank {rank} is gone ({handle.state()}); every rank is stopped") from None
         self.send_s += time.perf_counter() - start
 
     def check(self) -> None:
-        if not self.pipes:
+        if self.stopped:
             raise RankFailed("the engine's ranks were stopped (a rank failed before): start a new engine")
-        for rank, process in enumerate(self.processes, start=1):
-            if process.exitcode is not None:
-                state = self._state(rank)
+        for rank, handle in enumerate(self.handles, start=1):
+            if handle.exited():
+                state = handle.state()
                 self.close()
                 raise RankFailed(f"rank {rank} exited ({state}); every rank is stopped")
 
@@ -134,26 +146,82 @@ class Ranks:
         rank is then stopped), else `error` itself."""
         if isinstance(error, RankFailed):
             return error
-        if not isinstance(error, RuntimeError) or not self.pipes:
+        if not isinstance(error, RuntimeError) or self.stopped:
             return error
-        wait([p.sentinel for p in self.processes], timeout=1.0)  # a killed rank's exit code arrives
-        gone = [rank for rank, p in enumerate(self.processes, start=1) if p.exitcode is not None]
-        states = ", ".join(f"rank {rank}: {self._state(rank)}" for rank in range(1, len(self.processes) + 1))
+        deadline = time.monotonic() + 1.0  # a killed rank's exit arrives
+        gone = [rank for rank, h in enumerate(self.handles, start=1)
+                if h.exited(max(deadline - time.monotonic(), 0.0))]  # fmt: skip
+        states = self._states()
         self.close()
         if gone:
             return RankFailed(f"rank {gone[0]} died during a step ({states}); every rank is stopped")
         return RankFailed(f"a rank did not answer within the timeout or failed ({states}): {error}; every rank "
                           "is stopped")  # fmt: skip
 
-    def _state(self, rank: int) -> str:
-        process = self.processes[rank - 1]
-        code = process.exitcode
-        return f"pid {process.pid}, " + ("still running" if code is None else f"exit code {code}")
+    def _states(self) -> str:
+        return ", ".join(f"rank {rank}: {h.state()}" for rank, h in enumerate(self.handles, start=1))
 
     def close(self) -> None:
         """Stop every rank: ask, then kill what has not exited within a second."""
         self._finalizer()
-        self.pipes = []
+        self.stopped = True
+
+
+def _local_device(device: torch.device, rank: int) -> str:
+    """Rank `rank`'s device on this host: the rank-th GPU after rank 0's (unmeasured: one GPU is
+    lent at a time here), or the CPU."""
+    return f"cuda:{(device.index or 0) + rank}" if device.type == "cuda" else "cpu"
+
+
+def _stop(handles: list[RankHandle], release: Any) -> None:
+    for handle in handles:
+        handle.stop()
+    if release is not None:
+        release()
+
+
+class LocalRank:
+    """A rank on this host: a spawned process, its messages down a pipe."""
+
+    def __init__(self, args: WorkerArgs) -> None:
+        context = mp.get_context("spawn")
+        self.pipe, theirs = context.Pipe()
+        self.process = context.Process(target=worker_main, args=(args, theirs), daemon=True,
+                                       name=f"treeserve-rank{args.rank}")  # fmt: skip
+        _start(self.process)
+        theirs.close()
+
+    def ready(self, timeout_s: float) -> tuple[str, Any]:
+        if not wait([self.pipe, self.process.sentinel], timeout_s) or not self.pipe.poll():
+            return ("timeout", None) if self.process.exitcode is None else ("error", f"it exited ({self.state()})")
+        try:
+            return self.pipe.recv()
+        except EOFError:  # it exited without a word
+            return "error", f"it exited ({self.state()})"
+
+    def send(self, message: tuple) -> None:
+        try:
+            self.pipe.send(message)
+        except (BrokenPipeError, ConnectionError, OSError) as e:
+            raise RankGone from e
+
+    def exited(self, timeout_s: float = 0.0) -> bool:
+        if timeout_s > 0:
+            self.process.join(timeout_s)
+        return self.process.exitcode is not None
+
+    def state(self) -> str:
+        code = self.process.exitcode
+        return f"pid {self.process.pid}, " + ("still running" if code is None else f"exit code {code}")
+
+    def stop(self) -> None:
+        with contextlib.suppress(BrokenPipeError, ConnectionError, OSError):
+            self.pipe.send(("stop",))
+        self.pipe.close()
+        self.process.join(timeout=1.0)
+        if self.process.exitcode is None:
+            self.process.kill()
+            self.process.join(timeout=5.0)
 
 
 def _start(process: mp.Process) -> None:
@@ -170,68 +238,80 @@ def _start(process: mp.Process) -> None:
             config["daemon"] = daemon
 
 
-def _stop(pipes: list[Connection], processes: list) -> None:
-    for pipe in pipes:
-        with contextlib.suppress(BrokenPipeError, ConnectionError, OSError):
-            pipe.send(("stop",))
-        pipe.close()
-    for process in processes:
-        process.join(timeout=1.0)
-        if process.exitcode is None:
-            process.kill()
-            process.join(timeout=5.0)
+class RankWorker:
+    """Rank `args.rank` > 0: its part of the model, and the messages rank 0 sends it."""
+
+    def __init__(self, args: WorkerArgs) -> None:
+        """Join the groups (a failure here is rank 0's "did not meet"), then load this rank's
+        part (a failure there is `load_error`, reported to rank 0)."""
+        from treeserve.models.loader import load_model
+
+        config = args.config
+        torch.set_num_threads(args.threads)
+        device = torch.device(args.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        self.config, self.device, self.runner = config, device, None
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        self.placement = Placement(args.rank, tp, pp).connect(args.host, args.port, device, config.parallel_timeout_s)
+        self.load_error: str | None = None
+        try:
+            loaded = load_model(config.model, config.torch_dtype, device, config.quantization, config.quant_activations,
+                                tp_rank=self.placement.tp_rank, tp_size=tp, pp_rank=self.placement.pp_rank,
+                                pp_size=pp)  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it
+            self.load_error = f"{type(e).__name__}: {e}"
+            return
+        self.model, self.model_config = loaded.model, loaded.config
+        if self.placement.tp is not None:
+            self.model.attach(self.placement.tp)
+        self.parts = {"weights": sum(t.numel() * t.element_size() for t in self.model.state_dict().values()),
+                      "kv_token_bytes": self._layout().token_bytes, "quantization": loaded.quantization}  # fmt: skip
+
+    def _layout(self) -> Any:
+        from treeserve.kv.arena import KVLayout
+
+        cfg = self.model_config
+        return KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.config.torch_dtype)
+
+    @torch.inference_mode()
+    def handle(self, message: tuple) -> bool:
+        """Run one message; False for "stop"."""
+        from treeserve.engine.attention import BACKENDS
+        from treeserve.engine.model_runner import ModelRunner
+        from treeserve.kv.arena import KVArena, PageArena
+
+        kind, cfg, placement = message[0], self.model_config, self.placement
+        if kind == "kv":
+            _, num_pages, block_size = message
+            dtype = self.config.torch_dtype
+            pages = PageArena(num_pages, self._layout().page_bytes(block_size), self.device)
+            arena = KVArena(num_pages, cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, self.device,
+                            pages=pages)  # fmt: skip
+            stage = None if placement.pp is None else (placement.pp, placement.pp_rank, placement.pp_size, dtype)
+            self.runner = ModelRunner(self.model, arena, self.device, cfg.attn_scale,
+                                      BACKENDS[self.config.attention_backend](), stage=stage)  # fmt: skip
+        elif kind == "step":
+            self.runner.mirror_step(*message[1:])
+        elif kind == "logits" and placement.pp_rank == 0:  # stage 0 holds the LM head's shards
+            self.model.compute_logits(message[1].to(self.device))
+        return kind != "stop"
 
 
 def worker_main(args: WorkerArgs, pipe: Connection) -> None:
-    """Rank `args.rank`: join the group, load its part, then run what rank 0 sends until it stops."""
-    from treeserve.config import DTYPES
-    from treeserve.engine.attention import BACKENDS
-    from treeserve.engine.model_runner import ModelRunner
-    from treeserve.kv.arena import KVArena, KVLayout, PageArena
-    from treeserve.models.loader import load_model
-
-    torch.set_num_threads(args.threads)
-    device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    if device.type == "cuda":  # rank r on the r-th GPU after rank 0's (unmeasured: one GPU is lent at a time)
-        device = torch.device("cuda", (device.index or 0) + args.rank)
-        torch.cuda.set_device(device)
-    group = TPGroup.connect(args.rank, args.tp_size * args.pp_size, args.port, device, args.timeout_s)
-    tp_rank, pp_rank = (args.rank, 0) if args.tp_size > 1 else (0, args.rank)
-    try:
-        loaded = load_model(args.model, dtype, device, tp_rank=tp_rank, tp_size=args.tp_size, pp_rank=pp_rank,
-                            pp_size=args.pp_size)  # fmt: skip
-        model, cfg = loaded.model, loaded.config
-        if args.tp_size > 1:
-            model.attach(group)
-        weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        kv_token_bytes = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype).token_bytes
-    except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it
-        pipe.send(("error", f"{type(e).__name__}: {e}"))
+    """A local rank: join the group, load its part, then run what rank 0 sends until it stops."""
+    worker = RankWorker(args)
+    if worker.load_error is not None:
+        pipe.send(("error", worker.load_error))
         return
-    pipe.send(("ready", {"weights": weights, "kv_token_bytes": kv_token_bytes}))
-    runner: ModelRunner | None = None
+    pipe.send(("ready", worker.parts))
     while True:
         try:
             message = pipe.recv()
         except EOFError:  # rank 0 is gone
             return
-        kind = message[0]
         try:
-            if kind == "kv":
-                _, num_pages, block_size = message
-                layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
-                pages = PageArena(num_pages, layout.page_bytes(block_size), device)
-                arena = KVArena(num_pages, cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device,
-                                pages=pages)  # fmt: skip
-                stage = (group, pp_rank, args.pp_size, dtype) if args.pp_size > 1 else None
-                runner = ModelRunner(model, arena, device, cfg.attn_scale, BACKENDS[args.attention_backend](),
-                                     stage=stage)  # fmt: skip
-            elif kind == "step":
-                runner.mirror_step(*message[1:])
-            elif kind == "logits":
-                with torch.inference_mode():
-                    model.compute_logits(message[1].to(device))
-            elif kind == "stop":
+            if not worker.handle(message):
                 return
         except Exception:  # noqa: BLE001 - a failed collective (rank 0 or a peer gone): stop
             traceback.print_exc()

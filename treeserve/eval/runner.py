@@ -65,6 +65,7 @@ class EvalSettings:
     prm_tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1  # the generator's pipeline stages, and the PRM's
     prm_pipeline_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"  # how parallel models' other ranks start: "mp" | "ray"
     memory_report: str | None = None  # write the memory plan (JSON) here
     page_logs: bool = False  # put every engine's per-step page statistics in the results
     reference: bool = False
@@ -86,7 +87,7 @@ class EvalSettings:
             sizes = parallel_sizes(self)[name]
             try:
                 check_parallel(str(path), self.device, sizes["tensor_parallel_size"], sizes["pipeline_parallel_size"],
-                               quantization)  # fmt: skip
+                               quantization, backend=self.distributed_executor_backend)  # fmt: skip
             except ValueError as e:
                 raise ValueError(f"{name}: {e}") from None
         if self.shard is not None:

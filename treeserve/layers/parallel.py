@@ -1,17 +1,23 @@
 """Tensor parallelism: the collectives of one model's ranks, and how its checkpoint splits k ways.
 
-Owns `TPGroup` (one model's ranks: a process group of their own, built from a TCP store, so a
-process may hold several models at different sizes: gloo on a CPU, NCCL on CUDA) and the split
-(Megatron's), for rank r of k:
+Owns `RankGroup` (ranks that meet in collectives: a process group of their own, built from a
+TCP store, so a process may hold several models at different sizes: gloo on a CPU, NCCL on
+CUDA), `Placement` (where a rank of tensor_parallel_size x pipeline_parallel_size sits: its
+stage's tensor-parallel group and its shard's pipeline group) and the split (Megatron's), for
+rank r of k:
 
 - qkv_proj, gate_up_proj: column-parallel, each fused part (q, k, v; gate, up) cut into k
   slices of whole heads (q: num_heads / k, k and v: num_kv_heads / k) or intermediate rows;
 - o_proj, down_proj: row-parallel (the rank's input columns), bias on rank 0 only; their
-  outputs are all-reduced (`TPGroup.all_reduce`), once per block;
+  outputs are all-reduced (`RankGroup.all_reduce`), once per block;
 - embed_tokens: vocab-parallel (rows [r V/k, (r+1) V/k)); ids outside the slice look up
   zeros, and the sum over ranks is the row;
 - lm_head (or the tied table): vocab-parallel; logits are gathered along the vocabulary;
 - norms and q/k norms: replicated.
+
+A GGUF file's quantised matrices (`QuantTensor`) split the same way in their blocks, a rank's
+bytes the file's: whole rows, or whole blocks of each row's input columns (`check_whole_blocks`
+refuses a size that would cut one).
 
 KV heads are split with q's, so each rank's arena holds its heads. `shard_config` gives a
 rank's config (heads, KV heads and intermediate size divided); the vocabulary stays whole in
@@ -28,6 +34,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from treeserve.layers.quant import QuantTensor
+
 if TYPE_CHECKING:
     from treeserve.models.llama import LlamaConfig
 
@@ -35,25 +43,24 @@ ROW_PARALLEL = ("o_proj", "down_proj")  # split along their input; everything el
 
 
 @dataclass
-class TPGroup:
-    rank: int
+class RankGroup:
+    """Ranks that meet in collectives: a pipeline stage's tensor shards, or a shard's stages."""
+
+    rank: int  # this rank's index in the group
     size: int
     group: Any  # a torch.distributed ProcessGroup (gloo or NCCL)
     wait_s: float = 0.0  # seconds this rank spent in collectives and receives (waiting included)
 
     @classmethod
-    def connect(cls, rank: int, size: int, port: int, device: torch.device, timeout_s: float) -> TPGroup:
-        """Join (rank 0: host) the group of `size` ranks that meet at 127.0.0.1:`port`; a
-        collective that waits longer than `timeout_s` (a rank died or hangs) raises."""
-        timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=timeout)
+    def join(cls, store: Any, name: str, rank: int, size: int, device: torch.device, timeout_s: float) -> RankGroup:
+        """Rank `rank` of group `name`'s `size` ranks, met through `store`; a collective that waits
+        longer than `timeout_s` (a rank died or hangs) raises."""
+        timeout, store = datetime.timedelta(seconds=timeout_s), dist.PrefixStore(name, store)
         if device.type == "cuda":  # unmeasured: this workplace lends one GPU at a time
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
-            group = dist.ProcessGroupNCCL(store, rank, size, options)
-        else:
-            group = dist.ProcessGroupGloo(store, rank, size, timeout)
-        return cls(rank, size, group)
+            return cls(rank, size, dist.ProcessGroupNCCL(store, rank, size, options))
+        return cls(rank, size, dist.ProcessGroupGloo(store, rank, size, timeout))
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks, in place (bf16 and fp16 summed in fp32 and rounded once)."""
@@ -84,6 +91,39 @@ class TPGroup:
         work.wait()
         self.wait_s += time.perf_counter() - start
 
+
+@dataclass
+class Placement:
+    """Where global rank `rank` of tp_size x pp_size sits (vLLM's order: a stage's shards are
+    consecutive ranks), and the groups it meets its peers in."""
+
+    rank: int
+    tp_size: int
+    pp_size: int
+    tp: RankGroup | None = None  # its stage's tensor shards (None at tp_size 1)
+    pp: RankGroup | None = None  # its shard's pipeline stages (None at pp_size 1)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.tp_size
+
+    def connect(self, host: str, port: int, device: torch.device, timeout_s: float) -> Placement:
+        """Join both groups through the TCP store at host:port (rank 0 hosts it); returns self."""
+        size = self.tp_size * self.pp_size
+        store = dist.TCPStore(host, port, size, is_master=self.rank == 0, timeout=datetime.timedelta(seconds=timeout_s))
+        if self.tp_size > 1:  # every rank joins its stage's group first: no rank waits on a later join
+            self.tp = RankGroup.join(store, f"tp{self.pp_rank}", self.tp_rank, self.tp_size, device, timeout_s)
+        if self.pp_size > 1:
+            self.pp = RankGroup.join(store, f"pp{self.tp_rank}", self.pp_rank, self.pp_size, device, timeout_s)
+        return self
+
+    @property
+    def wait_s(self) -> float:
+        return sum(g.wait_s for g in (self.tp, self.pp) if g is not None)
 
 
 def check_divisible(cfg: LlamaConfig, size: int, vocab_size: int) -> None:
@@ -148,25 +188,54 @@ def stage_name(name: str, cfg: LlamaConfig) -> str | None:
     return name if cfg.pp_rank == 0 else None  # the embedding, final norm and LM head live on stage 0
 
 
-def shard_tensor(name: str, tensor: torch.Tensor, part: str | None, cfg: LlamaConfig) -> torch.Tensor:
-    """Rank `cfg.tp_rank`'s slice of checkpoint tensor `name` (a fused module's `part`, or whole)."""
+def shard_tensor(name: str, tensor: torch.Tensor | QuantTensor, part: str | None,
+                 cfg: LlamaConfig) -> torch.Tensor | QuantTensor:  # fmt: skip
+    """Rank `cfg.tp_rank`'s slice of checkpoint tensor `name` (a fused module's `part`, or whole);
+    a quantised one's whole rows, or whole blocks of its rows (its bytes the file's)."""
     rank, size = cfg.tp_rank, cfg.tp_size
     if size == 1:
         return tensor
     module = name.rsplit(".", 2)[-2] if "." in name else name
     replicated = kv_head_of(rank, size, cfg.full_kv_heads)
     if part in ("k_proj", "v_proj") and replicated is not None:  # this rank's copy of one KV head
-        return tensor[replicated * cfg.head_dim : (replicated + 1) * cfg.head_dim].contiguous()
+        return _rows(tensor, replicated * cfg.head_dim, (replicated + 1) * cfg.head_dim)
     if name.endswith(("embed_tokens.weight", "lm_head.weight")) or part is not None:
-        return tensor.chunk(size, dim=0)[rank].contiguous()  # vocab rows, or a part's heads / rows
+        rows = tensor.shape[0] // size  # vocab rows, or a part's heads / rows
+        return _rows(tensor, rank * rows, (rank + 1) * rows)
     if module in ROW_PARALLEL:
         if name.endswith(".bias"):
             return tensor if rank == 0 else torch.zeros_like(tensor)
-        return tensor.chunk(size, dim=1)[rank].contiguous()
+        cols = tensor.shape[1] // size
+        if isinstance(tensor, QuantTensor):
+            return tensor.slice_columns(rank * cols, (rank + 1) * cols)
+        return tensor[:, rank * cols : (rank + 1) * cols].contiguous()
     return tensor  # norms: replicated
 
 
-def vocab_parallel_lookup(lookup: Any, ids: torch.Tensor, table: Any, rows: int, tp: TPGroup) -> torch.Tensor:
+def _rows(tensor: torch.Tensor | QuantTensor, start: int, stop: int) -> torch.Tensor | QuantTensor:
+    if isinstance(tensor, QuantTensor):
+        return tensor.slice_rows(start, stop)
+    return tensor[start:stop].contiguous()
+
+
+def check_whole_blocks(blocks: dict[str, tuple[int, str, int]], size: int) -> None:
+    """Refuse a split that cuts a quantised row-parallel matrix's blocks (before any weight
+    loads): `blocks` maps a checkpoint name to (input width, format, weights a block), and each
+    rank's input width must be whole blocks of the largest format its matrices have."""
+    worst: dict[str, tuple[int, str, int]] = {}
+    for name, (cols, qformat, block) in blocks.items():
+        module = name.rsplit(".", 2)[-2] if "." in name else name
+        if module in ROW_PARALLEL and (cols // size) % block and block > worst.get(module, (0, "", 0))[2]:
+            worst[module] = (cols, qformat, block)
+    if worst:
+        bad = [f"{module}'s {cols} inputs / {size} = {cols // size} a rank, not whole {qformat} blocks of {block}"
+               for module, (cols, qformat, block) in sorted(worst.items())]  # fmt: skip
+        raise ValueError(f"tensor_parallel_size={size} would cut quantised blocks: {'; '.join(bad)} (a rank "
+                         "multiplies whole blocks of its input columns; load dense with dequantize=True, or use "
+                         "another size)")  # fmt: skip
+
+
+def vocab_parallel_lookup(lookup: Any, ids: torch.Tensor, table: Any, rows: int, tp: RankGroup) -> torch.Tensor:
     """Rows of a table split by vocabulary (`rows` of them here): this rank's rows, zeros
     elsewhere, summed over ranks."""
     local = ids - tp.rank * rows

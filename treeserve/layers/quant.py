@@ -11,6 +11,9 @@ Where the 8-bit kernel multiplies a matrix, `in_panels()` lays its Q8_0 parts ou
 kernel's panels (at kernel pick time, `Linear`/`Embedding`): a copy of the same size, in the
 kernel's order, replaces the file's bytes.
 
+`slice_rows` and `slice_columns` cut a tensor-parallel rank's shard (layers/parallel.py) out of
+the file's bytes: whole rows, or whole blocks of every row; a rank's blocks are the file's.
+
 `quant_linear` has F.linear's signature; `linear_kernel` returns it for a `QuantTensor`.
 `quant_embedding` looks rows up. Both call `kernels/cpu/quant.py` (CPU only: a GPU engine
 dequantises at load). `quantize_int8` makes an int8 `QuantTensor` of a dense weight.
@@ -54,6 +57,28 @@ class QuantPart:
             return self
         panels = kernels.lay_out(self.qtype, self.data, cols)
         return QuantPart(kernels.PANELS + self.qtype, panels, panel_rows=self.rows)
+
+    def slice_rows(self, start: int, stop: int) -> QuantPart:
+        """Output channels [start, stop): the same bytes (a view)."""
+        self._check_not_laid_out()
+        scales = None if self.scales is None else self.scales[start:stop]
+        return QuantPart(self.qtype, self.data[start:stop], scales)
+
+    def slice_columns(self, start: int, stop: int, cols: int) -> QuantPart:
+        """Input columns [start, stop) of rows `cols` wide: each row's blocks over them, copied
+        byte for byte (a block holds a run of one row's columns, and int8's scale is a row's)."""
+        self._check_not_laid_out()
+        weights, _ = kernels.BLOCKS[self.qtype]
+        if start % weights or stop % weights:
+            name = QTYPE_NAMES[self.qtype]
+            raise ValueError(f"columns [{start}, {stop}) of a {cols}-wide {name} matrix cut its {weights}-weight "
+                             "blocks: a slice must be whole blocks")  # fmt: skip
+        first, last = kernels.row_bytes(self.qtype, start), kernels.row_bytes(self.qtype, stop)
+        return QuantPart(self.qtype, self.data[:, first:last].contiguous(), self.scales)
+
+    def _check_not_laid_out(self) -> None:
+        if self.qtype > kernels.PANELS:
+            raise ValueError("a matrix laid out as panels is not sliced (slice the file's rows, then lay out)")
 
     def dequantize(self, ids: torch.Tensor, cols: int) -> torch.Tensor:
         """fp32 rows `ids`: the dequantiser's values, to the bit (laid out too)."""
@@ -104,6 +129,25 @@ class QuantTensor:
         parts, first = [p for t in tensors for p in t.parts], tensors[0]
         return QuantTensor(parts, first.cols, first.dtype, activations=first.activations)
 
+    def slice_rows(self, start: int, stop: int) -> QuantTensor:
+        """Output channels [start, stop) (a column-parallel shard), across the parts they fall
+        in: the file's bytes (views), each part keeping its format."""
+        _check_range("rows", start, stop, self.shape[0])
+        parts, first = [], 0
+        for part in self.parts:
+            lo, hi = max(start, first), min(stop, first + part.rows)
+            if lo < hi:
+                parts.append(part.slice_rows(lo - first, hi - first))
+            first += part.rows
+        return QuantTensor(parts, self.cols, self.dtype, self.device, self.activations)
+
+    def slice_columns(self, start: int, stop: int) -> QuantTensor:
+        """Input columns [start, stop) (a row-parallel shard): whole blocks of every row, the
+        file's bytes copied; a ValueError where the slice would cut a block."""
+        _check_range("columns", start, stop, self.cols)
+        parts = [p.slice_columns(start, stop, self.cols) for p in self.parts]
+        return QuantTensor(parts, stop - start, self.dtype, self.device, self.activations)
+
     def in_panels(self) -> QuantTensor:
         """The same matrix with its Q8_0 parts laid out as the 8-bit kernel's panels, where
         that kernel or the tiles (bf16 activations) multiply the whole matrix (this CPU, every
@@ -123,6 +167,11 @@ class QuantTensor:
     def dequantize(self) -> torch.Tensor:
         """The fp32 matrix (the reference the kernels are tested against)."""
         return torch.cat([p.dequantize(torch.arange(p.rows), self.cols) for p in self.parts])
+
+
+def _check_range(what: str, start: int, stop: int, size: int) -> None:
+    if not 0 <= start < stop <= size:
+        raise ValueError(f"{what} [{start}, {stop}) are not a slice of a matrix's {size} {what}")
 
 
 def quant_linear(x: torch.Tensor, weight: QuantTensor, bias: torch.Tensor | None = None) -> torch.Tensor:

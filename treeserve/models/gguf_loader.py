@@ -180,7 +180,7 @@ class GGUFCheckpoint:
         for tensor in self.reader.tensors:
             name = self.hf_name(tensor.name)
             kind = tensor.tensor_type
-            if keep_quantized and len(tensor.shape) == 2 and kind.value in KERNEL_FORMATS:
+            if keep_quantized and _kept_quantized(tensor):
                 yield name, self._quantized(name, tensor, heads, kv_heads)
                 continue
             if keep_quantized and kind.name not in _DENSE and kind.name not in dequantized:
@@ -197,6 +197,12 @@ class GGUFCheckpoint:
                 weight = weight - 1.0
             yield name, weight
 
+    def quantized_blocks(self) -> dict[str, tuple[int, str, int]]:
+        """(input width, format, weights a block) of each matrix `tensors(keep_quantized=True)`
+        keeps in its blocks, by Hugging Face name: the tensor table's, no weight read."""
+        return {self.hf_name(t.name): (int(t.shape[0]), t.tensor_type.name, gguf.GGML_QUANT_SIZES[t.tensor_type][0])
+                for t in self.reader.tensors if _kept_quantized(t)}  # fmt: skip
+
     def _quantized(self, name: str, tensor: object, heads: int, kv_heads: int) -> QuantTensor:
         data = torch.from_numpy(tensor.data)  # a view of the (copy-on-write) memory map
         if self.arch == "llama" and ".q_proj." in name:
@@ -208,6 +214,11 @@ class GGUFCheckpoint:
 
 
 _DENSE = {"F32", "F16", "BF16", "F64"}
+
+
+def _kept_quantized(tensor: object) -> bool:
+    """A matrix in a format the quantised kernels take (kept in its blocks with keep_quantized)."""
+    return len(tensor.shape) == 2 and tensor.tensor_type.value in KERNEL_FORMATS
 
 
 def _unpermute_rope_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ from treeserve.layers.decode_stack import DecodeStack
 from treeserve.layers.embedding import Embedding
 from treeserve.layers.linear import Linear, linear_kernel, widened_linear
 from treeserve.layers.norm import RMSNorm
-from treeserve.layers.parallel import TPGroup, vocab_parallel_lookup
+from treeserve.layers.parallel import RankGroup, vocab_parallel_lookup
 from treeserve.layers.rotary import RotaryEmbedding, rope_inv_freq
 
 
@@ -101,7 +101,7 @@ def _layer_windows(cfg: dict, model_type: str, layers: int) -> list[int | None]:
 
 
 class LlamaAttentionBlock(nn.Module):
-    tp: TPGroup | None = None  # with tensor parallelism: o_proj's partial sums are all-reduced
+    tp: RankGroup | None = None  # with tensor parallelism: o_proj's partial sums are all-reduced
 
     def __init__(self, cfg: LlamaConfig, layer: int):
         super().__init__()
@@ -134,7 +134,7 @@ ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approxim
 class LlamaMLP(nn.Module):
     """Gated MLP, down(act(gate(x)) * up(x)); Gemma uses it with a tanh-approximated GELU."""
 
-    tp: TPGroup | None = None  # with tensor parallelism: down_proj's partial sums are all-reduced
+    tp: RankGroup | None = None  # with tensor parallelism: down_proj's partial sums are all-reduced
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -166,7 +166,7 @@ class LlamaForCausalLM(nn.Module):
 
     decoder_layer: type[nn.Module] = LlamaDecoderLayer  # subclasses (Gemma 3) swap the layer and norm
     final_norm: type[nn.Module] = RMSNorm
-    tp: TPGroup | None = None  # with tensor parallelism: vocab-parallel embedding and LM head
+    tp: RankGroup | None = None  # with tensor parallelism: vocab-parallel embedding and LM head
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -203,7 +203,7 @@ class LlamaForCausalLM(nn.Module):
             self.decode_stack = DecodeStack.build(self.layers, self.rope_tables(), act, cfg.intermediate_size,
                                                   cfg.rms_norm_eps)  # fmt: skip
 
-    def attach(self, tp: TPGroup) -> None:
+    def attach(self, tp: RankGroup) -> None:
         """Join `tp` (this model holds rank tp.rank's shard): every layer that reduces or gathers."""
         for module in self.modules():
             if isinstance(module, LlamaAttentionBlock | LlamaMLP | LlamaForCausalLM):

@@ -116,13 +116,15 @@ class MemoryPlan:
 
 
 def _parallel(config: object) -> dict | None:
-    sizes = {k: getattr(config, k) for k in ("tensor_parallel_size", "pipeline_parallel_size")}
-    return sizes if any(v > 1 for v in sizes.values()) else None
+    keys = ("tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend")
+    sizes = {k: getattr(config, k) for k in keys}
+    return sizes if sizes["tensor_parallel_size"] * sizes["pipeline_parallel_size"] > 1 else None
 
 
-def _describe(parallel: dict[str, int]) -> str:
+def _describe(parallel: dict) -> str:
     tp, pp = parallel["tensor_parallel_size"], parallel["pipeline_parallel_size"]
-    return f"{tp} tensor-parallel shards" if tp > 1 else f"{pp} pipeline stages"
+    kinds = [f"{tp} tensor-parallel shards"] * (tp > 1) + [f"{pp} pipeline stages"] * (pp > 1)
+    return " x ".join(kinds) + (" (Ray actors)" if parallel["distributed_executor_backend"] == "ray" else "")
 
 
 SAMPLER_BYTES_PER_LOGIT = 12  # the logits row, its fp32 probabilities and their running sum (the CDF)

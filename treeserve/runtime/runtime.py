@@ -354,10 +354,13 @@ def per_model_engine_args(settings: object) -> dict[str, dict]:
     """The per-model engine settings of `settings` (EvalSettings, ServerSettings): its
     `engine_args` ({"generator": {...}, "prm": {...}}) with each model's quantisation settings
     (`quant_activations` for both), the generator's speculative decoding and each model's
-    parallel sizes (`parallel_sizes`; sizes of 1 are left out) added."""
+    parallel sizes (`parallel_sizes`; sizes of 1 are left out) and how their ranks start added."""
     args = {name: dict(values) for name, values in (settings.engine_args or {}).items()}
     for name, sizes in parallel_sizes(settings).items():
-        args.setdefault(name, {}).update({key: size for key, size in sizes.items() if size != 1})
+        parallel = {key: size for key, size in sizes.items() if size != 1}
+        if parallel:
+            parallel["distributed_executor_backend"] = settings.distributed_executor_backend
+        args.setdefault(name, {}).update(parallel)
     if settings.speculative_config is not None:
         args.setdefault("generator", {})["speculative_config"] = settings.speculative_config
     for name, method in (("generator", settings.quantization), ("prm", settings.prm_quantization)):

@@ -52,6 +52,7 @@ class ServerSettings:
     prm_tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1  # the model's pipeline stages, and the PRM's
     prm_pipeline_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"  # how parallel models' other ranks start: "mp" | "ray"
 
     @property
     def name(self) -> str:
@@ -65,7 +66,8 @@ class ServerSettings:
         for name, path, sizes in (("model", self.model, sizes_of["generator"]), ("prm", self.prm, sizes_of["prm"])):
             if path is not None:
                 check_model_path(path, name)
-                check_parallel(path, self.device, sizes["tensor_parallel_size"], sizes["pipeline_parallel_size"])
+                check_parallel(path, self.device, sizes["tensor_parallel_size"], sizes["pipeline_parallel_size"],
+                               backend=self.distributed_executor_backend)  # fmt: skip
         spec = SpeculativeConfig.parse(self.speculative_config)  # checked before any model loads
         self.speculative_config = None if spec is None else asdict(spec)
         self.async_scheduling = resolve_async_scheduling(self.async_scheduling, self.device, spec is not None)
