@@ -60,6 +60,9 @@ def _add_device_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="overlapped steps: schedule the next step while the device runs this one (default: on "
                    "with CUDA; on a CPU off, or TREESERVE_ASYNC_SCHEDULING=0|1)")  # fmt: skip
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: run every step eagerly (on CUDA decode steps replay graphs captured at "
+                        "load; on a CPU this changes nothing)")  # fmt: skip
 
 
 def _add_quantization_flags(p: argparse.ArgumentParser, prm: bool) -> None:
@@ -132,6 +135,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         device=args.device, attention_backend=args.attention_backend, quantization=args.quantization,
         dequantize=args.dequantize, speculative_config=args.speculative_config,
         quant_activations=args.quant_activations or "int8", async_scheduling=args.async_scheduling,
+        enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
     )  # fmt: skip
@@ -396,7 +400,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         device=args.device, attention_backend=args.attention_backend, quantization=args.quantization,
         prm_quantization=args.prm_quantization, dequantize=args.dequantize, quant_activations=args.quant_activations,
         speculative_config=args.speculative_config, async_scheduling=args.async_scheduling,
-        engine_process=not args.engine_in_process,
+        enforce_eager=args.enforce_eager, engine_process=not args.engine_in_process,
         shutdown_timeout=args.shutdown_timeout, trace_ring=args.trace_ring,
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
         prm_tensor_parallel_size=args.prm_tensor_parallel_size,

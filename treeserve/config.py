@@ -136,6 +136,11 @@ class EngineConfig:
     # how ranks 1..k-1 start: "mp" (processes on this host) or "ray" (actors in a placement group
     # of the Ray cluster this process joins: other hosts too; engine/ray_ranks.py)
     distributed_executor_backend: str = "mp"
+    # CUDA graphs for decode-only steps (engine/cuda_graphs.py), on by default on CUDA with the
+    # Triton backend; enforce_eager=True (vLLM's name) runs every step eagerly. cuda_graph_sizes:
+    # the batch-size buckets captured (None: 1, 2, 4, 8, then steps of 8 up to max_num_seqs)
+    enforce_eager: bool = False
+    cuda_graph_sizes: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -165,6 +170,12 @@ class EngineConfig:
         self.async_scheduling = resolve_async_scheduling(
             self.async_scheduling, self.device, self.speculative_config is not None
         )
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+        sizes = self.cuda_graph_sizes
+        if sizes is not None and (not isinstance(sizes, list | tuple) or not sizes
+                                  or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes)):
+            raise ValueError(f"cuda_graph_sizes must be a non-empty list of positive batch sizes, got {sizes!r}")
         if not self.parallel_timeout_s > 0:
             raise ValueError(f"parallel_timeout_s must be > 0 seconds, got {self.parallel_timeout_s}")
         check_parallel(self.model, self.device, self.tensor_parallel_size, self.pipeline_parallel_size,

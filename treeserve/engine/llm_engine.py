@@ -32,6 +32,7 @@ import torch
 
 from treeserve.config import EngineConfig
 from treeserve.device import available_memory
+from treeserve.engine import cuda_graphs
 from treeserve.engine.attention import BACKENDS
 from treeserve.engine.detokenizer import StopChecker
 from treeserve.engine.draft_model import DraftModel
@@ -176,6 +177,13 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.arena, self.device, self.model_config.attn_scale, backend,
                                   self.draw, self.tokenizer.vocab_size, workers and workers.send,
                                   workers is not None and workers.tp_size > 1, stage)  # fmt: skip
+        self.graph_stats = None  # {"sizes", "capture_s", "memory_bytes"} when decode steps replay CUDA graphs
+        if cuda_graphs.graphs_apply(self.device, config.attention_backend, config.enforce_eager, workers is not None):
+            graphs = cuda_graphs.DecodeGraphs(self.model, self.arena, backend, self.model_config.attn_scale,
+                                              cuda_graphs.capture_sizes(config.max_num_seqs, config.cuda_graph_sizes),
+                                              pages_per_seq)  # fmt: skip
+            graphs.capture()
+            self.runner.graphs, self.graph_stats = graphs, graphs.stats
         self.page_log = PageLog(self.blocks)
         generated = self.reader.num_generated_tokens if hasattr(self, "reader") else 0
         self.reader = StepReader(self.scheduler, self.blocks, self.tokenizer, self.constraints, self.speculator,

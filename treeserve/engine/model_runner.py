@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from treeserve.engine.attention import AttentionBackend, AttentionBatch, SdpaBackend, SeqGroup
+from treeserve.engine.cuda_graphs import DecodeGraphs
 from treeserve.engine.dedup import Twins
 from treeserve.engine.forward_batch import ForwardBatch, attention_inputs, micro_batches
 from treeserve.engine.penalties import RowHistory, adjust_logits
@@ -129,6 +130,7 @@ class ModelRunner:
         # host does not wait for it; twins are then not looked for) or here (a CPU, or the other
         # ranks' inputs are sent from here)
         self.fill_on_device = device.type != "cpu" and mirror is None
+        self.graphs: DecodeGraphs | None = None  # CUDA graphs for decode-only steps (the engine captures them)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, previous: Future | None = None) -> StepResult:
@@ -190,6 +192,8 @@ class ModelRunner:
         token ids once they are on the device."""
         if self.stage is not None:
             return self._pipelined(batch)
+        if self.graphs is not None and (bucket := self.graphs.bucket(batch)) is not None:
+            return self.graphs.run(batch, bucket, self.staging, fill)
         return self.model(*self._inputs(batch, fill))
 
     def _pipelined(self, batch: ForwardBatch) -> torch.Tensor | None:

@@ -32,7 +32,7 @@ VERSION = 1
 # config keys that say how a run was executed, not what it computes: they may change on resume
 OPERATIONAL = ("memory_report", "page_logs", "progress", "distributed", "async_scheduling", "tensor_parallel_size",
                "prm_tensor_parallel_size", "pipeline_parallel_size", "prm_pipeline_parallel_size",
-               "distributed_executor_backend")
+               "distributed_executor_backend", "enforce_eager")
 
 
 def journal_path(output: str | Path) -> Path:

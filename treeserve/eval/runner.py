@@ -61,6 +61,7 @@ class EvalSettings:
     quant_activations: str | None = None  # every model's quantised matmuls: "int8" | "bf16" (None: the default)
     speculative_config: dict | str | None = None  # the generator's speculative decoding (EngineConfig's)
     async_scheduling: bool | None = None  # overlapped steps, both models (None: the device's default)
+    enforce_eager: bool = False  # no CUDA graphs for decode steps, both models
     tensor_parallel_size: int = 1  # the generator's ranks (tensor shards), and the PRM's:
     prm_tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1  # the generator's pipeline stages, and the PRM's
@@ -107,7 +108,7 @@ def build_runtime(settings: EvalSettings, config: SearchConfig) -> Runtime:
         settings.generator, prm, settings.kv_cache_memory, settings.prm_kv_fraction, per_model_engine_args(settings),
         dtype=settings.dtype, enable_prefix_caching=config.prefix_cache, memory_budget=settings.memory_budget,
         memory_fraction=settings.memory_fraction, device=settings.device, attention_backend=settings.attention_backend,
-        async_scheduling=settings.async_scheduling,
+        async_scheduling=settings.async_scheduling, enforce_eager=settings.enforce_eager,
     )  # fmt: skip
 
 

@@ -50,6 +50,9 @@ class ModelMemory:
     # "weights", "kv_bytes"}, ...]}; the rest of this plan is rank 0's (its shard or stage, its
     # heads' or layers' pages); each other rank holds what it reported, in a process of its own
     parallel: dict | None = None
+    # CUDA graphs of its decode steps (engine/cuda_graphs.py), measured at capture: {"sizes",
+    # "capture_s", "memory_bytes" (free device memory before capture minus after)}; None: none
+    graphs: dict | None = None
 
 
 @dataclass
@@ -108,6 +111,10 @@ class MemoryPlan:
                 + (f"  weights in {m.quantization}" if m.quantization else "")
                 + (f"  rank 0 of {_describe(m.parallel)}" if m.parallel else "")
             )
+            if m.graphs:
+                lines.append(f"  {'':<10}   CUDA graphs: {len(m.graphs['sizes'])} decode batch sizes up to "
+                             f"{max(m.graphs['sizes'])}, {m.graphs['memory_bytes'] / mib:.1f} MiB, captured in "
+                             f"{m.graphs['capture_s']:.1f} s (measured)")  # fmt: skip
             for rank in (m.parallel or {}).get("ranks", []):
                 lines.append(f"  {'':<10}   rank {rank['rank']}: weights {rank['weights'] / mib:.1f}, "
                              f"KV {rank['kv_bytes'] / mib:.1f} (its process)")  # fmt: skip
@@ -277,9 +284,11 @@ def plan(
 
 
 def record_pages(plan: MemoryPlan, engines: dict[str, LLMEngine]) -> None:
-    """Copy the page layout the engines were given (block sizes, page bytes, page counts) into `plan`."""
+    """Copy the page layout the engines were given (block sizes, page bytes, page counts) and
+    their CUDA graphs' measured cost into `plan`."""
     for m in plan.models:
         engine = engines[m.name]
+        m.graphs = engine.graph_stats
         m.block_size, m.page_bytes, m.num_pages = (
             engine.block_size,
             engine.arena.pages.page_bytes,

@@ -45,6 +45,7 @@ class ServerSettings:
     quant_activations: str | None = None  # every model's quantised matmuls: "int8" | "bf16" (None: the default)
     speculative_config: dict | str | None = None  # the generator's speculative decoding (EngineConfig's)
     async_scheduling: bool | None = None  # overlapped steps, both models (None: the device's default)
+    enforce_eager: bool = False  # no CUDA graphs for decode steps, both models
     engine_process: bool = True  # the engines in an engine-core process of their own (False: in this one)
     shutdown_timeout: float = 30.0  # on SIGTERM, seconds open requests get before they are aborted
     trace_ring: int = 32  # how many traced searches (/v1/search "trace": true) GET /ui keeps, newest first
@@ -89,7 +90,7 @@ def build_served(settings: ServerSettings) -> Served:
         per_model_engine_args(settings),
         dtype=settings.dtype, memory_budget=settings.memory_budget, memory_fraction=settings.memory_fraction,
         device=settings.device, attention_backend=settings.attention_backend,
-        async_scheduling=settings.async_scheduling, **extra,
+        async_scheduling=settings.async_scheduling, enforce_eager=settings.enforce_eager, **extra,
     )  # fmt: skip
     print(runtime.memory_plan.table(), flush=True)
     prm = load_prm(runtime, "prm", settings.prm_style) if settings.prm else None  # a bad PRM fails at startup

@@ -25,7 +25,7 @@ def _store_kv(
     offset = tl.load(offsets_ptr + t).to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
-    mask = (h < HEADS) & (d < D)
+    mask = (h < HEADS) & (d < D) & (h * 0 + page >= 0)  # page -1: a CUDA graph's padding row, stored nowhere
     slot = page * cache_stride_page + offset * cache_stride_slot + h * cache_stride_h + d
     k = tl.load(k_ptr + t * k_stride_t + h * k_stride_h + d, mask=mask)
     tl.store(k_cache_ptr + slot, k, mask=mask)
@@ -41,7 +41,8 @@ def store_kv(
     slot_pages: torch.Tensor,
     slot_offsets: torch.Tensor,
 ) -> None:
-    """k_cache[slot_pages[t], slot_offsets[t]] = k[t] and v_cache[...] = v[t] for every token t."""
+    """k_cache[slot_pages[t], slot_offsets[t]] = k[t] and v_cache[...] = v[t] for every token t
+    whose slot page is not -1 (a CUDA graph's padding rows: `engine/cuda_graphs.py`)."""
     tokens, heads, dim = k.shape
     if tokens == 0:
         return
