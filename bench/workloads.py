@@ -4,6 +4,10 @@
 tokenizer of the requested vocabulary) that treeserve, transformers and vLLM all load.
 `build_twin` writes a larger random-weight twin of a shipped arithmetic model (its
 tokenizer, chat template and PRM format, a bigger Llama) for scaling benchmarks.
+`build_random_weights_dir` writes no weights at all: config.json, a word-level tokenizer
+(`word_level_tokenizer`) and treeserve's random-weights marker, which makes treeserve's loader
+draw the weights on the device (treeserve/models/loader.py) and bench/peers/sal_search.py
+build the config's model with transformers' initialisation: any size, in no time.
 """
 
 from __future__ import annotations
@@ -129,6 +133,57 @@ def _save_random(out_dir: str, config: object, seed: int) -> str:
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(out_dir)
+    return out_dir
+
+
+# random-weights directories' vocabulary: specials, a step tag and its two labels, then one word per id
+WORD_SPECIALS = ["<s>", "</s>", "<unk>"]
+STEP_TAG, GOOD, BAD = "ки", "+", "-"
+FIRST_WORD = len(WORD_SPECIALS) + 3
+STEP_TAG_PRM = {
+    "style": "step_tag", "step_tag": STEP_TAG, "step_tag_id": 3, "good_token": GOOD, "good_token_id": 4,
+    "bad_token": BAD, "bad_token_id": 5, "prompt_format": "{problem} ", "first_step_prefix": "",
+    "step_format": "{step} " + STEP_TAG, "step_separator": "\n", "use_chat_template": False,
+}  # fmt: skip
+PLAIN_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+
+
+def word_level_tokenizer(vocab: int):  # noqa: ANN201 - tokenizers.Tokenizer
+    """One word per id (`▁w<id>` from FIRST_WORD on), split at whitespace; decoding puts a space
+    before every word, so decoded steps concatenate into text that encodes back to the same ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    words = {w: i for i, w in enumerate(WORD_SPECIALS)}
+    words.update({"▁" + w: len(WORD_SPECIALS) + i for i, w in enumerate((STEP_TAG, GOOD, BAD))})
+    words.update({f"▁w{i}": i for i in range(FIRST_WORD, vocab)})
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Metaspace(prepend_scheme="always")]
+    )
+    tok.decoder = decoders.Metaspace(prepend_scheme="never")
+    tok.add_special_tokens(WORD_SPECIALS)
+    return tok
+
+
+def build_random_weights_dir(
+    out_dir: str, config: dict, tokenizer: object, seed: int = 0, step_tag_prm: bool = False
+) -> str:
+    """A checkpoint directory without weights: `config` (config.json; bos 0, eos 1), the
+    word-level `tokenizer` with a chat template that joins the messages' text, the loader's
+    random-weights marker with `seed` and, with `step_tag_prm`, a step-tag prm_config.json."""
+    from treeserve.models.loader import RANDOM_WEIGHTS
+
+    os.makedirs(out_dir, exist_ok=True)
+    tokenizer_config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "</s>",
+                        "chat_template": PLAIN_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast",
+                        "model_max_length": config.get("max_position_embeddings", 4096)}  # fmt: skip
+    files = {"config.json": config, "tokenizer_config.json": tokenizer_config, RANDOM_WEIGHTS: {"seed": seed}}
+    if step_tag_prm:
+        files["prm_config.json"] = STEP_TAG_PRM
+    for name, content in files.items():
+        with open(os.path.join(out_dir, name), "w") as f:
+            json.dump(content, f, indent=1)
+    tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
     return out_dir
 
 

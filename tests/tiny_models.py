@@ -3,6 +3,8 @@
 Each checkpoint is a real HF directory (config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json with a chat template) written by transformers' `save_pretrained`,
 with a byte-level BPE tokenizer trained here by `tokenizers`. Nothing is downloaded.
+`build_random_weights_dir` writes the same minus the weights: a `random_weights.json` marker
+makes the loader draw them (models/loader.py).
 """
 
 from __future__ import annotations
@@ -99,4 +101,36 @@ def build_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, **overrid
                 if "norm" in name:
                     param.normal_(0, 0.5)
     model.save_pretrained(out_dir)
+    return out_dir
+
+
+def build_random_weights_dir(out_dir: str, seed: int = 0, **overrides) -> str:
+    """A tiny Llama directory with no weight file: config.json, the tokenizer and the loader's
+    random-weights marker with `seed`."""
+    from treeserve.models.loader import RANDOM_WEIGHTS
+
+    os.makedirs(out_dir, exist_ok=True)
+    tok = train_tokenizer()
+    save_tokenizer(tok, out_dir)
+    config = dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=tok.token_to_id("<s>"),
+        eos_token_id=tok.token_to_id("</s>"),
+    )
+    config.update(overrides)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    with open(os.path.join(out_dir, RANDOM_WEIGHTS), "w") as f:
+        json.dump({"seed": seed}, f)
     return out_dir

@@ -37,7 +37,10 @@ templated prompt has fewer than MAX_LEN - 1 tokens gets a step of at most MAX_LE
 tokens (vLLM's "length" finish at max_model_len; `transformers` rows stop there through a
 stopping criterion), a longer one ends with an empty step (`fits_context`, treeserve's rule);
 the PRM reads at most MAX_LEN tokens of its input, and steps whose tag lies past them score 0
-(as in treeserve).
+(as in treeserve). A workload's `max_model_len` replaces MAX_LEN (bench/thesis_shapes.py: 2048).
+A model directory holding treeserve's random-weights marker (`random_weights.json`,
+treeserve/models/loader.py) has no weight file: `transformers` builds the config's model with
+its own random initialisation, directly on the device in the workload's dtype.
 
 `--check-scores` (run in the main environment; default 3 problems) builds PRM inputs (each
 problem's reference solution, the same with a wrong result, two generator samples, and one
@@ -122,16 +125,29 @@ class RoomLeft:
         return input_ids.shape[1] - self.prompt_width >= self.room.to(input_ids.device)
 
 
+def load_causal_lm(model_dir: str, dtype: str, device: str) -> object:
+    """`from_pretrained`, or for a random-weights directory (no weight file) the config's model
+    initialised by `transformers` on `device` in `dtype`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not os.path.isfile(os.path.join(model_dir, "random_weights.json")):
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval().to(device)
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).eval()
+
+
 class TransformersGenerator:
     def __init__(self, model_dir: str, dtype: str, seed: int, device: str = "cpu"):
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteriaList
+        from transformers import AutoTokenizer, StoppingCriteriaList
 
         torch.manual_seed(seed)
         self.torch, self.device = torch, device
         self.criteria = StoppingCriteriaList
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval().to(device)
+        self.model = load_causal_lm(model_dir, dtype, device)
 
     def generate(self, prompts: list[str], w: dict, stop: bool, counters: Counters) -> list[tuple[str, str]]:
         """(text, stop reason) per prompt; the stop reason is "\\n\\n" or "EOS" (search-and-learn
@@ -194,12 +210,12 @@ class VLLMGenerator:
 class TransformersPRM:
     def __init__(self, prm_dir: str, dtype: str, device: str = "cpu"):
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.torch, self.device = torch, device
         self.format = PRMFormat(prm_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(prm_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(prm_dir, dtype=getattr(torch, dtype)).eval().to(device)
+        self.model = load_causal_lm(prm_dir, dtype, device)
         c = self.format.config
         self.tag, self.good, self.bad = c["step_tag_id"], c["good_token_id"], c["bad_token_id"]
 
@@ -523,9 +539,11 @@ def main() -> None:
     if sys.argv[1] == "--check-scores-vllm":
         check_scores_vllm(sys.argv[2])
         return
+    global MAX_LEN
     system, workload_path, out_path = sys.argv[1:4]
     with open(workload_path) as f:
         w = json.load(f)
+    MAX_LEN = w.get("max_model_len", MAX_LEN)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     load_start = time.perf_counter()
     if system == "sal-transformers":

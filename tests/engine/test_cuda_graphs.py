@@ -18,7 +18,7 @@ from tests.tiny_models import build_checkpoint
 from treeserve import LLM, SamplingParams
 from treeserve.config import EngineConfig
 from treeserve.engine import cuda_graphs
-from treeserve.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from treeserve.engine.cuda_graphs import capture_sizes
 from treeserve.engine.forward_batch import ForwardBatch
 
 PROMPTS = ["def f(x):", "hello world", "the quick brown fox", "1 + 2 =", "once upon a time"]

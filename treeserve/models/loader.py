@@ -10,6 +10,13 @@ Quantisation (`quantization`): "gguf" keeps a GGUF file's quantised matrices in 
 (`layers/quant.py`; the parameter of the Linear/Embedding is replaced by a `QuantTensor`);
 "int8" quantises every linear layer, the embedding table and the LM head of a Hugging Face
 checkpoint per output channel at load; None loads dense weights (a GGUF file dequantised).
+
+Random weights (benchmarks of shapes whose weights cannot be downloaded): a directory with
+`config.json`, a tokenizer and `random_weights.json` (`{"seed": S}`, RANDOM_WEIGHTS) instead of
+`*.safetensors` loads with every tensor drawn directly on the target device in the target
+dtype: normal(0, 0.02) matrices, unit-gain norms, zero biases, each tensor from a generator
+seeded by (S, its name), so the same seed, device and shapes give the same weights. No weight
+file is read or written; the answers are noise, the costs are the real shapes'.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -28,6 +36,7 @@ from torch import nn
 from treeserve.layers import pick_kernels
 from treeserve.layers.embedding import Embedding
 from treeserve.layers.linear import Linear
+from treeserve.layers.norm import GemmaRMSNorm, RMSNorm
 from treeserve.layers.parallel import shard_config, shard_tensor, stage_config, stage_name
 from treeserve.layers.quant import QuantTensor, describe, quantize_int8, set_quantized
 from treeserve.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
@@ -44,6 +53,7 @@ ARCHITECTURES: dict[str, tuple[type[LlamaConfig], type[LlamaForCausalLM]]] = {
 
 
 QUANTIZATIONS = ("gguf", "int8")
+RANDOM_WEIGHTS = "random_weights.json"  # its presence: random weights from config.json (module docstring)
 log = logging.getLogger(__name__)
 
 
@@ -139,7 +149,11 @@ def load_model(
         for name in ("embed_tokens", "norm", "lm_head"):
             if hasattr(model, name):
                 delattr(model, name)
-    state, extra = _collect_state(model, model_dir, tensors, dtype)
+    seed = random_weights_seed(model_dir)
+    if seed is None:
+        state, extra = _collect_state(model, model_dir, tensors, dtype)
+    else:
+        state, extra = random_state(model, seed, dtype, device), {}
     if quantization == "int8":
         state = _quantize_int8(model, state, dtype)
     expected = set(model.state_dict().keys())
@@ -175,6 +189,46 @@ def load_model(
     if label is not None and quant_activations != "int8":
         label += f", {quant_activations} activations"
     return LoadedModel(model, config, hf_config, extra, label)
+
+
+def random_weights_seed(model_dir: str) -> int | None:
+    """The seed of a random-weights directory (its RANDOM_WEIGHTS file), or None for real weights
+    (a directory without that file, or a GGUF file)."""
+    path = os.path.join(model_dir, RANDOM_WEIGHTS)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            seed = json.load(f).get("seed", 0)
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise ValueError(f'{path!r} must hold a JSON object such as {{"seed": 0}}: {e}') from e
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:
+        raise ValueError(f"the seed in {path!r} must be an integer in [0, 2**31), got {seed!r}")
+    return seed
+
+
+def random_state(
+    model: nn.Module, seed: int, dtype: torch.dtype, device: str | torch.device
+) -> dict[str, torch.Tensor]:
+    """Every tensor `model` expects, made on `device` in `dtype`: norm weights at unit gain
+    (1, or 0 for Gemma's 1 + weight), biases 0, the rest normal(0, 0.02) from a generator
+    seeded by (seed, tensor name), so no tensor depends on the others or on their order."""
+    gains = {name: 0.0 if isinstance(m, GemmaRMSNorm) else 1.0
+             for name, m in model.named_modules() if isinstance(m, RMSNorm | GemmaRMSNorm)}  # fmt: skip
+    state = {}
+    for name, meta in model.state_dict().items():
+        tensor = torch.empty(meta.shape, dtype=dtype, device=device)
+        module, _, attr = name.rpartition(".")
+        if module in gains:
+            tensor.fill_(gains[module])
+        elif attr == "bias":
+            tensor.zero_()
+        else:
+            # 32 bits: a CPU generator (mt19937) reads no more of its seed
+            generator = torch.Generator(device=tensor.device).manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
+            tensor.normal_(0.0, 0.02, generator=generator)
+        state[name] = tensor
+    return state
 
 
 def _config(model_dir: str, hf_config: dict) -> LlamaConfig:
