@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from treeserve.kernels import cpu as cpu_kernels
 from treeserve.kv.arena import KVArena
 from treeserve.layers.attention import DecodePages
+from treeserve.layers.rotary import RotaryEmbedding
 
 
 @dataclass
@@ -76,6 +77,9 @@ class SdpaBackend:
 
     def store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               pages: torch.Tensor, offsets: torch.Tensor) -> None:  # fmt: skip
+        if pages.device.type == "cpu" and bool((pages < 0).any()):  # padding rows (tests of cuda_graphs.py)
+            keep = pages >= 0
+            k, v, pages, offsets = k[keep], v[keep], pages[keep], offsets[keep]
         k_cache[pages, offsets] = k
         v_cache[pages, offsets] = v
 
@@ -137,9 +141,10 @@ class TritonBackend:
     name = "triton"
 
     def __init__(self) -> None:
-        from treeserve.kernels.triton import decode_attention, kv_store, prefill_attention
+        from treeserve.kernels.triton import decode_attention, kv_store, prefill_attention, rope_kv
 
         self.store = kv_store.store_kv
+        self.rope_store = rope_kv.rope_store_kv  # rope fused with the store (`AttentionBatch` with a `rope`)
         self._decode = decode_attention.paged_decode
         self._prefill = prefill_attention.paged_prefill
 
@@ -172,11 +177,24 @@ class AttentionBatch:
     scale: float | None = None
 
     def __call__(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: int | None,
+        rope: tuple[RotaryEmbedding, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = self.arena.layer(layer)
-        self.backend.store(k, v, k_cache, v_cache, self.slot_pages, self.slot_offsets)
-        q = q.contiguous()
+        if rope is not None and self.backend.name == "triton":  # rotated as stored: one launch
+            table, positions = rope
+            q = self.backend.rope_store(q, k, v, table.cos, table.sin, positions, k_cache, v_cache,
+                                        self.slot_pages, self.slot_offsets)  # fmt: skip
+        else:
+            if rope is not None:
+                q, k = rope[0](q, k, rope[1])
+            self.backend.store(k, v, k_cache, v_cache, self.slot_pages, self.slot_offsets)
+            q = q.contiguous()
         out = torch.empty_like(q)
         for group in self.groups:
             self.backend.attend(group, q, k_cache, v_cache, self.scale, window, out)

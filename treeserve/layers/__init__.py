@@ -1,7 +1,9 @@
 """The building blocks models are written in: linear layers, norms, rotary embeddings, the
 attention call. Each layer picks its kernel once, at load (`pick_kernels`), from its
-weights' device and dtype and what `kernels/` built: today the C kernels for bf16 on a
-CPU, PyTorch otherwise; quantised linear layers plug in here as further `Linear` kernels.
+weights' device and dtype and what `kernels/` built: the C kernels for bf16 on a CPU, the
+fused Triton chains on CUDA (norms with the residual add, rope with the KV store, the gated
+activation: `use_triton`), PyTorch otherwise; quantised linear layers plug in here as further
+`Linear` kernels.
 Attention is the exception: its kernels are chosen per engine by the engine's attention
 backend (`engine/attention.py`), since they read the engine's pages.
 """

@@ -7,6 +7,8 @@ from typing import Protocol
 
 import torch
 
+from treeserve.layers.rotary import RotaryEmbedding
+
 
 @dataclass
 class DecodePages:
@@ -24,10 +26,18 @@ class DecodePages:
 
 
 class Attention(Protocol):
-    """q [T, Hq, D] and k/v [T, Hkv, D] of layer `layer` -> [T, Hq, D]; the engine stores k/v in its pages."""
+    """q [T, Hq, D] and k/v [T, Hkv, D] of layer `layer` -> [T, Hq, D]; the engine stores k/v in its pages.
+    With `rope` (the layer's table, the tokens' positions), q and k come unrotated and the engine
+    rotates them as it stores k (one launch on the Triton backend, `kernels/triton/rope_kv.py`)."""
 
     def __call__(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: int | None,
+        rope: tuple[RotaryEmbedding, torch.Tensor] | None = None,
     ) -> torch.Tensor: ...
 
     def decode_pages(self) -> DecodePages | None:

@@ -3,7 +3,9 @@
 Computes exactly what `transformers` computes (fp32 inverse frequencies times integer
 positions), so logits match bit for bit in fp32. For bf16 on a CPU, `pick_kernel` chooses
 the C kernel `kernels.cpu.rope_bf16` (PyTorch's bits, read from the fused projection's
-strided heads); inputs it cannot take go through the PyTorch lines.
+strided heads); inputs it cannot take go through the PyTorch lines. On CUDA it sets
+`use_triton`: the attention block then hands q, k and this table to the engine, which rotates
+them as it stores k and v (`kernels/triton/rope_kv.py`, PyTorch's bits too).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import math
 import torch
 
 from treeserve.kernels import cpu as cpu_kernels
+from treeserve.kernels import triton as triton_kernels
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -54,10 +57,12 @@ class RotaryEmbedding:
         self.sin = emb.sin().to(device)
         self._looked_up: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
         self.use_c = False
+        self.use_triton = False  # rotate as the engine stores k (`Attention`'s `rope`), on CUDA
 
     def pick_kernel(self, dtype: torch.dtype) -> None:
         """Choose the kernel for q/k of `dtype` (the model's), on this table's device."""
         self.use_c = self.cos.device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels.load() is not None
+        self.use_triton = triton_kernels.fused_layers(self.cos.device)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hkv, D], positions: [T] -> rotated q, k in their dtype."""

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from treeserve.layers.attention import Attention
 from treeserve.layers.norm import GemmaRMSNorm
 from treeserve.layers.rotary import RotaryEmbedding, rope_inv_freq
 from treeserve.models.llama import LlamaAttentionBlock, LlamaConfig, LlamaForCausalLM, LlamaMLP
@@ -111,6 +110,14 @@ class Gemma3DecoderLayer(nn.Module):
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions, rope, attn))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
+    def forward_fused(self, out, residual, positions, rope, attn):  # noqa: ANN001 - as forward
+        """`LlamaDecoderLayer.forward_fused` for Gemma 3: the adds go into the norms before each
+        sublayer; the norms after them (post-attention, post-feedforward) stay plain."""
+        h, residual = self.input_layernorm.add_norm(out, residual)
+        h = self.post_attention_layernorm(self.self_attn(h, positions, rope, attn))
+        h, residual = self.pre_feedforward_layernorm.add_norm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
+
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
     """Same interface as `LlamaForCausalLM` (name mapping, fused q/k/v and gate/up, logits)."""
@@ -135,9 +142,3 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = super().embed(input_ids)
         return x * torch.tensor(self.embed_scale).to(x.dtype)  # rounded via fp32, as transformers does
-
-    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
-        for layer in self.layers:
-            rope = self.rope if layer.self_attn.window is None else self.local_rope
-            x = layer(x, positions, rope, attn)
-        return x

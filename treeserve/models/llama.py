@@ -3,7 +3,10 @@
 One definition covers the family: qkv bias, tied embeddings, GQA, sliding windows and rope
 scaling come from `config.json`. The model reads a flat batch (`input_ids`, `positions`,
 both [T]) and calls an `Attention` object for each layer; it never sees pages, requests or
-padding. q/k/v and gate/up projections are fused so each layer runs four matmuls.
+padding. q/k/v and gate/up projections are fused so each layer runs four matmuls. On CUDA
+(`pick_kernel` found Triton) the same arithmetic runs in fewer launches: each residual add
+inside the norm after it (`forward_fused`), rope inside the KV store, act(gate) * up in one
+kernel (`kernels/triton/norm.py`, `rope_kv.py`, `activation.py`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treeserve.kernels import triton as triton_kernels
 from treeserve.layers.attention import Attention
 from treeserve.layers.decode_stack import DecodeStack
 from treeserve.layers.embedding import Embedding
@@ -119,8 +123,13 @@ class LlamaAttentionBlock(nn.Module):
         q = q.view(-1, heads, head_dim)
         k = k.view(-1, kv_heads, head_dim)
         v = v.view(-1, kv_heads, head_dim)
-        q, k = rope(*self.norm_qk(q, k), positions)
-        out = self.o_proj(attn(self.layer, q, k, v, self.window).reshape(-1, self.q_size))
+        q, k = self.norm_qk(q, k)
+        if rope.use_triton:  # the engine rotates q and k as it stores k and v (one launch on CUDA)
+            out = attn(self.layer, q, k, v, self.window, rope=(rope, positions))
+        else:
+            q, k = rope(q, k, positions)
+            out = attn(self.layer, q, k, v, self.window)
+        out = self.o_proj(out.reshape(-1, self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,11 +149,23 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.hidden_act = cfg.hidden_act
         self.act = ACTIVATIONS[cfg.hidden_act]
+        self.use_triton = False  # act(gate) * up in one launch (`kernels/triton/activation.py`), on CUDA
+
+    def pick_kernel(self) -> None:
+        self.use_triton = triton_kernels.fused_layers(self.down_proj.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        out = self.down_proj(self.act(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        if self.use_triton:
+            from treeserve.kernels.triton.activation import gated_activation
+
+            hidden = gated_activation(gate_up, self.hidden_act)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = self.act(gate) * up
+        out = self.down_proj(hidden)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -159,6 +180,14 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x, positions, rope, attn):  # noqa: ANN001 - same types as the block
         x = x + self.self_attn(self.input_layernorm(x), positions, rope, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(self, out, residual, positions, rope, attn):  # noqa: ANN001 - as forward
+        """`forward` with each residual add inside the norm after it (`add_norm`, vLLM's layout):
+        `residual` is the stream before the previous layer's `out` is added (None at the first
+        layer), updated in place; returns this layer's (out, residual) alike."""
+        h, residual = self.input_layernorm.add_norm(out, residual)
+        h, residual = self.post_attention_layernorm.add_norm(self.self_attn(h, positions, rope, attn), residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -225,10 +254,23 @@ class LlamaForCausalLM(nn.Module):
             return self.norm(x)
         return self.norm(self.run_layers(x, positions, attn))
 
+    @property
+    def fused_residual(self) -> bool:
+        """Whether the layers run `forward_fused` (their norms picked the Triton kernel: CUDA)."""
+        return len(self.layers) > 0 and self.layers[0].input_layernorm.use_triton
+
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
-        """The decoder layers this model holds (all of them, or a pipeline stage's) on `x`."""
+        """The decoder layers this model holds (all of them, or a pipeline stage's) on `x`; each
+        layer's rope table by its kind (global or sliding window)."""
+        global_rope, local_rope = self.rope_tables()
+        if self.fused_residual:  # the same adds, each inside the next norm's launch
+            residual = None
+            for layer in self.layers:
+                rope = global_rope if layer.self_attn.window is None else local_rope
+                x, residual = layer.forward_fused(x, residual, positions, rope, attn)
+            return x + residual
         for layer in self.layers:
-            x = layer(x, positions, self.rope, attn)
+            x = layer(x, positions, global_rope if layer.self_attn.window is None else local_rope, attn)
         return x
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
