@@ -6,6 +6,7 @@ The memory budget is resolved to a page count in `kv/arena.py`, not here.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from dataclasses import dataclass
@@ -74,6 +75,8 @@ def check_parallel(model: str, device: str, tp: int, pp: int, quantization: str 
     kind = "GPUs" if device.startswith("cuda") else "CPU cores (a rank needs a core)"
     if backend == "mp" and tp * pp > available:
         raise ValueError(f"{sizes} needs {tp * pp} ranks, more than the {available} {kind} here")
+    if backend == "ray" and importlib.util.find_spec("ray") is None:
+        raise ValueError("distributed_executor_backend='ray' needs Ray: pip install 'treeserve[ray]'")
     if speculating:
         raise ValueError(f"speculative decoding runs on one rank: it is not supported at {sizes}")
     from treeserve.layers.parallel import check_divisible, check_stages, check_whole_blocks
