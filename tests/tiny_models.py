@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -62,6 +66,13 @@ def save_tokenizer(tok, out_dir: str) -> None:
         json.dump(config, f, indent=1)
 
 
+def tiny_shape(tok: Tokenizer) -> dict:
+    """The tiny models' shape (config.json keys) for tokenizer `tok`."""
+    return dict(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                bos_token_id=tok.token_to_id("<s>"), eos_token_id=tok.token_to_id("</s>"))  # fmt: skip
+
+
 def build_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, **overrides) -> str:
     """Write a tiny random checkpoint of `arch` (llama | qwen2 | mistral | gemma3_text) to out_dir."""
     import transformers
@@ -69,18 +80,7 @@ def build_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, **overrid
     os.makedirs(out_dir, exist_ok=True)
     tok = train_tokenizer()
     save_tokenizer(tok, out_dir)
-    common = dict(
-        vocab_size=tok.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=tok.token_to_id("<s>"),
-        eos_token_id=tok.token_to_id("</s>"),
-        initializer_range=0.1,
-    )
+    common = {**tiny_shape(tok), "initializer_range": 0.1}
     common.update(overrides)
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -112,22 +112,8 @@ def build_random_weights_dir(out_dir: str, seed: int = 0, **overrides) -> str:
     os.makedirs(out_dir, exist_ok=True)
     tok = train_tokenizer()
     save_tokenizer(tok, out_dir)
-    config = dict(
-        model_type="llama",
-        architectures=["LlamaForCausalLM"],
-        vocab_size=tok.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        bos_token_id=tok.token_to_id("<s>"),
-        eos_token_id=tok.token_to_id("</s>"),
-    )
+    config = dict(model_type="llama", architectures=["LlamaForCausalLM"], **tiny_shape(tok), rms_norm_eps=1e-5,
+                  rope_theta=10000.0, tie_word_embeddings=False)  # fmt: skip
     config.update(overrides)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
