@@ -151,6 +151,20 @@ def test_a_killed_rank_is_a_clear_error_and_no_rank_is_left(checkpoints):
     engine.check_pages_idle()
 
 
+def test_a_rank_that_fails_starting_is_an_error_at_once(checkpoints, monkeypatch):
+    """Rank 1 exits before it joins (here: it is told to use 0 threads, which torch refuses):
+    rank 0 says so at once instead of waiting out the timeout for it to join."""
+    from treeserve.engine.ranks import RankFailed
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 0)
+    start = time.monotonic()
+    with pytest.raises(RankFailed, match=r"a rank exited before it joined") as failure:
+        LLM(checkpoints["llama"], dtype="float32", kv_cache_memory=8 << 20, tensor_parallel_size=2,
+            parallel_timeout_s=60.0)  # fmt: skip
+    assert time.monotonic() - start < 30.0
+    assert "exit code 1" in str(failure.value)
+
+
 def test_ranks_exit_when_rank_0_is_killed(checkpoints):
     script = (
         "import sys, time, torch; torch.set_num_threads(1)\n"

@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import threading
 import time
 import traceback
 import weakref
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any, Protocol
@@ -96,12 +99,27 @@ class Ranks:
         self.parts: list[dict] = []  # per rank > 0, as it reported: its weights' bytes, its KV bytes a token
         self.stopped = False
         self._finalizer = weakref.finalize(self, _stop, list(self.handles), release)
-        try:
-            self.placement = Placement(0, tp, pp).connect(host, port, device, config.parallel_timeout_s)
-        except Exception as e:  # a rank that never joined (it died starting, or hangs)
-            states = self._states()
-            self.close()
-            raise RankFailed(f"the ranks did not meet within {config.parallel_timeout_s:g} s ({states}): {e}") from e
+        self.placement = self._meet(Placement(0, tp, pp), host, port, device, config.parallel_timeout_s)
+
+    def _meet(self, placement: Placement, host: str, port: int, device: torch.device, timeout_s: float) -> Placement:
+        """Rank 0's joins (they wait for every rank), watched from here: a rank that exits before
+        it joined (it failed starting) is an error at once rather than after `timeout_s`."""
+        joined: Future = Future()
+        threading.Thread(target=_resolve, args=(joined, placement.connect, host, port, device, timeout_s),
+                         daemon=True, name="treeserve-rank0-join").start()  # fmt: skip
+        while True:
+            try:
+                return joined.result(timeout=0.2)
+            except FutureTimeout:
+                if any(h.exited() for h in self.handles):
+                    error: Exception = RuntimeError("a rank exited before it joined")
+                    break
+            except Exception as e:  # noqa: BLE001 - a rank that never joined (it hangs): the store timed out
+                error = e
+                break
+        states = self._states()
+        self.close()
+        raise RankFailed(f"the ranks did not meet ({states}): {error}") from error
 
     def wait_ready(self) -> None:
         """Until every rank has loaded its part; its error (a ValueError) when one could not."""
@@ -165,6 +183,13 @@ class Ranks:
         """Stop every rank: ask, then kill what has not exited within a second."""
         self._finalizer()
         self.stopped = True
+
+
+def _resolve(future: Future, fn: Any, *args: object) -> None:
+    try:
+        future.set_result(fn(*args))
+    except BaseException as e:  # noqa: BLE001 - handed to the waiter
+        future.set_exception(e)
 
 
 def _local_device(device: torch.device, rank: int) -> str:
