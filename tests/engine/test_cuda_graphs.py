@@ -114,6 +114,27 @@ def test_every_bucket_replays_the_eager_forward_and_padding_stores_nothing(check
     assert EagerGraph.replays >= 12
 
 
+def test_the_previous_steps_samples_are_filled_in_on_the_device(checkpoint, make_llm, fake_graphs):
+    """Overlapped steps on CUDA: rows whose token is the previous step's sample are written into
+    the static token buffer from the device tensor (`fill`), not from the host batch."""
+    import numpy as np
+
+    llm = make_llm(checkpoint, attention_backend="sdpa", max_num_seqs=8)
+    engine, runner = llm.engine, llm.engine.runner
+    batch = decode_batch(engine, 5)
+    previous = torch.tensor([7, 11, 13], dtype=torch.int64)  # the previous step's samples
+    at, source = np.array([0, 3], dtype=np.int64), np.array([2, 0], dtype=np.int64)
+    filled = ForwardBatch(batch.token_ids.copy(), batch.starts, batch.lens, batch.spec, batch.tables)
+    filled.token_ids[at] = previous.numpy()[source]
+    before = engine.arena.buffer.clone()
+    with torch.inference_mode():  # as ModelRunner.execute runs it
+        got = runner.graphs.run(batch, 8, runner.staging, (at, source, previous)).clone()
+    engine.arena.buffer.copy_(before)
+    runner.graphs, graphs = None, runner.graphs
+    assert torch.equal(got, runner.forward(filled))
+    runner.graphs = graphs
+
+
 def test_other_steps_run_eagerly(checkpoint, make_llm, fake_graphs):
     llm = make_llm(checkpoint, attention_backend="sdpa", max_num_seqs=4)
     graphs = llm.engine.runner.graphs
@@ -168,9 +189,10 @@ def test_replay_is_the_padded_eager_forward_bit_for_bit(checkpoint, make_llm, dt
     for n in [1, 2, 3, 4, 5, 8, 9, 16, 17, 30, 40]:
         batch, bucket = decode_batch(engine, n), graphs.bucket(decode_batch(engine, n))
         before = engine.arena.buffer.clone()
-        eager = graphs.run(batch, bucket, engine.runner.staging, None, eager=True).clone()
-        engine.arena.buffer.copy_(before)
-        replayed = graphs.run(batch, bucket, engine.runner.staging, None).clone()
+        with torch.inference_mode():  # as ModelRunner.execute runs it
+            eager = graphs.run(batch, bucket, engine.runner.staging, None, eager=True).clone()
+            engine.arena.buffer.copy_(before)
+            replayed = graphs.run(batch, bucket, engine.runner.staging, None).clone()
         assert torch.equal(replayed, eager), n
 
 
