@@ -212,7 +212,8 @@ def test_counters_reach_metrics_and_llm(llama_dir, make_llm):
     assert stats["mean_acceptance_length"] == 1 + stats["num_accepted_tokens"] / stats["num_drafts"]
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "triton"])
+# triton: ~24 s in the interpreter, so in the slow step
+@pytest.mark.parametrize("backend", ["sdpa", pytest.param("triton", marks=pytest.mark.slow)])
 def test_every_attention_backend_verifies_exactly(llama_dir, make_llm, backend):
     """Verification rows run through each backend's decode path (Triton under the interpreter)."""
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, n=2)

@@ -155,6 +155,7 @@ def test_shipped_models_resolve_to_each_nodes_installed_copy():
     assert _local_path("/models/generator", "/other/site-packages/treeserve/assets") == "/models/generator"
 
 
+@pytest.mark.slow  # ~17s (CI runs the slow step); the default suite keeps to ~10 minutes
 def test_a_hung_worker_is_killed_and_its_problems_retried(cluster, single, capsys):
     from treeserve.eval.distributed import RayOptions, run_eval_distributed
 

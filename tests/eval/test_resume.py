@@ -69,6 +69,7 @@ def same_run(doc: dict, baseline: dict) -> None:
     assert {k: doc["summary"][k] for k in QUALITY} == {k: baseline["summary"][k] for k in QUALITY}
 
 
+@pytest.mark.slow  # ~45s (CI runs the slow step); the default suite keeps to ~10 minutes
 def test_sigkill_then_resume_equals_the_uninterrupted_run(baseline, tmp_path, capsys):
     out = tmp_path / "results.json"
     journal = journal_path(out)
@@ -93,6 +94,7 @@ def test_sigkill_then_resume_equals_the_uninterrupted_run(baseline, tmp_path, ca
     assert doc["summary"]["sessions"] == 2 and not journal.exists()
 
 
+@pytest.mark.slow  # ~24s (CI runs the slow step); the default suite keeps to ~10 minutes
 def test_sigterm_stops_admitting_and_resumes(baseline, tmp_path, capsys):
     out = tmp_path / "results.json"
     journal = journal_path(out)
@@ -128,6 +130,7 @@ def test_resume_refuses_another_config_and_a_missing_journal(tmp_path, capsys):
     assert finished(journal_path(out)) == 0  # left as it was
 
 
+@pytest.mark.slow  # ~23s (CI runs the slow step); the default suite keeps to ~10 minutes
 def test_shards_merge_to_the_unsharded_run(baseline, tmp_path):
     shards = [tmp_path / f"shard{i}.json" for i in range(3)]
     for i, path in enumerate(shards):

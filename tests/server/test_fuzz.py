@@ -31,6 +31,7 @@ def fuzz_server() -> Iterator[LiveServer]:
     server.stop()
 
 
+@pytest.mark.slow  # ~23s (CI runs the slow step); the default suite keeps to ~10 minutes
 def test_no_input_makes_a_server_error(fuzz_server: LiveServer) -> None:
     schema = schemathesis.openapi.from_url(fuzz_server.base_url + "/openapi.json", headers=AUTH)
     operations = [result.ok() for result in schema.get_all_operations()]

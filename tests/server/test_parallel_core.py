@@ -37,6 +37,7 @@ def rank_pids(core_pid: int) -> list[int]:
     return pids
 
 
+@pytest.mark.slow  # ~18s (CI runs the slow step); the default suite keeps to ~10 minutes
 def test_a_dead_rank_restarts_the_core_with_new_ranks():
     live = start_server(ServerSettings(**SETTINGS, prm_tensor_parallel_size=2), build=build_core_served)
     try:
