@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from treeserve.engine.attention import AttentionBatch, SeqGroup
-from treeserve.engine.forward_batch import ForwardBatch
+from treeserve.engine.forward_batch import ForwardBatch, attention_inputs
 
 MAX_CAPTURE = 512  # the largest bucket captured
 PAD_PAGE = -1  # a padding row's KV slot: the store skips it
@@ -78,19 +78,17 @@ class StaticInputs:
         return self.flat[5 * self.rows :].view(self.rows, self.width)
 
     def pack(self, batch: ForwardBatch, block_size: int, bucket: int) -> np.ndarray:
-        """`batch` (decodes only, at most `bucket` of them) and its padding, laid out as `flat`."""
-        n, out = batch.lens.shape[0], np.zeros((5 + self.width, self.rows), dtype=np.int64)
-        starts, tables = batch.starts, batch.tables
-        out[0, :n] = batch.token_ids
-        out[1, :n] = starts
-        out[2, :n] = tables[np.arange(n), starts // block_size]
-        out[2, n:bucket] = PAD_PAGE
-        out[3, :n] = starts % block_size
-        out[4, :n] = starts + 1
-        out[4, n:bucket] = 1
-        head, table_part = out[:5].reshape(-1), np.zeros((self.rows, self.width), dtype=np.int64)
-        table_part[:n, : tables.shape[1]] = tables[:, : self.width]
-        return np.concatenate([head, table_part.reshape(-1)])
+        """`batch` (decodes only, at most `bucket` of them; its inputs as `attention_inputs` derives
+        them for the eager path) and its padding, laid out as `flat`."""
+        positions, slot_pages, slot_offsets, [group] = attention_inputs(batch, block_size)
+        n, head = positions.shape[0], np.zeros((5, self.rows), dtype=np.int64)
+        for field, values in enumerate((batch.token_ids, positions, slot_pages, slot_offsets, group.context_lens)):
+            head[field, :n] = values
+        head[2, n:bucket] = PAD_PAGE
+        head[4, n:bucket] = 1
+        tables = np.zeros((self.rows, self.width), dtype=np.int64)
+        tables[:n, : group.block_tables.shape[1]] = group.block_tables
+        return np.concatenate([head.reshape(-1), tables.reshape(-1)])
 
     def attention(self, bucket: int, arena: Any, backend: Any, scale: float | None) -> AttentionBatch:
         """The attention batch of the first `bucket` rows (views: what a graph captures)."""
@@ -109,7 +107,6 @@ class DecodeGraphs:
         self.model, self.arena, self.block_size = model, arena, arena.block_size
         self.sizes = sizes
         self.inputs = StaticInputs.allocate(max(sizes), width, arena.buffer.device)
-        self.staging_host = torch.zeros(self.inputs.flat.numel(), dtype=torch.int64)
         self.graph_class = graph_class or GRAPH_CLASS
         self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}  # bucket -> (graph, its output [bucket, hidden])
         self.stats: dict[str, Any] = {"sizes": sizes, "capture_s": 0.0, "memory_bytes": 0}

@@ -31,7 +31,6 @@ import time
 import traceback
 import weakref
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any, Protocol
@@ -39,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.multiprocessing as mp
 
+from treeserve.engine.executor import run_here
 from treeserve.layers.parallel import Placement
 
 if TYPE_CHECKING:
@@ -104,18 +104,20 @@ class Ranks:
     def _meet(self, placement: Placement, host: str, port: int, device: torch.device, timeout_s: float) -> Placement:
         """Rank 0's joins (they wait for every rank), watched from here: a rank that exits before
         it joined (it failed starting) is an error at once rather than after `timeout_s`."""
-        joined: Future = Future()
-        threading.Thread(target=_resolve, args=(joined, placement.connect, host, port, device, timeout_s),
-                         daemon=True, name="treeserve-rank0-join").start()  # fmt: skip
+        joined: list[Future] = []
+        join = lambda: joined.append(run_here(placement.connect, host, port, device, timeout_s))  # noqa: E731
+        thread = threading.Thread(target=join, daemon=True, name="treeserve-rank0-join")
+        thread.start()
         while True:
-            try:
-                return joined.result(timeout=0.2)
-            except FutureTimeout:
-                if any(h.exited() for h in self.handles):
-                    error: Exception = RuntimeError("a rank exited before it joined")
+            thread.join(0.2)
+            if joined:
+                try:
+                    return joined[0].result()
+                except Exception as e:  # noqa: BLE001 - a rank that never joined (it hangs): the store timed out
+                    error: Exception = e
                     break
-            except Exception as e:  # noqa: BLE001 - a rank that never joined (it hangs): the store timed out
-                error = e
+            if any(h.exited() for h in self.handles):
+                error = RuntimeError("a rank exited before it joined")
                 break
         states = self._states()
         self.close()
@@ -183,13 +185,6 @@ class Ranks:
         """Stop every rank: ask, then kill what has not exited within a second."""
         self._finalizer()
         self.stopped = True
-
-
-def _resolve(future: Future, fn: Any, *args: object) -> None:
-    try:
-        future.set_result(fn(*args))
-    except BaseException as e:  # noqa: BLE001 - handed to the waiter
-        future.set_exception(e)
 
 
 def _local_device(device: torch.device, rank: int) -> str:
