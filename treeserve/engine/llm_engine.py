@@ -172,11 +172,11 @@ class LLMEngine:
         workers, stage = self.workers, None
         if workers is not None:
             workers.send(("kv", pages.num_pages, block_size))
-            if workers.pp_size > 1:
-                stage = (workers.placement.pp, 0, workers.pp_size, config.torch_dtype)
+            if workers.placement.pp is not None:
+                stage = (workers.placement.pp, 0, config.pipeline_parallel_size, config.torch_dtype)
         self.runner = ModelRunner(self.model, self.arena, self.device, self.model_config.attn_scale, backend,
                                   self.draw, self.tokenizer.vocab_size, workers and workers.send,
-                                  workers is not None and workers.tp_size > 1, stage)  # fmt: skip
+                                  workers is not None and workers.placement.tp is not None, stage)  # fmt: skip
         self.graph_stats = None  # {"sizes", "capture_s", "memory_bytes"} when decode steps replay CUDA graphs
         if cuda_graphs.graphs_apply(self.device, config.attention_backend, config.enforce_eager, workers is not None):
             graphs = cuda_graphs.DecodeGraphs(self.model, self.arena, backend, self.model_config.attn_scale,

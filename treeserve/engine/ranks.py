@@ -86,7 +86,6 @@ class Ranks:
 
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
-        self.tp_size, self.pp_size = tp, pp
         if config.distributed_executor_backend == "ray":
             from treeserve.engine.ray_ranks import start_ray_ranks
 
