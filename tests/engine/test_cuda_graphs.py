@@ -124,7 +124,7 @@ def test_the_previous_steps_samples_are_filled_in_on_the_device(checkpoint, make
     batch = decode_batch(engine, 5)
     previous = torch.tensor([7, 11, 13], dtype=torch.int64)  # the previous step's samples
     at, source = np.array([0, 3], dtype=np.int64), np.array([2, 0], dtype=np.int64)
-    filled = ForwardBatch(batch.token_ids.copy(), batch.starts, batch.lens, batch.spec, batch.tables)
+    filled = ForwardBatch(batch.token_ids.copy(), batch.starts, batch.lens, batch.drafted, batch.tables)
     filled.token_ids[at] = previous.numpy()[source]
     before = engine.arena.buffer.clone()
     with torch.inference_mode():  # as ModelRunner.execute runs it
@@ -139,7 +139,7 @@ def test_other_steps_run_eagerly(checkpoint, make_llm, fake_graphs):
     llm = make_llm(checkpoint, attention_backend="sdpa", max_num_seqs=4)
     graphs = llm.engine.runner.graphs
     one = decode_batch(llm.engine, 1)
-    prefill = ForwardBatch(one.token_ids.repeat(3), one.starts, one.lens * 3, one.spec, one.tables)
+    prefill = ForwardBatch(one.token_ids.repeat(3), one.starts, one.lens * 3, one.drafted, one.tables)
     assert graphs.bucket(prefill) is None  # a chunk of 3 tokens
     assert graphs.bucket(decode_batch(llm.engine, 5)) is None  # more rows than the largest bucket
     wide = decode_batch(llm.engine, 2)

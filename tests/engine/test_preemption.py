@@ -41,7 +41,7 @@ def test_n_completions_share_prompt_pages(llama_dir, make_llm):
     engine = llm.engine
     prompt = llm.get_tokenizer().encode(PROMPTS[0])  # 12+ tokens: several full pages
     engine.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(n=4, max_tokens=3, ignore_eos=True))
-    engine.step(overlap=False)  # prefill once, fork 3 siblings (read back in this call)
+    engine.step_plain()  # prefill once, fork 3 siblings (read back in this call)
     seqs = engine.requests["r"].seqs
     assert len(seqs) == 4
     full_pages = len(prompt) // 4

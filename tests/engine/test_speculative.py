@@ -15,9 +15,8 @@ from hypothesis import strategies as st
 
 from tests.tiny_models import build_checkpoint
 from treeserve import LLM, SamplingParams
-from treeserve.config import EngineConfig
-from treeserve.engine.prompt_lookup import SEPARATOR, propose_lookup
-from treeserve.engine.speculative import SpeculativeConfig
+from treeserve.config import EngineConfig, SpeculativeConfig
+from treeserve.engine.speculative.prompt_lookup import SEPARATOR, propose_lookup
 from treeserve.runtime.runtime import Runtime
 
 WORDS = ["The quick brown fox", "Numbers 0 1 2 3", "def f(x):", "Once upon a time", "Compute (12 + 7)", "the the"]

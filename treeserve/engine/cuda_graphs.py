@@ -116,7 +116,7 @@ class DecodeGraphs:
         """The bucket that runs `batch`, or None when it runs eagerly (not decodes only, more rows
         than the largest bucket, or a wider block table than captured)."""
         n = batch.lens.shape[0]
-        if batch.spec.any() or not (batch.lens == 1).all() or n > self.sizes[-1]:
+        if batch.drafted.any() or not (batch.lens == 1).all() or n > self.sizes[-1]:
             return None
         if batch.tables.shape[1] > self.inputs.width:
             return None

@@ -22,7 +22,7 @@ class ForwardBatch:
     token_ids: np.ndarray  # [T]
     starts: np.ndarray  # [B]
     lens: np.ndarray  # [B]
-    spec: np.ndarray  # [B] bool: a speculating decode (each of its positions is a decode row of its own)
+    drafted: np.ndarray  # [B] bool: a speculating decode (each of its positions is a decode row of its own)
     tables: np.ndarray  # [B, W]
 
     @classmethod
@@ -47,7 +47,7 @@ class ForwardBatch:
     def take(self, items: np.ndarray) -> ForwardBatch:
         """The batch of these items only (their rows, in this order)."""
         return ForwardBatch(self.token_ids[rows_of(self.offsets[items], self.lens[items])], self.starts[items],
-                            self.lens[items], self.spec[items], self.tables[items])  # fmt: skip
+                            self.lens[items], self.drafted[items], self.tables[items])  # fmt: skip
 
 
 def micro_batches(batch: ForwardBatch, parts: int) -> list[np.ndarray]:
@@ -82,10 +82,10 @@ def attention_inputs(batch: ForwardBatch, block_size: int) -> tuple[np.ndarray, 
     query a row) and a prefill group (chunks of queries); a speculating item's positions are decode
     rows of their own, so each drafted position's hidden state is computed exactly as plain decoding
     computes it."""
-    lens, starts, tables, spec = batch.lens, batch.starts, batch.tables, batch.spec
+    lens, starts, tables, drafted = batch.lens, batch.starts, batch.tables, batch.drafted
     items = np.arange(lens.shape[0])
     offsets = batch.offsets
-    if not spec.any() and (lens == 1).all():  # plain decodes: one row each
+    if not drafted.any() and (lens == 1).all():  # plain decodes: one row each
         pages = -(-int(starts.max() + 1) // block_size)
         group = GroupLayout(np.ascontiguousarray(tables[:, :pages]), starts + 1, items[:, None], starts[:, None],
                             items, lens)  # fmt: skip
@@ -93,13 +93,13 @@ def attention_inputs(batch: ForwardBatch, block_size: int) -> tuple[np.ndarray, 
     item_of = np.repeat(items, lens)
     positions = starts[item_of] + np.arange(item_of.shape[0]) - offsets[item_of]
     slot_pages = tables[item_of, positions // block_size]
-    rows_per_item = np.where(spec, lens, 1)
+    rows_per_item = np.where(drafted, lens, 1)
     row_item = np.repeat(items, rows_per_item)
     within = np.arange(row_item.shape[0]) - (np.cumsum(rows_per_item) - rows_per_item)[row_item]
-    row_spec = spec[row_item]
-    row_start = starts[row_item] + np.where(row_spec, within, 0)
-    row_len = np.where(row_spec, 1, lens[row_item])
-    row_offset = offsets[row_item] + np.where(row_spec, within, 0)
+    row_drafted = drafted[row_item]
+    row_start = starts[row_item] + np.where(row_drafted, within, 0)
+    row_len = np.where(row_drafted, 1, lens[row_item])
+    row_offset = offsets[row_item] + np.where(row_drafted, within, 0)
     decode = row_len == 1
     groups = []
     for members in (decode, ~decode):

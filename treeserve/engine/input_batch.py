@@ -15,49 +15,28 @@ from that step's samples.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 
 from treeserve.engine.forward_batch import ForwardBatch
 from treeserve.engine.guided import Constraints
-from treeserve.engine.model_runner import (
-    PromptLogprobSpec,
-    SampleSpec,
-    ScoreSpec,
-    StepPlan,
-    as_tensor,
-)
 from treeserve.engine.penalties import RowHistory
 from treeserve.engine.request import Request, Sequence
 from treeserve.engine.sampler import SamplingBatch, seeded_uniforms
 from treeserve.engine.scheduler import ScheduledSeq
+from treeserve.engine.step_plan import (
+    PreparedStep,
+    PromptLogprobPlan,
+    PromptRead,
+    SamplePlan,
+    SampleRow,
+    ScorePlan,
+    ScoreRead,
+    StepPlan,
+)
 
 PROMPT_LOGPROBS_ROWS = 256  # prompt positions per [rows, vocab] logits slice
 _M64 = (1 << 64) - 1
-
-
-@dataclass
-class PreparedStep:
-    """A step's plan and the host's key to its results.
-
-    Sampled row r is `samples[r]`'s token of kind `kinds[r]`: 0, its next token; f > 0, the first
-    token of its fork number f (n > 1: the fork is made when the token arrives); -j (speculating),
-    the target's token at drafted position j of `drafts[seq_id]`. Plain lists: they are read for
-    every sequence of every step."""
-
-    batch: list[ScheduledSeq]
-    plan: StepPlan | None = None  # set once the batch is read
-    samples: list[Sequence] = field(default_factory=list)
-    kinds: list[int] = field(default_factory=list)
-    drafts: dict[int, list[int]] = field(default_factory=dict)
-    score_reads: list[tuple[Sequence, list[int], int]] = field(default_factory=list)  # (seq, positions, first row)
-    prompt_reads: list[tuple[Request, int, list[int], int]] = field(default_factory=list)  # (request, index, ids, k)
-    scoring: bool = False  # it holds forward-only requests
-    # the next step may be scheduled before this one's tokens are read: no sequence that samples
-    # here needs its new token on the host before it samples again (constraints, logit edits)
-    overlappable: bool = True
 
 
 class InputBatch:
@@ -117,12 +96,12 @@ class InputBatch:
     def prepare(self, batch: list[ScheduledSeq], copies: list[tuple[int, int]]) -> PreparedStep:
         bs = self.block_size
         step = PreparedStep(batch)
-        prompt_specs: list[PromptLogprobSpec] = []
-        samples, kinds = step.samples, step.kinds
+        prompt_plans: list[PromptLogprobPlan] = []
+        samples = step.samples
         tokens: list[int] = []
         pending_at: list[int] = []
         pending_from: list[int] = []
-        starts, lens, spec, rows = [], [], [], []
+        starts, lens, drafted, rows = [], [], [], []
         sync_rows: list[int] = []
         sync_cols: list[int] = []
         sync_pages: list[int] = []
@@ -166,32 +145,32 @@ class InputBatch:
                 tokens += draft
             starts.append(start)
             lens.append(end - start)
-            spec.append(bool(draft))
+            drafted.append(bool(draft))
             rows.append(row)
             if request.params is not None and end - start == 1 + len(draft):  # a decode: twins?
                 groups[i] = self._twin_group(i, seq, item, histories)
             if request.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
-                prompt_specs += self._prompt_logprobs(step, request, item, at)
+                prompt_plans += self._prompt_logprobs(step, request, item, at)
             if request.score is not None:
                 step.scoring = True
                 wanted = [p for p in request.score.positions if start <= p < end]
                 if wanted:
-                    step.score_reads.append((seq, wanted, len(score_rows)))
+                    step.score_reads.append(ScoreRead(seq, wanted, len(score_rows)))
                     score_rows += [at + p - start for p in wanted]
                     score_ids += [request.score.token_ids] * len(wanted)
                     want_states |= request.score.return_hidden_states
             elif own_end == len(ids) + seq.num_pending:  # its last token is computed: sample the next
                 last = at + own_end - start - 1
-                forks, seq.pending_forks = seq.pending_forks, 0  # forked when the token arrives
-                samples += [seq] * (forks + 1 + len(draft))
-                kinds += range(forks + 1)
+                forks = seq.pending_forks  # forked when the token arrives
+                samples.append(SampleRow(seq, forks=forks))
+                samples += [SampleRow(seq, fork=f) for f in range(1, forks + 1)]
                 sample_at += [last] * (forks + 1)
                 sample_index.append(seq.index)
                 sample_index += range(1, forks + 1)
                 sample_pos += [own_end] * (forks + 1)
                 if draft:  # the target's token after each drafted one
                     step.drafts[seq.seq_id] = draft
-                    kinds += range(-1, -len(draft) - 1, -1)
+                    samples += [SampleRow(seq, draft_position=j) for j in range(1, len(draft) + 1)]
                     sample_at += range(last + 1, last + 1 + len(draft))
                     sample_index += [seq.index] * len(draft)
                     sample_pos += range(own_end + 1, own_end + 1 + len(draft))
@@ -202,23 +181,23 @@ class InputBatch:
                 np.array(tokens, dtype=np.int64),
                 np.array(starts, dtype=np.int64),
                 np.array(lens, dtype=np.int64),
-                np.array(spec, dtype=bool),
+                np.array(drafted, dtype=bool),
                 self.tables[rows, : -(-max_end // bs)],
             ),
             np.array(pending_at, dtype=np.int64),
             np.array(pending_from, dtype=np.int64),
             copies=copies,
-            prompt_logprobs=prompt_specs,
+            prompt_logprobs=prompt_plans,
         )
         if any(g != i for i, g in enumerate(groups) if g >= 0):  # some item has a twin candidate
             plan.twins = np.array(groups, dtype=np.int64)
         if sample_at:
-            sample_rows = [s.row for s in samples]
+            sample_rows = [r.seq.row for r in samples]
             plan.sample = self._sampling(step, sample_at, sample_rows, sample_index, sample_pos)
         if score_rows:
             k = max(len(ids) for ids in score_ids)
             ids = torch.tensor([list(ids) + [0] * (k - len(ids)) for ids in score_ids], dtype=torch.long)
-            plan.scores = ScoreSpec(as_tensor(score_rows), ids.view(len(score_rows), k), want_states)
+            plan.scores = ScorePlan(as_tensor(score_rows), ids.view(len(score_rows), k), want_states)
         return step
 
     def _twin_group(self, i: int, seq: Sequence, item: ScheduledSeq, groups: dict) -> int:
@@ -233,48 +212,49 @@ class InputBatch:
         return i
 
     @staticmethod
-    def _prompt_logprobs(step: PreparedStep, request: Request, item: ScheduledSeq, at: int) -> list[PromptLogprobSpec]:
+    def _prompt_logprobs(step: PreparedStep, request: Request, item: ScheduledSeq, at: int) -> list[PromptLogprobPlan]:
         """Rows of this chunk that predict prompt tokens: the row at position p scores token p + 1
         (in slices, as [rows, vocab] logits are large)."""
         end = min(item.end, len(request.prompt_token_ids) - 1)
         k = request.params.prompt_logprobs
-        specs = []
+        plans = []
         for start in range(item.start, end, PROMPT_LOGPROBS_ROWS):
             stop = min(start + PROMPT_LOGPROBS_ROWS, end)
             targets = request.prompt_token_ids[start + 1 : stop + 1]
-            specs.append(PromptLogprobSpec(at + start - item.start, at + stop - item.start, as_tensor(targets), k))
-            step.prompt_reads.append((request, start + 1, targets, k))
-        return specs
+            plans.append(PromptLogprobPlan(at + start - item.start, at + stop - item.start, as_tensor(targets), k))
+            step.prompt_reads.append(PromptRead(request, start + 1, targets, k))
+        return plans
 
     def _sampling(self, step: PreparedStep, at: list[int], rows: list[int], index: list[int],
-                  positions: list[int]) -> SampleSpec:  # fmt: skip
+                  positions: list[int]) -> SamplePlan:  # fmt: skip
         rows_ = np.array(rows, dtype=np.int64)
         uniform = seeded_uniforms(self.seed[rows_], np.array(index), np.array(positions))
         params = SamplingBatch(self.temperature[rows_], self.top_p[rows_], self.top_k[rows_], self.min_p[rows_],
                                uniform)  # fmt: skip
-        spec = SampleSpec(as_tensor(at), params)
+        plan = SamplePlan(as_tensor(at), params)
         guides = []
-        for i, seq in enumerate(step.samples):
+        for i, row in enumerate(step.samples):
+            seq = row.seq
             p = seq.request.params
             if seq.logprobs is not None:
-                spec.logprob_rows.append(i)
-                spec.logprobs_k = max(spec.logprobs_k, p.logprobs)
+                plan.logprob_rows.append(i)
+                plan.logprobs_k = max(plan.logprobs_k, p.logprobs)
             if p.structured_outputs is None and not p.adjusts_logits:
                 continue
             if p.structured_outputs is not None:
                 if seq.guide is None:
                     seq.guide = self.constraints.guide(p.structured_outputs)
-                spec.guided.append(i)
+                plan.guided.append(i)
                 guides.append(seq.guide)  # a fork's constraint starts where its parent's is now
             if p.adjusts_logits:
-                spec.edited.append(i)
-                spec.histories.append(self._history(seq))
+                plan.edited.append(i)
+                plan.histories.append(self._history(seq))
         if guides:  # one mask per guide (a parent's row and its forks' rows share it)
             unique = list({id(g): g for g in guides}.values())
             at = {id(g): i for i, g in enumerate(unique)}
-            spec.masks = self.constraints.bitmask(unique)[[at[id(g)] for g in guides]]
-        step.overlappable = not (spec.guided or spec.edited)
-        return spec
+            plan.masks = self.constraints.bitmask(unique)[[at[id(g)] for g in guides]]
+        step.overlappable = not (plan.guided or plan.edited)
+        return plan
 
     def _history(self, seq: Sequence) -> RowHistory:
         p = seq.request.params
@@ -286,3 +266,7 @@ class InputBatch:
             # where a constraint accepts, it decides whether the output ends: min_tokens yields
             stop_ids=[] if accepting else ([] if p.ignore_eos else self.eos_ids) + p.stop_token_ids,
         )
+
+
+def as_tensor(values: list[int] | np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(values, dtype=np.int64))

@@ -7,9 +7,11 @@ engines (`share_kv`: one page pool, pages flow to whichever model needs them).
 completion both return every page to the pool (or to the prefix cache). After every step
 the engine appends a row of page statistics to its `page_log`.
 
-A step is launched (scheduled, its plan built: `input_batch.py`; its device work submitted:
-`model_runner.py`, `executor.py`) and later read back (`read_back.py`: tokens appended, stop
-rules, outputs). With `async_scheduling` (overlapped steps, vLLM's name) `step()` launches step
+A step is launched (scheduled: `scheduler.py`; its plan built: `input_batch.py`; its
+progress counted: `postprocess.py`; its device work submitted to the engine's `DeviceQueue`,
+which runs `model_runner.py`) and later read back (`postprocess.py`: tokens appended, stop
+rules, outputs). `step()` is one of two loops chosen at start-up. `step_plain` reads back the
+step it launches. With `async_scheduling` (overlapped steps, vLLM's name) `step()` launches step
 t+1 before it reads back step t: the host schedules while the device computes, and step t's
 samples reach step t+1 on the device. Scheduling then treats a token in flight as known to
 exist (`Sequence.num_pending`); a sequence found finished when its token arrives has one more
@@ -35,17 +37,19 @@ from treeserve.device import available_memory
 from treeserve.engine import cuda_graphs
 from treeserve.engine.attention import BACKENDS
 from treeserve.engine.detokenizer import StopChecker
-from treeserve.engine.draft_model import DraftModel
-from treeserve.engine.executor import run_here, run_on_worker
+from treeserve.engine.device_queue import DeviceQueue
 from treeserve.engine.guided import Constraints
-from treeserve.engine.input_batch import InputBatch, PreparedStep
+from treeserve.engine.input_batch import InputBatch
 from treeserve.engine.model_runner import ModelRunner
-from treeserve.engine.ranks import Ranks
-from treeserve.engine.read_back import StepFailed, StepReader
+from treeserve.engine.postprocess import Postprocessor
+from treeserve.engine.rank_worker import EngineRanks as Ranks
 from treeserve.engine.request import Request, Sequence
 from treeserve.engine.sampler import fused_draw
 from treeserve.engine.scheduler import Scheduler
-from treeserve.engine.speculative import Speculator
+from treeserve.engine.speculative.draft_model import DraftModel
+from treeserve.engine.speculative.speculator import Speculator
+from treeserve.engine.step_plan import PreparedStep
+from treeserve.engine.step_result import StepFailed
 from treeserve.engine.validation import check_request, check_text_length, tokenize_prompt
 from treeserve.kv.arena import KVArena, KVLayout, PageArena, shared_block_sizes
 from treeserve.kv.block_manager import BlockManager
@@ -71,9 +75,6 @@ class InFlight:
 
     step: PreparedStep
     result: Future
-
-
-_NEEDS_SYNC = object()  # a step that must wait for the one in flight (it would preempt)
 
 
 class LLMEngine:
@@ -115,6 +116,9 @@ class LLMEngine:
         self.stalled = False  # the last step had work but no pages for it
         self._injected: Exception | None = None  # inject_failure's error, raised by the next batch
         self.async_scheduling = config.async_scheduling  # resolved by EngineConfig: True or False
+        # the loop, chosen once: launch step t+1 before reading back step t, or one step at a time
+        self.step = self._step_overlapped if self.async_scheduling else self.step_plain
+        self.queue = DeviceQueue(self.device)
         self._in_flight: InFlight | None = None
         self._undelivered: list[RequestOutput | ScoreOutput] = []  # read back by a step that then failed
         self.draw = fused_draw(config.attention_backend)  # the sampler's batch-invariant plain draw
@@ -185,10 +189,10 @@ class LLMEngine:
             graphs.capture()
             self.runner.graphs, self.graph_stats = graphs, graphs.stats
         self.page_log = PageLog(self.blocks)
-        generated = self.reader.num_generated_tokens if hasattr(self, "reader") else 0
-        self.reader = StepReader(self.scheduler, self.blocks, self.tokenizer, self.constraints, self.speculator,
-                                 self.max_model_len)  # fmt: skip
-        self.reader.num_generated_tokens = generated
+        generated = self.updates.num_generated_tokens if hasattr(self, "updates") else 0
+        self.updates = Postprocessor(self.scheduler, self.blocks, self.tokenizer, self.constraints, self.speculator,
+                                     self.max_model_len)  # fmt: skip
+        self.updates.num_generated_tokens = generated
         if self.speculator is not None and self.speculator.draft_model is not None:
             self.speculator.draft_model.attach(pages, self.blocks.pool, backend, config.model_id)
 
@@ -256,7 +260,7 @@ class LLMEngine:
 
     @property
     def num_generated_tokens(self) -> int:
-        return self.reader.num_generated_tokens
+        return self.updates.num_generated_tokens
 
     def has_unfinished_requests(self) -> bool:
         """Requests not yet finished, or a step whose results are still to be read back."""
@@ -268,35 +272,47 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.release(seq)
 
-    # ---- one step ------------------------------------------------------------------------
+    # ---- one step ----------------------------------------------------------------------
+    # `step()` is one of the two loops below, chosen at start-up from `async_scheduling`. Both return
+    # the outputs of the requests their read-back touched; a step launched in one call is read back
+    # in the same call (plain) or in the next (overlapped).
     @torch.inference_mode()
-    def step(self, overlap: bool | None = None) -> list[RequestOutput | ScoreOutput]:
-        """Run the next step and return the outputs of the requests it touched. With overlap
-        (`async_scheduling`, or `overlap=True`) the next step is launched first and the step in
-        flight read back after it, so the outputs are of the step before; `overlap=False` also
-        reads back the step it launches."""
-        overlap = self.async_scheduling if overlap is None else overlap
+    def step_plain(self) -> list[RequestOutput | ScoreOutput]:
+        """Schedule, run, read back: one step, start to end (a step the overlapped loop left in
+        flight is read back first)."""
+        outputs, self._undelivered = self._undelivered, []
+        if self._in_flight is not None:
+            done, self._in_flight = self._in_flight, None
+            outputs = self._deliver(outputs, done)
+        try:
+            launched = self._launch(*self._schedule(can_preempt=True), previous=None, queued=False)
+        except BaseException:
+            self._undelivered = outputs
+            raise
+        return outputs if launched is None else self._deliver(outputs, launched)
+
+    @torch.inference_mode()
+    def _step_overlapped(self) -> list[RequestOutput | ScoreOutput]:
+        """Launch step t+1, then read back step t: the host schedules while the device computes,
+        and step t's samples reach step t+1 on the device. A step whose tokens are needed on the
+        host before its sequences sample again, or a schedule that would preempt a sequence whose
+        token is in flight, reads the step in flight back first."""
         outputs, self._undelivered = self._undelivered, []
         flight, self._in_flight = self._in_flight, None
         try:
-            if flight is not None and not (overlap and flight.step.overlappable):
+            if flight is not None and not flight.step.overlappable:
                 done, flight = flight, None
                 outputs += self._finish(done)
-            launched = self._launch(flight, overlap)
-            if launched is _NEEDS_SYNC:
+            scheduled = self._schedule(can_preempt=flight is None)
+            if scheduled is None:  # it would preempt: read the step in flight back, then schedule again
                 done, flight = flight, None
                 outputs += self._finish(done)
-                launched = self._launch(None, overlap)
+                scheduled = self._schedule(can_preempt=True)
+            self._in_flight = self._launch(*scheduled, previous=flight, queued=True)
         except BaseException:
             self._in_flight, self._undelivered = flight, outputs  # still to be read back, still to deliver
             raise
-        self._in_flight = launched
-        if flight is not None:
-            outputs = self._deliver(outputs, flight)
-        if not overlap and self._in_flight is not None:
-            done, self._in_flight = self._in_flight, None
-            outputs = self._deliver(outputs, done)
-        return outputs
+        return outputs if flight is None else self._deliver(outputs, flight)
 
     def _deliver(self, outputs: list, flight: InFlight) -> list:
         try:
@@ -310,15 +326,19 @@ class LLMEngine:
         right after the model's forward, as a failing kernel or an out-of-memory would."""
         self._injected = error or RuntimeError("injected step failure")
 
-    def _launch(self, flight: InFlight | None, overlap: bool) -> InFlight | None | object:
-        """Schedule a step and submit its device work (`flight`: the step still in flight)."""
+    def _schedule(self, can_preempt: bool) -> tuple[list, list[tuple[int, int]]] | None:
+        """This step's batch and page copies (drafts proposed first); None if it would have to
+        preempt and may not (a step is in flight)."""
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.max_model_len)
-        scheduled = self.scheduler.schedule(can_preempt=flight is None)
-        if scheduled is None:
-            return _NEEDS_SYNC
-        batch, copies = scheduled
-        self.stalled = not batch and flight is None and self.scheduler.has_work()
+        return self.scheduler.schedule(can_preempt=can_preempt)
+
+    def _launch(self, batch: list, copies: list[tuple[int, int]], previous: InFlight | None,
+                queued: bool) -> InFlight | None:  # fmt: skip
+        """Build `batch`'s plan and submit its device work: `queued` on the device queue, else run
+        here (`previous`: the step in flight, whose samples it may read); None when there is
+        nothing to run."""
+        self.stalled = not batch and previous is None and self.scheduler.has_work()
         if not batch:
             if self.stalled and not self.blocks.pool.shared:
                 raise RuntimeError("scheduler made no progress although requests are waiting")
@@ -328,18 +348,9 @@ class LLMEngine:
         except Exception as e:  # atomic: the batch's requests fail, nothing else changes
             raise self._fail(batch, e) from e
         step.plan.fail, self._injected = self._injected, None
-        for item in batch:
-            item.seq.num_computed_tokens = item.end - len(item.draft)  # drafted tokens count once accepted
-        for row, (seq, kind) in enumerate(zip(step.samples, step.kinds, strict=True)):
-            if kind == 0:  # its next token: the next step may take it as an input before it is read back
-                seq.num_pending += 1
-                seq.pending_row = row
-        previous = flight.result if flight is not None else None  # its failure stops this step too
-        if overlap and self.device.type == "cpu":
-            result = run_on_worker(self.device, self.runner.execute, step.plan, previous)
-        else:
-            result = run_here(self.runner.execute, step.plan, previous)
-        return InFlight(step, result)
+        self.updates.launched(step)
+        run = self.queue.submit if queued else self.queue.run
+        return InFlight(step, run(self.runner.execute, step.plan, previous.result if previous else None))
 
     def _finish(self, flight: InFlight) -> list[RequestOutput | ScoreOutput]:
         """Read a launched step back: tokens, stop rules, outputs. A step whose device work failed
@@ -353,11 +364,11 @@ class LLMEngine:
             if successor is not None:  # it read this step's samples: it did not run
                 with suppress(Exception):
                     successor.result.result()
-                self._roll_back(successor.step)
+                self.updates.roll_back(successor.step)
             raise error from e
         self.num_computed_tokens += result.num_computed
         try:
-            touched = self.reader.read(step, result)
+            touched = self.updates.read(step, result)
         except Exception as e:
             raise self._fail(step.batch, e) from e
         self.page_log.record()
@@ -372,19 +383,6 @@ class LLMEngine:
             cause = self.workers.explain(cause)
         log.error("step failed, aborted %d request(s): %s: %s", len(failed), type(cause).__name__, cause)
         return StepFailed(failed, cause)
-
-    def _roll_back(self, step: PreparedStep) -> None:
-        """Undo a launched step that never ran: its live sequences compute the same tokens again."""
-        for item in step.batch:
-            if not item.seq.is_finished:
-                item.seq.num_computed_tokens = item.start
-        for seq, kind in zip(step.samples, step.kinds, strict=True):
-            if seq.is_finished:
-                continue
-            if kind > 0:
-                seq.pending_forks += 1
-            elif kind == 0:
-                seq.num_pending -= 1
 
     def _emit(self, request: Request) -> RequestOutput | ScoreOutput:
         if request.finished:

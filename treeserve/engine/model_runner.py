@@ -6,7 +6,7 @@ each item's start, length and block table, which items may be twins (`dedup.py`)
 to sample and read. `ModelRunner.execute` turns it into the forward's tensors (positions, KV
 slots, attention groups: built on the host from a few arrays, sent in one staged copy), runs
 the model and samples. Nothing it reads changes after the plan is built, so it may run on a
-worker thread while the host schedules the next step (`executor.py`); every write to the KV
+worker thread while the host schedules the next step (`device_queue.py`); every write to the KV
 arena (page copies, twins' slots, the forward's own) happens here, in step order.
 """
 
@@ -14,88 +14,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 
 import numpy as np
 import torch
 
+from treeserve.distributed.groups import RankGroup
 from treeserve.engine.attention import AttentionBackend, AttentionBatch, SdpaBackend, SeqGroup
 from treeserve.engine.cuda_graphs import DecodeGraphs
 from treeserve.engine.dedup import Twins
 from treeserve.engine.forward_batch import ForwardBatch, attention_inputs, micro_batches
-from treeserve.engine.penalties import RowHistory, adjust_logits
-from treeserve.engine.sampler import Draw, SamplingBatch, TokenLogprobs, sample, sample_masked, token_logprobs
+from treeserve.engine.penalties import adjust_logits
+from treeserve.engine.sampler import Draw, sample, sample_masked, token_logprobs
 from treeserve.engine.staging import Staging
+from treeserve.engine.step_plan import SamplePlan, ScorePlan, StepPlan
+from treeserve.engine.step_result import PreviousStepFailed, StepResult
 from treeserve.kv.arena import KVArena
-from treeserve.layers.parallel import RankGroup
-
-
-class PreviousStepFailed(RuntimeError):
-    """This step read tokens of a step that failed: it did not run (the host rolls it back)."""
-
-
-@dataclass
-class SampleSpec:
-    """What a step samples: rows of its (full) hidden states and each row's parameters."""
-
-    rows: torch.Tensor  # [S] flat row indices
-    params: SamplingBatch
-    edited: list[int] = field(default_factory=list)  # rows whose raw logits get edits (penalties, bias, min_tokens)
-    histories: list[RowHistory] = field(default_factory=list)  # what those edits read, in the same order
-    guided: list[int] = field(default_factory=list)  # rows drawn among what their constraint allows ...
-    masks: torch.Tensor | None = None  # ... [len(guided), words] int32 bitmasks
-    logprob_rows: list[int] = field(default_factory=list)  # rows whose sampled token's logprobs are returned
-    logprobs_k: int = 0  # how many top alternatives they get
-
-
-@dataclass
-class ScoreSpec:
-    """Forward-only read-outs: log-probabilities of chosen tokens and hidden states at rows."""
-
-    rows: torch.Tensor  # [R] flat row indices
-    token_ids: torch.Tensor  # [R, K] candidate ids per row (padded; K may be 0)
-    states: bool  # also return the rows' hidden states (float32)
-
-
-@dataclass
-class PromptLogprobSpec:
-    """Log-probabilities of prompt tokens predicted by rows [start, stop) of the flat batch."""
-
-    start: int
-    stop: int
-    targets: torch.Tensor  # [stop - start] the prompt tokens those rows predict
-    k: int
-
-
-@dataclass
-class StepPlan:
-    batch: ForwardBatch
-    pending_at: np.ndarray  # [P] flat rows whose token is the previous step's sample ...
-    pending_from: np.ndarray  # [P] ... at these sample rows of it
-    twins: np.ndarray | None = None  # [B] per item: first item of its twin group (`dedup.py`), -1: none
-    copies: list[tuple[int, int]] = field(default_factory=list)  # pages to copy before the forward
-    sample: SampleSpec | None = None
-    scores: ScoreSpec | None = None
-    prompt_logprobs: list[PromptLogprobSpec] = field(default_factory=list)
-    fail: Exception | None = None  # test hook (`LLMEngine.inject_failure`): raised after the forward
-
-
-@dataclass
-class StepResult:
-    tokens: torch.Tensor | None = None  # [S] sampled ids on the device: the next step's pending inputs
-    host_tokens: torch.Tensor | None = None  # the same on the host (copied without blocking on CUDA)
-    copied: torch.cuda.Event | None = None  # recorded after that copy (CUDA)
-    logprobs: TokenLogprobs | None = None  # of SampleSpec.logprob_rows
-    scores: torch.Tensor | None = None  # [R, K] float32, host
-    states: torch.Tensor | None = None  # [R, hidden] float32, host
-    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    num_computed: int = 0  # tokens run through the model (a twin's are not)
-
-    def sampled(self) -> list[int]:
-        """The sampled token ids (waits for the device-to-host copy)."""
-        if self.copied is not None:
-            self.copied.synchronize()
-        return self.host_tokens.tolist()
 
 
 class ModelRunner:
@@ -162,10 +96,10 @@ class ModelRunner:
             self._sample(plan.sample, hidden, result)
         if plan.scores is not None:
             self._score(plan.scores, hidden, result)
-        for spec in plan.prompt_logprobs:
-            (targets,) = self.staging.to_device(spec.targets)
-            logits = self.compute_logits(hidden[spec.start : spec.stop])
-            result.prompt_logprobs.append(token_logprobs(logits, targets, spec.k))
+        for read in plan.prompt_logprobs:
+            (targets,) = self.staging.to_device(read.targets)
+            logits = self.compute_logits(hidden[read.start : read.stop])
+            result.prompt_logprobs.append(token_logprobs(logits, targets, read.k))
         return result
 
     @torch.inference_mode()
@@ -236,31 +170,31 @@ class ModelRunner:
         attn = AttentionBatch(self.arena, slot_pages, slot_offsets, groups, self.backend, self.scale)
         return tokens, positions, attn
 
-    def _sample(self, spec: SampleSpec, hidden: torch.Tensor, result: StepResult) -> None:
-        params = spec.params
+    def _sample(self, plan: SamplePlan, hidden: torch.Tensor, result: StepResult) -> None:
+        params = plan.params
         divisors = params.divisors()
-        divisors[spec.edited] = 1.0  # edited rows: raw logits, edited, then divided by the temperature
-        (index,) = self.staging.to_device(spec.rows)
+        divisors[plan.edited] = 1.0  # edited rows: raw logits, edited, then divided by the temperature
+        (index,) = self.staging.to_device(plan.rows)
         states = hidden[index]
         scaled = states
         if (divisors != 1.0).any():  # x / 1 is x: greedy and T=1 batches skip the division
             (scale,) = self.staging.to_device(torch.from_numpy(divisors).to(states.dtype)[:, None])
             scaled = states / scale
         logits = self.compute_logits(scaled, float32=False)
-        if spec.edited:
+        if plan.edited:
             tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
-            plain = sorted(set(range(len(params))) - set(spec.edited))
+            plain = sorted(set(range(len(params))) - set(plan.edited))
             if plain:
-                tokens[plain] = self._draw(spec, plain, logits[plain])
-            raw = adjust_logits(logits[spec.edited].float(), spec.histories)
-            (temps,) = self.staging.to_device(torch.from_numpy(params.take(spec.edited).divisors()).float()[:, None])
-            tokens[spec.edited] = self._draw(spec, spec.edited, raw / temps)
+                tokens[plain] = self._draw(plan, plain, logits[plain])
+            raw = adjust_logits(logits[plan.edited].float(), plan.histories)
+            (temps,) = self.staging.to_device(torch.from_numpy(params.take(plan.edited).divisors()).float()[:, None])
+            tokens[plan.edited] = self._draw(plan, plan.edited, raw / temps)
         else:
-            tokens = self._draw(spec, None, logits)
-        if spec.logprob_rows:
-            wanted = torch.tensor(spec.logprob_rows, device=tokens.device)
+            tokens = self._draw(plan, None, logits)
+        if plan.logprob_rows:
+            wanted = torch.tensor(plan.logprob_rows, device=tokens.device)
             raw = self.compute_logits(states[wanted])
-            result.logprobs = token_logprobs(raw, tokens[wanted], spec.logprobs_k)
+            result.logprobs = token_logprobs(raw, tokens[wanted], plan.logprobs_k)
         result.tokens = tokens
         if tokens.device.type == "cpu":
             result.host_tokens = tokens
@@ -270,18 +204,18 @@ class ModelRunner:
             result.copied = torch.cuda.Event()
             result.copied.record()
 
-    def _draw(self, spec: SampleSpec, rows: list[int] | None, scaled: torch.Tensor) -> torch.Tensor:
+    def _draw(self, plan: SamplePlan, rows: list[int] | None, scaled: torch.Tensor) -> torch.Tensor:
         """Tokens of sample rows `rows` (None: all) from their scaled logits; constrained rows over
         what their constraint allows."""
-        if not spec.guided:
-            return sample(scaled, spec.params if rows is None else spec.params.take(rows), self.draw)
-        rows = list(range(len(spec.params))) if rows is None else rows
-        params = spec.params.take(rows)
-        mask_of = {row: i for i, row in enumerate(spec.guided)}
+        if not plan.guided:
+            return sample(scaled, plan.params if rows is None else plan.params.take(rows), self.draw)
+        rows = list(range(len(plan.params))) if rows is None else rows
+        params = plan.params.take(rows)
+        mask_of = {row: i for i, row in enumerate(plan.guided)}
         guided = [i for i, row in enumerate(rows) if row in mask_of]
         if not guided:
             return sample(scaled, params, self.draw)
-        masks = spec.masks[[mask_of[rows[i]] for i in guided]]
+        masks = plan.masks[[mask_of[rows[i]] for i in guided]]
         if len(guided) == len(rows):
             return sample_masked(scaled, params, masks, self.vocab_size, self.draw)
         tokens = torch.empty(len(rows), dtype=torch.long, device=scaled.device)
@@ -290,19 +224,16 @@ class ModelRunner:
         tokens[guided] = sample_masked(scaled[guided], params.take(guided), masks, self.vocab_size, self.draw)
         return tokens
 
-    def _score(self, spec: ScoreSpec, hidden: torch.Tensor, result: StepResult) -> None:
-        (index,) = self.staging.to_device(spec.rows)
+    def _score(self, plan: ScorePlan, hidden: torch.Tensor, result: StepResult) -> None:
+        (index,) = self.staging.to_device(plan.rows)
         rows = hidden[index]
-        if spec.token_ids.shape[1]:
-            (ids,) = self.staging.to_device(spec.token_ids)
+        if plan.token_ids.shape[1]:
+            (ids,) = self.staging.to_device(plan.token_ids)
             logprobs = torch.log_softmax(self.compute_logits(rows), dim=-1)
             result.scores = logprobs.gather(1, ids).cpu()
-        if spec.states:
+        if plan.states:
             result.states = rows.float().cpu()
 
 
 GROUP_FIELDS = [f.name for f in fields(SeqGroup) if f.name != "masks"]
 
-
-def as_tensor(values: list[int] | np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.asarray(values, dtype=np.int64))

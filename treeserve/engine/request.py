@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from treeserve.engine.detokenizer import StopChecker
-from treeserve.engine.prompt_lookup import SeqSpec
+from treeserve.engine.speculative.prompt_lookup import DraftState
 from treeserve.outputs import CompletionOutput, Logprob, RequestOutput, ScoreOutput
 from treeserve.sampling_params import SamplingParams, ScoreParams
 
@@ -57,7 +57,7 @@ class Sequence:
     guide: Guide | None = None  # structured outputs: where this sequence is in its constraint
     # speculative decoding: this step's drafted tokens (set before scheduling), the drafting state
     draft: list[int] = field(default_factory=list)
-    spec: SeqSpec | None = None
+    drafting: DraftState | None = None
     # a hash of token_ids[:hashed], kept up to date by history_key (twin rows: dedup.py)
     history_hash: int | None = None
     hashed: int = 0

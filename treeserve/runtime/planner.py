@@ -175,7 +175,7 @@ def activation_peak(engine: LLMEngine) -> int:
         params = ScoreParams([n - 1], token_ids=[0] if has_head else [], return_hidden_states=not has_head)
         engine.add_request(f"memory-probe-{i}", [1] * n, params)
     computed = engine.num_computed_tokens
-    peak = _peak_bytes(lambda: engine.step(overlap=False), engine.device)  # on this thread: the profiler sees it
+    peak = _peak_bytes(lambda: engine.step_plain(), engine.device)  # on this thread: the profiler sees it
     engine.num_computed_tokens = computed  # the probe is not work the engine did for anyone
     for i in range(len(lengths)):
         engine.abort(f"memory-probe-{i}")

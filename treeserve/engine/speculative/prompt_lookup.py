@@ -1,7 +1,7 @@
 """Prompt lookup: drafts read from text already seen, and one sequence's drafting state.
 
 Tokens are characters here (code point = token id), so an n-gram lookup is `str.rfind` over
-the sequence's own tokens or a draft group's corpus (see `speculative.py`). `SeqSpec` is what a
+the sequence's own tokens or a draft group's corpus (see `speculator.py`). `DraftState` is what a
 sequence keeps between steps: its tokens as such a string and its adaptive draft length.
 """
 
@@ -14,7 +14,7 @@ MAX_PAUSE_STEPS = 64
 
 
 @dataclass
-class SeqSpec:
+class DraftState:
     """One sequence's speculation state: its tokens as text (for lookups), its adaptive k."""
 
     k: int

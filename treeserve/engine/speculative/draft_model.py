@@ -1,5 +1,5 @@
 """A draft model for speculative decoding: a smaller model of the same vocabulary proposes k
-tokens greedily, the target verifies them (see `speculative.py`).
+tokens greedily, the target verifies them (see `speculator.py`).
 
 The draft keeps a KV cache per target sequence in the target's page arena: its own view of the
 same pages (as many of its tokens per page as fit, like a PRM sharing the arena) and its own

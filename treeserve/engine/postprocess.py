@@ -1,10 +1,17 @@
-"""Reading a step back: its sampled tokens appended, the stop rules applied, its read-outs stored.
+"""The one owner of a sequence's progress through steps: what a step does to its sequences.
 
-After a step's device work is done, `StepReader.read` walks what each of its rows meant
-(`PreparedStep`): prefix-cache keys for the blocks the step completed, scores and prompt
-logprobs, and each sampled token (a fork's first token creates the fork; a speculating
-sequence's tokens are kept while they match its draft). A sequence finished or aborted since
-the step was launched is skipped: its token in flight is discarded with it.
+nano-vllm's `Scheduler.postprocess`, in three moments of a step's life:
+* `launched`: the step is on its way. Its items' tokens count as computed, and each sequence
+  that samples its next token has one more token in flight (`num_pending`; overlapped steps
+  schedule the next step before this one is read back), its pending forks now being sampled.
+* `read`: its results arrived. Walks what each row meant (`PreparedStep`): prefix-cache keys
+  for the blocks the step completed, scores and prompt logprobs, and each sampled token (a
+  fork's first token creates the fork; a speculating sequence's tokens are kept while they match
+  its draft). A sequence finished or aborted since the step was launched is skipped: its token
+  in flight is discarded with it.
+* `roll_back`: it never ran (the step before it failed): `launched` undone.
+Nothing else writes `num_computed_tokens`, `num_pending` or `pending_forks` after a sequence is
+admitted (the scheduler sets where a sequence starts: its prefix-cache hit, a preemption's reset).
 """
 
 from __future__ import annotations
@@ -12,26 +19,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from treeserve.engine.guided import Constraints
-from treeserve.engine.input_batch import PreparedStep
-from treeserve.engine.model_runner import StepResult
 from treeserve.engine.request import Request, SeqStatus, Sequence
 from treeserve.engine.sampler import HostLogprobs
 from treeserve.engine.scheduler import Scheduler
-from treeserve.engine.speculative import Speculator
+from treeserve.engine.speculative.speculator import Speculator
+from treeserve.engine.step_plan import PreparedStep
+from treeserve.engine.step_result import StepResult
 from treeserve.kv.block_manager import BlockManager
 from treeserve.models.tokenizer import Tokenizer
 from treeserve.outputs import Logprob
-
-
-class StepFailed(RuntimeError):
-    """A step raised while running its batch. Its requests (`request_ids`) were aborted and
-    their pages released; every other request is untouched and the next step runs normally."""
-
-    def __init__(self, request_ids: list[str], cause: BaseException):
-        what = f"{type(cause).__name__}: {cause}"
-        super().__init__(f"the engine step serving {len(request_ids)} request(s) failed: {what}")
-        self.request_ids = request_ids
-        self.cause = cause
 
 
 @dataclass
@@ -44,7 +40,7 @@ class Verification:
     going: bool = True  # every position so far matched and the sequence has not ended
 
 
-class StepReader:
+class Postprocessor:
     def __init__(self, scheduler: Scheduler, blocks: BlockManager, tokenizer: Tokenizer, constraints: Constraints,
                  speculator: Speculator | None, max_model_len: int):  # fmt: skip
         self.scheduler = scheduler
@@ -54,6 +50,32 @@ class StepReader:
         self.speculator = speculator
         self.max_model_len = max_model_len
         self.num_generated_tokens = 0
+
+    def launched(self, step: PreparedStep) -> None:
+        """`step` is on its way to the device: what it computes counts as computed (drafted tokens
+        once accepted), and each sequence's next token is in flight, at its row of the samples."""
+        for item in step.batch:
+            item.seq.num_computed_tokens = item.end - len(item.draft)
+        for r, row in enumerate(step.samples):
+            seq = row.seq
+            if row.is_next:  # the next step may take it as an input before it is read back
+                seq.num_pending += 1
+                seq.pending_row = r
+                seq.pending_forks = 0  # its forks are sampled in this step (rows `fork` > 0)
+
+    def roll_back(self, step: PreparedStep) -> None:
+        """Undo `launched` for a step that never ran: its live sequences compute the same tokens again."""
+        for item in step.batch:
+            if not item.seq.is_finished:
+                item.seq.num_computed_tokens = item.start
+        for row in step.samples:
+            seq = row.seq
+            if seq.is_finished:
+                continue
+            if row.fork:
+                seq.pending_forks += 1
+            elif row.is_next:
+                seq.num_pending -= 1
 
     def read(self, step: PreparedStep, result: StepResult) -> list[Request]:
         """Apply `result` to the live sequences of `step`; the requests it touched."""
@@ -70,24 +92,25 @@ class StepReader:
             touched[seq.request.request_id] = seq.request
         if step.scoring:
             self._scores(step, result)
-        for (request, index, targets, k), lp in zip(step.prompt_reads, result.prompt_logprobs, strict=True):
+        for read, lp in zip(step.prompt_reads, result.prompt_logprobs, strict=True):
             lp = lp.host()
-            for i, token in enumerate(targets):
-                request.prompt_logprobs[index + i] = self.logprob_entry(token, lp, i, k)
+            for i, token in enumerate(read.targets):
+                read.request.prompt_logprobs[read.index + i] = self.logprob_entry(token, lp, i, read.k)
         if step.samples:
             self._samples(step, result)
         return list(touched.values())
 
     def _scores(self, step: PreparedStep, result: StepResult) -> None:
         """Forward-only requests: what the step read, and the end of those it read to the end."""
-        for seq, positions, first in step.score_reads:
+        for read in step.score_reads:
+            seq = read.seq
             if seq.is_finished:
                 continue
             score = seq.request.score
-            for i, p in enumerate(positions):
+            for i, p in enumerate(read.positions):
                 seq.score_rows[p] = (
-                    result.scores[first + i, : len(score.token_ids)] if score.token_ids else None,
-                    result.states[first + i] if score.return_hidden_states else None,
+                    result.scores[read.first + i, : len(score.token_ids)] if score.token_ids else None,
+                    result.states[read.first + i] if score.return_hidden_states else None,
                 )
         for item in step.batch:
             seq = item.seq
@@ -100,30 +123,28 @@ class StepReader:
         logprob_row = {row: i for i, row in enumerate(step.plan.sample.logprob_rows)} if logprobs else {}
         forks: dict[tuple[int, int], Sequence] = {}
         verifying: dict[int, Verification] = {}  # seq_id -> its draft's verification so far
-        kinds = step.kinds
-        for row, (seq, kind, token) in enumerate(zip(step.samples, step.kinds, result.sampled(), strict=True)):
-            draft = None
-            if kind == 0:
+        for r, (row, token) in enumerate(zip(step.samples, result.sampled(), strict=True)):
+            seq, draft = row.seq, None
+            if row.fork:
+                seq = forks.get((seq.seq_id, row.fork))
+                if seq is None:
+                    continue  # its parent was gone when the token arrived
+            elif row.draft_position:
+                draft = step.drafts[seq.seq_id]
+            else:
                 if seq.status == SeqStatus.FINISHED:
                     continue  # aborted, or ended by a token before this one: this one is void
                 seq.num_pending -= 1
-                if row + 1 < len(kinds) and kinds[row + 1] == 1:
-                    for fork in self._forks_after(step, row):
-                        forks[(seq.seq_id, fork)] = self._fork(seq, fork)
+                for fork in range(1, row.forks + 1):  # made at the parent's state before this token
+                    forks[(seq.seq_id, fork)] = self._fork(seq, fork)
                 draft = step.drafts.get(seq.seq_id) if step.drafts else None
-            elif kind > 0:
-                seq = forks.get((seq.seq_id, kind))
-                if seq is None:
-                    continue  # its parent was gone when the token arrived
-            else:
-                draft = step.drafts[seq.seq_id]
             if draft is not None:
                 check = verifying.setdefault(seq.seq_id, Verification(seq, len(draft)))
                 if not check.going:
                     continue  # an earlier position of this draft was rejected: this row is void
-            going = self._append(seq, token, logprobs, logprob_row.get(row, -1))
+            going = self._append(seq, token, logprobs, logprob_row.get(r, -1))
             if draft is not None:
-                position = max(-kind, 0)
+                position = row.draft_position
                 matched = position < len(draft) and token == draft[position]
                 check.accepted += matched
                 check.going = going and matched
@@ -136,15 +157,6 @@ class StepReader:
                     seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed_tokens
                 )
                 self.blocks.truncate(seq.block_table, len(seq.token_ids))
-
-    @staticmethod
-    def _forks_after(step: PreparedStep, row: int) -> range:
-        """The fork numbers sampled right after `row` (a parent's first token): 1..k."""
-        kinds = step.kinds
-        k = 0
-        while row + k + 1 < len(kinds) and kinds[row + k + 1] == k + 1:
-            k += 1
-        return range(1, k + 1)
 
     def _fork(self, parent: Sequence, index: int) -> Sequence:
         """Completion `index` of the parent's request (n > 1), at the parent's state before its first

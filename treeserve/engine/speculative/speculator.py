@@ -1,8 +1,8 @@
-"""Speculative decoding: the setting, where drafts come from, and how many to draft.
+"""Speculative decoding: where drafts come from, and how many to draft (the setting: `config.py`).
 
 A speculating sequence runs its last sampled token plus k drafted tokens in one forward; the
 engine samples the target at every one of those positions with that position's own seeded
-uniform and keeps drafted tokens while they equal the target's sample (see `LLMEngine.step`).
+uniform and keeps drafted tokens while they equal the target's sample (`engine/postprocess.py`).
 Since every token is the one plain decoding samples, outputs are identical to decoding without
 speculation, greedy or sampled; drafts only decide how many tokens one forward yields.
 
@@ -17,107 +17,23 @@ steps, so a workload whose drafts fail pays little.
 
 from __future__ import annotations
 
-import json
-import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from treeserve.engine.prompt_lookup import SEPARATOR, SeqSpec, propose_lookup
+from treeserve.config import SpeculativeConfig
+from treeserve.engine.speculative.prompt_lookup import SEPARATOR, DraftState, propose_lookup
 
 if TYPE_CHECKING:
-    from treeserve.engine.draft_model import DraftModel
     from treeserve.engine.request import Sequence
+    from treeserve.engine.speculative.draft_model import DraftModel
 
-METHODS = ("ngram", "tree", "model")
 GROUPS_KEPT = 4096  # draft groups remembered (least recently used dropped)
 FINISHED_KEPT = 64  # finished sequences of a group still searched for drafts
 
 
 @dataclass
-class SpeculativeConfig:
-    """vLLM's `speculative_config` keys: `method` (ngram | tree | model; a `model` path alone
-    means a draft model), `num_speculative_tokens` (k, the most drafted per step),
-    `prompt_lookup_min` / `prompt_lookup_max` (n-gram lengths the lookups match),
-    `disable_by_batch_size` (no drafting in steps with more running sequences)."""
-
-    method: str
-    num_speculative_tokens: int
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 4
-    model: str | None = None
-    # no drafts in a step with more running sequences than this (vLLM v0's key): a large batch
-    # is compute-bound on a CPU, so verifying drafts costs about what decoding them would
-    disable_by_batch_size: int | None = None
-
-    @classmethod
-    def parse(cls, value: dict | str | SpeculativeConfig | None) -> SpeculativeConfig | None:
-        """From a dict (or its JSON text); raises ValueError naming what is wrong."""
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
-                 "disable_by_batch_size"}  # fmt: skip
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"speculative_config has unknown keys {unknown}; it takes {sorted(known)}")
-        method = value.get("method", "model" if value.get("model") else None)
-        if method not in METHODS:
-            raise ValueError(f"speculative_config method must be one of {list(METHODS)}, got {method!r}")
-        if "num_speculative_tokens" not in value:
-            raise ValueError("speculative_config needs num_speculative_tokens (k, the tokens drafted per step)")
-        config = cls(method=method, **{k: v for k, v in value.items() if k != "method"})
-        config.check()
-        return config
-
-    def check(self) -> None:
-        k = self.num_speculative_tokens
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
-        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)) or not 1 <= lo <= hi:
-            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r} and {hi!r}")
-        limit = self.disable_by_batch_size
-        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-            raise ValueError(f"disable_by_batch_size must be an integer >= 1 or None, got {limit!r}")
-        if self.method == "model":
-            if not self.model:
-                raise ValueError("speculative_config method 'model' needs model: a draft model's checkpoint")
-            if not os.path.isfile(os.path.join(self.model, "config.json")):
-                raise FileNotFoundError(f"draft model directory has no config.json: {self.model!r}")
-        elif self.model:
-            raise ValueError(f"speculative_config method {self.method!r} takes no model")
-
-    def check_draft(self, target: str) -> None:
-        """Before anything loads: a draft model must have the target's vocabulary (config.json;
-        a GGUF target is checked when the draft loads)."""
-        if self.method != "model":
-            return
-        draft, mine = _vocab_size(self.model), _vocab_size(target)
-        if mine is not None and draft != mine:
-            raise ValueError(
-                f"draft model {self.model!r} has a vocabulary of {draft} tokens, the target {mine}: "
-                "a draft must share the target's tokenizer"
-            )
-
-
-def _vocab_size(path: str) -> int | None:
-    config_path = os.path.join(path, "config.json")
-    if not os.path.isfile(config_path):
-        return None
-    with open(config_path) as f:
-        config = json.load(f)
-    return config.get("vocab_size", config.get("text_config", {}).get("vocab_size"))
-
-
-@dataclass
-class SpecStats:
+class DraftStats:
     """Cumulative counters of one engine (vLLM's names where it has them)."""
 
     method: str
@@ -177,12 +93,12 @@ class Group:
         for seq_id, seq in list(self.live.items()):
             if seq.is_finished:
                 del self.live[seq_id]
-                self.finished = [*self.finished[-(FINISHED_KEPT - 1) :], seq.spec.sync(seq.token_ids)]
+                self.finished = [*self.finished[-(FINISHED_KEPT - 1) :], seq.drafting.sync(seq.token_ids)]
         parts = [p + SEPARATOR for p in self.finished]
         at = sum(len(p) for p in parts)
         offsets = {}
         for seq_id, seq in self.live.items():
-            text = seq.spec.sync(seq.token_ids)
+            text = seq.drafting.sync(seq.token_ids)
             parts.append(text + SEPARATOR)
             offsets[seq_id] = at + len(text)
             at += len(text) + 1
@@ -194,7 +110,7 @@ class Speculator:
 
     def __init__(self, config: SpeculativeConfig, draft_model: DraftModel | None = None):
         self.config = config
-        self.stats = SpecStats(config.method)
+        self.stats = DraftStats(config.method)
         self.groups = DraftGroups()
         self.draft_model = draft_model  # method "model"
         self.step = 0
@@ -211,14 +127,14 @@ class Speculator:
         for seq in running:
             room = self._room(seq, max_model_len)
             if room > 0:
-                spec = seq.spec or self._start(seq)
-                if spec.paused_until <= self.step:
-                    wanting.append((seq, min(spec.k, room)))
+                state = seq.drafting or self._start(seq)
+                if state.paused_until <= self.step:
+                    wanting.append((seq, min(state.k, room)))
         if self.draft_model is not None:
             self.draft_model.propose(wanting)
             return
         for seq, k in wanting:
-            tokens = seq.spec.sync(seq.token_ids)
+            tokens = seq.drafting.sync(seq.token_ids)
             group = self.groups.get(seq.request.draft_group) if c.method == "tree" else None
             if group is not None and seq.seq_id in group.live:
                 group.build(self.step)
@@ -231,7 +147,7 @@ class Speculator:
         self.stats.num_drafts += 1
         self.stats.num_draft_tokens += drafted
         self.stats.num_accepted_tokens += accepted
-        seq.spec.adapt(drafted, accepted, self.config.num_speculative_tokens, self.step)
+        seq.drafting.adapt(drafted, accepted, self.config.num_speculative_tokens, self.step)
 
     def release(self, seq: Sequence) -> None:
         """`seq` ended or was preempted (a draft model's pages for it go back to the pool)."""
@@ -241,12 +157,12 @@ class Speculator:
     def forget_group(self, key: str) -> None:
         self.groups.forget(key)
 
-    def _start(self, seq: Sequence) -> SeqSpec:
-        seq.spec = SeqSpec(k=self.config.num_speculative_tokens)
+    def _start(self, seq: Sequence) -> DraftState:
+        seq.drafting = DraftState(k=self.config.num_speculative_tokens)
         key = seq.request.draft_group
         if self.config.method == "tree" and key is not None:
             self.groups.join(key).live[seq.seq_id] = seq
-        return seq.spec
+        return seq.drafting
 
     @staticmethod
     def _room(seq: Sequence, max_model_len: int) -> int:

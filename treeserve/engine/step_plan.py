@@ -1,0 +1,129 @@
+"""The step's contract, host to device: what one step runs, and what each of its rows means.
+
+Data only. `input_batch.py` writes a `PreparedStep` (the scheduler's batch, the `StepPlan` the
+device runs, and the host's key to what comes back); `model_runner.py` runs the plan;
+`postprocess.py` reads the results back through the same `PreparedStep`. Rows describe
+themselves: sampled row r is `samples[r]`, a `SampleRow` that names its sequence and whether its
+token is the sequence's next one, a fork's first one, or the target's token at a drafted
+position (vLLM's `SchedulerOutput` and `ModelRunnerOutput` play these parts there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from treeserve.engine.forward_batch import ForwardBatch
+from treeserve.engine.penalties import RowHistory
+from treeserve.engine.sampler import SamplingBatch
+
+if TYPE_CHECKING:
+    from treeserve.engine.request import Request, Sequence
+    from treeserve.engine.scheduler import ScheduledSeq
+
+
+@dataclass
+class SamplePlan:
+    """What a step samples: rows of its (full) hidden states and each row's parameters."""
+
+    rows: torch.Tensor  # [S] flat row indices
+    params: SamplingBatch
+    edited: list[int] = field(default_factory=list)  # rows whose raw logits get edits (penalties, bias, min_tokens)
+    histories: list[RowHistory] = field(default_factory=list)  # what those edits read, in the same order
+    guided: list[int] = field(default_factory=list)  # rows drawn among what their constraint allows ...
+    masks: torch.Tensor | None = None  # ... [len(guided), words] int32 bitmasks
+    logprob_rows: list[int] = field(default_factory=list)  # rows whose sampled token's logprobs are returned
+    logprobs_k: int = 0  # how many top alternatives they get
+
+
+@dataclass
+class ScorePlan:
+    """Forward-only read-outs: log-probabilities of chosen tokens and hidden states at rows."""
+
+    rows: torch.Tensor  # [R] flat row indices
+    token_ids: torch.Tensor  # [R, K] candidate ids per row (padded; K may be 0)
+    states: bool  # also return the rows' hidden states (float32)
+
+
+@dataclass
+class PromptLogprobPlan:
+    """Log-probabilities of prompt tokens predicted by rows [start, stop) of the flat batch."""
+
+    start: int
+    stop: int
+    targets: torch.Tensor  # [stop - start] the prompt tokens those rows predict
+    k: int
+
+
+@dataclass
+class StepPlan:
+    """Everything the device needs for one step; nothing in it changes once it is built."""
+
+    batch: ForwardBatch
+    pending_at: np.ndarray  # [P] flat rows whose token is the previous step's sample ...
+    pending_from: np.ndarray  # [P] ... at these sample rows of it
+    twins: np.ndarray | None = None  # [B] per item: first item of its twin group (`dedup.py`), -1: none
+    copies: list[tuple[int, int]] = field(default_factory=list)  # pages to copy before the forward
+    sample: SamplePlan | None = None
+    scores: ScorePlan | None = None
+    prompt_logprobs: list[PromptLogprobPlan] = field(default_factory=list)
+    fail: Exception | None = None  # test hook (`LLMEngine.inject_failure`): raised after the forward
+
+
+@dataclass(slots=True)
+class SampleRow:
+    """One sampled row and what its token is to the host.
+
+    `fork` > 0: the first token of fork number `fork` of `seq` (n > 1; the fork is made when the
+    parent's own row arrives, which comes first and counts its forks in `forks`).
+    `draft_position` > 0: the target's token after drafted token `draft_position - 1` of `seq`
+    (speculative decoding; it verifies drafted token `draft_position`). Otherwise: `seq`'s next
+    token (drafting, it also verifies drafted token 0)."""
+
+    seq: Sequence
+    fork: int = 0
+    forks: int = 0
+    draft_position: int = 0
+
+    @property
+    def is_next(self) -> bool:
+        """The sequence's own next token (the one a later step may read before it is read back)."""
+        return not self.fork and not self.draft_position
+
+
+@dataclass
+class ScoreRead:
+    """A forward-only sequence's requested positions in this step, from flat score row `first`."""
+
+    seq: Sequence
+    positions: list[int]
+    first: int
+
+
+@dataclass
+class PromptRead:
+    """Prompt tokens `targets` (from prompt position `index`) whose logprobs this step returns."""
+
+    request: Request
+    index: int
+    targets: list[int]
+    k: int
+
+
+@dataclass
+class PreparedStep:
+    """A step's plan and the host's key to its results (the rows, in the plan's order)."""
+
+    batch: list[ScheduledSeq]
+    plan: StepPlan | None = None  # set once the batch is read
+    samples: list[SampleRow] = field(default_factory=list)
+    drafts: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> the draft it runs this step
+    score_reads: list[ScoreRead] = field(default_factory=list)
+    prompt_reads: list[PromptRead] = field(default_factory=list)
+    scoring: bool = False  # it holds forward-only requests
+    # the next step may be scheduled before this one's tokens are read: no sequence that samples
+    # here needs its new token on the host before it samples again (constraints, logit edits)
+    overlappable: bool = True

@@ -1,0 +1,47 @@
+"""The step's contract, device to host: what one step's device work returns, and how it fails.
+
+Data only. `model_runner.py` fills a `StepResult`; `postprocess.py` applies it to the sequences.
+A step that raised fails its own requests with `StepFailed` (the engine aborts them); a step
+that read the samples of a failed step did not run (`PreviousStepFailed`) and is rolled back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from treeserve.engine.sampler import TokenLogprobs
+
+
+@dataclass
+class StepResult:
+    tokens: torch.Tensor | None = None  # [S] sampled ids on the device: the next step's pending inputs
+    host_tokens: torch.Tensor | None = None  # the same on the host (copied without blocking on CUDA)
+    copied: torch.cuda.Event | None = None  # recorded after that copy (CUDA)
+    logprobs: TokenLogprobs | None = None  # of SamplePlan.logprob_rows
+    scores: torch.Tensor | None = None  # [R, K] float32, host
+    states: torch.Tensor | None = None  # [R, hidden] float32, host
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_computed: int = 0  # tokens run through the model (a twin's are not)
+
+    def sampled(self) -> list[int]:
+        """The sampled token ids (waits for the device-to-host copy)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host_tokens.tolist()
+
+
+class StepFailed(RuntimeError):
+    """A step raised while running its batch. Its requests (`request_ids`) were aborted and
+    their pages released; every other request is untouched and the next step runs normally."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        what = f"{type(cause).__name__}: {cause}"
+        super().__init__(f"the engine step serving {len(request_ids)} request(s) failed: {what}")
+        self.request_ids = request_ids
+        self.cause = cause
+
+
+class PreviousStepFailed(RuntimeError):
+    """This step read tokens of a step that failed: it did not run (the host rolls it back)."""
