@@ -17,7 +17,7 @@ H100 PCIe 2.0 TB/s and 756, H200 4.8 TB/s and 989.
 `--prm-72b-tp K`: a Qwen2.5-Math-PRM-72B-shaped PRM (80 layers, hidden 8192, 64 / 8 heads of
 128, MLP 29568, vocab 152064; a reward head: hidden states, no logits) tensor-parallel over K
 GPUs: per scoring step, each GPU's share of the floor above, and the two all-reduces per layer
-(after o_proj and down_proj, [tokens, hidden] bf16 each, as layers/parallel.py makes them): a
+(after o_proj and down_proj, [tokens, hidden] bf16 each, as models/sharding.py makes them): a
 ring moves 2 (K-1)/K of each message through every GPU, at NVLink 4's 450 GB/s a direction,
 plus a fixed ~10 us an all-reduce (small-message latency, an assumption, not a measurement).
 """

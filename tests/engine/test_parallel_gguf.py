@@ -14,11 +14,11 @@ from tests.gguf_files import write_gguf
 from tests.tiny_models import build_checkpoint
 from treeserve import LLM, SamplingParams, ScoreParams
 from treeserve.config import EngineConfig
-from treeserve.layers.parallel import ROW_PARALLEL, shard_config, shard_tensor
 from treeserve.layers.quant import QuantTensor, kernels_available
 from treeserve.models.gguf_loader import GGUFCheckpoint
 from treeserve.models.llama import LlamaForCausalLM
 from treeserve.models.loader import read_model_config
+from treeserve.models.sharding import ROW_PARALLEL, shard_config, shard_tensor
 
 pytestmark = [
     pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two ranks need two cores"),

@@ -8,11 +8,13 @@ LM head then multiplies on the tiles, and the table has no second copy). A tied 
 multiplies by the same table (the model's `pick_kernel`). On a CPU that does not multiply bf16
 itself, a bf16 table is widened to fp32 like a `Linear`'s weight (`linear.widens`; its rows looked
 up are rounded back to bf16, exactly), and a tied LM head multiplies by it in fp32.
+`vocab_parallel_lookup` looks rows up in a table split by vocabulary over tensor-parallel ranks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +23,9 @@ from torch import nn
 from treeserve.kernels import cpu as cpu_kernels
 from treeserve.layers.linear import widens
 from treeserve.layers.quant import QuantTensor, quant_embedding
+
+if TYPE_CHECKING:
+    from treeserve.distributed.groups import RankGroup
 
 
 class Embedding(nn.Embedding):
@@ -56,3 +61,13 @@ def tiled_embedding(ids: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
 def widened_embedding(input_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Rows of a bf16 table held in fp32, back in bf16 (exactly their values)."""
     return F.embedding(input_ids, table).to(torch.bfloat16)
+
+
+def vocab_parallel_lookup(lookup: Any, ids: torch.Tensor, table: Any, rows: int, tp: RankGroup) -> torch.Tensor:
+    """Rows of a table split by vocabulary (`rows` of them here): this rank's rows, zeros
+    elsewhere, summed over ranks."""
+    local = ids - tp.rank * rows
+    outside = (local < 0) | (local >= rows)
+    out = lookup(local.clamp(0, rows - 1), table)
+    out[outside] = 0
+    return tp.all_reduce(out)

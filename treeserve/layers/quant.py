@@ -11,7 +11,7 @@ Where the 8-bit kernel multiplies a matrix, `in_panels()` lays its Q8_0 parts ou
 kernel's panels (at kernel pick time, `Linear`/`Embedding`): a copy of the same size, in the
 kernel's order, replaces the file's bytes.
 
-`slice_rows` and `slice_columns` cut a tensor-parallel rank's shard (layers/parallel.py) out of
+`slice_rows` and `slice_columns` cut a tensor-parallel rank's shard (models/sharding.py) out of
 the file's bytes: whole rows, or whole blocks of every row; a rank's blocks are the file's.
 
 `quant_linear` has F.linear's signature; `linear_kernel` returns it for a `QuantTensor`.

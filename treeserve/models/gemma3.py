@@ -19,11 +19,12 @@ from torch import nn
 
 from treeserve.layers.norm import GemmaRMSNorm
 from treeserve.layers.rotary import RotaryEmbedding, rope_inv_freq
-from treeserve.models.llama import LlamaAttentionBlock, LlamaConfig, LlamaForCausalLM, LlamaMLP
+from treeserve.models.config import ModelConfig
+from treeserve.models.llama import LlamaAttentionBlock, LlamaForCausalLM, LlamaMLP
 
 
 @dataclass
-class Gemma3Config(LlamaConfig):
+class Gemma3Config(ModelConfig):
     local_rope_theta: float = 10000.0
     local_rope_scaling: dict | None = None
 
@@ -51,7 +52,7 @@ class Gemma3Config(LlamaConfig):
             "eos_token_id": cfg.get("eos_token_id", 1),
             "bos_token_id": cfg.get("bos_token_id", 2),
         }
-        shared = vars(LlamaConfig.from_hf(llama_view))
+        shared = vars(ModelConfig.from_hf(llama_view))
         shared.update(
             hidden_act=act,
             layer_windows=_layer_windows(cfg, cfg["num_hidden_layers"]),

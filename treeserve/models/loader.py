@@ -37,17 +37,18 @@ from treeserve.layers import pick_kernels
 from treeserve.layers.embedding import Embedding
 from treeserve.layers.linear import Linear
 from treeserve.layers.norm import GemmaRMSNorm, RMSNorm
-from treeserve.layers.parallel import shard_config, shard_tensor, stage_config, stage_name
 from treeserve.layers.quant import QuantTensor, describe, quantize_int8, set_quantized
+from treeserve.models.config import ModelConfig
 from treeserve.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from treeserve.models.gguf_loader import GGUFCheckpoint, is_gguf
-from treeserve.models.llama import LlamaConfig, LlamaForCausalLM
+from treeserve.models.llama import LlamaForCausalLM
+from treeserve.models.sharding import shard_config, shard_tensor, stage_config, stage_name
 
 # model_type in config.json -> (config class, model class)
-ARCHITECTURES: dict[str, tuple[type[LlamaConfig], type[LlamaForCausalLM]]] = {
-    "llama": (LlamaConfig, LlamaForCausalLM),
-    "mistral": (LlamaConfig, LlamaForCausalLM),
-    "qwen2": (LlamaConfig, LlamaForCausalLM),
+ARCHITECTURES: dict[str, tuple[type[ModelConfig], type[LlamaForCausalLM]]] = {
+    "llama": (ModelConfig, LlamaForCausalLM),
+    "mistral": (ModelConfig, LlamaForCausalLM),
+    "qwen2": (ModelConfig, LlamaForCausalLM),
     "gemma3_text": (Gemma3Config, Gemma3ForCausalLM),
 }
 
@@ -60,7 +61,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class LoadedModel:
     model: nn.Module
-    config: LlamaConfig
+    config: ModelConfig
     hf_config: dict
     extra_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     # e.g. "gguf:Q5_0+Q6_K+Q8_0", "int8" (+ ", bf16 activations" where set); None: dense weights
@@ -133,7 +134,7 @@ def load_model(
     QUANTIZATIONS or None (checked by `EngineConfig`: "gguf" only for a GGUF file, on a CPU);
     `quant_activations`: what the quantised matmuls take activations as (layers/quant.py ACTIVATIONS);
     `tp_rank` of `tp_size`: load that rank's shard only; `pp_rank` of `pp_size`: that pipeline
-    stage's layers only (layers/parallel.py; dense weights)."""
+    stage's layers only (models/sharding.py; dense weights)."""
     if is_gguf(model_dir):
         gguf = GGUFCheckpoint(model_dir)
         hf_config, tensors = gguf.config, gguf.tensors(keep_quantized=quantization == "gguf")
@@ -231,7 +232,7 @@ def random_state(
     return state
 
 
-def _config(model_dir: str, hf_config: dict) -> LlamaConfig:
+def _config(model_dir: str, hf_config: dict) -> ModelConfig:
     model_type = hf_config.get("model_type")
     if model_type not in ARCHITECTURES:
         raise ValueError(f"unsupported model_type {model_type!r} in {model_dir!r} (supported: {sorted(ARCHITECTURES)})")
@@ -241,13 +242,13 @@ def _config(model_dir: str, hf_config: dict) -> LlamaConfig:
         raise ValueError(f"config.json in {model_dir!r} lacks required field {e}") from e
 
 
-def read_model_config(model_dir: str) -> LlamaConfig:
+def read_model_config(model_dir: str) -> ModelConfig:
     """The model's config from its checkpoint, without its weights."""
     hf_config = GGUFCheckpoint(model_dir).config if is_gguf(model_dir) else read_hf_config(model_dir)
     return _config(model_dir, hf_config)
 
 
-def check_int8_shapes(config: LlamaConfig) -> None:
+def check_int8_shapes(config: ModelConfig) -> None:
     """int8 rows are whole 32-weight blocks: every matrix's input width a multiple of 32."""
     widths = {
         "hidden_size": config.hidden_size,

@@ -1,16 +1,17 @@
 """Ranks as Ray actors: a parallel engine's ranks 1..k-1 on the hosts of a Ray cluster.
 
 Owns `start_ray_ranks` (`distributed_executor_backend="ray"`) and `RayRank`, the Ray kind of
-`engine/ranks.py::RankHandle`. The engine's process joins the Ray cluster this host belongs
-to (`ray start` made it: other hosts too; else Ray starts one here), reserves a placement
-group of one bundle a rank (a GPU each on CUDA, else `torch.get_num_threads()` CPUs; "PACK":
-on as few hosts as fit), and starts an actor in each bundle. The actors meet rank 0 at this
-host's address (its node IP) in the TCP store rank 0 hosts, so the collectives run as with
-local ranks (gloo, or NCCL on GPUs); only the messages travel as Ray calls, in order (Ray runs
-one caller's calls to an actor in the order they were made).
+`protocol.py::RankHandle`; each actor runs the `Worker` its caller's factory makes. The engine's
+process joins the Ray cluster this host belongs to (`ray start` made it: other hosts too; else
+Ray starts one here), reserves a placement group of one bundle a rank (a GPU each on CUDA, else
+`torch.get_num_threads()` CPUs; "PACK": on as few hosts as fit), and starts an actor in each
+bundle. The actors meet rank 0 at this host's address (its node IP) in the TCP store rank 0
+hosts, so the collectives run as with local ranks (gloo, or NCCL on GPUs); only the messages
+travel as Ray calls, in order (Ray runs one caller's calls to an actor in the order they were
+made).
 
-A rank's failure: a call that raised or an actor that died is noticed when rank 0 next sends;
-a collective with a dead peer fails at once, as with local ranks. Closing the engine kills the
+A rank's failure: a call that raised or an actor that died is noticed when rank 0 next sends; a
+collective with a dead peer fails at once, as with local ranks. Closing the engine kills the
 actors and removes the placement group; Ray itself keeps running (other engines may use it).
 """
 
@@ -18,29 +19,25 @@ from __future__ import annotations
 
 import copy
 import traceback
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import ray
 import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from treeserve.engine.ranks import RankGone, RankWorker, WorkerArgs, free_port
-
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from treeserve.config import EngineConfig
+from treeserve.distributed.protocol import ParallelSettings, RankGone, WorkerArgs, WorkerFactory, free_port
 
 
 @ray.remote
 class RankActor:
     """A rank > 0 inside a Ray worker process."""
 
-    def start(self, args: WorkerArgs) -> tuple[str, Any]:
+    def start(self, make_worker: WorkerFactory, args: WorkerArgs) -> tuple[str, Any]:
         import os
 
-        self.worker = RankWorker(args)
+        self.worker = make_worker(args)
         if self.worker.load_error is not None:
             return "error", self.worker.load_error
         self.pid = os.getpid()
@@ -57,9 +54,11 @@ class RankActor:
         return self.pid
 
 
-def start_ray_ranks(config: EngineConfig, device: torch.device) -> tuple[str, int, list[RayRank], Callable[[], None]]:
-    """Ranks 1..k-1 as actors: (rank 0's host and port for the TCP store, their handles, what
-    releases their placement group). ValueError when the cluster has no room for them."""
+def start_ray_ranks(config: ParallelSettings, device: torch.device,
+                    worker: WorkerFactory) -> tuple[str, int, list[RayRank], Callable[[], None]]:  # fmt: skip
+    """Ranks 1..k-1 as actors, each running `worker(args)`: (rank 0's host and port for the TCP
+    store, their handles, what releases their placement group). ValueError when the cluster has
+    no room for them."""
     if not ray.is_initialized():
         ray.init(include_dashboard=False, log_to_driver=True)  # joins this host's cluster, else starts one
     size = config.tensor_parallel_size * config.pipeline_parallel_size
@@ -80,7 +79,8 @@ def start_ray_ranks(config: EngineConfig, device: torch.device) -> tuple[str, in
         actor = RankActor.options(scheduling_strategy=strategy, num_cpus=bundle["CPU"],
                                   num_gpus=bundle.get("GPU", 0)).remote()  # fmt: skip
         rank_device = "cuda" if device.type == "cuda" else "cpu"  # an actor sees its one GPU as cuda:0
-        handles.append(RayRank(actor, actor.start.remote(WorkerArgs(config, rank_device, rank, host, port, threads))))
+        args = WorkerArgs(config, rank_device, rank, host, port, threads)
+        handles.append(RayRank(actor, actor.start.remote(worker, args)))
     return host, port, handles, lambda: remove_placement_group(group)
 
 

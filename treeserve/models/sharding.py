@@ -1,132 +1,40 @@
-"""Tensor parallelism: the collectives of one model's ranks, and how its checkpoint splits k ways.
+"""How a model's checkpoint and config split over tensor- and pipeline-parallel ranks.
 
-Owns `RankGroup` (ranks that meet in collectives: a process group of their own, built from a
-TCP store, so a process may hold several models at different sizes: gloo on a CPU, NCCL on
-CUDA), `Placement` (where a rank of tensor_parallel_size x pipeline_parallel_size sits: its
-stage's tensor-parallel group and its shard's pipeline group) and the split (Megatron's), for
-rank r of k:
+Owns the split (Megatron's), for rank r of k:
 
 - qkv_proj, gate_up_proj: column-parallel, each fused part (q, k, v; gate, up) cut into k
   slices of whole heads (q: num_heads / k, k and v: num_kv_heads / k) or intermediate rows;
 - o_proj, down_proj: row-parallel (the rank's input columns), bias on rank 0 only; their
-  outputs are all-reduced (`RankGroup.all_reduce`), once per block;
+  outputs are all-reduced (`distributed/groups.py::RankGroup.all_reduce`), once per block;
 - embed_tokens: vocab-parallel (rows [r V/k, (r+1) V/k)); ids outside the slice look up
-  zeros, and the sum over ranks is the row;
+  zeros, and the sum over ranks is the row (`layers/embedding.py::vocab_parallel_lookup`);
 - lm_head (or the tied table): vocab-parallel; logits are gathered along the vocabulary;
 - norms and q/k norms: replicated.
 
 A GGUF file's quantised matrices (`QuantTensor`) split the same way in their blocks, a rank's
 bytes the file's: whole rows, or whole blocks of each row's input columns (`check_whole_blocks`
-refuses a size that would cut one).
+refuses a size that would cut one). Pipeline stages hold contiguous layers (`stage_config`,
+`stage_name`).
 
 KV heads are split with q's, so each rank's arena holds its heads. `shard_config` gives a
 rank's config (heads, KV heads and intermediate size divided); the vocabulary stays whole in
 the config (requests are checked against it) and the two tables take `vocab_size // k` rows.
+It computes shapes and slices only: the process groups the ranks meet in are `distributed/`'s.
 """
 
 from __future__ import annotations
 
-import datetime
-import time
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
 
 import torch
-import torch.distributed as dist
 
 from treeserve.layers.quant import QuantTensor
-
-if TYPE_CHECKING:
-    from treeserve.models.llama import LlamaConfig
+from treeserve.models.config import ModelConfig
 
 ROW_PARALLEL = ("o_proj", "down_proj")  # split along their input; everything else fused is split along its output
 
 
-@dataclass
-class RankGroup:
-    """Ranks that meet in collectives: a pipeline stage's tensor shards, or a shard's stages."""
-
-    rank: int  # this rank's index in the group
-    size: int
-    group: Any  # a torch.distributed ProcessGroup (gloo or NCCL)
-    wait_s: float = 0.0  # seconds this rank spent in collectives and receives (waiting included)
-
-    @classmethod
-    def join(cls, store: Any, name: str, rank: int, size: int, device: torch.device, timeout_s: float) -> RankGroup:
-        """Rank `rank` of group `name`'s `size` ranks, met through `store`; a collective that waits
-        longer than `timeout_s` (a rank died or hangs) raises."""
-        timeout, store = datetime.timedelta(seconds=timeout_s), dist.PrefixStore(name, store)
-        if device.type == "cuda":  # unmeasured: this workplace lends one GPU at a time
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            return cls(rank, size, dist.ProcessGroupNCCL(store, rank, size, options))
-        return cls(rank, size, dist.ProcessGroupGloo(store, rank, size, timeout))
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum over ranks, in place (bf16 and fp16 summed in fp32 and rounded once)."""
-        wide = x if x.dtype == torch.float32 or x.device.type == "cuda" else x.float()
-        self._wait(self.group.allreduce([wide]))
-        if wide is not x:
-            x.copy_(wide)
-        return x
-
-    def gather_vocab(self, x: torch.Tensor) -> torch.Tensor:
-        """[rows, V/k] per rank -> [rows, V], the ranks' slices in rank order."""
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        self._wait(self.group.allgather([parts], [x]))
-        return torch.cat(parts, dim=-1)
-
-    def isend(self, x: torch.Tensor, dst: int) -> Any:
-        """Start sending `x` to rank `dst` (a pipeline stage's activations); wait() on the result."""
-        return self.group.send([x.contiguous()], dst, 0)
-
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, device: torch.device) -> torch.Tensor:
-        out = torch.empty(shape, dtype=dtype, device=device)
-        self._wait(self.group.recv([out], src, 0))
-        return out
-
-    def _wait(self, work: Any) -> None:
-        start = time.perf_counter()
-        work.wait()
-        self.wait_s += time.perf_counter() - start
-
-
-@dataclass
-class Placement:
-    """Where global rank `rank` of tp_size x pp_size sits (vLLM's order: a stage's shards are
-    consecutive ranks), and the groups it meets its peers in."""
-
-    rank: int
-    tp_size: int
-    pp_size: int
-    tp: RankGroup | None = None  # its stage's tensor shards (None at tp_size 1)
-    pp: RankGroup | None = None  # its shard's pipeline stages (None at pp_size 1)
-
-    @property
-    def tp_rank(self) -> int:
-        return self.rank % self.tp_size
-
-    @property
-    def pp_rank(self) -> int:
-        return self.rank // self.tp_size
-
-    def connect(self, host: str, port: int, device: torch.device, timeout_s: float) -> Placement:
-        """Join both groups through the TCP store at host:port (rank 0 hosts it); returns self."""
-        size = self.tp_size * self.pp_size
-        store = dist.TCPStore(host, port, size, is_master=self.rank == 0, timeout=datetime.timedelta(seconds=timeout_s))
-        if self.tp_size > 1:  # every rank joins its stage's group first: no rank waits on a later join
-            self.tp = RankGroup.join(store, f"tp{self.pp_rank}", self.tp_rank, self.tp_size, device, timeout_s)
-        if self.pp_size > 1:
-            self.pp = RankGroup.join(store, f"pp{self.tp_rank}", self.pp_rank, self.pp_size, device, timeout_s)
-        return self
-
-    @property
-    def wait_s(self) -> float:
-        return sum(g.wait_s for g in (self.tp, self.pp) if g is not None)
-
-
-def check_divisible(cfg: LlamaConfig, size: int, vocab_size: int) -> None:
+def check_divisible(cfg: ModelConfig, size: int, vocab_size: int) -> None:
     """Refuse a split that does not come out whole, naming the numbers (before any weight loads).
     Fewer KV heads than ranks are replicated (vLLM's rule) when the ranks are a multiple of them."""
     counts = {"attention heads": cfg.num_heads, "intermediate size": cfg.intermediate_size, "vocabulary": vocab_size}
@@ -142,7 +50,7 @@ def kv_head_of(rank: int, size: int, num_kv_heads: int) -> int | None:
     return rank * num_kv_heads // size if num_kv_heads < size else None
 
 
-def shard_config(cfg: LlamaConfig, rank: int, size: int) -> LlamaConfig:
+def shard_config(cfg: ModelConfig, rank: int, size: int) -> ModelConfig:
     """Rank `rank`'s config: its heads, KV heads and intermediate rows (vocabulary whole)."""
     if size == 1:
         return cfg
@@ -160,13 +68,13 @@ def stage_layers(num_layers: int, rank: int, size: int) -> tuple[int, int]:
     return sum(counts[:rank]), counts[rank]
 
 
-def check_stages(cfg: LlamaConfig, size: int) -> None:
+def check_stages(cfg: ModelConfig, size: int) -> None:
     """Refuse more pipeline stages than layers (before any weight loads)."""
     if cfg.num_layers < size:
         raise ValueError(f"pipeline_parallel_size={size} is more than the model's {cfg.num_layers} layers")
 
 
-def stage_config(cfg: LlamaConfig, rank: int, size: int) -> LlamaConfig:
+def stage_config(cfg: ModelConfig, rank: int, size: int) -> ModelConfig:
     """Stage `rank`'s config: its layers (num_layers, layer_windows) and where they start."""
     if size == 1:
         return cfg
@@ -176,7 +84,7 @@ def stage_config(cfg: LlamaConfig, rank: int, size: int) -> LlamaConfig:
                    pp_size=size, first_layer=first)  # fmt: skip
 
 
-def stage_name(name: str, cfg: LlamaConfig) -> str | None:
+def stage_name(name: str, cfg: ModelConfig) -> str | None:
     """A checkpoint tensor's local name on `cfg`'s pipeline stage (its layer renumbered), or None
     when the stage does not hold it."""
     if cfg.pp_size == 1:
@@ -189,7 +97,7 @@ def stage_name(name: str, cfg: LlamaConfig) -> str | None:
 
 
 def shard_tensor(name: str, tensor: torch.Tensor | QuantTensor, part: str | None,
-                 cfg: LlamaConfig) -> torch.Tensor | QuantTensor:  # fmt: skip
+                 cfg: ModelConfig) -> torch.Tensor | QuantTensor:  # fmt: skip
     """Rank `cfg.tp_rank`'s slice of checkpoint tensor `name` (a fused module's `part`, or whole);
     a quantised one's whole rows, or whole blocks of its rows (its bytes the file's)."""
     rank, size = cfg.tp_rank, cfg.tp_size
@@ -233,13 +141,3 @@ def check_whole_blocks(blocks: dict[str, tuple[int, str, int]], size: int) -> No
         raise ValueError(f"tensor_parallel_size={size} would cut quantised blocks: {'; '.join(bad)} (a rank "
                          "multiplies whole blocks of its input columns; load dense with dequantize=True, or use "
                          "another size)")  # fmt: skip
-
-
-def vocab_parallel_lookup(lookup: Any, ids: torch.Tensor, table: Any, rows: int, tp: RankGroup) -> torch.Tensor:
-    """Rows of a table split by vocabulary (`rows` of them here): this rank's rows, zeros
-    elsewhere, summed over ranks."""
-    local = ids - tp.rank * rows
-    outside = (local < 0) | (local >= rows)
-    out = lookup(local.clamp(0, rows - 1), table)
-    out[outside] = 0
-    return tp.all_reduce(out)

@@ -1,0 +1,103 @@
+"""The process groups a parallel model's ranks meet in, and where each rank sits.
+
+Owns `RankGroup` (ranks that meet in collectives: a process group of their own, built from a
+TCP store, so a process may hold several models at different sizes: gloo on a CPU, NCCL on
+CUDA) and `Placement` (where a rank of tensor_parallel_size x pipeline_parallel_size sits: its
+stage's tensor-parallel group and its shard's pipeline group). The layers call a group's
+collectives (`all_reduce`, `gather_vocab`, sends); how a checkpoint splits is
+`models/sharding.py`'s. Nothing here knows about models, requests or engines.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class RankGroup:
+    """Ranks that meet in collectives: a pipeline stage's tensor shards, or a shard's stages."""
+
+    rank: int  # this rank's index in the group
+    size: int
+    group: Any  # a torch.distributed ProcessGroup (gloo or NCCL)
+    wait_s: float = 0.0  # seconds this rank spent in collectives and receives (waiting included)
+
+    @classmethod
+    def join(cls, store: Any, name: str, rank: int, size: int, device: torch.device, timeout_s: float) -> RankGroup:
+        """Rank `rank` of group `name`'s `size` ranks, met through `store`; a collective that waits
+        longer than `timeout_s` (a rank died or hangs) raises."""
+        timeout, store = datetime.timedelta(seconds=timeout_s), dist.PrefixStore(name, store)
+        if device.type == "cuda":  # unmeasured: this workplace lends one GPU at a time
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            return cls(rank, size, dist.ProcessGroupNCCL(store, rank, size, options))
+        return cls(rank, size, dist.ProcessGroupGloo(store, rank, size, timeout))
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks, in place (bf16 and fp16 summed in fp32 and rounded once)."""
+        wide = x if x.dtype == torch.float32 or x.device.type == "cuda" else x.float()
+        self._wait(self.group.allreduce([wide]))
+        if wide is not x:
+            x.copy_(wide)
+        return x
+
+    def gather_vocab(self, x: torch.Tensor) -> torch.Tensor:
+        """[rows, V/k] per rank -> [rows, V], the ranks' slices in rank order."""
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self._wait(self.group.allgather([parts], [x]))
+        return torch.cat(parts, dim=-1)
+
+    def isend(self, x: torch.Tensor, dst: int) -> Any:
+        """Start sending `x` to rank `dst` (a pipeline stage's activations); wait() on the result."""
+        return self.group.send([x.contiguous()], dst, 0)
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, device: torch.device) -> torch.Tensor:
+        out = torch.empty(shape, dtype=dtype, device=device)
+        self._wait(self.group.recv([out], src, 0))
+        return out
+
+    def _wait(self, work: Any) -> None:
+        start = time.perf_counter()
+        work.wait()
+        self.wait_s += time.perf_counter() - start
+
+
+@dataclass
+class Placement:
+    """Where global rank `rank` of tp_size x pp_size sits (vLLM's order: a stage's shards are
+    consecutive ranks), and the groups it meets its peers in."""
+
+    rank: int
+    tp_size: int
+    pp_size: int
+    tp: RankGroup | None = None  # its stage's tensor shards (None at tp_size 1)
+    pp: RankGroup | None = None  # its shard's pipeline stages (None at pp_size 1)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.tp_size
+
+    def connect(self, host: str, port: int, device: torch.device, timeout_s: float) -> Placement:
+        """Join both groups through the TCP store at host:port (rank 0 hosts it); returns self."""
+        size = self.tp_size * self.pp_size
+        store = dist.TCPStore(host, port, size, is_master=self.rank == 0, timeout=datetime.timedelta(seconds=timeout_s))
+        if self.tp_size > 1:  # every rank joins its stage's group first: no rank waits on a later join
+            self.tp = RankGroup.join(store, f"tp{self.pp_rank}", self.tp_rank, self.tp_size, device, timeout_s)
+        if self.pp_size > 1:
+            self.pp = RankGroup.join(store, f"pp{self.tp_rank}", self.pp_rank, self.pp_size, device, timeout_s)
+        return self
+
+    @property
+    def wait_s(self) -> float:
+        return sum(g.wait_s for g in (self.tp, self.pp) if g is not None)
