@@ -1,4 +1,4 @@
-"""Engine settings: which model, which dtype, how much KV memory, how big a batch.
+"""Engine settings: which model, which dtype, how much KV memory, how big a batch, how to speculate.
 
 Owns validation of engine-level settings (clear `ValueError`s before anything loads).
 The memory budget is resolved to a page count in `kv/arena.py`, not here.
@@ -7,6 +7,7 @@ The memory budget is resolved to a page count in `kv/arena.py`, not here.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -14,7 +15,6 @@ from dataclasses import dataclass
 import torch
 
 from treeserve.device import resolve_attention_backend, resolve_device
-from treeserve.engine.speculative import SpeculativeConfig
 from treeserve.layers.quant import ACTIVATIONS, kernels_available
 from treeserve.models.gguf_loader import GGUFCheckpoint, is_gguf
 from treeserve.models.loader import QUANTIZATIONS
@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 DEFAULT_KV_CAP = 1 << 30
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXECUTOR_BACKENDS = ("mp", "ray")  # how a parallel engine starts its other ranks (vLLM's names)
+SPECULATIVE_METHODS = ("ngram", "tree", "model")  # where drafts come from (engine/speculative/)
 
 
 def check_model_path(path: str, name: str = "model") -> None:
@@ -79,8 +80,8 @@ def check_parallel(model: str, device: str, tp: int, pp: int, quantization: str 
         raise ValueError("distributed_executor_backend='ray' needs Ray: pip install 'treeserve[ray]'")
     if speculating:
         raise ValueError(f"speculative decoding runs on one rank: it is not supported at {sizes}")
-    from treeserve.layers.parallel import check_divisible, check_stages, check_whole_blocks
     from treeserve.models.loader import read_model_config
+    from treeserve.models.sharding import check_divisible, check_stages, check_whole_blocks
 
     config = read_model_config(model)
     if tp > 1:
@@ -95,6 +96,88 @@ def check_parallel(model: str, device: str, tp: int, pp: int, quantization: str 
     if tp > 1 and quantization == "gguf":  # a rank's blocks are the file's: row-parallel inputs split whole blocks
         check_whole_blocks(GGUFCheckpoint(model).quantized_blocks(), tp)
     check_stages(config, pp)
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's `speculative_config` keys: `method` (ngram | tree | model; a `model` path alone
+    means a draft model), `num_speculative_tokens` (k, the most drafted per step),
+    `prompt_lookup_min` / `prompt_lookup_max` (n-gram lengths the lookups match),
+    `disable_by_batch_size` (no drafting in steps with more running sequences)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    model: str | None = None
+    # no drafts in a step with more running sequences than this (vLLM v0's key): a large batch
+    # is compute-bound on a CPU, so verifying drafts costs about what decoding them would
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def parse(cls, value: dict | str | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """From a dict (or its JSON text); raises ValueError naming what is wrong."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
+                 "disable_by_batch_size"}  # fmt: skip
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; it takes {sorted(known)}")
+        method = value.get("method", "model" if value.get("model") else None)
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method must be one of {list(SPECULATIVE_METHODS)}, got {method!r}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config needs num_speculative_tokens (k, the tokens drafted per step)")
+        config = cls(method=method, **{k: v for k, v in value.items() if k != "method"})
+        config.check()
+        return config
+
+    def check(self) -> None:
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)) or not 1 <= lo <= hi:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r} and {hi!r}")
+        limit = self.disable_by_batch_size
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+            raise ValueError(f"disable_by_batch_size must be an integer >= 1 or None, got {limit!r}")
+        if self.method == "model":
+            if not self.model:
+                raise ValueError("speculative_config method 'model' needs model: a draft model's checkpoint")
+            if not os.path.isfile(os.path.join(self.model, "config.json")):
+                raise FileNotFoundError(f"draft model directory has no config.json: {self.model!r}")
+        elif self.model:
+            raise ValueError(f"speculative_config method {self.method!r} takes no model")
+
+    def check_draft(self, target: str) -> None:
+        """Before anything loads: a draft model must have the target's vocabulary (config.json;
+        a GGUF target is checked when the draft loads)."""
+        if self.method != "model":
+            return
+        draft, mine = _vocab_size(self.model), _vocab_size(target)
+        if mine is not None and draft != mine:
+            raise ValueError(
+                f"draft model {self.model!r} has a vocabulary of {draft} tokens, the target {mine}: "
+                "a draft must share the target's tokenizer"
+            )
+
+
+def _vocab_size(path: str) -> int | None:
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        return None
+    with open(config_path) as f:
+        config = json.load(f)
+    return config.get("vocab_size", config.get("text_config", {}).get("vocab_size"))
 
 
 @dataclass
@@ -131,13 +214,13 @@ class EngineConfig:
     # Speculative decoding drafts from the last token, so it steps without overlap.
     async_scheduling: bool | None = None
     # tensor and pipeline parallelism (vLLM's names): the model split over this many ranks, rank 0
-    # here and the others in processes the engine starts (layers/parallel.py, engine/ranks.py); a
+    # here and the others in processes the engine starts (models/sharding.py, distributed/); a
     # rank that does not answer within parallel_timeout_s (it died or hangs) fails the requests
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     parallel_timeout_s: float = 60.0
     # how ranks 1..k-1 start: "mp" (processes on this host) or "ray" (actors in a placement group
-    # of the Ray cluster this process joins: other hosts too; engine/ray_ranks.py)
+    # of the Ray cluster this process joins: other hosts too; distributed/ray_ranks.py)
     distributed_executor_backend: str = "mp"
     # CUDA graphs for decode-only steps (engine/cuda_graphs.py), on by default on CUDA with the
     # Triton backend; enforce_eager=True (vLLM's name) runs every step eagerly. cuda_graph_sizes:
