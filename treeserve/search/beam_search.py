@@ -12,8 +12,9 @@ iteration, whose beams are not ranked); the beam keeps only its sampled step.
 
 from __future__ import annotations
 
-from treeserve.search.context import Beam, Problem, SearchContext, aggregate, gather_or_cancel
+from treeserve.search.context import SearchContext, gather_or_cancel
 from treeserve.search.trace import DUPLICATE, FINISHED, KEPT, PRUNED
+from treeserve.search.types import Beam, Problem, aggregate
 
 
 async def beam_search(ctx: SearchContext, problem: Problem) -> list[Beam]:

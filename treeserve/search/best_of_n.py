@@ -8,8 +8,9 @@ Which answer wins (naive / weighted / majority) is decided by eval/metrics from 
 
 from __future__ import annotations
 
-from treeserve.search.context import Beam, Problem, SearchContext
+from treeserve.search.context import SearchContext
 from treeserve.search.trace import FINISHED
+from treeserve.search.types import Beam, Problem
 
 
 async def sample_n(ctx: SearchContext, problem: Problem) -> list[Beam]:

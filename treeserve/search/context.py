@@ -1,5 +1,7 @@
 """What every strategy needs for one run: settings, the runtime, the PRM, caches, counters.
 
+The values strategies pass around (`Problem`, `Beam`, `Leftover`) are `types.py`'s.
+
 Also the primitives strategies are written in: `expand` (generate the next step of a
 beam, as token ids so the next prompt is exactly what was sampled), `score` (PRM scores of
 a beam's steps, through the score cache when it is on) and `score_beam` (the same for a
@@ -13,15 +15,15 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
 from treeserve.outputs import CompletionOutput
-from treeserve.runtime.runtime import Runtime, Speculation, check_constraint
+from treeserve.runtime.runtime import Runtime, check_constraint
 from treeserve.sampling_params import SamplingParams, StructuredOutputsParams
 from treeserve.search.prm.base import PRM
 from treeserve.search.score_cache import ScoreCache, prefix_keys
 from treeserve.search.seeds import lineage_seed
 from treeserve.search.trace import SearchTrace
 from treeserve.search.tree_tokens import TreeTokens
+from treeserve.search.types import STEP_STOP, Beam, Leftover, Problem
 
-STEP_STOP = "\n\n"
 STRATEGIES = ("best_of_n", "weighted_best_of_n", "majority", "beam_search", "dvts")
 # what an unset step_regex / answer_regex allows: any text without a blank line (the separator);
 # a step is not empty (an empty step would end the solution)
@@ -117,74 +119,6 @@ class SearchConfig:
         return replace(self, prefix_cache=False, score_cache=False, max_concurrent_problems=1, speculative_steps=0)
 
 
-@dataclass
-class Problem:
-    uid: str
-    question: str
-    prompt_ids: list[int]
-
-
-@dataclass
-class Beam:
-    path: tuple[int, ...]
-    step_ids: list[list[int]] = field(default_factory=list)
-    steps: list[str] = field(default_factory=list)  # decoded steps, separator removed
-    scores: list[float] = field(default_factory=list)
-    completed: bool = False
-    generated_tokens: int = 0
-    lookahead_scores: list[float] = field(default_factory=list)  # of this iteration's rollout (not inherited)
-    # speculative tree expansion: the request still decoding past this beam's last step, or
-    # the tokens it decoded there. Only copy 0 inherits them (it continues the same seed).
-    pending: Speculation | None = None
-    spec: Leftover | None = None
-    # for traces, of this beam's newest step (not inherited): decoded past the previous boundary;
-    # where its scores came from ("prm", "cache", "shared"; "" before any)
-    speculative: bool = False
-    score_source: str = ""
-
-    def child(self, copy: int) -> Beam:
-        child = Beam(self.path + (copy,), list(self.step_ids), list(self.steps), list(self.scores), self.completed,
-                     self.generated_tokens)  # fmt: skip
-        if copy == 0:
-            child.pending, child.spec = self.pending, self.spec
-        return child
-
-    def drop_speculation(self) -> None:
-        if self.pending is not None:
-            self.pending.cancel()
-        self.pending = self.spec = None
-
-    def value(self, agg: str) -> float:
-        """What search ranks the beam by: its step scores, continued by its rollout's, aggregated."""
-        return aggregate(self.scores + self.lookahead_scores, agg)
-
-    @property
-    def text(self) -> str:
-        return "".join(STEP_STOP + s if i else s for i, s in enumerate(self.steps))
-
-
-@dataclass
-class Leftover:
-    """Tokens decoded past a step boundary, with the (relative) token offsets of later stops."""
-
-    tokens: list[int]
-    stops: list[int]
-    ended_by_eos: bool
-
-    def next_step(self, max_tokens: int) -> tuple[list[int], bool, Leftover | None] | None:
-        """(step tokens, step ends the solution, what is left) exactly as a fresh request with the
-        same seed would produce, or None when the leftover cannot tell."""
-        if self.stops and self.stops[0] <= max_tokens:
-            cut = self.stops[0]
-            rest = Leftover(self.tokens[cut:], [t - cut for t in self.stops[1:]], self.ended_by_eos)
-            return self.tokens[:cut], False, rest
-        if self.ended_by_eos and len(self.tokens) <= max_tokens:
-            return self.tokens, True, None
-        if len(self.tokens) >= max_tokens:
-            return self.tokens[:max_tokens], True, None  # a fresh request would stop on length
-        return None
-
-
 async def gather_or_cancel(*aws: Awaitable) -> list:
     """`asyncio.gather`, except that when one fails the others are cancelled (their engine
     requests aborted) before the error propagates: a failed engine step ends the whole search
@@ -197,19 +131,6 @@ async def gather_or_cancel(*aws: Awaitable) -> list:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
-
-
-def aggregate(scores: list[float], agg: str) -> float:
-    if not scores:
-        return 0.0
-    if agg == "last":
-        return scores[-1]
-    if agg == "min":
-        return min(scores)
-    product = 1.0
-    for s in scores:
-        product *= s
-    return product
 
 
 @dataclass
@@ -319,26 +240,26 @@ class SearchContext:
             c = out.outputs[0]
             self.generated_tokens += len(c.token_ids)
             first = c.stop_offsets[0][0]
-            beam.spec = Leftover(list(c.token_ids[first:]), [t - first for t, _ in c.stop_offsets[1:]],
+            beam.leftover = Leftover(list(c.token_ids[first:]), [t - first for t, _ in c.stop_offsets[1:]],
                                  c.finish_reason == "stop" and c.stop_reason is None)  # fmt: skip
             beam.pending = None
-        taken = beam.spec.next_step(limit) if beam.spec is not None else None
+        taken = beam.leftover.next_step(limit) if beam.leftover is not None else None
         if taken is not None:
             tokens, ends, rest = taken
             child = self._grow(beam, 0, tokens, ends)
-            child.spec, child.speculative = rest, True
+            child.leftover, child.speculative = rest, True
             return child
         params.n_stop_occurrences = 1 + self.config.speculative_steps
         params.max_tokens = limit * params.n_stop_occurrences
-        spec = await self.runtime.generate_speculative(
+        speculation = await self.runtime.generate_ahead(
             self.generator, {"prompt_token_ids": prompt}, params, self.draft_group(problem)
         )
-        c = (await spec.first).outputs[0]
+        c = (await speculation.first).outputs[0]
         if c.stop_offsets and c.stop_offsets[0][0] <= limit:
             child = self._grow(beam, 0, c.token_ids[: c.stop_offsets[0][0]], False)
-            child.pending = spec
+            child.pending = speculation
             return child
-        spec.cancel()  # no stop string within the step budget: this step ends the solution
+        speculation.cancel()  # no stop string within the step budget: this step ends the solution
         return self._grow(beam, 0, c.token_ids[:limit], True)
 
     async def score_beam(self, problem: Problem, beam: Beam, lookahead: bool = False) -> None:
@@ -402,7 +323,7 @@ class SearchContext:
 
     def _grow(self, beam: Beam, copy: int, tokens: list[int], ends: bool) -> Beam:
         child = beam.child(copy)
-        child.pending = child.spec = None
+        child.pending = child.leftover = None
         text = self.runtime.tokenizer(self.generator).decode(list(tokens))
         child.step_ids.append(list(tokens))
         child.steps.append(text.removesuffix(STEP_STOP))

@@ -10,8 +10,9 @@ rollout of K more steps (as in search-and-learn); the kept candidate keeps only 
 
 from __future__ import annotations
 
-from treeserve.search.context import Beam, Problem, SearchContext, gather_or_cancel
+from treeserve.search.context import SearchContext, gather_or_cancel
 from treeserve.search.trace import FINISHED, KEPT, PRUNED
+from treeserve.search.types import Beam, Problem
 
 
 async def _subtree(ctx: SearchContext, problem: Problem, index: int) -> list[Beam]:

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 from treeserve.search.beam_search import beam_search
 from treeserve.search.best_of_n import best_of_n, majority
-from treeserve.search.context import Beam, SearchContext, gather_or_cancel
+from treeserve.search.context import SearchContext, gather_or_cancel
 from treeserve.search.dvts import dvts
+from treeserve.search.types import Beam
 
 STRATEGY_FUNCTIONS = {
     "best_of_n": best_of_n,

@@ -32,10 +32,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # context.py imports this module
-    from treeserve.search.context import Beam
+from treeserve.search.types import Beam
 
 VERSION = 1
 KEPT, PRUNED, FINISHED, DUPLICATE = "kept", "pruned", "finished", "duplicate"

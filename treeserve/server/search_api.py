@@ -21,8 +21,9 @@ from collections.abc import AsyncIterator
 from treeserve.eval.grading import extract_answer
 from treeserve.eval.metrics import DEFAULT_SELECTION, SELECTIONS, ScoredCompletion, aggregate_scores, select
 from treeserve.runtime.runtime import StepFailed
-from treeserve.search.context import Beam, Problem, SearchConfig, SearchContext
+from treeserve.search.context import SearchConfig, SearchContext
 from treeserve.search.run import STRATEGY_FUNCTIONS
+from treeserve.search.types import Beam, Problem
 from treeserve.server.completions import Served
 from treeserve.server.protocol import SearchRequest, error_body, new_id, now
 
