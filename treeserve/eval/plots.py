@@ -10,6 +10,8 @@ accuracy vs N on a log2 axis, the figure of search-and-learn and "Scaling test-t
   answer rule, so separate beam-search runs at N = 4, 16, 64 form one line.
 
 Unless given a title, the figure's title names each file's headline rule (`headline_title`).
+`plot_pages` draws a run's page log; its pages panel (`draw_pages`) is also `treeserve
+profile`'s timeline (`profile_plots.py`).
 
 It uses matplotlib's object API with the Agg canvas (no pyplot, no global backend change),
 imported only when a plot is drawn. It never computes metrics itself.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from treeserve.eval.metrics import SELECTIONS
 from treeserve.eval.report import answer_rule, read_results
@@ -112,15 +115,10 @@ def plot_pages(page_logs: dict[str, list[dict]], out_png: str | Path) -> Path:
     fig = Figure(figsize=(11, 3.8))
     FigureCanvasAgg(fig)
     pages, hits = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    draw_pages(pages, page_logs, "pages over time", free="free")
     for name, rows in page_logs.items():
         t = [r["time_s"] for r in rows]
-        pages.plot(t, [r["in_use"] for r in rows], label=f"{name} in use")
-        pages.plot(t, [r["cached"] for r in rows], "--", label=f"{name} cached")
         hits.plot(t, [r["hits"] / max(r["hits"] + r["misses"], 1) for r in rows], label=name)
-    if page_logs:
-        rows = next(iter(page_logs.values()))
-        pages.plot([r["time_s"] for r in rows], [r["free"] for r in rows], ":", color="grey", label="free")
-    pages.set(title="pages over time", xlabel="seconds", ylabel="pages")
     hits.set(title="prefix-cache hit rate so far", xlabel="seconds", ylabel="hits / lookups", ylim=(-0.02, 1.02))
     for ax in (pages, hits):
         ax.grid(True, alpha=0.3)
@@ -130,3 +128,17 @@ def plot_pages(page_logs: dict[str, list[dict]], out_png: str | Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     return out
+
+
+def draw_pages(ax: Any, page_logs: dict[str, list[dict]], title: str, free: str | None) -> None:
+    """The pages panel: each model's pages in use (solid) and cached (dashed) over time, from
+    its page log's rows (`kv/stats.py`'s columns), and, labelled `free` unless it is None, the
+    free pages of the first model's pool (all models' when they share one arena)."""
+    for name, rows in page_logs.items():
+        t = [r["time_s"] for r in rows]
+        ax.plot(t, [r["in_use"] for r in rows], label=f"{name} in use")
+        ax.plot(t, [r["cached"] for r in rows], "--", label=f"{name} cached")
+    if page_logs and free is not None:
+        rows = next(iter(page_logs.values()))
+        ax.plot([r["time_s"] for r in rows], [r["free"] for r in rows], ":", color="grey", label=free)
+    ax.set(title=title, xlabel="seconds", ylabel="pages")

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from treeserve.eval.plots import draw_pages
+
 
 def _figure(ncols: int, width: float = 5.0):  # noqa: ANN202
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -25,15 +27,8 @@ def _figure(ncols: int, width: float = 5.0):  # noqa: ANN202
 
 def plot_timeline(timelines: dict[str, dict], out: Path) -> Path:
     fig, axes = _figure(max(len(timelines), 1), 6.0)
-    for ax, (label, logs) in zip(axes, timelines.items(), strict=False):
-        for name, rows in logs.items():
-            t = [r["time_s"] for r in rows]
-            ax.plot(t, [r["in_use"] for r in rows], label=f"{name} in use")
-            ax.plot(t, [r["cached"] for r in rows], "--", label=f"{name} cached")
-        first = next(iter(logs.values()))
-        if label == "shared":
-            ax.plot([r["time_s"] for r in first], [r["free"] for r in first], ":", color="grey", label="free (shared)")
-        ax.set(title=f"pages over time: {label}", xlabel="seconds", ylabel="pages")
+    for ax, (label, logs) in zip(axes, timelines.items(), strict=False):  # a static split's pools: no one free count
+        draw_pages(ax, logs, f"pages over time: {label}", free="free (shared)" if label == "shared" else None)
         ax.legend(fontsize=7)
     return _save(fig, out / "timeline.png")
 
