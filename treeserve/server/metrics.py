@@ -40,9 +40,10 @@ def engine_stats(runtime: Runtime) -> dict[str, dict[str, float]]:
             "kv_thrash": blocks.thrash,
         }
         if engine.speculator is not None:
-            spec = engine.speculator.stats
-            values |= {"spec_decode_num_drafts": spec.num_drafts, "spec_decode_num_draft_tokens":
-                       spec.num_draft_tokens, "spec_decode_num_accepted_tokens": spec.num_accepted_tokens}  # fmt: skip
+            drafts = engine.speculator.stats  # under vLLM's metric names
+            values |= {"spec_decode_num_drafts": drafts.num_drafts,
+                       "spec_decode_num_draft_tokens": drafts.num_draft_tokens,
+                       "spec_decode_num_accepted_tokens": drafts.num_accepted_tokens}  # fmt: skip
         stats[name] = values
     return stats
 
