@@ -1,0 +1,46 @@
+"""What every model of a search runtime shares: dtype, device, attention kernels, memory budget.
+
+Owns `RuntimeSettings` and loading a generator and a PRM (each a `ModelSettings`) with them:
+`check` refuses bad values for the runtime and both models before any weight loads; `load`
+builds the `Runtime` (`Runtime.for_search`). `EvalSettings` and `ServerSettings` hold one
+beside their generator's and PRM's settings. Per-model settings never live here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from treeserve.device import resolve_attention_backend, resolve_device
+from treeserve.runtime.model_settings import ModelSettings
+from treeserve.runtime.runtime import Runtime
+
+
+@dataclass
+class RuntimeSettings:
+    dtype: str = "bfloat16"
+    device: str | None = None  # None: cuda when torch sees a GPU, else cpu
+    attention_backend: str | None = None  # None: the device's default (triton on CUDA, cpu on a CPU)
+    kv_cache_memory: int | None = None  # bytes for both models' KV pages (1 GiB when no budget below is given)
+    memory_budget: int | None = None  # bytes for weights + activations + KV (see runtime/planner.py)
+    memory_fraction: float | None = None  # of the memory free at start, for everything
+
+    def check(self, generator: ModelSettings, prm: ModelSettings | None) -> None:
+        """Resolve the device and backend (so results record what ran) and check both models on it."""
+        self.device = resolve_device(self.device)
+        self.attention_backend = resolve_attention_backend(self.attention_backend, self.device)
+        generator.check("generator", self.device)
+        if generator.kv_fraction is not None:
+            raise ValueError("a static KV split is given as the PRM's share (prm kv_fraction); the generator gets "
+                             "the rest")  # fmt: skip
+        if prm is not None:
+            prm.check("prm", self.device)
+
+    def load(self, generator: ModelSettings, prm: ModelSettings | None, **load_kwargs: object) -> Runtime:
+        """The generator (engine "generator") and, when given, the PRM (engine "prm") in one runtime."""
+        engine_args = {"generator": generator.engine_args()} | ({"prm": prm.engine_args()} if prm else {})
+        return Runtime.for_search(
+            str(generator.path), str(prm.path) if prm else None, self.kv_cache_memory,
+            prm.kv_fraction if prm else None, engine_args,
+            dtype=self.dtype, memory_budget=self.memory_budget, memory_fraction=self.memory_fraction,
+            device=self.device, attention_backend=self.attention_backend, **load_kwargs,
+        )  # fmt: skip
