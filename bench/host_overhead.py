@@ -152,10 +152,15 @@ def op_count(engine, count: int) -> float:  # noqa: ANN001 - an LLMEngine
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     for i, p in enumerate(prompts(count)):
         engine.add_request(f"ops{i}", {"prompt_token_ids": p}, params)
-    sync = {"overlap": False} if hasattr(engine, "async_scheduling") else {}
-    engine.step(**sync)  # prefill
+    if hasattr(engine, "step_plain"):  # one step read back in the call (the loop chosen at start-up aside)
+        step = engine.step_plain
+    elif hasattr(engine, "async_scheduling"):  # a checkout before step_plain
+        step = lambda: engine.step(overlap=False)  # noqa: E731
+    else:
+        step = engine.step
+    step()  # prefill
     with torch.inference_mode(), Counting():
-        engine.step(**sync)
+        step()
     while engine.has_unfinished_requests():
         engine.step()
     return Counting.ops
@@ -190,12 +195,14 @@ def child_decode(engine_name: str, count: int) -> dict:
 def child_beam(engine_name: str, count: int) -> dict:
     from treeserve.eval.runner import EvalSettings, run_eval
     from treeserve.runtime import runtime as runtime_module
+    from treeserve.runtime.runtime_settings import RuntimeSettings
     from treeserve.search.context import SearchConfig
 
     problems = max(1, count // 16)
-    settings = EvalSettings(dataset=f"arith:level=4,5,size={2 * problems},seed=0", dtype="float32", progress=False)
+    settings = EvalSettings(dataset=f"arith:level=4,5,size={2 * problems},seed=0", progress=False,
+                            runtime=RuntimeSettings(dtype="float32"))
     if engine_name != "treeserve-old":
-        settings.async_scheduling = engine_name == "treeserve-overlap"
+        settings.generator.async_scheduling = settings.prm.async_scheduling = engine_name == "treeserve-overlap"
     settings.check()
     config = SearchConfig(strategy="beam_search", n=16, num_iterations=6, max_concurrent_problems=problems)
     timers, rows = Timers(), count_schedule([])

@@ -110,6 +110,7 @@ class InputBatch:
         sample_at: list[int] = []
         sample_index: list[int] = []
         sample_pos: list[int] = []
+        special: list[int] = []  # sample rows with logprobs, a constraint or logit edits
         score_rows: list[int] = []
         score_ids: list[list[int]] = []
         want_states = False
@@ -162,14 +163,23 @@ class InputBatch:
             elif own_end == len(ids) + seq.num_pending:  # its last token is computed: sample the next
                 last = at + own_end - start - 1
                 forks = seq.pending_forks  # forked when the token arrives
+                if request.host_rows:
+                    special.append(len(samples))
                 samples.append(SampleRow(seq, forks=forks))
-                samples += [SampleRow(seq, fork=f) for f in range(1, forks + 1)]
-                sample_at += [last] * (forks + 1)
+                sample_at.append(last)
                 sample_index.append(seq.index)
-                sample_index += range(1, forks + 1)
-                sample_pos += [own_end] * (forks + 1)
+                sample_pos.append(own_end)
+                if forks:
+                    if request.host_rows:
+                        special += range(len(samples), len(samples) + forks)
+                    samples += [SampleRow(seq, fork=f) for f in range(1, forks + 1)]
+                    sample_at += [last] * forks
+                    sample_index += range(1, forks + 1)
+                    sample_pos += [own_end] * forks
                 if draft:  # the target's token after each drafted one
                     step.drafts[seq.seq_id] = draft
+                    if request.host_rows:
+                        special += range(len(samples), len(samples) + len(draft))
                     samples += [SampleRow(seq, draft_position=j) for j in range(1, len(draft) + 1)]
                     sample_at += range(last + 1, last + 1 + len(draft))
                     sample_index += [seq.index] * len(draft)
@@ -193,7 +203,7 @@ class InputBatch:
             plan.twins = np.array(groups, dtype=np.int64)
         if sample_at:
             sample_rows = [r.seq.row for r in samples]
-            plan.sample = self._sampling(step, sample_at, sample_rows, sample_index, sample_pos)
+            plan.sample = self._sampling(step, sample_at, sample_rows, sample_index, sample_pos, special)
         if score_rows:
             k = max(len(ids) for ids in score_ids)
             ids = torch.tensor([list(ids) + [0] * (k - len(ids)) for ids in score_ids], dtype=torch.long)
@@ -226,15 +236,15 @@ class InputBatch:
         return plans
 
     def _sampling(self, step: PreparedStep, at: list[int], rows: list[int], index: list[int],
-                  positions: list[int]) -> SamplePlan:  # fmt: skip
+                  positions: list[int], special: list[int]) -> SamplePlan:  # fmt: skip
         rows_ = np.array(rows, dtype=np.int64)
         uniform = seeded_uniforms(self.seed[rows_], np.array(index), np.array(positions))
         params = SamplingBatch(self.temperature[rows_], self.top_p[rows_], self.top_k[rows_], self.min_p[rows_],
                                uniform)  # fmt: skip
         plan = SamplePlan(as_tensor(at), params)
         guides = []
-        for i, row in enumerate(step.samples):
-            seq = row.seq
+        for i in special:
+            seq = step.samples[i].seq
             p = seq.request.params
             if seq.logprobs is not None:
                 plan.logprob_rows.append(i)

@@ -236,6 +236,9 @@ class LLMEngine:
             arrival=next(self._arrivals),
             stream=stream,
             draft_group=draft_group,
+            host_rows=sampling is not None and (
+                sampling.logprobs is not None or sampling.structured_outputs is not None or sampling.adjusts_logits
+            ),
         )
         detok = None
         if sampling is not None:

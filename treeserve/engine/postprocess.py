@@ -50,6 +50,7 @@ class Postprocessor:
         self.speculator = speculator
         self.max_model_len = max_model_len
         self.num_generated_tokens = 0
+        self._ended: dict[str, Request] = {}  # requests with a sequence that ended in the step being read
 
     def launched(self, step: PreparedStep) -> None:
         """`step` is on its way to the device: what it computes counts as computed (drafted tokens
@@ -78,8 +79,9 @@ class Postprocessor:
                 seq.num_pending -= 1
 
     def read(self, step: PreparedStep, result: StepResult) -> list[Request]:
-        """Apply `result` to the live sequences of `step`; the requests it touched."""
-        touched: dict[str, Request] = {}
+        """Apply `result` to the live sequences of `step`; the requests with an output to emit:
+        streams it touched, and those a sequence of which ended in it."""
+        touched = self._ended = {}
         block_size = self.blocks.block_size
         keyed = self.blocks.enable_prefix_caching
         for item in step.batch:
@@ -89,7 +91,8 @@ class Postprocessor:
             computed = item.start + item.num_tokens - len(item.draft)
             if keyed and computed // block_size > len(seq.block_hashes):  # it completed a block
                 self.blocks.commit_full_blocks(seq.block_table, seq.block_hashes, seq.token_ids, computed)
-            touched[seq.request.request_id] = seq.request
+            if seq.request.stream:
+                touched[seq.request.request_id] = seq.request
         if step.scoring:
             self._scores(step, result)
         for read, lp in zip(step.prompt_reads, result.prompt_logprobs, strict=True):
@@ -116,7 +119,7 @@ class Postprocessor:
             seq = item.seq
             if seq.request.score is not None and not seq.is_finished and item.end == len(seq.token_ids):
                 seq.finish_reason = "stop"
-                self.scheduler.finish(seq)
+                self._end(seq)
 
     def _samples(self, step: PreparedStep, result: StepResult) -> None:
         logprobs = result.logprobs.host() if result.logprobs is not None else None
@@ -135,14 +138,15 @@ class Postprocessor:
                 if seq.status == SeqStatus.FINISHED:
                     continue  # aborted, or ended by a token before this one: this one is void
                 seq.num_pending -= 1
-                for fork in range(1, row.forks + 1):  # made at the parent's state before this token
-                    forks[(seq.seq_id, fork)] = self._fork(seq, fork)
+                if row.forks:  # made at the parent's state before this token
+                    for fork in range(1, row.forks + 1):
+                        forks[(seq.seq_id, fork)] = self._fork(seq, fork)
                 draft = step.drafts.get(seq.seq_id) if step.drafts else None
             if draft is not None:
                 check = verifying.setdefault(seq.seq_id, Verification(seq, len(draft)))
                 if not check.going:
                     continue  # an earlier position of this draft was rejected: this row is void
-            going = self._append(seq, token, logprobs, logprob_row.get(r, -1))
+            going = self._append(seq, token, logprobs, logprob_row.get(r, -1) if logprobs else -1)
             if draft is not None:
                 position = row.draft_position
                 matched = position < len(draft) and token == draft[position]
@@ -174,7 +178,7 @@ class Postprocessor:
         """Add a sampled token to `seq` and apply the stop rules; False when the sequence ended."""
         if seq.guide is not None and not seq.guide.advance(token):
             seq.finish_reason, seq.stop_reason = "abort", None  # the constraint library contradicted itself
-            self.scheduler.finish(seq)
+            self._end(seq)
             return False
         seq.token_ids.append(token)
         self.num_generated_tokens += 1
@@ -186,9 +190,14 @@ class Postprocessor:
             result = ("length", None)
         if result is not None:
             seq.finish_reason, seq.stop_reason = result
-            self.scheduler.finish(seq)
+            self._end(seq)
             return False
         return True
+
+    def _end(self, seq: Sequence) -> None:
+        """`seq` ended in the step being read: its pages go back, its request has an output."""
+        self.scheduler.finish(seq)
+        self._ended[seq.request.request_id] = seq.request
 
     def logprob_entry(self, token: int, lp: HostLogprobs, i: int, k: int) -> dict[int, Logprob]:
         """vLLM's shape: the actual token first, then the top k (the actual one may be among them)."""

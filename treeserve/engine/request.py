@@ -138,6 +138,8 @@ class Request:
     arrival: int
     stream: bool = False  # emit an output after every step, not only at the end
     draft_group: str | None = None  # speculative `tree` drafting: requests that draft from each other
+    # its sampled rows need work on the host: logprobs returned, a constraint, or logit edits
+    host_rows: bool = False
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0
     # with SamplingParams.prompt_logprobs: one entry per prompt token (None for the first)
