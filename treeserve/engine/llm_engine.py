@@ -243,8 +243,8 @@ class LLMEngine:
         detok = None
         if sampling is not None:
             detok = StopChecker(self.tokenizer.hf, token_ids, sampling, self.tokenizer.eos_token_ids)
-        seq = Sequence(request=request, index=0, token_ids=list(token_ids), detok=detok)
-        seq.pending_forks = request.width - 1
+        seq = Sequence(request=request, index=0, token_ids=list(token_ids), detok=detok,
+                       pending_forks=request.width - 1)  # fmt: skip
         seq.logprobs = [] if sampling and sampling.logprobs is not None else None
         if sampling and sampling.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * len(token_ids)
