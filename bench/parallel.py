@@ -75,12 +75,16 @@ def run_beam(sizes: dict, threads: int) -> dict:
     import torch
 
     torch.set_num_threads(threads)
-    from treeserve.eval.runner import EvalSettings, run_eval
+    from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM, EvalSettings, run_eval
+    from treeserve.runtime.model_settings import ModelSettings
+    from treeserve.runtime.runtime_settings import RuntimeSettings
     from treeserve.search.context import SearchConfig
 
-    prm_sizes = {f"prm_{k}": v for k, v in sizes.items() if k.endswith("_parallel_size")}
-    settings = EvalSettings(dataset="arith:level=4,5,size=10,seed=0", kv_cache_memory=256 << 20, progress=False,
-                            **sizes, **prm_sizes)  # fmt: skip
+    prm_sizes = {k: v for k, v in sizes.items() if k != "quantization"}  # the PRM's ranks as the generator's
+    settings = EvalSettings(dataset="arith:level=4,5,size=10,seed=0", progress=False,
+                            generator=ModelSettings(DEFAULT_GENERATOR, **sizes),
+                            prm=ModelSettings(DEFAULT_PRM, **prm_sizes),
+                            runtime=RuntimeSettings(kv_cache_memory=256 << 20))  # fmt: skip
     start = time.perf_counter()
     doc = run_eval(settings, SearchConfig(n=16, beam_width=4))
     wall = time.perf_counter() - start
@@ -89,12 +93,12 @@ def run_beam(sizes: dict, threads: int) -> dict:
 
 
 def _comm(engine) -> tuple[float, float]:  # noqa: ANN001
-    ranks = engine.workers
+    ranks = engine.ranks
     return (ranks.wait_s, ranks.send_s) if ranks is not None else (0.0, 0.0)
 
 
 def _shares(engine, before: tuple[float, float], wall: float) -> dict:  # noqa: ANN001
-    if engine.workers is None:
+    if engine.ranks is None:
         return {}
     wait, send = (after - b for after, b in zip(_comm(engine), before, strict=True))
     return {"rank0_wait_s": wait, "rank0_send_s": send, "wait_share": wait / wall, "send_share": send / wall}

@@ -17,7 +17,9 @@ import torch
 from tests.tiny_models import build_checkpoint
 from treeserve import LLM, SamplingParams
 from treeserve.config import EngineConfig
-from treeserve.eval.runner import EvalSettings, run_eval
+from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM, EvalSettings, run_eval
+from treeserve.runtime.model_settings import ModelSettings
+from treeserve.runtime.runtime_settings import RuntimeSettings
 from treeserve.sampling_params import ScoreParams
 from treeserve.search.context import SearchConfig
 
@@ -69,9 +71,9 @@ def test_two_ranks_give_one_ranks_outputs(checkpoints, one_rank, make_llm, arch,
     assert torch.allclose(two[3], one[3], atol=1e-5, rtol=0)  # and final hidden states
     if kind == "pipeline_parallel_size":  # the same sums in the same order, split across processes
         assert torch.equal(two[2], one[2])
-    assert len(llm.engine.workers.handles) == 1
+    assert len(llm.engine.ranks.handles) == 1
     llm.engine.close()
-    assert all(h.exited() for h in llm.engine.workers.handles)
+    assert all(h.exited() for h in llm.engine.ranks.handles)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
@@ -86,15 +88,17 @@ def test_tensor_shards_of_pipeline_stages_give_one_ranks_outputs(checkpoints, on
     assert two[0] == one[0] and two[1] == one[1]
     assert torch.allclose(two[2], one[2], atol=1e-5, rtol=0)
     assert torch.allclose(two[3], one[3], atol=1e-5, rtol=0)
-    parts = llm.engine.workers.parts  # ranks 1..3: stage 0's other shard, then stage 1's two (2 of 3 layers)
+    parts = llm.engine.ranks.parts  # ranks 1..3: stage 0's other shard, then stage 1's two (2 of 3 layers)
     assert [p["kv_token_bytes"] for p in parts] == [parts[0]["kv_token_bytes"]] + [2 * parts[0]["kv_token_bytes"]] * 2
     llm.engine.close()
-    assert all(h.exited() for h in llm.engine.workers.handles)
+    assert all(h.exited() for h in llm.engine.ranks.handles)
 
 
-def search(**sizes: int) -> dict:
-    settings = EvalSettings(dataset="arith:level=4,size=3,seed=1", dtype="float32", kv_cache_memory=64 << 20,
-                            progress=False, **sizes)  # fmt: skip
+def search(generator: dict | None = None, prm: dict | None = None) -> dict:
+    settings = EvalSettings(dataset="arith:level=4,size=3,seed=1", progress=False,
+                            generator=ModelSettings(DEFAULT_GENERATOR, **(generator or {})),
+                            prm=ModelSettings(DEFAULT_PRM, **(prm or {})),
+                            runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20))  # fmt: skip
     return run_eval(settings, SearchConfig(n=4, beam_width=2, num_iterations=5))  # checks the pages are idle
 
 
@@ -114,16 +118,17 @@ def plain_search() -> dict:
 @pytest.mark.parametrize(
     "sizes",
     [
-        {"tensor_parallel_size": 2, "prm_tensor_parallel_size": 2},
-        {"prm_tensor_parallel_size": 2},  # a one-rank generator and a two-rank PRM on the shared arena
-        {"pipeline_parallel_size": 2, "prm_pipeline_parallel_size": 2},
+        {"generator": {"tensor_parallel_size": 2}, "prm": {"tensor_parallel_size": 2}},
+        {"prm": {"tensor_parallel_size": 2}},  # a one-rank generator and a two-rank PRM on the shared arena
+        {"generator": {"pipeline_parallel_size": 2}, "prm": {"pipeline_parallel_size": 2}},
     ],
 )
 def test_beam_search_keeps_its_beams(plain_search, sizes):
     parallel, plain = search(**sizes), plain_search
     assert beams(parallel) == beams(plain)
     assert scores(parallel) == pytest.approx(scores(plain), abs=1e-5)
-    assert {k: parallel["config"][k] for k in sizes} == sizes  # the results record the sizes
+    for model, given in sizes.items():  # the results record each model's sizes
+        assert {k: parallel["config"][model][k] for k in given} == given
     prm = next(m for m in parallel["memory"]["models"] if m["name"] == "prm")
     [rank1] = prm["parallel"]["ranks"]  # the memory plan: what the other rank holds
     assert rank1["weights"] > 0 and rank1["kv_bytes"] > 0
@@ -132,7 +137,7 @@ def test_beam_search_keeps_its_beams(plain_search, sizes):
 def test_a_killed_rank_is_a_clear_error_and_no_rank_is_left(checkpoints):
     llm = LLM(checkpoints["llama"], dtype="float32", kv_cache_memory=8 << 20, tensor_parallel_size=2,
               parallel_timeout_s=10.0)  # fmt: skip
-    engine, [rank1] = llm.engine, [h.process for h in llm.engine.workers.handles]
+    engine, [rank1] = llm.engine, [h.process for h in llm.engine.ranks.handles]
     for i in range(8):
         engine.add_request(str(i), PROMPTS[i % 3], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
     threading.Timer(0.3, os.kill, (rank1.pid, signal.SIGKILL)).start()
@@ -154,7 +159,7 @@ def test_a_killed_rank_is_a_clear_error_and_no_rank_is_left(checkpoints):
 def test_a_rank_that_fails_starting_is_an_error_at_once(checkpoints, monkeypatch):
     """Rank 1 exits before it joins (here: it is told to use 0 threads, which torch refuses):
     rank 0 says so at once instead of waiting out the timeout for it to join."""
-    from treeserve.engine.ranks import RankFailed
+    from treeserve.distributed.ranks import RankFailed
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 0)
     start = time.monotonic()
@@ -170,7 +175,7 @@ def test_ranks_exit_when_rank_0_is_killed(checkpoints):
         "import sys, time, torch; torch.set_num_threads(1)\n"
         "from treeserve import LLM\n"
         f"llm = LLM({checkpoints['llama']!r}, dtype='float32', kv_cache_memory=8 << 20, pipeline_parallel_size=2)\n"
-        "print(llm.engine.workers.handles[0].process.pid, flush=True)\n"
+        "print(llm.engine.ranks.handles[0].process.pid, flush=True)\n"
         "time.sleep(60)\n"
     )  # fmt: skip
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
@@ -230,7 +235,7 @@ def test_int8_shards_quantise_the_same_blocks(tmp_path):
     one = LLM(path, dtype="float32", kv_cache_memory=8 << 20, quantization="int8")
     two = LLM(path, dtype="float32", kv_cache_memory=8 << 20, quantization="int8", tensor_parallel_size=2)
     assert one.engine.quantization == two.engine.quantization == "int8"
-    assert two.engine.workers.parts[0]["quantization"] == "int8"  # rank 1 quantises its shard too
+    assert two.engine.ranks.parts[0]["quantization"] == "int8"  # rank 1 quantises its shard too
     mlp1, mlp2 = one.engine.model.layers[1].mlp, two.engine.model.layers[1].mlp
     down1, down2 = mlp1.down_proj.weight.dequantize(), mlp2.down_proj.weight.dequantize()
     step = down1.abs().amax(dim=1, keepdim=True) / 127  # one rank's int8 step per row

@@ -79,7 +79,7 @@ def test_two_ranks_run_the_files_blocks(gguf_path, kind):
     two = LLM(gguf_path, dtype="float32", quantization="gguf", kv_cache_memory=8 << 20, **{kind: 2})
     assert one.engine.quantization.startswith("gguf:")
     assert two.engine.quantization.startswith("gguf:")
-    assert two.engine.workers.parts[0]["quantization"].startswith("gguf:")  # rank 1 runs blocks too
+    assert two.engine.ranks.parts[0]["quantization"].startswith("gguf:")  # rank 1 runs blocks too
     (tokens1, logprobs1), (tokens2, logprobs2) = outputs(one), outputs(two)
     assert tokens2 == tokens1
     if kind == "pipeline_parallel_size":  # whole layers a stage: the same sums in the same order

@@ -44,9 +44,9 @@ def test_ray_ranks_give_one_ranks_outputs(cluster, checkpoint, make_llm, monkeyp
     two = outputs(llm)
     assert two[0] == one[0] and two[1] == one[1]
     assert torch.allclose(two[2], one[2], atol=1e-5, rtol=0)
-    [part] = llm.engine.workers.parts
+    [part] = llm.engine.ranks.parts
     assert part["weights"] > 0 and part["kv_token_bytes"] > 0
-    [rank1] = llm.engine.workers.handles
+    [rank1] = llm.engine.ranks.handles
     assert "Ray actor" in rank1.state() and "still running" in rank1.state()
     llm.engine.close()
     assert rank1.exited(5.0) and groups_removed()
@@ -56,7 +56,7 @@ def test_a_killed_actor_is_a_clear_error(cluster, checkpoint, monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     llm = LLM(checkpoint, dtype="float32", kv_cache_memory=8 << 20, tensor_parallel_size=2,
               distributed_executor_backend="ray", parallel_timeout_s=10.0)  # fmt: skip
-    engine, [rank1] = llm.engine, llm.engine.workers.handles
+    engine, [rank1] = llm.engine, llm.engine.ranks.handles
     for i in range(8):
         engine.add_request(str(i), PROMPTS[i % 3], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
     threading.Timer(0.5, ray.kill, (rank1.actor,)).start()
@@ -85,12 +85,12 @@ def test_a_cluster_without_room_is_refused(cluster, checkpoint, monkeypatch):
 
 
 def test_the_backend_reaches_each_parallel_model_and_a_bad_one_is_refused():
-    from treeserve.eval.runner import EvalSettings
-    from treeserve.runtime.runtime import per_model_engine_args
+    from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM, EvalSettings
+    from treeserve.runtime.model_settings import ModelSettings
 
-    settings = EvalSettings(prm_tensor_parallel_size=2, distributed_executor_backend="ray")
-    args = per_model_engine_args(settings)
-    assert args["prm"] == {"tensor_parallel_size": 2, "distributed_executor_backend": "ray"}
-    assert "distributed_executor_backend" not in args["generator"]  # one rank: nothing to start
+    prm = ModelSettings(DEFAULT_PRM, tensor_parallel_size=2, distributed_executor_backend="ray")
+    assert prm.engine_args() == {"tensor_parallel_size": 2, "distributed_executor_backend": "ray"}
+    generator = ModelSettings(DEFAULT_GENERATOR, distributed_executor_backend="ray")
+    assert "distributed_executor_backend" not in generator.engine_args()  # one rank: nothing to start
     with pytest.raises(ValueError, match="distributed_executor_backend must be one of"):
-        EvalSettings(distributed_executor_backend="threads").check()
+        EvalSettings(generator=ModelSettings(DEFAULT_GENERATOR, distributed_executor_backend="threads")).check()

@@ -34,6 +34,7 @@ import torch
 
 from treeserve.config import EngineConfig
 from treeserve.device import available_memory
+from treeserve.distributed.ranks import Ranks
 from treeserve.engine import cuda_graphs
 from treeserve.engine.attention import BACKENDS
 from treeserve.engine.detokenizer import StopChecker
@@ -42,7 +43,7 @@ from treeserve.engine.guided import Constraints
 from treeserve.engine.input_batch import InputBatch
 from treeserve.engine.model_runner import ModelRunner
 from treeserve.engine.postprocess import Postprocessor
-from treeserve.engine.rank_worker import EngineRanks as Ranks
+from treeserve.engine.rank_worker import RankWorker
 from treeserve.engine.request import Request, Sequence
 from treeserve.engine.sampler import fused_draw
 from treeserve.engine.scheduler import Scheduler
@@ -84,19 +85,19 @@ class LLMEngine:
         self.config = config
         self.device = torch.device(config.device)
         tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
-        self.workers = None  # a parallel model's ranks 1..k-1, started before this rank loads its part
+        self.ranks = None  # a parallel model's ranks 1..k-1, started before this rank loads its part
         if tp * pp > 1:
-            self.workers = Ranks(config, self.device)
+            self.ranks = Ranks(config, self.device, RankWorker)
         try:
             loaded = load_model(config.model, config.torch_dtype, self.device, config.quantization,
                                 config.quant_activations, tp_size=tp, pp_size=pp)  # fmt: skip
-            if self.workers is not None:
+            if self.ranks is not None:
                 if tp > 1:
-                    loaded.model.attach(self.workers.placement.tp)
-                self.workers.wait_ready()
+                    loaded.model.attach(self.ranks.placement.tp)
+                self.ranks.wait_ready()
         except BaseException:
-            if self.workers is not None:
-                self.workers.close()
+            if self.ranks is not None:
+                self.ranks.close()
             raise
         self.model = loaded.model
         self.quantization = loaded.quantization  # e.g. "gguf:Q5_0+Q8_0", "int8", None
@@ -122,11 +123,11 @@ class LLMEngine:
         self._in_flight: InFlight | None = None
         self._undelivered: list[RequestOutput | ScoreOutput] = []  # read back by a step that then failed
         self.draw = fused_draw(config.attention_backend)  # the sampler's batch-invariant plain draw
-        spec = config.speculative_config
+        speculative = config.speculative_config
         draft = None
-        if spec is not None and spec.method == "model":
-            draft = DraftModel(spec.model, config.torch_dtype, self.device, cfg.vocab_size)
-        self.speculator = Speculator(spec, draft) if spec is not None else None
+        if speculative is not None and speculative.method == "model":
+            draft = DraftModel(speculative.model, config.torch_dtype, self.device, cfg.vocab_size)
+        self.speculator = Speculator(speculative, draft) if speculative is not None else None
         if attach_kv:
             self.attach_own_kv(config.kv_budget(available_memory(self.device)))
 
@@ -173,16 +174,16 @@ class LLMEngine:
         self.scheduler.on_release = self._released
         self.inputs = InputBatch(block_size, pages_per_seq, list(self.tokenizer.eos_token_ids), self.constraints)
         backend = BACKENDS[config.attention_backend]()
-        workers, stage = self.workers, None
-        if workers is not None:
-            workers.send(("kv", pages.num_pages, block_size))
-            if workers.placement.pp is not None:
-                stage = (workers.placement.pp, 0, config.pipeline_parallel_size, config.torch_dtype)
+        ranks, stage = self.ranks, None
+        if ranks is not None:
+            ranks.send(("kv", pages.num_pages, block_size))
+            if ranks.placement.pp is not None:
+                stage = (ranks.placement.pp, 0, config.pipeline_parallel_size, config.torch_dtype)
         self.runner = ModelRunner(self.model, self.arena, self.device, self.model_config.attn_scale, backend,
-                                  self.draw, self.tokenizer.vocab_size, workers and workers.send,
-                                  workers is not None and workers.placement.tp is not None, stage)  # fmt: skip
+                                  self.draw, self.tokenizer.vocab_size, ranks and ranks.send,
+                                  ranks is not None and ranks.placement.tp is not None, stage)  # fmt: skip
         self.graph_stats = None  # {"sizes", "capture_s", "memory_bytes"} when decode steps replay CUDA graphs
-        if cuda_graphs.graphs_apply(self.device, config.attention_backend, config.enforce_eager, workers is not None):
+        if cuda_graphs.graphs_apply(self.device, config.attention_backend, config.enforce_eager, ranks is not None):
             graphs = cuda_graphs.DecodeGraphs(self.model, self.arena, backend, self.model_config.attn_scale,
                                               cuda_graphs.capture_sizes(config.max_num_seqs, config.cuda_graph_sizes),
                                               pages_per_seq)  # fmt: skip
@@ -382,8 +383,8 @@ class LLMEngine:
         failed = list(dict.fromkeys(item.seq.request.request_id for item in batch))
         for request_id in failed:
             self.abort(request_id)
-        if self.workers is not None:  # a collective that failed: say which rank, and stop them all
-            cause = self.workers.explain(cause)
+        if self.ranks is not None:  # a collective that failed: say which rank, and stop them all
+            cause = self.ranks.explain(cause)
         log.error("step failed, aborted %d request(s): %s: %s", len(failed), type(cause).__name__, cause)
         return StepFailed(failed, cause)
 
@@ -395,8 +396,8 @@ class LLMEngine:
     # ---- introspection -------------------------------------------------------------------
     def close(self) -> None:
         """Stop the model's other ranks (a parallel model); the engine cannot step afterwards."""
-        if self.workers is not None:
-            self.workers.close()
+        if self.ranks is not None:
+            self.ranks.close()
 
     def check_pages_idle(self) -> None:
         """Assert the page accounting invariant for an engine with no live requests."""

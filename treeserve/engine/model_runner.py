@@ -47,7 +47,7 @@ class ModelRunner:
         stage: tuple[RankGroup, int, int, torch.dtype] | None = None,
     ):
         self.model = model
-        # rank 0 of a parallel model (engine/ranks.py): sends each step to the other ranks, which
+        # rank 0 of a parallel model (distributed/ranks.py): sends each step to the other ranks, which
         # mirror its forward (and, tensor parallel, its logits: each rank holds a vocabulary slice)
         self.mirror, self.mirror_logits = mirror, mirror_logits
         # a pipeline stage: (group, this stage, stages, activation dtype); its forward runs micro-batches

@@ -1,10 +1,10 @@
 """What a parallel model's rank > 0 runs: its part of the model, and the steps rank 0 sends it.
 
 Owns `RankWorker` (joins its groups, loads its shard or stage, builds its arena and model
-runner, and replays rank 0's messages) and `EngineRanks` (`distributed/ranks.py::Ranks` with
-this worker: what the engine starts). Starting, watching and stopping the ranks, locally or as
-Ray actors, is `distributed/`'s; this module is the engine's side, which `distributed/` is
-handed as a factory and never imports. The messages, in the order rank 0 runs them:
+runner, and replays rank 0's messages); the engine starts its ranks as
+`distributed/ranks.py::Ranks(config, device, RankWorker)`. Starting, watching and stopping the
+ranks, locally or as Ray actors, is `distributed/`'s; this module is the engine's side, which
+`distributed/` is handed as a factory and never imports. The messages, in the order rank 0 runs them:
 
     ("kv", num_pages, block_size)      an arena of num_pages pages of this rank's heads / layers
     ("step", copies, batch, twins)     page copies, then the forward of `batch` (and its twins)
@@ -20,17 +20,9 @@ import torch
 
 from treeserve.distributed.groups import Placement
 from treeserve.distributed.protocol import WorkerArgs
-from treeserve.distributed.ranks import Ranks
 
 if TYPE_CHECKING:
-    from treeserve.config import EngineConfig
-
-
-class EngineRanks(Ranks):
-    """Ranks 1..k-1 of one engine's model, each running a `RankWorker`."""
-
-    def __init__(self, config: EngineConfig, device: torch.device) -> None:
-        super().__init__(config, device, RankWorker)
+    pass
 
 
 class RankWorker:

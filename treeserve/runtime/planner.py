@@ -294,10 +294,10 @@ def record_pages(plan: MemoryPlan, engines: dict[str, LLMEngine]) -> None:
             engine.arena.pages.page_bytes,
             engine.blocks.num_blocks,
         )
-        if m.parallel and engine.workers is not None:  # what each other rank reported holding
+        if m.parallel and engine.ranks is not None:  # what each other rank reported holding
             m.parallel["ranks"] = [
                 {"rank": r, "weights": part["weights"], "kv_bytes": m.num_pages * m.block_size * part["kv_token_bytes"]}
-                for r, part in enumerate(engine.workers.parts, start=1)
+                for r, part in enumerate(engine.ranks.parts, start=1)
             ]  # fmt: skip
     if plan.shared:
         plan.page_bytes, plan.num_pages = plan.models[0].page_bytes, plan.models[0].num_pages

@@ -136,7 +136,7 @@ class Core:
     def _exit_if_ranks_failed(self) -> None:
         """A parallel model whose ranks failed (one died or hung: they were all stopped) cannot
         step again: exit, and the API process's supervisor starts a new core with new ranks."""
-        if any(e.workers is not None and e.workers.stopped for e in self.runtime.engines.values()):
+        if any(e.ranks is not None and e.ranks.stopped for e in self.runtime.engines.values()):
             self.flush()
             os._exit(RANKS_FAILED)
 
