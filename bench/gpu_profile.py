@@ -16,12 +16,13 @@ import argparse
 from torch.profiler import ProfilerActivity, profile
 
 from treeserve.eval.runner import EvalSettings, run_eval
+from treeserve.runtime.runtime_settings import RuntimeSettings
 from treeserve.search.context import SearchConfig
 
 
 def summary(problems: int, args: argparse.Namespace) -> dict:
-    settings = EvalSettings(dataset=f"arith:level=4,5,size={problems},seed=0", dtype="bfloat16",
-                            kv_cache_memory=1 << 30, progress=False, device=args.device)  # fmt: skip
+    settings = EvalSettings(dataset=f"arith:level=4,5,size={problems},seed=0", progress=False,
+                            runtime=RuntimeSettings(dtype="bfloat16", kv_cache_memory=1 << 30, device=args.device))
     return run_eval(settings, SearchConfig(strategy="beam_search", n=args.n, beam_width=4, seed=0))["summary"]
 
 

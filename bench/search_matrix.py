@@ -35,6 +35,7 @@ from treeserve.eval.compare import compare_by_rule, format_by_rule
 from treeserve.eval.metrics import wilson_interval
 from treeserve.eval.report import write_results
 from treeserve.eval.runner import EvalSettings, run_eval
+from treeserve.runtime.runtime_settings import RuntimeSettings
 from treeserve.search.context import SearchConfig
 
 ABLATION = {
@@ -130,7 +131,8 @@ def main() -> None:
     if args.only_lookahead and not args.lookaheads:
         parser.error("--only-lookahead needs --lookaheads K,K,...")
     args.out.mkdir(parents=True, exist_ok=True)
-    settings = EvalSettings(dataset=f"arith:level=4,5,size={args.size},seed=0", dtype=args.dtype, progress=False)
+    settings = EvalSettings(dataset=f"arith:level=4,5,size={args.size},seed=0", progress=False,
+                            runtime=RuntimeSettings(dtype=args.dtype))
     base = SearchConfig(beam_width=args.beam_width, num_iterations=40, temperature=args.temperature)
     if args.lookaheads:
         ks = [int(k) for k in args.lookaheads.split(",")]

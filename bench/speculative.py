@@ -104,7 +104,9 @@ def gemma(workloads: list[str], repeats: int) -> list[dict]:
 
 
 def search(workloads: list[str], repeats: int, problems: int) -> list[dict]:
-    from treeserve.eval.runner import EvalSettings, run_eval
+    from treeserve.eval.runner import DEFAULT_GENERATOR, EvalSettings, run_eval
+    from treeserve.runtime.model_settings import ModelSettings
+    from treeserve.runtime.runtime_settings import RuntimeSettings
     from treeserve.search.context import SearchConfig
 
     settings = {"plain": None, "ngram k=4": ngram(4), "tree k=4": {**ngram(4), "method": "tree"}}
@@ -116,7 +118,8 @@ def search(workloads: list[str], repeats: int, problems: int) -> list[dict]:
         dataset = f"arith:level=4,5,size={count},seed=0"
 
         def run(spec: dict | None, dtype: str, dataset: str = dataset, config: SearchConfig = config) -> dict:
-            s = EvalSettings(dataset=dataset, dtype=dtype, progress=False, speculative_config=spec)
+            s = EvalSettings(dataset=dataset, runtime=RuntimeSettings(dtype=dtype), progress=False,
+                             generator=ModelSettings(DEFAULT_GENERATOR, speculative_config=spec))
             return run_eval(s, config)
 
         runs: dict[str, list[float]] = {name: [] for name in settings}

@@ -80,3 +80,48 @@ def test_eval_bad_input(world, tmp_path, capsys, extra, message):
     assert main(args) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "r.json").exists()
+
+
+MODEL_SUBCOMMANDS = ("generate", "eval", "solve", "profile", "tune", "serve")
+
+
+def _model_options(subcommand: str) -> set[str]:
+    from treeserve.cli import build_parser
+    from treeserve.model_flags import MODEL_FLAGS
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices[subcommand]
+    mine = {name for flag in MODEL_FLAGS for model in ("generator", "prm") for name in flag.names(model)}
+    return {o for action in sub._actions for o in action.option_strings if o.lstrip("-").removeprefix("no-")
+            in {m.lstrip("-") for m in mine}}  # fmt: skip
+
+
+def test_every_subcommand_has_the_same_per_model_flags():
+    """One table makes them: the generator's in every subcommand, the PRM's in those that load one,
+    under the names users have always typed."""
+    with_prm = {sub: _model_options(sub) for sub in MODEL_SUBCOMMANDS if sub != "generate"}
+    assert len({frozenset(options) for options in with_prm.values()}) == 1, with_prm
+    options = with_prm["eval"]
+    assert {"--generator", "--model", "--prm", "--prm-style", "--quantization", "--prm-quantization", "--dequantize",
+            "--quant-activations", "--speculative-config", "--tensor-parallel-size", "--prm-tensor-parallel-size",
+            "--pipeline-parallel-size", "--prm-pipeline-parallel-size", "--distributed-executor-backend",
+            "--async-scheduling", "--no-async-scheduling", "--enforce-eager", "--max-model-len",
+            "--prm-kv-fraction", "--prm-enforce-eager"} <= options  # fmt: skip
+    assert _model_options("generate") == {o for o in options if not o.lstrip("-").removeprefix("no-").startswith("prm")}
+
+
+def test_flags_become_each_models_settings():
+    from treeserve.cli import build_parser
+    from treeserve.model_flags import model_settings
+
+    args = build_parser().parse_args(["eval", "--model", "g", "--prm", "p", "--quantization", "int8",
+                                      "--prm-tensor-parallel-size", "2", "--enforce-eager", "--prm-kv-fraction", "0.3",
+                                      "--distributed-executor-backend", "ray", "--prm-style", "step_tag"])  # fmt: skip
+    generator, prm = model_settings(args, "generator"), model_settings(args, "prm", {"max_num_seqs": 8})
+    assert (generator.path, generator.quantization, generator.tensor_parallel_size) == ("g", "int8", 1)
+    assert (prm.path, prm.quantization, prm.tensor_parallel_size, prm.kv_fraction) == ("p", None, 2, 0.3)
+    assert generator.enforce_eager and prm.enforce_eager  # a flag that always set both models still does
+    assert prm.distributed_executor_backend == "ray" and prm.style == "step_tag" and prm.max_num_seqs == 8
+    args = build_parser().parse_args(["serve", "--enforce-eager", "--no-prm-enforce-eager", "--prm", "p"])
+    assert not model_settings(args, "prm").enforce_eager  # the PRM's own flag wins
+    assert model_settings(args, "generator") is None  # no path: serve picks its default

@@ -31,6 +31,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from treeserve.eval.metrics import SELECTIONS, describe_accuracy
+from treeserve.model_flags import add_model_flags, model_settings
 
 ASSETS = Path(__file__).parent / "assets"
 DEFAULT_GENERATOR = ASSETS / "arith-generator"
@@ -57,67 +58,23 @@ def _add_device_flags(p: argparse.ArgumentParser) -> None:
         choices=["triton", "sdpa", "cpu"],
         help="attention kernels (default: triton on CUDA, cpu (C kernels) on a CPU; sdpa: the reference)",
     )
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="overlapped steps: schedule the next step while the device runs this one (default: on "
-                   "with CUDA; on a CPU off, or TREESERVE_ASYNC_SCHEDULING=0|1)")  # fmt: skip
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA graphs: run every step eagerly (on CUDA decode steps replay graphs captured at "
-                        "load; on a CPU this changes nothing)")  # fmt: skip
-
-
-def _add_quantization_flags(p: argparse.ArgumentParser, prm: bool) -> None:
-    p.add_argument("--quantization", default=None, choices=["int8", "gguf"],
-                   help="int8: quantise a Hugging Face checkpoint per channel at load; gguf: run a GGUF "
-                   "file's quantised blocks (the default for a GGUF file on a CPU)")  # fmt: skip
-    if prm:
-        p.add_argument("--prm-quantization", default=None, choices=["int8", "gguf"], help="the PRM's, likewise")
-    p.add_argument("--dequantize", action="store_true", help="load GGUF files dense (dequantised), as before")
-    p.add_argument("--quant-activations", default=None, choices=["int8", "bf16"],
-                   help="what quantised matmuls take activations as (every model): int8 (the default; "
-                   "llama.cpp's way, fastest at a few rows) or bf16 (on an AMX CPU: bf16 tiles of the "
-                   "dequantised weights, the dequantised model's exact outputs, for batches of 32+ rows)")  # fmt: skip
-
-
-def _add_parallel_flags(p: argparse.ArgumentParser, prm: bool) -> None:
-    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="K",
-                   help="split the model over K ranks (tensor shards; processes the engine starts; gloo on a "
-                        "CPU, NCCL on CUDA)")  # fmt: skip
-    p.add_argument("--pipeline-parallel-size", type=int, default=1, metavar="K",
-                   help="split the model's layers into K pipeline stages (ranks)")  # fmt: skip
-    if prm:
-        p.add_argument("--prm-tensor-parallel-size", type=int, default=1, metavar="K", help="the PRM's, likewise")
-        p.add_argument("--prm-pipeline-parallel-size", type=int, default=1, metavar="K", help="the PRM's, likewise")
-    p.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"],
-                   help="how a parallel model's other ranks start: mp (processes on this host) or ray (actors in a "
-                        "placement group of the Ray cluster this host belongs to: other hosts too)")  # fmt: skip
-
-
-def _add_speculative_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", '
-                   '"num_speculative_tokens": 4}\', method "tree" (drafts from the other beams of a search) or '
-                   '\'{"model": DIR, "num_speculative_tokens": 4}\' (a draft model); same outputs')  # fmt: skip
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     _add_device_flags(p)
-    _add_parallel_flags(p, prm=False)
-    _add_quantization_flags(p, prm=False)
-    _add_speculative_flag(p)
-    p.add_argument("--model", default=None, help="checkpoint directory or .gguf file (default: the shipped generator)")
+    add_model_flags(p, prm=False)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument(
         "--kv-cache-memory", type=_parse_bytes, default=None, help="KV budget in bytes (default: a fraction of RAM)"
     )
-    p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from treeserve import LLM, SamplingParams
 
-    if args.model is None:
-        args.model = str(_default_model())
+    if args.generator is None:
+        args.generator = str(_default_model())
         args.chat = not args.raw
     chat = args.chat
     prompts = args.prompts or DEFAULT_PROBLEMS
@@ -130,15 +87,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stop=args.stop or None,
     )
     start = time.perf_counter()
-    llm = LLM(
-        args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
-        device=args.device, attention_backend=args.attention_backend, quantization=args.quantization,
-        dequantize=args.dequantize, speculative_config=args.speculative_config,
-        quant_activations=args.quant_activations or "int8", async_scheduling=args.async_scheduling,
-        enforce_eager=args.enforce_eager,
-        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
-        distributed_executor_backend=args.distributed_executor_backend,
-    )  # fmt: skip
+    model = model_settings(args, "generator")
+    llm = LLM(model.path, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, device=args.device,
+              attention_backend=args.attention_backend, **model.engine_args())  # fmt: skip
     loaded = time.perf_counter()
     if chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
@@ -161,8 +112,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _add_search_flags(p: argparse.ArgumentParser) -> None:
-    from treeserve.eval.runner import DEFAULT_GENERATOR as gen
-    from treeserve.eval.runner import DEFAULT_PRM as prm
     from treeserve.search.context import STRATEGIES
 
     p.add_argument("--strategy", default="beam_search", help=f"one of {', '.join(STRATEGIES)}")
@@ -182,15 +131,10 @@ def _add_search_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--answer-regex", default=None, metavar="REGEX",
                    help=r"the final step must match this, e.g. '.*\\boxed\{[^{}]+\}.*'")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--generator", default=gen)
-    p.add_argument("--prm", default=prm)
-    p.add_argument("--prm-style", default=None, choices=["step_tag", "rlhflow", "reward_head", "value_head"])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     _add_memory_flags(p)
     _add_device_flags(p)
-    _add_parallel_flags(p, prm=True)
-    _add_quantization_flags(p, prm=True)
-    _add_speculative_flag(p)
+    add_model_flags(p, prm=True)
     p.add_argument("--max-concurrent-problems", type=int, default=64)
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--no-score-cache", action="store_true")
@@ -212,8 +156,6 @@ def _add_memory_flags(p: argparse.ArgumentParser) -> None:
                    help="bytes for everything (weights, activations, KV): the planner sizes the KV arena")  # fmt: skip
     p.add_argument("--memory-fraction", type=float, default=None,
                    help="like --memory-budget, as a fraction of the memory free at start")  # fmt: skip
-    p.add_argument("--prm-kv-fraction", type=float, default=None,
-                   help="a static split: the PRM's share of KV (default: one arena shared by both models)")  # fmt: skip
     p.add_argument("--config", default=None,
                    help="a settings file from `treeserve tune` (flags given explicitly win)")  # fmt: skip
 
@@ -244,16 +186,30 @@ def _search_settings(args: argparse.Namespace, dataset: str = ""):  # noqa: ANN2
     """SearchConfig and EvalSettings from the flags (flag names are the field names)."""
     from dataclasses import fields
 
-    from treeserve.eval.runner import EvalSettings
+    from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM, EvalSettings
     from treeserve.search.context import SearchConfig
 
     given = {**vars(args), "prefix_cache": not args.no_prefix_cache, "score_cache": not args.no_score_cache}
     given["trace"] = getattr(args, "trace", False)
     config = SearchConfig(**{f.name: given[f.name] for f in fields(SearchConfig) if f.name in given})
-    given["dataset"] = dataset
+    args.generator, args.prm = args.generator or DEFAULT_GENERATOR, args.prm or DEFAULT_PRM
+    given = {**vars(args), "dataset": dataset, **_models(args)}
     settings = EvalSettings(**{f.name: given[f.name] for f in fields(EvalSettings) if f.name in given})
     settings.check()  # device, backend and model paths, before any model loads (profile/tune would count errors as 0)
     return settings, config
+
+
+def _models(args: argparse.Namespace) -> dict:
+    """The generator's, the PRM's and the runtime's settings from the flags (and a `--config` file's
+    tuned batch settings)."""
+    from dataclasses import fields
+
+    from treeserve.runtime.runtime_settings import RuntimeSettings
+
+    tuned = getattr(args, "engine_args", None) or {}
+    runtime = RuntimeSettings(**{f.name: getattr(args, f.name) for f in fields(RuntimeSettings) if f.name in args})
+    return {"generator": model_settings(args, "generator", tuned.get("generator")),
+            "prm": model_settings(args, "prm", tuned.get("prm")), "runtime": runtime}  # fmt: skip
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -386,27 +342,16 @@ def cmd_solve(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from treeserve.eval.runner import DEFAULT_PRM
-    from treeserve.runtime.tuner import CONFIG_KEYS
     from treeserve.server.launch import serve
     from treeserve.server.settings import ServerSettings
 
-    model, prm = args.model, args.prm
-    if model is None:  # the shipped arithmetic pair, so /v1/search works out of the box
-        model = str(_default_model())
-        prm = prm or (DEFAULT_PRM if (Path(DEFAULT_PRM) / "config.json").is_file() else None)
+    if args.generator is None:  # the shipped arithmetic pair, so /v1/search works out of the box
+        args.generator = str(_default_model())
+        args.prm = args.prm or (DEFAULT_PRM if (Path(DEFAULT_PRM) / "config.json").is_file() else None)
     settings = ServerSettings(
-        model=model, prm=prm, prm_style=args.prm_style, served_model_name=args.served_model_name, host=args.host,
-        port=args.port, api_key=args.api_key, dtype=args.dtype, max_model_len=args.max_model_len,
-        device=args.device, attention_backend=args.attention_backend, quantization=args.quantization,
-        prm_quantization=args.prm_quantization, dequantize=args.dequantize, quant_activations=args.quant_activations,
-        speculative_config=args.speculative_config, async_scheduling=args.async_scheduling,
-        enforce_eager=args.enforce_eager, engine_process=not args.engine_in_process,
-        shutdown_timeout=args.shutdown_timeout, trace_ring=args.trace_ring,
-        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
-        prm_tensor_parallel_size=args.prm_tensor_parallel_size,
-        prm_pipeline_parallel_size=args.prm_pipeline_parallel_size,
-        distributed_executor_backend=args.distributed_executor_backend,
-        **{key: getattr(args, key) for key in CONFIG_KEYS},
+        **_models(args), served_model_name=args.served_model_name, host=args.host, port=args.port,
+        api_key=args.api_key, engine_process=not args.engine_in_process, shutdown_timeout=args.shutdown_timeout,
+        trace_ring=args.trace_ring,
     )  # fmt: skip
     serve(settings)
     return 0
@@ -512,9 +457,6 @@ def build_parser() -> argparse.ArgumentParser:
     solve.set_defaults(func=cmd_solve)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with /v1/search")
-    srv.add_argument("--model", default=None, help="generator checkpoint dir or .gguf (default: shipped generator)")
-    srv.add_argument("--prm", default=None, help="PRM checkpoint directory (default with no --model: the shipped PRM)")
-    srv.add_argument("--prm-style", default=None, choices=["step_tag", "rlhflow", "reward_head", "value_head"])
     srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: directory name)")
     srv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     srv.add_argument("--port", type=int, default=8000)
@@ -522,10 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     _add_memory_flags(srv)
     _add_device_flags(srv)
-    _add_parallel_flags(srv, prm=True)
-    _add_quantization_flags(srv, prm=True)
-    _add_speculative_flag(srv)
-    srv.add_argument("--max-model-len", type=int, default=None)
+    add_model_flags(srv, prm=True)
     srv.add_argument(
         "--engine-in-process",
         action="store_true",

@@ -19,6 +19,8 @@ import json
 import sys
 
 from treeserve.eval.runner import EvalSettings, run_eval
+from treeserve.runtime.model_settings import ModelSettings
+from treeserve.runtime.runtime_settings import RuntimeSettings
 from treeserve.search.context import SearchConfig
 
 
@@ -32,15 +34,17 @@ def main() -> None:
     with open(workload_path) as f:
         w = json.load(f)
     settings = EvalSettings(
-        dataset="inline", generator=w["generator"], prm=w["prm"], dtype=w["dtype"], kv_cache_memory=w["kv_gib"] << 30,
-        reference="--reference" in sys.argv, progress=False, device=w.get("device", "cpu"), speculative_config=spec,
+        dataset="inline", generator=ModelSettings(w["generator"], speculative_config=spec), prm=ModelSettings(w["prm"]),
+        runtime=RuntimeSettings(dtype=w["dtype"], kv_cache_memory=w["kv_gib"] << 30, device=w.get("device", "cpu")),
+        reference="--reference" in sys.argv, progress=False,
     )  # fmt: skip
-    if "--int8" in sys.argv:
-        settings.quantization = settings.prm_quantization = "int8"
-    if "--quant-activations=bf16" in sys.argv:
-        settings.quant_activations = "bf16"
-    if "--async-scheduling" in sys.argv:
-        settings.async_scheduling = True
+    for model in (settings.generator, settings.prm):
+        if "--int8" in sys.argv:
+            model.quantization = "int8"
+        if "--quant-activations=bf16" in sys.argv:
+            model.quant_activations = "bf16"
+        if "--async-scheduling" in sys.argv:
+            model.async_scheduling = True
     config = SearchConfig(
         strategy="beam_search", n=w["n"], beam_width=w["beam_width"], num_iterations=w["num_iterations"],
         temperature=w["temperature"], top_p=w["top_p"], max_tokens=w["max_tokens"], agg=w["agg"], final_to_eos=True,

@@ -18,6 +18,8 @@ from tests.eval.test_view import HOSTILE, hostile_copy, make_traced_results
 from tests.server.conftest import API_KEY, start_server
 from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM
 from treeserve.eval.view import write_view
+from treeserve.runtime.model_settings import ModelSettings
+from treeserve.runtime.runtime_settings import RuntimeSettings
 from treeserve.search.trace import nodes
 from treeserve.server.settings import ServerSettings
 
@@ -126,8 +128,8 @@ def test_two_runs_side_by_side(watched, traced_results, tmp_path):
 
 
 def test_ui_behind_an_api_key(browser):
-    settings = ServerSettings(model=DEFAULT_GENERATOR, prm=DEFAULT_PRM, api_key=API_KEY, dtype="float32",
-                              kv_cache_memory=64 << 20)  # fmt: skip
+    settings = ServerSettings(ModelSettings(DEFAULT_GENERATOR), ModelSettings(DEFAULT_PRM), api_key=API_KEY,
+                              runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20))  # fmt: skip
     live = start_server(settings)
     try:
         body = {"problem": "Compute (3 + 4) * 5. <b>bold?</b>", "n": 4, "beam_width": 2, "num_iterations": 6,

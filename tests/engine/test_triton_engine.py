@@ -21,6 +21,8 @@ from tests.models.test_parity import our_logits, reference_logits  # noqa: E402
 from tests.search.test_search_equivalence import CONFIGS, RECORDS, signature, world  # noqa: E402, F401
 from treeserve import SamplingParams, ScoreParams  # noqa: E402
 from treeserve.eval.runner import EvalSettings, run_eval  # noqa: E402
+from treeserve.runtime.model_settings import ModelSettings  # noqa: E402
+from treeserve.runtime.runtime_settings import RuntimeSettings  # noqa: E402
 from treeserve.search.context import SearchConfig  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -110,8 +112,9 @@ def test_search_equivalence(world):  # noqa: F811 - the step-world fixture
 
     def run(reference: bool) -> dict:
         settings = EvalSettings(
-            generator=generator, prm=prm, dtype="float32", reference=reference, progress=False,
-            kv_cache_memory=1 << 20, device=DEVICE, attention_backend="triton",
+            generator=ModelSettings(generator), prm=ModelSettings(prm), reference=reference, progress=False,
+            runtime=RuntimeSettings(dtype="float32", kv_cache_memory=1 << 20, device=DEVICE,
+                                    attention_backend="triton"),
         )  # fmt: skip
         return run_eval(settings, config, inline=[dict(r) for r in RECORDS[:1]])
 

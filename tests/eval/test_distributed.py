@@ -15,6 +15,7 @@ import pytest
 
 from treeserve.cli import main
 from treeserve.eval.runner import EvalSettings, run_eval
+from treeserve.runtime.runtime_settings import RuntimeSettings
 from treeserve.search.context import SearchConfig
 
 DATASET = "arith:level=4,5,size=6,seed=0"  # the shipped arithmetic generator and PRM
@@ -23,7 +24,8 @@ QUALITY = ("accuracy", "accuracy_by_level", "naive@n", "weighted@n", "majority@n
 
 
 def settings() -> EvalSettings:
-    return EvalSettings(dataset=DATASET, dtype="float32", kv_cache_memory=64 << 20, progress=False)
+    return EvalSettings(dataset=DATASET, runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20),
+                        progress=False)
 
 
 def config() -> SearchConfig:

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from treeserve.cli import main
+from treeserve.runtime.model_settings import TUNED_KEYS
 from treeserve.runtime.tuner import GridPoint, choose, read_config
 
 SMALL = ["--dataset", "arith:level=1,size=2,seed=0", "--n", "4", "--beam-width", "2", "--num-iterations", "3",
@@ -43,12 +44,18 @@ def test_tune_writes_settings_that_eval_accepts(tmp_path):
     results = tmp_path / "results.json"
     assert main(["eval", *SMALL, "--config", str(tuned), "--output", str(results)]) == 0
     doc = json.loads(results.read_text())
-    assert doc["config"]["engine_args"] == config["engine_args"]
+    assert tuned_of(doc) == config["engine_args"] and doc["config"]["prm"]["kv_fraction"] == config["prm_kv_fraction"]
     assert doc["memory"]["kv_bytes"] == 12 << 20
     # a budget flag replaces the file's budget (any kind); the file's other settings still apply
     assert main(["eval", *SMALL, "--config", str(tuned), "--memory-budget", "600M", "--output", str(results)]) == 0
     doc = json.loads(results.read_text())
-    assert doc["memory"]["budget"] == 600 << 20 and doc["config"]["engine_args"] == config["engine_args"]
+    assert doc["memory"]["budget"] == 600 << 20 and tuned_of(doc) == config["engine_args"]
+
+
+def tuned_of(doc: dict) -> dict:
+    """Each model's batch settings a results file records, as a tune settings file writes them."""
+    return {name: {k: v for k, v in doc["config"][name].items() if k in TUNED_KEYS and v is not None}
+            for name in ("generator", "prm")}  # fmt: skip
 
 
 def test_min_max_rule_picks_the_best_worst_model():

@@ -24,11 +24,13 @@ def make_traced_results(folder: Path) -> Path:
     from tests.search.step_world import build_step_world
     from tests.search.test_search_equivalence import RECORDS
     from treeserve.eval.runner import EvalSettings, run_eval
+    from treeserve.runtime.model_settings import ModelSettings
+    from treeserve.runtime.runtime_settings import RuntimeSettings
     from treeserve.search.context import SearchConfig
 
     generator, prm = build_step_world(str(folder / "world"))
-    settings = EvalSettings(generator=generator, prm=prm, dtype="float32", progress=False, kv_cache_memory=64 << 20,
-                            page_logs=True)  # fmt: skip
+    settings = EvalSettings(generator=ModelSettings(generator), prm=ModelSettings(prm), progress=False, page_logs=True,
+                            runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20))  # fmt: skip
     config = SearchConfig(n=8, beam_width=2, num_iterations=5, max_tokens=24, trace=True)
     run_eval(settings, config, inline=[dict(r) for r in RECORDS], output=folder / "traced.json")
     return folder / "traced.json"

@@ -89,12 +89,13 @@ def test_every_entry_point_accepts_a_gguf_model_path(tmp_path):
     """The engine, `eval` and `serve` check model paths with one rule: a directory or a .gguf file."""
     from treeserve.config import check_model_path
     from treeserve.eval.runner import EvalSettings
+    from treeserve.runtime.model_settings import ModelSettings
     from treeserve.server.settings import ServerSettings
 
     path = _gguf(tmp_path, "llama")
     check_model_path(path)
-    ServerSettings(model=path, prm=None).check()
-    EvalSettings(generator=path).check()
+    ServerSettings(ModelSettings(path), prm=None).check()
+    EvalSettings(generator=ModelSettings(path)).check()
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         check_model_path(str(tmp_path))
     with pytest.raises(FileNotFoundError, match="a checkpoint directory or a .gguf file"):

@@ -119,11 +119,15 @@ def test_cli_generate_takes_quantization_flags(tmp_path, capsys):
 
 
 def test_eval_runs_both_models_in_int8_and_records_it():
-    from treeserve.eval.runner import EvalSettings, run_eval
+    from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM, EvalSettings, run_eval
+    from treeserve.runtime.model_settings import ModelSettings
+    from treeserve.runtime.runtime_settings import RuntimeSettings
     from treeserve.search.context import SearchConfig
 
-    settings = EvalSettings(dataset="arith:level=1,size=2,seed=0", quantization="int8", prm_quantization="int8",
-                            kv_cache_memory=32 << 20, progress=False)  # fmt: skip
+    settings = EvalSettings(dataset="arith:level=1,size=2,seed=0",
+                            generator=ModelSettings(DEFAULT_GENERATOR, quantization="int8"),
+                            prm=ModelSettings(DEFAULT_PRM, quantization="int8"),
+                            runtime=RuntimeSettings(kv_cache_memory=32 << 20), progress=False)  # fmt: skip
     config = SearchConfig(strategy="beam_search", n=4, beam_width=2, num_iterations=2, max_tokens=24)
     results = run_eval(settings, config)  # checks every page is back at the end
     assert results["quantization"] == {"generator": "int8", "prm": "int8"}

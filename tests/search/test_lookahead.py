@@ -17,8 +17,11 @@ import pytest
 from tests.search.step_world import build_step_world
 from treeserve.cli import main
 from treeserve.eval.runner import EvalSettings, build_runtime, run_eval
-from treeserve.search.context import Beam, Problem, SearchConfig, SearchContext
+from treeserve.runtime.model_settings import ModelSettings
+from treeserve.runtime.runtime_settings import RuntimeSettings
+from treeserve.search.context import SearchConfig, SearchContext
 from treeserve.search.prm import load_prm
+from treeserve.search.types import Beam, Problem
 
 QUESTIONS = ["Compute 1+2.", "Compute 3*4-5.", "Compute (6+7)*8."]
 RECORDS = [{"problem": q, "answer": "3", "unique_id": f"q{i}", "level": 1, "grader": "arith"}
@@ -34,8 +37,8 @@ def world(tmp_path_factory):
 
 def settings(world, reference: bool = False) -> EvalSettings:
     generator, prm = world
-    return EvalSettings(generator=generator, prm=prm, dtype="float32", reference=reference, progress=False,
-                        kv_cache_memory=64 << 20)  # fmt: skip
+    return EvalSettings(generator=ModelSettings(generator), prm=ModelSettings(prm), reference=reference, progress=False,
+                        runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20))  # fmt: skip
 
 
 def run(world, config: SearchConfig, reference: bool = False) -> dict:

@@ -12,6 +12,8 @@ import pytest
 
 from tests.search.step_world import build_step_world
 from treeserve.eval.runner import EvalSettings, run_eval
+from treeserve.runtime.model_settings import ModelSettings
+from treeserve.runtime.runtime_settings import RuntimeSettings
 from treeserve.search.context import SearchConfig
 
 QUESTIONS = ["Compute 1+2.", "Compute 3*4-5.", "Compute (6+7)*8.", "Compute 9-1."]
@@ -24,10 +26,12 @@ def world(tmp_path_factory):
     return build_step_world(str(tmp_path_factory.mktemp("step_world")))
 
 
-def run(world, config: SearchConfig, reference: bool, **memory) -> dict:
+def run(world, config: SearchConfig, reference: bool, kv_cache_memory: int = 64 << 20,
+        prm_kv_fraction: float | None = None) -> dict:  # fmt: skip
     generator, prm = world
-    settings = EvalSettings(generator=generator, prm=prm, dtype="float32", reference=reference, progress=False,
-                            **{"kv_cache_memory": 64 << 20, **memory})  # fmt: skip
+    settings = EvalSettings(generator=ModelSettings(generator), prm=ModelSettings(prm, kv_fraction=prm_kv_fraction),
+                            reference=reference, progress=False,
+                            runtime=RuntimeSettings(dtype="float32", kv_cache_memory=kv_cache_memory))  # fmt: skip
     return run_eval(settings, config, inline=[dict(r) for r in RECORDS])
 
 

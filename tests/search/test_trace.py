@@ -11,6 +11,8 @@ import pytest
 from tests.search.step_world import build_step_world
 from tests.search.test_search_equivalence import CONFIGS, RECORDS, signature
 from treeserve.eval.runner import EvalSettings, run_eval
+from treeserve.runtime.model_settings import ModelSettings
+from treeserve.runtime.runtime_settings import RuntimeSettings
 from treeserve.search.context import SearchConfig
 from treeserve.search.trace import FATES, nodes
 
@@ -22,8 +24,8 @@ def world(tmp_path_factory):
 
 def run(world, config: SearchConfig, reference: bool = False) -> dict:
     generator, prm = world
-    settings = EvalSettings(generator=generator, prm=prm, dtype="float32", reference=reference, progress=False,
-                            kv_cache_memory=64 << 20)  # fmt: skip
+    settings = EvalSettings(generator=ModelSettings(generator), prm=ModelSettings(prm), reference=reference,
+                            progress=False, runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20))
     return run_eval(settings, config, inline=[dict(r) for r in RECORDS])
 
 
@@ -102,8 +104,8 @@ def test_arithmetic_trace_marks_shared_scores_and_duplicates():
     """The shipped arithmetic pair writes many identical steps: beams share PRM requests, and
     filter_duplicates drops twins, each of which has a surviving twin of the same text."""
     config = SearchConfig(n=8, beam_width=2, num_iterations=6, filter_duplicates=True, trace=True, seed=1)
-    settings = EvalSettings(dataset="arith:level=4,size=2,seed=0", dtype="float32", progress=False,
-                            kv_cache_memory=64 << 20)  # fmt: skip
+    settings = EvalSettings(dataset="arith:level=4,size=2,seed=0", progress=False,
+                            runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20))
     doc = run_eval(settings, config)
     rows = [n for p in doc["problems"] for n in nodes(p["trace"])]
     sources, fates = Counter(n["cache"] for n in rows), Counter(n["fate"] for n in rows)

@@ -18,6 +18,8 @@ import pytest
 import uvicorn
 
 from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM
+from treeserve.runtime.model_settings import ModelSettings
+from treeserve.runtime.runtime_settings import RuntimeSettings
 from treeserve.server.app import build_app
 from treeserve.server.completions import Served
 from treeserve.server.settings import ServerSettings, build_served
@@ -71,8 +73,8 @@ def start_server(settings: ServerSettings, build: Callable[[ServerSettings], Ser
 
 @pytest.fixture(scope="session")
 def live_server() -> Iterator[LiveServer]:
-    settings = ServerSettings(model=DEFAULT_GENERATOR, prm=DEFAULT_PRM, served_model_name=MODEL, api_key=API_KEY,
-                              dtype="float32", kv_cache_memory=64 << 20)  # fmt: skip
+    settings = ServerSettings(ModelSettings(DEFAULT_GENERATOR), ModelSettings(DEFAULT_PRM), served_model_name=MODEL,
+                              api_key=API_KEY, runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20))
     server = start_server(settings)
     yield server
     server.stop()

@@ -27,11 +27,13 @@ import pytest
 from tests.server.conftest import API_KEY, MODEL, LiveServer, start_server
 from tests.server.test_failures import AUTH, CHAT, post
 from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM
+from treeserve.runtime.model_settings import ModelSettings
+from treeserve.runtime.runtime_settings import RuntimeSettings
 from treeserve.server.launch import build_core_served
 from treeserve.server.settings import ServerSettings
 
-SETTINGS = dict(model=DEFAULT_GENERATOR, prm=DEFAULT_PRM, served_model_name=MODEL, api_key=API_KEY, dtype="float32",
-                kv_cache_memory=64 << 20)  # fmt: skip
+SETTINGS = dict(generator=ModelSettings(DEFAULT_GENERATOR), prm=ModelSettings(DEFAULT_PRM), served_model_name=MODEL,
+                api_key=API_KEY, runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20))  # fmt: skip
 SEARCH = {"problem": "Compute (12 + 7) * 3.", "n": 4, "beam_width": 2, "seed": 3}
 
 
@@ -147,7 +149,7 @@ def test_an_injected_failing_step_fails_only_its_request(core_server):
 
 def test_kill_9_mid_load(core_server):
     client = core_server.served.runtime
-    assert client.settings.async_scheduling  # the core steps overlapped: the kill meets steps in flight
+    assert client.settings.generator.async_scheduling  # the core steps overlapped: the kill meets steps in flight
     restarts = client.restarts
     statuses: list[object] = []
 

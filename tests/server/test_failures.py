@@ -16,6 +16,8 @@ from tests.server.conftest import API_KEY, MODEL, LiveServer, start_server
 from treeserve import LLM, SamplingParams
 from treeserve.eval.runner import DEFAULT_GENERATOR
 from treeserve.kv.arena import KVArena
+from treeserve.runtime.model_settings import ModelSettings
+from treeserve.runtime.runtime_settings import RuntimeSettings
 from treeserve.server.settings import ServerSettings
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -188,7 +190,8 @@ def test_too_little_kv_memory_queues_and_preempts_without_changing_answers() -> 
     cfg = offline.engine.model_config
     page = KVArena.page_bytes(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, offline.engine.config.torch_dtype)
     settings = ServerSettings(
-        model=DEFAULT_GENERATOR, served_model_name=MODEL, dtype="float32", kv_cache_memory=12 * page, max_model_len=128
+        ModelSettings(DEFAULT_GENERATOR, max_model_len=128), served_model_name=MODEL,
+        runtime=RuntimeSettings(dtype="float32", kv_cache_memory=12 * page),
     )  # one 128-token sequence needs 9 pages
     server = start_server(settings)  # fmt: skip
     try:

@@ -16,6 +16,8 @@ from hypothesis import HealthCheck, given, settings
 
 from tests.server.conftest import API_KEY, LiveServer, start_server
 from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM
+from treeserve.runtime.model_settings import ModelSettings
+from treeserve.runtime.runtime_settings import RuntimeSettings
 from treeserve.server.settings import ServerSettings
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -23,8 +25,9 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 @pytest.fixture(scope="module")
 def fuzz_server() -> Iterator[LiveServer]:
-    settings = ServerSettings(model=DEFAULT_GENERATOR, prm=DEFAULT_PRM, api_key=API_KEY, max_model_len=64,
-                              kv_cache_memory=32 << 20)  # fmt: skip
+    settings = ServerSettings(ModelSettings(DEFAULT_GENERATOR, max_model_len=64),
+                              ModelSettings(DEFAULT_PRM, max_model_len=64), api_key=API_KEY,
+                              runtime=RuntimeSettings(kv_cache_memory=32 << 20))  # fmt: skip
     server = start_server(settings)
     yield server
     server.check_baseline()

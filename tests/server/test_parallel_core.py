@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -39,7 +40,8 @@ def rank_pids(core_pid: int) -> list[int]:
 
 @pytest.mark.slow  # ~18s (CI runs the slow step); the default suite keeps to ~10 minutes
 def test_a_dead_rank_restarts_the_core_with_new_ranks():
-    live = start_server(ServerSettings(**SETTINGS, prm_tensor_parallel_size=2), build=build_core_served)
+    settings = ServerSettings(**{**SETTINGS, "prm": replace(SETTINGS["prm"], tensor_parallel_size=2)})
+    live = start_server(settings, build=build_core_served)
     try:
         first = post(live, "/v1/search", SEARCH)
         assert first.status_code == 200

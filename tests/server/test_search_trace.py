@@ -90,7 +90,8 @@ def test_the_ring_keeps_the_newest():
 @pytest.mark.parametrize("size", [-1])
 def test_a_negative_ring_is_refused(size):
     from treeserve.eval.runner import DEFAULT_GENERATOR
+    from treeserve.runtime.model_settings import ModelSettings
     from treeserve.server.settings import ServerSettings
 
     with pytest.raises(ValueError, match="trace_ring"):
-        ServerSettings(model=DEFAULT_GENERATOR, trace_ring=size).check()
+        ServerSettings(ModelSettings(DEFAULT_GENERATOR), trace_ring=size).check()

@@ -8,13 +8,15 @@ from openai import OpenAI
 
 from tests.server.conftest import API_KEY, MODEL, LiveServer, start_server
 from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM
+from treeserve.runtime.model_settings import ModelSettings
+from treeserve.runtime.runtime_settings import RuntimeSettings
 from treeserve.server.settings import ServerSettings
 
 
 def test_speculative_server_answers_as_the_plain_one(server: LiveServer) -> None:
-    settings = ServerSettings(model=DEFAULT_GENERATOR, prm=DEFAULT_PRM, served_model_name=MODEL, api_key=API_KEY,
-                              dtype="float32", kv_cache_memory=64 << 20,
-                              speculative_config={"method": "tree", "num_speculative_tokens": 4})  # fmt: skip
+    generator = ModelSettings(DEFAULT_GENERATOR, speculative_config={"method": "tree", "num_speculative_tokens": 4})
+    settings = ServerSettings(generator, ModelSettings(DEFAULT_PRM), served_model_name=MODEL, api_key=API_KEY,
+                              runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20))  # fmt: skip
     spec = start_server(settings)
     try:
         clients = [OpenAI(base_url=s.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)

@@ -56,6 +56,7 @@ def mine(
     """Beam search (N=`n`, beam width 4) on `per_level` fresh problems per level; every distinct
     final beam, split into steps and labelled. Each mining round draws its own problems."""
     from treeserve.eval.runner import EvalSettings, run_eval
+    from treeserve.runtime.model_settings import ModelSettings
     from treeserve.search.context import SearchConfig
 
     set_threads(MINE_THREADS)
@@ -65,7 +66,8 @@ def mine(
         key = f"prm-mined-{seed}-{lv}" if round_ == 1 else f"prm-mined-{seed}-round{round_}-{lv}"
         stream = problem_stream(random.Random(key), lv, exclude)
         records += [{**to_record(next(stream), f"mined/L{lv}/{i}"), "grader": "arith"} for i in range(per_level)]
-    settings = EvalSettings(generator=str(generator_dir), prm=str(prm_dir), progress=False)
+    settings = EvalSettings(generator=ModelSettings(str(generator_dir)), prm=ModelSettings(str(prm_dir)),
+                            progress=False)
     config = SearchConfig(strategy="beam_search", n=n, temperature=temperature, seed=seed)
     results = run_eval(settings, config, inline=records)
     out: list[Example] = []

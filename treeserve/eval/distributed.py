@@ -100,11 +100,11 @@ class EvalWorker:
         torch.set_num_threads(threads)
         settings = replace(
             settings,
-            generator=_local_path(settings.generator, driver_assets),
-            prm=_local_path(settings.prm, driver_assets),
+            generator=replace(settings.generator, path=_local_path(settings.generator.path, driver_assets)),
+            prm=settings.prm and replace(settings.prm, path=_local_path(settings.prm.path, driver_assets)),
         )
         self.runtime = build_runtime(settings, config)
-        prm = load_prm(self.runtime, "prm", settings.prm_style) if "prm" in self.runtime.engines else None
+        prm = load_prm(self.runtime, "prm", settings.prm.style) if "prm" in self.runtime.engines else None
         self.ctx = SearchContext(config, self.runtime, "generator", prm)
         self.finished = 0
         self.crash_after, self.hang_after = crash_after, hang_after
@@ -136,7 +136,7 @@ class EvalWorker:
         return run_counters(self.runtime, self.ctx)
 
 
-def _local_path(path: str | None, driver_assets: str) -> str | None:
+def _local_path(path: str, driver_assets: str) -> str:
     """The shipped models travel with the package: a path into the driver's assets folder
     means this node's assets folder (the package may be installed elsewhere here)."""
     if path and Path(path).is_relative_to(driver_assets):

@@ -26,13 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from treeserve.eval.report import PROBLEM_KEYS
+from treeserve.eval.report import PROBLEM_KEYS, upgrade_config
 
 VERSION = 1
 # config keys that say how a run was executed, not what it computes: they may change on resume
-OPERATIONAL = ("memory_report", "page_logs", "progress", "distributed", "async_scheduling", "tensor_parallel_size",
-               "prm_tensor_parallel_size", "pipeline_parallel_size", "prm_pipeline_parallel_size",
-               "distributed_executor_backend", "enforce_eager")
+OPERATIONAL = ("memory_report", "page_logs", "progress", "distributed")
+# the same within a model's settings (the config's "generator" and "prm" sections)
+MODEL_OPERATIONAL = ("async_scheduling", "tensor_parallel_size", "pipeline_parallel_size",
+                     "distributed_executor_backend", "enforce_eager")
 
 
 def journal_path(output: str | Path) -> Path:
@@ -86,7 +87,7 @@ class Journal:
             raise ValueError(
                 f"{self.path} is not a treeserve partial-results file; move it away or choose another output"
             )
-        differences = config_differences(header["config"], config)
+        differences = config_differences(upgrade_config(header["config"]), config)
         if differences:
             raise ValueError(
                 f"{self.path} was written by a run with another config ({'; '.join(differences)}); "
@@ -144,10 +145,11 @@ def config_differences(
     new_name: str = "now",
     prefix: str = "",
 ) -> list[str]:
-    """'key: X in the file, Y now' for every (nested) key whose value differs, OPERATIONAL keys aside."""
+    """'key: X in the file, Y now' for every (nested) key whose value differs, OPERATIONAL keys (and
+    MODEL_OPERATIONAL keys of a model's settings) aside."""
     out = []
     for key in sorted(set(old) | set(new)):
-        if not prefix and key in OPERATIONAL:
+        if (not prefix and key in OPERATIONAL) or (prefix in ("generator.", "prm.") and key in MODEL_OPERATIONAL):
             continue
         a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
         if isinstance(a, Mapping) and isinstance(b, Mapping):

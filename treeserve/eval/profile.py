@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from treeserve.eval.runner import EvalSettings, load_problems, run_eval
+from treeserve.runtime.model_settings import TUNED_KEYS
 from treeserve.runtime.tuner import GridPoint, choose
 from treeserve.search.context import SearchConfig
 
@@ -67,9 +68,12 @@ def measure(
     records: list[dict] | None = None,
 ) -> tuple[Measurement, dict]:
     """One run; returns its measurement and the whole results document."""
+    batching = dict.fromkeys(TUNED_KEYS) | (batch_engine_args(batch)["generator"] if batch else {})
     run = replace(
-        settings, kv_cache_memory=kv_cache_memory, memory_budget=None, memory_fraction=None,
-        prm_kv_fraction=prm_kv_fraction, engine_args=batch_engine_args(batch) if batch else None, progress=False,
+        settings, progress=False,
+        runtime=replace(settings.runtime, kv_cache_memory=kv_cache_memory, memory_budget=None, memory_fraction=None),
+        generator=replace(settings.generator, **batching),
+        prm=settings.prm and replace(settings.prm, kv_fraction=prm_kv_fraction, **batching),
     )  # fmt: skip
     try:
         doc = run_eval(run, config, inline=records)

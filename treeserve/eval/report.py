@@ -24,7 +24,7 @@ import math
 import os
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from treeserve.eval.metrics import (
     select,
     summarize,
 )
+from treeserve.runtime.model_settings import ModelSettings
 
 PROBLEM_KEYS = ("unique_id", "level", "problem", "answer", "pred", "correct", "completions")
 COMPLETION_KEYS = ("text", "answer", "step_scores", "score", "correct")
@@ -249,7 +250,35 @@ def read_results(path: str | Path) -> dict:
         obj = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not a treeserve results file (not valid JSON: {e})") from None
-    return validate_results(obj, str(path))
+    document = validate_results(obj, str(path))
+    document["config"] = upgrade_config(document["config"])
+    return document
+
+
+# results written before each model had settings of its own held them as flat keys: these
+# applied to both models, these to the generator, these (renamed) to the PRM
+_OLD_BOTH = ("dequantize", "quant_activations", "async_scheduling", "enforce_eager", "distributed_executor_backend")
+_OLD_GENERATOR = ("quantization", "speculative_config", "tensor_parallel_size", "pipeline_parallel_size")
+_OLD_PRM = {"prm_style": "style", "prm_quantization": "quantization", "prm_kv_fraction": "kv_fraction",
+            "prm_tensor_parallel_size": "tensor_parallel_size", "prm_pipeline_parallel_size": "pipeline_parallel_size"}
+
+
+def upgrade_config(config: Mapping[str, Any]) -> dict:
+    """A results document's (or journal's) config in today's form. One written before each model
+    had its own settings (`generator` and `prm` paths beside flat keys, the PRM's `prm_`-prefixed,
+    `engine_args` per model) gets `generator` and `prm` sections (`ModelSettings`), the keys it
+    lacks at today's defaults; a config in today's form is returned as it is."""
+    config = dict(config)
+    if not isinstance(config.get("generator"), str) and not isinstance(config.get("prm"), str):
+        return config
+    tuned = config.pop("engine_args", None) or {}
+    both = {k: config.pop(k) for k in _OLD_BOTH if k in config}
+    generator = {k: config.pop(k) for k in _OLD_GENERATOR if k in config}
+    prm = {new: config.pop(old) for old, new in _OLD_PRM.items() if old in config}
+    for name, own in (("generator", generator), ("prm", prm)):
+        if isinstance(config.get(name), str):
+            config[name] = asdict(ModelSettings(config[name], **both, **own, **tuned.get(name, {})))
+    return config
 
 
 def validate_results(obj: Any, source: str = "results") -> dict:

@@ -16,9 +16,6 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from treeserve.config import check_model_path, check_parallel, resolve_async_scheduling
-from treeserve.device import resolve_attention_backend, resolve_device
-from treeserve.engine.speculative import SpeculativeConfig
 from treeserve.eval.datasets import load_dataset
 from treeserve.eval.grading import Grader
 from treeserve.eval.journal import Journal, journal_path
@@ -31,7 +28,9 @@ from treeserve.eval.report import (
     problems_from_records,
     write_results,
 )
-from treeserve.runtime.runtime import Runtime, parallel_sizes, per_model_engine_args
+from treeserve.runtime.model_settings import ModelSettings
+from treeserve.runtime.runtime import Runtime
+from treeserve.runtime.runtime_settings import RuntimeSettings
 from treeserve.search.context import SearchConfig, SearchContext
 from treeserve.search.prm import load_prm
 from treeserve.search.run import ProblemResult, search_problems
@@ -44,29 +43,9 @@ DEFAULT_PRM = str(ASSETS / "arith-prm")
 @dataclass
 class EvalSettings:
     dataset: str = "arith:level=4,5,size=40,seed=0"
-    generator: str = DEFAULT_GENERATOR
-    prm: str = DEFAULT_PRM
-    prm_style: str | None = None
-    dtype: str = "bfloat16"
-    device: str | None = None  # None: cuda when torch sees a GPU, else cpu
-    attention_backend: str | None = None  # None: the device's default (triton on CUDA, cpu on a CPU)
-    kv_cache_memory: int | None = None  # KV bytes (1 GiB when no budget below is given either)
-    memory_budget: int | None = None  # bytes for weights + activations + KV (see runtime/planner.py)
-    memory_fraction: float | None = None  # of the memory free at start, for everything
-    prm_kv_fraction: float | None = None  # None: one page arena shared by both models; else a static split
-    engine_args: dict | None = None  # per-model engine settings, {"generator": {...}, "prm": {...}} (from `tune`)
-    quantization: str | None = None  # the generator's: "int8" (a Hugging Face checkpoint), "gguf" (a GGUF file's own)
-    prm_quantization: str | None = None  # the PRM's, likewise
-    dequantize: bool = False  # load GGUF files dense
-    quant_activations: str | None = None  # every model's quantised matmuls: "int8" | "bf16" (None: the default)
-    speculative_config: dict | str | None = None  # the generator's speculative decoding (EngineConfig's)
-    async_scheduling: bool | None = None  # overlapped steps, both models (None: the device's default)
-    enforce_eager: bool = False  # no CUDA graphs for decode steps, both models
-    tensor_parallel_size: int = 1  # the generator's ranks (tensor shards), and the PRM's:
-    prm_tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1  # the generator's pipeline stages, and the PRM's
-    prm_pipeline_parallel_size: int = 1
-    distributed_executor_backend: str = "mp"  # how parallel models' other ranks start: "mp" | "ray"
+    generator: ModelSettings = field(default_factory=lambda: ModelSettings(DEFAULT_GENERATOR))
+    prm: ModelSettings | None = field(default_factory=lambda: ModelSettings(DEFAULT_PRM))  # None: majority only
+    runtime: RuntimeSettings = field(default_factory=RuntimeSettings)  # dtype, device, memory: both models'
     memory_report: str | None = None  # write the memory plan (JSON) here
     page_logs: bool = False  # put every engine's per-step page statistics in the results
     reference: bool = False
@@ -80,36 +59,18 @@ class EvalSettings:
         return self.selection or DEFAULT_SELECTION[strategy]
 
     def check(self) -> None:
-        self.device = resolve_device(self.device)  # resolved, so results record what ran
-        self.attention_backend = resolve_attention_backend(self.attention_backend, self.device)
-        for name, path, quantization in (("generator", self.generator, self.quantization),
-                                         ("prm", self.prm, self.prm_quantization)):  # fmt: skip
-            check_model_path(str(path), f"{name} model")
-            sizes = parallel_sizes(self)[name]
-            try:
-                check_parallel(str(path), self.device, sizes["tensor_parallel_size"], sizes["pipeline_parallel_size"],
-                               quantization, backend=self.distributed_executor_backend)  # fmt: skip
-            except ValueError as e:
-                raise ValueError(f"{name}: {e}") from None
+        self.runtime.check(self.generator, self.prm)
         if self.shard is not None:
             parse_shard(self.shard)
-        spec = SpeculativeConfig.parse(self.speculative_config)  # checked before any model loads
-        self.speculative_config = None if spec is None else asdict(spec)
-        self.async_scheduling = resolve_async_scheduling(self.async_scheduling, self.device, spec is not None)
-        if self.prm_kv_fraction is not None and not 0.0 < self.prm_kv_fraction < 1.0:
-            raise ValueError(f"prm_kv_fraction must be in (0, 1), got {self.prm_kv_fraction}")
         if self.selection is not None and self.selection not in SELECTIONS:
             raise ValueError(f"selection must be one of {', '.join(SELECTIONS)}, got {self.selection!r}")
 
 
 def build_runtime(settings: EvalSettings, config: SearchConfig) -> Runtime:
     prm = settings.prm if config.strategy != "majority" else None
-    return Runtime.for_search(
-        settings.generator, prm, settings.kv_cache_memory, settings.prm_kv_fraction, per_model_engine_args(settings),
-        dtype=settings.dtype, enable_prefix_caching=config.prefix_cache, memory_budget=settings.memory_budget,
-        memory_fraction=settings.memory_fraction, device=settings.device, attention_backend=settings.attention_backend,
-        async_scheduling=settings.async_scheduling, enforce_eager=settings.enforce_eager,
-    )  # fmt: skip
+    if config.strategy != "majority" and prm is None:
+        raise ValueError(f"strategy {config.strategy!r} needs a PRM")
+    return settings.runtime.load(settings.generator, prm, enable_prefix_caching=config.prefix_cache)
 
 
 class Interrupted(RuntimeError):
@@ -150,7 +111,7 @@ def run_eval(
             runtime.memory_plan.write(settings.memory_report)
         if settings.progress:
             print(runtime.memory_plan.table(), file=sys.stderr)
-        prm = load_prm(runtime, "prm", settings.prm_style) if "prm" in runtime.engines else None
+        prm = load_prm(runtime, "prm", settings.prm.style) if "prm" in runtime.engines else None
         ctx = SearchContext(config, runtime, "generator", prm)
         with Grader() as grader:
             recorder = Recorder(journal, grader, settings.answer_rule(config.strategy), config.agg,
@@ -202,10 +163,13 @@ def parse_shard(text: str) -> tuple[int, int]:
 
 
 def run_config(settings: EvalSettings, config: SearchConfig, records: list[dict], extra: dict | None = None) -> dict:
-    """The results document's "config": what ran, on how many problems."""
+    """The results document's "config": what ran, on how many problems: the settings (each
+    model's a section of its own, the runtime's flat beside them), the search's nested."""
+    own = {k: v for k, v in asdict(settings).items() if k not in ("progress", "runtime")}
     return {
         "search": asdict(config),
-        **{k: v for k, v in asdict(settings).items() if k != "progress"},
+        **own,
+        **asdict(settings.runtime),
         "selection": settings.answer_rule(config.strategy),
         "num_problems": len(records),
         **(extra or {}),

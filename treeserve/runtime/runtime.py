@@ -341,34 +341,3 @@ class Runtime:
         for engine in self.engines.values():
             engine.check_pages_idle()
 
-
-def parallel_sizes(settings: object) -> dict[str, dict[str, int]]:
-    """The generator's and the PRM's parallel sizes from settings with `tensor_parallel_size`,
-    `pipeline_parallel_size` and their `prm_` twins (EvalSettings, ServerSettings)."""
-    keys = ("tensor_parallel_size", "pipeline_parallel_size")
-    generator = {k: getattr(settings, k) for k in keys}
-    return {"generator": generator, "prm": {k: getattr(settings, f"prm_{k}") for k in keys}}
-
-
-def per_model_engine_args(settings: object) -> dict[str, dict]:
-    """The per-model engine settings of `settings` (EvalSettings, ServerSettings): its
-    `engine_args` ({"generator": {...}, "prm": {...}}) with each model's quantisation settings
-    (`quant_activations` for both), the generator's speculative decoding and each model's
-    parallel sizes (`parallel_sizes`; sizes of 1 are left out) and how their ranks start added."""
-    args = {name: dict(values) for name, values in (settings.engine_args or {}).items()}
-    for name, sizes in parallel_sizes(settings).items():
-        parallel = {key: size for key, size in sizes.items() if size != 1}
-        if parallel:
-            parallel["distributed_executor_backend"] = settings.distributed_executor_backend
-        args.setdefault(name, {}).update(parallel)
-    if settings.speculative_config is not None:
-        args.setdefault("generator", {})["speculative_config"] = settings.speculative_config
-    for name, method in (("generator", settings.quantization), ("prm", settings.prm_quantization)):
-        entry = args.setdefault(name, {})
-        if method is not None:
-            entry["quantization"] = method
-        if settings.dequantize:
-            entry["dequantize"] = True
-        if settings.quant_activations is not None:
-            entry["quant_activations"] = settings.quant_activations
-    return args

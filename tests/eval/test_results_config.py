@@ -1,0 +1,71 @@
+"""A results file's "config": each model's settings a section of its own. Files written before
+(the generator's and PRM's settings as flat keys, the PRM's `prm_`-prefixed) still load, resume,
+compare and view, read as today's form."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+from treeserve.cli import main
+from treeserve.eval.journal import Journal, journal_path
+from treeserve.eval.report import read_results, upgrade_config
+from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM, EvalSettings, run_config
+from treeserve.runtime.model_settings import ModelSettings
+from treeserve.search.context import SearchConfig
+
+OLD = {  # as `treeserve eval` wrote it before models had settings of their own
+    "search": {"strategy": "beam_search", "n": 4, "agg": "last"},
+    "dataset": "arith:level=4,size=2,seed=0", "generator": "/models/gen", "prm": "/models/prm", "prm_style": "step_tag",
+    "dtype": "float32", "device": "cpu", "attention_backend": "cpu", "kv_cache_memory": 1 << 26, "memory_budget": None,
+    "memory_fraction": None, "prm_kv_fraction": 0.3,
+    "engine_args": {"generator": {"max_num_seqs": 32}, "prm": {"max_num_batched_tokens": 512}},
+    "quantization": "int8", "prm_quantization": None, "dequantize": False, "quant_activations": "bf16",
+    "speculative_config": None, "async_scheduling": False, "enforce_eager": True, "tensor_parallel_size": 2,
+    "prm_tensor_parallel_size": 1, "pipeline_parallel_size": 1, "prm_pipeline_parallel_size": 2,
+    "distributed_executor_backend": "mp", "memory_report": None, "page_logs": False, "reference": False,
+    "limit": None, "shard": None, "selection": "weighted", "num_problems": 1,
+}  # fmt: skip
+COMPLETION = {"text": "1+2 = 3", "answer": "3", "step_scores": [0.9], "score": 0.9, "correct": True}
+PROBLEM = {"unique_id": "a", "level": 1, "problem": "Compute 1+2.", "answer": "3", "pred": "3", "correct": True,
+           "completions": [COMPLETION]}  # fmt: skip
+
+
+def test_an_old_config_reads_as_todays():
+    config = upgrade_config(OLD)
+    generator, prm = ModelSettings.from_dict(config["generator"]), ModelSettings.from_dict(config["prm"])
+    assert generator == ModelSettings("/models/gen", quantization="int8", quant_activations="bf16",
+                                      async_scheduling=False, enforce_eager=True, tensor_parallel_size=2,
+                                      max_num_seqs=32)  # fmt: skip
+    assert prm == ModelSettings("/models/prm", style="step_tag", quant_activations="bf16", async_scheduling=False,
+                                enforce_eager=True, pipeline_parallel_size=2, kv_fraction=0.3,
+                                max_num_batched_tokens=512)  # fmt: skip
+    assert not {k for k in config if k.startswith("prm_")} and "engine_args" not in config
+    assert config["dtype"] == "float32" and config["selection"] == "weighted" and config["search"] == OLD["search"]
+
+
+def test_a_new_config_is_read_as_written():
+    settings = EvalSettings(generator=ModelSettings(DEFAULT_GENERATOR, max_num_seqs=8), prm=ModelSettings(DEFAULT_PRM))
+    config = json.loads(json.dumps(run_config(settings, SearchConfig(), [PROBLEM])))
+    assert upgrade_config(config) == config
+    assert config["generator"] == asdict(settings.generator) and config["prm"]["path"] == DEFAULT_PRM
+    assert config["dtype"] == "bfloat16" and "runtime" not in config  # the runtime's settings stay flat
+
+
+def test_old_results_files_load_compare_and_view(tmp_path, capsys):
+    old = tmp_path / "old.json"
+    summary = {"accuracy": 1.0, "problems_per_s": 1.0, "wall_time_s": 1.0}
+    old.write_text(json.dumps({"config": OLD, "summary": summary, "problems": [PROBLEM]}))
+    assert read_results(old)["config"]["prm"]["tensor_parallel_size"] == 1
+    assert main(["compare", str(old), str(old)]) == 0
+    assert main(["view", str(old), "--output", str(tmp_path / "old.html")]) == 0
+    assert (tmp_path / "old.html").stat().st_size > 0
+
+
+def test_an_old_journal_resumes(tmp_path):
+    """A run killed before this change resumes under it: the header's config, read as today's,
+    equals the config the same command makes now."""
+    path = journal_path(tmp_path / "results.json")
+    path.write_text(json.dumps({"journal": 1, "config": OLD}) + "\n")
+    journal = Journal.open(path, upgrade_config(OLD), resume=True)
+    journal.close()

@@ -1,0 +1,114 @@
+"""The command line's per-model flags, made once from one table for every subcommand.
+
+Owns `MODEL_FLAGS`, one row per `ModelSettings` field a user sets: the generator's flag
+(`--quantization`) and the PRM's (`--prm-quantization`), their options and help.
+`add_model_flags` adds them to a subcommand (the PRM's too when it loads one);
+`model_settings` reads one model's `ModelSettings` back from the parsed flags. Rows marked
+`both` are flags that have always set both models: the PRM's own flag (`--prm-enforce-eager`)
+overrides, and left out it follows the generator's. Nothing here runs a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+from treeserve.runtime.model_settings import ModelSettings
+
+PRM_STYLES = ["step_tag", "rlhflow", "reward_head", "value_head"]
+LIKEWISE = "the PRM's, likewise"
+
+
+@dataclass(frozen=True)
+class ModelFlag:
+    field: str  # the ModelSettings field it sets
+    options: dict = field(default_factory=dict)  # add_argument's keywords but help (the generator's flag's)
+    help: str | None = None  # the generator's flag's help
+    prm_help: str | None = LIKEWISE  # the PRM's flag's help
+    generator: bool = True  # the generator has this flag
+    prm: bool = True  # the PRM has this flag
+    both: bool = False  # the generator's flag sets the PRM's too, unless the PRM's own is given
+
+    def names(self, model: str) -> list[str]:
+        if self.field == "path":
+            return ["--generator", "--model"] if model == "generator" else ["--prm"]
+        flag = "--" + self.field.replace("_", "-")
+        return [flag] if model == "generator" else ["--prm-" + flag[2:]]
+
+    def dest(self, model: str) -> str:
+        """The parsed flags' attribute: `generator` and `prm` for the paths, else the field's name
+        (the generator's) or it after `prm_` (the PRM's)."""
+        if self.field == "path":
+            return model
+        return self.field if model == "generator" else "prm_" + self.field
+
+
+MODEL_FLAGS = (
+    ModelFlag("path", help="the generator: a checkpoint directory or .gguf file (default: the shipped generator)",
+              prm_help="the PRM: a checkpoint directory (default: the shipped PRM; serve: only with no --model)"),
+    ModelFlag("style", {"choices": PRM_STYLES}, generator=False,
+              prm_help="how the PRM reads steps (default: its config's style)"),
+    ModelFlag("quantization", {"choices": ["int8", "gguf"]},
+              "int8: quantise a Hugging Face checkpoint per channel at load; gguf: run a GGUF "
+              "file's quantised blocks (the default for a GGUF file on a CPU)"),
+    ModelFlag("dequantize", {"action": "store_true", "default": False},
+              "load GGUF files dense (dequantised), as before", both=True),
+    ModelFlag("quant_activations", {"choices": ["int8", "bf16"]},
+              "what quantised matmuls take activations as (every model): int8 (the default; "
+              "llama.cpp's way, fastest at a few rows) or bf16 (on an AMX CPU: bf16 tiles of the "
+              "dequantised weights, the dequantised model's exact outputs, for batches of 32+ rows)", both=True),
+    ModelFlag("speculative_config", {"metavar": "JSON"},
+              'speculative decoding, vLLM\'s keys: \'{"method": "ngram", '
+              '"num_speculative_tokens": 4}\', method "tree" (drafts from the other beams of a search) or '
+              '\'{"model": DIR, "num_speculative_tokens": 4}\' (a draft model); same outputs', prm=False),
+    ModelFlag("tensor_parallel_size", {"type": int, "default": 1, "metavar": "K"},
+              "split the model over K ranks (tensor shards; processes the engine starts; gloo on a "
+              "CPU, NCCL on CUDA)"),
+    ModelFlag("pipeline_parallel_size", {"type": int, "default": 1, "metavar": "K"},
+              "split the model's layers into K pipeline stages (ranks)"),
+    ModelFlag("distributed_executor_backend", {"default": "mp", "choices": ["mp", "ray"]},
+              "how a parallel model's other ranks start: mp (processes on this host) or ray (actors in a "
+              "placement group of the Ray cluster this host belongs to: other hosts too)", both=True),
+    ModelFlag("async_scheduling", {"action": argparse.BooleanOptionalAction},
+              "overlapped steps: schedule the next step while the device runs this one (default: on "
+              "with CUDA; on a CPU off, or TREESERVE_ASYNC_SCHEDULING=0|1)", both=True),
+    ModelFlag("enforce_eager", {"action": "store_true", "default": False},
+              "no CUDA graphs: run every step eagerly (on CUDA decode steps replay graphs captured at "
+              "load; on a CPU this changes nothing)", both=True),
+    ModelFlag("max_model_len", {"type": int}, "the longest sequence (default: the model's own, capped)", both=True),
+    ModelFlag("kv_fraction", {"type": float}, generator=False,
+              prm_help="a static split: the PRM's share of KV (default: one arena shared by both models)"),
+)
+
+
+def add_model_flags(parser: argparse.ArgumentParser, prm: bool) -> None:
+    """The generator's flags of MODEL_FLAGS and, with `prm`, the PRM's."""
+    for flag in MODEL_FLAGS:
+        if flag.generator:
+            parser.add_argument(*flag.names("generator"), dest=flag.dest("generator"), help=flag.help,
+                                **{"default": None, **flag.options})  # fmt: skip
+        if prm and flag.prm:
+            options = dict(flag.options)
+            if flag.both:  # None: as the generator's
+                options["default"] = None
+                if options.get("action") == "store_true":
+                    options["action"] = argparse.BooleanOptionalAction
+            text = f"the PRM's (default: as {flag.names('generator')[0]})" if flag.both else flag.prm_help
+            parser.add_argument(*flag.names("prm"), dest=flag.dest("prm"), help=text,
+                                **{"default": None, **options})  # fmt: skip
+
+
+def model_settings(args: argparse.Namespace, model: str, tuned: dict | None = None) -> ModelSettings | None:
+    """`model`'s ("generator" or "prm") settings from flags `add_model_flags` made, with `tuned`
+    batch settings (a `--config` file's); None when no path was given."""
+    values = {}
+    for flag in MODEL_FLAGS:
+        if not (flag.generator if model == "generator" else flag.prm):
+            continue
+        value = getattr(args, flag.dest(model))
+        if value is None and flag.both and model == "prm":
+            value = getattr(args, flag.dest("generator"))
+        values[flag.field] = value
+    if values["path"] is None:
+        return None
+    return ModelSettings(**values, **(tuned or {}))
