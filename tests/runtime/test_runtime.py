@@ -62,9 +62,9 @@ def test_cancel_and_speculation_release_pages(runtime):
         with pytest.raises(asyncio.CancelledError):
             await task
         params = SamplingParams(max_tokens=100, ignore_eos=True, stop=["e"], n_stop_occurrences=50)
-        spec = await runtime.generate_ahead("gen", "speculate", params)
-        first = await asyncio.wait_for(spec.first, 30)
-        spec.cancel()
+        ahead = await runtime.generate_ahead("gen", "speculate", params)
+        first = await asyncio.wait_for(ahead.first, 30)
+        ahead.cancel()
         await runtime.close()
         return first
 

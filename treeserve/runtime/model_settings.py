@@ -53,11 +53,11 @@ class ModelSettings:
                            self.quantization, backend=self.distributed_executor_backend)  # fmt: skip
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
-        spec = SpeculativeConfig.parse(self.speculative_config)
-        if spec is not None and name == "prm":
+        speculative = SpeculativeConfig.parse(self.speculative_config)
+        if speculative is not None and name == "prm":
             raise ValueError("a PRM only scores (one forward per input): speculative decoding is for the generator")
-        self.speculative_config = None if spec is None else asdict(spec)
-        self.async_scheduling = resolve_async_scheduling(self.async_scheduling, device, spec is not None)
+        self.speculative_config = None if speculative is None else asdict(speculative)
+        self.async_scheduling = resolve_async_scheduling(self.async_scheduling, device, speculative is not None)
         if self.quant_activations not in (None, *ACTIVATIONS):
             raise ValueError(f"{name}: quant_activations must be one of {list(ACTIVATIONS)} or None, "
                              f"got {self.quant_activations!r}")  # fmt: skip

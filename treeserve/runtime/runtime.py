@@ -35,7 +35,7 @@ def check_constraint(constraint: StructuredOutputsParams) -> None:
 
 
 @dataclass
-class Speculation:
+class DecodeAhead:
     """A generation that reports its first step early and keeps decoding past it."""
 
     runtime: Runtime
@@ -214,20 +214,20 @@ class Runtime:
             if not finished:
                 engine.abort(request_id)
 
-    async def generate_speculative(
+    async def generate_ahead(
         self, model: str, prompt: str | list[int] | dict, params: SamplingParams, draft_group: str | None = None
-    ) -> Speculation:
+    ) -> DecodeAhead:
         """Like `generate`, but `first` resolves as soon as the first stop string occurs while
         decoding continues (up to `params.n_stop_occurrences`) until `final`, or `cancel()`."""
         engine = self._engine(model)
         request_id = str(next(self._ids))
         engine.add_request(request_id, prompt, params, stream=True, draft_group=draft_group)
         loop = asyncio.get_running_loop()
-        spec = Speculation(self, model, request_id, loop.create_future(), loop.create_future())
-        self._futures[(model, request_id)] = spec.final
-        self._early[(model, request_id)] = spec.first
+        ahead = DecodeAhead(self, model, request_id, loop.create_future(), loop.create_future())
+        self._futures[(model, request_id)] = ahead.final
+        self._early[(model, request_id)] = ahead.first
         self._ensure_driver()
-        return spec
+        return ahead
 
     def _forget(self, model: str, request_id: str) -> None:
         self.engines[model].abort(request_id)
