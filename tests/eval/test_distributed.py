@@ -121,7 +121,7 @@ def test_a_worker_that_cannot_start_says_why(cluster):
     from treeserve.eval.distributed import RayOptions, WorkerError, run_eval_distributed
 
     bad = settings()
-    bad.kv_cache_memory = 10_000  # passes the driver's checks; the worker's engine refuses it
+    bad.runtime.kv_cache_memory = 10_000  # passes the driver's checks; the worker's engine refuses it
     with pytest.raises(WorkerError, match="worker 0 failed to start: ValueError: the KV budget"):
         run_eval_distributed(bad, config(), RayOptions(workers=1))
 

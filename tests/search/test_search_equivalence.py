@@ -27,9 +27,10 @@ def world(tmp_path_factory):
 
 
 def run(world, config: SearchConfig, reference: bool, kv_cache_memory: int = 64 << 20,
-        prm_kv_fraction: float | None = None) -> dict:  # fmt: skip
+        prm_kv_fraction: float | None = None, speculative_config: dict | None = None) -> dict:  # fmt: skip
     generator, prm = world
-    settings = EvalSettings(generator=ModelSettings(generator), prm=ModelSettings(prm, kv_fraction=prm_kv_fraction),
+    settings = EvalSettings(generator=ModelSettings(generator, speculative_config=speculative_config),
+                            prm=ModelSettings(prm, kv_fraction=prm_kv_fraction),
                             reference=reference, progress=False,
                             runtime=RuntimeSettings(dtype="float32", kv_cache_memory=kv_cache_memory))  # fmt: skip
     return run_eval(settings, config, inline=[dict(r) for r in RECORDS])
@@ -117,11 +118,11 @@ def test_speculative_decoding_does_not_change_the_search(world, method, name):
     """Speculative decoding of the generator (each method; the generator drafting for itself as
     the draft model) under every search optimisation selects what the plain reference selects."""
     generator, _ = world
-    spec = {"method": method, "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    speculative = {"method": method, "num_speculative_tokens": 4, "prompt_lookup_min": 1}
     if method == "model":
-        spec = {"model": generator, "num_speculative_tokens": 4}
+        speculative = {"model": generator, "num_speculative_tokens": 4}
     config = CONFIGS[name]
-    fast = run(world, config, reference=False, speculative_config=spec)
+    fast = run(world, config, reference=False, speculative_config=speculative)
     assert signature(fast) == signature(run(world, config, reference=True))
     assert fast["summary"]["generator_spec_accepted_tokens"] > 0
-    assert fast["config"]["speculative_config"]["method"] == method
+    assert fast["config"]["generator"]["speculative_config"]["method"] == method
