@@ -195,12 +195,16 @@ def child_decode(engine_name: str, count: int) -> dict:
 def child_beam(engine_name: str, count: int) -> dict:
     from treeserve.eval.runner import EvalSettings, run_eval
     from treeserve.runtime import runtime as runtime_module
-    from treeserve.runtime.runtime_settings import RuntimeSettings
     from treeserve.search.context import SearchConfig
 
     problems = max(1, count // 16)
-    settings = EvalSettings(dataset=f"arith:level=4,5,size={2 * problems},seed=0", progress=False,
-                            runtime=RuntimeSettings(dtype="float32"))
+    dataset = f"arith:level=4,5,size={2 * problems},seed=0"
+    try:
+        from treeserve.runtime.runtime_settings import RuntimeSettings
+    except ImportError:  # a checkout before ModelSettings (engine 'before'): the settings were flat
+        settings = EvalSettings(dataset=dataset, progress=False, dtype="float32")
+    else:
+        settings = EvalSettings(dataset=dataset, progress=False, runtime=RuntimeSettings(dtype="float32"))
     if engine_name != "treeserve-old":
         settings.generator.async_scheduling = settings.prm.async_scheduling = engine_name == "treeserve-overlap"
     settings.check()
