@@ -126,3 +126,29 @@ def test_the_first_starving_model_gets_released_pages_first():
     assert pool.may_admit(b.owner) and not pool.may_admit(a.owner)
     pool.set_starving(b.owner, False)
     assert pool.may_admit(a.owner)
+
+
+def test_the_pool_records_which_model_handed_pages_to_which():
+    """A page taken by another model than the one that last held it (free, or a cached page
+    evicted) is a hand-over, reported once to the model that took it; a model reusing its own
+    pages, or a never-used page, is none."""
+    pool = PagePool(4)
+    a, b = pool.register(), pool.register()
+    first = [pool.take(a) for _ in range(2)]
+    assert pool.take_handovers(a) == set()  # never-used pages
+    for block in first:
+        pool.release(block)
+    again = pool.take(a)  # its own page back
+    assert pool.take_handovers(a) == set()
+    pool.release(again)
+    taken = [pool.take(b) for _ in range(3)]  # the free pages a released, and one never used
+    assert pool.take_handovers(b) == {a}
+    assert pool.take_handovers(b) == set()  # reported once
+    cached = pool.take(a)
+    pool.key(cached, 12345)
+    pool.release(cached)  # count 0, keyed: cached, still a's
+    for block in taken:
+        pool.release(block)
+    pool.take_handovers(a)
+    stolen = [pool.take(b) for _ in range(4)]  # the last one evicts a's cached page
+    assert cached in stolen and pool.take_handovers(b) == {a}

@@ -10,13 +10,17 @@
   a GPU stream would: a step may read the samples of the step before it, and the generator's
   and the PRM's steps queue behind each other instead of competing for cores. On CUDA it runs
   on the queue's stream (`stream`; None: the current one).
-* `fence` / `wait`: an event recorded after the work submitted so far, and a wait on another
-  queue's event before this queue's next work: the fence on pages one engine releases and
-  another reuses while the first one's step may still be in flight. On a CPU the shared
-  worker runs steps in order, so a fence is None and waiting on it does nothing.
+* `fence` / `wait`: a marker after the work submitted so far, and a wait on another queue's
+  marker before this queue's next work: the fence on pages one engine releases and another
+  reuses while the first one's step may still be in flight (the page pool records such
+  hand-overs; the engine fences on them before it launches). On CUDA the marker is an event
+  recorded on the queue's stream, waited on by the other stream. On a CPU it is the future of
+  the worker's latest step: work submitted to the worker runs after it anyway (one thread, in
+  order), and work `run` here waits for it first (an overlapped generator beside a PRM whose
+  steps are not overlapped).
 This is the one place an engine's streams live: running the generator and the PRM on two CUDA
-streams at once (the GPU issue) gives each engine's queue a stream of its own and fences the
-page pool's hand-overs with `fence`/`wait`; both are written here, unmeasured on a GPU.
+streams at once (the GPU issue) gives each engine's queue a stream of its own; the fences are
+already in place (unmeasured on a GPU).
 
 The GIL's switch interval decides how long the worker waits for the GIL after each operator
 while the host runs Python (5 ms by default: a forward of ~100 operators would wait on every
@@ -30,6 +34,7 @@ import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 
 import torch
 
@@ -44,9 +49,14 @@ class DeviceQueue:
     def __init__(self, device: torch.device, stream: torch.cuda.Stream | None = None):
         self.device = device
         self.stream = stream  # CUDA: the stream this engine's steps run on (None: the current stream)
+        self._last: Future | None = None  # CPU: the latest work this queue gave the worker
+        self._after: list[Future] = []  # CPU: other queues' work this queue's next `run` waits for
 
     def run(self, fn: Callable, *args: object) -> Future:
         """Run `fn(*args)` on the calling thread, on this queue's stream; its result in a done future."""
+        if self._after:
+            wait_for(self._after)  # their steps may still use pages this step writes
+            self._after.clear()
         if self.stream is None:
             return run_here(fn, *args)
         with torch.cuda.stream(self.stream):
@@ -54,21 +64,29 @@ class DeviceQueue:
 
     def submit(self, fn: Callable, *args: object) -> Future:
         """Queue `fn(*args)` behind the work submitted before it; its result when it has run."""
-        if self.device.type == "cpu":
-            return run_on_worker(self.device, fn, *args)
-        return self.run(fn, *args)
+        if self.device.type != "cpu":
+            return self.run(fn, *args)
+        self._after.clear()  # the device's one worker runs what they wait for first
+        self._last = run_on_worker(self.device, fn, *args)
+        return self._last
 
-    def fence(self) -> torch.cuda.Event | None:
-        """An event after the work submitted so far (CUDA), for another queue to `wait` on."""
-        if self.device.type != "cuda":
-            return None
-        event = torch.cuda.Event()
-        event.record(self.stream)
-        return event
+    def fence(self) -> torch.cuda.Event | Future | None:
+        """A marker after the work submitted so far, for another queue to `wait` on (None: nothing
+        of this queue's can still be running)."""
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(self.stream)
+            return event
+        last = self._last
+        return last if last is not None and not last.done() else None
 
-    def wait(self, fence: torch.cuda.Event | None) -> None:
+    def wait(self, fence: torch.cuda.Event | Future | None) -> None:
         """This queue's next work starts after `fence` (another queue's `fence()`)."""
-        if fence is not None:
+        if fence is None:
+            return
+        if isinstance(fence, Future):
+            self._after.append(fence)
+        else:
             (self.stream or torch.cuda.current_stream(self.device)).wait_event(fence)
 
 

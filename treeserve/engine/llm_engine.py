@@ -170,6 +170,7 @@ class LLMEngine:
         self.blocks = BlockManager(
             pages.num_pages, block_size, config.model_id, config.enable_prefix_caching, pool=pool
         )
+        self.peers: dict[int, DeviceQueue] = {}  # the other engines on this page pool, by owner (`share_kv`)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.scheduler.on_release = self._released
         self.inputs = InputBatch(block_size, pages_per_seq, list(self.tokenizer.eos_token_ids), self.constraints)
@@ -353,6 +354,10 @@ class LLMEngine:
             raise self._fail(batch, e) from e
         step.plan.fail, self._injected = self._injected, None
         self.updates.launched(step)
+        for owner in self.blocks.pool.take_handovers(self.blocks.owner):  # pages other engines released
+            peer = self.peers.get(owner)
+            if peer is not None:
+                self.queue.wait(peer.fence())  # this step starts after their steps that may still use them
         run = self.queue.submit if queued else self.queue.run
         return InFlight(step, run(self.runner.execute, step.plan, previous.result if previous else None))
 
@@ -426,3 +431,5 @@ def share_kv(engines: list[LLMEngine], kv_bytes: int) -> None:
     pool = PagePool(pages.num_pages)
     for engine, block_size in zip(engines, block_sizes, strict=True):
         engine.attach_kv(pages, block_size, pool)
+    for engine in engines:  # whose steps a page handed over may still be used by (`DeviceQueue.fence`)
+        engine.peers = {other.blocks.owner: other.queue for other in engines if other is not engine}

@@ -11,8 +11,11 @@ One free list and one LRU of cached pages serve every model of the arena, so pag
 whichever model needs them: a page one model cached can be evicted for another. Keys are
 salted per model (see `block_manager.py`), so one key map serves all models. Each page in
 use or cached has an owner (the model index from `register`); the pool keeps per-owner
-counts so per-model statistics cost O(1). This module knows page numbers and keys, nothing
-about tokens or tensors.
+counts so per-model statistics cost O(1). A page that changes owner is a hand-over: the new
+owner's next step must not start before the old owner's steps that may still use the page
+(on a GPU, steps of two models can run on two streams); the pool records which owners handed
+pages to whom (`take_handovers`) and the engine fences its device queue on them. This module
+knows page numbers and keys, nothing about tokens or tensors.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class PagePool:
         self.num_pages = num_pages
         self.ref_counts = [0] * num_pages
         self.owner = [-1] * num_pages  # model index while in use or cached, -1 when free
+        self.released_by = [-1] * num_pages  # a free page's last owner (-1: never owned)
         self.block_hash: list[int | None] = [None] * num_pages
         self.free: deque[int] = deque(range(num_pages))
         self.cached: OrderedDict[int, None] = OrderedDict()  # count-0 keyed pages, LRU first
@@ -58,13 +62,22 @@ class PagePool:
         # owners whose next waiting sequence did not fit, first come first: while one waits,
         # the others only run what they already hold, so pages flow to it as they are released
         self.starving: dict[int, None] = {}
+        self.handovers: list[set[int]] = []  # per owner: owners it took pages from since it last asked
 
     def register(self) -> int:
         """A new model on this pool; returns its owner index."""
         self.stats.append(CacheStats())
         self.in_use.append(0)
         self.num_cached.append(0)
+        self.handovers.append(set())
         return len(self.stats) - 1
+
+    def take_handovers(self, owner: int) -> set[int]:
+        """The owners `owner` took pages from since the last call (and forget them)."""
+        handed = self.handovers[owner]
+        if handed:
+            self.handovers[owner] = set()
+        return handed
 
     def may_admit(self, owner: int) -> bool:
         """Whether `owner` may take pages for new sequences now (no other model waits first)."""
@@ -90,8 +103,10 @@ class PagePool:
         """A page for `owner` with count 1: a free one, else the least recently cached one."""
         if self.free:
             block = self.free.popleft()
+            previous = self.released_by[block]
         elif self.cached:
             block, _ = self.cached.popitem(last=False)
+            previous = self.owner[block]
             key = self.block_hash[block]
             del self.hash_to_block[key]
             self.block_hash[block] = None
@@ -100,6 +115,8 @@ class PagePool:
             self.stats[self.owner[block]].evictions += 1
         else:
             raise NoFreePages("no free KV pages")
+        if previous != owner and previous >= 0:
+            self.handovers[owner].add(previous)
         self.ref_counts[block] = 1
         self.owner[block] = owner
         self.in_use[owner] += 1
@@ -126,6 +143,7 @@ class PagePool:
                 self.num_cached[owner] += 1
             else:
                 self.free.append(block)
+                self.released_by[block] = owner
                 self.owner[block] = -1
 
     def key(self, block: int, key: int) -> None:

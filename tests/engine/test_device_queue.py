@@ -1,0 +1,76 @@
+"""The device queue's fences (engine/device_queue.py): an engine's step that writes pages another
+engine released starts only after that engine's steps that may still use them.
+
+On a CPU the marker is the future of the other queue's latest step on the device's worker: a
+step `run` on the calling thread (steps not overlapped) waits for it, a step submitted to the
+same worker runs after it in any case. With a shared arena, each engine fences on the engines
+it took pages from (`PagePool.take_handovers`) before it launches.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from treeserve import SamplingParams
+from treeserve.engine.device_queue import DeviceQueue
+from treeserve.engine.llm_engine import share_kv
+
+CPU = torch.device("cpu")
+
+
+def slow_step(done: threading.Event) -> None:
+    time.sleep(0.3)
+    done.set()
+
+
+def test_a_step_run_here_waits_for_the_fenced_work_of_another_queue():
+    overlapped, plain = DeviceQueue(CPU), DeviceQueue(CPU)
+    done = threading.Event()
+    overlapped.submit(slow_step, done)
+    plain.wait(overlapped.fence())
+    assert plain.run(done.is_set).result()  # it ran after the other queue's step
+
+    unfenced = threading.Event()
+    overlapped.submit(slow_step, unfenced)
+    assert not plain.run(unfenced.is_set).result()  # without the fence it would not have waited
+    overlapped.fence()  # (and a fence nobody waits on changes nothing)
+
+
+def test_nothing_in_flight_is_no_fence():
+    queue = DeviceQueue(CPU)
+    assert queue.fence() is None
+    queue.submit(lambda: None).result()
+    assert queue.fence() is None  # its work is done
+
+
+def test_engines_fence_on_the_engines_they_took_pages_from(llama_dir, make_llm):
+    """Two engines on one arena, one with overlapped steps and one without, pages flowing between
+    them: each launch that uses pages the other released waits on the other's latest step, and
+    both give the outputs they give alone."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = ["one two three four five", "six seven eight", "nine ten eleven twelve thirteen"]
+    alone = [o.outputs[0].token_ids for o in make_llm(llama_dir).generate(prompts, params)]
+    engines = [make_llm(llama_dir, async_scheduling=overlap, max_model_len=48).engine for overlap in (True, False)]
+    share_kv(engines, 10 * engines[0].kv_layout.page_bytes(16))  # 10 pages for 6 sequences: pages change hands
+    fences = []
+    for engine in engines:
+        inner = engine.queue.wait
+        engine.queue.wait = lambda fence, inner=inner: (fences.append(fence), inner(fence))
+    outputs: dict[str, list[int]] = {}
+    for round_ in range(4):
+        for e, engine in enumerate(engines):
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"{round_}-{e}-{i}", prompt, params)
+        while any(engine.has_unfinished_requests() for engine in engines):
+            for engine in engines:
+                for out in engine.step():
+                    if out.finished:
+                        outputs[out.request_id] = out.outputs[0].token_ids
+    assert fences  # pages were handed over, and launches fenced on them
+    for request_id, tokens in outputs.items():
+        assert tokens == alone[int(request_id.rsplit("-", 1)[1])], request_id
+    for engine in engines:
+        engine.check_pages_idle()
