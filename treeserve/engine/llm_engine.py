@@ -279,8 +279,8 @@ class LLMEngine:
 
     # ---- one step ----------------------------------------------------------------------
     # `step()` is one of the two loops below, chosen at start-up from `async_scheduling`. Both return
-    # the outputs of the requests their read-back touched; a step launched in one call is read back
-    # in the same call (plain) or in the next (overlapped).
+    # the outputs their read-back produced (streams, finished requests); a step launched in one call
+    # is read back in the same call (plain) or in the next (overlapped).
     @torch.inference_mode()
     def step_plain(self) -> list[RequestOutput | ScoreOutput]:
         """Schedule, run, read back: one step, start to end (a step the overlapped loop left in
@@ -377,11 +377,11 @@ class LLMEngine:
             raise error from e
         self.num_computed_tokens += result.num_computed
         try:
-            touched = self.updates.read(step, result)
+            requests = self.updates.read(step, result)
         except Exception as e:
             raise self._fail(step.batch, e) from e
         self.page_log.record()
-        return [self._emit(r) for r in touched if r.finished or r.stream]
+        return [self._emit(r) for r in requests if r.finished or r.stream]
 
     def _fail(self, batch: list, cause: BaseException) -> StepFailed:
         """Abort the requests of a failed step; the error to raise."""

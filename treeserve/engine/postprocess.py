@@ -50,7 +50,9 @@ class Postprocessor:
         self.speculator = speculator
         self.max_model_len = max_model_len
         self.num_generated_tokens = 0
-        self._ended: dict[str, Request] = {}  # requests with a sequence that ended in the step being read
+        # the step being read: the requests it has an output for (streams it touched, and those a
+        # sequence of which ended in it), filled by `read` and by `_end`
+        self._outputs: dict[str, Request] = {}
 
     def launched(self, step: PreparedStep) -> None:
         """`step` is on its way to the device: what it computes counts as computed (drafted tokens
@@ -81,7 +83,7 @@ class Postprocessor:
     def read(self, step: PreparedStep, result: StepResult) -> list[Request]:
         """Apply `result` to the live sequences of `step`; the requests with an output to emit:
         streams it touched, and those a sequence of which ended in it."""
-        touched = self._ended = {}
+        outputs = self._outputs = {}
         block_size = self.blocks.block_size
         keyed = self.blocks.enable_prefix_caching
         for item in step.batch:
@@ -92,7 +94,7 @@ class Postprocessor:
             if keyed and computed // block_size > len(seq.block_hashes):  # it completed a block
                 self.blocks.commit_full_blocks(seq.block_table, seq.block_hashes, seq.token_ids, computed)
             if seq.request.stream:
-                touched[seq.request.request_id] = seq.request
+                outputs[seq.request.request_id] = seq.request
         if step.scoring:
             self._scores(step, result)
         for read, lp in zip(step.prompt_reads, result.prompt_logprobs, strict=True):
@@ -101,7 +103,7 @@ class Postprocessor:
                 read.request.prompt_logprobs[read.index + i] = self.logprob_entry(token, lp, i, read.k)
         if step.samples:
             self._samples(step, result)
-        return list(touched.values())
+        return list(outputs.values())
 
     def _scores(self, step: PreparedStep, result: StepResult) -> None:
         """Forward-only requests: what the step read, and the end of those it read to the end."""
@@ -197,7 +199,7 @@ class Postprocessor:
     def _end(self, seq: Sequence) -> None:
         """`seq` ended in the step being read: its pages go back, its request has an output."""
         self.scheduler.finish(seq)
-        self._ended[seq.request.request_id] = seq.request
+        self._outputs[seq.request.request_id] = seq.request
 
     def logprob_entry(self, token: int, lp: HostLogprobs, i: int, k: int) -> dict[int, Logprob]:
         """vLLM's shape: the actual token first, then the top k (the actual one may be among them)."""
