@@ -47,6 +47,13 @@ def checkpoint(tmp_path_factory) -> str:
 
 
 @pytest.fixture
+def cpu_llm(make_llm):
+    """make_llm on the CPU, also where a GPU is present: the eager stand-in and the sdpa
+    backend's padding-row check are CPU-only (graphs on CUDA run the Triton backend)."""
+    return lambda model, **kwargs: make_llm(model, device="cpu", **kwargs)
+
+
+@pytest.fixture
 def fake_graphs(monkeypatch):
     """Graphs on a CPU: any engine captures them, with the eager stand-in."""
     monkeypatch.setattr(cuda_graphs, "graphs_apply", lambda device, backend, eager, parallel: not eager)
@@ -68,9 +75,9 @@ def test_bad_bucket_lists_are_refused(checkpoint, sizes):
         EngineConfig(model=checkpoint, cuda_graph_sizes=sizes)
 
 
-def test_enforce_eager_on_a_cpu_is_accepted_and_changes_nothing(checkpoint, make_llm):
+def test_enforce_eager_on_a_cpu_is_accepted_and_changes_nothing(checkpoint, cpu_llm):
     params = SamplingParams(temperature=0.8, max_tokens=12, seed=3)
-    plain, eager = make_llm(checkpoint), make_llm(checkpoint, enforce_eager=True)
+    plain, eager = cpu_llm(checkpoint), cpu_llm(checkpoint, enforce_eager=True)
     assert plain.engine.runner.graphs is None and eager.engine.runner.graphs is None  # graphs are for CUDA
     assert [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)] == [
         o.outputs[0].token_ids for o in eager.generate(PROMPTS, params)
@@ -90,11 +97,11 @@ def decode_batch(engine, n: int) -> ForwardBatch:  # noqa: ANN001
     return ForwardBatch(ids, starts, starts * 0 + 1, starts < 0, tables)
 
 
-def test_every_bucket_replays_the_eager_forward_and_padding_stores_nothing(checkpoint, make_llm, fake_graphs):
+def test_every_bucket_replays_the_eager_forward_and_padding_stores_nothing(checkpoint, cpu_llm, fake_graphs):
     """Batches of every size from 1 to 12 through buckets 1, 2, 4, 8, 12: the real rows' hidden
     states are the unpadded eager forward's bit for bit (fp32 on a CPU: row-invariant), and the
     only KV slots written are the real rows'."""
-    llm = make_llm(checkpoint, attention_backend="sdpa", max_num_seqs=12)
+    llm = cpu_llm(checkpoint, attention_backend="sdpa", max_num_seqs=12)
     engine, runner = llm.engine, llm.engine.runner
     graphs = runner.graphs
     assert sorted(graphs.graphs) == graphs.sizes == [1, 2, 4, 8, 12]
@@ -114,12 +121,12 @@ def test_every_bucket_replays_the_eager_forward_and_padding_stores_nothing(check
     assert EagerGraph.replays >= 12
 
 
-def test_the_previous_steps_samples_are_filled_in_on_the_device(checkpoint, make_llm, fake_graphs):
+def test_the_previous_steps_samples_are_filled_in_on_the_device(checkpoint, cpu_llm, fake_graphs):
     """Overlapped steps on CUDA: rows whose token is the previous step's sample are written into
     the static token buffer from the device tensor (`fill`), not from the host batch."""
     import numpy as np
 
-    llm = make_llm(checkpoint, attention_backend="sdpa", max_num_seqs=8)
+    llm = cpu_llm(checkpoint, attention_backend="sdpa", max_num_seqs=8)
     engine, runner = llm.engine, llm.engine.runner
     batch = decode_batch(engine, 5)
     previous = torch.tensor([7, 11, 13], dtype=torch.int64)  # the previous step's samples
@@ -135,8 +142,8 @@ def test_the_previous_steps_samples_are_filled_in_on_the_device(checkpoint, make
     runner.graphs = graphs
 
 
-def test_other_steps_run_eagerly(checkpoint, make_llm, fake_graphs):
-    llm = make_llm(checkpoint, attention_backend="sdpa", max_num_seqs=4)
+def test_other_steps_run_eagerly(checkpoint, cpu_llm, fake_graphs):
+    llm = cpu_llm(checkpoint, attention_backend="sdpa", max_num_seqs=4)
     graphs = llm.engine.runner.graphs
     one = decode_batch(llm.engine, 1)
     prefill = ForwardBatch(one.token_ids.repeat(3), one.starts, one.lens * 3, one.drafted, one.tables)
@@ -147,21 +154,21 @@ def test_other_steps_run_eagerly(checkpoint, make_llm, fake_graphs):
     assert graphs.bucket(wide) is None  # a wider table than captured
 
 
-def test_an_engine_replaying_graphs_gives_the_plain_engines_outputs(checkpoint, make_llm, fake_graphs):
+def test_an_engine_replaying_graphs_gives_the_plain_engines_outputs(checkpoint, cpu_llm, fake_graphs):
     """Greedy, and seeded sampling with n > 1, with prefix hits (shared prompts) on 24 pages of
     4 tokens (sequences are preempted and recomputed): the tokens of an engine without graphs;
-    pages idle after (make_llm checks)."""
+    pages idle after (cpu_llm checks)."""
     kwargs = {"attention_backend": "sdpa", "max_num_seqs": 8, "block_size": 4, "kv_cache_memory": 24 * PAGE,
               "max_model_len": 72}  # fmt: skip
     prompts = PROMPTS + [PROMPTS[0] + " return", PROMPTS[1] + " again"]  # prefix hits
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
               SamplingParams(temperature=0.9, max_tokens=40, seed=11, n=3, ignore_eos=True)]  # fmt: skip
-    with_graphs = make_llm(checkpoint, **kwargs)
+    with_graphs = cpu_llm(checkpoint, **kwargs)
     assert with_graphs.engine.runner.graphs is not None
     got = [[c.token_ids for o in with_graphs.generate(prompts, p) for c in o.outputs] for p in params]
     assert EagerGraph.replays > 20 and with_graphs.engine.scheduler.num_preemptions > 0
     assert with_graphs.engine.blocks.stats.hits > 0
-    plain = make_llm(checkpoint, enforce_eager=True, **kwargs)
+    plain = cpu_llm(checkpoint, enforce_eager=True, **kwargs)
     assert plain.engine.runner.graphs is None
     want = [[c.token_ids for o in plain.generate(prompts, p) for c in o.outputs] for p in params]
     assert got == want
