@@ -65,6 +65,7 @@ def test_buckets_are_vllms_and_cut_to_max_num_seqs():
     assert capture_sizes(256) == [1, 2, 4, 8, *range(16, 257, 8)]
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]  # max_num_seqs itself: every decode batch has a graph
     assert capture_sizes(3) == [1, 2, 3]
+    assert capture_sizes(512) == [1, 2, 4, 8, *range(16, 257, 8), *range(272, 513, 16)]  # steps of 16 above 256
     assert capture_sizes(4096)[-1] == cuda_graphs.MAX_CAPTURE
     assert capture_sizes(64, [1, 8, 32, 512]) == [1, 8, 32, 64]  # a list larger than max_num_seqs is cut to it
 
@@ -167,6 +168,8 @@ def test_an_engine_replaying_graphs_gives_the_plain_engines_outputs(checkpoint, 
     assert with_graphs.engine.runner.graphs is not None
     got = [[c.token_ids for o in with_graphs.generate(prompts, p) for c in o.outputs] for p in params]
     assert EagerGraph.replays > 20 and with_graphs.engine.scheduler.num_preemptions > 0
+    stats = with_graphs.engine.graph_stats  # each forward's choice counted: replayed, or why not
+    assert stats["replays"] == EagerGraph.replays and stats["eager"]["prefill or drafted rows"] > 0
     assert with_graphs.engine.blocks.stats.hits > 0
     plain = cpu_llm(checkpoint, enforce_eager=True, **kwargs)
     assert plain.engine.runner.graphs is None

@@ -117,3 +117,25 @@ def test_an_aborted_starving_model_stops_blocking_the_other(llama_dir, qwen2_dir
     assert pool.may_admit(gen.blocks.owner) and not pool.starving
     gen.abort("g")
     rt.check_pages_idle()
+
+
+def test_graphs_are_captured_once_on_the_final_arena(llama_dir, qwen2_dir, monkeypatch):
+    """Graphs on a CPU (an eager stand-in for the CUDA graph): the planner's probe arena gets
+    none, the shared arena one capture per engine, on that arena's pages."""
+    from treeserve.engine import cuda_graphs
+
+    captured: list = []
+
+    class Recorded:
+        def capture(self, fn, pool):  # noqa: ANN001, ANN201
+            captured.append(fn)
+            return fn()
+
+    monkeypatch.setattr(cuda_graphs, "graphs_apply", lambda device, backend, eager, parallel: not eager)
+    monkeypatch.setattr(cuda_graphs, "GRAPH_CLASS", Recorded)
+    rt = Runtime.load(specs(llama_dir, qwen2_dir), memory_budget=600 << 20, dtype="float32", max_num_seqs=4)
+    gen, prm = rt.engines["gen"], rt.engines["prm"]
+    assert len(captured) == len(gen.graph_stats["sizes"]) + len(prm.graph_stats["sizes"])  # not twice
+    assert gen.runner.graphs.arena is gen.arena and prm.runner.graphs.arena is prm.arena
+    assert rt.memory_plan.models[0].graphs is gen.graph_stats
+    rt.check_pages_idle()

@@ -6,7 +6,7 @@ are written into the static buffers the graph was captured on (one host-to-devic
 one packed array, one device copy into place), rows B.. are padding, and one replay launches
 every kernel of the forward (about a thousand launches become one).
 
-- Buckets: vLLM's, 1, 2, 4, 8, then steps of 8, up to `max_num_seqs` (at most MAX_CAPTURE,
+- Buckets: vLLM's, 1, 2, 4, 8, then steps of 8 to 256 and of 16 above, up to `max_num_seqs` (at most MAX_CAPTURE,
   and `max_num_seqs` itself when the steps of 8 miss it, so every decode batch has a graph);
   a list given in `EngineConfig.cuda_graph_sizes` is cut to `max_num_seqs`.
 - Padding rows: token 0 at position 0, KV slot page -1 (the Triton KV store writes nothing
@@ -22,13 +22,22 @@ every kernel of the forward (about a thousand launches become one).
 - Mixed and prefill steps run eagerly (attention shapes vary with chunk lengths), as do
   parallel models (their collectives) and the `sdpa`/`cpu` backends (they read the batch on
   the host). The sampler runs after the replay, eagerly.
-- Capture time and the memory the graphs took (free device memory before minus after) are
-  measured and kept in `stats` for the memory table and results.
+- Captured once per engine, after its final arena is attached (`LLMEngine.capture_graphs`),
+  with Python's garbage collector frozen (vLLM's practice: a collection inside a capture can
+  finalise a Triton kernel the graph holds), and torch's per-capture `gc.collect` and
+  `empty_cache` skipped (one of each before the first bucket instead).
+- Capture time and the memory the graphs took (free device memory before minus after, read
+  after `empty_cache` so the allocator's idle cache is not counted) are measured and kept in
+  `stats` for the memory table and results, with how many steps replayed a graph and, for
+  the others, why not (`stats["replays"]`, `stats["eager"]`).
 """
 
 from __future__ import annotations
 
+import gc
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +56,7 @@ def capture_sizes(max_num_seqs: int, sizes: list[int] | None = None) -> list[int
     if sizes is not None:  # sizes above max_num_seqs become max_num_seqs
         return sorted({min(s, max_num_seqs) for s in sizes})
     limit = min(max_num_seqs, MAX_CAPTURE)
-    steps = [1, 2, 4, 8, *range(16, limit + 1, 8)]
+    steps = [1, 2, 4, 8, *range(16, 257, 8), *range(272, limit + 1, 16)]
     return sorted({s for s in steps if s <= limit} | {limit})
 
 
@@ -109,17 +118,26 @@ class DecodeGraphs:
         self.inputs = StaticInputs.allocate(max(sizes), width, arena.buffer.device)
         self.graph_class = graph_class or GRAPH_CLASS
         self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}  # bucket -> (graph, its output [bucket, hidden])
-        self.stats: dict[str, Any] = {"sizes": sizes, "capture_s": 0.0, "memory_bytes": 0}
+        self.stats: dict[str, Any] = {"sizes": sizes, "capture_s": 0.0, "memory_bytes": 0, "replays": 0,
+                                      "eager": {"prefill or drafted rows": 0, "more rows than captured": 0,
+                                                "wider block table": 0}}  # fmt: skip
         self._attn = {b: self.inputs.attention(b, arena, backend, scale) for b in sizes}
 
     def bucket(self, batch: ForwardBatch) -> int | None:
         """The bucket that runs `batch`, or None when it runs eagerly (not decodes only, more rows
-        than the largest bucket, or a wider block table than captured)."""
+        than the largest bucket, or a wider block table than captured); counted in `stats`."""
         n = batch.lens.shape[0]
-        if batch.drafted.any() or not (batch.lens == 1).all() or n > self.sizes[-1]:
+        reason = None
+        if batch.drafted.any() or not (batch.lens == 1).all():
+            reason = "prefill or drafted rows"
+        elif n > self.sizes[-1]:
+            reason = "more rows than captured"
+        elif batch.tables.shape[1] > self.inputs.width:
+            reason = "wider block table"
+        if reason is not None:
+            self.stats["eager"][reason] += 1
             return None
-        if batch.tables.shape[1] > self.inputs.width:
-            return None
+        self.stats["replays"] += 1
         return next(b for b in self.sizes if b >= n)
 
     @torch.inference_mode()
@@ -128,14 +146,18 @@ class DecodeGraphs:
         that runs out of device memory raises a ValueError naming `--enforce-eager`."""
         device = self.inputs.flat.device
         cuda = device.type == "cuda"
-        free_before = torch.cuda.mem_get_info(device)[0] if cuda else 0
         start = time.perf_counter()
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+        free_before = torch.cuda.mem_get_info(device)[0] if cuda else 0
         pool = torch.cuda.graph_pool_handle() if cuda else None
         try:
-            for bucket in sorted(self.sizes, reverse=True):
-                self._forward(bucket)  # warm-up: Triton compiles, cuBLAS picks its kernels, outside the graph
-                graph = self.graph_class()
-                self.graphs[bucket] = (graph, graph.capture(lambda b=bucket: self._forward(b), pool))
+            with frozen_gc():
+                for bucket in sorted(self.sizes, reverse=True):
+                    self._forward(bucket)  # warm-up: Triton compiles, cuBLAS picks its kernels, outside the graph
+                    graph = self.graph_class()
+                    self.graphs[bucket] = (graph, graph.capture(lambda b=bucket: self._forward(b), pool))
         except torch.cuda.OutOfMemoryError as e:
             raise ValueError(f"capturing CUDA graphs for decode batches of {self.sizes} ran out of device memory: "
                              "run with --enforce-eager (enforce_eager=True), a smaller --max-num-seqs, or fewer "
@@ -169,6 +191,21 @@ class DecodeGraphs:
             return self._forward(bucket)[: batch.lens.shape[0]]
         graph.replay()
         return out[: batch.lens.shape[0]]
+
+
+@contextmanager
+def frozen_gc() -> Iterator[None]:
+    """One collection, then the collector frozen and `gc.collect` / `torch.cuda.empty_cache` made
+    no-ops (torch.cuda.graph calls both on entering each capture) until the block ends."""
+    gc.collect()
+    gc.freeze()
+    collect, empty_cache = gc.collect, torch.cuda.empty_cache
+    gc.collect, torch.cuda.empty_cache = (lambda generation=2: 0), (lambda: None)
+    try:
+        yield
+    finally:
+        gc.collect, torch.cuda.empty_cache = collect, empty_cache
+        gc.unfreeze()
 
 
 class CudaGraph:

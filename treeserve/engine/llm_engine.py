@@ -130,11 +130,26 @@ class LLMEngine:
         self.speculator = Speculator(speculative, draft) if speculative is not None else None
         if attach_kv:
             self.attach_own_kv(config.kv_budget(available_memory(self.device)))
+            self.capture_graphs()
 
     def attach_own_kv(self, kv_bytes: int) -> None:
         """An arena of its own: as many pages of `config.block_size` tokens as fit `kv_bytes`."""
         page_bytes = self.kv_layout.page_bytes(self.config.block_size)
         self.attach_kv(PageArena(max(kv_bytes // page_bytes, 1), page_bytes, self.device), self.config.block_size)
+
+    def capture_graphs(self) -> None:
+        """Capture the decode steps' CUDA graphs on the arena attached last (on CUDA, the Triton
+        backend, one rank, not `enforce_eager`; else nothing). Called once, after the final
+        `attach_kv`: the memory planner's probe arena gets none, and a second attach drops them."""
+        config = self.config
+        if not cuda_graphs.graphs_apply(self.device, config.attention_backend, config.enforce_eager,
+                                        self.ranks is not None):  # fmt: skip
+            return
+        graphs = cuda_graphs.DecodeGraphs(self.model, self.arena, self.runner.backend, self.model_config.attn_scale,
+                                          cuda_graphs.capture_sizes(config.max_num_seqs, config.cuda_graph_sizes),
+                                          self.inputs.tables.shape[1])  # fmt: skip
+        graphs.capture()
+        self.runner.graphs, self.graph_stats = graphs, graphs.stats
 
     def attach_kv(self, pages: PageArena, block_size: int, pool: PagePool | None = None) -> None:
         """Use `pages` (with `block_size` tokens per page of this model) for KV, its page states
@@ -183,13 +198,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.arena, self.device, self.model_config.attn_scale, backend,
                                   self.draw, self.tokenizer.vocab_size, ranks and ranks.send,
                                   ranks is not None and ranks.placement.tp is not None, stage)  # fmt: skip
-        self.graph_stats = None  # {"sizes", "capture_s", "memory_bytes"} when decode steps replay CUDA graphs
-        if cuda_graphs.graphs_apply(self.device, config.attention_backend, config.enforce_eager, ranks is not None):
-            graphs = cuda_graphs.DecodeGraphs(self.model, self.arena, backend, self.model_config.attn_scale,
-                                              cuda_graphs.capture_sizes(config.max_num_seqs, config.cuda_graph_sizes),
-                                              pages_per_seq)  # fmt: skip
-            graphs.capture()
-            self.runner.graphs, self.graph_stats = graphs, graphs.stats
+        self.graph_stats = None  # {"sizes", "capture_s", "memory_bytes", ...} once `capture_graphs` has run
         self.page_log = PageLog(self.blocks)
         generated = self.updates.num_generated_tokens if hasattr(self, "updates") else 0
         self.updates = Postprocessor(self.scheduler, self.blocks, self.tokenizer, self.constraints, self.speculator,

@@ -135,6 +135,8 @@ class Runtime:
         else:
             for m in memory.models:
                 engines[m.name].attach_own_kv(int(memory.kv_bytes * m.kv_fraction))
+        for engine in engines.values():  # once, on the final arena
+            engine.capture_graphs()
         planner.record_pages(memory, engines)
         runtime = cls(engines)
         runtime.memory_plan = memory
