@@ -100,6 +100,9 @@ class ModelRunner:
             (targets,) = self.staging.to_device(read.targets)
             logits = self.compute_logits(hidden[read.start : read.stop])
             result.prompt_logprobs.append(token_logprobs(logits, targets, read.k))
+        if self.device.type == "cuda":  # the host waits on this, not on the whole device (StepResult.wait)
+            result.copied = torch.cuda.Event()
+            result.copied.record()
         return result
 
     @torch.inference_mode()
@@ -196,13 +199,7 @@ class ModelRunner:
             raw = self.compute_logits(states[wanted])
             result.logprobs = token_logprobs(raw, tokens[wanted], plan.logprobs_k)
         result.tokens = tokens
-        if tokens.device.type == "cpu":
-            result.host_tokens = tokens
-        else:
-            result.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            result.host_tokens.copy_(tokens, non_blocking=True)
-            result.copied = torch.cuda.Event()
-            result.copied.record()
+        result.host_tokens = to_host(tokens)
 
     def _draw(self, plan: SamplePlan, rows: list[int] | None, scaled: torch.Tensor) -> torch.Tensor:
         """Tokens of sample rows `rows` (None: all) from their scaled logits; constrained rows over
@@ -230,9 +227,19 @@ class ModelRunner:
         if plan.token_ids.shape[1]:
             (ids,) = self.staging.to_device(plan.token_ids)
             logprobs = torch.log_softmax(self.compute_logits(rows), dim=-1)
-            result.scores = logprobs.gather(1, ids).cpu()
+            result.scores = to_host(logprobs.gather(1, ids))
         if plan.states:
-            result.states = rows.float().cpu()
+            result.states = to_host(rows.float())
+
+
+def to_host(values: torch.Tensor) -> torch.Tensor:
+    """`values` on the host: a device tensor is copied into pinned memory without blocking (its
+    values are there once the step's `copied` event has passed); a host tensor as it is."""
+    if values.device.type == "cpu":
+        return values
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    return host
 
 
 GROUP_FIELDS = [f.name for f in fields(SeqGroup) if f.name != "masks"]

@@ -83,6 +83,7 @@ class Postprocessor:
     def read(self, step: PreparedStep, result: StepResult) -> list[Request]:
         """Apply `result` to the live sequences of `step`; the requests with an output to emit:
         streams it touched, and those a sequence of which ended in it."""
+        result.wait()  # its device-to-host copies (the step's only sync)
         outputs = self._outputs = {}
         block_size = self.blocks.block_size
         keyed = self.blocks.enable_prefix_caching

@@ -18,17 +18,23 @@ from treeserve.engine.sampler import TokenLogprobs
 class StepResult:
     tokens: torch.Tensor | None = None  # [S] sampled ids on the device: the next step's pending inputs
     host_tokens: torch.Tensor | None = None  # the same on the host (copied without blocking on CUDA)
-    copied: torch.cuda.Event | None = None  # recorded after that copy (CUDA)
+    copied: torch.cuda.Event | None = None  # recorded after the step's last device-to-host copy (CUDA)
     logprobs: TokenLogprobs | None = None  # of SamplePlan.logprob_rows
-    scores: torch.Tensor | None = None  # [R, K] float32, host
-    states: torch.Tensor | None = None  # [R, hidden] float32, host
+    scores: torch.Tensor | None = None  # [R, K] float32, host (filled when `copied` has passed)
+    states: torch.Tensor | None = None  # [R, hidden] float32, host (likewise)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_computed: int = 0  # tokens run through the model (a twin's are not)
 
-    def sampled(self) -> list[int]:
-        """The sampled token ids (waits for the device-to-host copy)."""
+    def wait(self) -> None:
+        """Block until the step's device-to-host copies are done (its stream reached `copied`):
+        after it the host tensors hold their values, and the device tensors are safe to read
+        from any stream."""
         if self.copied is not None:
             self.copied.synchronize()
+
+    def sampled(self) -> list[int]:
+        """The sampled token ids (waits for the device-to-host copy)."""
+        self.wait()
         return self.host_tokens.tolist()
 
 
