@@ -60,6 +60,12 @@ def _add_device_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_overlap_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--overlap-models", action=argparse.BooleanOptionalAction, default=None,
+                   help="the generator and the PRM on CUDA streams of their own, run at once by the GPU "
+                        "(default: on with CUDA; a CPU accepts it and nothing changes)")  # fmt: skip
+
+
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     _add_device_flags(p)
     add_model_flags(p, prm=False)
@@ -134,6 +140,7 @@ def _add_search_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     _add_memory_flags(p)
     _add_device_flags(p)
+    _add_overlap_flag(p)
     add_model_flags(p, prm=True)
     p.add_argument("--max-concurrent-problems", type=int, default=64)
     p.add_argument("--no-prefix-cache", action="store_true")
@@ -464,6 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     _add_memory_flags(srv)
     _add_device_flags(srv)
+    _add_overlap_flag(srv)
     add_model_flags(srv, prm=True)
     srv.add_argument(
         "--engine-in-process",

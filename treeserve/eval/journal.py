@@ -30,7 +30,7 @@ from treeserve.eval.report import PROBLEM_KEYS, upgrade_config
 
 VERSION = 1
 # config keys that say how a run was executed, not what it computes: they may change on resume
-OPERATIONAL = ("memory_report", "page_logs", "progress", "distributed")
+OPERATIONAL = ("memory_report", "page_logs", "progress", "distributed", "overlap_models")
 # the same within a model's settings (the config's "generator" and "prm" sections)
 MODEL_OPERATIONAL = ("async_scheduling", "tensor_parallel_size", "pipeline_parallel_size",
                      "distributed_executor_backend", "enforce_eager")

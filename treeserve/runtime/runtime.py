@@ -88,12 +88,16 @@ class Runtime:
         enable_prefix_caching: bool = True,
         memory_budget: int | None = None,
         memory_fraction: float | None = None,
+        overlap_models: bool = False,
         **engine_kwargs: object,
     ) -> Runtime:
         """Load every model, plan memory (see `planner.py`: give one of `kv_cache_memory` bytes
         of KV, a `memory_budget` in bytes for everything, or a `memory_fraction` of free memory)
         and give the models KV pages: one shared arena when no spec has a `kv_fraction`, else a
-        static split whose fractions add up to 1."""
+        static split whose fractions add up to 1. `overlap_models` (CUDA): each model steps on a
+        CUDA stream of its own, the first spec's (the generator's) at the higher priority, so
+        the GPU runs one model's kernels while the other's run; the page pool's fences order
+        a page one model releases before the other writes it (engine/device_queue.py)."""
         if kv_cache_memory is None and memory_budget is None and memory_fraction is None:
             kv_cache_memory = DEFAULT_KV_CAP
         planner.check_budget(kv_cache_memory, memory_budget, memory_fraction)
@@ -135,8 +139,10 @@ class Runtime:
         else:
             for m in memory.models:
                 engines[m.name].attach_own_kv(int(memory.kv_bytes * m.kv_fraction))
-        for engine in engines.values():  # once, on the final arena
-            engine.capture_graphs()
+        for i, engine in enumerate(engines.values()):
+            engine.capture_graphs()  # once, on the final arena
+            if overlap_models and device.type == "cuda":
+                engine.queue.stream = torch.cuda.Stream(device, priority=-1 if i == 0 else 0)
         planner.record_pages(memory, engines)
         runtime = cls(engines)
         runtime.memory_plan = memory

@@ -23,11 +23,18 @@ class RuntimeSettings:
     kv_cache_memory: int | None = None  # bytes for both models' KV pages (1 GiB when no budget below is given)
     memory_budget: int | None = None  # bytes for weights + activations + KV (see runtime/planner.py)
     memory_fraction: float | None = None  # of the memory free at start, for everything
+    # both models' steps on CUDA streams of their own, the generator's at higher priority, so the
+    # GPU runs them at once (None: on with CUDA; on a CPU accepted, and nothing changes)
+    overlap_models: bool | None = None
 
     def check(self, generator: ModelSettings, prm: ModelSettings | None) -> None:
         """Resolve the device and backend (so results record what ran) and check both models on it."""
+        if self.overlap_models is not None and not isinstance(self.overlap_models, bool):
+            raise ValueError(f"overlap_models must be True, False or None (the default), got {self.overlap_models!r}")
         self.device = resolve_device(self.device)
         self.attention_backend = resolve_attention_backend(self.attention_backend, self.device)
+        if self.overlap_models is None:
+            self.overlap_models = self.device.startswith("cuda")
         generator.check("generator", self.device)
         if generator.kv_fraction is not None:
             raise ValueError("a static KV split is given as the PRM's share (prm kv_fraction); the generator gets "
@@ -42,5 +49,6 @@ class RuntimeSettings:
             str(generator.path), str(prm.path) if prm else None, self.kv_cache_memory,
             prm.kv_fraction if prm else None, engine_args,
             dtype=self.dtype, memory_budget=self.memory_budget, memory_fraction=self.memory_fraction,
-            device=self.device, attention_backend=self.attention_backend, **load_kwargs,
+            device=self.device, attention_backend=self.attention_backend, overlap_models=bool(self.overlap_models),
+            **load_kwargs,
         )  # fmt: skip
