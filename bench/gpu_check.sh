@@ -1,38 +1,65 @@
 #!/usr/bin/env bash
-# The GPU checks, one invocation on a machine with a CUDA GPU and treeserve importable:
-# the CUDA/Triton tests (kernels against their references, the engine against transformers
-# and the CPU path, the slow search-equivalence test included), the README's main job on
-# the GPU, bench/gpu.py with the arguments given here, then the thesis's shapes (1B
-# generator + 8B PRM, random weights: bench/thesis_shapes.py). Everything lands in $OUT
-# (default bench/out/gpu): tests.log, eval.log, bench.log, thesis.log, bench/gpu.py's JSON
-# files and thesis/thesis_shapes.json.
+# The GPU checks as one prepared run that fits a 10-minute device call (issue 62), most
+# important first, each step given what the budget has left, everything written to $OUT as it
+# finishes (a run cut short still returns what it measured):
+#   1. the card and versions, then the tests that prove the GPU path correct: the Triton kernels
+#      against their PyTorch lines, CUDA graphs (replay == the padded eager forward, bit for
+#      bit), the engine against transformers and the CPU path, optimised == reference search;
+#   2. bench/gpu_kernels.py: decode attention GB/s, prefill attention TFLOP/s, sampler µs at
+#      the thesis's shapes, each against the card's peak, with the tile/warp/stage sweep (and
+#      the kernels in $BEFORE, when that folder holds an earlier version);
+#   3. bench/thesis_shapes.py at N=16 (1B generator + 8B PRM, random weights): CUDA graphs with
+#      the models on two streams, on one stream, then eager, in one invocation (load, capture,
+#      replay share, host syncs, ms per step, problems/min against the roofline floors);
+#   4. the same with graphs at N=64, if GPU_CHECK_BUDGET leaves time;
+#   5. the README's main job on the GPU (`treeserve eval --device cuda`), if time is left.
+# Files ($OUT, default bench/out/gpu; 8 at most, the device tool's limit): tests.log,
+# kernels.log, kernels.json, thesis.log, thesis/thesis_shapes.json, thesis64.log,
+# thesis64/thesis_shapes.json, eval.log.
 #
-# The whole script keeps within GPU_CHECK_BUDGET seconds (default 540: a device call may run
-# 600): bench/gpu.py gets what the first steps left, less THESIS_TIMEOUT (default 240), which
-# is kept for the thesis shapes. Both write their JSON as each part finishes.
+#   GPU_CHECK_BUDGET=420 BEFORE=.before bash bench/gpu_check.sh      # on the GPU machine
+#   bash bench/gpu_check.sh --dry-run                                # a CPU, tiny shapes: the script end to end
 #
-#   bash bench/gpu_check.sh --repeats 3 --skip-gemma          # arguments go to bench/gpu.py
+# Needs treeserve importable and pytest-xdist (the GPU image has it). Budget: GPU_CHECK_BUDGET
+# seconds in all (default 540); TEST_TIMEOUT (default 120) and KERNEL_TIMEOUT (default 120) cap
+# steps 1-2; THESIS_PROBLEMS (default 16) problems per N, all in flight.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/out/gpu}
 PY=${PYTHON:-python3}
-mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-# Each test file in its own worker: Triton compiles in parallel, the GPU is shared.
-timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-6}" -m "slow or not slow" \
-  tests/kernels/test_triton_attention.py tests/kernels/test_triton_sampling.py \
-  tests/engine/test_triton_engine.py tests/engine/test_device.py tests/engine/test_cuda_graphs.py \
-  tests/kernels/test_triton_fused.py 2>&1 | tee "$OUT/tests.log"
-timeout "${EVAL_TIMEOUT:-120}" $PY -m treeserve.cli eval --device cuda 2>&1 | tee "$OUT/eval.log"
 BUDGET=${GPU_CHECK_BUDGET:-540}
-THESIS_TIMEOUT=${THESIS_TIMEOUT:-240}
-BENCH_LEFT=$(( BUDGET - SECONDS - THESIS_TIMEOUT ))
-if [ "$BENCH_LEFT" -ge 30 ]; then
-  timeout "$BENCH_LEFT" $PY bench/gpu.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
-else
-  echo "bench/gpu.py skipped: ${BENCH_LEFT}s left of the budget" | tee "$OUT/bench.log"
+DEVICE=cuda TINY=() TESTS=(tests/kernels/test_triton_attention.py tests/kernels/test_triton_decode_shapes.py
+  tests/kernels/test_triton_prefill_shapes.py tests/kernels/test_triton_sampling.py tests/kernels/test_triton_fused.py
+  tests/engine/test_cuda_graphs.py tests/engine/test_triton_engine.py tests/engine/test_device.py)
+PROBLEMS=${THESIS_PROBLEMS:-16} WORKERS=(-n "${TEST_WORKERS:-8}")  # test files in parallel workers (pytest-xdist)
+if [ "${1:-}" = "--dry-run" ]; then
+  DEVICE=cpu TINY=(--tiny) TESTS=(tests/engine/test_cuda_graphs.py) PROBLEMS=${THESIS_PROBLEMS:-4} WORKERS=()
 fi
-THESIS_LEFT=$(( BUDGET - SECONDS < THESIS_TIMEOUT ? BUDGET - SECONDS : THESIS_TIMEOUT ))
-timeout "$(( THESIS_LEFT > 1 ? THESIS_LEFT : 1 ))" $PY bench/thesis_shapes.py --device cuda --out "$OUT/thesis" 2>&1 \
+mkdir -p "$OUT"
+left() { echo $(( BUDGET - SECONDS )); }
+cap() { local l; l=$(left); echo $(( $1 < l ? $1 : (l > 1 ? l : 1) )); }  # a step's timeout: its cap or what is left
+
+{
+  [ "$DEVICE" = cuda ] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  timeout "$(cap "${TEST_TIMEOUT:-120}")" $PY -m pytest -q -p no:cacheprovider "${WORKERS[@]}" \
+    -m "slow or not slow" "${TESTS[@]}"
+} 2>&1 | tee "$OUT/tests.log"
+
+timeout "$(cap "${KERNEL_TIMEOUT:-120}")" $PY bench/gpu_kernels.py --device "$DEVICE" "${TINY[@]}" \
+  ${BEFORE:+--before "$BEFORE"} --out "$OUT" 2>&1 | tee "$OUT/kernels.log"
+
+timeout "$(cap 100000)" $PY bench/thesis_shapes.py --device "$DEVICE" "${TINY[@]}" --configs graphs,one-stream,eager \
+  --ns "$([ "$DEVICE" = cuda ] && echo 16 || echo 4)" --problems "$PROBLEMS" --out "$OUT/thesis" 2>&1 \
   | tee "$OUT/thesis.log"
+
+if [ "$(left)" -ge 90 ] && [ "$DEVICE" = cuda ]; then
+  timeout "$(cap 100000)" $PY bench/thesis_shapes.py --configs graphs --ns 64 --problems "$PROBLEMS" \
+    --out "$OUT/thesis64" 2>&1 | tee "$OUT/thesis64.log"
+fi
+
+if [ "$(left)" -ge 45 ]; then
+  timeout "$(cap 120)" $PY -m treeserve.cli eval --device "$DEVICE" --output "$(mktemp -d)/results.json" \
+    $([ "$DEVICE" = cuda ] || echo --limit 2) 2>&1 | tee "$OUT/eval.log"
+fi
+echo "gpu_check: $SECONDS s of $BUDGET"

@@ -18,14 +18,14 @@ in one page arena sized from `--memory-fraction` of the free GPU memory. Each N 
 warm-up (2 problems, 2 short iterations: Triton compiles), then the timed search.
 
 Configurations (`--configs`, side by side, each treeserve one in a fresh process):
-* `graphs`: the default engine (CUDA graphs for decode steps, overlapped steps on CUDA; the
-  PRM, which never decodes, captures batch 1 only: `cuda_graph_sizes=[1]`);
-* `eager`: the same with `enforce_eager=True`;
+* `graphs`: the default runtime on CUDA: CUDA graphs for decode steps, overlapped steps, and
+  both models at once, each on a CUDA stream of its own (`overlap_models`; the PRM, which
+  never decodes, captures batch 1 only: `cuda_graph_sizes=[1]`);
+* `one-stream`: the same with `overlap_models=False` (the models' kernels in turn on one stream);
+* `eager`: `graphs` with `enforce_eager=True`;
 * `sal-transformers`: search-and-learn's loop on `transformers` (bench/peers/sal_search.py,
   one problem at a time) on `--sal-problems` problems at the first N, its own random
   initialisation of the same shapes.
-Both models step one after the other (the runtime's single driver); running them on two
-CUDA streams at once is not built, and the JSON says so (`"two_streams": "not built"`).
 
 Reported per configuration and N: problems/min; that as a fraction of roofline_floor.py's
 floor for the workload, serial (generator then PRM) and overlapped (the larger of the two
@@ -79,7 +79,7 @@ TINY_GENERATOR = Shape("generator tiny", 2, 64, 4, 2, 16, 128, VOCAB)
 TINY_PRM = Shape("PRM tiny", 2, 128, 4, 2, 32, 256, VOCAB)
 
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
-CONFIGS = ("graphs", "eager", "sal-transformers")
+CONFIGS = ("graphs", "one-stream", "eager", "sal-transformers")
 
 
 @dataclass(frozen=True)
@@ -208,6 +208,39 @@ def decode_launches(engine: object, batch: int, prompt_tokens: int, steps: int =
             "gpu_kernels_per_step": len(kernels) / steps}  # fmt: skip
 
 
+def graph_share(before: dict | None, after: dict | None) -> dict | None:
+    """The generator's forwards over a run: how many replayed a graph, and why the others did not."""
+    if after is None:
+        return None
+    replays = after["replays"] - before["replays"]
+    eager = {why: count - before["eager"][why] for why, count in after["eager"].items()}
+    total = replays + sum(eager.values())
+    return {"replays": replays, "eager": eager, "replayed_share": replays / total if total else None}
+
+
+def find_syncs(run: Callable[[], None]) -> dict:
+    """The host syncs `run()` makes: torch.cuda.set_sync_debug_mode("warn") turns each into a
+    warning, counted by the Python line that caused it (file:line, most frequent first)."""
+    import warnings
+
+    import torch
+
+    sites: dict[str, int] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            site = f"{os.path.relpath(w.filename)}:{w.lineno}"
+            sites[site] = sites.get(site, 0) + 1
+    ordered = dict(sorted(sites.items(), key=lambda kv: -kv[1]))
+    return {"total": sum(sites.values()), "sites": ordered}
+
+
 def run_treeserve(config: str, setup: dict) -> dict:
     """Load both models once (`config` "graphs" or "eager"), count a decode step's launches,
     then for each N a warm-up and the timed search. What is done so far is rewritten to
@@ -220,6 +253,11 @@ def run_treeserve(config: str, setup: dict) -> dict:
     from treeserve.search.prm import load_prm
     from treeserve.search.run import search_problems
 
+    begun = time.perf_counter()
+
+    def progress(what: str) -> None:  # where a run cut short spent its time
+        print(f"  [{config} {time.perf_counter() - begun:6.1f} s] {what}", flush=True)
+
     w, device = Workload(**{**setup["workload"], "ns": tuple(setup["workload"]["ns"])}), setup["device"]
     cpu = not device.startswith("cuda")
     if cpu:
@@ -229,15 +267,18 @@ def run_treeserve(config: str, setup: dict) -> dict:
     runtime = Runtime.for_search(
         setup["generator"], setup["prm"], setup["kv_cache_memory"] if cpu else None, engine_args=args,
         dtype="bfloat16", device=device, memory_fraction=None if cpu else setup["memory_fraction"],
-        enforce_eager=config == "eager",
+        enforce_eager=config == "eager", overlap_models=config != "one-stream",
     )  # fmt: skip
     generator = runtime.engine("generator")
     result = {
         "load_s": time.perf_counter() - start, "runs": [], "cuda_graphs": generator.graph_stats is not None,
         "async_scheduling": generator.async_scheduling, "engine_args": args,
+        "two_streams": generator.queue.stream is not None,
         "memory_table": runtime.memory_plan.table(), "memory": runtime.memory_plan.to_json(),
     }  # fmt: skip
+    progress(f"loaded both models ({result['load_s']:.1f} s; graphs captured: {result['cuda_graphs']})")
     result["launches_per_decode_step"] = decode_launches(generator, 64, w.prompt_tokens)
+    progress(f"counted a decode step's launches: {result['launches_per_decode_step']}")
     write_json(setup["partial"], result)
     prm = load_prm(runtime, "prm", "step_tag")
     tokenizer = Tokenizer(setup["generator"])
@@ -249,9 +290,17 @@ def run_treeserve(config: str, setup: dict) -> dict:
         warm = replace(search, num_iterations=2, max_tokens=min(16, w.step_tokens))
         asyncio.run(search_problems(SearchContext(warm, runtime, "generator", prm),
                                     random_problems(tokenizer, 2, w.prompt_tokens, f"warm{n}")))  # fmt: skip
+        progress(f"N={n}: warmed up")
+        if "syncs" not in result and not cpu:  # once: the host syncs one short search makes
+            short = SearchContext(warm, runtime, "generator", prm)
+            few = random_problems(tokenizer, 2, w.prompt_tokens, "sync")
+            result["syncs"] = find_syncs(lambda: asyncio.run(search_problems(short, few)))  # noqa: B023 (called here)
+            progress(f"syncs in a short search: {result['syncs']['total']} at {len(result['syncs']['sites'])} sites")
+            write_json(setup["partial"], result)
         problems = random_problems(tokenizer, w.problems, w.prompt_tokens, f"n{n}")
         ctx = SearchContext(search, runtime, "generator", prm)
         before = counters(runtime)
+        graphs_before = json.loads(json.dumps(generator.graph_stats)) if generator.graph_stats else None
         start = time.perf_counter()
         try:
             asyncio.run(search_problems(ctx, problems))
@@ -265,7 +314,8 @@ def run_treeserve(config: str, setup: dict) -> dict:
         run = {"n": n, "problems": len(problems), "wall_s": wall, "problems_per_min": per_min,
                "generated_tokens": ctx.generated_tokens, "prm_input_tokens": ctx.prm_input_tokens,
                "generator": engine_report(runtime, "generator", before, after),
-               "prm": engine_report(runtime, "prm", before, after), "roofline": None}  # fmt: skip
+               "prm": engine_report(runtime, "prm", before, after), "roofline": None,
+               "generator_graphs": graph_share(graphs_before, generator.graph_stats)}  # fmt: skip
         if gpu is not None and not setup["tiny"]:
             f = search_floor(n, prompt=w.prompt_tokens, iterations=w.iterations, step=w.step_tokens, gpu=GPUS[gpu])
             serial, overlapped = 60 / (f["gen_s"] + f["prm_s"]), 60 / max(f["gen_s"], f["prm_s"])
@@ -273,7 +323,9 @@ def run_treeserve(config: str, setup: dict) -> dict:
                                "of_serial": per_min / serial, "of_overlapped": per_min / overlapped}  # fmt: skip
         result["runs"].append(run)
         write_json(setup["partial"], result)
-        print(f"{config} N={n}: {len(problems)} problems in {wall:.1f} s, {per_min:.1f} problems/min", flush=True)
+        progress(f"N={n}: {len(problems)} problems in {wall:.1f} s, {per_min:.1f} problems/min; generator "
+                 f"{run['generator']['ms_per_step']:.2f} ms/step, PRM {run['prm']['ms_per_step']:.2f} ms/step; "
+                 f"graphs: {run['generator_graphs']}")  # fmt: skip
     asyncio.run(runtime.close())
     return result
 
@@ -405,7 +457,7 @@ def main() -> None:
     shapes = (TINY_GENERATOR, TINY_PRM) if args.tiny else (GENERATOR, PRM)
     os.makedirs(args.out, exist_ok=True)
     out_path = os.path.join(args.out, "thesis_shapes.json")
-    notes = ["two_streams: both models step one after the other (one driver); two CUDA streams are not built"]
+    notes = []
     if args.tiny:
         notes.append("tiny shapes (2 layers, hidden 64 / 128, the 128256-id vocabulary kept): no roofline fraction "
                      "(its floor is for the thesis shapes on a GPU)")  # fmt: skip
@@ -413,7 +465,7 @@ def main() -> None:
         notes.append("on a CPU `graphs` and `eager` run the same path (no CUDA graphs); kernel launches are "
                      "counted on CUDA only (None here)")  # fmt: skip
     document = {"environment": environment(args.device, args.tiny), "workload": asdict(w),
-                "shapes": {"generator": asdict(shapes[0]), "prm": asdict(shapes[1])}, "two_streams": "not built",
+                "shapes": {"generator": asdict(shapes[0]), "prm": asdict(shapes[1])},
                 "notes": notes, "configs": {}}  # fmt: skip
     results = document["configs"]
     with tempfile.TemporaryDirectory(prefix="thesis-models-") as models:
@@ -430,6 +482,9 @@ def main() -> None:
     for config, result in results.items():
         if "memory_table" in result:
             print(f"\n{config}: {result['memory_table']}")
+        if result.get("syncs"):
+            print(f"{config}: {result['syncs']['total']} host syncs in a short search, by line: "
+                  f"{json.dumps(dict(list(result['syncs']['sites'].items())[:12]))}")  # fmt: skip
     print(f"\n{table(results)}\n")
     print("\n".join(f"note: {n}" for n in notes))
     print(f"wrote {out_path}")
