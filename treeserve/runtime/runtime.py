@@ -139,9 +139,11 @@ class Runtime:
         else:
             for m in memory.models:
                 engines[m.name].attach_own_kv(int(memory.kv_bytes * m.kv_fraction))
-        for i, engine in enumerate(engines.values()):
+        for engine in engines.values():
             engine.capture_graphs()  # once, on the final arena
-            if overlap_models and device.type == "cuda":
+        if overlap_models and device.type == "cuda":
+            torch.cuda.synchronize(device)  # the loads' work on the current stream is done before the others start
+            for i, engine in enumerate(engines.values()):
                 engine.queue.stream = torch.cuda.Stream(device, priority=-1 if i == 0 else 0)
         planner.record_pages(memory, engines)
         runtime = cls(engines)
