@@ -41,7 +41,7 @@ def test_two_models_views_write_only_their_own_page():
     assert touched.tolist() == [False, False, False, True, False]
     ks, _ = small.layer(0)
     assert ks[2].eq(0).all() and ks[4].eq(0).all()
-    big.copy_pages([(3, 1)])
+    big.copy_pages(torch.tensor([3]), torch.tensor([1]))
     assert torch.equal(big.buffer[1], big.buffer[3])
     assert pages.buffer.view(5, page).ne(0).any(dim=1).tolist() == [False, True, False, True, False]
 

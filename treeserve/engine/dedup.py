@@ -17,6 +17,7 @@ exist only on the device side.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,10 +74,11 @@ class Twins:
             batch.tables[item_of[copy], pages], positions % block_size,
         )  # fmt: skip
 
-    def expand(self, hidden: torch.Tensor, arena: KVArena) -> torch.Tensor:
+    def expand(self, hidden: torch.Tensor, arena: KVArena,
+               to_device: Callable[..., list[torch.Tensor]]) -> torch.Tensor:  # fmt: skip
         """The hidden rows of the whole batch, after copying each representative's new K/V into
-        its twins' slots."""
-        device = hidden.device
-        slots = (self.src_pages, self.src_offsets, self.dst_pages, self.dst_offsets)
-        arena.copy_slots(*(torch.from_numpy(t).to(device) for t in slots))
-        return hidden.index_select(0, torch.from_numpy(self.rows).to(device))
+        its twins' slots (`to_device`: the runner's staging, one copy for all the indices)."""
+        slots = (self.src_pages, self.src_offsets, self.dst_pages, self.dst_offsets, self.rows)
+        *pairs, rows = to_device(*(torch.from_numpy(t) for t in slots))
+        arena.copy_slots(*pairs)
+        return hidden.index_select(0, rows)

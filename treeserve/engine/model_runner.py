@@ -75,7 +75,7 @@ class ModelRunner:
                 prev_tokens = previous.result().tokens
             except BaseException as e:
                 raise PreviousStepFailed("the step this one continues failed") from e
-        self.arena.copy_pages(plan.copies)
+        self._copy_pages(plan.copies)
         batch, fill = plan.batch, None
         if plan.pending_at.size:
             if self.fill_on_device:
@@ -91,7 +91,7 @@ class ModelRunner:
             raise plan.fail
         result = StepResult(num_computed=hidden.shape[0])
         if twins:
-            hidden = twins.expand(hidden, self.arena)
+            hidden = twins.expand(hidden, self.arena, self.staging.to_device)
         if plan.sample is not None:
             self._sample(plan.sample, hidden, result)
         if plan.scores is not None:
@@ -105,15 +105,21 @@ class ModelRunner:
             result.copied.record()
         return result
 
+    def _copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        """The step's copy-on-write page copies (src, dst), their indices sent with the staging copy."""
+        if copies:
+            src, dst = self.staging.to_device(*torch.tensor(copies, dtype=torch.int64).T.contiguous())
+            self.arena.copy_pages(src, dst)
+
     @torch.inference_mode()
     def mirror_step(self, copies: list[tuple[int, int]], batch: ForwardBatch, twins_of: np.ndarray | None) -> None:
         """On a rank > 0: what `execute` does to this rank's arena and collectives for the step
         rank 0 sent (page copies, the forward of `batch` and its twins' slots); nothing sampled."""
-        self.arena.copy_pages(copies)
+        self._copy_pages(copies)
         twins = Twins.find(batch, twins_of, self.block_size) if twins_of is not None else None
         hidden = self.forward(twins.computed if twins else batch)
         if twins:
-            twins.expand(hidden, self.arena)
+            twins.expand(hidden, self.arena, self.staging.to_device)
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """The model's logits of rows `hidden`; with tensor parallelism every rank computes its

@@ -4,20 +4,26 @@ A step's index tensors (token ids, positions, slots, block tables, query offsets
 sampler's inputs (temperatures, uniforms) are built on the host from per-sequence lists.
 On a CPU device they are used as they are. On CUDA, each call packs its tensors of one
 dtype into a reused page-locked buffer and sends them with one asynchronous copy, so a
-step issues a few transfers instead of one blocking copy per tensor. An event guards the
-buffer: it is refilled only after the previous copy out of it has finished.
+step issues a few transfers instead of one blocking copy per tensor. Each dtype has a ring
+of RING buffers used in turn, each guarded by an event: a buffer is refilled only after the
+copy out of it has finished, which was RING calls ago. (With one buffer, a step's second
+copy waited for its first, which a stream runs only after the step before: with overlapped
+steps the host then waited for the GPU to finish the previous step.)
 """
 
 from __future__ import annotations
 
 import torch
 
+RING = 8  # buffers per dtype: a step makes a few copies, so a refill waits for one steps ago
+
 
 class Staging:
     def __init__(self, device: torch.device):
         self.device = device
-        self._buffers: dict[torch.dtype, torch.Tensor] = {}
-        self._copied: dict[torch.dtype, torch.cuda.Event] = {}
+        self._buffers: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+        self._copied: dict[tuple[torch.dtype, int], torch.cuda.Event] = {}
+        self._turn: dict[torch.dtype, int] = {}  # the ring's next buffer, per dtype
 
     def to_device(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         """The same tensors on the device (host tensors of one dtype; any shapes)."""
@@ -26,20 +32,22 @@ class Staging:
         dtype = tensors[0].dtype
         assert all(t.dtype == dtype and t.device.type == "cpu" for t in tensors)
         sizes = [t.numel() for t in tensors]
-        staged = self._buffer(dtype, sum(sizes))
+        key = (dtype, self._turn.get(dtype, 0))
+        self._turn[dtype] = (key[1] + 1) % RING
+        staged = self._buffer(key, sum(sizes))
         torch.cat([t.reshape(-1) for t in tensors], out=staged)
         on_device = staged.to(self.device, non_blocking=True)
-        event = self._copied.setdefault(dtype, torch.cuda.Event())
+        event = self._copied.setdefault(key, torch.cuda.Event())
         event.record()
         return [part.view(t.shape) for part, t in zip(on_device.split(sizes), tensors, strict=True)]
 
-    def _buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        event = self._copied.get(dtype)
+    def _buffer(self, key: tuple[torch.dtype, int], numel: int) -> torch.Tensor:
+        event = self._copied.get(key)
         if event is not None:
             event.synchronize()  # the last copy out of this buffer is done: safe to refill
-        buffer = self._buffers.get(dtype)
+        buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() < numel:
             with torch.inference_mode(False):  # a normal tensor: refilled in and out of inference mode
-                buffer = torch.empty(max(numel, 4096), dtype=dtype, pin_memory=True)
-            self._buffers[dtype] = buffer
+                buffer = torch.empty(max(numel, 4096), dtype=key[0], pin_memory=True)
+            self._buffers[key] = buffer
         return buffer[:numel]

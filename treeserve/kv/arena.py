@@ -106,8 +106,7 @@ class KVArena:
         if src_pages.numel():
             self.buffer[dst_pages, :, :, dst_offsets] = self.buffer[src_pages, :, :, src_offsets]
 
-    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
-        if copies:
-            src = torch.tensor([s for s, _ in copies], device=self.buffer.device)
-            dst = torch.tensor([d for _, d in copies], device=self.buffer.device)
+    def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy whole pages, every layer: page src[i] onto page dst[i] (index tensors on the arena's device)."""
+        if src.numel():
             self.buffer[dst] = self.buffer[src]
