@@ -7,14 +7,25 @@ the chunk's own K/V were stored into the pages before the call. Causal, with an 
 sliding `window` (keys at positions > query - window). This is prompt prefill, chunked
 prefill, PRM scoring and speculative verification alike.
 
-One program per (sequence, q head, tile of BLOCK_M queries) walks the keys the tile can
-see, in tiles of BLOCK_N read through the block table, with an online softmax in fp32
-(flash attention). Key tiles wholly before the window of the tile's first query are skipped.
-On CUDA, bf16 operands go to the tensor cores as they are; on CPU tensors (the interpreter)
-they are upcast to fp32 first (`UPCAST`): the interpreter's bf16 `tl.dot` returns garbage
-(triton 3.9), while products of bf16 values are exact in fp32, so only the order of the
-fp32 sums can differ from a GPU. Refused: a non-contiguous q or out, K and V caches with
-different strides or a non-contiguous head_dim.
+FlashAttention-2's layout, with the GQA group packed into the tile: one program per (tile
+of BLOCK_Q query positions, KV head, sequence) -- program ids in that order, so the
+programs reading one sequence's pages run close together. Its BLOCK_M = BLOCK_Q x GROUP
+rows are (query position, q head) pairs, row r: position r // GROUP of the tile, q head
+kv_head * GROUP + r % GROUP; each K/V tile of BLOCK_N keys, read through the block table,
+is loaded once for the whole group. Online softmax in fp32 (exp2, the scale folded into
+log2 units). The key loop is bounded by the tile's last query and starts at the window of
+its first; key tiles every row sees whole (before the first query, inside the last
+query's window) skip the mask, the others (the diagonal, the window's edge) are masked,
+and a row with no key in view yet keeps a zero sum. When GROUP does not divide BLOCK_M,
+BLOCK_Q = BLOCK_M // GROUP and the last BLOCK_M % GROUP rows idle.
+
+On CUDA, bf16/fp16 operands go to the tensor cores as they are (fp32 accumulation, p
+rounded to the cache dtype for the second product); fp32 caches multiply in full fp32
+("ieee", no tf32). On CPU tensors (the interpreter) they are upcast to fp32 first
+(`UPCAST`): the interpreter's bf16 `tl.dot` returns garbage (triton 3.9), while products
+of bf16 values are exact in fp32, so only the order of the fp32 sums can differ from a
+GPU. Refused: a non-contiguous q or out, K and V caches with different strides or a
+non-contiguous head_dim, q heads not a multiple of KV heads.
 """
 
 from __future__ import annotations
@@ -25,8 +36,55 @@ import triton.language as tl
 
 from treeserve.kernels.triton.pages import token_rows
 
-BLOCK_M = 16  # queries per program
-BLOCK_N = 16  # keys per tile
+# Launch defaults, from a sweep on an H100 (bf16, head_dim 128, 32 q / 8 KV heads, PRM steps of ~100
+# tokens over 200-1200 cached); `paged_prefill` takes each as a keyword to sweep.
+BLOCK_M = 64  # rows per program: query positions x the GQA group's q heads
+BLOCK_N = 64  # keys per tile
+NUM_WARPS = 4
+NUM_STAGES = 3
+# Rows wider than bf16 head_dim 128 (fp32 caches, head_dim 256): fewer keys a tile and stages
+# (shared memory), more warps. Compiled and run on an H100, not tuned.
+WIDE_BLOCK_N = 32
+WIDE_NUM_WARPS = 8
+WIDE_NUM_STAGES = 2
+
+
+@triton.jit
+def _attend(
+    acc, m_i, l_i, q, q_pos, start, hi, window, d, k_cache_ptr, v_cache_ptr, tables_ptr, seq, tables_stride, kv_head,
+    cache_stride_page, cache_stride_slot, cache_stride_h, qk_scale,
+    D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """One key tile (positions start .. start + BLOCK_N - 1, those < hi) into the online
+    softmax state (acc, m_i in log2 units, l_i). MASKED: apply the causal and window mask;
+    otherwise every row sees every key of the tile."""
+    pos = start + tl.arange(0, BLOCK_N)
+    k_valid = pos < hi
+    rows = token_rows(tables_ptr, seq, tables_stride, pos, k_valid, kv_head, cache_stride_page, cache_stride_slot,
+                      cache_stride_h, PAGE)  # fmt: skip
+    kv_mask = k_valid[:, None] & (d[None, :] < D)
+    k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N] fp32, log2 units
+    if MASKED:
+        seen = k_valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        seen &= (window <= 0) | (pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = m_new
+    if MASKED:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key in view yet
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p.to(v.dtype)  # bf16 caches: p rounded to bf16 for the second matmul, as on tensor cores
+    if UPCAST:
+        p = p.to(tl.float32)
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -37,15 +95,18 @@ def _prefill(
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
-    head = tl.program_id(1)
-    tile = tl.program_id(2)
+    BLOCK_Q = BLOCK_M // GROUP  # query positions per program
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # a sequence's last tiles (the most keys) first
+    kv_head = tl.program_id(1)
+    b = tl.program_id(2)
     num_queries = tl.load(lens_ptr + b).to(tl.int32)
-    if tile * BLOCK_M < num_queries:
+    if tile * BLOCK_Q < num_queries:
         first_row = tl.load(starts_ptr + b)
         context = tl.load(context_ptr + b).to(tl.int32)
-        i = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the chunk
-        q_valid = i < num_queries
+        r = tl.arange(0, BLOCK_M)
+        i = tile * BLOCK_Q + r // GROUP  # query index within the chunk
+        head = kv_head * GROUP + r % GROUP
+        q_valid = (i < num_queries) & (r < BLOCK_Q * GROUP)
         q_pos = context - num_queries + i
         d = tl.arange(0, BLOCK_D)
         q_rows = (first_row + i) * q_stride_t + head * q_stride_h
@@ -53,38 +114,35 @@ def _prefill(
         q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=q_mask, other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
-        kv_head = head // GROUP
-        hi = tl.minimum(context - num_queries + (tile + 1) * BLOCK_M, context)  # past the tile's last query
-        lo = tl.where(window > 0, tl.maximum(context - num_queries + tile * BLOCK_M - window + 1, 0), 0)
-        lo = lo // BLOCK_N * BLOCK_N
+
+        first = context - num_queries + tile * BLOCK_Q  # the tile's first and last query positions
+        last = tl.minimum(first + BLOCK_Q, context) - 1
+        hi = last + 1
+        # masked [lo, whole_lo), unmasked [whole_lo, whole_hi), masked [whole_hi, hi); all tile-aligned
+        lo = tl.where(window > 0, tl.maximum(first - window + 1, 0), 0) // BLOCK_N * BLOCK_N
+        whole_lo = tl.where(window > 0, tl.cdiv(tl.maximum(last - window + 1, 0), BLOCK_N) * BLOCK_N, 0)
+        whole_hi = tl.maximum((first + 1) // BLOCK_N * BLOCK_N, whole_lo)
+
+        qk_scale = scale * 1.4426950408889634  # log2(e): exp2 in the softmax
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for start in range(lo, hi, BLOCK_N):
-            pos = start + tl.arange(0, BLOCK_N)
-            k_valid = pos < hi
-            rows = token_rows(tables_ptr, b, tables_stride, pos, k_valid, kv_head, cache_stride_page, cache_stride_slot,
-                              cache_stride_h, PAGE)  # fmt: skip
-            kv_mask = k_valid[:, None] & (d[None, :] < D)
-            k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N] in fp32
-            seen = k_valid[None, :] & (pos[None, :] <= q_pos[:, None])
-            seen &= (window <= 0) | (pos[None, :] > q_pos[:, None] - window)
-            s = tl.where(seen, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key in view yet
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            p = p.to(v.dtype)  # bf16 caches: p rounded to bf16 for the second matmul, as on tensor cores
-            if UPCAST:
-                p = p.to(tl.float32)
-                v = v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
+        for start in range(lo, whole_lo, BLOCK_N):
+            acc, m_i, l_i = _attend(
+                acc, m_i, l_i, q, q_pos, start, hi, window, d, k_cache_ptr, v_cache_ptr, tables_ptr, b, tables_stride,
+                kv_head, cache_stride_page, cache_stride_slot, cache_stride_h, qk_scale, D, PAGE, BLOCK_N, True, UPCAST,
+            )  # fmt: skip
+        for start in range(whole_lo, whole_hi, BLOCK_N):
+            acc, m_i, l_i = _attend(
+                acc, m_i, l_i, q, q_pos, start, hi, window, d, k_cache_ptr, v_cache_ptr, tables_ptr, b, tables_stride,
+                kv_head, cache_stride_page, cache_stride_slot, cache_stride_h, qk_scale, D, PAGE, BLOCK_N, False,
+                UPCAST,
+            )  # fmt: skip
+        for start in range(whole_hi, hi, BLOCK_N):
+            acc, m_i, l_i = _attend(
+                acc, m_i, l_i, q, q_pos, start, hi, window, d, k_cache_ptr, v_cache_ptr, tables_ptr, b, tables_stride,
+                kv_head, cache_stride_page, cache_stride_slot, cache_stride_h, qk_scale, D, PAGE, BLOCK_N, True, UPCAST,
+            )  # fmt: skip
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + q_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
@@ -101,22 +159,40 @@ def paged_prefill(
     window: int | None,
     out: torch.Tensor,
     max_query_len: int | None = None,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> None:
     """Causal attention of each sequence's chunk of queries, written into `out` in place.
-    `max_query_len` (the longest chunk, known to the caller) spares a device-to-host read."""
+    `max_query_len` (the longest chunk, known to the caller) spares a device-to-host read.
+    block_m (rows: query positions x GQA group, raised to the group's power of 2), block_n,
+    num_warps and num_stages override the module's defaults (for benchmark sweeps)."""
     assert q.is_contiguous() and out.is_contiguous() and q.shape == out.shape
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     _, q_heads, dim = q.shape
     batch = tables.shape[0]
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    assert q_heads % kv_heads == 0, f"{q_heads} q heads do not share {kv_heads} KV heads evenly"
+    group = q_heads // kv_heads
     if batch == 0:
         return
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    block_d = max(triton.next_power_of_2(dim), 16)
+    wide = block_d * k_cache.element_size() > 256
+    block_m = max(block_m or BLOCK_M, triton.next_power_of_2(group), 16)  # tl.dot takes M >= 16
+    block_n = block_n or (WIDE_BLOCK_N if wide else BLOCK_N)
+    num_warps = num_warps or (WIDE_NUM_WARPS if wide else NUM_WARPS)
+    num_stages = num_stages or (WIDE_NUM_STAGES if wide else NUM_STAGES)
+    queries = max_query_len if max_query_len is not None else int(q_lens.max())
+    tiles = -(-queries // (block_m // group))
+    if tiles == 0:
+        return
     tables, q_starts, q_lens, context_lens = (t.contiguous() for t in (tables, q_starts, q_lens, context_lens))
-    tiles = -(-(max_query_len or int(q_lens.max())) // BLOCK_M)
-    _prefill[(batch, q_heads, tiles)](
+    _prefill[(tiles, kv_heads, batch)](
         q, k_cache, v_cache, tables, q_starts, q_lens, context_lens, out,
         q.stride(0), q.stride(1), tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         scale, window or 0,
-        GROUP=q_heads // kv_heads, D=dim, BLOCK_D=max(triton.next_power_of_2(dim), 16), PAGE=block_size,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, UPCAST=q.device.type == "cpu",
+        GROUP=group, D=dim, BLOCK_D=block_d, PAGE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        UPCAST=q.device.type == "cpu", num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
