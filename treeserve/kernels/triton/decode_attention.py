@@ -4,21 +4,45 @@ q [B, Hq, D]; k_cache/v_cache [pages, block_size, Hkv, D] (one layer's views of 
 block_tables [B, max_pages]; context_lens [B] (keys visible to the query, itself included,
 so the query sits at position context_len - 1); `window`: keys at positions > query - window.
 
-Pass 1 (`_partial`): one program per (sequence, KV head, partition of `partition_size`
-keys) takes all q heads of that KV head's group at once (GQA: each K/V row is read once
-per group), walks the partition's keys in tiles of BLOCK_N through the block table, and
-keeps an online-softmax running max, sum and weighted value sum in fp32. Partitions wholly
-outside the window or past the context do nothing. Pass 2 (`_reduce`): one program per
-(sequence, q head) rescales the partitions' partial results to a common max and divides.
+Pass 1 (`_partial`): one program per (sequence, KV head, split) takes all q heads of that
+KV head's group at once as the rows of one tile (GQA: each K/V row is read once per KV
+head; the group is padded to 16 rows, the least `tl.dot` takes, which costs nothing in a
+memory-bound kernel), walks its partition's keys in tiles of BLOCK_N through the block
+table and keeps an online softmax (running max, sum, weighted value sum) in fp32. The keys
+in view, [max(context - window, 0), context), are cut into `splits` partitions of
+L_b = ceil(ceil(in view / splits) / BLOCK_N) * BLOCK_N keys each, per sequence: a short
+context fills the first partition or two, and a long one is spread evenly over all of
+them. A partition with no keys writes max -inf and sum 0. Pass 2 (`_reduce`): one program
+per (sequence, q head) rescales the partitions' partial results to a common max (empty
+ones weigh 0) and divides. With one split, pass 1 writes the output itself and there is
+no pass 2.
 
-All math is fp32: bf16 K/V rows are upcast as they are loaded (decode is memory-bound, so
-tensor cores would gain nothing, and Triton's interpreter computes bf16 `tl.dot` wrongly).
-The output has q's dtype. Refused: K and V caches with different strides, a head_dim or
-page that is not contiguous, Hq not a multiple of Hkv, a partition_size not a multiple of
-BLOCK_N.
+The split count depends on shapes only (CUDA graphs replay one launch grid for every
+context), see `split_count`: enough programs to give each SM PROGRAMS_PER_SM of them, at
+most MAX_SPLITS and at most one tile of keys per split of the block table's width.
+
+Precision: on CUDA, bf16/fp16 q and K/V go to the tensor cores as they are, with fp32
+accumulation; the probabilities are rounded to the cache dtype for the second product, as
+FlashAttention does. q is rounded to the cache dtype. fp32 caches keep fp32 products
+(input_precision "ieee", not tf32). On CPU tensors (Triton's interpreter, `UPCAST`) the
+operands are upcast to fp32 first, as the interpreter's bf16 `tl.dot` is wrong (triton
+3.9); the products of bf16 values are exact in fp32, so only the order of sums differs
+from a GPU. The output has q's dtype.
+
+Tunables (module defaults, and keyword arguments of `paged_decode` so a benchmark can
+sweep them): BLOCK_N keys per tile, NUM_WARPS and NUM_STAGES of pass 1, and the split
+count. On an H100 (bf16, timed in CUDA graphs over caches larger than L2) the defaults read
+K/V at 2.7 TB/s at batch 512 x 700 keys (32 q / 8 KV heads of 64 dims) and 2.4 TB/s at
+64 x 700, and at every shape tried down to batch 1 took at most 20% longer than the best
+setting of a sweep of tiles, warps, stages and splits (small batches of long contexts gain
+most from more splits or 128-key tiles). Refused: K and V caches with different strides,
+a head_dim that is not contiguous, Hq not a multiple of Hkv, a tile that is not a power of
+two of at least 16 keys.
 """
 
 from __future__ import annotations
+
+from functools import lru_cache
 
 import torch
 import triton
@@ -26,31 +50,41 @@ import triton.language as tl
 
 from treeserve.kernels.triton.pages import token_rows
 
-PARTITION_SIZE = 512  # keys per pass-1 program: long contexts spread over many programs
-BLOCK_N = 16  # keys per tile (also the smallest tl.dot dimension on a GPU)
+BLOCK_N = 64  # keys per tile
+NUM_WARPS = 4  # of a pass-1 program
+NUM_STAGES = 2  # software pipelining of pass 1's key loop
+MAX_SPLITS = 32  # partitions per (sequence, KV head) at most
+PROGRAMS_PER_SM = 2  # pass-1 programs the split count aims at, per streaming multiprocessor
+CPU_PROGRAMS = 64  # the target on CPU tensors (the interpreter): small test batches still split
+PARTITION_SIZE = 512  # `partition_size` for the previous rule: one split per 512 keys of table width
 
 
 @triton.jit
 def _partial(
     q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, max_ptr, sum_ptr, acc_ptr,
     q_stride_b, q_stride_h, tables_stride, cache_stride_page, cache_stride_slot, cache_stride_h,
-    scale, window, num_parts,
+    scale, window, num_splits,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, PARTITION: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, FINAL: tl.constexpr,
 ):  # fmt: skip
+    """Partial results into [B, Hq, splits] (max, sum) and [B, Hq, splits, D] (acc); FINAL (one
+    split): acc_ptr is the contiguous output [B, Hq, D] and gets the normalised result."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
     context = tl.load(lens_ptr + b).to(tl.int32)
-    first = part * PARTITION
-    hi = tl.minimum(first + PARTITION, context)
-    lo = tl.maximum(first, tl.where(window > 0, context - window, 0))  # in view: positions >= context - window
+    first = tl.where(window > 0, tl.maximum(context - window, 0), 0)  # the first key in view
+    length = tl.cdiv(tl.cdiv(context - first, num_splits), BLOCK_N) * BLOCK_N  # whole tiles
+    lo = first + part * length
+    hi = tl.minimum(lo + length, context)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + g
     q_mask = (g[:, None] < GROUP) & (d[None, :] < D)
     q = tl.load(q_ptr + b * q_stride_b + heads[:, None] * q_stride_h + d[None, :], mask=q_mask, other=0.0)
-    q = q.to(tl.float32)
+    q = q.to(k_cache_ptr.dtype.element_ty)
+    if UPCAST:
+        q = q.to(tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -60,20 +94,30 @@ def _partial(
         rows = token_rows(tables_ptr, b, tables_stride, pos, valid, kv_head, cache_stride_page, cache_stride_slot,
                           cache_stride_h, PAGE)  # fmt: skip
         kv_mask = valid[:, None] & (d[None, :] < D)
-        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_G, BLOCK_N]
+        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_G, BLOCK_N] in fp32
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds a valid key
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
-        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        p = p.to(v_cache_ptr.dtype.element_ty)  # rounded to the cache dtype, as on tensor cores
+        if UPCAST:
+            p = p.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m_i = m_new
-    out = (b * tl.num_programs(1) * GROUP + heads) * num_parts + part  # index into [B, Hq, parts]
-    tl.store(max_ptr + out, m_i, mask=g < GROUP)
-    tl.store(sum_ptr + out, l_i, mask=g < GROUP)
-    tl.store(acc_ptr + out[:, None] * D + d[None, :], acc, mask=q_mask)
+    out = (b * tl.num_programs(1) * GROUP + heads) * num_splits + part  # index into [B, Hq, splits]
+    if FINAL:
+        acc = acc / l_i[:, None]
+        tl.store(acc_ptr + out[:, None] * D + d[None, :], acc.to(acc_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        tl.store(max_ptr + out, m_i, mask=g < GROUP)
+        tl.store(sum_ptr + out, l_i, mask=g < GROUP)
+        tl.store(acc_ptr + out[:, None] * D + d[None, :], acc, mask=q_mask)
 
 
 @triton.jit
@@ -97,6 +141,21 @@ def _reduce(
     tl.store(out_ptr + b * out_stride_b + h * out_stride_h + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
+@lru_cache
+def _target_programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return CPU_PROGRAMS
+    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_count(batch: int, kv_heads: int, table_keys: int, block_n: int, device: torch.device) -> int:
+    """Partitions per (sequence, KV head), from shapes only: enough pass-1 programs to reach the
+    device's target, at most MAX_SPLITS and at most one tile per split of `table_keys` (the
+    block table's width in keys)."""
+    wanted = -(-_target_programs(device) // (batch * kv_heads))
+    return max(1, min(wanted, MAX_SPLITS, -(-table_keys // block_n)))
+
+
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -105,33 +164,51 @@ def paged_decode(
     context_lens: torch.Tensor,
     scale: float,
     window: int | None,
-    partition_size: int = PARTITION_SIZE,
+    partition_size: int | None = None,
+    *,
+    num_splits: int | None = None,
+    block_n: int = BLOCK_N,
+    num_warps: int = NUM_WARPS,
+    num_stages: int = NUM_STAGES,
 ) -> torch.Tensor:
-    """q [B, Hq, D] -> [B, Hq, D]; see the module docstring."""
+    """q [B, Hq, D] -> [B, Hq, D]; see the module docstring. `num_splits` forces the split count;
+    `partition_size` is the previous kernel's rule (one split per that many keys of the table's
+    width, tiles of at most that many keys)."""
     batch, q_heads, dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert q.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
-    assert partition_size % BLOCK_N == 0 and q_heads % kv_heads == 0
-    out = torch.empty_like(q)
+    assert q_heads % kv_heads == 0
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
     tables = tables.contiguous()
     context_lens = context_lens.contiguous()
-    num_parts = -(-tables.shape[1] * block_size // partition_size)
+    table_keys = tables.shape[1] * block_size
+    if partition_size is not None:
+        block_n = min(block_n, partition_size)
+        num_splits = num_splits or -(-table_keys // partition_size)
+    assert block_n >= 16 and block_n & (block_n - 1) == 0, "a tile is a power of two of at least 16 keys"
+    splits = num_splits or split_count(batch, kv_heads, table_keys, block_n, q.device)
     group = q_heads // kv_heads
-    maxes = torch.empty(batch, q_heads, num_parts, dtype=torch.float32, device=q.device)
-    sums = torch.empty_like(maxes)
-    accs = torch.empty(batch, q_heads, num_parts, dim, dtype=torch.float32, device=q.device)
     block_d = max(triton.next_power_of_2(dim), 16)
-    _partial[(batch, kv_heads, num_parts)](
+    final = splits == 1
+    if final:  # [B, Hq, 1, D] is [B, Hq, D]: pass 1 writes the output (the max and sum stores are compiled out)
+        maxes = sums = accs = out
+    else:
+        maxes = torch.empty(batch, q_heads, splits, dtype=torch.float32, device=q.device)
+        sums = torch.empty_like(maxes)
+        accs = torch.empty(batch, q_heads, splits, dim, dtype=torch.float32, device=q.device)
+    _partial[(batch, kv_heads, splits)](
         q, k_cache, v_cache, tables, context_lens, maxes, sums, accs,
         q.stride(0), q.stride(1), tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        scale, window or 0, num_parts,
+        scale, window or 0, splits,
         GROUP=group, D=dim, BLOCK_G=max(triton.next_power_of_2(group), 16), BLOCK_D=block_d,
-        PAGE=block_size, PARTITION=partition_size, BLOCK_N=BLOCK_N,
+        PAGE=block_size, BLOCK_N=block_n, UPCAST=q.device.type == "cpu", FINAL=final,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    _reduce[(batch, q_heads)](
-        maxes, sums, accs, out, out.stride(0), out.stride(1), num_parts,
-        D=dim, BLOCK_P=triton.next_power_of_2(num_parts), BLOCK_D=block_d,
-    )  # fmt: skip
+    if not final:
+        _reduce[(batch, q_heads)](
+            maxes, sums, accs, out, out.stride(0), out.stride(1), splits,
+            D=dim, BLOCK_P=triton.next_power_of_2(splits), BLOCK_D=block_d,
+        )  # fmt: skip
     return out
