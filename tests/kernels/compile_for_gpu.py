@@ -49,9 +49,9 @@ def main() -> int:
                 shape = f"{dt} window={window} group={group} D={dim} page={page}"
                 ok &= compiles(decode_attention._partial, dict(
                     q_ptr=f"*{dt}", lens_ptr="*i64", max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", **cache,
-                    q_stride_b=512, q_stride_h=64, scale=0.125, window=window, num_parts=3, GROUP=group, D=dim,
-                    BLOCK_G=max(triton.next_power_of_2(group), 16), BLOCK_D=block_d, PAGE=page, PARTITION=512,
-                    BLOCK_N=decode_attention.BLOCK_N,
+                    q_stride_b=512, q_stride_h=64, scale=0.125, window=window, num_splits=3, parts=32,
+                    min_length=1024, GROUP=group, D=dim, BLOCK_G=max(triton.next_power_of_2(group), 16),
+                    BLOCK_D=block_d, PAGE=page, UPCAST=False, FINAL=False, BLOCK_N=decode_attention.BLOCK_N,
                 ), f"decode {shape}")  # fmt: skip
                 ok &= compiles(prefill_attention._prefill, dict(
                     q_ptr=f"*{dt}", starts_ptr="*i64", lens_ptr="*i64", context_ptr="*i64", out_ptr=f"*{dt}", **cache,
@@ -67,10 +67,16 @@ def main() -> int:
             offsets_ptr="*i64", k_stride_t=768, k_stride_h=64, v_stride_t=768, v_stride_h=64, cache_stride_page=99968,
             cache_stride_slot=256, cache_stride_h=64, HEADS=4, D=64, BLOCK_H=4, BLOCK_D=64,
         ), f"store {dt}")  # fmt: skip
-        ok &= compiles(sampling._sample_row, dict(
-            logits_ptr=f"*{dt}", stride=151936, uniforms_ptr="*fp64", out_ptr="*i64", vocab=151936,
-            BLOCK=sampling.BLOCK,
-        ), f"sample {dt}")  # fmt: skip
+        chunks = -(-151936 // sampling.CHUNK)
+        ok &= compiles(sampling._chunk_stats, dict(
+            logits_ptr=f"*{dt}", stride=151936, max_ptr="*fp32", sum_ptr="*fp32", vocab=151936, chunks=chunks,
+            CHUNK=sampling.CHUNK, BLOCK=sampling.BLOCK,
+        ), f"sample chunk stats {dt}")  # fmt: skip
+        ok &= compiles(sampling._draw_row, dict(
+            logits_ptr=f"*{dt}", stride=151936, max_ptr="*fp32", sum_ptr="*fp32", uniforms_ptr="*fp64",
+            out_ptr="*i64", vocab=151936, chunks=chunks, CHUNK=sampling.CHUNK, BLOCK=sampling.BLOCK,
+            CHUNKS=triton.next_power_of_2(chunks),
+        ), f"sample draw {dt}")  # fmt: skip
     return 0 if ok else 1
 
 

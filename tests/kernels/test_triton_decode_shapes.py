@@ -6,7 +6,7 @@ tiles, many) on shuffled pages of a one-layer arena, with block tables wider tha
 longest sequence needs (as CUDA graphs pad them). Matrix: bf16 and fp32; head_dim 64 and
 128; GQA groups 1, 4 and 8; sliding windows; forced split counts of 1 (pass 1 writes the
 output), a few, and more than a short context has tiles (empty partitions); tiles of 16 and
-64 keys; the shape-only split rule. fp32 within 1e-5, bf16 within 2e-2 (its output is
+64 keys; the shape-only split rule; a row's bits alone and in a batch. fp32 within 1e-5, bf16 within 2e-2 (its output is
 rounded to bf16, and so are the probabilities of the second product).
 """
 
@@ -111,15 +111,29 @@ def test_strided_q():
 
 
 def test_split_count_depends_on_shapes_only():
-    """Enough programs for the device's target, at most MAX_SPLITS and one tile per split of the table."""
-    cpu = torch.device("cpu")
-    target = decode_attention.CPU_PROGRAMS
-    assert decode_attention.split_count(target, 1, 1 << 15, 64, cpu) == 1  # a big batch fills the device alone
-    assert decode_attention.split_count(512, 8, 1 << 15, 64, cpu) == 1
-    assert decode_attention.split_count(4, 2, 1 << 15, 64, cpu) == -(-target // 8)
-    assert decode_attention.split_count(1, 1, 1 << 15, 64, cpu) == min(target, decode_attention.MAX_SPLITS)
-    assert decode_attention.split_count(1, 1, 100, 64, cpu) == 2  # a 100-key table has 2 tiles
-    assert decode_attention.split_count(1, 1, 100, 16, cpu) == 7
+    """The grid: partitions of MIN_PARTITION keys or more for the widest view the table allows,
+    at most MAX_SPLITS."""
+    least, most = decode_attention.MIN_PARTITION, decode_attention.MAX_SPLITS
+    assert decode_attention.split_count(700, None) == 1
+    assert decode_attention.split_count(least + 1, None) == 2
+    assert decode_attention.split_count(1 << 20, None) == most
+    assert decode_attention.split_count(1 << 20, 100) == 1  # a window bounds the view
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_rows_bits_do_not_depend_on_its_batch(dtype):
+    """A sequence alone and beside a much longer one (a wider table: more splits in the grid,
+    and for a short row the reduce pass instead of pass 1's direct write): the same bits."""
+    contexts = [300, 2500, 5000]  # one partition; 3 of at least MIN_PARTITION keys; 5
+    k_cache, v_cache, tables = paged(contexts, 64, dtype)
+    q = torch.randn(3, KV_HEADS * 4, 64, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
+    lens = torch.tensor(contexts, device=DEVICE)
+    together = decode_attention.paged_decode(q, k_cache, v_cache, tables, lens, 0.125, None)
+    for b, context in enumerate(contexts):
+        width = -(-context // PAGE)
+        alone = decode_attention.paged_decode(q[b : b + 1], k_cache, v_cache, tables[b : b + 1, :width],
+                                              lens[b : b + 1], 0.125, None)  # fmt: skip
+        assert torch.equal(alone, together[b : b + 1]), context
 
 
 def test_empty_batch():

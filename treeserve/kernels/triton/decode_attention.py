@@ -17,9 +17,14 @@ per (sequence, q head) rescales the partitions' partial results to a common max 
 ones weigh 0) and divides. With one split, pass 1 writes the output itself and there is
 no pass 2.
 
-The split count depends on shapes only (CUDA graphs replay one launch grid for every
-context), see `split_count`: enough programs to give each SM PROGRAMS_PER_SM of them, at
-most MAX_SPLITS and at most one tile of keys per split of the block table's width.
+Batch invariance: how a sequence's keys are partitioned depends on its own view only,
+L_b = roundup(max(ceil(in view / MAX_SPLITS), MIN_PARTITION), BLOCK_N), so its output has
+the same bits alone, in any batch and in any CUDA graph bucket (the reduce adds the zero
+weight of unused partitions exactly). The launch grid's split count (`split_count`)
+depends on shapes only (CUDA graphs replay one grid for every context): enough for the
+longest view the block table allows. Contexts up to MIN_PARTITION keys take one partition
+(at large batch the fastest: no reduce pass), longer ones up to MAX_SPLITS. A forced
+`num_splits` (tests, benchmarks) cuts every view into that many partitions instead.
 
 Precision: on CUDA, bf16/fp16 q and K/V go to the tensor cores as they are, with fp32
 accumulation; the probabilities are rounded to the cache dtype for the second product, as
@@ -31,18 +36,15 @@ from a GPU. The output has q's dtype.
 
 Tunables (module defaults, and keyword arguments of `paged_decode` so a benchmark can
 sweep them): BLOCK_N keys per tile, NUM_WARPS and NUM_STAGES of pass 1, and the split
-count. On an H100 (bf16, timed in CUDA graphs over caches larger than L2) the defaults read
-K/V at 2.7 TB/s at batch 512 x 700 keys (32 q / 8 KV heads of 64 dims) and 2.4 TB/s at
-64 x 700, and at every shape tried down to batch 1 took at most 20% longer than the best
-setting of a sweep of tiles, warps, stages and splits (small batches of long contexts gain
-most from more splits or 128-key tiles). Refused: K and V caches with different strides,
-a head_dim that is not contiguous, Hq not a multiple of Hkv, a tile that is not a power of
-two of at least 16 keys.
+count. On an H100 (bf16, timed in CUDA graphs over caches larger than L2) with one split
+the kernel read K/V at 2.7 TB/s at batch 512 x 700 keys (32 q / 8 KV heads of 64 dims)
+and 2.4 TB/s at 64 x 700; 1.0 TB/s at 16 x 700, where 3-4 splits gave 1.56 (the price of
+batch invariance at small batches of short contexts: microseconds a layer). Refused: K and
+V caches with different strides, a head_dim that is not contiguous, Hq not a multiple of
+Hkv, a tile that is not a power of two of at least 16 keys.
 """
 
 from __future__ import annotations
-
-from functools import lru_cache
 
 import torch
 import triton
@@ -54,8 +56,7 @@ BLOCK_N = 64  # keys per tile
 NUM_WARPS = 4  # of a pass-1 program
 NUM_STAGES = 2  # software pipelining of pass 1's key loop
 MAX_SPLITS = 32  # partitions per (sequence, KV head) at most
-PROGRAMS_PER_SM = 2  # pass-1 programs the split count aims at, per streaming multiprocessor
-CPU_PROGRAMS = 64  # the target on CPU tensors (the interpreter): small test batches still split
+MIN_PARTITION = 1024  # keys: a sequence's view is cut into partitions of at least this many
 PARTITION_SIZE = 512  # `partition_size` for the previous rule: one split per 512 keys of table width
 
 
@@ -63,7 +64,7 @@ PARTITION_SIZE = 512  # `partition_size` for the previous rule: one split per 51
 def _partial(
     q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, max_ptr, sum_ptr, acc_ptr,
     q_stride_b, q_stride_h, tables_stride, cache_stride_page, cache_stride_slot, cache_stride_h,
-    scale, window, num_splits,
+    scale, window, num_splits, parts, min_length,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, FINAL: tl.constexpr,
 ):  # fmt: skip
@@ -74,7 +75,7 @@ def _partial(
     part = tl.program_id(2)
     context = tl.load(lens_ptr + b).to(tl.int32)
     first = tl.where(window > 0, tl.maximum(context - window, 0), 0)  # the first key in view
-    length = tl.cdiv(tl.cdiv(context - first, num_splits), BLOCK_N) * BLOCK_N  # whole tiles
+    length = tl.cdiv(tl.maximum(tl.cdiv(context - first, parts), min_length), BLOCK_N) * BLOCK_N  # whole tiles
     lo = first + part * length
     hi = tl.minimum(lo + length, context)
     g = tl.arange(0, BLOCK_G)
@@ -141,19 +142,12 @@ def _reduce(
     tl.store(out_ptr + b * out_stride_b + h * out_stride_h + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
-@lru_cache
-def _target_programs(device: torch.device) -> int:
-    if device.type != "cuda":
-        return CPU_PROGRAMS
-    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def split_count(batch: int, kv_heads: int, table_keys: int, block_n: int, device: torch.device) -> int:
-    """Partitions per (sequence, KV head), from shapes only: enough pass-1 programs to reach the
-    device's target, at most MAX_SPLITS and at most one tile per split of `table_keys` (the
-    block table's width in keys)."""
-    wanted = -(-_target_programs(device) // (batch * kv_heads))
-    return max(1, min(wanted, MAX_SPLITS, -(-table_keys // block_n)))
+def split_count(table_keys: int, window: int | None) -> int:
+    """The launch grid's partitions per (sequence, KV head), from shapes only: as many as the
+    longest view the block table allows needs (MIN_PARTITION keys or more each), at most
+    MAX_SPLITS. A sequence uses those its own view needs (`partition_length`); the rest do nothing."""
+    view = min(table_keys, window) if window else table_keys
+    return max(1, min(MAX_SPLITS, -(-view // MIN_PARTITION)))
 
 
 def paged_decode(
@@ -188,7 +182,10 @@ def paged_decode(
         block_n = min(block_n, partition_size)
         num_splits = num_splits or -(-table_keys // partition_size)
     assert block_n >= 16 and block_n & (block_n - 1) == 0, "a tile is a power of two of at least 16 keys"
-    splits = num_splits or split_count(batch, kv_heads, table_keys, block_n, q.device)
+    splits = num_splits or split_count(table_keys, window)
+    # a sequence's partitions: its own view's share of MAX_SPLITS, MIN_PARTITION keys at least
+    # (batch-invariant); a forced count cuts every view into that many instead
+    parts, min_length = (num_splits, 0) if num_splits else (MAX_SPLITS, MIN_PARTITION)
     group = q_heads // kv_heads
     block_d = max(triton.next_power_of_2(dim), 16)
     final = splits == 1
@@ -201,7 +198,7 @@ def paged_decode(
     _partial[(batch, kv_heads, splits)](
         q, k_cache, v_cache, tables, context_lens, maxes, sums, accs,
         q.stride(0), q.stride(1), tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        scale, window or 0, splits,
+        scale, window or 0, splits, parts, min_length,
         GROUP=group, D=dim, BLOCK_G=max(triton.next_power_of_2(group), 16), BLOCK_D=block_d,
         PAGE=block_size, BLOCK_N=block_n, UPCAST=q.device.type == "cpu", FINAL=final,
         num_warps=num_warps, num_stages=num_stages,
