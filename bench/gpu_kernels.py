@@ -17,8 +17,9 @@ Cases (bf16 caches laid out as one layer of the engine's arena, pages shuffled):
 Each kernel runs at its defaults and at the tile / warp / stage settings of `--sweep`
 (the constants a GPU run tunes); `--before DIR` also times the kernel files found in DIR
 (decode_attention.py, prefill_attention.py: the earlier version, saved with `git show`).
-Every output is checked against a PyTorch reference (max abs error recorded). Times are
-triton.testing.do_bench medians. JSON to `--out`/kernels.json, printed as a table.
+Every output is checked against a PyTorch reference (max abs error recorded). Times: calls
+captured in a CUDA graph over 256 MiB of K/V copies (so reads come from HBM, not L2), the
+median of 7 replays. JSON to `--out`/kernels.json, printed as a table.
 """
 
 from __future__ import annotations
@@ -40,18 +41,25 @@ from roofline_floor import GPUS  # noqa: E402
 from thesis_shapes import gpu_key  # noqa: E402
 
 VOCAB = 128256
+COPY_BYTES = 256 << 20  # K/V the timed calls cycle through (the H100's L2 holds 50 MB)
+REPLAYS = 7
 DECODE_SWEEP = [{"block_n": 32}, {"block_n": 128}, {"num_warps": 8}, {"num_stages": 3}]
 PREFILL_SWEEP = [{"block_n": 32}, {"block_n": 128}, {"num_warps": 8}, {"num_stages": 3}, {"block_m": 64}]
 
 
 def paged(batch: int, context: int, kv_heads: int, dim: int, page: int, device: str, seed: int) -> tuple:
-    """K and V caches of `batch` sequences of `context` tokens on shuffled pages, their block tables."""
-    g = torch.Generator().manual_seed(seed)
+    """K and V caches of `batch` sequences of `context` tokens on shuffled pages, and block
+    tables: on CUDA several copies of the batch over different pages, COPY_BYTES of K/V in
+    all, so that timing them in turn reads HBM, not the L2 cache."""
+    g = torch.Generator(device=device).manual_seed(seed)
     per_seq = -(-context // page)
-    pages = batch * per_seq + 1
-    k = torch.randn(pages, page, kv_heads, dim, generator=g).to(device, torch.bfloat16)
-    v = torch.randn(pages, page, kv_heads, dim, generator=g).to(device, torch.bfloat16)
-    tables = (torch.randperm(pages - 1, generator=g)[: batch * per_seq] + 1).view(batch, per_seq).to(device)
+    batch_bytes = 2 * batch * per_seq * page * kv_heads * dim * 2
+    copies = 1 if device == "cpu" else max(1, -(-COPY_BYTES // batch_bytes))
+    pages = copies * batch * per_seq + 1
+    k = torch.randn(pages, page, kv_heads, dim, generator=g, device=device).to(torch.bfloat16)
+    v = torch.randn(pages, page, kv_heads, dim, generator=g, device=device).to(torch.bfloat16)
+    order = torch.randperm(pages - 1, generator=g, device=device) + 1
+    tables = [t.view(batch, per_seq).contiguous() for t in order[: copies * batch * per_seq].view(copies, -1)]
     return k, v, tables
 
 
@@ -60,14 +68,33 @@ def gathered(k: torch.Tensor, tables: torch.Tensor, context: int) -> torch.Tenso
     return k[tables].flatten(1, 2)[:, :context].transpose(1, 2).float()
 
 
-def time_ms(fn: Any, device: str) -> float:
-    if device == "cpu":  # the interpreter: one run proves it runs, its time means nothing
+def time_ms(fn: Any, device: str, copies: int = 1) -> float:
+    """Milliseconds a call of `fn(i)` (i: which copy of the inputs) takes. On CUDA: at least 16
+    calls, cycling through the copies, captured in one CUDA graph and replayed (no host launch
+    gaps in the time), the median of REPLAYS replays per call. On a CPU (the interpreter) one
+    call: it proves the kernel runs; its time means nothing."""
+    if device == "cpu":
         start = time.perf_counter()
-        fn()
+        fn(0)
         return 1e3 * (time.perf_counter() - start)
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+    calls = max(copies, 16)
+    for i in range(min(copies, 2)):
+        fn(i)  # compiled and warm, outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i % copies)
+    graph.replay()
+    times = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[len(times) // 2]
 
 
 def load_before(directory: str | None, name: str) -> Any:
@@ -92,7 +119,7 @@ def decode_case(kernel: Any, before: Any, batch: int, context: int, device: str,
     q = torch.randn(batch, q_heads, dim, device=device).to(torch.bfloat16)
     lens = torch.full((batch,), context, dtype=torch.int64, device=device)
     scale = dim**-0.5
-    keys, values = gathered(k, tables, context), gathered(v, tables, context)
+    keys, values = gathered(k, tables[0], context), gathered(v, tables[0], context)
     ref = torch.nn.functional.scaled_dot_product_attention(q.float()[:, :, None], keys, values, scale=scale,
                                                            enable_gqa=True)[:, :, 0]  # fmt: skip
     nbytes = 2 * batch * context * kv_heads * dim * k.element_size()
@@ -100,9 +127,9 @@ def decode_case(kernel: Any, before: Any, batch: int, context: int, device: str,
     for name, module, kw in variants(kernel, before, sweep):
         row = {"kernel": "decode", "batch": batch, "context": context, "variant": name}
         try:
-            fn = lambda m=module, kw=kw: m.paged_decode(q, k, v, tables, lens, scale, None, **kw)  # noqa: E731
-            row["max_err"] = (fn().float() - ref).abs().max().item()
-            row["ms"] = time_ms(fn, device)
+            fn = lambda i, m=module, kw=kw: m.paged_decode(q, k, v, tables[i], lens, scale, None, **kw)  # noqa: E731
+            row["max_err"] = (fn(0).float() - ref).abs().max().item()
+            row["ms"] = time_ms(fn, device, len(tables))
             row["GB/s"] = nbytes / row["ms"] / 1e6
             row["of_peak"] = row["GB/s"] * 1e9 / peak[0] if peak else None
         except Exception as e:  # a setting this kernel does not take, or a failure: recorded
@@ -121,7 +148,7 @@ def prefill_case(kernel: Any, before: Any, batch: int, new: int, cached: int, de
     q_lens = torch.full((batch,), new, dtype=torch.int64, device=device)
     lens = torch.full((batch,), context, dtype=torch.int64, device=device)
     scale = dim**-0.5
-    keys, values = gathered(k, tables, context), gathered(v, tables, context)
+    keys, values = gathered(k, tables[0], context), gathered(v, tables[0], context)
     mask = torch.arange(context, device=device)[None, :] <= (cached + torch.arange(new, device=device))[:, None]
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.float().view(batch, new, q_heads, dim).transpose(1, 2), keys, values, attn_mask=mask, scale=scale,
@@ -133,11 +160,11 @@ def prefill_case(kernel: Any, before: Any, batch: int, new: int, cached: int, de
         row = {"kernel": "prefill", "batch": batch, "new": new, "cached": cached, "variant": name}
         out = torch.empty_like(q)
         try:
-            fn = lambda m=module, kw=kw, out=out: m.paged_prefill(  # noqa: E731
-                q, k, v, tables, starts, q_lens, lens, scale, None, out, max_query_len=new, **kw)  # fmt: skip
-            fn()
+            fn = lambda i, m=module, kw=kw, out=out: m.paged_prefill(  # noqa: E731
+                q, k, v, tables[i], starts, q_lens, lens, scale, None, out, max_query_len=new, **kw)  # fmt: skip
+            fn(0)
             row["max_err"] = (out.float() - ref).abs().max().item()
-            row["ms"] = time_ms(fn, device)
+            row["ms"] = time_ms(fn, device, len(tables))
             row["TFLOP/s"] = flops / row["ms"] / 1e9
             row["of_peak"] = row["TFLOP/s"] * 1e12 / peak[1] if peak else None
         except Exception as e:
@@ -149,8 +176,7 @@ def prefill_case(kernel: Any, before: Any, batch: int, new: int, cached: int, de
 def sampler_case(sampling: Any, batch: int, device: str) -> list[dict]:
     logits = torch.randn(batch, VOCAB, device=device)
     uniforms = torch.rand(batch, dtype=torch.float64, device=device)
-    fn = lambda: sampling.sample_rows(logits, uniforms)  # noqa: E731
-    fn()
+    fn = lambda i: sampling.sample_rows(logits, uniforms)  # noqa: E731
     return [{"kernel": "sampler", "batch": batch, "variant": "default", "us": 1e3 * time_ms(fn, device)}]
 
 
