@@ -137,6 +137,12 @@ def _add_search_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--answer-regex", default=None, metavar="REGEX",
                    help=r"the final step must match this, e.g. '.*\\boxed\{[^{}]+\}.*'")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--adaptive", action="store_true",
+                   help="stop a problem once its answer is settled, starting narrow (docs: adaptive search)")
+    p.add_argument("--certainty", type=float, default=0.9,
+                   help="with --adaptive: the certainty in (0, 1] at which a problem stops (default 0.9)")  # fmt: skip
+    p.add_argument("--first-width", type=int, default=4,
+                   help="with --adaptive: beams or samples to start with, doubled up to --n (default 4)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     _add_memory_flags(p)
     _add_device_flags(p)

@@ -36,6 +36,7 @@ from treeserve.eval.runner import (
     ASSETS,
     EvalSettings,
     Recorder,
+    answer_rule,
     build_runtime,
     finish,
     load_problems,
@@ -105,7 +106,9 @@ class EvalWorker:
         )
         self.runtime = build_runtime(settings, config)
         prm = load_prm(self.runtime, "prm", settings.prm.style) if "prm" in self.runtime.engines else None
-        self.ctx = SearchContext(config, self.runtime, "generator", prm)
+        self.grader = Grader()  # adaptive search's answer keys (math kinds start worker processes when used)
+        self.kinds: dict[str, str] = {}  # unique id -> grader kind, of the problems sent here
+        self.ctx = SearchContext(config, self.runtime, "generator", prm, answer_of=answer_rule(self.grader, self.kinds))
         self.finished = 0
         self.crash_after, self.hang_after = crash_after, hang_after
 
@@ -115,7 +118,8 @@ class EvalWorker:
     async def ping(self) -> None:
         """The driver's heartbeat: answered whenever the event loop runs (a hung step blocks it)."""
 
-    async def search(self, uid: str, question: str) -> dict:
+    async def search(self, uid: str, question: str, kind: str = "math") -> dict:
+        self.kinds[uid] = kind
         [result] = await search_problems(self.ctx, [(uid, question)])
         self.finished += 1
         if self.crash_after is not None and self.finished >= self.crash_after:
@@ -126,6 +130,7 @@ class EvalWorker:
             "completions": [(b.text, list(b.scores)) for b in result.beams],
             "seconds": result.seconds,
             "trace": result.trace,
+            "extra": {"spent": result.spent, "stop": result.stop},
             "counters": run_counters(self.runtime, self.ctx),
         }
 
@@ -133,6 +138,7 @@ class EvalWorker:
         """Stop the engines and check the page accounting (every page free or cached)."""
         await self.runtime.close()
         self.runtime.check_pages_idle()
+        self.grader.close()
         return run_counters(self.runtime, self.ctx)
 
 
@@ -349,7 +355,7 @@ class ProblemDispatch:
             if i in self.answered:
                 raise AssertionError(f"problem {self.records[i]['unique_id']!r} answered twice")
             self.answered.add(i)
-            self.recorder.add(self.records[i], out["completions"], out["trace"])
+            self.recorder.add(self.records[i], out["completions"], out["trace"], out["extra"])
             remaining -= 1
             self.bar.update(1)
             alive = sum(s.alive for s in self.slots)
@@ -364,7 +370,7 @@ class ProblemDispatch:
             while slot.alive and slot.ready is None and slot.in_flight < self.window and self.queue:
                 i = self.queue.popleft()
                 rec = self.records[i]
-                ref = slot.actor.search.remote(str(rec["unique_id"]), rec["problem"])
+                ref = slot.actor.search.remote(str(rec["unique_id"]), rec["problem"], rec.get("grader", "math"))
                 self.calls[ref] = (slot, i, time.perf_counter())
                 slot.in_flight += 1
 

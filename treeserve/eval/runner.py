@@ -17,7 +17,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from treeserve.eval.datasets import load_dataset
-from treeserve.eval.grading import Grader
+from treeserve.eval.grading import Grader, extract_answer
 from treeserve.eval.journal import Journal, journal_path
 from treeserve.eval.metrics import DEFAULT_SELECTION, SELECTIONS
 from treeserve.eval.report import (
@@ -34,6 +34,7 @@ from treeserve.runtime.runtime_settings import RuntimeSettings
 from treeserve.search.context import SearchConfig, SearchContext
 from treeserve.search.prm import load_prm
 from treeserve.search.run import ProblemResult, search_problems
+from treeserve.search.types import Problem
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DEFAULT_GENERATOR = str(ASSETS / "arith-generator")
@@ -112,8 +113,9 @@ def run_eval(
         if settings.progress:
             print(runtime.memory_plan.table(), file=sys.stderr)
         prm = load_prm(runtime, "prm", settings.prm.style) if "prm" in runtime.engines else None
-        ctx = SearchContext(config, runtime, "generator", prm)
         with Grader() as grader:
+            kinds = {str(r["unique_id"]): r.get("grader", "math") for r in todo}
+            ctx = SearchContext(config, runtime, "generator", prm, answer_of=answer_rule(grader, kinds))
             recorder = Recorder(journal, grader, settings.answer_rule(config.strategy), config.agg,
                                 lambda: run_counters(runtime, ctx))  # fmt: skip
             stopped = asyncio.run(_search(ctx, todo, recorder, settings.progress, grace))
@@ -188,9 +190,11 @@ class Recorder:
     counters: Callable[[], dict[str, int]]
     start: float = field(default_factory=time.perf_counter)
 
-    def add(self, record: dict, completions: list[tuple[str, list[float]]], trace: dict | None = None) -> None:
+    def add(self, record: dict, completions: list[tuple[str, list[float]]], trace: dict | None = None,
+            extra: dict | None = None) -> None:  # fmt: skip
+        """`extra`: the search's own record of the problem (tokens spent; adaptive: its stop)."""
         [outcome] = grade_problems([record], [completions], self.grader, selection=self.selection, agg=self.agg)
-        row = problem_record(outcome, self.agg)
+        row = problem_record(outcome, self.agg) | {k: v for k, v in (extra or {}).items() if v is not None}
         if trace is not None:
             row["trace"] = trace
         self.journal.add(row, time.perf_counter() - self.start, self.counters())
@@ -230,7 +234,8 @@ async def _search(
     by_uid = {str(r["unique_id"]): r for r in records}
 
     def done(result: ProblemResult) -> None:
-        recorder.add(by_uid[result.uid], [(b.text, b.scores) for b in result.beams], result.trace)
+        recorder.add(by_uid[result.uid], [(b.text, b.scores) for b in result.beams], result.trace,
+                     {"spent": result.spent, "stop": result.stop})  # fmt: skip
         bar.update(1)
         bar.set_postfix_str(f"{engine.num_generated_tokens / (time.perf_counter() - start):.0f} tok/s")
 
@@ -263,6 +268,17 @@ async def _search(
         bar.close()
         await ctx.runtime.close()
     return caught[0] if caught else None
+
+
+def answer_rule(grader: Grader, kinds: dict[str, str]) -> Callable[[Problem, str], str | None]:
+    """Adaptive search's answer key of a completion: its last `\\boxed{}` under the grader's
+    equivalence for its problem's kind (`kinds`: unique id -> arith or math), as voting groups it."""
+
+    def key(problem: Problem, text: str) -> str | None:
+        answer = extract_answer(text)
+        return None if answer is None else grader.answer_keys([answer], kinds.get(problem.uid, "math"))[0]
+
+    return key
 
 
 def run_counters(runtime: Runtime, ctx: SearchContext) -> dict[str, int]:
@@ -316,6 +332,8 @@ def summarize(counters: dict[str, int], wall: float) -> tuple[RunStats, dict]:
             summary[f"{name}_spec_accepted_tokens"] = accepted
             summary[f"{name}_spec_acceptance_rate"] = accepted / drafted if drafted else 0.0
             summary[f"{name}_spec_mean_acceptance_length"] = 1 + accepted / drafts if drafts else 0.0
+    # what accuracy is plotted against (treeserve plot): every token both models ran
+    summary["computed_tokens"] = sum(counters.get(f"{name}_computed_tokens", 0) for name in ("generator", "prm"))
     return stats, summary
 
 

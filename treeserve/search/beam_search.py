@@ -8,10 +8,17 @@ search-and-learn does. With `fixed_steps` (random-weight benchmarks) every step 
 `max_tokens` long and beams end only at `num_iterations`. With `lookahead` K, beams are
 ranked by the PRM's score at the end of a greedy rollout of K more steps (not on the last
 iteration, whose beams are not ranked); the beam keeps only its sampled step.
+
+Adaptive (`config.adaptive`): the first iteration runs `first_width` beams; after each
+iteration the problem's certainty (`certainty.reward_certainty` over the beams finished and
+alive) is recorded in `problem.stop`, and the search stops there once it reaches
+`config.certainty`, returning the beams finished and alive; else the survivors are copied up
+to twice the width (at most n). Off, the search is exactly the fixed-width one.
 """
 
 from __future__ import annotations
 
+from treeserve.search.certainty import reward_certainty
 from treeserve.search.context import SearchContext, gather_or_cancel
 from treeserve.search.trace import DUPLICATE, FINISHED, KEPT, PRUNED
 from treeserve.search.types import Beam, Problem, aggregate
@@ -19,20 +26,21 @@ from treeserve.search.types import Beam, Problem, aggregate
 
 async def beam_search(ctx: SearchContext, problem: Problem) -> list[Beam]:
     c = ctx.config
-    keep = c.n // c.beam_width
-    active = [Beam(path=(j,)) for j in range(c.n)]
+    widths = c.widths()  # [n]; adaptive: first_width, doubled up to n while unsettled
+    active = [Beam(path=(j,)) for j in range(widths[0])]
     finished: list[Beam] = []
     try:
-        return await _iterate(ctx, problem, active, finished, keep)
+        return await _iterate(ctx, problem, active, finished, widths)
     finally:  # speculative requests of beams nobody will extend
         for beam in active + finished:
             beam.drop_speculation()
 
 
 async def _iterate(
-    ctx: SearchContext, problem: Problem, active: list[Beam], finished: list[Beam], keep: int
+    ctx: SearchContext, problem: Problem, active: list[Beam], finished: list[Beam], widths: list[int]
 ) -> list[Beam]:
     c = ctx.config
+    width = widths[0]
     for iteration in range(c.num_iterations):
         last = iteration == c.num_iterations - 1
         grown = await gather_or_cancel(*(ctx.expand(problem, b, to_eos=last and c.final_to_eos) for b in active))
@@ -47,10 +55,18 @@ async def _iterate(
             for i in set(alive) - set(unique):
                 fates[i] = DUPLICATE
             alive = unique
+        if c.adaptive:  # Dynasor's reward certainty over the beams finished and alive
+            pool = finished + [beams[i] for i in alive]
+            certainty = reward_certainty(ctx.answers(problem, pool), [b.value(c.agg) for b in pool])
+            settled = certainty >= c.certainty
+            ended = "settled" if settled else "exhausted" if not alive or last else ""
+            ctx.settle(problem, iteration, width, certainty, ended)
+            last = last or settled  # settled: the beams alive are returned as they stand
         if not alive or last:
             finished += [beams[i] for i in alive]
             ctx.report(problem, iteration, beams, fates)
             break
+        keep = width // c.beam_width
         ranked = sorted(range(len(alive)), key=lambda k: (-beams[alive[k]].value(c.agg), k))
         survivors = [beams[alive[k]] for k in sorted(ranked[:keep])]
         for k in ranked[keep:]:
@@ -59,7 +75,9 @@ async def _iterate(
         for k in ranked[:keep]:
             fates[alive[k]] = KEPT
         ctx.report(problem, iteration, beams, fates)
-        # copy survivors back up to n beams, round robin (search-and-learn's order)
-        active[:] = [survivors[j % len(survivors)].child(j // len(survivors)) for j in range(c.n)]
+        # copy survivors back up to the width (n; adaptive: the next, wider, while unsettled), round
+        # robin (search-and-learn's order)
+        width = widths[min(widths.index(width) + 1, len(widths) - 1)]
+        active[:] = [survivors[j % len(survivors)].child(j // len(survivors)) for j in range(width)]
     finished.sort(key=lambda b: -aggregate(b.scores, c.agg))  # stable: ties keep their order
     return finished[: c.n]

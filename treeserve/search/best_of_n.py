@@ -4,34 +4,56 @@ All N completions come from one request (`n=N`), so the prompt is prefilled once
 completions share its pages; completion i draws with the problem's root seed and index i.
 Best-of-N scores every step of every completion with the PRM; majority voting needs no PRM.
 Which answer wins (naive / weighted / majority) is decided by eval/metrics from these.
+
+Adaptive (`config.adaptive`, Adaptive-Consistency's sequential sampling): completions come
+in rounds, `first_width` of them first (the same ones as the first of a fixed run: the root
+seed, indices 0..), then more (seeded by the round) up to twice as many in all, at most n,
+until the answers' certainty (`certainty.vote_certainty`) reaches `config.certainty`.
 """
 
 from __future__ import annotations
 
+from treeserve.search.certainty import vote_certainty
 from treeserve.search.context import SearchContext
 from treeserve.search.trace import FINISHED
 from treeserve.search.types import Beam, Problem
 
 
-async def sample_n(ctx: SearchContext, problem: Problem) -> list[Beam]:
-    root = Beam(path=())
-    children = await ctx.expand(problem, root, n=ctx.config.n, to_eos=True)
+async def _completions(ctx: SearchContext, problem: Problem, n: int, round_: int, first: int) -> list[Beam]:
+    """`n` whole solutions from one request (round 0: the root seed; round r: seeded by r), as
+    beams numbered from `first`, their text cut into steps."""
+    root = Beam(path=() if round_ == 0 else (round_,))
+    children = await ctx.expand(problem, root, n=n, to_eos=True)
     for i, child in enumerate(children):
-        child.path = (i,)
+        child.path = (first + i,)
         split = child.steps[-1].split("\n\n") if child.steps else []
         child.steps = [s for s in split if s.strip()]
     return children
 
 
-async def best_of_n(ctx: SearchContext, problem: Problem) -> list[Beam]:
-    beams = await sample_n(ctx, problem)
-    for beam in beams:
-        await ctx.score_beam(problem, beam)
+async def _sample(ctx: SearchContext, problem: Problem, scored: bool) -> list[Beam]:
+    beams: list[Beam] = []
+    c = ctx.config
+    for round_, width in enumerate(c.widths()):
+        fresh = await _completions(ctx, problem, width - len(beams), round_, len(beams))
+        if scored:
+            for beam in fresh:
+                await ctx.score_beam(problem, beam)
+        beams += fresh
+        if not c.adaptive:
+            break
+        certainty = vote_certainty(ctx.answers(problem, beams))
+        ended = "settled" if certainty >= c.certainty else "exhausted" if width == c.n else ""
+        ctx.settle(problem, round_, width, certainty, ended)
+        if ended:
+            break
     ctx.report(problem, 0, beams, [FINISHED] * len(beams))
     return beams
+
+
+async def best_of_n(ctx: SearchContext, problem: Problem) -> list[Beam]:
+    return await _sample(ctx, problem, scored=True)
 
 
 async def majority(ctx: SearchContext, problem: Problem) -> list[Beam]:
-    beams = await sample_n(ctx, problem)
-    ctx.report(problem, 0, beams, [FINISHED] * len(beams))
-    return beams
+    return await _sample(ctx, problem, scored=False)

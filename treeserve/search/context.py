@@ -11,7 +11,7 @@ beam, after a greedy lookahead rollout whose text is scored and then discarded).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field, replace
 
 from treeserve.outputs import CompletionOutput
@@ -61,6 +61,11 @@ class SearchConfig:
     step_regex: str | None = None
     answer_regex: str | None = None
     trace: bool = False  # record every candidate step, its scores and its fate (search/trace.py); outputs only
+    # adaptive search (search/certainty.py): a problem starts at `first_width` beams or samples,
+    # grows toward n while its certainty stays below `certainty`, and stops once it reaches it
+    adaptive: bool = False
+    certainty: float = 0.9
+    first_width: int = 4
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -81,7 +86,26 @@ class SearchConfig:
         if self.fixed_steps and self.speculative_steps:
             raise ValueError("fixed_steps has no step boundaries to speculate past: use speculative_steps=0")
         SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens)  # validates
+        self._check_adaptive()
         self._check_constraints()
+
+    def _check_adaptive(self) -> None:
+        if not isinstance(self.certainty, int | float) or not 0.0 < self.certainty <= 1.0:
+            raise ValueError(f"certainty must be in (0, 1] (1: never settled early), got {self.certainty!r}")
+        if not isinstance(self.first_width, int) or self.first_width < 1:
+            raise ValueError(f"first_width must be an integer >= 1, got {self.first_width!r}")
+        if self.adaptive and self.strategy in ("beam_search", "dvts") and self.first_width % self.beam_width:
+            raise ValueError(f"adaptive {self.strategy}: first_width={self.first_width} must be a multiple of "
+                             f"beam_width={self.beam_width}")  # fmt: skip
+
+    def widths(self) -> list[int]:
+        """Adaptive search's widths: first_width, doubled until n (n alone when not adaptive)."""
+        if not self.adaptive:
+            return [self.n]
+        out = [min(self.first_width, self.n)]
+        while out[-1] < self.n:
+            out.append(min(2 * out[-1], self.n))
+        return out
 
     def _check_constraints(self) -> None:
         if self.step_regex is None and self.answer_regex is None:
@@ -150,14 +174,37 @@ class SearchContext:
     lookahead_prm_tokens: int = 0  # of the PRM inputs' tokens, those of rollout steps
     on_iteration: Callable[[int, list[Beam]], None] | None = None  # progress: (iteration, scored beams)
     traces: dict[str, SearchTrace] = field(default_factory=dict)  # problem id -> its trace (config.trace)
+    # adaptive search: a completion's answer key (equal keys: the same answer; None: no answer),
+    # given by the caller, which owns the answer rules (eval's grader, the server's)
+    answer_of: Callable[[Problem, str], Hashable | None] | None = None
+    _scoring: Problem | None = None  # the problem whose PRM input is being built (see _score)
 
     def __post_init__(self) -> None:
         if self.prm is not None:
             self.prm.on_input = self._saw_prm_input
+        if self.config.adaptive and self.answer_of is None:
+            raise ValueError("adaptive search needs an answer rule (SearchContext.answer_of) to tell when "
+                             "answers agree")  # fmt: skip
 
     def _saw_prm_input(self, ids: list[int]) -> None:
         self.prm_tree.add(ids)
         self.prm_input_tokens += len(ids)
+        if self._scoring is not None:
+            self._scoring.prm_tokens += len(ids)
+
+    def answers(self, problem: Problem, beams: list[Beam]) -> list[Hashable | None]:
+        """Each beam's answer key (adaptive search; None: no answer yet)."""
+        return [self.answer_of(problem, b.text) for b in beams]
+
+    def settle(self, problem: Problem, iteration: int, width: int, certainty: float, reason: str) -> None:
+        """Record an adaptive decision in `problem.stop`: each iteration's width and certainty,
+        and once it stops, where and why ("settled": certain enough; "exhausted": ran to its end)."""
+        stop = problem.stop if problem.stop is not None else {"widths": [], "certainty": []}
+        problem.stop = stop
+        stop["widths"].append(width)
+        stop["certainty"].append(round(certainty, 4))
+        if reason:
+            stop |= {"iteration": iteration, "reason": reason}
 
     def problem(self, uid: str, question: str, messages: list[dict] | None = None) -> Problem:
         """The generator's prompt for `question` (a user message), or for a whole conversation
@@ -196,7 +243,10 @@ class SearchContext:
         if trace is None:  # a search that reported no iteration
             c = self.config
             trace = SearchTrace(c.strategy, c.n, c.beam_width, c.agg)
-        return trace.to_json(completions, seconds)
+        doc = trace.to_json(completions, seconds)
+        if problem.stop is not None:  # adaptive search: every stop is in the trace
+            doc["stop"] = problem.stop
+        return doc
 
     def sampling(self, problem: Problem, path: tuple[int, ...], n: int, to_eos: bool) -> SamplingParams:
         c = self.config
@@ -226,8 +276,12 @@ class SearchContext:
         out = await self.runtime.generate(
             self.generator, {"prompt_token_ids": prompt}, params, self.draft_group(problem)
         )
-        self.generated_tokens += sum(len(c.token_ids) for c in out.outputs)
+        self._generated(problem, sum(len(c.token_ids) for c in out.outputs))
         return [self._extend(beam, i, c) for i, c in enumerate(out.outputs)]
+
+    def _generated(self, problem: Problem, tokens: int) -> None:
+        self.generated_tokens += tokens
+        problem.generated_tokens += tokens
 
     async def _expand_speculative(
         self, problem: Problem, prompt: list[int], beam: Beam, params: SamplingParams
@@ -238,7 +292,7 @@ class SearchContext:
         if beam.pending is not None:
             out = await beam.pending.final
             c = out.outputs[0]
-            self.generated_tokens += len(c.token_ids)
+            self._generated(problem, len(c.token_ids))
             first = c.stop_offsets[0][0]
             beam.leftover = Leftover(list(c.token_ids[first:]), [t - first for t, _ in c.stop_offsets[1:]],
                                  c.finish_reason == "stop" and c.stop_reason is None)  # fmt: skip
@@ -308,7 +362,7 @@ class SearchContext:
                 self.generator, {"prompt_token_ids": prompt}, params, self.draft_group(problem)
             )
             out = out.outputs[0]
-            self.generated_tokens += len(out.token_ids)
+            self._generated(problem, len(out.token_ids))
             self.lookahead_generated_tokens += len(out.token_ids)
             prompt = prompt + list(out.token_ids)
             text = tokenizer.decode(list(out.token_ids))
@@ -345,6 +399,7 @@ class SearchContext:
             return [], ""
         if not self.config.score_cache:
             self.prm_requests += 1
+            self._scoring = problem  # read by _saw_prm_input, which prm.score calls before its first await
             return await self.prm.score(problem.question, steps), "prm"
         keys = prefix_keys(problem.question, steps)
         known = self.cache.known(keys)
@@ -362,6 +417,7 @@ class SearchContext:
         self.in_flight[keys[-1]] = future
         try:
             self.prm_requests += 1
+            self._scoring = problem  # as above
             scores = known + await self.prm.score(problem.question, steps, start=len(known))
         except asyncio.CancelledError:
             future.cancel()

@@ -6,10 +6,16 @@ stops when its chosen step ends the solution. As in search-and-learn, the result
 all beam_width candidates of each subtree's last expansion, so n completions come back.
 With `lookahead` K, candidates are compared by the PRM's score at the end of a greedy
 rollout of K more steps (as in search-and-learn); the kept candidate keeps only its step.
+
+Adaptive (`config.adaptive`): subtrees run in waves, `first_width / beam_width` of them
+first, then more, up to twice as many in all (at most n / beam_width), until the
+certainty of their candidates (`certainty.reward_certainty`) reaches `config.certainty`.
+Subtree i is the same whichever wave runs it (its seeds follow its index).
 """
 
 from __future__ import annotations
 
+from treeserve.search.certainty import reward_certainty
 from treeserve.search.context import SearchContext, gather_or_cancel
 from treeserve.search.trace import FINISHED, KEPT, PRUNED
 from treeserve.search.types import Beam, Problem
@@ -35,5 +41,16 @@ async def _subtree(ctx: SearchContext, problem: Problem, index: int) -> list[Bea
 
 async def dvts(ctx: SearchContext, problem: Problem) -> list[Beam]:
     c = ctx.config
-    subtrees = await gather_or_cancel(*(_subtree(ctx, problem, i) for i in range(c.n // c.beam_width)))
+    subtrees: list[list[Beam]] = []
+    for wave, width in enumerate(c.widths()):  # one wave of all n / beam_width subtrees unless adaptive
+        count = width // c.beam_width
+        subtrees += await gather_or_cancel(*(_subtree(ctx, problem, i) for i in range(len(subtrees), count)))
+        if not c.adaptive:
+            break
+        pool = [b for tree in subtrees for b in tree]
+        certainty = reward_certainty(ctx.answers(problem, pool), [b.value(c.agg) for b in pool])
+        ended = "settled" if certainty >= c.certainty else "exhausted" if width == c.n else ""
+        ctx.settle(problem, wave, width, certainty, ended)
+        if ended:
+            break
     return [b for tree in subtrees for b in tree]

@@ -33,6 +33,8 @@ class ProblemResult:
     beams: list[Beam]
     seconds: float
     trace: dict | None = None  # search/trace.py's JSON, when the config traces
+    spent: dict | None = None  # tokens the search sampled and fed the PRM for this problem
+    stop: dict | None = None  # adaptive search: its widths, certainty, where it stopped and why
 
     @property
     def generated_tokens(self) -> int:
@@ -61,7 +63,8 @@ async def search_problems(
             finally:
                 ctx.forget(problem)
             seconds = time.perf_counter() - start
-            result = ProblemResult(uid, beams, seconds, ctx.take_trace(problem, beams, seconds))
+            spent = {"generated_tokens": problem.generated_tokens, "prm_input_tokens": problem.prm_tokens}
+            result = ProblemResult(uid, beams, seconds, ctx.take_trace(problem, beams, seconds), spent, problem.stop)
             if on_done is not None:
                 on_done(result)
             return result

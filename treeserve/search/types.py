@@ -24,6 +24,12 @@ class Problem:
     uid: str
     question: str
     prompt_ids: list[int]
+    # what its search spent: tokens the generator sampled (kept or pruned, rollouts too) and
+    # tokens of every PRM input built for it (cached or not)
+    generated_tokens: int = 0
+    prm_tokens: int = 0
+    # adaptive search: where it stopped and why, the widths it used, its certainty by iteration
+    stop: dict | None = None
 
 
 @dataclass
