@@ -74,6 +74,8 @@ def test_reward_certainty_weighs_answers_by_the_prm():
     ({"certainty": 2}, "certainty must be in"), ({"certainty": 0}, "certainty must be in"),
     ({"first_width": 0}, "first_width must be"),
     ({"adaptive": True, "first_width": 6, "beam_width": 4}, "must be a multiple of beam_width"),
+    ({"adaptive": True, "budget_tokens": -5}, "budget_tokens must be a positive"),
+    ({"budget_tokens": 1000}, "needs adaptive=True"),
 ])  # fmt: skip
 def test_bad_values_are_refused(bad, message):
     with pytest.raises(ValueError, match=message):
@@ -151,3 +153,20 @@ def test_optimised_equals_reference_with_stops(runtime, strategy):
     assert [decisions(r.stop) for r in fast] == [decisions(r.stop) for r in plain]
     assert [signature(r) for r in fast] == [signature(r) for r in plain]
     runtime.check_pages_idle()
+
+
+@pytest.mark.parametrize("strategy", ["beam_search", "majority"])
+def test_a_spent_budget_stops_every_problem(runtime, strategy):
+    """A budget far below what the fixed search spends: problems stop with reason "budget", the
+    run spends about the budget (plus what was in flight when it ran out), no page is left."""
+    steps = strategy == "beam_search"
+    kwargs = {"strategy": strategy, "n": 16, "num_iterations": 6, "max_tokens": 48 if steps else 256,
+              "adaptive": True, "certainty": 0.99}  # fmt: skip
+    free, free_ctx = search(runtime, PROBLEMS, **kwargs)
+    budget = free_ctx.spent_tokens // 3
+    capped, ctx = search(runtime, PROBLEMS, budget_tokens=budget, **kwargs)
+    assert "budget" in {r.stop["reason"] for r in capped}
+    assert ctx.spent_tokens < free_ctx.spent_tokens
+    assert not ctx.certainties  # every problem ended and left the budget's table
+    for result in capped:
+        assert result.stop["widths"] == sorted(result.stop["widths"])

@@ -58,10 +58,8 @@ async def _iterate(
         if c.adaptive:  # Dynasor's reward certainty over the beams finished and alive
             pool = finished + [beams[i] for i in alive]
             certainty = reward_certainty(ctx.answers(problem, pool), [b.value(c.agg) for b in pool])
-            settled = certainty >= c.certainty
-            ended = "settled" if settled else "exhausted" if not alive or last else ""
-            ctx.settle(problem, iteration, width, certainty, ended)
-            last = last or settled  # settled: the beams alive are returned as they stand
+            ended = ctx.decide(problem, iteration, width, certainty, exhausted=not alive or last, grows=False)
+            last = last or bool(ended)  # settled (or out of budget): the beams alive are returned as they stand
         if not alive or last:
             finished += [beams[i] for i in alive]
             ctx.report(problem, iteration, beams, fates)
@@ -77,7 +75,8 @@ async def _iterate(
         ctx.report(problem, iteration, beams, fates)
         # copy survivors back up to the width (n; adaptive: the next, wider, while unsettled), round
         # robin (search-and-learn's order)
-        width = widths[min(widths.index(width) + 1, len(widths) - 1)]
+        if ctx.may_widen(problem):
+            width = widths[min(widths.index(width) + 1, len(widths) - 1)]
         active[:] = [survivors[j % len(survivors)].child(j // len(survivors)) for j in range(width)]
     finished.sort(key=lambda b: -aggregate(b.scores, c.agg))  # stable: ties keep their order
     return finished[: c.n]

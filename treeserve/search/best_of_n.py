@@ -43,9 +43,7 @@ async def _sample(ctx: SearchContext, problem: Problem, scored: bool) -> list[Be
         if not c.adaptive:
             break
         certainty = vote_certainty(ctx.answers(problem, beams))
-        ended = "settled" if certainty >= c.certainty else "exhausted" if width == c.n else ""
-        ctx.settle(problem, round_, width, certainty, ended)
-        if ended:
+        if ctx.decide(problem, round_, width, certainty, exhausted=width == c.n, grows=True):
             break
     ctx.report(problem, 0, beams, [FINISHED] * len(beams))
     return beams

@@ -66,6 +66,9 @@ class SearchConfig:
     adaptive: bool = False
     certainty: float = 0.9
     first_width: int = 4
+    # adaptive: the tokens the whole run may sample and feed the PRM; the less settled problems
+    # in flight get to grow, and once it is spent every problem stops at its next decision
+    budget_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -94,6 +97,10 @@ class SearchConfig:
             raise ValueError(f"certainty must be in (0, 1] (1: never settled early), got {self.certainty!r}")
         if not isinstance(self.first_width, int) or self.first_width < 1:
             raise ValueError(f"first_width must be an integer >= 1, got {self.first_width!r}")
+        if self.budget_tokens is not None and (not isinstance(self.budget_tokens, int) or self.budget_tokens < 1):
+            raise ValueError(f"budget_tokens must be a positive number of tokens, got {self.budget_tokens!r}")
+        if self.budget_tokens is not None and not self.adaptive:
+            raise ValueError("budget_tokens moves compute between problems: it needs adaptive=True (--adaptive)")
         if self.adaptive and self.strategy in ("beam_search", "dvts") and self.first_width % self.beam_width:
             raise ValueError(f"adaptive {self.strategy}: first_width={self.first_width} must be a multiple of "
                              f"beam_width={self.beam_width}")  # fmt: skip
@@ -178,6 +185,7 @@ class SearchContext:
     # given by the caller, which owns the answer rules (eval's grader, the server's)
     answer_of: Callable[[Problem, str], Hashable | None] | None = None
     _scoring: Problem | None = None  # the problem whose PRM input is being built (see _score)
+    certainties: dict[str, float] = field(default_factory=dict)  # budget_tokens: problems in flight, latest
 
     def __post_init__(self) -> None:
         if self.prm is not None:
@@ -196,15 +204,47 @@ class SearchContext:
         """Each beam's answer key (adaptive search; None: no answer yet)."""
         return [self.answer_of(problem, b.text) for b in beams]
 
-    def settle(self, problem: Problem, iteration: int, width: int, certainty: float, reason: str) -> None:
-        """Record an adaptive decision in `problem.stop`: each iteration's width and certainty,
-        and once it stops, where and why ("settled": certain enough; "exhausted": ran to its end)."""
+    def decide(self, problem: Problem, iteration: int, width: int, certainty: float, exhausted: bool,
+               grows: bool) -> str:  # fmt: skip
+        """An adaptive decision after `iteration` (a round or wave for sampling and DVTS), recorded
+        in `problem.stop` (each iteration's width and certainty; once it stops, where and why):
+        why the problem stops now, or "" to go on. "settled": its certainty reached the
+        threshold; "exhausted": it ran to its end; "budget": the run's `budget_tokens` are
+        spent, or going on means growing (`grows`: a sampling round, a DVTS wave) and the
+        budget goes to less settled problems (`may_widen`)."""
+        c = self.config
+        reason = "settled" if certainty >= c.certainty else "exhausted" if exhausted else ""
+        if c.budget_tokens is not None:
+            self.certainties[problem.uid] = certainty
+            if not reason and (self.spent_tokens >= c.budget_tokens or (grows and not self.may_widen(problem))):
+                reason = "budget"
+            if reason:
+                del self.certainties[problem.uid]
         stop = problem.stop if problem.stop is not None else {"widths": [], "certainty": []}
         problem.stop = stop
         stop["widths"].append(width)
         stop["certainty"].append(round(certainty, 4))
         if reason:
             stop |= {"iteration": iteration, "reason": reason}
+        return reason
+
+    def may_widen(self, problem: Problem) -> bool:
+        """With `budget_tokens`: whether `problem` may grow its width, i.e. it is among the less
+        settled half of the problems in flight (at or below their median certainty) and the
+        budget is not spent. This reads the other problems: with a budget, what a problem gets
+        depends on what else is in flight."""
+        c = self.config
+        if c.budget_tokens is None:
+            return True
+        if self.spent_tokens >= c.budget_tokens:
+            return False
+        ordered = sorted(self.certainties.values())
+        return self.certainties.get(problem.uid, 0.0) <= ordered[(len(ordered) - 1) // 2]
+
+    @property
+    def spent_tokens(self) -> int:
+        """Tokens the search sampled and fed the PRM so far (what `budget_tokens` bounds)."""
+        return self.generated_tokens + self.prm_input_tokens
 
     def problem(self, uid: str, question: str, messages: list[dict] | None = None) -> Problem:
         """The generator's prompt for `question` (a user message), or for a whole conversation

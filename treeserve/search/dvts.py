@@ -49,8 +49,6 @@ async def dvts(ctx: SearchContext, problem: Problem) -> list[Beam]:
             break
         pool = [b for tree in subtrees for b in tree]
         certainty = reward_certainty(ctx.answers(problem, pool), [b.value(c.agg) for b in pool])
-        ended = "settled" if certainty >= c.certainty else "exhausted" if width == c.n else ""
-        ctx.settle(problem, wave, width, certainty, ended)
-        if ended:
+        if ctx.decide(problem, wave, width, certainty, exhausted=width == c.n, grows=True):
             break
     return [b for tree in subtrees for b in tree]
