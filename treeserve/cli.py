@@ -6,6 +6,7 @@
     treeserve eval ... --shard 0/4 --output s0.json; treeserve merge s0.json s1.json s2.json s3.json --output all.json
     treeserve solve "Compute ((12 + 7) * 3) - 15."
     treeserve plot results*.json --output accuracy_vs_n.png
+    treeserve plot results*.json --x computed-tokens   (accuracy vs generator + PRM tokens, Pareto front)
     treeserve eval ... --trace --output results.json; treeserve view results.json --output report.html
     treeserve profile --out profile_out            (memory sweeps: profile.json + PNG plots)
     treeserve tune --kv-cache-memory 24M --output tuned.json   (then: eval/serve --config tuned.json)
@@ -374,9 +375,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from treeserve.eval.plots import plot_accuracy_vs_n
+    from treeserve.eval.plots import plot_accuracy_vs_compute, plot_accuracy_vs_n
 
-    print(plot_accuracy_vs_n(args.results, args.output))
+    if args.x == "computed-tokens":
+        print(plot_accuracy_vs_compute(args.results, args.output or "accuracy_vs_computed_tokens.png"))
+        return 0
+    print(plot_accuracy_vs_n(args.results, args.output or "accuracy_vs_n.png"))
     return 0
 
 
@@ -521,9 +525,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_search_flags(tun)
     tun.set_defaults(func=cmd_tune)
 
-    plot = sub.add_parser("plot", help="accuracy vs N per strategy from results JSON files (PNG)")
+    plot = sub.add_parser("plot", help="accuracy vs N per strategy, or vs computed tokens, from results files (PNG)")
     plot.add_argument("results", nargs="+")
-    plot.add_argument("--output", default="accuracy_vs_n.png")
+    plot.add_argument("--x", default="n", choices=["n", "computed-tokens"],
+                      help="n: accuracy vs N per strategy; computed-tokens: one point per file at its generator + "
+                           "PRM computed tokens, with the Pareto front")  # fmt: skip
+    plot.add_argument("--output", default=None,
+                      help="PNG path (default accuracy_vs_n.png, or accuracy_vs_computed_tokens.png with --x "
+                           "computed-tokens)")  # fmt: skip
     plot.set_defaults(func=cmd_plot)
 
     cmp = sub.add_parser("compare", help="paired accuracy comparison of results files (McNemar test vs the first)")

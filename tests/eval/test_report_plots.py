@@ -1,4 +1,4 @@
-"""Results documents (build, grade, write, read, validate) and the accuracy-vs-N plot."""
+"""Results documents (build, grade, write, read, validate) and the accuracy-vs-N and -vs-compute plots."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from treeserve.eval.datasets import load_dataset
 from treeserve.eval.grading import Grader
 from treeserve.eval.metrics import summarize
-from treeserve.eval.plots import plot_accuracy_vs_n
+from treeserve.eval.plots import pareto_front, plot_accuracy_vs_compute, plot_accuracy_vs_n
 from treeserve.eval.report import (
     COMPLETION_KEYS,
     PROBLEM_KEYS,
@@ -128,3 +128,51 @@ def test_plot_writes_png(tmp_path):
     (tmp_path / "bad.json").write_text("{}", encoding="utf-8")
     with pytest.raises(ValueError, match="not a treeserve results file"):
         plot_accuracy_vs_n([tmp_path / "bad.json"], tmp_path / "bad.png")
+
+
+def test_pareto_front_membership():
+    points = [(100, 0.5), (200, 0.5), (150, 0.6), (400, 0.7), (300, 0.4), (400, 0.65), (50, 0.2), (150, 0.6)]
+    # (200, 0.5): (100, 0.5) costs less at the same accuracy; (300, 0.4), (400, 0.65): beaten; a duplicate kept once
+    assert pareto_front(points) == [(50, 0.2), (100, 0.5), (150, 0.6), (400, 0.7)]
+    assert pareto_front([(10, 0.3)]) == [(10, 0.3)] and pareto_front([]) == []
+    assert pareto_front([(10, 0.9), (5, 0.1), (20, 0.95)]) == [(5, 0.1), (10, 0.9), (20, 0.95)]
+
+
+def compute_doc(n, accuracy, tokens, certainty=None):
+    doc, _ = results_doc("beam_search", n)
+    doc["config"] = {"search": {"strategy": "beam_search", "n": n, "adaptive": certainty is not None,
+                                "certainty": certainty or 0.9}, "dataset": "arith"}  # fmt: skip
+    doc["summary"] |= {"accuracy": accuracy, "computed_tokens": tokens}
+    return doc
+
+
+def test_plot_vs_compute_writes_png(tmp_path):
+    runs = [(4, 0.4, 20_000, None), (16, 0.55, 80_000, None), (64, 0.6, 320_000, None),
+            (16, 0.54, 45_000, 0.8), (16, 0.5, 90_000, 0.95)]  # fmt: skip
+    paths = [write_results(compute_doc(*run), tmp_path / f"run{i}.json") for i, run in enumerate(runs)]
+    out = plot_accuracy_vs_compute(paths, tmp_path / "plots" / "compute.png")
+    data = out.read_bytes()
+    assert out == tmp_path / "plots" / "compute.png" and data.startswith(b"\x89PNG") and len(data) > 5000
+
+
+def test_plot_vs_compute_needs_computed_tokens(tmp_path):
+    good = write_results(compute_doc(16, 0.5, 1000), tmp_path / "good.json")
+    old = compute_doc(16, 0.5, 1000)
+    del old["summary"]["computed_tokens"]
+    old_path = write_results(old, tmp_path / "old.json")
+    with pytest.raises(ValueError, match="no 'computed_tokens'") as info:
+        plot_accuracy_vs_compute([good, old_path], tmp_path / "x.png")
+    assert str(old_path) in str(info.value) and not (tmp_path / "x.png").exists()
+
+
+def test_cli_plot_x_computed_tokens(tmp_path, capsys):
+    from treeserve.cli import main
+
+    paths = [str(write_results(compute_doc(n, 0.1 * n, 1000 * n), tmp_path / f"n{n}.json")) for n in (4, 8)]
+    png = tmp_path / "c.png"
+    assert main(["plot", *paths, "--x", "computed-tokens", "--output", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    old = compute_doc(4, 0.5, 1)
+    del old["summary"]["computed_tokens"]
+    assert main(["plot", str(write_results(old, tmp_path / "old.json")), "--x", "computed-tokens"]) == 2
+    assert "old.json" in capsys.readouterr().err

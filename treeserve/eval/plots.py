@@ -1,4 +1,4 @@
-"""Plots of evaluation results: accuracy against the number of completions N.
+"""Plots of evaluation results: accuracy against the number of completions N, or against compute.
 
 Owns `plot_accuracy_vs_n`, which reads results documents (`treeserve.eval.report`) and draws
 accuracy vs N on a log2 axis, the figure of search-and-learn and "Scaling test-time compute":
@@ -8,6 +8,12 @@ accuracy vs N on a log2 axis, the figure of search-and-learn and "Scaling test-t
   marked `(headline)`;
 * files without tables add one point (their `accuracy` at their N) to a line per strategy and
   answer rule, so separate beam-search runs at N = 4, 16, 64 form one line.
+
+`plot_accuracy_vs_compute` (`treeserve plot --x computed-tokens`) places each file at its
+summary's `computed_tokens` (every token the generator and the PRM ran) and its headline
+accuracy, one point per file labelled with its strategy, N and, for an adaptive run, its
+certainty threshold, and draws the Pareto front (`pareto_front`) as a step line: the best
+accuracy any run reached within a number of computed tokens.
 
 Unless given a title, the figure's title names each file's headline rule (`headline_title`).
 `plot_pages` draws a run's page log; its pages panel (`draw_pages`) is also `treeserve
@@ -37,16 +43,17 @@ def _label(config: dict, path: Path) -> tuple[str, int | None]:
     return strategy, n if isinstance(n, int) and not isinstance(n, bool) else None
 
 
-def headline_title(results: Sequence[tuple[Path, dict]]) -> str:
-    """`accuracy vs N; headline rule: beam_search N=16 weighted, best_of_n N=16 naive`."""
+def headline_title(results: Sequence[tuple[Path, dict]], what: str = "accuracy vs N", with_n: bool = True) -> str:
+    """`accuracy vs N; headline rule: beam_search N=16 weighted, best_of_n N=16 naive` (without
+    N, `with_n=False`: one entry per strategy and rule)."""
     heads: list[str] = []
     for path, document in results:
         strategy, n = _label(document["config"], path)
-        head = f"{strategy} N={n}" if n is not None else strategy
+        head = f"{strategy} N={n}" if n is not None and with_n else strategy
         text = f"{head} {answer_rule(document) or '(rule not recorded)'}"
         if text not in heads:
             heads.append(text)
-    return "\n".join(textwrap.wrap(f"accuracy vs N; headline rule: {', '.join(heads)}", 90))
+    return "\n".join(textwrap.wrap(f"{what}; headline rule: {', '.join(heads)}", 90))
 
 
 def plot_accuracy_vs_n(results_paths: Sequence[str | Path], out_png: str | Path, title: str | None = None) -> Path:
@@ -98,6 +105,77 @@ def plot_accuracy_vs_n(results_paths: Sequence[str | Path], out_png: str | Path,
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
     ax.set_title(title or headline_title(documents), fontsize="medium")
+    fig.tight_layout()
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    return out
+
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The (cost, accuracy) points no other point beats: none has at most their cost and at
+    least their accuracy, one of the two strictly. Sorted by cost (accuracy rises along them);
+    of equal points, one is kept."""
+    front: list[tuple[float, float]] = []
+    for cost, accuracy in sorted(points, key=lambda p: (p[0], -p[1])):
+        if not front or accuracy > front[-1][1]:
+            front.append((cost, accuracy))
+    return front
+
+
+def _compute_point(path: Path, results: dict) -> tuple[str, str, float, float]:
+    """A results file's (series, label, computed tokens, accuracy); raises if it lacks the tokens."""
+    summary = results["summary"]
+    tokens = summary.get("computed_tokens")
+    if not isinstance(tokens, int | float) or isinstance(tokens, bool):
+        raise ValueError(f"{path}: its summary has no 'computed_tokens' (generator + PRM tokens run; runs before "
+                         "adaptive search did not record them): rerun it to plot against compute")  # fmt: skip
+    config = results["config"]
+    search = config.get("search") or config
+    strategy, n = _label(config, path)
+    label = f"{strategy} N={n}" if n is not None else strategy
+    series = f"{strategy} fixed"
+    if search.get("adaptive"):
+        series = f"{strategy} adaptive"
+        label += f" adaptive T={search.get('certainty')}"
+        if search.get("budget_tokens") is not None:
+            label += f" budget={search['budget_tokens']}"
+    return series, label, float(tokens), float(summary["accuracy"])
+
+
+def plot_accuracy_vs_compute(results_paths: Sequence[str | Path], out_png: str | Path,
+                             title: str | None = None) -> Path:  # fmt: skip
+    """Draw each file's accuracy vs its computed tokens, with their Pareto front, into `out_png`."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    if isinstance(results_paths, str | Path):
+        results_paths = [results_paths]
+    if not results_paths:
+        raise ValueError("plot_accuracy_vs_compute needs at least one results file")
+    documents = [(Path(p), read_results(p)) for p in results_paths]
+    points = [_compute_point(path, results) for path, results in documents]
+
+    fig = Figure(figsize=(8, 5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    markers = ["o", "s", "^", "D", "v", "P"]
+    for i, series in enumerate(dict.fromkeys(s for s, _, _, _ in points)):
+        mine = [(x, y) for s, _, x, y in points if s == series]
+        ax.scatter([x for x, _ in mine], [y for _, y in mine], marker=markers[i % len(markers)], label=series)
+    for i, (_, label, x, y) in enumerate(sorted(points, key=lambda p: p[2])):  # neighbours above, below
+        ax.annotate(label, (x, y), xytext=(5, 5 if i % 2 else -11), textcoords="offset points", fontsize="x-small")
+    front = pareto_front([(x, y) for _, _, x, y in points])
+    ax.step([x for x, _ in front], [y for _, y in front], where="post", color="black", alpha=0.6,
+            label="Pareto front")  # fmt: skip
+    ax.scatter([x for x, _ in front], [y for _, y in front], s=140, facecolors="none", edgecolors="black")
+    ax.set_xscale("log")
+    ax.set_xlabel("computed tokens (generator + PRM, log)")
+    ax.set_ylabel("accuracy")
+    ax.margins(x=0.12, y=0.15)  # room for the labels; runs a point apart stay apart (no 0-1 axis)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    ax.set_title(title or headline_title(documents, "accuracy vs computed tokens", with_n=False), fontsize="medium")
     fig.tight_layout()
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
