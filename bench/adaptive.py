@@ -1,0 +1,152 @@
+"""Adaptive search against fixed N: accuracy per computed token on held-out arithmetic (issue 63).
+
+    python bench/adaptive.py --problems 120 --threads 1 --out bench/out/adaptive
+    treeserve plot bench/out/adaptive/*.json --x computed-tokens    (the figure it also draws)
+    python bench/adaptive.py --smoke                                 (a check: ~20 s on 2 cores)
+
+On the same held-out arithmetic problems (levels 4-5, `arith_dataset` seed 0, the test split
+bench/search_scaling.py uses), through `treeserve eval`'s code path (`run_eval`) in this
+process, with `treeserve eval`'s search defaults (beam width 4, T=0.8, 40 iterations, the
+shipped generator and PRM, bf16): `--strategy` (beam search) at each fixed N of `--ns`
+(4, 8, 16, 32, 64), then adaptive at N=`--adaptive-n` (16; its fixed run is added to `--ns`
+when missing) from `--first-width` (4) at each certainty of `--thresholds` (0.5, 0.7, 0.8,
+0.9, 0.95). One run after another, each writing its results JSON into `--out` (only those:
+`treeserve plot DIR/*.json --x computed-tokens` draws them), and
+`DIR/accuracy_vs_computed_tokens.png` (`plot_accuracy_vs_compute`: each run's accuracy
+against its computed tokens, with the Pareto front).
+
+It prints a markdown table and writes it with the rows to `--summary` (default: `--out`
+with `.json` added, beside the folder): per run, accuracy (the summary's, under the
+strategy's answer rule), computed tokens (generator + PRM tokens the engines ran),
+generated tokens, wall seconds of the search and problems/min, and for adaptive runs the
+share of problems that settled and their mean stop iteration. Then, against fixed
+N=`--adaptive-n`: each adaptive run's computed tokens as a fraction of the fixed run's and
+its accuracy difference in points, and problems/min at the same accuracy: of the adaptive
+runs at most 2.5 points below the fixed run's accuracy (`--tolerance`), the one with the
+most problems/min, and its ratio to the fixed run's.
+
+`--smoke`: 4 problems, fixed N 4 and 8, adaptive at N=8 with the middle threshold (0.8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from treeserve.eval.arith import arith_dataset
+from treeserve.eval.plots import plot_accuracy_vs_compute
+from treeserve.eval.report import write_results
+from treeserve.eval.runner import EvalSettings, run_eval
+from treeserve.search.context import SearchConfig
+
+
+def run(name: str, records: list[dict], config: SearchConfig, out: Path) -> dict:
+    """One eval run, its results written to `out/<name>.json`; the row of the table."""
+    start = time.perf_counter()
+    document = run_eval(EvalSettings(dataset="inline", progress=False), config, inline=records)
+    path = write_results(document, out / f"{name}.json")
+    summary, problems = document["summary"], document["problems"]
+    stops = [p["stop"] for p in problems if p.get("stop")]
+    settled = [s["iteration"] for s in stops if s.get("reason") == "settled"]
+    row = {
+        "name": name, "path": str(path), "strategy": config.strategy, "n": config.n, "adaptive": config.adaptive,
+        "certainty": config.certainty if config.adaptive else None, "problems": len(problems),
+        "accuracy": summary["accuracy"], "rule": summary.get("accuracy_rule"),
+        "computed_tokens": summary["computed_tokens"], "generated_tokens": summary["generated_tokens"],
+        "wall_s": summary["wall_time_s"], "problems_per_min": 60 * summary["problems_per_s"],
+        "process_s": time.perf_counter() - start,  # with model loading and grading
+        "settled_share": len(settled) / len(problems) if config.adaptive else None,
+        "mean_stop_iteration": statistics.mean(settled) if settled else None,
+        "stop_reasons": {r: sum(s.get("reason") == r for s in stops) for r in sorted({s["reason"] for s in stops})},
+    }  # fmt: skip
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def derived(rows: list[dict], n: int, tolerance: float) -> dict:
+    """Each adaptive run against fixed N=`n`, and the fastest one within `tolerance` points below it."""
+    fixed = next(r for r in rows if not r["adaptive"] and r["n"] == n)
+    against = [{
+        "name": r["name"], "certainty": r["certainty"],
+        "computed_fraction": r["computed_tokens"] / fixed["computed_tokens"] if fixed["computed_tokens"] else None,
+        "accuracy_points": 100 * (r["accuracy"] - fixed["accuracy"]),
+        "problems_per_min": r["problems_per_min"],
+    } for r in rows if r["adaptive"]]  # fmt: skip
+    close = [a for a in against if a["accuracy_points"] >= -tolerance - 1e-9]
+    best = max(close, key=lambda a: a["problems_per_min"], default=None)
+    speedup = best["problems_per_min"] / fixed["problems_per_min"] if best and fixed["problems_per_min"] else None
+    return {"fixed": fixed["name"], "against_fixed": against, "same_accuracy": best, "same_accuracy_speedup": speedup,
+            "tolerance_points": tolerance}  # fmt: skip
+
+
+def _or_dash(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(rows: list[dict], figures: dict, n: int) -> str:
+    lines = [
+        "| run | N | certainty | accuracy | computed tokens | generated tokens | wall s | problems/min "
+        "| settled | mean stop iteration |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['name']} | {r['n']} | {_or_dash(r['certainty'], 'g')} | {r['accuracy']:.1%} "
+            f"| {r['computed_tokens']} | {r['generated_tokens']} | {r['wall_s']:.1f} | {r['problems_per_min']:.1f} "
+            f"| {_or_dash(r['settled_share'], '.0%')} | {_or_dash(r['mean_stop_iteration'], '.2f')} |"
+        )
+    lines += ["", f"| adaptive run | computed tokens / fixed N={n}'s | accuracy - fixed N={n}'s (points) |",
+              "|---|---|---|"]  # fmt: skip
+    for a in figures["against_fixed"]:
+        lines.append(f"| {a['name']} | {_or_dash(a['computed_fraction'], '.2f')} | {a['accuracy_points']:+.1f} |")
+    best, tol = figures["same_accuracy"], figures["tolerance_points"]
+    head = f"\n\nproblems/min at the same accuracy (at most {tol:g} points below fixed N={n}):"
+    if best is None:
+        return "\n".join(lines) + f"{head} no adaptive run\n"
+    return "\n".join(lines) + (f"{head} {best['name']} at {best['problems_per_min']:.1f} problems/min, "
+                               f"{_or_dash(figures['same_accuracy_speedup'], '.2f')}x fixed N={n}'s\n")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--problems", type=int, default=120, help="arithmetic problems, levels 4 and 5 (seed 0)")
+    ap.add_argument("--strategy", default="beam_search")
+    ap.add_argument("--ns", default="4,8,16,32,64", help="fixed runs' N")
+    ap.add_argument("--adaptive-n", type=int, default=16)
+    ap.add_argument("--first-width", type=int, default=4)
+    ap.add_argument("--thresholds", default="0.5,0.7,0.8,0.9,0.95", help="adaptive runs' certainty")
+    ap.add_argument("--tolerance", type=float, default=2.5, help="points below fixed N that count as the same")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--out", type=Path, default=Path("bench/out/adaptive"), help="folder of the runs' results")
+    ap.add_argument("--summary", type=Path, default=None, help="rows and table (default: OUT.json)")
+    ap.add_argument("--smoke", action="store_true", help="4 problems, N 4 and 8, adaptive N=8 at one threshold")
+    args = ap.parse_args()
+    if args.smoke:  # the middle threshold
+        thresholds = args.thresholds.split(",")
+        args.problems, args.ns, args.adaptive_n, args.thresholds = 4, "4,8", 8, thresholds[len(thresholds) // 2]
+    torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary_path = args.summary or args.out.with_name(args.out.name + ".json")
+    records = arith_dataset(size=args.problems, seed=0, levels=(4, 5))
+    ns = sorted({int(n) for n in args.ns.split(",")} | {args.adaptive_n})
+    rows = [run(f"{args.strategy}_n{n}", records, SearchConfig(strategy=args.strategy, n=n), args.out) for n in ns]
+    for t in (float(t) for t in args.thresholds.split(",")):
+        config = SearchConfig(strategy=args.strategy, n=args.adaptive_n, adaptive=True, certainty=t,
+                              first_width=args.first_width)  # fmt: skip
+        rows.append(run(f"{args.strategy}_n{args.adaptive_n}_adaptive_t{t:g}", records, config, args.out))
+    figures = derived(rows, args.adaptive_n, args.tolerance)
+    png = plot_accuracy_vs_compute([r["path"] for r in rows], args.out / "accuracy_vs_computed_tokens.png")
+    text = table(rows, figures, args.adaptive_n)
+    document = {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "derived": figures,
+                "plot": str(png), "table": text}  # fmt: skip
+    summary_path.write_text(json.dumps(document, indent=1) + "\n")
+    print(f"\n{text}\nwrote {summary_path}, {png} and {len(rows)} results files in {args.out}")
+
+
+if __name__ == "__main__":
+    main()
