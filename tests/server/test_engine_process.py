@@ -138,6 +138,12 @@ def test_bad_input_is_answered_by_the_api_process(core_server):
     assert bad_search.status_code == 400
 
 
+def test_a_deadline_before_any_scored_iteration_is_a_400_from_the_core_too(core_server):
+    out = post(core_server, "/v1/search", {**SEARCH, "deadline_s": 1e-6})
+    assert out.status_code == 400 and "first iteration" in out.json()["error"]["message"], out.text
+    idle(core_server)
+
+
 def test_an_injected_failing_step_fails_only_its_request(core_server):
     core_server.served.runtime.inject_failure("generator")
     time.sleep(0.2)

@@ -93,6 +93,12 @@ BAD_INPUTS = [
     ("/v1/search", {"problem": "Compute 1 + 2.", "lookahead": -1}, 400),
     ("/v1/search", {"problem": "Compute 1 + 2.", "answer_regex": "(unclosed"}, 400),  # checked before the search
     ("/v1/search", {"problem": "x", "messages": CHAT}, 400),
+    ("/v1/search", {"problem": "Compute 1 + 2.", "adaptive": True, "certainty": 2}, 400),  # SearchConfig's checks
+    ("/v1/search", {"problem": "Compute 1 + 2.", "adaptive": True, "certainty": 0}, 400),
+    ("/v1/search", {"problem": "Compute 1 + 2.", "adaptive": True, "first_width": 0}, 400),
+    ("/v1/search", {"problem": "Compute 1 + 2.", "adaptive": True, "first_width": 3, "beam_width": 2}, 400),
+    ("/v1/search", {"problem": "Compute 1 + 2.", "deadline_s": 0}, 400),
+    ("/v1/search", {"problem": "Compute 1 + 2.", "deadline_s": -1.5}, 400),
     ("/v1/search", {}, 400),
     ("/v1/search", {"problem": "Compute 1 + 2.", "model": "other"}, 404),
 ]
@@ -105,6 +111,15 @@ def test_bad_input_is_a_4xx_with_an_openai_error_body(server: LiveServer, path: 
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["code"] == status and error["message"] and error["type"]
+
+
+@pytest.mark.parametrize(("field", "value"), [("certainty", 2), ("certainty", 0), ("first_width", 0),
+                                              ("deadline_s", 0)])  # fmt: skip
+def test_bad_adaptive_values_are_refused_naming_the_field(server: LiveServer, field: str, value: float) -> None:
+    before = generated(server)
+    response = post(server, "/v1/search", {"problem": "Compute 1 + 2.", "adaptive": True, field: value})
+    assert response.status_code == 400 and field in response.json()["error"]["message"], response.text
+    assert generated(server) == before  # refused before anything started
 
 
 def test_bad_requests_leave_a_running_request_alone(server: LiveServer) -> None:

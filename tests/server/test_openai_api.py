@@ -4,6 +4,7 @@ offline `LLM` on the same checkpoint."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 
@@ -14,6 +15,7 @@ from openai import OpenAI
 from tests.server.conftest import API_KEY, MODEL, LiveServer
 from treeserve import LLM, SamplingParams
 from treeserve.eval.runner import DEFAULT_GENERATOR
+from treeserve.server import search_api
 
 QUESTION = "Compute ((12 + 7) * 3) - 15."
 
@@ -169,3 +171,75 @@ def test_majority_search_needs_no_prm_and_chat_messages_work(client: OpenAI) -> 
     body = {"messages": [{"role": "user", "content": QUESTION}], "strategy": "majority", "n": 4, "seed": 0}
     out = client.post("/search", body=body, cast_to=object)
     assert out["selection"] == "majority" and all(c["step_scores"] == [] for c in out["completions"])
+
+
+def test_an_adaptive_search_returns_its_stop_and_spent_tokens(client: OpenAI) -> None:
+    body = {"problem": QUESTION, "strategy": "beam_search", "n": 8, "beam_width": 2, "num_iterations": 10, "seed": 3,
+            "adaptive": True, "certainty": 0.5, "first_width": 2}  # fmt: skip
+    out = client.post("/search", body=body, cast_to=object)
+    stop = out["stop"]
+    assert stop["reason"] in ("settled", "exhausted") and stop["iteration"] == len(stop["widths"]) - 1
+    assert len(stop["certainty"]) == len(stop["widths"]) and stop["widths"][0] == 2 and max(stop["widths"]) <= 8
+    assert (stop["certainty"][-1] >= 0.5) == (stop["reason"] == "settled")
+    assert out["spent"] == {"generated_tokens": out["usage"]["generator_tokens"],
+                            "prm_input_tokens": out["usage"]["prm_tokens"]}  # fmt: skip
+    fixed = client.post("/search", body={**body, "adaptive": False}, cast_to=object)
+    assert fixed["stop"] is None and fixed["spent"]["generated_tokens"] > 0
+
+
+def deadline_after_the_first_iteration(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A clock that jumps 1000 s at every reading: a search with `deadline_s` 500 (which the
+    event loop's timer never reaches in a test) is past it at its first scored iteration."""
+    ticks = itertools.count(0.0, 1000.0)
+    monkeypatch.setattr(search_api, "clock", lambda: next(ticks))
+
+
+def test_a_deadline_answers_from_the_first_iteration_and_frees_every_page(
+    server: LiveServer, client: OpenAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    body = {"problem": QUESTION, "strategy": "beam_search", "n": 4, "beam_width": 2, "num_iterations": 10, "seed": 3,
+            "trace": True}  # fmt: skip
+    whole = client.post("/search", body=body, cast_to=object)
+    assert max(len(c["steps"]) for c in whole["completions"]) > 1  # the search runs past its first iteration
+    deadline_after_the_first_iteration(monkeypatch)
+    out = client.post("/search", body={**body, "deadline_s": 500}, cast_to=object)
+    assert out["stop"] == {"iteration": 0, "reason": "deadline", "deadline_s": 500}
+    trace = out["trace"]
+    iteration, text = trace["fields"].index("iteration"), trace["fields"].index("text")
+    assert trace["stop"] == out["stop"] and {node[iteration] for node in trace["nodes"]} == {0}
+    assert len(out["completions"]) == 4 and all(len(c["steps"]) == 1 for c in out["completions"])
+    whole_first = [node[text] for node in whole["trace"]["nodes"] if node[iteration] == 0]
+    assert sorted(c["steps"][0] for c in out["completions"]) == sorted(whole_first)  # same seed, same first steps
+    assert out["answer"] == out["answers_by_rule"]["weighted"]  # chosen as the whole search's answer is
+    scores = [c["score"] for c in out["completions"]]
+    assert scores == sorted(scores, reverse=True)  # held beams ranked as beam search returns them
+    assert out["spent"]["generated_tokens"] < whole["spent"]["generated_tokens"]
+    assert server.idle()
+    server.served.runtime.check_pages_idle()
+
+
+def test_a_streamed_deadline_keeps_the_progress_events(server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    deadline_after_the_first_iteration(monkeypatch)
+    body = {"problem": QUESTION, "strategy": "beam_search", "n": 4, "beam_width": 2, "num_iterations": 10,
+            "deadline_s": 500, "stream": True}  # fmt: skip
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream("POST", server.base_url + "/v1/search", json=body, headers=headers, timeout=60) as response:
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    progress, result = [json.loads(e) for e in events[:-2]], json.loads(events[-2])
+    assert [p["iteration"] for p in progress] == [0] and progress[0]["object"] == "search.progress"
+    assert result["object"] == "search" and result["stop"]["reason"] == "deadline"
+    assert server.idle()
+    server.served.runtime.check_pages_idle()
+
+
+def test_a_deadline_before_any_scored_iteration_is_a_400(server: LiveServer) -> None:
+    """Nothing to answer with: refused like any value that leaves no answer (no input gets a 5xx,
+    tests/server/test_fuzz.py); the search stopped, its pages freed."""
+    body = {"problem": QUESTION, "strategy": "beam_search", "n": 4, "beam_width": 2, "deadline_s": 1e-6}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    response = httpx.post(server.base_url + "/v1/search", json=body, headers=headers, timeout=60)
+    assert response.status_code == 400, response.text
+    assert "before the search scored its first iteration" in response.json()["error"]["message"]
+    assert server.idle()
+    server.served.runtime.check_pages_idle()

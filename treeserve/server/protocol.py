@@ -173,6 +173,12 @@ class SearchRequest(BaseModel):
     seed: int = 0
     stream: bool = False
     trace: bool = False  # return every candidate step, its scores and fate; kept for GET /ui
+    # adaptive search (docs/adaptive.md): start at first_width, grow toward n while the answer's
+    # certainty stays below `certainty`; SearchConfig checks the values (a 400 naming the field)
+    adaptive: bool = False
+    certainty: float = 0.9
+    first_width: int = 4
+    deadline_s: float | None = None  # answer with what the search holds after this many seconds
 
 
 class Usage(BaseModel):

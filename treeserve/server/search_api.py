@@ -8,6 +8,14 @@ request's `selection`), comparing answers as stripped strings (no math-verify eq
 needs the grading workers). The response names the rule (`selection`) and gives every rule's
 pick (`answers_by_rule`). With `stream`, progress events follow each scored iteration. With
 `trace`, the result carries the search's trace (`search/trace.py`) and its problem.
+
+Adaptive search (`adaptive`, `certainty`, `first_width`) groups completions by the same answer
+key the response compares (the last `\\boxed{}`, stripped); the result records the problem's
+`stop` and the tokens it `spent`. With `deadline_s` the strategy runs as a task: once the
+deadline passes (on the event loop's timer, or at an iteration reported past it on `clock`),
+the search is cancelled (its engine requests aborted, their pages freed) and the answer is
+chosen among the scored beams it held then, with `stop.reason` "deadline"; a search that
+scored no iteration by then is a 400 (`SearchDeadline`).
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import math
 import time
 from collections.abc import AsyncIterator
 
@@ -23,9 +32,29 @@ from treeserve.eval.metrics import DEFAULT_SELECTION, SELECTIONS, ScoredCompleti
 from treeserve.runtime.runtime import StepFailed
 from treeserve.search.context import SearchConfig, SearchContext
 from treeserve.search.run import STRATEGY_FUNCTIONS
-from treeserve.search.types import Beam, Problem
+from treeserve.search.types import Beam, Problem, aggregate
 from treeserve.server.completions import Served
 from treeserve.server.protocol import SearchRequest, error_body, new_id, now
+
+clock = time.monotonic  # what a deadline is checked against when an iteration reports (tests swap it)
+
+
+class SearchDeadline(ValueError):
+    """`deadline_s` passed before the search scored its first iteration: nothing to answer with.
+    A 400 like any other value of the request that leaves no answer (the server answers no
+    input with a 5xx: those are its own faults), in the engine core too (`core.error_of`)."""
+
+    def __init__(self, seconds: float):
+        super().__init__(
+            f"deadline_s={seconds:g} passed before the search scored its first iteration, so there is no answer "
+            "to give: allow more time (best_of_n and majority score only at their end)"
+        )
+
+
+def answer_key(problem: Problem, text: str) -> str | None:
+    """Adaptive search's answer key: the completion's answer as the response reports and groups
+    it (the last `\\boxed{}`, stripped)."""
+    return extract_answer(text)
 
 
 def search_context(served: Served, req: SearchRequest) -> tuple[SearchContext, Problem]:
@@ -37,14 +66,17 @@ def search_context(served: Served, req: SearchRequest) -> tuple[SearchContext, P
         strategy=req.strategy, n=req.n, beam_width=req.beam_width, num_iterations=req.num_iterations,
         temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_tokens, agg=req.agg,
         filter_duplicates=req.filter_duplicates, final_to_eos=req.final_to_eos, lookahead=req.lookahead, seed=req.seed,
-        step_regex=req.step_regex, answer_regex=req.answer_regex, trace=req.trace,
+        step_regex=req.step_regex, answer_regex=req.answer_regex, trace=req.trace, adaptive=req.adaptive,
+        certainty=req.certainty, first_width=req.first_width,
     )  # fmt: skip
+    if req.deadline_s is not None and not (math.isfinite(req.deadline_s) and req.deadline_s > 0):
+        raise ValueError(f"deadline_s must be a finite number of seconds > 0, got {req.deadline_s!r}")
     prm = None
     if config.strategy != "majority":
         if served.prm is None:
             raise ValueError(f"strategy {config.strategy!r} needs a PRM; start the server with --prm DIR")
         prm = copy.copy(served.prm)  # the context hooks its own counters onto the adapter it gets
-    ctx = SearchContext(config, served.runtime, served.generator, prm)
+    ctx = SearchContext(config, served.runtime, served.generator, prm, answer_of=answer_key)
     if req.messages is not None:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         users = [m["content"] for m in messages if m["role"] == "user"]
@@ -62,15 +94,87 @@ def search_context(served: Served, req: SearchRequest) -> tuple[SearchContext, P
     return ctx, problem  # the question is the problem's id: its seeds depend on (seed, question, beam path)
 
 
+class HeldBeams:
+    """The scored beams a search holds as its iterations report (`ctx.on_iteration`), and
+    whether its deadline has passed. Beam search reports each iteration's beams: it holds the
+    newest ones and every beam finished before, the best n of them as beam search returns
+    them. DVTS reports one subtree at a time: it holds each subtree's newest candidates (what
+    that subtree returns if it stops now). Best-of-N and majority report only at their end.
+    """
+
+    def __init__(self, config: SearchConfig, seconds: float):
+        self.config = config
+        self.per_subtree = config.strategy == "dvts"
+        self.seconds = seconds
+        self.start = clock()
+        self.expired = asyncio.Event()
+        self.iteration: int | None = None  # the newest iteration scored
+        self.newest: dict[int, list[Beam]] = {}  # subtree (0: the whole search) -> its newest scored beams
+        self.finished: dict[tuple[int, ...], Beam] = {}  # beam search: every beam that ended, by path
+
+    def saw(self, iteration: int, beams: list[Beam]) -> None:
+        if beams:
+            self.iteration = iteration if self.iteration is None else max(self.iteration, iteration)
+            self.newest[beams[0].path[0] if self.per_subtree else 0] = list(beams)
+        if not self.per_subtree:
+            self.finished |= {b.path: b for b in beams if b.completed}
+        if clock() - self.start >= self.seconds:
+            self.expired.set()
+
+    def beams(self) -> list[Beam]:
+        newest = [b for key in sorted(self.newest) for b in self.newest[key]]
+        if self.per_subtree:
+            return newest
+        paths = {b.path for b in newest}
+        beams = [b for path, b in self.finished.items() if path not in paths] + newest
+        beams.sort(key=lambda b: -aggregate(b.scores, self.config.agg))  # stable: ties keep their order
+        return beams[: self.config.n]
+
+
+async def _until_deadline(ctx: SearchContext, problem: Problem, seconds: float) -> list[Beam]:
+    """The strategy's beams; or, when `seconds` pass first, the scored beams the search held
+    then (the search cancelled, its engine requests aborted), `problem.stop` saying so. Raises
+    SearchDeadline when it held none."""
+    held = HeldBeams(ctx.config, seconds)
+    progress = ctx.on_iteration  # streaming's progress events go on
+
+    def saw(iteration: int, beams: list[Beam]) -> None:
+        held.saw(iteration, beams)
+        if progress is not None:
+            progress(iteration, beams)
+
+    ctx.on_iteration = saw
+    search = asyncio.ensure_future(STRATEGY_FUNCTIONS[ctx.config.strategy](ctx, problem))
+    expired = asyncio.ensure_future(held.expired.wait())
+    try:
+        await asyncio.wait({search, expired}, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # the deadline (or the client leaving) came first: stop the search, freeing its pages
+        search.cancel()
+        expired.cancel()
+        await asyncio.gather(search, expired, return_exceptions=True)
+    if not search.cancelled():  # it ended first (its error, if any, is the request's)
+        return search.result()
+    beams = held.beams()
+    if not beams:
+        raise SearchDeadline(seconds)
+    problem.stop = (problem.stop or {}) | {"iteration": held.iteration, "reason": "deadline", "deadline_s": seconds}
+    return beams
+
+
 async def run_search(served: Served, req: SearchRequest, ctx: SearchContext, problem: Problem) -> dict:
     start = time.perf_counter()
     try:
-        beams = await STRATEGY_FUNCTIONS[ctx.config.strategy](ctx, problem)
+        if req.deadline_s is None:
+            beams = await STRATEGY_FUNCTIONS[ctx.config.strategy](ctx, problem)
+        else:
+            beams = await _until_deadline(ctx, problem, req.deadline_s)
     finally:
         ctx.forget(problem)
     seconds = time.perf_counter() - start
     served.metrics.search_seconds.labels(ctx.config.strategy).observe(seconds)
     result = _result(served, req, ctx, len(problem.prompt_ids), beams, seconds)
+    result["stop"] = problem.stop  # adaptive or stopped on the deadline: where it stopped and why
+    result["spent"] = {"generated_tokens": problem.generated_tokens, "prm_input_tokens": problem.prm_tokens}
     if req.trace:
         result["trace"] = ctx.take_trace(problem, beams, seconds)
         result["problem"] = problem.question  # what the trace's page shows (a conversation's last user turn)
@@ -123,7 +227,7 @@ async def stream_search(served: Served, req: SearchRequest, ctx: SearchContext, 
             yield f"data: {json.dumps(event)}\n\n"
         try:
             result = task.result()
-        except ValueError as e:  # a bad input found only while searching
+        except ValueError as e:  # a bad input found only while searching (SearchDeadline too)
             result = error_body(400, str(e))
         except StepFailed as e:  # an engine step serving this search failed
             result = error_body(500, str(e))
