@@ -14,13 +14,14 @@ import pytest
 
 from treeserve.cli import main
 from treeserve.eval.report import write_results
-from treeserve.eval.view import build_page
+from treeserve.eval.view import build_page, stop_line
 
 HOSTILE = '<script>window.pwned = 1</script><img src=x onerror="window.pwned = 2">&amp;'
 
 
-def make_traced_results(folder: Path) -> Path:
-    """A traced beam search (n=8) of four problems on the step world, in fp32, as a results file."""
+def make_traced_results(folder: Path, name: str = "traced.json", **search: object) -> Path:
+    """A traced beam search (n=8) of four problems on the step world, in fp32, as a results file;
+    `search`: more SearchConfig fields (adaptive search's)."""
     from tests.search.step_world import build_step_world
     from tests.search.test_search_equivalence import RECORDS
     from treeserve.eval.runner import EvalSettings, run_eval
@@ -31,9 +32,9 @@ def make_traced_results(folder: Path) -> Path:
     generator, prm = build_step_world(str(folder / "world"))
     settings = EvalSettings(generator=ModelSettings(generator), prm=ModelSettings(prm), progress=False, page_logs=True,
                             runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20))  # fmt: skip
-    config = SearchConfig(n=8, beam_width=2, num_iterations=5, max_tokens=24, trace=True)
-    run_eval(settings, config, inline=[dict(r) for r in RECORDS], output=folder / "traced.json")
-    return folder / "traced.json"
+    config = SearchConfig(n=8, beam_width=2, num_iterations=5, max_tokens=24, trace=True, **search)
+    run_eval(settings, config, inline=[dict(r) for r in RECORDS], output=folder / name)
+    return folder / name
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +155,32 @@ def test_the_journal_keeps_traces_for_resumed_runs(traced_results, tmp_path):
     resumed = Journal.open(path, doc["config"], resume=True)
     assert resumed.records["q0"] == doc["problems"][0] and resumed.records["q0"]["trace"]["nodes"]
     resumed.close()
+
+
+def test_an_adaptive_run_says_where_each_problem_stopped_and_why(traced_results, tmp_path):
+    adaptive = make_traced_results(tmp_path, "adaptive.json", adaptive=True, first_width=2, certainty=0.5)
+    out = tmp_path / "adaptive.html"
+    assert main(["view", str(adaptive), "--output", str(out)]) == 0
+    index, _ = page_data(out.read_text())
+    for p in json.loads(adaptive.read_text())["problems"]:
+        stop = p["stop"]
+        assert p["trace"]["stop"] == stop
+        certainty, sign = stop["certainty"][-1], ">=" if stop["reason"] == "settled" else "<"
+        want = f"stopped at iteration {stop['iteration']}: {stop['reason']} (certainty {certainty:g} {sign} 0.5)"
+        assert index["runs"][0]["problems"][p["unique_id"]]["stopped"].startswith(want + ", widths 2")
+    fixed, _ = page_data(build_page([("traced.json", json.loads(traced_results.read_text()))]))
+    assert all(entry["stopped"] is None for entry in fixed["runs"][0]["problems"].values())  # a fixed run: no line
+    assert "entry.stopped" in out.read_text()  # the panel shows it
+
+
+def test_the_stop_line_reads_the_record():
+    search = {"strategy": "beam_search", "adaptive": True, "certainty": 0.9}
+    settled = {"widths": [4, 8, 16, 16], "certainty": [0.2, 0.5, 0.7, 0.93], "iteration": 3, "reason": "settled"}
+    assert stop_line(settled, search) == "stopped at iteration 3: settled (certainty 0.93 >= 0.9), widths 4 > 8 > 16"
+    wave = {"widths": [2, 4], "certainty": [0.3, 0.6], "iteration": 1, "reason": "exhausted"}
+    dvts = {**search, "strategy": "dvts"}
+    assert stop_line(wave, dvts) == "stopped at wave 1: exhausted (certainty 0.6 < 0.9), widths 2 > 4"
+    assert stop_line(wave, {"strategy": "majority"}) == "stopped at round 1: exhausted (certainty 0.6), widths 2 > 4"
+    deadline = {"iteration": 4, "reason": "deadline", "deadline_s": 0.5}  # /v1/search's, a fixed search
+    assert stop_line(deadline, {"strategy": "beam_search"}) == "stopped at iteration 4: deadline (0.5 s)"
+    assert stop_line(None, search) is None and stop_line({"widths": [4], "certainty": [0.1]}, search) is None

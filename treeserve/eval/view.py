@@ -3,7 +3,9 @@
 Owns the page: an index (every problem's verdict, answers, tokens and time, per results file)
 as JSON, each problem's whole record (completions and search trace, `search/trace.py`) as
 gzip + base64 that the page inflates when the problem is opened (so 500 problems at N=64 load
-in seconds), the run's plots as inline PNGs, and the script and styles of `view_assets/`.
+in seconds), the run's plots as inline PNGs, and the script and styles of `view_assets/`. An
+adaptive search's problems say where they stopped and why (`stop_line`, from the record's or
+its trace's `stop`).
 Two files of the same problems are shown side by side. Nothing from a results file is put
 into the HTML as markup: the data sit in script elements (JSON with `<`, `>`, `&` escaped, or
 base64), and the script sets every text as textContent.
@@ -56,12 +58,38 @@ def _describe(name: str, document: dict) -> str:
     return head + f", {len(document['problems'])} problems"
 
 
-def _index_entry(i: int, p: dict) -> dict:
+UNITS = {"beam_search": "iteration", "dvts": "wave"}  # the unit adaptive decisions count; sampling: rounds
+
+
+def stop_line(stop: dict | None, search: dict) -> str | None:
+    """Where a problem's search stopped and why, from its `stop` record (`SearchContext.decide`'s,
+    or a `/v1/search` deadline's), e.g. "stopped at iteration 3: settled (certainty 0.93 >= 0.9),
+    widths 4 > 8 > 16": the certainty it stopped with, against the threshold when `search` (the
+    run's search config) records one, and its widths, repeats dropped. None when it has none."""
+    if not stop or "reason" not in stop:
+        return None
+    reason = stop["reason"]
+    unit = "iteration" if reason == "deadline" else UNITS.get(search.get("strategy"), "round")
+    line = f"stopped at {unit} {stop.get('iteration', '?')}: {reason}"
+    certainty = (stop.get("certainty") or [None])[-1]
+    threshold = search.get("certainty") if search.get("adaptive") else None
+    if reason == "deadline":
+        line += f" ({stop['deadline_s']:g} s)" if isinstance(stop.get("deadline_s"), int | float) else ""
+    elif certainty is not None and threshold is not None:
+        line += f" (certainty {certainty:g} {'>=' if certainty >= threshold else '<'} {threshold:g})"
+    elif certainty is not None:
+        line += f" (certainty {certainty:g})"
+    widths = [w for k, w in enumerate(stop.get("widths") or []) if k == 0 or w != stop["widths"][k - 1]]
+    return line + (", widths " + " > ".join(str(w) for w in widths) if widths else "")
+
+
+def _index_entry(i: int, p: dict, search: dict) -> dict:
     trace = p.get("trace") or {}
     return {
         "index": i, "level": p.get("level"), "problem": str(p.get("problem", ""))[:300], "answer": p.get("answer"),
         "pred": p.get("pred"), "correct": p.get("correct"), "traced": bool(trace),
         "tokens": trace.get("generated_tokens"), "seconds": trace.get("seconds"),
+        "stopped": stop_line(p.get("stop") or trace.get("stop"), search),
     }  # fmt: skip
 
 
@@ -92,7 +120,8 @@ def build_page(documents: Sequence[tuple[str, dict]], problem: str | None = None
     order: list[str] = []
     runs = []
     for name, doc in documents:
-        problems = {str(p["unique_id"]): _index_entry(i, p) for i, p in enumerate(doc["problems"])}
+        search = doc["config"].get("search") or doc["config"]
+        problems = {str(p["unique_id"]): _index_entry(i, p, search) for i, p in enumerate(doc["problems"])}
         order += [uid for uid in problems if uid not in order]
         runs.append({"name": name, "describe": _describe(name, doc), "problems": problems,
                      "traced": any(p["traced"] for p in problems.values())})  # fmt: skip

@@ -132,6 +132,7 @@ async function showProblem(uid) {
     if (selected !== uid) return; // another problem was chosen while this one loaded
     panel.append(el("div", {}, "answer ", el("b", {}, record.pred ?? "–"), " ", verdict(entry.correct),
       `  gold ${record.answer ?? "–"}`));
+    if (entry.stopped) panel.append(el("div", { class: "stopped" }, entry.stopped)); // adaptive: where and why
     if (!record.trace) {
       panel.append(el("p", { class: "notice" }, "This problem has no search trace. Record traces with ",
         el("code", {}, "treeserve eval ... --trace"), " (or ", el("code", {}, '"trace": true'), " on /v1/search)."));
