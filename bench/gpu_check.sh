@@ -4,7 +4,8 @@
 # finishes (a run cut short still returns what it measured):
 #   1. the card and versions, then the tests that prove the GPU path correct: the Triton kernels
 #      against their PyTorch lines, CUDA graphs (replay == the padded eager forward, bit for
-#      bit), the engine against transformers and the CPU path, optimised == reference search;
+#      bit), the engine against transformers and the CPU path, optimised == reference search,
+#      both models on two streams == in turn;
 #   2. bench/gpu_kernels.py: decode attention GB/s, prefill attention TFLOP/s, sampler µs at
 #      the thesis's shapes, each against the card's peak, with the tile/warp/stage sweep (and
 #      the kernels in $BEFORE, when that folder holds an earlier version);
@@ -30,7 +31,8 @@ PY=${PYTHON:-python3}
 BUDGET=${GPU_CHECK_BUDGET:-540}
 DEVICE=cuda TINY=() TESTS=(tests/kernels/test_triton_attention.py tests/kernels/test_triton_decode_shapes.py
   tests/kernels/test_triton_prefill_shapes.py tests/kernels/test_triton_sampling.py tests/kernels/test_triton_fused.py
-  tests/engine/test_cuda_graphs.py tests/engine/test_triton_engine.py tests/engine/test_device.py)
+  tests/engine/test_cuda_graphs.py tests/engine/test_triton_engine.py tests/engine/test_device.py
+  tests/runtime/test_overlap_models.py)
 PROBLEMS=${THESIS_PROBLEMS:-16} WORKERS=(-n "${TEST_WORKERS:-8}")  # test files in parallel workers (pytest-xdist)
 if [ "${1:-}" = "--dry-run" ]; then
   DEVICE=cpu TINY=(--tiny) TESTS=(tests/engine/test_cuda_graphs.py) PROBLEMS=${THESIS_PROBLEMS:-4} WORKERS=()
