@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-RING = 8  # buffers per dtype: a step makes a few copies, so a refill waits for one steps ago
+RING = 8  # buffers per dtype: a step makes a few copies, so a refill waits for a copy steps old
 
 
 class Staging:

@@ -63,8 +63,8 @@ async def search_problems(
             finally:
                 ctx.forget(problem)
             seconds = time.perf_counter() - start
-            spent = {"generated_tokens": problem.generated_tokens, "prm_input_tokens": problem.prm_tokens}
-            result = ProblemResult(uid, beams, seconds, ctx.take_trace(problem, beams, seconds), spent, problem.stop)
+            trace = ctx.take_trace(problem, beams, seconds)
+            result = ProblemResult(uid, beams, seconds, trace, problem.spent, problem.stop)
             if on_done is not None:
                 on_done(result)
             return result

@@ -31,6 +31,11 @@ class Problem:
     # adaptive search: where it stopped and why, the widths it used, its certainty by iteration
     stop: dict | None = None
 
+    @property
+    def spent(self) -> dict[str, int]:
+        """What results report of its spend (eval's problem records, /v1/search's `spent`)."""
+        return {"generated_tokens": self.generated_tokens, "prm_input_tokens": self.prm_tokens}
+
 
 @dataclass
 class Beam:

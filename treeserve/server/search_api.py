@@ -174,7 +174,7 @@ async def run_search(served: Served, req: SearchRequest, ctx: SearchContext, pro
     served.metrics.search_seconds.labels(ctx.config.strategy).observe(seconds)
     result = _result(served, req, ctx, len(problem.prompt_ids), beams, seconds)
     result["stop"] = problem.stop  # adaptive or stopped on the deadline: where it stopped and why
-    result["spent"] = {"generated_tokens": problem.generated_tokens, "prm_input_tokens": problem.prm_tokens}
+    result["spent"] = problem.spent
     if req.trace:
         result["trace"] = ctx.take_trace(problem, beams, seconds)
         result["problem"] = problem.question  # what the trace's page shows (a conversation's last user turn)
