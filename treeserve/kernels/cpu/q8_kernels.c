@@ -117,31 +117,40 @@ typedef struct {
     int32_t *off;   /* [m][k/32] -128 x the block's code sum: the term codes stored + 128 add */
 } acts;
 
+/* One block of 32 activations as floats (bf16 widened exactly). */
+static inline void load_block(const void *xv, int bf16, int64_t b, __m512 *lo, __m512 *hi) {
+    if (bf16) {
+        const uint16_t *h = (const uint16_t *)xv + b * 32;
+        *lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)h)), 16));
+        *hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(h + 16))), 16));
+    } else {
+        *lo = _mm512_loadu_ps((const float *)xv + b * 32);
+        *hi = _mm512_loadu_ps((const float *)xv + b * 32 + 16);
+    }
+}
+
+/* Vectorised, with scalar code's results to the bit: |x| max, one division for the scale and
+ * one for its inverse, x * inv rounded to nearest even (nearbyintf), exact integer sums. */
 static void quantize_row(const void *xv, int bf16, int64_t k, int8_t *q, float *d, int32_t *s16, float *sum,
                          int32_t *off) {
-    float x[32] __attribute__((aligned(64)));
+    const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
     for (int64_t b = 0; b < k / 32; b++) {
-        for (int i = 0; i < 32; i++) {
-            if (bf16) {
-                const uint32_t bits = (uint32_t)((const uint16_t *)xv)[b * 32 + i] << 16;
-                memcpy(&x[i], &bits, 4);
-            } else {
-                x[i] = ((const float *)xv)[b * 32 + i];
-            }
-        }
-        float amax = 0.0f;
-        for (int i = 0; i < 32; i++) amax = __builtin_fabsf(x[i]) > amax ? __builtin_fabsf(x[i]) : amax;
+        __m512 lo, hi;
+        load_block(xv, bf16, b, &lo, &hi);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(lo, sign), _mm512_and_ps(hi, sign)));
         const float scale = amax / 127.0f, inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-        int32_t halves[2] = {0, 0};
-        for (int i = 0; i < 32; i++) {
-            q[b * 32 + i] = (int8_t)__builtin_nearbyintf(x[i] * inv);
-            halves[i / 16] += q[b * 32 + i];
-        }
+        const __m512 vinv = _mm512_set1_ps(inv);
+        const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        const __m512i qlo = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(lo, vinv), rn));
+        const __m512i qhi = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(hi, vinv), rn));
+        _mm_storeu_si128((__m128i *)(q + b * 32), _mm512_cvtepi32_epi8(qlo));
+        _mm_storeu_si128((__m128i *)(q + b * 32 + 16), _mm512_cvtepi32_epi8(qhi));
+        const int32_t h0 = _mm512_reduce_add_epi32(qlo), h1 = _mm512_reduce_add_epi32(qhi);
         d[b] = scale;
-        s16[2 * b] = halves[0];
-        s16[2 * b + 1] = halves[1];
-        sum[b] = scale * (float)(halves[0] + halves[1]);
-        off[b] = -((halves[0] + halves[1]) << 7);
+        s16[2 * b] = h0;
+        s16[2 * b + 1] = h1;
+        sum[b] = scale * (float)(h0 + h1);
+        off[b] = -((h0 + h1) << 7);
     }
 }
 
@@ -295,23 +304,60 @@ static inline __attribute__((always_inline)) void multiply(panel p, int block, i
     }
 }
 
-#define MULTIPLY_MR(BLOCK, SHIFT, MIN)                                                        \
-    switch (mr) {                                                                             \
-    case 8: multiply(p, BLOCK, SHIFT, MIN, k, x, r0, 8, acc); break;                          \
-    case 7: multiply(p, BLOCK, SHIFT, MIN, k, x, r0, 7, acc); break;                          \
-    case 6: multiply(p, BLOCK, SHIFT, MIN, k, x, r0, 6, acc); break;                          \
-    case 5: multiply(p, BLOCK, SHIFT, MIN, k, x, r0, 5, acc); break;                          \
-    case 4: multiply(p, BLOCK, SHIFT, MIN, k, x, r0, 4, acc); break;                          \
-    case 3: multiply(p, BLOCK, SHIFT, MIN, k, x, r0, 3, acc); break;                          \
-    case 2: multiply(p, BLOCK, SHIFT, MIN, k, x, r0, 2, acc); break;                          \
-    default: multiply(p, BLOCK, SHIFT, MIN, k, x, r0, 1, acc); break;                         \
-    }                                                                                         \
-    break
+/* 16 fp32 -> bf16, round to nearest even (as bf16.h's store_bf16 a value) */
+static inline __m256i to_bf16(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
 
-#define MULTIPLY_CASE(T, BLOCK, SHIFT, MIN) case T_##T: MULTIPLY_MR(BLOCK, SHIFT, MIN);
+/* Where a panel's results go: out's columns col .. col + 16 (`keep`: those that exist), + bias. */
+typedef struct {
+    void *out;
+    int64_t stride, col;
+    __m512 bias;
+    __mmask16 keep;
+    int bf16;
+} sink;
 
-static void multiply_any(int type, panel p, int64_t k, acts x, int64_t r0, int mr, __m512 *acc) {
-    switch (type) { FORMATS(MULTIPLY_CASE) }
+static inline void store_rows(const __m512 *acc, int64_t r0, int mr, sink o) {
+    for (int r = 0; r < mr; r++) {
+        const __m512 v = _mm512_add_ps(acc[r], o.bias);
+        const int64_t at = (r0 + r) * o.stride + o.col;
+        if (o.bf16) _mm256_mask_storeu_epi16((uint16_t *)o.out + at, o.keep, to_bf16(v));
+        else _mm512_mask_storeu_ps((float *)o.out + at, o.keep, v);
+    }
+}
+
+/* Every row of x against a panel, MR rows at a time, in one call (the row loop inside: a call
+ * per MR rows cost as much as the products at prefill sizes). */
+static inline __attribute__((always_inline)) void multiply_rows(panel p, int block, int shift, int with_min,
+                                                                int64_t k, acts x, int64_t m, sink o) {
+    __m512 acc[MR];
+    int64_t r0 = 0;
+    for (; r0 + MR <= m; r0 += MR) {
+        multiply(p, block, shift, with_min, k, x, r0, MR, acc);
+        store_rows(acc, r0, MR, o);
+    }
+    const int mr = (int)(m - r0);
+    if (!mr) return;
+    switch (mr) {
+    case 7: multiply(p, block, shift, with_min, k, x, r0, 7, acc); break;
+    case 6: multiply(p, block, shift, with_min, k, x, r0, 6, acc); break;
+    case 5: multiply(p, block, shift, with_min, k, x, r0, 5, acc); break;
+    case 4: multiply(p, block, shift, with_min, k, x, r0, 4, acc); break;
+    case 3: multiply(p, block, shift, with_min, k, x, r0, 3, acc); break;
+    case 2: multiply(p, block, shift, with_min, k, x, r0, 2, acc); break;
+    default: multiply(p, block, shift, with_min, k, x, r0, 1, acc); break;
+    }
+    store_rows(acc, r0, mr, o);
+}
+
+#define ROWS_CASE(T, BLOCK, SHIFT, MIN) case T_##T: multiply_rows(p, BLOCK, SHIFT, MIN, k, x, m, o); break;
+
+static void multiply_rows_any(int type, panel p, int64_t k, acts x, int64_t m, sink o) {
+    switch (type) { FORMATS(ROWS_CASE) }
 }
 
 #define BLOCK_CASE(T, BLOCK, SHIFT, MIN) case T_##T: return BLOCK;
@@ -471,14 +517,6 @@ static void multiply_amx_q8_0_panel(panel p, int64_t k, acts x, int64_t r0, __m5
 
 #endif
 
-/* 16 fp32 -> bf16, round to nearest even (as bf16.h's store_bf16 a value) */
-static inline __m256i to_bf16(__m512 v) {
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-}
-
 /* Q8_0 rows w [n][k/32 blocks of 34 bytes] -> panels of NC channels, each k*NC unsigned codes
  * in `multiply`'s order (codes[k/4][NC][4], code = int8 weight ^ 0x80) then its fp16 block
  * scales [k/32][NC]: 17k bytes a panel, the file's size. Channels past n: code 0x80 (weight 0),
@@ -580,7 +618,6 @@ void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int6
 #endif
         panel p = {aligned_alloc(64, (size_t)k * NC), aligned_alloc(64, sizeof(float) * NC * (k / 16)),
                    aligned_alloc(64, sizeof(float) * NC * (k / 16)), 0};
-        __m512 acc[MR > 16 ? MR : 16];
         #pragma omp for schedule(static)
         for (int64_t pn = 0; pn < panels; pn++) {
             int j = 0;
@@ -615,26 +652,25 @@ void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int6
             const int64_t col = first_col[j] + c0;
             const __mmask16 keep = (__mmask16)((1u << np) - 1);
             const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + col) : _mm512_setzero_ps();
-            const int rows_a_tile = amx ? AMX_ROWS : MR;
-            for (int64_t r0 = 0; r0 < m; r0 += rows_a_tile) {
-                const int mr = m - r0 < rows_a_tile ? (int)(m - r0) : rows_a_tile;
+            const sink o = {out, out_stride, col, b, keep, out_bf16};
 #ifdef HAVE_AMX
-                if (amx && laid_out) {
-                    multiply_amx_q8_0_panel(q, k, x, r0, acc);
-                } else if (amx) {
-                    multiply_amx_any(type, p, k, (act_tile){xt.q + r0 * k, xt.s16 + r0 * (k / 16),
-                                                                xt.d + r0 * (k / 32), xt.sum + r0 * (k / 32)}, acc);
-                    transpose16((__m512i *)acc); /* [channel][row] -> [row][channel] */
-                } else
-#endif
-                multiply_any(type, q, k, x, r0, mr, acc);
-                for (int r = 0; r < mr; r++) {
-                    const __m512 v = _mm512_add_ps(acc[r], b);
-                    const int64_t at = (r0 + r) * out_stride + col;
-                    if (out_bf16) _mm256_mask_storeu_epi16((uint16_t *)out + at, keep, to_bf16(v));
-                    else _mm512_mask_storeu_ps((float *)out + at, keep, v);
+            if (amx) {
+                __m512 acc[AMX_ROWS];
+                for (int64_t r0 = 0; r0 < m; r0 += AMX_ROWS) {
+                    const int mr = m - r0 < AMX_ROWS ? (int)(m - r0) : AMX_ROWS;
+                    if (laid_out) {
+                        multiply_amx_q8_0_panel(q, k, x, r0, acc);
+                    } else {
+                        multiply_amx_any(type, p, k, (act_tile){xt.q + r0 * k, xt.s16 + r0 * (k / 16),
+                                                                    xt.d + r0 * (k / 32), xt.sum + r0 * (k / 32)}, acc);
+                        transpose16((__m512i *)acc); /* [channel][row] -> [row][channel] */
+                    }
+                    store_rows(acc, r0, mr, o);
                 }
+                continue;
             }
+#endif
+            multiply_rows_any(type, q, k, x, m, o);
         }
         free(p.codes);
         free(p.scale);
