@@ -16,6 +16,7 @@ import torch
 from tests.gguf_files import write_gguf
 from tests.tiny_models import build_checkpoint
 from treeserve import LLM, SamplingParams, ScoreParams
+from treeserve.kernels import cpu as cpu_kernels
 from treeserve.kernels.cpu import quant as quant_kernels
 from treeserve.layers.quant import QuantTensor, kernels_available
 from treeserve.runtime.planner import weight_bytes
@@ -163,16 +164,25 @@ GEMMA_STACK = dict(WIDE, num_hidden_layers=3, sliding_window=8, query_pre_attn_s
         ("llama", None),
         ("llama-int8", None),
         ("qwen2-int8", None),
+        ("llama-dense", None),
+        ("qwen2-dense", {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}),
     ],
 )
 def test_fused_decode_stack_gives_the_per_layer_bits(tmp_path, make_llm, arch, spec):
-    """Every matmul 8-bit quantised, bf16: a decode step through all layers in one C call
-    (`layers/decode_stack.py`) gives the per-layer path's logprobs to the bit, alone, in a batch
-    of sequences at other lengths, and in a speculating sequence's rows; for Gemma 3 and the
-    Llama family (Qwen2's biases too), GGUF blocks and int8 of a Hugging Face checkpoint."""
+    """Every matmul 8-bit quantised, or dense bf16 panels, bf16: a decode step through all layers
+    in one C call (`layers/decode_stack.py`) gives the per-layer path's logprobs to the bit,
+    alone, in a batch of sequences at other lengths, and in a speculating sequence's rows; for
+    Gemma 3 and the Llama family (Qwen2's biases too), GGUF blocks, int8 of a Hugging Face
+    checkpoint and the checkpoint's own bf16 weights (AVX512-BF16 without AMX)."""
     if arch.endswith("-int8"):  # Qwen2: q/k/v biases, passed to the matmul
         hf = build_checkpoint(str(tmp_path / "hf"), arch.removesuffix("-int8"), **WIDE)
         llm = make_llm(hf, dtype="bfloat16", quantization="int8")
+    elif arch.endswith("-dense"):
+        hf = build_checkpoint(str(tmp_path / "hf"), arch.removesuffix("-dense"), **WIDE)
+        llm = make_llm(hf, dtype="bfloat16", speculative_config=spec)
+        if llm.engine.model.decode_stack is None:
+            assert not quant_kernels.bf16_panels_available() or cpu_kernels.amx_supports(torch.ones(64, 64).bfloat16())
+            pytest.skip("no dense bf16 panels on this CPU (AMX tiles, or no AVX512-BF16): the stack is not built")
     else:
         path = _gguf(tmp_path, arch, ("Q8_0", "Q5_0", "Q4_0"), **(GEMMA_STACK if arch == "gemma3" else WIDE))
         llm = make_llm(path, dtype="bfloat16", speculative_config=spec)

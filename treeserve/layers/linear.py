@@ -4,12 +4,16 @@
 `self.kernel`. On a CPU with usable AMX tiles, a bf16 `Linear` lays its weight out as tiles
 once (`kernels.cpu.amx_pack`; the parameter becomes that [n/16, k/32, 16, 16, 2] tensor, no
 second copy). `linear_kernel(weight, rows)` then picks `tiled_linear` for tiles (`amx_linear`:
-one kernel for every batch size, so a row's bits never depend on the batch); otherwise, for
-bf16 weights on a CPU where the AVX512-BF16 kernels were built, `kernels.cpu.linear` (a GEMV that streams
-the weights for up to 4 rows, oneDNN with rows padded to a bucket above that, PyTorch's
-bits); for a `QuantTensor` (the loader replaced the parameter by quantised bytes),
-`quant_linear`; for fp32 weights on a CPU, `row_invariant_linear` (F.linear with at least
-MIN_GEMM_ROWS rows); F.linear everywhere else (cuBLAS on a GPU). The tied LM head of a model
+one kernel for every batch size, so a row's bits never depend on the batch). On a CPU with
+AVX512-BF16 but no AMX, a bf16 `Linear` lays its weight out once as `bf16_panels.c`'s panels
+(`dense_panels`: a `QuantTensor` of one dense part, the same size), multiplied by one kernel for
+every batch size as well: at peak bf16 dot-product rate from 16 rows on and at memory bandwidth
+at one row, 1.0-2.5x the GEMV-below-4-rows / oneDNN-above pair it replaced (AMD Zen 4), and
+the decode stack (`layers/decode_stack.py`) chains it like a quantised matrix. Other bf16
+weights on such a CPU (the tied LM head's table) go through `kernels.cpu.linear` (a GEMV that
+streams the weights for up to 4 rows, oneDNN with rows padded to a bucket above that). For a
+`QuantTensor` (the loader replaced the parameter by quantised bytes), `quant_linear`; for fp32
+weights on a CPU, `row_invariant_linear` (F.linear with at least MIN_GEMM_ROWS rows); F.linear everywhere else (cuBLAS on a GPU). The tied LM head of a model
 multiplies by its embedding table (tiles too where the CPU has AMX) through `linear_kernel`.
 
 On a CPU that does not multiply bf16 itself (neither AVX512-BF16 nor AMX: PyTorch emulates the
@@ -29,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treeserve.kernels import cpu as cpu_kernels
-from treeserve.layers.quant import QuantTensor, quant_linear
+from treeserve.layers.quant import QuantTensor, dense_panels, dense_panels_supported, quant_linear, set_quantized
 
 LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
@@ -99,6 +103,8 @@ class Linear(nn.Linear):
             return
         if cpu_kernels.amx_supports(self.weight):
             self.weight = nn.Parameter(cpu_kernels.amx_pack(self.weight), requires_grad=False)
+        elif dense_panels_supported(self.weight):
+            set_quantized(self, "weight", dense_panels(self.weight))
         if isinstance(self.weight, QuantTensor):
             self.weight = self.weight.in_panels()
         self.kernel = linear_kernel(self.weight, self.out_features)

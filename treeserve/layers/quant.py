@@ -30,6 +30,7 @@ from treeserve.kernels.cpu import quant as kernels
 
 QTYPE_NAMES = {number: name for name, number in kernels.QTYPES.items()}
 QTYPE_NAMES |= {kernels.PANELS + number: name for number, name in QTYPE_NAMES.items()}  # laid out: the same format
+QTYPE_NAMES[kernels.BF16_PANELS] = "BF16"  # a dense bf16 matrix as panels (`dense_panels`)
 ACTIVATIONS = kernels.ACTIVATIONS  # what a matmul takes activations as: "int8" | "bf16" (`QuantTensor.activations`)
 KERNEL_FORMATS = set(kernels.BLOCKS)  # ggml type numbers (and our int8) the kernels multiply
 
@@ -84,6 +85,8 @@ class QuantPart:
         """fp32 rows `ids`: the dequantiser's values, to the bit (laid out too)."""
         if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < self.rows):
             raise IndexError(f"row ids out of range for a matrix of {self.rows} rows")
+        if self.qtype == kernels.BF16_PANELS:
+            return kernels.bf16_panel_rows(self.data, ids, cols)
         if self.qtype > kernels.PANELS:
             return kernels.panel_rows(self.qtype, self.data, ids, cols)
         return kernels.dequant_rows(self.qtype, self.data, self.scales, ids, cols)
@@ -182,7 +185,7 @@ def quant_linear(x: torch.Tensor, weight: QuantTensor, bias: torch.Tensor | None
     products (bf16 weights, fp32 sums), and anything else as fp32."""
     plan = weight.plan
     bf16 = x.dtype == torch.bfloat16
-    fast = plan.q8 or (plan.tiles and bf16)
+    fast = plan.fast(x.dtype)
     if fast and bias is None and x.is_contiguous() and x.dtype in (torch.bfloat16, torch.float32):
         # the decode path, ~70 calls a token: no copies, no checks the kernel's own call repeats
         out = torch.empty(*x.shape[:-1], plan.n, dtype=x.dtype)
@@ -207,6 +210,21 @@ def quant_embedding(ids: torch.Tensor, weight: QuantTensor) -> torch.Tensor:
         raise ValueError("a quantised embedding table is one part")
     rows = weight.parts[0].dequantize(flat, weight.cols)
     return rows.view(*ids.shape, weight.cols).to(weight.dtype)
+
+
+def dense_panels(weight: torch.Tensor) -> QuantTensor:
+    """A dense bf16 [n, k] weight laid out once as `bf16_panels.c`'s panels (the same size; the
+    dense matrix's own values, multiplied with bf16 dot products in one order for every batch size)."""
+    part = QuantPart(kernels.BF16_PANELS, kernels.bf16_panels(weight.detach()), panel_rows=weight.shape[0])
+    return QuantTensor([part], weight.shape[1], torch.bfloat16, activations="bf16")
+
+
+def dense_panels_supported(weight: torch.Tensor | QuantTensor) -> bool:
+    """A dense bf16 CPU matrix with an even width, on a CPU with AVX512-BF16 (`bf16_panels.c` built)."""
+    return (
+        isinstance(weight, torch.Tensor) and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+        and weight.dim() == 2 and weight.shape[1] % 2 == 0 and kernels.bf16_panels_available()
+    )  # fmt: skip
 
 
 def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> QuantTensor:

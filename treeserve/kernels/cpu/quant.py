@@ -25,6 +25,7 @@ from treeserve.kernels.cpu import FLAGS, build, load_amx
 
 SOURCE = Path(__file__).parent / "quant_kernels.c"
 Q8_SOURCE = Path(__file__).parent / "q8_kernels.c"  # the same matmul with 8-bit activations
+BF16_SOURCE = Path(__file__).parent / "bf16_panels.c"  # dense bf16 matrices laid out as panels
 # No -ffast-math: the few-row path and the panel path must round every product and sum alike
 # (a row's result may not depend on the batch), so the compiler may not reassociate.
 QUANT_FLAGS = [flag for flag in FLAGS if flag != "-ffast-math"]
@@ -35,6 +36,7 @@ QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5
 BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (256, 144), 13: (256, 176),
           14: (256, 210), I8: (32, 32)}  # fmt: skip
 LAYOUTS = {QTYPES["Q8_0"]}  # formats `lay_out` takes (the nibble formats laid out measured no faster)
+BF16_PANELS = PANELS + 30  # a dense bf16 matrix (ggml's type 30) laid out by `bf16_panels` (no file holds it)
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 
@@ -62,6 +64,38 @@ def load_q8() -> ctypes.CDLL | None:
     return lib
 
 
+@cache
+def load_bf16() -> ctypes.CDLL | None:
+    lib = build(BF16_SOURCE, QUANT_FLAGS)
+    if lib is None or not lib.bf16_panels_available():
+        return None
+    lib.bf16_matmul.argtypes = load().qmatmul.argtypes
+    return lib
+
+
+def bf16_panels_available() -> bool:
+    """Whether this CPU multiplies dense bf16 panels (AVX512-BF16: `bf16_panels.c`)."""
+    return available() and load_bf16() is not None
+
+
+def bf16_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A dense bf16 matrix [n, k] (k even) as `bf16_panels.c`'s panels: uint8 [ceil(n / PANEL),
+    row_bytes(BF16_PANELS, k)], panel p holding weights (2i, 2i + 1) of channel p * PANEL + c at
+    pair i, lane c; channels past n are zero weights. The matrix's own size."""
+    n, k = weight.shape
+    assert weight.dtype == torch.bfloat16 and k % 2 == 0
+    padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=torch.bfloat16)
+    padded[:n] = weight
+    panels = padded.view(-1, PANEL, k // 2, 2).transpose(1, 2).contiguous()
+    return panels.view(panels.shape[0], -1).view(torch.uint8)
+
+
+def bf16_panel_rows(data: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """fp32 rows `ids` of a matrix laid out by `bf16_panels`."""
+    matrix = data.view(torch.bfloat16).view(data.shape[0], k // 2, PANEL, 2).transpose(1, 2).reshape(-1, k)
+    return matrix[ids.to(torch.int64)].float()
+
+
 Q8_FORMATS = {QTYPES[name] for name in ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q6_K", "I8")}  # what q8_kernels.c takes
 Q8_FORMATS |= {PANELS + qtype for qtype in LAYOUTS}
 TILE_FORMATS = set(QTYPES.values()) | {PANELS + qtype for qtype in LAYOUTS}  # what amx_linear.c dequantises
@@ -86,6 +120,8 @@ def bf16_dot() -> bool:
 
 def row_bytes(qtype: int, k: int) -> int:
     """Bytes a row of k weights (laid out: a panel of PANEL rows, the codes and fp16 scales)."""
+    if qtype == BF16_PANELS:
+        return PANEL * 2 * k
     if qtype > PANELS:
         return PANEL * row_bytes(qtype - PANELS, k)
     weights, nbytes = BLOCKS[qtype]
@@ -139,10 +175,17 @@ class Plan:
         self.q8_formats = k % 64 == 0 and all(qtype in Q8_FORMATS for qtype in types) and q8_available()
         self.q8 = activations == "int8" and self.q8_formats
         self.tiles = activations == "bf16" and all(qtype in TILE_FORMATS for qtype in types) and load_amx() is not None
+        self.dense = all(qtype == BF16_PANELS for qtype in types)  # bf16 panels: `bf16_matmul`, any activations
+        assert not self.dense or bf16_panels_available()
         self.float_call = partial(load().qmatmul, *self.args)
-        self.function = load_q8().q8_matmul if self.q8 else load_amx().amx_quant_matmul if self.tiles else None
+        self.function = (load_q8().q8_matmul if self.q8 else load_amx().amx_quant_matmul if self.tiles
+                         else load_bf16().bf16_matmul if self.dense else None)  # fmt: skip
         self.call = partial(self.function, *self.args) if self.function is not None else None
         self.laid_out = any(qtype > PANELS for qtype in types)  # only the 8-bit kernel and the tiles read panels
+
+    def fast(self, x_dtype: torch.dtype) -> bool:
+        """Whether `call` multiplies rows of `x_dtype` (else `float_call`)."""
+        return self.q8 or self.dense or (self.tiles and x_dtype == torch.bfloat16)
 
     def run(self, x: torch.Tensor, m: int, out: torch.Tensor, bias: torch.Tensor | None, fast: bool) -> None:
         """The kernel call, unchecked: x's m rows (unit stride) @ W^T (+ bias) into out's rows,
@@ -169,9 +212,9 @@ def qmatmul(
     `plan.tiles` (bf16 rows) on bf16 AMX tiles of the dequantised weights (amx_linear.c)."""
     m = x.shape[0]
     assert x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1 and x.shape[1] == plan.k
-    assert not fast or plan.q8 or (plan.tiles and x.dtype == torch.bfloat16)
+    assert not fast or plan.fast(x.dtype)
     assert x.dtype == torch.float32 or bf16_dot() or fast
-    assert fast or not plan.laid_out
+    assert fast or not (plan.laid_out or plan.dense)
     if out is None:
         out = torch.empty(m, plan.n, dtype=torch.float32)
     assert out.shape == (m, plan.n) and out.is_contiguous() and out.dtype in (torch.float32, torch.bfloat16)
