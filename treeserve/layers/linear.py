@@ -13,8 +13,9 @@ the decode stack (`layers/decode_stack.py`) chains it like a quantised matrix. O
 weights on such a CPU (the tied LM head's table) go through `kernels.cpu.linear` (a GEMV that
 streams the weights for up to 4 rows, oneDNN with rows padded to a bucket above that). For a
 `QuantTensor` (the loader replaced the parameter by quantised bytes), `quant_linear`; for fp32
-weights on a CPU, `row_invariant_linear` (F.linear with at least MIN_GEMM_ROWS rows); F.linear everywhere else (cuBLAS on a GPU). The tied LM head of a model
-multiplies by its embedding table (tiles too where the CPU has AMX) through `linear_kernel`.
+weights on a CPU, `row_invariant_linear` (F.linear with at least MIN_GEMM_ROWS rows); F.linear
+everywhere else (cuBLAS on a GPU). The tied LM head of a model multiplies by its embedding table
+(tiles too where the CPU has AMX) through `linear_kernel`.
 
 On a CPU that does not multiply bf16 itself (neither AVX512-BF16 nor AMX: PyTorch emulates the
 products, 3-7x slower than fp32 on an AVX2 AMD EPYC), a bf16 `Linear` widens its weight to fp32 at
