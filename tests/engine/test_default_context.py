@@ -42,3 +42,18 @@ def test_given_max_model_len_is_never_changed(long_context_dir):
 def test_below_the_minimum_is_an_error(long_context_dir):
     with pytest.raises(ValueError, match=f"not below {MIN_AUTO_MODEL_LEN}"):
         LLM(long_context_dir, dtype="float32", kv_cache_memory=512 << 10)  # 64 pages: 1008 tokens
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_rope_tables_cover_max_model_len_only(long_context_dir, make_llm, overlap):
+    """A given max_model_len sizes the rotary tables (a 32k-position model need not hold 32k rows
+    of cos and sin for 64-token sequences), and a sequence runs to that length on them."""
+    llm = make_llm(long_context_dir, max_model_len=64, async_scheduling=overlap)
+    assert llm.engine.model.rope.cos.shape[0] == llm.engine.model.rope.sin.shape[0] == 64
+    out = llm.generate([{"prompt_token_ids": [5] * 40}], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 24 and out[0].outputs[0].finish_reason == "length"
+
+
+def test_rope_tables_cover_the_model_without_max_model_len(long_context_dir, make_llm):
+    llm = make_llm(long_context_dir, kv_cache_memory=20 << 20)
+    assert llm.engine.model.rope.cos.shape[0] == 32768

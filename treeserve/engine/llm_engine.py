@@ -90,7 +90,8 @@ class LLMEngine:
             self.ranks = Ranks(config, self.device, RankWorker)
         try:
             loaded = load_model(config.model, config.torch_dtype, self.device, config.quantization,
-                                config.quant_activations, tp_size=tp, pp_size=pp)  # fmt: skip
+                                config.quant_activations, tp_size=tp, pp_size=pp,
+                                max_positions=config.max_model_len)  # fmt: skip
             if self.ranks is not None:
                 if tp > 1:
                     loaded.model.attach(self.ranks.placement.tp)

@@ -45,7 +45,7 @@ class RankWorker:
         try:
             loaded = load_model(config.model, config.torch_dtype, device, config.quantization, config.quant_activations,
                                 tp_rank=self.placement.tp_rank, tp_size=tp, pp_rank=self.placement.pp_rank,
-                                pp_size=pp)  # fmt: skip
+                                pp_size=pp, max_positions=config.max_model_len)  # fmt: skip
         except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it
             self.load_error = f"{type(e).__name__}: {e}"
             return

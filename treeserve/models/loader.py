@@ -129,12 +129,16 @@ def load_model(
     tp_size: int = 1,
     pp_rank: int = 0,
     pp_size: int = 1,
+    max_positions: int | None = None,
 ) -> LoadedModel:
     """`model_dir`: a Hugging Face checkpoint directory or a GGUF file; `quantization`: one of
     QUANTIZATIONS or None (checked by `EngineConfig`: "gguf" only for a GGUF file, on a CPU);
     `quant_activations`: what the quantised matmuls take activations as (layers/quant.py ACTIVATIONS);
     `tp_rank` of `tp_size`: load that rank's shard only; `pp_rank` of `pp_size`: that pipeline
-    stage's layers only (models/sharding.py; dense weights)."""
+    stage's layers only (models/sharding.py; dense weights); `max_positions`: the positions the
+    rotary tables cover (the engine's `max_model_len`; None or more: the model's own limit). The
+    tables are fp32 [positions, head_dim], cos and sin: Gemma 3's two over its 32k positions
+    are 134 MB, 8 MB at 2048."""
     if is_gguf(model_dir):
         gguf = GGUFCheckpoint(model_dir)
         hf_config, tensors = gguf.config, gguf.tensors(keep_quantized=quantization == "gguf")
@@ -182,7 +186,7 @@ def load_model(
             else:  # a matrix the kernels are not wired for
                 state[name] = tensor.dequantize().to(dtype)
     model.load_state_dict({k: v.to(device) for k, v in state.items()}, assign=True)
-    model.init_rope(config.max_position_embeddings, device)
+    model.init_rope(min(max_positions or config.max_position_embeddings, config.max_position_embeddings), device)
     model.eval().requires_grad_(False)
     pick_kernels(model)
     formats = describe(model)
