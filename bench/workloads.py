@@ -36,9 +36,12 @@ def build_random_llama(
     intermediate: int | None = None,
     seed: int = 0,
     byte_level: bool = False,
+    tie_word_embeddings: bool = False,
+    max_positions: int = 2048,
 ) -> str:
     """`byte_level`: a byte-level BPE tokenizer of `vocab` tokens (trained here on text and
-    JSON) instead of the word-level one, whose words cannot spell JSON or any free text."""
+    JSON) instead of the word-level one, whose words cannot spell JSON or any free text.
+    `tie_word_embeddings` and `max_positions` (the context) go into config.json as they are."""
     if os.path.isfile(os.path.join(out_dir, "model.safetensors")):
         return out_dir
     import transformers
@@ -61,7 +64,7 @@ def build_random_llama(
                 "eos_token": "</s>",
                 "unk_token": "<unk>",
                 "tokenizer_class": "PreTrainedTokenizerFast",
-                "model_max_length": 2048,
+                "model_max_length": max_positions,
             },
             f,
         )
@@ -72,10 +75,10 @@ def build_random_llama(
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        max_position_embeddings=2048,
+        max_position_embeddings=max_positions,
         bos_token_id=0,
         eos_token_id=1,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
     ), seed)  # fmt: skip
 
 
