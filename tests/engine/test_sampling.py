@@ -135,3 +135,22 @@ def test_seeded_uniforms_are_seeded_uniform_bit_for_bit():
     got = seeded_uniforms(np.array([s & (2**64 - 1) for s in seeds], dtype=np.uint64), np.array(index),
                           np.array(positions))  # fmt: skip
     assert got.tolist() == [seeded_uniform(s, i, p) for s, i, p in zip(seeds, index, positions, strict=True)]
+
+
+def test_no_buffer_sized_max_num_seqs_by_vocab(llama_dir, make_llm):
+    """The sampler's buffers are sized by a step's rows: an engine allowed 65,536 sequences
+    allocates what one allowed 4 does, when it starts and in the same steps (none of it near
+    max_num_seqs x vocab)."""
+    from treeserve.runtime.planner import _allocations  # PyTorch's CPU allocations, from the profiler
+
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=3, seed=1, logprobs=2)
+
+    def largest_allocations(seqs: int) -> tuple[list[int], int]:
+        made = []  # steps not overlapped: they run on this thread, where the profiler looks
+        started = _allocations(lambda: made.append(make_llm(llama_dir, max_num_seqs=seqs, async_scheduling=False)))
+        stepped = _allocations(lambda: made[0].generate(["a b", "c d", "e f g"], params))
+        vocab = made[0].engine.model_config.vocab_size
+        return [max(nbytes for _, nbytes in events) for events in (started, stepped)], vocab
+
+    (few, vocab), (many, _) = largest_allocations(4), largest_allocations(1 << 16)
+    assert many == few and max(many) < (1 << 16) * vocab
