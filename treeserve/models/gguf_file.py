@@ -3,8 +3,10 @@
 The `gguf` package's reader builds numpy views for every element of every metadata array:
 for Gemma 3's 262,144-token vocabulary that is ~10-18 s, most of a model load. This reader
 parses the same format (v2/v3, little-endian) with one pass over the header: numeric arrays
-become one `np.frombuffer` each, string arrays one tight loop. It offers the part of
-`gguf.GGUFReader`'s interface treeserve uses: `fields[key].contents()` (same values),
+become one `np.frombuffer` each, string arrays one tight loop that records where each string
+lies in the map (`Strings`: 8 bytes a string, decoded when read; a vocabulary of 262k tokens
+held as Python strings was ~20 MB for as long as the reader is cached). It offers the part of
+`gguf.GGUFReader`'s interface treeserve uses: `fields[key].contents()` (same values; arrays as lists),
 `len(fields[key].data)`, `get_field(key)`, and `tensors` with `name`, `tensor_type`, `shape`
 (GGUF's dimension order), `n_elements`, `n_bytes`, `data_offset` and `data` (a view into the
 map shaped as the `gguf` package shapes it). The map is copy-on-write, so tensors can be
@@ -14,6 +16,7 @@ ever written back to the file.
 
 from __future__ import annotations
 
+import array
 import struct
 from dataclasses import dataclass
 
@@ -36,9 +39,34 @@ _TYPED = {
 }  # fmt: skip
 
 
+class Strings:
+    """An array of strings in the map, read where they lie: string i is the UTF-8 bytes
+    [starts[i], starts[i + 1] - 8) (each string after the first follows its 8-byte length)."""
+
+    def __init__(self, buffer: memoryview, starts: np.ndarray, path: str):
+        self.buffer, self.starts, self.path = buffer, starts, path
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def __getitem__(self, i: int) -> str:
+        i = range(len(self))[i]  # IndexError outside, negative i from the end
+        return self._decode(int(self.starts[i]), int(self.starts[i + 1]) - 8)
+
+    def tolist(self) -> list[str]:
+        ends = (self.starts[1:] - 8).tolist()
+        return [self._decode(start, end) for start, end in zip(self.starts[:-1].tolist(), ends, strict=True)]
+
+    def _decode(self, start: int, end: int) -> str:
+        try:
+            return str(self.buffer[start:end], "utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"malformed GGUF file {self.path!r}: {e}") from e
+
+
 @dataclass
 class Field:
-    value: object  # a Python scalar or str, a list of str, or a numpy array (numeric arrays)
+    value: object  # a Python scalar or str, `Strings` (string arrays), or a numpy array (numeric arrays)
 
     @property
     def data(self) -> object:
@@ -46,7 +74,7 @@ class Field:
 
     def contents(self) -> object:
         """The value as `gguf.ReaderField.contents()` gives it (arrays as Python lists)."""
-        return self.value.tolist() if isinstance(self.value, np.ndarray) else self.value
+        return self.value.tolist() if isinstance(self.value, np.ndarray | Strings) else self.value
 
 
 @dataclass
@@ -89,18 +117,19 @@ class GGUFFile:
         self.offset = end
         return text
 
-    def _strings(self, count: int) -> list[str]:
-        buffer, offset, out = self.buffer, self.offset, []
+    def _strings(self, count: int) -> Strings:
+        buffer, offset, starts = self.buffer, self.offset, array.array("q")
         size = len(buffer)
         for _ in range(count):
             length = int.from_bytes(buffer[offset : offset + 8], "little")
             offset += 8
             if offset + length > size:
                 raise ValueError("a string runs past the end of the file")
-            out.append(str(buffer[offset : offset + length], "utf-8"))
+            starts.append(offset)
             offset += length
+        starts.append(offset + 8)  # where a next string would start
         self.offset = offset
-        return out
+        return Strings(buffer, np.frombuffer(starts, dtype=np.int64), self.path)
 
     def _value(self, kind: int) -> object:
         if kind == _STRING:
