@@ -94,6 +94,8 @@ def child(args: argparse.Namespace) -> dict:
     loader.pick_kernels = measured("pick_kernels", loader.pick_kernels)
     rotary.RotaryEmbedding.__init__ = measured("rope_tables", rotary.RotaryEmbedding.__init__)
     llm_engine.Tokenizer = measured("tokenizer", llm_engine.Tokenizer)
+    if hasattr(llm_engine, "release_free_heap"):  # not in trees before issue 64
+        llm_engine.release_free_heap = measured("heap_trim", llm_engine.release_free_heap)
     llm_engine.LLMEngine.attach_own_kv = measured("kv_arena", llm_engine.LLMEngine.attach_own_kv)
     kv = None if args.kv_mib is None else args.kv_mib << 20
     reset_peak()
@@ -151,15 +153,16 @@ def report(r: dict) -> str:
     steps = {name: {k: s[k] for k in keys} for name, s in r["steps"].items()}
     names = ("load_model", "gguf_reader", "rope_tables", "pick_kernels")
     load, reader, rope, pick = (steps.get(n, zero) for n in names)
-    tok, kv = steps.get("tokenizer", zero), steps.get("kv_arena", zero)
+    tok, trim, kv = (steps.get(n, zero) for n in ("tokenizer", "heap_trim", "kv_arena"))
     named = {
         "GGUF reader (header, vocabulary)": reader,
         "rope tables (cos/sin)": rope,
         "kernel pick (Q8_0 panels laid out)": pick,
         "rest of load_model (weights touched)": {k: load[k] - reader[k] - rope[k] - pick[k] for k in keys},
         "Tokenizer": tok,
+        "free heap handed back (malloc_trim)": trim,
         "KV arena": kv,
-        "rest of the engine": {k: loaded[k] - imported[k] - load[k] - tok[k] - kv[k] for k in keys},
+        "rest of the engine": {k: loaded[k] - imported[k] - load[k] - tok[k] - trim[k] - kv[k] for k in keys},
     }
     for name, s in named.items():
         lines.append(f"  {name:<42}{mb(s['VmRSS'])} {mb(s['RssAnon'])} {mb(s['RssFile'])}")

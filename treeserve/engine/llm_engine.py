@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from treeserve.config import EngineConfig
-from treeserve.device import available_memory
+from treeserve.device import available_memory, release_free_heap
 from treeserve.distributed.ranks import Ranks
 from treeserve.engine import cuda_graphs
 from treeserve.engine.attention import BACKENDS
@@ -105,6 +105,7 @@ class LLMEngine:
         self.model_config = loaded.config
         self.extra_tensors = loaded.extra_tensors
         self.tokenizer = Tokenizer(config.model, model_eos_ids=loaded.config.eos_token_ids)
+        release_free_heap()  # what building the weights and the tokenizer freed leaves the resident set
         self.constraints = Constraints(self.tokenizer)  # structured outputs: compiled at first use, cached
         limit = loaded.config.max_position_embeddings
         self.context_len = min(config.max_model_len or limit, limit)  # max_model_len before the KV budget's say
