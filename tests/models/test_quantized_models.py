@@ -226,11 +226,10 @@ def test_bf16_activations_on_tiles_give_the_dequantised_bf16_models_bits(tmp_pat
 def test_activation_table_is_pytorchs_activation(name):
     """The decode stack's table of act(x) for every bf16 x gives what PyTorch's kernel gives on the
     gate half of a fused gate|up output (strided rows of whole vectors), for every finite input."""
-    from treeserve.layers.decode_stack import act_table
     from treeserve.models.llama import ACTIVATIONS
 
     act = ACTIVATIONS[name]
-    table = act_table(act)
+    table = cpu_kernels.act_table(act)
     gate_up = (torch.randn(37, 2 * 704) * 4).to(torch.bfloat16)
     gate = gate_up[:, :704]  # the view the per-layer path activates
     looked_up = table[gate.contiguous().view(torch.int16).long() & 0xFFFF]

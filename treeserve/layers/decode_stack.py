@@ -3,13 +3,14 @@
 At one row a Gemma 3 270M layer is ~20 kernel calls and PyTorch ops whose Python, dispatch
 and ctypes overhead (~0.3 ms a layer) costs more than their arithmetic. Where a model's
 decoder (Gemma 3, or the Llama family: Llama, Mistral, Qwen2) runs on the CPU kernels anyway
-(bf16, every matmul quantised on one C kernel: a GGUF file or `quantization="int8"`, with
-8-bit activations or bf16 tiles; the C norms, rope),
+(bf16, every matmul on one C kernel: quantised, a GGUF file or `quantization="int8"`, with
+8-bit activations or bf16 tiles, or dense bf16 panels; the C norms, rope),
 `DecodeStack.build` reads its layers into the C structs once; the model's forward then hands
 a step to it when the engine says the step is plain decodes in row order
 (`Attention.decode_pages`). The C chain calls the same kernels on the same inputs and does
-PyTorch's roundings in between (the activation from a table PyTorch fills), so a row gets the
-per-layer path's bits at every batch size: that path stays the reference (tests compare).
+PyTorch's roundings in between (act(gate) * up by `kernels.cpu.gated_act_bf16` from the table
+PyTorch fills, as the per-layer path does), so a row gets the per-layer path's bits at every
+batch size: that path stays the reference (tests compare).
 """
 
 from __future__ import annotations
@@ -19,18 +20,12 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from treeserve.kernels import cpu as cpu_kernels
 from treeserve.kernels.cpu import decode_stack as kernels
 from treeserve.layers.attention import Attention
 from treeserve.layers.norm import GemmaRMSNorm, RMSNorm
 from treeserve.layers.quant import QuantTensor
 from treeserve.layers.rotary import RotaryEmbedding
-
-
-def act_table(act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """act(x) in bf16 for every bf16 bit pattern x (index = the pattern), by PyTorch's own kernel
-    over a contiguous run (its vectorised path, which a row of a whole number of vectors takes)."""
-    patterns = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    return act(patterns).contiguous()
 
 
 def _weights(layer: nn.Module, local_rope: bool) -> kernels.LayerWeights | None:
@@ -87,7 +82,7 @@ class DecodeStack:
         q_heads, kv_heads, head_dim = layers[0].self_attn.shape
         hidden = layers[0].input_layernorm.weight.shape[0]
         shapes = dict(hidden=hidden, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, intermediate=intermediate)
-        return DecodeStack(kernels.Stack(shapes, eps, act_table(act), weights), ropes)
+        return DecodeStack(kernels.Stack(shapes, eps, cpu_kernels.act_table(act), weights), ropes)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, attn: Attention) -> bool:
         """Run every layer over x [T, hidden] in place, where the step allows; False: it did not."""

@@ -6,7 +6,8 @@ both [T]) and calls an `Attention` object for each layer; it never sees pages, r
 padding. q/k/v and gate/up projections are fused so each layer runs four matmuls. On CUDA
 (`pick_kernel` found Triton) the same arithmetic runs in fewer launches: each residual add
 inside the norm after it (`forward_fused`), rope inside the KV store, act(gate) * up in one
-kernel (`kernels/triton/norm.py`, `rope_kv.py`, `activation.py`).
+kernel (`kernels/triton/norm.py`, `rope_kv.py`, `activation.py`); on a CPU act(gate) * up of bf16
+rows is one C pass reading the activation from PyTorch's own table (`kernels.cpu.gated_act_bf16`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treeserve.distributed.groups import RankGroup
+from treeserve.kernels import cpu as cpu_kernels
 from treeserve.kernels import triton as triton_kernels
 from treeserve.layers.attention import Attention
 from treeserve.layers.decode_stack import DecodeStack
@@ -74,9 +76,13 @@ class LlamaMLP(nn.Module):
         self.hidden_act = cfg.hidden_act
         self.act = ACTIVATIONS[cfg.hidden_act]
         self.use_triton = False  # act(gate) * up in one launch (`kernels/triton/activation.py`), on CUDA
+        self.act_table: torch.Tensor | None = None  # on a CPU: act(gate) * up in one C pass (bf16 rows)
 
     def pick_kernel(self) -> None:
-        self.use_triton = triton_kernels.fused_layers(self.down_proj.weight.device)
+        device = self.down_proj.weight.device
+        self.use_triton = triton_kernels.fused_layers(device)
+        if device.type == "cpu" and cpu_kernels.load() is not None:
+            self.act_table = cpu_kernels.act_table(self.act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -84,6 +90,8 @@ class LlamaMLP(nn.Module):
             from treeserve.kernels.triton.activation import gated_activation
 
             hidden = gated_activation(gate_up, self.hidden_act)
+        elif self.act_table is not None and gate_up.dtype == torch.bfloat16:
+            hidden = cpu_kernels.gated_act_bf16(gate_up, self.act_table)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             hidden = self.act(gate) * up

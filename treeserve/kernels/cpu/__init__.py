@@ -25,7 +25,7 @@ import shutil
 import subprocess
 import tempfile
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
 
@@ -120,6 +120,7 @@ def load() -> ctypes.CDLL | None:
         getattr(lib, f"sample_rows_masked_{suffix}").argtypes = [_ptr, _i64, _int, _int, _ptr, _i64, _int, _ptr,
                                                                  _ptr, _int]  # fmt: skip
     lib.rms_norm_bf16.argtypes = [_ptr, _i64, _int, _ptr, _ptr, _float, _ptr, _int]
+    lib.gated_act_bf16.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _int]
     lib.store_kv.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _int, _ptr, _i64, _i64, _i64, _ptr, _ptr]
     lib.rope_bf16.argtypes = [_ptr, _i64, _i64, _int, _int, _ptr, _ptr, _ptr, _int]
     lib.avx512_bf16_built.restype = _int
@@ -313,6 +314,26 @@ def sample_rows_masked(
         logits.data_ptr(), logits.stride(0), rows, width, masks.data_ptr(), masks.stride(0), vocab, u.data_ptr(),
         out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
+    return out
+
+
+@cache
+def act_table(act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """act(x) in bf16 for every bf16 bit pattern x (index = the pattern), by PyTorch's own kernel
+    over a contiguous run (its vectorised path, which a row of a whole number of vectors takes),
+    then 2 entries of padding (`gated_act_bf16`'s gathers read 4 bytes an entry)."""
+    patterns = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    return torch.cat([act(patterns), torch.zeros(2, dtype=torch.bfloat16)]).contiguous()
+
+
+def gated_act_bf16(gate_up: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up of a fused gate|up output [..., 2 * inter] (bf16, rows contiguous), act from
+    `act_table`'s table: PyTorch's bits, one pass."""
+    inter = gate_up.shape[-1] // 2
+    gate_up = gate_up.contiguous()
+    out = torch.empty(*gate_up.shape[:-1], inter, dtype=torch.bfloat16)
+    load().gated_act_bf16(gate_up.data_ptr(), gate_up.numel() // (2 * inter), inter, table.data_ptr(),
+                          out.data_ptr(), torch.get_num_threads())  # fmt: skip
     return out
 
 

@@ -20,6 +20,9 @@
 #include <string.h>
 
 #include "bf16.h"
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 static inline float load_f32(float x) { return x; }
 static inline float store_f32(float x) { return x; }
@@ -508,6 +511,35 @@ void paged_decode_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride, 
                               kv_heads, head_dim, block_size, scale, window, threads, out);
 }
 #endif
+
+/* gated_act_bf16: out[r, i] = bf16(act(gate[r, i]) * up[r, i]) over a fused gate|up output
+ * [rows, 2 * inter], act read from `table` (bf16 act(x) for every bf16 bit pattern x, filled by
+ * PyTorch's own kernel, padded by 2 entries: AVX-512 gathers read 4 bytes), the product in fp32
+ * rounded once to nearest even: PyTorch's bits for act(gate) * up, in one pass over the rows
+ * instead of an activation pass and a product pass (the activation alone was ~1 ms a Gemma 3
+ * layer at a 512-token prefill). The decode stack calls it too. */
+void gated_act_bf16(const bf16 *gate_up, int64_t rows, int64_t inter, const bf16 *table, bf16 *out, int threads) {
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if (rows * inter > 65536)")
+    for (int64_t r = 0; r < rows; r++) {
+        const bf16 *gate = gate_up + r * 2 * inter, *up = gate + inter;
+        bf16 *o = out + r * inter;
+        int64_t i = 0;
+#ifdef __AVX512F__
+        for (; i < inter; i += 16) {
+            const __mmask16 live = inter - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (inter - i)) - 1);
+            const __m512i g = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, gate + i));
+            const __m512i a = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, g, table, 2);
+            const __m512i u = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, up + i));
+            const __m512i bits = _mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)),
+                                                                   _mm512_castsi512_ps(_mm512_slli_epi32(u, 16))));
+            const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+            const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+            _mm256_mask_storeu_epi16(o + i, live, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+        }
+#endif
+        for (; i < inter; i++) o[i] = store_bf16(load_bf16(table[gate[i]]) * load_bf16(up[i]));
+    }
+}
 
 /* rms_norm_bf16: each row x / rms(x) in fp32, then the model's gain, then one rounding.
  * Gemma (weight_bf16 NULL): out = bf16(x_hat * gain), gain fp32 (1 + w). Llama (gain NULL):

@@ -40,6 +40,7 @@ typedef void (*attend_fn)(const bf16 *q, const bf16 *k_cache, int64_t page_strid
                           const int64_t *tables, int64_t table_stride, const int64_t *ctx_lens, int batch,
                           int q_heads, int kv_heads, int head_dim, int block_size, float scale, int64_t window,
                           int threads, bf16 *out);
+typedef void (*gated_fn)(const bf16 *gate_up, int64_t rows, int64_t inter, const bf16 *table, bf16 *out, int threads);
 
 typedef struct { /* a quantised matrix: q8_matmul's first seven arguments, its output width and bias */
     int parts;
@@ -71,6 +72,7 @@ typedef struct { /* the model's shapes and the kernels the layers call */
     rope_fn rope;
     store_fn store;
     attend_fn attend;
+    gated_fn gated; /* act(gate) * up from the table */
 } stack;
 
 typedef struct { /* one step: rows, their rope rows, KV slots and pages */
@@ -138,11 +140,7 @@ void decode_stack_bf16(const stack *s, const layer *layers, int count, const ste
         residual_add(x, norm(s, ly, POST_ATTN_NORM, y, t, hidden, h, threads), t * hidden);
         /* MLP */
         matmul(s, &ly->gate_up, norm(s, ly, PRE_MLP_NORM, x, t, hidden, h, threads), t, gu, threads);
-        for (int64_t r = 0; r < t; r++) {
-            const bf16 *gate = gu + r * 2 * inter, *up = gate + inter;
-            bf16 *out = mix + r * inter;
-            for (int64_t i = 0; i < inter; i++) out[i] = store_bf16(load_bf16(s->act[gate[i]]) * load_bf16(up[i]));
-        }
+        s->gated(gu, t, inter, s->act, mix, threads);
         matmul(s, &ly->down, mix, t, y, threads);
         residual_add(x, norm(s, ly, POST_MLP_NORM, y, t, hidden, h, threads), t * hidden);
     }

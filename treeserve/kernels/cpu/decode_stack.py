@@ -41,7 +41,7 @@ class Layer(ctypes.Structure):
 class StackArgs(ctypes.Structure):
     _fields_ = [("hidden", _int), ("q_heads", _int), ("kv_heads", _int), ("head_dim", _int), ("intermediate", _int),
                 ("eps", _float), ("act", _ptr), ("matmul", _ptr), ("norm", _ptr), ("rope", _ptr), ("store", _ptr),
-                ("attend", _ptr)]  # fmt: skip
+                ("attend", _ptr), ("gated", _ptr)]  # fmt: skip
 
 
 class Step(ctypes.Structure):
@@ -100,7 +100,7 @@ class Stack:
     """The C structs of a model's decoder layers (shapes as `decode_stack.c` documents)."""
 
     def __init__(self, shapes: dict[str, int], eps: float, act: torch.Tensor, layers: list[LayerWeights]):
-        assert act.dtype == torch.bfloat16 and act.shape == (1 << 16,) and act.is_contiguous()
+        assert act.dtype == torch.bfloat16 and act.shape == ((1 << 16) + 2,) and act.is_contiguous()  # act_table
         cpu = cpu_kernels.load()
         functions = {_address(plan.function) for w in layers for plan in (w.qkv, w.o, w.gate_up, w.down)}
         assert len(functions) == 1, "every matrix of the stack on one matmul (8-bit or tiles)"
@@ -109,7 +109,7 @@ class Stack:
         self.args = StackArgs(shapes["hidden"], shapes["q_heads"], shapes["kv_heads"], shapes["head_dim"],
                               shapes["intermediate"], eps, act.data_ptr(), functions.pop(),
                               _address(cpu.rms_norm_bf16), _address(cpu.rope_bf16), _address(cpu.store_kv),
-                              _address(cpu.paged_decode_bf16))  # fmt: skip
+                              _address(cpu.paged_decode_bf16), _address(cpu.gated_act_bf16))  # fmt: skip
         self.layers = (Layer * len(layers))()
         for i, w in enumerate(layers):
             assert len(w.norms) == NORMS and all(n is None or n.is_contiguous() for n in w.norms)
