@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +29,11 @@ def test_shared_plan_one_arena_of_equal_pages(llama_dir, qwen2_dir, tmp_path):
     assert by_name["gen"].weights == weight_bytes(gen.model) > 0
     assert all(m.activation_peak > 0 for m in plan.models)
     assert plan.other == sum(m.other for m in plan.models) and all(m.other >= 0 for m in plan.models)
+    for m in plan.models:  # what each load added, measured, beside its files' size
+        assert m.loaded > 0 and m.other == max(0, m.loaded - m.weights)
+        files = Path(rt.engines[m.name].config.model).glob("*.safetensors")
+        assert m.checkpoint_bytes == sum(f.stat().st_size for f in files) > 0
+    assert "its load added" in plan.table() and "loaded" in plan.sources
     assert gen.num_computed_tokens == 0  # the activation probe is not counted as work
     plan.write(str(tmp_path / "plan.json"))
     doc = json.loads((tmp_path / "plan.json").read_text())

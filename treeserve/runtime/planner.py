@@ -5,6 +5,8 @@ activation peak of one forward pass at `max_num_batched_tokens` (the largest bat
 scheduler builds: a real step on a throwaway arena, bytes allocated above the start,
 tracked by the PyTorch profiler on CPU and by the CUDA allocator on GPU) and the other
 overhead (process memory the loads added beyond the weights: tokenizers, kernels, libraries).
+What each load added is reported as it was measured (`ModelMemory.loaded`: RSS on a CPU, with
+the size of the checkpoint's files beside it, the yardstick llama.cpp's mapped load is near).
 Then, as in the thesis, Mem_KV = Mem_budget - activations - weights - other, where the budget
 is a byte count or a fraction of the memory free when the runtime started; or the KV bytes
 are given directly (`kv_cache_memory`) and the breakdown only reports. The KV bytes become
@@ -41,6 +43,8 @@ class ModelMemory:
     token_bytes: int
     sampler_peak: int = 0  # estimated: max_num_seqs x vocab x SAMPLER_BYTES_PER_LOGIT
     other: int = 0  # process memory its load added beyond its weights (tokenizer, libraries)
+    loaded: int = 0  # process memory its load added (measured: RSS on a CPU, device memory on CUDA)
+    checkpoint_bytes: int = 0  # its files' size on disk (a GGUF file; a directory's *.safetensors)
     block_size: int = 0  # tokens per page (set by the plan)
     page_bytes: int = 0
     num_pages: int = 0  # pages of its own arena (static split); the whole shared arena otherwise
@@ -111,6 +115,11 @@ class MemoryPlan:
                 + (f"  weights in {m.quantization}" if m.quantization else "")
                 + (f"  rank 0 of {_describe(m.parallel)}" if m.parallel else "")
             )
+            memory = "device memory" if self.device.startswith("cuda") else "RSS"
+            load = f"  {'':<10}   its load added {m.loaded / mib:.1f} of {memory} (measured)"
+            if m.checkpoint_bytes:
+                load += f", {m.loaded / m.checkpoint_bytes:.2f}x its files' {m.checkpoint_bytes / mib:.1f}"
+            lines.append(load)
             if m.graphs:
                 lines.append(f"  {'':<10}   CUDA graphs: {len(m.graphs['sizes'])} decode batch sizes up to "
                              f"{max(m.graphs['sizes'])}, {m.graphs['memory_bytes'] / mib:.1f} MiB, captured in "
@@ -137,6 +146,10 @@ def _describe(parallel: dict) -> str:
 SAMPLER_BYTES_PER_LOGIT = 12  # the logits row, its fp32 probabilities and their running sum (the CDF)
 
 
+LOADED_CPU = "RSS after a load minus before it (mapped weights count once read: those it does not read join later)"
+LOADED_CUDA = "device memory after a load minus before it"
+
+
 def sources(device: torch.device) -> dict[str, str]:
     """How the plan's numbers are obtained on `device`: measured (by what) or estimated (how)."""
     cuda = device.type == "cuda"
@@ -149,6 +162,7 @@ def sources(device: torch.device) -> dict[str, str]:
         "sampler_peak": f"estimated: max_num_seqs x vocab x {SAMPLER_BYTES_PER_LOGIT} bytes",
         "other": "measured: beyond the weights, "
         + ("device memory the loads took (mem_get_info: CUDA context, workspaces)" if cuda else "RSS the loads added"),
+        "loaded": "measured: " + (LOADED_CUDA if cuda else LOADED_CPU),
     }
 
 
@@ -160,6 +174,15 @@ def weight_bytes(model: torch.nn.Module) -> int:
         tensors += [t for part in weight.parts for t in (part.data, part.scales) if t is not None]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())
+
+
+def checkpoint_bytes(path: str) -> int:
+    """Bytes of a checkpoint's weight files: a GGUF file's size, or a directory's *.safetensors."""
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    if not os.path.isdir(path):
+        return 0
+    return sum(e.stat().st_size for e in os.scandir(path) if e.name.endswith(".safetensors") and e.is_file())
 
 
 def activation_peak(engine: LLMEngine) -> int:
@@ -264,7 +287,8 @@ def plan(
         sampler = engine.config.max_num_seqs * engine.model_config.vocab_size * SAMPLER_BYTES_PER_LOGIT
         models.append(ModelMemory(
             name, weights, activation_peak(engine), engine.kv_layout.token_bytes, sampler_peak=sampler,
-            other=max(0, loaded_bytes[name] - weights),
+            other=max(0, loaded_bytes[name] - weights), loaded=loaded_bytes[name],
+            checkpoint_bytes=checkpoint_bytes(engine.config.model),
             kv_fraction=None if kv_fractions is None else kv_fractions[name], quantization=engine.quantization,
             parallel=_parallel(engine.config),
         ))  # fmt: skip
