@@ -11,7 +11,7 @@ resetting it (`/proc/self/clear_refs` 5), above the RSS before the call. Also re
 pages still resident in the process (its mapping's Rss in `/proc/self/smaps`) and the planner's
 count of weight bytes. tracemalloc would not see tensors, so every number is RSS.
 
-    python bench/memory.py [--tokens 16] [--kv-mib 64] [--threads 2] [--json bench/out/memory.json]
+    python bench/memory.py [--tokens 16] [--kv-mib 64] [--max-model-len 2048] [--threads 2] [--json out.json]
 
 llama.cpp is not measured here (not installed on every machine); issue 64 measured it growing
 by 372 MB for the same file and 16 tokens (AMX Xeon, 2 threads).
@@ -99,7 +99,7 @@ def child(args: argparse.Namespace) -> dict:
     llm_engine.LLMEngine.attach_own_kv = measured("kv_arena", llm_engine.LLMEngine.attach_own_kv)
     kv = None if args.kv_mib is None else args.kv_mib << 20
     reset_peak()
-    llm = LLM(model=path, kv_cache_memory=kv, max_model_len=args.max_model_len)
+    llm = LLM(model=path, kv_cache_memory=kv, max_model_len=args.max_model_len or None)
     marks["loaded"] = status()
     load_peak = marks["loaded"]["VmHWM"] - marks["imported"]["VmRSS"]
     file_after_load = mapped_resident(path)
@@ -121,8 +121,10 @@ def child(args: argparse.Namespace) -> dict:
         "weight_bytes": weight_bytes(llm.engine.model),
         "kv_bytes": llm.engine.arena.pages.nbytes,
         "max_num_seqs": llm.engine.config.max_num_seqs,
+        "max_model_len": llm.engine.max_model_len,
         "vocab": llm.engine.model_config.vocab_size,
         "tokens": generated,
+        "treeserve": os.path.dirname(os.path.dirname(os.path.abspath(llm_engine.__file__))),
     }
 
 
@@ -134,8 +136,10 @@ def report(r: dict) -> str:
         return f"{x / MB:8.1f}"
 
     lines = [
+        f"treeserve from {r['treeserve']}",
         f"Gemma 3 270M Q4_K_M ({r['file_bytes'] / MB:.1f} MB file), {r['tokens']} greedy tokens, "
-        f"KV arena {r['kv_bytes'] / MB:.1f} MB, max_num_seqs {r['max_num_seqs']}, vocab {r['vocab']}",
+        f"KV arena {r['kv_bytes'] / MB:.1f} MB, max_model_len {r['max_model_len']}, "
+        f"max_num_seqs {r['max_num_seqs']}, vocab {r['vocab']}",
         f"{'RSS (MB)':<44}{'total':>8} {'anon':>8} {'file':>8}",
         f"{'before import':<44}{mb(start['VmRSS'])} {mb(start['RssAnon'])} {mb(start['RssFile'])}",
     ]
@@ -181,7 +185,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--kv-mib", type=int, default=64, help="KV arena MiB (the engine's default is 1 GiB)")
-    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=2048, help="0: none given (the model's context)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", help="write the raw numbers here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
