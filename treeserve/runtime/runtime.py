@@ -18,7 +18,13 @@ from dataclasses import dataclass, field
 import torch
 
 from treeserve.config import DEFAULT_KV_CAP, EngineConfig
-from treeserve.device import available_memory, process_memory, resolve_attention_backend, resolve_device
+from treeserve.device import (
+    available_memory,
+    process_memory,
+    release_free_heap,
+    resolve_attention_backend,
+    resolve_device,
+)
 from treeserve.engine.guided import grammar_of
 from treeserve.engine.llm_engine import LLMEngine, StepFailed, share_kv  # noqa: F401 - StepFailed: for the server
 from treeserve.models.tokenizer import Tokenizer
@@ -127,6 +133,7 @@ class Runtime:
         engines: dict[str, LLMEngine] = {}
         loaded: dict[str, int] = {}  # process memory each load added
         for name, config in configs.items():
+            release_free_heap()  # the engine trims the heap after its load: what was freed before is not the load's
             before = process_memory(device)
             engines[name] = LLMEngine(config, attach_kv=False)
             loaded[name] = process_memory(device) - before
