@@ -10,7 +10,29 @@ backend (`engine/attention.py`), since they read the engine's pages.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
+
+from treeserve.kernels import cpu as cpu_kernels
+from treeserve.kernels.cpu import decode_stack as stack_kernels
+from treeserve.kernels.cpu import quant as quant_kernels
+from treeserve.layers.quant import quantized_weights
+
+
+def prebuild_kernels(model: nn.Module) -> None:
+    """On a CPU, compile at once the C libraries this model's layers will load (the general
+    kernels, the decode stack, and the dense bf16 panels or the quantised kernels), so that a
+    cold start waits for the longest build, not each in turn."""
+    weights = next(model.parameters(), None)
+    if weights is None or weights.device.type != "cpu":
+        return
+    flags = quant_kernels.QUANT_FLAGS
+    sources = [(cpu_kernels.SOURCE, cpu_kernels.FLAGS), (stack_kernels.SOURCE, flags)]
+    if quantized_weights(model):
+        sources += [(quant_kernels.SOURCE, flags), (quant_kernels.Q8_SOURCE, flags)]
+    elif weights.dtype == torch.bfloat16 and cpu_kernels.native_bf16():
+        sources.append((quant_kernels.BF16_SOURCE, flags))
+    cpu_kernels.prebuild(sources)
 
 
 def pick_kernels(model: nn.Module) -> None:
@@ -23,6 +45,7 @@ def pick_kernels(model: nn.Module) -> None:
     submodule: its rotary tables (plain attributes) and the tied LM head's matmul (the
     embedding table is no `Linear`).
     """
+    prebuild_kernels(model)
     for module in reversed(list(model.modules())):  # pre-order reversed: every module after its submodules
         pick = getattr(module, "pick_kernel", None)
         if pick is not None:

@@ -53,8 +53,9 @@ class Step(ctypes.Structure):
 
 @cache
 def load() -> ctypes.CDLL | None:
-    """The library, where the kernels it chains were built (8-bit matmuls, bf16 attention)."""
-    if not quant.q8_available() or cpu_kernels.load() is None:
+    """The library, where the kernels it chains were built (bf16 attention, norms, rope; the
+    matmuls are the plans' own: `Stack` checks they have one)."""
+    if cpu_kernels.load() is None:
         return None
     lib = build(SOURCE, quant.QUANT_FLAGS)
     if lib is None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from treeserve.kernels.cpu import FLAGS, build, load_amx
+from treeserve.kernels.cpu import FLAGS, build, load_amx, native_bf16
 
 SOURCE = Path(__file__).parent / "quant_kernels.c"
 Q8_SOURCE = Path(__file__).parent / "q8_kernels.c"  # the same matmul with 8-bit activations
@@ -38,6 +38,8 @@ BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (
 LAYOUTS = {QTYPES["Q8_0"]}  # formats `lay_out` takes (the nibble formats laid out measured no faster)
 BF16_PANELS = PANELS + 30  # a dense bf16 matrix (ggml's type 30) laid out by `bf16_panels` (no file holds it)
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+# every matmul's arguments (qmatmul, q8_matmul, bf16_matmul): see quant_kernels.c's qmatmul
+MATMUL_ARGS = [_int, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _i64, _int, _int, _int]
 
 
 @cache
@@ -45,8 +47,7 @@ def load() -> ctypes.CDLL | None:
     lib = build(SOURCE, QUANT_FLAGS)
     if lib is None:
         return None
-    lib.qmatmul.argtypes = [_int, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _i64, _int, _int,
-                            _int]  # fmt: skip
+    lib.qmatmul.argtypes = MATMUL_ARGS
     lib.bf16_dot_available.restype = _int
     lib.dequant_rows.argtypes = [_int, _ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _int]
     lib.quantize_i8.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _int]
@@ -58,7 +59,7 @@ def load_q8() -> ctypes.CDLL | None:
     lib = build(Q8_SOURCE, QUANT_FLAGS)
     if lib is None or not lib.q8_available():
         return None
-    lib.q8_matmul.argtypes = load().qmatmul.argtypes
+    lib.q8_matmul.argtypes = MATMUL_ARGS
     lib.q8_0_panels.argtypes = [_ptr, _i64, _i64, _ptr, _int]
     lib.q8_panel_rows.argtypes = [_ptr, _i64, _ptr, _i64, _ptr]
     return lib
@@ -66,16 +67,20 @@ def load_q8() -> ctypes.CDLL | None:
 
 @cache
 def load_bf16() -> ctypes.CDLL | None:
+    """`bf16_panels.c`, where this CPU has AVX512-BF16 (built alone: a dense model needs none of the
+    quantised kernels, whose builds take ~7 s of a cold start)."""
+    if not native_bf16():
+        return None
     lib = build(BF16_SOURCE, QUANT_FLAGS)
     if lib is None or not lib.bf16_panels_available():
         return None
-    lib.bf16_matmul.argtypes = load().qmatmul.argtypes
+    lib.bf16_matmul.argtypes = MATMUL_ARGS
     return lib
 
 
 def bf16_panels_available() -> bool:
     """Whether this CPU multiplies dense bf16 panels (AVX512-BF16: `bf16_panels.c`)."""
-    return available() and load_bf16() is not None
+    return load_bf16() is not None
 
 
 def bf16_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -177,7 +182,6 @@ class Plan:
         self.tiles = activations == "bf16" and all(qtype in TILE_FORMATS for qtype in types) and load_amx() is not None
         self.dense = all(qtype == BF16_PANELS for qtype in types)  # bf16 panels: `bf16_matmul`, any activations
         assert not self.dense or bf16_panels_available()
-        self.float_call = partial(load().qmatmul, *self.args)
         self.function = (load_q8().q8_matmul if self.q8 else load_amx().amx_quant_matmul if self.tiles
                          else load_bf16().bf16_matmul if self.dense else None)  # fmt: skip
         self.call = partial(self.function, *self.args) if self.function is not None else None
@@ -191,7 +195,7 @@ class Plan:
         """The kernel call, unchecked: x's m rows (unit stride) @ W^T (+ bias) into out's rows,
         by `call` where `fast` (`qmatmul` checks the arguments; the decode path of `quant_linear`
         calls this directly), else by `float_call`."""
-        (self.call if fast else self.float_call)(
+        (self.call if fast else partial(load().qmatmul, *self.args))(
             x.data_ptr(), x.stride(0) if x.dim() == 2 else self.k, m, _ptr_or_none(bias), out.data_ptr(), self.n,
             int(out.dtype == torch.bfloat16), int(x.dtype == torch.bfloat16), torch.get_num_threads(),
         )  # fmt: skip
