@@ -30,7 +30,8 @@ def test_shared_plan_one_arena_of_equal_pages(llama_dir, qwen2_dir, tmp_path):
     assert all(m.activation_peak > 0 for m in plan.models)
     assert plan.other == sum(m.other for m in plan.models) and all(m.other >= 0 for m in plan.models)
     for m in plan.models:  # what each load added, measured, beside its files' size
-        assert m.loaded > 0 and m.other == max(0, m.loaded - m.weights)
+        # RSS added: > 0 in a fresh process; in a test process other tests' freed pages can leave during a load
+        assert m.loaded >= 0 and m.other == max(0, m.loaded - m.weights)
         files = Path(rt.engines[m.name].config.model).glob("*.safetensors")
         assert m.checkpoint_bytes == sum(f.stat().st_size for f in files) > 0
     assert "its load added" in plan.table() and "loaded" in plan.sources

@@ -136,7 +136,9 @@ class Runtime:
             release_free_heap()  # the engine trims the heap after its load: what was freed before is not the load's
             before = process_memory(device)
             engines[name] = LLMEngine(config, attach_kv=False)
-            loaded[name] = process_memory(device) - before
+            # RSS can also fall during a load (the kernel reclaiming pages another part of the
+            # process freed): never a negative load
+            loaded[name] = max(0, process_memory(device) - before)
         memory = planner.plan(
             engines, None if shared else {s.name: s.kv_fraction for s in specs}, free_at_start, loaded,
             kv_cache_memory, memory_budget, memory_fraction,
