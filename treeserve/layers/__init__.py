@@ -21,17 +21,17 @@ from treeserve.layers.quant import quantized_weights
 
 def prebuild_kernels(model: nn.Module) -> None:
     """On a CPU, compile at once the C libraries this model's layers will load (the general
-    kernels, the decode stack, and the dense bf16 panels or the quantised kernels), so that a
-    cold start waits for the longest build, not each in turn."""
+    kernels; the quantised kernels or the dense bf16 panels, and the decode stack that chains
+    them), so that a cold start waits for the longest build, not each in turn."""
     weights = next(model.parameters(), None)
     if weights is None or weights.device.type != "cpu":
         return
     flags = quant_kernels.QUANT_FLAGS
-    sources = [(cpu_kernels.SOURCE, cpu_kernels.FLAGS), (stack_kernels.SOURCE, flags)]
+    sources = [(cpu_kernels.SOURCE, cpu_kernels.FLAGS)]
     if quantized_weights(model):
-        sources += [(quant_kernels.SOURCE, flags), (quant_kernels.Q8_SOURCE, flags)]
-    elif weights.dtype == torch.bfloat16 and cpu_kernels.native_bf16():
-        sources.append((quant_kernels.BF16_SOURCE, flags))
+        sources += [(quant_kernels.SOURCE, flags), (quant_kernels.Q8_SOURCE, flags), (stack_kernels.SOURCE, flags)]
+    elif weights.dtype == torch.bfloat16 and cpu_kernels.native_bf16():  # panels, chained by the stack
+        sources += [(quant_kernels.BF16_SOURCE, flags), (stack_kernels.SOURCE, flags)]
     cpu_kernels.prebuild(sources)
 
 

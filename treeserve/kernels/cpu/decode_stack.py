@@ -104,7 +104,7 @@ class Stack:
         assert act.dtype == torch.bfloat16 and act.shape == ((1 << 16) + 2,) and act.is_contiguous()  # act_table
         cpu = cpu_kernels.load()
         functions = {_address(plan.function) for w in layers for plan in (w.qkv, w.o, w.gate_up, w.down)}
-        assert len(functions) == 1, "every matrix of the stack on one matmul (8-bit or tiles)"
+        assert len(functions) == 1, "every matrix of the stack on one matmul (8-bit, tiles or dense panels)"
         self.shapes = shapes
         self.keep = [act, layers]  # the tensors and plans the structs point into
         self.args = StackArgs(shapes["hidden"], shapes["q_heads"], shapes["kv_heads"], shapes["head_dim"],

@@ -96,9 +96,10 @@ def bf16_panels(weight: torch.Tensor) -> torch.Tensor:
 
 
 def bf16_panel_rows(data: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
-    """fp32 rows `ids` of a matrix laid out by `bf16_panels`."""
-    matrix = data.view(torch.bfloat16).view(data.shape[0], k // 2, PANEL, 2).transpose(1, 2).reshape(-1, k)
-    return matrix[ids.to(torch.int64)].float()
+    """fp32 rows `ids` of a matrix laid out by `bf16_panels` (row i: lane i % PANEL of panel i // PANEL)."""
+    ids = ids.to(torch.int64)
+    panels = data.view(torch.bfloat16).view(data.shape[0], k // 2, PANEL, 2)
+    return panels[ids // PANEL, :, ids % PANEL].reshape(-1, k).float()
 
 
 Q8_FORMATS = {QTYPES[name] for name in ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q6_K", "I8")}  # what q8_kernels.c takes
@@ -149,9 +150,10 @@ class Plan:
     `activations` says which matmul multiplies it: "int8" rounds each activation row to 8 bits
     in blocks of 32 and multiplies integers (q8_kernels.c, llama.cpp's way: `q8`); "bf16" takes
     bf16 rows as they are and, on a CPU with AMX, dequantises the weights into bf16 tiles
-    (amx_linear.c: the bf16 layer of the dequantised matrix, to the bit: `tiles`). `call` is
-    that matmul with this matrix's arguments bound (None where neither applies: `float_call`,
-    quant_kernels.c's fp32/bf16-dot kernel, then multiplies)."""
+    (amx_linear.c: the bf16 layer of the dequantised matrix, to the bit: `tiles`). A matrix of
+    dense bf16 panels (`dense`) is multiplied by bf16_panels.c whatever the activations. `call` is
+    that matmul with this matrix's arguments bound (None where none applies: quant_kernels.c's
+    fp32/bf16-dot kernel, `qmatmul`, then multiplies)."""
 
     def __init__(self, parts: list[tuple[int, torch.Tensor, torch.Tensor | None, int]], k: int,
                  activations: str = "int8"):  # fmt: skip
@@ -188,13 +190,13 @@ class Plan:
         self.laid_out = any(qtype > PANELS for qtype in types)  # only the 8-bit kernel and the tiles read panels
 
     def fast(self, x_dtype: torch.dtype) -> bool:
-        """Whether `call` multiplies rows of `x_dtype` (else `float_call`)."""
+        """Whether `call` multiplies rows of `x_dtype` (else quant_kernels.c's `qmatmul`)."""
         return self.q8 or self.dense or (self.tiles and x_dtype == torch.bfloat16)
 
     def run(self, x: torch.Tensor, m: int, out: torch.Tensor, bias: torch.Tensor | None, fast: bool) -> None:
         """The kernel call, unchecked: x's m rows (unit stride) @ W^T (+ bias) into out's rows,
         by `call` where `fast` (`qmatmul` checks the arguments; the decode path of `quant_linear`
-        calls this directly), else by `float_call`."""
+        calls this directly), else by quant_kernels.c's `qmatmul`."""
         (self.call if fast else partial(load().qmatmul, *self.args))(
             x.data_ptr(), x.stride(0) if x.dim() == 2 else self.k, m, _ptr_or_none(bias), out.data_ptr(), self.n,
             int(out.dtype == torch.bfloat16), int(x.dtype == torch.bfloat16), torch.get_num_threads(),
