@@ -10,7 +10,8 @@ a worker thread while the host works, so only the host time they do not hide is 
 below is wall minus kernels, divided by the sequence-steps (sequences scheduled, summed over
 steps). Workloads, each at every `--seqs` count:
 
-* `decode`: a random fp32 Llama (hidden 128, 3 layers, vocab 1024), that many ~32-token prompts
+* `decode`: a random fp32 Llama (hidden 128, 3 layers, vocab 1024, a byte-level BPE tokenizer unless
+  `--tokenizer word-level`), that many ~32-token prompts
   prefilled first, then 64 greedy tokens each (`ignore_eos`), driven by `LLMEngine.step`;
 * `beam`: arithmetic beam search (N=16, the shipped generator and PRM in fp32, 6 iterations) with
   seqs / 16 problems in flight, generator plus PRM, through `treeserve eval`'s code path (the
@@ -60,8 +61,16 @@ def _workloads():  # noqa: ANN202 - the bench/workloads.py module
 
 
 def model_dir() -> str:
-    path = os.path.join(tempfile.gettempdir(), "treeserve-host-llama")
-    return _workloads().build_random_llama(path, hidden=128, layers=3, heads=4, kv_heads=2, vocab=VOCAB)
+    """The random model, with the tokenizer `HOST_TOKENIZER` names: `byte-level` (a byte-level BPE,
+    the kind of Llama 3's and Qwen2's tokenizers; the default) or `word-level` (words joined by a
+    WordPiece decoder, whose cleanup makes detokenising cost ~3 us a token: this benchmark's model
+    before 2026-11-28)."""
+    kind = os.environ.get("HOST_TOKENIZER", "byte-level")
+    if kind not in ("byte-level", "word-level"):
+        raise SystemExit(f"HOST_TOKENIZER must be byte-level or word-level, not {kind!r}")
+    path = os.path.join(tempfile.gettempdir(), f"treeserve-host-llama-{kind}")
+    return _workloads().build_random_llama(path, hidden=128, layers=3, heads=4, kv_heads=2, vocab=VOCAB,
+                                           byte_level=kind == "byte-level")  # fmt: skip
 
 
 def prompts(count: int) -> list[list[int]]:
@@ -338,6 +347,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--before", default=None, help="the checkout engine 'before' imports treeserve from")
+    ap.add_argument(
+        "--tokenizer",
+        default=None,
+        choices=["byte-level", "word-level"],
+        help="the random model's tokenizer (default byte-level; see model_dir)",
+    )
     ap.add_argument("--output", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--workload", default="decode", help=argparse.SUPPRESS)
@@ -347,6 +362,8 @@ def main() -> None:
         args.engine = args.child
         child(args)
         return
+    if args.tokenizer:
+        os.environ["HOST_TOKENIZER"] = args.tokenizer  # the children inherit it
     engines = args.engines.split(",")
     counts = [int(c) for c in args.seqs.split(",")]
     model_dir()  # built once, before any child runs
@@ -385,6 +402,7 @@ def main() -> None:
             json.dump({"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M"),
                        "machine": platform.processor() or platform.machine(), "cpu": cpu_model(),
                        "threads": args.threads, "before": args.before, "runs": runs,
+                       "tokenizer": os.environ.get("HOST_TOKENIZER", "byte-level"),
                        "medians": medians}, f, indent=1)  # fmt: skip
 
 

@@ -101,24 +101,24 @@ class InputBatch:
         tokens: list[int] = []
         pending_at: list[int] = []
         pending_from: list[int] = []
-        starts, lens, drafted, rows = [], [], [], []
+        starts, lens, rows, drafted = [], [], [], []
         sync_rows: list[int] = []
         sync_cols: list[int] = []
         sync_pages: list[int] = []
-        groups = [-1] * len(batch)
-        histories: dict[tuple, list[tuple[int, Sequence]]] = {}
+        synced_len, synced_last = self.synced_len, self.synced_last
+        groups = [-1] * len(batch)  # twin candidates: per decode item, the first item with its history (dedup.py)
+        first_with: dict[tuple, int] = {}  # (history key, draft) -> the first decode item with them
         sample_at: list[int] = []
+        sample_rows: list[int] = []
         sample_index: list[int] = []
         sample_pos: list[int] = []
         special: list[int] = []  # sample rows with logprobs, a constraint or logit edits
         score_rows: list[int] = []
         score_ids: list[list[int]] = []
         want_states = False
-        max_end = 1
         for i, item in enumerate(batch):
-            seq, start, draft = item.seq, item.start, item.draft
+            seq, start, n = item.seq, item.start, item.num_tokens
             request = seq.request
-            end = start + item.num_tokens
             row = seq.row
             table = seq.block_table
             if row < 0:
@@ -126,15 +126,41 @@ class InputBatch:
                 first = 0
             else:
                 first = start // bs
-            if len(table) != self.synced_len[row] or table[-1] != self.synced_last[row]:
+            if len(table) != synced_len[row] or table[-1] != synced_last[row]:
                 sync_rows += [row] * (len(table) - first)
                 sync_cols += range(first, len(table))
                 sync_pages += table[first:]
-                self.synced_len[row], self.synced_last[row] = len(table), table[-1]
-            max_end = max(max_end, end)
-            at = len(tokens)
-            own_end = end - len(draft)
+                synced_len[row], synced_last[row] = len(table), table[-1]
+            starts.append(start)
+            lens.append(n)
+            rows.append(row)
             ids = seq.token_ids
+            at = len(tokens)
+            if n == 1 and request.plain and not seq.pending_forks and start + 1 == len(ids) + seq.num_pending:
+                # a plain decode (most rows of a step): one input token, the next one sampled
+                if start < len(ids):
+                    tokens.append(ids[start])
+                else:  # the token the step in flight samples for it
+                    pending_at.append(at)
+                    pending_from.append(seq.pending_row)
+                    tokens.append(0)
+                if seq.hashed == start - 1 and seq.history_hash is not None:  # history_key(start), inlined
+                    seq.history_hash, seq.hashed = hash((seq.history_hash, ids[start - 1])), start
+                    key = ((start, seq.history_hash), ())
+                else:
+                    key = (seq.history_key(start), ())
+                groups[i] = j = first_with.setdefault(key, i)
+                if j != i and batch[j].seq.token_ids[:start] != ids[:start]:
+                    groups[i] = i  # a hash collision: not a twin (twins only save work)
+                samples.append(SampleRow(seq))
+                sample_at.append(at)
+                sample_rows.append(row)
+                sample_index.append(seq.index)
+                sample_pos.append(start + 1)
+                continue
+            draft = item.draft
+            end = start + n
+            own_end = end - len(draft)
             if own_end > len(ids):  # its last input is the token the step in flight samples for it
                 tokens += ids[start:]
                 pending_at.append(len(tokens))
@@ -144,12 +170,12 @@ class InputBatch:
                 tokens += ids[start:own_end]
             if draft:
                 tokens += draft
-            starts.append(start)
-            lens.append(end - start)
-            drafted.append(bool(draft))
-            rows.append(row)
-            if request.params is not None and end - start == 1 + len(draft):  # a decode: twins?
-                groups[i] = self._twin_group(i, seq, item, histories)
+                drafted.append(i)
+            if request.params is not None and n == 1 + len(draft):  # a decode: twins?
+                key = (seq.history_key(start), tuple(draft))
+                groups[i] = j = first_with.setdefault(key, i)
+                if j != i and batch[j].seq.token_ids[:start] != ids[:start]:
+                    groups[i] = i  # a hash collision: not a twin (twins only save work)
             if request.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
                 prompt_plans += self._prompt_logprobs(step, request, item, at)
             if request.score is not None:
@@ -167,6 +193,7 @@ class InputBatch:
                     special.append(len(samples))
                 samples.append(SampleRow(seq, forks=forks))
                 sample_at.append(last)
+                sample_rows.append(row)
                 sample_index.append(seq.index)
                 sample_pos.append(own_end)
                 if forks:
@@ -174,6 +201,7 @@ class InputBatch:
                         special += range(len(samples), len(samples) + forks)
                     samples += [SampleRow(seq, fork=f) for f in range(1, forks + 1)]
                     sample_at += [last] * forks
+                    sample_rows += [row] * forks
                     sample_index += range(1, forks + 1)
                     sample_pos += [own_end] * forks
                 if draft:  # the target's token after each drafted one
@@ -182,44 +210,33 @@ class InputBatch:
                         special += range(len(samples), len(samples) + len(draft))
                     samples += [SampleRow(seq, draft_position=j) for j in range(1, len(draft) + 1)]
                     sample_at += range(last + 1, last + 1 + len(draft))
+                    sample_rows += [row] * len(draft)
                     sample_index += [seq.index] * len(draft)
                     sample_pos += range(own_end + 1, own_end + 1 + len(draft))
         if sync_rows:
             self.tables[sync_rows, sync_cols] = sync_pages
+        starts_, lens_ = np.array(starts, dtype=np.int64), np.array(lens, dtype=np.int64)
+        drafted_ = np.zeros(len(batch), dtype=bool)
+        drafted_[drafted] = True
+        max_end = max(1, int((starts_ + lens_).max())) if batch else 1
         plan = step.plan = StepPlan(
             ForwardBatch(
-                np.array(tokens, dtype=np.int64),
-                np.array(starts, dtype=np.int64),
-                np.array(lens, dtype=np.int64),
-                np.array(drafted, dtype=bool),
-                self.tables[rows, : -(-max_end // bs)],
+                np.array(tokens, dtype=np.int64), starts_, lens_, drafted_, self.tables[rows, : -(-max_end // bs)]
             ),
             np.array(pending_at, dtype=np.int64),
             np.array(pending_from, dtype=np.int64),
             copies=copies,
             prompt_logprobs=prompt_plans,
         )
-        if any(g != i for i, g in enumerate(groups) if g >= 0):  # some item has a twin candidate
-            plan.twins = np.array(groups, dtype=np.int64)
+        if len(first_with) < len(groups) - groups.count(-1):
+            plan.twins = np.array(groups, dtype=np.int64)  # some item has a twin candidate
         if sample_at:
-            sample_rows = [r.seq.row for r in samples]
             plan.sample = self._sampling(step, sample_at, sample_rows, sample_index, sample_pos, special)
         if score_rows:
             k = max(len(ids) for ids in score_ids)
             ids = torch.tensor([list(ids) + [0] * (k - len(ids)) for ids in score_ids], dtype=torch.long)
             plan.scores = ScorePlan(as_tensor(score_rows), ids.view(len(score_rows), k), want_states)
         return step
-
-    def _twin_group(self, i: int, seq: Sequence, item: ScheduledSeq, groups: dict) -> int:
-        """The first item before `i` whose tokens before its first input and whose draft equal
-        `seq`'s (hashes find candidates, lists are compared), else `i` itself."""
-        key = (seq.history_key(item.start), tuple(item.draft))
-        members = groups.setdefault(key, [])
-        for j, other in members:
-            if other.token_ids[: item.start] == seq.token_ids[: item.start]:
-                return j
-        members.append((i, seq))
-        return i
 
     @staticmethod
     def _prompt_logprobs(step: PreparedStep, request: Request, item: ScheduledSeq, at: int) -> list[PromptLogprobPlan]:

@@ -253,6 +253,7 @@ class LLMEngine:
                 sampling.logprobs is not None or sampling.structured_outputs is not None or sampling.adjusts_logits
             ),
         )
+        request.plain = sampling is not None and not request.host_rows and sampling.prompt_logprobs is None
         detok = None
         if sampling is not None:
             detok = StopChecker(self.tokenizer.hf, token_ids, sampling, self.tokenizer.eos_token_ids)

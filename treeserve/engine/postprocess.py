@@ -29,6 +29,8 @@ from treeserve.kv.block_manager import BlockManager
 from treeserve.models.tokenizer import Tokenizer
 from treeserve.outputs import Logprob
 
+FINISHED = SeqStatus.FINISHED
+
 
 @dataclass
 class Verification:
@@ -58,7 +60,7 @@ class Postprocessor:
         """`step` is on its way to the device: what it computes counts as computed (drafted tokens
         once accepted), and each sequence's next token is in flight, at its row of the samples."""
         for item in step.batch:
-            item.seq.num_computed_tokens = item.end - len(item.draft)
+            item.seq.num_computed_tokens = item.start + item.num_tokens - len(item.draft)
         for r, row in enumerate(step.samples):
             seq = row.seq
             if row.is_next:  # the next step may take it as an input before it is read back
@@ -89,7 +91,7 @@ class Postprocessor:
         keyed = self.blocks.enable_prefix_caching
         for item in step.batch:
             seq = item.seq
-            if seq.status == SeqStatus.FINISHED:
+            if seq.status is FINISHED:
                 continue
             computed = item.start + item.num_tokens - len(item.draft)
             if keyed and computed // block_size > len(seq.block_hashes):  # it completed a block
@@ -125,6 +127,9 @@ class Postprocessor:
                 self._end(seq)
 
     def _samples(self, step: PreparedStep, result: StepResult) -> None:
+        if not step.drafts and result.logprobs is None:
+            self._plain_samples(step, result)
+            return
         logprobs = result.logprobs.host() if result.logprobs is not None else None
         logprob_row = {row: i for i, row in enumerate(step.plan.sample.logprob_rows)} if logprobs else {}
         forks: dict[tuple[int, int], Sequence] = {}
@@ -164,6 +169,38 @@ class Postprocessor:
                     seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed_tokens
                 )
                 self.blocks.truncate(seq.block_table, len(seq.token_ids))
+
+    def _plain_samples(self, step: PreparedStep, result: StepResult) -> None:
+        """`_samples` for a step that drafted nothing and returns no logprobs, with the usual row
+        (a plain sequence's next token) on a short path; forks and constraints as `_samples` does."""
+        forks: dict[tuple[int, int], Sequence] = {}
+        max_model_len = self.max_model_len
+        appended = 0
+        for row, token in zip(step.samples, result.sampled(), strict=True):
+            seq = row.seq
+            if row.fork:
+                seq = forks.get((seq.seq_id, row.fork))
+                if seq is not None:
+                    self._append(seq, token, None, -1)
+                continue
+            if seq.status is FINISHED:
+                continue  # aborted, or ended by a token before this one: this one is void
+            seq.num_pending -= 1
+            if row.forks:
+                for fork in range(1, row.forks + 1):
+                    forks[(seq.seq_id, fork)] = self._fork(seq, fork)
+            if seq.guide is not None:
+                self._append(seq, token, None, -1)
+                continue
+            seq.token_ids.append(token)  # `_append`, without a constraint or logprobs
+            appended += 1
+            ended = seq.detok.append(token, seq.request.params.max_tokens)
+            if ended is None and len(seq.token_ids) >= max_model_len:
+                ended = ("length", None)
+            if ended is not None:
+                seq.finish_reason, seq.stop_reason = ended
+                self._end(seq)
+        self.num_generated_tokens += appended
 
     def _fork(self, parent: Sequence, index: int) -> Sequence:
         """Completion `index` of the parent's request (n > 1), at the parent's state before its first

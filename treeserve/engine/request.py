@@ -66,6 +66,10 @@ class Sequence:
     num_pending: int = 0
     pending_row: int = -1
     row: int = -1  # its row of the engine's persistent arrays while it runs (`input_batch.py`)
+    order: tuple[int, int] = field(init=False)  # the scheduler's order: (its request's arrival, index)
+
+    def __post_init__(self) -> None:
+        self.order = (self.request.arrival, self.index)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -140,6 +144,9 @@ class Request:
     draft_group: str | None = None  # speculative `tree` drafting: requests that draft from each other
     # its sampled rows need work on the host: logprobs returned, a constraint, or logit edits
     host_rows: bool = False
+    # a generation whose rows need nothing but their next token: no host rows, no prompt logprobs
+    # (a step takes its decode rows on a short path: `InputBatch.prepare`, `Postprocessor.read`)
+    plain: bool = False
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0
     # with SamplingParams.prompt_logprobs: one entry per prompt token (None for the first)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
 
 from treeserve.engine.request import SeqStatus, Sequence
 from treeserve.kv.block_manager import BlockManager, PrefixHit
@@ -39,9 +40,8 @@ class ScheduledSeq:
         return self.start + self.num_tokens
 
 
-def _priority(seq: Sequence) -> tuple[bool, int, int]:
-    """Running sequences go in this order: decodes, then prefills; earlier requests first."""
-    return len(seq.token_ids) + seq.num_pending - seq.num_computed_tokens > 1, seq.request.arrival, seq.index
+RUNNING = SeqStatus.RUNNING
+_ARRIVAL_ORDER = attrgetter("order")  # (request arrival, completion index)
 
 
 class Scheduler:
@@ -73,33 +73,38 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
         copies: list[tuple[int, int]] = []
-        self.running.sort(key=_priority)
-        scheduled: set[int] = set()
+        self.running.sort(key=_ARRIVAL_ORDER)
         blocks = self.blocks
         block_size, ref_counts = blocks.block_size, blocks.ref_counts
-        for seq in list(self.running):
-            if budget == 0:
-                break
-            start = seq.num_computed_tokens
-            uncomputed = len(seq.token_ids) + seq.num_pending - start
-            if seq.status != SeqStatus.RUNNING or uncomputed == 0 or (seq.num_pending and self._ends_in_flight(seq)):
-                continue  # preempted to make room for an earlier one; or waiting for its step's results
-            n = min(uncomputed, budget)
-            table = seq.block_table
-            page = start // block_size  # written first: copied if shared (copy-on-write)
-            if len(table) * block_size < start + n or (page < len(table) and ref_counts[table[page]] > 1):
-                room = self._make_room(seq, n, scheduled, can_preempt)
-                if room is None:
-                    return None
-                if not room:
+        # decodes first, then prefills (`prefills`, deferred in the first pass), each in arrival order
+        queue, prefills, decoding = list(self.running), [], True
+        while queue and budget:
+            for seq in queue:
+                if budget == 0:
+                    break
+                start = seq.num_computed_tokens
+                uncomputed = len(seq.token_ids) + seq.num_pending - start
+                if decoding and uncomputed > 1:
+                    prefills.append(seq)
                     continue
-            draft = self._fit_draft(seq, n, budget - n) if seq.draft else ()
-            n += len(draft)
-            if len(table) * block_size < start + n or (page < len(table) and ref_counts[table[page]] > 1):
-                copies += blocks.grow(table, start, start + n)
-            batch.append(ScheduledSeq(seq, start, n, draft))
-            scheduled.add(seq.seq_id)
-            budget -= n
+                if seq.status is not RUNNING or uncomputed == 0 or (seq.num_pending and self._ends_in_flight(seq)):
+                    continue  # preempted to make room for an earlier one; or waiting for its step's results
+                n = min(uncomputed, budget)
+                table = seq.block_table
+                page = start // block_size  # written first: copied if shared (copy-on-write)
+                if len(table) * block_size < start + n or (page < len(table) and ref_counts[table[page]] > 1):
+                    room = self._make_room(seq, n, batch, can_preempt)
+                    if room is None:
+                        return None
+                    if not room:
+                        continue
+                draft = self._fit_draft(seq, n, budget - n) if seq.draft else ()
+                n += len(draft)
+                if len(table) * block_size < start + n or (page < len(table) and ref_counts[table[page]] > 1):
+                    copies += blocks.grow(table, start, start + n)
+                batch.append(ScheduledSeq(seq, start, n, draft))
+                budget -= n
+            queue, prefills, decoding = (prefills, [], False) if decoding else ([], [], False)
         promised = self._promised_blocks() if self.waiting else set()
         deferred: list[Sequence] = []
         pool, owner = self.blocks.pool, self.blocks.owner
@@ -171,15 +176,16 @@ class Scheduler:
             max_tokens is not None and seq.num_tokens - seq.num_prompt_tokens >= max_tokens
         )
 
-    def _make_room(self, seq: Sequence, n: int, scheduled: set[int], can_preempt: bool) -> bool | None:
-        """Preempt later sequences until `seq` can grow by n tokens; False if seq itself went;
-        None if that needs a preemption and `can_preempt` is False."""
+    def _make_room(self, seq: Sequence, n: int, batch: list[ScheduledSeq], can_preempt: bool) -> bool | None:
+        """Preempt later sequences (not in `batch`) until `seq` can grow by n tokens; False if seq
+        itself went; None if that needs a preemption and `can_preempt` is False."""
         start = seq.num_computed_tokens
         while self.blocks.blocks_to_grow(seq.block_table, start, start + n) > self.blocks.num_free_blocks:
             if not can_preempt:
                 return None
+            scheduled = {item.seq.seq_id for item in batch}
             victims = [s for s in self.running if s.seq_id not in scheduled]
-            victim = max(victims, key=lambda s: (s.request.arrival, s.index))
+            victim = max(victims, key=_ARRIVAL_ORDER)
             self.preempt(victim)
             if victim is seq:
                 return False
