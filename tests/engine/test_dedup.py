@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from treeserve import SamplingParams
 from treeserve.engine.dedup import Twins
+from treeserve.engine.request import HISTORY_ANCHOR, TWIN_KEY_TOKENS
 
 
 def test_twins_computed_once_same_outputs(llama_dir, make_llm, monkeypatch):
@@ -40,8 +43,55 @@ def test_twins_with_speculation(llama_dir, make_llm):
     assert [o.outputs[0].token_ids for o in llm.generate(["the the the"] * 6, params)] == alone
 
 
+@pytest.mark.parametrize("prompt_len", [TWIN_KEY_TOKENS - 2, TWIN_KEY_TOKENS + 8, HISTORY_ANCHOR - 2])
+def test_twins_across_prompts_of_different_lengths(llama_dir, make_llm, monkeypatch, prompt_len):
+    """A request whose prompt is another's prompt plus its first three tokens is that one's twin
+    from its first decode on, whenever each began hashing its history (`Sequence.history_key`):
+    a short prompt hashes from its first decode, a longer one (`Request.prompt_key`) from when a
+    second sequence with its first 16 tokens runs; the last case crosses a hash anchor."""
+    prompt = [(7 * i + 3) % 200 + 5 for i in range(prompt_len)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    out = make_llm(llama_dir).generate([{"prompt_token_ids": prompt}], greedy)[0].outputs[0].token_ids
+    engine = make_llm(llama_dir, enable_prefix_caching=False).engine
+    twins = []
+    find = Twins.find
+
+    def counting(batch, groups, block_size):
+        found = find(batch, groups, block_size)
+        twins.append(0 if found is None else batch.token_ids.shape[0] - found.computed.token_ids.shape[0])
+        return found
+
+    monkeypatch.setattr(Twins, "find", counting)
+    engine.add_request("x", {"prompt_token_ids": prompt}, greedy)
+    finished = {}
+    for step in range(12):
+        if step == 3:  # x decodes its 3rd token while y (x's prompt and first 3 tokens) prefills
+            engine.add_request("y", {"prompt_token_ids": prompt + out[:3]}, greedy)
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finished["x"].outputs[0].token_ids == out
+    assert finished["y"].outputs[0].token_ids[:5] == out[3:]
+    assert sum(twins) == 4  # y's rows were x's twins until x ended
+
+
 def _common_prefix(a: list[int], b: list[int]) -> list[int]:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return a[:n]
+
+
+def test_history_key_does_not_depend_on_where_hashing_began():
+    """Twins are found by equal history keys: a sequence that began hashing at another length, or
+    jumped ahead, or went back (a preempted one), gets the same key for the same tokens."""
+    from treeserve.engine.request import Request, Sequence
+
+    tokens = [(31 * i) % 97 for i in range(3 * HISTORY_ANCHOR + 5)]
+    request = Request("r", None, tokens[:10], None, None, 0, 0)
+    for began in (1, 9, HISTORY_ANCHOR - 1, HISTORY_ANCHOR, 2 * HISTORY_ANCHOR + 3):
+        seq = Sequence(request, 0, list(tokens), None)
+        fresh = [Sequence(request, 0, list(tokens), None).history_key(n) for n in range(began, len(tokens))]
+        assert [seq.history_key(n) for n in range(began, len(tokens))] == fresh
+    assert seq.history_key(5) == Sequence(request, 0, list(tokens), None).history_key(5)  # back
+    assert seq.history_key(len(tokens)) == Sequence(request, 0, list(tokens), None).history_key(len(tokens))
+    other = Sequence(request, 0, tokens[:-1] + [tokens[-1] + 1], None)
+    assert other.history_key(len(tokens))[1] != seq.history_key(len(tokens))[1]

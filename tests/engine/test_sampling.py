@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from treeserve import SamplingParams
-from treeserve.engine.sampler import SamplingBatch, sample, seeded_uniform, seeded_uniforms
+from treeserve.engine.sampler import SamplingBatch, sample, seeded_uniform, seeded_uniforms, stream_key
 
 PROMPT = "Once upon a time, in a land far away"
 
@@ -122,8 +122,9 @@ def test_greedy_argmax_over_a_wide_vocabulary_is_torchs_argmax():
 
 
 def test_seeded_uniforms_are_seeded_uniform_bit_for_bit():
-    """The arrays the engine draws with equal the scalar definition: 64-bit seeds (negative ones
-    masked, as the engine stores them), completion indices, positions past 2**32."""
+    """The arrays the engine draws with (a completion's `stream_key`, kept while it runs, and the
+    positions) equal the scalar definition: 64-bit seeds, negative ones too, completion indices,
+    positions past 2**32."""
     import random
 
     import numpy as np
@@ -132,8 +133,8 @@ def test_seeded_uniforms_are_seeded_uniform_bit_for_bit():
     seeds = [rng.getrandbits(64) for _ in range(500)] + [-1, -(2**63), 0, 2**64 - 1]
     index = [rng.randrange(0, 300) for _ in seeds]
     positions = [rng.randrange(0, 1 << 40) for _ in seeds]
-    got = seeded_uniforms(np.array([s & (2**64 - 1) for s in seeds], dtype=np.uint64), np.array(index),
-                          np.array(positions))  # fmt: skip
+    keys = np.array([stream_key(s, i) for s, i in zip(seeds, index, strict=True)], dtype=np.uint64)
+    got = seeded_uniforms(keys, np.array(positions))
     assert got.tolist() == [seeded_uniform(s, i, p) for s, i, p in zip(seeds, index, positions, strict=True)]
 
 

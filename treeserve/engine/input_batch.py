@@ -15,14 +15,16 @@ from that step's samples.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import torch
 
 from treeserve.engine.forward_batch import ForwardBatch
 from treeserve.engine.guided import Constraints
 from treeserve.engine.penalties import RowHistory
-from treeserve.engine.request import Request, Sequence
-from treeserve.engine.sampler import SamplingBatch, seeded_uniforms
+from treeserve.engine.request import HISTORY_ANCHOR, Request, Sequence
+from treeserve.engine.sampler import SamplingBatch, seeded_uniforms, stream_key
 from treeserve.engine.scheduler import ScheduledSeq
 from treeserve.engine.step_plan import (
     PreparedStep,
@@ -36,7 +38,6 @@ from treeserve.engine.step_plan import (
 )
 
 PROMPT_LOGPROBS_ROWS = 256  # prompt positions per [rows, vocab] logits slice
-_M64 = (1 << 64) - 1
 
 
 class InputBatch:
@@ -50,8 +51,12 @@ class InputBatch:
         self.top_p = np.ones(capacity, dtype=np.float64)
         self.top_k = np.zeros(capacity, dtype=np.int64)
         self.min_p = np.zeros(capacity, dtype=np.float64)
-        self.seed = np.zeros(capacity, dtype=np.uint64)
+        self.stream_key = np.zeros(capacity, dtype=np.uint64)  # `sampler.stream_key` of its seed and index
         self.free_rows = list(range(capacity - 1, -1, -1))
+        # running sequences per `Request.prompt_key`: a sequence alone with its key, while no
+        # sequence with a short prompt (None) runs, has no twin, and its decodes skip the history
+        # hash that finds twins
+        self.prompt_users: Counter[int | None] = Counter()
         # per row, the table length and last page written into `tables` (a decode that stays in its
         # page changes neither, and writes nothing)
         self.synced_len = [0] * capacity
@@ -63,6 +68,7 @@ class InputBatch:
         if not self.free_rows:
             self._grow()
         row = seq.row = self.free_rows.pop()
+        self.prompt_users[seq.request.prompt_key] += 1
         self.synced_len[row], self.synced_last[row] = 0, -1
         p = seq.request.params
         if p is not None:
@@ -72,18 +78,22 @@ class InputBatch:
                 p.top_k,
                 p.min_p,
             )
-            self.seed[row] = seq.request.seed & _M64
+            self.stream_key[row] = stream_key(seq.request.seed, seq.index)
         return row
 
     def release(self, seq: Sequence) -> None:
         """`seq` left the running set (finished or preempted): its row is free again."""
         if seq.row >= 0:
             self.free_rows.append(seq.row)
+            key = seq.request.prompt_key
+            self.prompt_users[key] -= 1
+            if not self.prompt_users[key]:
+                del self.prompt_users[key]
             seq.row = -1
 
     def _grow(self) -> None:
         capacity = self.tables.shape[0]
-        for name in ("tables", "temperature", "top_p", "top_k", "min_p", "seed"):
+        for name in ("tables", "temperature", "top_p", "top_k", "min_p", "stream_key"):
             old = getattr(self, name)
             new = np.zeros((2 * capacity, *old.shape[1:]), dtype=old.dtype)
             new[:capacity] = old
@@ -108,9 +118,11 @@ class InputBatch:
         synced_len, synced_last = self.synced_len, self.synced_last
         groups = [-1] * len(batch)  # twin candidates: per decode item, the first item with its history (dedup.py)
         first_with: dict[tuple, int] = {}  # (history key, draft) -> the first decode item with them
+        twinned = False  # some item has a twin candidate (a hash collision only costs the dedup)
+        prompt_users = self.prompt_users
         sample_at: list[int] = []
         sample_rows: list[int] = []
-        sample_index: list[int] = []
+        fork_keys: dict[int, int] = {}  # a fork's first sample row -> its stream key (not its parent's)
         sample_pos: list[int] = []
         special: list[int] = []  # sample rows with logprobs, a constraint or logit edits
         score_rows: list[int] = []
@@ -144,18 +156,23 @@ class InputBatch:
                     pending_at.append(at)
                     pending_from.append(seq.pending_row)
                     tokens.append(0)
-                if seq.hashed == start - 1 and seq.history_hash is not None:  # history_key(start), inlined
-                    seq.history_hash, seq.hashed = hash((seq.history_hash, ids[start - 1])), start
-                    key = ((start, seq.history_hash), ())
+                if prompt_users[request.prompt_key] > 1 or None in prompt_users:  # it may have a twin
+                    if seq.hashed == start - 1 and start % HISTORY_ANCHOR and seq.history_hash is not None:
+                        # Sequence.history_key(start), one token on, inlined
+                        seq.history_hash, seq.hashed = hash((seq.history_hash, ids[start - 1])), start
+                        key = ((start, seq.history_hash), ())
+                    else:
+                        key = (seq.history_key(start), ())
+                    j = first_with.setdefault(key, i)
+                    if j != i and batch[j].seq.token_ids[:start] == ids[:start]:  # else a hash collision
+                        groups[i], twinned = j, True
+                    else:
+                        groups[i] = i
                 else:
-                    key = (seq.history_key(start), ())
-                groups[i] = j = first_with.setdefault(key, i)
-                if j != i and batch[j].seq.token_ids[:start] != ids[:start]:
-                    groups[i] = i  # a hash collision: not a twin (twins only save work)
+                    groups[i] = i
                 samples.append(SampleRow(seq))
                 sample_at.append(at)
                 sample_rows.append(row)
-                sample_index.append(seq.index)
                 sample_pos.append(start + 1)
                 continue
             draft = item.draft
@@ -173,9 +190,11 @@ class InputBatch:
                 drafted.append(i)
             if request.params is not None and n == 1 + len(draft):  # a decode: twins?
                 key = (seq.history_key(start), tuple(draft))
-                groups[i] = j = first_with.setdefault(key, i)
-                if j != i and batch[j].seq.token_ids[:start] != ids[:start]:
-                    groups[i] = i  # a hash collision: not a twin (twins only save work)
+                j = first_with.setdefault(key, i)
+                if j != i and batch[j].seq.token_ids[:start] == ids[:start]:  # else a hash collision
+                    groups[i], twinned = j, True
+                else:
+                    groups[i] = i
             if request.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
                 prompt_plans += self._prompt_logprobs(step, request, item, at)
             if request.score is not None:
@@ -194,15 +213,14 @@ class InputBatch:
                 samples.append(SampleRow(seq, forks=forks))
                 sample_at.append(last)
                 sample_rows.append(row)
-                sample_index.append(seq.index)
                 sample_pos.append(own_end)
                 if forks:
                     if request.host_rows:
                         special += range(len(samples), len(samples) + forks)
+                    fork_keys.update((len(samples) + f - 1, stream_key(request.seed, f)) for f in range(1, forks + 1))
                     samples += [SampleRow(seq, fork=f) for f in range(1, forks + 1)]
                     sample_at += [last] * forks
                     sample_rows += [row] * forks
-                    sample_index += range(1, forks + 1)
                     sample_pos += [own_end] * forks
                 if draft:  # the target's token after each drafted one
                     step.drafts[seq.seq_id] = draft
@@ -211,7 +229,6 @@ class InputBatch:
                     samples += [SampleRow(seq, draft_position=j) for j in range(1, len(draft) + 1)]
                     sample_at += range(last + 1, last + 1 + len(draft))
                     sample_rows += [row] * len(draft)
-                    sample_index += [seq.index] * len(draft)
                     sample_pos += range(own_end + 1, own_end + 1 + len(draft))
         if sync_rows:
             self.tables[sync_rows, sync_cols] = sync_pages
@@ -228,10 +245,10 @@ class InputBatch:
             copies=copies,
             prompt_logprobs=prompt_plans,
         )
-        if len(first_with) < len(groups) - groups.count(-1):
+        if twinned:
             plan.twins = np.array(groups, dtype=np.int64)  # some item has a twin candidate
         if sample_at:
-            plan.sample = self._sampling(step, sample_at, sample_rows, sample_index, sample_pos, special)
+            plan.sample = self._sampling(step, sample_at, sample_rows, fork_keys, sample_pos, special)
         if score_rows:
             k = max(len(ids) for ids in score_ids)
             ids = torch.tensor([list(ids) + [0] * (k - len(ids)) for ids in score_ids], dtype=torch.long)
@@ -252,10 +269,13 @@ class InputBatch:
             step.prompt_reads.append(PromptRead(request, start + 1, targets, k))
         return plans
 
-    def _sampling(self, step: PreparedStep, at: list[int], rows: list[int], index: list[int],
+    def _sampling(self, step: PreparedStep, at: list[int], rows: list[int], fork_keys: dict[int, int],
                   positions: list[int], special: list[int]) -> SamplePlan:  # fmt: skip
         rows_ = np.array(rows, dtype=np.int64)
-        uniform = seeded_uniforms(self.seed[rows_], np.array(index), np.array(positions))
+        keys = self.stream_key[rows_]
+        if fork_keys:
+            keys[list(fork_keys)] = list(fork_keys.values())
+        uniform = seeded_uniforms(keys, np.array(positions, dtype=np.int64))
         params = SamplingBatch(self.temperature[rows_], self.top_p[rows_], self.top_k[rows_], self.min_p[rows_],
                                uniform)  # fmt: skip
         plan = SamplePlan(as_tensor(at), params)

@@ -44,7 +44,7 @@ from treeserve.engine.input_batch import InputBatch
 from treeserve.engine.model_runner import ModelRunner
 from treeserve.engine.postprocess import Postprocessor
 from treeserve.engine.rank_worker import RankWorker
-from treeserve.engine.request import Request, Sequence
+from treeserve.engine.request import TWIN_KEY_TOKENS, Request, Sequence
 from treeserve.engine.sampler import fused_draw
 from treeserve.engine.scheduler import Scheduler
 from treeserve.engine.speculative.draft_model import DraftModel
@@ -254,6 +254,7 @@ class LLMEngine:
             ),
         )
         request.plain = sampling is not None and not request.host_rows and sampling.prompt_logprobs is None
+        request.prompt_key = hash(tuple(token_ids[:TWIN_KEY_TOKENS])) if len(token_ids) >= TWIN_KEY_TOKENS else None
         detok = None
         if sampling is not None:
             detok = StopChecker(self.tokenizer.hf, token_ids, sampling, self.tokenizer.eos_token_ids)

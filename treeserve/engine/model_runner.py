@@ -182,9 +182,10 @@ class ModelRunner:
     def _sample(self, plan: SamplePlan, hidden: torch.Tensor, result: StepResult) -> None:
         params = plan.params
         divisors = params.divisors()
-        divisors[plan.edited] = 1.0  # edited rows: raw logits, edited, then divided by the temperature
+        if plan.edited:
+            divisors[plan.edited] = 1.0  # edited rows: raw logits, edited, then divided by the temperature
         (index,) = self.staging.to_device(plan.rows)
-        states = hidden[index]
+        states = hidden.index_select(0, index)
         scaled = states
         if (divisors != 1.0).any():  # x / 1 is x: greedy and T=1 batches skip the division
             (scale,) = self.staging.to_device(torch.from_numpy(divisors).to(states.dtype)[:, None])

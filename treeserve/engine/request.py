@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from treeserve.engine.guided import Guide
 
 _seq_ids = itertools.count()
+TWIN_KEY_TOKENS = 16
+HISTORY_ANCHOR = 64  # `Sequence.history_key` hashes the history whole at multiples of this many tokens
 
 
 class SeqStatus(Enum):
@@ -93,9 +95,13 @@ class Sequence:
         return self.status == SeqStatus.FINISHED
 
     def history_key(self, n: int) -> tuple[int, int]:
-        """(n, a hash of the first n token ids): equal for sequences with equal first n tokens."""
-        if self.history_hash is None or self.hashed > n:
-            self.history_hash, self.hashed = hash(tuple(self.token_ids[:n])), n
+        """(n, a hash of the first n token ids): equal for sequences with equal first n tokens,
+        whenever each began hashing. The hash of the tokens up to the last multiple of
+        HISTORY_ANCHOR, then one token at a time: a decode extends it by one token, and every
+        HISTORY_ANCHOR tokens it is anchored anew."""
+        base = n - n % HISTORY_ANCHOR
+        if self.history_hash is None or not base <= self.hashed <= n:
+            self.history_hash, self.hashed = hash(tuple(self.token_ids[:base])), base
         for token in self.token_ids[self.hashed : n]:
             self.history_hash = hash((self.history_hash, token))
         self.hashed = n
@@ -147,6 +153,9 @@ class Request:
     # a generation whose rows need nothing but their next token: no host rows, no prompt logprobs
     # (a step takes its decode rows on a short path: `InputBatch.prepare`, `Postprocessor.read`)
     plain: bool = False
+    # a hash of the prompt's first TWIN_KEY_TOKENS token ids (None: a shorter prompt): sequences
+    # with equal histories (twins, `dedup.py`) have equal keys, or one of them has None
+    prompt_key: int | None = None
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0
     # with SamplingParams.prompt_logprobs: one entry per prompt token (None for the first)

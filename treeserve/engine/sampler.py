@@ -42,6 +42,11 @@ def seeded_uniform(seed: int, index: int, position: int) -> float:
     return (h >> 11) * 2.0**-53
 
 
+def stream_key(seed: int, index: int) -> int:
+    """What `seeded_uniform` hashes a position with: fixed per completion, so the engine keeps it."""
+    return _mix64(_mix64(seed & _M64) ^ index)
+
+
 _GOLDEN, _MUL1, _MUL2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _S30, _S27, _S31, _S11 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(11)
 
@@ -54,9 +59,9 @@ def _mix64_array(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> _S31)
 
 
-def seeded_uniforms(seeds: np.ndarray, index: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """`seeded_uniform` for arrays of (seed & 2**64 - 1, index, position): the same float64 bits."""
-    h = _mix64_array(_mix64_array(_mix64_array(seeds) ^ index.astype(np.uint64)) ^ positions.astype(np.uint64))
+def seeded_uniforms(keys: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """`seeded_uniform` for arrays of (`stream_key` as uint64, position): the same float64 bits."""
+    h = _mix64_array(keys ^ positions.astype(np.uint64))
     return (h >> _S11).astype(np.float64) * 2.0**-53
 
 
