@@ -84,12 +84,12 @@ def attention_inputs(batch: ForwardBatch, block_size: int) -> tuple[np.ndarray, 
     computes it."""
     lens, starts, tables, drafted = batch.lens, batch.starts, batch.tables, batch.drafted
     items = np.arange(lens.shape[0])
-    offsets = batch.offsets
-    if not drafted.any() and (lens == 1).all():  # plain decodes: one row each
+    if lens.shape[0] == batch.token_ids.shape[0] and not drafted.any():  # plain decodes: one row each
         pages = -(-int(starts.max() + 1) // block_size)
         group = GroupLayout(np.ascontiguousarray(tables[:, :pages]), starts + 1, items[:, None], starts[:, None],
                             items, lens)  # fmt: skip
         return starts, tables[items, starts // block_size], starts % block_size, [group]
+    offsets = batch.offsets
     item_of = np.repeat(items, lens)
     positions = starts[item_of] + np.arange(item_of.shape[0]) - offsets[item_of]
     slot_pages = tables[item_of, positions // block_size]

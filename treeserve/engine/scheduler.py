@@ -89,18 +89,22 @@ class Scheduler:
                     continue
                 if seq.status is not RUNNING or uncomputed == 0 or (seq.num_pending and self._ends_in_flight(seq)):
                     continue  # preempted to make room for an earlier one; or waiting for its step's results
-                n = min(uncomputed, budget)
+                n = uncomputed if uncomputed < budget else budget
                 table = seq.block_table
                 page = start // block_size  # written first: copied if shared (copy-on-write)
-                if len(table) * block_size < start + n or (page < len(table) and ref_counts[table[page]] > 1):
+                grows = len(table) * block_size < start + n or (page < len(table) and ref_counts[table[page]] > 1)
+                if grows:
                     room = self._make_room(seq, n, batch, can_preempt)
                     if room is None:
                         return None
                     if not room:
                         continue
-                draft = self._fit_draft(seq, n, budget - n) if seq.draft else ()
-                n += len(draft)
-                if len(table) * block_size < start + n or (page < len(table) and ref_counts[table[page]] > 1):
+                draft = ()
+                if seq.draft:
+                    draft = self._fit_draft(seq, n, budget - n)
+                    n += len(draft)
+                    grows = grows or len(table) * block_size < start + n
+                if grows:
                     copies += blocks.grow(table, start, start + n)
                 batch.append(ScheduledSeq(seq, start, n, draft))
                 budget -= n

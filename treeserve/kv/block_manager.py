@@ -76,10 +76,8 @@ class BlockManager:
 
     # ---- hashing and lookup -----------------------------------------------------------
     def hash_block(self, parent: int | None, tokens: list[int]) -> int:
-        h = xxhash.xxh3_64()
-        h.update((self.root_hash if parent is None else parent).to_bytes(8, "little"))
-        h.update(array("q", tokens).tobytes())
-        return h.intdigest()
+        head = (self.root_hash if parent is None else parent).to_bytes(8, "little")
+        return xxhash.xxh3_64_intdigest(head + array("q", tokens).tobytes())
 
     def find_prefix(self, token_ids: list[int], max_tokens: int) -> PrefixHit:
         """The cached pages holding the longest cached prefix of at most `max_tokens` (no side effects)."""
