@@ -1,7 +1,8 @@
 """Incremental detokenisation and the stop rules of one sequence.
 
-Text is produced token by token with `tokenizers`' streaming decoder (it buffers partial
-UTF-8 sequences). After each token the checker applies, in vLLM's order: EOS (unless
+Text is produced token by token in the chunks `tokenizers`' streaming decoder (`DecodeStream`, which
+buffers partial UTF-8 sequences) gives, by `text_stream.py` (from a table of each token's text where
+the decoder allows). After each token the checker applies, in vLLM's order: EOS (unless
 `ignore_eos`), `stop_token_ids`, stop strings (which may span several tokens; with
 `n_stop_occurrences=k` only the k-th occurrence stops; none before `min_tokens` tokens), then
 `max_tokens`. (The sampler blocks EOS and stop token ids before `min_tokens`.)
@@ -10,8 +11,8 @@ UTF-8 sequences). After each token the checker applies, in vLLM's order: EOS (un
 from __future__ import annotations
 
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers.decoders import DecodeStream
 
+from treeserve.engine.text_stream import text_stream
 from treeserve.sampling_params import SamplingParams
 
 _CONTEXT_TOKENS = 6  # prompt tokens given to the stream so the first output token decodes right
@@ -24,7 +25,7 @@ class StopChecker:
         self.params = params
         self.eos_ids = frozenset(() if params.ignore_eos else eos_ids)
         self.stop_ids = frozenset(params.stop_token_ids)
-        self.stream = DecodeStream(ids=self.prompt_context, skip_special_tokens=params.skip_special_tokens)
+        self.step_text = text_stream(tokenizer, self.prompt_context, params.skip_special_tokens)
         self.text = ""
         self.num_tokens = 0
         self.output_ids: list[int] = []
@@ -45,7 +46,7 @@ class StopChecker:
         """Add one generated token; returns (finish_reason, stop_reason) when the sequence ends."""
         self.num_tokens += 1
         self.output_ids.append(token)
-        chunk = self.stream.step(self.tokenizer, token)
+        chunk = self.step_text(token)
         if token in self.eos_ids or token in self.stop_ids:
             if chunk and self.params.include_stop_str_in_output:
                 self.text += chunk

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -63,6 +64,57 @@ def _byte_level_alphabet() -> dict[int, str]:
     return chars
 
 
+def _fallback_byte(text: str) -> int | None:
+    """The byte a `<0xNN>` piece stands for, by ByteFallback's own test: six UTF-8 bytes, `<0x`,
+    `>`, and Rust's `u8::from_str_radix(_, 16)` on the two in between (which takes a leading `+`)."""
+    if not (text.startswith("<0x") and text.endswith(">") and len(text.encode()) == 6):
+        return None
+    digits = text[3:-1]
+    return int(digits, 16) if re.fullmatch(r"\+?[0-9A-Fa-f]{1,2}", digits) and len(digits) == 2 else None
+
+
+def decoded_token_bytes(hf: HFTokenizer) -> tuple[list[bytes], list[int]]:
+    """Each token id's own bytes in decoded text, special tokens' content included, and the special
+    ids. Covers the ids below the vocabulary size and every added token's; an id without a token gets
+    b"". Follows the decoder: byte-level (GPT-2's byte-to-unicode alphabet; a token with a character
+    outside it is its UTF-8), SentencePiece-style (`<0xNN>` byte pieces, U+2581 as a space) or plain
+    (the token's text). An id's text is the one `decode` reads: an added token's content first."""
+    decoder = json.loads(hf.decoder.__getstate__()) if hf.decoder is not None else {}
+    kinds = {d.get("type") for d in decoder.get("decoders") or [decoder]}
+    added = hf.get_added_tokens_decoder()
+    specials = sorted(i for i, t in added.items() if t.special)
+    size = max(hf.get_vocab_size(with_added_tokens=True), max(added, default=-1) + 1)
+    texts = [hf.id_to_token(i) for i in range(size)]
+    if "ByteLevel" in kinds:
+        return [b"" if t is None else _byte_level_bytes(t) for t in texts], specials
+    fallback = "ByteFallback" in kinds
+    spaces = bool(kinds & {"Metaspace", "ByteFallback", "Replace"})
+    out = []
+    for text in texts:
+        if text is None:
+            out.append(b"")
+        elif fallback and (byte := _fallback_byte(text)) is not None:
+            out.append(bytes([byte]))
+        else:
+            out.append((text.replace("\u2581", " ") if spaces else text).encode())
+    return out, specials
+
+
+def _byte_level_bytes(text: str) -> bytes:
+    """A byte-level token's bytes: its characters mapped back through GPT-2's alphabet, or its UTF-8
+    when one of them is outside it (as the ByteLevel decoder does)."""
+    try:
+        return text.translate(_FROM_BYTE_LEVEL).encode("latin-1")
+    except UnicodeEncodeError:
+        return text.encode()
+
+
+# str.translate table back from GPT-2's alphabet to the byte values (as latin-1 characters); the
+# latin-1 characters outside the alphabet become U+FFFF, which makes latin-1 encoding fail
+_FROM_BYTE_LEVEL = {ord(c): chr(b) for b, c in _byte_level_alphabet().items()}
+_FROM_BYTE_LEVEL.update({c: "\uffff" for c in range(256) if c not in _FROM_BYTE_LEVEL})
+
+
 class Tokenizer:
     def __init__(self, model_dir: str, model_eos_ids: list[int] | None = None):
         """`model_dir`: a Hugging Face checkpoint directory or a GGUF file."""
@@ -110,30 +162,14 @@ class Tokenizer:
 
     def token_bytes(self) -> tuple[list[bytes], list[int]]:
         """Each token id's bytes in decoded text (what a constraint library matches text against)
-        and the ids of special tokens (which decode to nothing). Follows the decoder: byte-level
-        (GPT-2's byte-to-unicode alphabet), SentencePiece-style (`<0xNN>` byte pieces, U+2581 as a
-        space) or plain (the token's text)."""
-        decoder = json.loads(self.hf.decoder.__getstate__()) if self.hf.decoder is not None else {}
-        kinds = {d.get("type") for d in decoder.get("decoders") or [decoder]}
-        specials = {i for i, t in self.hf.get_added_tokens_decoder().items() if t.special}
-        texts = [""] * self.vocab_size
-        for text, i in self.hf.get_vocab(with_added_tokens=True).items():
+        and the ids of special tokens (which decode to nothing): `decoded_token_bytes` with the
+        special tokens emptied."""
+        pieces, specials = decoded_token_bytes(self.hf)
+        out = [pieces[i] if i < len(pieces) else b"" for i in range(self.vocab_size)]
+        for i in specials:
             if i < self.vocab_size:
-                texts[i] = text
-        to_byte = {c: b for b, c in _byte_level_alphabet().items()}
-        out = []
-        for i, text in enumerate(texts):
-            if i in specials:
-                out.append(b"")
-            elif "ByteLevel" in kinds:
-                out.append(bytes(to_byte[c] for c in text) if all(c in to_byte for c in text) else text.encode())
-            elif "ByteFallback" in kinds and len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
-                out.append(bytes([int(text[3:5], 16)]))
-            elif kinds & {"Metaspace", "ByteFallback", "Replace"}:
-                out.append(text.replace("\u2581", " ").encode())
-            else:
-                out.append(text.encode())
-        return out, sorted(specials)
+                out[i] = b""
+        return out, specials
 
     def apply_chat_template(
         self,

@@ -1,0 +1,201 @@
+"""Incremental detokenisation: the text chunks `tokenizers`' `DecodeStream` gives, for less host time.
+
+This module owns the step function a sequence's generated tokens go through (`text_stream`) and
+the per-tokenizer tables behind it. `DecodeStream.step` decodes its whole window of ids for every
+token (0.4-3 us). For a decoder whose text is the concatenation of each token's own text
+(`qualifies`: ByteLevel; Fuse; SentencePiece's Replace("▁", " ") + ByteFallback + Fuse, optionally
+followed by Strip(" ", 1, 0); Metaspace with "▁"), `TextStream` gives the same chunks, every step's
+return value, from a table of each id's decoded bytes; any other decoder keeps `DecodeStream`.
+
+`TextStream` is `DecodeStream`'s algorithm (tokenizers' `step_decode_stream`, ported in `_step`) with
+one shortcut. That algorithm keeps a window of ids and the text (`prefix`) of its first
+`prefix_index` ids; each token is pushed, the window decoded, and when the text is longer than the
+prefix and does not end in U+FFFD the rest is returned and the window drops its prefix ids. The
+shortcut: when all of the window is its prefix and the window's own bytes are valid, non-empty
+UTF-8, a token whose bytes are valid, non-empty UTF-8 not ending in U+FFFD decodes, under every
+qualifying decoder, to the prefix plus its own text (the window's bytes end on a whole character;
+Strip and Metaspace change only the window's first character or token, which is not the new one),
+so `DecodeStream` returns exactly that text and keeps the token alone as its window: the shortcut
+returns the text from the table and notes the token. Everything else (a character split across
+tokens, invalid UTF-8, a skipped special token, an id outside the vocabulary, the start after a
+context whose text is empty or ends in U+FFFD) runs the ported algorithm with the tokenizer's own
+`decode`, so it returns what `DecodeStream` returns. That keeps two of its surprises: a prompt tail
+ending mid-character has no prefix, so the first chunk repeats the tail's text; and (SentencePiece)
+a run of byte pieces that is not UTF-8, followed by text, raises its InvalidPrefix error.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
+
+from treeserve.models.tokenizer import decoded_token_bytes
+
+_REPLACEMENT = "\ufffd"  # lossy UTF-8's stand-in for invalid bytes; DecodeStream waits while the text ends in it
+
+
+@dataclass(frozen=True)
+class StreamTable:
+    """One tokenizer's tables for one `skip_special_tokens` setting, indexed by token id."""
+
+    raw: list[bytes]  # the id's bytes in decoded text (b"" for a skipped special token or a gap)
+    texts: list[str | None]  # the text the shortcut returns for the id; None where it cannot take it
+
+
+@dataclass
+class _Entry:
+    key: tuple[bytes, int]  # the decoder's state and the vocabulary size the tables were built for
+    qualified: bool
+    tables: dict[bool, StreamTable] = field(default_factory=dict)
+
+
+_ENTRIES: weakref.WeakKeyDictionary[HFTokenizer, _Entry] = weakref.WeakKeyDictionary()
+
+
+def qualifies(decoder: dict | None) -> bool:
+    """Whether a decoder (its JSON state) decodes ids to the concatenation of each id's own text, apart
+    from what `TextStream`'s shortcut never meets (the window's first character or token)."""
+    if decoder is None:
+        return False  # no decoder: tokens joined with spaces
+    kind = decoder.get("type")
+    if kind in ("ByteLevel", "Fuse"):
+        return True
+    if kind == "Metaspace":
+        return decoder.get("replacement") == "\u2581"  # the first token loses its ▁s, the others get spaces
+    if kind != "Sequence":
+        return False
+    steps = list(decoder.get("decoders") or [])
+    if steps and steps[-1] == {"type": "Strip", "content": " ", "start": 1, "stop": 0}:
+        steps.pop()  # after Fuse it strips one leading space of the whole text
+    replace = {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}
+    return steps == [replace, {"type": "ByteFallback"}, {"type": "Fuse"}]
+
+
+def _shortcut_text(data: bytes) -> str | None:
+    """The id's text where the shortcut can take it: valid, non-empty UTF-8 not ending in U+FFFD."""
+    try:
+        text = data.decode()
+    except UnicodeDecodeError:
+        return None
+    return text if text and not text.endswith(_REPLACEMENT) else None
+
+
+def stream_table(hf: HFTokenizer, skip_special_tokens: bool) -> StreamTable | None:
+    """The tokenizer's table, built once per tokenizer object and setting (rebuilt if its decoder or
+    vocabulary size changed); None when its decoder does not qualify."""
+    decoder = hf.decoder
+    state = decoder.__getstate__() if decoder is not None else b"null"
+    key = (state, hf.get_vocab_size(with_added_tokens=True))
+    entry = _ENTRIES.get(hf)
+    if entry is None or entry.key != key:
+        entry = _ENTRIES[hf] = _Entry(key, qualifies(json.loads(state)))
+    if not entry.qualified:
+        return None
+    table = entry.tables.get(skip_special_tokens)
+    if table is None:
+        raw, specials = decoded_token_bytes(hf)
+        if skip_special_tokens:
+            for i in specials:
+                raw[i] = b""
+        table = entry.tables[skip_special_tokens] = StreamTable(raw, [_shortcut_text(b) for b in raw])
+    return table
+
+
+class DecodeStreamError(Exception):
+    """DecodeStream's InvalidPrefix error (it raises a plain Exception with this message)."""
+
+
+class TextStream:
+    """One sequence's incremental decoder: `step(token)` returns what `DecodeStream.step` would."""
+
+    __slots__ = ("_hf", "_skip", "_raw", "_texts", "_fast", "_last", "_ids", "_prefix", "_prefix_index")
+
+    def __init__(self, hf: HFTokenizer, table: StreamTable, context: list[int], skip_special_tokens: bool):
+        self._hf = hf
+        self._skip = skip_special_tokens
+        self._raw = table.raw
+        self._texts = table.texts
+        self._last: int | None = None  # on the shortcut: the window is this one token
+        self._ids = list(context)  # DecodeStream(ids=context) starts with no prefix ...
+        self._prefix = ""
+        self._prefix_index = 0
+        if self._ids:  # ... and takes the context's text as its prefix on the first step; done here
+            self._take_prefix()
+        self._fast = self._prefix_index == len(self._ids) and self._clean(self._ids)
+
+    def step(self, token: int) -> str | None:
+        """Add one token; the new text, or None while there is none (DecodeStream's rule)."""
+        if self._fast:
+            try:
+                text = self._texts[token]
+            except IndexError:  # an id past the vocabulary (a padded LM head): decodes to nothing
+                text = None
+            if text is not None:
+                self._last = token
+                return text
+            self._fast = False
+            if self._last is not None:  # the window the shortcut left: that token, its text the prefix
+                self._ids = [self._last]
+                self._prefix = self._decode(self._ids)
+                self._prefix_index = 1
+                self._last = None
+        return self._step(token)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._hf.decode(ids, skip_special_tokens=self._skip)
+
+    def _take_prefix(self) -> None:
+        prefix = self._decode(self._ids)
+        if not prefix.endswith(_REPLACEMENT):
+            self._prefix, self._prefix_index = prefix, len(self._ids)
+
+    def _clean(self, ids: list[int]) -> bool:
+        """Whether the window's own bytes are valid, non-empty UTF-8 (the shortcut's condition); never
+        with an id past the table (whose text the table does not know)."""
+        if max(ids, default=0) >= len(self._raw):
+            return False
+        data = b"".join([self._raw[i] for i in ids])
+        try:
+            data.decode()
+        except UnicodeDecodeError:
+            return False
+        return bool(data)
+
+    def _step(self, token: int) -> str | None:
+        """tokenizers' `step_decode_stream`, line for line (Rust compares the texts' UTF-8 lengths)."""
+        ids = self._ids
+        if not self._prefix and ids:
+            self._take_prefix()
+        ids.append(token)
+        string = self._decode(ids)
+        prefix = self._prefix
+        if len(string.encode()) <= len(prefix.encode()) or string.endswith(_REPLACEMENT):
+            return None
+        if not string.startswith(prefix):
+            raise DecodeStreamError(
+                "Invalid prefix encountered while decoding stream. Token ID: "
+                f"{token}, Expected prefix: '{prefix}', Actual string: '{string}'"
+            )
+        text = string[len(prefix) :]
+        new_prefix_index = len(ids) - self._prefix_index
+        del ids[: self._prefix_index]
+        self._prefix = self._decode(ids)
+        self._prefix_index = new_prefix_index
+        self._fast = self._clean(ids)  # all of the window is now its prefix
+        return text
+
+
+def text_stream(hf: HFTokenizer, context: list[int], skip_special_tokens: bool) -> Callable[[int], str | None]:
+    """A sequence's step function after the prompt tokens `context`: a `TextStream`'s when the
+    tokenizer's decoder qualifies, else `DecodeStream`'s."""
+    table = stream_table(hf, skip_special_tokens)
+    if table is not None:
+        return TextStream(hf, table, context, skip_special_tokens).step
+    stream = DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
+    return functools.partial(stream.step, hf)
