@@ -19,7 +19,7 @@ from tokenizers.decoders import DecodeStream
 from tests.tiny_models import train_tokenizer
 from treeserve import SamplingParams
 from treeserve.engine.detokenizer import StopChecker
-from treeserve.engine.text_stream import TextStream, qualifies, stream_table, text_stream
+from treeserve.engine.text_stream import JoinedStream, TextStream, qualifies, stream_table, text_stream
 from treeserve.models.gguf_tokenizer import _spm_tokenizer
 from treeserve.models.tokenizer import _byte_level_alphabet
 
@@ -92,7 +92,9 @@ def expected(tok: Tokenizer, context: list[int], ids: list[int], skip: bool) -> 
 def fast(tok: Tokenizer, context: list[int], ids: list[int], skip: bool) -> list:
     table = stream_table(tok, skip)
     assert table is not None, "the decoder should qualify"
-    return steps(TextStream(tok, table, context, skip).step, ids)
+    step = text_stream(tok, context, skip)
+    assert isinstance(step.__self__, JoinedStream if table.joins_bytes else TextStream)
+    return steps(step, ids)
 
 
 def vocab_size(tok: Tokenizer) -> int:
@@ -143,6 +145,21 @@ def test_random_sequences(tok, skip):
         context = random_ids(tok, rng, rng.randrange(0, 7))
         ids = random_ids(tok, rng, rng.randrange(1, 24))
         assert fast(tok, context, ids, skip) == expected(tok, context, ids, skip), (context, ids)
+
+
+def test_byte_level_lossy_utf8_as_tokenizers_decodes_it():
+    """`JoinedStream` decodes with Python's lossy UTF-8 where tokenizers uses Rust's: byte runs of
+    every kind (truncated, overlong, surrogate and out-of-range sequences, lone continuations) give
+    the same chunks."""
+    tok = byte_level()
+    letter = {b: tok.token_to_id(c) for b, c in _byte_level_alphabet().items()}
+    rng = random.Random(1)
+    leads = [0xC0, 0xC2, 0xDF, 0xE0, 0xE1, 0xED, 0xEF, 0xF0, 0xF4, 0xF5, 0xFF]
+    for _ in range(3000):
+        data = [rng.choice([rng.randrange(256), rng.choice(leads), rng.randrange(0x80, 0xC0), 0x61])
+                for _ in range(rng.randrange(1, 10))]  # fmt: skip
+        ids = [letter[b] for b in data]
+        assert fast(tok, [letter[0x61]], ids, True) == expected(tok, [letter[0x61]], ids, True), data
 
 
 def test_split_characters_wait_and_invalid_bytes_show_later():
@@ -242,7 +259,7 @@ def test_whole_characters_after_a_text_context_never_decode(tok, skip):
     table = stream_table(tok, skip)
     ids = [i for i in tok.encode(TEXT, add_special_tokens=False).ids if table.texts[i] is not None]
     counting = CountingTokenizer(tok)
-    stream = TextStream(counting, table, ids[:6], skip)
+    stream = JoinedStream(table, ids[:6]) if table.joins_bytes else TextStream(counting, table, ids[:6], skip)
     calls = counting.calls  # the context's text, once
     assert steps(stream.step, ids[6:]) == expected(tok, ids[:6], ids[6:], skip)
     assert calls <= 1 and counting.calls == calls

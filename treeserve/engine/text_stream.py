@@ -46,12 +46,14 @@ class StreamTable:
 
     raw: list[bytes]  # the id's bytes in decoded text (b"" for a skipped special token or a gap)
     texts: list[str | None]  # the text the shortcut returns for the id; None where it cannot take it
+    joins_bytes: bool = False  # the decoder's text of any ids is their bytes joined, as lossy UTF-8
 
 
 @dataclass
 class _Entry:
     key: tuple[bytes, int]  # the decoder's state and the vocabulary size the tables were built for
     qualified: bool
+    joins_bytes: bool  # ByteLevel or Fuse: `JoinedStream` serves it
     tables: dict[bool, StreamTable] = field(default_factory=dict)
 
 
@@ -94,7 +96,9 @@ def stream_table(hf: HFTokenizer, skip_special_tokens: bool) -> StreamTable | No
     key = (state, hf.get_vocab_size(with_added_tokens=True))
     entry = _ENTRIES.get(hf)
     if entry is None or entry.key != key:
-        entry = _ENTRIES[hf] = _Entry(key, qualifies(json.loads(state)))
+        decoder_state = json.loads(state)
+        joins = decoder_state is not None and decoder_state.get("type") in ("ByteLevel", "Fuse")
+        entry = _ENTRIES[hf] = _Entry(key, qualifies(decoder_state), joins)
     if not entry.qualified:
         return None
     table = entry.tables.get(skip_special_tokens)
@@ -103,7 +107,8 @@ def stream_table(hf: HFTokenizer, skip_special_tokens: bool) -> StreamTable | No
         if skip_special_tokens:
             for i in specials:
                 raw[i] = b""
-        table = entry.tables[skip_special_tokens] = StreamTable(raw, [_shortcut_text(b) for b in raw])
+        texts = [_shortcut_text(b) for b in raw]
+        table = entry.tables[skip_special_tokens] = StreamTable(raw, texts, entry.joins_bytes)
     return table
 
 
@@ -191,10 +196,83 @@ class TextStream:
         return text
 
 
+class JoinedStream:
+    """`TextStream` for decoders whose text of any ids is their bytes joined and decoded as lossy
+    UTF-8 (ByteLevel: Rust's `from_utf8_lossy`, which replaces the same maximal invalid subparts as
+    Python's "replace"; Fuse: the tokens' texts joined). `DecodeStream`'s algorithm on bytes, with
+    no call into the tokenizer: the window is the bytes of its prefix ids (`window`, whose text is
+    `prefix`) and of the ids after them (`pending`). A step adds the token's bytes to `pending`;
+    the window's text, when longer than the prefix (in UTF-8 bytes) and not ending in U+FFFD, gives
+    what follows the prefix, and `pending` becomes the window. `clean`: nothing pending and the
+    window valid, non-empty UTF-8, where a token of whole characters just returns its text."""
+
+    __slots__ = ("_raw", "_texts", "_window", "_pending", "_prefix", "_clean", "_last")
+
+    def __init__(self, table: StreamTable, context: list[int]):
+        self._raw, self._texts = table.raw, table.texts
+        self._window, self._pending, self._prefix = b"", b"".join(self._bytes(i) for i in context), ""
+        self._last: int | None = None
+        self._take_prefix()  # DecodeStream(ids=context) does this on its first step; the same here
+        self._clean = False
+        if not self._pending:
+            self._settle()
+
+    def _bytes(self, token: int) -> bytes:
+        return self._raw[token] if token < len(self._raw) else b""  # an id past the vocabulary: nothing
+
+    def _take_prefix(self) -> None:
+        """DecodeStream's first move while its prefix is empty: all of the window becomes the prefix,
+        unless its text ends in U+FFFD."""
+        if not self._prefix and (self._window or self._pending):
+            data = self._window + self._pending
+            text = data.decode("utf-8", "replace")
+            if not text.endswith(_REPLACEMENT):
+                self._window, self._pending, self._prefix = data, b"", text
+
+    def _settle(self) -> None:
+        """After the window became all prefix: whether the shortcut may run."""
+        try:
+            self._clean = bool(self._window) and bool(self._window.decode())
+        except UnicodeDecodeError:
+            self._clean = False
+
+    def step(self, token: int) -> str | None:
+        """Add one token; the new text, or None while there is none (DecodeStream's rule)."""
+        if self._clean:
+            try:
+                text = self._texts[token]
+            except IndexError:  # an id past the vocabulary (a padded LM head)
+                text = None
+            if text is not None:  # the window's text plus this whole-character text: all of it new
+                self._last = token  # the window is now this token (set when the shortcut ends)
+                return text
+            self._clean = False
+            if self._last is not None:
+                self._window, self._prefix, self._last = self._raw[self._last], self._texts[self._last], None
+        self._take_prefix()
+        pending = self._pending + self._bytes(token)
+        string = (self._window + pending).decode("utf-8", "replace")
+        prefix = self._prefix
+        if len(string.encode()) <= len(prefix.encode()) or string.endswith(_REPLACEMENT):
+            self._pending = pending
+            return None
+        if not string.startswith(prefix):
+            raise DecodeStreamError(
+                "Invalid prefix encountered while decoding stream. Token ID: "
+                f"{token}, Expected prefix: '{prefix}', Actual string: '{string}'"
+            )
+        self._window, self._pending = pending, b""
+        self._prefix = pending.decode("utf-8", "replace")
+        self._settle()
+        return string[len(prefix) :]
+
+
 def text_stream(hf: HFTokenizer, context: list[int], skip_special_tokens: bool) -> Callable[[int], str | None]:
-    """A sequence's step function after the prompt tokens `context`: a `TextStream`'s when the
-    tokenizer's decoder qualifies, else `DecodeStream`'s."""
+    """A sequence's step function after the prompt tokens `context`: a `JoinedStream`'s or a
+    `TextStream`'s when the tokenizer's decoder qualifies, else `DecodeStream`'s."""
     table = stream_table(hf, skip_special_tokens)
+    if table is not None and table.joins_bytes:
+        return JoinedStream(table, context).step
     if table is not None:
         return TextStream(hf, table, context, skip_special_tokens).step
     stream = DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
