@@ -25,6 +25,7 @@ class StopChecker:
         self.params = params
         self.eos_ids = frozenset(() if params.ignore_eos else eos_ids)
         self.stop_ids = frozenset(params.stop_token_ids)
+        self.ending_ids = self.eos_ids | self.stop_ids
         self.step_text = text_stream(tokenizer, self.prompt_context, params.skip_special_tokens)
         self.text = ""
         self.num_tokens = 0
@@ -37,7 +38,7 @@ class StopChecker:
 
     def clone(self) -> StopChecker:
         twin = StopChecker(self.tokenizer, self.prompt_context, self.params, [])
-        twin.eos_ids = self.eos_ids
+        twin.eos_ids, twin.ending_ids = self.eos_ids, self.ending_ids
         for token in self.output_ids:
             twin.append(token, max_tokens=None)
         return twin
@@ -47,16 +48,17 @@ class StopChecker:
         self.num_tokens += 1
         self.output_ids.append(token)
         chunk = self.step_text(token)
-        if token in self.eos_ids or token in self.stop_ids:
+        if token in self.ending_ids:
             if chunk and self.params.include_stop_str_in_output:
                 self.text += chunk
             return "stop", None if token in self.eos_ids else token
         if chunk:
             previous = len(self.text)
             self.text += chunk
-            searching = self.max_stop_len and self.num_tokens > self.params.min_tokens  # vLLM's rule
-            if searching and (stop := self._find_stop(previous)) is not None:
-                return "stop", stop
+            if self.max_stop_len and self.num_tokens > self.params.min_tokens:  # vLLM's rule
+                stop = self._find_stop(previous)
+                if stop is not None:
+                    return "stop", stop
         if max_tokens is not None and self.num_tokens >= max_tokens:
             return "length", None
         return None

@@ -120,6 +120,7 @@ class InputBatch:
         first_with: dict[tuple, int] = {}  # (history key, draft) -> the first decode item with them
         twinned = False  # some item has a twin candidate (a hash collision only costs the dedup)
         prompt_users = self.prompt_users
+        short_prompts = None in prompt_users  # a sequence with a short prompt runs (sequences added here aside)
         sample_at: list[int] = []
         sample_rows: list[int] = []
         fork_keys: dict[int, int] = {}  # a fork's first sample row -> its stream key (not its parent's)
@@ -156,7 +157,7 @@ class InputBatch:
                     pending_at.append(at)
                     pending_from.append(seq.pending_row)
                     tokens.append(0)
-                if prompt_users[request.prompt_key] > 1 or None in prompt_users:  # it may have a twin
+                if short_prompts or prompt_users[request.prompt_key] > 1:  # it may have a twin
                     if seq.hashed == start - 1 and start % HISTORY_ANCHOR and seq.history_hash is not None:
                         # Sequence.history_key(start), one token on, inlined
                         seq.history_hash, seq.hashed = hash((seq.history_hash, ids[start - 1])), start
@@ -170,7 +171,7 @@ class InputBatch:
                         groups[i] = i
                 else:
                     groups[i] = i
-                samples.append(SampleRow(seq))
+                samples.append(seq.next_row or self._next_row(seq))
                 sample_at.append(at)
                 sample_rows.append(row)
                 sample_pos.append(start + 1)
@@ -254,6 +255,12 @@ class InputBatch:
             ids = torch.tensor([list(ids) + [0] * (k - len(ids)) for ids in score_ids], dtype=torch.long)
             plan.scores = ScorePlan(as_tensor(score_rows), ids.view(len(score_rows), k), want_states)
         return step
+
+    @staticmethod
+    def _next_row(seq: Sequence) -> SampleRow:
+        """`seq`'s row for its next token (the same every step: rows are read, never changed)."""
+        seq.next_row = SampleRow(seq)
+        return seq.next_row
 
     @staticmethod
     def _prompt_logprobs(step: PreparedStep, request: Request, item: ScheduledSeq, at: int) -> list[PromptLogprobPlan]:

@@ -69,6 +69,7 @@ class Sequence:
     pending_row: int = -1
     row: int = -1  # its row of the engine's persistent arrays while it runs (`input_batch.py`)
     order: tuple[int, int] = field(init=False)  # the scheduler's order: (its request's arrival, index)
+    next_row: object = None  # the `step_plan.SampleRow` of its next token, made once (`input_batch.py`)
 
     def __post_init__(self) -> None:
         self.order = (self.request.arrival, self.index)
