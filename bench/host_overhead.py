@@ -16,6 +16,9 @@ steps). Workloads, each at every `--seqs` count:
 * `beam`: arithmetic beam search (N=16, the shipped generator and PRM in fp32, 6 iterations) with
   seqs / 16 problems in flight, generator plus PRM, through `treeserve eval`'s code path (the
   search programs' Python counts as host time);
+* `decode-warm`: the decode workload with the model's forward replaced by a stub that returns
+  zeros (tokens then come from zero hidden states): the host's Python from warm caches, where
+  after a real forward it runs from caches the forward's K/V reads swept;
 * `server`: the decode workload as the engine-core process serves it: each request a
   `Runtime.generate_stream` whose outputs are encoded as wire deltas every step.
 
@@ -175,7 +178,7 @@ def op_count(engine, count: int) -> float:  # noqa: ANN001 - an LLMEngine
     return Counting.ops
 
 
-def child_decode(engine_name: str, count: int) -> dict:
+def child_decode(engine_name: str, count: int, stub_forward: bool = False) -> dict:
     import torch
 
     from treeserve import LLM, SamplingParams
@@ -191,6 +194,9 @@ def child_decode(engine_name: str, count: int) -> dict:
     seqs = [seq for request in engine.requests.values() for seq in request.seqs]
     while any(seq.num_output_tokens == 0 for seq in seqs):
         engine.step()  # prefill and the first token (not timed)
+    if stub_forward:  # `decode-warm`: the host's Python without a forward that sweeps the caches
+        hidden = engine.model.config.hidden_size
+        engine.model.forward = lambda tokens, positions, attn: torch.zeros(tokens.shape[0], hidden)
     timers, rows = Timers(), count_schedule([engine])
     hook_kernels(timers, [engine])
     steps, start = 0, time.perf_counter()
@@ -312,9 +318,9 @@ def child(args: argparse.Namespace) -> None:
     if args.engine == "vllm":
         result = child_vllm(args.count)
     else:
-        result = {"decode": child_decode, "beam": child_beam, "server": child_server}[args.workload](
-            args.engine, args.count
-        )
+        workloads = {"decode": child_decode, "beam": child_beam, "server": child_server,
+                     "decode-warm": lambda engine, count: child_decode(engine, count, stub_forward=True)}  # fmt: skip
+        result = workloads[args.workload](args.engine, args.count)
     print("RESULT " + json.dumps(result), flush=True)
 
 
