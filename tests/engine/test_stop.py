@@ -20,7 +20,7 @@ def feed(tok, text: str, params: SamplingParams, eos: list[int] | None = None):
     ids = tok.encode(text, add_special_tokens=False).ids
     checker = StopChecker(tok, [0], params, eos or [])
     for n, token in enumerate(ids, 1):
-        result = checker.append(token, params.max_tokens)
+        result = checker.append(token)
         if result:
             return checker.text, result, n
     return checker.text, None, len(ids)
@@ -52,7 +52,7 @@ def test_stop_offsets_split_steps(tok):
     ids = tok.encode(TEXT, add_special_tokens=False).ids
     checker = StopChecker(tok, [0], params, [])
     for token in ids:
-        if checker.append(token, None):
+        if checker.append(token):
             break
     (t1, c1), (t2, c2) = checker.stop_offsets
     assert checker.text[:c1] == "Step one: 12 + 7 = 19.\n\n" and c2 == len(checker.text)
@@ -67,12 +67,12 @@ def test_earliest_of_several_stop_strings(tok):
 def test_eos_and_stop_token_ids(tok):
     ids = tok.encode(TEXT, add_special_tokens=False).ids
     checker = StopChecker(tok, [0], SamplingParams(max_tokens=None), eos_ids=[ids[3]])
-    results = [checker.append(t, None) for t in ids[:4]]
+    results = [checker.append(t) for t in ids[:4]]
     assert results[-1] == ("stop", None) and results[:3] == [None] * 3
     checker = StopChecker(tok, [0], SamplingParams(stop_token_ids=[ids[2]], max_tokens=None), [])
-    assert [checker.append(t, None) for t in ids[:3]][-1] == ("stop", ids[2])
+    assert [checker.append(t) for t in ids[:3]][-1] == ("stop", ids[2])
     ignoring = StopChecker(tok, [0], SamplingParams(ignore_eos=True, max_tokens=None), eos_ids=[ids[3]])
-    assert all(ignoring.append(t, None) is None for t in ids[:5])
+    assert all(ignoring.append(t) is None for t in ids[:5])
 
 
 def test_max_tokens_length(tok):

@@ -233,8 +233,8 @@ def test_stop_checker_text_and_clones(tok, skip):
     text, result = "", None
     for n, (token, chunk) in enumerate(zip(ids, reference, strict=True)):
         if n == len(ids) // 2:
-            twin = checker.clone()
-        result = checker.append(token, None)
+            twin = checker.clone(ids[:n])
+        result = checker.append(token)
         text += chunk or ""
         if result:
             break

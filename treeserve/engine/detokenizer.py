@@ -29,24 +29,25 @@ class StopChecker:
         self.step_text = text_stream(tokenizer, self.prompt_context, params.skip_special_tokens)
         self.text = ""
         self.num_tokens = 0
-        self.output_ids: list[int] = []
+        self.max_tokens = params.max_tokens
         self.stops_found = 0
         # (output tokens, text end) at each stop-string occurrence; speculative search splits steps here
         self.stop_offsets: list[tuple[int, int]] = []
         self.search_from = 0
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
 
-    def clone(self) -> StopChecker:
+    def clone(self, output_ids: list[int]) -> StopChecker:
+        """A checker at this one's state, which `output_ids` (the tokens appended so far) reached."""
         twin = StopChecker(self.tokenizer, self.prompt_context, self.params, [])
-        twin.eos_ids, twin.ending_ids = self.eos_ids, self.ending_ids
-        for token in self.output_ids:
-            twin.append(token, max_tokens=None)
+        twin.eos_ids, twin.ending_ids, twin.max_tokens = self.eos_ids, self.ending_ids, None
+        for token in output_ids:
+            twin.append(token)
+        twin.max_tokens = self.max_tokens
         return twin
 
-    def append(self, token: int, max_tokens: int | None) -> tuple[str, str | int | None] | None:
+    def append(self, token: int) -> tuple[str, str | int | None] | None:
         """Add one generated token; returns (finish_reason, stop_reason) when the sequence ends."""
         self.num_tokens += 1
-        self.output_ids.append(token)
         chunk = self.step_text(token)
         if token in self.ending_ids:
             if chunk and self.params.include_stop_str_in_output:
@@ -59,7 +60,7 @@ class StopChecker:
                 stop = self._find_stop(previous)
                 if stop is not None:
                     return "stop", stop
-        if max_tokens is not None and self.num_tokens >= max_tokens:
+        if self.max_tokens is not None and self.num_tokens >= self.max_tokens:
             return "length", None
         return None
 

@@ -194,7 +194,7 @@ class Postprocessor:
                 continue
             seq.token_ids.append(token)  # `_append`, without a constraint or logprobs
             appended += 1
-            ended = seq.detok.append(token, seq.request.params.max_tokens)
+            ended = seq.detok.append(token)
             if ended is None and len(seq.token_ids) >= max_model_len:
                 ended = ("length", None)
             if ended is not None:
@@ -225,7 +225,7 @@ class Postprocessor:
         if seq.logprobs is not None:
             seq.cumulative_logprob += logprobs.logprobs[row]
             seq.logprobs.append(self.logprob_entry(token, logprobs, row, seq.request.params.logprobs))
-        result = seq.detok.append(token, seq.request.params.max_tokens)
+        result = seq.detok.append(token)
         if result is None and len(seq.token_ids) >= self.max_model_len:
             result = ("length", None)
         if result is not None:

@@ -115,7 +115,7 @@ class Sequence:
             request=self.request,
             index=index,
             token_ids=list(self.token_ids),
-            detok=self.detok.clone() if self.detok else None,
+            detok=self.detok.clone(self.token_ids[self.num_prompt_tokens :]) if self.detok else None,
             status=self.status,
             num_computed_tokens=len(self.token_ids),
             block_table=block_table,
