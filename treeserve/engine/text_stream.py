@@ -209,13 +209,19 @@ class JoinedStream:
     __slots__ = ("_raw", "_texts", "_window", "_pending", "_prefix", "_clean", "_last")
 
     def __init__(self, table: StreamTable, context: list[int]):
-        self._raw, self._texts = table.raw, table.texts
-        self._window, self._pending, self._prefix = b"", b"".join(self._bytes(i) for i in context), ""
-        self._last: int | None = None
-        self._take_prefix()  # DecodeStream(ids=context) does this on its first step; the same here
-        self._clean = False
-        if not self._pending:
-            self._settle()
+        raw = self._raw = table.raw
+        self._texts, self._last = table.texts, None
+        data = b"".join([raw[i] if i < len(raw) else b"" for i in context])
+        self._window, self._pending, self._prefix, self._clean = b"", data, "", False
+        # DecodeStream(ids=context) takes the context's text as its prefix on its first step; here
+        try:
+            text = data.decode()
+        except UnicodeDecodeError:
+            text = _REPLACEMENT
+        if text and not text.endswith(_REPLACEMENT):  # valid: the prefix, and the shortcut may run
+            self._window, self._pending, self._prefix, self._clean = data, b"", text, True
+        else:
+            self._take_prefix()  # (lossy; an invalid window never takes the shortcut)
 
     def _bytes(self, token: int) -> bytes:
         return self._raw[token] if token < len(self._raw) else b""  # an id past the vocabulary: nothing
