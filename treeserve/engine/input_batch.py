@@ -118,7 +118,7 @@ class InputBatch:
         synced_len, synced_last = self.synced_len, self.synced_last
         groups = [-1] * len(batch)  # twin candidates: per decode item, the first item with its history (dedup.py)
         first_with: dict[tuple, int] = {}  # (history key, draft) -> the first decode item with them
-        twinned = False  # some item has a twin candidate (a hash collision only costs the dedup)
+        twinned = False  # some item has a twin candidate
         prompt_users = self.prompt_users
         short_prompts = None in prompt_users  # a sequence with a short prompt runs (sequences added here aside)
         sample_at: list[int] = []
@@ -164,11 +164,8 @@ class InputBatch:
                         key = ((start, seq.history_hash), ())
                     else:
                         key = (seq.history_key(start), ())
-                    j = first_with.setdefault(key, i)
-                    if j != i and batch[j].seq.token_ids[:start] == ids[:start]:  # else a hash collision
-                        groups[i], twinned = j, True
-                    else:
-                        groups[i] = i
+                    groups[i] = _first_twin(first_with, key, i, batch, start)
+                    twinned |= groups[i] != i
                 else:
                     groups[i] = i
                 samples.append(seq.next_row or self._next_row(seq))
@@ -190,12 +187,8 @@ class InputBatch:
                 tokens += draft
                 drafted.append(i)
             if request.params is not None and n == 1 + len(draft):  # a decode: twins?
-                key = (seq.history_key(start), tuple(draft))
-                j = first_with.setdefault(key, i)
-                if j != i and batch[j].seq.token_ids[:start] == ids[:start]:  # else a hash collision
-                    groups[i], twinned = j, True
-                else:
-                    groups[i] = i
+                groups[i] = _first_twin(first_with, (seq.history_key(start), tuple(draft)), i, batch, start)
+                twinned |= groups[i] != i
             if request.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
                 prompt_plans += self._prompt_logprobs(step, request, item, at)
             if request.score is not None:
@@ -320,6 +313,13 @@ class InputBatch:
             # where a constraint accepts, it decides whether the output ends: min_tokens yields
             stop_ids=[] if accepting else ([] if p.ignore_eos else self.eos_ids) + p.stop_token_ids,
         )
+
+
+def _first_twin(first_with: dict[tuple, int], key: tuple, i: int, batch: list[ScheduledSeq], start: int) -> int:
+    """Decode item i's twin group: the first item with its history key (and draft) whose tokens
+    before `start` are equal, else i (a hash collision only costs the dedup)."""
+    j = first_with.setdefault(key, i)
+    return j if j != i and batch[j].seq.token_ids[:start] == batch[i].seq.token_ids[:start] else i
 
 
 def as_tensor(values: list[int] | np.ndarray) -> torch.Tensor:

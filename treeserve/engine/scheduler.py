@@ -76,9 +76,9 @@ class Scheduler:
         self.running.sort(key=_ARRIVAL_ORDER)
         blocks = self.blocks
         block_size, ref_counts = blocks.block_size, blocks.ref_counts
-        # decodes first, then prefills (`prefills`, deferred in the first pass), each in arrival order
-        queue, prefills, decoding = list(self.running), [], True
-        while queue and budget:
+        # decodes first, then prefills (`prefills`, deferred by the first pass), each in arrival order
+        queue, prefills = list(self.running), []
+        for decoding in (True, False):
             for seq in queue:
                 if budget == 0:
                     break
@@ -108,7 +108,7 @@ class Scheduler:
                     copies += blocks.grow(table, start, start + n)
                 batch.append(ScheduledSeq(seq, start, n, draft))
                 budget -= n
-            queue, prefills, decoding = (prefills, [], False) if decoding else ([], [], False)
+            queue = prefills
         promised = self._promised_blocks() if self.waiting else set()
         deferred: list[Sequence] = []
         pool, owner = self.blocks.pool, self.blocks.owner

@@ -4,8 +4,9 @@ This module owns the step function a sequence's generated tokens go through (`te
 the per-tokenizer tables behind it. `DecodeStream.step` decodes its whole window of ids for every
 token (0.4-3 us). For a decoder whose text is the concatenation of each token's own text
 (`qualifies`: ByteLevel; Fuse; SentencePiece's Replace("▁", " ") + ByteFallback + Fuse, optionally
-followed by Strip(" ", 1, 0); Metaspace with "▁"), `TextStream` gives the same chunks, every step's
-return value, from a table of each id's decoded bytes; any other decoder keeps `DecodeStream`.
+followed by Strip(" ", 1, 0); Metaspace with "▁"), `TextStream` (or `JoinedStream`, below) gives
+the same chunks, every step's return value, from a table of each id's decoded bytes; any other
+decoder keeps `DecodeStream`.
 
 `TextStream` is `DecodeStream`'s algorithm (tokenizers' `step_decode_stream`, ported in `_step`) with
 one shortcut. That algorithm keeps a window of ids and the text (`prefix`) of its first
@@ -22,6 +23,9 @@ context whose text is empty or ends in U+FFFD) runs the ported algorithm with th
 `decode`, so it returns what `DecodeStream` returns. That keeps two of its surprises: a prompt tail
 ending mid-character has no prefix, so the first chunk repeats the tail's text; and (SentencePiece)
 a run of byte pieces that is not UTF-8, followed by text, raises its InvalidPrefix error.
+
+`JoinedStream` is the same algorithm for ByteLevel and Fuse decoders, whose text of any ids is their
+bytes joined as lossy UTF-8: it runs on bytes, with no call into the tokenizer.
 """
 
 from __future__ import annotations
@@ -209,9 +213,8 @@ class JoinedStream:
     __slots__ = ("_raw", "_texts", "_window", "_pending", "_prefix", "_clean", "_last")
 
     def __init__(self, table: StreamTable, context: list[int]):
-        raw = self._raw = table.raw
-        self._texts, self._last = table.texts, None
-        data = b"".join([raw[i] if i < len(raw) else b"" for i in context])
+        self._raw, self._texts, self._last = table.raw, table.texts, None
+        data = b"".join([self._bytes(i) for i in context])
         self._window, self._pending, self._prefix, self._clean = b"", data, "", False
         # DecodeStream(ids=context) takes the context's text as its prefix on its first step; here
         try:
