@@ -242,6 +242,30 @@ def test_stop_checker_text_and_clones(tok, skip):
     assert twin.text == "".join(c or "" for c in reference[: len(ids) // 2])
 
 
+@pytest.mark.parametrize("include", [True, False])
+@pytest.mark.parametrize("read_every_token", [True, False])
+def test_text_without_stop_strings_is_made_when_read(tok, include, read_every_token):
+    """Without stop strings the text is made when read: the same text read after every token or
+    once at the end, as DecodeStream's chunks give it; the ending token's text only when asked."""
+    ids = tok.encode(TEXT, add_special_tokens=False).ids
+    prompt = tok.encode("The answer", add_special_tokens=False).ids
+    end = tok.encode("answer", add_special_tokens=False).ids[0]  # a token of text, not a special one
+    ids = [t for t in ids if t != end] + [end]
+    params = SamplingParams(max_tokens=None, stop_token_ids=[end], include_stop_str_in_output=include)
+    checker = StopChecker(tok, prompt, params, [])
+    reference = expected(tok, prompt[-6:], ids, True)
+    texts = []
+    for token in ids[:-1]:
+        assert checker.append(token) is None
+        if read_every_token:
+            texts.append(checker.text)
+    assert checker.append(end) == ("stop", end)
+    chunks = [c or "" for c in reference]
+    assert checker.text == "".join(chunks if include else chunks[:-1])
+    if read_every_token:
+        assert texts == ["".join(chunks[: i + 1]) for i in range(len(ids) - 1)]
+
+
 class CountingTokenizer:
     """Stands in for the tokenizer inside a TextStream, counting its `decode` calls."""
 

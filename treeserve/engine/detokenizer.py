@@ -6,6 +6,11 @@ the decoder allows). After each token the checker applies, in vLLM's order: EOS 
 `ignore_eos`), `stop_token_ids`, stop strings (which may span several tokens; with
 `n_stop_occurrences=k` only the k-th occurrence stops; none before `min_tokens` tokens), then
 `max_tokens`. (The sampler blocks EOS and stop token ids before `min_tokens`.)
+
+Without stop strings no rule reads the text, so it is made when it is read (`text`): a step
+only keeps the token, and the stream runs over the tokens kept since the last read. A stream's
+text is the same read after every token or once at the end; a step no longer pays for it while
+nobody looks (a request that streams reads it every step, as before).
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ class StopChecker:
         self.stop_ids = frozenset(params.stop_token_ids)
         self.ending_ids = self.eos_ids | self.stop_ids
         self.step_text = text_stream(tokenizer, self.prompt_context, params.skip_special_tokens)
-        self.text = ""
+        self._text = ""
+        self.unread: list[int] | None = None if params.stop else []  # tokens not yet in `_text`
         self.num_tokens = 0
         self.max_tokens = params.max_tokens
         self.stops_found = 0
@@ -45,17 +51,35 @@ class StopChecker:
         twin.max_tokens = self.max_tokens
         return twin
 
+    @property
+    def text(self) -> str:
+        """The text of the tokens appended so far (an ending token's only with
+        `include_stop_str_in_output`)."""
+        if self.unread:
+            self._text += "".join([chunk for chunk in map(self.step_text, self.unread) if chunk])
+            self.unread.clear()
+        return self._text
+
     def append(self, token: int) -> tuple[str, str | int | None] | None:
         """Add one generated token; returns (finish_reason, stop_reason) when the sequence ends."""
         self.num_tokens += 1
+        if self.unread is not None:  # no stop strings: the text waits until it is read
+            if token in self.ending_ids:
+                if self.params.include_stop_str_in_output:
+                    self.unread.append(token)
+                return "stop", None if token in self.eos_ids else token
+            self.unread.append(token)
+            if self.max_tokens is not None and self.num_tokens >= self.max_tokens:
+                return "length", None
+            return None
         chunk = self.step_text(token)
         if token in self.ending_ids:
             if chunk and self.params.include_stop_str_in_output:
-                self.text += chunk
+                self._text += chunk
             return "stop", None if token in self.eos_ids else token
         if chunk:
-            previous = len(self.text)
-            self.text += chunk
+            previous = len(self._text)
+            self._text += chunk
             if self.max_stop_len and self.num_tokens > self.params.min_tokens:  # vLLM's rule
                 stop = self._find_stop(previous)
                 if stop is not None:
@@ -68,7 +92,7 @@ class StopChecker:
         """Count stop-string occurrences in new text; on the k-th, cut the text and return it."""
         start = max(self.search_from, previous - self.max_stop_len + 1, 0)
         while True:
-            found = [(i, s) for s in self.params.stop if (i := self.text.find(s, start)) >= 0]
+            found = [(i, s) for s in self.params.stop if (i := self._text.find(s, start)) >= 0]
             if not found:
                 return None
             index, stop = min(found)
@@ -76,6 +100,6 @@ class StopChecker:
             self.stop_offsets.append((self.num_tokens, index + len(stop)))
             if self.stops_found == self.params.n_stop_occurrences:
                 end = index + len(stop) if self.params.include_stop_str_in_output else index
-                self.text = self.text[:end]
+                self._text = self._text[:end]
                 return stop
             start = self.search_from = index + len(stop)
