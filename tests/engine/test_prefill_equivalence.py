@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from treeserve import ScoreParams
@@ -79,3 +80,18 @@ def test_requests_sent_together_compute_a_shared_prefix_once(llama_dir, make_llm
     assert llm.engine.blocks.stats.hits == 5 * 3
     alone = [make_llm(llama_dir).generate([p], params)[0] for p in prompts]
     assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_every_full_page_a_generation_computed_is_cached(llama_dir, make_llm, overlap):
+    """Every full page of prompt and output a generation computed gets its prefix-cache key, with
+    a chunked prefill and with overlapped steps: the same tokens sent again hit all of them."""
+    from treeserve import SamplingParams
+
+    llm = make_llm(llama_dir, max_num_batched_tokens=9, async_scheduling=overlap)
+    params = SamplingParams(temperature=0.0, max_tokens=41, ignore_eos=True)
+    first = llm.generate([TEXT], params)[0]
+    ids = first.prompt_token_ids + first.outputs[0].token_ids
+    again = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=1))[0]
+    computed = len(ids) - 1  # the last sampled token was never an input
+    assert again.num_cached_tokens == computed // 16 * 16 > 32

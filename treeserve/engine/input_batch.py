@@ -147,6 +147,10 @@ class InputBatch:
             starts.append(start)
             lens.append(n)
             rows.append(row)
+            if (start + n - len(item.draft)) // bs > start // bs:
+                step.crossing.append(item)
+            if request.stream:
+                step.streaming.append(item)
             ids = seq.token_ids
             at = len(tokens)
             if n == 1 and request.plain and not seq.pending_forks and start + 1 == len(ids) + seq.num_pending:

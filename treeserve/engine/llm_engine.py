@@ -249,9 +249,8 @@ class LLMEngine:
             arrival=next(self._arrivals),
             stream=stream,
             draft_group=draft_group,
-            host_rows=sampling is not None and (
-                sampling.logprobs is not None or sampling.structured_outputs is not None or sampling.adjusts_logits
-            ),
+            host_rows=sampling is not None
+            and (sampling.logprobs is not None or sampling.structured_outputs is not None or sampling.adjusts_logits),
         )
         request.plain = sampling is not None and not request.host_rows and sampling.prompt_logprobs is None
         request.prompt_key = hash(tuple(token_ids[:TWIN_KEY_TOKENS])) if len(token_ids) >= TWIN_KEY_TOKENS else None

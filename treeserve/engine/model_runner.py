@@ -250,4 +250,3 @@ def to_host(values: torch.Tensor) -> torch.Tensor:
 
 
 GROUP_FIELDS = [f.name for f in fields(SeqGroup) if f.name != "masks"]
-

@@ -87,17 +87,16 @@ class Postprocessor:
         streams it touched, and those a sequence of which ended in it."""
         result.wait()  # its device-to-host copies (the step's only sync)
         outputs = self._outputs = {}
-        block_size = self.blocks.block_size
-        keyed = self.blocks.enable_prefix_caching
-        for item in step.batch:
-            seq = item.seq
-            if seq.status is FINISHED:
-                continue
-            computed = item.start + item.num_tokens - len(item.draft)
-            if keyed and computed // block_size > len(seq.block_hashes):  # it completed a block
-                self.blocks.commit_full_blocks(seq.block_table, seq.block_hashes, seq.token_ids, computed)
-            if seq.request.stream:
-                outputs[seq.request.request_id] = seq.request
+        if self.blocks.enable_prefix_caching:
+            block_size = self.blocks.block_size
+            for item in step.crossing:  # the blocks before an item's start were keyed by earlier reads
+                seq = item.seq
+                computed = item.start + item.num_tokens - len(item.draft)
+                if seq.status is not FINISHED and computed // block_size > len(seq.block_hashes):
+                    self.blocks.commit_full_blocks(seq.block_table, seq.block_hashes, seq.token_ids, computed)
+        for item in step.streaming:
+            if item.seq.status is not FINISHED:
+                outputs[item.seq.request.request_id] = item.seq.request
         if step.scoring:
             self._scores(step, result)
         for read, lp in zip(step.prompt_reads, result.prompt_logprobs, strict=True):

@@ -124,6 +124,10 @@ class PreparedStep:
     score_reads: list[ScoreRead] = field(default_factory=list)
     prompt_reads: list[PromptRead] = field(default_factory=list)
     scoring: bool = False  # it holds forward-only requests
+    # what `read` looks at instead of every item: the items whose computed tokens cross into a new
+    # page (the blocks they complete get their prefix-cache keys), and those of streaming requests
+    crossing: list[ScheduledSeq] = field(default_factory=list)
+    streaming: list[ScheduledSeq] = field(default_factory=list)
     # the next step may be scheduled before this one's tokens are read: no sequence that samples
     # here needs its new token on the host before it samples again (constraints, logit edits)
     overlappable: bool = True
