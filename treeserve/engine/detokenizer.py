@@ -8,9 +8,9 @@ the decoder allows). After each token the checker applies, in vLLM's order: EOS 
 `max_tokens`. (The sampler blocks EOS and stop token ids before `min_tokens`.)
 
 Without stop strings no rule reads the text, so it is made when it is read (`text`): a step
-only keeps the token, and the stream runs over the tokens kept since the last read. A stream's
-text is the same read after every token or once at the end; a step no longer pays for it while
-nobody looks (a request that streams reads it every step, as before).
+only keeps the token, and the stream runs over the tokens kept since the last read. The text is
+the same read after every token or once at the end; a step no longer pays for it while nobody
+looks. A request that streams reads it every step, so its text is made as tokens come.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ _CONTEXT_TOKENS = 6  # prompt tokens given to the stream so the first output tok
 
 
 class StopChecker:
-    def __init__(self, tokenizer: HFTokenizer, prompt_ids: list[int], params: SamplingParams, eos_ids: list[int]):
+    def __init__(self, tokenizer: HFTokenizer, prompt_ids: list[int], params: SamplingParams, eos_ids: list[int],
+                 lazy: bool = True):  # fmt: skip
         self.tokenizer = tokenizer
         self.prompt_context = prompt_ids[-_CONTEXT_TOKENS:]
         self.params = params
@@ -33,7 +34,9 @@ class StopChecker:
         self.ending_ids = self.eos_ids | self.stop_ids
         self.step_text = text_stream(tokenizer, self.prompt_context, params.skip_special_tokens)
         self._text = ""
-        self.unread: list[int] | None = None if params.stop else []  # tokens not yet in `_text`
+        # tokens not yet in `_text`; None: the text is made as tokens come (stop strings; `lazy`
+        # False: a stream, read every step anyway)
+        self.unread: list[int] | None = [] if lazy and not params.stop else None
         self.num_tokens = 0
         self.max_tokens = params.max_tokens
         self.stops_found = 0
@@ -44,7 +47,7 @@ class StopChecker:
 
     def clone(self, output_ids: list[int]) -> StopChecker:
         """A checker at this one's state, which `output_ids` (the tokens appended so far) reached."""
-        twin = StopChecker(self.tokenizer, self.prompt_context, self.params, [])
+        twin = StopChecker(self.tokenizer, self.prompt_context, self.params, [], lazy=self.unread is not None)
         twin.eos_ids, twin.ending_ids, twin.max_tokens = self.eos_ids, self.ending_ids, None
         for token in output_ids:
             twin.append(token)
@@ -56,7 +59,12 @@ class StopChecker:
         """The text of the tokens appended so far (an ending token's only with
         `include_stop_str_in_output`)."""
         if self.unread:
-            self._text += "".join([chunk for chunk in map(self.step_text, self.unread) if chunk])
+            text, step = self._text, self.step_text
+            for token in self.unread:
+                chunk = step(token)
+                if chunk:
+                    text += chunk
+            self._text = text
             self.unread.clear()
         return self._text
 

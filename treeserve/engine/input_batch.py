@@ -147,14 +147,14 @@ class InputBatch:
             starts.append(start)
             lens.append(n)
             rows.append(row)
-            if (start + n - len(item.draft)) // bs > start // bs:
-                step.crossing.append(item)
             if request.stream:
                 step.streaming.append(item)
             ids = seq.token_ids
             at = len(tokens)
             if n == 1 and request.plain and not seq.pending_forks and start + 1 == len(ids) + seq.num_pending:
                 # a plain decode (most rows of a step): one input token, the next one sampled
+                if not (start + 1) % bs:
+                    step.crossing.append(item)
                 if start < len(ids):
                     tokens.append(ids[start])
                 else:  # the token the step in flight samples for it
@@ -180,6 +180,8 @@ class InputBatch:
             draft = item.draft
             end = start + n
             own_end = end - len(draft)
+            if own_end // bs > start // bs:
+                step.crossing.append(item)
             if own_end > len(ids):  # its last input is the token the step in flight samples for it
                 tokens += ids[start:]
                 pending_at.append(len(tokens))

@@ -256,7 +256,7 @@ class LLMEngine:
         request.prompt_key = hash(tuple(token_ids[:TWIN_KEY_TOKENS])) if len(token_ids) >= TWIN_KEY_TOKENS else None
         detok = None
         if sampling is not None:
-            detok = StopChecker(self.tokenizer.hf, token_ids, sampling, self.tokenizer.eos_token_ids)
+            detok = StopChecker(self.tokenizer.hf, token_ids, sampling, self.tokenizer.eos_token_ids, lazy=not stream)
         seq = Sequence(request=request, index=0, token_ids=list(token_ids), detok=detok,
                        pending_forks=request.width - 1)  # fmt: skip
         seq.logprobs = [] if sampling and sampling.logprobs is not None else None
