@@ -75,9 +75,11 @@ def freeze_heap() -> None:
     """Put every object alive now (modules, models, tokenizers' tables) out of the cyclic
     collector's reach, as vLLM's engine core does once it has started (`freeze_gc_heap`). The
     collector's full passes then walk only what serving allocates (requests, sequences, outputs),
-    not the few hundred thousand objects of a loaded process: at 256 streamed sequences they had
-    cost ~7 us of host time per sequence-step (BENCHMARKS "Host cost, third pass"). Frozen
-    objects are still freed when their last reference goes; `Runtime.close` unfreezes them."""
+    not the few hundred thousand objects of a loaded process: ~5 us of host time per
+    sequence-step at 256 streamed sequences on a runtime driven in-process (BENCHMARKS "Host
+    cost, third pass"; the server's core process froze its heap before, eval and search did
+    not). Frozen objects are still freed when their last reference goes; `Runtime.close`
+    unfreezes them."""
     gc.collect()
     gc.freeze()
 

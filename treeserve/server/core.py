@@ -41,9 +41,7 @@ def core_main(settings: ServerSettings, to_core: str, from_core: str) -> None:
     """The core process's entry point (multiprocessing, spawn)."""
     for sig in (signal.SIGINT, signal.SIGTERM):  # the API process decides when the core stops
         signal.signal(sig, signal.SIG_IGN)
-    served = build_served(settings)
-    gc.collect()
-    gc.freeze()  # the models' objects live as long as the process: later collections skip them (as vLLM does)
+    served = build_served(settings)  # its runtime froze the heap it loaded (`runtime.freeze_heap`)
     asyncio.run(Core(served, to_core, from_core).run())
     gc.unfreeze()  # let interpreter shutdown free them (bindings report frozen objects as leaks)
 
