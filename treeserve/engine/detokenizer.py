@@ -71,17 +71,14 @@ class StopChecker:
     def append(self, token: int) -> tuple[str, str | int | None] | None:
         """Add one generated token; returns (finish_reason, stop_reason) when the sequence ends."""
         self.num_tokens += 1
+        ending = token in self.ending_ids
         if self.unread is not None:  # no stop strings: the text waits until it is read
-            if token in self.ending_ids:
-                if self.params.include_stop_str_in_output:
-                    self.unread.append(token)
-                return "stop", None if token in self.eos_ids else token
-            self.unread.append(token)
-            if self.max_tokens is not None and self.num_tokens >= self.max_tokens:
-                return "length", None
-            return None
-        chunk = self.step_text(token)
-        if token in self.ending_ids:
+            chunk = None
+            if not ending or self.params.include_stop_str_in_output:
+                self.unread.append(token)
+        else:
+            chunk = self.step_text(token)
+        if ending:
             if chunk and self.params.include_stop_str_in_output:
                 self._text += chunk
             return "stop", None if token in self.eos_ids else token

@@ -11,6 +11,7 @@ import gc
 import signal
 import socket
 
+from treeserve.runtime.runtime import freeze_heap
 from treeserve.server.app import build_app
 from treeserve.server.completions import Served
 from treeserve.server.core_client import CoreClient
@@ -43,8 +44,7 @@ def serve(settings: ServerSettings, sock: socket.socket | None = None) -> None:
     # uvicorn re-raises the signal it stopped on once it is done; a SIGTERM handled gracefully
     # is then a normal exit (status 0), as process managers expect
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
-    gc.collect()
-    gc.freeze()  # what is loaded now lives as long as the server: collections skip it (as vLLM does)
+    freeze_heap()  # what is loaded now lives as long as the server: collections skip it
     try:
         server.run(sockets=[sock] if sock is not None else None)
     finally:
