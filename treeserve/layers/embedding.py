@@ -42,7 +42,7 @@ class Embedding(nn.Embedding):
         if cpu_kernels.amx_supports(self.weight):
             self.weight = nn.Parameter(cpu_kernels.amx_pack(self.weight), requires_grad=False)
         if isinstance(self.weight, QuantTensor):
-            self.weight = self.weight.in_panels()  # a tied LM head multiplies the same panels
+            self.weight = self.weight.in_panels(lookups=True)  # a tied LM head multiplies the same panels
             self.lookup = quant_embedding
         else:
             self.lookup = tiled_embedding if cpu_kernels.amx_tiled(self.weight) else F.embedding

@@ -7,9 +7,11 @@ is one `QuantTensor` of three parts. The bytes stay as loaded (a GGUF file's mem
 `dtype` is the dtype activations and results have (the engine's), so model code that asks
 `weight.dtype` works unchanged.
 
-Where the 8-bit kernel multiplies a matrix, `in_panels()` lays its Q8_0 parts out once as that
+Where the 8-bit kernel multiplies a matrix, `in_panels()` lays its parts out once as that
 kernel's panels (at kernel pick time, `Linear`/`Embedding`): a copy of the same size, in the
-kernel's order, replaces the file's bytes.
+kernel's order, replaces the file's bytes. Q8_0 parts always; the nibble formats' (Q4_0, Q5_0,
+Q4_K, Q6_K) only where nothing else reads them: not an embedding's table (its rows are looked
+up), not on a CPU with AMX (whose tiles read the file's layout; docs/decisions.md).
 
 `slice_rows` and `slice_columns` cut a tensor-parallel rank's shard (models/sharding.py) out of
 the file's bytes: whole rows, or whole blocks of every row; a rank's blocks are the file's.
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from treeserve.kernels.cpu import load_amx
 from treeserve.kernels.cpu import quant as kernels
 
 QTYPE_NAMES = {number: name for name, number in kernels.QTYPES.items()}
@@ -51,10 +54,10 @@ class QuantPart:
     def rows(self) -> int:
         return self.panel_rows if self.qtype > kernels.PANELS else self.data.shape[0]
 
-    def in_panels(self, cols: int) -> QuantPart:
+    def in_panels(self, cols: int, formats: set[int]) -> QuantPart:
         """This part laid out as the 8-bit kernel's panels (`QuantTensor.in_panels` checks that
-        kernel multiplies the matrix) where its format has a layout (Q8_0), else itself."""
-        if self.qtype not in kernels.LAYOUTS:
+        kernel multiplies the matrix) where its format is one of `formats`, else itself."""
+        if self.qtype not in formats:
             return self
         panels = kernels.lay_out(self.qtype, self.data, cols)
         return QuantPart(kernels.PANELS + self.qtype, panels, panel_rows=self.rows)
@@ -87,8 +90,11 @@ class QuantPart:
             raise IndexError(f"row ids out of range for a matrix of {self.rows} rows")
         if self.qtype == kernels.BF16_PANELS:
             return kernels.bf16_panel_rows(self.data, ids, cols)
-        if self.qtype > kernels.PANELS:
+        if self.qtype - kernels.PANELS in kernels.BYTE_LAYOUTS:
             return kernels.panel_rows(self.qtype, self.data, ids, cols)
+        if self.qtype > kernels.PANELS:
+            raise ValueError(f"a {QTYPE_NAMES[self.qtype]} matrix laid out as packed panels has no rows to look up "
+                             "(only the 8-bit kernel reads it; dequantise the file's bytes)")  # fmt: skip
         return kernels.dequant_rows(self.qtype, self.data, self.scales, ids, cols)
 
 
@@ -151,14 +157,18 @@ class QuantTensor:
         parts = [p.slice_columns(start, stop, self.cols) for p in self.parts]
         return QuantTensor(parts, stop - start, self.dtype, self.device, self.activations)
 
-    def in_panels(self) -> QuantTensor:
-        """The same matrix with its Q8_0 parts laid out as the 8-bit kernel's panels, where
-        that kernel or the tiles (bf16 activations) multiply the whole matrix (this CPU, every
-        part's format, the width; other parts stay as they are). Itself when nothing changes."""
+    def in_panels(self, lookups: bool = False) -> QuantTensor:
+        """The same matrix with its parts laid out as the 8-bit kernel's panels, where that
+        kernel or the tiles (bf16 activations) multiply the whole matrix (this CPU, every part's
+        format, the width; other parts stay as they are). Q8_0 parts always; the nibble formats'
+        only where the 8-bit kernel alone reads them: not for the tiles, not on a CPU with AMX,
+        not where rows are looked up (`lookups`: an embedding's table). Itself when nothing changes."""
         tiles = self.plan.tiles and self.dtype == torch.bfloat16  # fp32 activations: the fp32 kernel
         if not (self.plan.q8_formats and (self.plan.q8 or tiles)):
             return self
-        parts = [p.in_panels(self.cols) for p in self.parts]
+        packed = self.plan.q8 and not lookups and load_amx() is None
+        formats = kernels.LAYOUTS if packed else kernels.BYTE_LAYOUTS
+        parts = [p.in_panels(self.cols, formats) for p in self.parts]
         if all(new is old for new, old in zip(parts, self.parts, strict=True)):
             return self
         return QuantTensor(parts, self.cols, self.dtype, self.device, self.activations)

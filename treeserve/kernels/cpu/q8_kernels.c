@@ -33,10 +33,18 @@
 
 enum { T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14, T_I8 = 1000, PANELS = 2000 };
 
+/* How a panel's code vectors lie (`code_vector`): EXPANDED, a byte a code (what `unpack_panel`
+ * makes of the file's rows, and laid-out Q8_0); the nibble formats laid out (`q8_panels`) pack
+ * two code vectors a 64-byte line, low and high nibbles (NIBBLES), plus Q5_0's fifth bits as a
+ * 64-bit mask a vector (NIBBLES_BIT5) or Q6_K's two top bits, four vectors a line (NIBBLES_BITS56). */
+enum { EXPANDED, NIBBLES, NIBBLES_BIT5, NIBBLES_BITS56 };
+
 /* The formats, once for every switch below: X(format, weights a scale block, log2 of the code
- * offset (-1: none; Q8_0 and int8 store signed codes, offset 128), whether a minimum term). */
+ * offset (-1: none; Q8_0 and int8 store signed codes, offset 128), whether a minimum term, how
+ * its laid-out panels hold the codes). */
 #define FORMATS(X)                                                                                \
-    X(Q8_0, 32, 7, 0) X(I8, 32, 7, 0) X(Q4_0, 32, 3, 0) X(Q5_0, 32, 4, 0) X(Q6_K, 16, 5, 0) X(Q4_K, 32, -1, 1)
+    X(Q8_0, 32, 7, 0, EXPANDED) X(I8, 32, 7, 0, EXPANDED) X(Q4_0, 32, 3, 0, NIBBLES)             \
+    X(Q5_0, 32, 4, 0, NIBBLES_BIT5) X(Q6_K, 16, 5, 0, NIBBLES_BITS56) X(Q4_K, 32, -1, 1, NIBBLES)
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
 #include <immintrin.h>
@@ -193,11 +201,9 @@ static inline void scales_I8(const uint8_t *base, __m512i at, int64_t g, const f
     _mm512_store_ps(a + NC, _mm512_loadu_ps(rs));
 }
 
-/* Q4_K's 6-bit scale and min of sub-block s from the 12 scale bytes q (dwords q0..3, q4..7, q8..11) */
-static inline void scales_Q4_K(const uint8_t *base, __m512i at, int64_t g, const float *rs, float *a, float *b) {
-    const int64_t blk = (g >> 2) * 144;
-    const __m512i dd = gather(base, at, blk), q0 = gather(base, at, blk + 4), q4 = gather(base, at, blk + 8),
-                  q8 = gather(base, at, blk + 12);
+/* Q4_K's 6-bit scales and mins of group g's two sub-blocks (2(g%4), 2(g%4)+1) from a super-block's
+ * d|dmin dword and scale dwords q0..3, q4..7, q8..11 of 16 channels (a lane each). */
+static inline void q4_k_scales(__m512i dd, __m512i q0, __m512i q4, __m512i q8, int64_t g, float *a, float *b) {
     const __m512 d = low_fp16(dd), minus_dmin = _mm512_castsi512_ps(
         _mm512_xor_si512(_mm512_castps_si512(high_fp16(dd)), _mm512_set1_epi32((int)0x80000000u)));
     const __m512i six = _mm512_set1_epi32(63), four = _mm512_set1_epi32(0xF);
@@ -215,6 +221,12 @@ static inline void scales_Q4_K(const uint8_t *base, __m512i at, int64_t g, const
         _mm512_store_ps(a + h * NC, _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
         _mm512_store_ps(b + h * NC, _mm512_mul_ps(minus_dmin, _mm512_cvtepi32_ps(mn)));
     }
+}
+
+static inline void scales_Q4_K(const uint8_t *base, __m512i at, int64_t g, const float *rs, float *a, float *b) {
+    const int64_t blk = (g >> 2) * 144;
+    q4_k_scales(gather(base, at, blk), gather(base, at, blk + 4), gather(base, at, blk + 8), gather(base, at, blk + 12),
+                g, a, b);
 }
 
 /* Q6_K: int8 scales[16] at 192 (four a group), d at 208 (gathered from 206: inside the block) */
@@ -256,7 +268,7 @@ static inline __attribute__((always_inline)) void unpack_panel(
     }
 }
 
-#define UNPACK_CASE(T, BLOCK, SHIFT, MIN)                                                     \
+#define UNPACK_CASE(T, BLOCK, SHIFT, MIN, LAYOUT)                                                   \
     case T_##T: unpack_panel(codes_##T, scales_##T, 64 / BLOCK, rows, scales, k, ahead, step, channel_rows, p); break;
 
 static void unpack_any(int type, const uint8_t *const *rows, const float *scales, int64_t k, int64_t ahead,
@@ -264,11 +276,57 @@ static void unpack_any(int type, const uint8_t *const *rows, const float *scales
     switch (type) { FORMATS(UNPACK_CASE) }
 }
 
+/* Bytes a 64-weight group of a panel's codes takes (16 channels), by layout. */
+static inline int64_t group_bytes(int layout) {
+    return layout == EXPANDED ? 1024 : layout == NIBBLES ? 512 : layout == NIBBLES_BIT5 ? 640 : 768;
+}
+
+/* Code vector v of a panel (weights 4(v%16) .. 4(v%16)+3 of group v/16, 16 channels, 4 bytes a
+ * lane: what one vpdpbusd multiplies), read as `layout` lays it (`q8_panels` documents the
+ * packed ones). Panels streamed from memory (p.ahead) ask for each line p.ahead bytes on. */
+static inline __attribute__((always_inline)) __m512i code_vector(panel p, int layout, int64_t v) {
+    if (layout == EXPANDED) {
+        if (p.ahead) _mm_prefetch((const char *)p.codes + v * 64 + p.ahead, _MM_HINT_T1);
+        return _mm512_load_si512(p.codes + v * 64);
+    }
+    const int i = (int)(v & 15);
+    const uint8_t *group = p.codes + (v >> 4) * group_bytes(layout), *line = group + (i >> 1) * 64;
+    if (p.ahead && !(i & 1)) _mm_prefetch((const char *)line + p.ahead, _MM_HINT_T1);
+    const __m512i w = _mm512_loadu_si512(line); /* a Q6_K panel of an odd number of super-blocks is not 64-aligned */
+    __m512i c = _mm512_and_si512(i & 1 ? _mm512_srli_epi16(w, 4) : w, _mm512_set1_epi8(0xF));
+    if (layout == NIBBLES_BIT5) {
+        const uint8_t *bits = group + 512 + 8 * i;
+        if (p.ahead && !(i & 7)) _mm_prefetch((const char *)bits + p.ahead, _MM_HINT_T1);
+        uint64_t fifth;
+        memcpy(&fifth, bits, 8);
+        c = _mm512_mask_add_epi8(c, (__mmask64)fifth, c, _mm512_set1_epi8(16));
+    } else if (layout == NIBBLES_BITS56) {
+        const uint8_t *top = group + 512 + (i >> 2) * 64;
+        if (p.ahead && !(i & 3)) _mm_prefetch((const char *)top + p.ahead, _MM_HINT_T1);
+        const __m512i h = _mm512_srli_epi16(_mm512_loadu_si512(top), 2 * (i & 3));
+        c = _mm512_or_si512(c, _mm512_slli_epi16(_mm512_and_si512(h, _mm512_set1_epi8(3)), 4));
+    }
+    return c;
+}
+
+/* A packed panel's codes, a byte a code, into `into` (an unpacked panel's buffer): more rows
+ * than a tile read each code vector once a tile, and unpacking it each time cost more than
+ * storing it once (Gemma 3's gate_up at 128 rows: 2.2 ms read packed, 1.2 expanded). */
+static inline __attribute__((always_inline)) void expand(panel p, int layout, int64_t k, uint8_t *into) {
+    for (int64_t v = 0; v < k / 4; v++) _mm512_store_si512(into + v * 64, code_vector(p, layout, v));
+}
+
+#define EXPAND_CASE(T, BLOCK, SHIFT, MIN, LAYOUT) case T_##T: expand(p, LAYOUT, k, into); break;
+
+static void expand_any(int type, panel p, int64_t k, uint8_t *into) {
+    switch (type) { FORMATS(EXPAND_CASE) }
+}
+
 /* Rows r0 .. r0+mr of x against a panel: out lane c of row r = sum over blocks, in order, of
  * float(integer block sum) * (weight scale * activation scale) [+ Q4_K's minimum term]. The
  * integer sums are exact, so this is the one rounding order of a (row, channel), whatever m. */
-static inline __attribute__((always_inline)) void multiply(panel p, int block, int shift, int with_min, int64_t k,
-                                                           acts x, int64_t r0, int mr, __m512 *acc) {
+static inline __attribute__((always_inline)) void multiply(panel p, int block, int shift, int with_min, int layout,
+                                                           int64_t k, acts x, int64_t r0, int mr, __m512 *acc) {
     const int chunks = block / 4;
     for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t blk = 0; blk < k / block; blk++) {
@@ -283,8 +341,7 @@ static inline __attribute__((always_inline)) void multiply(panel p, int block, i
         __m512i odd[MR];
         for (int r = 0; r < mr; r++) odd[r] = _mm512_setzero_si512();
         for (int i = 0; i < chunks; i++) {
-            if (p.ahead) _mm_prefetch((const char *)p.codes + (blk * chunks + i) * 64 + p.ahead, _MM_HINT_T1);
-            const __m512i w = _mm512_load_si512(p.codes + (blk * chunks + i) * 64);
+            const __m512i w = code_vector(p, layout, blk * chunks + i);
             for (int r = 0; r < mr; r++) {
                 const __m512i four = _mm512_set1_epi32(*(const int32_t *)(x.q + (r0 + r) * k + blk * block + 4 * i));
                 if (split && (i & 1)) odd[r] = _mm512_dpbusd_epi32(odd[r], w, four);
@@ -333,34 +390,46 @@ static inline void store_rows(const __m512 *acc, int64_t r0, int mr, sink o) {
 /* Every row of x against a panel, MR rows at a time, in one call (the row loop inside: a call
  * per MR rows cost as much as the products at prefill sizes). */
 static inline __attribute__((always_inline)) void multiply_rows(panel p, int block, int shift, int with_min,
-                                                                int64_t k, acts x, int64_t m, sink o) {
+                                                                int layout, int64_t k, acts x, int64_t m, sink o) {
     __m512 acc[MR];
     int64_t r0 = 0;
     for (; r0 + MR <= m; r0 += MR) {
-        multiply(p, block, shift, with_min, k, x, r0, MR, acc);
+        multiply(p, block, shift, with_min, layout, k, x, r0, MR, acc);
         store_rows(acc, r0, MR, o);
     }
     const int mr = (int)(m - r0);
     if (!mr) return;
     switch (mr) {
-    case 7: multiply(p, block, shift, with_min, k, x, r0, 7, acc); break;
-    case 6: multiply(p, block, shift, with_min, k, x, r0, 6, acc); break;
-    case 5: multiply(p, block, shift, with_min, k, x, r0, 5, acc); break;
-    case 4: multiply(p, block, shift, with_min, k, x, r0, 4, acc); break;
-    case 3: multiply(p, block, shift, with_min, k, x, r0, 3, acc); break;
-    case 2: multiply(p, block, shift, with_min, k, x, r0, 2, acc); break;
-    default: multiply(p, block, shift, with_min, k, x, r0, 1, acc); break;
+    case 7: multiply(p, block, shift, with_min, layout, k, x, r0, 7, acc); break;
+    case 6: multiply(p, block, shift, with_min, layout, k, x, r0, 6, acc); break;
+    case 5: multiply(p, block, shift, with_min, layout, k, x, r0, 5, acc); break;
+    case 4: multiply(p, block, shift, with_min, layout, k, x, r0, 4, acc); break;
+    case 3: multiply(p, block, shift, with_min, layout, k, x, r0, 3, acc); break;
+    case 2: multiply(p, block, shift, with_min, layout, k, x, r0, 2, acc); break;
+    default: multiply(p, block, shift, with_min, layout, k, x, r0, 1, acc); break;
     }
     store_rows(acc, r0, mr, o);
 }
 
-#define ROWS_CASE(T, BLOCK, SHIFT, MIN) case T_##T: multiply_rows(p, BLOCK, SHIFT, MIN, k, x, m, o); break;
+#define ROWS_CASE(T, BLOCK, SHIFT, MIN, LAYOUT)                                               \
+    case T_##T:                                                                               \
+        if (laid_out) multiply_rows(p, BLOCK, SHIFT, MIN, LAYOUT, k, x, m, o);                \
+        else multiply_rows(p, BLOCK, SHIFT, MIN, EXPANDED, k, x, m, o);                       \
+        break;
 
-static void multiply_rows_any(int type, panel p, int64_t k, acts x, int64_t m, sink o) {
+/* `laid_out`: p.codes are the panel's codes as `q8_panels` laid them out; else unpacked. */
+static void multiply_rows_any(int type, int laid_out, panel p, int64_t k, acts x, int64_t m, sink o) {
     switch (type) { FORMATS(ROWS_CASE) }
 }
 
-#define BLOCK_CASE(T, BLOCK, SHIFT, MIN) case T_##T: return BLOCK;
+#define LAYOUT_CASE(T, BLOCK, SHIFT, MIN, LAYOUT) case T_##T: return LAYOUT;
+
+static inline int layout_of(int type) { /* how its laid-out panels hold the codes */
+    switch (type) { FORMATS(LAYOUT_CASE) }
+    return EXPANDED;
+}
+
+#define BLOCK_CASE(T, BLOCK, SHIFT, MIN, LAYOUT) case T_##T: return BLOCK;
 
 static inline int block_of(int type) { /* weights a scale block */
     switch (type) { FORMATS(BLOCK_CASE) }
@@ -462,7 +531,7 @@ static inline __attribute__((always_inline)) void multiply_amx(panel p, int bloc
     for (int c = 0; c < NC; c++) acc[c] = a[c];
 }
 
-#define AMX_CASE(T, BLOCK, SHIFT, MIN) case T_##T: multiply_amx(p, BLOCK, SHIFT, MIN, k, t, acc); break;
+#define AMX_CASE(T, BLOCK, SHIFT, MIN, LAYOUT) case T_##T: multiply_amx(p, BLOCK, SHIFT, MIN, k, t, acc); break;
 
 static void multiply_amx_any(int type, panel p, int64_t k, act_tile t, __m512 *acc) {
     switch (type) { FORMATS(AMX_CASE) }
@@ -521,27 +590,134 @@ static void multiply_amx_q8_0_panel(panel p, int64_t k, acts x, int64_t r0, __m5
  * in `multiply`'s order (codes[k/4][NC][4], code = int8 weight ^ 0x80) then its fp16 block
  * scales [k/32][NC]: 17k bytes a panel, the file's size. Channels past n: code 0x80 (weight 0),
  * scale 0. */
-void q8_0_panels(const uint8_t *w, int64_t n, int64_t k, uint8_t *out, int threads) {
-    const int64_t panels = (n + NC - 1) / NC, bytes = 17 * k;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t pn = 0; pn < panels; pn++) {
-        uint8_t *codes = out + pn * bytes;
-        uint16_t *half = (uint16_t *)(codes + NC * k);
-        for (int c = 0; c < NC; c++) {
-            const int64_t ch = pn * NC + c;
-            for (int64_t blk = 0; blk < k / 32; blk++) {
-                const uint8_t *b = w + (ch * (k / 32) + blk) * 34;
-                uint16_t d = 0;
-                if (ch < n) memcpy(&d, b, 2);
-                half[blk * NC + c] = d;
-                for (int i = 0; i < 8; i++) {
-                    uint32_t four = 0;
-                    if (ch < n) memcpy(&four, b + 2 + 4 * i, 4);
-                    four ^= 0x80808080u;
-                    memcpy(codes + ((blk * 8 + i) * NC + c) * 4, &four, 4);
-                }
+static void q8_0_panel(const uint8_t *w, int64_t n, int64_t k, int64_t pn, uint8_t *codes) {
+    uint16_t *half = (uint16_t *)(codes + NC * k);
+    for (int c = 0; c < NC; c++) {
+        const int64_t ch = pn * NC + c;
+        for (int64_t blk = 0; blk < k / 32; blk++) {
+            const uint8_t *b = w + (ch * (k / 32) + blk) * 34;
+            uint16_t d = 0;
+            if (ch < n) memcpy(&d, b, 2);
+            half[blk * NC + c] = d;
+            for (int i = 0; i < 8; i++) {
+                uint32_t four = 0;
+                if (ch < n) memcpy(&four, b + 2 + 4 * i, 4);
+                four ^= 0x80808080u;
+                memcpy(codes + ((blk * 8 + i) * NC + c) * 4, &four, 4);
             }
         }
+    }
+}
+
+#define CODES_CASE(T, BLOCK, SHIFT, MIN, LAYOUT) case T_##T: return codes_##T(row, g);
+
+static __m512i codes_any(int type, const uint8_t *row, int64_t g) {
+    switch (type) { FORMATS(CODES_CASE) }
+    abort();
+}
+
+/* A nibble format's panel (Q4_0, Q5_0, Q4_K, Q6_K; rows of `rb` bytes): for each 64-weight
+ * group, its 16 code vectors (`code_vector`'s order) packed two a line, vector 2t in the low
+ * nibbles of line t and 2t+1 in the high ones; Q5_0 then adds each vector's fifth bits as a
+ * 64-bit mask (bit 4c+j: channel c's weight j of the vector), Q6_K four lines of two-bit tops
+ * (line u, bits 2v, 2v+1 of a byte: vector 4u+v's). After every group, the scales, a lane a
+ * channel: Q4_0/Q5_0 fp16 d [k/32][NC]; Q4_K a super-block's d|dmin and scale dwords
+ * [k/256][4][NC]; Q6_K a super-block's fp16 d [NC] then its int8 scales [16][NC]. The file's
+ * size. Channels past n: codes and scales 0 (weight 0). */
+static void nibble_panel(int type, const uint8_t *w, int64_t n, int64_t k, int64_t rb, int64_t pn, uint8_t *out) {
+    const int layout = layout_of(type);
+    const int np = (int)(n - pn * NC < NC ? n - pn * NC : NC);
+    const uint8_t *rows[NC];
+    for (int c = 0; c < NC; c++) rows[c] = c < np ? w + (pn * NC + c) * rb : NULL;
+    const __m512i f = _mm512_set1_epi8(0xF);
+    for (int64_t g = 0; g < k / 64; g++) {
+        __m512i r[NC];
+        for (int c = 0; c < NC; c++) r[c] = rows[c] ? codes_any(type, rows[c], g) : _mm512_setzero_si512();
+        transpose16(r);
+        uint8_t *group = out + g * group_bytes(layout);
+        for (int t = 0; t < 8; t++)
+            _mm512_storeu_si512(group + 64 * t, _mm512_or_si512(_mm512_and_si512(r[2 * t], f),
+                                                                _mm512_slli_epi16(_mm512_and_si512(r[2 * t + 1], f), 4)));
+        if (layout == NIBBLES_BIT5)
+            for (int i = 0; i < 16; i++) {
+                const uint64_t fifth = _mm512_test_epi8_mask(r[i], _mm512_set1_epi8(16));
+                memcpy(group + 512 + 8 * i, &fifth, 8);
+            }
+        if (layout == NIBBLES_BITS56)
+            for (int u = 0; u < 4; u++) {
+                __m512i top = _mm512_setzero_si512();
+                for (int v = 0; v < 4; v++) {
+                    const __m512i two = _mm512_and_si512(_mm512_srli_epi16(r[4 * u + v], 4), _mm512_set1_epi8(3));
+                    top = _mm512_or_si512(top, _mm512_slli_epi16(two, 2 * v));
+                }
+                _mm512_storeu_si512(group + 512 + 64 * u, top);
+            }
+    }
+    uint8_t *scales = out + k / 64 * group_bytes(layout);
+    for (int c = 0; c < NC; c++) {
+        const uint8_t *row = rows[c];
+        if (type == T_Q4_0 || type == T_Q5_0) {
+            const int64_t bytes = type == T_Q4_0 ? 18 : 22;
+            for (int64_t b = 0; b < k / 32; b++) {
+                uint16_t d = 0;
+                if (row) memcpy(&d, row + b * bytes, 2);
+                memcpy(scales + (b * NC + c) * 2, &d, 2);
+            }
+        } else if (type == T_Q4_K) {
+            for (int64_t sb = 0; sb < k / 256; sb++)
+                for (int q = 0; q < 4; q++) {
+                    uint32_t word = 0;
+                    if (row) memcpy(&word, row + sb * 144 + 4 * q, 4);
+                    memcpy(scales + sb * 256 + q * 64 + 4 * c, &word, 4);
+                }
+        } else { /* Q6_K */
+            for (int64_t sb = 0; sb < k / 256; sb++) {
+                uint8_t *at = scales + sb * 288;
+                uint16_t d = 0;
+                if (row) memcpy(&d, row + sb * 210 + 208, 2);
+                memcpy(at + 2 * c, &d, 2);
+                for (int j = 0; j < 16; j++) at[32 + j * NC + c] = row ? row[sb * 210 + 192 + j] : 0;
+            }
+        }
+    }
+}
+
+/* Rows w [n][row bytes] of `type` -> its panels of NC channels, `row_bytes(PANELS + type)` each:
+ * Q8_0's expanded codes (`q8_0_panel`) or a nibble format packed (`nibble_panel`). */
+void q8_panels(int type, const uint8_t *w, int64_t n, int64_t k, uint8_t *out, int threads) {
+    const int64_t rb = type == T_Q8_0 ? k / 32 * 34 : type == T_Q4_0 ? k / 32 * 18 : type == T_Q5_0 ? k / 32 * 22
+                     : type == T_Q4_K ? k / 256 * 144 : k / 256 * 210;
+    const int64_t panels = (n + NC - 1) / NC;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t pn = 0; pn < panels; pn++) {
+        if (type == T_Q8_0) q8_0_panel(w, n, k, pn, out + pn * NC * rb);
+        else nibble_panel(type, w, n, k, rb, pn, out + pn * NC * rb);
+    }
+}
+
+/* A laid-out panel's block scales (`scales`: after its codes) into p.scale (and Q4_K's minimum
+ * terms into p.low), each computed as the scales_T of the file's layout compute it. */
+static void panel_scales(int type, const uint8_t *scales, int64_t k, panel p) {
+    if (type == T_Q4_K) {
+        for (int64_t sb = 0; sb < k / 256; sb++) {
+            const uint8_t *at = scales + sb * 256;
+            const __m512i dd = _mm512_loadu_si512(at), q0 = _mm512_loadu_si512(at + 64),
+                          q4 = _mm512_loadu_si512(at + 128), q8 = _mm512_loadu_si512(at + 192);
+            for (int g = 0; g < 4; g++) q4_k_scales(dd, q0, q4, q8, g, p.scale + (sb * 8 + 2 * g) * NC, p.low + (sb * 8 + 2 * g) * NC);
+        }
+    } else if (type == T_Q6_K) {
+        for (int64_t sb = 0; sb < k / 256; sb++) {
+            const uint8_t *at = scales + sb * 288;
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at));
+            for (int j = 0; j < 16; j++) {
+                const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(at + 32 + j * NC)));
+                _mm512_store_ps(p.scale + (sb * 16 + j) * NC, _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
+            }
+        }
+    } else { /* Q8_0, Q4_0, Q5_0: fp16 d [k/32][NC] */
+        const uint16_t *half = (const uint16_t *)scales;
+        for (int64_t blk = 0; blk < k / 32; blk++)
+            _mm512_store_ps(p.scale + blk * NC, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(half + blk * NC))));
     }
 }
 
@@ -579,9 +755,14 @@ void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int6
     }
     const int64_t panels = first_panel[parts];
     int all_laid_out = 1; /* then AMX reads the activation rows as they are (no act_tile) */
-    for (int j = 0; j < parts; j++) all_laid_out &= types[j] >= PANELS;
+    int packed = 0;       /* nibble formats laid out: AMX has no path for them (VNNI multiplies) */
+    for (int j = 0; j < parts; j++) {
+        all_laid_out &= types[j] >= PANELS;
+        packed |= types[j] >= PANELS && types[j] != PANELS + T_Q8_0;
+    }
+    (void)packed;
 #ifdef HAVE_AMX
-    const int amx = m >= AMX_ROWS && amx_usable(); /* same sums, same float steps: the rows' bits agree */
+    const int amx = m >= AMX_ROWS && !packed && amx_usable(); /* same sums, same float steps: the rows' bits agree */
     const int64_t padded = amx ? (m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : m; /* whole tiles of codes */
 #else
     const int amx = 0;
@@ -604,6 +785,7 @@ void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int6
     {
         int tiles = 0; /* the block size the AMX tiles are configured for */
         (void)tiles;
+        int primed = 0; /* this thread's run of laid-out panels asked for from its start */
         #pragma omp for schedule(static)
         for (int r = 0; r < m; r++)
             quantize_row((const char *)xv + (int64_t)r * x_stride * elem, x_bf16, k, x.q + (int64_t)r * k,
@@ -626,12 +808,13 @@ void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int6
             const int np = (int)(n - c0 < NC ? n - c0 : NC);
             const int laid_out = types[j] >= PANELS, type = laid_out ? types[j] - PANELS : types[j];
             panel q = p;
-            if (laid_out) { /* Q8_0: the codes as they lie; the fp16 block scales to floats */
+            if (laid_out) { /* the codes as they lie; the block scales to floats */
                 q.codes = (uint8_t *)ws[j] + (pn - first_panel[j]) * rb;
                 q.ahead = PANEL_AHEAD;
-                const uint16_t *half = (const uint16_t *)(q.codes + NC * k);
-                for (int64_t blk = 0; blk < k / 32; blk++)
-                    _mm512_store_ps(q.scale + blk * NC, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(half + blk * NC))));
+                if (!primed) /* the first PANEL_AHEAD bytes: later ones are asked for as the panels are read */
+                    for (int64_t at = 0; at < PANEL_AHEAD; at += 64) _mm_prefetch((const char *)q.codes + at, _MM_HINT_T1);
+                primed = 1;
+                panel_scales(type, q.codes + k / 64 * group_bytes(layout_of(type)), k, q);
             } else {
                 const uint8_t *rows[NC];
                 float scales[NC];
@@ -670,7 +853,13 @@ void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int6
                 continue;
             }
 #endif
-            multiply_rows_any(type, q, k, x, m, o);
+            if (laid_out && layout_of(type) != EXPANDED && m > MR) { /* packed: unpacked once for many rows */
+                expand_any(type, q, k, p.codes);
+                q.codes = p.codes, q.ahead = 0;
+                multiply_rows_any(type, 0, q, k, x, m, o);
+            } else {
+                multiply_rows_any(type, laid_out, q, k, x, m, o);
+            }
         }
         free(p.codes);
         free(p.scale);
@@ -694,7 +883,7 @@ void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int6
 
 #else
 int q8_available(void) { return 0; }
-void q8_0_panels(const uint8_t *w, int64_t n, int64_t k, uint8_t *out, int threads) { abort(); }
+void q8_panels(int type, const uint8_t *w, int64_t n, int64_t k, uint8_t *out, int threads) { abort(); }
 void q8_panel_rows(const uint8_t *w, int64_t k, const int64_t *ids, int64_t count, float *out) { abort(); }
 void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int64_t *row_bytes,
                const float *const *row_scales, const int64_t *part_rows, int64_t k, const void *xv, int64_t x_stride,

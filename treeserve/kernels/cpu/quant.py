@@ -7,9 +7,11 @@ kernels take, by ggml's type numbers; `BLOCKS` gives each one's (weights, bytes)
 `available()` is False without a C compiler or with `TREESERVE_CPU_KERNELS=0`: callers then
 dequantise at load (the reference path). A `Plan`'s `q8` says whether its matmul rounds the
 activations to 8 bits (formats and CPU allow it); `layers/quant.py` follows it.
-`lay_out` lays a Q8_0 matrix out once as the 8-bit kernel's panels (type PANELS + Q8_0: 16
-output channels a panel, the codes in the order the kernel reads them, the file's size), which
-it then streams as one run of bytes instead of 16 rows at once: the same results, to the bit.
+`lay_out` lays a matrix out once as the 8-bit kernel's panels (type PANELS + format: 16 output
+channels a panel, the codes in the order the kernel reads them, the file's size), which it then
+streams as one run of bytes instead of unpacking 16 rows at once: the same results, to the bit.
+Q8_0 panels hold a byte a code; the nibble formats' (Q4_0, Q5_0, Q4_K, Q6_K) keep their codes
+packed, so only the 8-bit kernel's VNNI path reads them (not AMX, not `panel_rows`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ PANEL = 16  # output channels a panel
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "I8": I8}
 BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (256, 144), 13: (256, 176),
           14: (256, 210), I8: (32, 32)}  # fmt: skip
-LAYOUTS = {QTYPES["Q8_0"]}  # formats `lay_out` takes (the nibble formats laid out measured no faster)
+LAYOUTS = {QTYPES[name] for name in ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K")}  # formats `lay_out` takes
+BYTE_LAYOUTS = {QTYPES["Q8_0"]}  # laid out a byte a code: rows looked up (`panel_rows`), AMX reads them
 BF16_PANELS = PANELS + 30  # a dense bf16 matrix (ggml's type 30) laid out by `bf16_panels` (no file holds it)
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 # every matmul's arguments (qmatmul, q8_matmul, bf16_matmul): see quant_kernels.c's qmatmul
@@ -60,7 +63,7 @@ def load_q8() -> ctypes.CDLL | None:
     if lib is None or not lib.q8_available():
         return None
     lib.q8_matmul.argtypes = MATMUL_ARGS
-    lib.q8_0_panels.argtypes = [_ptr, _i64, _i64, _ptr, _int]
+    lib.q8_panels.argtypes = [_int, _ptr, _i64, _i64, _ptr, _int]
     lib.q8_panel_rows.argtypes = [_ptr, _i64, _ptr, _i64, _ptr]
     return lib
 
@@ -104,7 +107,7 @@ def bf16_panel_rows(data: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tens
 
 Q8_FORMATS = {QTYPES[name] for name in ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q6_K", "I8")}  # what q8_kernels.c takes
 Q8_FORMATS |= {PANELS + qtype for qtype in LAYOUTS}
-TILE_FORMATS = set(QTYPES.values()) | {PANELS + qtype for qtype in LAYOUTS}  # what amx_linear.c dequantises
+TILE_FORMATS = set(QTYPES.values()) | {PANELS + qtype for qtype in BYTE_LAYOUTS}  # what amx_linear.c dequantises
 ACTIVATIONS = ("int8", "bf16")  # what quantised matmuls take activations as (`Plan`)
 
 
@@ -250,8 +253,8 @@ def lay_out(qtype: int, data: torch.Tensor, k: int) -> torch.Tensor:
     assert q8_available() and qtype in LAYOUTS and k % 64 == 0 and data.shape[1] == row_bytes(qtype, k)
     data = data.contiguous()
     out = torch.empty(-(-data.shape[0] // PANEL), row_bytes(PANELS + qtype, k), dtype=torch.uint8)
-    assert out.data_ptr() % 64 == 0  # the kernel reads a panel's scales with aligned loads
-    load_q8().q8_0_panels(data.data_ptr(), data.shape[0], k, out.data_ptr(), torch.get_num_threads())
+    assert out.data_ptr() % 64 == 0  # the kernel reads Q8_0 panels' codes and scales with aligned loads
+    load_q8().q8_panels(qtype, data.data_ptr(), data.shape[0], k, out.data_ptr(), torch.get_num_threads())
     _page_out(data)
     return out
 
