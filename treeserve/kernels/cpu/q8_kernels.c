@@ -15,13 +15,17 @@
  * So a weight is never turned into a float, and a row's result is the same bits whatever m,
  * the tiling, the threads, or which of VNNI and AMX computed its sums (tested).
  *
- * Q8_0 can be laid out once, at load, as its panels (`q8_0_panels`; type T_Q8_0 + PANELS): the
- * codes as `multiply` reads them, then each panel's fp16 block scales (the file's size). A thread
- * then streams its panels as one run of bytes (prefetched 16 KB ahead) instead of 16 rows at
- * once, nothing is unpacked or transposed per call, and AMX takes the codes as they lie. The
- * same codes and scales, so the same bits as the file's layout. (The nibble formats laid out
- * alike, with their codes as nibbles and bit planes, measured no faster: at Gemma 3's sizes
- * their matmuls are not bound by how the bytes are read.)
+ * A matrix can be laid out once, at load, as its panels (`q8_panels`; type T + PANELS), the
+ * file's size: Q8_0 as the codes `multiply` reads, a byte each, then each panel's fp16 block
+ * scales; the nibble formats with their codes still packed (two a byte, plus Q5_0's fifth and
+ * Q6_K's top bits), then their scales (`nibble_panel`). A thread then streams its panels as one
+ * run of bytes (its first 16 KB asked for at once, then each line 16 KB ahead) instead of 16
+ * rows at once; nothing is transposed per call. A few rows read the packed codes as they are
+ * (`code_vector`); more than a tile unpack a panel once (`expand`). AMX takes Q8_0's codes as
+ * they lie and has no path for the packed ones. The same codes and scales, so the same bits as
+ * the file's layout. (The nibble formats' panels measured no faster at prefill sizes, where
+ * unpacking is shared by the rows; at one row they are 2-3x: Gemma 3's layers at one row
+ * spent most of a matmul unpacking.)
  *
  * Results: the dequantised matrix times the int8-rounded activations, up to float summation.
  * Formats: Q4_0, Q5_0, Q8_0, Q4_K, Q6_K and our per-channel int8; k a multiple of 64 (and of the
