@@ -661,7 +661,7 @@ static void nibble_panel(int type, const uint8_t *w, int64_t n, int64_t k, int64
     for (int c = 0; c < NC; c++) {
         const uint8_t *row = rows[c];
         if (type == T_Q4_0 || type == T_Q5_0) {
-            const int64_t bytes = type == T_Q4_0 ? 18 : 22;
+            const int64_t bytes = rb / (k / 32); /* a block's */
             for (int64_t b = 0; b < k / 32; b++) {
                 uint16_t d = 0;
                 if (row) memcpy(&d, row + b * bytes, 2);
@@ -686,11 +686,9 @@ static void nibble_panel(int type, const uint8_t *w, int64_t n, int64_t k, int64
     }
 }
 
-/* Rows w [n][row bytes] of `type` -> its panels of NC channels, `row_bytes(PANELS + type)` each:
- * Q8_0's expanded codes (`q8_0_panel`) or a nibble format packed (`nibble_panel`). */
-void q8_panels(int type, const uint8_t *w, int64_t n, int64_t k, uint8_t *out, int threads) {
-    const int64_t rb = type == T_Q8_0 ? k / 32 * 34 : type == T_Q4_0 ? k / 32 * 18 : type == T_Q5_0 ? k / 32 * 22
-                     : type == T_Q4_K ? k / 256 * 144 : k / 256 * 210;
+/* Rows w [n][rb bytes] of `type` -> its panels of NC channels, NC * rb bytes each: Q8_0's
+ * expanded codes (`q8_0_panel`) or a nibble format packed (`nibble_panel`). */
+void q8_panels(int type, const uint8_t *w, int64_t n, int64_t k, int64_t rb, uint8_t *out, int threads) {
     const int64_t panels = (n + NC - 1) / NC;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t pn = 0; pn < panels; pn++) {
@@ -887,7 +885,7 @@ void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int6
 
 #else
 int q8_available(void) { return 0; }
-void q8_panels(int type, const uint8_t *w, int64_t n, int64_t k, uint8_t *out, int threads) { abort(); }
+void q8_panels(int type, const uint8_t *w, int64_t n, int64_t k, int64_t rb, uint8_t *out, int threads) { abort(); }
 void q8_panel_rows(const uint8_t *w, int64_t k, const int64_t *ids, int64_t count, float *out) { abort(); }
 void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int64_t *row_bytes,
                const float *const *row_scales, const int64_t *part_rows, int64_t k, const void *xv, int64_t x_stride,

@@ -63,7 +63,7 @@ def load_q8() -> ctypes.CDLL | None:
     if lib is None or not lib.q8_available():
         return None
     lib.q8_matmul.argtypes = MATMUL_ARGS
-    lib.q8_panels.argtypes = [_int, _ptr, _i64, _i64, _ptr, _int]
+    lib.q8_panels.argtypes = [_int, _ptr, _i64, _i64, _i64, _ptr, _int]
     lib.q8_panel_rows.argtypes = [_ptr, _i64, _ptr, _i64, _ptr]
     return lib
 
@@ -254,7 +254,8 @@ def lay_out(qtype: int, data: torch.Tensor, k: int) -> torch.Tensor:
     data = data.contiguous()
     out = torch.empty(-(-data.shape[0] // PANEL), row_bytes(PANELS + qtype, k), dtype=torch.uint8)
     assert out.data_ptr() % 64 == 0  # the kernel reads Q8_0 panels' codes and scales with aligned loads
-    load_q8().q8_panels(qtype, data.data_ptr(), data.shape[0], k, out.data_ptr(), torch.get_num_threads())
+    n, rb = data.shape
+    load_q8().q8_panels(qtype, data.data_ptr(), n, k, rb, out.data_ptr(), torch.get_num_threads())
     _page_out(data)
     return out
 
