@@ -16,10 +16,11 @@ pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compile
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 7])
-@pytest.mark.parametrize("head_dim", [32, 64, 40])  # bf16: 32 and 64 take the AVX512-BF16 path, 40 the generic one
-def test_paged_decode_matches_sdpa(dtype, window, head_dim):
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 40])  # bf16: multiples of 32 take the AVX512-BF16 path, 40 the generic one
+@pytest.mark.parametrize("q_heads,kv_heads", [(6, 2), (8, 4), (8, 2), (8, 1), (2, 2)])  # groups 3, 2, 4, 8, 1
+def test_paged_decode_matches_sdpa(dtype, window, head_dim, q_heads, kv_heads):
     torch.manual_seed(0)
-    batch, q_heads, kv_heads, block = 9, 6, 2, 4
+    batch, block = 9, 4
     arena = KVArena(64, 2, block, kv_heads, head_dim, dtype, "cpu")
     arena.buffer.normal_()
     tables = torch.randperm(64)[: batch * 5].view(batch, 5)
