@@ -37,9 +37,15 @@ static inline __m256i to_bf16(__m512 v) {
 /* mr rows of x (bf16, `xs` elements apart) against panels a and b (b may be a itself: a last odd
  * panel, whose second half of results is dropped): acc[r][0] for a, acc[r][1] for b. */
 static inline __attribute__((always_inline)) void tile(const uint16_t *a, const uint16_t *b, const uint16_t *x,
-                                                       int64_t xs, int mr, int64_t k, __m512 acc[MR][2]) {
+                                                       int64_t xs, int mr, int64_t k, const uint16_t *ahead,
+                                                       int every, int per, __m512 acc[MR][2]) {
     for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t i = 0; i < k / 2; i++) {
+        if (ahead && i % every == 0) { /* `per` lines every `every` pairs of k */
+            const uint16_t *line = ahead + i / every * per * 2 * NC;
+            _mm_prefetch((const char *)line, _MM_HINT_T1);
+            if (per == 2) _mm_prefetch((const char *)(line + 2 * NC), _MM_HINT_T1);
+        }
         const __m512bh wa = (__m512bh)_mm512_load_si512(a + i * 2 * NC);
         const __m512bh wb = (__m512bh)_mm512_load_si512(b + i * 2 * NC);
         for (int r = 0; r < mr; r++) {
@@ -66,16 +72,24 @@ static inline void store(const __m512 v, int64_t row, sink o) {
     else _mm512_mask_storeu_ps((float *)o.out + at, o.keep, y);
 }
 
-#define TILE_CASE(MRC) case MRC: tile(a, b, x + r0 * xs, xs, MRC, k, acc); break;
+#define TILE_CASE(MRC) case MRC: tile(a, b, x + r0 * xs, xs, MRC, k, at, every, per, acc); break;
 
-/* every row of x against panels a and b, results to sinks oa and ob (ob.keep 0: no panel b) */
-static void panel_pair(const uint16_t *a, const uint16_t *b, const uint16_t *x, int64_t xs, int64_t m, int64_t k,
-                       sink oa, sink ob) {
+/* every row of x against panels a and b, results to sinks oa and ob (ob.keep 0: no panel b).
+ * The tiles of rows between them ask for the next pair's weights (`ahead`, NULL for none) into L2
+ * as they go, so the matrix streams from memory while they multiply (a decode step's matrices are
+ * not in cache: at 16-64 rows 1.1-1.2x, at one row 1.15x on an AVX-512 AMD EPYC). */
+static void panel_pair(const uint16_t *a, const uint16_t *b, const uint16_t *ahead, const uint16_t *x, int64_t xs,
+                       int64_t m, int64_t k, sink oa, sink ob) {
     __m512 acc[MR][2];
+    const int64_t tiles = (m + MR - 1) / MR, lines = k; /* the next pair: 64 k bytes */
     for (int64_t r0 = 0; r0 < m; r0 += MR) {
         const int mr = m - r0 < MR ? (int)(m - r0) : MR;
+        /* this tile asks for its share of the next pair's lines as it goes through k */
+        const int64_t first = lines * (r0 / MR) / tiles, share = lines * (r0 / MR + 1) / tiles - first;
+        const int per = share > k / 2 ? 2 : 1, every = share > k / 2 ? 1 : (int)(k / 2 / (share ? share : 1));
+        const uint16_t *at = ahead && share ? ahead + first * 32 : NULL;
         switch (mr) { TILE_CASE(8) TILE_CASE(7) TILE_CASE(6) TILE_CASE(5) TILE_CASE(4) TILE_CASE(3) TILE_CASE(2)
-                      default: tile(a, b, x + r0 * xs, xs, 1, k, acc); }
+                      default: tile(a, b, x + r0 * xs, xs, 1, k, at, every, per, acc); }
         for (int r = 0; r < mr; r++) {
             store(acc[r][0], r0 + r, oa);
             if (ob.keep) store(acc[r][1], r0 + r, ob);
@@ -120,7 +134,10 @@ void bf16_matmul(int parts, const int *types, const uint8_t *const *ws, const in
         const int na = (int)(n - c0 < NC ? n - c0 : NC), nb = has_b ? (int)(n - c0 - NC < NC ? n - c0 - NC : NC) : 0;
         const sink oa = {out, out_stride, first_col[j] + c0, bias, (__mmask16)((1u << na) - 1), out_bf16};
         const sink ob = {out, out_stride, first_col[j] + c0 + NC, bias, (__mmask16)((1u << nb) - 1), out_bf16};
-        panel_pair(a, b, x, x_stride, m, k, oa, ob);
+        /* the next pair: this part's, or the next part's first */
+        const uint16_t *ahead = pp + 1 < first_pair[j + 1] ? a + 2 * k * NC
+                                : pp + 1 < first_pair[parts] ? (const uint16_t *)ws[j + 1] : NULL;
+        panel_pair(a, b, ahead, x, x_stride, m, k, oa, ob);
     }
     free(rounded);
 }
