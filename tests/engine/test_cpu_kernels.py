@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compile
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 7])
-@pytest.mark.parametrize("head_dim", [32, 64, 96, 40])  # bf16: multiples of 32 take the AVX512-BF16 path, 40 the generic one
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 40])  # bf16: multiples of 32 take the AVX512-BF16 path
 @pytest.mark.parametrize("q_heads,kv_heads", [(6, 2), (8, 4), (8, 2), (8, 1), (2, 2)])  # groups 3, 2, 4, 8, 1
 def test_paged_decode_matches_sdpa(dtype, window, head_dim, q_heads, kv_heads):
     torch.manual_seed(0)
