@@ -61,6 +61,7 @@ class InputBatch:
         # page changes neither, and writes nothing)
         self.synced_len = [0] * capacity
         self.synced_last = [-1] * capacity
+        self.drawing_rows = 0  # rows in use whose sequence draws (temperature > 0); none: steps are greedy
 
     # ---- rows ------------------------------------------------------------------------
     def add(self, seq: Sequence) -> int:
@@ -79,12 +80,15 @@ class InputBatch:
                 p.min_p,
             )
             self.stream_key[row] = stream_key(seq.request.seed, seq.index)
+            self.drawing_rows += p.temperature > 0
         return row
 
     def release(self, seq: Sequence) -> None:
         """`seq` left the running set (finished or preempted): its row is free again."""
         if seq.row >= 0:
             self.free_rows.append(seq.row)
+            p = seq.request.params
+            self.drawing_rows -= p is not None and p.temperature > 0
             key = seq.request.prompt_key
             self.prompt_users[key] -= 1
             if not self.prompt_users[key]:
@@ -121,10 +125,8 @@ class InputBatch:
         twinned = False  # some item has a twin candidate
         prompt_users = self.prompt_users
         short_prompts = None in prompt_users  # a sequence with a short prompt runs (sequences added here aside)
-        sample_at: list[int] = []
-        sample_rows: list[int] = []
+        sample_at: list[int] = []  # each sampled row's flat row (its item and position follow from it)
         fork_keys: dict[int, int] = {}  # a fork's first sample row -> its stream key (not its parent's)
-        sample_pos: list[int] = []
         special: list[int] = []  # sample rows with logprobs, a constraint or logit edits
         score_rows: list[int] = []
         score_ids: list[list[int]] = []
@@ -174,8 +176,6 @@ class InputBatch:
                     groups[i] = i
                 samples.append(seq.next_row or self._next_row(seq))
                 sample_at.append(at)
-                sample_rows.append(row)
-                sample_pos.append(start + 1)
                 continue
             draft = item.draft
             end = start + n
@@ -212,24 +212,18 @@ class InputBatch:
                     special.append(len(samples))
                 samples.append(SampleRow(seq, forks=forks))
                 sample_at.append(last)
-                sample_rows.append(row)
-                sample_pos.append(own_end)
                 if forks:
                     if request.host_rows:
                         special += range(len(samples), len(samples) + forks)
                     fork_keys.update((len(samples) + f - 1, stream_key(request.seed, f)) for f in range(1, forks + 1))
                     samples += [SampleRow(seq, fork=f) for f in range(1, forks + 1)]
                     sample_at += [last] * forks
-                    sample_rows += [row] * forks
-                    sample_pos += [own_end] * forks
                 if draft:  # the target's token after each drafted one
                     step.drafts[seq.seq_id] = draft
                     if request.host_rows:
                         special += range(len(samples), len(samples) + len(draft))
                     samples += [SampleRow(seq, draft_position=j) for j in range(1, len(draft) + 1)]
                     sample_at += range(last + 1, last + 1 + len(draft))
-                    sample_rows += [row] * len(draft)
-                    sample_pos += range(own_end + 1, own_end + 1 + len(draft))
         if sync_rows:
             self.tables[sync_rows, sync_cols] = sync_pages
         starts_, lens_ = np.array(starts, dtype=np.int64), np.array(lens, dtype=np.int64)
@@ -248,7 +242,7 @@ class InputBatch:
         if twinned:
             plan.twins = np.array(groups, dtype=np.int64)  # some item has a twin candidate
         if sample_at:
-            plan.sample = self._sampling(step, sample_at, sample_rows, fork_keys, sample_pos, special)
+            plan.sample = self._sampling(step, sample_at, rows, fork_keys, special)
         if score_rows:
             k = max(len(ids) for ids in score_ids)
             ids = torch.tensor([list(ids) + [0] * (k - len(ids)) for ids in score_ids], dtype=torch.long)
@@ -276,15 +270,25 @@ class InputBatch:
         return plans
 
     def _sampling(self, step: PreparedStep, at: list[int], rows: list[int], fork_keys: dict[int, int],
-                  positions: list[int], special: list[int]) -> SamplePlan:  # fmt: skip
-        rows_ = np.array(rows, dtype=np.int64)
-        keys = self.stream_key[rows_]
-        if fork_keys:
-            keys[list(fork_keys)] = list(fork_keys.values())
-        uniform = seeded_uniforms(keys, np.array(positions, dtype=np.int64))
-        params = SamplingBatch(self.temperature[rows_], self.top_p[rows_], self.top_k[rows_], self.min_p[rows_],
-                               uniform)  # fmt: skip
-        plan = SamplePlan(as_tensor(at), params)
+                  special: list[int]) -> SamplePlan:  # fmt: skip
+        """The plan of sampled rows `at` (flat rows) of the step's items (`rows`: each item's row of
+        the persistent arrays); `fork_keys`: a fork's first sample row -> its stream key; `special`:
+        the sample rows with logprobs, a constraint or logit edits."""
+        at_ = np.array(at, dtype=np.int64)
+        if not self.drawing_rows:  # every row is greedy: nothing to draw, no parameter to read
+            params = SamplingBatch.greedy(len(at))
+        else:  # a sampled row's item and position (the sampled token's: its input's + 1) from its flat row
+            batch = step.plan.batch
+            item = np.repeat(np.arange(batch.lens.shape[0]), batch.lens)[at_]
+            positions = batch.starts[item] + at_ - batch.offsets[item] + 1
+            rows_ = np.array(rows, dtype=np.int64)[item]
+            keys = self.stream_key[rows_]
+            if fork_keys:
+                keys[list(fork_keys)] = list(fork_keys.values())
+            uniform = seeded_uniforms(keys, positions)
+            params = SamplingBatch(self.temperature[rows_], self.top_p[rows_], self.top_k[rows_], self.min_p[rows_],
+                                   uniform)  # fmt: skip
+        plan = SamplePlan(torch.from_numpy(at_), params)
         guides = []
         for i in special:
             seq = step.samples[i].seq

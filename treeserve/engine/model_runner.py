@@ -181,15 +181,16 @@ class ModelRunner:
 
     def _sample(self, plan: SamplePlan, hidden: torch.Tensor, result: StepResult) -> None:
         params = plan.params
-        divisors = params.divisors()
-        if plan.edited:
-            divisors[plan.edited] = 1.0  # edited rows: raw logits, edited, then divided by the temperature
         (index,) = self.staging.to_device(plan.rows)
         states = hidden.index_select(0, index)
         scaled = states
-        if (divisors != 1.0).any():  # x / 1 is x: greedy and T=1 batches skip the division
-            (scale,) = self.staging.to_device(torch.from_numpy(divisors).to(states.dtype)[:, None])
-            scaled = states / scale
+        if not params.all_greedy:  # x / 1 is x: greedy and T=1 batches skip the division
+            divisors = params.divisors()
+            if plan.edited:
+                divisors[plan.edited] = 1.0  # edited rows: raw logits, edited, then divided by the temperature
+            if (divisors != 1.0).any():
+                (scale,) = self.staging.to_device(torch.from_numpy(divisors).to(states.dtype)[:, None])
+                scaled = states / scale
         logits = self.compute_logits(scaled, float32=False)
         if plan.edited:
             tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)

@@ -16,7 +16,7 @@ those passes cost more than the matmul. Log-probabilities are always those of th
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -68,13 +68,22 @@ def seeded_uniforms(keys: np.ndarray, positions: np.ndarray) -> np.ndarray:
 @dataclass
 class SamplingBatch:
     """The sampling parameters of a step's rows, one array entry per row (vLLM's per-request
-    arrays): temperature (0: greedy), top_p, top_k (<= 0: off), min_p, and the row's uniform."""
+    arrays): temperature (0: greedy), top_p, top_k (<= 0: off), min_p, and the row's uniform.
+    `all_greedy`: every row is greedy, known without reading the arrays (vLLM's flag of the same
+    name): the sampler takes the argmax at once."""
 
     temperature: np.ndarray  # float64
     top_p: np.ndarray  # float64
     top_k: np.ndarray  # int64
     min_p: np.ndarray  # float64
     uniform: np.ndarray  # float64
+    all_greedy: bool = False
+
+    @classmethod
+    def greedy(cls, rows: int) -> SamplingBatch:
+        """`rows` greedy rows (no filter; their uniforms, never read, are 0)."""
+        zeros = np.zeros(rows)
+        return cls(zeros, np.ones(rows), np.zeros(rows, dtype=np.int64), zeros, zeros, all_greedy=True)
 
     @classmethod
     def of(cls, temperature: object, top_p: object, top_k: object, min_p: object, uniform: object) -> SamplingBatch:
@@ -88,7 +97,7 @@ class SamplingBatch:
         return self.uniform.shape[0]
 
     def take(self, rows: np.ndarray | list[int]) -> SamplingBatch:
-        return SamplingBatch(*(getattr(self, f.name)[rows] for f in fields(self)))
+        return SamplingBatch(*(getattr(self, name)[rows] for name in _ARRAYS), all_greedy=self.all_greedy)
 
     def divisors(self) -> np.ndarray:
         """What each row's hidden state is divided by before the LM head (greedy rows: 1)."""
@@ -100,6 +109,7 @@ class SamplingBatch:
 
 
 _DTYPES = (np.float64, np.float64, np.int64, np.float64, np.float64)
+_ARRAYS = ("temperature", "top_p", "top_k", "min_p", "uniform")
 
 Draw = Callable[[torch.Tensor, SamplingBatch], torch.Tensor]
 
@@ -129,6 +139,8 @@ def sample(scaled_logits: torch.Tensor, rows: SamplingBatch, draw: Draw | None =
     greedy, plain draws (`draw`, the backend's fused kernel, where it runs on these logits),
     filtered draws (PyTorch). Every picker runs on the logits' device.
     """
+    if rows.all_greedy:
+        return _argmax(scaled_logits)
     vocab = scaled_logits.shape[-1]
     fused = draw is _draw_triton or (draw is _draw_c and cpu_kernels.supports(scaled_logits))
     greedy = rows.temperature == 0.0
