@@ -24,6 +24,9 @@ _CONTEXT_TOKENS = 6  # prompt tokens given to the stream so the first output tok
 
 
 class StopChecker:
+    __slots__ = ("tokenizer", "prompt_context", "params", "eos_ids", "stop_ids", "ending_ids", "step_text", "_text",
+                 "unread", "num_tokens", "max_tokens", "stops_found", "stop_offsets", "search_from", "max_stop_len")  # fmt: skip
+
     def __init__(self, tokenizer: HFTokenizer, prompt_ids: list[int], params: SamplingParams, eos_ids: list[int],
                  lazy: bool = True):  # fmt: skip
         self.tokenizer = tokenizer
@@ -72,9 +75,12 @@ class StopChecker:
         """Add one generated token; returns (finish_reason, stop_reason) when the sequence ends."""
         self.num_tokens += 1
         ending = token in self.ending_ids
-        if self.unread is not None:  # no stop strings: the text waits until it is read
+        if self.unread is not None and not ending:  # the usual token: kept for the text, maybe the last
+            self.unread.append(token)
+            return ("length", None) if self.max_tokens is not None and self.num_tokens >= self.max_tokens else None
+        if self.unread is not None:  # an ending token, without stop strings: its text only if asked for
             chunk = None
-            if not ending or self.params.include_stop_str_in_output:
+            if self.params.include_stop_str_in_output:
                 self.unread.append(token)
         else:
             chunk = self.step_text(token)

@@ -62,8 +62,8 @@ class Postprocessor:
         for item in step.batch:
             item.seq.num_computed_tokens = item.start + item.num_tokens - len(item.draft)
         for r, row in enumerate(step.samples):
-            seq = row.seq
-            if row.is_next:  # the next step may take it as an input before it is read back
+            if not (row.fork or row.draft_position):  # `row.is_next`: a later step may read it before it is read back
+                seq = row.seq
                 seq.num_pending += 1
                 seq.pending_row = r
                 seq.pending_forks = 0  # its forks are sampled in this step (rows `fork` > 0)

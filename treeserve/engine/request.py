@@ -34,7 +34,7 @@ class SeqStatus(Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Sequence:
     request: Request
     index: int  # which of the request's completions (feeds the sampler's seeded draws)
@@ -138,7 +138,7 @@ class Sequence:
         )
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     request_id: str
     prompt: str | None

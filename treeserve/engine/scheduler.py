@@ -53,6 +53,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._in_order = True  # `running` is in arrival order (an append may break it; a removal never does)
         self.num_preemptions = 0
         self.on_release: Callable[[Sequence], None] | None = None  # told of every sequence that gives its pages back
 
@@ -62,6 +63,7 @@ class Scheduler:
     def add_running(self, seq: Sequence) -> None:
         """A sibling forked from a running sequence: it already holds (shared) pages."""
         self.running.append(seq)
+        self._in_order = False
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -73,7 +75,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
         copies: list[tuple[int, int]] = []
-        self.running.sort(key=_ARRIVAL_ORDER)
+        if not self._in_order:
+            self.running.sort(key=_ARRIVAL_ORDER)
+            self._in_order = True
         blocks = self.blocks
         block_size, ref_counts = blocks.block_size, blocks.ref_counts
         # decodes first, then prefills (`prefills`, deferred by the first pass), each in arrival order
@@ -129,6 +133,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            self._in_order = False
             batch.append(item)
             budget -= item.num_tokens
             promised.update(seq.promised_blocks)
