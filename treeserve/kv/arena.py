@@ -57,7 +57,7 @@ def host_pages(nbytes: int) -> torch.Tensor:
     and the step's walk through them evicts the host's own TLB entries (the random 3-layer
     model's decode at 256 sequences: forward ~10% faster, the host's Python after it ~6%).
     Pages are committed when first written, where `torch.zeros` commits them all at once."""
-    buffer = mmap.mmap(-1, max(nbytes, 1))
+    buffer = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (the default is shared)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         with suppress(OSError):
             buffer.madvise(mmap.MADV_HUGEPAGE)
