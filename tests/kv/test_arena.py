@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -52,3 +54,42 @@ def test_a_page_too_small_for_the_block_is_refused():
         view(pages, SMALL, 8)
     with pytest.raises(ValueError, match="smaller than one page"):
         PageArena(0, 64, "cpu")
+
+
+def _thp_mode() -> str | None:
+    """The bracketed mode of transparent huge pages (always, madvise, never), None where Linux has none."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _mapping_of(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping holding `address`."""
+    fields: dict[str, str] = {}
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:  # a mapping's first line: start-end perms ...
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside:
+                key, _, value = line.partition(":")
+                fields[key] = value.strip()
+    return fields
+
+
+def test_cpu_arena_is_zeroed_private_memory_in_huge_pages_where_linux_gives_them():
+    pages = PageArena(4, 1 << 20, "cpu")  # 4 MiB: at least one aligned 2 MiB range inside
+    assert pages.nbytes == 4 << 20 and pages.buffer.dtype == torch.uint8
+    assert not pages.buffer.any()
+    pages.buffer[:: 1 << 12] = 7  # writable, and committed page by page
+    mode = _thp_mode()
+    if mode is None or not sys.platform.startswith("linux"):
+        pytest.skip("no transparent huge pages here")
+    mapping = _mapping_of(pages.buffer.data_ptr())
+    assert mapping.get("Anonymous", "0 kB") != "0 kB", "the arena is not private anonymous memory (shared: no THP)"
+    if mode in ("always", "madvise"):
+        assert mapping.get("THPeligible") == "1", mapping
