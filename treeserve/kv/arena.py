@@ -11,11 +11,11 @@ the page pool's business (`page_pool.py`).
 
 from __future__ import annotations
 
-import mmap
-from contextlib import suppress
 from dataclasses import dataclass
 
 import torch
+
+from treeserve.kernels.cpu.memory import huge_pages
 
 PAGE_ALIGN = 64  # bytes: a page starts on a cache line and is a whole number of elements of any dtype
 
@@ -50,20 +50,6 @@ def shared_block_sizes(layouts: list[KVLayout], preferred: list[int]) -> tuple[i
     return page, [page // layout.token_bytes for layout in layouts]
 
 
-def host_pages(nbytes: int) -> torch.Tensor:
-    """`nbytes` of zeroed host memory (uint8): an anonymous mapping Linux is asked to back with
-    2 MiB pages (`MADV_HUGEPAGE`; where transparent huge pages are off it keeps 4 KiB ones). A
-    decode step reads KV from hundreds of scattered pages: in 4 KiB pages each is a TLB miss,
-    and the step's walk through them evicts the host's own TLB entries (the random 3-layer
-    model's decode at 256 sequences: forward ~10% faster, the host's Python after it ~6%).
-    Pages are committed when first written, where `torch.zeros` commits them all at once."""
-    buffer = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (the default is shared)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        with suppress(OSError):
-            buffer.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes)
-
-
 class PageArena:
     def __init__(self, num_pages: int, page_bytes: int, device: torch.device | str):
         if num_pages < 1:
@@ -74,7 +60,7 @@ class PageArena:
         self.page_bytes = page_bytes
         nbytes = num_pages * page_bytes
         if torch.device(device).type == "cpu":  # in 2 MiB pages where Linux gives them
-            self.buffer = host_pages(nbytes)
+            self.buffer = huge_pages(nbytes)
         else:
             self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
 

@@ -16,6 +16,7 @@ from torch import nn
 from treeserve.kernels import cpu as cpu_kernels
 from treeserve.kernels.cpu import decode_stack as stack_kernels
 from treeserve.kernels.cpu import quant as quant_kernels
+from treeserve.kernels.cpu.memory import weights_in_huge_pages
 from treeserve.layers.quant import quantized_weights
 
 
@@ -46,7 +47,8 @@ def pick_kernels(model: nn.Module) -> None:
     embedding table is no `Linear`).
     """
     prebuild_kernels(model)
-    for module in reversed(list(model.modules())):  # pre-order reversed: every module after its submodules
-        pick = getattr(module, "pick_kernel", None)
-        if pick is not None:
-            pick()
+    with weights_in_huge_pages():  # the weights the kernels lay out, in one run of 2 MiB pages
+        for module in reversed(list(model.modules())):  # pre-order reversed: every module after its submodules
+            pick = getattr(module, "pick_kernel", None)
+            if pick is not None:
+                pick()

@@ -168,12 +168,19 @@ def sources(device: torch.device) -> dict[str, str]:
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of a model's parameters, buffers and quantised weights (a GGUF file's memory-mapped
-    blocks at their size in the file), each storage counted once."""
+    blocks at their size in the file), each byte counted once: the union of the tensors' byte
+    ranges (views of one storage, as the laid-out matrices carved from shared mappings are,
+    count what they cover, not the whole storage)."""
     tensors = list(model.state_dict().values())
     for weight in quantized_weights(model).values():
         tensors += [t for part in weight.parts for t in (part.data, part.scales) if t is not None]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values())
+    ranges = sorted({(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors if t.numel()})
+    total, reached = 0, 0
+    for start, end in ranges:
+        if end > reached:
+            total += end - max(start, reached)
+            reached = end
+    return total
 
 
 def checkpoint_bytes(path: str) -> int:

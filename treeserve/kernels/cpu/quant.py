@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from treeserve.kernels.cpu import FLAGS, build, load_amx, native_bf16
+from treeserve.kernels.cpu.memory import weight_buffer
 
 SOURCE = Path(__file__).parent / "quant_kernels.c"
 Q8_SOURCE = Path(__file__).parent / "q8_kernels.c"  # the same matmul with 8-bit activations
@@ -94,8 +95,10 @@ def bf16_panels(weight: torch.Tensor) -> torch.Tensor:
     assert weight.dtype == torch.bfloat16 and k % 2 == 0
     padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=torch.bfloat16)
     padded[:n] = weight
-    panels = padded.view(-1, PANEL, k // 2, 2).transpose(1, 2).contiguous()
-    return panels.view(panels.shape[0], -1).view(torch.uint8)
+    panels = padded.view(-1, PANEL, k // 2, 2).transpose(1, 2)
+    out = weight_buffer(padded.numel() * 2).view(torch.bfloat16).view(panels.shape)
+    out.copy_(panels)
+    return out.view(panels.shape[0], -1).view(torch.uint8)
 
 
 def bf16_panel_rows(data: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
@@ -252,7 +255,8 @@ def lay_out(qtype: int, data: torch.Tensor, k: int) -> torch.Tensor:
     multiple of 64). Channels past n in the last panel are zero weights."""
     assert q8_available() and qtype in LAYOUTS and k % 64 == 0 and data.shape[1] == row_bytes(qtype, k)
     data = data.contiguous()
-    out = torch.empty(-(-data.shape[0] // PANEL), row_bytes(PANELS + qtype, k), dtype=torch.uint8)
+    shape = (-(-data.shape[0] // PANEL), row_bytes(PANELS + qtype, k))
+    out = weight_buffer(shape[0] * shape[1]).view(shape)
     assert out.data_ptr() % 64 == 0  # the kernel reads Q8_0 panels' codes and scales with aligned loads
     n, rb = data.shape
     load_q8().q8_panels(qtype, data.data_ptr(), n, k, rb, out.data_ptr(), torch.get_num_threads())
