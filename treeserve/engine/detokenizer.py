@@ -24,8 +24,23 @@ _CONTEXT_TOKENS = 6  # prompt tokens given to the stream so the first output tok
 
 
 class StopChecker:
-    __slots__ = ("tokenizer", "prompt_context", "params", "eos_ids", "stop_ids", "ending_ids", "step_text", "_text",
-                 "unread", "num_tokens", "max_tokens", "stops_found", "stop_offsets", "search_from", "max_stop_len")  # fmt: skip
+    __slots__ = (
+        "tokenizer",
+        "prompt_context",
+        "params",
+        "eos_ids",
+        "stop_ids",
+        "ending_ids",
+        "step_text",
+        "_text",
+        "unread",
+        "num_tokens",
+        "max_tokens",
+        "stops_found",
+        "stop_offsets",
+        "search_from",
+        "max_stop_len",
+    )
 
     def __init__(self, tokenizer: HFTokenizer, prompt_ids: list[int], params: SamplingParams, eos_ids: list[int],
                  lazy: bool = True):  # fmt: skip
