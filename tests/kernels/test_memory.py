@@ -50,3 +50,19 @@ def test_loads_on_two_threads_keep_the_heap_until_both_end():
     other.join()
     assert shared.untyped_storage().nbytes() >= CHUNK
     assert weight_buffer(64).untyped_storage().nbytes() == 64
+
+
+def test_layouts_carved_during_a_load_hold_the_same_values():
+    """amx_pack and bf16_panels write into carved buffers what PyTorch's layout gives (any CPU)."""
+    from treeserve.kernels import cpu as cpu_kernels
+    from treeserve.kernels.cpu import quant
+
+    torch.manual_seed(0)
+    weight = torch.randn(40, 64).bfloat16()
+    tiles = torch.nn.functional.pad(weight, (0, 0, 0, 8)).view(3, 16, 2, 16, 2).permute(0, 2, 3, 1, 4)
+    panels = torch.nn.functional.pad(weight, (0, 0, 0, 8)).view(3, 16, 32, 2).transpose(1, 2)
+    with weights_in_huge_pages():
+        packed, laid = cpu_kernels.amx_pack(weight), quant.bf16_panels(weight)
+    assert packed.untyped_storage().nbytes() >= CHUNK  # carved from the load's mapping
+    assert torch.equal(packed, tiles)
+    assert torch.equal(laid.view(torch.bfloat16).view(panels.shape), panels)

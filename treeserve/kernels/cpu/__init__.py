@@ -34,6 +34,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from treeserve.kernels.cpu.memory import weight_buffer
+
 SOURCE = Path(__file__).parent / "cpu_kernels.c"
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]  # inputs are finite
 # Linked without -ffast-math: with it, GCC < 13 links crtfastmath.o into the shared library,
@@ -411,7 +413,9 @@ def amx_pack(weight: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
     panels = -(-n // AMX_PANEL)
     padded = F.pad(weight, (0, 0, 0, panels * AMX_PANEL - n))
-    return padded.view(panels, AMX_PANEL, k // AMX_CHUNK, AMX_CHUNK // 2, 2).permute(0, 2, 3, 1, 4).contiguous()
+    tiles = padded.view(panels, AMX_PANEL, k // AMX_CHUNK, AMX_CHUNK // 2, 2).permute(0, 2, 3, 1, 4)
+    out = weight_buffer(padded.numel() * 2).view(torch.bfloat16).view(tiles.shape)  # 2 MiB pages at load
+    return out.copy_(tiles)
 
 
 def amx_tiled(weight: object) -> bool:
