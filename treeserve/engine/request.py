@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from enum import Enum
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from treeserve.engine.guided import Guide
 
 _seq_ids = itertools.count()
+_INDEX = attrgetter("index")  # a request's completions in order
 TWIN_KEY_TOKENS = 16
 HISTORY_ANCHOR = 64  # `Sequence.history_key` hashes the history whole at multiples of this many tokens
 
@@ -164,7 +166,13 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return len(self.seqs) == self.width and all(s.is_finished for s in self.seqs)
+        """Every completion has run to its end (asked of a streaming request every step)."""
+        seqs = self.seqs
+        if len(seqs) != self.width:
+            return False
+        if len(seqs) == 1:  # the usual request, without a generator's cost
+            return seqs[0].status is SeqStatus.FINISHED
+        return all(seq.status is SeqStatus.FINISHED for seq in seqs)
 
     @property
     def width(self) -> int:
@@ -186,7 +194,7 @@ class Request:
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[s.completion() for s in sorted(self.seqs, key=lambda s: s.index)],
+            outputs=[s.completion() for s in (self.seqs if len(self.seqs) == 1 else sorted(self.seqs, key=_INDEX))],
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
             prompt_logprobs=self.prompt_logprobs,
