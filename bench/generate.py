@@ -86,18 +86,12 @@ def memory_bandwidth(threads: int) -> float:
     """Bytes read + written per second copying a 1 GiB tensor (median of 7) with `threads` threads,
     both tensors in 2 MiB pages where Linux gives them (as treeserve's weights and KV are; on this
     VM that copies 30-37 GB/s against 28-30 in 4 KiB pages, so the floor is the lower one)."""
-    import mmap
-
     import torch
 
-    def huge(count: int) -> torch.Tensor:
-        buffer = mmap.mmap(-1, count * 4, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            buffer.madvise(mmap.MADV_HUGEPAGE)
-        return torch.frombuffer(buffer, dtype=torch.float32)
+    from treeserve.kernels.cpu.memory import huge_pages
 
     torch.set_num_threads(threads)
-    src, dst = huge(1 << 28), huge(1 << 28)
+    src, dst = huge_pages(1 << 30).view(torch.float32), huge_pages(1 << 30).view(torch.float32)
     src.fill_(1.0)
     times = []
     for _ in range(8):
