@@ -9,11 +9,13 @@ import math
 
 import pytest
 
+from treeserve.eval.arith import arith_dataset
 from treeserve.eval.grading import extract_answer
 from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM
 from treeserve.runtime.runtime import Runtime
 from treeserve.search.certainty import reward_certainty, vote_certainty
 from treeserve.search.context import SearchConfig, SearchContext
+from treeserve.search.dvts import waves
 from treeserve.search.prm import load_prm
 from treeserve.search.run import search_problems
 
@@ -93,6 +95,35 @@ def test_widths_double_from_the_first_up_to_n():
     assert SearchConfig(n=12, adaptive=True, beam_width=2, first_width=2).widths() == [2, 4, 8, 12]
 
 
+def test_dvts_waves_add_one_subtree_at_a_time():
+    assert waves(SearchConfig(strategy="dvts", n=16)) == [16]
+    assert waves(SearchConfig(strategy="dvts", n=16, adaptive=True)) == [4, 8, 12, 16]
+    assert waves(SearchConfig(strategy="dvts", n=16, adaptive=True, first_width=8)) == [8, 12, 16]
+    assert waves(SearchConfig(strategy="dvts", n=4, adaptive=True, first_width=8)) == [4]
+
+
+def test_dvts_counts_one_vote_a_subtree(runtime):
+    """A subtree's candidates are siblings: one subtree is one vote (certainty 0.75), never enough
+    for 0.8, however many of its candidates agree; a problem that settles has subtrees agreeing."""
+    easy = [(r["unique_id"], r["problem"]) for r in arith_dataset(size=4, seed=0, levels=(1, 2, 3))]
+    results, ctx = search(runtime, easy, strategy="dvts", n=16, num_iterations=6, max_tokens=48, adaptive=True,
+                          certainty=0.8)  # fmt: skip
+    for result in results:
+        stop = result.stop
+        assert (
+            stop["certainty"][0] <= 0.75
+            and stop["widths"][: len(stop["certainty"])] == [4, 8, 12, 16][: len(stop["certainty"])]
+        )
+        if stop["reason"] == "settled":
+            kept = [
+                max(tree, key=lambda b: b.value("last"))
+                for tree in (result.beams[i : i + 4] for i in range(0, len(result.beams), 4))
+            ]
+            answers = ctx.answers(None, kept)
+            assert vote_certainty(answers) == stop["certainty"][-1] >= 0.8
+    assert any(r.stop["reason"] == "settled" and len(r.stop["widths"]) >= 2 for r in results)
+
+
 @pytest.mark.parametrize("strategy", ["beam_search", "dvts", "majority", "best_of_n"])
 def test_a_settled_problem_stops_early_and_spends_less(runtime, strategy):
     """A low threshold: every problem stops before its full width or its last iteration, having
@@ -143,12 +174,14 @@ def test_a_trace_records_the_stop(runtime):
 def test_optimised_equals_reference_with_stops(runtime, strategy):
     """Problems that settle and problems that do not: every optimisation on (caches, all problems
     in flight) against the plain reference path, the same stops and beams."""
-    config = SearchConfig(strategy=strategy, n=16, num_iterations=6, max_tokens=48, adaptive=True, certainty=0.6,
-                          seed=1)  # fmt: skip
+    certainty = 0.6 if strategy == "beam_search" else 0.8  # DVTS: one subtree's vote alone is 0.75
+    config = SearchConfig(strategy=strategy, n=16, num_iterations=6, max_tokens=48, adaptive=True,
+                          certainty=certainty, seed=1)  # fmt: skip
+    problems = PROBLEMS + [(r["unique_id"], r["problem"]) for r in arith_dataset(size=2, seed=0, levels=(1,))]
     prm = load_prm(runtime, "prm", None)
-    fast = asyncio.run(search_problems(SearchContext(config, runtime, "generator", prm, answer_of=boxed), PROBLEMS))
+    fast = asyncio.run(search_problems(SearchContext(config, runtime, "generator", prm, answer_of=boxed), problems))
     plain = asyncio.run(search_problems(SearchContext(config.reference(), runtime, "generator", prm, answer_of=boxed),
-                                        PROBLEMS))  # fmt: skip
+                                        problems))  # fmt: skip
     assert {r.stop["reason"] for r in fast} == {"settled", "exhausted"}
     assert [decisions(r.stop) for r in fast] == [decisions(r.stop) for r in plain]
     assert [signature(r) for r in fast] == [signature(r) for r in plain]

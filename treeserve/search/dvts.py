@@ -7,16 +7,19 @@ all beam_width candidates of each subtree's last expansion, so n completions com
 With `lookahead` K, candidates are compared by the PRM's score at the end of a greedy
 rollout of K more steps (as in search-and-learn); the kept candidate keeps only its step.
 
-Adaptive (`config.adaptive`): subtrees run in waves, `first_width / beam_width` of them
-first, then more, up to twice as many in all (at most n / beam_width), until the
-certainty of their candidates (`certainty.reward_certainty`) reaches `config.certainty`.
-Subtree i is the same whichever wave runs it (its seeds follow its index).
+Adaptive (`config.adaptive`, Adaptive-Consistency's sequential rule over subtrees): subtrees
+run in waves, `first_width / beam_width` of them first, then one more a wave (at most
+n / beam_width), until the certainty of their answers reaches `config.certainty`. Each subtree
+casts one vote, the answer of the candidate it kept last (`certainty.vote_certainty`): the
+beam_width candidates of one expansion are siblings of one parent and mostly repeat its
+answer, so counting them as votes settled most problems on a single subtree. Subtree i is
+the same whichever wave runs it (its seeds follow its index).
 """
 
 from __future__ import annotations
 
-from treeserve.search.certainty import reward_certainty
-from treeserve.search.context import SearchContext, gather_or_cancel
+from treeserve.search.certainty import vote_certainty
+from treeserve.search.context import SearchConfig, SearchContext, gather_or_cancel
 from treeserve.search.trace import FINISHED, KEPT, PRUNED
 from treeserve.search.types import Beam, Problem
 
@@ -29,7 +32,7 @@ async def _subtree(ctx: SearchContext, problem: Problem, index: int) -> list[Bea
         last = iteration == c.num_iterations - 1
         candidates = await ctx.expand(problem, beam, n=c.beam_width, to_eos=last and c.final_to_eos)
         await gather_or_cancel(*(ctx.score_beam(problem, b, lookahead=not last) for b in candidates))
-        best = max(range(len(candidates)), key=lambda i: (candidates[i].value(c.agg), -i))
+        best = _best(candidates, c.agg)
         beam = candidates[best]
         ends = beam.completed or last  # the result is this expansion's candidates
         fates = [FINISHED if ends else KEPT if i == best else PRUNED for i in range(len(candidates))]
@@ -39,16 +42,29 @@ async def _subtree(ctx: SearchContext, problem: Problem, index: int) -> list[Bea
     return candidates
 
 
+def _best(candidates: list[Beam], agg: str) -> int:
+    """The candidate a subtree keeps: the highest value, the first of equals."""
+    return max(range(len(candidates)), key=lambda i: (candidates[i].value(agg), -i))
+
+
+def waves(config: SearchConfig) -> list[int]:
+    """The widths (subtrees x beam_width) after each wave: all n at once, or adaptive, first_width
+    and then one subtree more a wave."""
+    if not config.adaptive:
+        return [config.n]
+    return list(range(min(config.first_width, config.n), config.n, config.beam_width)) + [config.n]
+
+
 async def dvts(ctx: SearchContext, problem: Problem) -> list[Beam]:
     c = ctx.config
     subtrees: list[list[Beam]] = []
-    for wave, width in enumerate(c.widths()):  # one wave of all n / beam_width subtrees unless adaptive
+    for wave, width in enumerate(waves(c)):
         count = width // c.beam_width
         subtrees += await gather_or_cancel(*(_subtree(ctx, problem, i) for i in range(len(subtrees), count)))
         if not c.adaptive:
             break
-        pool = [b for tree in subtrees for b in tree]
-        certainty = reward_certainty(ctx.answers(problem, pool), [b.value(c.agg) for b in pool])
+        kept = [tree[_best(tree, c.agg)] for tree in subtrees]  # one vote a subtree
+        certainty = vote_certainty(ctx.answers(problem, kept))
         if ctx.decide(problem, wave, width, certainty, exhausted=width == c.n, grows=True):
             break
     return [b for tree in subtrees for b in tree]
