@@ -5,15 +5,16 @@
     python bench/adaptive.py --smoke                                 (a check: ~20 s on 2 cores)
 
 On the same held-out arithmetic problems (levels 4-5, `arith_dataset` seed 0, the test split
-bench/search_scaling.py uses), through `treeserve eval`'s code path (`run_eval`) in this
-process, with `treeserve eval`'s search defaults (beam width 4, T=0.8, 40 iterations, the
-shipped generator and PRM, bf16): `--strategy` (beam search) at each fixed N of `--ns`
-(4, 8, 16, 32, 64), then adaptive at N=`--adaptive-n` (16; its fixed run is added to `--ns`
-when missing) from `--first-width` (4) at each certainty of `--thresholds` (0.5, 0.7, 0.8,
-0.9, 0.95). One run after another, each writing its results JSON into `--out` (only those:
-`treeserve plot DIR/*.json --x computed-tokens` draws them), and
-`DIR/accuracy_vs_computed_tokens.png` (`plot_accuracy_vs_compute`: each run's accuracy
-against its computed tokens, with the Pareto front).
+bench/search_scaling.py uses; `--dataset-seed` picks another set, to calibrate on), through
+`treeserve eval`'s code path (`run_eval`) in this process, with `treeserve eval`'s search
+defaults (beam width 4, T=0.8, 40 iterations, the shipped generator and PRM, bf16):
+`--strategy` (beam search) at each fixed N of `--ns` (4, 8, 16, 32, 64), then adaptive at
+N=`--adaptive-n` (16; its fixed run is added to `--ns` when missing) from `--first-width` (4)
+at each certainty of `--thresholds` (0.5, 0.7, 0.8, 0.9, 0.95). One run after another, each
+writing its results JSON into `--out` (only those: `treeserve plot DIR/*.json --x
+computed-tokens` draws them), and `DIR/accuracy_vs_computed_tokens.png`
+(`plot_accuracy_vs_compute`: each run's accuracy against its computed tokens, with the Pareto
+front).
 
 It prints a markdown table and writes it with the rows to `--summary` (default: `--out`
 with `.json` added, beside the folder): per run, accuracy (the summary's, under the
