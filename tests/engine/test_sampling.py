@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import transformers
 
@@ -104,11 +105,18 @@ def test_a_vanishing_temperature_is_greedy(llama_dir, make_llm):
     assert SamplingParams(temperature=1e-5).temperature == 1e-5  # the rule's edge: still sampled
 
 
-def test_greedy_argmax_over_a_wide_vocabulary_is_torchs_argmax():
-    """The two-pass argmax (chunk maxima, then the first chunk holding the maximum) picks what
-    torch.argmax picks: the first of tied maxima, the first NaN, 0 for a row of -inf."""
-    from treeserve.engine.sampler import _argmax
+@pytest.mark.parametrize("path", ["c", "torch"])
+def test_greedy_argmax_over_a_wide_vocabulary_is_torchs_argmax(path, monkeypatch):
+    """Both argmax paths (on a CPU the C kernel `argmax_rows`; elsewhere chunk maxima, then the
+    first chunk holding the maximum) pick what torch.argmax picks: the first of tied maxima
+    (-0.0 and 0.0 tie), the first NaN, +inf, 0 for a row of -inf; rows with a stride."""
+    from treeserve.engine import sampler
+    from treeserve.kernels import cpu as cpu_kernels
 
+    if path == "c" and not cpu_kernels.supports(torch.zeros(1)):
+        pytest.skip("the C kernels did not build here")
+    if path == "torch":
+        monkeypatch.setattr(sampler.cpu_kernels, "supports", lambda t: False)
     g = torch.Generator().manual_seed(0)
     for trial in range(40):
         rows, vocab = 1 + trial % 4, 16_384 + 997 * trial  # widths that do and do not fill the last chunk
@@ -117,8 +125,15 @@ def test_greedy_argmax_over_a_wide_vocabulary_is_torchs_argmax():
             x[0, 3 * trial] = float("nan")
         if trial % 7 == 0:
             x[-1] = float("-inf")
+        if trial % 6 == 1:
+            x[-1, vocab // 2] = float("inf")
+        if trial % 8 == 3:
+            x[0] = -1.0
+            x[0, 11], x[0, 5 * trial] = -0.0, 0.0
         for dtype in (torch.float32, torch.bfloat16):
-            assert torch.equal(_argmax(x.to(dtype), []), x.to(dtype).float().argmax(dim=-1)), (trial, dtype)
+            assert torch.equal(sampler._argmax(x.to(dtype), []), x.to(dtype).float().argmax(dim=-1)), (trial, dtype)
+        strided = x[:, ::3]
+        assert torch.equal(sampler._argmax(strided, []), strided.argmax(dim=-1)), trial
 
 
 def test_seeded_uniforms_are_seeded_uniform_bit_for_bit():

@@ -132,6 +132,7 @@ def load() -> ctypes.CDLL | None:
             _ptr,
         ]
         getattr(lib, f"sample_rows_{suffix}").argtypes = [_ptr, _i64, _int, _int, _ptr, _ptr, _int]
+        getattr(lib, f"argmax_rows_{suffix}").argtypes = [_ptr, _i64, _int, _int, _ptr, _int]
         getattr(lib, f"sample_rows_masked_{suffix}").argtypes = [_ptr, _i64, _int, _int, _ptr, _i64, _int, _ptr,
                                                                  _ptr, _int]  # fmt: skip
     lib.rms_norm_bf16.argtypes = [_ptr, _i64, _int, _ptr, _ptr, _float, _ptr, _int]
@@ -300,6 +301,19 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         x.data_ptr(), x.stride(0), rows, weight.data_ptr(), None if bias is None else bias.contiguous().data_ptr(),
         n, k, out.data_ptr(), out.stride(0), torch.get_num_threads(),
     )  # fmt: skip
+    return out
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, dim=-1) of `logits` [B, V] (fp32 or bf16, rows with unit stride): the
+    first maximum of each row, or its first NaN."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    rows, vocab = logits.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    getattr(load(), f"argmax_rows_{_SUFFIX[logits.dtype]}")(
+        logits.data_ptr(), logits.stride(0), rows, vocab, out.data_ptr(), torch.get_num_threads()
+    )
     return out
 
 

@@ -4,6 +4,7 @@
  *   place through the block table (no gather copy), fp32 accumulation, GQA-aware.
  * paged_prefill_bf16: the same for chunks of queries (a prefill over a cached prefix).
  * rms_norm_bf16, linear_bf16: RMSNorm, and a GEMV for linear layers at a few rows.
+ * argmax_rows_*: the greedy pick, torch.argmax's answer in one read of each row.
  * sample_rows_*: inverse-CDF draw from softmax(logits) for rows without top-k/top-p/min-p,
  *   two reads of the row plus a scan of its chunks' sums; sample_rows_masked_* the
  *   same over the tokens a structured-output bitmask allows.
@@ -162,6 +163,62 @@ void sample_rows_##SUFFIX(const T *logits, int64_t row_stride, int rows, int voc
 
 DEFINE_SAMPLE_ROWS(f32, float)
 DEFINE_SAMPLE_ROWS(bf16, bf16)
+
+/* argmax_rows_*: torch.argmax of each row: the first maximum, or the first NaN where a row has
+ * one (argmax ranks NaN above every number). A greedy step of a 262k vocabulary took ~10
+ * PyTorch operators (chunk maxima, then the chunk), each slow from the caches a forward
+ * swept; this is two reads of the row. NaN is found from the bits (the file's -ffast-math lets
+ * the compiler assume there is none); the max and the equality compare floats, so -0.0 and
+ * 0.0 tie (the first wins, as in torch) and a row of -inf gives 0. */
+#define ARGMAX_CHUNK 64
+typedef uint32_t bits_f32;
+typedef uint16_t bits_bf16;
+static inline int nan_bits_f32(uint32_t b) { return (b & 0x7fffffffu) > 0x7f800000u; }
+static inline int nan_bits_bf16(uint16_t b) { return (b & 0x7fffu) > 0x7f80u; }
+/* One read in chunks (each chunk's max and NaN flag vectorised; the first chunk holding the
+ * row's max kept), then a scan of that chunk. */
+#define DEFINE_ARGMAX_ROWS(SUFFIX, T)                                                           \
+void argmax_rows_##SUFFIX(const T *logits, int64_t row_stride, int rows, int vocab, int64_t *out, \
+                          int threads) {                                                        \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")                           \
+    for (int r = 0; r < rows; r++) {                                                            \
+        const T *x = logits + (int64_t)r * row_stride;                                          \
+        const bits_##SUFFIX *bits = (const bits_##SUFFIX *)x;                                   \
+        float m = -FLT_MAX;                                                                     \
+        int best = 0, nan = 0;                                                                  \
+        for (int c = 0; c < vocab; c += ARGMAX_CHUNK) {                                         \
+            const int end = c + ARGMAX_CHUNK < vocab ? c + ARGMAX_CHUNK : vocab;                \
+            float cm = -FLT_MAX;                                                                \
+            int cn = 0;                                                                         \
+            _Pragma("omp simd reduction(max:cm) reduction(|:cn)")                               \
+            for (int i = c; i < end; i++) {                                                     \
+                const float v = load_##SUFFIX(x[i]);                                            \
+                cm = v > cm ? v : cm;                                                           \
+                cn |= nan_bits_##SUFFIX(bits[i]);                                               \
+            }                                                                                   \
+            nan |= cn;                                                                          \
+            if (cm > m) m = cm, best = c;                                                       \
+        }                                                                                       \
+        int64_t pick = 0;                                                                       \
+        if (nan) {                                                                              \
+            for (int i = 0; i < vocab; i++)                                                     \
+                if (nan_bits_##SUFFIX(bits[i])) {                                               \
+                    pick = i;                                                                   \
+                    break;                                                                      \
+                }                                                                               \
+        } else {                                                                                \
+            for (int i = best; i < vocab; i++)                                                  \
+                if (load_##SUFFIX(x[i]) == m) {                                                 \
+                    pick = i;                                                                   \
+                    break;                                                                      \
+                }                                                                               \
+        }                                                                                       \
+        out[r] = pick;                                                                          \
+    }                                                                                           \
+}
+
+DEFINE_ARGMAX_ROWS(f32, float)
+DEFINE_ARGMAX_ROWS(bf16, bf16)
 
 /* sample_rows_masked_*: the same draw over the tokens a constraint allows (bit i of a row's
  * int32 words; tokens at or past mask_vocab are never allowed), and for rows whose uniform is
