@@ -285,16 +285,16 @@ static inline int64_t group_bytes(int layout) {
     return layout == EXPANDED ? 1024 : layout == NIBBLES ? 512 : layout == NIBBLES_BIT5 ? 640 : 768;
 }
 
-/* Code vector v of a panel (weights 4(v%16) .. 4(v%16)+3 of group v/16, 16 channels, 4 bytes a
- * lane: what one vpdpbusd multiplies), read as `layout` lays it (`q8_panels` documents the
- * packed ones). Panels streamed from memory (p.ahead) ask for each line p.ahead bytes on. */
-static inline __attribute__((always_inline)) __m512i code_vector(panel p, int layout, int64_t v) {
+/* Code vector i (0-15) of a panel's 64-weight group at `group` (weights 4i .. 4i+3 of the group,
+ * 16 channels, 4 bytes a lane: what one vpdpbusd multiplies), read as `layout` lays it
+ * (`q8_panels` documents the packed ones). Panels streamed from memory (p.ahead) ask for each
+ * line p.ahead bytes on. Callers unroll i, so every offset below is a constant. */
+static inline __attribute__((always_inline)) __m512i group_vector(panel p, int layout, const uint8_t *group, int i) {
     if (layout == EXPANDED) {
-        if (p.ahead) _mm_prefetch((const char *)p.codes + v * 64 + p.ahead, _MM_HINT_T1);
-        return _mm512_load_si512(p.codes + v * 64);
+        if (p.ahead) _mm_prefetch((const char *)group + i * 64 + p.ahead, _MM_HINT_T1);
+        return _mm512_load_si512(group + i * 64);
     }
-    const int i = (int)(v & 15);
-    const uint8_t *group = p.codes + (v >> 4) * group_bytes(layout), *line = group + (i >> 1) * 64;
+    const uint8_t *line = group + (i >> 1) * 64;
     if (p.ahead && !(i & 1)) _mm_prefetch((const char *)line + p.ahead, _MM_HINT_T1);
     const __m512i w = _mm512_loadu_si512(line); /* a Q6_K panel of an odd number of super-blocks is not 64-aligned */
     __m512i c = _mm512_and_si512(i & 1 ? _mm512_srli_epi16(w, 4) : w, _mm512_set1_epi8(0xF));
@@ -313,6 +313,11 @@ static inline __attribute__((always_inline)) __m512i code_vector(panel p, int la
     return c;
 }
 
+/* Code vector v of a panel: vector v % 16 of group v / 16. */
+static inline __attribute__((always_inline)) __m512i code_vector(panel p, int layout, int64_t v) {
+    return group_vector(p, layout, p.codes + (v >> 4) * group_bytes(layout), (int)(v & 15));
+}
+
 /* A packed panel's codes, a byte a code, into `into` (an unpacked panel's buffer): more rows
  * than a tile read each code vector once a tile, and unpacking it each time cost more than
  * storing it once (Gemma 3's gate_up at 128 rows: 2.2 ms read packed, 1.2 expanded). */
@@ -326,41 +331,66 @@ static void expand_any(int type, panel p, int64_t k, uint8_t *into) {
     switch (type) { FORMATS(EXPAND_CASE) }
 }
 
+/* Block blk of rows r0 .. r0+mr against a panel, its codes vectors `first` .. of `group`, added
+ * to acc: float(integer block sum) * (weight scale * activation scale) [+ Q4_K's minimum term]. */
+static inline __attribute__((always_inline)) void multiply_block(panel p, int block, int shift, int with_min,
+                                                                 int layout, int64_t k, acts x, int64_t r0, int mr,
+                                                                 __m512 *acc, const uint8_t *group, int first,
+                                                                 int64_t blk) {
+    const int chunks = block / 4;
+    __m512i s[MR];
+    for (int r = 0; r < mr; r++) {
+        const int32_t *s16 = x.s16 + (r0 + r) * (k / 16) + blk * block / 16;
+        const int32_t total = block == 32 ? s16[0] + s16[1] : s16[0];
+        s[r] = _mm512_set1_epi32(shift < 0 ? 0 : -(total << shift));
+    }
+    /* a few rows: two chains of dot products a block (integer sums: the same total) */
+    const int split = mr <= 4;
+    __m512i odd[MR];
+    for (int r = 0; r < mr; r++) odd[r] = _mm512_setzero_si512();
+    for (int i = 0; i < chunks; i++) {
+        const __m512i w = group_vector(p, layout, group, first + i);
+        for (int r = 0; r < mr; r++) {
+            const __m512i four = _mm512_set1_epi32(*(const int32_t *)(x.q + (r0 + r) * k + blk * block + 4 * i));
+            if (split && (i & 1)) odd[r] = _mm512_dpbusd_epi32(odd[r], w, four);
+            else s[r] = _mm512_dpbusd_epi32(s[r], w, four);
+        }
+    }
+    if (split)
+        for (int r = 0; r < mr; r++) s[r] = _mm512_add_epi32(s[r], odd[r]);
+    const __m512 scale = _mm512_load_ps(p.scale + blk * NC);
+    for (int r = 0; r < mr; r++) {
+        const float xd = x.d[(r0 + r) * (k / 32) + blk * block / 32];
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(scale, _mm512_set1_ps(xd)), acc[r]);
+        if (with_min)
+            acc[r] = _mm512_fmadd_ps(_mm512_load_ps(p.low + blk * NC),
+                                     _mm512_set1_ps(x.sum[(r0 + r) * (k / 32) + blk * block / 32]), acc[r]);
+    }
+}
+
 /* Rows r0 .. r0+mr of x against a panel: out lane c of row r = sum over blocks, in order, of
  * float(integer block sum) * (weight scale * activation scale) [+ Q4_K's minimum term]. The
- * integer sums are exact, so this is the one rounding order of a (row, channel), whatever m. */
+ * integer sums are exact, so this is the one rounding order of a (row, channel), whatever m.
+ * At a few rows a 64-weight group's blocks are unrolled: where each code vector lies is then a
+ * constant offset from the group (at one row, computing it had cost as much as the products:
+ * Gemma 3's 72 layer matmuls at one row from memory 4.97 -> 3.93 ms). */
 static inline __attribute__((always_inline)) void multiply(panel p, int block, int shift, int with_min, int layout,
                                                            int64_t k, acts x, int64_t r0, int mr, __m512 *acc) {
-    const int chunks = block / 4;
+    const int chunks = block / 4, per_group = 64 / block;
     for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t blk = 0; blk < k / block; blk++) {
-        __m512i s[MR];
-        for (int r = 0; r < mr; r++) {
-            const int32_t *s16 = x.s16 + (r0 + r) * (k / 16) + blk * block / 16;
-            const int32_t total = block == 32 ? s16[0] + s16[1] : s16[0];
-            s[r] = _mm512_set1_epi32(shift < 0 ? 0 : -(total << shift));
-        }
-        /* a few rows: two chains of dot products a block (integer sums: the same total) */
-        const int split = mr <= 4;
-        __m512i odd[MR];
-        for (int r = 0; r < mr; r++) odd[r] = _mm512_setzero_si512();
-        for (int i = 0; i < chunks; i++) {
-            const __m512i w = code_vector(p, layout, blk * chunks + i);
-            for (int r = 0; r < mr; r++) {
-                const __m512i four = _mm512_set1_epi32(*(const int32_t *)(x.q + (r0 + r) * k + blk * block + 4 * i));
-                if (split && (i & 1)) odd[r] = _mm512_dpbusd_epi32(odd[r], w, four);
-                else s[r] = _mm512_dpbusd_epi32(s[r], w, four);
-            }
-        }
-        if (split)
-            for (int r = 0; r < mr; r++) s[r] = _mm512_add_epi32(s[r], odd[r]);
-        const __m512 scale = _mm512_load_ps(p.scale + blk * NC);
-        for (int r = 0; r < mr; r++) {
-            const float xd = x.d[(r0 + r) * (k / 32) + blk * block / 32];
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(scale, _mm512_set1_ps(xd)), acc[r]);
-            if (with_min)
-                acc[r] = _mm512_fmadd_ps(_mm512_load_ps(p.low + blk * NC),
-                                         _mm512_set1_ps(x.sum[(r0 + r) * (k / 32) + blk * block / 32]), acc[r]);
+    if (mr > 4) { /* a tile of rows: the products dominate; a block at a time keeps the code small */
+        for (int64_t blk = 0; blk < k / block; blk++)
+            multiply_block(p, block, shift, with_min, layout, k, x, r0, mr, acc,
+                           p.codes + blk / per_group * group_bytes(layout), (int)(blk % per_group) * chunks, blk);
+        return;
+    }
+    for (int64_t g = 0; g < k / 64; g++) {
+        const uint8_t *group = p.codes + g * group_bytes(layout);
+        multiply_block(p, block, shift, with_min, layout, k, x, r0, mr, acc, group, 0, g * per_group);
+        multiply_block(p, block, shift, with_min, layout, k, x, r0, mr, acc, group, chunks, g * per_group + 1);
+        if (per_group == 4) { /* blocks of 16 (Q6_K) */
+            multiply_block(p, block, shift, with_min, layout, k, x, r0, mr, acc, group, 2 * chunks, g * per_group + 2);
+            multiply_block(p, block, shift, with_min, layout, k, x, r0, mr, acc, group, 3 * chunks, g * per_group + 3);
         }
     }
 }
