@@ -21,7 +21,7 @@
  * Q6_K's top bits), then their scales (`nibble_panel`). A thread then streams its panels as one
  * run of bytes (its first 16 KB asked for at once, then each line 16 KB ahead) instead of 16
  * rows at once; nothing is transposed per call. A few rows read the packed codes as they are
- * (`code_vector`); more than a tile unpack a panel once (`expand`). AMX takes Q8_0's codes as
+ * (`group_vector`); more than a tile unpack a panel once (`expand`). AMX takes Q8_0's codes as
  * they lie and has no path for the packed ones. The same codes and scales, so the same bits as
  * the file's layout. (The nibble formats' panels measured no faster at prefill sizes, where
  * unpacking is shared by the rows; at one row they are 2-3x: Gemma 3's layers at one row
@@ -37,7 +37,7 @@
 
 enum { T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14, T_I8 = 1000, PANELS = 2000 };
 
-/* How a panel's code vectors lie (`code_vector`): EXPANDED, a byte a code (what `unpack_panel`
+/* How a panel's code vectors lie (`group_vector`): EXPANDED, a byte a code (what `unpack_panel`
  * makes of the file's rows, and laid-out Q8_0); the nibble formats laid out (`q8_panels`) pack
  * two code vectors a 64-byte line, low and high nibbles (NIBBLES), plus Q5_0's fifth bits as a
  * 64-bit mask a vector (NIBBLES_BIT5) or Q6_K's two top bits, four vectors a line (NIBBLES_BITS56). */
@@ -313,16 +313,16 @@ static inline __attribute__((always_inline)) __m512i group_vector(panel p, int l
     return c;
 }
 
-/* Code vector v of a panel: vector v % 16 of group v / 16. */
-static inline __attribute__((always_inline)) __m512i code_vector(panel p, int layout, int64_t v) {
-    return group_vector(p, layout, p.codes + (v >> 4) * group_bytes(layout), (int)(v & 15));
-}
-
 /* A packed panel's codes, a byte a code, into `into` (an unpacked panel's buffer): more rows
  * than a tile read each code vector once a tile, and unpacking it each time cost more than
  * storing it once (Gemma 3's gate_up at 128 rows: 2.2 ms read packed, 1.2 expanded). */
 static inline __attribute__((always_inline)) void expand(panel p, int layout, int64_t k, uint8_t *into) {
-    for (int64_t v = 0; v < k / 4; v++) _mm512_store_si512(into + v * 64, code_vector(p, layout, v));
+    for (int64_t g = 0; g < k / 64; g++) { /* a group's 16 vectors unrolled: their offsets are constants */
+        const uint8_t *group = p.codes + g * group_bytes(layout);
+        uint8_t *to = into + g * 1024;
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++) _mm512_store_si512(to + i * 64, group_vector(p, layout, group, i));
+    }
 }
 
 #define EXPAND_CASE(T, BLOCK, SHIFT, MIN, LAYOUT) case T_##T: expand(p, LAYOUT, k, into); break;
@@ -651,7 +651,7 @@ static __m512i codes_any(int type, const uint8_t *row, int64_t g) {
 }
 
 /* A nibble format's panel (Q4_0, Q5_0, Q4_K, Q6_K; rows of `rb` bytes): for each 64-weight
- * group, its 16 code vectors (`code_vector`'s order) packed two a line, vector 2t in the low
+ * group, its 16 code vectors (`group_vector`'s order) packed two a line, vector 2t in the low
  * nibbles of line t and 2t+1 in the high ones; Q5_0 then adds each vector's fifth bits as a
  * 64-bit mask (bit 4c+j: channel c's weight j of the vector), Q6_K four lines of two-bit tops
  * (line u, bits 2v, 2v+1 of a byte: vector 4u+v's). After every group, the scales, a lane a
