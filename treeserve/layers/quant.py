@@ -86,7 +86,7 @@ class QuantPart:
 
     def dequantize(self, ids: torch.Tensor, cols: int) -> torch.Tensor:
         """fp32 rows `ids`: the dequantiser's values, to the bit (laid out too)."""
-        if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < self.rows):
+        if ids.numel() and not (int((bounds := torch.aminmax(ids)).min) >= 0 and int(bounds.max) < self.rows):
             raise IndexError(f"row ids out of range for a matrix of {self.rows} rows")
         if self.qtype == kernels.BF16_PANELS:
             return kernels.bf16_panel_rows(self.data, ids, cols)

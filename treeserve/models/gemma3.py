@@ -129,6 +129,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: Gemma3Config):
         super().__init__(cfg)
         self.embed_scale = float(cfg.hidden_size) ** 0.5
+        self._embed_scales: dict[torch.dtype, torch.Tensor] = {}
         self.local_rope: RotaryEmbedding | None = None
 
     def init_rope(self, max_positions: int, device: torch.device | str) -> None:
@@ -142,4 +143,13 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = super().embed(input_ids)
-        return x * torch.tensor(self.embed_scale).to(x.dtype)  # rounded via fp32, as transformers does
+        return x * self._scale(x.dtype)
+
+    def _scale(self, dtype: torch.dtype) -> torch.Tensor:
+        """sqrt(hidden) rounded via fp32 to `dtype`, as transformers does: a 0-dim host tensor made
+        once per dtype (two operators a token, each slow after a forward, when made every call)."""
+        scale = self._embed_scales.get(dtype)
+        if scale is None:
+            with torch.inference_mode(False):  # usable in any mode later
+                scale = self._embed_scales[dtype] = torch.tensor(self.embed_scale).to(dtype)
+        return scale
