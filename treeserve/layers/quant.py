@@ -86,8 +86,10 @@ class QuantPart:
 
     def dequantize(self, ids: torch.Tensor, cols: int) -> torch.Tensor:
         """fp32 rows `ids`: the dequantiser's values, to the bit (laid out too)."""
-        if ids.numel() and not (int((bounds := torch.aminmax(ids)).min) >= 0 and int(bounds.max) < self.rows):
-            raise IndexError(f"row ids out of range for a matrix of {self.rows} rows")
+        if ids.numel():
+            low, high = torch.aminmax(ids)  # one operator: each is slow right after a forward
+            if int(low) < 0 or int(high) >= self.rows:
+                raise IndexError(f"row ids out of range for a matrix of {self.rows} rows")
         if self.qtype == kernels.BF16_PANELS:
             return kernels.bf16_panel_rows(self.data, ids, cols)
         if self.qtype - kernels.PANELS in kernels.BYTE_LAYOUTS:

@@ -4,10 +4,10 @@ Pure functions over a problem's own beams (never another problem's), so a stoppi
 is the same for the problem alone or in any batch. Two published rules:
 
 * `vote_certainty` (best-of-N, majority, and DVTS with one vote a subtree; Adaptive-Consistency,
-  Aggarwal et al. 2023, the Beta criterion): with `a` votes for the leading answer and `b` for the runner-up, the
-  posterior probability that the leader's share beats the runner-up's, P(p > 1/2) for
-  p ~ Beta(a + 1, b + 1). Exact for integer counts: P(Binomial(a + b + 1, 1/2) <= a).
-  Completions without an answer do not vote.
+  Aggarwal et al. 2023, the Beta criterion): with `a` votes for the leading answer and `b` for
+  the runner-up, the posterior probability that the leader's share beats the runner-up's,
+  P(p > 1/2) for p ~ Beta(a + 1, b + 1). Exact for integer counts:
+  P(Binomial(a + b + 1, 1/2) <= a). Completions without an answer do not vote.
 * `reward_certainty` (beam search; after Dynasor's reward-based Certaindex, Fu et al.
   2025, which reads a search's certainty from its reward model's scores): the beams'
   answers weighted by their PRM value, the share of the weight on the leading answer.

@@ -167,7 +167,8 @@ DEFINE_SAMPLE_ROWS(bf16, bf16)
 /* argmax_rows_*: torch.argmax of each row: the first maximum, or the first NaN where a row has
  * one (argmax ranks NaN above every number). A greedy step of a 262k vocabulary took ~10
  * PyTorch operators (chunk maxima, then the chunk), each slow from the caches a forward
- * swept; this is two reads of the row. NaN is found from the bits (the file's -ffast-math lets
+ * swept; this is one read of the row and a scan of one chunk (of the row, for its first NaN,
+ * where it has one). NaN is found from the bits (the file's -ffast-math lets
  * the compiler assume there is none); the max and the equality compare floats, so -0.0 and
  * 0.0 tie (the first wins, as in torch) and a row of -inf gives 0. */
 #define ARGMAX_CHUNK 64
@@ -175,8 +176,7 @@ typedef uint32_t bits_f32;
 typedef uint16_t bits_bf16;
 static inline int nan_bits_f32(uint32_t b) { return (b & 0x7fffffffu) > 0x7f800000u; }
 static inline int nan_bits_bf16(uint16_t b) { return (b & 0x7fffu) > 0x7f80u; }
-/* One read in chunks (each chunk's max and NaN flag vectorised; the first chunk holding the
- * row's max kept), then a scan of that chunk. */
+/* Each chunk's max and NaN flag vectorised; the first chunk holding the row's max is kept. */
 #define DEFINE_ARGMAX_ROWS(SUFFIX, T)                                                           \
 void argmax_rows_##SUFFIX(const T *logits, int64_t row_stride, int rows, int vocab, int64_t *out, \
                           int threads) {                                                        \

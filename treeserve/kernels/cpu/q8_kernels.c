@@ -319,7 +319,7 @@ static inline __attribute__((always_inline)) __m512i group_vector(panel p, int l
 static inline __attribute__((always_inline)) void expand(panel p, int layout, int64_t k, uint8_t *into) {
     for (int64_t g = 0; g < k / 64; g++) { /* a group's 16 vectors unrolled: their offsets are constants */
         const uint8_t *group = p.codes + g * group_bytes(layout);
-        uint8_t *to = into + g * 1024;
+        uint8_t *to = into + g * group_bytes(EXPANDED);
 #pragma GCC unroll 16
         for (int i = 0; i < 16; i++) _mm512_store_si512(to + i * 64, group_vector(p, layout, group, i));
     }
