@@ -186,6 +186,8 @@ def test_q8_0_laid_out_as_panels_gives_the_files_results_to_the_bit(dtype):
     assert torch.equal(quant_embedding(ids, laid_table), quant_embedding(ids, table))
     with pytest.raises(IndexError, match="out of range"):
         quant_embedding(torch.tensor([37]), laid_table)
+    with pytest.raises(IndexError, match="out of range"):
+        quant_embedding(torch.tensor([3, -1]), table)
 
 
 @needs_q8

@@ -108,15 +108,14 @@ class Ranks:
         return self.placement.wait_s
 
     def send(self, message: tuple) -> None:
-        """`message` to every rank; RankFailed naming the rank that is gone."""
+        """`message` to every rank; RankFailed naming a rank that exited."""
         self.check()
         start = time.perf_counter()
         for rank, handle in enumerate(self.handles, start=1):
             try:
                 handle.send(message)
-            except RankGone:
-                self.close()
-                raise RankFailed(f"rank {rank} is gone ({handle.state()}); every rank is stopped") from None
+            except RankGone:  # it exited since `check`
+                raise self._exited(rank, handle) from None
         self.send_s += time.perf_counter() - start
 
     def check(self) -> None:
@@ -124,9 +123,14 @@ class Ranks:
             raise RankFailed("the engine's ranks were stopped (a rank failed before): start a new engine")
         for rank, handle in enumerate(self.handles, start=1):
             if handle.exited():
-                state = handle.state()
-                self.close()
-                raise RankFailed(f"rank {rank} exited ({state}); every rank is stopped")
+                raise self._exited(rank, handle)
+
+    def _exited(self, rank: int, handle: RankHandle) -> RankFailed:
+        """Every rank stopped; the error naming `rank`, found exited before a step's collectives
+        (by `check`, or by a send that could not reach it: one message either way)."""
+        state = handle.state()
+        self.close()
+        return RankFailed(f"rank {rank} exited ({state}); every rank is stopped")
 
     def explain(self, error: BaseException) -> BaseException:
         """A step's error as the ranks' failure when a rank is gone or stopped answering (every
