@@ -14,8 +14,9 @@ llama.cpp (llama-cpp-python, bench/setup_llamacpp.sh) runs the GGUF file as it i
 scenarios: decode1 (one 16-token prompt, 128 greedy tokens: batch-1 decode), batch (32
 prompts of 32 tokens x n=4 x 128 tokens, temperature 0.8) and prefill (one 512-token prompt,
 one new token: prompt tokens/s). It also measures this machine's memory bandwidth (a 1 GiB
-tensor copy, bytes read + written per second) and reports treeserve's batch-1 decode time
-per token against the floor: the bytes of the weights it reads per token / bandwidth.
+tensor copy, bytes read + written per second) just before each treeserve decode1 run and
+reports that run's time per token against its floor: the bytes of the weights it reads per
+token / the bandwidth probed before it; the summary is the median of those ratios.
 
 Each engine runs in its own subprocess and environment; the order of engines rotates every
 repetition so machine drift cancels in the ratios. Prints medians and ratios to treeserve,
@@ -36,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -65,15 +67,20 @@ def run_engine(engine: str, model: str, workload: str, threads: int) -> dict:
     return json.loads(lines[-1][len("RESULT ") :])
 
 
-def run_rotating(engines: list[str], models: dict[str, str], workload: dict, repeats: int, threads: int) -> dict:
-    """{engine: [results]} with the order of engines rotated every repetition."""
+def run_rotating(engines: list[str], models: dict[str, str], workload: dict, repeats: int, threads: int,
+                 probe: Callable[[], float] | None = None) -> dict:  # fmt: skip
+    """{engine: [results]} with the order of engines rotated every repetition; `probe` (the
+    memory bandwidth) runs just before each treeserve run, its value kept in that run's result."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(workload, f)
     runs: dict[str, list[dict]] = {e: [] for e in engines}
     for rep in range(repeats):
         order = engines[rep % len(engines) :] + engines[: rep % len(engines)]
         for engine in order:
+            bandwidth = probe() if probe is not None and engine == "treeserve" else None
             result = run_engine(engine, models[engine], f.name, threads)
+            if bandwidth is not None:
+                result["bandwidth_gb_s"] = bandwidth / 1e9
             counted = result["tokens"] if workload["max_tokens"] > 1 else sum(len(p) for p in workload["prompts"])
             result["tokens_per_s"] = counted / result["seconds"]
             runs[engine].append(result)
@@ -82,10 +89,12 @@ def run_rotating(engines: list[str], models: dict[str, str], workload: dict, rep
     return runs
 
 
-def memory_bandwidth(threads: int) -> float:
-    """Bytes read + written per second copying a 1 GiB tensor (median of 7) with `threads` threads,
-    both tensors in 2 MiB pages where Linux gives them (as treeserve's weights and KV are; on this
-    VM that copies 30-37 GB/s against 28-30 in 4 KiB pages, so the floor is the lower one)."""
+def bandwidth_probe(threads: int) -> Callable[[], float]:
+    """A function giving bytes read + written per second copying a 1 GiB tensor (median of 7) with
+    `threads` threads, both tensors in 2 MiB pages where Linux gives them (as treeserve's weights
+    and KV are; on this VM that copies 30-37 GB/s against 28-30 in 4 KiB pages, so the floor is the
+    lower one). The VM's bandwidth moves by 1.5x within minutes (22.7-35.9 GB/s in eight probes of
+    one session), so each decode run is set against a probe made just before it."""
     import torch
 
     from treeserve.kernels.cpu.memory import huge_pages
@@ -93,12 +102,16 @@ def memory_bandwidth(threads: int) -> float:
     torch.set_num_threads(threads)
     src, dst = huge_pages(1 << 30).view(torch.float32), huge_pages(1 << 30).view(torch.float32)
     src.fill_(1.0)
-    times = []
-    for _ in range(8):
-        start = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    return 2 * src.numel() * src.element_size() / statistics.median(times[1:])
+
+    def probe() -> float:
+        times = []
+        for _ in range(8):
+            start = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - start)
+        return 2 * src.numel() * src.element_size() / statistics.median(times[1:])
+
+    return probe
 
 
 def gemma_main(args: argparse.Namespace, engines: list[str]) -> None:
@@ -133,10 +146,9 @@ def gemma_main(args: argparse.Namespace, engines: list[str]) -> None:
         "batch": dict(base, prompts=prompts(32, 32), n=4, max_tokens=128, temperature=0.8),
         "prefill": dict(base, prompts=prompts(1, 512), n=1, max_tokens=1, temperature=0.0),
     }
-    bandwidth = memory_bandwidth(args.threads)
+    probe = bandwidth_probe(args.threads)
     checkpoint = GGUFCheckpoint(gguf_path)
     weight_bytes = sum(int(t.n_bytes) for t in checkpoint.reader.tensors)  # as stored; tied LM head once
-    floor_ms = weight_bytes / bandwidth * 1e3
     results = {}
     unknown = set(args.scenarios) - set(scenarios)
     if unknown:
@@ -145,7 +157,8 @@ def gemma_main(args: argparse.Namespace, engines: list[str]) -> None:
         if name not in args.scenarios:
             continue
         print(f"\n== {name}", flush=True)
-        runs = run_rotating(engines, models, workload, args.repeats, args.threads)
+        runs = run_rotating(engines, models, workload, args.repeats, args.threads,
+                            probe if name == "decode1" else None)  # fmt: skip
         medians = {e: statistics.median(r["tokens_per_s"] for r in runs[e]) for e in engines}
         results[name] = {"medians": medians, "runs": runs}
     print(f"\nGemma 3 270M, median of {args.repeats} runs, {args.threads} threads:")
@@ -155,13 +168,22 @@ def gemma_main(args: argparse.Namespace, engines: list[str]) -> None:
         m = result["medians"]
         ratios = [f"{m['treeserve'] / m[e]:.2f}x" for e in engines if e != "treeserve"] if "treeserve" in m else []
         print(f"| {name} | " + " | ".join(f"{m[e]:.1f}" for e in engines) + " | " + " | ".join(ratios) + " |")
-    summary = {"bandwidth_gb_s": bandwidth / 1e9, "weight_bytes": weight_bytes, "floor_ms_per_token": floor_ms}
+    summary: dict = {"weight_bytes": weight_bytes}
     if "treeserve" in engines and "decode1" in results:
+        runs = results["decode1"]["runs"]["treeserve"]
+        for run in runs:  # each run against the bandwidth probed just before it
+            run["floor_ms_per_token"] = weight_bytes / run["bandwidth_gb_s"] / 1e6
+            run["ratio_to_floor"] = 1e3 / run["tokens_per_s"] / run["floor_ms_per_token"]
+        bandwidths = [run["bandwidth_gb_s"] for run in runs]
         decode_ms = 1e3 / results["decode1"]["medians"]["treeserve"]
-        summary.update(treeserve_decode_ms_per_token=decode_ms, ratio_to_floor=decode_ms / floor_ms)
-        print(f"memory bandwidth (copy) {bandwidth / 1e9:.1f} GB/s; quantised weights {weight_bytes / 1e6:.0f} MB; "
-              f"floor {floor_ms:.1f} ms/token; treeserve batch-1 decode {decode_ms:.1f} ms/token "
-              f"= {decode_ms / floor_ms:.2f}x the floor")  # fmt: skip
+        ratios = [run["ratio_to_floor"] for run in runs]
+        ratio = statistics.median(ratios)
+        summary.update(bandwidth_gb_s=statistics.median(bandwidths), treeserve_decode_ms_per_token=decode_ms,
+                       ratio_to_floor=ratio)  # fmt: skip
+        print(f"memory bandwidth (copy, probed before each run) {min(bandwidths):.1f}-{max(bandwidths):.1f} GB/s; "
+              f"quantised weights {weight_bytes / 1e6:.0f} MB; treeserve batch-1 decode {decode_ms:.1f} ms/token; "
+              f"against the floor of its own probe, median {ratio:.2f}x "
+              f"({', '.join(f'{r:.2f}' for r in ratios)})")  # fmt: skip
     if args.output:
         meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
                 "threads": args.threads, "argv": sys.argv, "summary": summary, "results": results}  # fmt: skip

@@ -11,6 +11,7 @@ sweep, so they stay in the caches and the time is the kernel's arithmetic). The 
 commit) run on the same panels in one process, passes alternated and their order swapped every
 repetition; without `--before` this tree's runs against itself (the harness's own spread).
 Prints the median ms of a pass, the ratio, and whether every output is bit-identical.
+`--lm-head`: the tied LM head's one matrix (262144 x 640 Q8_0 panels) instead of the layers.
 """
 
 from __future__ import annotations
@@ -56,16 +57,20 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--warm", action="store_true", help="4 layers kept in the caches: the arithmetic alone")
+    ap.add_argument("--lm-head", action="store_true", help="the tied LM head (178 MB of Q8_0 panels) instead")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = LLM(str(fetch_gguf("gemma3-270m"))).engine.model
     layers = model.layers[:4] if args.warm else model.layers
     plans = [layer.get_submodule(name).weight.plan for layer in layers for name in MATRICES]
+    if args.lm_head:
+        plans = [model.embed_tokens.weight.plan]
     if not all(plan.q8 and plan.laid_out for plan in plans):
         raise SystemExit("these matrices are not on the 8-bit kernel's packed panels (an AMX CPU keeps the file's)")
     libs = {"before": library(args.before), "after": library(None)}
     sweep = torch.empty(0 if args.warm else 64 << 20, dtype=torch.uint8)
-    print(f"{len(plans)} matrices, {args.threads} threads, {'warm' if args.warm else 'from memory'}")
+    print(f"{len(plans)} matrices, {sum(d.numel() for plan in plans for _, d, *_ in plan.tensors) / 1e6:.0f} MB, "
+          f"{args.threads} threads, {'warm' if args.warm else 'from memory'}")  # fmt: skip
     print("| rows | before ms | after ms | after / before | bit-identical |")
     print("|---|---|---|---|---|")
     for rows in (int(r) for r in args.rows.split(",")):

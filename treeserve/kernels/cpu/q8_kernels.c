@@ -773,7 +773,10 @@ void q8_panel_rows(const uint8_t *w, int64_t k, const int64_t *ids, int64_t coun
 #endif
 /* Laid-out panels stream as one run of bytes a thread: the hardware prefetcher alone read the
  * Gemma LM head at ~19 GB/s at one row; asking for the line 16 KB ahead (into L2) made ~26 GB/s,
- * the machine's read bandwidth (4-8 KB ahead: 20-23 GB/s; 32 KB: no better). */
+ * the machine's read bandwidth (4-8 KB ahead: 20-23 GB/s; 32 KB: no better). Each line is asked
+ * for once, the scales' too: asked for only as the codes were read, a panel's scale bytes' worth
+ * of lines (10 of Q8_0's 170) came on demand: the LM head took 1.00-1.09x as long at one row, the
+ * 72 layer matmuls 1.01-1.13x (bench/q8_layers.py's harness, alternated). */
 #define PANEL_AHEAD 16384
 
 /* Arguments as quant_kernels.c's qmatmul: W row-stacked from `parts` matrices in their formats. */
@@ -846,7 +849,10 @@ void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int6
                 if (!primed) /* the first PANEL_AHEAD bytes: later ones are asked for as the panels are read */
                     for (int64_t at = 0; at < PANEL_AHEAD; at += 64) _mm_prefetch((const char *)q.codes + at, _MM_HINT_T1);
                 primed = 1;
-                panel_scales(type, q.codes + k / 64 * group_bytes(layout_of(type)), k, q);
+                const int64_t scales_at = k / 64 * group_bytes(layout_of(type)); /* after the codes */
+                panel_scales(type, q.codes + scales_at, k, q);
+                for (int64_t at = scales_at; at < rb; at += 64) /* the codes' reads ask for the lines of codes only */
+                    _mm_prefetch((const char *)q.codes + at + PANEL_AHEAD, _MM_HINT_T1);
             } else {
                 const uint8_t *rows[NC];
                 float scales[NC];
