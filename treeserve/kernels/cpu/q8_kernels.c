@@ -775,8 +775,8 @@ void q8_panel_rows(const uint8_t *w, int64_t k, const int64_t *ids, int64_t coun
  * Gemma LM head at ~19 GB/s at one row; asking for the line 16 KB ahead (into L2) made ~26 GB/s,
  * the machine's read bandwidth (4-8 KB ahead: 20-23 GB/s; 32 KB: no better). Each line is asked
  * for once, the scales' too: asked for only as the codes were read, a panel's scale bytes' worth
- * of lines (10 of Q8_0's 170) came on demand: the LM head took 1.00-1.09x as long at one row, the
- * 72 layer matmuls 1.01-1.13x (bench/q8_layers.py's harness, alternated). */
+ * of lines (10 of Q8_0's 170) came on demand: the LM head took 1.04-1.07x as long at one row, the
+ * 72 layer matmuls 1.08-1.11x at one row, 1.17-1.22x at four (bench/q8_layers.py). */
 #define PANEL_AHEAD 16384
 
 /* Arguments as quant_kernels.c's qmatmul: W row-stacked from `parts` matrices in their formats. */
