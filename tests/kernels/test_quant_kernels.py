@@ -15,6 +15,7 @@ sum over blocks of (block scale / 2) * sum|w| (the activations' own rounding) of
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -197,7 +198,8 @@ def test_q8_0_laid_out_as_panels_gives_the_files_results_to_the_bit(dtype):
 def test_nibble_formats_laid_out_as_packed_panels_give_the_files_results_to_the_bit(qtype, k):
     """A nibble format's panels keep its codes packed (two a byte, plus Q5_0's fifth and Q6_K's
     top bits) and its scales as the file stores them: every row count gives the file layout's
-    bits, for one part alone and beside others in a fused matrix; the fp32 rows too. A table
+    bits, for one part alone and beside others in a fused matrix, at 1, 2 and 4 threads (each
+    thread a run of panels, ending inside a part at 4); the fp32 rows too. A table
     whose rows are looked up stays in the file's layout, and packed panels refuse a lookup."""
     n = 37  # the last panel holds 5 channels
     number = quant.QTYPES[qtype]
@@ -208,10 +210,16 @@ def test_nibble_formats_laid_out_as_packed_panels_give_the_files_results_to_the_
     assert [p.qtype for p in laid.parts] == [quant.PANELS + p.qtype for p in filed.parts]
     assert laid.parts[0].data.numel() == 3 * 16 * quant.row_bytes(number, k) and laid.shape == filed.shape
     generator = torch.Generator().manual_seed(k)
-    for dtype in (torch.bfloat16, torch.float32):
-        x = torch.randn(40, k, generator=generator).to(dtype)
-        for m in (1, 2, 3, 4, 5, 8, 9, 16, 17, 40):
-            assert torch.equal(quant_linear(x[:m], laid.to(dtype)), quant_linear(x[:m], filed.to(dtype))), (m, dtype)
+    threads = torch.get_num_threads()
+    try:  # each thread takes a run of the 6 panels: at 4 threads runs start and end inside parts
+        for dtype, count in itertools.product((torch.bfloat16, torch.float32), (1, 2, 4)):
+            torch.set_num_threads(count)
+            x = torch.randn(40, k, generator=generator).to(dtype)
+            for m in (1, 2, 3, 4, 5, 8, 9, 16, 17, 40):
+                laid_rows, filed_rows = quant_linear(x[:m], laid.to(dtype)), quant_linear(x[:m], filed.to(dtype))
+                assert torch.equal(laid_rows, filed_rows), (m, count)
+    finally:
+        torch.set_num_threads(threads)
     table = QuantTensor([QuantPart(number, data)], k)
     assert table.in_panels(lookups=True) is table
     with pytest.raises(ValueError, match="packed panels"):
