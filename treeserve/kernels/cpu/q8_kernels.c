@@ -16,11 +16,11 @@
  * the tiling, the threads, or which of VNNI and AMX computed its sums (tested).
  *
  * A matrix can be laid out once, at load, as its panels (`q8_panels`; type T + PANELS), the
- * file's size: Q8_0 as the codes `multiply` reads, a byte each, then each panel's fp16 block
- * scales; the nibble formats with their codes still packed (two a byte, plus Q5_0's fifth and
- * Q6_K's top bits), then their scales (`nibble_panel`). A thread then streams its panels as one
- * run of bytes (its first 16 KB asked for at once, then each line 16 KB ahead) instead of 16
- * rows at once; nothing is transposed per call. A few rows read the packed codes as they are
+ * file's size: each panel its block scales, then Q8_0's codes as `multiply` reads them, a byte
+ * each, or a nibble format's still packed (two a byte, plus Q5_0's fifth and Q6_K's top bits;
+ * `nibble_panel`). A thread then streams its panels as one run of bytes, in the order it reads
+ * them (its first 16 KB asked for at once, then lines 16 KB ahead) instead of 16 rows at once;
+ * nothing is transposed per call. A few rows read the packed codes as they are
  * (`group_vector`); more than a tile unpack a panel once (`expand`). AMX takes Q8_0's codes as
  * they lie and has no path for the packed ones. The same codes and scales, so the same bits as
  * the file's layout. (The nibble formats' panels measured no faster at prefill sizes, where
@@ -280,6 +280,11 @@ static void unpack_any(int type, const uint8_t *const *rows, const float *scales
     switch (type) { FORMATS(UNPACK_CASE) }
 }
 
+/* Bytes of a laid-out panel's block scales, before its codes (`q8_0_panel`, `nibble_panel`). */
+static inline int64_t panel_scale_bytes(int type, int64_t k) {
+    return type == T_Q6_K ? k / 256 * 288 : k; /* fp16 a 32-block, Q4_K's 256 bytes a super-block: k */
+}
+
 /* Bytes a 64-weight group of a panel's codes takes (16 channels), by layout. */
 static inline int64_t group_bytes(int layout) {
     return layout == EXPANDED ? 1024 : layout == NIBBLES ? 512 : layout == NIBBLES_BIT5 ? 640 : 768;
@@ -290,8 +295,8 @@ static inline int64_t group_bytes(int layout) {
  * (`q8_panels` documents the packed ones). Panels streamed from memory (p.ahead) ask for each
  * line p.ahead bytes on. Callers unroll i, so every offset below is a constant. */
 static inline __attribute__((always_inline)) __m512i group_vector(panel p, int layout, const uint8_t *group, int i) {
-    if (layout == EXPANDED) {
-        if (p.ahead) _mm_prefetch((const char *)group + i * 64 + p.ahead, _MM_HINT_T1);
+    if (layout == EXPANDED) { /* one line in 4 asked for: the hardware prefetcher follows the run */
+        if (p.ahead && !(i & 3)) _mm_prefetch((const char *)group + i * 64 + p.ahead, _MM_HINT_T1);
         return _mm512_load_si512(group + i * 64);
     }
     const uint8_t *line = group + (i >> 1) * 64;
@@ -620,12 +625,13 @@ static void multiply_amx_q8_0_panel(panel p, int64_t k, acts x, int64_t r0, __m5
 
 #endif
 
-/* Q8_0 rows w [n][k/32 blocks of 34 bytes] -> panels of NC channels, each k*NC unsigned codes
- * in `multiply`'s order (codes[k/4][NC][4], code = int8 weight ^ 0x80) then its fp16 block
- * scales [k/32][NC]: 17k bytes a panel, the file's size. Channels past n: code 0x80 (weight 0),
+/* Q8_0 rows w [n][k/32 blocks of 34 bytes] -> panels of NC channels, each its fp16 block scales
+ * [k/32][NC] (k bytes) then k*NC unsigned codes in `multiply`'s order (codes[k/4][NC][4], code =
+ * int8 weight ^ 0x80): 17k bytes a panel, the file's size. Channels past n: code 0x80 (weight 0),
  * scale 0. */
-static void q8_0_panel(const uint8_t *w, int64_t n, int64_t k, int64_t pn, uint8_t *codes) {
-    uint16_t *half = (uint16_t *)(codes + NC * k);
+static void q8_0_panel(const uint8_t *w, int64_t n, int64_t k, int64_t pn, uint8_t *out) {
+    uint16_t *half = (uint16_t *)out;
+    uint8_t *codes = out + panel_scale_bytes(T_Q8_0, k);
     for (int c = 0; c < NC; c++) {
         const int64_t ch = pn * NC + c;
         for (int64_t blk = 0; blk < k / 32; blk++) {
@@ -654,7 +660,7 @@ static __m512i codes_any(int type, const uint8_t *row, int64_t g) {
  * group, its 16 code vectors (`group_vector`'s order) packed two a line, vector 2t in the low
  * nibbles of line t and 2t+1 in the high ones; Q5_0 then adds each vector's fifth bits as a
  * 64-bit mask (bit 4c+j: channel c's weight j of the vector), Q6_K four lines of two-bit tops
- * (line u, bits 2v, 2v+1 of a byte: vector 4u+v's). After every group, the scales, a lane a
+ * (line u, bits 2v, 2v+1 of a byte: vector 4u+v's). Before every group, the scales, a lane a
  * channel: Q4_0/Q5_0 fp16 d [k/32][NC]; Q4_K a super-block's d|dmin and scale dwords
  * [k/256][4][NC]; Q6_K a super-block's fp16 d [NC] then its int8 scales [16][NC]. The file's
  * size. Channels past n: codes and scales 0 (weight 0). */
@@ -668,7 +674,7 @@ static void nibble_panel(int type, const uint8_t *w, int64_t n, int64_t k, int64
         __m512i r[NC];
         for (int c = 0; c < NC; c++) r[c] = rows[c] ? codes_any(type, rows[c], g) : _mm512_setzero_si512();
         transpose16(r);
-        uint8_t *group = out + g * group_bytes(layout);
+        uint8_t *group = out + panel_scale_bytes(type, k) + g * group_bytes(layout);
         for (int t = 0; t < 8; t++)
             _mm512_storeu_si512(group + 64 * t, _mm512_or_si512(_mm512_and_si512(r[2 * t], f),
                                                                 _mm512_slli_epi16(_mm512_and_si512(r[2 * t + 1], f), 4)));
@@ -687,7 +693,7 @@ static void nibble_panel(int type, const uint8_t *w, int64_t n, int64_t k, int64
                 _mm512_storeu_si512(group + 512 + 64 * u, top);
             }
     }
-    uint8_t *scales = out + k / 64 * group_bytes(layout);
+    uint8_t *scales = out;
     for (int c = 0; c < NC; c++) {
         const uint8_t *row = rows[c];
         if (type == T_Q4_0 || type == T_Q5_0) {
@@ -727,7 +733,7 @@ void q8_panels(int type, const uint8_t *w, int64_t n, int64_t k, int64_t rb, uin
     }
 }
 
-/* A laid-out panel's block scales (`scales`: after its codes) into p.scale (and Q4_K's minimum
+/* A laid-out panel's block scales (`scales`: its first bytes) into p.scale (and Q4_K's minimum
  * terms into p.low), each computed as the scales_T of the file's layout compute it. */
 static void panel_scales(int type, const uint8_t *scales, int64_t k, panel p) {
     if (type == T_Q4_K) {
@@ -756,8 +762,8 @@ static void panel_scales(int type, const uint8_t *scales, int64_t k, panel p) {
 /* Rows `ids` of laid-out Q8_0 panels, fp32: scale * code, the dequantiser's values (lookups). */
 void q8_panel_rows(const uint8_t *w, int64_t k, const int64_t *ids, int64_t count, float *out) {
     for (int64_t i = 0; i < count; i++) {
-        const uint8_t *codes = w + ids[i] / NC * 17 * k;
-        const uint16_t *half = (const uint16_t *)(codes + NC * k);
+        const uint16_t *half = (const uint16_t *)(w + ids[i] / NC * 17 * k);
+        const uint8_t *codes = (const uint8_t *)half + panel_scale_bytes(T_Q8_0, k);
         const int lane = (int)(ids[i] % NC);
         for (int64_t blk = 0; blk < k / 32; blk++) {
             const float d = _cvtsh_ss(half[blk * NC + lane]);
@@ -849,10 +855,11 @@ void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int6
                 if (!primed) /* the first PANEL_AHEAD bytes: later ones are asked for as the panels are read */
                     for (int64_t at = 0; at < PANEL_AHEAD; at += 64) _mm_prefetch((const char *)q.codes + at, _MM_HINT_T1);
                 primed = 1;
-                const int64_t scales_at = k / 64 * group_bytes(layout_of(type)); /* after the codes */
-                panel_scales(type, q.codes + scales_at, k, q);
-                for (int64_t at = scales_at; at < rb; at += 64) /* the codes' reads ask for the lines of codes only */
+                const int64_t scale_bytes = panel_scale_bytes(type, k);
+                panel_scales(type, q.codes, k, q);
+                for (int64_t at = 0; at < scale_bytes; at += 64) /* the codes' reads ask for the lines of codes only */
                     _mm_prefetch((const char *)q.codes + at + PANEL_AHEAD, _MM_HINT_T1);
+                q.codes += scale_bytes;
             } else {
                 const uint8_t *rows[NC];
                 float scales[NC];

@@ -34,14 +34,15 @@ static inline __attribute__((always_inline)) void tile_chunk(void (*deq)(const u
     }
 }
 
-/* Chunk c of a laid-out Q8_0 panel (codes[k/4][16][4] ^ 0x80, then fp16 scales [k/32][16]) as a
+/* Chunk c of a laid-out Q8_0 panel (fp16 scales [k/32][16], then codes[k/4][16][4] ^ 0x80) as a
  * bf16 B tile: 4 consecutive weights of the 16 channels a 64-byte line, two tile rows a line.
  * Each weight is float(code ^ 0x80) * float(scale) as deq_Q8_0 computes it: here
  * fma(code, d, -128 d), exact as that product is. Panels stream from memory one after the
  * other: the line AHEAD bytes on is asked for (q8_kernels.c's PANEL_AHEAD). */
 #define AHEAD 16384
-static void tile_q8_0_chunk(const uint8_t *codes, int64_t k, int64_t c, bf16 *dst) {
-    const uint16_t *half = (const uint16_t *)(codes + PANEL * k);
+static void tile_q8_0_chunk(const uint8_t *panel, int64_t k, int64_t c, bf16 *dst) {
+    const uint16_t *half = (const uint16_t *)panel;
+    const uint8_t *codes = panel + 2 * PANEL * (k / 32);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(half + c * PANEL)));
     __m512 scale[4], shift[4]; /* quarter q of a line: channels 4q..4q+3, 4 weights each */
     for (int q = 0; q < 4; q++) {
