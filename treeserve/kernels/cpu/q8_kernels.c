@@ -777,12 +777,13 @@ void q8_panel_rows(const uint8_t *w, int64_t k, const int64_t *ids, int64_t coun
 #ifndef PF_BYTES
 #define PF_BYTES 4096
 #endif
-/* Laid-out panels stream as one run of bytes a thread: the hardware prefetcher alone read the
- * Gemma LM head at ~19 GB/s at one row; asking for the line 16 KB ahead (into L2) made ~26 GB/s,
- * the machine's read bandwidth (4-8 KB ahead: 20-23 GB/s; 32 KB: no better). Each line is asked
- * for once, the scales' too: asked for only as the codes were read, a panel's scale bytes' worth
- * of lines (10 of Q8_0's 170) came on demand: the LM head took 1.04-1.07x as long at one row, the
- * 72 layer matmuls 1.08-1.11x at one row, 1.17-1.22x at four (bench/q8_layers.py). */
+/* Laid-out panels stream as one run of bytes a thread, read in the order they lie (a panel's
+ * scales, then its codes), with lines asked for 16 KB ahead into L2: each scale line, each line
+ * of packed codes, and one line in 4 of Q8_0's codes. With the scales after the codes (read
+ * first, then the codes from the panel's start) the hardware prefetcher did not follow the run,
+ * and asking for every line kept the LM head at 0.75-0.85x a plain read of its bytes: scales
+ * first and one line in 4 made it 0.80-0.84x as long, as fast as the plain read (the layers
+ * 0.91x). Asking for one line in 2 or 4 of the packed codes made the layers 1.2-1.4x slower. */
 #define PANEL_AHEAD 16384
 
 /* Arguments as quant_kernels.c's qmatmul: W row-stacked from `parts` matrices in their formats. */
