@@ -58,6 +58,8 @@ PYTHONS = {
 
 def run_engine(engine: str, model: str, workload: str, threads: int) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    if engine.startswith("treeserve"):  # this checkout's treeserve (a `git worktree`'s too), not the installed one
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(HERE), env.get("PYTHONPATH")]))
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     command = [PYTHONS[engine], os.path.join(HERE, "peers", "run_generate.py"), engine, model, workload]
     proc = subprocess.run(command, capture_output=True, text=True, env=env)
