@@ -293,7 +293,8 @@ static inline int64_t group_bytes(int layout) {
 /* Code vector i (0-15) of a panel's 64-weight group at `group` (weights 4i .. 4i+3 of the group,
  * 16 channels, 4 bytes a lane: what one vpdpbusd multiplies), read as `layout` lays it
  * (`q8_panels` documents the packed ones). Panels streamed from memory (p.ahead) ask for each
- * line p.ahead bytes on. Callers unroll i, so every offset below is a constant. */
+ * line of packed codes, and one line in 4 of byte codes, p.ahead bytes on. Callers unroll i, so
+ * every offset below is a constant. */
 static inline __attribute__((always_inline)) __m512i group_vector(panel p, int layout, const uint8_t *group, int i) {
     if (layout == EXPANDED) { /* one line in 4 asked for: the hardware prefetcher follows the run */
         if (p.ahead && !(i & 3)) _mm_prefetch((const char *)group + i * 64 + p.ahead, _MM_HINT_T1);
