@@ -12,6 +12,8 @@ commit) run on the same panels in one process, passes alternated and their order
 repetition; without `--before` this tree's runs against itself (the harness's own spread).
 Prints the median ms of a pass, the ratio, and whether every output is bit-identical.
 `--lm-head`: the tied LM head's one matrix (262144 x 640 Q8_0 panels) instead of the layers.
+The panels are laid out by this tree: a checkout that lays them out differently (before aae514a,
+each panel's scales came after its codes) reads them wrongly, and bit-identical says False.
 """
 
 from __future__ import annotations
