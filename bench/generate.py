@@ -91,12 +91,13 @@ def run_rotating(engines: list[str], models: dict[str, str], workload: dict, rep
     return runs
 
 
-def bandwidth_probe(threads: int) -> Callable[[], float]:
-    """A function giving bytes read + written per second copying a 1 GiB tensor (median of 7) with
-    `threads` threads, both tensors in 2 MiB pages where Linux gives them (as treeserve's weights
-    and KV are; on this VM that copies 30-37 GB/s against 28-30 in 4 KiB pages, so the floor is the
-    lower one). The VM's bandwidth moves by 1.5x within minutes (22.7-35.9 GB/s in eight probes of
-    one session), so each decode run is set against a probe made just before it."""
+def memory_bandwidth(threads: int) -> float:
+    """Bytes read + written per second copying a 1 GiB tensor (median of 7) with `threads` threads,
+    both tensors in 2 MiB pages where Linux gives them (as treeserve's weights and KV are; on this
+    VM that copies 30-37 GB/s against 28-30 in 4 KiB pages, so the floor is the lower one). The
+    VM's bandwidth moves by 1.5x within minutes (22.7-35.9 GB/s in eight probes of one session), so
+    each decode run is set against a probe made just before it; the 2 GiB are freed between probes
+    and the engines' runs."""
     import torch
 
     from treeserve.kernels.cpu.memory import huge_pages
@@ -104,16 +105,12 @@ def bandwidth_probe(threads: int) -> Callable[[], float]:
     torch.set_num_threads(threads)
     src, dst = huge_pages(1 << 30).view(torch.float32), huge_pages(1 << 30).view(torch.float32)
     src.fill_(1.0)
-
-    def probe() -> float:
-        times = []
-        for _ in range(8):
-            start = time.perf_counter()
-            dst.copy_(src)
-            times.append(time.perf_counter() - start)
-        return 2 * src.numel() * src.element_size() / statistics.median(times[1:])
-
-    return probe
+    times = []
+    for _ in range(8):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return 2 * src.numel() * src.element_size() / statistics.median(times[1:])
 
 
 def gemma_main(args: argparse.Namespace, engines: list[str]) -> None:
@@ -148,7 +145,6 @@ def gemma_main(args: argparse.Namespace, engines: list[str]) -> None:
         "batch": dict(base, prompts=prompts(32, 32), n=4, max_tokens=128, temperature=0.8),
         "prefill": dict(base, prompts=prompts(1, 512), n=1, max_tokens=1, temperature=0.0),
     }
-    probe = bandwidth_probe(args.threads)
     checkpoint = GGUFCheckpoint(gguf_path)
     weight_bytes = sum(int(t.n_bytes) for t in checkpoint.reader.tensors)  # as stored; tied LM head once
     results = {}
@@ -160,7 +156,7 @@ def gemma_main(args: argparse.Namespace, engines: list[str]) -> None:
             continue
         print(f"\n== {name}", flush=True)
         runs = run_rotating(engines, models, workload, args.repeats, args.threads,
-                            probe if name == "decode1" else None)  # fmt: skip
+                            (lambda: memory_bandwidth(args.threads)) if name == "decode1" else None)  # fmt: skip
         medians = {e: statistics.median(r["tokens_per_s"] for r in runs[e]) for e in engines}
         results[name] = {"medians": medians, "runs": runs}
     print(f"\nGemma 3 270M, median of {args.repeats} runs, {args.threads} threads:")
