@@ -42,7 +42,7 @@ static inline __attribute__((always_inline)) void tile_chunk(void (*deq)(const u
 #define AHEAD 16384
 static void tile_q8_0_chunk(const uint8_t *panel, int64_t k, int64_t c, bf16 *dst) {
     const uint16_t *half = (const uint16_t *)panel;
-    const uint8_t *codes = panel + 2 * PANEL * (k / 32);
+    const uint8_t *codes = panel + 2 * PANEL * (k / 32); /* after the scales: q8_kernels.c's panel_scale_bytes */
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(half + c * PANEL)));
     __m512 scale[4], shift[4]; /* quarter q of a line: channels 4q..4q+3, 4 weights each */
     for (int q = 0; q < 4; q++) {
