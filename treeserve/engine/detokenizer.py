@@ -15,6 +15,8 @@ looks. A request that streams reads it every step, so its text is made as tokens
 
 from __future__ import annotations
 
+import functools
+
 from tokenizers import Tokenizer as HFTokenizer
 
 from treeserve.engine.text_stream import text_stream
@@ -23,19 +25,26 @@ from treeserve.sampling_params import SamplingParams
 _CONTEXT_TOKENS = 6  # prompt tokens given to the stream so the first output token decodes right
 
 
+@functools.lru_cache(maxsize=64)
+def _shared(ids: frozenset[int]) -> frozenset[int]:
+    """One object for equal sets of ending ids: every sequence's checker reads the same set, which
+    a step's pass over the sequences then finds in the caches."""
+    return ids
+
+
 class StopChecker:
-    __slots__ = (
+    __slots__ = (  # what `append` reads for the usual token first: side by side in memory
+        "num_tokens",
+        "ending_ids",
+        "unread",
+        "max_tokens",
         "tokenizer",
         "prompt_context",
         "params",
         "eos_ids",
         "stop_ids",
-        "ending_ids",
         "step_text",
         "_text",
-        "unread",
-        "num_tokens",
-        "max_tokens",
         "stops_found",
         "stop_offsets",
         "search_from",
@@ -49,7 +58,7 @@ class StopChecker:
         self.params = params
         self.eos_ids = frozenset(() if params.ignore_eos else eos_ids)
         self.stop_ids = frozenset(params.stop_token_ids)
-        self.ending_ids = self.eos_ids | self.stop_ids
+        self.ending_ids = _shared(self.eos_ids | self.stop_ids)
         self.step_text = text_stream(tokenizer, self.prompt_context, params.skip_special_tokens)
         self._text = ""
         # tokens not yet in `_text`; None: the text is made as tokens come (stop strings; `lazy`

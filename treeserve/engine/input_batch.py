@@ -57,6 +57,7 @@ class InputBatch:
         # sequence with a short prompt (None) runs, has no twin, and its decodes skip the history
         # hash that finds twins
         self.prompt_users: Counter[int | None] = Counter()
+        self.shared_keys = 0  # keys with more than one running sequence (none: no decode looks its key up)
         # per row, the table length and last page written into `tables` (a decode that stays in its
         # page changes neither, and writes nothing)
         self.synced_len = [0] * capacity
@@ -69,7 +70,9 @@ class InputBatch:
         if not self.free_rows:
             self._grow()
         row = seq.row = self.free_rows.pop()
-        self.prompt_users[seq.request.prompt_key] += 1
+        key = seq.request.prompt_key
+        self.prompt_users[key] += 1
+        self.shared_keys += self.prompt_users[key] == 2
         self.synced_len[row], self.synced_last[row] = 0, -1
         p = seq.request.params
         if p is not None:
@@ -91,6 +94,7 @@ class InputBatch:
             self.drawing_rows -= p is not None and p.temperature > 0
             key = seq.request.prompt_key
             self.prompt_users[key] -= 1
+            self.shared_keys -= self.prompt_users[key] == 1
             if not self.prompt_users[key]:
                 del self.prompt_users[key]
             seq.row = -1
@@ -163,7 +167,7 @@ class InputBatch:
                     pending_at.append(at)
                     pending_from.append(seq.pending_row)
                     tokens.append(0)
-                if short_prompts or prompt_users[request.prompt_key] > 1:  # it may have a twin
+                if short_prompts or (self.shared_keys and prompt_users[request.prompt_key] > 1):  # it may have a twin
                     if seq.hashed == start - 1 and start % HISTORY_ANCHOR and seq.history_hash is not None:
                         # Sequence.history_key(start), one token on, inlined
                         seq.history_hash, seq.hashed = hash((seq.history_hash, ids[start - 1])), start

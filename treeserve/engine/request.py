@@ -38,40 +38,44 @@ class SeqStatus(Enum):
 
 @dataclass(eq=False, slots=True)
 class Sequence:
+    # The fields a decode step reads come first: the object starts on a cache line, so they fill
+    # its first two lines (after a forward has swept the caches, each further line costs a trip
+    # to memory, per sequence and step).
     request: Request
     index: int  # which of the request's completions (feeds the sampler's seeded draws)
     token_ids: list[int]
     detok: StopChecker | None
-    seq_id: int = field(default_factory=lambda: next(_seq_ids))
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0
+    # tokens sampled by steps not yet read back (overlapped steps); the newest is row
+    # `pending_row` of the samples of the step in flight, which the next step reads on the device
+    num_pending: int = 0
     block_table: list[int] = field(default_factory=list)
+    # speculative decoding: this step's drafted tokens (set before scheduling; () when none)
+    draft: list[int] | tuple[()] = ()
+    row: int = -1  # its row of the engine's persistent arrays while it runs (`input_batch.py`)
+    next_row: object = None  # the `step_plan.SampleRow` of its next token, made once (`input_batch.py`)
+    guide: Guide | None = None  # structured outputs: where this sequence is in its constraint
+    pending_forks: int = 0  # siblings to fork when the prompt is computed
+    pending_row: int = -1
+    # the rest: read by what a plain decode does not do
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
     block_hashes: list[int] = field(default_factory=list)
     # prefix cache: keys of the full prompt blocks this sequence computes itself (from block
     # `promised_from` on); sequences waiting for the same blocks wait for the cache instead
     promised_blocks: list[int] = field(default_factory=list)
     promised_from: int = 0
-    pending_forks: int = 0  # siblings to fork when the prompt is computed
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     # forward-only requests: what was read at each requested position (a recompute overwrites)
     score_rows: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = field(default_factory=dict)
-    guide: Guide | None = None  # structured outputs: where this sequence is in its constraint
-    # speculative decoding: this step's drafted tokens (set before scheduling), the drafting state
-    draft: list[int] = field(default_factory=list)
-    drafting: DraftState | None = None
+    drafting: DraftState | None = None  # the drafting state (speculative decoding)
     # a hash of token_ids[:hashed], kept up to date by history_key (twin rows: dedup.py)
     history_hash: int | None = None
     hashed: int = 0
-    # tokens sampled by steps not yet read back (overlapped steps); the newest is row
-    # `pending_row` of the samples of the step in flight, which the next step reads on the device
-    num_pending: int = 0
-    pending_row: int = -1
-    row: int = -1  # its row of the engine's persistent arrays while it runs (`input_batch.py`)
     order: tuple[int, int] = field(init=False)  # the scheduler's order: (its request's arrival, index)
-    next_row: object = None  # the `step_plan.SampleRow` of its next token, made once (`input_batch.py`)
 
     def __post_init__(self) -> None:
         self.order = (self.request.arrival, self.index)
