@@ -79,7 +79,7 @@ class Scheduler:
             self.running.sort(key=_ARRIVAL_ORDER)
             self._in_order = True
         blocks = self.blocks
-        block_size, ref_counts = blocks.block_size, blocks.ref_counts
+        block_size, ref_counts, pool = blocks.block_size, blocks.ref_counts, blocks.pool
         # decodes first, then prefills (`prefills`, deferred by the first pass), each in arrival order
         queue, prefills = list(self.running), []
         for decoding in (True, False):
@@ -96,7 +96,9 @@ class Scheduler:
                 n = uncomputed if uncomputed < budget else budget
                 table = seq.block_table
                 page = start // block_size  # written first: copied if shared (copy-on-write)
-                grows = len(table) * block_size < start + n or (page < len(table) and ref_counts[table[page]] > 1)
+                grows = len(table) * block_size < start + n or (
+                    pool.shared_pages and page < len(table) and ref_counts[table[page]] > 1
+                )
                 if grows:
                     room = self._make_room(seq, n, batch, can_preempt)
                     if room is None:
@@ -115,7 +117,7 @@ class Scheduler:
             queue = prefills
         promised = self._promised_blocks() if self.waiting else set()
         deferred: list[Sequence] = []
-        pool, owner = self.blocks.pool, self.blocks.owner
+        owner = self.blocks.owner
         starving = False
         while self.waiting and budget > 0 and pool.may_admit(owner):
             seq = self.waiting[0]

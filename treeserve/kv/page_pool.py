@@ -49,6 +49,7 @@ class PagePool:
             raise ValueError("the KV memory budget is smaller than one page")
         self.num_pages = num_pages
         self.ref_counts = [0] * num_pages
+        self.shared_pages = 0  # pages with more than one owner (none: no write needs a copy first)
         self.owner = [-1] * num_pages  # model index while in use or cached, -1 when free
         self.released_by = [-1] * num_pages  # a free page's last owner (-1: never owned)
         self.block_hash: list[int | None] = [None] * num_pages
@@ -129,10 +130,12 @@ class PagePool:
             self.num_cached[self.owner[block]] -= 1
             self.in_use[self.owner[block]] += 1
         self.ref_counts[block] += 1
+        self.shared_pages += self.ref_counts[block] == 2
 
     def release(self, block: int) -> None:
         self.ref_counts[block] -= 1
         count = self.ref_counts[block]
+        self.shared_pages -= count == 1
         if count < 0:
             raise AssertionError(f"page {block} released more often than acquired")
         if count == 0:
@@ -175,6 +178,8 @@ class PagePool:
             else:
                 in_use[self.owner[block]] += 1
         assert in_use == self.in_use, f"pages in use per model {self.in_use}, counted {in_use}"
+        shared = sum(count > 1 for count in self.ref_counts)
+        assert shared == self.shared_pages, f"{self.shared_pages} pages counted as shared, {shared} are"
         assert num_cached == self.num_cached, f"cached pages per model {self.num_cached}, counted {num_cached}"
         for key, block in self.hash_to_block.items():
             assert self.block_hash[block] == key, f"prefix cache maps a key to page {block} which holds another"
