@@ -8,7 +8,8 @@ the decoder allows). After each token the checker applies, in vLLM's order: EOS 
 `max_tokens`. (The sampler blocks EOS and stop token ids before `min_tokens`.)
 
 Without stop strings no rule reads the text, so it is made when it is read (`text`): a step
-only keeps the token, and the stream runs over the tokens kept since the last read. The text is
+only counts the token (the sequence's own list holds it), and the stream runs over the tokens
+appended since the last read. The text is
 the same read after every token or once at the end; a step no longer pays for it while nobody
 looks. A request that streams reads it every step, so its text is made as tokens come.
 """
@@ -36,8 +37,12 @@ class StopChecker:
     __slots__ = (  # what `append` reads for the usual token first: side by side in memory
         "num_tokens",
         "ending_ids",
-        "unread",
+        "lazy",
+        "owns_tokens",
         "max_tokens",
+        "tokens",
+        "text_from",
+        "text_end",
         "tokenizer",
         "prompt_context",
         "params",
@@ -52,7 +57,7 @@ class StopChecker:
     )
 
     def __init__(self, tokenizer: HFTokenizer, prompt_ids: list[int], params: SamplingParams, eos_ids: list[int],
-                 lazy: bool = True):  # fmt: skip
+                 lazy: bool = True, tokens: list[int] | None = None):  # fmt: skip
         self.tokenizer = tokenizer
         self.prompt_context = prompt_ids[-_CONTEXT_TOKENS:]
         self.params = params
@@ -61,9 +66,15 @@ class StopChecker:
         self.ending_ids = _shared(self.eos_ids | self.stop_ids)
         self.step_text = text_stream(tokenizer, self.prompt_context, params.skip_special_tokens)
         self._text = ""
-        # tokens not yet in `_text`; None: the text is made as tokens come (stop strings; `lazy`
-        # False: a stream, read every step anyway)
-        self.unread: list[int] | None = [] if lazy and not params.stop else None
+        # the text is made when read, from the tokens not yet in it (stop strings, or `lazy` False
+        # for a stream read every step anyway: made as tokens come)
+        self.lazy = lazy and not params.stop
+        # the tokens appended: the sequence's own list, from its length now on (its owner appends
+        # each token before telling `append`), or a list of the checker's own (`tokens` None)
+        self.owns_tokens = tokens is None
+        self.tokens = [] if tokens is None else tokens
+        self.text_from = len(self.tokens)  # tokens[text_from:] are not in `_text` yet
+        self.text_end: int | None = None  # the text ends before an ending token it leaves out
         self.num_tokens = 0
         self.max_tokens = params.max_tokens
         self.stops_found = 0
@@ -72,10 +83,12 @@ class StopChecker:
         self.search_from = 0
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
 
-    def clone(self, output_ids: list[int]) -> StopChecker:
-        """A checker at this one's state, which `output_ids` (the tokens appended so far) reached."""
-        twin = StopChecker(self.tokenizer, self.prompt_context, self.params, [], lazy=self.unread is not None)
+    def clone(self, output_ids: list[int], tokens: list[int] | None = None) -> StopChecker:
+        """A checker at this one's state, which `output_ids` (the tokens appended so far) reached;
+        `tokens`: the new sequence's own list, which ends with `output_ids` already."""
+        twin = StopChecker(self.tokenizer, self.prompt_context, self.params, [], lazy=self.lazy, tokens=tokens)
         twin.eos_ids, twin.ending_ids, twin.max_tokens = self.eos_ids, self.ending_ids, None
+        twin.text_from -= 0 if tokens is None else len(output_ids)
         for token in output_ids:
             twin.append(token)
         twin.max_tokens = self.max_tokens
@@ -85,27 +98,29 @@ class StopChecker:
     def text(self) -> str:
         """The text of the tokens appended so far (an ending token's only with
         `include_stop_str_in_output`)."""
-        if self.unread:
-            text, step = self._text, self.step_text
-            for token in self.unread:
-                chunk = step(token)
-                if chunk:
-                    text += chunk
-            self._text = text
-            self.unread.clear()
+        if self.lazy:
+            end = len(self.tokens) if self.text_end is None else self.text_end
+            if self.text_from < end:
+                text, step = self._text, self.step_text
+                for token in self.tokens[self.text_from : end]:
+                    chunk = step(token)
+                    if chunk:
+                        text += chunk
+                self._text, self.text_from = text, end
         return self._text
 
     def append(self, token: int) -> tuple[str, str | int | None] | None:
         """Add one generated token; returns (finish_reason, stop_reason) when the sequence ends."""
         self.num_tokens += 1
+        if self.owns_tokens:
+            self.tokens.append(token)
         ending = token in self.ending_ids
-        if self.unread is not None and not ending:  # the usual token: kept for the text, maybe the last
-            self.unread.append(token)
+        if self.lazy and not ending:  # the usual token: in the list for the text, maybe the last
             return ("length", None) if self.max_tokens is not None and self.num_tokens >= self.max_tokens else None
-        if self.unread is not None:  # an ending token, without stop strings: its text only if asked for
+        if self.lazy:  # an ending token, without stop strings: its text only if asked for
             chunk = None
-            if self.params.include_stop_str_in_output:
-                self.unread.append(token)
+            if not self.params.include_stop_str_in_output:
+                self.text_end = len(self.tokens) - 1
         else:
             chunk = self.step_text(token)
         if ending:

@@ -254,11 +254,11 @@ class LLMEngine:
         )
         request.plain = sampling is not None and not request.host_rows and sampling.prompt_logprobs is None
         request.prompt_key = hash(tuple(token_ids[:TWIN_KEY_TOKENS])) if len(token_ids) >= TWIN_KEY_TOKENS else None
-        detok = None
-        if sampling is not None:
-            detok = StopChecker(self.tokenizer.hf, token_ids, sampling, self.tokenizer.eos_token_ids, lazy=not stream)
-        seq = Sequence(request=request, index=0, token_ids=list(token_ids), detok=detok,
-                       pending_forks=request.width - 1)  # fmt: skip
+        tokens, detok = list(token_ids), None
+        if sampling is not None:  # it reads the sequence's own list of tokens
+            detok = StopChecker(self.tokenizer.hf, token_ids, sampling, self.tokenizer.eos_token_ids, lazy=not stream,
+                                tokens=tokens)  # fmt: skip
+        seq = Sequence(request=request, index=0, token_ids=tokens, detok=detok, pending_forks=request.width - 1)
         seq.logprobs = [] if sampling and sampling.logprobs is not None else None
         if sampling and sampling.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * len(token_ids)

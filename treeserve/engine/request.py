@@ -117,11 +117,12 @@ class Sequence:
     def fork(self, index: int, block_table: list[int]) -> Sequence:
         """A sibling at this sequence's state before its first sampled token (n > 1), sharing the
         pages of `block_table`."""
+        tokens = list(self.token_ids)
         return Sequence(
             request=self.request,
             index=index,
-            token_ids=list(self.token_ids),
-            detok=self.detok.clone(self.token_ids[self.num_prompt_tokens :]) if self.detok else None,
+            token_ids=tokens,
+            detok=self.detok.clone(self.token_ids[self.num_prompt_tokens :], tokens) if self.detok else None,
             status=self.status,
             num_computed_tokens=len(self.token_ids),
             block_table=block_table,
