@@ -88,10 +88,10 @@ def test_history_key_does_not_depend_on_where_hashing_began():
     tokens = [(31 * i) % 97 for i in range(3 * HISTORY_ANCHOR + 5)]
     request = Request("r", None, tokens[:10], None, None, 0, 0)
     for began in (1, 9, HISTORY_ANCHOR - 1, HISTORY_ANCHOR, 2 * HISTORY_ANCHOR + 3):
-        seq = Sequence(request, 0, list(tokens), None)
-        fresh = [Sequence(request, 0, list(tokens), None).history_key(n) for n in range(began, len(tokens))]
+        seq = Sequence(request, list(tokens), None)
+        fresh = [Sequence(request, list(tokens), None).history_key(n) for n in range(began, len(tokens))]
         assert [seq.history_key(n) for n in range(began, len(tokens))] == fresh
-    assert seq.history_key(5) == Sequence(request, 0, list(tokens), None).history_key(5)  # back
-    assert seq.history_key(len(tokens)) == Sequence(request, 0, list(tokens), None).history_key(len(tokens))
-    other = Sequence(request, 0, tokens[:-1] + [tokens[-1] + 1], None)
+    assert seq.history_key(5) == Sequence(request, list(tokens), None).history_key(5)  # back
+    assert seq.history_key(len(tokens)) == Sequence(request, list(tokens), None).history_key(len(tokens))
+    other = Sequence(request, tokens[:-1] + [tokens[-1] + 1], None)
     assert other.history_key(len(tokens))[1] != seq.history_key(len(tokens))[1]

@@ -145,7 +145,7 @@ class InputBatch:
                 first = 0
             else:
                 first = start // bs
-            if len(table) != synced_len[row] or table[-1] != synced_last[row]:
+            if len(table) != synced_len[row] or table[-1] is not synced_last[row]:  # (an equal page: written again)
                 sync_rows += [row] * (len(table) - first)
                 sync_cols += range(first, len(table))
                 sync_pages += table[first:]
@@ -153,11 +153,13 @@ class InputBatch:
             starts.append(start)
             lens.append(n)
             rows.append(row)
-            if request.stream:
+            quiet = seq.quiet  # (then nothing of its request is read: one cache line less)
+            if not quiet and request.stream:
                 step.streaming.append(item)
             ids = seq.token_ids
             at = len(tokens)
-            if n == 1 and request.plain and not seq.pending_forks and start + 1 == len(ids) + seq.num_pending:
+            plain = quiet or request.plain
+            if n == 1 and plain and not seq.pending_forks and start + 1 == len(ids) + seq.num_pending:
                 # a plain decode (most rows of a step): one input token, the next one sampled
                 if not (start + 1) % bs:
                     step.crossing.append(item)

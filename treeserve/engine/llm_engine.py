@@ -258,7 +258,8 @@ class LLMEngine:
         if sampling is not None:  # it reads the sequence's own list of tokens
             detok = StopChecker(self.tokenizer.hf, token_ids, sampling, self.tokenizer.eos_token_ids, lazy=not stream,
                                 tokens=tokens)  # fmt: skip
-        seq = Sequence(request=request, index=0, token_ids=tokens, detok=detok, pending_forks=request.width - 1)
+        seq = Sequence(request=request, index=0, token_ids=tokens, detok=detok, pending_forks=request.width - 1,
+                       quiet=request.plain and not stream)  # fmt: skip
         seq.logprobs = [] if sampling and sampling.logprobs is not None else None
         if sampling and sampling.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * len(token_ids)

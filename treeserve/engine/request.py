@@ -42,7 +42,6 @@ class Sequence:
     # its first two lines (after a forward has swept the caches, each further line costs a trip
     # to memory, per sequence and step).
     request: Request
-    index: int  # which of the request's completions (feeds the sampler's seeded draws)
     token_ids: list[int]
     detok: StopChecker | None
     status: SeqStatus = SeqStatus.WAITING
@@ -57,8 +56,10 @@ class Sequence:
     next_row: object = None  # the `step_plan.SampleRow` of its next token, made once (`input_batch.py`)
     guide: Guide | None = None  # structured outputs: where this sequence is in its constraint
     pending_forks: int = 0  # siblings to fork when the prompt is computed
+    quiet: bool = False  # its request is `plain` and does not stream: a decode needs nothing but its token
     pending_row: int = -1
     # the rest: read by what a plain decode does not do
+    index: int = 0  # which of the request's completions (feeds the sampler's seeded draws)
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     block_hashes: list[int] = field(default_factory=list)
     # prefix cache: keys of the full prompt blocks this sequence computes itself (from block
@@ -123,6 +124,7 @@ class Sequence:
             index=index,
             token_ids=tokens,
             detok=self.detok.clone(self.token_ids[self.num_prompt_tokens :], tokens) if self.detok else None,
+            quiet=self.quiet,
             status=self.status,
             num_computed_tokens=len(self.token_ids),
             block_table=block_table,
