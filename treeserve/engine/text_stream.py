@@ -258,11 +258,13 @@ class JoinedStream:
             self._clean = False
             if self._last is not None:
                 self._window, self._prefix, self._last = self._raw[self._last], self._texts[self._last], None
-        self._take_prefix()
-        pending = self._pending + self._bytes(token)
+        if not self._prefix:
+            self._take_prefix()
+        raw = self._raw
+        pending = self._pending + (raw[token] if token < len(raw) else b"")  # `_bytes`, inlined
         string = (self._window + pending).decode("utf-8", "replace")
         prefix = self._prefix
-        if len(string.encode()) <= len(prefix.encode()) or string.endswith(_REPLACEMENT):
+        if string.endswith(_REPLACEMENT) or len(string.encode()) <= len(prefix.encode()):
             self._pending = pending
             return None
         if not string.startswith(prefix):
