@@ -95,3 +95,23 @@ def test_history_key_does_not_depend_on_where_hashing_began():
     assert seq.history_key(len(tokens)) == Sequence(request, list(tokens), None).history_key(len(tokens))
     other = Sequence(request, tokens[:-1] + [tokens[-1] + 1], None)
     assert other.history_key(len(tokens))[1] != seq.history_key(len(tokens))[1]
+
+
+def test_shared_keys_count_the_prompt_keys_of_two_running_sequences(llama_dir, make_llm):
+    """`InputBatch.shared_keys` (decodes look their key up only while it is > 0) equals the number
+    of prompt keys two or more running sequences hold, after every step, as requests with shared
+    and lone prompts start, fork (n > 1) and end at different steps."""
+    engine = make_llm(llama_dir).engine
+    long_a = [(5 * i + 1) % 200 + 5 for i in range(TWIN_KEY_TOKENS + 4)]
+    long_b = [(11 * i + 2) % 200 + 5 for i in range(TWIN_KEY_TOKENS + 2)]
+    requests = [(long_a, 3, 1), (long_a, 9, 1), (long_b, 5, 2), (long_b[:4], 6, 1), (long_a + [7], 12, 3)]
+    for i, (ids, max_tokens, n) in enumerate(requests):
+        params = SamplingParams(temperature=0.5, seed=i, max_tokens=max_tokens, n=n, ignore_eos=True)
+        engine.add_request(f"r{i}", {"prompt_token_ids": ids}, params)
+    seen = set()
+    while engine.has_unfinished_requests():
+        engine.step()
+        users = engine.inputs.prompt_users
+        assert engine.inputs.shared_keys == sum(count > 1 for count in users.values())
+        seen.add(engine.inputs.shared_keys)
+    assert engine.inputs.shared_keys == 0 and len(seen) > 2  # it rose and fell

@@ -97,3 +97,25 @@ def test_engine_applies_stop_strings(llama_dir, make_llm):
     assert llm.generate([prompt], params)[0].outputs[0].text == free.text[: cut + len(stop)]
     limited = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].outputs[0]
     assert limited.finish_reason == "length" and limited.token_ids == free.token_ids[:4]
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_engine_text_from_the_sequences_own_tokens(llama_dir, make_llm, include):
+    """The engine's lazy checkers make the text from each sequence's own token list (forks of an
+    n > 1 request from theirs): every completion's text is the text a checker that keeps its own
+    list gives for the same tokens, with an ending token's text only when asked for."""
+    llm = make_llm(llama_dir)
+    tokenizer = llm.engine.tokenizer
+    prompt = "Once upon a time"
+    first = llm.generate([prompt], SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True))
+    end = first[0].outputs[0].token_ids[5]  # a token some completions sample: it ends them there
+    params = SamplingParams(temperature=0.8, seed=3, n=4, max_tokens=12, stop_token_ids=[end],
+                            include_stop_str_in_output=include)  # fmt: skip
+    out = llm.generate([prompt], params)[0]
+    prompt_ids = out.prompt_token_ids
+    assert len(out.outputs) == 4 and any(c.finish_reason == "stop" for c in out.outputs)
+    for completion in out.outputs:
+        alone = StopChecker(tokenizer.hf, prompt_ids, params, tokenizer.eos_token_ids)
+        for token in completion.token_ids:
+            alone.append(token)
+        assert completion.text == alone.text
