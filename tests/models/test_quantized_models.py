@@ -146,7 +146,7 @@ def _steps_through(llm: LLM, fused: bool) -> list[int]:
 
     def counted(x, positions, attn):  # noqa: ANN001, ANN202 - the stack's own signature
         ran = stack(x, positions, attn)
-        taken.append(x.shape[0] if ran else 0)
+        taken.append(x.shape[0] if ran is not None else 0)
         return ran
 
     model.decode_stack = counted

@@ -43,56 +43,67 @@ def _weights(layer: nn.Module, local_rope: bool) -> kernels.LayerWeights | None:
         norms = (layer.input_layernorm, None, None, None, layer.post_attention_layernorm, None)
     tensors = []
     for norm in norms:
-        if norm is None:
-            tensors.append(None)
-        elif isinstance(norm, GemmaRMSNorm) and norm.use_c:
-            tensors.append(norm.gain())
-        elif isinstance(norm, RMSNorm) and norm.use_c:
-            tensors.append(norm.weight.detach())
-        else:
+        tensor = None if norm is None else _norm_tensor(norm)
+        if norm is not None and tensor is None:
             return None
+        tensors.append(tensor)
     plans = [lin.weight.plan for lin in linears]
     biases = tuple(None if lin.bias is None else lin.bias.detach().float().contiguous() for lin in linears)
     return kernels.LayerWeights(*plans, tuple(tensors), biases, attn.window, local_rope)
 
 
-class DecodeStack:
-    """Runs a step's decoder layers in one C call; `__call__` says whether it took the step."""
+def _norm_tensor(norm: nn.Module) -> torch.Tensor | None:
+    """What the C norm reads of a norm on the C kernels: Gemma's fp32 gain or Llama's bf16 weight;
+    None where the norm is not on them."""
+    if isinstance(norm, GemmaRMSNorm) and norm.use_c:
+        return norm.gain()
+    if isinstance(norm, RMSNorm) and norm.use_c:
+        return norm.weight.detach()
+    return None
 
-    def __init__(self, stack: kernels.Stack, ropes: tuple[RotaryEmbedding, RotaryEmbedding]):
+
+class DecodeStack:
+    """Runs a step's decoder layers and the final norm in one C call; `__call__` gives the normed
+    hidden states, or None where it did not take the step."""
+
+    def __init__(self, stack: kernels.Stack):
         self.stack = stack
-        self.ropes = ropes
 
     @staticmethod
     def build(
         layers: Sequence[nn.Module],
+        final_norm: nn.Module,
         ropes: tuple[RotaryEmbedding, RotaryEmbedding],
         act: Callable[[torch.Tensor], torch.Tensor],
         intermediate: int,
         eps: float,
     ) -> DecodeStack | None:
-        """For Gemma 3 or Llama-family decoder layers (`ropes`: the global layers' table, then the
-        sliding-window layers'; `act` the MLP's activation): None unless every layer runs on the
-        C kernels (picked already), the activation's rows are whole vectors, and the library built."""
+        """For Gemma 3 or Llama-family decoder layers and the model's final norm (`ropes`: the
+        global layers' table, then the sliding-window layers'; `act` the MLP's activation): None
+        unless every layer and the final norm run on the C kernels (picked already), the
+        activation's rows are whole vectors, and the library built."""
         if not all(rope.use_c for rope in ropes) or intermediate % 64:
             return None
         weights = [_weights(layer, layer.self_attn.window is not None) for layer in layers]
-        if not weights or any(w is None for w in weights) or not kernels.available():  # built only when used
+        final = _norm_tensor(final_norm)
+        if not weights or any(w is None for w in weights) or final is None or final_norm.eps != eps:
+            return None
+        if not kernels.available():  # built only when used
             return None
         q_heads, kv_heads, head_dim = layers[0].self_attn.shape
         hidden = layers[0].input_layernorm.weight.shape[0]
         shapes = dict(hidden=hidden, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, intermediate=intermediate)
-        return DecodeStack(kernels.Stack(shapes, eps, cpu_kernels.act_table(act), weights), ropes)
+        tables = (ropes[0].cos, ropes[0].sin, ropes[1].cos, ropes[1].sin)
+        return DecodeStack(kernels.Stack(shapes, eps, cpu_kernels.act_table(act), weights, final, tables))
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, attn: Attention) -> bool:
-        """Run every layer over x [T, hidden] in place, where the step allows; False: it did not."""
-        if x.dtype != torch.bfloat16 or not x.is_contiguous():
-            return False
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor | None:
+        """Every layer over x [T, hidden] (in place) and the final norm, where the step allows:
+        the normed rows; None: it did not take the step."""
+        if x.dtype != torch.bfloat16 or not x.is_contiguous() or positions.dtype != torch.int64:
+            return None
         pages = attn.decode_pages()
         if pages is None or pages.k_cache.dtype != torch.bfloat16:
-            return False
-        rows = [rope.lookup(positions, torch.bfloat16) for rope in self.ropes]
+            return None
         scale = pages.scale or self.stack.shapes["head_dim"] ** -0.5
-        self.stack.run(x, rows, pages.slot_pages, pages.slot_offsets, pages.tables, pages.context_lens,
-                       pages.k_cache, pages.layer_stride, pages.v_offset, scale)  # fmt: skip
-        return True
+        return self.stack.run(x, positions.contiguous(), pages.slot_pages, pages.slot_offsets, pages.tables,
+                              pages.context_lens, pages.k_cache, pages.layer_stride, pages.v_offset, scale)  # fmt: skip

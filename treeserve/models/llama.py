@@ -159,8 +159,8 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config
         act = self.layers[0].mlp.act
         if cfg.tp_size == 1 and cfg.pp_size == 1:  # one C call for every layer: no place for collectives
-            self.decode_stack = DecodeStack.build(self.layers, self.rope_tables(), act, cfg.intermediate_size,
-                                                  cfg.rms_norm_eps)  # fmt: skip
+            self.decode_stack = DecodeStack.build(self.layers, self.norm, self.rope_tables(), act,
+                                                  cfg.intermediate_size, cfg.rms_norm_eps)  # fmt: skip
 
     def attach(self, tp: RankGroup) -> None:
         """Join `tp` (this model holds rank tp.rank's shard): every layer that reduces or gathers."""
@@ -180,8 +180,8 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
         x = self.embed(input_ids)
-        if self.decode_stack is not None and self.decode_stack(x, positions, attn):
-            return self.norm(x)
+        if self.decode_stack is not None and (normed := self.decode_stack(x, positions, attn)) is not None:
+            return normed  # every layer and the final norm in one C call
         return self.norm(self.run_layers(x, positions, attn))
 
     @property

@@ -17,7 +17,9 @@
  * lacks is skipped. A matrix's bias (Qwen2's q/k/v) goes to the matmul, as the per-layer path
  * passes it.
  * Tokens are the step's rows; row t is sequence t's one query (speculative rows are
- * sequences of their own here, as in the engine's decode group).
+ * sequences of their own here, as in the engine's decode group). Each row's rope rows are the
+ * fp32 tables' rows at its position rounded to bf16 (as the per-layer path's lookup rounds
+ * them), and after the last layer the model's final norm writes `out`.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -73,11 +75,14 @@ typedef struct { /* the model's shapes and the kernels the layers call */
     store_fn store;
     attend_fn attend;
     gated_fn gated; /* act(gate) * up from the table */
+    const float *final_gain;  /* the model's final norm: Gemma's fp32 1 + w ... */
+    const bf16 *final_weight; /* ... or Llama's bf16 w */
 } stack;
 
-typedef struct { /* one step: rows, their rope rows, KV slots and pages */
+typedef struct { /* one step: rows, their positions, KV slots and pages */
     int64_t tokens;
-    const bf16 *cos[2], *sin[2]; /* [tokens, head_dim] each */
+    const int64_t *positions;
+    const float *cos[2], *sin[2]; /* fp32 rope tables [positions, head_dim]: 0 global, 1 local */
     const int64_t *slot_pages, *slot_offsets, *tables, *context_lens;
     int64_t table_stride;
     bf16 *k_cache;         /* layer 0's K pages; layer l's at k_cache + l * layer_stride */
@@ -104,20 +109,30 @@ static const bf16 *norm(const stack *s, const layer *ly, int which, const bf16 *
     return out;
 }
 
-void decode_stack_bf16(const stack *s, const layer *layers, int count, const step *st, bf16 *x) {
+void decode_stack_bf16(const stack *s, const layer *layers, int count, const step *st, bf16 *x, bf16 *out) {
     const int64_t t = st->tokens, hidden = s->hidden, dim = s->head_dim;
     const int64_t q_size = (int64_t)s->q_heads * dim, kv_size = (int64_t)s->kv_heads * dim;
     const int64_t qkv_width = q_size + 2 * kv_size, inter = s->intermediate;
     const int threads = st->threads;
     /* scratch rows, each run starting on a 64-byte line (what torch.empty gives the per-op path) */
-    const int64_t widths[10] = {hidden, hidden, qkv_width, q_size, q_size, q_size, kv_size, kv_size, 2 * inter, inter};
-    size_t offsets[11] = {0};
-    for (int i = 0; i < 10; i++) offsets[i + 1] = offsets[i] + ((size_t)t * widths[i] * sizeof(bf16) + 63) / 64 * 64;
-    char *buf = (char *)aligned_alloc(64, offsets[10]);
-    bf16 *run[10];
-    for (int i = 0; i < 10; i++) run[i] = (bf16 *)(buf + offsets[i]);
+    const int64_t widths[14] = {hidden, hidden, qkv_width, q_size, q_size, q_size, kv_size, kv_size, 2 * inter, inter,
+                                dim, dim, dim, dim};
+    size_t offsets[15] = {0};
+    for (int i = 0; i < 14; i++) offsets[i + 1] = offsets[i] + ((size_t)t * widths[i] * sizeof(bf16) + 63) / 64 * 64;
+    char *buf = (char *)aligned_alloc(64, offsets[14]);
+    bf16 *run[14];
+    for (int i = 0; i < 14; i++) run[i] = (bf16 *)(buf + offsets[i]);
     bf16 *h = run[0], *y = run[1], *qkv = run[2], *qn = run[3], *q = run[4], *att = run[5], *kn = run[6], *k = run[7],
          *gu = run[8], *mix = run[9];
+    bf16 *cos[2] = {run[10], run[11]}, *sin[2] = {run[12], run[13]};
+    for (int table = 0; table < 2; table++) /* each row's cos/sin at its position, rounded as `.to(bfloat16)` */
+        for (int64_t r = 0; r < t; r++) {
+            const float *c = st->cos[table] + st->positions[r] * dim, *sn = st->sin[table] + st->positions[r] * dim;
+            for (int64_t d = 0; d < dim; d++) {
+                cos[table][r * dim + d] = store_bf16(c[d]);
+                sin[table][r * dim + d] = store_bf16(sn[d]);
+            }
+        }
     for (int l = 0; l < count; l++) {
         const layer *ly = &layers[l];
         /* attention */
@@ -128,8 +143,8 @@ void decode_stack_bf16(const stack *s, const layer *layers, int count, const ste
         }
         const bf16 *qh = norm(s, ly, Q_NORM, qn, t * s->q_heads, dim, qn, threads);
         const bf16 *kh = norm(s, ly, K_NORM, kn, t * s->kv_heads, dim, kn, threads);
-        s->rope(qh, q_size, t, s->q_heads, dim, st->cos[ly->rope], st->sin[ly->rope], q, threads);
-        s->rope(kh, kv_size, t, s->kv_heads, dim, st->cos[ly->rope], st->sin[ly->rope], k, threads);
+        s->rope(qh, q_size, t, s->q_heads, dim, cos[ly->rope], sin[ly->rope], q, threads);
+        s->rope(kh, kv_size, t, s->kv_heads, dim, cos[ly->rope], sin[ly->rope], k, threads);
         char *k_cache = (char *)(st->k_cache + l * st->layer_stride);
         s->store((const char *)k, kv_size, (const char *)(qkv + q_size + kv_size), qkv_width, t, kv_size,
                  sizeof(bf16), k_cache, st->page_stride, kv_size, st->v_offset, st->slot_pages, st->slot_offsets);
@@ -144,5 +159,6 @@ void decode_stack_bf16(const stack *s, const layer *layers, int count, const ste
         matmul(s, &ly->down, mix, t, y, threads);
         residual_add(x, norm(s, ly, POST_MLP_NORM, y, t, hidden, h, threads), t * hidden);
     }
+    s->norm(x, t, (int)hidden, s->final_gain, s->final_weight, s->eps, out, threads);
     free(buf);
 }

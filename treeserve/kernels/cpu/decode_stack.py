@@ -41,14 +41,14 @@ class Layer(ctypes.Structure):
 class StackArgs(ctypes.Structure):
     _fields_ = [("hidden", _int), ("q_heads", _int), ("kv_heads", _int), ("head_dim", _int), ("intermediate", _int),
                 ("eps", _float), ("act", _ptr), ("matmul", _ptr), ("norm", _ptr), ("rope", _ptr), ("store", _ptr),
-                ("attend", _ptr), ("gated", _ptr)]  # fmt: skip
+                ("attend", _ptr), ("gated", _ptr), ("final_gain", _ptr), ("final_weight", _ptr)]  # fmt: skip
 
 
 class Step(ctypes.Structure):
-    _fields_ = [("tokens", _i64), ("cos", _ptr * 2), ("sin", _ptr * 2), ("slot_pages", _ptr), ("slot_offsets", _ptr),
-                ("tables", _ptr), ("context_lens", _ptr), ("table_stride", _i64), ("k_cache", _ptr),
-                ("layer_stride", _i64), ("page_stride", _i64), ("v_offset", _i64), ("block_size", _int),
-                ("scale", _float), ("threads", _int)]  # fmt: skip
+    _fields_ = [("tokens", _i64), ("positions", _ptr), ("cos", _ptr * 2), ("sin", _ptr * 2), ("slot_pages", _ptr),
+                ("slot_offsets", _ptr), ("tables", _ptr), ("context_lens", _ptr), ("table_stride", _i64),
+                ("k_cache", _ptr), ("layer_stride", _i64), ("page_stride", _i64), ("v_offset", _i64),
+                ("block_size", _int), ("scale", _float), ("threads", _int)]  # fmt: skip
 
 
 @cache
@@ -61,7 +61,7 @@ def load() -> ctypes.CDLL | None:
     if lib is None:
         return None
     lib.decode_stack_bf16.argtypes = [ctypes.POINTER(StackArgs), ctypes.POINTER(Layer), _int, ctypes.POINTER(Step),
-                                      _ptr]  # fmt: skip
+                                      _ptr, _ptr]  # fmt: skip
     return lib
 
 
@@ -98,19 +98,30 @@ class LayerWeights:
 
 
 class Stack:
-    """The C structs of a model's decoder layers (shapes as `decode_stack.c` documents)."""
+    """The C structs of a model's decoder layers and final norm (shapes as `decode_stack.c` documents)."""
 
-    def __init__(self, shapes: dict[str, int], eps: float, act: torch.Tensor, layers: list[LayerWeights]):
+    def __init__(self, shapes: dict[str, int], eps: float, act: torch.Tensor, layers: list[LayerWeights],
+                 final_norm: torch.Tensor, ropes: tuple[torch.Tensor, ...]):  # fmt: skip
+        """`final_norm`: the model's last norm, an fp32 gain (Gemma's 1 + w) or bf16 weight (Llama's);
+        `ropes`: the fp32 cos and sin tables [positions, head_dim] of the global layers, then the
+        local ones'."""
         assert act.dtype == torch.bfloat16 and act.shape == ((1 << 16) + 2,) and act.is_contiguous()  # act_table
+        assert final_norm.is_contiguous() and final_norm.dtype in (torch.float32, torch.bfloat16)
+        assert all(t.dtype == torch.float32 and t.is_contiguous() and t.shape[1] == shapes["head_dim"] for t in ropes)
         cpu = cpu_kernels.load()
         functions = {_address(plan.function) for w in layers for plan in (w.qkv, w.o, w.gate_up, w.down)}
         assert len(functions) == 1, "every matrix of the stack on one matmul (8-bit, tiles or dense panels)"
         self.shapes = shapes
-        self.keep = [act, layers]  # the tensors and plans the structs point into
+        self.keep = [act, layers, final_norm, ropes]  # the tensors and plans the structs point into
+        gain = final_norm.data_ptr() if final_norm.dtype == torch.float32 else None
+        weight = final_norm.data_ptr() if final_norm.dtype == torch.bfloat16 else None
         self.args = StackArgs(shapes["hidden"], shapes["q_heads"], shapes["kv_heads"], shapes["head_dim"],
                               shapes["intermediate"], eps, act.data_ptr(), functions.pop(),
                               _address(cpu.rms_norm_bf16), _address(cpu.rope_bf16), _address(cpu.store_kv),
-                              _address(cpu.paged_decode_bf16), _address(cpu.gated_act_bf16))  # fmt: skip
+                              _address(cpu.paged_decode_bf16), _address(cpu.gated_act_bf16), gain, weight)  # fmt: skip
+        global_cos, global_sin, local_cos, local_sin = ropes
+        self.cos = (_ptr * 2)(global_cos.data_ptr(), local_cos.data_ptr())
+        self.sin = (_ptr * 2)(global_sin.data_ptr(), local_sin.data_ptr())
         self.layers = (Layer * len(layers))()
         for i, w in enumerate(layers):
             assert len(w.norms) == NORMS and all(n is None or n.is_contiguous() for n in w.norms)
@@ -121,17 +132,19 @@ class Stack:
             norms = ((_ptr * NORMS)(*gains), (_ptr * NORMS)(*weights))
             self.layers[i] = Layer(*matrices, *norms, w.window or 0, int(w.local_rope))
 
-    def run(self, x: torch.Tensor, rope_rows: list[tuple[torch.Tensor, torch.Tensor]], slot_pages: torch.Tensor,
-            slot_offsets: torch.Tensor, tables: torch.Tensor, context_lens: torch.Tensor, k_cache: torch.Tensor,
-            layer_stride: int, v_offset: int, scale: float) -> None:  # fmt: skip
-        """Every layer over x [T, hidden] (bf16, contiguous, updated in place): row t is the
-        query of sequence t (tables[t], context_lens[t]; its K/V go to slot_pages/offsets[t]);
-        rope_rows = [(cos, sin) global, (cos, sin) local], each [T, 1, head_dim] bf16; k_cache
-        is layer 0's K pages [pages, block, kv_heads, head_dim], layer l's `layer_stride`
-        elements on, V `v_offset` elements after K."""
-        (gc, gs), (lc, ls) = rope_rows
-        step = Step(x.shape[0], (_ptr * 2)(gc.data_ptr(), lc.data_ptr()), (_ptr * 2)(gs.data_ptr(), ls.data_ptr()),
-                    slot_pages.data_ptr(), slot_offsets.data_ptr(), tables.data_ptr(), context_lens.data_ptr(),
-                    tables.stride(0), k_cache.data_ptr(), layer_stride, k_cache.stride(0), v_offset,
-                    k_cache.shape[1], scale, torch.get_num_threads())  # fmt: skip
-        load().decode_stack_bf16(self.args, self.layers, len(self.layers), step, x.data_ptr())
+    def run(self, x: torch.Tensor, positions: torch.Tensor, slot_pages: torch.Tensor, slot_offsets: torch.Tensor,
+            tables: torch.Tensor, context_lens: torch.Tensor, k_cache: torch.Tensor, layer_stride: int,
+            v_offset: int, scale: float) -> torch.Tensor:  # fmt: skip
+        """Every layer over x [T, hidden] (bf16, contiguous, updated in place), then the final norm:
+        its output, a new [T, hidden] tensor. Row t is the query of sequence t at positions[t] (int64,
+        contiguous: its rope rows), over tables[t], context_lens[t]; its K/V go to
+        slot_pages/offsets[t]. k_cache is layer 0's K pages [pages, block, kv_heads, head_dim], layer
+        l's `layer_stride` elements on, V `v_offset` elements after K."""
+        assert positions.dtype == torch.int64 and positions.is_contiguous() and positions.shape[0] == x.shape[0]
+        out = torch.empty_like(x)
+        step = Step(x.shape[0], positions.data_ptr(), self.cos, self.sin, slot_pages.data_ptr(),
+                    slot_offsets.data_ptr(), tables.data_ptr(), context_lens.data_ptr(), tables.stride(0),
+                    k_cache.data_ptr(), layer_stride, k_cache.stride(0), v_offset, k_cache.shape[1], scale,
+                    torch.get_num_threads())  # fmt: skip
+        load().decode_stack_bf16(self.args, self.layers, len(self.layers), step, x.data_ptr(), out.data_ptr())
+        return out
