@@ -5,8 +5,8 @@
 
 The quantised GGUF as `LLM(model=<gguf>)` loads it (bench/generate.py's decode1 settings), one
 16-token prompt, greedy tokens with
-`ignore_eos`, after one warm-up request. Timers wrap `Stack.run` (the decode stack: every
-layer in one C call) and `Plan.run` (a quantised matmul called from Python: at decode, the
+`ignore_eos`, after one warm-up request. Timers wrap `Stack.run` or `Stack.run_ids` (the decode stack:
+every layer in one C call) and `Plan.run` (a quantised matmul called from Python: at decode, the
 tied LM head), and the report gives per token, medians over each request's tokens: the stack,
 the LM head, the host time from the stack to the LM head (final norm, logits call) and from the
 LM head to the next stack (the greedy pick, read-back, scheduling, inputs, embedding), and the
@@ -59,6 +59,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     timed(decode_stack.Stack, "run", "stack")
+    if hasattr(decode_stack.Stack, "run_ids"):  # the stack that looks the rows up itself (since 2026-11-29)
+        timed(decode_stack.Stack, "run_ids", "stack")
     timed(quant.Plan, "run", "lm")
     llm = LLM(
         str(fetch_gguf("gemma3-270m")),

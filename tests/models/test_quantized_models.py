@@ -144,16 +144,17 @@ def _steps_through(llm: LLM, fused: bool) -> list[int]:
         model.decode_stack = None
         return taken
 
-    def counted(x, positions, attn):  # noqa: ANN001, ANN202 - the stack's own signature
-        ran = stack(x, positions, attn)
-        taken.append(x.shape[0] if ran is not None else 0)
+    def counted(ids, positions, attn, embed):  # noqa: ANN001, ANN202 - the stack's own signature
+        ran = stack(ids, positions, attn, embed)
+        taken.append(ids.shape[0] if ran is not None else 0)
         return ran
 
     model.decode_stack = counted
     return taken
 
 
-GEMMA_STACK = dict(WIDE, num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=64)
+# hidden 320: Gemma's embedding scale sqrt(320) is no power of 2, so its bf16 product rounds
+GEMMA_STACK = dict(WIDE, hidden_size=320, num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=64)
 
 
 @pytest.mark.parametrize(
@@ -162,6 +163,7 @@ GEMMA_STACK = dict(WIDE, num_hidden_layers=3, sliding_window=8, query_pre_attn_s
         ("gemma3", None),
         ("gemma3", {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}),
         ("llama", None),
+        ("llama-q8", None),  # every matrix Q8_0: the stack looks the embedding's rows up too (no scale)
         ("llama-int8", None),
         ("qwen2-int8", None),
         ("llama-dense", None),
@@ -184,11 +186,17 @@ def test_fused_decode_stack_gives_the_per_layer_bits(tmp_path, make_llm, arch, s
             assert not quant_kernels.bf16_panels_available() or cpu_kernels.amx_supports(torch.ones(64, 64).bfloat16())
             pytest.skip("no dense bf16 panels on this CPU (AMX tiles, or no AVX512-BF16): the stack is not built")
     else:
-        path = _gguf(tmp_path, arch, ("Q8_0", "Q5_0", "Q4_0"), **(GEMMA_STACK if arch == "gemma3" else WIDE))
+        quants = ("Q8_0",) if arch.endswith("-q8") else ("Q8_0", "Q5_0", "Q4_0")
+        path = _gguf(tmp_path, arch.removesuffix("-q8"), quants, **(GEMMA_STACK if arch == "gemma3" else WIDE))
         llm = make_llm(path, dtype="bfloat16", speculative_config=spec)
     if llm.engine.model.decode_stack is None:
         assert not quant_kernels.q8_available()
         pytest.skip("no 8-bit kernels on this CPU: the stack is not built")
+    table = llm.engine.model.embed_tokens.weight
+    q8_panels = quant_kernels.PANELS + quant_kernels.QTYPES["Q8_0"]
+    embeds = isinstance(table, QuantTensor) and table.parts[0].qtype == q8_panels
+    assert llm.engine.model.decode_stack.stack.embeds == embeds  # it looks the rows up itself where it can
+    assert embeds or arch not in ("gemma3", "llama-q8")
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], list(range(3, 30)), [9, 8]]
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=20, logprobs=2, ignore_eos=True) for s in (1, 2, 3)]
     runs = {}

@@ -22,9 +22,11 @@ from torch import nn
 
 from treeserve.kernels import cpu as cpu_kernels
 from treeserve.kernels.cpu import decode_stack as kernels
+from treeserve.kernels.cpu import quant as quant_kernels
 from treeserve.layers.attention import Attention
+from treeserve.layers.embedding import Embedding
 from treeserve.layers.norm import GemmaRMSNorm, RMSNorm
-from treeserve.layers.quant import QuantTensor
+from treeserve.layers.quant import QuantTensor, quant_embedding
 from treeserve.layers.rotary import RotaryEmbedding
 
 
@@ -77,11 +79,15 @@ class DecodeStack:
         act: Callable[[torch.Tensor], torch.Tensor],
         intermediate: int,
         eps: float,
+        embedding: Embedding | None = None,
+        embed_scale: torch.Tensor | None = None,
     ) -> DecodeStack | None:
         """For Gemma 3 or Llama-family decoder layers and the model's final norm (`ropes`: the
         global layers' table, then the sliding-window layers'; `act` the MLP's activation): None
         unless every layer and the final norm run on the C kernels (picked already), the
-        activation's rows are whole vectors, and the library built."""
+        activation's rows are whole vectors, and the library built. `embedding`, the model's table
+        (and `embed_scale`, the bf16 0-dim tensor its rows are multiplied by, Gemma's): looked up
+        in the same call where it is Q8_0 laid out as panels."""
         if not all(rope.use_c for rope in ropes) or intermediate % 64:
             return None
         weights = [_weights(layer, layer.self_attn.window is not None) for layer in layers]
@@ -94,16 +100,39 @@ class DecodeStack:
         hidden = layers[0].input_layernorm.weight.shape[0]
         shapes = dict(hidden=hidden, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, intermediate=intermediate)
         tables = (ropes[0].cos, ropes[0].sin, ropes[1].cos, ropes[1].sin)
-        return DecodeStack(kernels.Stack(shapes, eps, cpu_kernels.act_table(act), weights, final, tables))
+        table = _table(embedding, embed_scale, hidden)
+        return DecodeStack(kernels.Stack(shapes, eps, cpu_kernels.act_table(act), weights, final, tables, table))
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor | None:
-        """Every layer over x [T, hidden] (in place) and the final norm, where the step allows:
-        the normed rows; None: it did not take the step."""
-        if x.dtype != torch.bfloat16 or not x.is_contiguous() or positions.dtype != torch.int64:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention,
+                 embed: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:  # fmt: skip
+        """The rows of `input_ids` (looked up here, or by `embed`, the model's), every layer and the
+        final norm, where the step allows: the normed rows; None: it did not take the step."""
+        if positions.dtype != torch.int64 or input_ids.dtype != torch.int64:
             return None
         pages = attn.decode_pages()
         if pages is None or pages.k_cache.dtype != torch.bfloat16:
             return None
         scale = pages.scale or self.stack.shapes["head_dim"] ** -0.5
-        return self.stack.run(x, positions.contiguous(), pages.slot_pages, pages.slot_offsets, pages.tables,
-                              pages.context_lens, pages.k_cache, pages.layer_stride, pages.v_offset, scale)  # fmt: skip
+        where = (pages.slot_pages, pages.slot_offsets, pages.tables, pages.context_lens, pages.k_cache,
+                 pages.layer_stride, pages.v_offset)  # fmt: skip
+        if self.stack.embeds:
+            return self.stack.run_ids(input_ids.contiguous(), positions.contiguous(), where, scale)
+        x = embed(input_ids)
+        if x.dtype != torch.bfloat16 or not x.is_contiguous():
+            return None  # (not for a bf16 model: the forward then looks the rows up again)
+        return self.stack.run(x, positions.contiguous(), where, scale)
+
+
+def _table(embedding: Embedding | None, scale: torch.Tensor | None, hidden: int) -> kernels.EmbeddingTable | None:
+    """The embedding as the stack reads it: a bf16 model's one-part table of Q8_0 laid out as panels
+    (`quant_embedding`'s lookups), else None (the model looks its rows up)."""
+    weight = None if embedding is None else embedding.weight
+    if not isinstance(weight, QuantTensor) or embedding.lookup is not quant_embedding or len(weight.parts) != 1:
+        return None
+    part = weight.parts[0]
+    if part.qtype != quant_kernels.PANELS + quant_kernels.QTYPES["Q8_0"] or weight.dtype != torch.bfloat16:
+        return None
+    if weight.cols != hidden or not quant_kernels.q8_available():
+        return None
+    assert scale is None or scale.dtype == torch.bfloat16
+    return kernels.EmbeddingTable(part.data, part.rows, None if scale is None else float(scale))

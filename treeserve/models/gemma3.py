@@ -143,9 +143,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = super().embed(input_ids)
-        return x * self._scale(x.dtype)
+        return x * self.embedding_scale(x.dtype)
 
-    def _scale(self, dtype: torch.dtype) -> torch.Tensor:
+    def embedding_scale(self, dtype: torch.dtype) -> torch.Tensor:
         """sqrt(hidden) rounded via fp32 to `dtype`, as transformers does: a 0-dim host tensor made
         once per dtype (two operators a token, each slow after a forward, when made every call)."""
         scale = self._embed_scales.get(dtype)

@@ -159,14 +159,20 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config
         act = self.layers[0].mlp.act
         if cfg.tp_size == 1 and cfg.pp_size == 1:  # one C call for every layer: no place for collectives
+            embedding = self.embed_tokens if hasattr(self, "embed_tokens") else None
             self.decode_stack = DecodeStack.build(self.layers, self.norm, self.rope_tables(), act,
-                                                  cfg.intermediate_size, cfg.rms_norm_eps)  # fmt: skip
+                                                  cfg.intermediate_size, cfg.rms_norm_eps, embedding,
+                                                  self.embedding_scale(torch.bfloat16))  # fmt: skip
 
     def attach(self, tp: RankGroup) -> None:
         """Join `tp` (this model holds rank tp.rank's shard): every layer that reduces or gathers."""
         for module in self.modules():
             if isinstance(module, LlamaAttentionBlock | LlamaMLP | LlamaForCausalLM):
                 module.tp = tp
+
+    def embedding_scale(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """What `embed` multiplies the table's rows by (a 0-dim tensor of `dtype`); None: nothing."""
+        return None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
@@ -179,10 +185,10 @@ class LlamaForCausalLM(nn.Module):
         return self.rope, self.rope
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
-        x = self.embed(input_ids)
-        if self.decode_stack is not None and (normed := self.decode_stack(x, positions, attn)) is not None:
-            return normed  # every layer and the final norm in one C call
-        return self.norm(self.run_layers(x, positions, attn))
+        stack = self.decode_stack
+        if stack is not None and (normed := stack(input_ids, positions, attn, self.embed)) is not None:
+            return normed  # the lookup, every layer and the final norm in one C call
+        return self.norm(self.run_layers(self.embed(input_ids), positions, attn))
 
     @property
     def fused_residual(self) -> bool:

@@ -43,6 +43,7 @@ typedef void (*attend_fn)(const bf16 *q, const bf16 *k_cache, int64_t page_strid
                           int q_heads, int kv_heads, int head_dim, int block_size, float scale, int64_t window,
                           int threads, bf16 *out);
 typedef void (*gated_fn)(const bf16 *gate_up, int64_t rows, int64_t inter, const bf16 *table, bf16 *out, int threads);
+typedef void (*rows_fn)(const uint8_t *table, int64_t k, const int64_t *ids, int64_t count, float *out);
 
 typedef struct { /* a quantised matrix: q8_matmul's first seven arguments, its output width and bias */
     int parts;
@@ -77,6 +78,10 @@ typedef struct { /* the model's shapes and the kernels the layers call */
     gated_fn gated; /* act(gate) * up from the table */
     const float *final_gain;  /* the model's final norm: Gemma's fp32 1 + w ... */
     const bf16 *final_weight; /* ... or Llama's bf16 w */
+    rows_fn embed;            /* the embedding table's fp32 rows (q8_panel_rows), or NULL: rows come as x */
+    const uint8_t *embed_table;
+    int64_t embed_rows;
+    float embed_scale;        /* what the rows are multiplied by in bf16 (Gemma's sqrt(hidden)); 0: nothing */
 } stack;
 
 typedef struct { /* one step: rows, their positions, KV slots and pages */
@@ -161,4 +166,24 @@ void decode_stack_bf16(const stack *s, const layer *layers, int count, const ste
     }
     s->norm(x, t, (int)hidden, s->final_gain, s->final_weight, s->eps, out, threads);
     free(buf);
+}
+
+/* The step from its token ids: the embedding table's rows (fp32, as the lookup gives them)
+ * rounded to bf16, times the model's bf16 scale rounded again (the per-op path's cast and
+ * product), into x; then every layer and the final norm. -1: an id outside the table, nothing
+ * run. */
+int decode_stack_from_ids(const stack *s, const layer *layers, int count, const step *st, const int64_t *ids, bf16 *x,
+                          bf16 *out) {
+    const int64_t t = st->tokens, hidden = s->hidden;
+    for (int64_t r = 0; r < t; r++)
+        if (ids[r] < 0 || ids[r] >= s->embed_rows) return -1;
+    float *rows = (float *)malloc(sizeof(float) * t * hidden);
+    s->embed(s->embed_table, hidden, ids, t, rows);
+    for (int64_t i = 0; i < t * hidden; i++) {
+        const bf16 v = store_bf16(rows[i]);
+        x[i] = s->embed_scale != 0.0f ? store_bf16(load_bf16(v) * s->embed_scale) : v;
+    }
+    free(rows);
+    decode_stack_bf16(s, layers, count, st, x, out);
+    return 0;
 }

@@ -41,7 +41,8 @@ class Layer(ctypes.Structure):
 class StackArgs(ctypes.Structure):
     _fields_ = [("hidden", _int), ("q_heads", _int), ("kv_heads", _int), ("head_dim", _int), ("intermediate", _int),
                 ("eps", _float), ("act", _ptr), ("matmul", _ptr), ("norm", _ptr), ("rope", _ptr), ("store", _ptr),
-                ("attend", _ptr), ("gated", _ptr), ("final_gain", _ptr), ("final_weight", _ptr)]  # fmt: skip
+                ("attend", _ptr), ("gated", _ptr), ("final_gain", _ptr), ("final_weight", _ptr), ("embed", _ptr),
+                ("embed_table", _ptr), ("embed_rows", _i64), ("embed_scale", _float)]  # fmt: skip
 
 
 class Step(ctypes.Structure):
@@ -62,6 +63,9 @@ def load() -> ctypes.CDLL | None:
         return None
     lib.decode_stack_bf16.argtypes = [ctypes.POINTER(StackArgs), ctypes.POINTER(Layer), _int, ctypes.POINTER(Step),
                                       _ptr, _ptr]  # fmt: skip
+    lib.decode_stack_from_ids.argtypes = [ctypes.POINTER(StackArgs), ctypes.POINTER(Layer), _int,
+                                          ctypes.POINTER(Step), _ptr, _ptr, _ptr]  # fmt: skip
+    lib.decode_stack_from_ids.restype = _int
     return lib
 
 
@@ -83,6 +87,16 @@ def matrix(plan: quant.Plan, bias: torch.Tensor | None) -> Matrix:
 
 
 @dataclass
+class EmbeddingTable:
+    """A table the stack looks rows up in itself: Q8_0 laid out as panels (`q8_panel_rows`), and
+    what its rows are multiplied by in bf16 (Gemma's sqrt(hidden); None: nothing)."""
+
+    panels: torch.Tensor  # the laid-out bytes
+    rows: int
+    scale: float | None
+
+
+@dataclass
 class LayerWeights:
     """What one layer's struct points at: 8-bit plans, norms as fp32 gains (Gemma's 1 + w) or bf16
     weights (Llama's), None where the layer has no such norm."""
@@ -101,10 +115,11 @@ class Stack:
     """The C structs of a model's decoder layers and final norm (shapes as `decode_stack.c` documents)."""
 
     def __init__(self, shapes: dict[str, int], eps: float, act: torch.Tensor, layers: list[LayerWeights],
-                 final_norm: torch.Tensor, ropes: tuple[torch.Tensor, ...]):  # fmt: skip
+                 final_norm: torch.Tensor, ropes: tuple[torch.Tensor, ...],
+                 embedding: EmbeddingTable | None):  # fmt: skip
         """`final_norm`: the model's last norm, an fp32 gain (Gemma's 1 + w) or bf16 weight (Llama's);
         `ropes`: the fp32 cos and sin tables [positions, head_dim] of the global layers, then the
-        local ones'."""
+        local ones'; `embedding`: the table `run_ids` looks rows up in (None: `run` only)."""
         assert act.dtype == torch.bfloat16 and act.shape == ((1 << 16) + 2,) and act.is_contiguous()  # act_table
         assert final_norm.is_contiguous() and final_norm.dtype in (torch.float32, torch.bfloat16)
         assert all(t.dtype == torch.float32 and t.is_contiguous() and t.shape[1] == shapes["head_dim"] for t in ropes)
@@ -112,13 +127,17 @@ class Stack:
         functions = {_address(plan.function) for w in layers for plan in (w.qkv, w.o, w.gate_up, w.down)}
         assert len(functions) == 1, "every matrix of the stack on one matmul (8-bit, tiles or dense panels)"
         self.shapes = shapes
-        self.keep = [act, layers, final_norm, ropes]  # the tensors and plans the structs point into
+        self.keep = [act, layers, final_norm, ropes, embedding]  # the tensors and plans the structs point into
         gain = final_norm.data_ptr() if final_norm.dtype == torch.float32 else None
         weight = final_norm.data_ptr() if final_norm.dtype == torch.bfloat16 else None
+        self.embeds = embedding is not None
+        table = (_address(quant.load_q8().q8_panel_rows), embedding.panels.data_ptr(), embedding.rows,
+                 embedding.scale or 0.0) if embedding else (None, None, 0, 0.0)  # fmt: skip
         self.args = StackArgs(shapes["hidden"], shapes["q_heads"], shapes["kv_heads"], shapes["head_dim"],
                               shapes["intermediate"], eps, act.data_ptr(), functions.pop(),
                               _address(cpu.rms_norm_bf16), _address(cpu.rope_bf16), _address(cpu.store_kv),
-                              _address(cpu.paged_decode_bf16), _address(cpu.gated_act_bf16), gain, weight)  # fmt: skip
+                              _address(cpu.paged_decode_bf16), _address(cpu.gated_act_bf16), gain, weight,
+                              *table)  # fmt: skip
         global_cos, global_sin, local_cos, local_sin = ropes
         self.cos = (_ptr * 2)(global_cos.data_ptr(), local_cos.data_ptr())
         self.sin = (_ptr * 2)(global_sin.data_ptr(), local_sin.data_ptr())
@@ -132,19 +151,33 @@ class Stack:
             norms = ((_ptr * NORMS)(*gains), (_ptr * NORMS)(*weights))
             self.layers[i] = Layer(*matrices, *norms, w.window or 0, int(w.local_rope))
 
-    def run(self, x: torch.Tensor, positions: torch.Tensor, slot_pages: torch.Tensor, slot_offsets: torch.Tensor,
-            tables: torch.Tensor, context_lens: torch.Tensor, k_cache: torch.Tensor, layer_stride: int,
-            v_offset: int, scale: float) -> torch.Tensor:  # fmt: skip
+    def run(self, x: torch.Tensor, positions: torch.Tensor, pages: tuple, scale: float) -> torch.Tensor:
         """Every layer over x [T, hidden] (bf16, contiguous, updated in place), then the final norm:
         its output, a new [T, hidden] tensor. Row t is the query of sequence t at positions[t] (int64,
-        contiguous: its rope rows), over tables[t], context_lens[t]; its K/V go to
-        slot_pages/offsets[t]. k_cache is layer 0's K pages [pages, block, kv_heads, head_dim], layer
-        l's `layer_stride` elements on, V `v_offset` elements after K."""
-        assert positions.dtype == torch.int64 and positions.is_contiguous() and positions.shape[0] == x.shape[0]
+        contiguous: its rope rows). `pages` = (slot_pages, slot_offsets, tables, context_lens,
+        k_cache, layer_stride, v_offset): row t's K/V go to slot_pages/offsets[t], it attends over
+        tables[t] up to context_lens[t]; k_cache is layer 0's K pages [pages, block, kv_heads,
+        head_dim], layer l's `layer_stride` elements on, V `v_offset` elements after K."""
         out = torch.empty_like(x)
-        step = Step(x.shape[0], positions.data_ptr(), self.cos, self.sin, slot_pages.data_ptr(),
-                    slot_offsets.data_ptr(), tables.data_ptr(), context_lens.data_ptr(), tables.stride(0),
-                    k_cache.data_ptr(), layer_stride, k_cache.stride(0), v_offset, k_cache.shape[1], scale,
-                    torch.get_num_threads())  # fmt: skip
+        step = self._step(x.shape[0], positions, pages, scale)
         load().decode_stack_bf16(self.args, self.layers, len(self.layers), step, x.data_ptr(), out.data_ptr())
         return out
+
+    def run_ids(self, ids: torch.Tensor, positions: torch.Tensor, pages: tuple, scale: float) -> torch.Tensor:
+        """`run` from the rows' token ids (int64, contiguous), looked up in the stack's table."""
+        assert self.embeds and ids.dtype == torch.int64 and ids.is_contiguous()
+        rows = ids.shape[0]
+        x = torch.empty(rows, self.shapes["hidden"], dtype=torch.bfloat16)
+        out = torch.empty_like(x)
+        step = self._step(rows, positions, pages, scale)
+        if load().decode_stack_from_ids(self.args, self.layers, len(self.layers), step, ids.data_ptr(), x.data_ptr(),
+                                        out.data_ptr()):  # fmt: skip
+            raise IndexError(f"row ids out of range for a matrix of {self.args.embed_rows} rows")
+        return out
+
+    def _step(self, rows: int, positions: torch.Tensor, pages: tuple, scale: float) -> Step:
+        assert positions.dtype == torch.int64 and positions.is_contiguous() and positions.shape[0] == rows
+        slot_pages, slot_offsets, tables, context_lens, k_cache, layer_stride, v_offset = pages
+        return Step(rows, positions.data_ptr(), self.cos, self.sin, slot_pages.data_ptr(), slot_offsets.data_ptr(),
+                    tables.data_ptr(), context_lens.data_ptr(), tables.stride(0), k_cache.data_ptr(), layer_stride,
+                    k_cache.stride(0), v_offset, k_cache.shape[1], scale, torch.get_num_threads())  # fmt: skip
