@@ -141,10 +141,6 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def rope_tables(self) -> tuple[RotaryEmbedding, RotaryEmbedding]:
         return self.rope, self.local_rope
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = super().embed(input_ids)
-        return x * self.embedding_scale(x.dtype)
-
     def embedding_scale(self, dtype: torch.dtype) -> torch.Tensor:
         """sqrt(hidden) rounded via fp32 to `dtype`, as transformers does: a 0-dim host tensor made
         once per dtype (two operators a token, each slow after a forward, when made every call)."""

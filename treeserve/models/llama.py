@@ -171,14 +171,18 @@ class LlamaForCausalLM(nn.Module):
                 module.tp = tp
 
     def embedding_scale(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """What `embed` multiplies the table's rows by (a 0-dim tensor of `dtype`); None: nothing."""
+        """What `embed` multiplies the table's rows by (a 0-dim tensor of `dtype`, Gemma's); None:
+        nothing. The decode stack multiplies by the same value where it looks the rows up itself."""
         return None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
-            return self.embed_tokens(input_ids)
-        table = self.embed_tokens
-        return vocab_parallel_lookup(table.lookup, input_ids, table.weight, table.num_embeddings, self.tp)
+            x = self.embed_tokens(input_ids)
+        else:
+            table = self.embed_tokens
+            x = vocab_parallel_lookup(table.lookup, input_ids, table.weight, table.num_embeddings, self.tp)
+        scale = self.embedding_scale(x.dtype)
+        return x if scale is None else x * scale
 
     def rope_tables(self) -> tuple[RotaryEmbedding, RotaryEmbedding]:
         """(global layers' table, sliding-window layers' table): one table here, two in Gemma 3."""
