@@ -72,7 +72,9 @@ class BlockManager:
 
     def _needs_copy(self, block_table: list[int], write_start: int, total_tokens: int) -> bool:
         index = write_start // self.block_size
-        return write_start < total_tokens and index < len(block_table) and self.ref_counts[block_table[index]] > 1
+        return bool(self.pool.shared_pages) and write_start < total_tokens and index < len(block_table) and (
+            self.ref_counts[block_table[index]] > 1
+        )  # (no page has two owners: none needs a copy; the scheduler's decodes inline this check)
 
     # ---- hashing and lookup -----------------------------------------------------------
     def hash_block(self, parent: int | None, tokens: list[int]) -> int:
