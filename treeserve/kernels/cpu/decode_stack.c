@@ -130,7 +130,9 @@ void decode_stack_bf16(const stack *s, const layer *layers, int count, const ste
     bf16 *h = run[0], *y = run[1], *qkv = run[2], *qn = run[3], *q = run[4], *att = run[5], *kn = run[6], *k = run[7],
          *gu = run[8], *mix = run[9];
     bf16 *cos[2] = {run[10], run[11]}, *sin[2] = {run[12], run[13]};
-    for (int table = 0; table < 2; table++) /* each row's cos/sin at its position, rounded as `.to(bfloat16)` */
+    const int tables = st->cos[1] == st->cos[0] && st->sin[1] == st->sin[0] ? 1 : 2; /* Llama: one table for both */
+    if (tables == 1) cos[1] = cos[0], sin[1] = sin[0];
+    for (int table = 0; table < tables; table++) /* each row's cos/sin at its position, rounded as `.to(bfloat16)` */
         for (int64_t r = 0; r < t; r++) {
             const float *c = st->cos[table] + st->positions[r] * dim, *sn = st->sin[table] + st->positions[r] * dim;
             for (int64_t d = 0; d < dim; d++) {
