@@ -121,7 +121,7 @@ def main() -> None:
             return functools.partial(DecodeStream(ids=ctx, skip_special_tokens=True).step, tok)
 
         before, expected = time_steps(reference, pairs, args.repeats)
-        after, got = time_steps(lambda ctx, tok=tok: text_stream(tok, ctx, True), pairs, args.repeats)
+        after, got = time_steps(lambda ctx, tok=tok: text_stream(tok, ctx, True).step, pairs, args.repeats)
         assert got == expected, name
         table = f"{build * 1e3:9.0f} ms" if qualified else "         --"
         print(f"{name:40s} {before * 1e6:10.3f} us {after * 1e6:9.3f} us {table}")

@@ -19,7 +19,7 @@ from tokenizers.decoders import DecodeStream
 from tests.tiny_models import train_tokenizer
 from treeserve import SamplingParams
 from treeserve.engine.detokenizer import StopChecker
-from treeserve.engine.text_stream import JoinedStream, TextStream, qualifies, stream_table, text_stream
+from treeserve.engine.text_stream import DecodeSteps, JoinedStream, TextStream, qualifies, stream_table, text_stream
 from treeserve.models.gguf_tokenizer import _spm_tokenizer
 from treeserve.models.tokenizer import _byte_level_alphabet
 
@@ -92,9 +92,9 @@ def expected(tok: Tokenizer, context: list[int], ids: list[int], skip: bool) -> 
 def fast(tok: Tokenizer, context: list[int], ids: list[int], skip: bool) -> list:
     table = stream_table(tok, skip)
     assert table is not None, "the decoder should qualify"
-    step = text_stream(tok, context, skip)
-    assert isinstance(step.__self__, JoinedStream if table.joins_bytes else TextStream)
-    return steps(step, ids)
+    stream = text_stream(tok, context, skip)
+    assert isinstance(stream, JoinedStream if table.joins_bytes else TextStream)
+    return steps(stream.step, ids)
 
 
 def vocab_size(tok: Tokenizer) -> int:
@@ -145,6 +145,44 @@ def test_random_sequences(tok, skip):
         context = random_ids(tok, rng, rng.randrange(0, 7))
         ids = random_ids(tok, rng, rng.randrange(1, 24))
         assert fast(tok, context, ids, skip) == expected(tok, context, ids, skip), (context, ids)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_extend_gives_the_steps_chunks_joined_and_their_state(tok, skip):
+    """`extend` over runs of tokens, between single steps: the chunks `step` gives, joined, and a
+    stream whose later steps give what a stream stepped token by token gives (errors included)."""
+    rng = random.Random(2)
+    for _ in range(300):
+        context = random_ids(tok, rng, rng.randrange(0, 7))
+        ids = random_ids(tok, rng, rng.randrange(1, 30))
+        reference = expected(tok, context, ids, skip)
+        stream, got, at = text_stream(tok, context, skip), [], 0
+        while at < len(ids) and not (got and isinstance(got[-1], tuple)):
+            run = ids[at : at + rng.choice([1, 1, 2, 5, 30])]
+            want = reference[at : at + len(run)]
+            if any(isinstance(c, tuple) for c in want):  # an error inside: step up to it
+                got += steps(stream.step, run)
+            else:
+                got.append(stream.extend(run))
+                assert got[-1] == "".join(c for c in want if c), (context, ids, at)
+            at += len(run)
+        if not any(isinstance(c, tuple) for c in reference):
+            assert "".join(c for c in got if c) == "".join(c for c in reference if c)
+        tail = tok.encode("a b", add_special_tokens=False).ids
+        assert steps(stream.step, tail) == expected(tok, context, ids + tail, skip)[len(ids) :] or any(
+            isinstance(c, tuple) for c in reference
+        ), (context, ids)
+
+
+def test_byte_level_extend_decodes_once():
+    """On a byte-level BPE, `extend` makes the text of many tokens in one decode, whatever their bytes."""
+    tok = byte_level()
+    letter = {b: tok.token_to_id(c) for b, c in _byte_level_alphabet().items()}
+    ids = [letter[b] for b in "日本 and 🙂, 42.".encode()]
+    stream = text_stream(tok, [letter[ord("H")]], True)
+    assert isinstance(stream, JoinedStream)
+    assert stream.extend(ids) == "日本 and 🙂, 42."
+    assert stream.extend(ids[:2]) == "" and stream.extend(ids[2:3]) == "日"  # a character split over runs
 
 
 def test_byte_level_lossy_utf8_as_tokenizers_decodes_it():
@@ -206,10 +244,11 @@ def test_decoders_that_qualify():
 def test_wordpiece_falls_back_to_decode_stream():
     tok = wordpiece()
     assert stream_table(tok, True) is None
-    step = text_stream(tok, [1], True)
-    assert not isinstance(getattr(step, "__self__", None), TextStream)
+    stream = text_stream(tok, [1], True)
+    assert isinstance(stream, DecodeSteps)
     ids = tok.encode("the cat the", add_special_tokens=False).ids + [2, 0, 3]
-    assert steps(step, ids) == expected(tok, [1], ids, True)
+    assert steps(stream.step, ids) == expected(tok, [1], ids, True)
+    assert text_stream(tok, [1], True).extend(ids) == "".join(c for c in expected(tok, [1], ids, True) if c)
 
 
 def test_table_is_cached_per_tokenizer_and_follows_its_decoder():

@@ -49,6 +49,7 @@ class StopChecker:
         "eos_ids",
         "stop_ids",
         "step_text",
+        "extend_text",
         "_text",
         "stops_found",
         "stop_offsets",
@@ -64,7 +65,8 @@ class StopChecker:
         self.eos_ids = frozenset(() if params.ignore_eos else eos_ids)
         self.stop_ids = frozenset(params.stop_token_ids)
         self.ending_ids = _shared(self.eos_ids | self.stop_ids)
-        self.step_text = text_stream(tokenizer, self.prompt_context, params.skip_special_tokens)
+        stream = text_stream(tokenizer, self.prompt_context, params.skip_special_tokens)
+        self.step_text, self.extend_text = stream.step, stream.extend
         self._text = ""
         # the text is made when read, from the tokens not yet in it (stop strings, or `lazy` False
         # for a stream read every step anyway: made as tokens come)
@@ -101,12 +103,8 @@ class StopChecker:
         if self.lazy:
             end = len(self.tokens) if self.text_end is None else self.text_end
             if self.text_from < end:
-                text, step = self._text, self.step_text
-                for token in self.tokens[self.text_from : end]:
-                    chunk = step(token)
-                    if chunk:
-                        text += chunk
-                self._text, self.text_from = text, end
+                self._text += self.extend_text(self.tokens[self.text_from : end])
+                self.text_from = end
         return self._text
 
     def append(self, token: int) -> tuple[str, str | int | None] | None:

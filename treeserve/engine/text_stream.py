@@ -1,12 +1,12 @@
 """Incremental detokenisation: the text chunks `tokenizers`' `DecodeStream` gives, for less host time.
 
-This module owns the step function a sequence's generated tokens go through (`text_stream`) and
-the per-tokenizer tables behind it. `DecodeStream.step` decodes its whole window of ids for every
-token (0.4-3 us). For a decoder whose text is the concatenation of each token's own text
-(`qualifies`: ByteLevel; Fuse; SentencePiece's Replace("▁", " ") + ByteFallback + Fuse, optionally
-followed by Strip(" ", 1, 0); Metaspace with "▁"), `TextStream` (or `JoinedStream`, below) gives
-the same chunks, every step's return value, from a table of each id's decoded bytes; any other
-decoder keeps `DecodeStream`.
+This module owns the stream a sequence's generated tokens go through (`text_stream`: its `step`
+takes one token, its `extend` many) and the per-tokenizer tables behind it. `DecodeStream.step`
+decodes its whole window of ids for every token (0.4-3 us). For a decoder whose text is the
+concatenation of each token's own text (`qualifies`: ByteLevel; Fuse; SentencePiece's
+Replace("▁", " ") + ByteFallback + Fuse, optionally followed by Strip(" ", 1, 0); Metaspace with
+"▁"), `TextStream` (or `JoinedStream`, below) gives the same chunks, every step's return value, from a table of each
+id's decoded bytes; any other decoder keeps `DecodeStream`.
 
 `TextStream` is `DecodeStream`'s algorithm (tokenizers' `step_decode_stream`, ported in `_step`) with
 one shortcut. That algorithm keeps a window of ids and the text (`prefix`) of its first
@@ -25,7 +25,11 @@ ending mid-character has no prefix, so the first chunk repeats the tail's text; 
 a run of byte pieces that is not UTF-8, followed by text, raises its InvalidPrefix error.
 
 `JoinedStream` is the same algorithm for ByteLevel and Fuse decoders, whose text of any ids is their
-bytes joined as lossy UTF-8: it runs on bytes, with no call into the tokenizer.
+bytes joined as lossy UTF-8: it runs on bytes, with no call into the tokenizer. Its `extend` gives
+the chunks of many tokens in one decode (below).
+
+`extend(tokens)` returns the chunks `step` would return for each token, joined, and leaves the
+stream where those steps leave it (for everything later steps return).
 """
 
 from __future__ import annotations
@@ -156,6 +160,10 @@ class TextStream:
                 self._last = None
         return self._step(token)
 
+    def extend(self, tokens: list[int]) -> str:
+        """`step` over `tokens`, its chunks joined."""
+        return _joined_steps(self.step, tokens)
+
     def _decode(self, ids: list[int]) -> str:
         return self._hf.decode(ids, skip_special_tokens=self._skip)
 
@@ -245,6 +253,32 @@ class JoinedStream:
         except UnicodeDecodeError:
             self._clean = False
 
+    def extend(self, tokens: list[int]) -> str:
+        """`step` over `tokens`, its chunks joined, in one decode. The window ends on a whole
+        character and its text is the prefix (both empty before the first chunk, once `__init__`'s
+        `_take_prefix` found the context's text ending in U+FFFD: no later step's `_take_prefix`
+        meets other bytes, since the step before would have given them as a chunk). So a step's
+        text is the prefix plus the lossy text of the bytes since the last chunk, and a step gives
+        a chunk exactly when those bytes' text is non-empty and does not end in U+FFFD: the chunks
+        of a run of tokens join to the lossy text of the pending and the run's bytes when that does
+        not end in U+FFFD. The longest such run goes in one decode and the rest (bytes held back)
+        step by step. Whether a text ends in U+FFFD shows in its last 4 bytes' text: a character
+        is at most 4 bytes, and a lead byte is never taken as another's continuation."""
+        raw, size = self._raw, len(self._raw)
+        pieces = [raw[t] if t < size else b"" for t in tokens]
+        data = self._pending + b"".join(pieces)
+        run, end = len(tokens), len(data)
+        while run and data[max(end - 4, 0) : end].decode("utf-8", "replace").endswith(_REPLACEMENT):
+            run -= 1
+            end -= len(pieces[run])
+        if not run:
+            return _joined_steps(self.step, tokens)
+        text = data[:end].decode("utf-8", "replace")
+        if text:  # the state the run's last chunk leaves: the window all prefix, nothing pending
+            self._window, self._pending, self._prefix, self._last = data[:end], b"", text, None
+            self._clean = _REPLACEMENT not in text  # valid UTF-8 (a U+FFFD of its own: the long way, same text)
+        return text + _joined_steps(self.step, tokens[run:]) if run < len(tokens) else text
+
     def step(self, token: int) -> str | None:
         """Add one token; the new text, or None while there is none (DecodeStream's rule)."""
         if self._clean:
@@ -278,13 +312,33 @@ class JoinedStream:
         return string[len(prefix) :]
 
 
-def text_stream(hf: HFTokenizer, context: list[int], skip_special_tokens: bool) -> Callable[[int], str | None]:
-    """A sequence's step function after the prompt tokens `context`: a `JoinedStream`'s or a
-    `TextStream`'s when the tokenizer's decoder qualifies, else `DecodeStream`'s."""
+class DecodeSteps:
+    """`DecodeStream` itself, for decoders that do not qualify, with the same two methods."""
+
+    __slots__ = ("step",)
+
+    def __init__(self, hf: HFTokenizer, context: list[int], skip_special_tokens: bool):
+        stream = DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
+        self.step: Callable[[int], str | None] = functools.partial(stream.step, hf)
+
+    def extend(self, tokens: list[int]) -> str:
+        """`step` over `tokens`, its chunks joined."""
+        return _joined_steps(self.step, tokens)
+
+
+def _joined_steps(step: Callable[[int], str | None], tokens: list[int]) -> str:
+    return "".join([chunk for token in tokens if (chunk := step(token))])
+
+
+Stream = JoinedStream | TextStream | DecodeSteps
+
+
+def text_stream(hf: HFTokenizer, context: list[int], skip_special_tokens: bool) -> Stream:
+    """A sequence's stream after the prompt tokens `context`: a `JoinedStream` or a `TextStream` when the
+    tokenizer's decoder qualifies, else `DecodeStream` (`DecodeSteps`)."""
     table = stream_table(hf, skip_special_tokens)
     if table is not None and table.joins_bytes:
-        return JoinedStream(table, context).step
+        return JoinedStream(table, context)
     if table is not None:
-        return TextStream(hf, table, context, skip_special_tokens).step
-    stream = DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
-    return functools.partial(stream.step, hf)
+        return TextStream(hf, table, context, skip_special_tokens)
+    return DecodeSteps(hf, context, skip_special_tokens)
