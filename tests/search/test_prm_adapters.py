@@ -227,6 +227,29 @@ def test_prefix_stable_start_and_cache_hits(prm_dirs, arith_dir, style):
     serve({style: model_dir}, body)
 
 
+@pytest.mark.parametrize("style", ["step_tag", "rlhflow", "reward_head", "value_head"])
+def test_remembered_pieces_build_the_same_inputs_and_tokenize_each_once(prm_dirs, arith_dir, style):
+    """A beam is scored again with all its steps each iteration: the prompt and each step's piece
+    are tokenized once (`PRM.encode`), and the inputs are the ones a fresh adapter builds."""
+    question, steps = (ARITH_QUESTION, ARITH_STEPS) if style == "step_tag" else (QUESTION, STEPS)
+    model_dir = all_dirs(prm_dirs, arith_dir)[style]
+
+    async def body(runtime: Runtime) -> None:
+        prm = load_prm(runtime, style, style=style)
+        calls: list[str] = []
+        encode = prm.tokenizer.encode
+        prm.tokenizer.encode = lambda text, **kw: calls.append(text) or encode(text, **kw)
+        try:
+            built = [prm.build(question, steps[:k]) for k in range(1, len(steps) + 1)]
+        finally:
+            prm.tokenizer.encode = encode
+        assert len(calls) == len(set(calls))  # no piece tokenized twice
+        fresh = load_prm(runtime, style, style=style)
+        assert built == [fresh.build(question, steps[:k]) for k in range(1, len(steps) + 1)]
+
+    serve({style: model_dir}, body)
+
+
 # ---- choosing the adapter ----------------------------------------------------------------------
 def test_load_prm_detects_style(prm_dirs, arith_dir):
     async def body(runtime: Runtime) -> None:

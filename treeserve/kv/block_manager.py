@@ -77,10 +77,6 @@ class BlockManager:
         )  # (no page has two owners: none needs a copy; the scheduler's decodes inline this check)
 
     # ---- hashing and lookup -----------------------------------------------------------
-    def hash_block(self, parent: int | None, tokens: list[int]) -> int:
-        head = (self.root_hash if parent is None else parent).to_bytes(8, "little")
-        return xxhash.xxh3_64_intdigest(head + array("q", tokens).tobytes())
-
     def find_prefix(self, token_ids: list[int], max_tokens: int) -> PrefixHit:
         """The cached pages holding the longest cached prefix of at most `max_tokens` (no side effects)."""
         hit = PrefixHit()
@@ -108,11 +104,14 @@ class BlockManager:
         self.stats.thrash += sum(key in self.pool.evicted_hashes for key in hit.missed)
 
     def chain_hashes(self, token_ids: list[int], parent: int | None = None) -> list[int]:
-        """Keys of every full block of `token_ids`, chained from `parent` (None: the root)."""
+        """Keys of every full block of `token_ids`, chained from `parent` (None: the root): a block's
+        key is xxh3 of its parent's key (8 bytes) and its tokens (8 bytes each)."""
         keys = []
-        bs = self.block_size
-        for start in range(0, len(token_ids) - bs + 1, bs):
-            parent = self.hash_block(parent, token_ids[start : start + bs])
+        width = 8 * self.block_size
+        data = array("q", token_ids[: len(token_ids) - len(token_ids) % self.block_size]).tobytes()
+        parent = self.root_hash if parent is None else parent
+        for start in range(0, len(data), width):
+            parent = xxhash.xxh3_64_intdigest(parent.to_bytes(8, "little") + data[start : start + width])
             keys.append(parent)
         return keys
 

@@ -5,6 +5,10 @@ An adapter only builds token ids and reads outputs; the runtime does the forward
 first k steps is a token-for-token prefix of the input for more steps; then scoring a new
 step re-reads only the new tokens (the earlier ones are cached pages), and asking only
 for the new steps' positions (`start=`) lets the engine skip the cached prefix.
+
+Builders tokenize the prompt and each step's piece on its own (`encode`), and a beam is
+scored once an iteration with all its steps: `encode` remembers each piece's ids, so a
+beam's earlier steps, and the prompt every beam of a problem shares, are tokenized once.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from treeserve.outputs import ScoreOutput
 from treeserve.runtime.runtime import Runtime
 from treeserve.sampling_params import ScoreParams
 
+ENCODED_PIECES = 1 << 16  # pieces `encode` remembers before it starts afresh
+
 
 class PRM(ABC):
     style: str = ""
@@ -25,6 +31,17 @@ class PRM(ABC):
         self.model = model
         self.tokenizer = runtime.tokenizer(model)
         self.on_input: Callable[[list[int]], None] | None = None  # sees every input built (for stats)
+        self._encoded: dict[tuple[str, bool], tuple[int, ...]] = {}
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> tuple[int, ...]:
+        """The tokenizer's ids of `text` (a prompt, or one step's piece of the input), remembered."""
+        key = (text, add_special_tokens)
+        ids = self._encoded.get(key)
+        if ids is None:
+            if len(self._encoded) >= ENCODED_PIECES:
+                self._encoded.clear()
+            ids = self._encoded[key] = tuple(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return ids
 
     @abstractmethod
     def build(self, question: str, steps: list[str]) -> tuple[list[int], list[int]]:

@@ -55,12 +55,12 @@ class RewardHeadPRM(PRM):
             {"role": "assistant", "content": self.separator},
         ]
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
-        return self.tokenizer.encode(text.removesuffix(self.separator), add_special_tokens=False)
+        return list(self.encode(text.removesuffix(self.separator)))
 
     def build(self, question: str, steps: list[str]) -> tuple[list[int], list[int]]:
         ids, positions = self.prompt_ids(question), []
         for step in steps:
-            ids += self.tokenizer.encode(step, add_special_tokens=False)
+            ids += self.encode(step)
             positions.append(len(ids))
             ids.append(self.separator_id)
         return ids, positions

@@ -54,7 +54,7 @@ class RLHFlowPRM(PRM):
             raise ValueError(
                 "the chat template re-renders earlier turns differently; it cannot be scored incrementally"
             )
-        ids += self.tokenizer.encode(after[len(before) :], add_special_tokens=False)
+        ids += self.encode(after[len(before) :])
 
     def build(self, question: str, steps: list[str]) -> tuple[list[int], list[int]]:
         conversation: list[dict] = []

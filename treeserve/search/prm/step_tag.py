@@ -95,18 +95,16 @@ class StepTagPRM(PRM):
         fmt = self.format
         if fmt.use_chat_template:
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": question}])
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            return list(self.encode(text))
         text = fmt.prompt_format.replace("{question}", question).replace("{problem}", question)
-        return self.tokenizer.encode(text, add_special_tokens=True)
+        return list(self.encode(text, add_special_tokens=True))
 
     def build(self, question: str, steps: list[str]) -> tuple[list[int], list[int]]:
         fmt = self.format
         ids, tags = self.prompt_ids(question), []
         for i, step in enumerate(steps):
             lead = fmt.step_separator if i else fmt.first_step_prefix
-            ids += self.tokenizer.encode(
-                lead + fmt.step_format.replace("{step}", step.strip()), add_special_tokens=False
-            )
+            ids += self.encode(lead + fmt.step_format.replace("{step}", step.strip()))
             if ids[-1] != self.tag_id:
                 raise ValueError(f"step {i} does not end with the step tag token {self.tag_id} once tokenized")
             tags.append(len(ids) - 1)

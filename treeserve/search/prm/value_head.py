@@ -43,12 +43,12 @@ class ValueHeadPRM(PRM):
 
     def prompt_ids(self, question: str) -> list[int]:
         bos = self.tokenizer.special_tokens.get("bos_token", "")
-        return self.tokenizer.encode(bos + question + "\n", add_special_tokens=True)
+        return list(self.encode(bos + question + "\n", add_special_tokens=True))
 
     def build(self, question: str, steps: list[str]) -> tuple[list[int], list[int]]:
         ids, positions = self.prompt_ids(question), []
         for step in steps:
-            ids += self.tokenizer.encode(step, add_special_tokens=False)
+            ids += self.encode(step)
             positions.append(len(ids))
             ids.append(self.step_token_id)
         return ids, positions
