@@ -139,15 +139,22 @@ class StopChecker:
     def _find_stop(self, previous: int) -> str | None:
         """Count stop-string occurrences in new text; on the k-th, cut the text and return it."""
         start = max(self.search_from, previous - self.max_stop_len + 1, 0)
+        stops, text = self.params.stop, self._text
         while True:
-            found = [(i, s) for s in self.params.stop if (i := self._text.find(s, start)) >= 0]
-            if not found:
-                return None
-            index, stop = min(found)
+            if len(stops) == 1:  # (search's one step separator: no list per token)
+                stop = stops[0]
+                index = text.find(stop, start)
+                if index < 0:
+                    return None
+            else:
+                found = [(i, s) for s in stops if (i := text.find(s, start)) >= 0]
+                if not found:
+                    return None
+                index, stop = min(found)
             self.stops_found += 1
             self.stop_offsets.append((self.num_tokens, index + len(stop)))
             if self.stops_found == self.params.n_stop_occurrences:
                 end = index + len(stop) if self.params.include_stop_str_in_output else index
-                self._text = self._text[:end]
+                self._text = text[:end]
                 return stop
             start = self.search_from = index + len(stop)
