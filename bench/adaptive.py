@@ -27,6 +27,16 @@ runs at most 2.5 points below the fixed run's accuracy (`--tolerance`), the one 
 most problems/min, and its ratio to the fixed run's.
 
 `--smoke`: 4 problems, fixed N 4 and 8, adaptive at N=8 with the middle threshold (0.8).
+
+Another generator (`--generator`, e.g. Gemma 3 270M's GGUF, a base model without a chat template):
+`--few-shot K` gives it K worked examples of the world (levels `--levels`, `arith_dataset` seed 7,
+a set apart from the held-out and calibration ones) as a plain prompt (`SearchConfig.prompt_format`),
+and a solution ends at the next "Question:" or a blank line pair (`SearchConfig.stop`); majority
+voting needs no PRM:
+
+    python bench/adaptive.py --generator ~/.cache/treeserve/gguf/gemma-3-270m-q4_k_m.gguf --few-shot 3 \
+        --strategy majority --levels 1 --problems 60 --ns 4,8,16 --thresholds 0.8,0.9 --max-tokens 96 \
+        --threads 2 --out bench/out/adaptive_gemma
 """
 
 from __future__ import annotations
@@ -42,14 +52,26 @@ import torch
 from treeserve.eval.arith import arith_dataset
 from treeserve.eval.plots import plot_accuracy_vs_compute
 from treeserve.eval.report import write_results
-from treeserve.eval.runner import EvalSettings, run_eval
+from treeserve.eval.runner import DEFAULT_GENERATOR, EvalSettings, run_eval
+from treeserve.runtime.model_settings import ModelSettings
 from treeserve.search.context import SearchConfig
 
+FEW_SHOT_STOP = ["Question:", "\n\n\n"]  # a base model writes on into the next question
 
-def run(name: str, records: list[dict], config: SearchConfig, out: Path) -> dict:
+
+def few_shot_prompt(shots: int, levels: tuple[int, ...]) -> str:
+    """`shots` worked examples of the world (seed 7: neither the held-out set nor the calibration set),
+    then the question: a plain prompt for a base model."""
+    examples = arith_dataset(size=shots, seed=7, levels=levels)
+    worked = "".join(f"Question: {r['problem']}\nSolution: {r['solution']}\n\n\n" for r in examples)
+    return worked + "Question: {question}\nSolution:"
+
+
+def run(name: str, records: list[dict], config: SearchConfig, out: Path, generator: str = DEFAULT_GENERATOR) -> dict:
     """One eval run, its results written to `out/<name>.json`; the row of the table."""
     start = time.perf_counter()
-    document = run_eval(EvalSettings(dataset="inline", progress=False), config, inline=records)
+    settings = EvalSettings(dataset="inline", generator=ModelSettings(generator), progress=False)
+    document = run_eval(settings, config, inline=records)
     path = write_results(document, out / f"{name}.json")
     summary, problems = document["summary"], document["problems"]
     stops = [p["stop"] for p in problems if p.get("stop")]
@@ -115,7 +137,7 @@ def table(rows: list[dict], figures: dict, n: int) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--problems", type=int, default=120, help="arithmetic problems, levels 4 and 5")
+    ap.add_argument("--problems", type=int, default=120, help="arithmetic problems (of `--levels`)")
     ap.add_argument("--dataset-seed", type=int, default=0, help="arith_dataset's seed (0: the held-out test split)")
     ap.add_argument("--strategy", default="beam_search")
     ap.add_argument("--ns", default="4,8,16,32,64", help="fixed runs' N")
@@ -127,6 +149,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench/out/adaptive"), help="folder of the runs' results")
     ap.add_argument("--summary", type=Path, default=None, help="rows and table (default: OUT.json)")
     ap.add_argument("--smoke", action="store_true", help="4 problems, N 4 and 8, adaptive N=8 at one threshold")
+    ap.add_argument("--generator", default=DEFAULT_GENERATOR, help="the generator (default: the shipped one)")
+    ap.add_argument("--levels", default="4,5", help="the problems' levels")
+    ap.add_argument("--max-tokens", type=int, default=None, help="per step or completion (default: SearchConfig's)")
+    ap.add_argument("--few-shot", type=int, default=0, metavar="K",
+                    help="a plain prompt of K worked examples, for a base model without a chat template")
     args = ap.parse_args()
     if args.smoke:  # the middle threshold
         thresholds = args.thresholds.split(",")
@@ -134,13 +161,19 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     summary_path = args.summary or args.out.with_name(args.out.name + ".json")
-    records = arith_dataset(size=args.problems, seed=args.dataset_seed, levels=(4, 5))
+    levels = tuple(int(level) for level in args.levels.split(","))
+    records = arith_dataset(size=args.problems, seed=args.dataset_seed, levels=levels)
+    common: dict = {"strategy": args.strategy}
+    if args.max_tokens is not None:
+        common["max_tokens"] = args.max_tokens
+    if args.few_shot:
+        common |= {"prompt_format": few_shot_prompt(args.few_shot, levels), "stop": FEW_SHOT_STOP}
     ns = sorted({int(n) for n in args.ns.split(",")} | {args.adaptive_n})
-    rows = [run(f"{args.strategy}_n{n}", records, SearchConfig(strategy=args.strategy, n=n), args.out) for n in ns]
+    rows = [run(f"{args.strategy}_n{n}", records, SearchConfig(n=n, **common), args.out, args.generator) for n in ns]
     for t in (float(t) for t in args.thresholds.split(",")):
-        config = SearchConfig(strategy=args.strategy, n=args.adaptive_n, adaptive=True, certainty=t,
-                              first_width=args.first_width)  # fmt: skip
-        rows.append(run(f"{args.strategy}_n{args.adaptive_n}_adaptive_t{t:g}", records, config, args.out))
+        config = SearchConfig(n=args.adaptive_n, adaptive=True, certainty=t, first_width=args.first_width, **common)
+        rows.append(run(f"{args.strategy}_n{args.adaptive_n}_adaptive_t{t:g}", records, config, args.out,
+                        args.generator))  # fmt: skip
     figures = derived(rows, args.adaptive_n, args.tolerance)
     png = plot_accuracy_vs_compute([r["path"] for r in rows], args.out / "accuracy_vs_computed_tokens.png")
     text = table(rows, figures, args.adaptive_n)

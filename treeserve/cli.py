@@ -138,6 +138,11 @@ def _add_search_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--answer-regex", default=None, metavar="REGEX",
                    help=r"the final step must match this, e.g. '.*\\boxed\{[^{}]+\}.*'")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-format", default=None, metavar="TEXT",
+                   help="the generator's prompt as plain text with {question} in it, instead of its chat template "
+                        "(a base model: few-shot examples)")  # fmt: skip
+    p.add_argument("--stop", action="append", default=None, metavar="STR",
+                   help="a stop string that ends a solution (repeatable), e.g. a base model's next 'Question:'")
     p.add_argument("--adaptive", action="store_true",
                    help="stop a problem once its answer is settled, starting narrow (docs: adaptive search)")
     p.add_argument("--certainty", type=float, default=0.9,
@@ -208,6 +213,7 @@ def _search_settings(args: argparse.Namespace, dataset: str = ""):  # noqa: ANN2
 
     given = {**vars(args), "prefix_cache": not args.no_prefix_cache, "score_cache": not args.no_score_cache}
     given["trace"] = getattr(args, "trace", False)
+    given["stop"] = getattr(args, "stop", None) or []
     config = SearchConfig(**{f.name: given[f.name] for f in fields(SearchConfig) if f.name in given})
     args.generator, args.prm = args.generator or DEFAULT_GENERATOR, args.prm or DEFAULT_PRM
     given = {**vars(args), "dataset": dataset, **_models(args)}

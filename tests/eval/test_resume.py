@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from treeserve.cli import main
-from treeserve.eval.journal import Journal, journal_path
+from treeserve.eval.journal import Journal, config_differences, journal_path
 from treeserve.eval.merge import merge_results
 
 # the shipped arithmetic generator and PRM; one problem at a time, so problems finish one by one
@@ -128,6 +128,18 @@ def test_resume_refuses_another_config_and_a_missing_journal(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "search.n: 64 in the file, 4 now" in err and "move the file away" in err
     assert finished(journal_path(out)) == 0  # left as it was
+
+
+def test_settings_added_since_a_file_was_written_at_their_defaults_are_the_same_run():
+    """A journal written before a setting existed resumes while that setting is at its default."""
+    old = {"search": {"n": 4}, "dataset": "d"}
+    assert config_differences(old, {"search": {"n": 4, "stop": [], "prompt_format": None}, "dataset": "d"}) == []
+    assert config_differences(old, {"search": {"n": 4, "stop": ["Q:"]}, "dataset": "d"}) == [
+        "search.stop: '<absent>' in the file, ['Q:'] now"
+    ]
+    assert config_differences({"search": {"n": 4, "stop": []}}, {"search": {"n": 4}}) == [
+        "search.stop: [] in the file, '<absent>' now"  # a setting the code no longer has
+    ]
 
 
 @pytest.mark.slow  # ~23s (CI runs the slow step); the default suite keeps to ~10 minutes

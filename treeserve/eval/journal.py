@@ -146,10 +146,13 @@ def config_differences(
     prefix: str = "",
 ) -> list[str]:
     """'key: X in the file, Y now' for every (nested) key whose value differs, OPERATIONAL keys (and
-    MODEL_OPERATIONAL keys of a model's settings) aside."""
+    MODEL_OPERATIONAL keys of a model's settings) aside. A key the file lacks whose value is now
+    empty (None, False, 0, "", [], {}) is a setting added since, at its default: the same run."""
     out = []
     for key in sorted(set(old) | set(new)):
         if (not prefix and key in OPERATIONAL) or (prefix in ("generator.", "prm.") and key in MODEL_OPERATIONAL):
+            continue
+        if key not in old and new[key] in (None, False, "", [], {}):
             continue
         a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
         if isinstance(a, Mapping) and isinstance(b, Mapping):

@@ -50,6 +50,11 @@ class SearchConfig:
     # and only the last iteration ends a beam
     fixed_steps: bool = False
     system_prompt: str | None = None
+    # the generator's prompt as plain text, "{question}" replaced by the question, instead of its chat
+    # template: for a base model (few-shot examples, say), which has no chat template
+    prompt_format: str | None = None
+    # more stop strings; one ends the solution where it appears (a base model writing on past its answer)
+    stop: list[str] = field(default_factory=list)
     seed: int = 0
     # optimisations (all on by default; `reference()` turns them off)
     prefix_cache: bool = True
@@ -91,6 +96,7 @@ class SearchConfig:
         SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens)  # validates
         self._check_adaptive()
         self._check_constraints()
+        self._check_prompt()
 
     def _check_adaptive(self) -> None:
         if not isinstance(self.certainty, int | float) or not 0.0 < self.certainty <= 1.0:
@@ -113,6 +119,22 @@ class SearchConfig:
         while out[-1] < self.n:
             out.append(min(2 * out[-1], self.n))
         return out
+
+    def _check_prompt(self) -> None:
+        if self.prompt_format is not None:
+            if not isinstance(self.prompt_format, str) or "{question}" not in self.prompt_format:
+                raise ValueError(f"prompt_format must be text containing '{{question}}', got {self.prompt_format!r}")
+            if self.system_prompt:
+                raise ValueError("system_prompt is a chat message, and prompt_format replaces the chat template: "
+                                 "put the instructions in prompt_format")  # fmt: skip
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, list | tuple) or any(not isinstance(t, str) or not t for t in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        self.stop = list(self.stop)
+        if self.stop and (self.speculative_steps or self.fixed_steps):
+            raise ValueError("stop strings end a solution, but speculative_steps counts stop strings as step "
+                             "boundaries and fixed_steps has none: use them apart")  # fmt: skip
 
     def _check_constraints(self) -> None:
         if self.step_regex is None and self.answer_regex is None:
@@ -248,8 +270,14 @@ class SearchContext:
 
     def problem(self, uid: str, question: str, messages: list[dict] | None = None) -> Problem:
         """The generator's prompt for `question` (a user message), or for a whole conversation
-        `messages` whose last user turn is the question the PRM sees."""
+        `messages` whose last user turn is the question the PRM sees; with `prompt_format`, that
+        text with the question in it, encoded as plain text (BOS and all)."""
         tokenizer = self.runtime.tokenizer(self.generator)
+        if self.config.prompt_format is not None:
+            if messages is not None:
+                raise ValueError("prompt_format takes a question, not a conversation: send the question alone")
+            text = self.config.prompt_format.replace("{question}", question)
+            return Problem(uid, question, tokenizer.encode(text, add_special_tokens=True))
         if messages is None:
             messages = [{"role": "user", "content": question}]
             if self.config.system_prompt:
@@ -295,7 +323,7 @@ class SearchContext:
             temperature=c.temperature,
             top_p=c.top_p,
             max_tokens=c.max_tokens,
-            stop=None if to_eos or c.fixed_steps else [STEP_STOP],
+            stop=(c.stop or None) if to_eos or c.fixed_steps else [STEP_STOP, *c.stop],
             include_stop_str_in_output=True,
             ignore_eos=c.fixed_steps,
             seed=lineage_seed(c.seed, problem.uid, path),
@@ -394,7 +422,7 @@ class SearchContext:
         steps: list[str] = []
         ended = False
         while not ended and len(steps) < c.lookahead and len(prompt) + 1 < limit:
-            stop = None if c.fixed_steps else [STEP_STOP]
+            stop = None if c.fixed_steps else [STEP_STOP, *c.stop]
             params = SamplingParams(temperature=0.0, max_tokens=c.max_tokens, stop=stop,
                                     include_stop_str_in_output=True, ignore_eos=c.fixed_steps,
                                     structured_outputs=c.constraint(whole=False))  # fmt: skip
