@@ -11,7 +11,6 @@ import pytest
 
 from treeserve.eval.arith import arith_dataset
 from treeserve.eval.grading import extract_answer
-from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM
 from treeserve.runtime.runtime import Runtime
 from treeserve.search.certainty import reward_certainty, vote_certainty
 from treeserve.search.context import SearchConfig, SearchContext
@@ -34,14 +33,6 @@ def decisions(stop: dict) -> dict:
 def signature(result) -> list:  # noqa: ANN001
     """Beams' text and step scores (to 5 digits: the PRM's last bits follow what its prefix cache held)."""
     return [(b.text, [round(s, 5) for s in b.scores]) for b in result.beams]
-
-
-@pytest.fixture(scope="module")
-def runtime():
-    rt = Runtime.for_search(DEFAULT_GENERATOR, DEFAULT_PRM, 32 << 20, dtype="float32")
-    yield rt
-    asyncio.run(rt.close())
-    rt.check_pages_idle()
 
 
 def search(runtime: Runtime, problems: list, **config: object) -> tuple[list, SearchContext]:

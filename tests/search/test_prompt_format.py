@@ -8,21 +8,11 @@ import asyncio
 
 import pytest
 
-from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM
-from treeserve.runtime.runtime import Runtime
 from treeserve.search.context import SearchConfig, SearchContext
 from treeserve.search.prm import load_prm
 from treeserve.search.run import search_problems
 
 PROBLEMS = [("a", "Compute (12 + 7) * 3."), ("b", "Compute 45 - 17 + 8.")]
-
-
-@pytest.fixture(scope="module")
-def runtime():
-    rt = Runtime.for_search(DEFAULT_GENERATOR, DEFAULT_PRM, 32 << 20, dtype="float32")
-    yield rt
-    asyncio.run(rt.close())
-    rt.check_pages_idle()
 
 
 @pytest.mark.parametrize("bad, message", [
