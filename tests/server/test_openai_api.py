@@ -173,6 +173,15 @@ def test_majority_search_needs_no_prm_and_chat_messages_work(client: OpenAI) -> 
     assert out["selection"] == "majority" and all(c["step_scores"] == [] for c in out["completions"])
 
 
+def test_a_search_takes_a_plain_prompt_and_stop_strings(client: OpenAI) -> None:
+    """`prompt_format` and `stop` (a base generator's): every completion ends at the stop string."""
+    body = {"problem": QUESTION, "strategy": "majority", "n": 4, "seed": 0, "max_tokens": 64}
+    plain = client.post("/search", body={**body, "prompt_format": "Q: {question}\nA:", "stop": "="}, cast_to=object)
+    assert all(c["text"].endswith("=") and c["text"].count("=") == 1 for c in plain["completions"])
+    templated = client.post("/search", body=body, cast_to=object)
+    assert all(c["text"].count("=") > 1 for c in templated["completions"])
+
+
 def test_an_adaptive_search_returns_its_stop_and_spent_tokens(client: OpenAI) -> None:
     body = {"problem": QUESTION, "strategy": "beam_search", "n": 8, "beam_width": 2, "num_iterations": 10, "seed": 3,
             "adaptive": True, "certainty": 0.5, "first_width": 2}  # fmt: skip

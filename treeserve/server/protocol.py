@@ -171,6 +171,10 @@ class SearchRequest(BaseModel):
     step_regex: str | None = None  # every step the separator ends matches it (llguidance regex)
     answer_regex: str | None = None  # the final step matches it
     seed: int = 0
+    # a base generator (docs/search.md): its prompt as plain text with {question} in it, and stop strings
+    # that end a solution; SearchConfig checks them (a 400 naming the field)
+    prompt_format: str | None = None
+    stop: str | list[str] | None = None
     stream: bool = False
     trace: bool = False  # return every candidate step, its scores and fate; kept for GET /ui
     # adaptive search (docs/adaptive.md): start at first_width, grow toward n while the answer's
