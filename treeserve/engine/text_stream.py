@@ -5,8 +5,8 @@ takes one token, its `extend` many) and the per-tokenizer tables behind it. `Dec
 decodes its whole window of ids for every token (0.4-3 us). For a decoder whose text is the
 concatenation of each token's own text (`qualifies`: ByteLevel; Fuse; SentencePiece's
 Replace("▁", " ") + ByteFallback + Fuse, optionally followed by Strip(" ", 1, 0); Metaspace with
-"▁"), `TextStream` (or `JoinedStream`, below) gives the same chunks, every step's return value, from a table of each
-id's decoded bytes; any other decoder keeps `DecodeStream`.
+"▁"), `TextStream` (or `JoinedStream`, below) gives the same chunks, every step's return value,
+from a table of each id's decoded bytes; any other decoder keeps `DecodeStream`.
 
 `TextStream` is `DecodeStream`'s algorithm (tokenizers' `step_decode_stream`, ported in `_step`) with
 one shortcut. That algorithm keeps a window of ids and the text (`prefix`) of its first
