@@ -141,16 +141,13 @@ class StopChecker:
         start = max(self.search_from, previous - self.max_stop_len + 1, 0)
         stops, text = self.params.stop, self._text
         while True:
-            if len(stops) == 1:  # (search's one step separator: no list per token)
-                stop = stops[0]
-                index = text.find(stop, start)
-                if index < 0:
-                    return None
-            else:
-                found = [(i, s) for s in stops if (i := text.find(s, start)) >= 0]
-                if not found:
-                    return None
-                index, stop = min(found)
+            index, stop = -1, None  # the earliest occurrence (ties: the least string), with no list per token
+            for s in stops:
+                i = text.find(s, start)
+                if i >= 0 and (stop is None or (i, s) < (index, stop)):
+                    index, stop = i, s
+            if stop is None:
+                return None
             self.stops_found += 1
             self.stop_offsets.append((self.num_tokens, index + len(stop)))
             if self.stops_found == self.params.n_stop_occurrences:

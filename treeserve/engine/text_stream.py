@@ -273,9 +273,10 @@ class JoinedStream:
             end -= len(pieces[run])
         if not run:
             return _joined_steps(self.step, tokens)
-        text = data[:end].decode("utf-8", "replace")
+        done = data[:end]
+        text = done.decode("utf-8", "replace")
         if text:  # the state the run's last chunk leaves: the window all prefix, nothing pending
-            self._window, self._pending, self._prefix, self._last = data[:end], b"", text, None
+            self._window, self._pending, self._prefix, self._last = done, b"", text, None
             self._clean = _REPLACEMENT not in text  # valid UTF-8 (a U+FFFD of its own: the long way, same text)
         return text + _joined_steps(self.step, tokens[run:]) if run < len(tokens) else text
 

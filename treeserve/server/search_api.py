@@ -68,7 +68,7 @@ def search_context(served: Served, req: SearchRequest) -> tuple[SearchContext, P
         filter_duplicates=req.filter_duplicates, final_to_eos=req.final_to_eos, lookahead=req.lookahead, seed=req.seed,
         step_regex=req.step_regex, answer_regex=req.answer_regex, trace=req.trace, adaptive=req.adaptive,
         certainty=req.certainty, first_width=req.first_width, prompt_format=req.prompt_format,
-        stop=[req.stop] if isinstance(req.stop, str) else req.stop or [],
+        stop=req.stop or [],
     )  # fmt: skip
     if req.deadline_s is not None and not (math.isfinite(req.deadline_s) and req.deadline_s > 0):
         raise ValueError(f"deadline_s must be a finite number of seconds > 0, got {req.deadline_s!r}")
