@@ -26,6 +26,10 @@ its accuracy difference in points, and problems/min at the same accuracy: of the
 runs at most 2.5 points below the fixed run's accuracy (`--tolerance`), the one with the
 most problems/min, and its ratio to the fixed run's.
 
+The issue's curve: `--curve-ns 4,8,32` adds adaptive runs at those N (at `--curve-certainty`, 0.9), and
+the summary gives, per fixed run, the best accuracy of an adaptive run that computed at most as many
+tokens (the Pareto front as a step) and its margin in points.
+
 `--smoke`: 4 problems, fixed N 4 and 8, adaptive at N=8 with the middle threshold (0.8).
 
 Another generator (`--generator`, e.g. Gemma 3 270M's GGUF, a base model without a chat template):
@@ -92,19 +96,34 @@ def run(name: str, records: list[dict], config: SearchConfig, out: Path, generat
 
 
 def derived(rows: list[dict], n: int, tolerance: float) -> dict:
-    """Each adaptive run against fixed N=`n`, and the fastest one within `tolerance` points below it."""
+    """Each adaptive run at N=`n` against fixed N=`n`, the fastest one within `tolerance` points below
+    it, and the curve of every adaptive run."""
     fixed = next(r for r in rows if not r["adaptive"] and r["n"] == n)
     against = [{
         "name": r["name"], "certainty": r["certainty"],
         "computed_fraction": r["computed_tokens"] / fixed["computed_tokens"] if fixed["computed_tokens"] else None,
         "accuracy_points": 100 * (r["accuracy"] - fixed["accuracy"]),
         "problems_per_min": r["problems_per_min"],
-    } for r in rows if r["adaptive"]]  # fmt: skip
+    } for r in rows if r["adaptive"] and r["n"] == n]  # fmt: skip
     close = [a for a in against if a["accuracy_points"] >= -tolerance - 1e-9]
     best = max(close, key=lambda a: a["problems_per_min"], default=None)
     speedup = best["problems_per_min"] / fixed["problems_per_min"] if best and fixed["problems_per_min"] else None
     return {"fixed": fixed["name"], "against_fixed": against, "same_accuracy": best, "same_accuracy_speedup": speedup,
-            "tolerance_points": tolerance}  # fmt: skip
+            "tolerance_points": tolerance, "curve": curve(rows)}  # fmt: skip
+
+
+def curve(rows: list[dict]) -> list[dict]:
+    """Per fixed run, the adaptive curve at its computed tokens: the best accuracy of an adaptive run
+    that computed at most as many tokens (the Pareto front as a step), and its margin in points
+    (None: no adaptive run is that cheap)."""
+    adaptive = [r for r in rows if r["adaptive"]]
+    out = []
+    for f in (r for r in rows if not r["adaptive"]):
+        cheaper = [r for r in adaptive if r["computed_tokens"] <= f["computed_tokens"]]
+        best = max(cheaper, key=lambda r: (r["accuracy"], -r["computed_tokens"]), default=None)
+        out.append({"fixed": f["name"], "n": f["n"], "adaptive": best and best["name"],
+                    "margin_points": None if best is None else 100 * (best["accuracy"] - f["accuracy"])})  # fmt: skip
+    return out
 
 
 def _or_dash(value: float | None, spec: str) -> str:
@@ -127,6 +146,9 @@ def table(rows: list[dict], figures: dict, n: int) -> str:
               "|---|---|---|"]  # fmt: skip
     for a in figures["against_fixed"]:
         lines.append(f"| {a['name']} | {_or_dash(a['computed_fraction'], '.2f')} | {a['accuracy_points']:+.1f} |")
+    lines += ["", "| fixed run | the adaptive curve at its computed tokens | margin (points) |", "|---|---|---|"]
+    for c in figures["curve"]:
+        lines.append(f"| {c['fixed']} | {c['adaptive'] or '-'} | {_or_dash(c['margin_points'], '+.1f')} |")
     best, tol = figures["same_accuracy"], figures["tolerance_points"]
     head = f"\n\nproblems/min at the same accuracy (at most {tol:g} points below fixed N={n}):"
     if best is None:
@@ -142,6 +164,8 @@ def main() -> None:
     ap.add_argument("--strategy", default="beam_search")
     ap.add_argument("--ns", default="4,8,16,32,64", help="fixed runs' N")
     ap.add_argument("--adaptive-n", type=int, default=16)
+    ap.add_argument("--curve-ns", default="", help="adaptive runs at these N too (at --curve-certainty): the curve")
+    ap.add_argument("--curve-certainty", type=float, default=0.9)
     ap.add_argument("--first-width", type=int, default=4)
     ap.add_argument("--thresholds", default="0.5,0.7,0.8,0.9,0.95", help="adaptive runs' certainty")
     ap.add_argument("--tolerance", type=float, default=2.5, help="points below fixed N that count as the same")
@@ -173,6 +197,11 @@ def main() -> None:
     for t in (float(t) for t in args.thresholds.split(",")):
         config = SearchConfig(n=args.adaptive_n, adaptive=True, certainty=t, first_width=args.first_width, **common)
         rows.append(run(f"{args.strategy}_n{args.adaptive_n}_adaptive_t{t:g}", records, config, args.out,
+                        args.generator))  # fmt: skip
+    for n in sorted({int(n) for n in args.curve_ns.split(",") if n} - {args.adaptive_n}):
+        config = SearchConfig(n=n, adaptive=True, certainty=args.curve_certainty, first_width=min(args.first_width, n),
+                              **common)  # fmt: skip
+        rows.append(run(f"{args.strategy}_n{n}_adaptive_t{args.curve_certainty:g}", records, config, args.out,
                         args.generator))  # fmt: skip
     figures = derived(rows, args.adaptive_n, args.tolerance)
     png = plot_accuracy_vs_compute([r["path"] for r in rows], args.out / "accuracy_vs_computed_tokens.png")
