@@ -155,6 +155,21 @@ def test_the_first_round_is_the_fixed_searchs_first_samples(runtime):
     assert len(adaptive.beams) == 8
 
 
+def test_beam_search_keeps_survivors_for_the_width_it_grows_to(runtime):
+    """Widening 4 -> 8 -> 16, each iteration keeps width / beam_width survivors of the width the
+    next one runs (one survivor copied 8 times cost adaptive N=8 six points on held-out problems)."""
+    ctx = SearchContext(SearchConfig(seed=1, n=16, adaptive=True, certainty=1.0, num_iterations=3, max_tokens=48),
+                        runtime, "generator", load_prm(runtime, "prm", None), answer_of=boxed)  # fmt: skip
+    seen: list[list[tuple[int, ...]]] = []
+    ctx.on_iteration = lambda iteration, beams: seen.append([b.path for b in beams])
+    [result] = asyncio.run(search_problems(ctx, PROBLEMS[2:]))
+    runtime.check_pages_idle()
+    assert result.stop["widths"] == [4, 8, 16]
+    assert [len(paths) for paths in seen] == [4, 8, 16]
+    parents = [{path[:-2] for path in paths} for paths in seen]  # a scored beam: its parent's path, copy, sample
+    assert [len(p) for p in parents] == [1, 2, 4]  # before: [1, 1, 2]
+
+
 def test_a_trace_records_the_stop(runtime):
     [result], _ = search(runtime, PROBLEMS[:1], adaptive=True, certainty=0.6, n=8, num_iterations=6, max_tokens=48,
                          trace=True)  # fmt: skip

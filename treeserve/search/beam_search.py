@@ -12,8 +12,10 @@ iteration, whose beams are not ranked); the beam keeps only its sampled step.
 Adaptive (`config.adaptive`): the first iteration runs `first_width` beams; after each
 iteration the problem's certainty (`certainty.reward_certainty` over the beams finished and
 alive) is recorded in `problem.stop`, and the search stops there once it reaches
-`config.certainty`, returning the beams finished and alive; else the survivors are copied up
-to twice the width (at most n). Off, the search is exactly the fixed-width one.
+`config.certainty`, returning the beams finished and alive; else it keeps the survivors of
+twice the width (at most n), width / beam_width of them, and copies them up to it (keeping the
+current width's would leave one survivor copied 8 times on the way from 4 to 8). Off, the search
+is exactly the fixed-width one.
 """
 
 from __future__ import annotations
@@ -64,7 +66,9 @@ async def _iterate(
             finished += [beams[i] for i in alive]
             ctx.report(problem, iteration, beams, fates)
             break
-        keep = width // c.beam_width
+        if ctx.may_widen(problem):  # adaptive: the next, wider, width while unsettled
+            width = widths[min(widths.index(width) + 1, len(widths) - 1)]
+        keep = width // c.beam_width  # survivors for the width they are copied up to
         ranked = sorted(range(len(alive)), key=lambda k: (-beams[alive[k]].value(c.agg), k))
         survivors = [beams[alive[k]] for k in sorted(ranked[:keep])]
         for k in ranked[keep:]:
@@ -73,10 +77,7 @@ async def _iterate(
         for k in ranked[:keep]:
             fates[alive[k]] = KEPT
         ctx.report(problem, iteration, beams, fates)
-        # copy survivors back up to the width (n; adaptive: the next, wider, while unsettled), round
-        # robin (search-and-learn's order)
-        if ctx.may_widen(problem):
-            width = widths[min(widths.index(width) + 1, len(widths) - 1)]
+        # copy survivors back up to the width, round robin (search-and-learn's order)
         active[:] = [survivors[j % len(survivors)].child(j // len(survivors)) for j in range(width)]
     finished.sort(key=lambda b: -aggregate(b.scores, c.agg))  # stable: ties keep their order
     return finished[: c.n]
