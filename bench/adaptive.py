@@ -194,15 +194,12 @@ def main() -> None:
         common |= {"prompt_format": few_shot_prompt(args.few_shot, levels), "stop": FEW_SHOT_STOP}
     ns = sorted({int(n) for n in args.ns.split(",")} | {args.adaptive_n})
     rows = [run(f"{args.strategy}_n{n}", records, SearchConfig(n=n, **common), args.out, args.generator) for n in ns]
-    for t in (float(t) for t in args.thresholds.split(",")):
-        config = SearchConfig(n=args.adaptive_n, adaptive=True, certainty=t, first_width=args.first_width, **common)
-        rows.append(run(f"{args.strategy}_n{args.adaptive_n}_adaptive_t{t:g}", records, config, args.out,
-                        args.generator))  # fmt: skip
-    for n in sorted({int(n) for n in args.curve_ns.split(",") if n} - {args.adaptive_n}):
-        config = SearchConfig(n=n, adaptive=True, certainty=args.curve_certainty, first_width=min(args.first_width, n),
-                              **common)  # fmt: skip
-        rows.append(run(f"{args.strategy}_n{n}_adaptive_t{args.curve_certainty:g}", records, config, args.out,
-                        args.generator))  # fmt: skip
+    adaptive = [(args.adaptive_n, float(t)) for t in args.thresholds.split(",")]
+    curve_ns = {int(n) for n in args.curve_ns.split(",") if n} - {args.adaptive_n}
+    adaptive += [(n, args.curve_certainty) for n in sorted(curve_ns)]
+    for n, t in adaptive:
+        config = SearchConfig(n=n, adaptive=True, certainty=t, first_width=min(args.first_width, n), **common)
+        rows.append(run(f"{args.strategy}_n{n}_adaptive_t{t:g}", records, config, args.out, args.generator))
     figures = derived(rows, args.adaptive_n, args.tolerance)
     png = plot_accuracy_vs_compute([r["path"] for r in rows], args.out / "accuracy_vs_computed_tokens.png")
     text = table(rows, figures, args.adaptive_n)

@@ -35,9 +35,10 @@ def signature(result) -> list:  # noqa: ANN001
     return [(b.text, [round(s, 5) for s in b.scores]) for b in result.beams]
 
 
-def search(runtime: Runtime, problems: list, **config: object) -> tuple[list, SearchContext]:
+def search(runtime: Runtime, problems: list, on_iteration=None, **config: object) -> tuple[list, SearchContext]:  # noqa: ANN001
     ctx = SearchContext(SearchConfig(seed=1, **config), runtime, "generator", load_prm(runtime, "prm", None),
                         answer_of=boxed)  # fmt: skip
+    ctx.on_iteration = on_iteration
     results = asyncio.run(search_problems(ctx, problems))
     runtime.check_pages_idle()
     return results, ctx
@@ -158,12 +159,13 @@ def test_the_first_round_is_the_fixed_searchs_first_samples(runtime):
 def test_beam_search_keeps_survivors_for_the_width_it_grows_to(runtime):
     """Widening 4 -> 8 -> 16, each iteration keeps width / beam_width survivors of the width the
     next one runs (one survivor copied 8 times cost adaptive N=8 six points on held-out problems)."""
-    ctx = SearchContext(SearchConfig(seed=1, n=16, adaptive=True, certainty=1.0, num_iterations=3, max_tokens=48),
-                        runtime, "generator", load_prm(runtime, "prm", None), answer_of=boxed)  # fmt: skip
     seen: list[list[tuple[int, ...]]] = []
-    ctx.on_iteration = lambda iteration, beams: seen.append([b.path for b in beams])
-    [result] = asyncio.run(search_problems(ctx, PROBLEMS[2:]))
-    runtime.check_pages_idle()
+
+    def record(iteration: int, beams: list) -> None:
+        seen.append([b.path for b in beams])
+
+    [result], _ = search(runtime, PROBLEMS[2:], record, n=16, adaptive=True, certainty=1.0, num_iterations=3,
+                         max_tokens=48)  # fmt: skip
     assert result.stop["widths"] == [4, 8, 16]
     assert [len(paths) for paths in seen] == [4, 8, 16]
     parents = [{path[:-2] for path in paths} for paths in seen]  # a scored beam: its parent's path, copy, sample
