@@ -30,6 +30,13 @@ static inline float store_f32(float x) { return x; }
 #define load_bf16_generic load_bf16
 #define store_bf16_generic store_bf16
 
+/* K and V rows read ahead, non-temporal: a decode reads each once per step, and rows fetched
+ * this way are not kept in the outer caches, where the host's state for the next step lives. */
+#define NTA_AHEAD 8
+static inline void prefetch_row_nta(const void *row, int64_t bytes) {
+    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch((const char *)row + at, 0, 0);
+}
+
 #define DEFINE_PAGED_DECODE(SUFFIX, T)                                                          \
 void paged_decode_##SUFFIX(const T *q, const T *k_cache, int64_t page_stride, int64_t v_offset, \
                            const int64_t *tables, int64_t table_stride, const int64_t *ctx_lens, \
@@ -57,6 +64,9 @@ void paged_decode_##SUFFIX(const T *q, const T *k_cache, int64_t page_stride, in
         const int64_t *table = tables + (int64_t)b * table_stride;                              \
         for (int64_t t = start; t < len; t++) {                                                 \
             const T *row = k_cache + table[t / block_size] * page_stride + (t % block_size) * token_stride; \
+            if (t + NTA_AHEAD < len)                                                            \
+                prefetch_row_nta(k_cache + table[(t + NTA_AHEAD) / block_size] * page_stride     \
+                                 + ((t + NTA_AHEAD) % block_size) * token_stride, token_stride * (int64_t)sizeof(T)); \
             float *s = scores + (t - start) * q_heads;                                          \
             for (int hq = 0; hq < q_heads; hq++) {                                              \
                 const T *k = row + (int64_t)(hq / group) * head_dim;                            \
@@ -77,6 +87,9 @@ void paged_decode_##SUFFIX(const T *q, const T *k_cache, int64_t page_stride, in
         for (int64_t t = start; t < len; t++) {                                                 \
             const T *row = k_cache + v_offset + table[t / block_size] * page_stride             \
                            + (t % block_size) * token_stride;                                   \
+            if (t + NTA_AHEAD < len)                                                            \
+                prefetch_row_nta(k_cache + v_offset + table[(t + NTA_AHEAD) / block_size] * page_stride \
+                                 + ((t + NTA_AHEAD) % block_size) * token_stride, token_stride * (int64_t)sizeof(T)); \
             const float *s = scores + (t - start) * q_heads;                                    \
             for (int hq = 0; hq < q_heads; hq++) {                                              \
                 const T *v = row + (int64_t)(hq / group) * head_dim;                            \
