@@ -16,7 +16,6 @@ those passes cost more than the matmul. Log-probabilities are always those of th
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Callable
 from dataclasses import dataclass
 
