@@ -17,6 +17,7 @@ from treeserve.search.context import SearchConfig, SearchContext
 from treeserve.search.dvts import waves
 from treeserve.search.prm import load_prm
 from treeserve.search.run import search_problems
+from treeserve.search.types import Problem
 
 PROBLEMS = [("a", "Compute (12 + 7) * 3."), ("b", "Compute 45 - 17 + 8."), ("c", "Compute (6 * 7 - 5) * (3 + 4).")]
 
@@ -196,18 +197,61 @@ def test_optimised_equals_reference_with_stops(runtime, strategy):
     runtime.check_pages_idle()
 
 
-@pytest.mark.parametrize("strategy", ["beam_search", "majority"])
-def test_a_spent_budget_stops_every_problem(runtime, strategy):
-    """A budget far below what the fixed search spends: problems stop with reason "budget", the
-    run spends about the budget (plus what was in flight when it ran out), no page is left."""
-    steps = strategy == "beam_search"
-    kwargs = {"strategy": strategy, "n": 16, "num_iterations": 6, "max_tokens": 48 if steps else 256,
-              "adaptive": True, "certainty": 0.99}  # fmt: skip
+def test_a_budget_is_paced_over_the_runs_problems():
+    """Each problem gets an equal share of the budget: it widens while under it, narrows once
+    over it (unless it is less settled than the median), goes back to the first width once the
+    whole budget is spent, and the share a problem leaves unspent goes to the others."""
+    config = SearchConfig(strategy="beam_search", n=16, adaptive=True, first_width=4, budget_tokens=1000)
+    ctx = SearchContext(config, None, "generator", None, answer_of=boxed)
+    ctx.expect(4)
+    assert ctx.share == 250
+    widths = config.widths()
+    a, b, c = (Problem(uid, uid, []) for uid in "abc")
+    ctx.certainties = {"a": 0.0, "b": 0.0, "c": 0.6}
+    a.generated_tokens, b.generated_tokens, c.generated_tokens = 100, 300, 300
+    ctx.generated_tokens = 700
+    assert ctx.next_width(a, 4, widths) == 8  # under its share: grows
+    assert ctx.next_width(b, 8, widths) == 4  # over it, as settled as the median: narrows
+    assert ctx.next_width(c, 16, widths) == 8
+    ctx.certainties |= {"a": 0.2, "d": 0.5}  # the median (0.2) above b's 0: b, less settled, keeps its width
+    assert ctx.next_width(b, 8, widths) == 8
+    ctx.certainties["a"] = 0.0
+    ctx.generated_tokens = 1000  # all of it spent: back to the first width, never beyond it
+    assert ctx.next_width(b, 16, widths) == 4
+    assert ctx.next_width(a, 4, widths) == 4  # (a, under its share, neither grows nor narrows)
+    ctx.generated_tokens = 700
+    ctx.decide(c, 3, 8, 0.95, exhausted=False, grows=False)  # c settles, 50 tokens short of its share
+    assert ctx.surplus == -50 and "c" not in ctx.certainties
+    ctx.surplus = 600.0  # shares left unspent: split among the problems in flight
+    assert not ctx.over_pace(b)  # 300 < 250 + 600 / 3
+    assert ctx.next_width(b, 8, widths) == 16
+
+
+def test_sampling_rounds_stop_for_the_budget(runtime):
+    """Majority voting whose budget is spent: its problems stop growing (reason "budget"),
+    the run spends less, and every problem leaves the budget's table."""
+    kwargs = {"strategy": "majority", "n": 16, "num_iterations": 6, "max_tokens": 256, "adaptive": True,
+              "certainty": 0.99}  # fmt: skip
     free, free_ctx = search(runtime, PROBLEMS, **kwargs)
-    budget = free_ctx.spent_tokens // 3
-    capped, ctx = search(runtime, PROBLEMS, budget_tokens=budget, **kwargs)
+    capped, ctx = search(runtime, PROBLEMS, budget_tokens=free_ctx.spent_tokens // 3, **kwargs)
     assert "budget" in {r.stop["reason"] for r in capped}
     assert ctx.spent_tokens < free_ctx.spent_tokens
-    assert not ctx.certainties  # every problem ended and left the budget's table
+    assert not ctx.certainties
     for result in capped:
         assert result.stop["widths"] == sorted(result.stop["widths"])
+
+
+def test_beam_search_narrows_for_the_budget_and_starves_no_problem(runtime):
+    """Beam search under a budget a third of what it spends free, one problem at a time (the run
+    the budget starved before it was paced: the first problem spent it all and the last stopped
+    at its first decision): problems grow, narrow again once over their share or at the first
+    width once the budget is spent, and every one runs to its end, settled or exhausted."""
+    kwargs = {"strategy": "beam_search", "n": 16, "num_iterations": 6, "max_tokens": 48, "adaptive": True,
+              "certainty": 0.99, "max_concurrent_problems": 1}  # fmt: skip
+    free, free_ctx = search(runtime, PROBLEMS, **kwargs)
+    capped, ctx = search(runtime, PROBLEMS, budget_tokens=free_ctx.spent_tokens // 3, **kwargs)
+    assert ctx.spent_tokens < free_ctx.spent_tokens
+    assert not ctx.certainties
+    assert {r.stop["reason"] for r in capped} <= {"settled", "exhausted"}
+    assert any(r.stop["widths"] != sorted(r.stop["widths"]) for r in capped)  # some problem narrowed
+    assert len(capped[-1].stop["widths"]) > 1  # the last problem ran on past its first decision

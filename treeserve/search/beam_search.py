@@ -14,8 +14,9 @@ iteration the problem's certainty (`certainty.reward_certainty` over the beams f
 alive) is recorded in `problem.stop`, and the search stops there once it reaches
 `config.certainty`, returning the beams finished and alive; else it keeps the survivors of
 twice the width (at most n), width / beam_width of them, and copies them up to it (keeping the
-current width's would leave one survivor copied 8 times on the way from 4 to 8). Off, the search
-is exactly the fixed-width one.
+current width's would leave one survivor copied 8 times on the way from 4 to 8). With a budget
+(`SearchContext.next_width`) a problem may also narrow again. Off, the search is exactly the
+fixed-width one.
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ async def _iterate(
             finished += [beams[i] for i in alive]
             ctx.report(problem, iteration, beams, fates)
             break
-        if ctx.may_widen(problem):  # adaptive: the next, wider, width while unsettled
-            width = widths[min(widths.index(width) + 1, len(widths) - 1)]
+        # adaptive: wider while unsettled (with a budget: narrower while the run is over its pace)
+        width = ctx.next_width(problem, width, widths)
         keep = width // c.beam_width  # survivors for the width they are copied up to
         ranked = sorted(range(len(alive)), key=lambda k: (-beams[alive[k]].value(c.agg), k))
         survivors = [beams[alive[k]] for k in sorted(ranked[:keep])]

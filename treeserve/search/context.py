@@ -71,8 +71,9 @@ class SearchConfig:
     adaptive: bool = False
     certainty: float = 0.9
     first_width: int = 4
-    # adaptive: the tokens the whole run may sample and feed the PRM; the less settled problems
-    # in flight get to grow, and once it is spent every problem stops at its next decision
+    # adaptive: the tokens the whole run may sample and feed the PRM, paced over its problems; the
+    # less settled problems in flight get to grow within the share of the problems started so
+    # far, and once all of it is spent every problem stops at its next decision
     budget_tokens: int | None = None
 
     def __post_init__(self) -> None:
@@ -208,6 +209,10 @@ class SearchContext:
     answer_of: Callable[[Problem, str], Hashable | None] | None = None
     _scoring: Problem | None = None  # the problem whose PRM input is being built (see _score)
     certainties: dict[str, float] = field(default_factory=dict)  # budget_tokens: problems in flight, latest
+    # budget_tokens, paced: the problems the run will search (`expect`: each gets an equal share),
+    # and the shares the problems that ended left unspent (less what they overspent)
+    expected_problems: int = 0
+    surplus: float = 0.0
 
     def __post_init__(self) -> None:
         if self.prm is not None:
@@ -238,10 +243,11 @@ class SearchContext:
         reason = "settled" if certainty >= c.certainty else "exhausted" if exhausted else ""
         if c.budget_tokens is not None:
             self.certainties[problem.uid] = certainty
-            if not reason and (self.spent_tokens >= c.budget_tokens or (grows and not self.may_widen(problem))):
+            if not reason and grows and not self.may_widen(problem):
                 reason = "budget"
             if reason:
                 del self.certainties[problem.uid]
+                self.surplus += self.share - problem.generated_tokens - problem.prm_tokens
         stop = problem.stop if problem.stop is not None else {"widths": [], "certainty": []}
         problem.stop = stop
         stop["widths"].append(width)
@@ -252,16 +258,54 @@ class SearchContext:
 
     def may_widen(self, problem: Problem) -> bool:
         """With `budget_tokens`: whether `problem` may grow its width, i.e. it is among the less
-        settled half of the problems in flight (at or below their median certainty) and the
-        budget is not spent. This reads the other problems: with a budget, what a problem gets
-        depends on what else is in flight."""
-        c = self.config
-        if c.budget_tokens is None:
+        settled half of the problems in flight, it is not `over_pace`, and the budget is not
+        spent. This reads the other problems: with a budget, what a problem gets depends on
+        what else is in flight."""
+        budget = self.config.budget_tokens
+        if budget is None:
             return True
-        if self.spent_tokens >= c.budget_tokens:
-            return False
+        return self.spent_tokens < budget and not self.over_pace(problem) and self._less_settled(problem)
+
+    def next_width(self, problem: Problem, width: int, widths: list[int]) -> int:
+        """Beam search's width for the next iteration, of `widths`: one step wider while
+        `may_widen`; with a budget, one step narrower once the problem is `over_pace`, unless it
+        is less settled than the median of those in flight (a wider width goes on spending at
+        every iteration; and before its beams finish a problem's certainty is 0, like most
+        others'); else the same."""
+        at = widths.index(width)
+        if self.may_widen(problem):
+            return widths[min(at + 1, len(widths) - 1)]
+        budget = self.config.budget_tokens
+        if budget is None or not self.over_pace(problem):
+            return width
+        if self.spent_tokens >= budget:  # all of it spent: the first width, to the problem's end
+            return widths[0]
+        return width if self._less_settled(problem, strictly=True) else widths[max(at - 1, 0)]
+
+    def _less_settled(self, problem: Problem, strictly: bool = False) -> bool:
+        """`problem`'s certainty is at or below (`strictly`: below) the median of the problems in
+        flight: it is among the less settled half."""
         ordered = sorted(self.certainties.values())
-        return self.certainties.get(problem.uid, 0.0) <= ordered[(len(ordered) - 1) // 2]
+        mine, median = self.certainties.get(problem.uid, 0.0), ordered[(len(ordered) - 1) // 2]
+        return mine < median if strictly else mine <= median
+
+    def expect(self, problems: int) -> None:
+        """The run will search `problems` more problems: a budget is paced over them."""
+        self.expected_problems += problems
+
+    @property
+    def share(self) -> float:
+        """With `budget_tokens`: each problem's share of it (all of it when the run expected no
+        number of problems: one search)."""
+        budget = self.config.budget_tokens
+        return budget / self.expected_problems if self.expected_problems else budget
+
+    def over_pace(self, problem: Problem) -> bool:
+        """With `budget_tokens`: `problem` spent its share and its part of the surplus (shared by
+        the problems in flight). Paced per problem: a run-wide count let the first problems in
+        flight spend the whole budget, and the last ones of a run stopped at their first decision."""
+        in_flight = max(1, len(self.certainties))
+        return problem.generated_tokens + problem.prm_tokens >= self.share + max(0.0, self.surplus) / in_flight
 
     @property
     def spent_tokens(self) -> int:

@@ -50,6 +50,7 @@ async def search_problems(
     """problems: (unique id, question) pairs. Results come back in input order. Once `stop` is
     set no problem starts (its result is None); those already started run to the end."""
     strategy = STRATEGY_FUNCTIONS[ctx.config.strategy]
+    ctx.expect(len(problems))  # a budget is paced over them
     gate = asyncio.Semaphore(ctx.config.max_concurrent_problems)
 
     async def one(uid: str, question: str) -> ProblemResult | None:
