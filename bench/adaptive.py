@@ -30,6 +30,10 @@ The issue's curve: `--curve-ns 4,8,32` adds adaptive runs at those N (at `--curv
 the summary gives, per fixed run, the best accuracy of an adaptive run that computed at most as many
 tokens (the Pareto front as a step) and its margin in points.
 
+`--budgets 300000,440000` adds adaptive runs at N=`--adaptive-n` and `--curve-certainty` under those
+`--budget-tokens` (paced over the problems: docs/adaptive.md); each row records the tokens the run
+spent (sampled and fed to the PRM: what a budget counts) beside its computed tokens.
+
 `--smoke`: 4 problems, fixed N 4 and 8, adaptive at N=8 with the middle threshold (0.8).
 
 Another generator (`--generator`, e.g. Gemma 3 270M's GGUF, a base model without a chat template):
@@ -85,6 +89,8 @@ def run(name: str, records: list[dict], config: SearchConfig, out: Path, generat
         "certainty": config.certainty if config.adaptive else None, "problems": len(problems),
         "accuracy": summary["accuracy"], "rule": summary.get("accuracy_rule"),
         "computed_tokens": summary["computed_tokens"], "generated_tokens": summary["generated_tokens"],
+        "budget_tokens": config.budget_tokens,
+        "spent_tokens": sum(p["spent"]["generated_tokens"] + p["spent"]["prm_input_tokens"] for p in problems),
         "wall_s": summary["wall_time_s"], "problems_per_min": 60 * summary["problems_per_s"],
         "process_s": time.perf_counter() - start,  # with model loading and grading
         "settled_share": len(settled) / len(problems) if config.adaptive else None,
@@ -133,14 +139,15 @@ def _or_dash(value: float | None, spec: str) -> str:
 def table(rows: list[dict], figures: dict, n: int) -> str:
     lines = [
         "| run | N | certainty | accuracy | computed tokens | generated tokens | wall s | problems/min "
-        "| settled | mean stop iteration |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| settled | mean stop iteration | spent tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['name']} | {r['n']} | {_or_dash(r['certainty'], 'g')} | {r['accuracy']:.1%} "
             f"| {r['computed_tokens']} | {r['generated_tokens']} | {r['wall_s']:.1f} | {r['problems_per_min']:.1f} "
-            f"| {_or_dash(r['settled_share'], '.0%')} | {_or_dash(r['mean_stop_iteration'], '.2f')} |"
+            f"| {_or_dash(r['settled_share'], '.0%')} | {_or_dash(r['mean_stop_iteration'], '.2f')} "
+            f"| {r['spent_tokens']} |"
         )
     lines += ["", f"| adaptive run | computed tokens / fixed N={n}'s | accuracy - fixed N={n}'s (points) |",
               "|---|---|---|"]  # fmt: skip
@@ -166,6 +173,8 @@ def main() -> None:
     ap.add_argument("--adaptive-n", type=int, default=16)
     ap.add_argument("--curve-ns", default="", help="adaptive runs at these N too (at --curve-certainty): the curve")
     ap.add_argument("--curve-certainty", type=float, default=0.9)
+    ap.add_argument("--budgets", default="", help="adaptive runs at --adaptive-n and --curve-certainty with these "
+                                                  "--budget-tokens (tokens sampled and fed to the PRM)")
     ap.add_argument("--first-width", type=int, default=4)
     ap.add_argument("--thresholds", default="0.5,0.7,0.8,0.9,0.95", help="adaptive runs' certainty")
     ap.add_argument("--tolerance", type=float, default=2.5, help="points below fixed N that count as the same")
@@ -194,12 +203,15 @@ def main() -> None:
         common |= {"prompt_format": few_shot_prompt(args.few_shot, levels), "stop": FEW_SHOT_STOP}
     ns = sorted({int(n) for n in args.ns.split(",")} | {args.adaptive_n})
     rows = [run(f"{args.strategy}_n{n}", records, SearchConfig(n=n, **common), args.out, args.generator) for n in ns]
-    adaptive = [(args.adaptive_n, float(t)) for t in args.thresholds.split(",")]
+    adaptive = [(args.adaptive_n, float(t), None) for t in args.thresholds.split(",") if t]
     curve_ns = {int(n) for n in args.curve_ns.split(",") if n} - {args.adaptive_n}
-    adaptive += [(n, args.curve_certainty) for n in sorted(curve_ns)]
-    for n, t in adaptive:
-        config = SearchConfig(n=n, adaptive=True, certainty=t, first_width=min(args.first_width, n), **common)
-        rows.append(run(f"{args.strategy}_n{n}_adaptive_t{t:g}", records, config, args.out, args.generator))
+    adaptive += [(n, args.curve_certainty, None) for n in sorted(curve_ns)]
+    adaptive += [(args.adaptive_n, args.curve_certainty, int(b)) for b in args.budgets.split(",") if b]
+    for n, t, budget in adaptive:
+        config = SearchConfig(n=n, adaptive=True, certainty=t, first_width=min(args.first_width, n),
+                              budget_tokens=budget, **common)  # fmt: skip
+        name = f"{args.strategy}_n{n}_adaptive_t{t:g}" + (f"_budget{budget}" if budget else "")
+        rows.append(run(name, records, config, args.out, args.generator))
     figures = derived(rows, args.adaptive_n, args.tolerance)
     png = plot_accuracy_vs_compute([r["path"] for r in rows], args.out / "accuracy_vs_computed_tokens.png")
     text = table(rows, figures, args.adaptive_n)

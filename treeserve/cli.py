@@ -150,8 +150,9 @@ def _add_search_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--first-width", type=int, default=4,
                    help="with --adaptive: beams or samples to start with, doubled up to --n (default 4)")
     p.add_argument("--budget-tokens", type=int, default=None,
-                   help="with --adaptive: tokens the whole run may sample and feed the PRM; the least settled "
-                        "problems get them")  # fmt: skip
+                   help="with --adaptive: tokens the run may sample and feed the PRM, an equal share a problem; "
+                        "problems grow within their share and narrow past it, the least settled first "
+                        "(docs/adaptive.md)")  # fmt: skip
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     _add_memory_flags(p)
     _add_device_flags(p)
