@@ -14,10 +14,13 @@ Servers: `treeserve` (its engine core in a process of its own), `treeserve-inpro
 `treeserve-overlap` (overlapped steps, `--async-scheduling`), `treeserve-before` (`treeserve` from
 the checkout `--before DIR`, a `git worktree` of an earlier commit), `vllm`, `vllm-inprocess`,
 and with `--search-n`, `treeserve-adaptive`: `treeserve` whose /v1/search requests ask for
-adaptive search (`"adaptive": true`, its default certainty; docs/adaptive.md), to compare
-latency and accuracy with and without it in one invocation:
+adaptive search (`"adaptive": true`, its default certainty; docs/adaptive.md), and
+`treeserve-budget`: adaptive searches that also send `"budget_tokens": --search-budget` (one
+problem's pace: it grows within them and narrows past them), to compare latency and accuracy
+with and without them in one invocation:
 
-    python bench/serve_load.py --servers treeserve,treeserve-adaptive --search-n 16 --requests 64 --repeats 3
+    python bench/serve_load.py --servers treeserve,treeserve-adaptive,treeserve-budget --search-n 16 \
+        --search-budget 2500 --requests 64 --repeats 3
 
 With `--search-n`, the share of searches whose chosen answer is right is reported too.
 
@@ -118,6 +121,7 @@ class Load:
     outcomes: list[Outcome] = field(default_factory=list)
     search_n: int = 0  # > 0: each request is a /v1/search with this N, not a chat completion
     adaptive: bool = False  # searches ask for adaptive search
+    budget_tokens: int | None = None  # and for this budget each
     answers: list[str] = field(default_factory=list)  # the problems' right answers (searches are graded)
 
 
@@ -133,6 +137,8 @@ def build_load(num: int, max_tokens: int, disconnect_share: float, seed: int) ->
 async def one_search(client: httpx.AsyncClient, base: str, load: Load, i: int) -> Outcome:
     """One /v1/search (beam search, N=load.search_n, width 4), not streamed: completed on 200."""
     body = {"problem": load.prompts[i], "n": load.search_n, "beam_width": 4, "seed": i, "adaptive": load.adaptive}
+    if load.budget_tokens is not None:
+        body["budget_tokens"] = load.budget_tokens
     out, start = Outcome(), time.perf_counter()
     try:
         response = await client.post(base + "/v1/search", json=body)
@@ -274,6 +280,8 @@ def main() -> None:
     ap.add_argument("--kv-gib", type=int, default=1)
     ap.add_argument("--search-n", type=int, default=0,
                     help="> 0: the load is /v1/search requests (beam search with this N), not chats")  # fmt: skip
+    ap.add_argument("--search-budget", type=int, default=2500,
+                    help="treeserve-budget: each search's budget_tokens (sampled and fed to the PRM)")  # fmt: skip
     ap.add_argument("--out", default=os.path.join(HERE, "out", "serve_load.json"))
     ap.add_argument("--before", default=None, help="the checkout server treeserve-before runs (a git worktree)")
     args = ap.parse_args()
@@ -292,7 +300,8 @@ def main() -> None:
                 warm = build_load(4, 8, 0.0, seed=10_000 + rep)
                 asyncio.run(run_load(base, warm, 4))
                 load = build_load(args.requests, args.max_tokens, args.disconnect_share, seed=rep)
-                load.search_n, load.adaptive = args.search_n, server == "treeserve-adaptive"
+                load.search_n, load.adaptive = args.search_n, server in ("treeserve-adaptive", "treeserve-budget")
+                load.budget_tokens = args.search_budget if server == "treeserve-budget" else None
                 before = cpu_seconds(proc.pid)
                 wall = asyncio.run(run_load(base, load, args.clients))
                 result = summarize(load, wall)

@@ -97,6 +97,7 @@ BAD_INPUTS = [
     ("/v1/search", {"problem": "Compute 1 + 2.", "adaptive": True, "certainty": 0}, 400),
     ("/v1/search", {"problem": "Compute 1 + 2.", "adaptive": True, "first_width": 0}, 400),
     ("/v1/search", {"problem": "Compute 1 + 2.", "adaptive": True, "first_width": 3, "beam_width": 2}, 400),
+    ("/v1/search", {"problem": "Compute 1 + 2.", "budget_tokens": 500}, 400),  # a budget needs adaptive
     ("/v1/search", {"problem": "Compute 1 + 2.", "prompt_format": "no question"}, 400),
     ("/v1/search", {"messages": CHAT, "strategy": "majority", "prompt_format": "Q: {question}"}, 400),
     ("/v1/search", {"problem": "Compute 1 + 2.", "stop": ["ok", ""]}, 400),
@@ -118,7 +119,7 @@ def test_bad_input_is_a_4xx_with_an_openai_error_body(server: LiveServer, path: 
 
 
 @pytest.mark.parametrize(("field", "value"), [("certainty", 2), ("certainty", 0), ("first_width", 0),
-                                              ("deadline_s", 0)])  # fmt: skip
+                                              ("deadline_s", 0), ("budget_tokens", 0)])  # fmt: skip
 def test_bad_adaptive_values_are_refused_naming_the_field(server: LiveServer, field: str, value: float) -> None:
     before = generated(server)
     response = post(server, "/v1/search", {"problem": "Compute 1 + 2.", "adaptive": True, field: value})

@@ -196,6 +196,20 @@ def test_an_adaptive_search_returns_its_stop_and_spent_tokens(client: OpenAI) ->
     assert fixed["stop"] is None and fixed["spent"]["generated_tokens"] > 0
 
 
+def test_a_search_budget_narrows_the_search_once_spent(client: OpenAI) -> None:
+    """`budget_tokens` a third of what the search spends free: it grows, narrows once past the
+    budget, and runs to its end on fewer tokens."""
+    body = {"problem": QUESTION, "strategy": "beam_search", "n": 8, "beam_width": 2, "num_iterations": 10, "seed": 3,
+            "adaptive": True, "certainty": 0.99, "first_width": 2}  # fmt: skip
+    free = client.post("/search", body=body, cast_to=object)
+    spent = sum(free["spent"].values())
+    capped = client.post("/search", body={**body, "budget_tokens": spent // 3}, cast_to=object)
+    widths = capped["stop"]["widths"]
+    assert max(widths) > 2 and widths != sorted(widths), widths  # grew, then narrowed
+    assert capped["stop"]["reason"] in ("settled", "exhausted")
+    assert sum(capped["spent"].values()) < spent
+
+
 def deadline_after_the_first_iteration(monkeypatch: pytest.MonkeyPatch) -> None:
     """A clock that jumps 1000 s at every reading: a search with `deadline_s` 500 (which the
     event loop's timer never reaches in a test) is past it at its first scored iteration."""

@@ -182,6 +182,9 @@ class SearchRequest(BaseModel):
     adaptive: bool = False
     certainty: float = 0.9
     first_width: int = 4
+    # tokens this search may sample and feed the PRM: it grows within them and narrows past them
+    # (a pace, not a cap: docs/adaptive.md); needs adaptive
+    budget_tokens: int | None = None
     deadline_s: float | None = None  # answer with what the search holds after this many seconds
 
 

@@ -9,7 +9,8 @@ needs the grading workers). The response names the rule (`selection`) and gives 
 pick (`answers_by_rule`). With `stream`, progress events follow each scored iteration. With
 `trace`, the result carries the search's trace (`search/trace.py`) and its problem.
 
-Adaptive search (`adaptive`, `certainty`, `first_width`) groups completions by the same answer
+Adaptive search (`adaptive`, `certainty`, `first_width`, `budget_tokens`: one problem's, paced as
+a run's share is) groups completions by the same answer
 key the response compares (the last `\\boxed{}`, stripped); the result records the problem's
 `stop` and the tokens it `spent`. With `deadline_s` the strategy runs as a task: once the
 deadline passes (on the event loop's timer, or at an iteration reported past it on `clock`),
@@ -67,8 +68,8 @@ def search_context(served: Served, req: SearchRequest) -> tuple[SearchContext, P
         temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_tokens, agg=req.agg,
         filter_duplicates=req.filter_duplicates, final_to_eos=req.final_to_eos, lookahead=req.lookahead, seed=req.seed,
         step_regex=req.step_regex, answer_regex=req.answer_regex, trace=req.trace, adaptive=req.adaptive,
-        certainty=req.certainty, first_width=req.first_width, prompt_format=req.prompt_format,
-        stop=req.stop or [],
+        certainty=req.certainty, first_width=req.first_width, budget_tokens=req.budget_tokens,
+        prompt_format=req.prompt_format, stop=req.stop or [],
     )  # fmt: skip
     if req.deadline_s is not None and not (math.isfinite(req.deadline_s) and req.deadline_s > 0):
         raise ValueError(f"deadline_s must be a finite number of seconds > 0, got {req.deadline_s!r}")
