@@ -204,6 +204,7 @@ def test_a_budget_is_paced_over_the_runs_problems():
     config = SearchConfig(strategy="beam_search", n=16, adaptive=True, first_width=4, budget_tokens=1000)
     ctx = SearchContext(config, None, "generator", None, answer_of=boxed)
     ctx.expect(4)
+    ctx.expect(1)  # a Ray worker: told the run's count, then one problem a call
     assert ctx.share == 250
     widths = config.widths()
     a, b, c = (Problem(uid, uid, []) for uid in "abc")

@@ -95,7 +95,7 @@ class EvalWorker:
     """One runtime (generator + PRM) in a Ray actor; searches one problem per call, many calls at once."""
 
     def __init__(self, settings: EvalSettings, config: SearchConfig, threads: int, driver_assets: str,
-                 crash_after: int | None, hang_after: int | None = None):  # fmt: skip
+                 crash_after: int | None, hang_after: int | None = None, run_problems: int = 0):  # fmt: skip
         import torch
 
         torch.set_num_threads(threads)
@@ -109,6 +109,9 @@ class EvalWorker:
         self.grader = Grader()  # adaptive search's answer keys (math kinds start worker processes when used)
         self.kinds: dict[str, str] = {}  # unique id -> grader kind, of the problems sent here
         self.ctx = SearchContext(config, self.runtime, "generator", prm, answer_of=answer_rule(self.grader, self.kinds))
+        # a budget's share is the whole run's (this worker searches one problem a call; its own
+        # spend, not the other workers', counts toward the budget being spent)
+        self.ctx.expect(run_problems)
         self.finished = 0
         self.crash_after, self.hang_after = crash_after, hang_after
 
@@ -316,7 +319,7 @@ class ProblemDispatch:
     def _start(self, index: int, crash_after: int | None = None, hang_after: int | None = None) -> _Slot:
         worker = self.ray.remote(EvalWorker).options(num_cpus=self.options.cpus_per_worker, max_restarts=0)
         actor = worker.remote(self.settings, self.config, self.options.cpus_per_worker, str(ASSETS), crash_after,
-                              hang_after)  # fmt: skip
+                              hang_after, len(self.records))  # fmt: skip
         self.actors += 1
         return _Slot(index, actor, self.actors, actor.ready.remote())
 

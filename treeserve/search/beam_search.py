@@ -67,7 +67,7 @@ async def _iterate(
             finished += [beams[i] for i in alive]
             ctx.report(problem, iteration, beams, fates)
             break
-        # adaptive: wider while unsettled (with a budget: narrower while the run is over its pace)
+        # adaptive: wider while unsettled (with a budget: narrower once past the problem's share)
         width = ctx.next_width(problem, width, widths)
         keep = width // c.beam_width  # survivors for the width they are copied up to
         ranked = sorted(range(len(alive)), key=lambda k: (-beams[alive[k]].value(c.agg), k))

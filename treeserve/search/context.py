@@ -71,9 +71,9 @@ class SearchConfig:
     adaptive: bool = False
     certainty: float = 0.9
     first_width: int = 4
-    # adaptive: the tokens the whole run may sample and feed the PRM, paced over its problems; the
-    # less settled problems in flight get to grow within the share of the problems started so
-    # far, and once all of it is spent every problem stops at its next decision
+    # adaptive: the tokens the whole run may sample and feed the PRM, an equal share a problem:
+    # problems grow within their share (the less settled first) and narrow past it; sampling
+    # rounds and DVTS waves that may not grow stop (docs/adaptive.md)
     budget_tokens: int | None = None
 
     def __post_init__(self) -> None:
@@ -236,9 +236,10 @@ class SearchContext:
         """An adaptive decision after `iteration` (a round or wave for sampling and DVTS), recorded
         in `problem.stop` (each iteration's width and certainty; once it stops, where and why):
         why the problem stops now, or "" to go on. "settled": its certainty reached the
-        threshold; "exhausted": it ran to its end; "budget": the run's `budget_tokens` are
-        spent, or going on means growing (`grows`: a sampling round, a DVTS wave) and the
-        budget goes to less settled problems (`may_widen`)."""
+        threshold; "exhausted": it ran to its end; "budget": going on means growing (`grows`:
+        a sampling round, a DVTS wave) and it may not (`may_widen`). Beam search never stops
+        for the budget: it narrows (`next_width`). An ended problem's unspent share joins the
+        surplus."""
         c = self.config
         reason = "settled" if certainty >= c.certainty else "exhausted" if exhausted else ""
         if c.budget_tokens is not None:
@@ -290,8 +291,10 @@ class SearchContext:
         return mine < median if strictly else mine <= median
 
     def expect(self, problems: int) -> None:
-        """The run will search `problems` more problems: a budget is paced over them."""
-        self.expected_problems += problems
+        """The run searches `problems` problems: each gets that share of a budget. The largest
+        count given stands (`search_problems` gives its list's; a Ray worker is told the run's,
+        then searches one problem a call)."""
+        self.expected_problems = max(self.expected_problems, problems)
 
     @property
     def share(self) -> float:
