@@ -248,7 +248,7 @@ class SearchContext:
                 reason = "budget"
             if reason:
                 del self.certainties[problem.uid]
-                self.surplus += self.share - problem.generated_tokens - problem.prm_tokens
+                self.surplus += self.share - problem.spent_tokens
         stop = problem.stop if problem.stop is not None else {"widths": [], "certainty": []}
         problem.stop = stop
         stop["widths"].append(width)
@@ -274,12 +274,11 @@ class SearchContext:
         every iteration; and before its beams finish a problem's certainty is 0, like most
         others'); else the same."""
         at = widths.index(width)
-        if self.may_widen(problem):
+        if self.may_widen(problem):  # (always, without a budget)
             return widths[min(at + 1, len(widths) - 1)]
-        budget = self.config.budget_tokens
-        if budget is None or not self.over_pace(problem):
+        if not self.over_pace(problem):
             return width
-        if self.spent_tokens >= budget:  # all of it spent: the first width, to the problem's end
+        if self.spent_tokens >= self.config.budget_tokens:  # all of it spent: the first width, to the end
             return widths[0]
         return width if self._less_settled(problem, strictly=True) else widths[max(at - 1, 0)]
 
@@ -308,7 +307,7 @@ class SearchContext:
         the problems in flight). Paced per problem: a run-wide count let the first problems in
         flight spend the whole budget, and the last ones of a run stopped at their first decision."""
         in_flight = max(1, len(self.certainties))
-        return problem.generated_tokens + problem.prm_tokens >= self.share + max(0.0, self.surplus) / in_flight
+        return problem.spent_tokens >= self.share + max(0.0, self.surplus) / in_flight
 
     @property
     def spent_tokens(self) -> int:

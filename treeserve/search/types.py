@@ -32,6 +32,11 @@ class Problem:
     stop: dict | None = None
 
     @property
+    def spent_tokens(self) -> int:
+        """Tokens sampled and fed to the PRM for it (its part of `SearchContext.spent_tokens`)."""
+        return self.generated_tokens + self.prm_tokens
+
+    @property
     def spent(self) -> dict[str, int]:
         """What results report of its spend (eval's problem records, /v1/search's `spent`)."""
         return {"generated_tokens": self.generated_tokens, "prm_input_tokens": self.prm_tokens}
