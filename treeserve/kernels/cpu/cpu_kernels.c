@@ -36,6 +36,11 @@ static inline float store_f32(float x) { return x; }
 static inline void prefetch_row_nta(const void *row, int64_t bytes) {
     for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch((const char *)row + at, 0, 0);
 }
+/* Where key or value t of a sequence starts, in elements from the cache's start (through its table). */
+static inline int64_t kv_row(const int64_t *table, int64_t t, int block_size, int64_t page_stride,
+                             int64_t token_stride) {
+    return table[t / block_size] * page_stride + (t % block_size) * token_stride;
+}
 
 #define DEFINE_PAGED_DECODE(SUFFIX, T)                                                          \
 void paged_decode_##SUFFIX(const T *q, const T *k_cache, int64_t page_stride, int64_t v_offset, \
@@ -63,10 +68,10 @@ void paged_decode_##SUFFIX(const T *q, const T *k_cache, int64_t page_stride, in
         for (int hq = 0; hq < q_heads; hq++) { maxs[hq] = -FLT_MAX; sums[hq] = 0.0f; }         \
         const int64_t *table = tables + (int64_t)b * table_stride;                              \
         for (int64_t t = start; t < len; t++) {                                                 \
-            const T *row = k_cache + table[t / block_size] * page_stride + (t % block_size) * token_stride; \
+            const T *row = k_cache + kv_row(table, t, block_size, page_stride, token_stride);   \
             if (t + NTA_AHEAD < len)                                                            \
-                prefetch_row_nta(k_cache + table[(t + NTA_AHEAD) / block_size] * page_stride     \
-                                 + ((t + NTA_AHEAD) % block_size) * token_stride, token_stride * (int64_t)sizeof(T)); \
+                prefetch_row_nta(k_cache + kv_row(table, t + NTA_AHEAD, block_size, page_stride, token_stride), \
+                                 token_stride * (int64_t)sizeof(T));                            \
             float *s = scores + (t - start) * q_heads;                                          \
             for (int hq = 0; hq < q_heads; hq++) {                                              \
                 const T *k = row + (int64_t)(hq / group) * head_dim;                            \
@@ -85,11 +90,11 @@ void paged_decode_##SUFFIX(const T *q, const T *k_cache, int64_t page_stride, in
                 sums[hq] += e;                                                                  \
             }                                                                                   \
         for (int64_t t = start; t < len; t++) {                                                 \
-            const T *row = k_cache + v_offset + table[t / block_size] * page_stride             \
-                           + (t % block_size) * token_stride;                                   \
+            const T *row = k_cache + v_offset + kv_row(table, t, block_size, page_stride, token_stride); \
             if (t + NTA_AHEAD < len)                                                            \
-                prefetch_row_nta(k_cache + v_offset + table[(t + NTA_AHEAD) / block_size] * page_stride \
-                                 + ((t + NTA_AHEAD) % block_size) * token_stride, token_stride * (int64_t)sizeof(T)); \
+                prefetch_row_nta(k_cache + v_offset + kv_row(table, t + NTA_AHEAD, block_size, page_stride, \
+                                                             token_stride),                     \
+                                 token_stride * (int64_t)sizeof(T));                            \
             const float *s = scores + (t - start) * q_heads;                                    \
             for (int hq = 0; hq < q_heads; hq++) {                                              \
                 const T *v = row + (int64_t)(hq / group) * head_dim;                            \
