@@ -28,7 +28,8 @@ most problems/min, and its ratio to the fixed run's.
 
 The issue's curve: `--curve-ns 4,8,32` adds adaptive runs at those N (at `--curve-certainty`, 0.9), and
 the summary gives, per fixed run, the best accuracy of an adaptive run that computed at most as many
-tokens (the Pareto front as a step) and its margin in points.
+tokens (the Pareto front as a step) and its margin in points. An item `N:W` runs from first width W
+instead of `--first-width`, and `N:W:B` also under `--budget-tokens B` (`--curve-ns 32:8:4400000,64:8`).
 
 `--budgets 300000,440000` adds adaptive runs at N=`--adaptive-n` and `--curve-certainty` under those
 `--budget-tokens` (paced over the problems: docs/adaptive.md); each row records the tokens the run
@@ -132,6 +133,16 @@ def curve(rows: list[dict]) -> list[dict]:
     return out
 
 
+def curve_runs(spec: str, first_width: int) -> list[tuple[int, int, int | None]]:
+    """`--curve-ns`'s runs as (N, first width, budget or None): items N, N:W or N:W:B."""
+    runs = []
+    for item in (i for i in spec.split(",") if i):
+        parts = [int(x) for x in item.split(":")]
+        width = parts[1] if len(parts) > 1 else first_width
+        runs.append((parts[0], width, parts[2] if len(parts) > 2 else None))
+    return sorted(set(runs), key=lambda r: (r[0], r[1], r[2] or 0))
+
+
 def _or_dash(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -171,7 +182,8 @@ def main() -> None:
     ap.add_argument("--strategy", default="beam_search")
     ap.add_argument("--ns", default="4,8,16,32,64", help="fixed runs' N")
     ap.add_argument("--adaptive-n", type=int, default=16)
-    ap.add_argument("--curve-ns", default="", help="adaptive runs at these N too (at --curve-certainty): the curve")
+    ap.add_argument("--curve-ns", default="", help="adaptive runs at these N too (at --curve-certainty): the curve; "
+                    "an item N:W runs from first width W, N:W:B also under --budget-tokens B")
     ap.add_argument("--curve-certainty", type=float, default=0.9)
     ap.add_argument("--budgets", default="", help="adaptive runs at --adaptive-n and --curve-certainty with these "
                                                   "--budget-tokens (tokens sampled and fed to the PRM)")
@@ -203,14 +215,16 @@ def main() -> None:
         common |= {"prompt_format": few_shot_prompt(args.few_shot, levels), "stop": FEW_SHOT_STOP}
     ns = sorted({int(n) for n in args.ns.split(",")} | {args.adaptive_n})
     rows = [run(f"{args.strategy}_n{n}", records, SearchConfig(n=n, **common), args.out, args.generator) for n in ns]
-    adaptive = [(args.adaptive_n, float(t), None) for t in args.thresholds.split(",") if t]
-    curve_ns = {int(n) for n in args.curve_ns.split(",") if n} - {args.adaptive_n}
-    adaptive += [(n, args.curve_certainty, None) for n in sorted(curve_ns)]
-    adaptive += [(args.adaptive_n, args.curve_certainty, int(b)) for b in args.budgets.split(",") if b]
-    for n, t, budget in adaptive:
-        config = SearchConfig(n=n, adaptive=True, certainty=t, first_width=min(args.first_width, n),
-                              budget_tokens=budget, **common)  # fmt: skip
-        name = f"{args.strategy}_n{n}_adaptive_t{t:g}" + (f"_budget{budget}" if budget else "")
+    adaptive = [(args.adaptive_n, float(t), args.first_width, None) for t in args.thresholds.split(",") if t]
+    adaptive += [(n, args.curve_certainty, w, b) for n, w, b in curve_runs(args.curve_ns, args.first_width)
+                 if (n, w, b) != (args.adaptive_n, args.first_width, None)]  # fmt: skip
+    budgets = [int(b) for b in args.budgets.split(",") if b]
+    adaptive += [(args.adaptive_n, args.curve_certainty, args.first_width, b) for b in budgets]
+    for n, t, width, budget in adaptive:
+        config = SearchConfig(n=n, adaptive=True, certainty=t, first_width=min(width, n), budget_tokens=budget,
+                              **common)  # fmt: skip
+        name = (f"{args.strategy}_n{n}_adaptive_t{t:g}" + (f"_w{width}" if width != args.first_width else "")
+                + (f"_budget{budget}" if budget else ""))  # fmt: skip
         rows.append(run(name, records, config, args.out, args.generator))
     figures = derived(rows, args.adaptive_n, args.tolerance)
     png = plot_accuracy_vs_compute([r["path"] for r in rows], args.out / "accuracy_vs_computed_tokens.png")
