@@ -155,6 +155,20 @@ def test_plot_vs_compute_writes_png(tmp_path):
     assert out == tmp_path / "plots" / "compute.png" and data.startswith(b"\x89PNG") and len(data) > 5000
 
 
+def test_an_adaptive_point_is_labelled_with_its_first_width_and_budget(tmp_path):
+    """Runs from several first widths and budgets lie on one curve (bench/adaptive.py --curve-ns N:W:B):
+    each point's label tells them apart."""
+    from treeserve.eval.plots import _compute_point
+
+    doc = compute_doc(32, 0.625, 963_952, certainty=0.9)
+    doc["config"]["search"] |= {"first_width": 8, "budget_tokens": 3_300_000}
+    series, label, tokens, accuracy = _compute_point(tmp_path / "run.json", doc)
+    assert series == "beam_search adaptive" and (tokens, accuracy) == (963_952.0, 0.625)
+    assert label == "beam_search N=32 adaptive T=0.9 w=8 budget=3300000"
+    fixed = _compute_point(tmp_path / "fixed.json", compute_doc(32, 0.6, 1_391_994))
+    assert fixed[:2] == ("beam_search fixed", "beam_search N=32")
+
+
 def test_plot_vs_compute_needs_computed_tokens(tmp_path):
     good = write_results(compute_doc(16, 0.5, 1000), tmp_path / "good.json")
     old = compute_doc(16, 0.5, 1000)

@@ -12,7 +12,7 @@ accuracy vs N on a log2 axis, the figure of search-and-learn and "Scaling test-t
 `plot_accuracy_vs_compute` (`treeserve plot --x computed-tokens`) places each file at its
 summary's `computed_tokens` (every token the generator and the PRM ran) and its headline
 accuracy, one point per file labelled with its strategy, N and, for an adaptive run, its
-certainty threshold, and draws the Pareto front (`pareto_front`) as a step line: the best
+certainty threshold, first width and budget, and draws the Pareto front (`pareto_front`) as a step line: the best
 accuracy any run reached within a number of computed tokens.
 
 Unless given a title, the figure's title names each file's headline rule (`headline_title`).
@@ -138,6 +138,8 @@ def _compute_point(path: Path, results: dict) -> tuple[str, str, float, float]:
     if search.get("adaptive"):
         series = f"{strategy} adaptive"
         label += f" adaptive T={search.get('certainty')}"
+        if search.get("first_width") is not None:  # runs from several first widths lie on one curve
+            label += f" w={search['first_width']}"
         if search.get("budget_tokens") is not None:
             label += f" budget={search['budget_tokens']}"
     return series, label, float(tokens), float(summary["accuracy"])
