@@ -12,8 +12,8 @@ accuracy vs N on a log2 axis, the figure of search-and-learn and "Scaling test-t
 `plot_accuracy_vs_compute` (`treeserve plot --x computed-tokens`) places each file at its
 summary's `computed_tokens` (every token the generator and the PRM ran) and its headline
 accuracy, one point per file labelled with its strategy, N and, for an adaptive run, its
-certainty threshold, first width and budget, and draws the Pareto front (`pareto_front`) as a step line: the best
-accuracy any run reached within a number of computed tokens.
+certainty threshold, first width and budget, and draws the Pareto front (`pareto_front`) as a
+step line: the best accuracy any run reached within a number of computed tokens.
 
 Unless given a title, the figure's title names each file's headline rule (`headline_title`).
 `plot_pages` draws a run's page log; its pages panel (`draw_pages`) is also `treeserve
