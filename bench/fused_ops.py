@@ -110,7 +110,7 @@ def as_on_cuda(model: torch.nn.Module, dtype: torch.dtype, fused: bool) -> None:
             module.use_triton = fused
     for rope in model.rope_tables():
         rope.use_c, rope.use_triton = False, fused
-    model.decode_stack = None
+    model.layer_stack = None
 
 
 def count_decode_step(llm: LLM, seqs: int, counter_slot: list[OpCounter | None], profile: bool) -> dict:

@@ -93,7 +93,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
-    if not cpu_kernels._bf16_built():
+    if not cpu_kernels.bf16_built():
         sys.exit("the bf16 kernels are not built here (no C compiler or no AVX512-BF16)")
     cases = {
         "prefill: PRM step, 53 seqs x 6 new of 150": attention_case(53, 6, 150, 32, (8, 4), 4),

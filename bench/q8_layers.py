@@ -4,7 +4,7 @@
 
 A batch-1 decode step multiplies 72 layer matrices (q|k|v, o, gate|up, down of 18 layers: Q5_0,
 Q8_0, Q4_K and Q6_K as the Q4_K_M GGUF stores them, laid out as packed panels) by one row. Each
-pass here runs all 72 at `--rows` rows, as the decode stack does, after sweeping 64 MB so the
+pass here runs all 72 at `--rows` rows, as the layer stack does, after sweeping 64 MB so the
 weights come from memory as they do in a decode step (`--warm`: the first 4 layers only, no
 sweep, so they stay in the caches and the time is the kernel's arithmetic). The two libraries
 (`q8_kernels.c` built from this tree and from `--before`, e.g. a `git worktree` of an earlier

@@ -41,7 +41,7 @@ def test_paged_decode_matches_sdpa(dtype, window, head_dim, q_heads, kv_heads):
     torch.testing.assert_close(got.float(), ref[:, :, 0], atol=tol, rtol=tol)
 
 
-prefill = pytest.mark.skipif(not cpu_kernels._bf16_built(), reason="no AVX512-BF16: the prefill kernel is not built")
+prefill = pytest.mark.skipif(not cpu_kernels.bf16_built(), reason="no AVX512-BF16: the prefill kernel is not built")
 
 
 def _prefill_reference(q, k_cache, v_cache, tables, starts, lens, ctx, window):
@@ -173,7 +173,7 @@ def test_loading_the_kernels_leaves_subnormal_floats_alone():
     assert torch.tensor(torch.finfo(torch.float32).tiny) / 2 > 0
 
 
-gemv = pytest.mark.skipif(not cpu_kernels._bf16_built(), reason="no AVX512-BF16: the bf16 GEMV is not built")
+gemv = pytest.mark.skipif(not cpu_kernels.bf16_built(), reason="no AVX512-BF16: the bf16 GEMV is not built")
 
 
 @gemv
@@ -243,12 +243,12 @@ def test_layers_pick_their_kernels_at_load(llama_dir, monkeypatch):
         return linears, model.layers[0].input_layernorm.use_c, model.rope.use_c
 
     assert picked(torch.float32) == ({row_invariant_linear}, False, False)
-    if cpu_kernels._bf16_built():
+    if cpu_kernels.bf16_built():
         tiles = cpu_kernels.load_amx() is not None  # AMX: every bf16 Linear on tiles
         dense = quant_linear if quant_kernels.bf16_panels_available() else cpu_kernels.linear
         assert picked(torch.bfloat16) == ({tiled_linear if tiles else dense}, True, True)
     monkeypatch.setenv("TREESERVE_CPU_KERNELS", "0")
-    caches = (cpu_kernels.load, cpu_kernels._bf16_built, cpu_kernels.load_amx, quant_kernels.load,
+    caches = (cpu_kernels.load, cpu_kernels.bf16_built, cpu_kernels.load_amx, quant_kernels.load,
               quant_kernels.load_bf16)  # fmt: skip
     for cached in caches:
         cached.cache_clear()

@@ -60,7 +60,7 @@ def test_model_card_claims_hold_on_a_sample():
         assert prm["corruptions"][kind]["auc"] >= 0.88, (kind, prm["corruptions"][kind])
 
 
-@pytest.mark.skipif(not cpu_kernels._bf16_built(), reason="no AVX512-BF16: the bf16 attention kernels are not built")
+@pytest.mark.skipif(not cpu_kernels.bf16_built(), reason="no AVX512-BF16: the bf16 attention kernels are not built")
 def test_bf16_attention_kernels_give_the_sdpa_path_greedy_solutions(make_llm):
     """End to end in bf16 (the dtype search runs the shipped models in): the C decode and prefill
     attention kernels against gather + SDPA, on the shipped generator's greedy solutions."""

@@ -163,16 +163,16 @@ def test_guided_json_on_the_gguf_tokenizer(gemma_gguf):
     llm.engine.check_pages_idle()
 
 
-def test_fused_decode_stack_gives_the_per_layer_bits(gemma_gguf, make_llm):
+def test_fused_layer_stack_gives_the_per_layer_bits(gemma_gguf, make_llm):
     """The file's blocks in bf16, where the 8-bit kernels run: every decode step through all 18
     layers in one C call gives the per-layer path's tokens and logprobs, the 20 prompts batched."""
     llm = make_llm(gemma_gguf, dtype="bfloat16", kv_cache_memory=64 << 20, max_model_len=512)
     model = llm.engine.model
-    if model.decode_stack is None:
+    if model.layer_stack is None:
         pytest.skip("no 8-bit kernels on this CPU: the stack is not built")
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.7, seed=5, logprobs=3)
     fused = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(PROMPTS, params)]
-    model.decode_stack = None
+    model.layer_stack = None
     per_layer = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(PROMPTS, params)]
     assert fused == per_layer
 
@@ -180,7 +180,7 @@ def test_fused_decode_stack_gives_the_per_layer_bits(gemma_gguf, make_llm):
 def test_bf16_activations_give_the_dequantised_bf16_models_bits(gemma_gguf, make_llm):
     """`quant_activations="bf16"` on an AMX CPU: the file's Q4_K/Q5_0/Q6_K/Q8_0 blocks dequantised
     into bf16 tiles per call give `dequantize=True`'s bf16 tokens and logprobs, the 20 prompts
-    batched (through the decode stack)."""
+    batched (through the layer stack)."""
     tiled = make_llm(gemma_gguf, dtype="bfloat16", quant_activations="bf16", kv_cache_memory=64 << 20,
                      max_model_len=512)  # fmt: skip
     if not tiled.engine.model.layers[0].mlp.down_proj.weight.plan.tiles:

@@ -137,11 +137,11 @@ def test_eval_runs_both_models_in_int8_and_records_it():
 
 
 def _steps_through(llm: LLM, fused: bool) -> list[int]:
-    """Count the steps the fused decode stack takes while `fused`; with it off, the per-layer path."""
+    """Count the steps the fused layer stack takes while `fused`; with it off, the per-layer path."""
     model = llm.engine.model
-    stack, taken = model.decode_stack, []
+    stack, taken = model.layer_stack, []
     if not fused:
-        model.decode_stack = None
+        model.layer_stack = None
         return taken
 
     def counted(ids, positions, attn, embed):  # noqa: ANN001, ANN202 - the stack's own signature
@@ -149,12 +149,35 @@ def _steps_through(llm: LLM, fused: bool) -> list[int]:
         taken.append(ids.shape[0] if ran is not None else 0)
         return ran
 
-    model.decode_stack = counted
+    model.layer_stack = counted
     return taken
 
 
 # hidden 320: Gemma's embedding scale sqrt(320) is no power of 2, so its bf16 product rounds
 GEMMA_STACK = dict(WIDE, hidden_size=320, num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=64)
+
+
+def _stack_llm(tmp_path, make_llm, arch: str, **kwargs) -> LLM:
+    """A bf16 LLM of `arch` whose layers the fused stack runs (skips where this CPU builds none):
+    "-int8" a Hugging Face checkpoint quantised on load, "-dense" its own bf16 weights as panels,
+    "-q8" a GGUF file of Q8_0 only, else a GGUF file of Q8_0, Q5_0 and Q4_0."""
+    if arch.endswith("-int8"):  # Qwen2: q/k/v biases, passed to the matmul
+        hf = build_checkpoint(str(tmp_path / "hf"), arch.removesuffix("-int8"), **WIDE)
+        llm = make_llm(hf, dtype="bfloat16", quantization="int8", **kwargs)
+    elif arch.endswith("-dense"):
+        hf = build_checkpoint(str(tmp_path / "hf"), arch.removesuffix("-dense"), **WIDE)
+        llm = make_llm(hf, dtype="bfloat16", **kwargs)
+        if llm.engine.model.layer_stack is None:
+            assert not quant_kernels.bf16_panels_available() or cpu_kernels.amx_supports(torch.ones(64, 64).bfloat16())
+            pytest.skip("no dense bf16 panels on this CPU (AMX tiles, or no AVX512-BF16): the stack is not built")
+    else:
+        quants = ("Q8_0",) if arch.endswith("-q8") else ("Q8_0", "Q5_0", "Q4_0")
+        path = _gguf(tmp_path, arch.removesuffix("-q8"), quants, **(GEMMA_STACK if arch == "gemma3" else WIDE))
+        llm = make_llm(path, dtype="bfloat16", **kwargs)
+    if llm.engine.model.layer_stack is None:
+        assert not quant_kernels.q8_available()
+        pytest.skip("no 8-bit kernels on this CPU: the stack is not built")
+    return llm
 
 
 @pytest.mark.parametrize(
@@ -170,32 +193,17 @@ GEMMA_STACK = dict(WIDE, hidden_size=320, num_hidden_layers=3, sliding_window=8,
         ("qwen2-dense", {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}),
     ],
 )
-def test_fused_decode_stack_gives_the_per_layer_bits(tmp_path, make_llm, arch, spec):
+def test_fused_layer_stack_gives_the_per_layer_bits(tmp_path, make_llm, arch, spec):
     """Every matmul 8-bit quantised, or dense bf16 panels, bf16: a decode step through all layers
-    in one C call (`layers/decode_stack.py`) gives the per-layer path's logprobs to the bit,
+    in one C call (`layers/layer_stack.py`) gives the per-layer path's logprobs to the bit,
     alone, in a batch of sequences at other lengths, and in a speculating sequence's rows; for
     Gemma 3 and the Llama family (Qwen2's biases too), GGUF blocks, int8 of a Hugging Face
     checkpoint and the checkpoint's own bf16 weights (AVX512-BF16 without AMX)."""
-    if arch.endswith("-int8"):  # Qwen2: q/k/v biases, passed to the matmul
-        hf = build_checkpoint(str(tmp_path / "hf"), arch.removesuffix("-int8"), **WIDE)
-        llm = make_llm(hf, dtype="bfloat16", quantization="int8")
-    elif arch.endswith("-dense"):
-        hf = build_checkpoint(str(tmp_path / "hf"), arch.removesuffix("-dense"), **WIDE)
-        llm = make_llm(hf, dtype="bfloat16", speculative_config=spec)
-        if llm.engine.model.decode_stack is None:
-            assert not quant_kernels.bf16_panels_available() or cpu_kernels.amx_supports(torch.ones(64, 64).bfloat16())
-            pytest.skip("no dense bf16 panels on this CPU (AMX tiles, or no AVX512-BF16): the stack is not built")
-    else:
-        quants = ("Q8_0",) if arch.endswith("-q8") else ("Q8_0", "Q5_0", "Q4_0")
-        path = _gguf(tmp_path, arch.removesuffix("-q8"), quants, **(GEMMA_STACK if arch == "gemma3" else WIDE))
-        llm = make_llm(path, dtype="bfloat16", speculative_config=spec)
-    if llm.engine.model.decode_stack is None:
-        assert not quant_kernels.q8_available()
-        pytest.skip("no 8-bit kernels on this CPU: the stack is not built")
+    llm = _stack_llm(tmp_path, make_llm, arch, speculative_config=spec)
     table = llm.engine.model.embed_tokens.weight
     q8_panels = quant_kernels.PANELS + quant_kernels.QTYPES["Q8_0"]
     embeds = isinstance(table, QuantTensor) and table.parts[0].qtype == q8_panels
-    assert llm.engine.model.decode_stack.stack.embeds == embeds  # it looks the rows up itself where it can
+    assert llm.engine.model.layer_stack.stack.embeds == embeds  # it looks the rows up itself where it can
     assert embeds or arch not in ("gemma3", "llama-q8")
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], list(range(3, 30)), [9, 8]]
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=20, logprobs=2, ignore_eos=True) for s in (1, 2, 3)]
@@ -209,17 +217,73 @@ def test_fused_decode_stack_gives_the_per_layer_bits(tmp_path, make_llm, arch, s
     assert runs[True] == runs[False]
 
 
+@pytest.mark.parametrize("arch", ["gemma3", "llama", "llama-dense"])
+def test_layer_stack_takes_prefill_chunks_and_mixed_steps_with_the_per_layer_bits(tmp_path, make_llm, arch):
+    """Prefill chunks through the stack (a PRM's scoring step: new tokens over a cached prefix, in
+    the prefill kernel's 16-row tiles and across them), and steps mixing decodes with chunks, give
+    the per-layer path's hidden states, tokens and logprobs to the bit (Gemma 3: sliding windows
+    shorter than the chunks)."""
+    if not cpu_kernels.bf16_built():
+        pytest.skip("no AVX512-BF16: prefill chunks take SDPA per layer, and the stack does not take them")
+    prefix = list(range(3, 40))
+    runs, groups = [], []
+    for fused in (True, False):
+        (tmp_path / str(fused)).mkdir()
+        llm = _stack_llm(tmp_path / str(fused), make_llm, arch)
+        engine, stack = llm.engine, llm.engine.model.layer_stack
+        if fused:
+
+            def recorded(ids, positions, attn, embed, stack=stack):  # noqa: ANN001, ANN202 - the stack's own signature
+                pages, ran = attn.stack_pages(), stack(ids, positions, attn, embed)
+                if ran is not None:
+                    groups.append((pages.decodes is not None, pages.chunks is not None))
+                    if pages.decodes is not None and pages.decodes.rows is not None:
+                        groups.append("decodes after a chunk")
+                return ran
+
+            engine.model.layer_stack = recorded
+        else:
+            engine.model.layer_stack = None
+        outs: dict[str, object] = {}
+
+        def step(engine=engine, outs=outs) -> None:
+            for out in engine.step():
+                if out.finished:
+                    outs[out.request_id] = out
+
+        engine.add_request("prefix", {"prompt_token_ids": prefix}, ScoreParams(positions=[36], token_ids=[5]))
+        step()
+        sampled = SamplingParams(temperature=1.0, seed=7, max_tokens=12, logprobs=2, ignore_eos=True)
+        engine.add_request("a", {"prompt_token_ids": prefix + [5, 6]}, sampled)
+        step(), step()  # a's chunk over the cached prefix, then its decodes
+        chunk = prefix + [(7 * i) % 40 + 3 for i in range(21)]  # 21 new rows: a 16-row tile and a part of one
+        scored = ScoreParams(positions=list(range(30, 58)), token_ids=[5, 6], return_hidden_states=True)
+        engine.add_request("b", {"prompt_token_ids": chunk}, scored)
+        engine.add_request("c", {"prompt_token_ids": [9, 8, 7, 6, 5, 4, 3]}, SamplingParams(max_tokens=6, logprobs=1))
+        # two cached pages and one new token: a one-row item, in the decode group, after b's chunk
+        engine.add_request("d", {"prompt_token_ids": prefix[:32] + [11]}, sampled)
+        while engine.has_unfinished_requests():
+            step()
+        a, b, c, d = (outs[r] for r in "abcd")
+        runs.append((a.outputs[0].token_ids, a.outputs[0].logprobs, b.hidden_states.view(torch.int32).tolist(),
+                     b.logprobs.view(torch.int32).tolist(), c.outputs[0].token_ids, c.outputs[0].logprobs,
+                     d.outputs[0].token_ids, d.outputs[0].logprobs))  # fmt: skip
+    assert runs[0] == runs[1]
+    assert (False, True) in groups and (True, True) in groups and (True, False) in groups  # chunks, mixed, decodes
+    assert "decodes after a chunk" in groups
+
+
 @pytest.mark.parametrize("arch", ["gemma3", "llama"])
 def test_bf16_activations_on_tiles_give_the_dequantised_bf16_models_bits(tmp_path, make_llm, arch):
     """`quant_activations="bf16"` on an AMX CPU: the quantised file's weights dequantised into bf16
     tiles per call, so tokens and logprobs are the dequantised bf16 model's, to the bit, through
-    the decode stack, in a batch and alone; the file's bytes stay the resident weights."""
+    the layer stack, in a batch and alone; the file's bytes stay the resident weights."""
     path = _gguf(tmp_path, arch, ("Q8_0", "Q5_0", "Q4_0"), **(GEMMA_STACK if arch == "gemma3" else WIDE))
     tiled = make_llm(path, dtype="bfloat16", quant_activations="bf16")
     dense = make_llm(path, dtype="bfloat16", dequantize=True)
     if not tiled.engine.model.layers[0].mlp.down_proj.weight.plan.tiles:
         pytest.skip("no usable AMX tiles on this CPU: bf16 activations take the bf16 dot-product kernel")
-    assert tiled.engine.model.decode_stack is not None and tiled.engine.quantization.endswith(", bf16 activations")
+    assert tiled.engine.model.layer_stack is not None and tiled.engine.quantization.endswith(", bf16 activations")
     assert weight_bytes(tiled.engine.model) < weight_bytes(dense.engine.model) / 1.5
     prompts = [[5, 6, 7, 5, 6, 7], list(range(3, 30)), [9, 8]]
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=16, logprobs=2, ignore_eos=True) for s in (1, 2, 3)]
@@ -232,7 +296,7 @@ def test_bf16_activations_on_tiles_give_the_dequantised_bf16_models_bits(tmp_pat
 
 @pytest.mark.parametrize("name", ["gelu_pytorch_tanh", "silu"])
 def test_activation_table_is_pytorchs_activation(name):
-    """The decode stack's table of act(x) for every bf16 x gives what PyTorch's kernel gives on the
+    """The layer stack's table of act(x) for every bf16 x gives what PyTorch's kernel gives on the
     gate half of a fused gate|up output (strided rows of whole vectors), for every finite input."""
     from treeserve.models.llama import ACTIVATIONS
 

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from treeserve.kernels import cpu as cpu_kernels
+from treeserve.kernels.cpu.layer_stack import DecodeGroup, PrefillGroup, StackPages
 from treeserve.kv.arena import KVArena
-from treeserve.layers.attention import DecodePages
 from treeserve.layers.rotary import RotaryEmbedding
 
 
@@ -200,18 +200,27 @@ class AttentionBatch:
             self.backend.attend(group, q, k_cache, v_cache, self.scale, window, out)
         return out
 
-    def decode_pages(self) -> DecodePages | None:
-        """The pages for `layers/decode_stack.py`: where this step is one group of decodes in row
-        order (plain decoding, or a speculating sequence's rows) on the `cpu` backend."""
-        if self.backend.name != "cpu" or len(self.groups) != 1:
+    def stack_pages(self) -> StackPages | None:
+        """The pages and groups for `layers/layer_stack.py`, on the `cpu` backend: decodes (one
+        query a sequence) and prefill chunks, the latter only where `CpuBackend` runs them on the
+        C prefill kernel too (a CPU with AVX512-BF16)."""
+        if self.backend.name != "cpu":
             return None
-        group = self.groups[0]
-        tensors = (self.slot_pages, self.slot_offsets, group.block_tables, group.context_lens)
-        if not (group.leads and group.context_lens.shape[0] == self.slot_pages.shape[0]):
-            return None
+        decodes = chunks = None
+        for group in self.groups:
+            if group.is_decode:
+                rows = None if group.leads else group.query_index[:, 0].contiguous()
+                decodes = DecodeGroup(group.block_tables, group.context_lens, rows)
+            elif cpu_kernels.bf16_built():
+                chunks = PrefillGroup(group.block_tables, group.query_start, group.query_len, group.context_lens)
+            else:
+                return None
+        tensors = [self.slot_pages, self.slot_offsets]
+        for group in (decodes, chunks):
+            tensors += [] if group is None else [t for t in vars(group).values() if t is not None]
         if not all(t.dtype == torch.int64 and t.is_contiguous() for t in tensors):
             return None
         buffer = self.arena.buffer  # [pages, layers, 2 (K, V), block, kv_heads, head_dim]
         k_cache, _ = self.arena.layer(0)
-        return DecodePages(k_cache, buffer.stride(1), buffer.stride(2), group.block_tables, group.context_lens,
-                           self.slot_pages, self.slot_offsets, self.scale)  # fmt: skip
+        return StackPages(k_cache, buffer.stride(1), buffer.stride(2), self.slot_pages, self.slot_offsets, decodes,
+                          chunks, self.scale)  # fmt: skip

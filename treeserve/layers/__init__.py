@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from treeserve.kernels import cpu as cpu_kernels
-from treeserve.kernels.cpu import decode_stack as stack_kernels
+from treeserve.kernels.cpu import layer_stack as stack_kernels
 from treeserve.kernels.cpu import quant as quant_kernels
 from treeserve.kernels.cpu.memory import weights_in_huge_pages
 from treeserve.layers.quant import quantized_weights
@@ -22,7 +22,7 @@ from treeserve.layers.quant import quantized_weights
 
 def prebuild_kernels(model: nn.Module) -> None:
     """On a CPU, compile at once the C libraries this model's layers will load (the general
-    kernels; the quantised kernels or the dense bf16 panels, and the decode stack that chains
+    kernels; the quantised kernels or the dense bf16 panels, and the layer stack that chains
     them), so that a cold start waits for the longest build, not each in turn."""
     weights = next(model.parameters(), None)
     if weights is None or weights.device.type != "cpu":

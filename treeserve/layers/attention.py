@@ -2,27 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from treeserve.kernels.cpu.layer_stack import StackPages
 from treeserve.layers.rotary import RotaryEmbedding
-
-
-@dataclass
-class DecodePages:
-    """A decode step's KV pages, for kernels that run every layer in one call
-    (`layers/decode_stack.py`): row t of the step is the one query of sequence t."""
-
-    k_cache: torch.Tensor  # layer 0's K pages [pages, block_size, kv_heads, head_dim]
-    layer_stride: int  # elements from one layer's K pages to the next layer's
-    v_offset: int  # elements from a layer's K pages to its V pages
-    tables: torch.Tensor  # [T, max_pages] int64 block tables
-    context_lens: torch.Tensor  # [T] int64: tokens each query sees (cached + itself)
-    slot_pages: torch.Tensor  # [T] int64: where each row's K/V go
-    slot_offsets: torch.Tensor  # [T] int64
-    scale: float | None  # softmax scale; None: head_dim ** -0.5
 
 
 class Attention(Protocol):
@@ -40,7 +25,8 @@ class Attention(Protocol):
         rope: tuple[RotaryEmbedding, torch.Tensor] | None = None,
     ) -> torch.Tensor: ...
 
-    def decode_pages(self) -> DecodePages | None:
-        """The step's pages where a fused CPU decode may read them in place (every row a decode,
-        in row order, on the C kernels' backend); None otherwise (then call per layer)."""
+    def stack_pages(self) -> StackPages | None:
+        """The step's pages and groups where a fused CPU step may read them in place (on the C
+        kernels' backend, each group on the C kernel the per-layer path would call for it); None
+        otherwise (then call per layer)."""
         ...

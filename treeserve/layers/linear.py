@@ -9,7 +9,7 @@ AVX512-BF16 but no AMX, a bf16 `Linear` lays its weight out once as `bf16_panels
 (`dense_panels`: a `QuantTensor` of one dense part, the same size), multiplied by one kernel for
 every batch size as well: at peak bf16 dot-product rate from 16 rows on and at memory bandwidth
 at one row, 1.0-2.5x the GEMV-below-4-rows / oneDNN-above pair it replaced (AMD Zen 4), and
-the decode stack (`layers/decode_stack.py`) chains it like a quantised matrix. Other bf16
+the layer stack (`layers/layer_stack.py`) chains it like a quantised matrix. Other bf16
 weights on such a CPU (the tied LM head's table) go through `kernels.cpu.linear` (a GEMV that
 streams the weights for up to 4 rows, oneDNN with rows padded to a bucket above that). For a
 `QuantTensor` (the loader replaced the parameter by quantised bytes), `quant_linear`; for fp32
@@ -70,7 +70,7 @@ def linear_kernel(weight: torch.Tensor | QuantTensor, rows: int) -> LinearKernel
         return partial(tiled_linear, n=rows)
     if isinstance(weight, QuantTensor):
         return quant_linear
-    if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and cpu_kernels._bf16_built():
+    if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and cpu_kernels.bf16_built():
         return cpu_kernels.linear
     if weight.device.type == "cpu" and weight.dtype == torch.float32:
         return row_invariant_linear

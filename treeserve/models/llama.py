@@ -20,8 +20,8 @@ from treeserve.distributed.groups import RankGroup
 from treeserve.kernels import cpu as cpu_kernels
 from treeserve.kernels import triton as triton_kernels
 from treeserve.layers.attention import Attention
-from treeserve.layers.decode_stack import DecodeStack
 from treeserve.layers.embedding import Embedding, vocab_parallel_lookup
+from treeserve.layers.layer_stack import LayerStack
 from treeserve.layers.linear import Linear, linear_kernel, widened_linear
 from treeserve.layers.norm import RMSNorm
 from treeserve.layers.rotary import RotaryEmbedding, rope_inv_freq
@@ -137,14 +137,14 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size // cfg.tp_size, bias=False)
         self.rope: RotaryEmbedding | None = None
         self.logits_linear = F.linear  # the tied LM head's matmul (`pick_kernel`): the table is no Linear
-        self.decode_stack: DecodeStack | None = None  # all layers of a decode step in one C call, where picked
+        self.layer_stack: LayerStack | None = None  # all layers of a decode step in one C call, where picked
 
     def init_rope(self, max_positions: int, device: torch.device | str) -> None:
         inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
         self.rope = RotaryEmbedding(inv_freq, max_positions, device)
 
     def pick_kernel(self) -> None:
-        """The tied LM head's matmul, the rotary tables' kernels and the fused decode stack
+        """The tied LM head's matmul, the rotary tables' kernels and the fused layer stack
         (`layers.pick_kernels` calls this after every submodule picked its own)."""
         if hasattr(self, "embed_tokens"):
             weight = self.embed_tokens.weight  # its layout picked already (`pick_kernels`: submodules first)
@@ -160,7 +160,7 @@ class LlamaForCausalLM(nn.Module):
         act = self.layers[0].mlp.act
         if cfg.tp_size == 1 and cfg.pp_size == 1:  # one C call for every layer: no place for collectives
             embedding = self.embed_tokens if hasattr(self, "embed_tokens") else None
-            self.decode_stack = DecodeStack.build(self.layers, self.norm, self.rope_tables(), act,
+            self.layer_stack = LayerStack.build(self.layers, self.norm, self.rope_tables(), act,
                                                   cfg.intermediate_size, cfg.rms_norm_eps, embedding,
                                                   self.embedding_scale(torch.bfloat16))  # fmt: skip
 
@@ -172,7 +172,7 @@ class LlamaForCausalLM(nn.Module):
 
     def embedding_scale(self, dtype: torch.dtype) -> torch.Tensor | None:
         """What `embed` multiplies the table's rows by (a 0-dim tensor of `dtype`, Gemma's); None:
-        nothing. The decode stack multiplies by the same value where it looks the rows up itself."""
+        nothing. The layer stack multiplies by the same value where it looks the rows up itself."""
         return None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -189,7 +189,7 @@ class LlamaForCausalLM(nn.Module):
         return self.rope, self.rope
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
-        stack = self.decode_stack
+        stack = self.layer_stack
         if stack is not None and (normed := stack(input_ids, positions, attn, self.embed)) is not None:
             return normed  # the lookup, every layer and the final norm in one C call
         return self.norm(self.run_layers(self.embed(input_ids), positions, attn))

@@ -3,7 +3,7 @@
 Kernels: paged decode and prefill attention, softmax sampling, a bf16 GEMV for linear
 layers at small batch, RMSNorm and rotary embeddings; `amx_linear.c` (bf16 linear layers on
 AMX tiles, weights laid out once by `amx_pack`) and `quant.py` beside this file (the matmuls
-of quantised weights, `quant_kernels.c`) and `decode_stack.py` (every layer of a decode step in one
+of quantised weights, `quant_kernels.c`) and `layer_stack.py` (every layer of a decode step in one
 call, chaining these) are built the same way. Nothing here knows about models:
 `layers/` picks these for a model's layers at load, the engine's `cpu` attention backend
 and the sampler call the others.
@@ -207,7 +207,7 @@ def paged_decode(
 
 
 @cache
-def _bf16_built() -> bool:
+def bf16_built() -> bool:
     """True when the AVX512-BF16 kernels (the GEMV, the prefill attention) were compiled in."""
     lib = load()
     return lib is not None and lib.avx512_bf16_built() == 1
@@ -220,7 +220,7 @@ def prefill_supports(q: torch.Tensor) -> bool:
         and q.dtype == torch.bfloat16
         and q.shape[-1] % 32 == 0
         and q.is_contiguous()
-        and _bf16_built()
+        and bf16_built()
     )
 
 
@@ -268,7 +268,7 @@ def gemv_supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         and weight.dtype == torch.bfloat16
         and (bias is None or bias.dtype == torch.bfloat16)
         and x.device.type == "cpu"
-        and _bf16_built()
+        and bf16_built()
     )
 
 

@@ -1,7 +1,7 @@
 /* Dense bf16 weights on AVX512-BF16 dot products, one kernel for every batch size.
  *
  * bf16_matmul computes out[m, n] = x[m, k] . W[n, k]^T (+ bias) with q8_kernels.c's q8_matmul
- * arguments (so the decode stack chains it the same way), for matrices laid out once, at load,
+ * arguments (so the layer stack chains it the same way), for matrices laid out once, at load,
  * as panels of 16 output channels: panel[k/2][16][2] bf16 holds the weight pair (2i, 2i+1) of
  * channel c at [i][c] (`quant.py`'s `bf16_panels`; the matrix's own size, channels past n zero).
  * One `vdpbf16ps` multiplies a pair of activations, broadcast to every lane, with a pair of

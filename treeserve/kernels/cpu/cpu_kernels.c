@@ -646,7 +646,7 @@ void paged_decode_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride, 
  * PyTorch's own kernel, padded by 2 entries: AVX-512 gathers read 4 bytes), the product in fp32
  * rounded once to nearest even: PyTorch's bits for act(gate) * up, in one pass over the rows
  * instead of an activation pass and a product pass (the activation alone was ~1 ms a Gemma 3
- * layer at a 512-token prefill). The decode stack calls it too. */
+ * layer at a 512-token prefill). The layer stack calls it too. */
 void gated_act_bf16(const bf16 *gate_up, int64_t rows, int64_t inter, const bf16 *table, bf16 *out, int threads) {
     _Pragma("omp parallel for schedule(static) num_threads(threads) if (rows * inter > 65536)")
     for (int64_t r = 0; r < rows; r++) {

@@ -1,4 +1,4 @@
-/* decode_stack_bf16: a decode step through every decoder layer of a model in one call.
+/* layer_stack_bf16: a decode step through every decoder layer of a model in one call.
  *
  * A decode step of a small model on a CPU is ~20 kernel calls a layer, and at one row each
  * costs more in Python, PyTorch dispatch and ctypes than in arithmetic. This runs the same
@@ -16,8 +16,12 @@
  * gains); Llama/Qwen2/Mistral only the input and pre-MLP ones (bf16 weights): a norm the layer
  * lacks is skipped. A matrix's bias (Qwen2's q/k/v) goes to the matmul, as the per-layer path
  * passes it.
- * Tokens are the step's rows; row t is sequence t's one query (speculative rows are
- * sequences of their own here, as in the engine's decode group). Each row's rope rows are the
+ * Tokens are the step's rows, in the engine's two attention groups (engine/attention.py): the
+ * decode group, one query a sequence (speculative rows are sequences of their own, as in the
+ * engine), its rows named by `decode_rows` (NULL: rows 0 .. decode_batch - 1 in order); and the
+ * prefill group, chunks of rows q_starts[b] .. q_starts[b] + q_lens[b] - 1, each attending to its
+ * sequence's cached pages and causally within itself. Each group calls the kernel the per-layer
+ * path calls for it, on the same rows, so it gets the same bits. Each row's rope rows are the
  * fp32 tables' rows at its position rounded to bf16 (as the per-layer path's lookup rounds
  * them), and after the last layer the model's final norm writes `out`.
  */
@@ -42,6 +46,10 @@ typedef void (*attend_fn)(const bf16 *q, const bf16 *k_cache, int64_t page_strid
                           const int64_t *tables, int64_t table_stride, const int64_t *ctx_lens, int batch,
                           int q_heads, int kv_heads, int head_dim, int block_size, float scale, int64_t window,
                           int threads, bf16 *out);
+typedef void (*prefill_fn)(const bf16 *q, const bf16 *k_cache, int64_t page_stride, int64_t v_offset,
+                           const int64_t *tables, int64_t table_stride, const int64_t *q_starts, const int64_t *q_lens,
+                           const int64_t *ctx_lens, int batch, int q_heads, int kv_heads, int head_dim, int block_size,
+                           float scale, int64_t window, int threads, bf16 *out);
 typedef void (*gated_fn)(const bf16 *gate_up, int64_t rows, int64_t inter, const bf16 *table, bf16 *out, int threads);
 typedef void (*rows_fn)(const uint8_t *table, int64_t k, const int64_t *ids, int64_t count, float *out);
 
@@ -75,6 +83,7 @@ typedef struct { /* the model's shapes and the kernels the layers call */
     rope_fn rope;
     store_fn store;
     attend_fn attend;
+    prefill_fn prefill; /* NULL: no prefill kernel built (steps with a prefill group are not taken) */
     gated_fn gated; /* act(gate) * up from the table */
     const float *final_gain;  /* the model's final norm: Gemma's fp32 1 + w ... */
     const bf16 *final_weight; /* ... or Llama's bf16 w */
@@ -84,12 +93,18 @@ typedef struct { /* the model's shapes and the kernels the layers call */
     float embed_scale;        /* what the rows are multiplied by in bf16 (Gemma's sqrt(hidden)); 0: nothing */
 } stack;
 
-typedef struct { /* one step: rows, their positions, KV slots and pages */
+typedef struct { /* one step: rows, their positions, KV slots and pages, its attention groups */
     int64_t tokens;
     const int64_t *positions;
     const float *cos[2], *sin[2]; /* fp32 rope tables [positions, head_dim]: 0 global, 1 local */
-    const int64_t *slot_pages, *slot_offsets, *tables, *context_lens;
+    const int64_t *slot_pages, *slot_offsets;
+    int decode_batch;            /* the decode group: its sequences (0: none) ... */
+    const int64_t *decode_rows;  /* ... their rows (NULL: the step's first rows, in order) ... */
+    const int64_t *tables, *context_lens; /* ... block tables [decode_batch, table_stride], tokens seen */
     int64_t table_stride;
+    int prefill_batch;           /* the prefill group: its chunks (0: none) ... */
+    const int64_t *prefill_tables, *q_starts, *q_lens, *prefill_context_lens; /* ... as paged_prefill_bf16 reads */
+    int64_t prefill_table_stride;
     bf16 *k_cache;         /* layer 0's K pages; layer l's at k_cache + l * layer_stride */
     int64_t layer_stride, page_stride, v_offset;
     int block_size;
@@ -114,21 +129,35 @@ static const bf16 *norm(const stack *s, const layer *ly, int which, const bf16 *
     return out;
 }
 
-void decode_stack_bf16(const stack *s, const layer *layers, int count, const step *st, bf16 *x, bf16 *out) {
+/* attention of the step's decode group (gathered from and scattered to its rows where they are not
+ * the first ones in order: the per-layer path's `out[index] = paged_decode(q[index])`) into att */
+static void attend_decodes(const stack *s, const step *st, const layer *ly, const char *k_cache, const bf16 *q,
+                           bf16 *qd, bf16 *od, bf16 *att, int threads) {
+    const int64_t width = (int64_t)s->q_heads * s->head_dim, b = st->decode_batch;
+    if (st->decode_rows)
+        for (int64_t i = 0; i < b; i++) memcpy(qd + i * width, q + st->decode_rows[i] * width, width * sizeof(bf16));
+    s->attend(st->decode_rows ? qd : q, (const bf16 *)k_cache, st->page_stride, st->v_offset, st->tables,
+              st->table_stride, st->context_lens, (int)b, s->q_heads, s->kv_heads, s->head_dim, st->block_size,
+              st->scale, ly->window, threads, st->decode_rows ? od : att);
+    if (st->decode_rows)
+        for (int64_t i = 0; i < b; i++) memcpy(att + st->decode_rows[i] * width, od + i * width, width * sizeof(bf16));
+}
+
+void layer_stack_bf16(const stack *s, const layer *layers, int count, const step *st, bf16 *x, bf16 *out) {
     const int64_t t = st->tokens, hidden = s->hidden, dim = s->head_dim;
     const int64_t q_size = (int64_t)s->q_heads * dim, kv_size = (int64_t)s->kv_heads * dim;
     const int64_t qkv_width = q_size + 2 * kv_size, inter = s->intermediate;
     const int threads = st->threads;
     /* scratch rows, each run starting on a 64-byte line (what torch.empty gives the per-op path) */
-    const int64_t widths[14] = {hidden, hidden, qkv_width, q_size, q_size, q_size, kv_size, kv_size, 2 * inter, inter,
-                                dim, dim, dim, dim};
-    size_t offsets[15] = {0};
-    for (int i = 0; i < 14; i++) offsets[i + 1] = offsets[i] + ((size_t)t * widths[i] * sizeof(bf16) + 63) / 64 * 64;
-    char *buf = (char *)aligned_alloc(64, offsets[14]);
-    bf16 *run[14];
-    for (int i = 0; i < 14; i++) run[i] = (bf16 *)(buf + offsets[i]);
+    const int64_t widths[16] = {hidden, hidden, qkv_width, q_size, q_size, q_size, kv_size, kv_size, 2 * inter, inter,
+                                dim, dim, dim, dim, q_size, q_size};
+    size_t offsets[17] = {0};
+    for (int i = 0; i < 16; i++) offsets[i + 1] = offsets[i] + ((size_t)t * widths[i] * sizeof(bf16) + 63) / 64 * 64;
+    char *buf = (char *)aligned_alloc(64, offsets[16]);
+    bf16 *run[16];
+    for (int i = 0; i < 16; i++) run[i] = (bf16 *)(buf + offsets[i]);
     bf16 *h = run[0], *y = run[1], *qkv = run[2], *qn = run[3], *q = run[4], *att = run[5], *kn = run[6], *k = run[7],
-         *gu = run[8], *mix = run[9];
+         *gu = run[8], *mix = run[9], *qd = run[14], *od = run[15];
     bf16 *cos[2] = {run[10], run[11]}, *sin[2] = {run[12], run[13]};
     const int tables = st->cos[1] == st->cos[0] && st->sin[1] == st->sin[0] ? 1 : 2; /* Llama: one table for both */
     if (tables == 1) cos[1] = cos[0], sin[1] = sin[0];
@@ -155,9 +184,12 @@ void decode_stack_bf16(const stack *s, const layer *layers, int count, const ste
         char *k_cache = (char *)(st->k_cache + l * st->layer_stride);
         s->store((const char *)k, kv_size, (const char *)(qkv + q_size + kv_size), qkv_width, t, kv_size,
                  sizeof(bf16), k_cache, st->page_stride, kv_size, st->v_offset, st->slot_pages, st->slot_offsets);
-        s->attend(q, (const bf16 *)k_cache, st->page_stride, st->v_offset, st->tables, st->table_stride,
-                  st->context_lens, (int)t, s->q_heads, s->kv_heads, (int)dim, st->block_size, st->scale,
-                  ly->window, threads, att);
+        if (st->decode_batch) attend_decodes(s, st, ly, k_cache, q, qd, od, att, threads);
+        if (st->prefill_batch)
+            s->prefill(q, (const bf16 *)k_cache, st->page_stride, st->v_offset, st->prefill_tables,
+                       st->prefill_table_stride, st->q_starts, st->q_lens, st->prefill_context_lens,
+                       st->prefill_batch, s->q_heads, s->kv_heads, (int)dim, st->block_size, st->scale, ly->window,
+                       threads, att);
         matmul(s, &ly->o, att, t, y, threads);
         residual_add(x, norm(s, ly, POST_ATTN_NORM, y, t, hidden, h, threads), t * hidden);
         /* MLP */
@@ -174,7 +206,7 @@ void decode_stack_bf16(const stack *s, const layer *layers, int count, const ste
  * rounded to bf16, times the model's bf16 scale rounded again (the per-op path's cast and
  * product), into x; then every layer and the final norm. -1: an id outside the table, nothing
  * run. */
-int decode_stack_from_ids(const stack *s, const layer *layers, int count, const step *st, const int64_t *ids, bf16 *x,
+int layer_stack_from_ids(const stack *s, const layer *layers, int count, const step *st, const int64_t *ids, bf16 *x,
                           bf16 *out) {
     const int64_t t = st->tokens, hidden = s->hidden;
     for (int64_t r = 0; r < t; r++)
@@ -186,6 +218,6 @@ int decode_stack_from_ids(const stack *s, const layer *layers, int count, const 
         x[i] = s->embed_scale != 0.0f ? store_bf16(load_bf16(v) * s->embed_scale) : v;
     }
     free(rows);
-    decode_stack_bf16(s, layers, count, st, x, out);
+    layer_stack_bf16(s, layers, count, st, x, out);
     return 0;
 }

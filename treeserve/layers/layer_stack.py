@@ -1,16 +1,17 @@
-"""A decode step through all decoder layers in one C call (`kernels/cpu/decode_stack.c`).
+"""A step through all decoder layers in one C call (`kernels/cpu/layer_stack.c`).
 
-At one row a Gemma 3 270M layer is ~20 kernel calls and PyTorch ops whose Python, dispatch
-and ctypes overhead (~0.3 ms a layer) costs more than their arithmetic. Where a model's
-decoder (Gemma 3, or the Llama family: Llama, Mistral, Qwen2) runs on the CPU kernels anyway
-(bf16, every matmul on one C kernel: quantised, a GGUF file or `quantization="int8"`, with
-8-bit activations or bf16 tiles, or dense bf16 panels; the C norms, rope),
-`DecodeStack.build` reads its layers into the C structs once; the model's forward then hands
-a step to it when the engine says the step is plain decodes in row order
-(`Attention.decode_pages`). The C chain calls the same kernels on the same inputs and does
-PyTorch's roundings in between (act(gate) * up by `kernels.cpu.gated_act_bf16` from the table
-PyTorch fills, as the per-layer path does), so a row gets the per-layer path's bits at every
-batch size: that path stays the reference (tests compare).
+At a few rows a Gemma 3 270M layer is ~20 kernel calls and PyTorch ops whose Python, dispatch
+and ctypes overhead (~0.3 ms a layer) costs more than their arithmetic: a decode step, and a
+PRM's scoring step of a few short chunks. Where a model's decoder (Gemma 3, or the Llama
+family: Llama, Mistral, Qwen2) runs on the CPU kernels anyway (bf16, every matmul on one C
+kernel: quantised, a GGUF file or `quantization="int8"`, with 8-bit activations or bf16 tiles,
+or dense bf16 panels; the C norms, rope), `LayerStack.build` reads its layers into the C
+structs once; the model's forward then hands a step to it when the engine gives the step's
+pages and groups (`Attention.stack_pages`: decodes, and prefill chunks where the per-layer path
+runs them on the C prefill kernel too). The C chain calls the same kernels on the same inputs
+and does PyTorch's roundings in between (act(gate) * up by `kernels.cpu.gated_act_bf16` from
+the table PyTorch fills, as the per-layer path does), so a row gets the per-layer path's bits
+at every batch size: that path stays the reference (tests compare).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from treeserve.kernels import cpu as cpu_kernels
-from treeserve.kernels.cpu import decode_stack as kernels
+from treeserve.kernels.cpu import layer_stack as kernels
 from treeserve.kernels.cpu import quant as quant_kernels
 from treeserve.layers.attention import Attention
 from treeserve.layers.embedding import Embedding
@@ -64,7 +65,7 @@ def _norm_tensor(norm: nn.Module) -> torch.Tensor | None:
     return None
 
 
-class DecodeStack:
+class LayerStack:
     """Runs a step's decoder layers and the final norm in one C call; `__call__` gives the normed
     hidden states, or None where it did not take the step."""
 
@@ -81,7 +82,7 @@ class DecodeStack:
         eps: float,
         embedding: Embedding | None = None,
         embed_scale: torch.Tensor | None = None,
-    ) -> DecodeStack | None:
+    ) -> LayerStack | None:
         """For Gemma 3 or Llama-family decoder layers and the model's final norm (`ropes`: the
         global layers' table, then the sliding-window layers'; `act` the MLP's activation): None
         unless every layer and the final norm run on the C kernels (picked already), the
@@ -101,7 +102,7 @@ class DecodeStack:
         shapes = dict(hidden=hidden, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, intermediate=intermediate)
         tables = (ropes[0].cos, ropes[0].sin, ropes[1].cos, ropes[1].sin)
         table = _table(embedding, embed_scale, hidden)
-        return DecodeStack(kernels.Stack(shapes, eps, cpu_kernels.act_table(act), weights, final, tables, table))
+        return LayerStack(kernels.Stack(shapes, eps, cpu_kernels.act_table(act), weights, final, tables, table))
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention,
                  embed: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:  # fmt: skip
@@ -109,18 +110,18 @@ class DecodeStack:
         final norm, where the step allows: the normed rows; None: it did not take the step."""
         if positions.dtype != torch.int64 or input_ids.dtype != torch.int64:
             return None
-        pages = attn.decode_pages()
+        pages = attn.stack_pages()
         if pages is None or pages.k_cache.dtype != torch.bfloat16:
             return None
+        if pages.chunks is not None and self.stack.shapes["head_dim"] % 32:  # the per-layer path's prefill: SDPA
+            return None
         scale = pages.scale or self.stack.shapes["head_dim"] ** -0.5
-        where = (pages.slot_pages, pages.slot_offsets, pages.tables, pages.context_lens, pages.k_cache,
-                 pages.layer_stride, pages.v_offset)  # fmt: skip
         if self.stack.embeds:
-            return self.stack.run_ids(input_ids.contiguous(), positions.contiguous(), where, scale)
+            return self.stack.run_ids(input_ids.contiguous(), positions.contiguous(), pages, scale)
         x = embed(input_ids)
         if x.dtype != torch.bfloat16 or not x.is_contiguous():
             return None  # (not for a bf16 model: the forward then looks the rows up again)
-        return self.stack.run(x, positions.contiguous(), where, scale)
+        return self.stack.run(x, positions.contiguous(), pages, scale)
 
 
 def _table(embedding: Embedding | None, scale: torch.Tensor | None, hidden: int) -> kernels.EmbeddingTable | None:

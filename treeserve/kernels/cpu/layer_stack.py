@@ -1,11 +1,11 @@
-"""Call `decode_stack.c`: a decode step through every decoder layer in one C call.
+"""Call `layer_stack.c`: a decode step through every decoder layer in one C call.
 
 `Stack` holds the C structs of a model's layers (built once, at kernel pick time) and the
 tensors they point into; `Stack.run` fills the step's struct and makes the call. Nothing
-here knows about models: `layers/decode_stack.py` reads a model's modules into a `Stack`.
-The kernels it chains are the quantised matmul the plans picked (`q8_kernels.c`'s 8-bit one,
-or `amx_linear.c`'s bf16 tiles) and `cpu_kernels.c`'s RMSNorm, rope, KV store and paged
-decode, passed as function pointers.
+here knows about models: `layers/layer_stack.py` reads a model's modules into a `Stack`.
+The kernels it chains are the matmul the plans picked (`q8_kernels.c`'s 8-bit one,
+`amx_linear.c`'s bf16 tiles or `bf16_panels.c`'s dense panels) and `cpu_kernels.c`'s RMSNorm,
+rope, KV store, paged decode and paged prefill, passed as function pointers.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from treeserve.kernels import cpu as cpu_kernels
 from treeserve.kernels.cpu import build, quant
 
-SOURCE = Path(__file__).parent / "decode_stack.c"
+SOURCE = Path(__file__).parent / "layer_stack.c"
 _i64, _int, _float, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 
 
@@ -41,15 +41,53 @@ class Layer(ctypes.Structure):
 class StackArgs(ctypes.Structure):
     _fields_ = [("hidden", _int), ("q_heads", _int), ("kv_heads", _int), ("head_dim", _int), ("intermediate", _int),
                 ("eps", _float), ("act", _ptr), ("matmul", _ptr), ("norm", _ptr), ("rope", _ptr), ("store", _ptr),
-                ("attend", _ptr), ("gated", _ptr), ("final_gain", _ptr), ("final_weight", _ptr), ("embed", _ptr),
-                ("embed_table", _ptr), ("embed_rows", _i64), ("embed_scale", _float)]  # fmt: skip
+                ("attend", _ptr), ("prefill", _ptr), ("gated", _ptr), ("final_gain", _ptr), ("final_weight", _ptr),
+                ("embed", _ptr), ("embed_table", _ptr), ("embed_rows", _i64), ("embed_scale", _float)]  # fmt: skip
 
 
 class Step(ctypes.Structure):
     _fields_ = [("tokens", _i64), ("positions", _ptr), ("cos", _ptr * 2), ("sin", _ptr * 2), ("slot_pages", _ptr),
-                ("slot_offsets", _ptr), ("tables", _ptr), ("context_lens", _ptr), ("table_stride", _i64),
+                ("slot_offsets", _ptr), ("decode_batch", _int), ("decode_rows", _ptr), ("tables", _ptr),
+                ("context_lens", _ptr), ("table_stride", _i64), ("prefill_batch", _int), ("prefill_tables", _ptr),
+                ("q_starts", _ptr), ("q_lens", _ptr), ("prefill_context_lens", _ptr), ("prefill_table_stride", _i64),
                 ("k_cache", _ptr), ("layer_stride", _i64), ("page_stride", _i64), ("v_offset", _i64),
                 ("block_size", _int), ("scale", _float), ("threads", _int)]  # fmt: skip
+
+
+@dataclass
+class DecodeGroup:
+    """A step's decodes: one query a sequence (all int64, contiguous)."""
+
+    tables: torch.Tensor  # [B, max_pages] block tables
+    context_lens: torch.Tensor  # [B]: tokens each query sees (cached + itself)
+    rows: torch.Tensor | None  # [B]: each query's row of the step; None: the step's first B rows, in order
+
+
+@dataclass
+class PrefillGroup:
+    """A step's prefill chunks: sequence b's queries are rows starts[b] .. starts[b] + lens[b] - 1,
+    the last at position context_lens[b] - 1, attending to its cached pages and causally within
+    the chunk (all int64, contiguous)."""
+
+    tables: torch.Tensor  # [C, max_pages] block tables
+    starts: torch.Tensor  # [C]
+    lens: torch.Tensor  # [C]
+    context_lens: torch.Tensor  # [C]
+
+
+@dataclass
+class StackPages:
+    """A step's KV pages and attention groups, for kernels that run every layer in one call
+    (`layers/layer_stack.py`)."""
+
+    k_cache: torch.Tensor  # layer 0's K pages [pages, block_size, kv_heads, head_dim]
+    layer_stride: int  # elements from one layer's K pages to the next layer's
+    v_offset: int  # elements from a layer's K pages to its V pages
+    slot_pages: torch.Tensor  # [T] int64: where each row's K/V go
+    slot_offsets: torch.Tensor  # [T] int64
+    decodes: DecodeGroup | None
+    chunks: PrefillGroup | None
+    scale: float | None  # softmax scale; None: head_dim ** -0.5
 
 
 @cache
@@ -61,11 +99,11 @@ def load() -> ctypes.CDLL | None:
     lib = build(SOURCE, quant.QUANT_FLAGS)
     if lib is None:
         return None
-    lib.decode_stack_bf16.argtypes = [ctypes.POINTER(StackArgs), ctypes.POINTER(Layer), _int, ctypes.POINTER(Step),
+    lib.layer_stack_bf16.argtypes = [ctypes.POINTER(StackArgs), ctypes.POINTER(Layer), _int, ctypes.POINTER(Step),
                                       _ptr, _ptr]  # fmt: skip
-    lib.decode_stack_from_ids.argtypes = [ctypes.POINTER(StackArgs), ctypes.POINTER(Layer), _int,
+    lib.layer_stack_from_ids.argtypes = [ctypes.POINTER(StackArgs), ctypes.POINTER(Layer), _int,
                                           ctypes.POINTER(Step), _ptr, _ptr, _ptr]  # fmt: skip
-    lib.decode_stack_from_ids.restype = _int
+    lib.layer_stack_from_ids.restype = _int
     return lib
 
 
@@ -112,7 +150,7 @@ class LayerWeights:
 
 
 class Stack:
-    """The C structs of a model's decoder layers and final norm (shapes as `decode_stack.c` documents)."""
+    """The C structs of a model's decoder layers and final norm (shapes as `layer_stack.c` documents)."""
 
     def __init__(self, shapes: dict[str, int], eps: float, act: torch.Tensor, layers: list[LayerWeights],
                  final_norm: torch.Tensor, ropes: tuple[torch.Tensor, ...],
@@ -136,7 +174,9 @@ class Stack:
         self.args = StackArgs(shapes["hidden"], shapes["q_heads"], shapes["kv_heads"], shapes["head_dim"],
                               shapes["intermediate"], eps, act.data_ptr(), functions.pop(),
                               _address(cpu.rms_norm_bf16), _address(cpu.rope_bf16), _address(cpu.store_kv),
-                              _address(cpu.paged_decode_bf16), _address(cpu.gated_act_bf16), gain, weight,
+                              _address(cpu.paged_decode_bf16),
+                              _address(cpu.paged_prefill_bf16) if cpu_kernels.bf16_built() else None,
+                              _address(cpu.gated_act_bf16), gain, weight,
                               *table)  # fmt: skip
         global_cos, global_sin, local_cos, local_sin = ropes
         self.cos = (_ptr * 2)(global_cos.data_ptr(), local_cos.data_ptr())
@@ -151,33 +191,41 @@ class Stack:
             norms = ((_ptr * NORMS)(*gains), (_ptr * NORMS)(*weights))
             self.layers[i] = Layer(*matrices, *norms, w.window or 0, int(w.local_rope))
 
-    def run(self, x: torch.Tensor, positions: torch.Tensor, pages: tuple, scale: float) -> torch.Tensor:
+    def run(self, x: torch.Tensor, positions: torch.Tensor, pages: StackPages, scale: float) -> torch.Tensor:
         """Every layer over x [T, hidden] (bf16, contiguous, updated in place), then the final norm:
-        its output, a new [T, hidden] tensor. Row t is the query of sequence t at positions[t] (int64,
-        contiguous: its rope rows). `pages` = (slot_pages, slot_offsets, tables, context_lens,
-        k_cache, layer_stride, v_offset): row t's K/V go to slot_pages/offsets[t], it attends over
-        tables[t] up to context_lens[t]; k_cache is layer 0's K pages [pages, block, kv_heads,
-        head_dim], layer l's `layer_stride` elements on, V `v_offset` elements after K."""
+        its output, a new [T, hidden] tensor. Row t sits at positions[t] (int64, contiguous: its
+        rope rows); `pages` says where each row's K/V go and what its group attends to."""
         out = torch.empty_like(x)
         step = self._step(x.shape[0], positions, pages, scale)
-        load().decode_stack_bf16(self.args, self.layers, len(self.layers), step, x.data_ptr(), out.data_ptr())
+        load().layer_stack_bf16(self.args, self.layers, len(self.layers), step, x.data_ptr(), out.data_ptr())
         return out
 
-    def run_ids(self, ids: torch.Tensor, positions: torch.Tensor, pages: tuple, scale: float) -> torch.Tensor:
+    def run_ids(self, ids: torch.Tensor, positions: torch.Tensor, pages: StackPages, scale: float) -> torch.Tensor:
         """`run` from the rows' token ids (int64, contiguous), looked up in the stack's table."""
         assert self.embeds and ids.dtype == torch.int64 and ids.is_contiguous()
         rows = ids.shape[0]
         x = torch.empty(rows, self.shapes["hidden"], dtype=torch.bfloat16)
         out = torch.empty_like(x)
         step = self._step(rows, positions, pages, scale)
-        if load().decode_stack_from_ids(self.args, self.layers, len(self.layers), step, ids.data_ptr(), x.data_ptr(),
-                                        out.data_ptr()):  # fmt: skip
+        if load().layer_stack_from_ids(self.args, self.layers, len(self.layers), step, ids.data_ptr(), x.data_ptr(),
+                                       out.data_ptr()):  # fmt: skip
             raise IndexError(f"row ids out of range for a matrix of {self.args.embed_rows} rows")
         return out
 
-    def _step(self, rows: int, positions: torch.Tensor, pages: tuple, scale: float) -> Step:
+    def _step(self, rows: int, positions: torch.Tensor, pages: StackPages, scale: float) -> Step:
         assert positions.dtype == torch.int64 and positions.is_contiguous() and positions.shape[0] == rows
-        slot_pages, slot_offsets, tables, context_lens, k_cache, layer_stride, v_offset = pages
-        return Step(rows, positions.data_ptr(), self.cos, self.sin, slot_pages.data_ptr(), slot_offsets.data_ptr(),
-                    tables.data_ptr(), context_lens.data_ptr(), tables.stride(0), k_cache.data_ptr(), layer_stride,
-                    k_cache.stride(0), v_offset, k_cache.shape[1], scale, torch.get_num_threads())  # fmt: skip
+        assert pages.chunks is None or self.args.prefill, "prefill chunks need the prefill kernel (AVX512-BF16)"
+        k_cache, decodes, chunks = pages.k_cache, pages.decodes, pages.chunks
+        decode = (0, None, None, None, 0) if decodes is None else (
+            decodes.tables.shape[0], _address_of(decodes.rows), decodes.tables.data_ptr(),
+            decodes.context_lens.data_ptr(), decodes.tables.stride(0))  # fmt: skip
+        prefill = (0, None, None, None, None, 0) if chunks is None else (
+            chunks.tables.shape[0], chunks.tables.data_ptr(), chunks.starts.data_ptr(), chunks.lens.data_ptr(),
+            chunks.context_lens.data_ptr(), chunks.tables.stride(0))  # fmt: skip
+        return Step(rows, positions.data_ptr(), self.cos, self.sin, pages.slot_pages.data_ptr(),
+                    pages.slot_offsets.data_ptr(), *decode, *prefill, k_cache.data_ptr(), pages.layer_stride,
+                    k_cache.stride(0), pages.v_offset, k_cache.shape[1], scale, torch.get_num_threads())  # fmt: skip
+
+
+def _address_of(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
