@@ -5,10 +5,16 @@ Every page is in exactly one state:
   are copy-on-write);
 - cached: count 0 but its content is keyed in the prefix cache; reusable by a later
   sequence with the same prefix until evicted (least recently released first);
-- free: count 0, content meaningless.
+- free: count 0, content meaningless: never handed out yet, or on the free list of the model
+  that released it last.
 
-One free list and one LRU of cached pages serve every model of the arena, so pages flow to
-whichever model needs them: a page one model cached can be evicted for another. Keys are
+The free pages and one LRU of cached pages serve every model of the arena, so pages flow to
+whichever model needs them: a page one model cached can be evicted for another. A model takes
+back the free page it released last first (its own, still in the CPU's caches, no hand-over),
+then a page never handed out, then another model's free page, then evicts: on a CPU the arena
+is an untouched mapping whose every first write to a 2 MiB page makes the kernel zero it (~2.5
+ms each on the 2-core VM), and a first-in first-out free list walked the whole arena, so a
+fresh server paid for zeroing all of it in its first minutes of steps. Keys are
 salted per model (see `block_manager.py`), so one key map serves all models. Each page in
 use or cached has an owner (the model index from `register`); the pool keeps per-owner
 counts so per-model statistics cost O(1). A page that changes owner is a hand-over: the new
@@ -20,7 +26,7 @@ knows page numbers and keys, nothing about tokens or tensors.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
 
 
@@ -53,7 +59,8 @@ class PagePool:
         self.owner = [-1] * num_pages  # model index while in use or cached, -1 when free
         self.released_by = [-1] * num_pages  # a free page's last owner (-1: never owned)
         self.block_hash: list[int | None] = [None] * num_pages
-        self.free: deque[int] = deque(range(num_pages))
+        self.untouched = list(range(num_pages - 1, -1, -1))  # never handed out, page 0 first
+        self.free_by: list[list[int]] = []  # per owner: the free pages it released, the latest last
         self.cached: OrderedDict[int, None] = OrderedDict()  # count-0 keyed pages, LRU first
         self.hash_to_block: dict[int, int] = {}
         self.evicted_hashes: set[int] = set()
@@ -71,6 +78,7 @@ class PagePool:
         self.in_use.append(0)
         self.num_cached.append(0)
         self.handovers.append(set())
+        self.free_by.append([])
         return len(self.stats) - 1
 
     def take_handovers(self, owner: int) -> set[int]:
@@ -97,13 +105,19 @@ class PagePool:
     @property
     def num_available(self) -> int:
         """Pages that can be handed out now (free, or cached and evictable)."""
-        return len(self.free) + len(self.cached)
+        return self.num_free + len(self.cached)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.untouched) + sum(len(pages) for pages in self.free_by)
 
     # ---- page state transitions --------------------------------------------------------
     def take(self, owner: int) -> int:
-        """A page for `owner` with count 1: a free one, else the least recently cached one."""
-        if self.free:
-            block = self.free.popleft()
+        """A page for `owner` with count 1: a free one (its own latest, a page never handed out, another
+        model's), else the least recently cached one."""
+        pages = self.free_by[owner] or self.untouched or max(self.free_by, key=len)
+        if pages:
+            block = pages.pop()
             previous = self.released_by[block]
         elif self.cached:
             block, _ = self.cached.popitem(last=False)
@@ -145,7 +159,7 @@ class PagePool:
                 self.cached[block] = None
                 self.num_cached[owner] += 1
             else:
-                self.free.append(block)
+                self.free_by[owner].append(block)
                 self.released_by[block] = owner
                 self.owner[block] = -1
 
@@ -159,8 +173,8 @@ class PagePool:
     # ---- invariants -------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Raise AssertionError unless every page is in exactly one consistent state."""
-        free, cached = set(self.free), set(self.cached)
-        assert len(free) == len(self.free), "a page is twice on the free list"
+        free, cached = set(self.untouched).union(*self.free_by), set(self.cached)
+        assert len(free) == self.num_free, "a page is twice on the free lists"
         assert not free & cached, "a page is both free and cached"
         in_use = [0] * len(self.stats)
         num_cached = [0] * len(self.stats)

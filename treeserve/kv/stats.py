@@ -29,7 +29,7 @@ class PageLog:
         self.steps += 1
         self._rows.append((
             self.steps, time.perf_counter() - self.start, pool.in_use[b.owner], pool.num_cached[b.owner],
-            len(pool.free), stats.hits, stats.misses, stats.evictions, stats.thrash,
+            pool.num_free, stats.hits, stats.misses, stats.evictions, stats.thrash,
         ))  # fmt: skip
 
     def rows(self) -> list[dict]:

@@ -129,6 +129,23 @@ static const bf16 *norm(const stack *s, const layer *ly, int which, const bf16 *
     return out;
 }
 
+/* Scratch that outlives the call, one per thread (tensor-parallel ranks may run stacks at once),
+ * grown when a step needs more, up to SCRATCH_KEPT: a buffer of a step's size, allocated and
+ * freed every call, was mmap'd fresh each time, and zeroing its new (huge) pages cost ~10% of a
+ * served search's engine time. A larger step (a long prefill) allocates its own and frees it. */
+#define SCRATCH_KEPT ((size_t)32 << 20)
+
+static char *scratch(size_t bytes) {
+    static _Thread_local char *buf = NULL;
+    static _Thread_local size_t size = 0;
+    if (bytes > size) {
+        free(buf);
+        size = bytes + bytes / 2;
+        buf = (char *)aligned_alloc(64, (size + 63) / 64 * 64);
+    }
+    return buf;
+}
+
 /* attention of the step's decode group (gathered from and scattered to its rows where they are not
  * the first ones in order: the per-layer path's `out[index] = paged_decode(q[index])`) into att */
 static void attend_decodes(const stack *s, const step *st, const layer *ly, const char *k_cache, const bf16 *q,
@@ -153,7 +170,8 @@ void layer_stack_bf16(const stack *s, const layer *layers, int count, const step
                                 dim, dim, dim, dim, q_size, q_size};
     size_t offsets[17] = {0};
     for (int i = 0; i < 16; i++) offsets[i + 1] = offsets[i] + ((size_t)t * widths[i] * sizeof(bf16) + 63) / 64 * 64;
-    char *buf = (char *)aligned_alloc(64, offsets[16]);
+    const int kept = offsets[16] <= SCRATCH_KEPT;
+    char *buf = kept ? scratch(offsets[16]) : (char *)aligned_alloc(64, offsets[16]);
     bf16 *run[16];
     for (int i = 0; i < 16; i++) run[i] = (bf16 *)(buf + offsets[i]);
     bf16 *h = run[0], *y = run[1], *qkv = run[2], *qn = run[3], *q = run[4], *att = run[5], *kn = run[6], *k = run[7],
@@ -199,7 +217,7 @@ void layer_stack_bf16(const stack *s, const layer *layers, int count, const step
         residual_add(x, norm(s, ly, POST_MLP_NORM, y, t, hidden, h, threads), t * hidden);
     }
     s->norm(x, t, (int)hidden, s->final_gain, s->final_weight, s->eps, out, threads);
-    free(buf);
+    if (!kept) free(buf);
 }
 
 /* The step from its token ids: the embedding table's rows (fp32, as the lookup gives them)
