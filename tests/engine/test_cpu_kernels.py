@@ -347,6 +347,25 @@ def test_store_kv_writes_the_slots_indexing_writes(dtype):
     assert not cpu_kernels.store_kv(strided, v, k_cache, v_cache, pages, offsets)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_copy_slots_copies_what_indexing_copies(dtype):
+    """Twins' K/V copies (every layer of single token slots) in one C call: the bytes the indexing
+    reference writes, nothing else touched; the indexing path where the layout does not fit."""
+    arena = KVArena(12, 3, 4, 2, 16, dtype, "cpu")
+    torch.manual_seed(0)
+    arena.buffer.copy_(torch.randn(arena.buffer.shape).to(dtype))
+    src = torch.tensor([3, 3, 7, 0]), torch.tensor([0, 1, 2, 3])
+    dst = torch.tensor([5, 11, 11, 9]), torch.tensor([3, 0, 2, 1])
+    want = arena.buffer.clone()
+    want[dst[0], :, :, dst[1]] = want[src[0], :, :, src[1]]
+    assert cpu_kernels.copy_slots(arena.buffer, *src, *dst)
+    assert torch.equal(arena.buffer, want)
+    arena.copy_slots(*dst, *src)  # back, through the arena
+    want[src[0], :, :, src[1]] = want[dst[0], :, :, dst[1]]
+    assert torch.equal(arena.buffer, want)
+    assert not cpu_kernels.copy_slots(arena.buffer, src[0].int(), *src[1:], *dst)  # int32 slots: indexing's
+
+
 def test_decode_rows_in_the_steps_lead_are_attended_in_place_with_the_gathered_bits():
     from treeserve.engine.attention import CpuBackend, SeqGroup
 

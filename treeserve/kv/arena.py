@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from treeserve.kernels import cpu as cpu_kernels
 from treeserve.kernels.cpu.memory import huge_pages
 
 PAGE_ALIGN = 64  # bytes: a page starts on a cache line and is a whole number of elements of any dtype
@@ -108,8 +109,10 @@ class KVArena:
 
     def copy_slots(self, src_pages: torch.Tensor, src_offsets: torch.Tensor, dst_pages: torch.Tensor,
                    dst_offsets: torch.Tensor) -> None:  # fmt: skip
-        """Copy single tokens' K/V, every layer: slot (page, offset) i of `src` to slot i of `dst`."""
-        if src_pages.numel():
+        """Copy single tokens' K/V, every layer: slot (page, offset) i of `src` to slot i of `dst` (no
+        slot both: twins' new slots); in one C call on a CPU."""
+        copied = cpu_kernels.copy_slots(self.buffer, src_pages, src_offsets, dst_pages, dst_offsets)
+        if src_pages.numel() and not copied:
             self.buffer[dst_pages, :, :, dst_offsets] = self.buffer[src_pages, :, :, src_offsets]
 
     def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -139,6 +139,7 @@ def load() -> ctypes.CDLL | None:
     lib.gated_act_bf16.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _int]
     lib.store_kv.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _int, _ptr, _i64, _i64, _i64, _ptr, _ptr]
     lib.rope_bf16.argtypes = [_ptr, _i64, _i64, _int, _int, _ptr, _ptr, _ptr, _int]
+    lib.copy_slots.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64]
     lib.avx512_bf16_built.restype = _int
     if lib.avx512_bf16_built():
         prefill_args = [_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _int, _int, _int, _int, _int]
@@ -171,6 +172,29 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.shape[0], width, k.element_size(),
         k_cache.data_ptr(), k_cache.stride(0), width, (v_cache.data_ptr() - k_cache.data_ptr()) // k.element_size(),
         pages.data_ptr(), offsets.data_ptr(),
+    )  # fmt: skip
+    return True
+
+
+def copy_slots(buffer: torch.Tensor, src_pages: torch.Tensor, src_offsets: torch.Tensor, dst_pages: torch.Tensor,
+               dst_offsets: torch.Tensor) -> bool:  # fmt: skip
+    """`buffer[dst_pages, :, :, dst_offsets] = buffer[src_pages, :, :, src_offsets]` in one C call:
+    buffer a KV arena's view [pages, layers, 2, block, kv_heads, head_dim] with contiguous pages'
+    contents, slots int64 and contiguous, no slot both a source and a destination. False (nothing
+    copied) where the layouts do not fit."""
+    pages, layers, _, block, kv_heads, head_dim = buffer.shape
+    token = kv_heads * head_dim
+    fits = (
+        buffer.device.type == "cpu" and load() is not None
+        and buffer.stride()[1:] == (2 * block * token, block * token, token, head_dim, 1)
+        and all(t.dtype == torch.int64 and t.is_contiguous() for t in (src_pages, src_offsets, dst_pages, dst_offsets))
+    )  # fmt: skip
+    if not fits:
+        return False
+    size = buffer.element_size()
+    load().copy_slots(
+        buffer.data_ptr(), buffer.stride(0) * size, layers, block, token * size,
+        src_pages.data_ptr(), src_offsets.data_ptr(), dst_pages.data_ptr(), dst_offsets.data_ptr(), src_pages.numel(),
     )  # fmt: skip
     return True
 

@@ -804,6 +804,22 @@ void store_kv(const char *k, int64_t k_stride, const char *v, int64_t v_stride, 
     }
 }
 
+/* copy_slots: single tokens' K/V, every layer: slot (src_pages[i], src_offsets[i]) onto slot
+ * (dst_pages[i], dst_offsets[i]) of an arena whose pages are `page_bytes` apart and each hold,
+ * per layer, K then V of `block_size` tokens of `token_bytes` (kv/arena.py's layout): the bytes
+ * `buffer[dst_pages, :, :, dst_offsets] = buffer[src_pages, :, :, src_offsets]` writes, without
+ * its gathered copy (no slot is both a source and a destination: twins' new slots). */
+void copy_slots(char *buffer, int64_t page_bytes, int64_t layers, int64_t block_size, int64_t token_bytes,
+                const int64_t *src_pages, const int64_t *src_offsets, const int64_t *dst_pages,
+                const int64_t *dst_offsets, int64_t count) {
+    const int64_t part = block_size * token_bytes; /* one layer's K, then its V */
+    for (int64_t i = 0; i < count; i++) {
+        const char *src = buffer + src_pages[i] * page_bytes + src_offsets[i] * token_bytes;
+        char *dst = buffer + dst_pages[i] * page_bytes + dst_offsets[i] * token_bytes;
+        for (int64_t p = 0; p < 2 * layers; p++) memcpy(dst + p * part, src + p * part, (size_t)token_bytes);
+    }
+}
+
 /* 1 where the AVX512-BF16 kernels (linear_bf16, paged_prefill_bf16, paged_decode_bf16's fast
  * path) were compiled in: the compiler targets this CPU's AVX512-BF16. */
 #ifdef __AVX512BF16__
