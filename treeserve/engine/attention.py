@@ -203,15 +203,16 @@ class AttentionBatch:
     def stack_pages(self) -> StackPages | None:
         """The pages and groups for `layers/layer_stack.py`, on the `cpu` backend: decodes (one
         query a sequence) and prefill chunks, the latter only where `CpuBackend` runs them on the
-        C prefill kernel too (a CPU with AVX512-BF16)."""
+        C prefill kernel too (`prefill_fits`: bf16 heads of a multiple of 32 on AVX512-BF16)."""
         if self.backend.name != "cpu":
             return None
+        k_cache, _ = self.arena.layer(0)
         decodes = chunks = None
         for group in self.groups:
             if group.is_decode:
                 rows = None if group.leads else group.query_index[:, 0].contiguous()
                 decodes = DecodeGroup(group.block_tables, group.context_lens, rows)
-            elif cpu_kernels.bf16_built():
+            elif cpu_kernels.prefill_fits(k_cache.dtype, k_cache.shape[-1]):
                 chunks = PrefillGroup(group.block_tables, group.query_start, group.query_len, group.context_lens)
             else:
                 return None
@@ -221,6 +222,5 @@ class AttentionBatch:
         if not all(t.dtype == torch.int64 and t.is_contiguous() for t in tensors):
             return None
         buffer = self.arena.buffer  # [pages, layers, 2 (K, V), block, kv_heads, head_dim]
-        k_cache, _ = self.arena.layer(0)
         return StackPages(k_cache, buffer.stride(1), buffer.stride(2), self.slot_pages, self.slot_offsets, decodes,
                           chunks, self.scale)  # fmt: skip

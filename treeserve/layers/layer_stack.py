@@ -113,8 +113,6 @@ class LayerStack:
         pages = attn.stack_pages()
         if pages is None or pages.k_cache.dtype != torch.bfloat16:
             return None
-        if pages.chunks is not None and self.stack.shapes["head_dim"] % 32:  # the per-layer path's prefill: SDPA
-            return None
         scale = pages.scale or self.stack.shapes["head_dim"] ** -0.5
         if self.stack.embeds:
             return self.stack.run_ids(input_ids.contiguous(), positions.contiguous(), pages, scale)

@@ -137,7 +137,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size // cfg.tp_size, bias=False)
         self.rope: RotaryEmbedding | None = None
         self.logits_linear = F.linear  # the tied LM head's matmul (`pick_kernel`): the table is no Linear
-        self.layer_stack: LayerStack | None = None  # all layers of a decode step in one C call, where picked
+        self.layer_stack: LayerStack | None = None  # all layers of a step in one C call, where picked
 
     def init_rope(self, max_positions: int, device: torch.device | str) -> None:
         inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
@@ -161,8 +161,8 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tp_size == 1 and cfg.pp_size == 1:  # one C call for every layer: no place for collectives
             embedding = self.embed_tokens if hasattr(self, "embed_tokens") else None
             self.layer_stack = LayerStack.build(self.layers, self.norm, self.rope_tables(), act,
-                                                  cfg.intermediate_size, cfg.rms_norm_eps, embedding,
-                                                  self.embedding_scale(torch.bfloat16))  # fmt: skip
+                                                cfg.intermediate_size, cfg.rms_norm_eps, embedding,
+                                                self.embedding_scale(torch.bfloat16))  # fmt: skip
 
     def attach(self, tp: RankGroup) -> None:
         """Join `tp` (this model holds rank tp.rank's shard): every layer that reduces or gathers."""

@@ -3,7 +3,7 @@
 Kernels: paged decode and prefill attention, softmax sampling, a bf16 GEMV for linear
 layers at small batch, RMSNorm and rotary embeddings; `amx_linear.c` (bf16 linear layers on
 AMX tiles, weights laid out once by `amx_pack`) and `quant.py` beside this file (the matmuls
-of quantised weights, `quant_kernels.c`) and `layer_stack.py` (every layer of a decode step in one
+of quantised weights, `quant_kernels.c`) and `layer_stack.py` (every layer of a step in one
 call, chaining these) are built the same way. Nothing here knows about models:
 `layers/` picks these for a model's layers at load, the engine's `cpu` attention backend
 and the sampler call the others.
@@ -238,14 +238,13 @@ def bf16_built() -> bool:
 
 
 def prefill_supports(q: torch.Tensor) -> bool:
-    """True when `paged_prefill` runs attention for q [T, Hq, D]: bf16 on a CPU with AVX512-BF16, D % 32 == 0."""
-    return (
-        q.device.type == "cpu"
-        and q.dtype == torch.bfloat16
-        and q.shape[-1] % 32 == 0
-        and q.is_contiguous()
-        and bf16_built()
-    )
+    """True when `paged_prefill` runs attention for q [T, Hq, D]: contiguous on a CPU, `prefill_fits`."""
+    return q.device.type == "cpu" and q.is_contiguous() and prefill_fits(q.dtype, q.shape[-1])
+
+
+def prefill_fits(dtype: torch.dtype, head_dim: int) -> bool:
+    """True when `paged_prefill` takes heads of `dtype` and `head_dim`: bf16 on a CPU with AVX512-BF16, D % 32 == 0."""
+    return dtype == torch.bfloat16 and head_dim % 32 == 0 and bf16_built()
 
 
 def paged_prefill(

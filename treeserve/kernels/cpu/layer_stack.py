@@ -1,4 +1,4 @@
-"""Call `layer_stack.c`: a decode step through every decoder layer in one C call.
+"""Call `layer_stack.c`: a step through every decoder layer in one C call.
 
 `Stack` holds the C structs of a model's layers (built once, at kernel pick time) and the
 tensors they point into; `Stack.run` fills the step's struct and makes the call. Nothing
