@@ -227,13 +227,13 @@ def test_rms_norm_bf16_matches_the_pytorch_norms(gemma):
 
 
 def test_layers_pick_their_kernels_at_load(llama_dir, monkeypatch):
-    """bf16 on a CPU: the C kernels (AMX tiles, else dense bf16 panels where AVX512-BF16 is built);
+    """bf16 on a CPU: the C kernels (dense bf16 panels where AVX512-BF16 is built);
     fp32: PyTorch's with rows padded;
     bf16 with TREESERVE_CPU_KERNELS=0: PyTorch, widened to fp32 where the CPU has no bf16 products."""
     import torch.nn.functional as F
 
     from treeserve.kernels.cpu import quant as quant_kernels
-    from treeserve.layers.linear import Linear, row_invariant_linear, tiled_linear, widened_linear
+    from treeserve.layers.linear import Linear, row_invariant_linear, widened_linear
     from treeserve.layers.quant import quant_linear
     from treeserve.models.loader import load_model
 
@@ -243,10 +243,9 @@ def test_layers_pick_their_kernels_at_load(llama_dir, monkeypatch):
         return linears, model.layers[0].input_layernorm.use_c, model.rope.use_c
 
     assert picked(torch.float32) == ({row_invariant_linear}, False, False)
-    if cpu_kernels.bf16_built():
-        tiles = cpu_kernels.load_amx() is not None  # AMX: every bf16 Linear on tiles
+    if cpu_kernels.bf16_built():  # dense panels (on AMX tiles where the CPU has them: test_amx_linear.py)
         dense = quant_linear if quant_kernels.bf16_panels_available() else cpu_kernels.linear
-        assert picked(torch.bfloat16) == ({tiled_linear if tiles else dense}, True, True)
+        assert picked(torch.bfloat16) == ({dense}, True, True)
     monkeypatch.setenv("TREESERVE_CPU_KERNELS", "0")
     caches = (cpu_kernels.load, cpu_kernels.bf16_built, cpu_kernels.load_amx, quant_kernels.load,
               quant_kernels.load_bf16)  # fmt: skip
@@ -268,7 +267,6 @@ def test_bf16_layers_through_their_c_kernels_give_the_pytorch_bits(monkeypatch):
     from treeserve.layers.norm import RMSNorm
     from treeserve.layers.rotary import RotaryEmbedding, _rotate_half, rope_inv_freq
 
-    monkeypatch.setattr(cpu_kernels, "amx_supports", lambda weight: False)  # AMX tiles: test_amx_linear.py
     monkeypatch.setattr(linear_module, "dense_panels_supported", lambda weight: False)  # test_bf16_panels.py
     torch.manual_seed(0)
     linear, norm = Linear(256, 704).bfloat16(), RMSNorm(256, 1e-6).bfloat16()

@@ -10,8 +10,10 @@ import torch.nn.functional as F
 
 from treeserve import SamplingParams
 from treeserve.kernels import cpu as cpu_kernels
+from treeserve.kernels.cpu import quant
 from treeserve.layers.embedding import Embedding
-from treeserve.layers.linear import Linear, tiled_linear
+from treeserve.layers.linear import Linear
+from treeserve.layers.quant import QuantTensor, quant_linear
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load_amx() is None, reason="no usable AMX tiles on this CPU")
 
@@ -53,17 +55,27 @@ def test_amx_linear_row_does_not_depend_on_the_batch_or_threads():
         torch.set_num_threads(threads)
 
 
-def test_bf16_linear_lays_its_weight_out_as_tiles_once():
-    """`pick_kernel` replaces the weight by its tiles (no second copy); 3-D input keeps its shape."""
+def test_bf16_linear_multiplies_its_panels_on_the_tiles():
+    """`pick_kernel` lays the weight out once as dense panels (no second copy), which the tiles read
+    as they lie: `amx_linear`'s bits on `amx_pack`'s tiles (the same bytes), 3-D input keeping its
+    shape; fp32 rows are rounded to bf16 first; a width that is no whole number of 32-weight chunks
+    stays on the AVX512-BF16 panels kernel."""
     torch.manual_seed(0)
     linear = Linear(256, 100).bfloat16()
     x = torch.randn(2, 9, 256, dtype=torch.bfloat16)
     weight, bias = linear.weight.detach().clone(), linear.bias.detach().clone()
     linear.pick_kernel()
-    assert linear.kernel.func is tiled_linear and linear.weight.shape == (7, 8, 16, 16, 2)
-    linear.pick_kernel()  # a second pick keeps the tiles
-    assert linear.weight.shape == (7, 8, 16, 16, 2)
-    assert torch.equal(linear(x), amx(x.view(18, 256), weight, bias).view(2, 9, 100))
+    assert isinstance(linear.weight, QuantTensor) and linear.kernel is quant_linear
+    assert linear.weight.plan.function is cpu_kernels.load_amx().amx_dense_matmul
+    assert linear.weight.nbytes == 7 * 16 * 256 * 2
+    linear.pick_kernel()  # a second pick keeps the panels
+    assert linear.weight.plan.function is cpu_kernels.load_amx().amx_dense_matmul
+    out = linear(x)
+    assert torch.equal(out, amx(x.view(18, 256), weight, bias).view(2, 9, 100))
+    assert torch.equal(quant_linear(x.float(), linear.weight.to(torch.float32), bias.float()).bfloat16(), out)
+    narrow = Linear(48, 20).bfloat16()
+    narrow.pick_kernel()
+    assert narrow.weight.plan.function is quant.load_bf16().bf16_matmul
 
 
 def test_embedding_table_laid_out_as_tiles_gives_its_rows():
@@ -84,7 +96,10 @@ def test_engine_same_greedy_tokens_with_and_without_tiles(checkpoint, make_llm, 
     llm = make_llm(path, dtype="bfloat16")
     tiled = llm.generate(prompts, params)
     model = llm.engine.model
-    assert all(cpu_kernels.amx_tiled(w) for w in (model.layers[0].mlp.down_proj.weight, model.embed_tokens.weight))
+    assert model.layers[0].mlp.down_proj.weight.plan.function is cpu_kernels.load_amx().amx_dense_matmul
+    assert cpu_kernels.amx_tiled(model.embed_tokens.weight)
+    assert model.layer_stack is not None  # every layer of a step in one C call, on the tiles
     monkeypatch.setattr(cpu_kernels, "amx_supports", lambda weight: False)
+    monkeypatch.setattr(quant, "load_amx", lambda: None)  # the panels on AVX512-BF16 dot products
     plain = make_llm(path, dtype="bfloat16").generate(prompts, params)
     assert [o.outputs[0].token_ids for o in tiled] == [o.outputs[0].token_ids for o in plain]

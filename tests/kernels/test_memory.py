@@ -66,3 +66,5 @@ def test_layouts_carved_during_a_load_hold_the_same_values():
     assert packed.untyped_storage().nbytes() >= CHUNK  # carved from the load's mapping
     assert torch.equal(packed, tiles)
     assert torch.equal(laid.view(torch.bfloat16).view(panels.shape), panels)
+    # the same bytes: amx_linear.c multiplies a dense Linear's panels as its tiles
+    assert torch.equal(packed.reshape(-1), laid.view(torch.bfloat16).reshape(-1))

@@ -5,13 +5,14 @@ and ctypes overhead (~0.3 ms a layer) costs more than their arithmetic: a decode
 PRM's scoring step of a few short chunks. Where a model's decoder (Gemma 3, or the Llama
 family: Llama, Mistral, Qwen2) runs on the CPU kernels anyway (bf16, every matmul on one C
 kernel: quantised, a GGUF file or `quantization="int8"`, with 8-bit activations or bf16 tiles,
-or dense bf16 panels; the C norms, rope), `LayerStack.build` reads its layers into the C
-structs once; the model's forward then hands a step to it when the engine gives the step's
-pages and groups (`Attention.stack_pages`: decodes, and prefill chunks where the per-layer path
-runs them on the C prefill kernel too). The C chain calls the same kernels on the same inputs
-and does PyTorch's roundings in between (act(gate) * up by `kernels.cpu.gated_act_bf16` from
-the table PyTorch fills, as the per-layer path does), so a row gets the per-layer path's bits
-at every batch size: that path stays the reference (tests compare).
+or dense bf16 panels, on AMX tiles or AVX512-BF16 dot products; the C norms, rope),
+`LayerStack.build` reads its layers into the C structs once; the model's forward then hands a
+step to it when the engine gives the step's pages and groups (`Attention.stack_pages`: decodes,
+and prefill chunks where the per-layer path runs them on the C prefill kernel too). The C chain
+calls the same kernels on the same inputs and does PyTorch's roundings in between (act(gate) *
+up by `kernels.cpu.gated_act_bf16` from the table PyTorch fills, as the per-layer path does), so
+a row gets the per-layer path's bits at every batch size: that path stays the reference (tests
+compare).
 """
 
 from __future__ import annotations
@@ -95,6 +96,9 @@ class LayerStack:
         final = _norm_tensor(final_norm)
         if not weights or any(w is None for w in weights) or final is None or final_norm.eps != eps:
             return None
+        matmuls = [plan.function for w in weights for plan in (w.qkv, w.o, w.gate_up, w.down)]
+        if any(matmul is not matmuls[0] for matmul in matmuls):
+            return None  # the C chain calls one matmul (dense panels: off AMX tiles where k % 32 != 0)
         if not kernels.available():  # built only when used
             return None
         q_heads, kv_heads, head_dim = layers[0].self_attn.shape

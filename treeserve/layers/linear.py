@@ -1,21 +1,20 @@
 """Linear layers and the LM head's matmul, with the kernel picked at load.
 
 `Linear` is `nn.Linear` (same parameters, same checkpoint names) whose forward calls
-`self.kernel`. On a CPU with usable AMX tiles, a bf16 `Linear` lays its weight out as tiles
-once (`kernels.cpu.amx_pack`; the parameter becomes that [n/16, k/32, 16, 16, 2] tensor, no
-second copy). `linear_kernel(weight, rows)` then picks `tiled_linear` for tiles (`amx_linear`:
-one kernel for every batch size, so a row's bits never depend on the batch). On a CPU with
-AVX512-BF16 but no AMX, a bf16 `Linear` lays its weight out once as `bf16_panels.c`'s panels
-(`dense_panels`: a `QuantTensor` of one dense part, the same size), multiplied by one kernel for
-every batch size as well: at peak bf16 dot-product rate from 16 rows on and at memory bandwidth
-at one row, 1.0-2.5x the GEMV-below-4-rows / oneDNN-above pair it replaced (AMD Zen 4), and
-the layer stack (`layers/layer_stack.py`) chains it like a quantised matrix. Other bf16
-weights on such a CPU (the tied LM head's table) go through `kernels.cpu.linear` (a GEMV that
-streams the weights for up to 4 rows, oneDNN with rows padded to a bucket above that). For a
-`QuantTensor` (the loader replaced the parameter by quantised bytes), `quant_linear`; for fp32
-weights on a CPU, `row_invariant_linear` (F.linear with at least MIN_GEMM_ROWS rows); F.linear
-everywhere else (cuBLAS on a GPU). The tied LM head of a model multiplies by its embedding table
-(tiles too where the CPU has AMX) through `linear_kernel`.
+`self.kernel`. On a CPU with AVX512-BF16 (every CPU with AMX has it), a bf16 `Linear` lays its
+weight out once as panels of 16 output channels (`dense_panels`: a `QuantTensor` of one dense
+part, the same size, no second copy), multiplied by one kernel for every batch size, so a row's
+bits never depend on the batch: AMX tiles where the CPU has them (the panels are TDPBF16PS's B
+tiles as they lie: `amx_linear.c`), else `bf16_panels.c`'s dot products (at peak bf16
+dot-product rate from 16 rows on and at memory bandwidth at one row, 1.0-2.5x the
+GEMV-below-4-rows / oneDNN-above pair it replaced, AMD Zen 4). Either way the layer stack
+(`layers/layer_stack.py`) chains it like a quantised matrix. A bf16 embedding table on a CPU
+with AMX is laid out as the same tiles (`kernels.cpu.amx_pack`), and a tied LM head multiplies
+by it there (`tiled_linear`); other bf16 weights on such a CPU (the tied LM head's table without
+AMX) go through `kernels.cpu.linear` (a GEMV that streams the weights for up to 4 rows, oneDNN
+with rows padded to a bucket above that). For a `QuantTensor` (the loader replaced the parameter
+by quantised bytes), `quant_linear`; for fp32 weights on a CPU, `row_invariant_linear` (F.linear
+with at least MIN_GEMM_ROWS rows); F.linear everywhere else (cuBLAS on a GPU).
 
 On a CPU that does not multiply bf16 itself (neither AVX512-BF16 nor AMX: PyTorch emulates the
 products, 3-7x slower than fp32 on an AVX2 AMD EPYC), a bf16 `Linear` widens its weight to fp32 at
@@ -102,9 +101,7 @@ class Linear(nn.Linear):
                 self.bias = nn.Parameter(self.bias.float(), requires_grad=False)
             self.kernel = widened_linear
             return
-        if cpu_kernels.amx_supports(self.weight):
-            self.weight = nn.Parameter(cpu_kernels.amx_pack(self.weight), requires_grad=False)
-        elif dense_panels_supported(self.weight):
+        if dense_panels_supported(self.weight):
             set_quantized(self, "weight", dense_panels(self.weight))
         if isinstance(self.weight, QuantTensor):
             self.weight = self.weight.in_panels()
@@ -115,6 +112,6 @@ class Linear(nn.Linear):
 
 
 def tiled_linear(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None = None, *, n: int) -> torch.Tensor:
-    """F.linear for x [..., k] and a weight laid out by `amx_pack` (n: the weight's rows)."""
+    """F.linear for x [..., k] and a table laid out by `amx_pack` (n: its rows): a tied LM head."""
     out = cpu_kernels.amx_linear(x.reshape(-1, x.shape[-1]), tiles, bias, n)
     return out.view(*x.shape[:-1], n)

@@ -423,10 +423,11 @@ def load_amx() -> ctypes.CDLL | None:
     lib = build(AMX_SOURCE, [flag for flag in FLAGS if flag != "-ffast-math"])
     if lib is None or not lib.amx_linear_available():
         return None
-    lib.amx_linear_bf16.argtypes = [_ptr, _i64, _int, _ptr, _ptr, _i64, _i64, _ptr, _i64, _int]
+    lib.amx_linear_bf16.argtypes = [_ptr, _i64, _int, _ptr, _ptr, _i64, _i64, _ptr, _i64, _int, _int]
     # quant_kernels.c's qmatmul's arguments
-    lib.amx_quant_matmul.argtypes = [_int, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _i64,
-                                     _int, _int, _int]  # fmt: skip
+    for matmul in (lib.amx_quant_matmul, lib.amx_dense_matmul):
+        matmul.argtypes = [_int, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _i64, _int, _int,
+                           _int]  # fmt: skip
     return lib
 
 
@@ -466,9 +467,10 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
         x = x.contiguous()
     rows, k = x.shape
     out = torch.empty(rows, n, dtype=torch.bfloat16)
+    bias = None if bias is None else bias.float().contiguous()  # added to the fp32 sums
     if rows:
         load_amx().amx_linear_bf16(
-            x.data_ptr(), x.stride(0), rows, packed.data_ptr(), None if bias is None else bias.contiguous().data_ptr(),
-            n, k, out.data_ptr(), out.stride(0), torch.get_num_threads(),
+            x.data_ptr(), x.stride(0), rows, packed.data_ptr(), None if bias is None else bias.data_ptr(),
+            n, k, out.data_ptr(), out.stride(0), 1, torch.get_num_threads(),
         )  # fmt: skip
     return out

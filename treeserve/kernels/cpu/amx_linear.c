@@ -1,10 +1,12 @@
 /* bf16 linear layers on AMX tiles: out[m, n] = x[m, k] . W[n, k]^T (+ bias), for a bf16 weight
- * laid out once (`amx_linear_bf16`) or a quantised one dequantised into tiles per call
+ * laid out once (`amx_linear_bf16`; `amx_dense_matmul` with quant_kernels.c's qmatmul arguments,
+ * which the layer stack chains) or a quantised one dequantised into tiles per call
  * (`amx_quant_matmul`).
  *
  * oneDNN (PyTorch's bf16 matmul on a CPU) spends 20-40 us a call re-laying the weight out for
  * AMX before it multiplies; at the 16-row steps of a serving engine and a small model that is
- * most of the layer's time. Here a bf16 weight is laid out once (`amx_pack` in __init__.py):
+ * most of the layer's time. Here a bf16 weight is laid out once (quant.py's `bf16_panels`, the
+ * layout bf16_panels.c reads too; `amx_pack` in __init__.py for an embedding table, the same bytes):
  * output channels in panels of 16 (zero channels pad the last), and per panel k/32 tiles of
  * 16 rows x 64 bytes, row p holding weights 2p and 2p+1 of the 32-weight chunk for each of the
  * 16 channels: TDPBF16PS's B operand. x rows are its A operand, loaded straight from memory 16
@@ -158,8 +160,11 @@ static void lay_out_x(const bf16 *x, int64_t x_stride, int m, int64_t chunks, bf
         }
 }
 
-void amx_linear_bf16(const bf16 *x, int64_t x_stride, int m, const bf16 *w, const bf16 *bias, int64_t n, int64_t k,
-                     bf16 *out, int64_t out_stride, int threads) {
+/* A dense bf16 matrix laid out once as panels (quant.py's `bf16_panels`, or `amx_pack`: the same
+ * bytes, each panel's k/32 chunks of [16 pairs][16 channels][2] being TDPBF16PS's B tiles as they
+ * lie) times x's rows as A tiles, straight from memory; bias fp32 [n] or NULL, out bf16 or fp32. */
+void amx_linear_bf16(const bf16 *x, int64_t x_stride, int m, const bf16 *w, const float *bias, int64_t n, int64_t k,
+                     void *out, int64_t out_stride, int out_bf16, int threads) {
     const int64_t chunks = k / CHUNK, panels = (n + PANEL - 1) / PANEL, groups = (panels + GROUP - 1) / GROUP;
     const rows_in in = rows_of(x, x_stride, m, k);
     _Pragma("omp parallel num_threads(threads)") {
@@ -173,13 +178,11 @@ void amx_linear_bf16(const bf16 *x, int64_t x_stride, int m, const bf16 *w, cons
             for (int j = 0; j < np; j++) {
                 col[j] = (p0 + j) * PANEL;
                 live[j] = n - col[j] >= PANEL ? 0xffff : (__mmask16)((1u << (n - col[j])) - 1);
-                b[j] = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                  _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live[j], bias + col[j])), 16))
-                            : _mm512_setzero_ps();
+                b[j] = bias ? _mm512_maskz_loadu_ps(live[j], bias + col[j]) : _mm512_setzero_ps();
             }
             for (int r0 = 0; r0 < m; r0 += ROWS)
                 multiply(x_rows(in, r0), 0, r0, m - r0 < ROWS ? m - r0 : ROWS, w + p0 * chunks * TILE, chunks, np, b, col,
-                         live, out, out_stride, 1, NULL);
+                         live, out, out_stride, out_bf16, NULL);
         }
         _tile_release();
     }
@@ -320,11 +323,43 @@ void amx_quant_matmul(int parts, const int *types, const uint8_t *const *ws, con
     }
     free((void *)in.tail);
 }
+
+/* quant_kernels.c's qmatmul for row-stacked parts of dense bf16 panels (quant.py's BF16_PANELS, k
+ * % 32 == 0): amx_linear_bf16 on each part's panels as they lie, into its columns of out. fp32
+ * rows of x are rounded to bf16 first (to nearest even), as the bf16 model and bf16_panels.c do. */
+void amx_dense_matmul(int parts, const int *types, const uint8_t *const *ws, const int64_t *row_bytes,
+                      const float *const *row_scales, const int64_t *part_rows, int64_t k, const void *x,
+                      int64_t x_stride, int m, const float *bias, void *out, int64_t out_stride, int out_bf16,
+                      int x_bf16, int threads) {
+    (void)types, (void)row_bytes, (void)row_scales;
+    bf16 *rounded = NULL;
+    if (!x_bf16) {
+        rounded = malloc(sizeof(bf16) * (size_t)(m > 0 ? m : 1) * (size_t)k);
+        for (int i = 0; i < m; i++)
+            for (int64_t j = 0; j < k; j++) rounded[i * k + j] = store_bf16(((const float *)x)[i * x_stride + j]);
+        x = rounded, x_stride = k;
+    }
+    int64_t col = 0;
+    for (int j = 0; j < parts; j++) {
+        char *part_out = (char *)out + col * (out_bf16 ? sizeof(bf16) : sizeof(float));
+        amx_linear_bf16((const bf16 *)x, x_stride, m, (const bf16 *)ws[j], bias ? bias + col : NULL, part_rows[j], k,
+                        part_out, out_stride, out_bf16, threads);
+        col += part_rows[j];
+    }
+    free(rounded);
+}
 #else
 int amx_linear_available(void) { return 0; }
-void amx_linear_bf16(const bf16 *x, int64_t x_stride, int m, const bf16 *w, const bf16 *bias, int64_t n, int64_t k,
-                     bf16 *out, int64_t out_stride, int threads) {
-    (void)x, (void)x_stride, (void)m, (void)w, (void)bias, (void)n, (void)k, (void)out, (void)out_stride, (void)threads;
+void amx_linear_bf16(const bf16 *x, int64_t x_stride, int m, const bf16 *w, const float *bias, int64_t n, int64_t k,
+                     void *out, int64_t out_stride, int out_bf16, int threads) {
+    (void)x, (void)x_stride, (void)m, (void)w, (void)bias, (void)n, (void)k, (void)out, (void)out_stride, (void)out_bf16,
+        (void)threads;
+    abort(); /* never called: amx_linear_available() is 0 */
+}
+void amx_dense_matmul(int parts, const int *types, const uint8_t *const *ws, const int64_t *row_bytes,
+                      const float *const *row_scales, const int64_t *part_rows, int64_t k, const void *x,
+                      int64_t x_stride, int m, const float *bias, void *out, int64_t out_stride, int out_bf16,
+                      int x_bf16, int threads) {
     abort(); /* never called: amx_linear_available() is 0 */
 }
 void amx_quant_matmul(int parts, const int *types, const uint8_t *const *ws, const int64_t *row_bytes,

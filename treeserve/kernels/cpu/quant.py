@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from treeserve.kernels.cpu import FLAGS, build, load_amx, native_bf16
+from treeserve.kernels.cpu import AMX_CHUNK, FLAGS, build, load_amx, native_bf16
 from treeserve.kernels.cpu.memory import weight_buffer
 
 SOURCE = Path(__file__).parent / "quant_kernels.c"
@@ -157,7 +157,8 @@ class Plan:
     in blocks of 32 and multiplies integers (q8_kernels.c, llama.cpp's way: `q8`); "bf16" takes
     bf16 rows as they are and, on a CPU with AMX, dequantises the weights into bf16 tiles
     (amx_linear.c: the bf16 layer of the dequantised matrix, to the bit: `tiles`). A matrix of
-    dense bf16 panels (`dense`) is multiplied by bf16_panels.c whatever the activations. `call` is
+    dense bf16 panels (`dense`) is multiplied whatever the activations: on AMX tiles, which are its
+    panels as they lie, where the CPU has them (amx_linear.c), else by bf16_panels.c. `call` is
     that matmul with this matrix's arguments bound (None where none applies: quant_kernels.c's
     fp32/bf16-dot kernel, `qmatmul`, then multiplies)."""
 
@@ -188,9 +189,13 @@ class Plan:
         self.q8_formats = k % 64 == 0 and all(qtype in Q8_FORMATS for qtype in types) and q8_available()
         self.q8 = activations == "int8" and self.q8_formats
         self.tiles = activations == "bf16" and all(qtype in TILE_FORMATS for qtype in types) and load_amx() is not None
-        self.dense = all(qtype == BF16_PANELS for qtype in types)  # bf16 panels: `bf16_matmul`, any activations
+        self.dense = all(qtype == BF16_PANELS for qtype in types)  # bf16 panels: any activations
         assert not self.dense or bf16_panels_available()
+        # a dense matrix's panels are AMX tiles as they lie: on a CPU with AMX, rows of whole
+        # 32-weight chunks go on them (amx_linear.c), other widths on `bf16_matmul`
+        dense_tiles = self.dense and k % AMX_CHUNK == 0 and load_amx() is not None
         self.function = (load_q8().q8_matmul if self.q8 else load_amx().amx_quant_matmul if self.tiles
+                         else load_amx().amx_dense_matmul if dense_tiles
                          else load_bf16().bf16_matmul if self.dense else None)  # fmt: skip
         self.call = partial(self.function, *self.args) if self.function is not None else None
         self.laid_out = any(qtype > PANELS for qtype in types)  # only the 8-bit kernel and the tiles read panels
