@@ -1,6 +1,7 @@
 /* What the AMX kernels share: the tile configuration's layout and the run-time check that this
  * process may use tiles. Included by q8_kernels.c and amx_linear.c (the builder hashes this
- * header with each source). Only under __AMX_TILE__. */
+ * header with each source). Only under __AMX_TILE__, or TREESERVE_AMX_EMULATED (the tile
+ * instructions in plain C: amx_emulated.h). */
 #ifndef TREESERVE_AMX_H
 #define TREESERVE_AMX_H
 #include <immintrin.h>
@@ -16,6 +17,9 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
+#ifdef TREESERVE_AMX_EMULATED
+#include "amx_emulated.h"
+#else
 /* AMX where Linux hands out tile state (asked once a process) and a tile instruction runs: a
  * child process tries one first, since a CPU flag alone has not been enough on every VM (a
  * hypervisor that does not pass tile state through kills the instruction with SIGILL).
@@ -41,4 +45,5 @@ static int amx_usable(void) {
     state = child > 0 && waitpid(child, &status, 0) == child && WIFEXITED(status) && WEXITSTATUS(status) == 0;
     return state;
 }
+#endif
 #endif

@@ -30,8 +30,9 @@
  * whatever m; the dequantising is paid once a call, which the tiles amortise over a batch's
  * rows (at one row it costs more than the 8-bit kernels: `quant_activations` in the engine
  * picks).
- * Only built where the compiler targets AMX-BF16 and AVX512-BF16; the caller checks
- * `amx_linear_available()` (which also asks Linux for tile state and probes it, amx.h).
+ * Only built where the compiler targets AMX-BF16 and AVX512-BF16 (or AVX512-BF16 with the tiles
+ * emulated: amx_emulated.h); the caller checks `amx_linear_available()` (which also asks Linux
+ * for tile state and probes it, amx.h).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -40,7 +41,7 @@
 #include "bf16.h"
 #include "dequant.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if ((defined(__AMX_TILE__) && defined(__AMX_BF16__)) || defined(TREESERVE_AMX_EMULATED)) && defined(__AVX512BF16__)
 #include <omp.h>
 
 #include "amx.h"

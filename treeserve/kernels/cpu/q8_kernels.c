@@ -476,7 +476,7 @@ static inline int block_of(int type) { /* weights a scale block */
     return 32;
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#if (defined(__AMX_TILE__) && defined(__AMX_INT8__)) || defined(TREESERVE_AMX_EMULATED)  /* amx_emulated.h */
 #include "amx.h"
 #define HAVE_AMX 1
 
