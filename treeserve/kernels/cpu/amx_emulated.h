@@ -4,9 +4,10 @@
  * includes this instead of asking Linux for tile state), as TRITON_INTERPRET=1 runs the GPU
  * kernels on a CPU: the kernels' layouts, offsets, tails, partial tiles and threads then run
  * here, slowly, through the same code an AMX Xeon runs. Each thread has its own 8 tiles and
- * configuration, as each core has. What this cannot prove is the hardware's own rounding of a
- * bf16 product sum (TDPBF16PS: each pair's two products added to the fp32 sum in order here,
- * denormals kept); the integer products (TDPBUSD, TDPBSUD) are exact either way.
+ * configuration, as each core has. TDPBF16PS follows the pseudo-code of Intel's manual (each
+ * pair's two exact products added to the fp32 sum in order, rounded to nearest even, denormal
+ * inputs and results flushed to zero); what this cannot prove is that the silicon rounds the
+ * same way. The integer products (TDPBUSD, TDPBSUD) are exact either way.
  * The intrinsics are macros here (GCC's immintrin.h defines them for a target with AMX); each
  * name is redefined after it. */
 #ifndef TREESERVE_AMX_EMULATED_H
@@ -41,9 +42,18 @@ static inline void emulated_stored(int t, void *base, int64_t stride) {
     for (int r = 0; r < tile->rows; r++) memcpy((uint8_t *)base + r * stride, tile->data[r], tile->colsb);
 }
 
-static inline float emulated_bf16(const uint8_t *at) {
+static inline float emulated_bf16(const uint8_t *at) { /* a denormal reads as zero */
     uint32_t bits = (uint32_t)(at[0] | at[1] << 8) << 16;
+    if ((bits & 0x7f800000u) == 0) bits &= 0x80000000u;
     float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+static inline float emulated_flush(float value) { /* a denormal result becomes zero */
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7f800000u) == 0) bits &= 0x80000000u;
     memcpy(&value, &bits, sizeof value);
     return value;
 }
@@ -57,8 +67,9 @@ static inline void emulated_dpbf16ps(int c, int a, int b) {
             for (int n = 0; n < dst->colsb / 4; n++) {
                 float sum;
                 memcpy(&sum, dst->data[m] + 4 * n, sizeof sum);
-                sum += emulated_bf16(x->data[m] + 4 * k) * emulated_bf16(y->data[k] + 4 * n);
-                sum += emulated_bf16(x->data[m] + 4 * k + 2) * emulated_bf16(y->data[k] + 4 * n + 2);
+                for (int i = 0; i < 4; i += 2) /* the pair's two products, in order */
+                    sum = emulated_flush(sum + emulated_bf16(x->data[m] + 4 * k + i) *
+                                                   emulated_bf16(y->data[k] + 4 * n + i));
                 memcpy(dst->data[m] + 4 * n, &sum, sizeof sum);
             }
 }
@@ -75,7 +86,8 @@ static inline void emulated_dpb(int c, int a, int b, int a_signed) {
                 memcpy(&sum, dst->data[m] + 4 * n, sizeof sum);
                 for (int i = 0; i < 4; i++) {
                     const uint8_t p = x->data[m][4 * k + i], q = y->data[k][4 * n + i];
-                    const int32_t product = a_signed ? (int32_t)(int8_t)p * (int32_t)q : (int32_t)p * (int32_t)(int8_t)q;
+                    const int32_t product =
+                        a_signed ? (int32_t)(int8_t)p * (int32_t)q : (int32_t)p * (int32_t)(int8_t)q;
                     sum = (int32_t)((uint32_t)sum + (uint32_t)product);
                 }
                 memcpy(dst->data[m] + 4 * n, &sum, sizeof sum);
