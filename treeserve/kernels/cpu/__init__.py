@@ -72,6 +72,8 @@ def build(source: Path, flags: list[str] = FLAGS) -> ctypes.CDLL | None:
         warnings.warn(f"no C compiler found: {source.name} not built, using PyTorch paths", stacklevel=2)
         return None
     if os.environ.get("TREESERVE_AMX_EMULATED") == "1":  # the AMX kernels on tiles in plain C (amx_emulated.h)
+        warnings.warn("TREESERVE_AMX_EMULATED=1: AMX tiles emulated in C, for tests; any time measured is meaningless",
+                      stacklevel=2)  # fmt: skip
         flags = [*flags, "-DTREESERVE_AMX_EMULATED"]
     signature = " ".join(flags + LINK_FLAGS).encode() + compiler.encode() + _cpu_signature()
     headers = b"".join(path.read_bytes() for path in sorted(source.parent.glob("*.h")))  # what sources include
