@@ -318,7 +318,7 @@ def test_fp32_linear_rows_do_not_depend_on_the_batch(k, n):
 
     torch.manual_seed(k)
     weight, bias, x = torch.randn(n, k), torch.randn(n), torch.randn(40, k)
-    matmul = linear_kernel(weight, n)
+    matmul = linear_kernel(weight)
     full = matmul(x, weight, bias)
     assert torch.equal(full, F.linear(x, weight, bias))  # from MIN_GEMM_ROWS rows on: PyTorch's bits
     for rows in range(1, 40):

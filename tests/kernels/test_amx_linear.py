@@ -1,6 +1,7 @@
-"""The bf16 linear layer on AMX tiles (`kernels/cpu/amx_linear.c`): one bf16 rounding of the
-exact product, and a row's bits independent of the batch, its place in a tile and the threads.
-Skipped where the CPU (or the VM under it) gives no AMX tiles."""
+"""The bf16 linear layer on AMX tiles (`kernels/cpu/amx_linear.c`'s `amx_dense_matmul`, on a dense
+matrix's panels as they lie): one bf16 rounding of the exact product, and a row's bits independent
+of the batch, its place in a tile and the threads. Skipped where the CPU (or the VM under it) gives
+no AMX tiles, unless TREESERVE_AMX_EMULATED=1 emulates them."""
 
 from __future__ import annotations
 
@@ -13,13 +14,20 @@ from treeserve.kernels import cpu as cpu_kernels
 from treeserve.kernels.cpu import quant
 from treeserve.layers.embedding import Embedding
 from treeserve.layers.linear import Linear
-from treeserve.layers.quant import QuantTensor, quant_linear
+from treeserve.layers.quant import QuantTensor, dense_panels, quant_linear
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load_amx() is None, reason="no usable AMX tiles on this CPU")
 
 
+def on_tiles(weight: torch.Tensor) -> QuantTensor:
+    """`weight` as dense panels, multiplied on the tiles."""
+    panels = dense_panels(weight)
+    assert panels.plan.function is cpu_kernels.load_amx().amx_dense_matmul
+    return panels
+
+
 def amx(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return cpu_kernels.amx_linear(x, cpu_kernels.amx_pack(weight), bias, weight.shape[0])
+    return quant_linear(x, on_tiles(weight), bias)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])
@@ -41,25 +49,24 @@ def test_amx_linear_row_does_not_depend_on_the_batch_or_threads():
     torch.manual_seed(0)
     weight = torch.randn(300, 640, dtype=torch.bfloat16)
     x = torch.randn(40, 640, dtype=torch.bfloat16)
-    tiles = cpu_kernels.amx_pack(weight)
-    batch = cpu_kernels.amx_linear(x, tiles, None, 300)
+    tiles = on_tiles(weight)
+    batch = quant_linear(x, tiles)
     for rows in (1, 3, 15, 16, 17, 33):
-        assert torch.equal(cpu_kernels.amx_linear(x[:rows], tiles, None, 300), batch[:rows])
+        assert torch.equal(quant_linear(x[:rows], tiles), batch[:rows])
     for i in (0, 15, 16, 39):  # first and last lane of a tile, alone
-        assert torch.equal(cpu_kernels.amx_linear(x[i : i + 1], tiles, None, 300), batch[i : i + 1])
+        assert torch.equal(quant_linear(x[i : i + 1], tiles), batch[i : i + 1])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(cpu_kernels.amx_linear(x, tiles, None, 300), batch)
+        assert torch.equal(quant_linear(x, tiles), batch)
     finally:
         torch.set_num_threads(threads)
 
 
 def test_bf16_linear_multiplies_its_panels_on_the_tiles():
     """`pick_kernel` lays the weight out once as dense panels (no second copy), which the tiles read
-    as they lie: `amx_linear`'s bits on `amx_pack`'s tiles (the same bytes), 3-D input keeping its
-    shape; fp32 rows are rounded to bf16 first; a width that is no whole number of 32-weight chunks
-    stays on the AVX512-BF16 panels kernel."""
+    as they lie, 3-D input keeping its shape; fp32 rows are rounded to bf16 first; a width that is
+    no whole number of 32-weight chunks stays on the AVX512-BF16 panels kernel."""
     torch.manual_seed(0)
     linear = Linear(256, 100).bfloat16()
     x = torch.randn(2, 9, 256, dtype=torch.bfloat16)
@@ -78,13 +85,14 @@ def test_bf16_linear_multiplies_its_panels_on_the_tiles():
     assert narrow.weight.plan.function is quant.load_bf16().bf16_matmul
 
 
-def test_embedding_table_laid_out_as_tiles_gives_its_rows():
+def test_embedding_table_laid_out_as_panels_on_tiles_gives_its_rows():
     torch.manual_seed(0)
     table = Embedding(100, 64).bfloat16()
     ids = torch.tensor([[0, 15, 16, 99], [42, 42, 7, 1]])
     expected = table(ids)
     table.pick_kernel()
-    assert cpu_kernels.amx_tiled(table.weight) and table.weight.shape == (7, 2, 16, 16, 2)
+    assert table.weight.plan.function is cpu_kernels.load_amx().amx_dense_matmul  # a tied head's matmul
+    assert table.weight.formats == ["BF16"] and table.weight.nbytes == 7 * 16 * 64 * 2
     assert torch.equal(table(ids), expected)
 
 
@@ -97,7 +105,7 @@ def test_engine_same_greedy_tokens_with_and_without_tiles(checkpoint, make_llm, 
     tiled = llm.generate(prompts, params)
     model = llm.engine.model
     assert model.layers[0].mlp.down_proj.weight.plan.function is cpu_kernels.load_amx().amx_dense_matmul
-    assert cpu_kernels.amx_tiled(model.embed_tokens.weight)
+    assert model.embed_tokens.weight.plan.function is cpu_kernels.load_amx().amx_dense_matmul
     assert model.layer_stack is not None  # every layer of a step in one C call, on the tiles
     monkeypatch.setattr(cpu_kernels, "amx_supports", lambda weight: False)
     monkeypatch.setattr(quant, "load_amx", lambda: None)  # the panels on AVX512-BF16 dot products

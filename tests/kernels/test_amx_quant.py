@@ -1,6 +1,6 @@
 """Quantised weights on bf16 AMX tiles (`amx_linear.c`'s `amx_quant_matmul`, picked by
-`quant_activations="bf16"`): a panel's weights dequantised per call into the tiles `amx_pack`
-lays a bf16 matrix out in, so the result is, to the bit, `amx_linear` on the dequantised
+`quant_activations="bf16"`): a panel's weights dequantised per call into the tiles a bf16
+matrix's dense panels are, so the result is, to the bit, those panels of the dequantised
 matrix rounded to bf16 (the bf16 model of the dequantised file), in every format, for mixed
 parts, laid-out Q8_0 panels and int8 rows, and whatever the number of rows."""
 
@@ -13,7 +13,7 @@ import torch
 from tests.gguf_files import BLOCKS, random_blocks
 from treeserve.kernels import cpu as cpu_kernels
 from treeserve.kernels.cpu import quant
-from treeserve.layers.quant import QuantPart, QuantTensor, quant_linear
+from treeserve.layers.quant import QuantPart, QuantTensor, dense_panels, quant_linear
 
 pytestmark = pytest.mark.skipif(
     not quant.available() or cpu_kernels.load_amx() is None, reason="no usable AMX tiles on this CPU"
@@ -25,9 +25,10 @@ def _blocks(qtype: str, rows: int, cols: int, seed: int) -> torch.Tensor:
 
 
 def _bf16_layer(weight: QuantTensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The reference: the dequantised matrix as a bf16 model holds it, on `amx_linear`'s tiles."""
-    dense = weight.dequantize().bfloat16()
-    return cpu_kernels.amx_linear(x, cpu_kernels.amx_pack(dense), bias, dense.shape[0])
+    """The reference: the dequantised matrix as a bf16 model holds it, its dense panels on the tiles."""
+    panels = dense_panels(weight.dequantize().bfloat16())
+    assert panels.plan.function is cpu_kernels.load_amx().amx_dense_matmul
+    return quant_linear(x, panels, bias)
 
 
 def _tiles(weight: QuantTensor) -> QuantTensor:

@@ -198,11 +198,12 @@ def test_fused_layer_stack_gives_the_per_layer_bits(tmp_path, make_llm, arch, sp
     in one C call (`layers/layer_stack.py`) gives the per-layer path's logprobs to the bit,
     alone, in a batch of sequences at other lengths, and in a speculating sequence's rows; for
     Gemma 3 and the Llama family (Qwen2's biases too), GGUF blocks, int8 of a Hugging Face
-    checkpoint and the checkpoint's own bf16 weights (AVX512-BF16 without AMX)."""
+    checkpoint and the checkpoint's own bf16 weights (on AMX tiles, or AVX512-BF16 dot products;
+    with AMX the table too: the stack then looks its rows up itself)."""
     llm = _stack_llm(tmp_path, make_llm, arch, speculative_config=spec)
     table = llm.engine.model.embed_tokens.weight
     q8_panels = quant_kernels.PANELS + quant_kernels.QTYPES["Q8_0"]
-    embeds = isinstance(table, QuantTensor) and table.parts[0].qtype == q8_panels
+    embeds = isinstance(table, QuantTensor) and table.parts[0].qtype in (q8_panels, quant_kernels.BF16_PANELS)
     assert llm.engine.model.layer_stack.stack.embeds == embeds  # it looks the rows up itself where it can
     assert embeds or arch not in ("gemma3", "llama-q8")
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], list(range(3, 30)), [9, 8]]

@@ -1,10 +1,10 @@
 """The token embedding table, with its lookup picked at load like `Linear`'s matmul.
 
 `Embedding` is `nn.Embedding` (same parameter, same checkpoint name) whose forward calls
-`self.lookup`: F.embedding for a dense table, `quant_embedding` when the loader replaced the
-table by a `QuantTensor` (GGUF's Q8_0 table, an int8 one), `tiled_embedding` for a bf16 table
-laid out as AMX tiles (as a bf16 `Linear` lays out its weight, where the CPU has AMX: a tied
-LM head then multiplies on the tiles, and the table has no second copy). A tied LM head
+`self.lookup`: F.embedding for a dense table, `quant_embedding` when the table is a
+`QuantTensor`: the loader replaced it (GGUF's Q8_0 table, an int8 one), or a bf16 table was laid
+out as dense panels where AMX tiles multiply them (as a bf16 `Linear` lays out its weight: a
+tied LM head then multiplies on the tiles, and the table has no second copy). A tied LM head
 multiplies by the same table (the model's `pick_kernel`). On a CPU that does not multiply bf16
 itself, a bf16 table is widened to fp32 like a `Linear`'s weight (`linear.widens`; its rows looked
 up are rounded back to bf16, exactly), and a tied LM head multiplies by it in fp32.
@@ -22,7 +22,7 @@ from torch import nn
 
 from treeserve.kernels import cpu as cpu_kernels
 from treeserve.layers.linear import widens
-from treeserve.layers.quant import QuantTensor, quant_embedding
+from treeserve.layers.quant import QuantTensor, dense_panels, dense_panels_supported, quant_embedding, set_quantized
 
 if TYPE_CHECKING:
     from treeserve.distributed.groups import RankGroup
@@ -39,23 +39,16 @@ class Embedding(nn.Embedding):
             self.weight = nn.Parameter(self.weight.float(), requires_grad=False)
             self.lookup, self.widened = widened_embedding, True
             return
-        if cpu_kernels.amx_supports(self.weight):
-            self.weight = nn.Parameter(cpu_kernels.amx_pack(self.weight), requires_grad=False)
+        if cpu_kernels.amx_supports(self.weight) and dense_panels_supported(self.weight):
+            set_quantized(self, "weight", dense_panels(self.weight))  # rows looked up exactly
         if isinstance(self.weight, QuantTensor):
             self.weight = self.weight.in_panels(lookups=True)  # a tied LM head multiplies the same panels
             self.lookup = quant_embedding
         else:
-            self.lookup = tiled_embedding if cpu_kernels.amx_tiled(self.weight) else F.embedding
+            self.lookup = F.embedding
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.lookup(input_ids, self.weight)
-
-
-def tiled_embedding(ids: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of a table laid out by `amx_pack`: row r is channel r % 16 of panel r // 16."""
-    flat = ids.reshape(-1)
-    rows = tiles[flat // cpu_kernels.AMX_PANEL, :, :, flat % cpu_kernels.AMX_PANEL, :]  # [len, k/32, 16, 2]
-    return rows.reshape(*ids.shape, -1)
 
 
 def widened_embedding(input_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:

@@ -89,7 +89,7 @@ class LayerStack:
         unless every layer and the final norm run on the C kernels (picked already), the
         activation's rows are whole vectors, and the library built. `embedding`, the model's table
         (and `embed_scale`, the bf16 0-dim tensor its rows are multiplied by, Gemma's): looked up
-        in the same call where it is Q8_0 laid out as panels."""
+        in the same call where it is Q8_0 or dense bf16 laid out as panels."""
         if not all(rope.use_c for rope in ropes) or intermediate % 64:
             return None
         weights = [_weights(layer, layer.self_attn.window is not None) for layer in layers]
@@ -127,15 +127,15 @@ class LayerStack:
 
 
 def _table(embedding: Embedding | None, scale: torch.Tensor | None, hidden: int) -> kernels.EmbeddingTable | None:
-    """The embedding as the stack reads it: a bf16 model's one-part table of Q8_0 laid out as panels
-    (`quant_embedding`'s lookups), else None (the model looks its rows up)."""
+    """The embedding as the stack reads it: a bf16 model's one-part table of Q8_0 or dense bf16 laid
+    out as panels (`quant_embedding`'s lookups), else None (the model looks its rows up)."""
     weight = None if embedding is None else embedding.weight
     if not isinstance(weight, QuantTensor) or embedding.lookup is not quant_embedding or len(weight.parts) != 1:
         return None
     part = weight.parts[0]
-    if part.qtype != quant_kernels.PANELS + quant_kernels.QTYPES["Q8_0"] or weight.dtype != torch.bfloat16:
-        return None
-    if weight.cols != hidden or not quant_kernels.q8_available():
+    q8 = part.qtype == quant_kernels.PANELS + quant_kernels.QTYPES["Q8_0"] and quant_kernels.q8_available()
+    dense = part.qtype == quant_kernels.BF16_PANELS  # (a table of them exists only where the kernel was built)
+    if not (q8 or dense) or weight.dtype != torch.bfloat16 or weight.cols != hidden:
         return None
     assert scale is None or scale.dtype == torch.bfloat16
-    return kernels.EmbeddingTable(part.data, part.rows, None if scale is None else float(scale))
+    return kernels.EmbeddingTable(part.data, part.rows, None if scale is None else float(scale), dense)

@@ -8,12 +8,12 @@ bits never depend on the batch: AMX tiles where the CPU has them (the panels are
 tiles as they lie: `amx_linear.c`), else `bf16_panels.c`'s dot products (at peak bf16
 dot-product rate from 16 rows on and at memory bandwidth at one row, 1.0-2.5x the
 GEMV-below-4-rows / oneDNN-above pair it replaced, AMD Zen 4). Either way the layer stack
-(`layers/layer_stack.py`) chains it like a quantised matrix. A bf16 embedding table on a CPU
-with AMX is laid out as the same tiles (`kernels.cpu.amx_pack`), and a tied LM head multiplies
-by it there (`tiled_linear`); other bf16 weights on such a CPU (the tied LM head's table without
-AMX) go through `kernels.cpu.linear` (a GEMV that streams the weights for up to 4 rows, oneDNN
-with rows padded to a bucket above that). For a `QuantTensor` (the loader replaced the parameter
-by quantised bytes), `quant_linear`; for fp32 weights on a CPU, `row_invariant_linear` (F.linear
+(`layers/layer_stack.py`) chains it like a quantised matrix. Where AMX multiplies them, a bf16
+embedding table is laid out as the same panels and a tied LM head multiplies it there
+(`layers/embedding.py`); without AMX the table stays a plain matrix, and the tied head goes
+through `kernels.cpu.linear` (a GEMV that streams the weights for up to 4 rows, oneDNN with rows
+padded to a bucket above that). For a `QuantTensor` (the loader replaced the parameter by
+quantised bytes), `quant_linear`; for fp32 weights on a CPU, `row_invariant_linear` (F.linear
 with at least MIN_GEMM_ROWS rows); F.linear everywhere else (cuBLAS on a GPU).
 
 On a CPU that does not multiply bf16 itself (neither AVX512-BF16 nor AMX: PyTorch emulates the
@@ -26,7 +26,6 @@ bf16. The weights take twice the memory.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -62,11 +61,8 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return row_invariant_linear(x.float(), weight, bias).to(torch.bfloat16)
 
 
-def linear_kernel(weight: torch.Tensor | QuantTensor, rows: int) -> LinearKernel:
-    """The matmul with F.linear's semantics that suits `weight`'s format, device and dtype
-    (`rows`: the matrix's rows, which AMX tiles pad to a multiple of 16)."""
-    if cpu_kernels.amx_tiled(weight):
-        return partial(tiled_linear, n=rows)
+def linear_kernel(weight: torch.Tensor | QuantTensor) -> LinearKernel:
+    """The matmul with F.linear's semantics that suits `weight`'s format, device and dtype."""
     if isinstance(weight, QuantTensor):
         return quant_linear
     if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and cpu_kernels.bf16_built():
@@ -105,13 +101,7 @@ class Linear(nn.Linear):
             set_quantized(self, "weight", dense_panels(self.weight))
         if isinstance(self.weight, QuantTensor):
             self.weight = self.weight.in_panels()
-        self.kernel = linear_kernel(self.weight, self.out_features)
+        self.kernel = linear_kernel(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, self.weight, self.bias)
-
-
-def tiled_linear(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None = None, *, n: int) -> torch.Tensor:
-    """F.linear for x [..., k] and a table laid out by `amx_pack` (n: its rows): a tied LM head."""
-    out = cpu_kernels.amx_linear(x.reshape(-1, x.shape[-1]), tiles, bias, n)
-    return out.view(*x.shape[:-1], n)

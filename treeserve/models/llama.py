@@ -149,7 +149,7 @@ class LlamaForCausalLM(nn.Module):
         if hasattr(self, "embed_tokens"):
             weight = self.embed_tokens.weight  # its layout picked already (`pick_kernels`: submodules first)
             widened = self.embed_tokens.widened  # a bf16 table held in fp32: a bf16 model all the same
-            self.logits_linear = widened_linear if widened else linear_kernel(weight, self.embed_tokens.num_embeddings)
+            self.logits_linear = widened_linear if widened else linear_kernel(weight)
             dtype = torch.bfloat16 if widened else weight.dtype
         else:  # a later pipeline stage: the norms keep the model's dtype
             dtype = self.layers[0].input_layernorm.weight.dtype

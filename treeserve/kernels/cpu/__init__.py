@@ -2,9 +2,9 @@
 
 Kernels: paged decode and prefill attention, softmax sampling, a bf16 GEMV for linear
 layers at small batch, RMSNorm and rotary embeddings; `amx_linear.c` (bf16 linear layers on
-AMX tiles, weights laid out once by `amx_pack`) and `quant.py` beside this file (the matmuls
-of quantised weights, `quant_kernels.c`) and `layer_stack.py` (every layer of a step in one
-call, chaining these) are built the same way. Nothing here knows about models:
+AMX tiles: dense panels, or quantised weights dequantised per call) and `quant.py` beside
+this file (the matmuls of quantised weights, `quant_kernels.c`) and `layer_stack.py` (every
+layer of a step in one call, chaining these) are built the same way. Nothing here knows about models:
 `layers/` picks these for a model's layers at load, the engine's `cpu` attention backend
 and the sampler call the others.
 
@@ -33,8 +33,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-
-from treeserve.kernels.cpu.memory import weight_buffer
 
 SOURCE = Path(__file__).parent / "cpu_kernels.c"
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]  # inputs are finite
@@ -427,7 +425,6 @@ def load_amx() -> ctypes.CDLL | None:
     lib = build(AMX_SOURCE, [flag for flag in FLAGS if flag != "-ffast-math"])
     if lib is None or not lib.amx_linear_available():
         return None
-    lib.amx_linear_bf16.argtypes = [_ptr, _i64, _int, _ptr, _ptr, _i64, _i64, _ptr, _i64, _int, _int]
     # quant_kernels.c's qmatmul's arguments
     for matmul in (lib.amx_quant_matmul, lib.amx_dense_matmul):
         matmul.argtypes = [_int, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _i64, _int, _int,
@@ -435,11 +432,12 @@ def load_amx() -> ctypes.CDLL | None:
     return lib
 
 
-AMX_PANEL, AMX_CHUNK = 16, 32
+AMX_CHUNK = 32  # weights of k a tile product takes
 
 
 def amx_supports(weight: torch.Tensor) -> bool:
-    """True when `amx_linear` can multiply by `weight` [n, k]: bf16 on a CPU with usable AMX, k % 32 == 0."""
+    """True when AMX tiles can multiply by `weight` [n, k] laid out as dense panels (`quant.bf16_panels`):
+    bf16 on a CPU with usable AMX, k % 32 == 0."""
     return (
         isinstance(weight, torch.Tensor)
         and weight.dim() == 2
@@ -448,33 +446,3 @@ def amx_supports(weight: torch.Tensor) -> bool:
         and weight.shape[1] % AMX_CHUNK == 0
         and load_amx() is not None
     )
-
-
-def amx_pack(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [n, k] laid out as amx_linear.c's tiles: [panels, k/32, 16, 16, 2], channels padded with zeros."""
-    n, k = weight.shape
-    panels = -(-n // AMX_PANEL)
-    padded = F.pad(weight, (0, 0, 0, panels * AMX_PANEL - n))
-    tiles = padded.view(panels, AMX_PANEL, k // AMX_CHUNK, AMX_CHUNK // 2, 2).permute(0, 2, 3, 1, 4)
-    out = weight_buffer(padded.numel() * 2).view(torch.bfloat16).view(tiles.shape)  # 2 MiB pages at load
-    return out.copy_(tiles)
-
-
-def amx_tiled(weight: object) -> bool:
-    """Whether `weight` is a matrix laid out by `amx_pack` (its tiles' 5 dimensions)."""
-    return isinstance(weight, torch.Tensor) and weight.dim() == 5
-
-
-def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-    """F.linear(x, weight, bias) for bf16 x [m, k], `packed` = amx_pack(weight) and n = weight.shape[0]."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    rows, k = x.shape
-    out = torch.empty(rows, n, dtype=torch.bfloat16)
-    bias = None if bias is None else bias.float().contiguous()  # added to the fp32 sums
-    if rows:
-        load_amx().amx_linear_bf16(
-            x.data_ptr(), x.stride(0), rows, packed.data_ptr(), None if bias is None else bias.data_ptr(),
-            n, k, out.data_ptr(), out.stride(0), 1, torch.get_num_threads(),
-        )  # fmt: skip
-    return out

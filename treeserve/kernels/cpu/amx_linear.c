@@ -1,12 +1,12 @@
 /* bf16 linear layers on AMX tiles: out[m, n] = x[m, k] . W[n, k]^T (+ bias), for a bf16 weight
- * laid out once (`amx_linear_bf16`; `amx_dense_matmul` with quant_kernels.c's qmatmul arguments,
- * which the layer stack chains) or a quantised one dequantised into tiles per call
- * (`amx_quant_matmul`).
+ * laid out once as dense panels (`amx_dense_matmul`) or a quantised one dequantised into tiles
+ * per call (`amx_quant_matmul`); both take quant_kernels.c's qmatmul arguments, which the layer
+ * stack chains.
  *
  * oneDNN (PyTorch's bf16 matmul on a CPU) spends 20-40 us a call re-laying the weight out for
  * AMX before it multiplies; at the 16-row steps of a serving engine and a small model that is
  * most of the layer's time. Here a bf16 weight is laid out once (quant.py's `bf16_panels`, the
- * layout bf16_panels.c reads too; `amx_pack` in __init__.py for an embedding table, the same bytes):
+ * layout bf16_panels.c reads too):
  * output channels in panels of 16 (zero channels pad the last), and per panel k/32 tiles of
  * 16 rows x 64 bytes, row p holding weights 2p and 2p+1 of the 32-weight chunk for each of the
  * 16 channels: TDPBF16PS's B operand. x rows are its A operand, loaded straight from memory 16
@@ -161,11 +161,11 @@ static void lay_out_x(const bf16 *x, int64_t x_stride, int m, int64_t chunks, bf
         }
 }
 
-/* A dense bf16 matrix laid out once as panels (quant.py's `bf16_panels`, or `amx_pack`: the same
- * bytes, each panel's k/32 chunks of [16 pairs][16 channels][2] being TDPBF16PS's B tiles as they
- * lie) times x's rows as A tiles, straight from memory; bias fp32 [n] or NULL, out bf16 or fp32. */
-void amx_linear_bf16(const bf16 *x, int64_t x_stride, int m, const bf16 *w, const float *bias, int64_t n, int64_t k,
-                     void *out, int64_t out_stride, int out_bf16, int threads) {
+/* A dense bf16 matrix laid out once as panels (quant.py's `bf16_panels`: each panel's k/32 chunks
+ * of [16 pairs][16 channels][2] are TDPBF16PS's B tiles as they lie) times x's rows as A tiles,
+ * straight from memory; bias fp32 [n] or NULL, out bf16 or fp32. */
+static void amx_linear_bf16(const bf16 *x, int64_t x_stride, int m, const bf16 *w, const float *bias, int64_t n,
+                            int64_t k, void *out, int64_t out_stride, int out_bf16, int threads) {
     const int64_t chunks = k / CHUNK, panels = (n + PANEL - 1) / PANEL, groups = (panels + GROUP - 1) / GROUP;
     const rows_in in = rows_of(x, x_stride, m, k);
     _Pragma("omp parallel num_threads(threads)") {
@@ -351,12 +351,6 @@ void amx_dense_matmul(int parts, const int *types, const uint8_t *const *ws, con
 }
 #else
 int amx_linear_available(void) { return 0; }
-void amx_linear_bf16(const bf16 *x, int64_t x_stride, int m, const bf16 *w, const float *bias, int64_t n, int64_t k,
-                     void *out, int64_t out_stride, int out_bf16, int threads) {
-    (void)x, (void)x_stride, (void)m, (void)w, (void)bias, (void)n, (void)k, (void)out, (void)out_stride, (void)out_bf16,
-        (void)threads;
-    abort(); /* never called: amx_linear_available() is 0 */
-}
 void amx_dense_matmul(int parts, const int *types, const uint8_t *const *ws, const int64_t *row_bytes,
                       const float *const *row_scales, const int64_t *part_rows, int64_t k, const void *x,
                       int64_t x_stride, int m, const float *bias, void *out, int64_t out_stride, int out_bf16,

@@ -142,8 +142,26 @@ void bf16_matmul(int parts, const int *types, const uint8_t *const *ws, const in
     free(rounded);
 }
 
+
+/* fp32 rows `ids` of a matrix laid out as panels (row i: lane i % 16 of panel i / 16), exactly its
+ * bf16 values: an embedding table's lookups (the layer stack's `embed`, quant.py's `bf16_panel_rows`). */
+void bf16_panel_rows(const uint8_t *w, int64_t k, const int64_t *ids, int64_t count, float *out) {
+    for (int64_t i = 0; i < count; i++) {
+        const uint16_t *panel = (const uint16_t *)w + ids[i] / NC * NC * k;
+        const int64_t lane = ids[i] % NC;
+        for (int64_t p = 0; p < k / 2; p++)
+            for (int j = 0; j < 2; j++) {
+                const uint32_t bits = (uint32_t)panel[(p * NC + lane) * 2 + j] << 16;
+                memcpy(out + i * k + 2 * p + j, &bits, sizeof bits);
+            }
+    }
+}
 #else
 int bf16_panels_available(void) { return 0; }
+void bf16_panel_rows(const uint8_t *w, int64_t k, const int64_t *ids, int64_t count, float *out) {
+    (void)w, (void)k, (void)ids, (void)count, (void)out;
+    abort(); /* quant.py never calls it where bf16_panels_available() is 0 */
+}
 void bf16_matmul(int parts, const int *types, const uint8_t *const *ws, const int64_t *row_bytes,
                  const float *const *row_scales, const int64_t *part_rows, int64_t k, const void *xv,
                  int64_t x_stride, int m, const float *bias, void *out, int64_t out_stride, int out_bf16, int x_bf16,

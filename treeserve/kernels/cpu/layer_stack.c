@@ -89,7 +89,7 @@ typedef struct { /* the model's shapes and the kernels the layers call */
     gated_fn gated; /* act(gate) * up from the table */
     const float *final_gain;  /* the model's final norm: Gemma's fp32 1 + w ... */
     const bf16 *final_weight; /* ... or Llama's bf16 w */
-    rows_fn embed;            /* the embedding table's fp32 rows (q8_panel_rows), or NULL: rows come as x */
+    rows_fn embed;            /* the table's fp32 rows (q8_panel_rows, bf16_panel_rows), or NULL: rows come as x */
     const uint8_t *embed_table;
     int64_t embed_rows;
     float embed_scale;        /* what the rows are multiplied by in bf16 (Gemma's sqrt(hidden)); 0: nothing */

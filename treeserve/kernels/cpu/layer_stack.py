@@ -126,12 +126,14 @@ def matrix(plan: quant.Plan, bias: torch.Tensor | None) -> Matrix:
 
 @dataclass
 class EmbeddingTable:
-    """A table the stack looks rows up in itself: Q8_0 laid out as panels (`q8_panel_rows`), and
-    what its rows are multiplied by in bf16 (Gemma's sqrt(hidden); None: nothing)."""
+    """A table the stack looks rows up in itself: Q8_0 laid out as panels (`q8_panel_rows`) or a
+    dense bf16 one (`bf16_panel_rows`), and what its rows are multiplied by in bf16 (Gemma's
+    sqrt(hidden); None: nothing)."""
 
     panels: torch.Tensor  # the laid-out bytes
     rows: int
     scale: float | None
+    dense: bool = False  # bf16 panels (else Q8_0's)
 
 
 @dataclass
@@ -169,7 +171,9 @@ class Stack:
         gain = final_norm.data_ptr() if final_norm.dtype == torch.float32 else None
         weight = final_norm.data_ptr() if final_norm.dtype == torch.bfloat16 else None
         self.embeds = embedding is not None
-        table = (_address(quant.load_q8().q8_panel_rows), embedding.panels.data_ptr(), embedding.rows,
+        lookup = None if embedding is None else (
+            quant.load_bf16().bf16_panel_rows if embedding.dense else quant.load_q8().q8_panel_rows)  # fmt: skip
+        table = (_address(lookup), embedding.panels.data_ptr(), embedding.rows,
                  embedding.scale or 0.0) if embedding else (None, None, 0, 0.0)  # fmt: skip
         self.args = StackArgs(shapes["hidden"], shapes["q_heads"], shapes["kv_heads"], shapes["head_dim"],
                               shapes["intermediate"], eps, act.data_ptr(), functions.pop(),

@@ -79,6 +79,7 @@ def load_bf16() -> ctypes.CDLL | None:
     if lib is None or not lib.bf16_panels_available():
         return None
     lib.bf16_matmul.argtypes = MATMUL_ARGS
+    lib.bf16_panel_rows.argtypes = [_ptr, _i64, _ptr, _i64, _ptr]
     return lib
 
 
@@ -103,9 +104,10 @@ def bf16_panels(weight: torch.Tensor) -> torch.Tensor:
 
 def bf16_panel_rows(data: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
     """fp32 rows `ids` of a matrix laid out by `bf16_panels` (row i: lane i % PANEL of panel i // PANEL)."""
-    ids = ids.to(torch.int64)
-    panels = data.view(torch.bfloat16).view(data.shape[0], k // 2, PANEL, 2)
-    return panels[ids // PANEL, :, ids % PANEL].reshape(-1, k).float()
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty(ids.numel(), k, dtype=torch.float32)
+    load_bf16().bf16_panel_rows(data.data_ptr(), k, ids.data_ptr(), ids.numel(), out.data_ptr())
+    return out
 
 
 Q8_FORMATS = {QTYPES[name] for name in ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q6_K", "I8")}  # what q8_kernels.c takes
