@@ -65,7 +65,7 @@ def test_next_group_dequantised_while_one_multiplies(qtype, rows):
 def test_swapped_operands_keep_the_bits_across_magnitudes():
     """Row-stored weights are the tiles' A operand and x the B one, the reverse of a bf16
     weight's: int8 rows scaled from 2^-30 to 2^30 and x rows from 2^-20 to 2^20 (cancellation,
-    tiny and huge partial sums, zeros) still give `amx_linear`'s bits."""
+    tiny and huge partial sums, zeros) still give the bits of the dense matrix's panels on the tiles."""
     g = torch.Generator().manual_seed(9)
     w = torch.randn(70, 640, generator=g) * torch.exp2(torch.randint(-30, 31, (70, 1), generator=g).float())
     w[:, ::7] = 0.0
