@@ -119,3 +119,79 @@ def test_engine_text_from_the_sequences_own_tokens(llama_dir, make_llm, include)
         for token in completion.token_ids:
             alone.append(token)
         assert completion.text == alone.text
+
+
+def quietly(checker: StopChecker, tokens: list[int], ids: list[int], max_len: int):
+    """Feed `ids` as the engine's short path does: each token into the sequence's list `tokens`,
+    and to `checker` only when `quiet_stops` says it may end the sequence."""
+    ending, check_len = checker.quiet_stops(max_len)
+    for n, token in enumerate(ids, 1):
+        tokens.append(token)
+        if len(tokens) < check_len and token not in ending:
+            continue
+        result = checker.append(token)
+        if result is None and len(tokens) >= max_len:
+            result = ("length", None)
+        if result:
+            return checker.text, result, n, checker.num_tokens
+    return checker.text, None, len(ids), checker.num_tokens
+
+
+def told(checker: StopChecker, tokens: list[int], ids: list[int], max_len: int):
+    """The same, every token told."""
+    for n, token in enumerate(ids, 1):
+        tokens.append(token)
+        result = checker.append(token)
+        if result is None and len(tokens) >= max_len:
+            result = ("length", None)
+        if result:
+            return checker.text, result, n, checker.num_tokens
+    return checker.text, None, len(ids), checker.num_tokens
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "ending", "max_len"),
+    [
+        ({"max_tokens": 7}, None, 100),  # max_tokens
+        ({"max_tokens": None}, None, 9),  # the context
+        ({"max_tokens": 50}, "eos", 100),
+        ({"max_tokens": 20, "ignore_eos": True}, "eos", 100),  # EOS ignored: max_tokens
+        ({"max_tokens": None}, "stop_token_ids", 100),
+        ({"max_tokens": 50, "stop": ["19 * 3"]}, None, 100),  # stop strings: every token told
+    ],
+)
+def test_tokens_a_checker_is_not_told_of_end_the_sequence_alike(tok, kwargs, ending, max_len):
+    """A lazy checker counts the tokens in the sequence's list: the short path tells it only of
+    tokens that may end the sequence (`quiet_stops`), with the same result, count and text."""
+    prompt = tok.encode("The answer", add_special_tokens=False).ids
+    ids = tok.encode(TEXT, add_special_tokens=False).ids
+    eos = [ids[5]] if ending == "eos" else []
+    if ending == "stop_token_ids":
+        kwargs = {**kwargs, "stop_token_ids": [ids[4]]}
+    params = SamplingParams(**kwargs)
+    runs = []
+    for feed_ in (quietly, told):
+        tokens = list(prompt)
+        checker = StopChecker(tok, prompt, params, eos, tokens=tokens)
+        runs.append(feed_(checker, tokens, ids, len(prompt) + max_len))
+    assert runs[0] == runs[1] and runs[0][1] is not None
+    _, check_len = StopChecker(tok, prompt, params, eos, tokens=list(prompt)).quiet_stops(len(prompt) + max_len)
+    assert check_len == (0 if params.stop else len(prompt) + min(max_len, params.max_tokens or max_len))
+
+
+def test_a_clone_counts_from_where_its_outputs_start(tok):
+    """A fork's checker replays the outputs so far, then reads the fork's own list: it counts the
+    same tokens, ends at the same length and makes the same text as its parent's."""
+    prompt = tok.encode("The answer", add_special_tokens=False).ids
+    ids = tok.encode(TEXT, add_special_tokens=False).ids
+    tokens = list(prompt)
+    parent = StopChecker(tok, prompt, SamplingParams(max_tokens=12), [], tokens=tokens)
+    for token in ids[:4]:
+        tokens.append(token)
+        parent.append(token)
+    fork_tokens = list(tokens)
+    twin = parent.clone(ids[:4], fork_tokens)
+    assert twin.num_tokens == parent.num_tokens == 4 and twin.quiet_stops(1000) == parent.quiet_stops(1000)
+    results = [quietly(c, t, ids[4:], 1000) for c, t in ((parent, tokens), (twin, fork_tokens))]
+    assert results[0] == results[1] and results[0][1:] == (("length", None), 8, 12)
+    assert results[0][0] == tok.decode(ids[:12])

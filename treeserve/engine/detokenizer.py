@@ -12,6 +12,11 @@ only counts the token (the sequence's own list holds it), and the stream runs ov
 appended since the last read. The text is
 the same read after every token or once at the end; a step no longer pays for it while nobody
 looks. A request that streams reads it every step, so its text is made as tokens come.
+
+Such a lazy checker need not even be told of most tokens: it counts the tokens in the list it
+reads, so a token that is not an ending id and leaves the sequence short of its length limit
+(`quiet_stops`) can go into the list without a call, the step's usual case on its short path
+(`postprocess.py`).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ def _shared(ids: frozenset[int]) -> frozenset[int]:
 
 class StopChecker:
     __slots__ = (  # what `append` reads for the usual token first: side by side in memory
-        "num_tokens",
+        "first",
         "ending_ids",
         "lazy",
         "owns_tokens",
@@ -75,9 +80,9 @@ class StopChecker:
         # each token before telling `append`), or a list of the checker's own (`tokens` None)
         self.owns_tokens = tokens is None
         self.tokens = [] if tokens is None else tokens
-        self.text_from = len(self.tokens)  # tokens[text_from:] are not in `_text` yet
+        self.first = len(self.tokens)  # tokens[first:] are the ones appended
+        self.text_from = self.first  # tokens[text_from:] are not in `_text` yet
         self.text_end: int | None = None  # the text ends before an ending token it leaves out
-        self.num_tokens = 0
         self.max_tokens = params.max_tokens
         self.stops_found = 0
         # (output tokens, text end) at each stop-string occurrence; speculative search splits steps here
@@ -87,14 +92,35 @@ class StopChecker:
 
     def clone(self, output_ids: list[int], tokens: list[int] | None = None) -> StopChecker:
         """A checker at this one's state, which `output_ids` (the tokens appended so far) reached;
-        `tokens`: the new sequence's own list, which ends with `output_ids` already."""
-        twin = StopChecker(self.tokenizer, self.prompt_context, self.params, [], lazy=self.lazy, tokens=tokens)
+        `tokens`: the new sequence's own list, which ends with `output_ids` already. The twin
+        replays them on a list of its own, then reads `tokens` from where they start."""
+        twin = StopChecker(self.tokenizer, self.prompt_context, self.params, [], lazy=self.lazy)
         twin.eos_ids, twin.ending_ids, twin.max_tokens = self.eos_ids, self.ending_ids, None
-        twin.text_from -= 0 if tokens is None else len(output_ids)
         for token in output_ids:
             twin.append(token)
         twin.max_tokens = self.max_tokens
+        if tokens is not None:
+            offset = len(tokens) - len(output_ids)
+            twin.owns_tokens, twin.tokens, twin.first = False, tokens, offset
+            twin.text_from += offset
+            twin.text_end = None if twin.text_end is None else twin.text_end + offset
         return twin
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens appended so far."""
+        return len(self.tokens) - self.first
+
+    def quiet_stops(self, max_len: int) -> tuple[frozenset[int], int]:
+        """(ending ids, length): a token of the sequence whose list this checker reads needs no
+        `append` if it is not among the ids and the list stays shorter than the length (its
+        max_tokens, or `max_len`, the context). A checker that makes its text token by token (a
+        stream, stop strings) is told of every token: length 0."""
+        if not self.lazy or self.owns_tokens:
+            return self.ending_ids, 0
+        if self.max_tokens is None:
+            return self.ending_ids, max_len
+        return self.ending_ids, min(max_len, self.first + self.max_tokens)
 
     @property
     def text(self) -> str:
@@ -108,8 +134,8 @@ class StopChecker:
         return self._text
 
     def append(self, token: int) -> tuple[str, str | int | None] | None:
-        """Add one generated token; returns (finish_reason, stop_reason) when the sequence ends."""
-        self.num_tokens += 1
+        """Add one generated token; returns (finish_reason, stop_reason) when the sequence ends.
+        (The sequence's own list holds it already, unless the checker owns its list.)"""
         if self.owns_tokens:
             self.tokens.append(token)
         ending = token in self.ending_ids

@@ -16,6 +16,7 @@ from that step's samples.
 from __future__ import annotations
 
 from collections import Counter
+from operator import add
 
 import numpy as np
 import torch
@@ -38,6 +39,8 @@ from treeserve.engine.step_plan import (
 )
 
 PROMPT_LOGPROBS_ROWS = 256  # prompt positions per [rows, vocab] logits slice
+NONE = np.zeros(0, dtype=np.int64)  # no rows (read-only: every plan without pending tokens shares it)
+NONE.flags.writeable = False
 
 
 class InputBatch:
@@ -230,18 +233,23 @@ class InputBatch:
                         special += range(len(samples), len(samples) + len(draft))
                     samples += [SampleRow(seq, draft_position=j) for j in range(1, len(draft) + 1)]
                     sample_at += range(last + 1, last + 1 + len(draft))
+        # (few numpy calls: after a forward each one runs from cold caches, ~10 us a call)
         if sync_rows:
             self.tables[sync_rows, sync_cols] = sync_pages
-        starts_, lens_ = np.array(starts, dtype=np.int64), np.array(lens, dtype=np.int64)
         drafted_ = np.zeros(len(batch), dtype=bool)
-        drafted_[drafted] = True
-        max_end = max(1, int((starts_ + lens_).max())) if batch else 1
+        if drafted:
+            drafted_[drafted] = True
+        max_end = max(map(add, starts, lens), default=1)
         plan = step.plan = StepPlan(
             ForwardBatch(
-                np.array(tokens, dtype=np.int64), starts_, lens_, drafted_, self.tables[rows, : -(-max_end // bs)]
+                np.array(tokens, dtype=np.int64),
+                np.array(starts, dtype=np.int64),
+                np.array(lens, dtype=np.int64),
+                drafted_,
+                self.tables[rows, : -(-max_end // bs)],
             ),
-            np.array(pending_at, dtype=np.int64),
-            np.array(pending_from, dtype=np.int64),
+            np.array(pending_at, dtype=np.int64) if pending_at else NONE,
+            np.array(pending_from, dtype=np.int64) if pending_from else NONE,
             copies=copies,
             prompt_logprobs=prompt_plans,
         )

@@ -260,6 +260,8 @@ class LLMEngine:
                                 tokens=tokens)  # fmt: skip
         seq = Sequence(request=request, index=0, token_ids=tokens, detok=detok, pending_forks=request.width - 1,
                        quiet=request.plain and not stream)  # fmt: skip
+        if detok is not None:
+            seq.ending_ids, seq.check_len = detok.quiet_stops(self.max_model_len)
         seq.logprobs = [] if sampling and sampling.logprobs is not None else None
         if sampling and sampling.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * len(token_ids)

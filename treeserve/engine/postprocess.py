@@ -170,36 +170,46 @@ class Postprocessor:
                 self.blocks.truncate(seq.block_table, len(seq.token_ids))
 
     def _plain_samples(self, step: PreparedStep, result: StepResult) -> None:
-        """`_samples` for a step that drafted nothing and returns no logprobs, with the usual row
-        (a plain sequence's next token) on a short path; forks and constraints as `_samples` does."""
+        """`_samples` for a step that drafted nothing and returns no logprobs, with a plain
+        decode's next token (its `Sequence.next_row`, most rows) on a short path: into the list,
+        and to the stop checker only if it may end the sequence; forks and constraints as
+        `_samples` does."""
         forks: dict[tuple[int, int], Sequence] = {}
         max_model_len = self.max_model_len
-        appended = 0
+        elsewhere = 0  # rows not on the short path (`_append` counts the tokens they add)
         for row, token in zip(step.samples, result.sampled(), strict=True):
             seq = row.seq
+            if row is seq.next_row:  # a plain decode: no fork, no constraint
+                if seq.status is FINISHED:
+                    elsewhere += 1
+                    continue  # aborted, or ended by a token before this one: this one is void
+                seq.num_pending -= 1
+                ids = seq.token_ids
+                if len(ids) + 1 < seq.check_len and token not in seq.ending_ids:
+                    ids.append(token)  # no stop rule can end it: its checker counts it in `ids`
+                    continue
+                ids.append(token)
+                ended = seq.detok.append(token)
+                if ended is None and len(ids) >= max_model_len:
+                    ended = ("length", None)
+                if ended is not None:
+                    seq.finish_reason, seq.stop_reason = ended
+                    self._end(seq)
+                continue
+            elsewhere += 1
             if row.fork:
                 seq = forks.get((seq.seq_id, row.fork))
                 if seq is not None:
                     self._append(seq, token, None, -1)
                 continue
             if seq.status is FINISHED:
-                continue  # aborted, or ended by a token before this one: this one is void
+                continue
             seq.num_pending -= 1
             if row.forks:
                 for fork in range(1, row.forks + 1):
                     forks[(seq.seq_id, fork)] = self._fork(seq, fork)
-            if seq.guide is not None:
-                self._append(seq, token, None, -1)
-                continue
-            seq.token_ids.append(token)  # `_append`, without a constraint or logprobs
-            appended += 1
-            ended = seq.detok.append(token)
-            if ended is None and len(seq.token_ids) >= max_model_len:
-                ended = ("length", None)
-            if ended is not None:
-                seq.finish_reason, seq.stop_reason = ended
-                self._end(seq)
-        self.num_generated_tokens += appended
+            self._append(seq, token, None, -1)
+        self.num_generated_tokens += len(step.samples) - elsewhere
 
     def _fork(self, parent: Sequence, index: int) -> Sequence:
         """Completion `index` of the parent's request (n > 1), at the parent's state before its first

@@ -44,6 +44,10 @@ class Sequence:
     request: Request
     token_ids: list[int]
     detok: StopChecker | None
+    # a sampled token not among `ending_ids` that leaves `token_ids` shorter than `check_len` needs
+    # no word to `detok` (`StopChecker.quiet_stops`): a decode's usual token on its short path
+    ending_ids: frozenset[int] = frozenset()
+    check_len: int = 0
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0
     # tokens sampled by steps not yet read back (overlapped steps); the newest is row
@@ -124,6 +128,8 @@ class Sequence:
             index=index,
             token_ids=tokens,
             detok=self.detok.clone(self.token_ids[self.num_prompt_tokens :], tokens) if self.detok else None,
+            ending_ids=self.ending_ids,  # the same request's rules, from a prompt of the same length
+            check_len=self.check_len,
             quiet=self.quiet,
             status=self.status,
             num_computed_tokens=len(self.token_ids),
