@@ -140,15 +140,12 @@ class InputBatch:
         want_states = False
         for i, item in enumerate(batch):
             seq, start, n = item.seq, item.start, item.num_tokens
-            request = seq.request
             row = seq.row
-            table = seq.block_table
             if row < 0:
                 row = self.add(seq)
-                first = 0
-            else:
-                first = start // bs
+            table = seq.block_table
             if len(table) != synced_len[row] or table[-1] is not synced_last[row]:  # (an equal page: written again)
+                first = start // bs if synced_len[row] else 0  # (a new row: its whole table)
                 sync_rows += [row] * (len(table) - first)
                 sync_cols += range(first, len(table))
                 sync_pages += table[first:]
@@ -156,13 +153,13 @@ class InputBatch:
             starts.append(start)
             lens.append(n)
             rows.append(row)
-            quiet = seq.quiet  # (then nothing of its request is read: one cache line less)
-            if not quiet and request.stream:
+            request = seq.request
+            if not seq.quiet and request.stream:
                 step.streaming.append(item)
             ids = seq.token_ids
             at = len(tokens)
-            plain = quiet or request.plain
-            if n == 1 and plain and not seq.pending_forks and start + 1 == len(ids) + seq.num_pending:
+            plain = n == 1 and (seq.quiet or request.plain)  # (quiet: nothing of its request is read)
+            if plain and not seq.pending_forks and start + 1 == len(ids) + seq.num_pending:
                 # a plain decode (most rows of a step): one input token, the next one sampled
                 if not (start + 1) % bs:
                     step.crossing.append(item)

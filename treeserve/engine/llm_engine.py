@@ -38,7 +38,7 @@ from treeserve.distributed.ranks import Ranks
 from treeserve.engine import cuda_graphs
 from treeserve.engine.attention import BACKENDS
 from treeserve.engine.detokenizer import StopChecker
-from treeserve.engine.device_queue import DeviceQueue
+from treeserve.engine.device_queue import DeviceQueue, Ran
 from treeserve.engine.guided import Constraints
 from treeserve.engine.input_batch import InputBatch
 from treeserve.engine.model_runner import ModelRunner
@@ -72,10 +72,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class InFlight:
-    """A launched step: its plan and what it means to the host, and its device work's future."""
+    """A launched step: its plan and what it means to the host, and its device work's future
+    (`Ran` when it ran on the calling thread)."""
 
     step: PreparedStep
-    result: Future
+    result: Future | Ran
 
 
 class LLMEngine:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import fields
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -30,6 +31,9 @@ from treeserve.engine.staging import Staging
 from treeserve.engine.step_plan import SamplePlan, ScorePlan, StepPlan
 from treeserve.engine.step_result import PreviousStepFailed, StepResult
 from treeserve.kv.arena import KVArena
+
+if TYPE_CHECKING:
+    from treeserve.engine.device_queue import Ran
 
 
 class ModelRunner:
@@ -67,7 +71,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # CUDA graphs for decode-only steps (the engine captures them)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, previous: Future | None = None) -> StepResult:
+    def execute(self, plan: StepPlan, previous: Future | Ran | None = None) -> StepResult:
         """Run one step; `previous` is the step before it when this one reads its samples."""
         prev_tokens = None
         if previous is not None:

@@ -95,9 +95,8 @@ class Scheduler:
                     continue  # preempted to make room for an earlier one; or waiting for its step's results
                 n = uncomputed if uncomputed < budget else budget
                 table = seq.block_table
-                page = start // block_size  # written first: copied if shared (copy-on-write)
-                grows = len(table) * block_size < start + n or (
-                    pool.shared_pages and page < len(table) and ref_counts[table[page]] > 1
+                grows = len(table) * block_size < start + n or (  # its first page written is copied if shared
+                    pool.shared_pages and start < len(table) * block_size and ref_counts[table[start // block_size]] > 1
                 )
                 if grows:
                     room = self._make_room(seq, n, batch, can_preempt)

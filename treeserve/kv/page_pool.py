@@ -109,7 +109,7 @@ class PagePool:
 
     @property
     def num_free(self) -> int:
-        return len(self.untouched) + sum(len(pages) for pages in self.free_by)
+        return len(self.untouched) + sum(map(len, self.free_by))
 
     # ---- page state transitions --------------------------------------------------------
     def take(self, owner: int) -> int:
