@@ -9,6 +9,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence as Seq
 
+import torch
+
 from treeserve.config import EngineConfig
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.models.tokenizer import Tokenizer
@@ -85,10 +87,11 @@ class LLM:
             engine.add_request(request_id, prompt, p)
         done: dict[str, RequestOutput | ScoreOutput] = {}
         try:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
+            with torch.inference_mode():  # once for every step (`engine/inference_mode.py`)
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if out.finished:
+                            done[out.request_id] = out
         except Exception:  # a failed step aborted its batch (StepFailed): abort the rest of this call too
             for request_id, _, _ in staged:
                 engine.abort(request_id)

@@ -12,10 +12,12 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 
 from treeserve import SamplingParams
 from treeserve.engine.device_queue import DeviceQueue
+from treeserve.engine.inference_mode import inference_mode
 from treeserve.engine.llm_engine import share_kv
 
 CPU = torch.device("cpu")
@@ -37,6 +39,33 @@ def test_a_step_run_here_waits_for_the_fenced_work_of_another_queue():
     overlapped.submit(slow_step, unfenced)
     assert not plain.run(unfenced.is_set).result()  # without the fence it would not have waited
     overlapped.fence()  # (and a fence nobody waits on changes nothing)
+
+
+def test_work_run_here_gives_its_result_or_raises_its_error_when_read():
+    queue = DeviceQueue(CPU)
+    ran = queue.run(lambda x: x + 1, 41)
+    assert ran.done() and ran.result() == 42
+    failed = queue.run(lambda: 1 // 0)  # the error is kept, not raised, until the step is read
+    assert failed.done()
+    with pytest.raises(ZeroDivisionError):
+        failed.result()
+
+
+@pytest.mark.parametrize("caller_in_inference_mode", [True, False])
+def test_step_functions_run_in_inference_mode_whatever_the_caller(caller_in_inference_mode):
+    """`engine/inference_mode.py`: the step runs in inference mode, entered only when the caller
+    is not in it, and the caller's own mode is as it was afterwards."""
+    seen = []
+
+    @inference_mode
+    def step(x: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.is_inference_mode_enabled())
+        return x * 2
+
+    with torch.inference_mode(caller_in_inference_mode):
+        out = step(torch.ones(2))
+        assert torch.is_inference_mode_enabled() == caller_in_inference_mode
+    assert seen == [True] and out.is_inference()
 
 
 def test_nothing_in_flight_is_no_fence():

@@ -15,6 +15,7 @@ from that step's samples.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from operator import add
 
@@ -233,9 +234,11 @@ class InputBatch:
         # (few numpy calls: after a forward each one runs from cold caches, ~10 us a call)
         if sync_rows:
             self.tables[sync_rows, sync_cols] = sync_pages
-        drafted_ = np.zeros(len(batch), dtype=bool)
         if drafted:
+            drafted_ = np.zeros(len(batch), dtype=bool)
             drafted_[drafted] = True
+        else:
+            drafted_ = _no_drafts(len(batch))
         max_end = max(map(add, starts, lens), default=1)
         plan = step.plan = StepPlan(
             ForwardBatch(
@@ -341,6 +344,14 @@ def _first_twin(first_with: dict[tuple, int], key: tuple, i: int, batch: list[Sc
     before `start` are equal, else i (a hash collision only costs the dedup)."""
     j = first_with.setdefault(key, i)
     return j if j != i and batch[j].seq.token_ids[:start] == batch[i].seq.token_ids[:start] else i
+
+
+@functools.lru_cache(maxsize=64)
+def _no_drafts(items: int) -> np.ndarray:
+    """The draft mask of a batch without drafts, made once per size (read-only, shared)."""
+    mask = np.zeros(items, dtype=bool)
+    mask.setflags(write=False)
+    return mask
 
 
 def as_tensor(values: list[int] | np.ndarray) -> torch.Tensor:

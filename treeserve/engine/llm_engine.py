@@ -40,6 +40,7 @@ from treeserve.engine.attention import BACKENDS
 from treeserve.engine.detokenizer import StopChecker
 from treeserve.engine.device_queue import DeviceQueue, Ran
 from treeserve.engine.guided import Constraints
+from treeserve.engine.inference_mode import inference_mode
 from treeserve.engine.input_batch import InputBatch
 from treeserve.engine.model_runner import ModelRunner
 from treeserve.engine.postprocess import Postprocessor
@@ -297,7 +298,7 @@ class LLMEngine:
     # `step()` is one of the two loops below, chosen at start-up from `async_scheduling`. Both return
     # the outputs their read-back produced (streams, finished requests); a step launched in one call
     # is read back in the same call (plain) or in the next (overlapped).
-    @torch.inference_mode()
+    @inference_mode
     def step_plain(self) -> list[RequestOutput | ScoreOutput]:
         """Schedule, run, read back: one step, start to end (a step the overlapped loop left in
         flight is read back first)."""
@@ -312,7 +313,7 @@ class LLMEngine:
             raise
         return outputs if launched is None else self._deliver(outputs, launched)
 
-    @torch.inference_mode()
+    @inference_mode
     def _step_overlapped(self) -> list[RequestOutput | ScoreOutput]:
         """Launch step t+1, then read back step t: the host schedules while the device computes,
         and step t's samples reach step t+1 on the device. A step whose tokens are needed on the

@@ -25,6 +25,7 @@ from treeserve.engine.attention import AttentionBackend, AttentionBatch, SdpaBac
 from treeserve.engine.cuda_graphs import DecodeGraphs
 from treeserve.engine.dedup import Twins
 from treeserve.engine.forward_batch import ForwardBatch, attention_inputs, micro_batches
+from treeserve.engine.inference_mode import inference_mode
 from treeserve.engine.penalties import adjust_logits
 from treeserve.engine.sampler import Draw, sample, sample_masked, token_logprobs
 from treeserve.engine.staging import Staging
@@ -70,7 +71,7 @@ class ModelRunner:
         self.fill_on_device = device.type != "cpu" and mirror is None
         self.graphs: DecodeGraphs | None = None  # CUDA graphs for decode-only steps (the engine captures them)
 
-    @torch.inference_mode()
+    @inference_mode
     def execute(self, plan: StepPlan, previous: Future | Ran | None = None) -> StepResult:
         """Run one step; `previous` is the step before it when this one reads its samples."""
         prev_tokens = None
@@ -115,7 +116,7 @@ class ModelRunner:
             src, dst = self.staging.to_device(*torch.tensor(copies, dtype=torch.int64).T.contiguous())
             self.arena.copy_pages(src, dst)
 
-    @torch.inference_mode()
+    @inference_mode
     def mirror_step(self, copies: list[tuple[int, int]], batch: ForwardBatch, twins_of: np.ndarray | None) -> None:
         """On a rank > 0: what `execute` does to this rank's arena and collectives for the step
         rank 0 sent (page copies, the forward of `batch` and its twins' slots); nothing sampled."""
@@ -132,7 +133,7 @@ class ModelRunner:
             self.mirror(("logits", hidden.cpu()))  # each rank moves it to its device
         return self.model.compute_logits(hidden, float32)
 
-    @torch.inference_mode()
+    @inference_mode
     def forward(self, batch: ForwardBatch, fill: tuple | None = None) -> torch.Tensor | None:
         """The final hidden state of every row of `batch` ([T, hidden]; None on a pipeline stage
         past the first); `fill` (CUDA): (rows, sample rows, previous samples) to write into the
