@@ -21,6 +21,11 @@ not overlapped. Workloads, each at every `--seqs` count:
 * `decode-warm`: the decode workload with the model's forward replaced by a stub that returns
   zeros (tokens then come from zero hidden states): the host's Python from warm caches, where
   after a real forward it runs from caches the forward's K/V reads swept;
+* `decode-swept`, `decode-swept-touched`: the same stub, which first sums `HOST_SWEEP_MB` MB
+  (default 48, past this VM's 32 MB L3) as a forward's reads would sweep the caches; `-touched`
+  then reads every running sequence's objects again (its `Sequence`, token list, block table,
+  stop checker, sample row and request), so the host finds those in the caches and only the
+  rest cold (what is cold after a forward: docs/engine-loop.md);
 * `server`: the decode workload as the engine-core process serves it: each request a
   `Runtime.generate_stream` whose outputs are encoded as wire deltas every step.
 
@@ -185,7 +190,29 @@ def op_count(engine, count: int) -> float:  # noqa: ANN001 - an LLMEngine
     return Counting.ops
 
 
-def child_decode(engine_name: str, count: int, stub_forward: bool = False) -> dict:
+def swept_forward(engine, hidden: int, touch: bool):  # noqa: ANN001, ANN201 - an LLMEngine; a forward
+    """A stub forward that sweeps the caches (and with `touch`, reads the sequences' objects again)."""
+    import numpy as np
+    import torch
+
+    sweep = np.ones(int(os.environ.get("HOST_SWEEP_MB", "48")) << 20, dtype=np.uint8)
+
+    def forward(tokens, positions, attn):  # noqa: ANN001, ANN202 - the model's forward
+        sweep.sum()
+        if touch:
+            for request in engine.requests.values():
+                for seq in request.seqs:
+                    seq.num_pending, seq.token_ids[-1], seq.detok.lazy, seq.request.plain  # noqa: B018
+                    if seq.block_table:
+                        seq.block_table[-1]  # noqa: B018
+                    if seq.next_row is not None:
+                        seq.next_row.fork  # noqa: B018
+        return torch.zeros(tokens.shape[0], hidden)
+
+    return forward
+
+
+def child_decode(engine_name: str, count: int, stub_forward: bool = False, sweep: str = "") -> dict:
     import torch
 
     from treeserve import LLM, SamplingParams
@@ -201,9 +228,11 @@ def child_decode(engine_name: str, count: int, stub_forward: bool = False) -> di
     seqs = [seq for request in engine.requests.values() for seq in request.seqs]
     while any(seq.num_output_tokens == 0 for seq in seqs):
         engine.step()  # prefill and the first token (not timed)
+    hidden = engine.model.config.hidden_size
     if stub_forward:  # `decode-warm`: the host's Python without a forward that sweeps the caches
-        hidden = engine.model.config.hidden_size
         engine.model.forward = lambda tokens, positions, attn: torch.zeros(tokens.shape[0], hidden)
+    elif sweep:  # `decode-swept[-touched]`
+        engine.model.forward = swept_forward(engine, hidden, touch=sweep == "touched")
     timers, rows = Timers(), count_schedule([engine])
     hook_kernels(timers, [engine])
     steps, start = 0, time.perf_counter()
@@ -326,8 +355,14 @@ def child(args: argparse.Namespace) -> None:
     if args.engine == "vllm":
         result = child_vllm(args.count)
     else:
-        workloads = {"decode": child_decode, "beam": child_beam, "server": child_server,
-                     "decode-warm": lambda engine, count: child_decode(engine, count, stub_forward=True)}  # fmt: skip
+        workloads = {
+            "decode": child_decode,
+            "beam": child_beam,
+            "server": child_server,
+            "decode-warm": lambda engine, count: child_decode(engine, count, stub_forward=True),
+            "decode-swept": lambda engine, count: child_decode(engine, count, sweep="swept"),
+            "decode-swept-touched": lambda engine, count: child_decode(engine, count, sweep="touched"),
+        }
         result = workloads[args.workload](args.engine, args.count)
     print("RESULT " + json.dumps(result), flush=True)
 
