@@ -121,26 +121,15 @@ def test_engine_text_from_the_sequences_own_tokens(llama_dir, make_llm, include)
         assert completion.text == alone.text
 
 
-def quietly(checker: StopChecker, tokens: list[int], ids: list[int], max_len: int):
-    """Feed `ids` as the engine's short path does: each token into the sequence's list `tokens`,
-    and to `checker` only when `quiet_stops` says it may end the sequence."""
-    ending, check_len = checker.quiet_stops(max_len)
+def fed(checker: StopChecker, tokens: list[int], ids: list[int], max_len: int, quietly: bool):
+    """Feed `ids` as the engine does: each token into the sequence's list `tokens`, and to
+    `checker` (`quietly`: only when `quiet_stops` says it may end the sequence, as the short path
+    does); (text, result, tokens fed, the checker's count) at the end."""
+    ending, check_len = checker.quiet_stops(max_len) if quietly else (frozenset(), 0)
     for n, token in enumerate(ids, 1):
         tokens.append(token)
         if len(tokens) < check_len and token not in ending:
             continue
-        result = checker.append(token)
-        if result is None and len(tokens) >= max_len:
-            result = ("length", None)
-        if result:
-            return checker.text, result, n, checker.num_tokens
-    return checker.text, None, len(ids), checker.num_tokens
-
-
-def told(checker: StopChecker, tokens: list[int], ids: list[int], max_len: int):
-    """The same, every token told."""
-    for n, token in enumerate(ids, 1):
-        tokens.append(token)
         result = checker.append(token)
         if result is None and len(tokens) >= max_len:
             result = ("length", None)
@@ -170,10 +159,10 @@ def test_tokens_a_checker_is_not_told_of_end_the_sequence_alike(tok, kwargs, end
         kwargs = {**kwargs, "stop_token_ids": [ids[4]]}
     params = SamplingParams(**kwargs)
     runs = []
-    for feed_ in (quietly, told):
+    for quietly in (True, False):
         tokens = list(prompt)
         checker = StopChecker(tok, prompt, params, eos, tokens=tokens)
-        runs.append(feed_(checker, tokens, ids, len(prompt) + max_len))
+        runs.append(fed(checker, tokens, ids, len(prompt) + max_len, quietly))
     assert runs[0] == runs[1] and runs[0][1] is not None
     _, check_len = StopChecker(tok, prompt, params, eos, tokens=list(prompt)).quiet_stops(len(prompt) + max_len)
     assert check_len == (0 if params.stop else len(prompt) + min(max_len, params.max_tokens or max_len))
@@ -192,6 +181,6 @@ def test_a_clone_counts_from_where_its_outputs_start(tok):
     fork_tokens = list(tokens)
     twin = parent.clone(ids[:4], fork_tokens)
     assert twin.num_tokens == parent.num_tokens == 4 and twin.quiet_stops(1000) == parent.quiet_stops(1000)
-    results = [quietly(c, t, ids[4:], 1000) for c, t in ((parent, tokens), (twin, fork_tokens))]
+    results = [fed(c, t, ids[4:], 1000, quietly=True) for c, t in ((parent, tokens), (twin, fork_tokens))]
     assert results[0] == results[1] and results[0][1:] == (("length", None), 8, 12)
     assert results[0][0] == tok.decode(ids[:12])
