@@ -175,7 +175,6 @@ class Postprocessor:
         and to the stop checker only if it may end the sequence; forks and constraints as
         `_samples` does."""
         forks: dict[tuple[int, int], Sequence] = {}
-        max_model_len = self.max_model_len
         elsewhere = 0  # rows not on the short path (`_append` counts the tokens they add)
         for row, token in zip(step.samples, result.sampled(), strict=True):
             seq = row.seq
@@ -188,13 +187,8 @@ class Postprocessor:
                 if len(ids) + 1 < seq.check_len and token not in seq.ending_ids:
                     ids.append(token)  # no stop rule can end it: its checker counts it in `ids`
                     continue
-                ids.append(token)
-                ended = seq.detok.append(token)
-                if ended is None and len(ids) >= max_model_len:
-                    ended = ("length", None)
-                if ended is not None:
-                    seq.finish_reason, seq.stop_reason = ended
-                    self._end(seq)
+                elsewhere += 1
+                self._append(seq, token, None, -1)  # it may end the sequence
                 continue
             elsewhere += 1
             if row.fork:
