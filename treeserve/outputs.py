@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -41,6 +41,21 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: per prompt token, None for the first, else the actual
     # token's entry and the top k (vLLM's shape)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+def merged(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """One `DELTA` output saying what two consecutive ones say (for a consumer that fell behind,
+    or one that gathers a whole request): per completion, the text, tokens and logprobs of both;
+    the prompt's logprobs from whichever has them (the first delta); the rest as the newer says."""
+    completions = {c.index: c for c in older.outputs}
+    for c in newer.outputs:
+        old = completions.get(c.index)
+        if old is not None:
+            logprobs = None if c.logprobs is None else (old.logprobs or []) + c.logprobs
+            c = replace(c, text=old.text + c.text, token_ids=old.token_ids + c.token_ids, logprobs=logprobs)
+        completions[c.index] = c
+    prompt_logprobs = older.prompt_logprobs if newer.prompt_logprobs is None else newer.prompt_logprobs
+    return replace(newer, outputs=[completions[i] for i in sorted(completions)], prompt_logprobs=prompt_logprobs)
 
 
 @dataclass

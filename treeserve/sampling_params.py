@@ -7,10 +7,22 @@ This module owns validation of per-request parameters: every bad value raises a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS). The engine divides the hidden
 # state by the temperature in the model's dtype, where 1e-75 is 0 in bf16.
 GREEDY_BELOW = 1e-5
+
+
+class RequestOutputKind(Enum):
+    """What a streamed request's outputs hold (vLLM's names): everything so far (`CUMULATIVE`),
+    what is new since the last output (`DELTA`: new tokens, their logprobs and new text; text a
+    stop string may still cut is held back until it cannot be), or one output at the end
+    (`FINAL_ONLY`). A request that does not stream has one output, the whole, whatever this says."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -82,6 +94,7 @@ class SamplingParams:
     n_stop_occurrences: int = 1
     # constrained generation: masks from the constraint are applied before the seeded draw
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # a stream's outputs: the whole or what is new
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -138,6 +151,8 @@ class SamplingParams:
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise ValueError("structured_outputs must be a StructuredOutputsParams")

@@ -80,6 +80,31 @@ def test_echo_streamed_equals_echo_whole(server: LiveServer) -> None:
     assert whole["text"].startswith(CONTEXT) and len(whole["text"]) > len(CONTEXT)
 
 
+def test_streamed_n_with_prompt_logprobs_and_a_stop_string_equals_whole(server: LiveServer) -> None:
+    """The core streams deltas: each choice's first chunk still has the prompt's logprobs, and
+    the chunks put together give the whole response's text, logprobs and text offsets."""
+    body = {"prompt": CONTEXT, "n": 2, "seed": 3, "temperature": 1.0, "max_tokens": 16, "logprobs": 1,
+            "prompt_logprobs": 1, "stop": [" 3"]}  # fmt: skip
+    whole = {c["index"]: c for c in post(server, body)["choices"]}
+    streamed = httpx.post(server.base_url + "/v1/completions", headers=AUTH, timeout=60, json={**body, "stream": True})
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    got: dict[int, dict] = {}
+    for choice in (c for chunk in chunks for c in chunk["choices"]):
+        i = choice["index"]
+        if i not in got:
+            assert choice["prompt_logprobs"] == whole[i]["prompt_logprobs"] is not None
+            got[i] = {"text": "", "offsets": [], "logprobs": []}
+        got[i]["text"] += choice["text"]
+        got[i]["offsets"] += choice["logprobs"]["text_offset"]
+        got[i]["logprobs"] += choice["logprobs"]["token_logprobs"]
+        got[i]["finish"] = choice["finish_reason"]
+    assert sorted(got) == [0, 1]
+    for i, c in whole.items():
+        assert got[i]["text"] == c["text"] and got[i]["finish"] == c["finish_reason"]
+        assert got[i]["logprobs"] == c["logprobs"]["token_logprobs"]
+        assert got[i]["offsets"] == c["logprobs"]["text_offset"]
+
+
 def test_prompt_logprobs_extra_on_both_endpoints(server: LiveServer, offline: LLM) -> None:
     out = post(server, {"prompt": CONTEXT, "prompt_logprobs": 2, "max_tokens": 2, "temperature": 0})
     want = offline.generate(CONTEXT, SamplingParams(prompt_logprobs=2, max_tokens=2, temperature=0))[0]

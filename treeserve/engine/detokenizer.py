@@ -60,6 +60,7 @@ class StopChecker:
         "stop_offsets",
         "search_from",
         "max_stop_len",
+        "hold",
     )
 
     def __init__(self, tokenizer: HFTokenizer, prompt_ids: list[int], params: SamplingParams, eos_ids: list[int],
@@ -89,6 +90,9 @@ class StopChecker:
         self.stop_offsets: list[tuple[int, int]] = []
         self.search_from = 0
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
+        # the last characters of the text a stop string may still cut (a stream of DELTA outputs
+        # holds them back): those of its longest stop string but one, when the cut leaves it out
+        self.hold = 0 if params.include_stop_str_in_output else max(self.max_stop_len - 1, 0)
 
     def clone(self, output_ids: list[int], tokens: list[int] | None = None) -> StopChecker:
         """A checker at this one's state, which `output_ids` (the tokens appended so far) reached;

@@ -60,7 +60,7 @@ from treeserve.kv.stats import PageLog
 from treeserve.models.loader import load_model
 from treeserve.models.tokenizer import Tokenizer
 from treeserve.outputs import RequestOutput, ScoreOutput
-from treeserve.sampling_params import SamplingParams, ScoreParams
+from treeserve.sampling_params import RequestOutputKind, SamplingParams, ScoreParams
 
 __all__ = ["LLMEngine", "StepFailed", "share_kv"]
 
@@ -233,7 +233,8 @@ class LLMEngine:
         stream: bool = False,
         draft_group: str | None = None,
     ) -> None:
-        """Queue a request (bad input raises before anything changes). With speculative `tree`
+        """Queue a request (bad input raises before anything changes). A `stream` has an output
+        after every step that touched it, as its `output_kind` says. With speculative `tree`
         drafting, requests of one `draft_group` draft from each other's text."""
         text, token_ids = self.tokenize_prompt(prompt)
         self.check_request(request_id, token_ids, params)
@@ -241,6 +242,7 @@ class LLMEngine:
         seed = 0  # forward-only requests sample nothing (and draw no seed, so they never shift later ones)
         if sampling is not None:
             seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(63)
+            stream = stream and sampling.output_kind is not RequestOutputKind.FINAL_ONLY
         request = Request(
             request_id=request_id,
             prompt=text,
@@ -250,6 +252,7 @@ class LLMEngine:
             seed=seed,
             arrival=next(self._arrivals),
             stream=stream,
+            delta=stream and sampling is not None and sampling.output_kind is RequestOutputKind.DELTA,
             draft_group=draft_group,
             host_rows=sampling is not None
             and (sampling.logprobs is not None or sampling.structured_outputs is not None or sampling.adjusts_logits),
@@ -398,7 +401,7 @@ class LLMEngine:
         except Exception as e:
             raise self._fail(step.batch, e) from e
         self.page_log.record()
-        return [self._emit(r) for r in requests if r.finished or r.stream]
+        return [out for r in requests if (r.stream or r.finished) and (out := self._emit(r)) is not None]
 
     def _fail(self, batch: list, cause: BaseException) -> StepFailed:
         """Abort the requests of a failed step; the error to raise."""
@@ -410,10 +413,11 @@ class LLMEngine:
         log.error("step failed, aborted %d request(s): %s: %s", len(failed), type(cause).__name__, cause)
         return StepFailed(failed, cause)
 
-    def _emit(self, request: Request) -> RequestOutput | ScoreOutput:
-        if request.finished:
+    def _emit(self, request: Request) -> RequestOutput | ScoreOutput | None:
+        finished = request.finished
+        if finished:
             self.requests.pop(request.request_id, None)
-        return request.output()
+        return request.output(finished)
 
     # ---- introspection -------------------------------------------------------------------
     def close(self) -> None:

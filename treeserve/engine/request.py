@@ -80,6 +80,11 @@ class Sequence:
     # a hash of token_ids[:hashed], kept up to date by history_key (twin rows: dedup.py)
     history_hash: int | None = None
     hashed: int = 0
+    # a request of DELTA outputs: the output tokens and characters of text its outputs gave so
+    # far, and whether they gave its end
+    sent_tokens: int = 0
+    sent_chars: int = 0
+    sent_end: bool = False
     order: tuple[int, int] = field(init=False)  # the scheduler's order: (its request's arrival, index)
 
     def __post_init__(self) -> None:
@@ -152,6 +157,36 @@ class Sequence:
             stop_offsets=list(self.detok.stop_offsets) if self.detok else [],
         )
 
+    def delta(self) -> CompletionOutput | None:
+        """What this completion added since its last delta (None: nothing): its new tokens with
+        their logprobs, and its new text less the `StopChecker.hold` characters a stop string may
+        still cut, which come once it cannot (at the latest at the end): text given is never
+        taken back. Each step's cost is what the step added, not the length of the output."""
+        if self.sent_end:
+            return None
+        ended = self.finish_reason is not None
+        first = self.sent_tokens
+        tokens = self.token_ids[self.num_prompt_tokens + first :]
+        text = ""
+        if self.detok is not None:
+            whole = self.detok.text
+            end = len(whole) if ended else max(len(whole) - self.detok.hold, self.sent_chars)
+            text, self.sent_chars = whole[self.sent_chars : end], end
+        if not tokens and not text and not ended:
+            return None
+        self.sent_tokens += len(tokens)
+        self.sent_end = ended
+        return CompletionOutput(
+            index=self.index,
+            text=text,
+            token_ids=tokens,
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+            logprobs=None if self.logprobs is None else self.logprobs[first:],
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            stop_offsets=list(self.detok.stop_offsets) if self.detok else [],
+        )
+
 
 @dataclass(eq=False, slots=True)
 class Request:
@@ -163,6 +198,8 @@ class Request:
     seed: int
     arrival: int
     stream: bool = False  # emit an output after every step, not only at the end
+    delta: bool = False  # a stream's outputs say what is new (`RequestOutputKind.DELTA`), not the whole
+    began: bool = False  # it had an output (DELTA outputs give the prompt's logprobs in the first only)
     draft_group: str | None = None  # speculative `tree` drafting: requests that draft from each other
     # its sampled rows need work on the host: logprobs returned, a constraint, or logit edits
     host_rows: bool = False
@@ -191,7 +228,9 @@ class Request:
     def width(self) -> int:
         return self.params.n if self.params else 1
 
-    def output(self) -> RequestOutput | ScoreOutput:
+    def output(self, finished: bool) -> RequestOutput | ScoreOutput | None:
+        """Its output now (`finished`: whether it has ended); None for a stream of DELTA outputs
+        with nothing new."""
         if self.score is not None:
             rows = [self.seqs[0].score_rows[p] for p in self.score.positions]
             return ScoreOutput(
@@ -201,14 +240,23 @@ class Request:
                 logprobs=torch.stack([r[0] for r in rows]) if self.score.token_ids else None,
                 hidden_states=torch.stack([r[1] for r in rows]) if self.score.return_hidden_states else None,
                 num_cached_tokens=self.num_cached_tokens,
-                finished=self.finished,
+                finished=finished,
             )
+        seqs = self.seqs if len(self.seqs) == 1 else sorted(self.seqs, key=_INDEX)
+        prompt_logprobs = self.prompt_logprobs
+        if self.delta:
+            completions = [c for s in seqs if (c := s.delta()) is not None]
+            if not completions and not finished:
+                return None
+            prompt_logprobs, self.began = None if self.began else prompt_logprobs, True
+        else:
+            completions = [s.completion() for s in seqs]
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[s.completion() for s in (self.seqs if len(self.seqs) == 1 else sorted(self.seqs, key=_INDEX))],
-            finished=self.finished,
+            outputs=completions,
+            finished=finished,
             num_cached_tokens=self.num_cached_tokens,
-            prompt_logprobs=self.prompt_logprobs,
+            prompt_logprobs=prompt_logprobs,
         )

@@ -31,7 +31,8 @@ from treeserve.engine.llm_engine import LLMEngine, StepFailed, share_kv  # noqa:
 from treeserve.models.tokenizer import Tokenizer
 from treeserve.outputs import RequestOutput, ScoreOutput
 from treeserve.runtime import planner
-from treeserve.sampling_params import SamplingParams, ScoreParams, StructuredOutputsParams
+from treeserve.runtime.output_slot import OutputSlot
+from treeserve.sampling_params import RequestOutputKind, SamplingParams, ScoreParams, StructuredOutputsParams
 
 
 def check_constraint(constraint: StructuredOutputsParams) -> None:
@@ -91,7 +92,7 @@ class Runtime:
         self.engines = engines
         self._futures: dict[tuple[str, str], asyncio.Future] = {}
         self._early: dict[tuple[str, str], asyncio.Future] = {}  # speculations' first steps
-        self._streams: dict[tuple[str, str], asyncio.Queue] = {}  # generate_stream's per-step outputs
+        self._streams: dict[tuple[str, str], OutputSlot] = {}  # generate_stream's outputs not yet taken
         self._ids = itertools.count()
         self._wake: asyncio.Event | None = None
         self._driver: asyncio.Task | None = None
@@ -222,25 +223,22 @@ class Runtime:
     async def generate_stream(
         self, model: str, prompt: str | list[int] | dict, params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's output (cumulative text and tokens) after engine steps that touched
-        it (the newest one only, when several arrived while the consumer was busy), the last one
-        with `finished=True`. Closing the iterator early (a client
-        that went away) aborts the request and returns its pages."""
+        """Yield the request's outputs after engine steps that touched it, as `params.output_kind`
+        says: the whole so far (cumulative: the newest one only, when several arrived while the
+        consumer was busy), what is new (delta: those merged), or the end only; the last one
+        with `finished=True`. Closing the iterator early (a client that went away) aborts the
+        request and returns its pages."""
         engine = self._engine(model)
         request_id = str(next(self._ids))
         engine.add_request(request_id, prompt, params, stream=True)  # raises on bad input, nothing queued
         key = (model, request_id)
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[key] = queue
+        slot = OutputSlot(delta=params.output_kind is RequestOutputKind.DELTA)
+        self._streams[key] = slot
         self._ensure_driver()
         finished = False
         try:
             while not finished:
-                out = await queue.get()
-                while not isinstance(out, Exception) and not queue.empty():
-                    out = queue.get_nowait()  # outputs are cumulative: a consumer that lags skips to the newest
-                if isinstance(out, Exception):
-                    raise out
+                out = await slot.take()
                 finished = out.finished
                 yield out
         finally:
@@ -336,8 +334,8 @@ class Runtime:
                 self.busy_s[name] += time.perf_counter() - start
                 for out in outputs:
                     key = (name, out.request_id)
-                    if (queue := self._streams.get(key)) is not None:
-                        queue.put_nowait(out)
+                    if (slot := self._streams.get(key)) is not None:
+                        slot.put(out)
                     if key in self._early and (out.finished or out.outputs[0].stop_offsets):
                         self._early.pop(key).set_result(out)
                     if out.finished and (future := self._futures.pop(key, None)) and not future.done():
@@ -349,10 +347,10 @@ class Runtime:
 
     def _fail(self, name: str, error: Exception, only: set[str] | None = None) -> None:
         """Abort the engine's requests (those in `only`, or all) and hand `error` to their waiters."""
-        for (model, request_id), queue in self._streams.items():
+        for (model, request_id), slot in self._streams.items():
             if model == name and (only is None or request_id in only):
                 self.engines[name].abort(request_id)
-                queue.put_nowait(error)
+                slot.put(error)
         for table in (self._early, self._futures):
             for (model, request_id), future in list(table.items()):
                 if model == name and (only is None or request_id in only):

@@ -2,10 +2,12 @@
 
 A request becomes token-id prompts and one `SamplingParams`; every prompt is checked by
 the engine before any is submitted, so a bad prompt in a batch queues nothing. Each
-prompt runs as one streamed runtime request (the runtime's driver steps all of them in
-one engine loop). Streaming responses are Server-Sent Events ending in `data: [DONE]`;
-text that could still turn out to be the start of a stop string is held back until it
-cannot. Closing a stream (or a client that goes away) aborts the engine requests.
+prompt runs as one streamed runtime request of DELTA outputs (the runtime's driver steps
+all of them in one engine loop): a step hands the routes what it added, so a long completion
+costs each step what the step added, not its length. Streaming responses are Server-Sent
+Events ending in `data: [DONE]`; text that could still turn out to be the start of a stop
+string is held back (by the engine) until it cannot. Closing a stream (or a client that goes
+away) aborts the engine requests.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import aclosing
 from dataclasses import asdict, dataclass, field, replace
 
-from treeserve.outputs import CompletionOutput, Logprob, RequestOutput
+from treeserve.outputs import CompletionOutput, Logprob, RequestOutput, merged
 from treeserve.runtime.runtime import Runtime, StepFailed
-from treeserve.sampling_params import SamplingParams, StructuredOutputsParams
+from treeserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from treeserve.search.prm import PRM
 from treeserve.server.metrics import ServerMetrics
 from treeserve.server.protocol import (
@@ -93,7 +95,7 @@ def sampling_params(served: Served, req: SamplingFields, prompt_len: int, max_to
         skip_special_tokens=req.skip_special_tokens, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
         logit_bias=req.logit_bias, min_tokens=req.min_tokens, prompt_logprobs=prompt_logprobs,
-        structured_outputs=structured_outputs(req),
+        structured_outputs=structured_outputs(req), output_kind=RequestOutputKind.DELTA,
     )  # fmt: skip
 
 
@@ -173,29 +175,29 @@ def _checked(served: Served, req: SamplingFields, prompts: list[list[int]], max_
 
 
 async def run_job(served: Served, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, cumulative output) after every engine step, for all prompts of the job."""
+    """(prompt index, what the step added: a DELTA output) after every engine step that added to
+    a prompt's completions, for all prompts of the job."""
     streams = [
         served.runtime.generate_stream(served.generator, {"prompt_token_ids": p}, job.params) for p in job.prompts
     ]
     m, model = served.metrics, served.model_name
     ttft, itl = m.ttft.labels(model), m.itl.labels(model)
     generated, prompt_tokens = m.generation_tokens.labels(model), m.prompt_tokens.labels(model)
-    seen = [0] * len(streams)
+    started = [False] * len(streams)
     last = [job.start] * len(streams)
-    async with aclosing(_merged(streams)) as merged:
-        async for i, out in merged:
-            tokens = sum(len(c.token_ids) for c in out.outputs)
-            if tokens > seen[i]:
+    async with aclosing(_interleaved(streams)) as outputs:
+        async for i, out in outputs:
+            if tokens := sum(len(c.token_ids) for c in out.outputs):
                 t = time.perf_counter()
-                (ttft if seen[i] == 0 else itl).observe(t - last[i])
-                generated.inc(tokens - seen[i])
-                seen[i], last[i] = tokens, t
+                (itl if started[i] else ttft).observe(t - last[i])
+                generated.inc(tokens)
+                started[i], last[i] = True, t
             if out.finished:
                 prompt_tokens.inc(len(out.prompt_token_ids))
             yield i, out
 
 
-async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _interleaved(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     if len(streams) == 1:
         async with aclosing(streams[0]) as stream:
             async for out in stream:
@@ -303,7 +305,7 @@ async def full_response(served: Served, job: Job, chat: bool) -> dict:
     final: dict[int, RequestOutput] = {}
     async with aclosing(run_job(served, job)) as outputs:
         async for i, out in outputs:
-            final[i] = out
+            final[i] = merged(final[i], out) if i in final else out
     n, k = job.params.n, job.params.logprobs
     decode = served.runtime.engine(served.generator).tokenizer.decode
     choices, tokens = [], 0
@@ -334,15 +336,16 @@ async def full_response(served: Served, job: Job, chat: bool) -> dict:
 
 @dataclass
 class StreamState:
-    """What a stream has sent so far, per choice: characters, tokens, and whether it ended."""
+    """What a stream has sent so far, per choice: the text offset of its next token's logprobs (its
+    tokens' text, which runs ahead of the text sent while a stop string may still cut it), and which
+    choices ended; per prompt, the output that had its prompt's logprobs (the first)."""
 
     job: Job
     chat: bool
-    hold: int  # characters held back: they may still become the start of a stop string
     decode: Callable[[list[int], bool], str]
-    chars: dict[int, int] = field(default_factory=dict)
-    tokens: dict[int, int] = field(default_factory=dict)
+    offsets: dict[int, int] = field(default_factory=dict)
     ended: set[int] = field(default_factory=set)
+    heads: dict[int, RequestOutput] = field(default_factory=dict)
     completion_tokens: int = 0
 
     @property
@@ -351,38 +354,41 @@ class StreamState:
         return self.job.params.logprobs
 
     def choices(self, prompt_index: int, out: RequestOutput) -> list[dict]:
-        """The choice deltas this output adds (new text, new tokens' logprobs, finish reasons)."""
+        """The choice deltas this DELTA output adds (new text, new tokens' logprobs, finish reasons)."""
         choices = []
         job = self.job
+        if out.prompt_logprobs is not None:
+            self.heads[prompt_index] = out
+        head = self.heads.get(prompt_index, out)
         for c in [visible(job, c) for c in out.outputs]:
             index = prompt_index * job.params.n + c.index
             if index in self.ended:
                 continue
-            first = index not in self.chars
-            chars, toks = self.chars.get(index, 0), self.tokens.get(index, 0)
-            done = c.finish_reason is not None
-            end = len(c.text) if done else max(len(c.text) - self.hold, chars)
-            text = c.text[chars:end]
+            self.completion_tokens += len(c.token_ids)
+            first = index not in self.offsets
+            text, done = c.text, c.finish_reason is not None
             echo = job.echo[prompt_index] if job.echo else ""
-            if not text and not done and not (first and echo) and not (self.k is not None and len(c.token_ids) > toks):
+            offset = self.offsets.get(index, len(echo))
+            if not text and not done and not (first and echo) and not (self.k is not None and c.token_ids):
                 continue
             choice: dict = {"index": index, "finish_reason": c.finish_reason if done else None}
             if self.chat:
                 choice["delta"] = {"content": text} if text or not done else {}
-                choice["logprobs"] = chat_logprobs(c, self.k, toks) if self.k is not None else None
+                choice["logprobs"] = chat_logprobs(c, self.k) if self.k is not None else None
             else:
                 choice["text"] = (echo if first else "") + text
-                lp = completion_logprobs(c, self.k, toks, len(echo) + chars) if self.k is not None else None
+                lp = completion_logprobs(c, self.k, 0, offset) if self.k is not None else None
+                if lp is not None and lp["tokens"]:
+                    offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
                 if first and echo and lp is not None:
-                    lp = _joined(echo_logprobs(out, self.k, self.decode), lp)
+                    lp = _joined(echo_logprobs(head, self.k, self.decode), lp)
                 choice["logprobs"] = lp
-            if first and out.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = prompt_logprobs_json(out)
+            if first and head.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(head)
             choices.append(choice)
-            self.chars[index], self.tokens[index] = end, len(c.token_ids)
+            self.offsets[index] = offset
             if done:
                 self.ended.add(index)
-                self.completion_tokens += len(c.token_ids)
         return choices
 
 
@@ -390,9 +396,8 @@ async def stream_events(served: Served, job: Job, chat: bool, include_usage: boo
     """Server-Sent Events: one chunk per step that produced text, then usage if asked, then [DONE]."""
     rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
     kind = "chat.completion.chunk" if chat else "text_completion"
-    hold = max((len(s) for s in job.params.stop), default=1) - 1
     decode = served.runtime.engine(served.generator).tokenizer.decode
-    state = StreamState(job, chat, hold, decode)
+    state = StreamState(job, chat, decode)
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
         body = {"id": rid, "object": kind, "created": created, "model": served.model_name, "choices": choices}

@@ -31,7 +31,7 @@ from treeserve.server.metrics import engine_stats
 from treeserve.server.protocol import SearchRequest
 from treeserve.server.search_api import run_search, search_context, stream_search
 from treeserve.server.settings import ServerSettings, build_served
-from treeserve.server.wire import DECODER, ENCODER, Sent, encode_delta, receive, socket
+from treeserve.server.wire import DECODER, ENCODER, encode_output, receive, socket
 
 PARENT_POLL_S = 1.0
 RANKS_FAILED = 3  # the exit code of a core whose parallel model lost a rank (the supervisor restarts it)
@@ -104,13 +104,12 @@ class Core:
         task.add_done_callback(lambda _: self.tasks.pop(rid, None))
 
     async def generate(self, rid: str, model: str, prompt_ids: list[int], params: object) -> None:
-        sent: dict[int, Sent] = {}
         try:
             async with contextlib.aclosing(
                 self.runtime.generate_stream(model, {"prompt_token_ids": prompt_ids}, params)
             ) as stream:
                 async for out in stream:
-                    self.send(["out", rid, encode_delta(out, sent)])
+                    self.send(["out", rid, encode_output(out)])
         except Exception as e:  # noqa: BLE001 - every failure goes back to its request
             self.send(["err", rid, *error_of(e)])
             self._exit_if_ranks_failed()

@@ -24,11 +24,12 @@ from collections.abc import AsyncIterator, Callable
 
 import zmq
 
+from treeserve.outputs import merged
 from treeserve.runtime.frontend import Frontend, ModelInfo
-from treeserve.sampling_params import SamplingParams
+from treeserve.sampling_params import RequestOutputKind, SamplingParams
 from treeserve.server.core import core_main
 from treeserve.server.settings import ServerSettings
-from treeserve.server.wire import DECODER, ENCODER, Assembler, CoreDown, CoreError, receive, socket
+from treeserve.server.wire import DECODER, ENCODER, CoreDown, CoreError, decode_output, receive, socket
 
 SUPERVISE_POLL_S = 0.1
 STATS_TIMEOUT_S = 2.0
@@ -139,20 +140,18 @@ class CoreClient:
     async def generate_stream(
         self, model: str, prompt: str | list[int] | dict, params: SamplingParams
     ) -> AsyncIterator:
-        """As `Runtime.generate_stream`: cumulative outputs after the steps that touched the
-        request; closing early aborts it in the core."""
+        """As `Runtime.generate_stream`: outputs of the kind `params.output_kind` asks after the
+        steps that touched the request; closing early aborts it in the core."""
         _, ids = self.engine(model).tokenize_prompt(prompt)
         rid, queue = self._open(["gen", None, model, ids, pickle.dumps(params)])
-        assembler, finished = Assembler(rid), False
+        delta, finished = params.output_kind is RequestOutputKind.DELTA, False
         try:
             while not finished:
-                message = await queue.get()
-                while True:  # every delta is applied; a consumer that lags gets the newest output
-                    out = assembler.apply(self._checked(message)[2])
-                    finished = out.finished
-                    if finished or queue.empty():
-                        break
-                    message = queue.get_nowait()
+                out = decode_output(rid, ids, self._checked(await queue.get())[2])
+                while not out.finished and not queue.empty():  # a consumer that lags: deltas merged, or the newest
+                    newer = decode_output(rid, ids, self._checked(queue.get_nowait())[2])
+                    out = merged(out, newer) if delta else newer
+                finished = out.finished
                 yield out
         finally:
             self._close(rid, finished)
