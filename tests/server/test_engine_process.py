@@ -107,19 +107,33 @@ def test_answers_equal_the_in_process_server(core_server, server, path, body):
     idle(core_server)
 
 
-def test_streams_equal_the_in_process_server(core_server, server):
-    body = {"messages": CHAT, "max_tokens": 24, "temperature": 0.9, "seed": 5, "n": 2, "stream": True}
+STREAMED = [
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 24, "temperature": 0.9, "seed": 5, "n": 2}),
+    ("/v1/completions", {"prompt": "Compute 3 + 4.", "max_tokens": 16, "temperature": 0.9, "seed": 2, "n": 2,
+                         "logprobs": 1, "prompt_logprobs": 1, "stop": [" 7"]}),
+]  # fmt: skip
 
-    def text(live: LiveServer) -> dict[int, str]:
-        out: dict[int, str] = {}
-        with httpx.stream("POST", live.base_url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60) as r:
+
+@pytest.mark.parametrize(("path", "body"), STREAMED)
+def test_streams_equal_the_in_process_server(core_server, server, path, body):
+    """Per choice, the chunks put together: text, logprobs and their offsets, the finish, and
+    the prompt's logprobs of its first chunk (the core sends deltas; the chunks may split
+    differently, as each process's consumer keeps up)."""
+
+    def gathered(live: LiveServer) -> dict[int, dict]:
+        out: dict[int, dict] = {}
+        with httpx.stream("POST", live.base_url + path, json={**body, "stream": True}, headers=AUTH, timeout=60) as r:
             for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    for choice in json.loads(line[6:])["choices"]:
-                        out[choice["index"]] = out.get(choice["index"], "") + choice["delta"].get("content", "")
+                for choice in json.loads(line[6:])["choices"] if line.startswith("data: {") else []:
+                    seen = out.setdefault(choice["index"], {"text": "", "first": choice.get("prompt_logprobs")})
+                    seen["text"] += choice.get("text") or choice.get("delta", {}).get("content", "")
+                    lp = choice.get("logprobs") or {}
+                    for key in ("token_logprobs", "text_offset"):
+                        seen[key] = seen.get(key, []) + lp.get(key, [])
+                    seen["finish"] = choice["finish_reason"] or seen.get("finish")
         return out
 
-    assert text(core_server) == text(server)
+    assert strip_ids(gathered(core_server)) == strip_ids(gathered(server))
     idle(core_server)
 
 

@@ -13,7 +13,7 @@ import contextlib
 import gc
 import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -92,7 +92,8 @@ class Runtime:
         self.engines = engines
         self._futures: dict[tuple[str, str], asyncio.Future] = {}
         self._early: dict[tuple[str, str], asyncio.Future] = {}  # speculations' first steps
-        self._streams: dict[tuple[str, str], OutputSlot] = {}  # generate_stream's outputs not yet taken
+        # streams' sinks: each of their outputs goes in as the driver reads it back, then the error
+        self._streams: dict[tuple[str, str], Callable[[RequestOutput | Exception], None]] = {}
         self._ids = itertools.count()
         self._wake: asyncio.Event | None = None
         self._driver: asyncio.Task | None = None
@@ -220,6 +221,28 @@ class Runtime:
     async def score(self, model: str, token_ids: list[int], params: ScoreParams) -> ScoreOutput:
         return await self._submit(model, {"prompt_token_ids": token_ids}, params)
 
+    def open_stream(
+        self, model: str, prompt: str | list[int] | dict, params: SamplingParams,
+        sink: Callable[[RequestOutput | Exception], None],
+    ) -> str:  # fmt: skip
+        """Submit a request whose outputs (as `params.output_kind` says) go to `sink` as the
+        driver reads each step back, or the error that fails it; returns its id for
+        `close_stream`. `sink` runs in the driver, so it must not block. Bad input raises here,
+        with nothing queued. (`generate_stream` is the awaitable form; the engine-core process
+        encodes outputs in its sinks, with no coroutine woken per request and step.)"""
+        engine = self._engine(model)
+        request_id = str(next(self._ids))
+        engine.add_request(request_id, prompt, params, stream=True)
+        self._streams[(model, request_id)] = sink
+        self._ensure_driver()
+        return request_id
+
+    def close_stream(self, model: str, request_id: str) -> None:
+        """Stop a stream whose consumer went away: its request is aborted and its pages go back
+        (nothing, when it had ended)."""
+        if self._streams.pop((model, request_id), None) is not None:
+            self.engines[model].abort(request_id)
+
     async def generate_stream(
         self, model: str, prompt: str | list[int] | dict, params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
@@ -228,13 +251,8 @@ class Runtime:
         consumer was busy), what is new (delta: those merged), or the end only; the last one
         with `finished=True`. Closing the iterator early (a client that went away) aborts the
         request and returns its pages."""
-        engine = self._engine(model)
-        request_id = str(next(self._ids))
-        engine.add_request(request_id, prompt, params, stream=True)  # raises on bad input, nothing queued
-        key = (model, request_id)
         slot = OutputSlot(delta=params.output_kind is RequestOutputKind.DELTA)
-        self._streams[key] = slot
-        self._ensure_driver()
+        request_id = self.open_stream(model, prompt, params, slot.put)  # raises on bad input, nothing queued
         finished = False
         try:
             while not finished:
@@ -242,9 +260,8 @@ class Runtime:
                 finished = out.finished
                 yield out
         finally:
-            self._streams.pop(key, None)
             if not finished:
-                engine.abort(request_id)
+                self.close_stream(model, request_id)
 
     async def generate_ahead(
         self, model: str, prompt: str | list[int] | dict, params: SamplingParams, draft_group: str | None = None
@@ -334,8 +351,10 @@ class Runtime:
                 self.busy_s[name] += time.perf_counter() - start
                 for out in outputs:
                     key = (name, out.request_id)
-                    if (slot := self._streams.get(key)) is not None:
-                        slot.put(out)
+                    if (sink := self._streams.get(key)) is not None:
+                        if out.finished:
+                            del self._streams[key]
+                        sink(out)
                     if key in self._early and (out.finished or out.outputs[0].stop_offsets):
                         self._early.pop(key).set_result(out)
                     if out.finished and (future := self._futures.pop(key, None)) and not future.done():
@@ -347,10 +366,11 @@ class Runtime:
 
     def _fail(self, name: str, error: Exception, only: set[str] | None = None) -> None:
         """Abort the engine's requests (those in `only`, or all) and hand `error` to their waiters."""
-        for (model, request_id), slot in self._streams.items():
+        for (model, request_id), sink in list(self._streams.items()):
             if model == name and (only is None or request_id in only):
                 self.engines[name].abort(request_id)
-                slot.put(error)
+                del self._streams[(model, request_id)]
+                sink(error)
         for table in (self._early, self._futures):
             for (model, request_id), future in list(table.items()):
                 if model == name and (only is None or request_id in only):

@@ -4,8 +4,9 @@ search programs of `/v1/search`, driven over ZeroMQ by the API process (`core_cl
 `core_main` loads the models from the server's settings (exactly as the in-process server
 does: `build_served`), says hello (each model's `ModelInfo`), then serves messages (see
 `wire.py`) while the runtime's driver steps the engines in the same event loop. A
-generation is one `runtime.generate_stream`, whose outputs go back as deltas; a search runs
-the same code as the in-process `/v1/search`. Messages produced while the loop runs are sent
+generation is one `runtime.open_stream` whose sink sends each output as the driver reads it
+back (the routes ask for deltas), with no coroutine of its own; a search runs the same code as
+the in-process `/v1/search`. Messages produced while the loop runs are sent
 together, one ZeroMQ message per flush. The core exits when told to stop, or when the API
 process is gone.
 """
@@ -24,6 +25,7 @@ from dataclasses import asdict
 
 import zmq
 
+from treeserve.outputs import RequestOutput
 from treeserve.runtime.frontend import ModelInfo
 from treeserve.runtime.runtime import StepFailed
 from treeserve.server.completions import Served
@@ -62,7 +64,8 @@ class Core:
         self.inbox = socket(zmq.PULL, to_core, bind=False)
         self.outbox = socket(zmq.PUSH, from_core, bind=False)
         self.pending: list[list] = []
-        self.tasks: dict[str, asyncio.Task] = {}
+        self.tasks: dict[str, asyncio.Task] = {}  # searches
+        self.streams: dict[str, tuple[str, str]] = {}  # generations: (model, the runtime's request id)
 
     async def run(self) -> None:
         info = {name: asdict(ModelInfo.of(engine)) for name, engine in self.runtime.engines.items()}
@@ -79,6 +82,8 @@ class Core:
             for task in list(self.tasks.values()):
                 task.cancel()
             await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+            for model, request_id in self.streams.values():
+                self.runtime.close_stream(model, request_id)
             self.flush()
             await self.runtime.close()
 
@@ -86,13 +91,15 @@ class Core:
         kind = message[0]
         if kind == "gen":
             _, rid, model, prompt_ids, params = message
-            self.start(rid, self.generate(rid, model, prompt_ids, pickle.loads(params)))
+            self.generate(rid, model, prompt_ids, pickle.loads(params))
         elif kind == "search":
             _, rid, body = message
             self.start(rid, self.search(rid, body))
-        elif kind == "abort":
-            if (task := self.tasks.get(message[1])) is not None:
-                task.cancel()  # closing its stream aborts its engine requests: pages go back
+        elif kind == "abort":  # the client went away: its engine requests are aborted, their pages go back
+            if (stream := self.streams.pop(message[1], None)) is not None:
+                self.runtime.close_stream(*stream)
+            elif (task := self.tasks.get(message[1])) is not None:
+                task.cancel()
         elif kind == "stats":
             self.send(["stats", message[1], engine_stats(self.runtime)])
         elif kind == "fail":
@@ -103,16 +110,23 @@ class Core:
         self.tasks[rid] = task
         task.add_done_callback(lambda _: self.tasks.pop(rid, None))
 
-    async def generate(self, rid: str, model: str, prompt_ids: list[int], params: object) -> None:
+    def generate(self, rid: str, model: str, prompt_ids: list[int], params: object) -> None:
+        def sink(out: RequestOutput | Exception) -> None:  # in the runtime's driver, as it reads a step back
+            if isinstance(out, Exception):
+                self.streams.pop(rid, None)
+                self.send(["err", rid, *error_of(out)])
+                self._exit_if_ranks_failed()
+                return
+            if out.finished:
+                self.streams.pop(rid, None)
+            self.send(["out", rid, encode_output(out)])
+
         try:
-            async with contextlib.aclosing(
-                self.runtime.generate_stream(model, {"prompt_token_ids": prompt_ids}, params)
-            ) as stream:
-                async for out in stream:
-                    self.send(["out", rid, encode_output(out)])
-        except Exception as e:  # noqa: BLE001 - every failure goes back to its request
+            request_id = self.runtime.open_stream(model, {"prompt_token_ids": prompt_ids}, params, sink)
+        except Exception as e:  # noqa: BLE001 - bad input goes back to its request
             self.send(["err", rid, *error_of(e)])
-            self._exit_if_ranks_failed()
+            return
+        self.streams[rid] = (model, request_id)
 
     async def search(self, rid: str, body: bytes) -> None:
         try:
