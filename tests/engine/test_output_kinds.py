@@ -1,7 +1,7 @@
 """A stream's outputs as `output_kind` says: the whole so far, what is new, or the end only.
 
 DELTA outputs put together give exactly the cumulative stream's last output (text, tokens,
-logprobs, finish), whatever the stop strings, `n`, or overlapped steps; text once given is never
+logprobs, finish), whatever the stop strings, `n`, overlapped steps or speculation; text once given is never
 taken back (the characters a stop string may still cut wait); the prompt's logprobs come once.
 """
 
@@ -53,15 +53,25 @@ def same(a: CompletionOutput, b: CompletionOutput) -> None:
     assert a.stop_offsets == b.stop_offsets
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+ENGINES = {
+    "plain": {},
+    "overlapped": {"async_scheduling": True},
+    "speculative": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},  # several tokens a step
+}
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
 @pytest.mark.parametrize("n", [1, 2])
-def test_deltas_give_the_cumulative_stream(llama_dir, make_llm, overlap, n):
-    llm = make_llm(llama_dir, async_scheduling=overlap)
+def test_deltas_give_the_cumulative_stream(llama_dir, make_llm, engine, n):
+    llm = make_llm(llama_dir, **ENGINES[engine])
+    # greedy, drafts are accepted here: steps that add several tokens
+    base = replace(BASE, temperature=0.0, max_tokens=40) if engine == "speculative" else BASE
     # a stop string from the middle of a completion's text, so that it spans tokens and cuts
-    text = llm.generate(PROMPTS[0], replace(BASE, n=1))[0].outputs[0].text
+    text = llm.generate(PROMPTS[0], replace(base, n=1))[0].outputs[0].text
     stop = text[len(text) // 3 : len(text) // 3 + 4]
-    for params in (replace(BASE, n=n), replace(BASE, n=n, stop=[stop]),
-                   replace(BASE, n=n, stop=[stop], include_stop_str_in_output=True)):  # fmt: skip
+    sizes = set()
+    for params in (replace(base, n=n), replace(base, n=n, stop=[stop]),
+                   replace(base, n=n, stop=[stop], include_stop_str_in_output=True)):  # fmt: skip
         whole = stream(llm.engine, params)
         deltas = stream(llm.engine, replace(params, output_kind=RequestOutputKind.DELTA))
         for request_id, outputs in whole.items():
@@ -71,7 +81,9 @@ def test_deltas_give_the_cumulative_stream(llama_dir, make_llm, overlap, n):
                 same(got[c.index], c)
             assert [o.finished for o in deltas[request_id]] == [False] * (len(deltas[request_id]) - 1) + [True]
             assert all(c.token_ids or c.text or c.finished() for o in deltas[request_id] for c in o.outputs)
+            sizes |= {len(c.token_ids) for o in deltas[request_id] for c in o.outputs}
     assert any(c.stop_reason == stop for o in whole.values() for c in o[-1].outputs)  # the stop string cut one
+    assert (max(sizes) > 1) == (engine == "speculative")
 
 
 def test_held_back_text_waits_for_the_stop_string(llama_dir, make_llm):
