@@ -43,19 +43,26 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
-def merged(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
-    """One `DELTA` output saying what two consecutive ones say (for a consumer that fell behind,
-    or one that gathers a whole request): per completion, the text, tokens and logprobs of both;
-    the prompt's logprobs from whichever has them (the first delta); the rest as the newer says."""
-    completions = {c.index: c for c in older.outputs}
-    for c in newer.outputs:
-        old = completions.get(c.index)
-        if old is not None:
-            logprobs = None if c.logprobs is None else (old.logprobs or []) + c.logprobs
-            c = replace(c, text=old.text + c.text, token_ids=old.token_ids + c.token_ids, logprobs=logprobs)
-        completions[c.index] = c
-    prompt_logprobs = older.prompt_logprobs if newer.prompt_logprobs is None else newer.prompt_logprobs
-    return replace(newer, outputs=[completions[i] for i in sorted(completions)], prompt_logprobs=prompt_logprobs)
+def merged(*outputs: RequestOutput) -> RequestOutput:
+    """One `DELTA` output saying what consecutive ones say (for a consumer that fell behind, or
+    one that gathers a whole request), joined in one pass: per completion, the text, tokens and
+    logprobs of all; the prompt's logprobs from whichever has them (the first delta); the rest
+    as the newest says."""
+    parts: dict[int, list[CompletionOutput]] = {}
+    for out in outputs:
+        for c in out.outputs:
+            parts.setdefault(c.index, []).append(c)
+    completions = []
+    for index in sorted(parts):
+        cs = parts[index]
+        c = cs[-1]
+        if len(cs) > 1:
+            logprobs = None if c.logprobs is None else [e for part in cs for e in part.logprobs or []]
+            c = replace(c, text="".join(part.text for part in cs),
+                        token_ids=[t for part in cs for t in part.token_ids], logprobs=logprobs)  # fmt: skip
+        completions.append(c)
+    prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
+    return replace(outputs[-1], outputs=completions, prompt_logprobs=prompt_logprobs)
 
 
 @dataclass

@@ -34,14 +34,9 @@ def stream(engine, params: SamplingParams) -> dict[str, list[RequestOutput]]:  #
 def gathered(deltas: list[RequestOutput]) -> dict[int, CompletionOutput]:
     """The completions the deltas give together, checking on the way that no text given is
     later taken back (each prefix is a prefix of the end's text)."""
-    whole = deltas[0]
-    for out in deltas[1:]:
-        whole = merged(whole, out)
+    whole = merged(*deltas)
     for n in range(1, len(deltas) + 1):
-        part = deltas[0]
-        for out in deltas[1:n]:
-            part = merged(part, out)
-        for c in part.outputs:
+        for c in merged(*deltas[:n]).outputs:
             assert whole.outputs[c.index].text.startswith(c.text)
     return {c.index: c for c in whole.outputs}
 
@@ -126,7 +121,7 @@ def test_a_consumer_that_falls_behind_gets_the_deltas_merged(llama_dir, make_llm
     runtime = Runtime.load([ModelSpec("gen", llama_dir)], 16 << 20, dtype="float32")
     params = replace(BASE, output_kind=RequestOutputKind.DELTA)
 
-    async def consume(prompt: str, pause: float) -> tuple[list[RequestOutput], int]:
+    async def consume(prompt: str, pause: float) -> list[RequestOutput]:
         outputs = []
         async for out in runtime.generate_stream("gen", prompt, params):
             outputs.append(out)

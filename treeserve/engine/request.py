@@ -146,16 +146,9 @@ class Sequence:
         )
 
     def completion(self) -> CompletionOutput:
-        return CompletionOutput(
-            index=self.index,
-            text=self.detok.text if self.detok else "",
-            token_ids=self.token_ids[self.num_prompt_tokens :],
-            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
-            logprobs=self.logprobs,
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
-            stop_offsets=list(self.detok.stop_offsets) if self.detok else [],
-        )
+        """This completion so far (a cumulative output)."""
+        return self._output(self.detok.text if self.detok else "", self.token_ids[self.num_prompt_tokens :],
+                            self.logprobs)  # fmt: skip
 
     def delta(self) -> CompletionOutput | None:
         """What this completion added since its last delta (None: nothing): its new tokens with
@@ -176,12 +169,15 @@ class Sequence:
             return None
         self.sent_tokens += len(tokens)
         self.sent_end = ended
+        return self._output(text, tokens, None if self.logprobs is None else self.logprobs[first:])
+
+    def _output(self, text: str, token_ids: list[int], logprobs: list[dict[int, Logprob]] | None) -> CompletionOutput:
         return CompletionOutput(
             index=self.index,
             text=text,
-            token_ids=tokens,
+            token_ids=token_ids,
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
-            logprobs=None if self.logprobs is None else self.logprobs[first:],
+            logprobs=logprobs,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             stop_offsets=list(self.detok.stop_offsets) if self.detok else [],

@@ -302,10 +302,11 @@ def _usage(job: Job, completion_tokens: int) -> dict:
 
 
 async def full_response(served: Served, job: Job, chat: bool) -> dict:
-    final: dict[int, RequestOutput] = {}
+    deltas: dict[int, list[RequestOutput]] = {}
     async with aclosing(run_job(served, job)) as outputs:
         async for i, out in outputs:
-            final[i] = merged(final[i], out) if i in final else out
+            deltas.setdefault(i, []).append(out)
+    final = {i: merged(*outs) for i, outs in deltas.items()}  # joined once, not copied every step
     n, k = job.params.n, job.params.logprobs
     decode = served.runtime.engine(served.generator).tokenizer.decode
     choices, tokens = [], 0
