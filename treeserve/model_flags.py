@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from treeserve.runtime.model_settings import ModelSettings
 
-PRM_STYLES = ["step_tag", "rlhflow", "reward_head", "value_head"]
+PRM_STYLES = ["step_tag", "rlhflow", "reward_head", "value_head", "token_classification", "orm"]
 LIKEWISE = "the PRM's, likewise"
 
 

@@ -10,6 +10,12 @@ and model.safetensors so tensor names and `architectures` follow the real checkp
   (Qwen/Qwen2.5-Math-PRM-7B).
 - `value_head`: Qwen2 with tied embeddings plus `v_head.summary`, "Qwen2ForPrmModel"
   (Skywork/Skywork-o1-Open-PRM-Qwen-2.5-1.5B).
+- `token_classification`: `Qwen2ForTokenClassification` / `LlamaForTokenClassification`
+  (num_labels=2) saved by transformers itself, as TRL's PRMTrainer leaves it
+  (HuggingFaceH4/Qwen2.5-Math-1.5B-Instruct-PRM-0.2).
+- `orm`: `LlamaForSequenceClassification` (num_labels=1) saved by transformers itself
+  (Skywork/Skywork-Reward-V2-Llama-3.1-8B), or Qwen2 with a `score.0`/`score.2` head of one
+  output, "Qwen2ForRewardModel" (Qwen/Qwen2.5-Math-RM-72B).
 """
 
 from __future__ import annotations
@@ -147,4 +153,57 @@ def build_arith_step_tag(out_dir: str) -> str:
     torch.manual_seed(4)
     model = transformers.LlamaForCausalLM(config).eval()
     common.save_checkpoint(model, Path(out_dir), extra_files={"prm_config.json": prm_io.PRM_FORMAT})
+    return out_dir
+
+
+def _head_config(family: str, **overrides):
+    """A tiny transformers config of `family` (qwen2 | llama) for the PRM tokenizer of that family."""
+    import transformers
+
+    from tests.tiny_models import tiny_shape
+
+    tokens = QWEN2_TOKENS if family == "qwen2" else LLAMA3_TOKENS
+    shape = {**tiny_shape(train_tokenizer()), "vocab_size": _base_vocab_size() + len(tokens), "initializer_range": 0.3}
+    config_cls = transformers.Qwen2Config if family == "qwen2" else transformers.LlamaConfig
+    return config_cls(**{**shape, **overrides})
+
+
+def build_token_classification(out_dir: str, family: str = "qwen2", bias: bool = True) -> str:
+    """A TRL-style PRM: `<Family>ForTokenClassification` with 2 labels, written by save_pretrained."""
+    import transformers
+
+    os.makedirs(out_dir, exist_ok=True)
+    config = _head_config(family, num_labels=2, token_classification_bias=bias)
+    model_cls = getattr(transformers, ("Qwen2" if family == "qwen2" else "Llama") + "ForTokenClassification")
+    torch.manual_seed(5)
+    model_cls(config).eval().save_pretrained(out_dir)
+    _tokenizer(out_dir, "qwen2" if family == "qwen2" else "llama3")
+    return out_dir
+
+
+def build_sequence_classification(out_dir: str) -> str:
+    """A Skywork-Reward-V2-style ORM: LlamaForSequenceClassification, 1 label, written by save_pretrained."""
+    import transformers
+
+    os.makedirs(out_dir, exist_ok=True)
+    torch.manual_seed(6)
+    transformers.LlamaForSequenceClassification(_head_config("llama", num_labels=1)).eval().save_pretrained(out_dir)
+    _tokenizer(out_dir, "llama3")
+    return out_dir
+
+
+def build_qwen_reward_model(out_dir: str, hidden: int = 64) -> str:
+    """A Qwen2.5-Math-RM-style ORM: Qwen2 without lm_head, `score.0` (hidden->hidden), `score.2` (hidden->1)."""
+    os.makedirs(out_dir, exist_ok=True)
+    vocab = _base_vocab_size() + len(QWEN2_TOKENS)
+    build_checkpoint(out_dir, "qwen2", seed=7, vocab_size=vocab, hidden_size=hidden, tie_word_embeddings=False)
+    _tokenizer(out_dir, "qwen2")
+    g = torch.Generator().manual_seed(7)
+    head = {
+        "score.0.weight": torch.randn(hidden, hidden, generator=g) * 0.3,
+        "score.0.bias": torch.randn(hidden, generator=g) * 0.3,
+        "score.2.weight": torch.randn(1, hidden, generator=g) * 0.3,
+        "score.2.bias": torch.randn(1, generator=g) * 0.3,
+    }
+    _edit_checkpoint(out_dir, ["Qwen2ForRewardModel"], ("lm_head.weight",), head)
     return out_dir

@@ -1,11 +1,14 @@
 """PRM adapters, one per input format, and `load_prm`, which picks the one a checkpoint needs.
 
 Styles: "step_tag" (Math-Shepherd, the shipped arithmetic PRM), "rlhflow" (chat turns,
-'+'/'-'), "reward_head" (Qwen2.5-Math-PRM, `<extra_0>` and a 2-class head) and "value_head"
-(Skywork-o1-Open-PRM, a scalar head). Without an explicit style, `load_prm` reads the model
-directory: a `prm_config.json` naming a "style" wins; then `architectures` containing
-"ProcessRewardModel" means reward_head; then `v_head.*` tensors mean value_head. Anything
-else is ambiguous and raises, asking for --prm-style.
+'+'/'-'), "reward_head" (Qwen2.5-Math-PRM, `<extra_0>` and a 2-class head), "value_head"
+(Skywork-o1-Open-PRM, a scalar head), "token_classification" (TRL's PRMTrainer, a 2-label
+`score` on every token) and "orm" (an outcome reward model: one reward a solution, step
+scores by the prefix rule of `outcome.py`). Without an explicit style, `load_prm` reads the
+model directory: a `prm_config.json` naming a "style" wins; then `architectures`:
+"...ProcessRewardModel" means reward_head, "...ForTokenClassification" token_classification,
+"...ForSequenceClassification" or "...ForRewardModel" orm; then `v_head.*` tensors mean
+value_head. Anything else is ambiguous and raises, asking for --prm-style.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ import os
 from collections.abc import Callable
 
 from treeserve.runtime.runtime import Runtime
-from treeserve.search.prm.base import PRM
+from treeserve.search.prm.base import PRM, PRMInputTooLong
+from treeserve.search.prm.outcome import OutcomeRM
 from treeserve.search.prm.reward_head import RewardHeadPRM
 from treeserve.search.prm.rlhflow import RLHFlowPRM
 from treeserve.search.prm.step_tag import StepTagFormat, StepTagPRM
+from treeserve.search.prm.token_classification import TokenClassificationPRM
 from treeserve.search.prm.value_head import ValueHeadPRM
 
 PRM_STYLES: dict[str, Callable[[Runtime, str, dict], PRM]] = {
@@ -26,15 +31,27 @@ PRM_STYLES: dict[str, Callable[[Runtime, str, dict], PRM]] = {
     "rlhflow": RLHFlowPRM,
     "reward_head": RewardHeadPRM,
     "value_head": ValueHeadPRM,
+    "token_classification": TokenClassificationPRM,
+    "orm": OutcomeRM,
 }
+# the `architectures` name endings that tell a style, the first match winning
+ARCHITECTURE_STYLES = (
+    ("ProcessRewardModel", "reward_head"),
+    ("ForTokenClassification", "token_classification"),
+    ("ForSequenceClassification", "orm"),
+    ("ForRewardModel", "orm"),
+)
 
 __all__ = [
     "PRM",
     "PRM_STYLES",
+    "OutcomeRM",
+    "PRMInputTooLong",
     "RLHFlowPRM",
     "RewardHeadPRM",
     "StepTagFormat",
     "StepTagPRM",
+    "TokenClassificationPRM",
     "ValueHeadPRM",
     "detect_style",
     "load_prm",
@@ -66,8 +83,9 @@ def detect_style(runtime: Runtime, model: str) -> str:
             )
         return style
     architectures = _read_json(os.path.join(model_dir, "config.json")).get("architectures") or []
-    if any("ProcessRewardModel" in a for a in architectures):
-        return "reward_head"
+    for ending, found in ARCHITECTURE_STYLES:
+        if any(a.endswith(ending) for a in architectures):
+            return found
     if any(name.startswith("v_head.") for name in engine.extra_tensors):
         return "value_head"
     raise ValueError(

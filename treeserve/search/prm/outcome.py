@@ -1,0 +1,109 @@
+"""Outcome reward models (ORMs): one reward for a whole solution, read at its last token.
+
+Owns the sequence-classification input format and head, e.g. Skywork-Reward-V2
+(`LlamaForSequenceClassification`, `score.weight` [1, hidden]) and Qwen2.5-Math-RM
+(`Qwen2ForRewardModel`, `score.0` Linear hidden->hidden, ReLU, `score.2` Linear hidden->1).
+The input is the checkpoint's chat template of the question as the user turn (after the
+prm_config.json "system_prompt", if any) and the solution as the assistant turn, rendered
+closed and tokenized without adding special tokens (the template writes the BOS), as both
+model cards do:
+
+    <|im_start|>user\\nQ<|im_end|>\\n<|im_start|>assistant\\nstep 1\\n\\nstep 2<|im_end|>\\n
+
+The solution is the steps joined by the search's step separator "\\n\\n". The reward is the
+head's output at the last token (`reward`); as a search score it is sigmoid(reward), in
+(0, 1) and in the same order, so weighted best-of-N sums positive weights.
+
+An ORM judges whole solutions only, so its step scores follow one explicit rule: the score
+of step i is the ORM's score of the solution that ends with step i (its steps 0..i). With
+agg "last" a completion's score is the ORM's on the whole of it: best-of-N and weighted
+best-of-N select by the ORM, and as `SearchContext.verifier` it re-ranks a search's final
+beams. Each prefix is its own input (the template closes the turn after it), read one after
+another so each one's pages serve the next as prefix-cache hits. It never runs the model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from treeserve.outputs import ScoreOutput
+from treeserve.runtime.runtime import Runtime
+from treeserve.sampling_params import ScoreParams
+from treeserve.search.prm.base import PRM, PRMInputTooLong
+from treeserve.search.types import STEP_STOP
+
+LINEAR_HEAD = ("score.weight",)
+MLP_HEAD = ("score.0.weight", "score.0.bias", "score.2.weight", "score.2.bias")
+
+
+class OutcomeRM(PRM):
+    style = "orm"
+    outcome = True  # one reward a solution: step scores by the prefix rule (module docstring)
+
+    def __init__(self, runtime: Runtime, model: str, config: dict | None = None):
+        super().__init__(runtime, model)
+        config = config or {}
+        if self.tokenizer.chat_template is None and "chat_template" not in config:
+            raise ValueError(f"the orm style renders (question, solution) with a chat template; {model!r} has none")
+        self.chat_template: str | None = config.get("chat_template")
+        self.system_prompt: str | None = config.get("system_prompt")
+        extra = runtime.engine(model).extra_tensors
+        if all(name in extra for name in MLP_HEAD):
+            self.head = [extra[name].float() for name in MLP_HEAD]
+        elif "score.weight" in extra:
+            self.head = [extra["score.weight"].float(), extra.get("score.bias", torch.zeros(1)).float()]
+        else:
+            raise ValueError(f"model {model!r} lacks an outcome reward head: score.weight [1, hidden] "
+                             f"or score.0/score.2 (Qwen2ForRewardModel)")  # fmt: skip
+        if self.head[-2].shape[0] != 1:
+            raise ValueError(f"an outcome reward head has one output, got shape {tuple(self.head[-2].shape)}")
+
+    def solution_ids(self, question: str, steps: list[str]) -> list[int]:
+        """The model's input for the solution made of `steps`."""
+        messages = [{"role": "user", "content": question}, {"role": "assistant", "content": STEP_STOP.join(steps)}]
+        if self.system_prompt:
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=False,
+                                                  chat_template=self.chat_template)  # fmt: skip
+        return list(self.encode(text))
+
+    def build(self, question: str, steps: list[str]) -> tuple[list[int], list[int]]:
+        """The whole solution's input, and for step i the position its score is read at in the
+        input of the solution that ends with step i (its last token)."""
+        positions = [len(self.solution_ids(question, steps[: i + 1])) - 1 for i in range(len(steps))]
+        return self.solution_ids(question, steps), positions
+
+    def score_params(self, positions: list[int]) -> ScoreParams:
+        return ScoreParams(positions=positions, return_hidden_states=True)
+
+    def _rewards(self, out: ScoreOutput) -> torch.Tensor:
+        """The head's raw outputs at the read positions, [P]."""
+        h = out.hidden_states
+        if len(self.head) == 4:
+            w0, b0, w2, b2 = self.head
+            return (torch.relu(h @ w0.T + b0) @ w2.T + b2)[:, 0]
+        w, b = self.head
+        return (h @ w.T + b)[:, 0]
+
+    def read(self, out: ScoreOutput) -> list[float]:
+        return torch.sigmoid(self._rewards(out)).tolist()
+
+    async def reward(self, question: str, steps: list[str]) -> float:
+        """The ORM's raw reward of the whole solution `steps` (what its model card prints)."""
+        out = await self._read_solution(question, steps)
+        return self._rewards(out)[0].item()
+
+    async def score(self, question: str, steps: list[str], start: int = 0) -> list[float]:
+        """Scores of steps[start:] by the prefix rule: step i's is the score of steps[: i + 1]."""
+        if not steps or not 0 <= start < len(steps):
+            raise ValueError(f"need at least one step to score after start={start}, got {len(steps)} steps")
+        return [self.read(await self._read_solution(question, steps[: i + 1]))[0] for i in range(start, len(steps))]
+
+    async def _read_solution(self, question: str, steps: list[str]) -> ScoreOutput:
+        ids = self.solution_ids(question, steps)
+        limit = self.runtime.engine(self.model).max_model_len
+        if len(ids) > limit:
+            raise PRMInputTooLong(self.model, len(ids), limit)
+        if self.on_input is not None:
+            self.on_input(ids)
+        return await self.runtime.score(self.model, ids, self.score_params([len(ids) - 1]))
