@@ -94,6 +94,9 @@ class SamplingParams:
     n_stop_occurrences: int = 1
     # constrained generation: masks from the constraint are applied before the seeded draw
     structured_outputs: StructuredOutputsParams | None = None
+    # reasoning models: at most this many generated tokens in a `<think>` block before the engine
+    # writes `</think>` and the answer follows (None: no budget); max_tokens still bounds the whole
+    max_thinking_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # a stream's outputs: the whole or what is new
 
     def __post_init__(self) -> None:
@@ -153,7 +156,15 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        budget = self.max_thinking_tokens
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
+            raise ValueError(f"max_thinking_tokens must be an integer >= 0 or None, got {budget!r}")
         if self.structured_outputs is not None:
+            if budget is not None:
+                raise ValueError(
+                    "max_thinking_tokens cannot be combined with structured_outputs: the constraint would "
+                    "have to allow the think block the budget closes"
+                )
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise ValueError("structured_outputs must be a StructuredOutputsParams")
             if self.ignore_eos:

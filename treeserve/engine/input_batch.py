@@ -38,6 +38,7 @@ from treeserve.engine.step_plan import (
     ScoreRead,
     StepPlan,
 )
+from treeserve.engine.thinking import ThinkTokens, forced_masks, forced_token
 
 PROMPT_LOGPROBS_ROWS = 256  # prompt positions per [rows, vocab] logits slice
 NONE = np.zeros(0, dtype=np.int64)  # no rows (read-only: every plan without pending tokens shares it)
@@ -46,10 +47,11 @@ NONE.flags.writeable = False
 
 class InputBatch:
     def __init__(self, block_size: int, max_pages: int, eos_ids: list[int], constraints: Constraints,
-                 capacity: int = 64):  # fmt: skip
+                 think: ThinkTokens | None = None, capacity: int = 64):  # fmt: skip
         self.block_size = block_size
         self.eos_ids = list(eos_ids)
         self.constraints = constraints
+        self.think = think  # the tokenizer's think tokens (requests with a thinking budget need them)
         self.tables = np.zeros((capacity, max_pages), dtype=np.int64)
         self.temperature = np.zeros(capacity, dtype=np.float64)
         self.top_p = np.ones(capacity, dtype=np.float64)
@@ -304,12 +306,20 @@ class InputBatch:
                                    uniform)  # fmt: skip
         plan = SamplePlan(torch.from_numpy(at_), params)
         guides = []
+        forced: dict[int, int] = {}  # sample row -> the token a thinking budget forces there
+        budgeted = False  # a row has a thinking budget: its next step needs this step's token on the host
         for i in special:
             seq = step.samples[i].seq
             p = seq.request.params
             if seq.logprobs is not None:
                 plan.logprob_rows.append(i)
                 plan.logprobs_k = max(plan.logprobs_k, p.logprobs)
+            if p.max_thinking_tokens is not None:  # (a fork's first row reads its parent: they share that state)
+                budgeted = True
+                token = forced_token(seq, p.max_thinking_tokens, self.think)
+                if token is not None:
+                    forced[i] = token
+                    plan.guided.append(i)
             if p.structured_outputs is None and not p.adjusts_logits:
                 continue
             if p.structured_outputs is not None:
@@ -324,7 +334,9 @@ class InputBatch:
             unique = list({id(g): g for g in guides}.values())
             at = {id(g): i for i, g in enumerate(unique)}
             plan.masks = self.constraints.bitmask(unique)[[at[id(g)] for g in guides]]
-        step.overlappable = not (plan.guided or plan.edited)
+        if forced:  # the constrained rows' masks and the forced rows' one-token masks, in plan.guided's order
+            plan.masks = forced_masks(plan.guided, forced, plan.masks, self.constraints.tokenizer.vocab_size)
+        step.overlappable = not (plan.guided or plan.edited or budgeted)
         return plan
 
     def _history(self, seq: Sequence) -> RowHistory:

@@ -52,6 +52,7 @@ from treeserve.engine.speculative.draft_model import DraftModel
 from treeserve.engine.speculative.speculator import Speculator
 from treeserve.engine.step_plan import PreparedStep
 from treeserve.engine.step_result import StepFailed
+from treeserve.engine.thinking import ThinkTokens
 from treeserve.engine.validation import check_request, check_text_length, tokenize_prompt
 from treeserve.kv.arena import KVArena, KVLayout, PageArena, shared_block_sizes
 from treeserve.kv.block_manager import BlockManager
@@ -109,6 +110,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer(config.model, model_eos_ids=loaded.config.eos_token_ids)
         release_free_heap()  # what building the weights and the tokenizer freed leaves the resident set
         self.constraints = Constraints(self.tokenizer)  # structured outputs: compiled at first use, cached
+        self.think = ThinkTokens.of(self.tokenizer)  # `<think>`/`</think>` ids for thinking budgets (None: none)
         limit = loaded.config.max_position_embeddings
         self.context_len = min(config.max_model_len or limit, limit)  # max_model_len before the KV budget's say
         self.max_model_len = self.context_len
@@ -192,7 +194,8 @@ class LLMEngine:
         self.peers: dict[int, DeviceQueue] = {}  # the other engines on this page pool, by owner (`share_kv`)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.scheduler.on_release = self._released
-        self.inputs = InputBatch(block_size, pages_per_seq, list(self.tokenizer.eos_token_ids), self.constraints)
+        self.inputs = InputBatch(block_size, pages_per_seq, list(self.tokenizer.eos_token_ids), self.constraints,
+                                 self.think)  # fmt: skip
         backend = BACKENDS[config.attention_backend]()
         ranks, stage = self.ranks, None
         if ranks is not None:
@@ -223,7 +226,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         cfg = self.model_config
-        check_request(token_ids, params, cfg.vocab_size, cfg.has_lm_head, self.max_model_len, self.constraints)
+        check_request(token_ids, params, cfg.vocab_size, cfg.has_lm_head, self.max_model_len, self.constraints,
+                      self.think)  # fmt: skip
 
     def add_request(
         self,
@@ -255,7 +259,12 @@ class LLMEngine:
             delta=stream and sampling is not None and sampling.output_kind is RequestOutputKind.DELTA,
             draft_group=draft_group,
             host_rows=sampling is not None
-            and (sampling.logprobs is not None or sampling.structured_outputs is not None or sampling.adjusts_logits),
+            and (
+                sampling.logprobs is not None
+                or sampling.structured_outputs is not None
+                or sampling.adjusts_logits
+                or sampling.max_thinking_tokens is not None
+            ),
         )
         request.plain = sampling is not None and not request.host_rows and sampling.prompt_logprobs is None
         request.prompt_key = hash(tuple(token_ids[:TWIN_KEY_TOKENS])) if len(token_ids) >= TWIN_KEY_TOKENS else None

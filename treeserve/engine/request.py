@@ -23,6 +23,7 @@ from treeserve.sampling_params import SamplingParams, ScoreParams
 
 if TYPE_CHECKING:
     from treeserve.engine.guided import Guide
+    from treeserve.engine.thinking import ThinkState
 
 _seq_ids = itertools.count()
 _INDEX = attrgetter("index")  # a request's completions in order
@@ -85,6 +86,7 @@ class Sequence:
     sent_tokens: int = 0
     sent_chars: int = 0
     sent_end: bool = False
+    thinking: ThinkState | None = None  # a thinking budget's view of its think block (`thinking.py`)
     order: tuple[int, int] = field(init=False)  # the scheduler's order: (its request's arrival, index)
 
     def __post_init__(self) -> None:
@@ -197,7 +199,7 @@ class Request:
     delta: bool = False  # a stream's outputs say what is new (`RequestOutputKind.DELTA`), not the whole
     began: bool = False  # it had an output (DELTA outputs give the prompt's logprobs in the first only)
     draft_group: str | None = None  # speculative `tree` drafting: requests that draft from each other
-    # its sampled rows need work on the host: logprobs returned, a constraint, or logit edits
+    # its sampled rows need work on the host: logprobs returned, a constraint, logit edits or a thinking budget
     host_rows: bool = False
     # a generation whose rows need nothing but their next token: no host rows, no prompt logprobs
     # (a step takes its decode rows on a short path: `InputBatch.prepare`, `Postprocessor.read`)

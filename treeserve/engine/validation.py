@@ -8,6 +8,7 @@ tokenizer cannot run. Neither changes any state.
 from __future__ import annotations
 
 from treeserve.engine.guided import Constraints
+from treeserve.engine.thinking import THINK_END, THINK_START, ThinkTokens
 from treeserve.models.tokenizer import Tokenizer
 from treeserve.sampling_params import SamplingParams, ScoreParams
 
@@ -41,8 +42,8 @@ def tokenize_prompt(tokenizer: Tokenizer, prompt: str | list[int] | dict) -> tup
 
 
 def check_request(token_ids: list[int], params: SamplingParams | ScoreParams, vocab: int, lm_head: bool,
-                  max_model_len: int, constraints: Constraints) -> None:  # fmt: skip
-    """Raise ValueError for anything that cannot run."""
+                  max_model_len: int, constraints: Constraints, think: ThinkTokens | None) -> None:  # fmt: skip
+    """Raise ValueError for anything that cannot run (`think`: the tokenizer's think tokens, if any)."""
     if not token_ids:
         raise ValueError("the prompt is empty")
     if min(token_ids) < 0 or max(token_ids) >= vocab:
@@ -70,6 +71,11 @@ def check_request(token_ids: list[int], params: SamplingParams | ScoreParams, vo
         if params.structured_outputs is not None:
             room = max_model_len - len(token_ids)
             constraints.check(params.structured_outputs, min(params.max_tokens or room, room))
+        if params.max_thinking_tokens is not None and (think is None or max(think.start, think.end) >= vocab):
+            raise ValueError(
+                f"max_thinking_tokens needs a model whose tokenizer has {THINK_START} and {THINK_END} tokens "
+                "(a reasoning model); this one has not"
+            )
         if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
             raise ValueError(f"prompt_logprobs must be <= vocab size {vocab}, got {params.prompt_logprobs}")
     else:

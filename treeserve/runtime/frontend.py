@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from treeserve.engine.guided import Constraints
 from treeserve.engine.llm_engine import LLMEngine
+from treeserve.engine.thinking import ThinkTokens
 from treeserve.engine.validation import check_request, check_text_length, tokenize_prompt
 from treeserve.models.tokenizer import Tokenizer
 from treeserve.sampling_params import SamplingParams, ScoreParams
@@ -41,6 +42,7 @@ class Frontend:
         self.max_model_len = info.max_model_len
         self.tokenizer = Tokenizer(info.path, model_eos_ids=info.eos_token_ids)
         self.constraints = Constraints(self.tokenizer)
+        self.think = ThinkTokens.of(self.tokenizer)
 
     def tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         return tokenize_prompt(self.tokenizer, prompt)
@@ -50,4 +52,5 @@ class Frontend:
 
     def check_request(self, request_id: str, token_ids: list[int], params: SamplingParams | ScoreParams) -> None:
         info = self.info
-        check_request(token_ids, params, info.vocab_size, info.has_lm_head, info.max_model_len, self.constraints)
+        check_request(token_ids, params, info.vocab_size, info.has_lm_head, info.max_model_len, self.constraints,
+                      self.think)  # fmt: skip

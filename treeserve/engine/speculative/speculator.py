@@ -166,12 +166,12 @@ class Speculator:
 
     @staticmethod
     def _room(seq: Sequence, max_model_len: int) -> int:
-        """How many tokens `seq` may draft now: 0 unless it is decoding without logit edits or a
-        constraint; never past max_tokens or the context."""
+        """How many tokens `seq` may draft now: 0 unless it is decoding without logit edits, a
+        constraint or a thinking budget; never past max_tokens or the context."""
         params = seq.request.params
         if params is None or seq.num_uncomputed != 1 or seq.pending_forks or seq.num_output_tokens == 0:
             return 0
-        if params.structured_outputs is not None or params.adjusts_logits:
+        if params.structured_outputs is not None or params.adjusts_logits or params.max_thinking_tokens is not None:
             return 0
         room = max_model_len - 1 - len(seq.token_ids)
         if params.max_tokens is not None:
