@@ -74,22 +74,32 @@ def tiny_shape(tok: Tokenizer) -> dict:
 
 
 def build_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, **overrides) -> str:
-    """Write a tiny random checkpoint of `arch` (llama | qwen2 | mistral | gemma3_text) to out_dir."""
+    """Write a tiny random checkpoint of `arch` (llama | qwen2 | mistral | gemma3_text | qwen3 |
+    qwen3_moe | phi3) to out_dir, in each family's real layout (ARCH_DEFAULTS: the shapes that set
+    it apart, such as Qwen3's head_dim or Phi-4-mini's partial rotary heads)."""
     import transformers
 
     os.makedirs(out_dir, exist_ok=True)
     tok = train_tokenizer()
     save_tokenizer(tok, out_dir)
-    common = {**tiny_shape(tok), "initializer_range": 0.1}
+    common = {**tiny_shape(tok), "initializer_range": 0.1, **ARCH_DEFAULTS.get(arch, {})}
     common.update(overrides)
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }[arch]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**common)).eval()
+    if arch in ("qwen3", "qwen3_moe"):  # q/k norm weights start at 1: make them matter
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "q_norm" in name or "k_norm" in name:
+                    param.normal_(1, 0.5)
     if arch == "qwen2":  # make the q/k/v biases matter
         with torch.no_grad():
             for layer in model.model.layers:
@@ -102,6 +112,33 @@ def build_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, **overrid
                     param.normal_(0, 0.5)
     model.save_pretrained(out_dir)
     return out_dir
+
+
+# Each family's distinguishing shape at tiny size (overrides of `tiny_shape`).
+LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+    "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 8.0],
+}
+ARCH_DEFAULTS: dict[str, dict] = {
+    "qwen3": {"head_dim": 32, "tie_word_embeddings": True},  # head_dim != hidden / heads, as Qwen3's
+    "qwen3_moe": {
+        "head_dim": 32,
+        "num_hidden_layers": 3,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "mlp_only_layers": [1],
+    },
+    "phi3": {  # Phi-4-mini's partial rotary heads and longrope, its pretraining length cut to 64
+        "partial_rotary_factor": 0.75,
+        "tie_word_embeddings": True,
+        "original_max_position_embeddings": 64,
+        "pad_token_id": None,
+        "rope_scaling": LONGROPE,
+    },
+}
 
 
 def build_random_weights_dir(out_dir: str, seed: int = 0, **overrides) -> str:

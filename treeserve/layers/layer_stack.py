@@ -36,6 +36,8 @@ def _weights(layer: nn.Module, local_rope: bool) -> kernels.LayerWeights | None:
     """One decoder layer's plans and norms (Gemma 3's, or the Llama family's), None where a piece is
     not on the C kernels."""
     attn, mlp = layer.self_attn, layer.mlp
+    if not hasattr(mlp, "gate_up_proj"):  # routed experts (Qwen3-MoE): the per-layer path
+        return None
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if any(not isinstance(lin.weight, QuantTensor) or lin.weight.plan.call is None or lin.weight.dtype != torch.bfloat16
            for lin in linears):  # fmt: skip
@@ -43,8 +45,9 @@ def _weights(layer: nn.Module, local_rope: bool) -> kernels.LayerWeights | None:
     if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3: every norm
         norms = (layer.input_layernorm, attn.q_norm, attn.k_norm, layer.post_attention_layernorm,
                  layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)  # fmt: skip
-    else:  # Llama: a norm before attention and one before the MLP
-        norms = (layer.input_layernorm, None, None, None, layer.post_attention_layernorm, None)
+    else:  # Llama: a norm before attention and one before the MLP (and Qwen3's on q and k)
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        norms = (layer.input_layernorm, q_norm, k_norm, None, layer.post_attention_layernorm, None)
     tensors = []
     for norm in norms:
         tensor = None if norm is None else _norm_tensor(norm)

@@ -1,4 +1,5 @@
-"""Rotary position embeddings: inverse frequencies (default, linear, llama3) and a cos/sin table.
+"""Rotary position embeddings: inverse frequencies (default, linear, dynamic, llama3, yarn, longrope)
+and a cos/sin table.
 
 Computes exactly what `transformers` computes (fp32 inverse frequencies times integer
 positions), so logits match bit for bit in fp32. For bf16 on a CPU, `pick_kernel` chooses
@@ -11,24 +12,75 @@ them as it stores k and v (`kernels/triton/rope_kv.py`, PyTorch's bits too).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from treeserve.kernels import cpu as cpu_kernels
 from treeserve.kernels import triton as triton_kernels
 
+ROPE_KEYS = {  # each rope type's parameters (besides rope_type / type and rope_theta); others are refused
+    "default": set(),
+    "linear": {"factor"},
+    "dynamic": {"factor"},
+    "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+    "yarn": {"factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim", "truncate"},
+    "longrope": {"factor", "original_max_position_embeddings", "attention_factor", "long_factor", "short_factor"},
+}  # fmt: skip
+ROPE_ALIASES = {"su": "longrope"}  # older Phi-3 configs
+
+
+@dataclass
+class RopeFrequencies:
+    """What a rope table is made of: inverse frequencies for positions below `switch` (all of them
+    when `long_inv_freq` is None), longrope's long ones from `switch` on, and the factor cos and sin
+    are multiplied by (yarn's and longrope's attention factor)."""
+
+    inv_freq: torch.Tensor
+    attention_factor: float = 1.0
+    long_inv_freq: torch.Tensor | None = None
+    switch: int = 0
+
+
+def rope_type(scaling: dict | None) -> str:
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    return ROPE_ALIASES.get(kind, kind)
+
+
+def check_rope(scaling: dict | None) -> None:
+    """Refuse a rope type or parameter this module does not implement, naming it."""
+    kind = rope_type(scaling)
+    if kind not in ROPE_KEYS:
+        raise ValueError(f"unsupported rope type {kind!r} (supported: {', '.join(ROPE_KEYS)})")
+    unknown = set(scaling or {}) - ROPE_KEYS[kind] - {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+    if unknown:
+        raise ValueError(f"rope type {kind!r} with unsupported parameters {sorted(unknown)}")
+
+
+def rope_frequencies(dim: int, theta: float, scaling: dict | None) -> RopeFrequencies:
+    """transformers' `ROPE_INIT_FUNCTIONS` for `dim` rotated dimensions, in its order of fp32
+    operations. `scaling` is normalised by `ModelConfig.from_hf` (original_max_position_embeddings
+    and factor filled in as transformers fills them). "dynamic" (NTK) changes frequencies only past
+    max_position_embeddings, which the table never reaches: its frequencies are the default ones."""
+    check_rope(scaling)
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (theta**exponent)
+    kind = rope_type(scaling)
+    if kind in ("default", "dynamic"):
+        return RopeFrequencies(inv_freq)
+    if kind == "linear":
+        return RopeFrequencies(inv_freq / scaling["factor"])
+    if kind == "llama3":
+        return RopeFrequencies(_llama3_inv_freq(inv_freq, scaling))
+    if kind == "yarn":
+        return _yarn(dim, theta, scaling)
+    return _longrope(dim, theta, scaling, exponent)
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (theta**exponent)
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / scaling["factor"]
-    if rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"unsupported rope type {rope_type!r} (supported: default, linear, llama3)")
+    """The inverse frequencies of a rope without an attention factor or a long range (tests, kernels)."""
+    return rope_frequencies(head_dim, theta, scaling).inv_freq
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -46,29 +98,102 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-class RotaryEmbedding:
-    """A cos/sin table over positions [0, max_positions), looked up per token."""
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
-    def __init__(self, inv_freq: torch.Tensor, max_positions: int, device: torch.device | str):
+
+def _yarn(dim: int, base: float, scaling: dict) -> RopeFrequencies:
+    """YaRN (Peng et al. 2023): interpolated low frequencies, extrapolated high ones, a linear ramp
+    between, and cos/sin scaled by the attention factor."""
+    factor = scaling["factor"]
+    original = scaling["original_max_position_embeddings"]
+    attention_factor = scaling.get("attention_factor")
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+        else:
+            attention_factor = _yarn_mscale(factor)
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    extrapolation_factor = 1 - ramp
+    inv_freq = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+    return RopeFrequencies(inv_freq, float(attention_factor))
+
+
+def _longrope(dim: int, base: float, scaling: dict, exponent: torch.Tensor) -> RopeFrequencies:
+    """LongRoPE (Phi-3, Phi-4-mini): per-frequency factors, the short ones below the pretraining
+    length and the long ones from it on, and cos/sin scaled by the attention factor."""
+    factor = scaling["factor"]
+    original = scaling["original_max_position_embeddings"]
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    factors = {}
+    for key in ("short_factor", "long_factor"):
+        if len(scaling[key]) != dim // 2:
+            raise ValueError(f"longrope {key} has {len(scaling[key])} entries; {dim} rotated dims need {dim // 2}")
+        factors[key] = torch.tensor(scaling[key], dtype=torch.float32)
+    short = 1.0 / (factors["short_factor"] * base**exponent)
+    long = 1.0 / (factors["long_factor"] * base**exponent)
+    return RopeFrequencies(short, float(attention_factor), long, int(original))
+
+
+class RotaryEmbedding:
+    """A cos/sin table over positions [0, max_positions), looked up per token. Its width is the
+    rotated part of a head (`partial_rotary_factor`, Phi-4-mini's 0.75): the rest passes through."""
+
+    def __init__(self, freqs: RopeFrequencies | torch.Tensor, max_positions: int, device: torch.device | str):
+        freqs = freqs if isinstance(freqs, RopeFrequencies) else RopeFrequencies(freqs)
         positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :].float()
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(device)
-        self.sin = emb.sin().to(device)
+        table = positions[:, None] * freqs.inv_freq[None, :].float()
+        if freqs.long_inv_freq is not None and max_positions > freqs.switch:  # longrope's long range
+            table[freqs.switch :] = positions[freqs.switch :, None] * freqs.long_inv_freq[None, :].float()
+        emb = torch.cat((table, table), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        if freqs.attention_factor != 1.0:
+            cos, sin = cos * freqs.attention_factor, sin * freqs.attention_factor
+        self.cos = cos.to(device)
+        self.sin = sin.to(device)
+        self.rotary_dim = self.cos.shape[1]
         self._looked_up: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
         self.use_c = False
         self.use_triton = False  # rotate as the engine stores k (`Attention`'s `rope`), on CUDA
+        self.partial = False  # set by `pick_kernel` once the head size is known
 
-    def pick_kernel(self, dtype: torch.dtype) -> None:
-        """Choose the kernel for q/k of `dtype` (the model's), on this table's device."""
-        self.use_c = self.cos.device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels.load() is not None
-        self.use_triton = triton_kernels.fused_layers(self.cos.device)
+    def pick_kernel(self, dtype: torch.dtype, head_dim: int | None = None) -> None:
+        """Choose the kernel for q/k of `dtype` (the model's), on this table's device. The C and
+        Triton kernels rotate whole heads: a partial rotary table takes the PyTorch lines."""
+        self.partial = head_dim is not None and head_dim != self.rotary_dim
+        whole = not self.partial
+        on_c = self.cos.device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels.load() is not None
+        self.use_c = whole and on_c
+        self.use_triton = whole and triton_kernels.fused_layers(self.cos.device)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hkv, D], positions: [T] -> rotated q, k in their dtype."""
         cos, sin = self.lookup(positions, q.dtype)
         if self.use_c and all(_c_layout(t) for t in (q, k)):
             return cpu_kernels.rope_bf16(q, cos, sin), cpu_kernels.rope_bf16(k, cos, sin)
+        if q.shape[-1] != self.rotary_dim:  # rotate the first rotary_dim of each head, pass the rest
+            d = self.rotary_dim
+            q_rot, k_rot = q[..., :d], k[..., :d]
+            q_rot = q_rot * cos + _rotate_half(q_rot) * sin
+            k_rot = k_rot * cos + _rotate_half(k_rot) * sin
+            return torch.cat((q_rot, q[..., d:]), dim=-1), torch.cat((k_rot, k[..., d:]), dim=-1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

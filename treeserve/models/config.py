@@ -2,13 +2,30 @@
 
 Owns `ModelConfig`, the one config of every architecture (the Llama family's fields; Gemma 3's
 subclass adds its own in `gemma3.py`), with `from_hf` for the Llama family (Llama, Mistral,
-Qwen2). A tensor- or pipeline-parallel rank's config is a copy with its share (`sharding.py`).
+Qwen2, Qwen3, Qwen3-MoE, Phi-3); `config_fields.py` says which config.json fields are read. A
+tensor- or pipeline-parallel rank's config is a copy with its share (`sharding.py`).
 It holds data and its parsing only: no tensors, no modules.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from treeserve.layers import rotary
+from treeserve.models.config_fields import check_fields
+
+
+@dataclass
+class MoEConfig:
+    """Routed experts of a sparse MLP (Qwen3-MoE): top-k of `num_experts` a token, each expert a
+    gated MLP of `intermediate_size` rows; `sparse_layers` are the layers that have them (the rest
+    are dense MLPs of the model's `intermediate_size`)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    sparse_layers: list[bool]
 
 
 @dataclass
@@ -34,6 +51,9 @@ class ModelConfig:
     has_lm_head: bool = True  # False for reward models whose checkpoint has a head of its own
     hidden_act: str = "silu"  # MLP activation: "silu" or "gelu_pytorch_tanh"
     attn_scale: float | None = None  # softmax scale of attention; None: head_dim ** -0.5
+    qk_norm: bool = False  # RMS norms on q and k per head before rope (Qwen3)
+    partial_rotary_factor: float = 1.0  # the share of each head rope rotates (Phi-4-mini: 0.75)
+    moe: MoEConfig | None = None  # routed experts (Qwen3-MoE); None: dense MLPs
     tp_rank: int = 0  # tensor parallelism (models/sharding.py): this rank's heads, KV heads and
     tp_size: int = 1  # intermediate rows are in the fields above; the vocabulary is whole
     full_kv_heads: int = 0  # the model's KV heads (more than num_kv_heads when split; a rank may hold a copy)
@@ -41,8 +61,19 @@ class ModelConfig:
     pp_size: int = 1  # from first_layer on; stage 0 also holds the embedding, final norm and LM head
     first_layer: int = 0
 
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
+        """The Llama family (llama, mistral, qwen2, qwen3, qwen3_moe, phi3): every field that
+        changes the arithmetic is read by `parse` or refused by `check_fields`."""
+        check_fields(cfg, cfg.get("model_type", "llama"))
+        return cls.parse(cfg)
+
+    @classmethod
+    def parse(cls, cfg: dict) -> ModelConfig:
         model_type = cfg.get("model_type", "llama")
         heads = cfg["num_attention_heads"]
         layers = cfg["num_hidden_layers"]
@@ -50,6 +81,7 @@ class ModelConfig:
             raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} for {model_type}")
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+        partial = float(rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
         eos = cfg.get("eos_token_id")
         attention_bias = cfg.get("attention_bias", False)
         return cls(
@@ -62,7 +94,7 @@ class ModelConfig:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
-            rope_scaling=rope or None,
+            rope_scaling=_rope_scaling(rope, cfg),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             qkv_bias=model_type == "qwen2" or attention_bias,
@@ -71,18 +103,49 @@ class ModelConfig:
             layer_windows=_layer_windows(cfg, model_type, layers),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
             bos_token_id=cfg.get("bos_token_id"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            partial_rotary_factor=partial,
+            moe=_moe(cfg, layers) if model_type == "qwen3_moe" else None,
         )
+
+
+def _rope_scaling(rope: dict, cfg: dict) -> dict | None:
+    """The rope parameters as `layers/rotary.py` reads them, filled in as transformers fills them:
+    the pretraining length (Phi-3 keeps it beside the rope parameters, and it wins there) and
+    yarn's and longrope's factor from the two lengths where the config gives none."""
+    if not rope or rotary.rope_type(rope) == "default":
+        return None
+    rotary.check_rope(rope)
+    kind = rotary.rope_type(rope)
+    if kind in ("llama3", "yarn", "longrope"):
+        original = cfg.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+        rope["original_max_position_embeddings"] = original or cfg.get("max_position_embeddings", 4096)
+    if kind in ("yarn", "longrope") and rope.get("factor") is None:
+        rope["factor"] = cfg.get("max_position_embeddings", 4096) / rope["original_max_position_embeddings"]
+    return rope
+
+
+def _moe(cfg: dict, layers: int) -> MoEConfig:
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if not experts:
+        raise ValueError("qwen3_moe config without num_experts")
+    step = cfg.get("decoder_sparse_step", 1)
+    only_mlp = set(cfg.get("mlp_only_layers") or [])
+    sparse = [i not in only_mlp and step > 0 and (i + 1) % step == 0 for i in range(layers)]
+    return MoEConfig(experts, cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
+                     bool(cfg.get("norm_topk_prob", False)), sparse)  # fmt: skip
 
 
 def _layer_windows(cfg: dict, model_type: str, layers: int) -> list[int | None]:
     window = cfg.get("sliding_window")
-    if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+    qwen = model_type in ("qwen2", "qwen3", "qwen3_moe")
+    if qwen and not cfg.get("use_sliding_window", False):
         window = None
     if not window:
         return [None] * layers
     if cfg.get("layer_types"):
         return [window if t == "sliding_attention" else None for t in cfg["layer_types"]]
-    if model_type == "qwen2":
+    if qwen:
         first = cfg.get("max_window_layers", layers)
         return [window if i >= first else None for i in range(layers)]
     return [window] * layers

@@ -5,9 +5,9 @@ embeddings scaled by sqrt(hidden_size); RMSNorm weights stored as offsets from 1
 in fp32 before the cast back; RMS norms on q and k per head before rope; a norm after
 attention and after the MLP as well as before each; GELU (tanh) MLP; attention scaled by
 `query_pre_attn_scalar ** -0.5`; sliding-window ("local") layers interleaved with global
-ones, each kind with its own rope base (and rope scaling only on global layers). Final logit
+ones, each kind with its own rope base (and rope scaling only on global layers). Logit
 soft-capping is not implemented (no Gemma 3 checkpoint uses it): a config asking for it is
-refused rather than run wrong.
+refused rather than run wrong (`config_fields.py`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from torch import nn
 from treeserve.layers.norm import GemmaRMSNorm
 from treeserve.layers.rotary import RotaryEmbedding, rope_inv_freq
 from treeserve.models.config import ModelConfig
+from treeserve.models.config_fields import check_fields
 from treeserve.models.llama import LlamaAttentionBlock, LlamaForCausalLM, LlamaMLP
 
 
@@ -30,11 +31,7 @@ class Gemma3Config(ModelConfig):
 
     @classmethod
     def from_hf(cls, cfg: dict) -> Gemma3Config:
-        for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-            if cfg.get(key) is not None:
-                raise ValueError(f"{key}={cfg[key]} is not supported for gemma3_text")
-        if cfg.get("use_bidirectional_attention"):
-            raise ValueError("use_bidirectional_attention is not supported: treeserve runs causal decoders")
+        check_fields(cfg, "gemma3_text")
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
         if act != "gelu_pytorch_tanh":
             raise ValueError(f"unsupported hidden_activation {act!r} for gemma3_text")
@@ -52,7 +49,7 @@ class Gemma3Config(ModelConfig):
             "eos_token_id": cfg.get("eos_token_id", 1),
             "bos_token_id": cfg.get("bos_token_id", 2),
         }
-        shared = vars(ModelConfig.from_hf(llama_view))
+        shared = vars(ModelConfig.parse(llama_view))
         shared.update(
             hidden_act=act,
             layer_windows=_layer_windows(cfg, cfg["num_hidden_layers"]),

@@ -1,13 +1,15 @@
-"""The Llama family (Llama 2/3.x, Mistral, Qwen2/2.5) for inference on flat token batches.
+"""The Llama family (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, Phi-3/4-mini) on flat token batches.
 
-One definition covers the family: qkv bias, tied embeddings, GQA, sliding windows and rope
-scaling come from `config.json`. The model reads a flat batch (`input_ids`, `positions`,
-both [T]) and calls an `Attention` object for each layer; it never sees pages, requests or
-padding. q/k/v and gate/up projections are fused so each layer runs four matmuls. On CUDA
-(`pick_kernel` found Triton) the same arithmetic runs in fewer launches: each residual add
-inside the norm after it (`forward_fused`), rope inside the KV store, act(gate) * up in one
-kernel (`kernels/triton/norm.py`, `rope_kv.py`, `activation.py`); on a CPU act(gate) * up of bf16
-rows is one C pass reading the activation from PyTorch's own table (`kernels.cpu.gated_act_bf16`).
+One definition covers the family: qkv bias, q/k norms (Qwen3), tied embeddings, GQA, sliding
+windows, partial rotary heads and rope scaling come from `config.json` (Qwen3-MoE swaps the MLP:
+`qwen3_moe.py`). The model reads a flat batch (`input_ids`, `positions`, both [T]) and calls an
+`Attention` object for each layer; it never sees pages, requests or padding. q/k/v and gate/up
+projections are fused so each layer runs four matmuls (Phi-3's checkpoints hold them fused
+already). On CUDA (`pick_kernel` found Triton) the same arithmetic runs in fewer launches: each
+residual add inside the norm after it (`forward_fused`), rope inside the KV store, act(gate) * up
+in one kernel (`kernels/triton/norm.py`, `rope_kv.py`, `activation.py`); on a CPU act(gate) * up
+of bf16 rows is one C pass reading the activation from PyTorch's own table
+(`kernels.cpu.gated_act_bf16`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from treeserve.layers.embedding import Embedding, vocab_parallel_lookup
 from treeserve.layers.layer_stack import LayerStack
 from treeserve.layers.linear import Linear, linear_kernel, widened_linear
 from treeserve.layers.norm import RMSNorm
-from treeserve.layers.rotary import RotaryEmbedding, rope_inv_freq
+from treeserve.layers.rotary import RotaryEmbedding, rope_frequencies
 from treeserve.models.config import ModelConfig
 
 
@@ -40,6 +42,9 @@ class LlamaAttentionBlock(nn.Module):
         self.window = cfg.layer_windows[layer]
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:  # Qwen3: an RMS norm over each head of q and of k before rope
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: Attention) -> torch.Tensor:
         heads, kv_heads, head_dim = self.shape
@@ -57,8 +62,10 @@ class LlamaAttentionBlock(nn.Module):
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-head q/k norms before rope: none in Llama (Gemma 3 overrides this)."""
-        return q, k
+        """Per-head q/k norms before rope: Qwen3's and Gemma 3's; none in Llama."""
+        if not hasattr(self, "q_norm"):
+            return q, k
+        return self.q_norm(q), self.k_norm(k)
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -69,10 +76,11 @@ class LlamaMLP(nn.Module):
 
     tp: RankGroup | None = None  # with tensor parallelism: down_proj's partial sums are all-reduced
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        intermediate = intermediate_size or cfg.intermediate_size  # a routed expert's own size (Qwen3-MoE)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * intermediate, bias=cfg.mlp_bias)
+        self.down_proj = Linear(intermediate, cfg.hidden_size, bias=cfg.mlp_bias)
         self.hidden_act = cfg.hidden_act
         self.act = ACTIVATIONS[cfg.hidden_act]
         self.use_triton = False  # act(gate) * up in one launch (`kernels/triton/activation.py`), on CUDA
@@ -85,6 +93,12 @@ class LlamaMLP(nn.Module):
             self.act_table = cpu_kernels.act_table(self.act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.partial(x)
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """down(act(gate(x)) * up(x)) on this rank's rows: its share of the sum (all of it without
+        tensor parallelism)."""
         gate_up = self.gate_up_proj(x)
         if self.use_triton:
             from treeserve.kernels.triton.activation import gated_activation
@@ -95,8 +109,7 @@ class LlamaMLP(nn.Module):
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             hidden = self.act(gate) * up
-        out = self.down_proj(hidden)
-        return out if self.tp is None else self.tp.all_reduce(out)
+        return self.down_proj(hidden)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -140,8 +153,9 @@ class LlamaForCausalLM(nn.Module):
         self.layer_stack: LayerStack | None = None  # all layers of a step in one C call, where picked
 
     def init_rope(self, max_positions: int, device: torch.device | str) -> None:
-        inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
-        self.rope = RotaryEmbedding(inv_freq, max_positions, device)
+        cfg = self.config
+        self.rope = RotaryEmbedding(rope_frequencies(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling), max_positions,
+                                    device)  # fmt: skip
 
     def pick_kernel(self) -> None:
         """The tied LM head's matmul, the rotary tables' kernels and the fused layer stack
@@ -155,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
             dtype = self.layers[0].input_layernorm.weight.dtype
         for rope in vars(self).values():
             if isinstance(rope, RotaryEmbedding):
-                rope.pick_kernel(dtype)
+                rope.pick_kernel(dtype, self.config.head_dim)
         cfg = self.config
         act = self.layers[0].mlp.act
         if cfg.tp_size == 1 and cfg.pp_size == 1:  # one C call for every layer: no place for collectives
@@ -227,14 +241,13 @@ class LlamaForCausalLM(nn.Module):
 
     @staticmethod
     def hf_to_local(name: str) -> tuple[str, str | None]:
-        """Map a checkpoint tensor name to (local name, fused part or None)."""
+        """Map a checkpoint tensor name to (local name, fused part or None): q/k/v and gate/up,
+        a routed expert's too (`mlp.experts.3.gate_proj`), go into their fused matrix."""
         name = name.removeprefix("model.")
-        for part in ("q_proj", "k_proj", "v_proj"):
-            if f"self_attn.{part}." in name:
-                return name.replace(part, "qkv_proj"), part
-        for part in ("gate_proj", "up_proj"):
-            if f"mlp.{part}." in name:
-                return name.replace(part, "gate_up_proj"), part
+        for fused, parts in LlamaForCausalLM.FUSED_ORDER.items():
+            for part in parts:
+                if f".{part}." in name:
+                    return name.replace(f".{part}.", f".{fused}."), part
         return name, None
 
     FUSED_ORDER = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

@@ -3,8 +3,9 @@
 A checkpoint is a Hugging Face directory (`config.json` and `*.safetensors`: one file, or
 shards listed by `model.safetensors.index.json`) or a GGUF file (`gguf_loader.py` supplies
 the same config and tensor names). Tensor names are mapped onto the local modules (fusing
-q/k/v and gate/up) and cast to the requested dtype on the requested device. Tensors the
-model does not use (reward heads, for example) are kept in `LoadedModel.extra_tensors`.
+q/k/v and gate/up) and cast to the requested dtype on the requested device. Tensors outside the
+decoder (reward heads, for example) are kept in `LoadedModel.extra_tensors`; one inside it that
+the model does not read is an error (`DECODER_PREFIXES`).
 
 Quantisation (`quantization`): "gguf" keeps a GGUF file's quantised matrices in their blocks
 (`layers/quant.py`; the parameter of the Linear/Embedding is replaced by a `QuantTensor`);
@@ -42,6 +43,7 @@ from treeserve.models.config import ModelConfig
 from treeserve.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from treeserve.models.gguf_loader import GGUFCheckpoint, is_gguf
 from treeserve.models.llama import LlamaForCausalLM
+from treeserve.models.qwen3_moe import Qwen3MoeForCausalLM
 from treeserve.models.sharding import shard_config, shard_tensor, stage_config, stage_name
 
 # model_type in config.json -> (config class, model class)
@@ -49,11 +51,19 @@ ARCHITECTURES: dict[str, tuple[type[ModelConfig], type[LlamaForCausalLM]]] = {
     "llama": (ModelConfig, LlamaForCausalLM),
     "mistral": (ModelConfig, LlamaForCausalLM),
     "qwen2": (ModelConfig, LlamaForCausalLM),
+    "qwen3": (ModelConfig, LlamaForCausalLM),
+    "qwen3_moe": (ModelConfig, Qwen3MoeForCausalLM),
+    "phi3": (ModelConfig, LlamaForCausalLM),
     "gemma3_text": (Gemma3Config, Gemma3ForCausalLM),
 }
 
 
 QUANTIZATIONS = ("gguf", "int8")
+# A checkpoint tensor under these local names must be one the decoder reads: anything else there
+# (a quantisation scale, an expert of another architecture) is an error, never silently dropped.
+# Ignorable: rope tables cached in the checkpoint (`rotary_emb`), the tied LM head's copy. Tensors
+# outside the decoder (reward heads: `score.*`, `v_head.*`) go to `LoadedModel.extra_tensors`.
+DECODER_PREFIXES = ("layers.", "embed_tokens.", "norm.")
 RANDOM_WEIGHTS = "random_weights.json"  # its presence: random weights from config.json (module docstring)
 log = logging.getLogger(__name__)
 
@@ -285,20 +295,46 @@ def _collect_state(
         if local is None:  # another pipeline stage's
             continue
         if local not in expected:
-            if "rotary_emb" not in hf_name and not (hf_name == "lm_head.weight" and model.config.tie_word_embeddings):
-                extra[hf_name] = tensor.dequantize() if isinstance(tensor, QuantTensor) else tensor
+            if "rotary_emb" in hf_name or (hf_name == "lm_head.weight" and model.config.tie_word_embeddings):
+                continue  # IGNORABLE: a cached rope table; the tied head's copy of the table
+            if local.startswith(DECODER_PREFIXES):
+                raise ValueError(f"checkpoint {model_dir!r} has tensor {hf_name!r} that {type(model).__name__} does "
+                                 "not read (a quantised or other-architecture checkpoint?)")  # fmt: skip
+            extra[hf_name] = tensor.dequantize() if isinstance(tensor, QuantTensor) else tensor
             continue
-        tensor = shard_tensor(local, tensor, part, model.config)
-        if part is None:
-            state[local] = tensor.to(dtype)
-        else:
-            parts.setdefault(local, {})[part] = tensor.to(dtype)
+        pieces = [(part, tensor)] if part is not None else _fused_parts(local, tensor, model)
+        for part, piece in pieces:
+            piece = shard_tensor(local, piece, part, model.config)
+            if part is None:
+                state[local] = piece.to(dtype)
+            else:
+                parts.setdefault(local, {})[part] = piece.to(dtype)
     for local, pieces in parts.items():
         order = model.FUSED_ORDER[local.split(".")[-2]]
         if set(pieces) != set(order):
             raise ValueError(f"checkpoint {model_dir!r} lacks {set(order) - set(pieces)} for {local}")
         state[local] = _fuse([pieces[p] for p in order], dtype)
     return state, extra
+
+
+def _fused_parts(local: str, tensor: torch.Tensor | QuantTensor,
+                 model: LlamaForCausalLM) -> list[tuple[str | None, torch.Tensor | QuantTensor]]:  # fmt: skip
+    """A checkpoint tensor as (fused part, rows) pieces: a q/k/v or gate/up matrix that the checkpoint
+    holds fused already (Phi-3's `qkv_proj`, `gate_up_proj`) in its parts, so a tensor-parallel rank
+    takes its slice of each; any other tensor whole, as (None, tensor)."""
+    module = local.split(".")[-2] if local.count(".") else local
+    if module not in model.FUSED_ORDER or isinstance(tensor, QuantTensor):
+        return [(None, tensor)]
+    cfg = model.config
+    if module == "qkv_proj":
+        q = cfg.num_heads * cfg.tp_size * cfg.head_dim
+        kv = (cfg.full_kv_heads or cfg.num_kv_heads) * cfg.head_dim
+        sizes = [q, kv, kv]
+    else:
+        sizes = [tensor.shape[0] // 2] * 2
+    if sum(sizes) != tensor.shape[0]:
+        raise ValueError(f"fused tensor {local} has {tensor.shape[0]} rows, config.json implies {sum(sizes)}")
+    return list(zip(model.FUSED_ORDER[module], tensor.split(sizes, dim=0), strict=True))
 
 
 def _fuse(pieces: list[torch.Tensor | QuantTensor], dtype: torch.dtype) -> torch.Tensor | QuantTensor:

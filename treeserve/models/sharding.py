@@ -3,7 +3,8 @@
 Owns the split (Megatron's), for rank r of k:
 
 - qkv_proj, gate_up_proj: column-parallel, each fused part (q, k, v; gate, up) cut into k
-  slices of whole heads (q: num_heads / k, k and v: num_kv_heads / k) or intermediate rows;
+  slices of whole heads (q: num_heads / k, k and v: num_kv_heads / k) or intermediate rows,
+  every routed expert's alike (Qwen3-MoE; the router is replicated);
 - o_proj, down_proj: row-parallel (the rank's input columns), bias on rank 0 only; their
   outputs are all-reduced (`distributed/groups.py::RankGroup.all_reduce`), once per block;
 - embed_tokens: vocab-parallel (rows [r V/k, (r+1) V/k)); ids outside the slice look up
@@ -38,6 +39,8 @@ def check_divisible(cfg: ModelConfig, size: int, vocab_size: int) -> None:
     """Refuse a split that does not come out whole, naming the numbers (before any weight loads).
     Fewer KV heads than ranks are replicated (vLLM's rule) when the ranks are a multiple of them."""
     counts = {"attention heads": cfg.num_heads, "intermediate size": cfg.intermediate_size, "vocabulary": vocab_size}
+    if cfg.moe is not None:
+        counts["experts' intermediate size"] = cfg.moe.intermediate_size
     bad = [f"{name} {value}" for name, value in counts.items() if value % size]
     if cfg.num_kv_heads % size and size % cfg.num_kv_heads:
         bad.insert(1, f"KV heads {cfg.num_kv_heads} (or be a multiple of them)")
@@ -55,8 +58,9 @@ def shard_config(cfg: ModelConfig, rank: int, size: int) -> ModelConfig:
     if size == 1:
         return cfg
     check_divisible(cfg, size, cfg.vocab_size)
+    moe = None if cfg.moe is None else replace(cfg.moe, intermediate_size=cfg.moe.intermediate_size // size)
     return replace(cfg, num_heads=cfg.num_heads // size, num_kv_heads=max(cfg.num_kv_heads // size, 1),
-                   intermediate_size=cfg.intermediate_size // size, tp_rank=rank, tp_size=size,
+                   intermediate_size=cfg.intermediate_size // size, moe=moe, tp_rank=rank, tp_size=size,
                    full_kv_heads=cfg.num_kv_heads)  # fmt: skip
 
 
