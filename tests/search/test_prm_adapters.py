@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from tests.search.prm_fixtures import build_arith_step_tag, build_reward_head, build_rlhflow, build_value_head
 from treeserve.runtime.runtime import ModelSpec, Runtime
-from treeserve.search.prm import RewardHeadPRM, RLHFlowPRM, StepTagPRM, ValueHeadPRM, load_prm
+from treeserve.search.prm import PRMInputTooLong, RewardHeadPRM, RLHFlowPRM, StepTagPRM, ValueHeadPRM, load_prm
 
 QUESTION = "Compute (12 + 7) * 3 - 15."
 STEPS = ["Step 1: 12 + 7 = 19.", "Step 2: 19 * 3 = 57.", "Step 3: 57 - 15 = 42.", "The answer is 42."]
@@ -269,19 +269,20 @@ def test_load_prm_detects_style(prm_dirs, arith_dir):
     serve(all_dirs(prm_dirs, arith_dir), body)
 
 
-def test_steps_past_the_prm_context_score_zero(arith_dir):
-    """A beam longer than the PRM's context is not an error: its unreadable steps score 0 (search
-    drops it) and the readable ones keep the scores they have in a full read."""
+def test_an_input_past_the_prm_context_is_refused(arith_dir):
+    """A beam longer than the PRM's context is refused with an error naming both lengths, never
+    scored 0 or cut; what fits keeps the scores it has in a full read."""
 
     async def body(runtime: Runtime) -> None:
         prm = load_prm(runtime, "step_tag", style="step_tag")
-        ids, positions = prm.build(ARITH_QUESTION, ARITH_STEPS)
+        _, positions = prm.build(ARITH_QUESTION, ARITH_STEPS)
         full = await prm.score(ARITH_QUESTION, ARITH_STEPS)
-        limit = positions[1] + 1  # room for the first two tags only
-        runtime.engine("step_tag").max_model_len = limit
-        cut = await prm.score(ARITH_QUESTION, ARITH_STEPS)
-        assert len(cut) == len(ARITH_STEPS) and cut[2:] == [0.0] * (len(ARITH_STEPS) - 2)
-        assert max(abs(a - b) for a, b in zip(cut[:2], full[:2], strict=True)) <= TOL
-        assert await prm.score(ARITH_QUESTION, ARITH_STEPS, start=2) == [0.0] * (len(ARITH_STEPS) - 2)
+        runtime.engine("step_tag").max_model_len = limit = positions[1] + 1  # room for the first two tags only
+        for start in (0, 2):
+            with pytest.raises(PRMInputTooLong, match=f"needs {positions[-1] + 1} tokens .* at most {limit}") as e:
+                await prm.score(ARITH_QUESTION, ARITH_STEPS, start=start)
+            assert (e.value.needed, e.value.limit) == (positions[-1] + 1, limit) and isinstance(e.value, ValueError)
+        fits = await prm.score(ARITH_QUESTION, ARITH_STEPS[:2])
+        assert max(abs(a - b) for a, b in zip(fits, full[:2], strict=True)) <= TOL
 
     serve({"step_tag": arith_dir}, body)

@@ -17,13 +17,16 @@ twice the width (at most n), width / beam_width of them, and copies them up to i
 current width's would leave one survivor copied 8 times on the way from 4 to 8). With a budget
 (`SearchContext.next_width`) a problem may also narrow again. Off, the search is exactly the
 fixed-width one.
+
+A beam whose PRM input outgrew the PRM's context is dropped (fate "too_long"); with a
+verifier (`SearchContext.verify`) the beams returned are re-scored and re-ranked by it.
 """
 
 from __future__ import annotations
 
 from treeserve.search.certainty import reward_certainty
 from treeserve.search.context import SearchContext, gather_or_cancel
-from treeserve.search.trace import DUPLICATE, FINISHED, KEPT, PRUNED
+from treeserve.search.trace import DUPLICATE, FINISHED, KEPT, PRUNED, TOO_LONG
 from treeserve.search.types import Beam, Problem, aggregate
 
 
@@ -33,7 +36,8 @@ async def beam_search(ctx: SearchContext, problem: Problem) -> list[Beam]:
     active = [Beam(path=(j,)) for j in range(widths[0])]
     finished: list[Beam] = []
     try:
-        return await _iterate(ctx, problem, active, finished, widths)
+        beams = ctx.check_left(problem, await _iterate(ctx, problem, active, finished, widths))
+        return await ctx.verify(problem, beams)
     finally:  # speculative requests of beams nobody will extend
         for beam in active + finished:
             beam.drop_speculation()
@@ -49,10 +53,10 @@ async def _iterate(
         grown = await gather_or_cancel(*(ctx.expand(problem, b, to_eos=last and c.final_to_eos) for b in active))
         beams = [children[0] for children in grown]
         await gather_or_cancel(*(ctx.score_beam(problem, b, lookahead=not last) for b in beams))
-        finished += [b for b in beams if b.completed]
+        finished += [b for b in beams if b.completed and not b.dropped]
         active[:] = beams
-        alive = [i for i, b in enumerate(beams) if not b.completed]  # indices into beams
-        fates = [FINISHED] * len(beams)
+        alive = [i for i, b in enumerate(beams) if not (b.completed or b.dropped)]  # indices into beams
+        fates = [TOO_LONG if b.dropped else FINISHED for b in beams]
         if c.filter_duplicates:  # the first of each text, in search-and-learn's order
             unique = list({beams[i].text: i for i in reversed(alive)}.values())[::-1]
             for i in set(alive) - set(unique):

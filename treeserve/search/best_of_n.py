@@ -9,13 +9,18 @@ Adaptive (`config.adaptive`, Adaptive-Consistency's sequential sampling): comple
 in rounds, `first_width` of them first (the same ones as the first of a fixed run: the root
 seed, indices 0..), then more (seeded by the round) up to twice as many in all, at most n,
 until the answers' certainty (`certainty.vote_certainty`) reaches `config.certainty`.
+
+A completion whose PRM input outgrew the PRM's context is dropped (fate "too_long", not
+returned). With an outcome reward model as the PRM (style orm) and agg "last", each
+completion's score is the ORM's on the whole of it; with a verifier
+(`SearchContext.verify`) the completions returned are re-scored by it.
 """
 
 from __future__ import annotations
 
 from treeserve.search.certainty import vote_certainty
 from treeserve.search.context import SearchContext
-from treeserve.search.trace import FINISHED
+from treeserve.search.trace import FINISHED, TOO_LONG
 from treeserve.search.types import Beam, Problem
 
 
@@ -42,15 +47,15 @@ async def _sample(ctx: SearchContext, problem: Problem, scored: bool) -> list[Be
         beams += fresh
         if not c.adaptive:
             break
-        certainty = vote_certainty(ctx.answers(problem, beams))
+        certainty = vote_certainty(ctx.answers(problem, [b for b in beams if not b.dropped]))
         if ctx.decide(problem, round_, width, certainty, exhausted=width == c.n, grows=True):
             break
-    ctx.report(problem, 0, beams, [FINISHED] * len(beams))
-    return beams
+    ctx.report(problem, 0, beams, [TOO_LONG if b.dropped else FINISHED for b in beams])
+    return ctx.check_left(problem, [b for b in beams if not b.dropped])
 
 
 async def best_of_n(ctx: SearchContext, problem: Problem) -> list[Beam]:
-    return await _sample(ctx, problem, scored=True)
+    return await ctx.verify(problem, await _sample(ctx, problem, scored=True))
 
 
 async def majority(ctx: SearchContext, problem: Problem) -> list[Beam]:

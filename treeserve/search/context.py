@@ -5,7 +5,13 @@ The values strategies pass around (`Problem`, `Beam`, `Leftover`) are `types.py`
 Also the primitives strategies are written in: `expand` (generate the next step of a
 beam, as token ids so the next prompt is exactly what was sampled), `score` (PRM scores of
 a beam's steps, through the score cache when it is on) and `score_beam` (the same for a
-beam, after a greedy lookahead rollout whose text is scored and then discarded).
+beam, after a greedy lookahead rollout whose text is scored and then discarded), and
+`verify` (the final beams re-scored by an outcome reward model, `verifier`).
+
+A beam whose PRM input outgrows the PRM's context (`PRMInputTooLong`) is dropped: marked
+`dropped`, counted (`prm_too_long`, `Problem.too_long`) and traced as "too_long"; a
+strategy left with nothing to return raises the error (`check_left`), which the server
+answers with a 400.
 """
 
 from __future__ import annotations
@@ -17,12 +23,12 @@ from dataclasses import dataclass, field, replace
 from treeserve.outputs import CompletionOutput
 from treeserve.runtime.runtime import Runtime, check_constraint
 from treeserve.sampling_params import SamplingParams, StructuredOutputsParams
-from treeserve.search.prm.base import PRM
+from treeserve.search.prm.base import PRM, PRMInputTooLong
 from treeserve.search.score_cache import ScoreCache, prefix_keys
 from treeserve.search.seeds import lineage_seed
 from treeserve.search.trace import SearchTrace
 from treeserve.search.tree_tokens import TreeTokens
-from treeserve.search.types import STEP_STOP, Beam, Leftover, Problem
+from treeserve.search.types import STEP_STOP, Beam, Leftover, Problem, aggregate
 
 STRATEGIES = ("best_of_n", "weighted_best_of_n", "majority", "beam_search", "dvts")
 # what an unset step_regex / answer_regex allows: any text without a blank line (the separator);
@@ -193,9 +199,13 @@ class SearchContext:
     runtime: Runtime
     generator: str
     prm: PRM | None
+    # an outcome reward model that re-scores the beams a strategy returns (`verify`): their step
+    # scores become its scores by the prefix rule (search/prm/outcome.py), the PRM's stay in the trace
+    verifier: PRM | None = None
     cache: ScoreCache = field(default_factory=ScoreCache)
     prm_tree: TreeTokens = field(default_factory=TreeTokens)  # distinct tokens the PRM was shown
     prm_requests: int = 0
+    prm_too_long: int = 0  # beams dropped because their PRM input outgrew the PRM's context
     in_flight: dict[int, asyncio.Future] = field(default_factory=dict)  # prefix key -> scores being computed
     rollouts: dict[tuple[int, ...], asyncio.Future] = field(default_factory=dict)  # prompt -> rollout running
     generated_tokens: int = 0  # every token the generator sampled for this context, kept or pruned
@@ -217,6 +227,9 @@ class SearchContext:
     def __post_init__(self) -> None:
         if self.prm is not None:
             self.prm.on_input = self._saw_prm_input
+        if self.verifier is not None and not getattr(self.verifier, "outcome", False):
+            raise ValueError(f"the verifier re-scores whole solutions: it must be an outcome reward model "
+                             f"(style orm), got style {self.verifier.style!r}")  # fmt: skip
         if self.config.adaptive and self.answer_of is None:
             raise ValueError("adaptive search needs an answer rule (SearchContext.answer_of) to tell when "
                              "answers agree")  # fmt: skip
@@ -434,12 +447,59 @@ class SearchContext:
         """Set `beam.scores` and, with `lookahead`, `beam.lookahead_scores`: the scores of a rollout
         of `config.lookahead` more steps, which the PRM reads after the beam's own steps."""
         rollout = await self.rollout(problem, beam) if lookahead else []
-        scores, beam.score_source = await self._score(problem, beam.steps + rollout)
+        try:
+            try:
+                scores, beam.score_source = await self._score(problem, beam.steps + rollout)
+            except PRMInputTooLong:
+                if not rollout:
+                    raise
+                rollout = []  # the rollout outgrew the PRM: the beam is ranked by its own steps
+                scores, beam.score_source = await self._score(problem, beam.steps)
+        except PRMInputTooLong as e:
+            self.drop(problem, beam, e)
+            return
         beam.scores, beam.lookahead_scores = scores[: len(beam.steps)], scores[len(beam.steps) :]
         if rollout:  # the rollout's share of the PRM input (as if read whole: the same with caches or without)
             _, positions = self.prm.build(problem.question, beam.steps + rollout)
             own = positions[len(beam.steps) - 1] + 1 if beam.steps else 0
             self.lookahead_prm_tokens += positions[-1] + 1 - own
+
+    def drop(self, problem: Problem, beam: Beam, error: PRMInputTooLong) -> None:
+        """`beam`'s PRM input outgrew the PRM's context: search neither extends nor returns it."""
+        beam.dropped, beam.scores, beam.lookahead_scores = True, [], []
+        beam.drop_speculation()
+        self.prm_too_long += 1
+        problem.too_long += 1
+        problem.too_long_error = error
+
+    @staticmethod
+    def check_left(problem: Problem, beams: list[Beam]) -> list[Beam]:
+        """`beams`, unless none is left because every one was dropped as too long: then the
+        PRM's error, which names the lengths (an HTTP 400 on /v1/search)."""
+        if not beams and problem.too_long_error is not None:
+            raise problem.too_long_error
+        return beams
+
+    async def verify(self, problem: Problem, beams: list[Beam]) -> list[Beam]:
+        """With a verifier: each beam's scores become the verifier's (the prefix rule: step i's
+        is its score of the solution that ends with step i), and the beams are sorted by their
+        aggregated verifier score (stable). A beam too long for the verifier is dropped."""
+        if self.verifier is None or not beams:
+            return beams
+        scored = await gather_or_cancel(*(self._verify(problem, b) for b in beams))
+        kept = [b for b, ok in zip(beams, scored, strict=True) if ok]
+        kept.sort(key=lambda b: -aggregate(b.scores, self.config.agg))
+        return self.check_left(problem, kept)
+
+    async def _verify(self, problem: Problem, beam: Beam) -> bool:
+        if not beam.steps:
+            return True
+        try:
+            beam.scores = await self.verifier.score(problem.question, beam.steps)
+        except PRMInputTooLong as e:
+            self.drop(problem, beam, e)
+            return False
+        return True
 
     async def rollout(self, problem: Problem, beam: Beam) -> list[str]:
         """Up to `config.lookahead` steps after `beam`'s at temperature 0 (text, separator removed).

@@ -14,13 +14,18 @@ casts one vote, the answer of the candidate it kept last (`certainty.vote_certai
 beam_width candidates of one expansion are siblings of one parent and mostly repeat its
 answer, so counting them as votes settled most problems on a single subtree. Subtree i is
 the same whichever wave runs it (its seeds follow its index).
+
+A candidate whose PRM input outgrew the PRM's context is dropped (fate "too_long"); a
+subtree whose candidates are all dropped ends, its result the candidate it kept before
+(none on its first expansion). With a verifier (`SearchContext.verify`) the completions
+returned are re-scored by it.
 """
 
 from __future__ import annotations
 
 from treeserve.search.certainty import vote_certainty
 from treeserve.search.context import SearchConfig, SearchContext, gather_or_cancel
-from treeserve.search.trace import FINISHED, KEPT, PRUNED
+from treeserve.search.trace import FINISHED, KEPT, PRUNED, TOO_LONG
 from treeserve.search.types import Beam, Problem
 
 
@@ -32,19 +37,23 @@ async def _subtree(ctx: SearchContext, problem: Problem, index: int) -> list[Bea
         last = iteration == c.num_iterations - 1
         candidates = await ctx.expand(problem, beam, n=c.beam_width, to_eos=last and c.final_to_eos)
         await gather_or_cancel(*(ctx.score_beam(problem, b, lookahead=not last) for b in candidates))
+        if all(b.dropped for b in candidates):  # the subtree outgrew the PRM: what it kept before
+            ctx.report(problem, iteration, candidates, [TOO_LONG] * len(candidates))
+            return [beam] if iteration else []
         best = _best(candidates, c.agg)
         beam = candidates[best]
         ends = beam.completed or last  # the result is this expansion's candidates
-        fates = [FINISHED if ends else KEPT if i == best else PRUNED for i in range(len(candidates))]
+        fates = [TOO_LONG if b.dropped else FINISHED if ends else KEPT if i == best else PRUNED
+                 for i, b in enumerate(candidates)]  # fmt: skip
         ctx.report(problem, iteration, candidates, fates)
         if beam.completed:
             break
-    return candidates
+    return [b for b in candidates if not b.dropped]
 
 
 def _best(candidates: list[Beam], agg: str) -> int:
     """The candidate a subtree keeps: the highest value, the first of equals."""
-    return max(range(len(candidates)), key=lambda i: (candidates[i].value(agg), -i))
+    return max(range(len(candidates)), key=lambda i: (not candidates[i].dropped, candidates[i].value(agg), -i))
 
 
 def waves(config: SearchConfig) -> list[int]:
@@ -63,8 +72,9 @@ async def dvts(ctx: SearchContext, problem: Problem) -> list[Beam]:
         subtrees += await gather_or_cancel(*(_subtree(ctx, problem, i) for i in range(len(subtrees), count)))
         if not c.adaptive:
             break
-        kept = [tree[_best(tree, c.agg)] for tree in subtrees]  # one vote a subtree
+        kept = [tree[_best(tree, c.agg)] for tree in subtrees if tree]  # one vote a subtree
         certainty = vote_certainty(ctx.answers(problem, kept))
         if ctx.decide(problem, wave, width, certainty, exhausted=width == c.n, grows=True):
             break
-    return [b for tree in subtrees for b in tree]
+    beams = ctx.check_left(problem, [b for tree in subtrees for b in tree])
+    return await ctx.verify(problem, beams)

@@ -3,6 +3,8 @@
 Every problem is its own asyncio task; up to `max_concurrent_problems` are in flight, so
 while some problems wait for the PRM others decode, and the engines' batches stay full
 without a batching mechanism of their own. The reference mode runs one problem at a time.
+A problem whose every beam outgrew the PRM's context (`PRMInputTooLong`) ends with no beams,
+its `stop` saying so, and the run goes on.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from treeserve.search.beam_search import beam_search
 from treeserve.search.best_of_n import best_of_n, majority
 from treeserve.search.context import SearchContext, gather_or_cancel
 from treeserve.search.dvts import dvts
+from treeserve.search.prm.base import PRMInputTooLong
 from treeserve.search.types import Beam
 
 STRATEGY_FUNCTIONS = {
@@ -61,6 +64,10 @@ async def search_problems(
             problem = ctx.problem(uid, question)
             try:
                 beams = await strategy(ctx, problem)
+            except PRMInputTooLong as e:
+                beams = []
+                problem.stop = (problem.stop or {}) | {"reason": "prm_context", "dropped": problem.too_long,
+                                                       "error": str(e)}  # fmt: skip
             finally:
                 ctx.forget(problem)
             seconds = time.perf_counter() - start

@@ -19,7 +19,8 @@ row per candidate, its fields named once (a node's id is its row's index)::
     step_scores       the PRM's score of each of its steps (6 decimals; the completions keep all)
     score             what the search ranked it by (aggregated, with lookahead)
     lookahead_scores  the PRM's scores of its greedy rollout (whose text is discarded)
-    fate              kept | pruned | finished | duplicate
+    fate              kept | pruned | finished | duplicate | too_long (its PRM input outgrew
+                      the PRM's context: dropped, unscored)
     speculative       its step was decoded past the previous boundary (speculative_steps)
     cache             where its scores came from: prm | cache | shared | "" (no PRM)
 
@@ -36,8 +37,8 @@ from dataclasses import dataclass, field
 from treeserve.search.types import Beam
 
 VERSION = 1
-KEPT, PRUNED, FINISHED, DUPLICATE = "kept", "pruned", "finished", "duplicate"
-FATES = (KEPT, PRUNED, FINISHED, DUPLICATE)
+KEPT, PRUNED, FINISHED, DUPLICATE, TOO_LONG = "kept", "pruned", "finished", "duplicate", "too_long"
+FATES = (KEPT, PRUNED, FINISHED, DUPLICATE, TOO_LONG)
 FLAT_STRATEGIES = ("best_of_n", "weighted_best_of_n", "majority")
 FIELDS = ("parent", "iteration", "text", "tokens", "step_scores", "score", "lookahead_scores", "fate", "speculative",
           "cache")  # fmt: skip

@@ -30,6 +30,10 @@ class Problem:
     prm_tokens: int = 0
     # adaptive search: where it stopped and why, the widths it used, its certainty by iteration
     stop: dict | None = None
+    # beams dropped because their PRM input outgrew the PRM's context, and the latest such error
+    # (raised by a strategy that has nothing else left to return)
+    too_long: int = 0
+    too_long_error: ValueError | None = None
 
     @property
     def spent_tokens(self) -> int:
@@ -59,6 +63,7 @@ class Beam:
     # where its scores came from ("prm", "cache", "shared"; "" before any)
     speculative: bool = False
     score_source: str = ""
+    dropped: bool = False  # its PRM input outgrew the PRM's context: search neither extends nor returns it
 
     def child(self, copy: int) -> Beam:
         child = Beam(self.path + (copy,), list(self.step_ids), list(self.steps), list(self.scores), self.completed,

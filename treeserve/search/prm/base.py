@@ -9,6 +9,10 @@ for the new steps' positions (`start=`) lets the engine skip the cached prefix.
 Builders tokenize the prompt and each step's piece on its own (`encode`), and a beam is
 scored once an iteration with all its steps: `encode` remembers each piece's ids, so a
 beam's earlier steps, and the prompt every beam of a problem shares, are tokenized once.
+
+An input whose read positions run past the PRM's context is refused (`PRMInputTooLong`,
+naming both lengths), never truncated or scored 0: the search drops that beam and counts it
+(`SearchContext.prm_too_long`), and a request with nothing left to answer is a 400.
 """
 
 from __future__ import annotations
@@ -21,6 +25,18 @@ from treeserve.runtime.runtime import Runtime
 from treeserve.sampling_params import ScoreParams
 
 ENCODED_PIECES = 1 << 16  # pieces `encode` remembers before it starts afresh
+
+
+class PRMInputTooLong(ValueError):
+    """A PRM input that the PRM's context cannot hold: `needed` positions (up to the last one
+    read, inclusive) against the model's `limit` (its max_model_len)."""
+
+    def __init__(self, model: str, needed: int, limit: int):
+        self.model, self.needed, self.limit = model, needed, limit
+        super().__init__(
+            f"the PRM input needs {needed} tokens but PRM {model!r} reads at most {limit} "
+            f"(its max_model_len): the solution has outgrown the verifier's context"
+        )
 
 
 class PRM(ABC):
@@ -60,15 +76,11 @@ class PRM(ABC):
         if not steps or not 0 <= start < len(steps):
             raise ValueError(f"need at least one step to score after start={start}, got {len(steps)} steps")
         ids, positions = self.build(question, steps)
-        # Steps whose read position lies past the PRM's context cannot be read: they score 0,
-        # so search drops the beam (it has outgrown the verifier) instead of failing the problem.
         limit = self.runtime.engine(self.model).max_model_len
-        readable = [p for p in positions[start:] if p < limit]
-        unread = [0.0] * (len(positions) - start - len(readable))
-        if not readable:
-            return unread
-        ids = ids[: readable[-1] + 1]
+        if positions[-1] >= limit:
+            raise PRMInputTooLong(self.model, positions[-1] + 1, limit)
+        ids = ids[: positions[-1] + 1]
         if self.on_input is not None:
             self.on_input(ids)
-        out = await self.runtime.score(self.model, ids, self.score_params(readable))
-        return self.read(out) + unread
+        out = await self.runtime.score(self.model, ids, self.score_params(positions[start:]))
+        return self.read(out)
