@@ -37,6 +37,7 @@ from treeserve.model_flags import add_model_flags, model_settings
 ASSETS = Path(__file__).parent / "assets"
 DEFAULT_GENERATOR = ASSETS / "arith-generator"
 DEFAULT_PROBLEMS = ["Compute ((12 + 7) * 3) - 15.", "Compute (((9 * 4) - 6) + 11) - 8."]
+REASONING_PARSERS = ["deepseek_r1", "qwen3"]  # server/reasoning.py's PARSERS (not imported: it loads torch)
 
 
 def _default_model() -> Path:
@@ -376,7 +377,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         **_models(args), served_model_name=args.served_model_name, host=args.host, port=args.port,
         api_key=args.api_key, engine_process=not args.engine_in_process, shutdown_timeout=args.shutdown_timeout,
-        trace_ring=args.trace_ring,
+        trace_ring=args.trace_ring, reasoning_parser=args.reasoning_parser,
     )  # fmt: skip
     serve(settings)
     return 0
@@ -503,6 +504,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="on SIGTERM: seconds open requests get to finish before they are aborted")  # fmt: skip
     srv.add_argument("--trace-ring", type=int, default=32,
                      help="traced searches (/v1/search with trace: true) kept for GET /ui, newest first")  # fmt: skip
+    srv.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                     help="split chat completions' <think>...</think> into reasoning_content (vLLM's names): "
+                          "deepseek_r1 (text before </think> is reasoning) or qwen3 (needs <think>)")  # fmt: skip
     srv.set_defaults(func=cmd_serve)
 
     conv = sub.add_parser("convert-gguf", help="write a GGUF model as a Hugging Face checkpoint directory")

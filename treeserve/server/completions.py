@@ -34,6 +34,7 @@ from treeserve.server.protocol import (
     new_id,
     now,
 )
+from treeserve.server.reasoning import ReasoningParser, ReasoningStream
 from treeserve.server.traces import TraceRing
 from treeserve.server.wire import CoreError
 
@@ -54,6 +55,7 @@ class Served:
     generator: str = "generator"
     prm: PRM | None = None  # the PRM adapter, when a PRM is hosted (loaded once, at startup)
     traces: TraceRing = field(default_factory=TraceRing)  # the newest traced searches (GET /ui)
+    reasoning: ReasoningParser | None = None  # chat completions split `<think>` blocks into reasoning_content
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -95,7 +97,8 @@ def sampling_params(served: Served, req: SamplingFields, prompt_len: int, max_to
         skip_special_tokens=req.skip_special_tokens, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
         logit_bias=req.logit_bias, min_tokens=req.min_tokens, prompt_logprobs=prompt_logprobs,
-        structured_outputs=structured_outputs(req), output_kind=RequestOutputKind.DELTA,
+        structured_outputs=structured_outputs(req), max_thinking_tokens=req.max_thinking_tokens,
+        output_kind=RequestOutputKind.DELTA,
     )  # fmt: skip
 
 
@@ -316,6 +319,9 @@ async def full_response(served: Served, job: Job, chat: bool) -> dict:
             choice: dict = {"index": i * n + c.index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if chat:
                 choice["message"] = {"role": "assistant", "content": c.text}
+                if served.reasoning is not None:
+                    parsed = served.reasoning.parse(c.text)
+                    choice["message"].update(content=parsed.content, reasoning_content=parsed.reasoning)
                 choice["logprobs"] = chat_logprobs(c, k) if k is not None else None
             else:
                 echo = job.echo[i] if job.echo else ""
@@ -344,7 +350,9 @@ class StreamState:
     job: Job
     chat: bool
     decode: Callable[[list[int], bool], str]
+    reasoning: ReasoningParser | None = None
     offsets: dict[int, int] = field(default_factory=dict)
+    thinking: dict[int, ReasoningStream] = field(default_factory=dict)  # per choice, with a reasoning parser
     ended: set[int] = field(default_factory=set)
     heads: dict[int, RequestOutput] = field(default_factory=dict)
     completion_tokens: int = 0
@@ -370,11 +378,14 @@ class StreamState:
             text, done = c.text, c.finish_reason is not None
             echo = job.echo[prompt_index] if job.echo else ""
             offset = self.offsets.get(index, len(echo))
+            delta = self._delta(index, text, done) if self.chat else {}
+            if self.chat:
+                text = "".join(delta.values())  # (with a reasoning parser, a tag's start may be held back)
             if not text and not done and not (first and echo) and not (self.k is not None and c.token_ids):
                 continue
             choice: dict = {"index": index, "finish_reason": c.finish_reason if done else None}
             if self.chat:
-                choice["delta"] = {"content": text} if text or not done else {}
+                choice["delta"] = delta if delta or done else {"content": ""}
                 choice["logprobs"] = chat_logprobs(c, self.k) if self.k is not None else None
             else:
                 choice["text"] = (echo if first else "") + text
@@ -392,13 +403,25 @@ class StreamState:
                 self.ended.add(index)
         return choices
 
+    def _delta(self, index: int, text: str, done: bool) -> dict:
+        """A chat choice's delta: its new text as content, or with a reasoning parser, as
+        reasoning_content and content (what a tag that may be incomplete leaves is held back)."""
+        if self.reasoning is None:
+            return {"content": text} if text else {}
+        stream = self.thinking.get(index)
+        if stream is None:
+            stream = self.thinking[index] = self.reasoning.stream()
+        reasoning, content = stream.feed(text, final=done)
+        delta = {"reasoning_content": reasoning} if reasoning else {}
+        return {**delta, "content": content} if content else delta
+
 
 async def stream_events(served: Served, job: Job, chat: bool, include_usage: bool) -> AsyncIterator[str]:
     """Server-Sent Events: one chunk per step that produced text, then usage if asked, then [DONE]."""
     rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
     kind = "chat.completion.chunk" if chat else "text_completion"
     decode = served.runtime.engine(served.generator).tokenizer.decode
-    state = StreamState(job, chat, decode)
+    state = StreamState(job, chat, decode, served.reasoning)
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
         body = {"id": rid, "object": kind, "created": created, "model": served.model_name, "choices": choices}

@@ -23,9 +23,11 @@ from treeserve.server.traces import TraceRing
 def build_core_served(settings: ServerSettings) -> Served:
     """The API process's side: the models load in the engine-core process when the app starts."""
     settings.check()  # bad settings fail here, before a process is started
+    reasoning = settings.reasoning()
     client = CoreClient(settings)
     metrics = ServerMetrics(lambda: client.last_stats)
-    served = Served(client, settings.name, metrics, traces=TraceRing(settings.trace_ring))  # type: ignore[arg-type]
+    served = Served(client, settings.name, metrics, traces=TraceRing(settings.trace_ring),  # type: ignore[arg-type]
+                    reasoning=reasoning)  # fmt: skip
     client.on_restart = served.metrics.core_restarts.inc
     return served
 

@@ -4,7 +4,8 @@ Owns validation at the HTTP boundary. Field names, defaults and response fields 
 OpenAI's API reference; the extras vLLM accepts (`top_k`, `min_p`, `ignore_eos`,
 `stop_token_ids`, `repetition_penalty`, `min_tokens`, `prompt_logprobs`, ...) are accepted
 too, and so are the structured-output fields: OpenAI's `response_format`, vLLM's
-`structured_outputs` and its older `guided_*` names. Bounds that protect the server (at
+`structured_outputs` and its older `guided_*` names, and a reasoning model's thinking budget
+(`max_thinking_tokens`). Bounds that protect the server (at
 most `MAX_N` completions, `MAX_LOGPROBS` top log-probabilities, `MAX_STOP` stop strings,
 `MAX_LOGIT_BIAS` biased tokens) are part of the schema, so a bad value is a 400 before
 anything is queued.
@@ -115,6 +116,8 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
+    # reasoning models: at most this many tokens in a `<think>` block, then `</think>` and the answer
+    max_thinking_tokens: Annotated[int, Field(ge=0)] | None = None
 
 
 class CompletionRequest(SamplingFields):

@@ -11,11 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from treeserve.models.tokenizer import Tokenizer
 from treeserve.runtime.model_settings import ModelSettings
 from treeserve.runtime.runtime_settings import RuntimeSettings
 from treeserve.search.prm import load_prm
 from treeserve.server.completions import Served
 from treeserve.server.metrics import ServerMetrics, engine_stats
+from treeserve.server.reasoning import ReasoningParser
 from treeserve.server.traces import TraceRing
 
 
@@ -31,6 +33,7 @@ class ServerSettings:
     engine_process: bool = True  # the engines in an engine-core process of their own (False: in this one)
     shutdown_timeout: float = 30.0  # on SIGTERM, seconds open requests get before they are aborted
     trace_ring: int = 32  # how many traced searches (/v1/search "trace": true) GET /ui keeps, newest first
+    reasoning_parser: str | None = None  # the generator's think-block convention (server/reasoning.py's PARSERS)
 
     @property
     def name(self) -> str:
@@ -45,12 +48,22 @@ class ServerSettings:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.trace_ring < 0:
             raise ValueError(f"trace_ring must be >= 0 (0 keeps no traced search), got {self.trace_ring}")
+        if self.reasoning_parser is not None:
+            ReasoningParser(self.reasoning_parser)  # the name; the tokenizer in `reasoning`
+
+    def reasoning(self) -> ReasoningParser | None:
+        """The generator's reasoning parser, checked against its tokenizer (ValueError: it has no
+        think tokens), before any weights load."""
+        if self.reasoning_parser is None:
+            return None
+        return ReasoningParser.for_tokenizer(self.reasoning_parser, Tokenizer(self.generator.path))
 
 
 def build_served(settings: ServerSettings) -> Served:
     settings.check()
+    reasoning = settings.reasoning()
     runtime = settings.runtime.load(settings.generator, settings.prm)
     print(runtime.memory_plan.table(), flush=True)
     prm = load_prm(runtime, "prm", settings.prm.style) if settings.prm else None  # a bad PRM fails at startup
     metrics = ServerMetrics(lambda: engine_stats(runtime))
-    return Served(runtime, settings.name, metrics, prm=prm, traces=TraceRing(settings.trace_ring))
+    return Served(runtime, settings.name, metrics, prm=prm, traces=TraceRing(settings.trace_ring), reasoning=reasoning)
