@@ -45,12 +45,14 @@ def _our_logits(llm) -> torch.Tensor:  # noqa: ANN001 - treeserve.LLM
     return llm.engine.model.compute_logits(out.hidden_states)
 
 
-@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("gemma3", GEMMA)])
+@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("gemma3", GEMMA), ("qwen3", {})])
 def test_gguf_logits_equal_transformers_gguf_reader(tmp_path, make_llm, arch, overrides):
     path = _gguf(tmp_path, arch, **overrides)
     # transformers' GGUF reader leaves query_pre_attn_scalar at its default (256, the real models'
     # head_dim); llama.cpp, and we, take the file's head_dim
     config = {"query_pre_attn_scalar": overrides["head_dim"]} if arch == "gemma3" else {}
+    if arch == "qwen3":  # nor does it read head_dim from attention.key_length (Qwen3's is no hidden / heads)
+        config = {"head_dim": 32}
     ref = _transformers_logits(os.path.dirname(path), os.path.basename(path), **config)
     diff = (_our_logits(make_llm(path, dequantize=True)) - ref).abs().max().item()
     assert diff <= 1e-4, f"max abs logit diff {diff}"

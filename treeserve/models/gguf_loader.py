@@ -12,7 +12,7 @@ llama.cpp's interleaved rope; Gemma norm weights were stored as 1 + w. `convert_
 the result as a Hugging Face directory that transformers and vLLM load.
 
 Supported `general.architecture`: llama (without llama3 rope scaling, whose parameters a
-GGUF does not keep), qwen2, gemma3. Gemma 3 details llama.cpp fixes in code rather than
+GGUF does not keep), qwen2, qwen3, gemma3. Gemma 3 details llama.cpp fixes in code rather than
 metadata (older files) are fixed here the same way: every 6th layer global and local rope base
 10000 unless `attention.sliding_window_pattern` / `rope.freq_base_swa` say otherwise, and
 query_pre_attn_scalar = head_dim (hidden / heads for the 62-layer 27B).
@@ -35,7 +35,8 @@ from treeserve.models.gguf_file import GGUFFile
 
 log = logging.getLogger(__name__)
 
-ARCH_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3_text"}
+ARCH_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+ARCH_NAMES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 _LAYER_NAMES = {  # llama.cpp's per-layer tensor name -> Hugging Face's (after model.layers.N.)
     "attn_q": "self_attn.q_proj",
@@ -137,8 +138,8 @@ class GGUFCheckpoint:
                 },
             )
         else:
-            arch_name = "Qwen2ForCausalLM" if model_type == "qwen2" else "LlamaForCausalLM"
-            config.update(architectures=[arch_name], hidden_act="silu", rope_theta=theta, rope_scaling=scaling)
+            config.update(architectures=[ARCH_NAMES[model_type]], hidden_act="silu", rope_theta=theta,
+                          rope_scaling=scaling)  # fmt: skip
         return config
 
     def _gemma_layer_types(self, layers: int) -> list[str]:
