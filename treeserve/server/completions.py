@@ -7,7 +7,8 @@ all of them in one engine loop): a step hands the routes what it added, so a lon
 costs each step what the step added, not its length. Streaming responses are Server-Sent
 Events ending in `data: [DONE]`; text that could still turn out to be the start of a stop
 string is held back (by the engine) until it cannot. Closing a stream (or a client that goes
-away) aborts the engine requests.
+away) aborts the engine requests. With a reasoning parser (`reasoning.py`), a chat choice's text
+is split into `reasoning_content` and `content`, whole or delta by delta.
 """
 
 from __future__ import annotations
