@@ -19,6 +19,7 @@ INERT = {
     "embd_pdrop", "id2label", "initializer_range", "label2id", "model_type", "num_labels", "output_attentions",
     "output_hidden_states", "output_router_logits", "pad_token_id", "pretraining_tp", "problem_type", "resid_pdrop",
     "return_dict", "router_aux_loss_coef", "tokenizer_class", "torch_dtype", "transformers_version", "use_cache",
+    "classifier_dropout", "token_classification_bias",  # a reward head's: the PRM adapters read its tensors
 }  # fmt: skip
 # pretraining_tp splits Llama's matmuls into slices summed again: the same products in another order.
 
