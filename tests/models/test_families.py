@@ -130,3 +130,17 @@ def test_bf16_families_close_to_fp32(family_dirs, make_llm):
         low = our_logits(make_llm(family_dirs[arch], dtype="bfloat16"), ids)
         ref = reference_logits(family_dirs[arch], ids)
         assert (low - ref).abs().max().item() < 0.1 * ref.abs().max().item(), arch
+
+
+@pytest.mark.slow  # the Triton interpreter: ~15-30 s a family (CI runs the slow step)
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_triton_backend_logits_match_transformers(family_dirs, make_llm, arch):
+    """The Triton attention backend (a GPU, or the interpreter on CPU tensors) on each family:
+    chunked, paged prefill with 4-token pages, fp32 logits equal to transformers'."""
+    pytest.importorskip("triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    small = {"block_size": 4, "max_num_batched_tokens": 16, "kv_cache_memory": 1 << 20}
+    llm = make_llm(family_dirs[arch], attention_backend="triton", device=device, **small)
+    ids = llm.get_tokenizer().encode(PROMPTS[1])
+    diff = (our_logits(llm, ids) - reference_logits(family_dirs[arch], ids)).abs().max().item()
+    assert diff <= 1e-4, f"max abs logit diff {diff}"
