@@ -27,7 +27,9 @@ HF_TO_GGUF = {
     "mlp.down_proj": "ffn_down",
     "post_feedforward_layernorm": "post_ffw_norm",
     "pre_feedforward_layernorm": "ffn_norm",
+    "mlp.gate": "ffn_gate_inp",
 }
+EXPERT_TENSORS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 
 
 def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
@@ -99,10 +101,19 @@ def write_gguf(hf_dir: str, out_path: str, arch: str, quants: tuple[str, ...] = 
             writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
     else:
         writer.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    if arch == "qwen3moe":  # every expert's matrices of a layer as one 3-D tensor, as llama.cpp's converter
+        writer.add_expert_count(cfg["num_local_experts"])
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        tensors = _stack_experts(tensors, cfg["num_local_experts"])
     _add_tokenizer(writer, hf_dir, cfg)
     rng = np.random.default_rng(0)
     for i, (name, data) in enumerate(sorted(tensors.items())):
         data = data.astype(np.float32)
+        if data.ndim == 3:  # stacked experts
+            writer.add_tensor(name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)  # fmt: skip
+            continue
         if arch == "llama" and ".q_proj." in name:
             data = _permute(data, heads)
         elif arch == "llama" and ".k_proj." in name:
@@ -123,6 +134,18 @@ def write_gguf(hf_dir: str, out_path: str, arch: str, quants: tuple[str, ...] = 
     writer.write_tensors_to_file()
     writer.close()
     return out_path
+
+
+def _stack_experts(tensors: dict[str, np.ndarray], experts: int) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors with each layer's experts stacked under llama.cpp's names
+    (`blk.N.ffn_gate_exps.weight`: [experts, rows, cols])."""
+    out = {k: v for k, v in tensors.items() if ".mlp.experts." not in k}
+    layers = {int(k.split(".")[2]) for k in tensors if ".mlp.experts." in k}
+    for layer in sorted(layers):
+        for proj, target in EXPERT_TENSORS.items():
+            names = [f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight" for e in range(experts)]
+            out[f"blk.{layer}.{target}.weight"] = np.stack([tensors[n] for n in names])
+    return out
 
 
 def _add_tokenizer(writer, hf_dir: str, cfg: dict) -> None:  # noqa: ANN001 - gguf.GGUFWriter

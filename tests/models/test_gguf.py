@@ -28,7 +28,7 @@ GEMMA = dict(head_dim=16, num_hidden_layers=6, sliding_window=8, query_pre_attn_
 
 
 def _gguf(tmp_path, arch: str, **overrides) -> str:
-    model_type = "gemma3_text" if arch == "gemma3" else arch
+    model_type = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}.get(arch, arch)
     hf_dir = build_checkpoint(str(tmp_path / "hf"), model_type, **overrides)
     return write_gguf(hf_dir, str(tmp_path / "hf" / "tiny.gguf"), arch)
 
@@ -45,7 +45,8 @@ def _our_logits(llm) -> torch.Tensor:  # noqa: ANN001 - treeserve.LLM
     return llm.engine.model.compute_logits(out.hidden_states)
 
 
-@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("gemma3", GEMMA), ("qwen3", {})])
+@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("gemma3", GEMMA), ("qwen3", {}),
+                                             ("qwen3moe", {"mlp_only_layers": []})])  # llama.cpp: every layer routed
 def test_gguf_logits_equal_transformers_gguf_reader(tmp_path, make_llm, arch, overrides):
     path = _gguf(tmp_path, arch, **overrides)
     # transformers' GGUF reader leaves query_pre_attn_scalar at its default (256, the real models'
@@ -53,6 +54,8 @@ def test_gguf_logits_equal_transformers_gguf_reader(tmp_path, make_llm, arch, ov
     config = {"query_pre_attn_scalar": overrides["head_dim"]} if arch == "gemma3" else {}
     if arch == "qwen3":  # nor does it read head_dim from attention.key_length (Qwen3's is no hidden / heads)
         config = {"head_dim": 32}
+    if arch == "qwen3moe":  # nor the experts' width from expert_feed_forward_length
+        config = {"moe_intermediate_size": 32}
     ref = _transformers_logits(os.path.dirname(path), os.path.basename(path), **config)
     diff = (_our_logits(make_llm(path, dequantize=True)) - ref).abs().max().item()
     assert diff <= 1e-4, f"max abs logit diff {diff}"

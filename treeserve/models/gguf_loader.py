@@ -12,9 +12,10 @@ llama.cpp's interleaved rope; Gemma norm weights were stored as 1 + w. `convert_
 the result as a Hugging Face directory that transformers and vLLM load.
 
 Supported `general.architecture`: llama (without llama3 rope scaling, whose parameters a
-GGUF does not keep), qwen2, qwen3, gemma3. Gemma 3 details llama.cpp fixes in code rather than
-metadata (older files) are fixed here the same way: every 6th layer global and local rope base
-10000 unless `attention.sliding_window_pattern` / `rope.freq_base_swa` say otherwise, and
+GGUF does not keep), qwen2, qwen3, qwen3moe (its 3-D expert tensors dequantised at load, one
+matrix an expert), gemma3. Gemma 3 details llama.cpp fixes in code rather than metadata
+(older files) are fixed here the same way: every 6th layer global and local rope base 10000
+unless `attention.sliding_window_pattern` / `rope.freq_base_swa` say otherwise, and
 query_pre_attn_scalar = head_dim (hidden / heads for the 62-layer 27B).
 """
 
@@ -35,8 +36,10 @@ from treeserve.models.gguf_file import GGUFFile
 
 log = logging.getLogger(__name__)
 
-ARCH_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
-ARCH_NAMES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCH_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
+                    "gemma3": "gemma3_text"}  # fmt: skip
+ARCH_NAMES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+              "qwen3_moe": "Qwen3MoeForCausalLM"}  # fmt: skip
 
 _LAYER_NAMES = {  # llama.cpp's per-layer tensor name -> Hugging Face's (after model.layers.N.)
     "attn_q": "self_attn.q_proj",
@@ -52,6 +55,10 @@ _LAYER_NAMES = {  # llama.cpp's per-layer tensor name -> Hugging Face's (after m
     "ffn_norm": "post_attention_layernorm",  # Gemma 3: pre_feedforward_layernorm (below)
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
+    "ffn_gate_inp": "mlp.gate",  # Qwen3-MoE: the router, and every expert's matrix in one 3-D tensor
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 _GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -140,6 +147,11 @@ class GGUFCheckpoint:
         else:
             config.update(architectures=[ARCH_NAMES[model_type]], hidden_act="silu", rope_theta=theta,
                           rope_scaling=scaling)  # fmt: skip
+        if model_type == "qwen3_moe":  # llama.cpp routes every layer and renormalises the top k
+            experts = self._arch_field("expert_feed_forward_length")
+            config.update(num_experts=self._arch_field("expert_count"),
+                          num_experts_per_tok=self._arch_field("expert_used_count"), moe_intermediate_size=experts,
+                          norm_topk_prob=True, intermediate_size=config["intermediate_size"] or experts)  # fmt: skip
         return config
 
     def _gemma_layer_types(self, layers: int) -> list[str]:
@@ -184,9 +196,10 @@ class GGUFCheckpoint:
             if keep_quantized and _kept_quantized(tensor):
                 yield name, self._quantized(name, tensor, heads, kv_heads)
                 continue
-            if keep_quantized and kind.name not in _DENSE and kind.name not in dequantized:
-                dequantized.add(kind.name)
-                log.warning("%s: %s tensors have no quantised kernel; dequantising them on load", self.path, kind.name)
+            what = "3-D (stacked experts)" if len(tensor.shape) == 3 else kind.name
+            if keep_quantized and kind.name not in _DENSE and what not in dequantized:
+                dequantized.add(what)
+                log.warning("%s: %s tensors have no quantised kernel; dequantising them on load", self.path, what)
             values = np.asarray(gguf.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
             values = values.reshape([int(d) for d in reversed(tensor.shape)])
             weight = torch.from_numpy(values.copy())
@@ -196,6 +209,10 @@ class GGUFCheckpoint:
                 weight = _unpermute_rope_rows(weight, kv_heads)
             elif self.arch == "gemma3" and name.endswith("norm.weight"):
                 weight = weight - 1.0
+            if ".mlp.experts." in name:  # [experts, rows, cols]: each expert's matrix under its own name
+                for expert, matrix in enumerate(weight):
+                    yield name.replace(".experts.", f".experts.{expert}."), matrix
+                continue
             yield name, weight
 
     def quantized_blocks(self) -> dict[str, tuple[int, str, int]]:
