@@ -8,7 +8,9 @@ weights and added into the result in ascending expert order, as transformers add
 expert is a gated MLP on the same `Linear` kernels as a dense layer, so a row's result does not
 depend on the other rows of the step. With tensor parallelism every expert holds its share of
 intermediate rows and the weighted sum is all-reduced once. Layers listed in `mlp_only_layers`
-(or off `decoder_sparse_step`) keep a dense MLP.
+(or off `decoder_sparse_step`) keep a dense MLP. On CUDA (`pick_kernel`) the experts' weights are
+stacked once into [E, 2I, H] and [E, H, I] tensors (the experts' `Linear` weights become views of
+them: one copy) and the routed rows run as two grouped GEMMs (`kernels/triton/moe.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from torch import nn
 
 from treeserve.distributed.groups import RankGroup
+from treeserve.kernels import triton as triton_kernels
 from treeserve.layers.linear import Linear
 from treeserve.models.config import ModelConfig
 from treeserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
@@ -32,6 +35,29 @@ class SparseMoE(nn.Module):
         self.gate = Linear(cfg.hidden_size, moe.num_experts, bias=False)
         self.experts = nn.ModuleList(LlamaMLP(cfg, moe.intermediate_size) for _ in range(moe.num_experts))
         self.act = self.experts[0].act
+        self.use_triton = False  # the grouped-GEMM kernels (`kernels/triton/moe.py`), on CUDA
+        self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # ([E, 2I, H], [E, H, I]), `stack_experts`
+
+    def pick_kernel(self) -> None:
+        if triton_kernels.fused_layers(self.gate.weight.device):
+            self.use_triton = self.stack_experts()
+
+    def stack_experts(self) -> bool:
+        """Stack the experts' gate_up and down weights for the grouped GEMM, each expert's weights
+        becoming views into the stacks; False (nothing changed) unless every weight is a plain
+        matrix of one dtype and no expert has a bias."""
+        linears = [proj for expert in self.experts for proj in (expert.gate_up_proj, expert.down_proj)]
+        dtype = linears[0].weight.dtype
+        if not all(isinstance(p.weight, torch.Tensor) and p.weight.dtype == dtype and p.bias is None for p in linears):
+            return False  # a QuantTensor (quantised or laid out as panels), mixed dtypes, or biases
+        stacks = []
+        for name in ("gate_up_proj", "down_proj"):
+            stack = torch.stack([getattr(expert, name).weight.detach() for expert in self.experts])
+            for expert, weight in zip(self.experts, stack, strict=True):
+                getattr(expert, name).weight = nn.Parameter(weight, requires_grad=False)
+            stacks.append(stack)
+        self.stacked = (stacks[0], stacks[1])
+        return True
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's top-k experts [T, k] and their weights [T, k] in x's dtype."""
@@ -43,6 +69,11 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
+        if self.use_triton:
+            from treeserve.kernels.triton.moe import fused_moe
+
+            out = fused_moe(x, *self.stacked, experts, weights, self.experts[0].hidden_act)
+            return out if self.tp is None else self.tp.all_reduce(out)
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)  # (row, slot) pairs grouped by expert, rows ascending
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
