@@ -15,9 +15,11 @@ on each engine, per model (`--models`):
 * `llama1b` (opt-in, ~2.5 GB): a random-weight bf16 Llama at the Llama-3.2-1B shape (hidden 2048,
   16 layers, 32 heads, 8 KV heads, MLP 8192, vocabulary 128256, tied embeddings), built once by
   bench/workloads.py into a temp directory;
-* `qwen3-1.7b-4l`, `llama-as-qwen3-4l`, `qwen3-30b-a3b-2l` (opt-in, `--engines treeserve`): random
-  weights drawn by treeserve's loader (no weight file) at Qwen3-1.7B's layer shape (4 layers), the
-  same Llama without q/k norms, and Qwen3-30B-A3B's layer shape (128 experts, top 8; 2 layers).
+* `qwen3-1.7b-4l`, `llama-as-qwen3-4l` (opt-in, `--engines treeserve`): random weights drawn by
+  treeserve's loader (no weight file) at Qwen3-1.7B's layer shape (4 layers), and the same Llama
+  without q/k norms;
+* `qwen3-30b-a3b-2l` (opt-in, ~3.7 GB): Qwen3-30B-A3B's layer shape (128 experts, top 8; 2 layers,
+  vocabulary 151936), random bf16 weights written as safetensors that both engines load.
 
 Measurements, each engine in its own subprocess per repetition (the order of engines rotates
 every repetition, so drift cancels in the ratios), medians over repetitions:
@@ -145,11 +147,15 @@ QWEN3_30B_A3B = {**QWEN3_1_7B, "model_type": "qwen3_moe", "architectures": ["Qwe
                  "tie_word_embeddings": False}  # fmt: skip
 
 
-def random_checkpoint(name: str, config: dict) -> Checkpoint:
+def random_checkpoint(name: str, config: dict, files: bool = False) -> Checkpoint:
+    """A random-weight directory of `config`: weights drawn by treeserve's loader (treeserve only),
+    or with `files` written as bf16 safetensors that every engine loads (bench/workloads.py)."""
     workloads = _bench("workloads")
     path = os.path.join(tempfile.gettempdir(), f"treeserve-forward-{name}")
-    tokenizer = workloads.word_level_tokenizer(config["vocab_size"])
-    workloads.build_random_weights_dir(path, config, tokenizer)
+    if files:
+        workloads.build_random_files(path, config)
+        return _checkpoint(name, path, dtype="bfloat16")
+    workloads.build_random_weights_dir(path, config, workloads.word_level_tokenizer(config["vocab_size"]))
     return Checkpoint(name, {"treeserve": path}, "bfloat16", config["vocab_size"], MAX_MODEL_LEN)
 
 
@@ -160,7 +166,7 @@ MODELS = {
     "qwen3-1.7b-4l": lambda: random_checkpoint("qwen3-1.7b-4l", QWEN3_1_7B),
     "llama-as-qwen3-4l": lambda: random_checkpoint("llama-as-qwen3-4l", {**QWEN3_1_7B, "model_type": "llama",
                                                                           "architectures": ["LlamaForCausalLM"]}),
-    "qwen3-30b-a3b-2l": lambda: random_checkpoint("qwen3-30b-a3b-2l", QWEN3_30B_A3B),
+    "qwen3-30b-a3b-2l": lambda: random_checkpoint("qwen3-30b-a3b-2l", QWEN3_30B_A3B, files=True),
 }  # fmt: skip
 
 

@@ -139,6 +139,36 @@ def _save_random(out_dir: str, config: object, seed: int) -> str:
     return out_dir
 
 
+def build_random_files(out_dir: str, config: dict, seed: int = 0) -> str:
+    """`build_random_weights_dir`'s directory (config.json, the word-level tokenizer) with the weights
+    written too, as bf16 safetensors under transformers' names for `config` (any model_type it knows):
+    normal(0, 0.02) matrices and unit norms drawn straight in bf16, one tensor at a time, so a
+    checkpoint of several GB is written without a model built in fp32 first. Every engine loads it."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    weights = os.path.join(out_dir, "model.safetensors")
+    if os.path.isfile(weights):
+        return out_dir
+    build_random_weights_dir(out_dir, config, word_level_tokenizer(config["vocab_size"]), seed)
+    os.remove(os.path.join(out_dir, "random_weights.json"))  # the marker would make treeserve draw its own
+    hf_config = transformers.AutoConfig.for_model(**config)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in transformers.AutoModelForCausalLM.from_config(hf_config).state_dict().items()}
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in shapes.items():
+        if name == "lm_head.weight" and config.get("tie_word_embeddings"):
+            continue
+        if name.endswith("norm.weight"):
+            tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            tensors[name] = (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    return out_dir
+
+
 # random-weights directories' vocabulary: specials, a step tag and its two labels, then one word per id
 WORD_SPECIALS = ["<s>", "</s>", "<unk>"]
 STEP_TAG, GOOD, BAD = "ки", "+", "-"

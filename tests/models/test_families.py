@@ -46,6 +46,23 @@ def test_moe_router_ties(tmp_path, make_llm):
     assert_parity(str(tmp_path / "tied"), make_llm)
 
 
+def test_moe_experts_stacked_as_transformers_5_holds_them(family_dirs, tmp_path, make_llm):
+    """A checkpoint saved from transformers 5's own tensors (`mlp.experts.gate_up_proj` [experts,
+    2 x rows, cols], `mlp.experts.down_proj`) loads as the per-expert layout does."""
+    from safetensors.torch import save_file
+
+    source = family_dirs["qwen3_moe"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert state["model.layers.0.mlp.experts.gate_up_proj"].dim() == 3
+    save_file(state, tmp_path / "model.safetensors")
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes(open(f"{source}/{name}", "rb").read())
+    llm = make_llm(str(tmp_path))
+    ids = llm.get_tokenizer().encode(PROMPTS[0])
+    assert (our_logits(llm, ids) - reference_logits(source, ids)).abs().max().item() <= 1e-4
+
+
 def test_moe_row_is_batch_invariant(family_dirs, make_llm):
     """A sequence's hidden states are the same bits alone and beside others (experts see other rows)."""
     llm = make_llm(family_dirs["qwen3_moe"], enable_prefix_caching=False)

@@ -289,7 +289,7 @@ def _collect_state(
     state: dict[str, torch.Tensor] = {}
     parts: dict[str, dict[str, torch.Tensor]] = {}
     extra: dict[str, torch.Tensor] = {}
-    for hf_name, tensor in tensors:
+    for hf_name, tensor in _unstacked(tensors):
         local, part = model.hf_to_local(hf_name)
         local = stage_name(local, model.config)
         if local is None:  # another pipeline stage's
@@ -315,6 +315,19 @@ def _collect_state(
             raise ValueError(f"checkpoint {model_dir!r} lacks {set(order) - set(pieces)} for {local}")
         state[local] = _fuse([pieces[p] for p in order], dtype)
     return state, extra
+
+
+def _unstacked(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors, with routed experts stacked in one 3-D tensor (transformers 5's
+    `mlp.experts.gate_up_proj` [experts, 2 x rows, cols] and `mlp.experts.down_proj`) as one
+    matrix an expert, under the names of the per-expert layout the Hub's checkpoints use."""
+    for name, tensor in tensors:
+        stem, _, matrix = name.rpartition(".experts.")
+        if stem and matrix in ("gate_up_proj", "down_proj") and isinstance(tensor, torch.Tensor) and tensor.dim() == 3:
+            for expert, weight in enumerate(tensor):
+                yield f"{stem}.experts.{expert}.{matrix}.weight", weight
+        else:
+            yield name, tensor
 
 
 def _fused_parts(local: str, tensor: torch.Tensor | QuantTensor,
