@@ -10,7 +10,8 @@
     treeserve eval ... --trace --output results.json; treeserve view results.json --output report.html
     treeserve profile --out profile_out            (memory sweeps: profile.json + PNG plots)
     treeserve tune --kv-cache-memory 24M --output tuned.json   (then: eval/serve --config tuned.json)
-    treeserve serve [--model DIR] [--prm DIR] [--port 8000] [--api-key KEY]
+    treeserve eval ... --verifier ORM_DIR     (an outcome reward model re-ranks what the search returns)
+    treeserve serve [--model DIR] [--prm DIR] [--verifier ORM_DIR] [--port 8000] [--api-key KEY]
     treeserve convert-gguf FILE.gguf OUT_DIR [--dtype float32]
     treeserve fetch-gguf gemma3-270m
 
@@ -159,13 +160,16 @@ def _add_search_flags(p: argparse.ArgumentParser) -> None:
     _add_memory_flags(p)
     _add_device_flags(p)
     _add_overlap_flag(p)
-    add_model_flags(p, prm=True)
+    add_model_flags(p, prm=True, verifier=True)
     p.add_argument("--max-concurrent-problems", type=int, default=64)
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--no-score-cache", action="store_true")
     p.add_argument("--speculative-steps", type=int, default=0,
                    help="beam search: decode K steps past each boundary while the PRM scores")  # fmt: skip
     p.add_argument("--reference", action="store_true", help="plain path: no caches, one problem at a time")
+    p.add_argument("--reasoning", action="store_true",
+                   help="a reasoning generator (<think>...</think>): steps split on blank lines inside the think "
+                        "block too, the PRM reads them without the think tags, answers are read after </think>")
 
 
 def _add_trace_flag(p: argparse.ArgumentParser) -> None:
@@ -235,7 +239,8 @@ def _models(args: argparse.Namespace) -> dict:
     tuned = getattr(args, "engine_args", None) or {}
     runtime = RuntimeSettings(**{f.name: getattr(args, f.name) for f in fields(RuntimeSettings) if f.name in args})
     return {"generator": model_settings(args, "generator", tuned.get("generator")),
-            "prm": model_settings(args, "prm", tuned.get("prm")), "runtime": runtime}  # fmt: skip
+            "prm": model_settings(args, "prm", tuned.get("prm")),
+            "verifier": model_settings(args, "verifier", tuned.get("verifier")), "runtime": runtime}  # fmt: skip
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -358,8 +363,9 @@ def cmd_solve(args: argparse.Namespace) -> int:
     problem = results["problems"][0]
     best = max(problem["completions"], key=lambda c: c["score"] if c["score"] is not None else -1.0)
     print(f"question: {args.question}\n")
+    scorer = "verifier" if settings.verifier else "PRM"
     for i, (step, score) in enumerate(zip(best["text"].split("\n\n"), best["step_scores"], strict=False), 1):
-        print(f"[step {i}, PRM {score:.3f}] {step}")
+        print(f"[step {i}, {scorer} {score:.3f}] {step}")
     print(f"\nanswer: {best['answer']}  (chosen among {len(problem['completions'])} by {config.strategy})")
     if output:
         print(f"results: {output}" + (f"  (see the search: treeserve view {output})" if args.trace else ""))
@@ -494,7 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_memory_flags(srv)
     _add_device_flags(srv)
     _add_overlap_flag(srv)
-    add_model_flags(srv, prm=True)
+    add_model_flags(srv, prm=True, verifier=True)
     srv.add_argument(
         "--engine-in-process",
         action="store_true",

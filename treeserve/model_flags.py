@@ -1,11 +1,12 @@
 """The command line's per-model flags, made once from one table for every subcommand.
 
 Owns `MODEL_FLAGS`, one row per `ModelSettings` field a user sets: the generator's flag
-(`--quantization`) and the PRM's (`--prm-quantization`), their options and help.
-`add_model_flags` adds them to a subcommand (the PRM's too when it loads one);
-`model_settings` reads one model's `ModelSettings` back from the parsed flags. Rows marked
-`both` are flags that have always set both models: the PRM's own flag (`--prm-enforce-eager`)
-overrides, and left out it follows the generator's. Nothing here runs a model.
+(`--quantization`), the PRM's (`--prm-quantization`) and the verifier's (`--verifier-quantization`),
+their options and help. `add_model_flags` adds them to a subcommand (the PRM's and the verifier's
+too when it loads them); `model_settings` reads one model's `ModelSettings` back from the parsed
+flags. Rows marked `both` are flags that have always set both models: the PRM's or verifier's own
+flag (`--prm-enforce-eager`) overrides, and left out it follows the generator's. Nothing here
+runs a model.
 """
 
 from __future__ import annotations
@@ -27,27 +28,40 @@ class ModelFlag:
     prm_help: str | None = LIKEWISE  # the PRM's flag's help
     generator: bool = True  # the generator has this flag
     prm: bool = True  # the PRM has this flag
-    both: bool = False  # the generator's flag sets the PRM's too, unless the PRM's own is given
+    both: bool = False  # the generator's flag sets the PRM's (and verifier's) too, unless its own is given
+    verifier: bool | None = None  # the verifier has this flag (None: as the PRM)
+    verifier_help: str | None = None  # the verifier's flag's help (None: "the verifier's, likewise")
+
+    def has(self, model: str) -> bool:
+        if model == "generator":
+            return self.generator
+        if model == "verifier" and self.verifier is not None:
+            return self.verifier
+        return self.prm
 
     def names(self, model: str) -> list[str]:
         if self.field == "path":
-            return ["--generator", "--model"] if model == "generator" else ["--prm"]
+            return ["--generator", "--model"] if model == "generator" else [f"--{model}"]
         flag = "--" + self.field.replace("_", "-")
-        return [flag] if model == "generator" else ["--prm-" + flag[2:]]
+        return [flag] if model == "generator" else [f"--{model}-" + flag[2:]]
 
     def dest(self, model: str) -> str:
-        """The parsed flags' attribute: `generator` and `prm` for the paths, else the field's name
-        (the generator's) or it after `prm_` (the PRM's)."""
+        """The parsed flags' attribute: `generator`, `prm` and `verifier` for the paths, else the
+        field's name (the generator's) or it after `prm_` or `verifier_`."""
         if self.field == "path":
             return model
-        return self.field if model == "generator" else "prm_" + self.field
+        return self.field if model == "generator" else f"{model}_{self.field}"
 
 
 MODEL_FLAGS = (
     ModelFlag("path", help="the generator: a checkpoint directory or .gguf file (default: the shipped generator)",
-              prm_help="the PRM: a checkpoint directory (default: the shipped PRM; serve: only with no --model)"),
+              prm_help="the PRM: a checkpoint directory (default: the shipped PRM; serve: only with no --model)",
+              verifier_help="an outcome reward model (style orm) that re-scores and re-ranks the completions "
+                            "every strategy returns (default: none)"),
     ModelFlag("style", {"choices": PRM_STYLES}, generator=False,
-              prm_help="how the PRM reads steps (default: its config's style)"),
+              prm_help="how the PRM reads steps (default: its config's style)",
+              verifier_help="the verifier's input format: orm, the only one a verifier may have (default: its "
+                            "config's)"),
     ModelFlag("quantization", {"choices": ["int8", "gguf"]},
               "int8: quantise a Hugging Face checkpoint per channel at load; gguf: run a GGUF "
               "file's quantised blocks (the default for a GGUF file on a CPU)"),
@@ -76,37 +90,46 @@ MODEL_FLAGS = (
               "no CUDA graphs: run every step eagerly (on CUDA decode steps replay graphs captured at "
               "load; on a CPU this changes nothing)", both=True),
     ModelFlag("max_model_len", {"type": int}, "the longest sequence (default: the model's own, capped)", both=True),
-    ModelFlag("kv_fraction", {"type": float}, generator=False,
+    ModelFlag("kv_fraction", {"type": float}, generator=False, verifier=False,
               prm_help="a static split: the PRM's share of KV (default: one arena shared by both models)"),
 )
 
 
-def add_model_flags(parser: argparse.ArgumentParser, prm: bool) -> None:
-    """The generator's flags of MODEL_FLAGS and, with `prm`, the PRM's."""
+def add_model_flags(parser: argparse.ArgumentParser, prm: bool, verifier: bool = False) -> None:
+    """The generator's flags of MODEL_FLAGS and, with `prm`, the PRM's, with `verifier` the verifier's."""
+    models = ["generator"] + ["prm"] * prm + ["verifier"] * verifier
     for flag in MODEL_FLAGS:
-        if flag.generator:
-            parser.add_argument(*flag.names("generator"), dest=flag.dest("generator"), help=flag.help,
-                                **{"default": None, **flag.options})  # fmt: skip
-        if prm and flag.prm:
+        for model in models:
+            if not flag.has(model):
+                continue
             options = dict(flag.options)
-            if flag.both:  # None: as the generator's
+            if model == "generator":
+                text = flag.help
+            elif flag.both:  # None: as the generator's
                 options["default"] = None
                 if options.get("action") == "store_true":
                     options["action"] = argparse.BooleanOptionalAction
-            text = f"the PRM's (default: as {flag.names('generator')[0]})" if flag.both else flag.prm_help
-            parser.add_argument(*flag.names("prm"), dest=flag.dest("prm"), help=text,
+                text = f"the {'PRM' if model == 'prm' else model}'s (default: as {flag.names('generator')[0]})"
+            elif model == "prm":
+                text = flag.prm_help
+            else:
+                text = flag.verifier_help or (flag.prm_help or "").replace("the PRM's", "the verifier's")
+            parser.add_argument(*flag.names(model), dest=flag.dest(model), help=text,
                                 **{"default": None, **options})  # fmt: skip
 
 
 def model_settings(args: argparse.Namespace, model: str, tuned: dict | None = None) -> ModelSettings | None:
-    """`model`'s ("generator" or "prm") settings from flags `add_model_flags` made, with `tuned`
-    batch settings (a `--config` file's); None when no path was given."""
+    """`model`'s ("generator", "prm" or "verifier") settings from flags `add_model_flags` made, with
+    `tuned` batch settings (a `--config` file's); None when no path was given (or the subcommand
+    has no such model's flags)."""
+    if not hasattr(args, model):  # the path's flag
+        return None
     values = {}
     for flag in MODEL_FLAGS:
-        if not (flag.generator if model == "generator" else flag.prm):
+        if not flag.has(model):
             continue
         value = getattr(args, flag.dest(model))
-        if value is None and flag.both and model == "prm":
+        if value is None and flag.both and model != "generator":
             value = getattr(args, flag.dest("generator"))
         values[flag.field] = value
     if values["path"] is None:

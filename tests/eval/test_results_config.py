@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
+import pytest
+
 from treeserve.cli import main
 from treeserve.eval.journal import Journal, journal_path
 from treeserve.eval.report import read_results, upgrade_config
@@ -69,3 +71,18 @@ def test_an_old_journal_resumes(tmp_path):
     path.write_text(json.dumps({"journal": 1, "config": OLD}) + "\n")
     journal = Journal.open(path, upgrade_config(OLD), resume=True)
     journal.close()
+
+
+def test_a_journal_from_before_the_verifier_and_reasoning_resumes(tmp_path):
+    """A run started before `verifier` and `search.reasoning` existed resumes: absent there, at
+    their defaults here, they are the same run; a verifier given now is another run."""
+    settings = EvalSettings(progress=False)
+    config = json.loads(json.dumps(run_config(settings, SearchConfig(), [PROBLEM])))
+    before = {k: v for k, v in config.items() if k != "verifier"}
+    before["search"] = {k: v for k, v in config["search"].items() if k != "reasoning"}
+    path = journal_path(tmp_path / "results.json")
+    path.write_text(json.dumps({"journal": 1, "config": before}) + "\n")
+    Journal.open(path, config, resume=True).close()
+    settings.verifier = ModelSettings("/models/orm")
+    with pytest.raises(ValueError, match="verifier"):
+        Journal.open(path, run_config(settings, SearchConfig(), [PROBLEM]), resume=True)

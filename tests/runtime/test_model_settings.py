@@ -73,4 +73,4 @@ def test_eval_and_server_share_no_field_of_their_own():
     from dataclasses import fields
 
     common = {f.name for f in fields(EvalSettings)} & {f.name for f in fields(ServerSettings)}
-    assert common == {"generator", "prm", "runtime"}
+    assert common == {"generator", "prm", "verifier", "runtime"}

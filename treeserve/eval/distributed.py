@@ -36,16 +36,16 @@ from treeserve.eval.runner import (
     ASSETS,
     EvalSettings,
     Recorder,
-    answer_rule,
     build_runtime,
+    check_reasoning,
     finish,
     load_problems,
     open_journal,
     run_config,
     run_counters,
+    search_context,
 )
-from treeserve.search.context import SearchConfig, SearchContext
-from treeserve.search.prm import load_prm
+from treeserve.search.context import SearchConfig
 from treeserve.search.run import search_problems
 
 RAY_EXTRA = "pip install 'treeserve[ray]'"
@@ -103,12 +103,13 @@ class EvalWorker:
             settings,
             generator=replace(settings.generator, path=_local_path(settings.generator.path, driver_assets)),
             prm=settings.prm and replace(settings.prm, path=_local_path(settings.prm.path, driver_assets)),
-        )
+            verifier=settings.verifier and replace(settings.verifier,
+                                                   path=_local_path(settings.verifier.path, driver_assets)),
+        )  # fmt: skip
         self.runtime = build_runtime(settings, config)
-        prm = load_prm(self.runtime, "prm", settings.prm.style) if "prm" in self.runtime.engines else None
         self.grader = Grader()  # adaptive search's answer keys (math kinds start worker processes when used)
         self.kinds: dict[str, str] = {}  # unique id -> grader kind, of the problems sent here
-        self.ctx = SearchContext(config, self.runtime, "generator", prm, answer_of=answer_rule(self.grader, self.kinds))
+        self.ctx = search_context(settings, config, self.runtime, self.grader, self.kinds)
         # a budget's share is the whole run's (this worker searches one problem a call; its own
         # spend, not the other workers', counts toward the budget being spent)
         self.ctx.expect(run_problems)
@@ -167,6 +168,7 @@ def run_eval_distributed(
     keeps the journal (`output`, `resume`) and handles the signals (`grace`) as `run_eval` does."""
     options.check()
     records = load_problems(settings, inline)
+    check_reasoning(settings, config)
     if settings.reference:
         config = config.reference()
     # each worker keeps up to `window` problems in flight: enough for full batches, few enough
@@ -185,7 +187,7 @@ def run_eval_distributed(
             with Grader() as grader:
                 dispatch = ProblemDispatch(ray, settings, config, options, todo, window)
                 recorder = Recorder(journal, grader, settings.answer_rule(config.strategy), config.agg,
-                                    dispatch.total_counters)  # fmt: skip
+                                    dispatch.total_counters, reasoning=config.reasoning)  # fmt: skip
                 summary = dispatch.run(recorder, grace)
                 stopped = dispatch.stopped
         finally:

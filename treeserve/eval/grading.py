@@ -1,6 +1,7 @@
 """Grading: extract final answers from completions, decide correctness, group equal answers.
 
-Owns `extract_answer` (the last `\\boxed{...}`) and `Grader`, which grades many
+Owns `extract_answer` (the last `\\boxed{...}`; of a reasoning model's text, the last after
+`</think>` when it has one) and `Grader`, which grades many
 (prediction, gold answer, kind) items at once:
 
 * kind `"arith"`: the exact integer value, via `treeserve.eval.arith`, in this process.
@@ -38,11 +39,16 @@ from typing import Any
 from treeserve.eval import arith
 
 GRADER_KINDS = ("arith", "math")
+THINK_END = "</think>"  # engine/thinking.py's (not imported: grading workers would load torch)
 _MAX_ATTEMPTS = 3  # an item whose worker dies this many times is counted wrong
 
 
-def extract_answer(completion_text: str) -> str | None:
-    """The content of the last `\\boxed{...}` (braces balanced), stripped; None if absent or empty."""
+def extract_answer(completion_text: str, reasoning: bool = False) -> str | None:
+    """The content of the last `\\boxed{...}` (braces balanced), stripped; None if absent or empty.
+    With `reasoning`, of the text after the last `</think>` when there is one (a box inside the
+    think block is not the answer)."""
+    if reasoning:
+        completion_text = completion_text.rpartition(THINK_END)[2]
     answer = arith.extract_boxed(completion_text)
     return answer if answer else None
 

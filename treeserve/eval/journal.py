@@ -31,9 +31,10 @@ from treeserve.eval.report import PROBLEM_KEYS, upgrade_config
 VERSION = 1
 # config keys that say how a run was executed, not what it computes: they may change on resume
 OPERATIONAL = ("memory_report", "page_logs", "progress", "distributed", "overlap_models")
-# the same within a model's settings (the config's "generator" and "prm" sections)
+# the same within a model's settings (the config's "generator", "prm" and "verifier" sections)
 MODEL_OPERATIONAL = ("async_scheduling", "tensor_parallel_size", "pipeline_parallel_size",
                      "distributed_executor_backend", "enforce_eager")
+MODEL_SECTIONS = ("generator.", "prm.", "verifier.")
 
 
 def journal_path(output: str | Path) -> Path:
@@ -150,7 +151,7 @@ def config_differences(
     empty (None, False, 0, "", [], {}) is a setting added since, at its default: the same run."""
     out = []
     for key in sorted(set(old) | set(new)):
-        if (not prefix and key in OPERATIONAL) or (prefix in ("generator.", "prm.") and key in MODEL_OPERATIONAL):
+        if (not prefix and key in OPERATIONAL) or (prefix in MODEL_SECTIONS and key in MODEL_OPERATIONAL):
             continue
         if key not in old and new[key] in (None, False, "", [], {}):
             continue

@@ -68,13 +68,15 @@ def grade_problems(
     preds: Sequence[str | None] | None = None,
     selection: str = "weighted",
     agg: str = "last",
+    reasoning: bool = False,
 ) -> list[ProblemOutcome]:
     """Grade every completion of every problem at once and choose each problem's final answer.
 
     `records` are dataset records (`load_dataset`; a record without `grader` is graded as
     `"math"`), `completions[i]` the completions of `records[i]`. The final answer is
     `preds[i]` when the strategy chose one (a text with a `\\boxed{}` or a bare answer), else
-    the completion `selection` picks at N under `agg`.
+    the completion `selection` picks at N under `agg`. With `reasoning`, a completion's answer is
+    read after its `</think>` (`extract_answer`).
     Equivalent answers share a `group` (the grader's canonical keys).
     """
     if len(records) != len(completions):
@@ -85,7 +87,7 @@ def grade_problems(
         raise ValueError(f"selection must be one of {SELECTIONS} and agg one of {AGGREGATIONS}")
     kinds = [rec.get("grader", "math") for rec in records]
     parsed = [[_parse_completion(c) for c in problem] for problem in completions]
-    answers = [[extract_answer(text) for text, _ in problem] for problem in parsed]
+    answers = [[extract_answer(text, reasoning) for text, _ in problem] for problem in parsed]
     pred_answers = (
         [None if p is None else (extract_answer(p) if "\\boxed" in p else p.strip() or None) for p in preds]
         if preds is not None

@@ -1,4 +1,5 @@
-"""One evaluation run: dataset -> runtime (generator + PRM) -> search -> grading -> results JSON.
+"""One evaluation run: dataset -> runtime (generator + PRM, and a verifier when given) -> search
+-> grading -> results JSON.
 
 Everything that can be wrong with the inputs (dataset lines, strategy, n vs beam width,
 model directories) is checked before any model is loaded or any problem is searched.
@@ -28,11 +29,13 @@ from treeserve.eval.report import (
     problems_from_records,
     write_results,
 )
+from treeserve.models.tokenizer import Tokenizer
 from treeserve.runtime.model_settings import ModelSettings
 from treeserve.runtime.runtime import Runtime
 from treeserve.runtime.runtime_settings import RuntimeSettings
 from treeserve.search.context import SearchConfig, SearchContext
-from treeserve.search.prm import load_prm
+from treeserve.search.prm import check_verifier, load_prm
+from treeserve.search.reasoning import check_generator
 from treeserve.search.run import ProblemResult, search_problems
 from treeserve.search.types import Problem
 
@@ -46,6 +49,8 @@ class EvalSettings:
     dataset: str = "arith:level=4,5,size=40,seed=0"
     generator: ModelSettings = field(default_factory=lambda: ModelSettings(DEFAULT_GENERATOR))
     prm: ModelSettings | None = field(default_factory=lambda: ModelSettings(DEFAULT_PRM))  # None: majority only
+    # an outcome reward model that re-ranks the completions every strategy returns (SearchContext.verifier)
+    verifier: ModelSettings | None = None
     runtime: RuntimeSettings = field(default_factory=RuntimeSettings)  # dtype, device, memory: both models'
     memory_report: str | None = None  # write the memory plan (JSON) here
     page_logs: bool = False  # put every engine's per-step page statistics in the results
@@ -60,7 +65,9 @@ class EvalSettings:
         return self.selection or DEFAULT_SELECTION[strategy]
 
     def check(self) -> None:
-        self.runtime.check(self.generator, self.prm)
+        self.runtime.check(self.generator, self.prm, self.verifier)
+        if self.verifier is not None:
+            check_verifier(self.verifier.path, self.verifier.style)
         if self.shard is not None:
             parse_shard(self.shard)
         if self.selection is not None and self.selection not in SELECTIONS:
@@ -71,7 +78,23 @@ def build_runtime(settings: EvalSettings, config: SearchConfig) -> Runtime:
     prm = settings.prm if config.strategy != "majority" else None
     if config.strategy != "majority" and prm is None:
         raise ValueError(f"strategy {config.strategy!r} needs a PRM")
-    return settings.runtime.load(settings.generator, prm, enable_prefix_caching=config.prefix_cache)
+    return settings.runtime.load(settings.generator, prm, settings.verifier, enable_prefix_caching=config.prefix_cache)
+
+
+def search_context(settings: EvalSettings, config: SearchConfig, runtime: Runtime, grader: Grader,
+                   kinds: dict[str, str]) -> SearchContext:  # fmt: skip
+    """A run's context over `runtime` (`build_runtime`'s): its PRM and verifier adapters, and
+    adaptive search's answer keys by `grader` for the problems' `kinds` (unique id -> kind)."""
+    prm = load_prm(runtime, "prm", settings.prm.style) if "prm" in runtime.engines else None
+    verifier = load_prm(runtime, "verifier", settings.verifier.style) if settings.verifier else None
+    answers = answer_rule(grader, kinds, config.reasoning)
+    return SearchContext(config, runtime, "generator", prm, verifier=verifier, answer_of=answers)
+
+
+def check_reasoning(settings: EvalSettings, config: SearchConfig) -> None:
+    """With `config.reasoning`, refuse a generator without think tokens before any weights load."""
+    if config.reasoning:
+        check_generator(Tokenizer(str(settings.generator.path)))
 
 
 class Interrupted(RuntimeError):
@@ -101,6 +124,7 @@ def run_eval(
     flight `grace` seconds, and raise `Interrupted`.
     """
     records = load_problems(settings, inline)
+    check_reasoning(settings, config)
     if settings.reference:
         config = config.reference()
     journal, todo = open_journal(settings, run_config(settings, config, records), records, output, resume)
@@ -112,12 +136,11 @@ def run_eval(
             runtime.memory_plan.write(settings.memory_report)
         if settings.progress:
             print(runtime.memory_plan.table(), file=sys.stderr)
-        prm = load_prm(runtime, "prm", settings.prm.style) if "prm" in runtime.engines else None
         with Grader() as grader:
             kinds = {str(r["unique_id"]): r.get("grader", "math") for r in todo}
-            ctx = SearchContext(config, runtime, "generator", prm, answer_of=answer_rule(grader, kinds))
+            ctx = search_context(settings, config, runtime, grader, kinds)
             recorder = Recorder(journal, grader, settings.answer_rule(config.strategy), config.agg,
-                                lambda: run_counters(runtime, ctx))  # fmt: skip
+                                lambda: run_counters(runtime, ctx), reasoning=config.reasoning)  # fmt: skip
             stopped = asyncio.run(_search(ctx, todo, recorder, settings.progress, grace))
         runtime.check_pages_idle()
         extra["memory"] = runtime.memory_plan.to_json()
@@ -188,12 +211,14 @@ class Recorder:
     selection: str
     agg: str
     counters: Callable[[], dict[str, int]]
+    reasoning: bool = False  # answers read after `</think>` (SearchConfig.reasoning)
     start: float = field(default_factory=time.perf_counter)
 
     def add(self, record: dict, completions: list[tuple[str, list[float]]], trace: dict | None = None,
             extra: dict | None = None) -> None:  # fmt: skip
         """`extra`: the search's own record of the problem (tokens spent; adaptive: its stop)."""
-        [outcome] = grade_problems([record], [completions], self.grader, selection=self.selection, agg=self.agg)
+        [outcome] = grade_problems([record], [completions], self.grader, selection=self.selection, agg=self.agg,
+                                   reasoning=self.reasoning)  # fmt: skip
         row = problem_record(outcome, self.agg) | {k: v for k, v in (extra or {}).items() if v is not None}
         if trace is not None:
             row["trace"] = trace
@@ -270,12 +295,13 @@ async def _search(
     return caught[0] if caught else None
 
 
-def answer_rule(grader: Grader, kinds: dict[str, str]) -> Callable[[Problem, str], str | None]:
-    """Adaptive search's answer key of a completion: its last `\\boxed{}` under the grader's
-    equivalence for its problem's kind (`kinds`: unique id -> arith or math), as voting groups it."""
+def answer_rule(grader: Grader, kinds: dict[str, str], reasoning: bool = False) -> Callable[[Problem, str], str | None]:
+    """Adaptive search's answer key of a completion: its last `\\boxed{}` (with `reasoning`, after
+    `</think>`) under the grader's equivalence for its problem's kind (`kinds`: unique id -> arith
+    or math), as voting groups it."""
 
     def key(problem: Problem, text: str) -> str | None:
-        answer = extract_answer(text)
+        answer = extract_answer(text, reasoning)
         return None if answer is None else grader.answer_keys([answer], kinds.get(problem.uid, "math"))[0]
 
     return key

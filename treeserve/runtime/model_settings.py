@@ -1,4 +1,5 @@
-"""One model's settings: what a runtime needs to load and run one model (the generator or the PRM).
+"""One model's settings: what a runtime needs to load and run one model (the generator, the PRM
+or the verifier).
 
 Owns `ModelSettings`: where the model is, how it is quantised, split over ranks (tensor and
 pipeline parallel) and stepped (speculative decoding, overlapped steps, CUDA graphs), its
@@ -6,8 +7,8 @@ batch limits, its share of the KV pages in a static split and, for a PRM, its in
 `check()` refuses bad values with errors naming the model and the value, before any weight
 loads; `engine_args()` is what the model's engine gets on top of the runtime-wide settings
 (a `ModelSpec`'s `engine_args`, `Runtime.for_search`'s per-model dict). `EvalSettings` and
-`ServerSettings` hold one for the generator and one for the PRM; the command line makes
-their flags from this dataclass's fields (cli.py, `MODEL_FLAGS`).
+`ServerSettings` hold one for the generator, one for the PRM and one for a verifier; the command
+line makes their flags from this dataclass's fields (cli.py, `MODEL_FLAGS`).
 
 It never loads a model and knows nothing of searches, datasets or servers.
 """
@@ -26,7 +27,7 @@ TUNED_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size")
 @dataclass
 class ModelSettings:
     path: str  # a Hugging Face checkpoint directory or a .gguf file
-    style: str | None = None  # a PRM's input format: step_tag | rlhflow | reward_head | value_head (None: its own)
+    style: str | None = None  # a PRM's or verifier's input format (search/prm's PRM_STYLES; None: its own)
     # "int8": quantise a Hugging Face checkpoint per channel at load; "gguf": run a GGUF file's own blocks
     quantization: str | None = None
     dequantize: bool = False  # load a GGUF file dense
@@ -45,7 +46,7 @@ class ModelSettings:
 
     def check(self, name: str, device: str) -> None:
         """Refuse bad values before any weight loads (ValueError or FileNotFoundError naming the
-        model `name`, "generator" or "prm"); resolves `speculative_config` to a dict and
+        model `name`, "generator", "prm" or "verifier"); resolves `speculative_config` to a dict and
         `async_scheduling` to what `device` runs, so results record what ran."""
         check_model_path(str(self.path), f"{name} model")
         try:
@@ -54,8 +55,9 @@ class ModelSettings:
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
         speculative = SpeculativeConfig.parse(self.speculative_config)
-        if speculative is not None and name == "prm":
-            raise ValueError("a PRM only scores (one forward per input): speculative decoding is for the generator")
+        if speculative is not None and name != "generator":
+            raise ValueError(f"a {'PRM' if name == 'prm' else name} only scores (one forward per input): "
+                             "speculative decoding is for the generator")  # fmt: skip
         self.speculative_config = None if speculative is None else asdict(speculative)
         self.async_scheduling = resolve_async_scheduling(self.async_scheduling, device, speculative is not None)
         if self.quant_activations not in (None, *ACTIVATIONS):

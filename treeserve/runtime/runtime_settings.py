@@ -1,9 +1,10 @@
 """What every model of a search runtime shares: dtype, device, attention kernels, memory budget.
 
-Owns `RuntimeSettings` and loading a generator and a PRM (each a `ModelSettings`) with them:
-`check` refuses bad values for the runtime and both models before any weight loads; `load`
-builds the `Runtime` (`Runtime.for_search`). `EvalSettings` and `ServerSettings` hold one
-beside their generator's and PRM's settings. Per-model settings never live here.
+Owns `RuntimeSettings` and loading a generator, a PRM and optionally a verifier (an outcome
+reward model; each a `ModelSettings`) with them: `check` refuses bad values for the runtime and
+every model before any weight loads; `load` builds the `Runtime` (`Runtime.for_search`, or with a
+verifier the same specs plus the verifier's, engine "verifier"). `EvalSettings` and
+`ServerSettings` hold one beside their models' settings. Per-model settings never live here.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from dataclasses import dataclass
 
 from treeserve.device import resolve_attention_backend, resolve_device
 from treeserve.runtime.model_settings import ModelSettings
-from treeserve.runtime.runtime import Runtime
+from treeserve.runtime.runtime import ModelSpec, Runtime
+
+SCORER_BLOCK_SIZE = 4  # a model that only scores prefers 4-token pages (Runtime.for_search says why)
 
 
 @dataclass
@@ -27,8 +30,8 @@ class RuntimeSettings:
     # GPU runs them at once (None: on with CUDA; on a CPU accepted, and nothing changes)
     overlap_models: bool | None = None
 
-    def check(self, generator: ModelSettings, prm: ModelSettings | None) -> None:
-        """Resolve the device and backend (so results record what ran) and check both models on it."""
+    def check(self, generator: ModelSettings, prm: ModelSettings | None, verifier: ModelSettings | None = None) -> None:
+        """Resolve the device and backend (so results record what ran) and check every model on it."""
         if self.overlap_models is not None and not isinstance(self.overlap_models, bool):
             raise ValueError(f"overlap_models must be True, False or None (the default), got {self.overlap_models!r}")
         self.device = resolve_device(self.device)
@@ -41,9 +44,26 @@ class RuntimeSettings:
                              "the rest")  # fmt: skip
         if prm is not None:
             prm.check("prm", self.device)
+        if verifier is not None:
+            verifier.check("verifier", self.device)
+            if verifier.kv_fraction is not None or (prm is not None and prm.kv_fraction is not None):
+                raise ValueError("a verifier shares the page arena with the generator and the PRM: a static KV "
+                                 "split (prm or verifier kv_fraction) cannot take it")  # fmt: skip
 
-    def load(self, generator: ModelSettings, prm: ModelSettings | None, **load_kwargs: object) -> Runtime:
-        """The generator (engine "generator") and, when given, the PRM (engine "prm") in one runtime."""
+    def load(self, generator: ModelSettings, prm: ModelSettings | None, verifier: ModelSettings | None = None,
+             **load_kwargs: object) -> Runtime:  # fmt: skip
+        """The generator (engine "generator") and, when given, the PRM (engine "prm") and the
+        verifier (engine "verifier") in one runtime, one page arena."""
+        if verifier is not None:
+            specs = [ModelSpec("generator", str(generator.path), None, 16, generator.engine_args())]
+            if prm is not None:
+                specs.append(ModelSpec("prm", str(prm.path), None, SCORER_BLOCK_SIZE, prm.engine_args()))
+            specs.append(ModelSpec("verifier", str(verifier.path), None, SCORER_BLOCK_SIZE, verifier.engine_args()))
+            return Runtime.load(
+                specs, self.kv_cache_memory, dtype=self.dtype, memory_budget=self.memory_budget,
+                memory_fraction=self.memory_fraction, device=self.device, attention_backend=self.attention_backend,
+                overlap_models=bool(self.overlap_models), **load_kwargs,
+            )  # fmt: skip
         engine_args = {"generator": generator.engine_args()} | ({"prm": prm.engine_args()} if prm else {})
         return Runtime.for_search(
             str(generator.path), str(prm.path) if prm else None, self.kv_cache_memory,

@@ -13,7 +13,8 @@ until the answers' certainty (`certainty.vote_certainty`) reaches `config.certai
 A completion whose PRM input outgrew the PRM's context is dropped (fate "too_long", not
 returned). With an outcome reward model as the PRM (style orm) and agg "last", each
 completion's score is the ORM's on the whole of it; with a verifier
-(`SearchContext.verify`) the completions returned are re-scored by it.
+(`SearchContext.verify`) the completions returned are re-scored by it (majority's too: its vote
+is unchanged, and the naive and weighted rules pick by the verifier).
 """
 
 from __future__ import annotations
@@ -59,4 +60,4 @@ async def best_of_n(ctx: SearchContext, problem: Problem) -> list[Beam]:
 
 
 async def majority(ctx: SearchContext, problem: Problem) -> list[Beam]:
-    return await _sample(ctx, problem, scored=False)
+    return await ctx.verify(problem, await _sample(ctx, problem, scored=False))

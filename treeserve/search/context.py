@@ -24,6 +24,7 @@ from treeserve.outputs import CompletionOutput
 from treeserve.runtime.runtime import Runtime, check_constraint
 from treeserve.sampling_params import SamplingParams, StructuredOutputsParams
 from treeserve.search.prm.base import PRM, PRMInputTooLong
+from treeserve.search.reasoning import check_generator, prm_view, spread
 from treeserve.search.score_cache import ScoreCache, prefix_keys
 from treeserve.search.seeds import lineage_seed
 from treeserve.search.trace import SearchTrace
@@ -81,6 +82,10 @@ class SearchConfig:
     # problems grow within their share (the less settled first) and narrow past it; sampling
     # rounds and DVTS waves that may not grow stop (docs/adaptive.md)
     budget_tokens: int | None = None
+    # a reasoning generator (<think>...</think>): the PRM reads the steps with the think tags
+    # removed, a step that is only a tag not at all (search/reasoning.py); answers come from the text
+    # after </think>
+    reasoning: bool = False
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -100,6 +105,8 @@ class SearchConfig:
                              "use it with beam_search or dvts, or leave lookahead at 0")  # fmt: skip
         if self.fixed_steps and self.speculative_steps:
             raise ValueError("fixed_steps has no step boundaries to speculate past: use speculative_steps=0")
+        if not isinstance(self.reasoning, bool):
+            raise ValueError(f"reasoning must be True or False, got {self.reasoning!r}")
         SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens)  # validates
         self._check_adaptive()
         self._check_constraints()
@@ -215,7 +222,8 @@ class SearchContext:
     on_iteration: Callable[[int, list[Beam]], None] | None = None  # progress: (iteration, scored beams)
     traces: dict[str, SearchTrace] = field(default_factory=dict)  # problem id -> its trace (config.trace)
     # adaptive search: a completion's answer key (equal keys: the same answer; None: no answer),
-    # given by the caller, which owns the answer rules (eval's grader, the server's)
+    # given by the caller, which owns the answer rules (eval's grader, the server's); it gets the
+    # whole text (with `config.reasoning` theirs read the text after </think>)
     answer_of: Callable[[Problem, str], Hashable | None] | None = None
     _scoring: Problem | None = None  # the problem whose PRM input is being built (see _score)
     certainties: dict[str, float] = field(default_factory=dict)  # budget_tokens: problems in flight, latest
@@ -230,6 +238,8 @@ class SearchContext:
         if self.verifier is not None and not getattr(self.verifier, "outcome", False):
             raise ValueError(f"the verifier re-scores whole solutions: it must be an outcome reward model "
                              f"(style orm), got style {self.verifier.style!r}")  # fmt: skip
+        if self.config.reasoning:
+            check_generator(self.runtime.tokenizer(self.generator))
         if self.config.adaptive and self.answer_of is None:
             raise ValueError("adaptive search needs an answer rule (SearchContext.answer_of) to tell when "
                              "answers agree")  # fmt: skip
@@ -460,9 +470,12 @@ class SearchContext:
             return
         beam.scores, beam.lookahead_scores = scores[: len(beam.steps)], scores[len(beam.steps) :]
         if rollout:  # the rollout's share of the PRM input (as if read whole: the same with caches or without)
-            _, positions = self.prm.build(problem.question, beam.steps + rollout)
-            own = positions[len(beam.steps) - 1] + 1 if beam.steps else 0
-            self.lookahead_prm_tokens += positions[-1] + 1 - own
+            shown, owner = self.prm_steps(beam.steps + rollout)
+            if shown:
+                _, positions = self.prm.build(problem.question, shown)
+                last_own = owner[len(beam.steps) - 1] if beam.steps else -1
+                own = positions[last_own] + 1 if last_own >= 0 else 0
+                self.lookahead_prm_tokens += positions[-1] + 1 - own
 
     def drop(self, problem: Problem, beam: Beam, error: PRMInputTooLong) -> None:
         """`beam`'s PRM input outgrew the PRM's context: search neither extends nor returns it."""
@@ -492,14 +505,22 @@ class SearchContext:
         return self.check_left(problem, kept)
 
     async def _verify(self, problem: Problem, beam: Beam) -> bool:
-        if not beam.steps:
+        shown, owner = self.prm_steps(beam.steps)
+        if not shown:
             return True
         try:
-            beam.scores = await self.verifier.score(problem.question, beam.steps)
+            beam.scores = spread(await self.verifier.score(problem.question, shown), owner)
         except PRMInputTooLong as e:
             self.drop(problem, beam, e)
             return False
         return True
+
+    def prm_steps(self, steps: list[str]) -> tuple[list[str], list[int]]:
+        """The steps the PRM (and the verifier) read, and which of them each step takes its score
+        from: all of them, as they are; with `config.reasoning`, `reasoning.prm_view`'s."""
+        if not self.config.reasoning:
+            return steps, list(range(len(steps)))
+        return prm_view(steps)
 
     async def rollout(self, problem: Problem, beam: Beam) -> list[str]:
         """Up to `config.lookahead` steps after `beam`'s at temperature 0 (text, separator removed).
@@ -569,6 +590,12 @@ class SearchContext:
         (every step scored before), "shared" (another beam's request for the same steps)."""
         if self.prm is None:
             raise ValueError(f"strategy {self.config.strategy!r} needs a PRM")
+        shown, owner = self.prm_steps(steps)
+        scores, source = await self._score_shown(problem, shown)
+        return spread(scores, owner), source
+
+    async def _score_shown(self, problem: Problem, steps: list[str]) -> tuple[list[float], str]:
+        """`_score` of the steps the PRM reads."""
         if not steps:
             return [], ""
         if not self.config.score_cache:

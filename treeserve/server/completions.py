@@ -55,6 +55,7 @@ class Served:
     metrics: ServerMetrics
     generator: str = "generator"
     prm: PRM | None = None  # the PRM adapter, when a PRM is hosted (loaded once, at startup)
+    verifier: PRM | None = None  # an outcome RM re-ranking /v1/search's completions (`verify`), when hosted
     traces: TraceRing = field(default_factory=TraceRing)  # the newest traced searches (GET /ui)
     reasoning: ReasoningParser | None = None  # chat completions split `<think>` blocks into reasoning_content
 

@@ -189,6 +189,10 @@ class SearchRequest(BaseModel):
     # (a pace, not a cap: docs/adaptive.md); needs adaptive
     budget_tokens: int | None = None
     deadline_s: float | None = None  # answer with what the search holds after this many seconds
+    # re-score and re-rank the completions with the server's verifier (`serve --verifier`; None: when it has one)
+    verify: bool | None = None
+    # a reasoning generator: the PRM reads steps without <think>/</think>, answers are read after </think>
+    reasoning: bool = False
 
 
 class Usage(BaseModel):

@@ -58,6 +58,11 @@ def answer_key(problem: Problem, text: str) -> str | None:
     return extract_answer(text)
 
 
+def reasoning_answer_key(problem: Problem, text: str) -> str | None:
+    """`answer_key` of a reasoning model's completion: read after its `</think>`."""
+    return extract_answer(text, reasoning=True)
+
+
 def search_context(served: Served, req: SearchRequest) -> tuple[SearchContext, Problem]:
     """The context and the problem of one request; raises ValueError before any work starts."""
     served.check_model(req.model)
@@ -69,7 +74,7 @@ def search_context(served: Served, req: SearchRequest) -> tuple[SearchContext, P
         filter_duplicates=req.filter_duplicates, final_to_eos=req.final_to_eos, lookahead=req.lookahead, seed=req.seed,
         step_regex=req.step_regex, answer_regex=req.answer_regex, trace=req.trace, adaptive=req.adaptive,
         certainty=req.certainty, first_width=req.first_width, budget_tokens=req.budget_tokens,
-        prompt_format=req.prompt_format, stop=req.stop or [],
+        prompt_format=req.prompt_format, stop=req.stop or [], reasoning=req.reasoning,
     )  # fmt: skip
     if req.deadline_s is not None and not (math.isfinite(req.deadline_s) and req.deadline_s > 0):
         raise ValueError(f"deadline_s must be a finite number of seconds > 0, got {req.deadline_s!r}")
@@ -78,7 +83,12 @@ def search_context(served: Served, req: SearchRequest) -> tuple[SearchContext, P
         if served.prm is None:
             raise ValueError(f"strategy {config.strategy!r} needs a PRM; start the server with --prm DIR")
         prm = copy.copy(served.prm)  # the context hooks its own counters onto the adapter it gets
-    ctx = SearchContext(config, served.runtime, served.generator, prm, answer_of=answer_key)
+    if req.verify and served.verifier is None:
+        raise ValueError("verify: true needs a verifier, and this server has none: start it with --verifier DIR "
+                         "(an outcome reward model), or leave verify out")  # fmt: skip
+    verify = served.verifier is not None if req.verify is None else req.verify
+    ctx = SearchContext(config, served.runtime, served.generator, prm, verifier=served.verifier if verify else None,
+                        answer_of=reasoning_answer_key if config.reasoning else answer_key)  # fmt: skip
     if req.messages is not None:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         users = [m["content"] for m in messages if m["role"] == "user"]
@@ -186,7 +196,8 @@ async def run_search(served: Served, req: SearchRequest, ctx: SearchContext, pro
 def _result(served: Served, req: SearchRequest, ctx: SearchContext, prompt_tokens: int, beams: list[Beam],
             seconds: float) -> dict:  # fmt: skip
     config = ctx.config
-    scored = [ScoredCompletion(b.text, extract_answer(b.text), b.scores, correct=False) for b in beams]
+    scored = [ScoredCompletion(b.text, extract_answer(b.text, config.reasoning), b.scores, correct=False)
+              for b in beams]  # fmt: skip
     method = req.selection or DEFAULT_SELECTION[config.strategy]
     picks = {rule: select(scored, rule, config.agg) for rule in SELECTIONS}
     chosen = picks[method]
@@ -197,7 +208,7 @@ def _result(served: Served, req: SearchRequest, ctx: SearchContext, prompt_token
     ]  # fmt: skip
     return {
         "id": new_id("search"), "object": "search", "created": now(), "model": served.model_name,
-        "strategy": config.strategy, "selection": method, "agg": config.agg,
+        "strategy": config.strategy, "selection": method, "agg": config.agg, "verified": ctx.verifier is not None,
         "answer": None if chosen is None else scored[chosen].answer, "chosen_index": chosen,
         "answers_by_rule": {rule: None if i is None else scored[i].answer for rule, i in picks.items()},
         "completions": completions,

@@ -1,7 +1,7 @@
 """A server's settings (`treeserve serve`'s flags) and the models they load.
 
 Owns `ServerSettings` (checked before any model loads) and `build_served`, which loads the
-generator and, when given, a PRM into one runtime and returns what the routes serve. The
+generator and, when given, a PRM and a verifier into one runtime and returns what the routes serve. The
 API process and the engine-core process (`core.py`) both build from here; `launch.py` starts
 one or the other.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 from treeserve.models.tokenizer import Tokenizer
 from treeserve.runtime.model_settings import ModelSettings
 from treeserve.runtime.runtime_settings import RuntimeSettings
-from treeserve.search.prm import load_prm
+from treeserve.search.prm import check_verifier, load_prm
 from treeserve.server.completions import Served
 from treeserve.server.metrics import ServerMetrics, engine_stats
 from treeserve.server.reasoning import ReasoningParser
@@ -25,6 +25,7 @@ from treeserve.server.traces import TraceRing
 class ServerSettings:
     generator: ModelSettings  # the model clients generate with
     prm: ModelSettings | None = None  # the PRM /v1/search scores with (None: no /v1/search)
+    verifier: ModelSettings | None = None  # an outcome RM that re-ranks /v1/search's completions ("verify")
     runtime: RuntimeSettings = field(default_factory=RuntimeSettings)  # dtype, device, memory: both models'
     served_model_name: str | None = None  # default: the generator directory's name
     host: str = "127.0.0.1"
@@ -41,7 +42,9 @@ class ServerSettings:
         return self.served_model_name or Path(self.generator.path).resolve().name
 
     def check(self) -> None:
-        self.runtime.check(self.generator, self.prm)
+        self.runtime.check(self.generator, self.prm, self.verifier)
+        if self.verifier is not None:
+            check_verifier(self.verifier.path, self.verifier.style)
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.shutdown_timeout < 0:
@@ -62,8 +65,12 @@ class ServerSettings:
 def build_served(settings: ServerSettings) -> Served:
     settings.check()
     reasoning = settings.reasoning()
-    runtime = settings.runtime.load(settings.generator, settings.prm)
+    runtime = settings.runtime.load(settings.generator, settings.prm, settings.verifier)
     print(runtime.memory_plan.table(), flush=True)
     prm = load_prm(runtime, "prm", settings.prm.style) if settings.prm else None  # a bad PRM fails at startup
+    verifier = load_prm(runtime, "verifier", settings.verifier.style) if settings.verifier else None
+    if verifier is not None and not verifier.outcome:
+        raise ValueError(f"--verifier must be an outcome reward model (style orm), got style {verifier.style!r}")
     metrics = ServerMetrics(lambda: engine_stats(runtime))
-    return Served(runtime, settings.name, metrics, prm=prm, traces=TraceRing(settings.trace_ring), reasoning=reasoning)
+    return Served(runtime, settings.name, metrics, prm=prm, verifier=verifier, traces=TraceRing(settings.trace_ring),
+                  reasoning=reasoning)  # fmt: skip

@@ -53,8 +53,10 @@ __all__ = [
     "StepTagPRM",
     "TokenClassificationPRM",
     "ValueHeadPRM",
+    "check_verifier",
     "detect_style",
     "load_prm",
+    "style_from_files",
 ]
 
 
@@ -71,10 +73,11 @@ def _read_json(path: str) -> dict:
     return data
 
 
-def detect_style(runtime: Runtime, model: str) -> str:
-    """The PRM style a checkpoint needs, from its prm_config.json, config.json and head tensors."""
-    engine = runtime.engine(model)
-    model_dir = engine.config.model
+def style_from_files(model_dir: str) -> str | None:
+    """The PRM style a checkpoint directory's prm_config.json or config.json `architectures` names
+    (None: neither tells; a GGUF file tells nothing), read without loading the model."""
+    if not os.path.isdir(model_dir):
+        return None
     style = _read_json(os.path.join(model_dir, "prm_config.json")).get("style")
     if style is not None:
         if style not in PRM_STYLES:
@@ -86,6 +89,26 @@ def detect_style(runtime: Runtime, model: str) -> str:
     for ending, found in ARCHITECTURE_STYLES:
         if any(a.endswith(ending) for a in architectures):
             return found
+    return None
+
+
+def check_verifier(model_dir: str, style: str | None = None) -> None:
+    """Refuse, before it loads, a verifier that is not an outcome reward model: one whose given
+    `style` or whose files name a process PRM's. (Files that tell nothing are checked once loaded:
+    `SearchContext` refuses a verifier whose adapter is not an ORM's.)"""
+    found = style or style_from_files(str(model_dir))
+    if found is not None and found != "orm":
+        raise ValueError(f"the verifier re-scores whole solutions, so it must be an outcome reward model (style "
+                         f"orm), but {str(model_dir)!r} is a {found} PRM: pass it as --prm")  # fmt: skip
+
+
+def detect_style(runtime: Runtime, model: str) -> str:
+    """The PRM style a checkpoint needs, from its prm_config.json, config.json and head tensors."""
+    engine = runtime.engine(model)
+    model_dir = engine.config.model
+    style = style_from_files(model_dir)
+    if style is not None:
+        return style
     if any(name.startswith("v_head.") for name in engine.extra_tensors):
         return "value_head"
     raise ValueError(

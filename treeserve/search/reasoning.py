@@ -1,0 +1,60 @@
+"""Step-level search over a reasoning chain (`SearchConfig.reasoning`): what the PRM sees of it.
+
+A reasoning generator writes `<think>...</think>` before its answer; its steps end at "\\n\\n"
+inside the think block as outside, and the beam keeps them as sampled (the next prompt is the
+tokens sampled). The PRM reads each step with the think tags removed (`visible`), and a step
+that is only tags (and blanks) is not shown to it (`prm_view`); `spread` gives such a hidden step the score
+of the last shown step before it (1.0 before any: nothing judged, the identity of min and prod).
+Shown steps of k steps are a prefix of those of k + 1, so PRM inputs stay token prefixes of each
+other and the score cache's keys stay consistent. It never runs a model.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+from treeserve.engine.thinking import THINK_END, THINK_START, ThinkTokens
+
+if TYPE_CHECKING:
+    from treeserve.models.tokenizer import Tokenizer
+
+TAGS = re.compile(rf"\s*(?:{re.escape(THINK_START)}|{re.escape(THINK_END)})\s*")
+UNJUDGED = 1.0  # a hidden step's score before any shown step
+
+
+def visible(step: str) -> str:
+    """`step` with its think tags (and the blanks around them) removed; unchanged without tags."""
+    if THINK_START not in step and THINK_END not in step:
+        return step
+    return TAGS.sub("\n", step).strip()
+
+
+def prm_view(steps: list[str]) -> tuple[list[str], list[int]]:
+    """The steps the PRM is shown, and for each of `steps` the index of the shown step whose score
+    it takes (its own, or the last before it; -1: none)."""
+    shown: list[str] = []
+    owner: list[int] = []
+    for step in steps:
+        text = visible(step)
+        if text or text == step:  # hidden only when tags were all it had (an empty step is shown, as without)
+            shown.append(text)
+        owner.append(len(shown) - 1)
+    return shown, owner
+
+
+def spread(scores: list[float], owner: list[int]) -> list[float]:
+    """One score per step from the shown steps' `scores` (`prm_view`'s `owner`)."""
+    return [scores[i] if i >= 0 else UNJUDGED for i in owner]
+
+
+def check_generator(tokenizer: Tokenizer, name: str = "the generator") -> None:
+    """ValueError unless the tokenizer writes `<think>` and `</think>` as tokens whose text
+    decoding keeps (the search reads the tags in the steps' text)."""
+    if ThinkTokens.of(tokenizer) is None:
+        raise ValueError(f"reasoning search needs a generator that writes {THINK_START}...{THINK_END}, but "
+                         f"{name}'s tokenizer has no {THINK_START} and {THINK_END} tokens")  # fmt: skip
+    special = {t.content for t in tokenizer.hf.get_added_tokens_decoder().values() if t.special}
+    if special & {THINK_START, THINK_END}:
+        raise ValueError(f"reasoning search: {name}'s {THINK_START}/{THINK_END} are special tokens, which decoded "
+                         "steps leave out, so the think block cannot be found")  # fmt: skip
