@@ -21,7 +21,8 @@ from treeserve.models.loader import QUANTIZATIONS
 
 log = logging.getLogger(__name__)
 
-DEFAULT_KV_CAP = 1 << 30
+DEFAULT_KV_CAP = 1 << 30  # a CPU engine's KV when not told: at most this (and kv_cache_fraction of free memory)
+GPU_MEMORY_FRACTION = 0.9  # on CUDA, the share of free memory an engine or a runtime takes (vLLM's default)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXECUTOR_BACKENDS = ("mp", "ray")  # how a parallel engine starts its other ranks (vLLM's names)
 SPECULATIVE_METHODS = ("ngram", "tree", "model")  # where drafts come from (engine/speculative/)
@@ -190,8 +191,9 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     block_size: int = 16
-    # KV memory budget: bytes if given, else a fraction of the device's free memory, at most
-    # DEFAULT_KV_CAP bytes (the arena is allocated and zeroed up front, like vLLM's).
+    # KV memory budget: bytes if given, else a fraction of the device's memory free once the weights
+    # are in: kv_cache_fraction of it, at most DEFAULT_KV_CAP bytes, on a CPU; GPU_MEMORY_FRACTION
+    # of it on CUDA (the arena is allocated and zeroed up front, like vLLM's).
     kv_cache_memory: int | None = None
     kv_cache_fraction: float = 0.25
     enable_prefix_caching: bool = True
@@ -296,6 +298,8 @@ class EngineConfig:
     def kv_budget(self, available: int) -> int:
         if self.kv_cache_memory is not None:
             return self.kv_cache_memory
+        if self.device.startswith("cuda"):
+            return int(GPU_MEMORY_FRACTION * available)
         return min(int(self.kv_cache_fraction * available), DEFAULT_KV_CAP)
 
     @property

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from treeserve.config import DEFAULT_KV_CAP, GPU_MEMORY_FRACTION
 from treeserve.device import total_memory
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.layers.quant import quantized_weights
@@ -247,6 +248,16 @@ def _allocations(fn: object) -> list[tuple[int, int]]:
         finally:
             result = _disable_profiler()
     return [(e.start_ns(), e.nbytes()) for e in result.events() if e.name() == "[memory]"]
+
+
+def default_budget(device: torch.device) -> tuple[int | None, float | None]:
+    """(kv_cache_memory, memory_fraction) when neither those nor a memory_budget are given: on CUDA
+    GPU_MEMORY_FRACTION of the memory free at start for both models' weights, activations and
+    the shared KV (vLLM's gpu_memory_utilization); on a CPU DEFAULT_KV_CAP bytes of KV (the
+    machine's memory is the other programs' too)."""
+    if device.type == "cuda":
+        return None, GPU_MEMORY_FRACTION
+    return DEFAULT_KV_CAP, None
 
 
 def check_budget(kv_cache_memory: int | None, memory_budget: int | None, memory_fraction: float | None) -> None:

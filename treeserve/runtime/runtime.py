@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from treeserve.config import DEFAULT_KV_CAP, EngineConfig
+from treeserve.config import EngineConfig
 from treeserve.device import (
     available_memory,
     process_memory,
@@ -114,15 +114,13 @@ class Runtime:
         **engine_kwargs: object,
     ) -> Runtime:
         """Load every model, plan memory (see `planner.py`: give one of `kv_cache_memory` bytes
-        of KV, a `memory_budget` in bytes for everything, or a `memory_fraction` of free memory)
+        of KV, a `memory_budget` in bytes for everything, or a `memory_fraction` of free memory;
+        none: `planner.default_budget`, 0.9 of free memory on CUDA, 1 GiB of KV on a CPU)
         and give the models KV pages: one shared arena when no spec has a `kv_fraction`, else a
         static split whose fractions add up to 1. `overlap_models` (CUDA): each model steps on a
         CUDA stream of its own, the first spec's (the generator's) at the higher priority, so
         the GPU runs one model's kernels while the other's run; the page pool's fences order
         a page one model releases before the other writes it (engine/device_queue.py)."""
-        if kv_cache_memory is None and memory_budget is None and memory_fraction is None:
-            kv_cache_memory = DEFAULT_KV_CAP
-        planner.check_budget(kv_cache_memory, memory_budget, memory_fraction)
         fractions = [s.kv_fraction for s in specs]
         shared = all(f is None for f in fractions)
         if not shared and (None in fractions or abs(sum(fractions) - 1.0) > 1e-6):
@@ -135,6 +133,9 @@ class Runtime:
             engine_kwargs["device"],  # type: ignore[arg-type]
         )  # both checked before any model loads
         device = torch.device(engine_kwargs["device"])
+        if kv_cache_memory is None and memory_budget is None and memory_fraction is None:
+            kv_cache_memory, memory_fraction = planner.default_budget(device)
+        planner.check_budget(kv_cache_memory, memory_budget, memory_fraction)
         free_at_start = available_memory(device)
         configs = {  # every model's settings checked before any model loads
             s.name: EngineConfig(
