@@ -180,7 +180,8 @@ def _add_trace_flag(p: argparse.ArgumentParser) -> None:
 
 def _add_memory_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=_parse_bytes, default=None,
-                   help="bytes for both models' KV pages (default 1 GiB unless a budget below is given)")  # fmt: skip
+                   help="bytes for both models' KV pages (default, unless a budget below is given: 1 GiB on a "
+                        "CPU; on CUDA --memory-fraction 0.9)")  # fmt: skip
     p.add_argument("--memory-budget", type=_parse_bytes, default=None,
                    help="bytes for everything (weights, activations, KV): the planner sizes the KV arena")  # fmt: skip
     p.add_argument("--memory-fraction", type=float, default=None,
