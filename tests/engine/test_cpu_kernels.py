@@ -227,11 +227,12 @@ def test_rms_norm_bf16_matches_the_pytorch_norms(gemma):
 
 
 def test_layers_pick_their_kernels_at_load(llama_dir, monkeypatch):
-    """bf16 on a CPU: the C kernels (dense bf16 panels where AVX512-BF16 is built);
+    """bf16 on a CPU: the C kernels (dense bf16 panels where AVX512-BF16 is built, avx2_linear.c on AVX2);
     fp32: PyTorch's with rows padded;
     bf16 with TREESERVE_CPU_KERNELS=0: PyTorch, widened to fp32 where the CPU has no bf16 products."""
     import torch.nn.functional as F
 
+    from treeserve.kernels.cpu import avx2
     from treeserve.kernels.cpu import quant as quant_kernels
     from treeserve.layers.linear import Linear, row_invariant_linear, widened_linear
     from treeserve.layers.quant import quant_linear
@@ -246,9 +247,11 @@ def test_layers_pick_their_kernels_at_load(llama_dir, monkeypatch):
     if cpu_kernels.bf16_built():  # dense panels (on AMX tiles where the CPU has them: test_amx_linear.py)
         dense = quant_linear if quant_kernels.bf16_panels_available() else cpu_kernels.linear
         assert picked(torch.bfloat16) == ({dense}, True, True)
+    elif avx2.load() is not None:  # AVX2 without bf16 products: bf16 weights on avx2_linear.c
+        assert picked(torch.bfloat16)[0] == {avx2.linear}
     monkeypatch.setenv("TREESERVE_CPU_KERNELS", "0")
     caches = (cpu_kernels.load, cpu_kernels.bf16_built, cpu_kernels.load_amx, quant_kernels.load,
-              quant_kernels.load_bf16)  # fmt: skip
+              quant_kernels.load_bf16, avx2.load)  # fmt: skip
     for cached in caches:
         cached.cache_clear()
     try:

@@ -1,4 +1,5 @@
-"""bf16 models on a CPU that does not multiply bf16 itself: weights widened to fp32 at load.
+"""bf16 models on a CPU that does not multiply bf16 itself and has no AVX2 kernel: weights widened
+to fp32 at load.
 
 Without AVX512-BF16 or AMX, PyTorch emulates bf16 products (3-7x slower than fp32 on an AVX2 AMD
 EPYC), so `Linear` and `Embedding` hold a bf16 model's matrices in fp32 and multiply the bf16
@@ -14,14 +15,17 @@ import torch
 
 from treeserve import LLM, SamplingParams
 from treeserve.kernels import cpu as cpu_kernels
+from treeserve.kernels.cpu import avx2
 from treeserve.layers import linear
 from treeserve.layers.linear import row_invariant_linear, widened_linear
 
 
 @pytest.fixture
 def no_native_bf16(monkeypatch):
+    """Neither native bf16 nor the AVX2 kernel (tests/kernels/test_avx2_linear.py covers that one)."""
     monkeypatch.setattr(cpu_kernels, "native_bf16", lambda: False)
     monkeypatch.setattr(cpu_kernels, "amx_supports", lambda weight: False)
+    monkeypatch.setattr(avx2, "supports", lambda weight: False)
 
 
 def test_widened_linear_is_the_fp32_product_rounded_once_and_row_invariant():

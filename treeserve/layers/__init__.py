@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from treeserve.kernels import cpu as cpu_kernels
+from treeserve.kernels.cpu import avx2
 from treeserve.kernels.cpu import layer_stack as stack_kernels
 from treeserve.kernels.cpu import quant as quant_kernels
 from treeserve.kernels.cpu.memory import weights_in_huge_pages
@@ -33,6 +34,8 @@ def prebuild_kernels(model: nn.Module) -> None:
         sources += [(quant_kernels.SOURCE, flags), (quant_kernels.Q8_SOURCE, flags), (stack_kernels.SOURCE, flags)]
     elif weights.dtype == torch.bfloat16 and cpu_kernels.native_bf16():  # panels, chained by the stack
         sources += [(quant_kernels.BF16_SOURCE, flags), (stack_kernels.SOURCE, flags)]
+    elif weights.dtype == torch.bfloat16:  # bf16 layers on AVX2 (built where the CPU has it)
+        sources += [(avx2.SOURCE, avx2.AVX2_FLAGS)]
     cpu_kernels.prebuild(sources)
 
 

@@ -17,10 +17,12 @@ quantised bytes), `quant_linear`; for fp32 weights on a CPU, `row_invariant_line
 with at least MIN_GEMM_ROWS rows); F.linear everywhere else (cuBLAS on a GPU).
 
 On a CPU that does not multiply bf16 itself (neither AVX512-BF16 nor AMX: PyTorch emulates the
-products, 3-7x slower than fp32 on an AVX2 AMD EPYC), a bf16 `Linear` widens its weight to fp32 at
-load (`widens`; exact: every bf16 is an fp32) and `widened_linear` multiplies the bf16 inputs in
-fp32, row-invariant as an fp32 layer, rounding the product to bf16 once: the layer's outputs stay
-bf16. The weights take twice the memory.
+products, 3-7x slower than fp32 on an AVX2 AMD EPYC) but has AVX2 and FMA, a bf16 `Linear` keeps
+its weight in bf16 and `kernels/cpu/avx2.py` multiplies it, widening in registers and summing in
+fp32 in one fixed order (batch invariant), the product rounded to bf16 once. Without AVX2 (or
+its build), the weight is widened to fp32 at load (`widens`; exact: every bf16 is an fp32) and
+`widened_linear` multiplies the bf16 inputs in fp32, row-invariant as an fp32 layer, rounding the
+product to bf16 once; the weights then take twice the memory.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treeserve.kernels import cpu as cpu_kernels
+from treeserve.kernels.cpu import avx2
 from treeserve.layers.quant import QuantTensor, dense_panels, dense_panels_supported, quant_linear, set_quantized
 
 LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -45,13 +48,15 @@ MIN_GEMM_ROWS = 16
 
 def widens(weight: torch.Tensor | QuantTensor) -> bool:
     """A dense bf16 matrix on a CPU that does not multiply bf16 itself (so it has no AMX tiles
-    either): widened to fp32 at load (`widened_linear`)."""
+    either) and has no AVX2 kernel for it (`kernels/cpu/avx2.py`): widened to fp32 at load
+    (`widened_linear`)."""
     return (
         isinstance(weight, torch.Tensor)
         and weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
         and weight.dim() == 2
         and not cpu_kernels.native_bf16()
+        and not avx2.supports(weight)
     )
 
 
@@ -67,6 +72,8 @@ def linear_kernel(weight: torch.Tensor | QuantTensor) -> LinearKernel:
         return quant_linear
     if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and cpu_kernels.bf16_built():
         return cpu_kernels.linear
+    if avx2.supports(weight) and not cpu_kernels.native_bf16():
+        return avx2.linear
     if weight.device.type == "cpu" and weight.dtype == torch.float32:
         return row_invariant_linear
     return F.linear
