@@ -23,7 +23,7 @@ class RuntimeSettings:
     dtype: str = "bfloat16"
     device: str | None = None  # None: cuda when torch sees a GPU, else cpu
     attention_backend: str | None = None  # None: the device's default (triton on CUDA, cpu on a CPU)
-    kv_cache_memory: int | None = None  # bytes for both models' KV pages (1 GiB when no budget below is given)
+    kv_cache_memory: int | None = None  # bytes for all models' KV pages (none of the three: planner.default_budget)
     memory_budget: int | None = None  # bytes for weights + activations + KV (see runtime/planner.py)
     memory_fraction: float | None = None  # of the memory free at start, for everything
     # both models' steps on CUDA streams of their own, the generator's at higher priority, so the
