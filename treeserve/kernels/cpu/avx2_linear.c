@@ -6,8 +6,9 @@
  * of the widened values would be, in this order for every output: eight lanes, lane j summing the
  * k = j (mod 8) terms by fused multiply-adds in increasing k, then the lanes added pairwise
  * ((0+4, 1+5, 2+6, 3+7), then (0+2, 1+3), then 0+1), then the k % 8 tail terms in increasing k,
- * then the bias. Outputs are computed two and rows four at a time (the last ones alone) with the
- * same operations, so a row's bits never depend on how many rows share the call (batch invariance).
+ * then the bias. Outputs are computed in blocks (four rows by two outputs, one row by four, or alone)
+ * with the same operations for each, so a row's bits never depend on how many rows share the call
+ * (batch invariance).
  * Built without -ffast-math so that the compiler keeps this order.
  */
 #include <immintrin.h>
@@ -45,15 +46,15 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* `cols` (1..2) outputs from w rows wn[0..cols) for `rows` (1..4) rows: the order the header states
- * (always inlined with constant rows and cols, so each shape is its own unrolled loop) */
+/* `cols` (1..4) outputs from w rows wn[0..cols) for `rows` (1..4) rows, rows x cols <= 8: the order the
+ * header states (always inlined with constant rows and cols, so each shape is its own unrolled loop) */
 static inline __attribute__((always_inline)) void dot_block(const float *const *xr, int rows, const bf16 *const *wn,
-                                                            int cols, int k8, int k, float sums[4][2]) {
-    __m256 acc[4][2];
+                                                            int cols, int k8, int k, float sums[][4]) {
+    __m256 acc[4][4];
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < cols; c++) acc[r][c] = _mm256_setzero_ps();
     for (int i = 0; i < k8; i += 8) {
-        __m256 w[2];
+        __m256 w[4];
         for (int c = 0; c < cols; c++) w[c] = load_bf16(wn[c] + i);
         for (int r = 0; r < rows; r++) {
             const __m256 xv = _mm256_loadu_ps(xr[r] + i);
@@ -76,20 +77,30 @@ void avx2_linear_bf16(const bf16 *x, int64_t x_stride, int m, const bf16 *w, con
         for (int i = 0; i < k; i++) xf[(size_t)r * k + i] = widen(x[r * x_stride + i]);
     const int k8 = k & ~7;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t j = 0; j < n; j += 2) {
-        const int cols = n - j < 2 ? (int)(n - j) : 2;
-        const bf16 *wn[2] = {w + j * (int64_t)k, w + (j + cols - 1) * (int64_t)k};
+    for (int64_t j = 0; j < n; j += 4) {
+        const int cols = n - j < 4 ? (int)(n - j) : 4;
+        const bf16 *wn[4];
+        for (int c = 0; c < 4; c++) wn[c] = w + (j + (c < cols ? c : cols - 1)) * (int64_t)k;
         for (int r0 = 0; r0 < m; r0 += 4) {
             const int rows = m - r0 < 4 ? m - r0 : 4;
             const float *xr[4];
-            float sums[4][2];
+            float sums[4][4];
             for (int r = 0; r < rows; r++) xr[r] = xf + (size_t)(r0 + r) * k;
-            if (rows == 4 && cols == 2)
+            if (rows == 4 && cols == 4) { /* two 4-row x 2-output blocks */
+                float half[4][4];
                 dot_block(xr, 4, wn, 2, k8, k, sums);
-            else if (cols == 2)
-                for (int r = 0; r < rows; r++) dot_block(xr + r, 1, wn, 2, k8, k, sums + r);
-            else
-                for (int r = 0; r < rows; r++) dot_block(xr + r, 1, wn, 1, k8, k, sums + r);
+                dot_block(xr, 4, wn + 2, 2, k8, k, half);
+                for (int r = 0; r < 4; r++) sums[r][2] = half[r][0], sums[r][3] = half[r][1];
+            } else if (cols == 4) {
+                for (int r = 0; r < rows; r++) dot_block(xr + r, 1, wn, 4, k8, k, sums + r);
+            } else {
+                for (int r = 0; r < rows; r++)
+                    for (int c = 0; c < cols; c++) {
+                        float one[1][4];
+                        dot_block(xr + r, 1, wn + c, 1, k8, k, one);
+                        sums[r][c] = one[0][0];
+                    }
+            }
             for (int r = 0; r < rows; r++)
                 for (int c = 0; c < cols; c++)
                     out[(int64_t)(r0 + r) * n + j + c] = round_bf16(sums[r][c] + (bias ? bias[j + c] : 0.0f));
