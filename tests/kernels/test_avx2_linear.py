@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.models.test_widened_bf16 import assert_batch_invariant
 from treeserve import LLM, SamplingParams
 from treeserve.kernels.cpu import avx2
 
@@ -68,11 +69,4 @@ def test_a_bf16_model_runs_on_it_close_to_its_fp32_twin(llama_dir):
 
 
 def test_requests_on_it_are_batch_invariant(llama_dir):
-    llm = LLM(llama_dir, dtype="bfloat16", kv_cache_memory=8 << 20)
-    target = SamplingParams(temperature=0.9, max_tokens=24, seed=5, ignore_eos=True)
-    alone = llm.generate(["Numbers 0 1 2 3"], target)[0].outputs[0].token_ids
-    others = [SamplingParams(temperature=0.7, max_tokens=8 + i, seed=i, ignore_eos=True) for i in range(20)]
-    prompts = ["The quick brown fox"] * 10 + ["Numbers 0 1 2 3"] + ["def f(x):"] * 10
-    batch = llm.generate(prompts, others[:10] + [target] + others[10:])
-    assert batch[10].outputs[0].token_ids == alone
-    llm.engine.check_pages_idle()
+    assert_batch_invariant(LLM(llama_dir, dtype="bfloat16", kv_cache_memory=8 << 20))

@@ -61,7 +61,11 @@ def test_a_bf16_model_widens_and_follows_its_fp32_twin(llama_dir, no_native_bf16
 
 
 def test_widened_requests_are_batch_invariant(llama_dir, no_native_bf16):
-    llm = LLM(llama_dir, dtype="bfloat16", kv_cache_memory=8 << 20)
+    assert_batch_invariant(LLM(llama_dir, dtype="bfloat16", kv_cache_memory=8 << 20))
+
+
+def assert_batch_invariant(llm: LLM) -> None:
+    """A seeded request's tokens alone equal its tokens among 20 others (then every page is idle)."""
     target = SamplingParams(temperature=0.9, max_tokens=24, seed=5, ignore_eos=True)
     alone = llm.generate(["Numbers 0 1 2 3"], target)[0].outputs[0].token_ids
     others = [SamplingParams(temperature=0.7, max_tokens=8 + i, seed=i, ignore_eos=True) for i in range(20)]

@@ -111,18 +111,23 @@ def build_rlhflow(out_dir: str) -> str:
 
 
 def build_reward_head(out_dir: str, hidden: int = 64) -> str:
+    return _qwen2_with_head(out_dir, hidden, seed=2, classes=2, architecture="Qwen2ForProcessRewardModel")
+
+
+def _qwen2_with_head(out_dir: str, hidden: int, seed: int, classes: int, architecture: str) -> str:
+    """Qwen2 without lm_head and a two-layer head: `score.0` (hidden->hidden), `score.2` (hidden->classes)."""
     os.makedirs(out_dir, exist_ok=True)
     vocab = _base_vocab_size() + len(QWEN2_TOKENS)
-    build_checkpoint(out_dir, "qwen2", seed=2, vocab_size=vocab, hidden_size=hidden, tie_word_embeddings=False)
+    build_checkpoint(out_dir, "qwen2", seed=seed, vocab_size=vocab, hidden_size=hidden, tie_word_embeddings=False)
     _tokenizer(out_dir, "qwen2")
-    g = torch.Generator().manual_seed(2)
+    g = torch.Generator().manual_seed(seed)
     head = {
         "score.0.weight": torch.randn(hidden, hidden, generator=g) * 0.3,
         "score.0.bias": torch.randn(hidden, generator=g) * 0.3,
-        "score.2.weight": torch.randn(2, hidden, generator=g) * 0.3,
-        "score.2.bias": torch.randn(2, generator=g) * 0.3,
+        "score.2.weight": torch.randn(classes, hidden, generator=g) * 0.3,
+        "score.2.bias": torch.randn(classes, generator=g) * 0.3,
     }
-    _edit_checkpoint(out_dir, ["Qwen2ForProcessRewardModel"], ("lm_head.weight",), head)
+    _edit_checkpoint(out_dir, [architecture], ("lm_head.weight",), head)
     return out_dir
 
 
@@ -194,16 +199,4 @@ def build_sequence_classification(out_dir: str) -> str:
 
 def build_qwen_reward_model(out_dir: str, hidden: int = 64) -> str:
     """A Qwen2.5-Math-RM-style ORM: Qwen2 without lm_head, `score.0` (hidden->hidden), `score.2` (hidden->1)."""
-    os.makedirs(out_dir, exist_ok=True)
-    vocab = _base_vocab_size() + len(QWEN2_TOKENS)
-    build_checkpoint(out_dir, "qwen2", seed=7, vocab_size=vocab, hidden_size=hidden, tie_word_embeddings=False)
-    _tokenizer(out_dir, "qwen2")
-    g = torch.Generator().manual_seed(7)
-    head = {
-        "score.0.weight": torch.randn(hidden, hidden, generator=g) * 0.3,
-        "score.0.bias": torch.randn(hidden, generator=g) * 0.3,
-        "score.2.weight": torch.randn(1, hidden, generator=g) * 0.3,
-        "score.2.bias": torch.randn(1, generator=g) * 0.3,
-    }
-    _edit_checkpoint(out_dir, ["Qwen2ForRewardModel"], ("lm_head.weight",), head)
-    return out_dir
+    return _qwen2_with_head(out_dir, hidden, seed=7, classes=1, architecture="Qwen2ForRewardModel")
