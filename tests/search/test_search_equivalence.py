@@ -73,6 +73,18 @@ CONFIGS = {
 }
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "phi3"])
+def test_optimised_equals_reference_for_each_family(tmp_path, family):
+    """The 2026 families as the generator: beam search with every optimisation (speculative
+    steps, prefix and score caches, twin rows) selects the reference search's beams."""
+    generator_world = build_step_world(str(tmp_path), family=family)
+    config = CONFIGS["beam_spec"]
+    fast = run(generator_world, config, reference=False)
+    plain = run(generator_world, config, reference=True)
+    assert signature(fast) == signature(plain, approx=True)
+    assert max(len(c["step_scores"]) for p in fast["problems"] for c in p["completions"]) >= 3
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_optimised_equals_reference(world, name):
     config = CONFIGS[name]
