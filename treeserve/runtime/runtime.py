@@ -185,12 +185,14 @@ class Runtime:
         kv_cache_memory: int | None,
         prm_kv_fraction: float | None = None,
         engine_args: dict[str, dict] | None = None,
+        verifier: str | None = None,
         **load_kwargs: object,
     ) -> Runtime:
-        """A generator (engine "generator") and, when given, a PRM (engine "prm") with
-        `kv_cache_memory` bytes of KV: one shared arena, or a static split giving the PRM a
-        `prm_kv_fraction` share. `engine_args` holds per-model settings (from `treeserve tune`).
-        The PRM prefers 4-token pages: each PRM request recomputes at most 3 cached tokens before
+        """A generator (engine "generator") and, when given, a PRM (engine "prm") and a verifier
+        (engine "verifier", an outcome RM; shared arena only) with `kv_cache_memory` bytes of KV:
+        one shared arena, or a static split giving the PRM a `prm_kv_fraction` share.
+        `engine_args` holds per-model settings (from `treeserve tune`). The models that only
+        score prefer 4-token pages: each PRM request recomputes at most 3 cached tokens before
         its new step (16-token pages measured 2.3x the unique tokens of the search tree, 4-token
         pages 1.4x). In a shared arena the smaller page wins, so the generator gets 4-token pages
         too (measured about 2% slower than 16 on beam search)."""
@@ -203,6 +205,8 @@ class Runtime:
         ]
         if prm:
             specs.append(ModelSpec("prm", prm, prm_kv_fraction if split else None, 4, args.get("prm", {})))
+        if verifier:
+            specs.append(ModelSpec("verifier", verifier, None, 4, args.get("verifier", {})))
         return cls.load(specs, kv_cache_memory, **load_kwargs)
 
     # ---- the API search programs use -------------------------------------------------

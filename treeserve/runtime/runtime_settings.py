@@ -2,8 +2,7 @@
 
 Owns `RuntimeSettings` and loading a generator, a PRM and optionally a verifier (an outcome
 reward model; each a `ModelSettings`) with them: `check` refuses bad values for the runtime and
-every model before any weight loads; `load` builds the `Runtime` (`Runtime.for_search`, or with a
-verifier the same specs plus the verifier's, engine "verifier"). `EvalSettings` and
+every model before any weight loads; `load` builds the `Runtime` (`Runtime.for_search`). `EvalSettings` and
 `ServerSettings` hold one beside their models' settings. Per-model settings never live here.
 """
 
@@ -13,9 +12,7 @@ from dataclasses import dataclass
 
 from treeserve.device import resolve_attention_backend, resolve_device
 from treeserve.runtime.model_settings import ModelSettings
-from treeserve.runtime.runtime import ModelSpec, Runtime
-
-SCORER_BLOCK_SIZE = 4  # a model that only scores prefers 4-token pages (Runtime.for_search says why)
+from treeserve.runtime.runtime import Runtime
 
 
 @dataclass
@@ -54,20 +51,11 @@ class RuntimeSettings:
              **load_kwargs: object) -> Runtime:  # fmt: skip
         """The generator (engine "generator") and, when given, the PRM (engine "prm") and the
         verifier (engine "verifier") in one runtime, one page arena."""
-        if verifier is not None:
-            specs = [ModelSpec("generator", str(generator.path), None, 16, generator.engine_args())]
-            if prm is not None:
-                specs.append(ModelSpec("prm", str(prm.path), None, SCORER_BLOCK_SIZE, prm.engine_args()))
-            specs.append(ModelSpec("verifier", str(verifier.path), None, SCORER_BLOCK_SIZE, verifier.engine_args()))
-            return Runtime.load(
-                specs, self.kv_cache_memory, dtype=self.dtype, memory_budget=self.memory_budget,
-                memory_fraction=self.memory_fraction, device=self.device, attention_backend=self.attention_backend,
-                overlap_models=bool(self.overlap_models), **load_kwargs,
-            )  # fmt: skip
-        engine_args = {"generator": generator.engine_args()} | ({"prm": prm.engine_args()} if prm else {})
+        models = {"generator": generator, "prm": prm, "verifier": verifier}
+        engine_args = {name: m.engine_args() for name, m in models.items() if m is not None}
         return Runtime.for_search(
             str(generator.path), str(prm.path) if prm else None, self.kv_cache_memory,
-            prm.kv_fraction if prm else None, engine_args,
+            prm.kv_fraction if prm else None, engine_args, str(verifier.path) if verifier else None,
             dtype=self.dtype, memory_budget=self.memory_budget, memory_fraction=self.memory_fraction,
             device=self.device, attention_backend=self.attention_backend, overlap_models=bool(self.overlap_models),
             **load_kwargs,
