@@ -172,13 +172,11 @@ class RotaryEmbedding:
         self._looked_up: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
         self.use_c = False
         self.use_triton = False  # rotate as the engine stores k (`Attention`'s `rope`), on CUDA
-        self.partial = False  # set by `pick_kernel` once the head size is known
 
     def pick_kernel(self, dtype: torch.dtype, head_dim: int | None = None) -> None:
         """Choose the kernel for q/k of `dtype` (the model's), on this table's device. The C and
         Triton kernels rotate whole heads: a partial rotary table takes the PyTorch lines."""
-        self.partial = head_dim is not None and head_dim != self.rotary_dim
-        whole = not self.partial
+        whole = head_dim is None or head_dim == self.rotary_dim
         on_c = self.cos.device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels.load() is not None
         self.use_c = whole and on_c
         self.use_triton = whole and triton_kernels.fused_layers(self.cos.device)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from treeserve.layers.norm import GemmaRMSNorm
-from treeserve.layers.rotary import RotaryEmbedding, rope_inv_freq
+from treeserve.layers.rotary import RotaryEmbedding, rope_frequencies
 from treeserve.models.config import ModelConfig
 from treeserve.models.config_fields import check_fields
 from treeserve.models.llama import LlamaAttentionBlock, LlamaForCausalLM, LlamaMLP
@@ -132,8 +132,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def init_rope(self, max_positions: int, device: torch.device | str) -> None:
         super().init_rope(max_positions, device)  # the global layers' table
         cfg = self.config
-        local_inv_freq = rope_inv_freq(cfg.head_dim, cfg.local_rope_theta, cfg.local_rope_scaling)
-        self.local_rope = RotaryEmbedding(local_inv_freq, max_positions, device)
+        local = rope_frequencies(cfg.head_dim, cfg.local_rope_theta, cfg.local_rope_scaling)
+        self.local_rope = RotaryEmbedding(local, max_positions, device)
 
     def rope_tables(self) -> tuple[RotaryEmbedding, RotaryEmbedding]:
         return self.rope, self.local_rope

@@ -73,10 +73,14 @@ class SparseMoE(nn.Module):
             from treeserve.kernels.triton.moe import fused_moe
 
             out = fused_moe(x, *self.stacked, experts, weights, self.experts[0].hidden_act)
-            return out if self.tp is None else self.tp.all_reduce(out)
-        flat = experts.flatten()
-        order = torch.argsort(flat, stable=True)  # (row, slot) pairs grouped by expert, rows ascending
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        else:
+            out = self.grouped(x, experts.flatten(), weights.flatten())
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+    def grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Each chosen expert once on its rows (`experts`, `weights`: the routing's [T * k], row-major)."""
+        order = torch.argsort(experts, stable=True)  # (row, slot) pairs grouped by expert, rows ascending
+        counts = torch.bincount(experts, minlength=len(self.experts)).tolist()
         out = torch.zeros_like(x)
         start = 0
         for expert, count in enumerate(counts):
@@ -85,9 +89,9 @@ class SparseMoE(nn.Module):
             picks = order[start : start + count]
             start += count
             rows = picks // self.top_k
-            y = self.experts[expert].partial(x[rows]) * weights.flatten()[picks, None]
+            y = self.experts[expert].partial(x[rows]) * weights[picks, None]
             out.index_add_(0, rows, y.to(out.dtype))
-        return out if self.tp is None else self.tp.all_reduce(out)
+        return out
 
 
 class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
