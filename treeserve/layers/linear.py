@@ -72,7 +72,7 @@ def linear_kernel(weight: torch.Tensor | QuantTensor) -> LinearKernel:
         return quant_linear
     if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and cpu_kernels.bf16_built():
         return cpu_kernels.linear
-    if avx2.supports(weight) and not cpu_kernels.native_bf16():
+    if avx2.supports(weight):  # (built only where the CPU has no bf16 products)
         return avx2.linear
     if weight.device.type == "cpu" and weight.dtype == torch.float32:
         return row_invariant_linear
