@@ -30,10 +30,8 @@ from treeserve.outputs import ScoreOutput
 from treeserve.runtime.runtime import Runtime
 from treeserve.sampling_params import ScoreParams
 from treeserve.search.prm.base import PRM, PRMInputTooLong
+from treeserve.search.prm.reward_head import HEAD_TENSORS, two_layer_head
 from treeserve.search.types import STEP_STOP
-
-LINEAR_HEAD = ("score.weight",)
-MLP_HEAD = ("score.0.weight", "score.0.bias", "score.2.weight", "score.2.bias")
 
 
 class OutcomeRM(PRM):
@@ -48,8 +46,8 @@ class OutcomeRM(PRM):
         self.chat_template: str | None = config.get("chat_template")
         self.system_prompt: str | None = config.get("system_prompt")
         extra = runtime.engine(model).extra_tensors
-        if all(name in extra for name in MLP_HEAD):
-            self.head = [extra[name].float() for name in MLP_HEAD]
+        if all(name in extra for name in HEAD_TENSORS):  # Qwen2ForRewardModel's two layers
+            self.head = [extra[name].float() for name in HEAD_TENSORS]
         elif "score.weight" in extra:
             self.head = [extra["score.weight"].float(), extra.get("score.bias", torch.zeros(1)).float()]
         else:
@@ -80,8 +78,7 @@ class OutcomeRM(PRM):
         """The head's raw outputs at the read positions, [P]."""
         h = out.hidden_states
         if len(self.head) == 4:
-            w0, b0, w2, b2 = self.head
-            return (torch.relu(h @ w0.T + b0) @ w2.T + b2)[:, 0]
+            return two_layer_head(h, *self.head)[:, 0]
         w, b = self.head
         return (h @ w.T + b)[:, 0]
 

@@ -69,5 +69,12 @@ class RewardHeadPRM(PRM):
         return ScoreParams(positions=positions, return_hidden_states=True)
 
     def read(self, out: ScoreOutput) -> list[float]:
-        h = torch.relu(out.hidden_states @ self.w0.T + self.b0)
-        return torch.softmax(h @ self.w2.T + self.b2, dim=-1)[:, 1].tolist()
+        logits = two_layer_head(out.hidden_states, self.w0, self.b0, self.w2, self.b2)
+        return torch.softmax(logits, dim=-1)[:, 1].tolist()
+
+
+def two_layer_head(
+    h: torch.Tensor, w0: torch.Tensor, b0: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor
+) -> torch.Tensor:
+    """`score.2(relu(score.0(h)))`: the Qwen2.5-Math PRM's and RM's head on hidden states [P, hidden]."""
+    return torch.relu(h @ w0.T + b0) @ w2.T + b2
