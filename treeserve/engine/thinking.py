@@ -35,6 +35,16 @@ class ThinkTokens:
         return None if start is None or end is None else cls(start, end)
 
 
+def tags_in_text(tokenizer: Tokenizer) -> str | None:
+    """Why text the tokenizer decodes cannot hold the think tags (what a parser of its text
+    needs): "missing" (not both tokens), "special" (decoding leaves special tokens out); None
+    when it can."""
+    if ThinkTokens.of(tokenizer) is None:
+        return "missing"
+    special = {t.content for t in tokenizer.hf.get_added_tokens_decoder().values() if t.special}
+    return "special" if special & {THINK_START, THINK_END} else None
+
+
 @dataclass(slots=True)
 class ThinkState:
     """One sequence's think block after its first `seen` tokens: open or not, and how many

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from treeserve.engine.thinking import THINK_END, THINK_START, ThinkTokens
+from treeserve.engine.thinking import THINK_END, THINK_START, tags_in_text
 
 if TYPE_CHECKING:
     from treeserve.models.tokenizer import Tokenizer
@@ -51,10 +51,10 @@ def spread(scores: list[float], owner: list[int]) -> list[float]:
 def check_generator(tokenizer: Tokenizer, name: str = "the generator") -> None:
     """ValueError unless the tokenizer writes `<think>` and `</think>` as tokens whose text
     decoding keeps (the search reads the tags in the steps' text)."""
-    if ThinkTokens.of(tokenizer) is None:
+    problem = tags_in_text(tokenizer)
+    if problem == "missing":
         raise ValueError(f"reasoning search needs a generator that writes {THINK_START}...{THINK_END}, but "
                          f"{name}'s tokenizer has no {THINK_START} and {THINK_END} tokens")  # fmt: skip
-    special = {t.content for t in tokenizer.hf.get_added_tokens_decoder().values() if t.special}
-    if special & {THINK_START, THINK_END}:
+    if problem == "special":
         raise ValueError(f"reasoning search: {name}'s {THINK_START}/{THINK_END} are special tokens, which decoded "
                          "steps leave out, so the think block cannot be found")  # fmt: skip

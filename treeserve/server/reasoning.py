@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from treeserve.engine.thinking import THINK_END, THINK_START, ThinkTokens
+from treeserve.engine.thinking import THINK_END, THINK_START, tags_in_text
 
 if TYPE_CHECKING:
     from treeserve.models.tokenizer import Tokenizer
@@ -45,13 +45,13 @@ class ReasoningParser:
         """The parser `name` for a model with this tokenizer; ValueError when its outputs cannot
         carry the think tags."""
         parser = cls(name)
-        if ThinkTokens.of(tokenizer) is None:
+        problem = tags_in_text(tokenizer)
+        if problem == "missing":
             raise ValueError(
                 f"--reasoning-parser {name}: the model's tokenizer has no {THINK_START} and {THINK_END} tokens; "
                 "it is not a reasoning model this parser knows"
             )
-        special = {t.content for t in tokenizer.hf.get_added_tokens_decoder().values() if t.special}
-        if special & {THINK_START, THINK_END}:
+        if problem == "special":
             raise ValueError(
                 f"--reasoning-parser {name}: the tokenizer's {THINK_START}/{THINK_END} are special tokens, which "
                 "decoded text leaves out, so no parser can find them"
