@@ -13,7 +13,7 @@ import json
 import httpx
 import pytest
 
-from tests.search.prm_fixtures import build_qwen_reward_model, build_token_classification
+from tests.search.prm_fixtures import build_qwen_reward_model, build_token_classification, build_value_head
 from tests.server.conftest import API_KEY, start_server
 from treeserve.cli import main
 from treeserve.eval.report import read_results
@@ -23,7 +23,7 @@ from treeserve.runtime.runtime_settings import RuntimeSettings
 from treeserve.search.context import SearchConfig, SearchContext
 from treeserve.search.prm import load_prm
 from treeserve.search.run import search_problems
-from treeserve.server.settings import ServerSettings
+from treeserve.server.settings import ServerSettings, build_served
 
 QUESTION = "Compute 3 * (25 - 7) + 40."  # also its unique id: seeds follow (seed, problem id, beam path)
 SEARCH = {"strategy": "beam_search", "n": 4, "beam_width": 2, "num_iterations": 3, "max_tokens": 48, "seed": 3}
@@ -129,3 +129,14 @@ def test_a_process_prm_is_refused_as_the_verifier_before_loading(tmp_path, capsy
     err = capsys.readouterr().err
     assert "outcome reward model" in err and "token_classification" in err
     assert not (tmp_path / "r.json").exists()
+
+
+def test_a_process_prm_its_files_do_not_name_is_refused_once_loaded(tmp_path):
+    """A value-head PRM (its style found from its tensors, not its files) as the verifier: the
+    server does not start, with the reason (it raised AttributeError before)."""
+    prm = build_value_head(str(tmp_path / "vh"))
+    settings = ServerSettings(ModelSettings(DEFAULT_GENERATOR), prm=ModelSettings(DEFAULT_PRM),
+                              verifier=ModelSettings(prm), runtime=RuntimeSettings(dtype="float32", kv_cache_memory=KV))
+    with pytest.raises(ValueError, match="must be an outcome reward model .style orm., got style 'value_head'"):
+        build_served(settings)
+

@@ -235,7 +235,7 @@ class SearchContext:
     def __post_init__(self) -> None:
         if self.prm is not None:
             self.prm.on_input = self._saw_prm_input
-        if self.verifier is not None and not getattr(self.verifier, "outcome", False):
+        if self.verifier is not None and not self.verifier.outcome:
             raise ValueError(f"the verifier re-scores whole solutions: it must be an outcome reward model "
                              f"(style orm), got style {self.verifier.style!r}")  # fmt: skip
         if self.config.reasoning:

@@ -41,6 +41,7 @@ class PRMInputTooLong(ValueError):
 
 class PRM(ABC):
     style: str = ""
+    outcome: bool = False  # one reward a whole solution (an outcome RM, the verifiers' kind), not one a step
 
     def __init__(self, runtime: Runtime, model: str):
         self.runtime = runtime

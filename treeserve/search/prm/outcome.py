@@ -36,7 +36,7 @@ from treeserve.search.types import STEP_STOP
 
 class OutcomeRM(PRM):
     style = "orm"
-    outcome = True  # one reward a solution: step scores by the prefix rule (module docstring)
+    outcome = True  # step scores by the prefix rule (module docstring)
 
     def __init__(self, runtime: Runtime, model: str, config: dict | None = None):
         super().__init__(runtime, model)
