@@ -13,7 +13,8 @@ accuracy vs N on a log2 axis, the figure of search-and-learn and "Scaling test-t
 summary's `computed_tokens` (every token the generator and the PRM ran) and its headline
 accuracy, one point per file labelled with its strategy, N and, for an adaptive run, its
 certainty threshold, first width and budget, and draws the Pareto front (`pareto_front`) as a
-step line: the best accuracy any run reached within a number of computed tokens.
+step line: the best accuracy any run reached within a number of computed tokens. With `lines`,
+each series' points (a strategy's fixed runs) are joined in order of computed tokens.
 
 Unless given a title, the figure's title names each file's headline rule (`headline_title`).
 `plot_pages` draws a run's page log; its pages panel (`draw_pages`) is also `treeserve
@@ -146,8 +147,9 @@ def _compute_point(path: Path, results: dict) -> tuple[str, str, float, float]:
 
 
 def plot_accuracy_vs_compute(results_paths: Sequence[str | Path], out_png: str | Path,
-                             title: str | None = None) -> Path:  # fmt: skip
-    """Draw each file's accuracy vs its computed tokens, with their Pareto front, into `out_png`."""
+                             title: str | None = None, lines: bool = False) -> Path:  # fmt: skip
+    """Draw each file's accuracy vs its computed tokens, with their Pareto front, into `out_png`;
+    with `lines`, one line per series (bench/strategies.py: per strategy)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -163,8 +165,9 @@ def plot_accuracy_vs_compute(results_paths: Sequence[str | Path], out_png: str |
     ax = fig.add_subplot()
     markers = ["o", "s", "^", "D", "v", "P"]
     for i, series in enumerate(dict.fromkeys(s for s, _, _, _ in points)):
-        mine = [(x, y) for s, _, x, y in points if s == series]
-        ax.scatter([x for x, _ in mine], [y for _, y in mine], marker=markers[i % len(markers)], label=series)
+        mine = sorted((x, y) for s, _, x, y in points if s == series)
+        style = "-" if lines else "none"
+        ax.plot([x for x, _ in mine], [y for _, y in mine], marker=markers[i % len(markers)], ls=style, label=series)
     for i, (_, label, x, y) in enumerate(sorted(points, key=lambda p: p[2])):  # neighbours above, below
         ax.annotate(label, (x, y), xytext=(5, 5 if i % 2 else -11), textcoords="offset points", fontsize="x-small")
     front = pareto_front([(x, y) for _, _, x, y in points])
