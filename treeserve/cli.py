@@ -156,6 +156,12 @@ def _add_search_flags(p: argparse.ArgumentParser) -> None:
                    help="with --adaptive: tokens the run may sample and feed the PRM, an equal share a problem; "
                         "problems grow within their share and narrow past it, the least settled first "
                         "(docs/adaptive.md)")  # fmt: skip
+    p.add_argument("--reward-temperature", type=float, default=None,
+                   help="rebase, particle_filtering: the softmax temperature over rewards (default 0.2 for rebase, "
+                        "1.0 for particle_filtering; lower is greedier)")  # fmt: skip
+    p.add_argument("--resample-threshold", type=float, default=1.0,
+                   help="particle_filtering: resample when the weights' effective sample size is at most this "
+                        "fraction of --n (default 1: every step)")  # fmt: skip
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     _add_memory_flags(p)
     _add_device_flags(p)

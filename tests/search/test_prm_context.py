@@ -54,7 +54,7 @@ def test_a_beam_too_long_for_the_prm_is_dropped_and_counted():
     assert isinstance(problem.too_long_error, PRMInputTooLong) and problem.too_long_error.limit == 96
 
 
-@pytest.mark.parametrize("strategy", ["beam_search", "best_of_n", "dvts"])
+@pytest.mark.parametrize("strategy", ["beam_search", "best_of_n", "dvts", "rebase", "particle_filtering"])
 def test_a_search_with_every_beam_too_long_raises_and_a_run_goes_on(strategy):
     config = SearchConfig(strategy=strategy, n=4, beam_width=2, num_iterations=3, max_tokens=48, seed=0, trace=True)
 

@@ -46,6 +46,8 @@ DEFAULT_SELECTION = {
     "majority": "majority",
     "beam_search": "weighted",
     "dvts": "weighted",
+    "rebase": "weighted",
+    "particle_filtering": "weighted",
 }
 
 

@@ -17,6 +17,7 @@ answers with a 400.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field, replace
 
@@ -31,7 +32,10 @@ from treeserve.search.trace import SearchTrace
 from treeserve.search.tree_tokens import TreeTokens
 from treeserve.search.types import STEP_STOP, Beam, Leftover, Problem, aggregate
 
-STRATEGIES = ("best_of_n", "weighted_best_of_n", "majority", "beam_search", "dvts")
+STRATEGIES = ("best_of_n", "weighted_best_of_n", "majority", "beam_search", "dvts", "rebase", "particle_filtering")
+# the softmax temperature over rewards each strategy that has one uses unless `reward_temperature` is given:
+# REBASE's T_b over step scores (search/rebase.py), particle filtering's over their log-odds (its_hub's 1.0)
+REWARD_TEMPERATURES = {"rebase": 0.2, "particle_filtering": 1.0}
 # what an unset step_regex / answer_regex allows: any text without a blank line (the separator);
 # a step is not empty (an empty step would end the solution)
 ANY_STEP = r"(?:[^\n]|\n[^\n])+"
@@ -86,6 +90,10 @@ class SearchConfig:
     # removed, a step that is only a tag not at all (search/reasoning.py); answers come from the text
     # after </think>
     reasoning: bool = False
+    # REBASE, particle filtering: the softmax temperature over rewards (None: REWARD_TEMPERATURES'); particle
+    # filtering resamples when the weights' effective sample size is at most this fraction of n (1: every step)
+    reward_temperature: float | None = None
+    resample_threshold: float = 1.0
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -109,6 +117,7 @@ class SearchConfig:
             raise ValueError(f"reasoning must be True or False, got {self.reasoning!r}")
         SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens)  # validates
         self._check_adaptive()
+        self._check_rewards()
         self._check_constraints()
         self._check_prompt()
 
@@ -124,6 +133,29 @@ class SearchConfig:
         if self.adaptive and self.strategy in ("beam_search", "dvts") and self.first_width % self.beam_width:
             raise ValueError(f"adaptive {self.strategy}: first_width={self.first_width} must be a multiple of "
                              f"beam_width={self.beam_width}")  # fmt: skip
+
+    def _check_rewards(self) -> None:
+        t = self.reward_temperature
+        if t is not None and (not isinstance(t, int | float) or not math.isfinite(t) or t <= 0):
+            raise ValueError(f"reward_temperature must be a number > 0, got {t!r}")
+        if t is not None and self.strategy not in REWARD_TEMPERATURES:
+            raise ValueError(f"reward_temperature weighs rewards for {' and '.join(REWARD_TEMPERATURES)}, not "
+                             f"{self.strategy!r}: leave it unset")  # fmt: skip
+        r = self.resample_threshold
+        if not isinstance(r, int | float) or not 0.0 < r <= 1.0:
+            raise ValueError(f"resample_threshold must be in (0, 1] (1: resample every step), got {r!r}")
+        if r != 1.0 and self.strategy != "particle_filtering":
+            raise ValueError(f"resample_threshold is particle filtering's, not {self.strategy!r}: leave it at 1")
+        if self.strategy in REWARD_TEMPERATURES:
+            if self.adaptive:
+                raise ValueError(f"{self.strategy} spends its budget by its rewards already: adaptive search is "
+                                 "beam search's, DVTS's and the sampling strategies'")  # fmt: skip
+            if self.speculative_steps:
+                raise ValueError(f"speculative_steps is beam search's; {self.strategy} takes speculative_steps=0")
+
+    def reward_temperature_for(self, strategy: str) -> float:
+        """The softmax temperature over rewards `strategy` uses: `reward_temperature`, or its default."""
+        return REWARD_TEMPERATURES[strategy] if self.reward_temperature is None else self.reward_temperature
 
     def widths(self) -> list[int]:
         """Adaptive search's widths: first_width, doubled until n (n alone when not adaptive)."""

@@ -18,7 +18,9 @@ from treeserve.search.beam_search import beam_search
 from treeserve.search.best_of_n import best_of_n, majority
 from treeserve.search.context import SearchContext, gather_or_cancel
 from treeserve.search.dvts import dvts
+from treeserve.search.particle_filtering import particle_filtering
 from treeserve.search.prm.base import PRMInputTooLong
+from treeserve.search.rebase import rebase
 from treeserve.search.types import Beam
 
 STRATEGY_FUNCTIONS = {
@@ -27,6 +29,8 @@ STRATEGY_FUNCTIONS = {
     "majority": majority,
     "beam_search": beam_search,
     "dvts": dvts,
+    "rebase": rebase,
+    "particle_filtering": particle_filtering,
 }
 
 

@@ -26,6 +26,7 @@ row per candidate, its fields named once (a node's id is its row's index)::
 
 `nodes(trace)` turns the rows into dicts with an "id".
 Best-of-N and majority have no tree: one iteration of N finished nodes (a flat list).
+Particle filtering's copies of a finished particle are one node, which each such completion names.
 """
 
 from __future__ import annotations
@@ -83,7 +84,12 @@ class SearchTrace:
     def _parent(self, path: tuple[int, ...]) -> int | None:
         """The node `path` extends: its longest proper prefix that is a node of an earlier
         iteration (a beam search copy adds a copy index and an expansion index to its path)."""
-        for end in range(len(path) - 1, 0, -1):
+        return self._node(path[:-1])
+
+    def _node(self, path: tuple[int, ...]) -> int | None:
+        """The node of `path`, or of its longest prefix that is one (a copy of a finished
+        particle is its original's node)."""
+        for end in range(len(path), 0, -1):
             if path[:end] in self.index:
                 return self.index[path[:end]]
         return None
@@ -92,7 +98,7 @@ class SearchTrace:
         return {
             "version": VERSION, "strategy": self.strategy, "n": self.n, "beam_width": self.beam_width,
             "agg": self.agg, "fields": list(FIELDS), "nodes": self.rows,
-            "completions": [self.index.get(b.path) for b in completions],
+            "completions": [self._node(b.path) for b in completions],
             "seconds": seconds, "generated_tokens": sum(row[3] for row in self.rows),
         }  # fmt: skip
 

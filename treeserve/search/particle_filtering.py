@@ -1,0 +1,99 @@
+"""Particle filtering over reasoning steps (Puri et al. 2025; its_hub's `ParticleFiltering`).
+
+n particles (partial solutions) start from the prompt. Each iteration every particle that has
+not ended samples one more step and the PRM scores it; a particle's log weight is
+logit(value) / T, its latest step score's log-odds (its_hub's `_inv_sigmoid`, clipped to
+[1e-7, 1 - 1e-7]) at temperature T (`SearchConfig.reward_temperature`, 1.0 unless given: its_hub's).
+Then the particles are resampled: n draws with replacement, probabilities softmax(log
+weights), from a random stream seeded by (run seed, problem, iteration) (`resample`). As in
+its_hub, ended particles stay in the pool with their final weight, so a likely solution is
+drawn many times; a copy of one is ended too. With `resample_threshold` r < 1 the particles
+are resampled only when the weights' effective sample size 1 / sum(p^2) is at most r * n
+(ESS-triggered resampling), else they go on as they are.
+
+A particle drawn k times becomes k copies (copy 0 continues its random stream, the others
+draw their own: `Beam.child`); one drawn none is pruned. The search ends when every particle
+has ended or at `num_iterations`, and returns the n particles (copies included, so the vote
+counts them; dropped ones aside): the answer is eval/metrics' rule (weighted by default,
+a weighted vote of particles; naive takes the highest weight, its_hub's argmax).
+
+A particle whose PRM input outgrew the PRM's context is dropped (fate "too_long", weight 0);
+with a verifier (`SearchContext.verify`) the particles returned are re-scored by it.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import xxhash
+
+from treeserve.search.context import SearchContext, gather_or_cancel
+from treeserve.search.trace import FINISHED, KEPT, PRUNED, TOO_LONG
+from treeserve.search.types import Beam, Problem
+
+CLIP = 1e-7  # scores are clipped to [CLIP, 1 - CLIP] before their log-odds (its_hub's)
+
+
+def log_weight(value: float, temperature: float) -> float:
+    p = min(max(value, CLIP), 1.0 - CLIP)
+    return math.log(p / (1.0 - p)) / temperature
+
+
+def probabilities(log_weights: list[float]) -> list[float]:
+    """softmax(log_weights); a -inf weight (a dropped particle) gets 0."""
+    top = max(log_weights)
+    weights = [math.exp(w - top) for w in log_weights]
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def effective_sample_size(probs: list[float]) -> float:
+    return 1.0 / sum(p * p for p in probs)
+
+
+def resample(probs: list[float], seed: int, problem_id: str, iteration: int) -> list[int]:
+    """n ancestors drawn with replacement by `probs` (multinomial), in ascending order; the draws
+    depend only on (seed, problem, iteration), not on what else is in flight."""
+    key = xxhash.xxh3_64_intdigest(f"{seed}|{problem_id}|resample|{iteration}".encode())
+    return sorted(random.Random(key).choices(range(len(probs)), weights=probs, k=len(probs)))
+
+
+async def particle_filtering(ctx: SearchContext, problem: Problem) -> list[Beam]:
+    c = ctx.config
+    temperature = c.reward_temperature_for("particle_filtering")
+    particles = [Beam(path=(j,)) for j in range(c.n)]
+    for iteration in range(c.num_iterations):
+        last = iteration == c.num_iterations - 1
+        moving = [i for i, p in enumerate(particles) if not (p.completed or p.dropped)]
+        grown = await gather_or_cancel(*(ctx.expand(problem, particles[i], to_eos=last and c.final_to_eos)
+                                         for i in moving))  # fmt: skip
+        for i, children in zip(moving, grown, strict=True):
+            particles[i] = children[0]
+        stepped = [particles[i] for i in moving]
+        await gather_or_cancel(*(ctx.score_beam(problem, p) for p in stepped))
+        if all(p.dropped for p in particles):
+            ctx.report(problem, iteration, stepped, [TOO_LONG] * len(stepped))
+            break
+        ends = last or all(p.completed or p.dropped for p in particles)
+        weights = [-math.inf if p.dropped else log_weight(p.value(c.agg), temperature) for p in particles]
+        probs = probabilities(weights)
+        if ends or effective_sample_size(probs) > c.resample_threshold * c.n:
+            fates = [TOO_LONG if p.dropped else FINISHED if p.completed or ends else KEPT for p in stepped]
+            ctx.report(problem, iteration, stepped, fates)
+            if ends:
+                break
+            continue
+        ancestors = resample(probs, c.seed, problem.uid, iteration)
+        drawn = set(ancestors)
+        fates = [TOO_LONG if p.dropped else FINISHED if p.completed else KEPT if i in drawn else PRUNED
+                 for i, p in zip(moving, stepped, strict=True)]  # fmt: skip
+        ctx.report(problem, iteration, stepped, fates)
+        copies: dict[int, int] = {}
+        resampled = []
+        for a in ancestors:
+            resampled.append(particles[a].child(copies.get(a, 0)))
+            copies[a] = copies.get(a, 0) + 1
+        particles = resampled
+    kept = [p for p in particles if not p.dropped]
+    return await ctx.verify(problem, ctx.check_left(problem, kept))

@@ -1,0 +1,70 @@
+"""REBASE, reward-balanced search (Wu et al. 2024, "Inference Scaling Laws", section 3.2).
+
+The first iteration samples n first steps from the prompt (one request, n=n). Each later
+iteration the PRM has scored every node of the newest depth; completed nodes leave the tree
+(they are solutions) and take their share of the budget with them: the budget is n less the
+solutions so far. The budget is split across the live nodes by softmax(value / T_b)
+(`expand_counts`), and node j samples that many children in one request (child i draws with
+the node's lineage seed and completion index i). A node given none is pruned. The search ends
+when the budget is spent, no node is live, or at `num_iterations`, where the live nodes are
+returned as they stand (with `final_to_eos`, the last iteration samples to EOS). All solutions
+come back, at most n; which answer wins is eval/metrics' rule (weighted by default).
+
+T_b is `SearchConfig.reward_temperature`, 0.2 unless given (our choice; the paper tunes it per
+setting): lower is greedier, higher spreads the budget evenly.
+
+A node whose PRM input outgrew the PRM's context is dropped (fate "too_long") and gives its
+budget to the others; with a verifier (`SearchContext.verify`) the solutions are re-scored by it.
+"""
+
+from __future__ import annotations
+
+import math
+
+from treeserve.search.context import SearchContext, gather_or_cancel
+from treeserve.search.trace import FINISHED, KEPT, PRUNED, TOO_LONG
+from treeserve.search.types import Beam, Problem
+
+
+def expand_counts(values: list[float], budget: int, temperature: float) -> list[int]:
+    """Children per node: `budget` split by softmax(value / temperature), as REBASE's code
+    splits it: nodes in order of value (the first of equals first), each takes the ceiling of
+    its share of what is left, so the counts add up to `budget` and the best node gets one."""
+    weights = [math.exp((v - max(values)) / temperature) for v in values]
+    order = sorted(range(len(values)), key=lambda j: (-values[j], j))
+    counts = [0] * len(values)
+    left, mass = budget, sum(weights)
+    for j in order:
+        take = min(left, math.ceil(left * weights[j] / mass)) if mass > 0 else 0
+        counts[j] = take
+        left -= take
+        mass -= weights[j]
+    return counts
+
+
+async def rebase(ctx: SearchContext, problem: Problem) -> list[Beam]:
+    c = ctx.config
+    temperature = c.reward_temperature_for("rebase")
+    last = c.num_iterations == 1
+    nodes = await ctx.expand(problem, Beam(path=()), n=c.n, to_eos=last and c.final_to_eos)
+    solutions: list[Beam] = []
+    for iteration in range(c.num_iterations):
+        last = iteration == c.num_iterations - 1
+        await gather_or_cancel(*(ctx.score_beam(problem, b) for b in nodes))
+        solutions += [b for b in nodes if b.completed and not b.dropped]
+        live = [b for b in nodes if not (b.completed or b.dropped)]
+        budget = c.n - len(solutions)
+        if last or not live or budget <= 0:
+            solutions += live  # at the last iteration the live nodes stand as solutions
+            ctx.report(problem, iteration, nodes, [TOO_LONG if b.dropped else FINISHED for b in nodes])
+            break
+        counts = expand_counts([b.value(c.agg) for b in live], budget, temperature)
+        given = dict(zip((id(b) for b in live), counts, strict=True))
+        fates = [TOO_LONG if b.dropped else FINISHED if b.completed else KEPT if given[id(b)] else PRUNED
+                 for b in nodes]  # fmt: skip
+        ctx.report(problem, iteration, nodes, fates)
+        to_eos = iteration + 1 == c.num_iterations - 1 and c.final_to_eos
+        grown = await gather_or_cancel(*(ctx.expand(problem, b, n=k, to_eos=to_eos)
+                                         for b, k in zip(live, counts, strict=True) if k))  # fmt: skip
+        nodes = [child for children in grown for child in children]
+    return await ctx.verify(problem, ctx.check_left(problem, solutions))
