@@ -30,8 +30,8 @@ def client(server: LiveServer) -> OpenAI:
     return OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 
-def test_models_lists_the_served_name(client: OpenAI) -> None:
-    assert [m.id for m in client.models.list().data] == [MODEL]
+def test_models_lists_the_served_name_and_the_prm(client: OpenAI) -> None:
+    assert [(m.id, m.role) for m in client.models.list().data] == [(MODEL, "generator"), ("arith-prm", "prm")]
 
 
 def test_greedy_completion_equals_the_offline_engine(client: OpenAI, offline: LLM) -> None:

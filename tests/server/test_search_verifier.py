@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import httpx
 import pytest
@@ -109,6 +110,15 @@ def test_the_same_verified_answer_from_the_cli_http_and_python(orm_dir, verified
     assert finals == sorted(finals, reverse=True)
 
 
+def test_models_list_the_verifier_with_its_role(verified_server, orm_dir):
+    orm = os.path.basename(orm_dir)  # a verifier's name: its directory's
+    cards = httpx.get(verified_server.base_url + "/v1/models", headers=AUTH, timeout=10).json()["data"]
+    assert [(c["id"], c["role"]) for c in cards] == [("arith", "generator"), ("arith-prm", "prm"), (orm, "verifier")]
+    response = httpx.post(verified_server.base_url + "/v1/prm/score", headers=AUTH, timeout=10,
+                          json={"model": orm, "question": QUESTION, "steps": ["3 * 18 = 54."]})  # fmt: skip
+    assert response.status_code == 400 and "not a PRM" in response.json()["error"]["message"]
+
+
 def test_verify_without_a_served_verifier_is_a_400(server):
     response = search_http(server, {"verify": True})
     assert response.status_code == 400
@@ -135,8 +145,11 @@ def test_a_process_prm_its_files_do_not_name_is_refused_once_loaded(tmp_path):
     """A value-head PRM (its style found from its tensors, not its files) as the verifier: the
     server does not start, with the reason (it raised AttributeError before)."""
     prm = build_value_head(str(tmp_path / "vh"))
-    settings = ServerSettings(ModelSettings(DEFAULT_GENERATOR), prm=ModelSettings(DEFAULT_PRM),
-                              verifier=ModelSettings(prm), runtime=RuntimeSettings(dtype="float32", kv_cache_memory=KV))
+    settings = ServerSettings(
+        ModelSettings(DEFAULT_GENERATOR),
+        prm=ModelSettings(DEFAULT_PRM),
+        verifier=ModelSettings(prm),
+        runtime=RuntimeSettings(dtype="float32", kv_cache_memory=KV),
+    )
     with pytest.raises(ValueError, match="must be an outcome reward model .style orm., got style 'value_head'"):
         build_served(settings)
-

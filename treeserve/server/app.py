@@ -1,5 +1,5 @@
-"""The FastAPI app: OpenAI-compatible routes, `/v1/search`, health, metrics, auth, errors, and
-the traced searches' pages (`/v1/search/{id}/trace`, `/ui`, `/ui/{id}`; server/traces.py).
+"""The FastAPI app: OpenAI-compatible routes, `/v1/search`, `/v1/prm/score`, health, metrics, auth,
+errors, and the traced searches' pages (`/v1/search/{id}/trace`, `/ui`, `/ui/{id}`; server/traces.py).
 
 Owns the HTTP surface and its failure behaviour. Every error is an OpenAI-style body
 (`{"error": {"message", "type", "param", "code"}}`): validation errors and bad values are
@@ -37,10 +37,12 @@ from treeserve.server.completions import (
 )
 from treeserve.server.core_client import CoreClient
 from treeserve.server.metrics import RequestCounter
+from treeserve.server.prm_api import PRM_ENGINE, ServedScores, check_request, score_request
 from treeserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ErrorResponse,
+    PRMScoreRequest,
     SamplingFields,
     SearchRequest,
     error_body,
@@ -94,6 +96,7 @@ def _remember_key(request: Request, key: str) -> Response:
 
 def build_app(served: Served, api_key: str | None = None) -> FastAPI:
     core = served.runtime if isinstance(served.runtime, CoreClient) else None
+    scores = ServedScores(served.prm) if served.prm is not None else None  # in the core when there is one
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -120,9 +123,12 @@ def build_app(served: Served, api_key: str | None = None) -> FastAPI:
 
     @app.get("/v1/models", responses=ERRORS)
     async def models() -> dict:
-        card = {"id": served.model_name, "object": "model", "created": 0, "owned_by": "treeserve",
-                "max_model_len": served.max_model_len}  # fmt: skip
-        return {"object": "list", "data": [card]}
+        hosted = (
+            (served.model_name, "generator", served.generator),
+            (served.prm_name, "prm", PRM_ENGINE),
+            (served.verifier_name, "verifier", "verifier"),
+        )
+        return {"object": "list", "data": [_card(served, *model) for model in hosted if model[0] is not None]}
 
     async def complete(request: Request, body: SamplingFields, job: Job, chat: bool) -> Response:
         if body.stream:
@@ -147,6 +153,13 @@ def build_app(served: Served, api_key: str | None = None) -> FastAPI:
             return _sse(request, _keeping_traces(served, body, stream_search(served, body, ctx, problem)))
         return await _unless_disconnected(request, _keeping_trace(served, body, run_search(served, body, ctx, problem)))
 
+    @app.post("/v1/prm/score", responses=ERRORS)
+    async def prm_score(body: PRMScoreRequest, request: Request) -> Response:
+        check_request(served, body)
+        if core is not None:  # the PRM and the server's score cache live in the core
+            return await _unless_disconnected(request, core.prm_score(await request.body()))
+        return await _unless_disconnected(request, score_request(served, scores, body))
+
     @app.get("/v1/search/{search_id}/trace", responses=ERRORS)
     async def search_trace(search_id: str) -> Response:
         kept = served.traces.get(search_id)
@@ -170,6 +183,13 @@ def build_app(served: Served, api_key: str | None = None) -> FastAPI:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(RequestCounter, metrics=served.metrics)  # outermost: counts 401s too
     return app
+
+
+def _card(served: Served, name: str, role: str, engine: str) -> dict:
+    """One `/v1/models` entry: OpenAI's fields, the context length (as vLLM lists it) and the model's role."""
+    max_model_len = served.runtime.engine(engine).max_model_len
+    return {"id": name, "object": "model", "created": 0, "owned_by": "treeserve", "max_model_len": max_model_len,
+            "role": role}  # fmt: skip
 
 
 async def _core_search(served: Served, core: CoreClient, body: SearchRequest, request: Request) -> Response:

@@ -56,6 +56,10 @@ class Served:
     generator: str = "generator"
     prm: PRM | None = None  # the PRM adapter, when a PRM is hosted (loaded once, at startup)
     verifier: PRM | None = None  # an outcome RM re-ranking /v1/search's completions (`verify`), when hosted
+    # the public names of the hosted PRM and verifier (None: not hosted); known in the API process
+    # too when the adapters live in the engine core (`ServerSettings.names`)
+    prm_name: str | None = None
+    verifier_name: str | None = None
     traces: TraceRing = field(default_factory=TraceRing)  # the newest traced searches (GET /ui)
     reasoning: ReasoningParser | None = None  # chat completions split `<think>` blocks into reasoning_content
 

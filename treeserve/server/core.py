@@ -1,14 +1,15 @@
-"""The engine-core process: the runtime (generator and PRM engines, one page arena) and the
-search programs of `/v1/search`, driven over ZeroMQ by the API process (`core_client.py`).
+"""The engine-core process: the runtime (generator and PRM engines, one page arena), the
+search programs of `/v1/search` and the scoring of `/v1/prm/score`, driven over ZeroMQ by the
+API process (`core_client.py`).
 
 `core_main` loads the models from the server's settings (exactly as the in-process server
 does: `build_served`), says hello (each model's `ModelInfo`), then serves messages (see
 `wire.py`) while the runtime's driver steps the engines in the same event loop. A
 generation is one `runtime.open_stream` whose sink sends each output as the driver reads it
-back (the routes ask for deltas), with no coroutine of its own; a search runs the same code as
-the in-process `/v1/search`. Messages produced while the loop runs are sent
-together, one ZeroMQ message per flush. The core exits when told to stop, or when the API
-process is gone.
+back (the routes ask for deltas), with no coroutine of its own; a search and a PRM scoring
+request run the same code as the in-process routes (the server's score cache lives here).
+Messages produced while the loop runs are sent together, one ZeroMQ message per flush. The
+core exits when told to stop, or when the API process is gone.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from treeserve.runtime.frontend import ModelInfo
 from treeserve.runtime.runtime import StepFailed
 from treeserve.server.completions import Served
 from treeserve.server.metrics import engine_stats
-from treeserve.server.protocol import SearchRequest
+from treeserve.server.prm_api import ServedScores, check_request, score_request
+from treeserve.server.protocol import PRMScoreRequest, SearchRequest
 from treeserve.server.search_api import run_search, search_context, stream_search
 from treeserve.server.settings import ServerSettings, build_served
 from treeserve.server.wire import DECODER, ENCODER, encode_output, receive, socket
@@ -64,7 +66,8 @@ class Core:
         self.inbox = socket(zmq.PULL, to_core, bind=False)
         self.outbox = socket(zmq.PUSH, from_core, bind=False)
         self.pending: list[list] = []
-        self.tasks: dict[str, asyncio.Task] = {}  # searches
+        self.tasks: dict[str, asyncio.Task] = {}  # searches and PRM scoring requests
+        self.scores = ServedScores(served.prm) if served.prm is not None else None
         self.streams: dict[str, tuple[str, str]] = {}  # generations: (model, the runtime's request id)
 
     async def run(self) -> None:
@@ -95,6 +98,9 @@ class Core:
         elif kind == "search":
             _, rid, body = message
             self.start(rid, self.search(rid, body))
+        elif kind == "prm":
+            _, rid, body = message
+            self.start(rid, self.prm_score(rid, body))
         elif kind == "abort":  # the client went away: its engine requests are aborted, their pages go back
             if (stream := self.streams.pop(message[1], None)) is not None:
                 self.runtime.close_stream(*stream)
@@ -140,6 +146,15 @@ class Core:
                 self.send(["done", rid, None])
             else:
                 self.send(["done", rid, await run_search(self.served, req, ctx, problem)])
+        except Exception as e:  # noqa: BLE001 - every failure goes back to its request
+            self.send(["err", rid, *error_of(e)])
+            self._exit_if_ranks_failed()
+
+    async def prm_score(self, rid: str, body: bytes) -> None:
+        try:
+            req = PRMScoreRequest.model_validate_json(body)
+            check_request(self.served, req)
+            self.send(["done", rid, await score_request(self.served, self.scores, req)])
         except Exception as e:  # noqa: BLE001 - every failure goes back to its request
             self.send(["err", rid, *error_of(e)])
             self._exit_if_ranks_failed()

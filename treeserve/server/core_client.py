@@ -3,11 +3,12 @@
 `CoreClient` stands where the in-process server has its `Runtime`: the routes call
 `engine(name)` (a `Frontend`: tokenizer, `max_model_len`, request checks, all in this
 process) and `generate_stream(...)` (outputs rebuilt from the core's deltas), and
-`/v1/search` is forwarded whole (`search`). The core process (`core.py`) is started with
-the server's settings unchanged. Supervision: when the core dies (killed, a crash in a
-kernel), every in-flight request fails with `CoreDown` (HTTP 503), `up` is False (so
-`/health` answers 503 and new requests 503) and the core is started again, up to
-`max_restarts` failed starts in a row, each logged; `restarts` counts the successful ones.
+`/v1/search` and `/v1/prm/score` are forwarded whole (`search`, `prm_score`). The core
+process (`core.py`) is started with the server's settings unchanged. Supervision: when the
+core dies (killed, a crash in a kernel), every in-flight request fails with `CoreDown` (HTTP
+503), `up` is False (so `/health` answers 503 and new requests 503) and the core is started
+again, up to `max_restarts` failed starts in a row, each logged; `restarts` counts the
+successful ones.
 """
 
 from __future__ import annotations
@@ -166,6 +167,17 @@ class CoreClient:
                 message = self._checked(await queue.get())
                 done = message[0] == "done"
                 yield [message[0], *message[2:]]
+        finally:
+            self._close(rid, done)
+
+    async def prm_score(self, body: bytes) -> dict:
+        """A `/v1/prm/score` request run in the core: its result, or its error raised."""
+        rid, queue = self._open(["prm", None, body])
+        done = False
+        try:
+            message = await queue.get()
+            done = True
+            return self._checked(message)[2]
         finally:
             self._close(rid, done)
 

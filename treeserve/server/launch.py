@@ -26,7 +26,9 @@ def build_core_served(settings: ServerSettings) -> Served:
     reasoning = settings.reasoning()
     client = CoreClient(settings)
     metrics = ServerMetrics(lambda: client.last_stats)
-    served = Served(client, settings.name, metrics, traces=TraceRing(settings.trace_ring),  # type: ignore[arg-type]
+    names = settings.names()
+    served = Served(client, settings.name, metrics, prm_name=names.get("prm"),  # type: ignore[arg-type]
+                    verifier_name=names.get("verifier"), traces=TraceRing(settings.trace_ring),
                     reasoning=reasoning)  # fmt: skip
     client.on_restart = served.metrics.core_restarts.inc
     return served

@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 
 from treeserve.runtime.runtime import Runtime
 
-ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/search", "/health", "/metrics")
+ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/search", "/v1/prm/score", "/health", "/metrics")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 

@@ -1,4 +1,4 @@
-"""The HTTP request and response shapes: OpenAI's (as vLLM serves them) plus `/v1/search`.
+"""The HTTP request and response shapes: OpenAI's (as vLLM serves them) plus `/v1/search` and `/v1/prm/score`.
 
 Owns validation at the HTTP boundary. Field names, defaults and response fields follow
 OpenAI's API reference; the extras vLLM accepts (`top_k`, `min_p`, `ignore_eos`,
@@ -17,7 +17,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
 MAX_N = 256  # completions per request (the largest beam-search N users run)
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
@@ -216,3 +216,18 @@ def error_body(status: int, message: str, kind: str | None = None) -> dict[str, 
     kinds = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
     return {"error": {"message": message, "type": kind or kinds.get(status, "server_error"), "param": None,
                       "code": status}}  # fmt: skip
+
+
+Steps = Annotated[list[StrictStr], Field(min_length=1)]
+
+
+class PRMScoreRequest(BaseModel):
+    """`POST /v1/prm/score`: the PRM's score of every step of one solution (`steps`) or of each
+    solution of a batch (`solutions`); `prm_api.check_request` checks what the schema cannot."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None  # the PRM's name (GET /v1/models, role "prm")
+    question: StrictStr
+    steps: Steps | None = None
+    solutions: Annotated[list[Steps], Field(min_length=1, max_length=MAX_N)] | None = None

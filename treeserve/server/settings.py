@@ -41,6 +41,17 @@ class ServerSettings:
         """The model id clients send: `served_model_name`, else the generator directory's name."""
         return self.served_model_name or Path(self.generator.path).resolve().name
 
+    def names(self) -> dict[str, str]:
+        """The name clients use for each hosted model, by role ("generator", "prm", "verifier"):
+        the generator's `name`; the PRM's and the verifier's directory names, with "-prm" or
+        "-verifier" added to one that would repeat a name before it."""
+        names = {"generator": self.name}
+        for role, model in (("prm", self.prm), ("verifier", self.verifier)):
+            if model is not None:
+                name = Path(model.path).resolve().name
+                names[role] = f"{name}-{role}" if name in names.values() else name
+        return names
+
     def check(self) -> None:
         self.runtime.check(self.generator, self.prm, self.verifier)
         if self.verifier is not None:
@@ -72,5 +83,7 @@ def build_served(settings: ServerSettings) -> Served:
     if verifier is not None and not verifier.outcome:
         raise ValueError(f"--verifier must be an outcome reward model (style orm), got style {verifier.style!r}")
     metrics = ServerMetrics(lambda: engine_stats(runtime))
-    return Served(runtime, settings.name, metrics, prm=prm, verifier=verifier, traces=TraceRing(settings.trace_ring),
+    names = settings.names()
+    return Served(runtime, settings.name, metrics, prm=prm, verifier=verifier, prm_name=names.get("prm"),
+                  verifier_name=names.get("verifier"), traces=TraceRing(settings.trace_ring),
                   reasoning=reasoning)  # fmt: skip

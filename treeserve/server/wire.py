@@ -4,6 +4,7 @@ Every message is a msgpack list (msgspec), its first item the kind:
 
     API -> core   ["gen", rid, model, prompt token ids, pickled SamplingParams]
                   ["search", rid, raw /v1/search JSON body]    ["abort", rid]
+                  ["prm", rid, raw /v1/prm/score JSON body] (answered "done" or "err")
                   ["stats", nonce]    ["fail", model] (the test hook)    ["stop"]
     core -> API   one msgpack list of such messages per flush (outputs of one engine step
                   travel together): ["hello", {model: ModelInfo fields}]
