@@ -45,6 +45,7 @@ import argparse
 import json
 import math
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -72,13 +73,28 @@ def configs(strategies: list[str], ns: list[int], knobs: dict[str, float | None]
     return out
 
 
-def run(config: SearchConfig, records: list[dict], rule: str, out: Path) -> dict:
-    """One eval run under answer rule `rule`, its results written to `out/<strategy>_n<N>.json`; its row."""
+def reusable(path: Path, config: SearchConfig, records: list[dict], rule: str) -> dict | None:
+    """The results at `path` when they are of this very run (search config, problems, rule), else None."""
+    if not path.exists():
+        return None
+    document = json.loads(path.read_text())
+    ran = document["config"]
+    same = ran["search"] == json.loads(json.dumps(asdict(config))) and ran["selection"] == rule
+    ids = [p["unique_id"] for p in document["problems"]]
+    return document if same and ids == [r["unique_id"] for r in records] else None
+
+
+def run(config: SearchConfig, records: list[dict], rule: str, out: Path, reuse: bool) -> dict:
+    """One eval run under answer rule `rule`, its results written to `out/<strategy>_n<N>.json`
+    (with `reuse`, read from there when it holds this run); its row."""
     name = f"{config.strategy}_n{config.n}"
     start = time.perf_counter()
-    settings = EvalSettings(dataset="inline", selection=rule, progress=False)
-    document = run_eval(settings, config, inline=records)
-    path = write_results(document, out / f"{name}.json")
+    path = out / f"{name}.json"
+    document = reusable(path, config, records, rule) if reuse else None
+    if document is None:
+        settings = EvalSettings(dataset="inline", selection=rule, progress=False)
+        document = run_eval(settings, config, inline=records)
+        path = write_results(document, path)
     summary = document["summary"]
     row = {
         "name": name,
@@ -163,6 +179,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--out", type=Path, default=None, help="the runs' results (default: bench/out/strategies[_smoke])")
     ap.add_argument("--summary", type=Path, default=None, help="rows, front, comparison, table (default: OUT.json)")
+    ap.add_argument(
+        "--reuse",
+        action="store_true",
+        help="take a run's results from --out when they hold that very run (a run cut short, resumed)",
+    )
     ap.add_argument("--smoke", action="store_true", help="4 problems, N=4, every strategy SearchConfig knows")
     args = ap.parse_args()
     strategies = [s for s in args.strategies.split(",") if s]
@@ -179,7 +200,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     out.mkdir(parents=True, exist_ok=True)
     records = arith_dataset(size=args.problems, seed=args.dataset_seed, levels=(4, 5))
-    rows = [run(config, records, args.rule, out) for config in runs]
+    rows = [run(config, records, args.rule, out, args.reuse) for config in runs]
 
     png = plot_accuracy_vs_compute([r["path"] for r in rows], out / "accuracy_vs_computed_tokens.png", lines=True)
     points = pareto_front([(r["computed_tokens"], r["accuracy"]) for r in rows])
