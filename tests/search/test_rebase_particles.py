@@ -12,6 +12,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from treeserve.cli import main
+from treeserve.eval.merge import merge_results
 from treeserve.eval.runner import EvalSettings, run_eval
 from treeserve.eval.view import write_view
 from treeserve.runtime.runtime_settings import RuntimeSettings
@@ -209,3 +211,17 @@ def test_particle_trace_and_view(tmp_path):
 def test_bad_settings_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):
         SearchConfig(**fields)
+
+
+@pytest.mark.parametrize("strategy", ["rebase", "particle_filtering"])
+def test_shards_merge_to_the_unsharded_run(tmp_path, strategy):
+    """Each problem's search depends on its own seeds only, so shards (and resumed runs, which
+    skip the problems a journal holds) give the whole run's records."""
+    flags = ["eval", "--dataset", "arith:level=4,5,size=4,seed=0", "--strategy", strategy, "--n", "4",
+             "--num-iterations", "5", "--dtype", "float32", "--kv-cache-memory", str(64 << 20)]  # fmt: skip
+    assert main([*flags, "--output", str(tmp_path / "all.json")]) == 0
+    shards = [tmp_path / f"shard{i}.json" for i in range(2)]
+    for i, path in enumerate(shards):
+        assert main([*flags, "--shard", f"{i}/2", "--output", str(path)]) == 0
+    whole = json.loads((tmp_path / "all.json").read_text())
+    assert merge_results(shards)["problems"] == whole["problems"]
