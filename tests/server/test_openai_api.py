@@ -10,7 +10,7 @@ import re
 
 import httpx
 import pytest
-from openai import OpenAI
+from openai import BadRequestError, OpenAI
 
 from tests.server.conftest import API_KEY, MODEL, LiveServer
 from treeserve import LLM, SamplingParams
@@ -136,6 +136,20 @@ def test_search_over_http(client: OpenAI) -> None:
     ahead = client.post("/search", body={**body, "lookahead": 1}, cast_to=object)
     assert ahead["usage"]["lookahead_generator_tokens"] > 0 and ahead["usage"]["lookahead_prm_tokens"] > 0
     assert all(len(c["step_scores"]) == len(c["steps"]) for c in ahead["completions"])  # rollouts are not kept
+
+
+@pytest.mark.parametrize("strategy, extra", [("rebase", {"reward_temperature": 0.3}),
+                                             ("particle_filtering", {"resample_threshold": 0.5})])  # fmt: skip
+def test_rebase_and_particle_filtering_over_http(client: OpenAI, strategy: str, extra: dict) -> None:
+    body = {"problem": QUESTION, "strategy": strategy, "n": 4, "num_iterations": 8, "seed": 3, **extra}
+    out = client.post("/search", body=body, cast_to=object)
+    assert out["strategy"] == strategy and out["selection"] == "weighted" and len(out["completions"]) == 4
+    assert all(len(c["step_scores"]) == len(c["steps"]) > 0 for c in out["completions"])
+    again = client.post("/search", body=body, cast_to=object)  # seeded: the same search
+    assert [c["text"] for c in again["completions"]] == [c["text"] for c in out["completions"]]
+    field = next(iter(extra))
+    with pytest.raises(BadRequestError, match=field):
+        client.post("/search", body={**body, field: 5.0 if field == "resample_threshold" else -1.0}, cast_to=object)
 
 
 def test_search_with_step_and_answer_regexes(client: OpenAI) -> None:

@@ -193,6 +193,10 @@ class SearchRequest(BaseModel):
     verify: bool | None = None
     # a reasoning generator: the PRM reads steps without <think>/</think>, answers are read after </think>
     reasoning: bool = False
+    # rebase, particle_filtering (docs/search.md): the softmax temperature over rewards (None: the strategy's
+    # default) and particle filtering's resampling threshold on the effective sample size; SearchConfig checks them
+    reward_temperature: float | None = None
+    resample_threshold: float = 1.0
 
 
 class Usage(BaseModel):
