@@ -97,6 +97,7 @@ def test_the_same_verified_answer_from_the_cli_http_and_python(orm_dir, verified
     assert http["verified"] is True
     plain = search_http(verified_server, {"verify": False}).json()
     assert plain["verified"] is False
+    assert http["usage"]["verifier_tokens"] > 0 and plain["usage"]["verifier_tokens"] == 0  # what it read, counted
     verified_server.check_baseline()
 
     python = python_api(orm_dir, verify=True)

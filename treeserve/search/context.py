@@ -249,6 +249,7 @@ class SearchContext:
     rollouts: dict[tuple[int, ...], asyncio.Future] = field(default_factory=dict)  # prompt -> rollout running
     generated_tokens: int = 0  # every token the generator sampled for this context, kept or pruned
     prm_input_tokens: int = 0  # tokens of every PRM input built (cached or not)
+    verifier_input_tokens: int = 0  # tokens of every verifier input built
     lookahead_generated_tokens: int = 0  # of generated_tokens, those of lookahead rollouts
     lookahead_prm_tokens: int = 0  # of the PRM inputs' tokens, those of rollout steps
     on_iteration: Callable[[int, list[Beam]], None] | None = None  # progress: (iteration, scored beams)
@@ -267,6 +268,8 @@ class SearchContext:
     def __post_init__(self) -> None:
         if self.prm is not None:
             self.prm.on_input = self._saw_prm_input
+        if self.verifier is not None:
+            self.verifier.on_input = self._saw_verifier_input
         if self.verifier is not None and not self.verifier.outcome:
             raise ValueError(f"the verifier re-scores whole solutions: it must be an outcome reward model "
                              f"(style orm), got style {self.verifier.style!r}")  # fmt: skip
@@ -281,6 +284,9 @@ class SearchContext:
         self.prm_input_tokens += len(ids)
         if self._scoring is not None:
             self._scoring.prm_tokens += len(ids)
+
+    def _saw_verifier_input(self, ids: list[int]) -> None:
+        self.verifier_input_tokens += len(ids)
 
     def answers(self, problem: Problem, beams: list[Beam]) -> list[Hashable | None]:
         """Each beam's answer key (adaptive search; None: no answer yet)."""

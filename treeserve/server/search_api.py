@@ -88,7 +88,8 @@ def search_context(served: Served, req: SearchRequest) -> tuple[SearchContext, P
         raise ValueError("verify: true needs a verifier, and this server has none: start it with --verifier DIR "
                          "(an outcome reward model), or leave verify out")  # fmt: skip
     verify = served.verifier is not None if req.verify is None else req.verify
-    ctx = SearchContext(config, served.runtime, served.generator, prm, verifier=served.verifier if verify else None,
+    verifier = copy.copy(served.verifier) if verify else None  # its own counter hook, as the PRM's
+    ctx = SearchContext(config, served.runtime, served.generator, prm, verifier=verifier,
                         answer_of=reasoning_answer_key if config.reasoning else answer_key)  # fmt: skip
     if req.messages is not None:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
@@ -215,7 +216,8 @@ def _result(served: Served, req: SearchRequest, ctx: SearchContext, prompt_token
         "completions": completions,
         "usage": {"prompt_tokens": prompt_tokens, "generator_tokens": ctx.generated_tokens,
                   "prm_tokens": ctx.prm_input_tokens, "prm_unique_tokens": len(ctx.prm_tree),
-                  "prm_requests": ctx.prm_requests, "lookahead_generator_tokens": ctx.lookahead_generated_tokens,
+                  "prm_requests": ctx.prm_requests, "verifier_tokens": ctx.verifier_input_tokens,
+                  "lookahead_generator_tokens": ctx.lookahead_generated_tokens,
                   "lookahead_prm_tokens": ctx.lookahead_prm_tokens},
         "timing": {"seconds": seconds},
     }  # fmt: skip
