@@ -1,14 +1,17 @@
 """Write tiny GGUF files from tiny Hugging Face checkpoints, the way llama.cpp's converter does.
 
 Mirrors `convert_hf_to_gguf.py` for what the loader must undo: Llama q/k rows permuted for
-interleaved rope, Gemma norm weights stored as 1 + w, llama.cpp tensor names, 2-D weights
-quantised (Q8_0, Q5_0, Q4_0 rotate over the layers), norms in F32. The tokenizer goes in as
-llama.cpp's "gpt2" type (byte-level BPE with merges), which the tiny checkpoints use.
+interleaved rope, Gemma norm weights stored as 1 + w, llama.cpp tensor names, 2-D weights and
+stacked experts quantised (Q8_0, Q5_0, Q4_0 rotate over the tensors; or F32/F16), norms in F32.
+Phi-3 as its `Phi3MiniModel`: q/k/v and gate/up kept fused (`attn_qkv`, `ffn_up`), the rotated
+dims, the pretraining length and longrope's factor tensors. The tokenizer goes in as llama.cpp's
+"gpt2" type (byte-level BPE with merges), which the tiny checkpoints use.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import numpy as np
@@ -28,6 +31,8 @@ HF_TO_GGUF = {
     "post_feedforward_layernorm": "post_ffw_norm",
     "pre_feedforward_layernorm": "ffn_norm",
     "mlp.gate": "ffn_gate_inp",
+    "self_attn.qkv_proj": "attn_qkv",  # Phi-3's fused projections
+    "mlp.gate_up_proj": "ffn_up",
 }
 EXPERT_TENSORS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 
@@ -74,8 +79,9 @@ def random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator, sc
 
 
 def write_gguf(hf_dir: str, out_path: str, arch: str, quants: tuple[str, ...] = ("Q8_0", "Q5_0", "Q4_0")) -> str:
-    """arch: 'llama' or 'gemma3'; 2-D weights take the formats `quants` in turn (Q4_0/Q4_1/
-    Q5_0/Q5_1/Q8_0 quantised from the checkpoint, K formats random blocks). Returns out_path."""
+    """arch: 'llama', 'qwen2', 'qwen3', 'qwen3moe', 'phi3' or 'gemma3'; 2-D weights take the formats
+    `quants` in turn (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 quantised from the checkpoint, K formats random
+    blocks, F32/F16 as they are), stacked experts the same but Q8_0 for a K format. Returns out_path."""
     import gguf
 
     with open(os.path.join(hf_dir, "config.json")) as f:
@@ -106,13 +112,19 @@ def write_gguf(hf_dir: str, out_path: str, arch: str, quants: tuple[str, ...] = 
         writer.add_expert_used_count(cfg["num_experts_per_tok"])
         writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
         tensors = _stack_experts(tensors, cfg["num_local_experts"])
+    if arch == "phi3":
+        tensors = {**tensors, **_add_phi3(writer, cfg, heads)}
     _add_tokenizer(writer, hf_dir, cfg)
     rng = np.random.default_rng(0)
     for i, (name, data) in enumerate(sorted(tensors.items())):
         data = data.astype(np.float32)
+        qname = quants[i % len(quants)]
+        if name.startswith("rope_factors"):
+            writer.add_tensor(name, data)
+            continue
         if data.ndim == 3:  # stacked experts
-            writer.add_tensor(name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)  # fmt: skip
+            qname = "Q8_0" if qname.endswith("_K") else qname
+            _add_matrix(writer, name, data, qname)
             continue
         if arch == "llama" and ".q_proj." in name:
             data = _permute(data, heads)
@@ -121,12 +133,11 @@ def write_gguf(hf_dir: str, out_path: str, arch: str, quants: tuple[str, ...] = 
         elif arch == "gemma3" and name.endswith("norm.weight"):
             data = data + 1.0
         target = _gguf_name(name, arch)
-        qname = quants[i % len(quants)]
         qtype = gguf.GGMLQuantizationType[qname]
-        if data.ndim == 2 and data.shape[1] % BLOCKS[qname][0] == 0 and qname.endswith("_K"):
+        if data.ndim == 2 and qname.endswith("_K") and data.shape[1] % BLOCKS[qname][0] == 0:
             writer.add_tensor(target, random_blocks(qname, *data.shape, rng, scale=0.002), raw_dtype=qtype)
-        elif data.ndim == 2 and data.shape[1] % 32 == 0 and not qname.endswith("_K"):
-            writer.add_tensor(target, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        elif data.ndim == 2 and not qname.endswith("_K"):
+            _add_matrix(writer, target, data, qname)
         else:
             writer.add_tensor(target, data)
     writer.write_header_to_file()
@@ -134,6 +145,39 @@ def write_gguf(hf_dir: str, out_path: str, arch: str, quants: tuple[str, ...] = 
     writer.write_tensors_to_file()
     writer.close()
     return out_path
+
+
+def _add_matrix(writer, name: str, data: np.ndarray, qname: str) -> None:  # noqa: ANN001 - gguf.GGUFWriter
+    """A matrix (or stack of them) in `qname`, quantised by the gguf package; F32 where its rows
+    are no whole 32-weight blocks."""
+    import gguf
+
+    if qname in ("F32", "F16"):
+        writer.add_tensor(name, data.astype(np.float16 if qname == "F16" else np.float32))
+    elif data.shape[-1] % 32:
+        writer.add_tensor(name, data)
+    else:
+        qtype = gguf.GGMLQuantizationType[qname]
+        writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
+
+def _add_phi3(writer, cfg: dict, heads: int) -> dict[str, np.ndarray]:  # noqa: ANN001 - gguf.GGUFWriter
+    """Phi3MiniModel's metadata (rotated dims, pretraining length, no sliding window as 0) and,
+    for longrope, its attention factor; returns longrope's factor tensors (none without it)."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    partial = cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor", 1.0)
+    original = cfg["original_max_position_embeddings"]
+    writer.add_rope_dimension_count(int(partial * cfg["hidden_size"]) // heads)
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_sliding_window(cfg.get("sliding_window") or 0)
+    if rope.get("rope_type") != "longrope":
+        return {}
+    scale = cfg["max_position_embeddings"] / original
+    writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+    return {
+        "rope_factors_long.weight": np.array(rope["long_factor"], dtype=np.float32),
+        "rope_factors_short.weight": np.array(rope["short_factor"], dtype=np.float32),
+    }
 
 
 def _stack_experts(tensors: dict[str, np.ndarray], experts: int) -> dict[str, np.ndarray]:

@@ -90,6 +90,8 @@ def check_parallel(model: str, device: str, tp: int, pp: int, quantization: str 
     if tp > 1 and quantization == "int8":  # each rank quantises its shard: whole 32-weight blocks
         widths = {"attention heads x head_dim": config.num_heads * config.head_dim // tp,
                   "intermediate size": config.intermediate_size // tp}  # fmt: skip
+        if config.moe is not None:
+            widths["experts' intermediate size"] = config.moe.intermediate_size // tp
         bad = {name: width for name, width in widths.items() if width % 32}
         if bad:
             raise ValueError(f"int8 at tensor_parallel_size={tp} needs each rank's matrix widths to be multiples "

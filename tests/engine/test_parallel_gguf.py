@@ -115,3 +115,33 @@ def test_a_split_that_cuts_blocks_is_refused_before_loading(tmp_path, shape, qua
     with pytest.raises(ValueError, match=message):
         EngineConfig(model=path, dtype="float32", quantization="gguf", tensor_parallel_size=2)
     EngineConfig(model=path, dtype="float32", dequantize=True, tensor_parallel_size=2)  # dense: any width
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [("qwen3moe", dict(mlp_only_layers=[], moe_intermediate_size=64)), ("phi3", {})],
+)
+def test_two_ranks_run_experts_and_fused_files_in_their_blocks(tmp_path, arch, overrides):
+    """Qwen3-MoE's experts in their blocks (each expert's gate/up rows and down columns split as a
+    dense MLP's are) and Phi-3's fused q/k/v and gate/up (split into parts by rows, then each part
+    a rank's): two ranks give one rank's outputs."""
+    hf = build_checkpoint(str(tmp_path / "hf"), "qwen3_moe" if arch == "qwen3moe" else arch, **overrides)
+    path = write_gguf(hf, str(tmp_path / "tiny.gguf"), arch, quants=("Q8_0", "Q5_0", "Q4_0", "Q5_1"))
+    settings = dict(dtype="float32", quantization="gguf", kv_cache_memory=8 << 20)
+    one, two = LLM(path, **settings), LLM(path, tensor_parallel_size=2, **settings)
+    mlp = one.engine.model.layers[0].mlp
+    down = (mlp.experts[0] if arch == "qwen3moe" else mlp).down_proj.weight
+    assert isinstance(down, QuantTensor)
+    (tokens1, logprobs1), (tokens2, logprobs2) = outputs(one), outputs(two)
+    assert tokens2 == tokens1
+    assert (logprobs2 - logprobs1).abs().max().item() <= (1.0 if down.plan.q8 else 2e-4)  # as above
+    for llm in (one, two):
+        llm.engine.check_pages_idle()
+    two.engine.close()
+
+
+def test_experts_whose_blocks_a_split_would_cut_are_refused(tmp_path):
+    hf = build_checkpoint(str(tmp_path / "hf"), "qwen3_moe")  # experts 32 wide: 16 a rank
+    path = write_gguf(hf, str(tmp_path / "tiny.gguf"), "qwen3moe")
+    with pytest.raises(ValueError, match=r"down_proj's 32 inputs / 2 = 16 a rank"):
+        EngineConfig(model=path, dtype="float32", quantization="gguf", tensor_parallel_size=2)

@@ -6,6 +6,8 @@ loading the same GGUF file with its own GGUF reader: our fp32 logits must equal 
 The converted Hugging Face directory must load in transformers and give the same logits too.
 Our side loads the file dequantised (`dequantize=True`): the reader is what is tested here; the
 quantised kernels are compared with this dequantised model in `test_quantized_models.py`.
+Phi-3 (transformers' GGUF reader drops its rotated share and longrope) is written in F32 and
+compared with transformers on the checkpoint the file was written from.
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ import pytest
 import torch
 import transformers
 
+from tests import gguf_files
 from tests.gguf_files import write_gguf
+from tests.models.test_parity import our_logits
 from tests.tiny_models import build_checkpoint
 from treeserve import ScoreParams
 from treeserve.cli import main
 from treeserve.models.gguf_loader import GGUFCheckpoint
+from treeserve.models.loader import read_model_config
 
 IDS = list(range(3, 40))  # longer than the Gemma window (8)
 
@@ -45,8 +50,9 @@ def _our_logits(llm) -> torch.Tensor:  # noqa: ANN001 - treeserve.LLM
     return llm.engine.model.compute_logits(out.hidden_states)
 
 
-@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("gemma3", GEMMA), ("qwen3", {}),
-                                             ("qwen3moe", {"mlp_only_layers": []})])  # llama.cpp: every layer routed
+@pytest.mark.parametrize(
+    "arch,overrides", [("llama", {}), ("gemma3", GEMMA), ("qwen3", {}), ("qwen3moe", {"mlp_only_layers": []})]
+)  # llama.cpp: every layer routed
 def test_gguf_logits_equal_transformers_gguf_reader(tmp_path, make_llm, arch, overrides):
     path = _gguf(tmp_path, arch, **overrides)
     # transformers' GGUF reader leaves query_pre_attn_scalar at its default (256, the real models'
@@ -61,6 +67,41 @@ def test_gguf_logits_equal_transformers_gguf_reader(tmp_path, make_llm, arch, ov
     assert diff <= 1e-4, f"max abs logit diff {diff}"
 
 
+@pytest.mark.parametrize("rope", ["default", "longrope"])
+def test_gguf_phi3_logits_equal_transformers(tmp_path, make_llm, rope):
+    """Phi-4-mini's layout (fused q/k/v and gate/up, 0.75 of each head rotated), with and without
+    longrope: an F32 file loads to the logits transformers gives on the checkpoint it came from,
+    as that checkpoint does in treeserve."""
+    hf_dir = build_checkpoint(str(tmp_path / "hf"), "phi3", **({"rope_scaling": None} if rope == "default" else {}))
+    path = write_gguf(hf_dir, str(tmp_path / "tiny.gguf"), "phi3", quants=("F32",))
+    config = GGUFCheckpoint(path).config
+    assert config["partial_rotary_factor"] == 0.75 and config["original_max_position_embeddings"] == 64
+    assert (config["rope_scaling"] or {}).get("rope_type", "default") == rope
+    ref = _transformers_logits(hf_dir)
+    for model in (path, hf_dir):
+        diff = (_our_logits(make_llm(model)) - ref).abs().max().item()
+        assert diff <= 1e-4, f"{model}: max abs logit diff {diff}"
+
+
+def test_gguf_phi3_longrope_past_the_pretraining_length(tmp_path, make_llm):
+    """Past original_max_position_embeddings (64) the file's long factors take over as the
+    checkpoint's do (`test_families.py` checks those against transformers at the crossing)."""
+    hf_dir = build_checkpoint(str(tmp_path / "hf"), "phi3")
+    path = write_gguf(hf_dir, str(tmp_path / "tiny.gguf"), "phi3", quants=("F32",))
+    ids = torch.randint(5, 400, (80,), generator=torch.Generator().manual_seed(0)).tolist()
+    assert torch.equal(our_logits(make_llm(path), ids), our_logits(make_llm(hf_dir), ids))
+
+
+def test_gguf_phi3_longrope_without_both_factors_is_refused(tmp_path, monkeypatch):
+    hf_dir = build_checkpoint(str(tmp_path / "hf"), "phi3")
+    add_phi3 = gguf_files._add_phi3
+    long_only = lambda *args: {k: v for k, v in add_phi3(*args).items() if "long" in k}  # noqa: E731
+    monkeypatch.setattr(gguf_files, "_add_phi3", long_only)
+    path = write_gguf(hf_dir, str(tmp_path / "tiny.gguf"), "phi3", quants=("F32",))
+    with pytest.raises(ValueError, match="longrope needs rope_factors_long, rope_factors_short"):
+        read_model_config(path)
+
+
 def test_gemma_layer_pattern_from_metadata(tmp_path):
     """Newer converters write one sliding/global flag per layer; older files rely on the period 6."""
     layer_types = ["sliding_attention", "full_attention", "sliding_attention"]
@@ -68,7 +109,7 @@ def test_gemma_layer_pattern_from_metadata(tmp_path):
     assert GGUFCheckpoint(path).config["layer_types"] == layer_types
 
 
-@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("gemma3", GEMMA)])
+@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("gemma3", GEMMA), ("phi3", {})])
 def test_convert_gguf_writes_a_directory_transformers_loads(tmp_path, make_llm, arch, overrides):
     path = _gguf(tmp_path, arch, **overrides)
     out = str(tmp_path / "converted")

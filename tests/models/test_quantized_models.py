@@ -43,6 +43,7 @@ def _gguf(tmp_path, arch: str, quants: tuple[str, ...] | None = None, **override
     [
         ("llama", None, {}),
         ("gemma3", None, dict(head_dim=16, num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=16)),
+        ("phi3", ("Q8_0", "Q5_0", "Q4_0", "Q5_1"), {}),  # fused qkv and gate_up: split by rows, blocks kept
         ("llama", K_QUANTS, WIDE),
         ("gemma3", K_QUANTS, dict(WIDE, num_hidden_layers=2, sliding_window=8, query_pre_attn_scalar=64)),
     ],
@@ -54,6 +55,8 @@ def test_gguf_runs_quantised_and_matches_its_dequantised_logits(tmp_path, make_l
     model = quantised.engine.model
     assert isinstance(model.layers[0].self_attn.qkv_proj.weight, QuantTensor)
     assert isinstance(model.embed_tokens.weight, QuantTensor)
+    if arch == "phi3":  # the file's one fused matrix as its q, k, v parts
+        assert len(model.layers[0].self_attn.qkv_proj.weight.parts) == 3
     ours, ref = _logits(quantised), _logits(dense)
     assert weight_bytes(model) < weight_bytes(dense.engine.model) / 2.5  # fp32 vs blocks of <= 8.5 bits
     if model.embed_tokens.weight.plan.q8:

@@ -1,4 +1,4 @@
-"""GGUF files (llama.cpp's format) as checkpoints: config, dequantised tensors, HF export.
+"""GGUF files (llama.cpp's format) as checkpoints: config, tensors (quantised or not), HF export.
 
 A GGUF file carries the architecture's hyper-parameters as metadata, its tensors under
 llama.cpp's names (`blk.3.attn_q.weight`), possibly quantised, and its tokenizer (see
@@ -12,8 +12,13 @@ llama.cpp's interleaved rope; Gemma norm weights were stored as 1 + w. `convert_
 the result as a Hugging Face directory that transformers and vLLM load.
 
 Supported `general.architecture`: llama (without llama3 rope scaling, whose parameters a
-GGUF does not keep), qwen2, qwen3, qwen3moe (its 3-D expert tensors dequantised at load, one
-matrix an expert), gemma3. Gemma 3 details llama.cpp fixes in code rather than metadata
+GGUF does not keep), qwen2, qwen3, qwen3moe, phi3, gemma3. Qwen3-MoE's 3-D expert tensors
+([experts, rows, cols]) become one matrix an expert: each expert's rows of blocks, a view of the
+file's bytes, so experts run on the dense layers' kernels. Phi-3 keeps HF's fused `attn_qkv` and
+`ffn_up` (gate rows, then up rows; the loader splits them by rows, blocks intact), its rotated
+share of a head in `rope.dimension_count` and longrope's factors as the tensors
+`rope_factors_long` / `rope_factors_short` (read into the config, as HF's `rope_scaling`).
+Gemma 3 details llama.cpp fixes in code rather than metadata
 (older files) are fixed here the same way: every 6th layer global and local rope base 10000
 unless `attention.sliding_window_pattern` / `rope.freq_base_swa` say otherwise, and
 query_pre_attn_scalar = head_dim (hidden / heads for the 62-layer 27B).
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections.abc import Iterator
 from functools import cached_property, lru_cache
@@ -37,9 +43,9 @@ from treeserve.models.gguf_file import GGUFFile
 log = logging.getLogger(__name__)
 
 ARCH_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
-                    "gemma3": "gemma3_text"}  # fmt: skip
+                    "phi3": "phi3", "gemma3": "gemma3_text"}  # fmt: skip
 ARCH_NAMES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-              "qwen3_moe": "Qwen3MoeForCausalLM"}  # fmt: skip
+              "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM"}  # fmt: skip
 
 _LAYER_NAMES = {  # llama.cpp's per-layer tensor name -> Hugging Face's (after model.layers.N.)
     "attn_q": "self_attn.q_proj",
@@ -61,7 +67,9 @@ _LAYER_NAMES = {  # llama.cpp's per-layer tensor name -> Hugging Face's (after m
     "ffn_down_exps": "mlp.experts.down_proj",
 }
 _GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm"}
+_PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}  # fused
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_ROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}  # longrope
 
 
 def is_gguf(path: str) -> bool:
@@ -94,6 +102,9 @@ class GGUFCheckpoint:
                 f"unsupported GGUF architecture {self.arch!r} in {path!r} (supported: {sorted(ARCH_MODEL_TYPES)})"
             )
         self.tensor_names = {t.name for t in self.reader.tensors}
+        self.layer_names = {"gemma3": _GEMMA_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES}.get(self.arch, _LAYER_NAMES)
+        if self.arch == "phi3" and "blk.0.ffn_gate.weight" in self.tensor_names:  # gate apart: ffn_up is up alone
+            self.layer_names = _LAYER_NAMES | {"attn_qkv": "self_attn.qkv_proj"}
 
     def field(self, key: str, default: object = None) -> object:
         entry = self.reader.fields.get(key)
@@ -147,6 +158,8 @@ class GGUFCheckpoint:
         else:
             config.update(architectures=[ARCH_NAMES[model_type]], hidden_act="silu", rope_theta=theta,
                           rope_scaling=scaling)  # fmt: skip
+        if model_type == "phi3":
+            config.update(self._phi3_fields(config["head_dim"]))
         if model_type == "qwen3_moe":  # llama.cpp routes every layer and renormalises the top k
             experts = self._arch_field("expert_feed_forward_length")
             config.update(num_experts=self._arch_field("expert_count"),
@@ -161,15 +174,49 @@ class GGUFCheckpoint:
             return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
         return ["sliding_attention" if swa else "full_attention" for swa in pattern]
 
+    def _phi3_fields(self, head_dim: int) -> dict:
+        """Phi-3's rotated share of a head, pretraining length and sliding window (0: none)."""
+        dims = self._arch_field("rope.dimension_count", head_dim)
+        partial = dims / head_dim
+        if int(head_dim * partial) != dims:
+            raise ValueError(f"{self.path!r}: rope.dimension_count {dims} of head_dim {head_dim} is no share we rotate")
+        return {
+            "partial_rotary_factor": partial,
+            "sliding_window": self._arch_field("attention.sliding_window") or None,
+            "original_max_position_embeddings": self._arch_field("rope.scaling.original_context_length"),
+        }
+
     def _rope_scaling(self) -> dict | None:
         if "rope_freqs.weight" in self.tensor_names:
             raise ValueError(f"{self.path!r} uses per-frequency rope factors (llama3 rope scaling): not supported")
         kind = self._arch_field("rope.scaling.type", "none")
+        if self.tensor_names & set(_ROPE_FACTORS) and kind in ("none", None, "longrope", "su"):
+            return self._longrope()
         if kind in ("none", None):
             return None
         if kind == "linear":
             return {"rope_type": "linear", "factor": float(self._arch_field("rope.scaling.factor"))}
         raise ValueError(f"unsupported rope scaling {kind!r} in {self.path!r} (supported: linear)")
+
+    def _longrope(self) -> dict:
+        """llama.cpp keeps longrope as its factor tensors and the pretraining length; its
+        attention factor is HF's formula (`layers/rotary.py`) unless the file says otherwise."""
+        factors = {key: self._vector(name) for name, key in _ROPE_FACTORS.items() if name in self.tensor_names}
+        original = self._arch_field("rope.scaling.original_context_length")
+        if len(factors) != 2 or not original:
+            needs = "rope_factors_long, rope_factors_short and rope.scaling.original_context_length"
+            raise ValueError(f"{self.path!r}: longrope needs {needs}")
+        scaling = {"rope_type": "longrope", **factors, "original_max_position_embeddings": int(original)}
+        scale = self._arch_field("context_length", 4096) / original
+        formula = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+        attention_factor = self._arch_field("rope.scaling.attn_factor", formula)
+        if not math.isclose(attention_factor, formula, rel_tol=1e-6):  # the file's value is float32
+            scaling["attention_factor"] = float(attention_factor)
+        return scaling
+
+    def _vector(self, name: str) -> list[float]:
+        tensor = next(t for t in self.reader.tensors if t.name == name)
+        return np.asarray(gguf.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(-1).tolist()
 
     def hf_name(self, name: str) -> str:
         """Hugging Face name of a llama.cpp tensor name; an unknown name is an error."""
@@ -177,10 +224,8 @@ class GGUFCheckpoint:
         if stem in _GLOBAL_NAMES:
             return f"{_GLOBAL_NAMES[stem]}.{suffix}"
         parts = stem.split(".")
-        if len(parts) == 3 and parts[0] == "blk":
-            table = _GEMMA_LAYER_NAMES if self.arch == "gemma3" else _LAYER_NAMES
-            if parts[2] in table:
-                return f"model.layers.{parts[1]}.{table[parts[2]]}.{suffix}"
+        if len(parts) == 3 and parts[0] == "blk" and parts[2] in self.layer_names:
+            return f"model.layers.{parts[1]}.{self.layer_names[parts[2]]}.{suffix}"
         raise ValueError(f"unknown tensor {name!r} in GGUF file {self.path!r}")
 
     def tensors(self, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
@@ -191,15 +236,16 @@ class GGUFCheckpoint:
         kv_heads = self.config["num_key_value_heads"]
         dequantized: set[str] = set()
         for tensor in self.reader.tensors:
+            if tensor.name in _ROPE_FACTORS:  # read into the config (`_longrope`)
+                continue
             name = self.hf_name(tensor.name)
             kind = tensor.tensor_type
             if keep_quantized and _kept_quantized(tensor):
-                yield name, self._quantized(name, tensor, heads, kv_heads)
+                yield from self._quantized(name, tensor, heads, kv_heads)
                 continue
-            what = "3-D (stacked experts)" if len(tensor.shape) == 3 else kind.name
-            if keep_quantized and kind.name not in _DENSE and what not in dequantized:
-                dequantized.add(what)
-                log.warning("%s: %s tensors have no quantised kernel; dequantising them on load", self.path, what)
+            if keep_quantized and kind.name not in _DENSE and kind.name not in dequantized:
+                dequantized.add(kind.name)
+                log.warning("%s: %s tensors have no quantised kernel; dequantising them on load", self.path, kind.name)
             values = np.asarray(gguf.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
             values = values.reshape([int(d) for d in reversed(tensor.shape)])
             weight = torch.from_numpy(values.copy())
@@ -211,7 +257,7 @@ class GGUFCheckpoint:
                 weight = weight - 1.0
             if ".mlp.experts." in name:  # [experts, rows, cols]: each expert's matrix under its own name
                 for expert, matrix in enumerate(weight):
-                    yield name.replace(".experts.", f".experts.{expert}."), matrix
+                    yield _expert_name(name, expert), matrix
                 continue
             yield name, weight
 
@@ -221,22 +267,34 @@ class GGUFCheckpoint:
         return {self.hf_name(t.name): (int(t.shape[0]), t.tensor_type.name, gguf.GGML_QUANT_SIZES[t.tensor_type][0])
                 for t in self.reader.tensors if _kept_quantized(t)}  # fmt: skip
 
-    def _quantized(self, name: str, tensor: object, heads: int, kv_heads: int) -> QuantTensor:
+    def _quantized(self, name: str, tensor: object, heads: int, kv_heads: int) -> Iterator[tuple[str, QuantTensor]]:
+        """The tensor's blocks as one matrix, or stacked experts' as one matrix an expert."""
         data = torch.from_numpy(tensor.data)  # a view of the (copy-on-write) memory map
         if self.arch == "llama" and ".q_proj." in name:
             data = _unpermute_rope_rows(data, heads).contiguous()
         elif self.arch == "llama" and ".k_proj." in name:
             data = _unpermute_rope_rows(data, kv_heads).contiguous()
-        cols = int(tensor.shape[0])
-        return QuantTensor([QuantPart(tensor.tensor_type.value, data)], cols)
+        qtype, cols = tensor.tensor_type.value, int(tensor.shape[0])
+        if data.dim() == 2:
+            yield name, QuantTensor([QuantPart(qtype, data)], cols)
+            return
+        for expert, rows in enumerate(data):  # [experts, rows, bytes a row]: an expert's rows are contiguous
+            yield _expert_name(name, expert), QuantTensor([QuantPart(qtype, rows)], cols)
 
 
 _DENSE = {"F32", "F16", "BF16", "F64"}
 
 
 def _kept_quantized(tensor: object) -> bool:
-    """A matrix in a format the quantised kernels take (kept in its blocks with keep_quantized)."""
-    return len(tensor.shape) == 2 and tensor.tensor_type.value in KERNEL_FORMATS
+    """A matrix, or a stack of experts' matrices, in a format the quantised kernels take (kept
+    in its blocks with keep_quantized)."""
+    stacked = len(tensor.shape) == 3 and "_exps." in tensor.name
+    return (len(tensor.shape) == 2 or stacked) and tensor.tensor_type.value in KERNEL_FORMATS
+
+
+def _expert_name(name: str, expert: int) -> str:
+    """`mlp.experts.gate_proj.weight` -> `mlp.experts.3.gate_proj.weight` (the Hub's layout)."""
+    return name.replace(".experts.", f".experts.{expert}.")
 
 
 def _unpermute_rope_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:

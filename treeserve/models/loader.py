@@ -22,6 +22,7 @@ file is read or written; the answers are noise, the costs are the real shapes'.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -269,6 +270,8 @@ def check_int8_shapes(config: ModelConfig) -> None:
         "num_attention_heads x head_dim": config.num_heads * config.head_dim,
         "intermediate_size": config.intermediate_size,
     }
+    if config.moe is not None:
+        widths["moe_intermediate_size"] = config.moe.intermediate_size
     bad = {name: width for name, width in widths.items() if width % 32}
     if bad:
         raise ValueError(f"int8 quantisation needs matrix input widths that are multiples of 32, got {bad}")
@@ -334,9 +337,10 @@ def _fused_parts(local: str, tensor: torch.Tensor | QuantTensor,
                  model: LlamaForCausalLM) -> list[tuple[str | None, torch.Tensor | QuantTensor]]:  # fmt: skip
     """A checkpoint tensor as (fused part, rows) pieces: a q/k/v or gate/up matrix that the checkpoint
     holds fused already (Phi-3's `qkv_proj`, `gate_up_proj`) in its parts, so a tensor-parallel rank
-    takes its slice of each; any other tensor whole, as (None, tensor)."""
+    takes its slice of each; any other tensor whole, as (None, tensor). A quantised matrix splits
+    by rows too: a block holds one row's weights, so each part keeps the file's blocks (views)."""
     module = local.split(".")[-2] if local.count(".") else local
-    if module not in model.FUSED_ORDER or isinstance(tensor, QuantTensor):
+    if module not in model.FUSED_ORDER:
         return [(None, tensor)]
     cfg = model.config
     if module == "qkv_proj":
@@ -347,7 +351,14 @@ def _fused_parts(local: str, tensor: torch.Tensor | QuantTensor,
         sizes = [tensor.shape[0] // 2] * 2
     if sum(sizes) != tensor.shape[0]:
         raise ValueError(f"fused tensor {local} has {tensor.shape[0]} rows, config.json implies {sum(sizes)}")
-    return list(zip(model.FUSED_ORDER[module], tensor.split(sizes, dim=0), strict=True))
+    return list(zip(model.FUSED_ORDER[module], _split_rows(tensor, sizes), strict=True))
+
+
+def _split_rows(tensor: torch.Tensor | QuantTensor, sizes: list[int]) -> list[torch.Tensor | QuantTensor]:
+    if isinstance(tensor, torch.Tensor):
+        return list(tensor.split(sizes, dim=0))
+    starts = [0, *itertools.accumulate(sizes)]
+    return [tensor.slice_rows(start, stop) for start, stop in itertools.pairwise(starts)]
 
 
 def _fuse(pieces: list[torch.Tensor | QuantTensor], dtype: torch.dtype) -> torch.Tensor | QuantTensor:
