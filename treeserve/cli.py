@@ -159,6 +159,8 @@ def _add_search_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reward-temperature", type=float, default=None,
                    help="rebase, particle_filtering: the softmax temperature over rewards (default 0.2 for rebase, "
                         "1.0 for particle_filtering; lower is greedier)")  # fmt: skip
+    p.add_argument("--exploration", type=float, default=1.0,
+                   help="mcts: UCT's exploration constant (default 1; 0: greedy by value)")  # fmt: skip
     p.add_argument("--resample-threshold", type=float, default=1.0,
                    help="particle_filtering: resample when the weights' effective sample size is at most this "
                         "fraction of --n (default 1: every step)")  # fmt: skip

@@ -66,6 +66,9 @@ CONFIGS = {
     "weighted_min": SearchConfig(strategy="weighted_best_of_n", n=4, max_tokens=64, agg="min"),
     "majority": SearchConfig(strategy="majority", n=4, max_tokens=64),
     "rebase": SearchConfig(strategy="rebase", n=6, num_iterations=5, max_tokens=24),
+    "mcts": SearchConfig(strategy="mcts", n=4, beam_width=2, num_iterations=5, max_tokens=24),
+    "mcts_rollouts": SearchConfig(strategy="mcts", n=4, beam_width=2, num_iterations=5, max_tokens=24, lookahead=1,
+                                  exploration=0.5),  # fmt: skip
     "particles_ess": SearchConfig(strategy="particle_filtering", n=4, num_iterations=5, max_tokens=24,
                                   resample_threshold=0.7),  # fmt: skip
     # adaptive search: the same stops and beams with every optimisation on
@@ -98,7 +101,7 @@ def test_optimised_equals_reference(world, name):
     assert fast["summary"]["accuracy"] == plain["summary"]["accuracy"]
     if config.strategy != "majority":
         assert fast["summary"]["prm_tokens_prefilled"] < plain["summary"]["prm_tokens_prefilled"]
-    if config.strategy in ("beam_search", "dvts", "rebase", "particle_filtering"):
+    if config.strategy in ("beam_search", "dvts", "rebase", "particle_filtering", "mcts"):
         lengths = [len(c["step_scores"]) for p in fast["problems"] for c in p["completions"]]
         assert max(lengths) >= 3  # the search really ran several iterations
 

@@ -48,6 +48,7 @@ DEFAULT_SELECTION = {
     "dvts": "weighted",
     "rebase": "weighted",
     "particle_filtering": "weighted",
+    "mcts": "weighted",
 }
 
 

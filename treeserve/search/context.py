@@ -32,7 +32,10 @@ from treeserve.search.trace import SearchTrace
 from treeserve.search.tree_tokens import TreeTokens
 from treeserve.search.types import STEP_STOP, Beam, Leftover, Problem, aggregate
 
-STRATEGIES = ("best_of_n", "weighted_best_of_n", "majority", "beam_search", "dvts", "rebase", "particle_filtering")
+STRATEGIES = ("best_of_n", "weighted_best_of_n", "majority", "beam_search", "dvts", "rebase", "particle_filtering",
+              "mcts")
+# strategies whose own rule spends the budget: they take no adaptive search and no speculative steps
+OWN_BUDGET = ("rebase", "particle_filtering", "mcts")
 # the softmax temperature over rewards each strategy that has one uses unless `reward_temperature` is given:
 # REBASE's T_b over step scores (search/rebase.py), particle filtering's over their log-odds (its_hub's 1.0)
 REWARD_TEMPERATURES = {"rebase": 0.2, "particle_filtering": 1.0}
@@ -94,6 +97,7 @@ class SearchConfig:
     # filtering resamples when the weights' effective sample size is at most this fraction of n (1: every step)
     reward_temperature: float | None = None
     resample_threshold: float = 1.0
+    exploration: float = 1.0  # MCTS: UCT's exploration constant c (search/mcts.py)
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -108,9 +112,9 @@ class SearchConfig:
             raise ValueError("max_concurrent_problems must be >= 1 and speculative_steps >= 0")
         if self.lookahead < 0:
             raise ValueError(f"lookahead must be >= 0, got {self.lookahead}")
-        if self.lookahead and self.strategy not in ("beam_search", "dvts"):
-            raise ValueError(f"lookahead={self.lookahead} rolls out further steps, but {self.strategy!r} has no steps: "
-                             "use it with beam_search or dvts, or leave lookahead at 0")  # fmt: skip
+        if self.lookahead and self.strategy not in ("beam_search", "dvts", "mcts"):
+            raise ValueError(f"lookahead={self.lookahead} rolls out further steps, but {self.strategy!r} does not: "
+                             "use it with beam_search, dvts or mcts, or leave lookahead at 0")  # fmt: skip
         if self.fixed_steps and self.speculative_steps:
             raise ValueError("fixed_steps has no step boundaries to speculate past: use speculative_steps=0")
         if not isinstance(self.reasoning, bool):
@@ -146,7 +150,12 @@ class SearchConfig:
             raise ValueError(f"resample_threshold must be in (0, 1] (1: resample every step), got {r!r}")
         if r != 1.0 and self.strategy != "particle_filtering":
             raise ValueError(f"resample_threshold is particle filtering's, not {self.strategy!r}: leave it at 1")
-        if self.strategy in REWARD_TEMPERATURES:
+        x = self.exploration
+        if not isinstance(x, int | float) or not math.isfinite(x) or x < 0:
+            raise ValueError(f"exploration must be a number >= 0, got {x!r}")
+        if x != 1.0 and self.strategy != "mcts":
+            raise ValueError(f"exploration is MCTS's, not {self.strategy!r}: leave it at 1")
+        if self.strategy in OWN_BUDGET:
             if self.adaptive:
                 raise ValueError(f"{self.strategy} spends its budget by its rewards already: adaptive search is "
                                  "beam search's, DVTS's and the sampling strategies'")  # fmt: skip

@@ -18,6 +18,7 @@ from treeserve.search.beam_search import beam_search
 from treeserve.search.best_of_n import best_of_n, majority
 from treeserve.search.context import SearchContext, gather_or_cancel
 from treeserve.search.dvts import dvts
+from treeserve.search.mcts import mcts
 from treeserve.search.particle_filtering import particle_filtering
 from treeserve.search.prm.base import PRMInputTooLong
 from treeserve.search.rebase import rebase
@@ -31,6 +32,7 @@ STRATEGY_FUNCTIONS = {
     "dvts": dvts,
     "rebase": rebase,
     "particle_filtering": particle_filtering,
+    "mcts": mcts,
 }
 
 

@@ -197,6 +197,7 @@ class SearchRequest(BaseModel):
     # default) and particle filtering's resampling threshold on the effective sample size; SearchConfig checks them
     reward_temperature: float | None = None
     resample_threshold: float = 1.0
+    exploration: float = 1.0  # mcts: UCT's exploration constant
 
 
 class Usage(BaseModel):

@@ -76,6 +76,7 @@ def search_context(served: Served, req: SearchRequest) -> tuple[SearchContext, P
         certainty=req.certainty, first_width=req.first_width, budget_tokens=req.budget_tokens,
         prompt_format=req.prompt_format, stop=req.stop or [], reasoning=req.reasoning,
         reward_temperature=req.reward_temperature, resample_threshold=req.resample_threshold,
+        exploration=req.exploration,
     )  # fmt: skip
     if req.deadline_s is not None and not (math.isfinite(req.deadline_s) and req.deadline_s > 0):
         raise ValueError(f"deadline_s must be a finite number of seconds > 0, got {req.deadline_s!r}")

@@ -1,6 +1,6 @@
-"""REBASE and particle filtering: their rules, and each search against a plain reference
-written here from the papers' algorithms (one node at a time, no caches, sequential), on the
-shipped arithmetic pair; their traces and their views."""
+"""REBASE, particle filtering and MCTS: their rules; REBASE and particle filtering against a
+plain reference written here from the papers' algorithms (one node at a time, no caches,
+sequential), on the shipped arithmetic pair; their traces and their views."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from treeserve.eval.runner import EvalSettings, run_eval
 from treeserve.eval.view import write_view
 from treeserve.runtime.runtime_settings import RuntimeSettings
 from treeserve.search.context import SearchConfig, SearchContext
+from treeserve.search.mcts import Node, room, select
 from treeserve.search.particle_filtering import effective_sample_size, log_weight, probabilities, resample
 from treeserve.search.prm import load_prm
 from treeserve.search.rebase import expand_counts
@@ -53,6 +54,25 @@ def test_particle_weights_and_resampling():
     assert len(set(many)) > 10  # each iteration its own draw
     counts = Counter(a for i in range(500) for a in resample([0.1, 0.6, 0.3], 1, "p", i))
     assert counts[1] / 1500 == pytest.approx(0.6, abs=0.05)  # multinomial by the probabilities
+
+
+def test_mcts_walks_by_uct_and_widens_progressively():
+    root = Node(Beam(path=()), visits=1)
+    assert select(root, width=4, depth=5, exploration=1.0) is root  # room for a first child
+    assert [room(Node(Beam(path=()), visits=v), 4) for v in (1, 3, 4, 9, 16, 100)] == [1, 1, 2, 3, 4, 4]
+    a, b = Node(Beam(path=(0,), steps=["x"]), parent=root), Node(Beam(path=(1,), steps=["y"]), parent=root)
+    root.children = [a, b]
+    a.back_up(0.9)
+    b.back_up(0.2)
+    root.visits = 4  # room for 2: full, so the walk goes down by UCT
+    assert root.visits == 4 and select(root, 4, 5, exploration=0.0) is a  # greedy: the higher mean value
+    for _ in range(30):
+        a.back_up(0.9)
+    assert select(root, 2, 5, exploration=5.0) is b  # exploration: the less visited
+    b.beam.completed = True
+    assert select(root, 2, 5, exploration=5.0) is b  # a finished node ends the walk
+    a.beam.steps, b.beam.dropped = ["x"] * 5, True
+    assert select(root, 2, 5, exploration=0.0) is None  # a at the depth cap, b dropped: nothing left
 
 
 # ---- the plain references: the algorithms as their papers write them --------------------------------------
@@ -183,6 +203,23 @@ def test_rebase_trace_and_view(tmp_path):
     assert "rebase" in (tmp_path / "view.html").read_text()
 
 
+def test_mcts_trace_and_view(tmp_path):
+    doc = traced("mcts", beam_width=3)
+    for problem in doc["problems"]:
+        trace, rows = problem["trace"], nodes(problem["trace"])
+        for node in rows:  # each node is one step deeper than the node it extends
+            assert node["iteration"] == (0 if node["parent"] is None else rows[node["parent"]]["iteration"] + 1)
+            assert node["iteration"] < 6 and node["fate"] in ("kept", "finished", "too_long")
+        children = Counter(n["parent"] for n in rows)
+        assert max(children.values()) <= 3  # beam_width: the most children a node has
+        assert len(problem["completions"]) <= 8
+        assert all(rows[i]["fate"] == "finished" for i in trace["completions"])
+    out = tmp_path / "mcts.json"
+    out.write_text(json.dumps(doc))
+    write_view([str(out)], str(tmp_path / "view.html"), None)
+    assert "mcts" in (tmp_path / "view.html").read_text()
+
+
 def test_particle_trace_and_view(tmp_path):
     doc = traced("particle_filtering")
     for problem in doc["problems"]:
@@ -206,14 +243,17 @@ def test_particle_trace_and_view(tmp_path):
     ({"strategy": "rebase", "resample_threshold": 0.5}, "particle filtering's"),
     ({"strategy": "rebase", "adaptive": True}, "adaptive search is"),
     ({"strategy": "particle_filtering", "speculative_steps": 1}, "speculative_steps=0"),
-    ({"strategy": "rebase", "lookahead": 1}, "use it with beam_search or dvts"),
+    ({"strategy": "rebase", "lookahead": 1}, "use it with beam_search, dvts or mcts"),
+    ({"strategy": "beam_search", "exploration": 2.0}, "exploration is MCTS's"),
+    ({"strategy": "mcts", "exploration": -1.0}, "exploration must be a number >= 0"),
+    ({"strategy": "mcts", "adaptive": True}, "adaptive search is"),
 ])  # fmt: skip
 def test_bad_settings_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):
         SearchConfig(**fields)
 
 
-@pytest.mark.parametrize("strategy", ["rebase", "particle_filtering"])
+@pytest.mark.parametrize("strategy", ["rebase", "particle_filtering", "mcts"])
 def test_shards_merge_to_the_unsharded_run(tmp_path, strategy):
     """Each problem's search depends on its own seeds only, so shards (and resumed runs, which
     skip the problems a journal holds) give the whole run's records."""
