@@ -8,14 +8,18 @@
 On the held-out arithmetic problems bench/adaptive.py uses (levels 4-5, `arith_dataset` seed 0;
 `--dataset-seed` picks another set), through `treeserve eval`'s code path (`run_eval`) in this
 process, one run after another: each strategy of `--strategies` (beam_search, dvts,
-weighted_best_of_n, rebase, particle_filtering; names passed as they are to
+weighted_best_of_n, rebase, particle_filtering, mcts; names passed as they are to
 `SearchConfig.strategy`) at each N of `--ns` (4, 8, 16, 32, 64). N is the width: the beams of
 beam search and DVTS (beam width 4, so N=4 DVTS is one subtree), the samples of best-of-N,
-REBASE's budget (the nodes it expands per depth, the solutions it returns) and the particles of
-particle filtering. Every run has `treeserve eval`'s search defaults otherwise (T=0.8, 256
-tokens a step, 40 iterations, the shipped generator and PRM, bf16). `--reward-temperature`
+REBASE's budget (the nodes it expands per depth, the solutions it returns), the particles of
+particle filtering and the solutions MCTS collects (at most 4 children a node). Every run has
+`treeserve eval`'s search defaults otherwise (T=0.8, 256 tokens a step, 40 iterations, the
+shipped generator and PRM, bf16). `--reward-temperature`
 (REBASE and particle filtering) and `--resample-threshold` (particle filtering) reach those
-strategies' configs only when given; unset, each strategy keeps `SearchConfig`'s default.
+strategies' configs only when given, as `--exploration` does MCTS's; unset, each strategy keeps
+`SearchConfig`'s default. `--reuse` takes a run from `--out` when its results there are of that very
+run (search config, problems, rule): a cut-short invocation resumes, and a strategy added later runs
+alone while the figure and the comparison still hold every run.
 
 Every run is judged by one answer rule, `--rule` (weighted), passed to `run_eval` as its
 selection (`EvalSettings.selection`), so each strategy's headline accuracy is that rule's
@@ -57,10 +61,14 @@ from treeserve.eval.report import write_results
 from treeserve.eval.runner import EvalSettings, run_eval
 from treeserve.search.context import STRATEGIES, SearchConfig
 
-ALL_STRATEGIES = "beam_search,dvts,weighted_best_of_n,rebase,particle_filtering"
-TREE_STRATEGIES = ("beam_search", "dvts")  # beam width 4, as `treeserve eval`
+ALL_STRATEGIES = "beam_search,dvts,weighted_best_of_n,rebase,particle_filtering,mcts"
+TREE_STRATEGIES = ("beam_search", "dvts", "mcts")  # beam width 4, as `treeserve eval` (MCTS: children a node)
 # SearchConfig fields given only when their flag is, and only to the strategies that take them (it refuses others)
-TUNED = {"reward_temperature": ("rebase", "particle_filtering"), "resample_threshold": ("particle_filtering",)}
+TUNED = {
+    "reward_temperature": ("rebase", "particle_filtering"),
+    "resample_threshold": ("particle_filtering",),
+    "exploration": ("mcts",),
+}
 
 
 def configs(strategies: list[str], ns: list[int], knobs: dict[str, float | None]) -> list[SearchConfig]:
@@ -176,6 +184,7 @@ def main() -> None:
     ap.add_argument("--compare-ns", default="16,64", help="beam search's N to compare the others at")
     ap.add_argument("--reward-temperature", type=float, default=None, help="REBASE's, particle filtering's")
     ap.add_argument("--resample-threshold", type=float, default=None, help="particle filtering's (default: config's)")
+    ap.add_argument("--exploration", type=float, default=None, help="MCTS's UCT constant (default: config's)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--out", type=Path, default=None, help="the runs' results (default: bench/out/strategies[_smoke])")
     ap.add_argument("--summary", type=Path, default=None, help="rows, front, comparison, table (default: OUT.json)")
@@ -195,7 +204,11 @@ def main() -> None:
     out = args.out or Path("bench/out/strategies" + ("_smoke" if args.smoke else ""))
     summary_path = args.summary or out.with_name(out.name + ".json")
     ns = sorted({int(n) for n in args.ns.split(",")})
-    knobs = {"reward_temperature": args.reward_temperature, "resample_threshold": args.resample_threshold}
+    knobs = {
+        "reward_temperature": args.reward_temperature,
+        "resample_threshold": args.resample_threshold,
+        "exploration": args.exploration,
+    }
     runs = configs(strategies, ns, knobs)
     torch.set_num_threads(args.threads)
     out.mkdir(parents=True, exist_ok=True)
