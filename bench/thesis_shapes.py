@@ -2,13 +2,28 @@
 
     python bench/thesis_shapes.py --out bench/out/thesis                       # one GPU (--device cuda)
     python bench/thesis_shapes.py --device cpu --tiny --out /tmp/thesis        # a smoke run on a CPU, ~1 min
+    python bench/thesis_shapes.py --generator-shape qwen3-30b-a3b --prm-shape qwen3-1.7b --out bench/out/qwen3
+    python bench/thesis_shapes.py --device cpu --tiny --generator-shape qwen3-1.7b --prm-shape qwen3-1.7b \\
+        --configs graphs,sal-transformers --out /tmp/qwen3          # the Qwen3 shapes at 2 layers on a CPU
 
 No weights can be downloaded, so both models are random-weight directories: config.json
-(the shapes of bench/roofline_floor.py, plus what its `Shape` does not hold: tied
-embeddings, rope theta 500000 with llama3 scaling), a word-level tokenizer of all 128256
-ids, and treeserve's random-weights marker (treeserve/models/loader.py), which makes the
-loader draw every tensor on the device in bf16; nothing is written but those small files.
-The PRM is read in the step-tag style (a tag after each step, P('+') against P('-')).
+(for the Llama pair the shapes of bench/roofline_floor.py, plus what its `Shape` does not
+hold: tied embeddings, rope theta 500000 with llama3 scaling), a word-level tokenizer of all
+the model's ids (128256 for Llama 3), and treeserve's random-weights marker
+(treeserve/models/loader.py), which makes the loader draw every tensor on the device in bf16;
+nothing is written but those small files. The PRM is read in the step-tag style (a tag after
+each step, P('+') against P('-')).
+
+Shapes (`--generator-shape`, `--prm-shape`): generators `llama3.2-1b` (the default),
+`qwen3-1.7b` (hidden 2048, 28 layers, 16 / 8 heads of 128, MLP 6144, q/k norms, tied
+embeddings, vocabulary 151936, rope theta 1e6) and `qwen3-30b-a3b` (hidden 2048, 48 layers,
+32 / 4 heads of 128, 128 experts of width 768, top 8, normalised; untied); PRMs `llama3.1-8b`
+(the default) and `qwen3-1.7b`. The Qwen3 configs are bench/workloads.py's QWEN3_SHAPES (the
+Hugging Face config.json values). `--layers L` gives both models L decoder layers (the widths
+stay), for a CPU or a GPU too small for the full depth: qwen3-30b-a3b's weights alone are 61 GB
+in bf16 (with the 8B PRM, 77 GB: an H200; on an H100 80 GB pair it with qwen3-1.7b or cut
+layers). Prompts are random ids below the smaller of the two vocabularies (a generated id
+past the PRM's reads as its <unk>).
 
 Workload (issue 53): beam search, beam width 4, `fixed_steps` (10 iterations of exactly
 100-token steps: random weights never write "\\n\\n"), T=0.8, on prompts of 200 random token
@@ -29,7 +44,7 @@ Configurations (`--configs`, side by side, each treeserve one in a fresh process
 
 Reported per configuration and N: problems/min; that as a fraction of roofline_floor.py's
 floor for the workload, serial (generator then PRM) and overlapped (the larger of the two
-alone; thesis shapes on a GPU it knows, else None); generator and PRM milliseconds per
+alone; the Llama pair at full depth on a GPU it knows, else None); generator and PRM milliseconds per
 engine step (time inside `step()`; with overlapped steps a step also waits for the one
 before it) and step counts; peak pages in use and held (cached too), evictions; kernel
 launches per generator decode step (torch.profiler's cudaLaunchKernel / cuLaunchKernel and
@@ -40,9 +55,10 @@ finished, and stops. Time: the roofline's floor alone is ~20 s for 64 problems a
 ~90 s at N=64 on an H100 SXM, so a whole run takes several minutes; under bench/gpu_check.sh's
 THESIS_TIMEOUT (240 s) expect `graphs` at N=16 first, then whatever fits.
 
-`--tiny` (for CPUs): 2-layer models (generator hidden 64, PRM hidden 128; the 128256-id
-vocabulary and tokenizer kept), 4 problems of 48-token prompts, N=4, 2 iterations of 16-token
-steps, 2 sal-transformers problems. It checks that everything runs, not how fast.
+`--tiny` (for CPUs): 2-layer models (the Llama shapes at generator hidden 64, PRM hidden 128,
+their 128256-id vocabulary and tokenizer kept; the Qwen3 shapes at their own widths,
+`--layers` if given), 4 problems of 48-token prompts, N=4, 2 iterations of 16-token steps,
+2 sal-transformers problems. It checks that everything runs, not how fast.
 """
 
 from __future__ import annotations
@@ -66,7 +82,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 from roofline_floor import GENERATOR, GPUS, PRM, Shape, search_floor  # noqa: E402
 from search import run_system  # noqa: E402
-from workloads import FIRST_WORD, build_random_weights_dir, word_level_tokenizer  # noqa: E402
+from workloads import FIRST_WORD, QWEN3_SHAPES, build_random_weights_dir, word_level_tokenizer  # noqa: E402
 
 # what roofline_floor.Shape does not hold, from the models' config.json
 LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -74,9 +90,8 @@ LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor"
 COMMON = {"rope_theta": 500000.0, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5}
 GENERATOR_EXTRA = {**COMMON, "tie_word_embeddings": True, "rope_scaling": {**LLAMA3_ROPE, "factor": 32.0}}
 PRM_EXTRA = {**COMMON, "tie_word_embeddings": False, "rope_scaling": {**LLAMA3_ROPE, "factor": 8.0}}
-VOCAB = GENERATOR.vocab  # both models' (Llama 3's), kept at --tiny
-TINY_GENERATOR = Shape("generator tiny", 2, 64, 4, 2, 16, 128, VOCAB)
-TINY_PRM = Shape("PRM tiny", 2, 128, 4, 2, 32, 256, VOCAB)
+TINY_GENERATOR = Shape("generator tiny", 2, 64, 4, 2, 16, 128, GENERATOR.vocab)  # Llama 3's vocabulary kept
+TINY_PRM = Shape("PRM tiny", 2, 128, 4, 2, 32, 256, PRM.vocab)
 
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 CONFIGS = ("graphs", "one-stream", "eager", "sal-transformers")
@@ -109,10 +124,23 @@ def hf_config(shape: Shape, extra: dict) -> dict:
     }  # fmt: skip
 
 
-def random_problems(tokenizer: object, count: int, length: int, tag: str) -> list[tuple[str, str]]:
-    """(unique id, question) pairs: `length` random word ids each, decoded (seeded by `tag`)."""
+# --generator-shape / --prm-shape -> config.json; at --tiny a Llama is its tiny twin (TINY_SHAPES)
+GENERATOR_SHAPES = {"llama3.2-1b": hf_config(GENERATOR, GENERATOR_EXTRA), **QWEN3_SHAPES}
+PRM_SHAPES = {"llama3.1-8b": hf_config(PRM, PRM_EXTRA), "qwen3-1.7b": QWEN3_SHAPES["qwen3-1.7b"]}
+TINY_SHAPES = {"llama3.2-1b": hf_config(TINY_GENERATOR, GENERATOR_EXTRA), "llama3.1-8b": hf_config(TINY_PRM, PRM_EXTRA)}
+THESIS_PAIR = ("llama3.2-1b", "llama3.1-8b")  # the pair roofline_floor.py's floor is for
+
+
+def model_config(name: str, shapes: dict[str, dict], tiny: bool, layers: int | None) -> dict:
+    """config.json of the shape `name` of `shapes`, with `layers` decoder layers where given."""
+    config = TINY_SHAPES.get(name, shapes[name]) if tiny else shapes[name]
+    return config if layers is None else {**config, "num_hidden_layers": layers}
+
+
+def random_problems(tokenizer: object, count: int, length: int, tag: str, vocab: int) -> list[tuple[str, str]]:
+    """(unique id, question) pairs: `length` random word ids below `vocab` each, decoded (seeded by `tag`)."""
     rng = random.Random(tag)
-    return [(f"{tag}-{i}", tokenizer.decode([rng.randrange(FIRST_WORD, VOCAB) for _ in range(length)]))
+    return [(f"{tag}-{i}", tokenizer.decode([rng.randrange(FIRST_WORD, vocab) for _ in range(length)]))
             for i in range(count)]  # fmt: skip
 
 
@@ -172,9 +200,9 @@ def engine_report(runtime: object, name: str, before: dict, after: dict) -> dict
     }  # fmt: skip
 
 
-def decode_launches(engine: object, batch: int, prompt_tokens: int, steps: int = 8) -> dict | None:
+def decode_launches(engine: object, batch: int, prompt_tokens: int, vocab: int, steps: int = 8) -> dict | None:
     """Kernel launches per generator decode step (torch.profiler, CUDA only): `batch` sequences
-    past their prefill, `steps` steps profiled."""
+    of random ids below `vocab` past their prefill, `steps` steps profiled."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -187,7 +215,7 @@ def decode_launches(engine: object, batch: int, prompt_tokens: int, steps: int =
     ids = [f"launch-probe-{i}" for i in range(batch)]
     for i, request_id in enumerate(ids):
         params = SamplingParams(max_tokens=4 * steps + 64, temperature=0.8, seed=i, ignore_eos=True)
-        engine.add_request(request_id, [rng.randrange(FIRST_WORD, VOCAB) for _ in range(prompt_tokens)], params)
+        engine.add_request(request_id, [rng.randrange(FIRST_WORD, vocab) for _ in range(prompt_tokens)], params)
     for _ in range(-(-batch * prompt_tokens // engine.config.max_num_batched_tokens) + 3):  # prefill, first decodes
         engine.step()
     torch.cuda.synchronize(engine.device)
@@ -277,7 +305,8 @@ def run_treeserve(config: str, setup: dict) -> dict:
         "memory_table": runtime.memory_plan.table(), "memory": runtime.memory_plan.to_json(),
     }  # fmt: skip
     progress(f"loaded both models ({result['load_s']:.1f} s; graphs captured: {result['cuda_graphs']})")
-    result["launches_per_decode_step"] = decode_launches(generator, 64, w.prompt_tokens)
+    vocab = setup["vocab"]
+    result["launches_per_decode_step"] = decode_launches(generator, 64, w.prompt_tokens, vocab)
     progress(f"counted a decode step's launches: {result['launches_per_decode_step']}")
     write_json(setup["partial"], result)
     prm = load_prm(runtime, "prm", "step_tag")
@@ -289,15 +318,15 @@ def run_treeserve(config: str, setup: dict) -> dict:
                               max_concurrent_problems=w.problems)  # fmt: skip
         warm = replace(search, num_iterations=2, max_tokens=min(16, w.step_tokens))
         asyncio.run(search_problems(SearchContext(warm, runtime, "generator", prm),
-                                    random_problems(tokenizer, 2, w.prompt_tokens, f"warm{n}")))  # fmt: skip
+                                    random_problems(tokenizer, 2, w.prompt_tokens, f"warm{n}", vocab)))  # fmt: skip
         progress(f"N={n}: warmed up")
         if "syncs" not in result and not cpu:  # once: the host syncs one short search makes
             short = SearchContext(warm, runtime, "generator", prm)
-            few = random_problems(tokenizer, 2, w.prompt_tokens, "sync")
+            few = random_problems(tokenizer, 2, w.prompt_tokens, "sync", vocab)
             result["syncs"] = find_syncs(lambda: asyncio.run(search_problems(short, few)))  # noqa: B023 (called here)
             progress(f"syncs in a short search: {result['syncs']['total']} at {len(result['syncs']['sites'])} sites")
             write_json(setup["partial"], result)
-        problems = random_problems(tokenizer, w.problems, w.prompt_tokens, f"n{n}")
+        problems = random_problems(tokenizer, w.problems, w.prompt_tokens, f"n{n}", vocab)
         ctx = SearchContext(search, runtime, "generator", prm)
         before = counters(runtime)
         graphs_before = json.loads(json.dumps(generator.graph_stats)) if generator.graph_stats else None
@@ -316,7 +345,7 @@ def run_treeserve(config: str, setup: dict) -> dict:
                "generator": engine_report(runtime, "generator", before, after),
                "prm": engine_report(runtime, "prm", before, after), "roofline": None,
                "generator_graphs": graph_share(graphs_before, generator.graph_stats)}  # fmt: skip
-        if gpu is not None and not setup["tiny"]:
+        if gpu is not None and setup["roofline"]:
             f = search_floor(n, prompt=w.prompt_tokens, iterations=w.iterations, step=w.step_tokens, gpu=GPUS[gpu])
             serial, overlapped = 60 / (f["gen_s"] + f["prm_s"]), 60 / max(f["gen_s"], f["prm_s"])
             run["roofline"] = {"gpu": gpu, **f, "serial_floor_per_min": serial, "overlapped_floor_per_min": overlapped,
@@ -337,7 +366,8 @@ def run_sal(setup: dict) -> dict:
 
     w = setup["workload"]
     n = w["ns"][0]
-    problems = random_problems(Tokenizer(setup["generator"]), w["sal_problems"], w["prompt_tokens"], f"sal{n}")
+    tokenizer = Tokenizer(setup["generator"])
+    problems = random_problems(tokenizer, w["sal_problems"], w["prompt_tokens"], f"sal{n}", setup["vocab"])
     workload = {
         "problems": [{"problem": q, "answer": "", "unique_id": uid} for uid, q in problems],
         "generator": setup["generator"], "prm": setup["prm"], "n": n, "beam_width": w["beam_width"],
@@ -437,6 +467,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="2-layer models, 4 problems, N=4: a smoke run (CPU)")
+    ap.add_argument("--generator-shape", default=THESIS_PAIR[0], choices=list(GENERATOR_SHAPES))
+    ap.add_argument("--prm-shape", default=THESIS_PAIR[1], choices=list(PRM_SHAPES))
+    ap.add_argument("--layers", type=int, default=None, help="both models' decoder layers (default: the shapes'; "
+                    "--tiny 2)")  # fmt: skip
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"any of {', '.join(CONFIGS)}")
     ap.add_argument("--ns", default=None, help="beam search N values (default 16,64; --tiny 4)")
     ap.add_argument("--problems", type=int, default=None, help="problems per N, all in flight (default 64)")
@@ -454,29 +488,35 @@ def main() -> None:
     w = TINY if args.tiny else THESIS
     w = replace(w, ns=tuple(int(n) for n in args.ns.split(",")) if args.ns else w.ns,
                 problems=args.problems or w.problems, sal_problems=args.sal_problems or w.sal_problems)  # fmt: skip
-    shapes = (TINY_GENERATOR, TINY_PRM) if args.tiny else (GENERATOR, PRM)
+    layers = args.layers or (2 if args.tiny else None)
+    shapes = {"generator": model_config(args.generator_shape, GENERATOR_SHAPES, args.tiny, layers),
+              "prm": model_config(args.prm_shape, PRM_SHAPES, args.tiny, layers)}  # fmt: skip
+    roofline = not args.tiny and layers is None and (args.generator_shape, args.prm_shape) == THESIS_PAIR
     os.makedirs(args.out, exist_ok=True)
     out_path = os.path.join(args.out, "thesis_shapes.json")
     notes = []
     if args.tiny:
-        notes.append("tiny shapes (2 layers, hidden 64 / 128, the 128256-id vocabulary kept): no roofline fraction "
-                     "(its floor is for the thesis shapes on a GPU)")  # fmt: skip
+        notes.append(f"tiny: {layers} layers (Llama shapes at hidden 64 / 128, their vocabulary kept; Qwen3 shapes "
+                     "at their own widths)")  # fmt: skip
+    if not roofline:
+        notes.append("no roofline fraction: its floor is for the Llama pair at full depth, on a GPU")
     if not args.device.startswith("cuda"):
         notes.append("on a CPU `graphs` and `eager` run the same path (no CUDA graphs); kernel launches are "
                      "counted on CUDA only (None here)")  # fmt: skip
     document = {"environment": environment(args.device, args.tiny), "workload": asdict(w),
-                "shapes": {"generator": asdict(shapes[0]), "prm": asdict(shapes[1])},
+                "shapes": {"generator": {"name": args.generator_shape, "config": shapes["generator"]},
+                           "prm": {"name": args.prm_shape, "config": shapes["prm"]}},
                 "notes": notes, "configs": {}}  # fmt: skip
     results = document["configs"]
     with tempfile.TemporaryDirectory(prefix="thesis-models-") as models:
-        tokenizer = word_level_tokenizer(VOCAB)
+        dirs = {role: build_random_weights_dir(os.path.join(models, role), config,
+                                               word_level_tokenizer(config["vocab_size"]), seed=int(role == "prm"),
+                                               step_tag_prm=role == "prm")
+                for role, config in shapes.items()}  # fmt: skip
         setup = {
             "device": args.device, "tiny": args.tiny, "workload": asdict(w), "models": models, "gpu": args.gpu,
             "memory_fraction": args.memory_fraction, "kv_cache_memory": args.kv_cache_memory, "threads": args.threads,
-            "generator": build_random_weights_dir(os.path.join(models, "generator"),
-                                                  hf_config(shapes[0], GENERATOR_EXTRA), tokenizer, seed=0),
-            "prm": build_random_weights_dir(os.path.join(models, "prm"), hf_config(shapes[1], PRM_EXTRA), tokenizer,
-                                            seed=1, step_tag_prm=True),
+            "roofline": roofline, "vocab": min(config["vocab_size"] for config in shapes.values()), **dirs,
         }  # fmt: skip
         run_configs(configs, setup, results, lambda: write_json(out_path, document))
     for config, result in results.items():

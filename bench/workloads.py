@@ -1,4 +1,4 @@
-"""Benchmark inputs built here, never downloaded: random-weight Llama checkpoints and prompts.
+"""Benchmark inputs built here, never downloaded: random-weight checkpoints, their shapes and prompts.
 
 `build_random_llama` writes a Hugging Face directory (bf16 safetensors, a WordLevel
 tokenizer of the requested vocabulary) that treeserve, transformers and vLLM all load.
@@ -7,7 +7,10 @@ tokenizer, chat template and PRM format, a bigger Llama) for scaling benchmarks.
 `build_random_weights_dir` writes no weights at all: config.json, a word-level tokenizer
 (`word_level_tokenizer`) and treeserve's random-weights marker, which makes treeserve's loader
 draw the weights on the device (treeserve/models/loader.py) and bench/peers/sal_search.py
-build the config's model with transformers' initialisation: any size, in no time.
+build the config's model with transformers' initialisation: any size, in no time;
+`build_random_files` writes the weights too, for engines that need a weight file (vLLM).
+QWEN3_SHAPES holds the config.json of Qwen3-1.7B and Qwen3-30B-A3B, one definition for every
+bench that runs them (`{**QWEN3_1_7B, "num_hidden_layers": 4}` for fewer layers).
 """
 
 from __future__ import annotations
@@ -24,6 +27,18 @@ TWIN_SIZES = {
     "m": (1024, 8, 16, 8, 2816),  # ~95M
     "l": (1536, 12, 24, 12, 4096),  # ~310M
 }
+# Qwen/Qwen3-1.7B's and Qwen/Qwen3-30B-A3B's config.json fields that shape the model (q/k norms come
+# with model_type), bos 0 and eos 1 for the word-level tokenizer (`word_level_tokenizer`)
+QWEN3_1_7B = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 2048,
+              "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+              "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True, "rms_norm_eps": 1e-6,
+              "rope_theta": 1000000.0, "max_position_embeddings": 40960, "attention_bias": False,
+              "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1}  # fmt: skip
+QWEN3_30B_A3B = {**QWEN3_1_7B, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+                 "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "num_experts": 128,
+                 "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+                 "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False}  # fmt: skip
+QWEN3_SHAPES = {"qwen3-1.7b": QWEN3_1_7B, "qwen3-30b-a3b": QWEN3_30B_A3B}
 
 
 def build_random_llama(
@@ -139,8 +154,9 @@ def _save_random(out_dir: str, config: object, seed: int) -> str:
     return out_dir
 
 
-def build_random_files(out_dir: str, config: dict, seed: int = 0) -> str:
-    """`build_random_weights_dir`'s directory (config.json, the word-level tokenizer) with the weights
+def build_random_files(out_dir: str, config: dict, seed: int = 0, step_tag_prm: bool = False) -> str:
+    """`build_random_weights_dir`'s directory (config.json, the word-level tokenizer, with
+    `step_tag_prm` the step-tag prm_config.json) with the weights
     written too, as bf16 safetensors under transformers' names for `config` (any model_type it knows):
     normal(0, 0.02) matrices and unit norms drawn straight in bf16, one tensor at a time, so a
     checkpoint of several GB is written without a model built in fp32 first. Every engine loads it."""
@@ -151,7 +167,7 @@ def build_random_files(out_dir: str, config: dict, seed: int = 0) -> str:
     weights = os.path.join(out_dir, "model.safetensors")
     if os.path.isfile(weights):
         return out_dir
-    build_random_weights_dir(out_dir, config, word_level_tokenizer(config["vocab_size"]), seed)
+    build_random_weights_dir(out_dir, config, word_level_tokenizer(config["vocab_size"]), seed, step_tag_prm)
     os.remove(os.path.join(out_dir, "random_weights.json"))  # the marker would make treeserve draw its own
     hf_config = transformers.AutoConfig.for_model(**config)
     with torch.device("meta"):
