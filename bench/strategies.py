@@ -55,9 +55,10 @@ from pathlib import Path
 import torch
 
 from treeserve.eval.arith import arith_dataset
+from treeserve.eval.journal import config_differences
 from treeserve.eval.metrics import SELECTIONS
 from treeserve.eval.plots import pareto_front, plot_accuracy_vs_compute
-from treeserve.eval.report import write_results
+from treeserve.eval.report import upgrade_config, write_results
 from treeserve.eval.runner import EvalSettings, run_eval
 from treeserve.search.context import STRATEGIES, SearchConfig
 
@@ -86,8 +87,9 @@ def reusable(path: Path, config: SearchConfig, records: list[dict], rule: str) -
     if not path.exists():
         return None
     document = json.loads(path.read_text())
-    ran = document["config"]
-    same = ran["search"] == json.loads(json.dumps(asdict(config))) and ran["selection"] == rule
+    ran = upgrade_config(document["config"])  # settings added since it ran, at their defaults
+    now = json.loads(json.dumps(asdict(config)))
+    same = not config_differences(ran["search"], now) and ran["selection"] == rule
     ids = [p["unique_id"] for p in document["problems"]]
     return document if same and ids == [r["unique_id"] for r in records] else None
 

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,8 @@ import pytest
 from treeserve.cli import main
 from treeserve.eval.journal import Journal, config_differences, journal_path
 from treeserve.eval.merge import merge_results
+from treeserve.eval.report import upgrade_config
+from treeserve.search.context import SearchConfig
 
 # the shipped arithmetic generator and PRM; one problem at a time, so problems finish one by one
 FLAGS = ["--dataset", "arith:level=4,5,size=8,seed=0", "--n", "4", "--beam-width", "2", "--dtype", "float32",
@@ -139,6 +142,14 @@ def test_settings_added_since_a_file_was_written_at_their_defaults_are_the_same_
     ]
     assert config_differences({"search": {"n": 4, "stop": []}}, {"search": {"n": 4}}) == [
         "search.stop: [] in the file, '<absent>' now"  # a setting the code no longer has
+    ]
+    # search settings added since, at defaults that are not empty (resample_threshold 1.0, exploration 1.0)
+    now = {"search": asdict(SearchConfig(n=4)), "dataset": "d"}
+    written = {"search": {k: v for k, v in now["search"].items() if k not in ("resample_threshold", "exploration")},
+               "dataset": "d"}  # fmt: skip
+    assert config_differences(upgrade_config(written), now) == []
+    assert config_differences(upgrade_config(written), {**now, "search": {**now["search"], "exploration": 2.0}}) == [
+        "search.exploration: 1.0 in the file, 2.0 now"
     ]
 
 

@@ -40,6 +40,7 @@ from treeserve.eval.metrics import (
     summarize,
 )
 from treeserve.runtime.model_settings import ModelSettings
+from treeserve.search.context import SearchConfig
 
 PROBLEM_KEYS = ("unique_id", "level", "problem", "answer", "pred", "correct", "completions")
 COMPLETION_KEYS = ("text", "answer", "step_scores", "score", "correct")
@@ -269,8 +270,11 @@ def upgrade_config(config: Mapping[str, Any]) -> dict:
     """A results document's (or journal's) config in today's form. One written before each model
     had its own settings (`generator` and `prm` paths beside flat keys, the PRM's `prm_`-prefixed,
     `engine_args` per model) gets `generator` and `prm` sections (`ModelSettings`), the keys it
-    lacks at today's defaults; a config in today's form is returned as it is."""
+    lacks at today's defaults. Search settings added since it was written are filled in at their
+    defaults (the same run)."""
     config = dict(config)
+    if isinstance(config.get("search"), Mapping):
+        config["search"] = {**asdict(SearchConfig()), **config["search"]}
     if not isinstance(config.get("generator"), str) and not isinstance(config.get("prm"), str):
         return config
     tuned = config.pop("engine_args", None) or {}
