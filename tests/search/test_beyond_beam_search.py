@@ -58,21 +58,23 @@ def test_particle_weights_and_resampling():
 
 def test_mcts_walks_by_uct_and_widens_progressively():
     root = Node(Beam(path=()), visits=1)
-    assert select(root, width=4, depth=5, exploration=1.0) is root  # room for a first child
+    assert select(root, width=4, exploration=1.0) is root  # room for a first child
     assert [room(Node(Beam(path=()), visits=v), 4) for v in (1, 3, 4, 9, 16, 100)] == [1, 1, 2, 3, 4, 4]
     a, b = Node(Beam(path=(0,), steps=["x"]), parent=root), Node(Beam(path=(1,), steps=["y"]), parent=root)
     root.children = [a, b]
     a.back_up(0.9)
     b.back_up(0.2)
     root.visits = 4  # room for 2: full, so the walk goes down by UCT
-    assert root.visits == 4 and select(root, 4, 5, exploration=0.0) is a  # greedy: the higher mean value
+    a.children = [Node(Beam(path=(0, 0)), parent=a, visits=1)]  # a and b full as well
+    b.children = [Node(Beam(path=(1, 0)), parent=b, visits=1)]
+    assert select(root, 4, exploration=0.0) is a.children[0]  # greedy: under the higher mean value
     for _ in range(30):
         a.back_up(0.9)
-    assert select(root, 2, 5, exploration=5.0) is b  # exploration: the less visited
-    b.beam.completed = True
-    assert select(root, 2, 5, exploration=5.0) is b  # a finished node ends the walk
-    a.beam.steps, b.beam.dropped = ["x"] * 5, True
-    assert select(root, 2, 5, exploration=0.0) is None  # a at the depth cap, b dropped: nothing left
+    assert select(root, 2, exploration=5.0) is b.children[0]  # exploration: under the less visited
+    b.ended = True
+    assert select(root, 2, exploration=5.0) is b  # a solution ends the walk
+    b.beam.dropped = a.children[0].beam.dropped = True
+    assert select(root, 1, exploration=0.0) is None  # nothing left to walk to (one child a node: all there)
 
 
 # ---- the plain references: the algorithms as their papers write them --------------------------------------

@@ -15,9 +15,10 @@ value up again without sampling.
 Simulations run in rounds of `beam_width`: each walk of a round adds a virtual visit (value 0) to
 its path, so the next walk of the round goes elsewhere, the round's steps are sampled together,
 and their values are backed up in walk order; the search is the same whatever else is in flight.
-It ends once it holds n solutions, or after n * num_iterations simulations, or when no node is
-left to expand, and returns its solutions (the best-valued unfinished leaves when it found none).
-A node deeper than `num_iterations` steps is not extended. A step whose PRM input outgrew the
+A node `num_iterations` steps deep is not extended: it is a solution as it stands (as beam search
+returns its beams at its last iteration). It ends once it holds n solutions, or after
+n * num_iterations simulations, or when no node is left to expand, and returns its solutions,
+topped up to n with the best-valued unfinished leaves. A step whose PRM input outgrew the
 PRM's context is dropped (fate "too_long"); with a verifier the solutions are re-scored by it.
 """
 
@@ -39,6 +40,7 @@ class Node:
     pending: int = 0  # children being sampled in this round
     visits: int = 0
     total: float = 0.0  # values backed up through this node
+    ended: bool = False  # a solution: finished, or as deep as the search goes (`num_iterations` steps)
 
     def uct(self, exploration: float) -> float:
         parent_visits = self.parent.visits if self.parent is not None else self.visits
@@ -57,17 +59,15 @@ def room(node: Node, width: int) -> int:
     return min(width, max(1, math.isqrt(node.visits)))
 
 
-def select(root: Node, width: int, depth: int, exploration: float) -> Node | None:
-    """Where the next walk ends: a node with room for a child, or a finished node; None when the
-    whole tree is spent (every node full, finished deep or dropped)."""
+def select(root: Node, width: int, exploration: float) -> Node | None:
+    """Where the next walk ends: a node with room for a child, or a solution; None when the whole
+    tree is spent (every child of the walk's nodes dropped or still being sampled)."""
     node = root
     while True:
-        if node.beam.completed:
-            return node
-        if len(node.children) + node.pending < room(node, width) and len(node.beam.steps) < depth:
+        if node.ended or len(node.children) + node.pending < room(node, width):
             return node
         open_children = [c for c in node.children if not c.beam.dropped and c.visits]
-        if not open_children or len(node.beam.steps) >= depth:
+        if not open_children:
             return None
         node = max(open_children, key=lambda c: c.uct(exploration))
 
@@ -81,22 +81,22 @@ async def mcts(ctx: SearchContext, problem: Problem) -> list[Beam]:
     while len(solutions) < c.n and simulations < c.n * c.num_iterations:
         walks: list[tuple[Node, int]] = []  # (where a walk ended, the copy index of the child it samples)
         for _ in range(min(c.beam_width, c.n * c.num_iterations - simulations)):
-            node = select(root, c.beam_width, c.num_iterations, c.exploration)
+            node = select(root, c.beam_width, c.exploration)
             if node is None:
                 break
             node.back_up(0.0)  # the virtual visit: the next walk of this round goes elsewhere
             walks.append((node, len(node.children) + node.pending))
-            node.pending += not node.beam.completed
+            node.pending += not node.ended
         if not walks:
             break
         simulations += len(walks)
         grown = await gather_or_cancel(*(_sample(ctx, problem, node, copy) for node, copy in walks))
         for (node, _), child in zip(walks, grown, strict=True):
-            if child is None:  # a finished node walked to again: its value, once more
+            if child is None:  # a solution walked to again: its value, once more
                 node.back_up(node.beam.value(c.agg), visits=0)
                 continue
             node.pending -= 1
-            new = Node(child, parent=node)
+            new = Node(child, parent=node, ended=child.completed or len(child.steps) >= c.num_iterations)
             node.children.append(new)
             ctx.report(problem, len(new.beam.steps) - 1, [new.beam],
                        [TOO_LONG if new.beam.dropped else FINISHED if new.beam.completed else KEPT])  # fmt: skip
@@ -106,18 +106,16 @@ async def mcts(ctx: SearchContext, problem: Problem) -> list[Beam]:
             value = new.beam.value(c.agg)
             new.visits, new.total = 1, value
             node.back_up(value, visits=0)  # the virtual visit becomes this one
-            (solutions if new.beam.completed else leaves).append(new)
-    if solutions:
-        found = [s.beam for s in solutions[: c.n]]
-    else:  # no solution within the budget: the best-valued leaves stand
-        ends = [n for n in leaves if not n.children]
-        found = [n.beam for n in sorted(ends, key=lambda n: -n.beam.value(c.agg))[: c.n]]
+            (solutions if new.ended else leaves).append(new)
+    # fewer than n solutions within the budget: the best-valued unfinished leaves stand beside them
+    ends = sorted((n for n in leaves if not n.children), key=lambda n: -n.beam.value(c.agg))
+    found = [n.beam for n in (solutions + ends)[: c.n]]
     return await ctx.verify(problem, ctx.check_left(problem, found))
 
 
 async def _sample(ctx: SearchContext, problem: Problem, node: Node, copy: int) -> Beam | None:
-    """Child `copy` of `node`, scored (None for a finished node: nothing to sample)."""
-    if node.beam.completed:
+    """Child `copy` of `node`, scored (None for a solution: nothing to sample)."""
+    if node.ended:
         return None
     seeded = node.beam.child(copy)  # its lineage seed: copy 0 continues the node's stream
     (child,) = await ctx.expand(problem, seeded)
