@@ -125,3 +125,24 @@ def test_flags_become_each_models_settings():
     args = build_parser().parse_args(["serve", "--enforce-eager", "--no-prm-enforce-eager", "--prm", "p"])
     assert not model_settings(args, "prm").enforce_eager  # the PRM's own flag wins
     assert model_settings(args, "generator") is None  # no path: serve picks its default
+
+
+def test_a_search_has_the_same_defaults_from_the_cli_http_and_python():
+    """`treeserve eval`'s flags and `/v1/search`'s fields take their defaults from `SearchConfig`:
+    the same search whichever front end starts it (`--max-tokens` was 512 on the command line, 256
+    over HTTP)."""
+    from dataclasses import fields
+
+    from treeserve.cli import build_parser
+    from treeserve.search.context import SearchConfig
+    from treeserve.server.protocol import SearchRequest
+
+    config = SearchConfig()
+    args = vars(build_parser().parse_args(["eval"]))
+    shared = [f.name for f in fields(SearchConfig) if f.name in args and f.name != "stop"]
+    assert len(shared) >= 20
+    assert {k: args[k] for k in shared} == {k: getattr(config, k) for k in shared}
+    request = SearchRequest(problem="q")
+    over_http = [f.name for f in fields(SearchConfig) if f.name in SearchRequest.model_fields and f.name != "stop"]
+    assert len(over_http) >= 20
+    assert {k: getattr(request, k) for k in over_http} == {k: getattr(config, k) for k in over_http}

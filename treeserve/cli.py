@@ -121,25 +121,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _add_search_flags(p: argparse.ArgumentParser) -> None:
-    from treeserve.search.context import STRATEGIES
+    from treeserve.search.context import STRATEGIES, SearchConfig
 
-    p.add_argument("--strategy", default="beam_search", help=f"one of {', '.join(STRATEGIES)}")
-    p.add_argument("--n", type=int, default=16)
-    p.add_argument("--beam-width", type=int, default=4)
-    p.add_argument("--num-iterations", type=int, default=40)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--max-tokens", type=int, default=512, help="per step (beam/DVTS) or per completion")
-    p.add_argument("--agg", default="last", choices=["last", "min", "prod"])
+    d = SearchConfig()  # the one definition of every search setting's default
+    p.add_argument("--strategy", default=d.strategy, help=f"one of {', '.join(STRATEGIES)}")
+    p.add_argument("--n", type=int, default=d.n)
+    p.add_argument("--beam-width", type=int, default=d.beam_width)
+    p.add_argument("--num-iterations", type=int, default=d.num_iterations)
+    p.add_argument("--temperature", type=float, default=d.temperature)
+    p.add_argument("--top-p", type=float, default=d.top_p)
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="per step (beam/DVTS) or per completion")
+    p.add_argument("--agg", default=d.agg, choices=["last", "min", "prod"])
     p.add_argument("--filter-duplicates", action="store_true")
     p.add_argument("--final-to-eos", action="store_true", help="search-and-learn: sample the last iteration to EOS")
-    p.add_argument("--lookahead", type=int, default=0, metavar="K",
+    p.add_argument("--lookahead", type=int, default=d.lookahead, metavar="K",
                    help="beam search, DVTS: score each new step after K more greedy steps")  # fmt: skip
     p.add_argument("--step-regex", default=None, metavar="REGEX",
                    help="every step the separator ends must match this (llguidance regex, whole step)")  # fmt: skip
     p.add_argument("--answer-regex", default=None, metavar="REGEX",
                    help=r"the final step must match this, e.g. '.*\\boxed\{[^{}]+\}.*'")  # fmt: skip
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--prompt-format", default=None, metavar="TEXT",
                    help="the generator's prompt as plain text with {question} in it, instead of its chat template "
                         "(a base model: few-shot examples)")  # fmt: skip
@@ -147,21 +148,21 @@ def _add_search_flags(p: argparse.ArgumentParser) -> None:
                    help="a stop string that ends a solution (repeatable), e.g. a base model's next 'Question:'")
     p.add_argument("--adaptive", action="store_true",
                    help="stop a problem once its answer is settled, starting narrow (docs: adaptive search)")
-    p.add_argument("--certainty", type=float, default=0.9,
+    p.add_argument("--certainty", type=float, default=d.certainty,
                    help="with --adaptive: the certainty in (0, 1] at which a problem stops (default 0.9)")  # fmt: skip
-    p.add_argument("--first-width", type=int, default=4,
+    p.add_argument("--first-width", type=int, default=d.first_width,
                    help="with --adaptive: beams or samples to start with, doubled up to --n (default 4; "
                         "8 measured best for beam search at --n 32 and 64)")  # fmt: skip
-    p.add_argument("--budget-tokens", type=int, default=None,
+    p.add_argument("--budget-tokens", type=int, default=d.budget_tokens,
                    help="with --adaptive: tokens the run may sample and feed the PRM, an equal share a problem; "
                         "problems grow within their share and narrow past it, the least settled first "
                         "(docs/adaptive.md)")  # fmt: skip
-    p.add_argument("--reward-temperature", type=float, default=None,
+    p.add_argument("--reward-temperature", type=float, default=d.reward_temperature,
                    help="rebase, particle_filtering: the softmax temperature over rewards (default 0.2 for rebase, "
                         "1.0 for particle_filtering; lower is greedier)")  # fmt: skip
-    p.add_argument("--exploration", type=float, default=1.0,
+    p.add_argument("--exploration", type=float, default=d.exploration,
                    help="mcts: UCT's exploration constant (default 1; 0: greedy by value)")  # fmt: skip
-    p.add_argument("--resample-threshold", type=float, default=1.0,
+    p.add_argument("--resample-threshold", type=float, default=d.resample_threshold,
                    help="particle_filtering: resample when the weights' effective sample size is at most this "
                         "fraction of --n (default 1: every step)")  # fmt: skip
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -169,10 +170,10 @@ def _add_search_flags(p: argparse.ArgumentParser) -> None:
     _add_device_flags(p)
     _add_overlap_flag(p)
     add_model_flags(p, prm=True, verifier=True)
-    p.add_argument("--max-concurrent-problems", type=int, default=64)
+    p.add_argument("--max-concurrent-problems", type=int, default=d.max_concurrent_problems)
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--no-score-cache", action="store_true")
-    p.add_argument("--speculative-steps", type=int, default=0,
+    p.add_argument("--speculative-steps", type=int, default=d.speculative_steps,
                    help="beam search: decode K steps past each boundary while the PRM scores")  # fmt: skip
     p.add_argument("--reference", action="store_true", help="plain path: no caches, one problem at a time")
     p.add_argument("--reasoning", action="store_true",

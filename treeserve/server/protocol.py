@@ -19,6 +19,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
+from treeserve.search.context import SearchConfig
+
 MAX_N = 256  # completions per request (the largest beam-search N users run)
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_STOP = 16
@@ -151,6 +153,9 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
 
 
+_SEARCH = SearchConfig()  # the one definition of every search setting's default
+
+
 class SearchRequest(BaseModel):
     """`POST /v1/search`: one problem, one strategy; the fields are `treeserve eval`'s flags."""
 
@@ -159,21 +164,21 @@ class SearchRequest(BaseModel):
     model: str | None = None
     problem: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
-    strategy: str = "beam_search"
-    n: Count = 16
-    beam_width: Annotated[int, Field(ge=1, le=MAX_N)] = 4
-    num_iterations: Annotated[int, Field(ge=1, le=200)] = 40
-    temperature: Temperature = 0.8
-    top_p: TopP = 1.0
-    max_tokens: MaxTokens = 256
-    agg: Literal["last", "min", "prod"] = "last"
+    strategy: str = _SEARCH.strategy
+    n: Count = _SEARCH.n
+    beam_width: Annotated[int, Field(ge=1, le=MAX_N)] = _SEARCH.beam_width
+    num_iterations: Annotated[int, Field(ge=1, le=200)] = _SEARCH.num_iterations
+    temperature: Temperature = _SEARCH.temperature
+    top_p: TopP = _SEARCH.top_p
+    max_tokens: MaxTokens = _SEARCH.max_tokens
+    agg: Literal["last", "min", "prod"] = _SEARCH.agg
     selection: Literal["naive", "weighted", "majority"] | None = None
     filter_duplicates: bool = False
     final_to_eos: bool = False
-    lookahead: Annotated[int, Field(ge=0, le=200)] = 0  # beam search, DVTS: greedy rollout steps to score
+    lookahead: Annotated[int, Field(ge=0, le=200)] = _SEARCH.lookahead  # greedy rollout steps to score
     step_regex: str | None = None  # every step the separator ends matches it (llguidance regex)
     answer_regex: str | None = None  # the final step matches it
-    seed: int = 0
+    seed: int = _SEARCH.seed
     # a base generator (docs/search.md): its prompt as plain text with {question} in it, and stop strings
     # that end a solution; SearchConfig checks them (a 400 naming the field)
     prompt_format: str | None = None
@@ -183,8 +188,8 @@ class SearchRequest(BaseModel):
     # adaptive search (docs/adaptive.md): start at first_width, grow toward n while the answer's
     # certainty stays below `certainty`; SearchConfig checks the values (a 400 naming the field)
     adaptive: bool = False
-    certainty: float = 0.9
-    first_width: int = 4
+    certainty: float = _SEARCH.certainty
+    first_width: int = _SEARCH.first_width
     # tokens this search may sample and feed the PRM: it grows within them and narrows past them
     # (a pace, not a cap: docs/adaptive.md); needs adaptive
     budget_tokens: int | None = None
@@ -196,8 +201,8 @@ class SearchRequest(BaseModel):
     # rebase, particle_filtering (docs/search.md): the softmax temperature over rewards (None: the strategy's
     # default) and particle filtering's resampling threshold on the effective sample size; SearchConfig checks them
     reward_temperature: float | None = None
-    resample_threshold: float = 1.0
-    exploration: float = 1.0  # mcts: UCT's exploration constant
+    resample_threshold: float = _SEARCH.resample_threshold
+    exploration: float = _SEARCH.exploration  # mcts: UCT's exploration constant
 
 
 class Usage(BaseModel):
