@@ -26,7 +26,7 @@ from treeserve.runtime.runtime import Runtime, check_constraint
 from treeserve.sampling_params import SamplingParams, StructuredOutputsParams
 from treeserve.search.prm.base import PRM, PRMInputTooLong
 from treeserve.search.reasoning import check_generator, prm_view, spread
-from treeserve.search.score_cache import ScoreCache, prefix_keys
+from treeserve.search.score_cache import ScoreCache, prefix_keys, shared
 from treeserve.search.seeds import lineage_seed
 from treeserve.search.trace import SearchTrace
 from treeserve.search.tree_tokens import TreeTokens
@@ -653,29 +653,12 @@ class SearchContext:
         known = self.cache.known(keys)
         if len(known) == len(steps):
             return known, "cache"
-        pending = self.in_flight.get(keys[-1])
-        if pending is not None:
-            try:
-                return list(await asyncio.shield(pending)), "shared"
-            except asyncio.CancelledError:
-                if not pending.cancelled():
-                    raise  # this caller was cancelled
-                # the request it waited on was cancelled with its own caller: score here
-        future: asyncio.Future = asyncio.get_running_loop().create_future()
-        self.in_flight[keys[-1]] = future
-        try:
+        async def read() -> list[float]:
             self.prm_requests += 1
             self._scoring = problem  # as above
             scores = known + await self.prm.score(problem.question, steps, start=len(known))
-        except asyncio.CancelledError:
-            future.cancel()
-            raise
-        except Exception as e:
-            future.set_exception(e)
-            future.exception()  # mark it retrieved: waiters re-raise it, and nobody else needs to
-            raise
-        finally:
-            self.in_flight.pop(keys[-1], None)
-        self.cache.store(keys, scores)
-        future.set_result(scores)
-        return scores, "prm"
+            self.cache.store(keys, scores)
+            return scores
+
+        scores, was_shared = await shared(self.in_flight, keys[-1], read)
+        return scores, "shared" if was_shared else "prm"

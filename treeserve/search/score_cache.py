@@ -3,11 +3,15 @@
 A step's score depends only on the question and the steps up to it, so a beam that
 survives an iteration never has its earlier steps re-scored, and beams that share a
 prefix share its scores. Keys chain hashes of the steps (xxhash), so lookups cost one
-hash per step, not the text of the whole prefix.
+hash per step, not the text of the whole prefix. `shared` lets callers asking for the same
+prefix at the same time share one PRM read (the search's context and the server's
+`/v1/prm/score`).
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import xxhash
@@ -41,3 +45,34 @@ class ScoreCache:
 
     def store(self, keys: list[int], scores: list[float]) -> None:
         self.scores.update(zip(keys, scores, strict=True))
+
+
+async def shared(
+    in_flight: dict[int, asyncio.Future], key: int, read: Callable[[], Awaitable[list[float]]]
+) -> tuple[list[float], bool]:
+    """`read()`'s scores, registered under `key` while it runs so that callers asking for the same
+    key meanwhile wait for them instead (then True: shared). A caller whose read was cancelled
+    with its own caller reads for itself; a failed read's error reaches every waiter."""
+    pending = in_flight.get(key)
+    if pending is not None:
+        try:
+            return list(await asyncio.shield(pending)), True
+        except asyncio.CancelledError:
+            if not pending.cancelled():
+                raise  # this caller was cancelled
+            # the read it waited on was cancelled with its own caller: read here
+    future: asyncio.Future = asyncio.get_running_loop().create_future()
+    in_flight[key] = future
+    try:
+        scores = await read()
+    except asyncio.CancelledError:
+        future.cancel()
+        raise
+    except Exception as e:
+        future.set_exception(e)
+        future.exception()  # retrieved: waiters re-raise it, and nobody else needs to
+        raise
+    finally:
+        in_flight.pop(key, None)
+    future.set_result(scores)
+    return scores, False

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from treeserve.search.context import gather_or_cancel
 from treeserve.search.prm.base import PRM
-from treeserve.search.score_cache import prefix_keys
+from treeserve.search.score_cache import prefix_keys, shared
 from treeserve.server.completions import ModelNotFound
 from treeserve.server.protocol import PRMScoreRequest, new_id, now
 
@@ -82,32 +82,16 @@ class ServedScores:
         if len(known) == len(steps):
             usage.cached_steps += len(steps)
             return known
-        pending = self.in_flight.get(keys[-1])
-        if pending is not None:
-            try:
-                scores = list(await asyncio.shield(pending))
-                usage.cached_steps += len(steps)
-                return scores
-            except asyncio.CancelledError:
-                if not pending.cancelled():
-                    raise  # this request was cancelled
-                # the request it waited on was cancelled with its own client: read here
-        future: asyncio.Future = asyncio.get_running_loop().create_future()
-        self.in_flight[keys[-1]] = future
-        try:
+
+        async def read() -> list[float]:
             scores = known + await self._read(question, steps, len(known), usage)
-        except asyncio.CancelledError:
-            future.cancel()
-            raise
-        except Exception as e:
-            future.set_exception(e)
-            future.exception()  # retrieved: waiters re-raise it, nobody else needs it
-            raise
-        finally:
-            self.in_flight.pop(keys[-1], None)
-        usage.cached_steps += len(known)
-        self.cache.store(keys, scores)
-        future.set_result(scores)
+            usage.cached_steps += len(known)
+            self.cache.store(keys, scores)
+            return scores
+
+        scores, was_shared = await shared(self.in_flight, keys[-1], read)
+        if was_shared:
+            usage.cached_steps += len(steps)
         return scores
 
     async def _read(self, question: str, steps: list[str], start: int, usage: RequestUsage) -> list[float]:
