@@ -77,10 +77,10 @@ async def mcts(ctx: SearchContext, problem: Problem) -> list[Beam]:
     root = Node(Beam(path=()), visits=1)
     solutions: list[Node] = []
     leaves: list[Node] = []
-    simulations = 0
-    while len(solutions) < c.n and simulations < c.n * c.num_iterations:
+    simulations, limit = 0, c.n * c.num_iterations
+    while len(solutions) < c.n and simulations < limit:
         walks: list[tuple[Node, int]] = []  # (where a walk ended, the copy index of the child it samples)
-        for _ in range(min(c.beam_width, c.n * c.num_iterations - simulations)):
+        for _ in range(min(c.beam_width, limit - simulations)):
             node = select(root, c.beam_width, c.exploration)
             if node is None:
                 break
@@ -99,7 +99,7 @@ async def mcts(ctx: SearchContext, problem: Problem) -> list[Beam]:
             new = Node(child, parent=node, ended=child.completed or len(child.steps) >= c.num_iterations)
             node.children.append(new)
             ctx.report(problem, len(new.beam.steps) - 1, [new.beam],
-                       [TOO_LONG if new.beam.dropped else FINISHED if new.beam.completed else KEPT])  # fmt: skip
+                       [TOO_LONG if new.beam.dropped else FINISHED if new.ended else KEPT])  # fmt: skip
             if new.beam.dropped:
                 node.back_up(0.0, visits=-1)  # the walk's virtual visit, taken back
                 continue
