@@ -162,9 +162,9 @@ class SearchConfig:
             if self.speculative_steps:
                 raise ValueError(f"speculative_steps is beam search's; {self.strategy} takes speculative_steps=0")
 
-    def reward_temperature_for(self, strategy: str) -> float:
-        """The softmax temperature over rewards `strategy` uses: `reward_temperature`, or its default."""
-        return REWARD_TEMPERATURES[strategy] if self.reward_temperature is None else self.reward_temperature
+    def softmax_temperature(self) -> float:
+        """The softmax temperature over rewards the strategy uses: `reward_temperature`, or its default."""
+        return REWARD_TEMPERATURES[self.strategy] if self.reward_temperature is None else self.reward_temperature
 
     def widths(self) -> list[int]:
         """Adaptive search's widths: first_width, doubled until n (n alone when not adaptive)."""

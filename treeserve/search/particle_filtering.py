@@ -61,7 +61,7 @@ def resample(probs: list[float], seed: int, problem_id: str, iteration: int) -> 
 
 async def particle_filtering(ctx: SearchContext, problem: Problem) -> list[Beam]:
     c = ctx.config
-    temperature = c.reward_temperature_for("particle_filtering")
+    temperature = c.softmax_temperature()
     particles = [Beam(path=(j,)) for j in range(c.n)]
     for iteration in range(c.num_iterations):
         last = iteration == c.num_iterations - 1

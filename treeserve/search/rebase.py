@@ -44,7 +44,7 @@ def expand_counts(values: list[float], budget: int, temperature: float) -> list[
 
 async def rebase(ctx: SearchContext, problem: Problem) -> list[Beam]:
     c = ctx.config
-    temperature = c.reward_temperature_for("rebase")
+    temperature = c.softmax_temperature()
     last = c.num_iterations == 1
     nodes = await ctx.expand(problem, Beam(path=()), n=c.n, to_eos=last and c.final_to_eos)
     solutions: list[Beam] = []
