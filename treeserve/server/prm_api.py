@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from treeserve.search.context import gather_or_cancel
 from treeserve.search.prm.base import PRM
-from treeserve.search.score_cache import prefix_keys, shared
+from treeserve.search.score_cache import ScoreCache, prefix_keys, shared
 from treeserve.server.completions import ModelNotFound
 from treeserve.server.protocol import PRMScoreRequest, new_id, now
 
@@ -34,25 +34,19 @@ PRM_ENGINE = "prm"  # the runtime's engine of the PRM (settings.build_served)
 
 
 @dataclass
-class LRUScores:
-    """Prefix key -> the score of that prefix's last step, the `capacity` used last."""
+class LRUScores(ScoreCache):
+    """The score cache, kept to the `capacity` prefixes used last."""
 
     capacity: int = SCORE_CACHE_ENTRIES
     scores: OrderedDict[int, float] = field(default_factory=OrderedDict)
 
     def known(self, keys: list[int]) -> list[float]:
-        """Scores of the longest cached leading run of `keys`."""
-        found = []
-        for key in keys:
-            score = self.scores.get(key)
-            if score is None:
-                break
-            found.append(score)
+        found = super().known(keys)
         self._touch(keys[: len(found)])
         return found
 
     def store(self, keys: list[int], scores: list[float]) -> None:
-        self.scores.update(zip(keys, scores, strict=True))
+        super().store(keys, scores)
         self._touch(keys)
         while len(self.scores) > self.capacity:
             self.scores.popitem(last=False)
