@@ -26,9 +26,8 @@ from __future__ import annotations
 import math
 import random
 
-import xxhash
-
 from treeserve.search.context import SearchContext, gather_or_cancel
+from treeserve.search.seeds import resample_seed
 from treeserve.search.trace import FINISHED, KEPT, PRUNED, TOO_LONG
 from treeserve.search.types import Beam, Problem
 
@@ -55,8 +54,8 @@ def effective_sample_size(probs: list[float]) -> float:
 def resample(probs: list[float], seed: int, problem_id: str, iteration: int) -> list[int]:
     """n ancestors drawn with replacement by `probs` (multinomial), in ascending order; the draws
     depend only on (seed, problem, iteration), not on what else is in flight."""
-    key = xxhash.xxh3_64_intdigest(f"{seed}|{problem_id}|resample|{iteration}".encode())
-    return sorted(random.Random(key).choices(range(len(probs)), weights=probs, k=len(probs)))
+    rng = random.Random(resample_seed(seed, problem_id, iteration))
+    return sorted(rng.choices(range(len(probs)), weights=probs, k=len(probs)))
 
 
 async def particle_filtering(ctx: SearchContext, problem: Problem) -> list[Beam]:
