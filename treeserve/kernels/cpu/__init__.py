@@ -1,6 +1,7 @@
 """Build once, cache, and call the C kernels of `cpu_kernels.c` beside this file (CPU fast paths).
 
-Kernels: paged decode and prefill attention, softmax sampling, a bf16 GEMV for linear
+Kernels: paged decode and prefill attention (over bf16/fp32 pages, or FP8 pages with per-layer
+scales: `KV_FP8`), softmax sampling, a bf16 GEMV for linear
 layers at small batch, RMSNorm and rotary embeddings; `amx_linear.c` (bf16 linear layers on
 AMX tiles: dense panels, or quantised weights dequantised per call) and `quant.py` beside
 this file (the matmuls of quantised weights, `quant_kernels.c`) and `layer_stack.py` (every
@@ -41,6 +42,7 @@ FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]  # inputs a
 LINK_FLAGS = ["-shared", "-fopenmp", "-lmvec", "-lm"]
 _i64, _int, _float, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+KV_FP8 = torch.float8_e4m3fn  # the FP8 KV cache's dtype (kv/arena.py's FP8)
 
 
 def _cpu_signature() -> bytes:
@@ -137,6 +139,12 @@ def load() -> ctypes.CDLL | None:
         getattr(lib, f"argmax_rows_{suffix}").argtypes = [_ptr, _i64, _int, _int, _ptr, _int]
         getattr(lib, f"sample_rows_masked_{suffix}").argtypes = [_ptr, _i64, _int, _int, _ptr, _i64, _int, _ptr,
                                                                  _ptr, _int]  # fmt: skip
+        getattr(lib, f"paged_decode_fp8_{suffix}").argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _int, _int,
+                                                                _int, _int, _int, _float, _i64, _ptr, _int, _ptr]
+        getattr(lib, f"paged_prefill_fp8_{suffix}").argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr,
+                                                                 _int, _int, _int, _int, _int, _float, _i64, _ptr,
+                                                                 _int, _ptr]
+    lib.store_kv_fp8.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _int, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr]
     lib.rms_norm_bf16.argtypes = [_ptr, _i64, _int, _ptr, _ptr, _float, _ptr, _int]
     lib.gated_act_bf16.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _int]
     lib.store_kv.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _int, _ptr, _i64, _i64, _i64, _ptr, _ptr]
@@ -155,14 +163,16 @@ def supports(t: torch.Tensor) -> bool:
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             pages: torch.Tensor, offsets: torch.Tensor) -> bool:  # fmt: skip
+             pages: torch.Tensor, offsets: torch.Tensor, kv_scales: torch.Tensor | None = None) -> bool:  # fmt: skip
     """`k_cache[pages, offsets] = k` and the same for v, in one C call: k/v [T, Hkv, D] with
     contiguous heads, k/v_cache [pages, block, Hkv, D] views of one arena, pages/offsets int64
-    slots the engine allocated. False (nothing written) where the layouts do not fit."""
+    slots the engine allocated. An FP8 cache (`KV_FP8`) stores e4m3(k / k_scale) and e4m3(v / v_scale),
+    `kv_scales` the layer's fp32 (k_scale, v_scale). False (nothing written) where the layouts do not fit."""
     kv_heads, head_dim = k_cache.shape[2:]
     width = kv_heads * head_dim
+    fp8 = k_cache.dtype == KV_FP8
     fits = (
-        supports(k) and v.dtype == k.dtype == k_cache.dtype
+        supports(k) and v.dtype == k.dtype and (k_cache.dtype == k.dtype or fp8 and _scales_fit(kv_scales))
         and k.shape == v.shape and k.shape[1:] == (kv_heads, head_dim)
         and k.stride()[1:] == (head_dim, 1) and v.stride()[1:] == (head_dim, 1)
         and k_cache.stride()[1:] == (width, head_dim, 1) and v_cache.stride() == k_cache.stride()
@@ -170,12 +180,24 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     )  # fmt: skip
     if not fits:
         return False
+    if fp8:
+        rows = (k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.shape[0], width, int(k.dtype == torch.bfloat16))
+        cache = (k_cache.data_ptr(), k_cache.stride(0), width, v_cache.data_ptr() - k_cache.data_ptr())
+        load().store_kv_fp8(*rows, *cache, pages.data_ptr(), offsets.data_ptr(), kv_scales.data_ptr())
+        return True
     load().store_kv(
         k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.shape[0], width, k.element_size(),
         k_cache.data_ptr(), k_cache.stride(0), width, (v_cache.data_ptr() - k_cache.data_ptr()) // k.element_size(),
         pages.data_ptr(), offsets.data_ptr(),
     )  # fmt: skip
     return True
+
+
+def _scales_fit(kv_scales: torch.Tensor | None) -> bool:
+    """A layer's (k_scale, v_scale): fp32 [2], contiguous, on the CPU."""
+    if kv_scales is None:
+        return False
+    return kv_scales.device.type == "cpu" and kv_scales.dtype == torch.float32 and kv_scales.stride() == (1,)
 
 
 def copy_slots(buffer: torch.Tensor, src_pages: torch.Tensor, src_offsets: torch.Tensor, dst_pages: torch.Tensor,
@@ -210,9 +232,10 @@ def paged_decode(
     scale: float,
     window: int | None,
     out: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D]; k/v_cache [pages, block, Hkv, D] views of one arena; -> [B, Hq, D] (into
-    `out`, contiguous and like q, where given)."""
+    `out`, contiguous and like q, where given). FP8 caches need `kv_scales` (`store_kv`'s)."""
     q = q.contiguous()
     tables = tables.contiguous()
     context_lens = context_lens.contiguous()
@@ -223,6 +246,13 @@ def paged_decode(
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
     v_offset = (v_cache.data_ptr() - k_cache.data_ptr()) // k_cache.element_size()
+    if k_cache.dtype == KV_FP8:
+        assert _scales_fit(kv_scales), "an FP8 cache is read with its layer's fp32 (k_scale, v_scale)"
+        pages = (q.data_ptr(), k_cache.data_ptr(), k_cache.stride(0), v_offset, tables.data_ptr(), tables.stride(0))
+        shape = (context_lens.data_ptr(), batch, q_heads, kv_heads, head_dim, block_size, scale, window or 0)
+        kernel = getattr(load(), f"paged_decode_fp8_{_SUFFIX[q.dtype]}")
+        kernel(*pages, *shape, kv_scales.data_ptr(), torch.get_num_threads(), out.data_ptr())
+        return out
     getattr(load(), f"paged_decode_{_SUFFIX[q.dtype]}")(
         q.data_ptr(), k_cache.data_ptr(), k_cache.stride(0), v_offset,
         tables.data_ptr(), tables.stride(0), context_lens.data_ptr(),
@@ -239,13 +269,19 @@ def bf16_built() -> bool:
     return lib is not None and lib.avx512_bf16_built() == 1
 
 
-def prefill_supports(q: torch.Tensor) -> bool:
-    """True when `paged_prefill` runs attention for q [T, Hq, D]: contiguous on a CPU, `prefill_fits`."""
-    return q.device.type == "cpu" and q.is_contiguous() and prefill_fits(q.dtype, q.shape[-1])
+def prefill_supports(q: torch.Tensor, kv_dtype: torch.dtype | None = None) -> bool:
+    """True when `paged_prefill` runs attention for q [T, Hq, D] over a cache of `kv_dtype` (None:
+    q's): contiguous on a CPU, `prefill_fits`; over an FP8 cache, q fp32 or bf16 (portable C)."""
+    if q.device.type != "cpu" or not q.is_contiguous():
+        return False
+    if kv_dtype == KV_FP8:
+        return supports(q)
+    return prefill_fits(q.dtype, q.shape[-1])
 
 
 def prefill_fits(dtype: torch.dtype, head_dim: int) -> bool:
-    """True when `paged_prefill` takes heads of `dtype` and `head_dim`: bf16 on a CPU with AVX512-BF16, D % 32 == 0."""
+    """True when `paged_prefill` takes heads of `dtype` and `head_dim` in bf16 pages: bf16 on a CPU with
+    AVX512-BF16, D % 32 == 0."""
     return dtype == torch.bfloat16 and head_dim % 32 == 0 and bf16_built()
 
 
@@ -260,11 +296,13 @@ def paged_prefill(
     scale: float,
     window: int | None,
     out: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """Causal attention of each sequence's chunk of queries, written into `out` in place.
 
     q and out [T, Hq, D] are the step's flat batch; sequence b's queries are rows
     q_starts[b] .. q_starts[b] + q_lens[b] - 1, the last of them at position context_lens[b] - 1.
+    FP8 caches need `kv_scales` (`store_kv`'s).
     """
     assert q.is_contiguous() and out.is_contiguous() and q.shape == out.shape
     tables, q_starts, q_lens, context_lens = (t.contiguous() for t in (tables, q_starts, q_lens, context_lens))
@@ -273,6 +311,14 @@ def paged_prefill(
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert k_cache.stride()[1:] == (kv_heads * head_dim, head_dim, 1) and v_cache.stride() == k_cache.stride()
     v_offset = (v_cache.data_ptr() - k_cache.data_ptr()) // k_cache.element_size()
+    if k_cache.dtype == KV_FP8:
+        assert _scales_fit(kv_scales), "an FP8 cache is read with its layer's fp32 (k_scale, v_scale)"
+        pages = (q.data_ptr(), k_cache.data_ptr(), k_cache.stride(0), v_offset, tables.data_ptr(), tables.stride(0))
+        chunks = (q_starts.data_ptr(), q_lens.data_ptr(), context_lens.data_ptr(), tables.shape[0])
+        shape = (q_heads, kv_heads, head_dim, block_size, scale, window or 0)
+        kernel = getattr(load(), f"paged_prefill_fp8_{_SUFFIX[q.dtype]}")
+        kernel(*pages, *chunks, *shape, kv_scales.data_ptr(), torch.get_num_threads(), out.data_ptr())
+        return
     load().paged_prefill_bf16(
         q.data_ptr(), k_cache.data_ptr(), k_cache.stride(0), v_offset,
         tables.data_ptr(), tables.stride(0), q_starts.data_ptr(), q_lens.data_ptr(),

@@ -5,6 +5,7 @@
  * paged_prefill_bf16: the same for chunks of queries (a prefill over a cached prefix).
  * rms_norm_bf16, linear_bf16: RMSNorm, and a GEMV for linear layers at a few rows.
  * argmax_rows_*: the greedy pick, torch.argmax's answer in one read of each row.
+ * paged_*_fp8_*, store_kv_fp8: the same over an FP8 KV cache (e4m3 pages, per-layer scales).
  * sample_rows_*: inverse-CDF draw from softmax(logits) for rows without top-k/top-p/min-p,
  *   two reads of the row plus a scan of its chunks' sums; sample_rows_masked_* the
  *   same over the tokens a structured-output bitmask allows.
@@ -21,6 +22,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "fp8.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -827,3 +829,160 @@ int avx512_bf16_built(void) { return 1; }
 #else
 int avx512_bf16_built(void) { return 0; }
 #endif
+
+/* The FP8 KV cache (kv_cache_dtype "fp8_e4m3"): pages of e4m3 bytes (fp8.h), each layer with a
+ * (k_scale, v_scale) pair at `kv_scales`. A value is stored as e4m3(x * (1 / scale)) and read as
+ * e4m3 * scale. Portable C for every CPU (the compiler vectorises the loops for the one it
+ * targets; no AVX-512 path reads FP8 pages). The attention of one query row folds the scales
+ * where they cost nothing: k_scale into the query, v_scale into the final division. */
+
+/* 1 / x rounded once, as PyTorch divides: under -ffast-math GCC divides through a reciprocal
+ * estimate (1 / 1.0f came out 1 - 2^-24, which moved ties of the e4m3 rounding). */
+__attribute__((noinline, optimize("no-fast-math"))) static float exact_inverse(float x) { return 1.0f / x; }
+
+/* store_kv_fp8: store_kv for an FP8 cache, the new rows fp32 (src_bf16 0) or bf16 (1). */
+void store_kv_fp8(const char *k, int64_t k_stride, const char *v, int64_t v_stride, int64_t tokens, int64_t width,
+                  int src_bf16, fp8 *k_cache, int64_t page_stride, int64_t token_stride, int64_t v_offset,
+                  const int64_t *pages, const int64_t *offsets, const float *kv_scales) {
+    const float inv[2] = {exact_inverse(kv_scales[0]), exact_inverse(kv_scales[1])};
+    for (int64_t t = 0; t < tokens; t++) {
+        fp8 *slot = k_cache + pages[t] * page_stride + offsets[t] * token_stride;
+        for (int part = 0; part < 2; part++) {
+            const char *src = part ? v + t * v_stride * (src_bf16 ? 2 : 4) : k + t * k_stride * (src_bf16 ? 2 : 4);
+            fp8 *dst = slot + (part ? v_offset : 0);
+            const float s = inv[part];
+            if (src_bf16) {
+                const bf16 *x = (const bf16 *)src;
+                _Pragma("omp simd")
+                for (int64_t i = 0; i < width; i++) dst[i] = store_fp8(load_bf16(x[i]) * s);
+            } else {
+                const float *x = (const float *)src;
+                _Pragma("omp simd")
+                for (int64_t i = 0; i < width; i++) dst[i] = store_fp8(x[i] * s);
+            }
+        }
+    }
+}
+
+/* One query row (qf: its q_heads heads in fp32, times the softmax scale and k_scale) over keys
+ * [start, len) of a sequence's FP8 pages; acc [q_heads][head_dim] gets sum p v (fp32, in key
+ * order), sums the softmax denominators; scores holds (len - start) x q_heads floats. */
+static void attend_row_fp8(const float *qf, const fp8 *k_cache, int64_t page_stride, int64_t v_offset,
+                           const int64_t *table, int64_t start, int64_t len, int q_heads, int kv_heads, int head_dim,
+                           int block_size, float *scores, float *acc, float *sums) {
+    const int group = q_heads / kv_heads;
+    const int64_t token_stride = (int64_t)kv_heads * head_dim, n = len - start;
+    float maxs[q_heads];
+    for (int hq = 0; hq < q_heads; hq++) maxs[hq] = -FLT_MAX, sums[hq] = 0.0f;
+    for (int i = 0; i < q_heads * head_dim; i++) acc[i] = 0.0f;
+    for (int64_t t = start; t < len; t++) {
+        const fp8 *row = k_cache + kv_row(table, t, block_size, page_stride, token_stride);
+        if (t + NTA_AHEAD < len)
+            prefetch_row_nta(k_cache + kv_row(table, t + NTA_AHEAD, block_size, page_stride, token_stride),
+                             token_stride);
+        float *s = scores + (t - start) * q_heads;
+        for (int hq = 0; hq < q_heads; hq++) {
+            const fp8 *k = row + (int64_t)(hq / group) * head_dim;
+            const float *qq = qf + hq * head_dim;
+            float dot = 0.0f;
+            _Pragma("omp simd reduction(+:dot)")
+            for (int d = 0; d < head_dim; d++) dot += qq[d] * load_fp8(k[d]);
+            s[hq] = dot;
+            if (dot > maxs[hq]) maxs[hq] = dot;
+        }
+    }
+    for (int64_t i = 0; i < n; i++)
+        for (int hq = 0; hq < q_heads; hq++) {
+            const float e = expf(scores[i * q_heads + hq] - maxs[hq]);
+            scores[i * q_heads + hq] = e;
+            sums[hq] += e;
+        }
+    for (int64_t t = start; t < len; t++) {
+        const fp8 *row = k_cache + v_offset + kv_row(table, t, block_size, page_stride, token_stride);
+        const float *s = scores + (t - start) * q_heads;
+        for (int hq = 0; hq < q_heads; hq++) {
+            const fp8 *v = row + (int64_t)(hq / group) * head_dim;
+            const float p = s[hq];
+            float *a = acc + hq * head_dim;
+            _Pragma("omp simd")
+            for (int d = 0; d < head_dim; d++) a[d] += p * load_fp8(v[d]);
+        }
+    }
+}
+
+/* paged_decode_fp8_*: paged_decode_* over FP8 pages (q and out fp32 or bf16). */
+#define DEFINE_PAGED_DECODE_FP8(SUFFIX, T)                                                      \
+void paged_decode_fp8_##SUFFIX(const T *q, const fp8 *k_cache, int64_t page_stride, int64_t v_offset, \
+                               const int64_t *tables, int64_t table_stride, const int64_t *ctx_lens, \
+                               int batch, int q_heads, int kv_heads, int head_dim, int block_size, \
+                               float scale, int64_t window, const float *kv_scales, int threads, T *out) { \
+    const int width = q_heads * head_dim;                                                       \
+    const float q_scale = scale * kv_scales[0], v_scale = kv_scales[1];                         \
+    _Pragma("omp parallel for schedule(dynamic, 4) num_threads(threads)")                       \
+    for (int b = 0; b < batch; b++) {                                                           \
+        const int64_t len = ctx_lens[b];                                                        \
+        const int64_t start = (window > 0 && len > window) ? len - window : 0;                  \
+        float *buf = (float *)malloc(sizeof(float) * ((len - start) * q_heads + 2 * width + q_heads)); \
+        float *qf = buf + (len - start) * q_heads, *acc = qf + width, *sums = acc + width;      \
+        const T *qb = q + (int64_t)b * width;                                                   \
+        for (int i = 0; i < width; i++) qf[i] = load_##SUFFIX(qb[i]) * q_scale;                 \
+        attend_row_fp8(qf, k_cache, page_stride, v_offset, tables + (int64_t)b * table_stride, start, len, \
+                       q_heads, kv_heads, head_dim, block_size, buf, acc, sums);                \
+        T *o = out + (int64_t)b * width;                                                        \
+        for (int hq = 0; hq < q_heads; hq++) {                                                  \
+            const float f = v_scale / sums[hq];                                                 \
+            for (int d = 0; d < head_dim; d++) o[hq * head_dim + d] = store_##SUFFIX(acc[hq * head_dim + d] * f); \
+        }                                                                                       \
+        free(buf);                                                                              \
+    }                                                                                           \
+}
+
+DEFINE_PAGED_DECODE_FP8(f32, float)
+DEFINE_PAGED_DECODE_FP8(bf16, bf16)
+
+/* paged_prefill_fp8_*: paged_prefill_bf16's causal chunks (same arguments, q and out fp32 or
+ * bf16) over FP8 pages, one query row at a time: query i of sequence b, at position pos =
+ * ctx_lens[b] - q_lens[b] + i, attends as a decode of context pos + 1 would. */
+#define DEFINE_PAGED_PREFILL_FP8(SUFFIX, T)                                                     \
+void paged_prefill_fp8_##SUFFIX(const T *q, const fp8 *k_cache, int64_t page_stride, int64_t v_offset, \
+                                const int64_t *tables, int64_t table_stride, const int64_t *q_starts, \
+                                const int64_t *q_lens, const int64_t *ctx_lens, int batch, int q_heads, \
+                                int kv_heads, int head_dim, int block_size, float scale, int64_t window, \
+                                const float *kv_scales, int threads, T *out) {                  \
+    const int width = q_heads * head_dim;                                                       \
+    const float q_scale = scale * kv_scales[0], v_scale = kv_scales[1];                         \
+    int64_t rows = 0, max_ctx = 0;                                                              \
+    for (int b = 0; b < batch; b++) {                                                           \
+        rows += q_lens[b];                                                                      \
+        max_ctx = ctx_lens[b] > max_ctx ? ctx_lens[b] : max_ctx;                                \
+    }                                                                                           \
+    int64_t *work = (int64_t *)malloc(sizeof(int64_t) * 2 * (rows + 1)); /* (sequence, query) */ \
+    int64_t n = 0;                                                                              \
+    for (int b = 0; b < batch; b++)                                                             \
+        for (int64_t i = 0; i < q_lens[b]; i++) work[2 * n] = b, work[2 * n + 1] = i, n++;     \
+    _Pragma("omp parallel num_threads(threads)")                                                \
+    {                                                                                           \
+        float *buf = (float *)malloc(sizeof(float) * (max_ctx * q_heads + 2 * width + q_heads)); \
+        float *qf = buf + max_ctx * q_heads, *acc = qf + width, *sums = acc + width;            \
+        _Pragma("omp for schedule(dynamic, 4)")                                                 \
+        for (int64_t w = 0; w < n; w++) {                                                       \
+            const int64_t b = work[2 * w], i = work[2 * w + 1];                                 \
+            const int64_t len = ctx_lens[b] - q_lens[b] + i + 1;                                \
+            const int64_t start = (window > 0 && len > window) ? len - window : 0;              \
+            const T *qr = q + (q_starts[b] + i) * width;                                        \
+            for (int j = 0; j < width; j++) qf[j] = load_##SUFFIX(qr[j]) * q_scale;             \
+            attend_row_fp8(qf, k_cache, page_stride, v_offset, tables + b * table_stride, start, len, q_heads, \
+                           kv_heads, head_dim, block_size, buf, acc, sums);                     \
+            T *o = out + (q_starts[b] + i) * width;                                             \
+            for (int hq = 0; hq < q_heads; hq++) {                                              \
+                const float f = v_scale / sums[hq];                                             \
+                for (int d = 0; d < head_dim; d++) o[hq * head_dim + d] = store_##SUFFIX(acc[hq * head_dim + d] * f); \
+            }                                                                                   \
+        }                                                                                       \
+        free(buf);                                                                              \
+    }                                                                                           \
+    free(work);                                                                                 \
+}
+
+DEFINE_PAGED_PREFILL_FP8(f32, float)
+DEFINE_PAGED_PREFILL_FP8(bf16, bf16)
