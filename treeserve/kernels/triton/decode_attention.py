@@ -32,7 +32,9 @@ FlashAttention does. q is rounded to the cache dtype. fp32 caches keep fp32 prod
 (input_precision "ieee", not tf32). On CPU tensors (Triton's interpreter, `UPCAST`) the
 operands are upcast to fp32 first, as the interpreter's bf16 `tl.dot` is wrong (triton
 3.9); the products of bf16 values are exact in fp32, so only the order of sums differs
-from a GPU. The output has q's dtype.
+from a GPU. The output has q's dtype. FP8 caches (uint8 views, `fp8.py`): keys and values
+are read as e4m3 -> q's dtype (exact), k_scale joins the softmax scale and v_scale the output,
+and the probabilities are rounded to q's dtype.
 
 Tunables (module defaults, and keyword arguments of `paged_decode` so a benchmark can
 sweep them): BLOCK_N keys per tile, NUM_WARPS and NUM_STAGES of pass 1, and the split
@@ -50,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
+from treeserve.kernels.triton.fp8 import fp8_operands, from_e4m3
 from treeserve.kernels.triton.pages import token_rows
 
 BLOCK_N = 64  # keys per tile
@@ -62,11 +65,11 @@ PARTITION_SIZE = 512  # `partition_size` for the previous rule: one split per 51
 
 @triton.jit
 def _partial(
-    q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, max_ptr, sum_ptr, acc_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, max_ptr, sum_ptr, acc_ptr, scales_ptr,
     q_stride_b, q_stride_h, tables_stride, cache_stride_page, cache_stride_slot, cache_stride_h,
     scale, window, num_splits, parts, min_length,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, FINAL: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, FINAL: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
     """Partial results into [B, Hq, splits] (max, sum) and [B, Hq, splits, D] (acc); FINAL (one
     split): acc_ptr is the contiguous output [B, Hq, D] and gets the normalised result."""
@@ -83,7 +86,10 @@ def _partial(
     heads = kv_head * GROUP + g
     q_mask = (g[:, None] < GROUP) & (d[None, :] < D)
     q = tl.load(q_ptr + b * q_stride_b + heads[:, None] * q_stride_h + d[None, :], mask=q_mask, other=0.0)
-    q = q.to(k_cache_ptr.dtype.element_ty)
+    if KV_FP8:
+        scale = scale * tl.load(scales_ptr)
+    else:
+        q = q.to(k_cache_ptr.dtype.element_ty)
     if UPCAST:
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -96,6 +102,8 @@ def _partial(
                           cache_stride_h, PAGE)  # fmt: skip
         kv_mask = valid[:, None] & (d[None, :] < D)
         k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = from_e4m3(k).to(q_ptr.dtype.element_ty)
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_G, BLOCK_N] in fp32
@@ -105,13 +113,19 @@ def _partial(
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        p = p.to(v_cache_ptr.dtype.element_ty)  # rounded to the cache dtype, as on tensor cores
+        if KV_FP8:
+            v = from_e4m3(v).to(q_ptr.dtype.element_ty)
+            p = p.to(q_ptr.dtype.element_ty)
+        else:
+            p = p.to(v_cache_ptr.dtype.element_ty)  # rounded to the cache dtype, as on tensor cores
         if UPCAST:
             p = p.to(tl.float32)
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m_i = m_new
     out = (b * tl.num_programs(1) * GROUP + heads) * num_splits + part  # index into [B, Hq, splits]
+    if KV_FP8:
+        acc = acc * tl.load(scales_ptr + 1)
     if FINAL:
         acc = acc / l_i[:, None]
         tl.store(acc_ptr + out[:, None] * D + d[None, :], acc.to(acc_ptr.dtype.element_ty), mask=q_mask)
@@ -164,10 +178,11 @@ def paged_decode(
     block_n: int = BLOCK_N,
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D] -> [B, Hq, D]; see the module docstring. `num_splits` forces the split count;
     `partition_size` is the previous kernel's rule (one split per that many keys of the table's
-    width, tiles of at most that many keys)."""
+    width, tiles of at most that many keys). FP8 caches need the layer's fp32 `kv_scales`."""
     batch, q_heads, dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert q.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
@@ -177,6 +192,8 @@ def paged_decode(
         return out
     tables = tables.contiguous()
     context_lens = context_lens.contiguous()
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    k_cache, v_cache, kv_scales = fp8_operands(k_cache, v_cache, kv_scales)
     table_keys = tables.shape[1] * block_size
     if partition_size is not None:
         block_n = min(block_n, partition_size)
@@ -196,11 +213,11 @@ def paged_decode(
         sums = torch.empty_like(maxes)
         accs = torch.empty(batch, q_heads, splits, dim, dtype=torch.float32, device=q.device)
     _partial[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, tables, context_lens, maxes, sums, accs,
+        q, k_cache, v_cache, tables, context_lens, maxes, sums, accs, kv_scales,
         q.stride(0), q.stride(1), tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         scale, window or 0, splits, parts, min_length,
         GROUP=group, D=dim, BLOCK_G=max(triton.next_power_of_2(group), 16), BLOCK_D=block_d,
-        PAGE=block_size, BLOCK_N=block_n, UPCAST=q.device.type == "cpu", FINAL=final,
+        PAGE=block_size, BLOCK_N=block_n, UPCAST=q.device.type == "cpu", FINAL=final, KV_FP8=fp8,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if not final:

@@ -24,7 +24,9 @@ rounded to the cache dtype for the second product); fp32 caches multiply in full
 ("ieee", no tf32). On CPU tensors (the interpreter) they are upcast to fp32 first
 (`UPCAST`): the interpreter's bf16 `tl.dot` returns garbage (triton 3.9), while products
 of bf16 values are exact in fp32, so only the order of the fp32 sums can differ from a
-GPU. Refused: a non-contiguous q or out, K and V caches with different strides or a
+GPU. FP8 caches (uint8 views, `fp8.py`): keys and values are read as e4m3 -> q's dtype
+(exact), k_scale joins the softmax scale, v_scale the output, and p is rounded to q's dtype.
+Refused: a non-contiguous q or out, K and V caches with different strides or a
 non-contiguous head_dim, q heads not a multiple of KV heads.
 """
 
@@ -34,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from treeserve.kernels.triton.fp8 import fp8_operands, from_e4m3
 from treeserve.kernels.triton.pages import token_rows
 
 # Launch defaults, from a sweep on an H100 (bf16, head_dim 128, 32 q / 8 KV heads, PRM steps of ~100
@@ -54,6 +57,7 @@ def _attend(
     acc, m_i, l_i, q, q_pos, start, hi, window, d, k_cache_ptr, v_cache_ptr, tables_ptr, seq, tables_stride, kv_head,
     cache_stride_page, cache_stride_slot, cache_stride_h, qk_scale,
     D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr, DTYPE: tl.constexpr,
 ):  # fmt: skip
     """One key tile (positions start .. start + BLOCK_N - 1, those < hi) into the online
     softmax state (acc, m_i in log2 units, l_i). MASKED: apply the causal and window mask;
@@ -64,6 +68,8 @@ def _attend(
                       cache_stride_h, PAGE)  # fmt: skip
     kv_mask = k_valid[:, None] & (d[None, :] < D)
     k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    if KV_FP8:
+        k = from_e4m3(k).to(DTYPE)
     if UPCAST:
         k = k.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N] fp32, log2 units
@@ -78,6 +84,8 @@ def _attend(
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    if KV_FP8:
+        v = from_e4m3(v).to(DTYPE)
     l_i = l_i * alpha + tl.sum(p, 1)
     p = p.to(v.dtype)  # bf16 caches: p rounded to bf16 for the second matmul, as on tensor cores
     if UPCAST:
@@ -89,11 +97,11 @@ def _attend(
 
 @triton.jit
 def _prefill(
-    q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, starts_ptr, lens_ptr, context_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, starts_ptr, lens_ptr, context_ptr, out_ptr, scales_ptr,
     q_stride_t, q_stride_h, tables_stride, cache_stride_page, cache_stride_slot, cache_stride_h,
     scale, window,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
     BLOCK_Q = BLOCK_M // GROUP  # query positions per program
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # a sequence's last tiles (the most keys) first
@@ -124,6 +132,9 @@ def _prefill(
         whole_hi = tl.maximum((first + 1) // BLOCK_N * BLOCK_N, whole_lo)
 
         qk_scale = scale * 1.4426950408889634  # log2(e): exp2 in the softmax
+        if KV_FP8:
+            qk_scale = qk_scale * tl.load(scales_ptr)
+        DTYPE: tl.constexpr = q_ptr.dtype.element_ty
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -131,19 +142,23 @@ def _prefill(
             acc, m_i, l_i = _attend(
                 acc, m_i, l_i, q, q_pos, start, hi, window, d, k_cache_ptr, v_cache_ptr, tables_ptr, b, tables_stride,
                 kv_head, cache_stride_page, cache_stride_slot, cache_stride_h, qk_scale, D, PAGE, BLOCK_N, True, UPCAST,
+                KV_FP8, DTYPE,
             )  # fmt: skip
         for start in range(whole_lo, whole_hi, BLOCK_N):
             acc, m_i, l_i = _attend(
                 acc, m_i, l_i, q, q_pos, start, hi, window, d, k_cache_ptr, v_cache_ptr, tables_ptr, b, tables_stride,
                 kv_head, cache_stride_page, cache_stride_slot, cache_stride_h, qk_scale, D, PAGE, BLOCK_N, False,
-                UPCAST,
+                UPCAST, KV_FP8, DTYPE,
             )  # fmt: skip
         for start in range(whole_hi, hi, BLOCK_N):
             acc, m_i, l_i = _attend(
                 acc, m_i, l_i, q, q_pos, start, hi, window, d, k_cache_ptr, v_cache_ptr, tables_ptr, b, tables_stride,
                 kv_head, cache_stride_page, cache_stride_slot, cache_stride_h, qk_scale, D, PAGE, BLOCK_N, True, UPCAST,
+                KV_FP8, DTYPE,
             )  # fmt: skip
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        if KV_FP8:
+            out = out * tl.load(scales_ptr + 1)
         tl.store(out_ptr + q_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
@@ -164,11 +179,13 @@ def paged_prefill(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """Causal attention of each sequence's chunk of queries, written into `out` in place.
     `max_query_len` (the longest chunk, known to the caller) spares a device-to-host read.
     block_m (rows: query positions x GQA group, raised to the group's power of 2), block_n,
-    num_warps and num_stages override the module's defaults (for benchmark sweeps)."""
+    num_warps and num_stages override the module's defaults (for benchmark sweeps). FP8 caches
+    need the layer's fp32 `kv_scales` (k_scale, v_scale)."""
     assert q.is_contiguous() and out.is_contiguous() and q.shape == out.shape
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     _, q_heads, dim = q.shape
@@ -179,7 +196,9 @@ def paged_prefill(
     if batch == 0:
         return
     block_d = max(triton.next_power_of_2(dim), 16)
-    wide = block_d * k_cache.element_size() > 256
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    k_cache, v_cache, kv_scales = fp8_operands(k_cache, v_cache, kv_scales)
+    wide = block_d * (q.element_size() if fp8 else k_cache.element_size()) > 256  # FP8 is read as q's dtype
     block_m = max(block_m or BLOCK_M, triton.next_power_of_2(group), 16)  # tl.dot takes M >= 16
     block_n = block_n or (WIDE_BLOCK_N if wide else BLOCK_N)
     num_warps = num_warps or (WIDE_NUM_WARPS if wide else NUM_WARPS)
@@ -190,9 +209,9 @@ def paged_prefill(
         return
     tables, q_starts, q_lens, context_lens = (t.contiguous() for t in (tables, q_starts, q_lens, context_lens))
     _prefill[(tiles, kv_heads, batch)](
-        q, k_cache, v_cache, tables, q_starts, q_lens, context_lens, out,
+        q, k_cache, v_cache, tables, q_starts, q_lens, context_lens, out, kv_scales,
         q.stride(0), q.stride(1), tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         scale, window or 0,
         GROUP=group, D=dim, BLOCK_D=block_d, PAGE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        UPCAST=q.device.type == "cpu", num_warps=num_warps, num_stages=num_stages,
+        UPCAST=q.device.type == "cpu", KV_FP8=fp8, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip

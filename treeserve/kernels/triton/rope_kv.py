@@ -8,7 +8,8 @@ tables, whose two halves repeat); positions [T]. One program per token t:
 * k rotated, and v as it is, written to k_cache/v_cache[slot_pages[t], slot_offsets[t]] (one
   layer's strided views of the arena, as `kv_store.store_kv` writes them; a slot page of -1,
   a CUDA graph's padding row, is stored nowhere); k and v themselves are left alone, and no
-  other byte of the arena is touched.
+  other byte of the arena is touched. An FP8 cache gets the rotated k (rounded to q's dtype
+  first, as the unfused path stores it) and v as `kv_store` writes them (`kv_scales`).
 Neox style (`rotate_half`): out[:D/2] = x1 cos - x2 sin, out[D/2:] = x2 cos + x1 sin.
 
 Computed as `RotaryEmbedding.__call__` computes it in PyTorch: cos and sin rounded to q's dtype
@@ -24,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from treeserve.kernels.triton.fp8 import FP8, fp8_operands, inverse, to_e4m3
 from treeserve.kernels.triton.rounding import round_to
 
 
@@ -40,10 +42,11 @@ def _rotate(x_ptr, x1_offsets, mask, cos, sin, HALF: tl.constexpr, dtype: tl.con
 @triton.jit
 def _rope_store(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, positions_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pages_ptr,
-    offsets_ptr, q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, table_stride,
+    offsets_ptr, scales_ptr, q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, table_stride,
     cache_stride_page, cache_stride_slot, cache_stride_h,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     dtype: tl.constexpr = q_ptr.dtype.element_ty
@@ -66,6 +69,10 @@ def _rope_store(
     stored = (h < KV_HEADS) & (h * 0 + page >= 0)  # page -1: a CUDA graph's padding row, stored nowhere
     mask = stored & (i < HALF)
     first, second = _rotate(k_ptr, t * k_stride_t + h * k_stride_h + i, mask, cos, sin, HALF, dtype)
+    if KV_FP8:
+        k_inverse = inverse(tl.load(scales_ptr))
+        first = to_e4m3(first.to(tl.float32) * k_inverse)
+        second = to_e4m3(second.to(tl.float32) * k_inverse)
     out = k_cache_ptr + slot + h * cache_stride_h + i
     tl.store(out, first, mask=mask)
     tl.store(out + HALF, second, mask=mask)
@@ -73,6 +80,8 @@ def _rope_store(
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = stored & (d < D)
     v = tl.load(v_ptr + t * v_stride_t + h * v_stride_h + d, mask=mask)
+    if KV_FP8:
+        v = to_e4m3(v.to(tl.float32) * inverse(tl.load(scales_ptr + 1)))
     tl.store(v_cache_ptr + slot + h * cache_stride_h + d, v, mask=mask)
 
 
@@ -87,8 +96,10 @@ def rope_store_kv(
     v_cache: torch.Tensor,
     slot_pages: torch.Tensor,
     slot_offsets: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Rotated q as a new contiguous [T, Hq, D]; rotated k and v stored in their slots. See the module docstring."""
+    """Rotated q as a new contiguous [T, Hq, D]; rotated k and v stored in their slots (an FP8
+    cache's with the layer's fp32 `kv_scales`). See the module docstring."""
     tokens, q_heads, dim = q.shape
     kv_heads = k.shape[1]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -98,13 +109,15 @@ def rope_store_kv(
     assert cos.shape[1] == dim and cos.dtype == sin.dtype == torch.float32 and cos.stride() == sin.stride()
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == cos.stride(-1) == 1
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
-    assert q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+    fp8 = k_cache.dtype == FP8
+    assert q.dtype == k.dtype == v.dtype and v_cache.dtype == k_cache.dtype and (fp8 or k.dtype == k_cache.dtype)
+    k_cache, v_cache, kv_scales = fp8_operands(k_cache, v_cache, kv_scales)
     _rope_store[(tokens,)](
         q, k, v, cos, sin, positions.contiguous(), out, k_cache, v_cache, slot_pages.contiguous(),
-        slot_offsets.contiguous(), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        slot_offsets.contiguous(), kv_scales, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         Q_HEADS=q_heads, KV_HEADS=kv_heads, D=dim, BLOCK_Q=triton.next_power_of_2(q_heads),
         BLOCK_KV=triton.next_power_of_2(kv_heads), BLOCK_HALF=triton.next_power_of_2(dim // 2),
-        BLOCK_D=triton.next_power_of_2(dim), enable_fp_fusion=False,
+        BLOCK_D=triton.next_power_of_2(dim), KV_FP8=fp8, enable_fp_fusion=False,
     )  # fmt: skip
     return out
