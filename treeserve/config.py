@@ -25,6 +25,8 @@ DEFAULT_KV_CAP = 1 << 30  # a CPU engine's KV when not told: at most this (and k
 GPU_MEMORY_FRACTION = 0.9  # on CUDA, the share of free memory an engine or a runtime takes (vLLM's default)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXECUTOR_BACKENDS = ("mp", "ray")  # how a parallel engine starts its other ranks (vLLM's names)
+# what the KV pages hold: "auto" the model's dtype; "fp8_e4m3" one byte a value, scaled per layer
+KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn}
 SPECULATIVE_METHODS = ("ngram", "tree", "model")  # where drafts come from (engine/speculative/)
 
 
@@ -38,6 +40,11 @@ def check_model_path(path: str, name: str = "model") -> None:
 
 
 ASYNC_ENV = "TREESERVE_ASYNC_SCHEDULING"
+def check_kv_cache_dtype(value: object, name: str = "kv_cache_dtype") -> None:
+    if not isinstance(value, str) or value not in KV_CACHE_DTYPES:
+        raise ValueError(f"{name} must be one of {list(KV_CACHE_DTYPES)}, got {value!r}")
+
+
 
 
 def resolve_async_scheduling(value: bool | None, device: str, speculating: bool) -> bool:
@@ -199,6 +206,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     kv_cache_fraction: float = 0.25
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES (docs/memory.md: an FP8 KV cache)
     seed: int = 0
     model_id: str = ""  # salts prefix-cache hashes so two models never share a page
     # "int8": quantise a Hugging Face checkpoint per channel at load; "gguf": run a GGUF file's
@@ -245,6 +253,7 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+        check_kv_cache_dtype(self.kv_cache_dtype)
             raise ValueError(f"kv_cache_memory must be a positive byte count, got {self.kv_cache_memory}")
         if not 0.0 < self.kv_cache_fraction <= 1.0:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
@@ -307,3 +316,8 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The dtype of the KV pages: `kv_cache_dtype`'s, or the model's for "auto"."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from treeserve.config import KV_CACHE_DTYPES
 from treeserve.runtime.model_settings import ModelSettings
 
 PRM_STYLES = ["step_tag", "rlhflow", "reward_head", "value_head", "token_classification", "orm"]
@@ -90,6 +91,9 @@ MODEL_FLAGS = (
               "no CUDA graphs: run every step eagerly (on CUDA decode steps replay graphs captured at "
               "load; on a CPU this changes nothing)", both=True),
     ModelFlag("max_model_len", {"type": int}, "the longest sequence (default: the model's own, capped)", both=True),
+    ModelFlag("kv_cache_dtype", {"choices": list(KV_CACHE_DTYPES)},
+              "what the KV pages hold (every model): auto (the model's dtype, the default) or fp8_e4m3 "
+              "(one byte a value, scaled per layer: twice the tokens in the same memory)", both=True),
     ModelFlag("kv_fraction", {"type": float}, generator=False, verifier=False,
               prm_help="a static split: the PRM's share of KV (default: one arena shared by both models)"),
 )

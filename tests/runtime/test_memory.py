@@ -43,6 +43,19 @@ def test_shared_plan_one_arena_of_equal_pages(llama_dir, qwen2_dir, tmp_path):
     rt.check_pages_idle()
 
 
+def test_fp8_kv_plans_four_times_the_pages_of_fp32(llama_dir, qwen2_dir):
+    """kv_cache_dtype="fp8_e4m3" on one model: the planner counts its 1-byte tokens, the shared page
+    holds 4x its fp32 tokens, and the table says what its pages hold."""
+    fp8 = {"kv_cache_dtype": "fp8_e4m3"}
+    prm = specs(llama_dir, qwen2_dir)[1]
+    rt = Runtime.load([ModelSpec("gen", llama_dir, block_size=4, engine_args=fp8), prm], 4 << 20, dtype="float32")
+    by_name = {m.name: m for m in rt.memory_plan.models}
+    assert by_name["gen"].token_bytes * 4 == by_name["prm"].token_bytes == rt.engines["prm"].kv_layout.token_bytes
+    assert rt.engines["gen"].block_size == 4 * rt.engines["prm"].block_size
+    assert "KV in fp8_e4m3" in rt.memory_plan.table()
+    rt.check_pages_idle()
+
+
 def test_static_split_gives_each_model_its_share(llama_dir, qwen2_dir):
     rt = Runtime.load(specs(llama_dir, qwen2_dir, 0.5), 4 << 20, dtype="float32")
     gen, prm = rt.engines["gen"], rt.engines["prm"]

@@ -14,6 +14,10 @@ Backends (chosen once per engine from `EngineConfig.attention_backend`):
   prefill chunks with AVX512-BF16); SDPA for the rest.
 * `triton`: the Triton kernels of `kernels/triton` for all three parts (store, decode,
   prefill); on CUDA, and on CPU tensors under TRITON_INTERPRET=1 (how the tests run them).
+
+Every backend reads and writes an FP8 arena (`kv_cache_dtype="fp8_e4m3"`) with the layer's
+(k_scale, v_scale) (`KVArena.layer_scales`): stored as e4m3(x * (1 / scale)), read as e4m3 *
+scale (`to_fp8` and `from_fp8` are that, in PyTorch).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch.nn.functional as F
 
 from treeserve.kernels import cpu as cpu_kernels
 from treeserve.kernels.cpu.layer_stack import DecodeGroup, PrefillGroup, StackPages
-from treeserve.kv.arena import KVArena
+from treeserve.kv.arena import FP8, KVArena
 from treeserve.layers.rotary import RotaryEmbedding
 
 
@@ -70,21 +74,36 @@ class SeqGroup:
         return self.masks[window]
 
 
+def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What an FP8 cache stores for `x`: e4m3 of x * (1 / scale) in fp32, rounded to nearest even and
+    saturated at +-448 (PyTorch's conversion)."""
+    return (x.float() * (1 / scale)).to(FP8)
+
+
+def from_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What an FP8 cache's `x` reads as: e4m3 -> fp32, times `scale`, as `dtype`."""
+    return (x.float() * scale).to(dtype)
+
+
 class SdpaBackend:
     """The portable reference: gathered pages, SDPA with masks."""
 
     name = "sdpa"
 
     def store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              pages: torch.Tensor, offsets: torch.Tensor) -> None:  # fmt: skip
+              pages: torch.Tensor, offsets: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:  # fmt: skip
+        """`kv_scales`: an FP8 cache's (k_scale, v_scale) for this layer (None: the cache has k's dtype)."""
         if pages.device.type == "cpu" and bool((pages < 0).any()):  # padding rows (tests of cuda_graphs.py)
             keep = pages >= 0
             k, v, pages, offsets = k[keep], v[keep], pages[keep], offsets[keep]
+        if kv_scales is not None:
+            k, v = to_fp8(k, kv_scales[0]), to_fp8(v, kv_scales[1])
         k_cache[pages, offsets] = k
         v_cache[pages, offsets] = v
 
     def attend(self, group: SeqGroup, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               scale: float | None, window: int | None, out: torch.Tensor) -> None:  # fmt: skip
+               scale: float | None, window: int | None, out: torch.Tensor,
+               kv_scales: torch.Tensor | None = None) -> None:  # fmt: skip
         """Write the attention of `group`'s queries (rows of q) into the same rows of `out`
         (`scale` None: head_dim ** -0.5, SDPA's own default, which kernels compute alike)."""
         batch, pages = group.block_tables.shape
@@ -92,6 +111,8 @@ class SdpaBackend:
         tables = group.block_tables.flatten()  # index_select copies pages ~3x faster than [] indexing on CPU
         keys = k_cache.index_select(0, tables).view(batch, pages * block_size, kv_heads, head_dim)
         values = v_cache.index_select(0, tables).view(batch, pages * block_size, kv_heads, head_dim)
+        if kv_scales is not None:
+            keys, values = from_fp8(keys, kv_scales[0], q.dtype), from_fp8(values, kv_scales[1], q.dtype)
         queries = q[group.query_index].transpose(1, 2)  # [B, Hq, Q, D]
         attended = F.scaled_dot_product_attention(
             queries,
@@ -111,28 +132,29 @@ class CpuBackend(SdpaBackend):
     name = "cpu"
 
     def store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              pages: torch.Tensor, offsets: torch.Tensor) -> None:  # fmt: skip
-        if not cpu_kernels.store_kv(k, v, k_cache, v_cache, pages, offsets):
-            super().store(k, v, k_cache, v_cache, pages, offsets)
+              pages: torch.Tensor, offsets: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:  # fmt: skip
+        if not cpu_kernels.store_kv(k, v, k_cache, v_cache, pages, offsets, kv_scales):
+            super().store(k, v, k_cache, v_cache, pages, offsets, kv_scales)
 
     def attend(self, group: SeqGroup, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               scale: float | None, window: int | None, out: torch.Tensor) -> None:  # fmt: skip
+               scale: float | None, window: int | None, out: torch.Tensor,
+               kv_scales: torch.Tensor | None = None) -> None:  # fmt: skip
         kernel_scale = scale or q.shape[-1] ** -0.5
         if group.is_decode and cpu_kernels.supports(q):
             args = (k_cache, v_cache, group.block_tables, group.context_lens, kernel_scale, window)
             if group.leads:  # no gather, no scatter: the kernel writes the rows in place
                 rows = group.query_index.shape[0]
-                cpu_kernels.paged_decode(q[:rows], *args, out=out[:rows])
+                cpu_kernels.paged_decode(q[:rows], *args, out=out[:rows], kv_scales=kv_scales)
             else:
                 index = group.query_index[:, 0]
-                out[index] = cpu_kernels.paged_decode(q[index], *args)
-        elif cpu_kernels.prefill_supports(q):
+                out[index] = cpu_kernels.paged_decode(q[index], *args, kv_scales=kv_scales)
+        elif cpu_kernels.prefill_supports(q, k_cache.dtype):
             cpu_kernels.paged_prefill(
                 q, k_cache, v_cache, group.block_tables, group.query_start, group.query_len,
-                group.context_lens, kernel_scale, window, out,
+                group.context_lens, kernel_scale, window, out, kv_scales,
             )  # fmt: skip
         else:
-            super().attend(group, q, k_cache, v_cache, scale, window, out)
+            super().attend(group, q, k_cache, v_cache, scale, window, out, kv_scales)
 
 
 class TritonBackend:
@@ -149,15 +171,17 @@ class TritonBackend:
         self._prefill = prefill_attention.paged_prefill
 
     def attend(self, group: SeqGroup, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               scale: float | None, window: int | None, out: torch.Tensor) -> None:  # fmt: skip
+               scale: float | None, window: int | None, out: torch.Tensor,
+               kv_scales: torch.Tensor | None = None) -> None:  # fmt: skip
         scale = scale or q.shape[-1] ** -0.5
         if group.is_decode:
             index = group.query_index[:, 0]
-            out[index] = self._decode(q[index], k_cache, v_cache, group.block_tables, group.context_lens, scale, window)
+            tables, lens = group.block_tables, group.context_lens
+            out[index] = self._decode(q[index], k_cache, v_cache, tables, lens, scale, window, kv_scales=kv_scales)
         else:
             self._prefill(
                 q, k_cache, v_cache, group.block_tables, group.query_start, group.query_len,
-                group.context_lens, scale, window, out, group.query_index.shape[1],
+                group.context_lens, scale, window, out, group.query_index.shape[1], kv_scales=kv_scales,
             )  # fmt: skip
 
 
@@ -186,25 +210,27 @@ class AttentionBatch:
         rope: tuple[RotaryEmbedding, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = self.arena.layer(layer)
+        kv_scales = self.arena.layer_scales(layer)
         if rope is not None and self.backend.name == "triton":  # rotated as stored: one launch
             table, positions = rope
             q = self.backend.rope_store(q, k, v, table.cos, table.sin, positions, k_cache, v_cache,
-                                        self.slot_pages, self.slot_offsets)  # fmt: skip
+                                        self.slot_pages, self.slot_offsets, kv_scales)  # fmt: skip
         else:
             if rope is not None:
                 q, k = rope[0](q, k, rope[1])
-            self.backend.store(k, v, k_cache, v_cache, self.slot_pages, self.slot_offsets)
+            self.backend.store(k, v, k_cache, v_cache, self.slot_pages, self.slot_offsets, kv_scales)
             q = q.contiguous()
         out = torch.empty_like(q)
         for group in self.groups:
-            self.backend.attend(group, q, k_cache, v_cache, self.scale, window, out)
+            self.backend.attend(group, q, k_cache, v_cache, self.scale, window, out, kv_scales)
         return out
 
     def stack_pages(self) -> StackPages | None:
         """The pages and groups for `layers/layer_stack.py`, on the `cpu` backend: decodes (one
         query a sequence) and prefill chunks, the latter only where `CpuBackend` runs them on the
-        C prefill kernel too (`prefill_fits`: bf16 heads of a multiple of 32 on AVX512-BF16)."""
-        if self.backend.name != "cpu":
+        C prefill kernel too (`prefill_fits`: bf16 heads of a multiple of 32 on AVX512-BF16). An FP8
+        arena steps layer by layer (the layer stack's kernels read bf16 pages)."""
+        if self.backend.name != "cpu" or self.arena.fp8:
             return None
         k_cache, _ = self.arena.layer(0)
         decodes = chunks = None

@@ -115,7 +115,9 @@ class LLMEngine:
         self.context_len = min(config.max_model_len or limit, limit)  # max_model_len before the KV budget's say
         self.max_model_len = self.context_len
         cfg = loaded.config
-        self.kv_layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.torch_dtype)
+        self.kv_layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.kv_torch_dtype)
+        # each layer's (k_scale, v_scale) of an FP8 KV cache, kept across arenas (1.0: none shipped)
+        self.kv_scales = torch.ones(cfg.num_layers, 2, dtype=torch.float32, device=self.device)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)
@@ -186,7 +188,7 @@ class LLMEngine:
         self.block_size = block_size
         self.arena = KVArena(
             pages.num_pages, layout.num_layers, block_size, layout.num_kv_heads, layout.head_dim, layout.dtype,
-            self.device, pages=pages,
+            self.device, pages=pages, scales=self.kv_scales,
         )  # fmt: skip
         self.blocks = BlockManager(
             pages.num_pages, block_size, config.model_id, config.enable_prefix_caching, pool=pool

@@ -59,7 +59,7 @@ class RankWorker:
         from treeserve.kv.arena import KVLayout
 
         cfg = self.model_config
-        return KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.config.torch_dtype)
+        return KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.config.kv_torch_dtype)
 
     @torch.inference_mode()
     def handle(self, message: tuple) -> bool:
@@ -73,8 +73,8 @@ class RankWorker:
             _, num_pages, block_size = message
             dtype = self.config.torch_dtype
             pages = PageArena(num_pages, self._layout().page_bytes(block_size), self.device)
-            arena = KVArena(num_pages, cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, self.device,
-                            pages=pages)  # fmt: skip
+            arena = KVArena(num_pages, cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim,
+                            self.config.kv_torch_dtype, self.device, pages=pages)  # fmt: skip
             stage = None if placement.pp is None else (placement.pp, placement.pp_rank, placement.pp_size, dtype)
             self.runner = ModelRunner(self.model, arena, self.device, cfg.attn_scale,
                                       BACKENDS[self.config.attention_backend](), stage=stage)  # fmt: skip

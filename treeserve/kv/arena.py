@@ -7,6 +7,10 @@ page is the unit the block manager hands out, copies (copy-on-write) and evicts,
 model it goes to. When a model's page content is smaller than `page_bytes` (see
 `shared_block_sizes`), the rest of each page is unused by it. Which page belongs to whom is
 the page pool's business (`page_pool.py`).
+
+An FP8 arena (dtype torch.float8_e4m3fn, `kv_cache_dtype="fp8_e4m3"`) holds one byte a value,
+so the same bytes hold twice the tokens of a bf16 one; `KVArena.scales` holds each layer's
+(k_scale, v_scale): a stored value is round(x / scale) in e4m3, read back as e4m3 * scale.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from treeserve.kernels import cpu as cpu_kernels
 from treeserve.kernels.cpu.memory import huge_pages
 
 PAGE_ALIGN = 64  # bytes: a page starts on a cache line and is a whole number of elements of any dtype
+FP8 = torch.float8_e4m3fn  # the one-byte KV dtype the attention kernels read and write
 
 
 @dataclass(frozen=True)
@@ -83,7 +88,10 @@ class KVArena:
         dtype: torch.dtype,
         device: torch.device | str,
         pages: PageArena | None = None,
+        scales: torch.Tensor | None = None,
     ):
+        """`scales`: fp32 [num_layers, 2], each layer's (k_scale, v_scale) for an FP8 arena (None:
+        1.0, what vLLM uses when a checkpoint ships none); a loader sets a checkpoint's own there."""
         layout = KVLayout(num_layers, num_kv_heads, head_dim, dtype)
         if pages is None:
             pages = PageArena(num_blocks, layout.page_bytes(block_size), device)
@@ -98,6 +106,13 @@ class KVArena:
         shape = (pages.num_pages, num_layers, 2, block_size, num_kv_heads, head_dim)
         strides = (pages.page_bytes // dtype.itemsize, 2 * block_size * token, block_size * token, token, head_dim, 1)
         self.buffer = pages.buffer.view(dtype).as_strided(shape, strides)
+        self.fp8 = dtype == FP8
+        if scales is None:
+            scales = torch.ones(num_layers, 2, dtype=torch.float32, device=pages.buffer.device)
+        if scales.shape != (num_layers, 2) or scales.dtype != torch.float32:
+            raise ValueError(f"KV scales must be fp32 [{num_layers}, 2] (k_scale, v_scale a layer), got "
+                             f"{scales.dtype} {list(scales.shape)}")
+        self.scales = scales
 
     @staticmethod
     def page_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -106,6 +121,10 @@ class KVArena:
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V views of one layer: each [num_blocks, block_size, kv_heads, head_dim]."""
         return self.buffer[:, index, 0], self.buffer[:, index, 1]
+
+    def layer_scales(self, index: int) -> torch.Tensor | None:
+        """Layer `index`'s fp32 (k_scale, v_scale) on the arena's device for an FP8 arena; None otherwise."""
+        return self.scales[index] if self.fp8 else None
 
     def copy_slots(self, src_pages: torch.Tensor, src_offsets: torch.Tensor, dst_pages: torch.Tensor,
                    dst_offsets: torch.Tensor) -> None:  # fmt: skip

@@ -17,7 +17,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from treeserve.config import SpeculativeConfig, check_model_path, check_parallel, resolve_async_scheduling
+from treeserve.config import (
+    SpeculativeConfig,
+    check_kv_cache_dtype,
+    check_model_path,
+    check_parallel,
+    resolve_async_scheduling,
+)
 from treeserve.layers.quant import ACTIVATIONS
 
 # the engine settings `treeserve tune` chooses per model (its settings file's "engine_args")
@@ -39,6 +45,7 @@ class ModelSettings:
     async_scheduling: bool | None = None  # overlapped steps (None: the device's default; resolved by check)
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     max_model_len: int | None = None  # None: the model's own (capped)
+    kv_cache_dtype: str | None = None  # what its KV pages hold: "auto" | "fp8_e4m3" (None: the engine's "auto")
     kv_fraction: float | None = None  # this model's share of the KV pages in a static split (None: one shared arena)
     max_num_seqs: int | None = None  # batch limits (None: the engine's defaults); `treeserve tune` picks them
     max_num_batched_tokens: int | None = None
@@ -65,6 +72,11 @@ class ModelSettings:
                              f"got {self.quant_activations!r}")  # fmt: skip
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"{name}: enforce_eager must be True or False, got {self.enforce_eager!r}")
+        if self.kv_cache_dtype is not None:
+            try:
+                check_kv_cache_dtype(self.kv_cache_dtype)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
         if self.kv_fraction is not None and not 0.0 < self.kv_fraction < 1.0:
             raise ValueError(f"{name}_kv_fraction must be in (0, 1), got {self.kv_fraction}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -41,7 +41,7 @@ class ModelMemory:
     name: str
     weights: int
     activation_peak: int
-    token_bytes: int
+    token_bytes: int  # of its KV pages: 1 byte a value with kv_cache_dtype "fp8_e4m3"
     sampler_peak: int = 0  # estimated: max_num_seqs x vocab x SAMPLER_BYTES_PER_LOGIT
     other: int = 0  # process memory its load added beyond its weights (tokenizer, libraries)
     loaded: int = 0  # process memory its load added (measured: RSS on a CPU, device memory on CUDA)
@@ -51,6 +51,7 @@ class ModelMemory:
     num_pages: int = 0  # pages of its own arena (static split); the whole shared arena otherwise
     kv_fraction: float | None = None  # static split share; None: the shared arena
     quantization: str | None = None  # the formats its weights run in ("gguf:Q5_0+Q8_0", "int8"); None: dense
+    kv_cache_dtype: str = "auto"  # what its KV pages hold (EngineConfig's)
     # a parallel model: {"tensor_parallel_size": k, "pipeline_parallel_size": p, "ranks": [{"rank",
     # "weights", "kv_bytes"}, ...]}; the rest of this plan is rank 0's (its shard or stage, its
     # heads' or layers' pages); each other rank holds what it reported, in a process of its own
@@ -113,6 +114,7 @@ class MemoryPlan:
                 f" (+{m.sampler_peak / mib:.1f} sampler, estimated)  "
                 f"other {m.other / mib:6.1f}  "
                 f"{m.num_pages} pages x {m.block_size} tokens ({share})"
+                + (f"  KV in {m.kv_cache_dtype}" if m.kv_cache_dtype != "auto" else "")
                 + (f"  weights in {m.quantization}" if m.quantization else "")
                 + (f"  rank 0 of {_describe(m.parallel)}" if m.parallel else "")
             )
@@ -308,6 +310,7 @@ def plan(
             other=max(0, loaded_bytes[name] - weights), loaded=loaded_bytes[name],
             checkpoint_bytes=checkpoint_bytes(engine.config.model),
             kv_fraction=None if kv_fractions is None else kv_fractions[name], quantization=engine.quantization,
+            kv_cache_dtype=engine.config.kv_cache_dtype,
             parallel=_parallel(engine.config),
         ))  # fmt: skip
     budget = memory_budget if memory_fraction is None else int(memory_fraction * free_at_start)
