@@ -12,8 +12,10 @@
 #   3. bench/thesis_shapes.py at N=16 (1B generator + 8B PRM, random weights): CUDA graphs with
 #      the models on two streams, on one stream, then eager, in one invocation (load, capture,
 #      replay share, host syncs, ms per step, problems/min against the roofline floors);
-#   4. the same with graphs at N=64, if GPU_CHECK_BUDGET leaves time;
-#   5. the README's main job on the GPU (`treeserve eval --device cuda`), if time is left.
+#   4. bench/gpu_quant.py (W4A16 decode GB/s, FP8 prefill against bf16), at most QUANT_TIMEOUT
+#      seconds (default 90), if 60 are left; its lines are appended to kernels.log;
+#   5. the same with graphs at N=64, if GPU_CHECK_BUDGET leaves time;
+#   6. the README's main job on the GPU (`treeserve eval --device cuda`), if time is left.
 # Files ($OUT, default bench/out/gpu; 8 at most, the device tool's limit): tests.log,
 # kernels.log, kernels.json, thesis.log, thesis/thesis_shapes.json, thesis64.log,
 # thesis64/thesis_shapes.json, eval.log.
@@ -31,6 +33,7 @@ PY=${PYTHON:-python3}
 BUDGET=${GPU_CHECK_BUDGET:-540}
 DEVICE=cuda TINY=() TESTS=(tests/kernels/test_triton_attention.py tests/kernels/test_triton_decode_shapes.py
   tests/kernels/test_triton_prefill_shapes.py tests/kernels/test_triton_sampling.py tests/kernels/test_triton_fused.py
+  tests/kernels/test_triton_quant_matmul.py
   tests/engine/test_cuda_graphs.py tests/engine/test_triton_engine.py tests/engine/test_device.py
   tests/runtime/test_overlap_models.py)
 PROBLEMS=${THESIS_PROBLEMS:-16} WORKERS=(-n "${TEST_WORKERS:-8}")  # test files in parallel workers (pytest-xdist)
@@ -54,6 +57,11 @@ timeout "$(cap "${KERNEL_TIMEOUT:-120}")" $PY bench/gpu_kernels.py --device "$DE
 timeout "$(cap 100000)" $PY bench/thesis_shapes.py --device "$DEVICE" "${TINY[@]}" --configs graphs,one-stream,eager \
   --ns "$([ "$DEVICE" = cuda ] && echo 16 || echo 4)" --problems "$PROBLEMS" --out "$OUT/thesis" 2>&1 \
   | tee "$OUT/thesis.log"
+
+if [ "$(left)" -ge 60 ]; then
+  timeout "$(cap "${QUANT_TIMEOUT:-90}")" $PY bench/gpu_quant.py --device "$DEVICE" "${TINY[@]}" 2>&1 \
+    | tee -a "$OUT/kernels.log"
+fi
 
 if [ "$(left)" -ge 90 ] && [ "$DEVICE" = cuda ]; then
   timeout "$(cap 100000)" $PY bench/thesis_shapes.py --configs graphs --ns 64 --problems "$PROBLEMS" \
