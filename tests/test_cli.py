@@ -26,6 +26,28 @@ def test_bad_input_exits_2(llama_dir, capsys):
     assert "method must be one of" in capsys.readouterr().err
 
 
+def test_kv_cache_dtype_flag_reaches_the_engine(llama_dir, capsys, monkeypatch):
+    """--kv-cache-dtype is the engine's kv_cache_dtype (an FP8 arena); an unknown value exits 2 naming the choices."""
+    import torch
+
+    import treeserve
+
+    made = []
+
+    class Recording(treeserve.LLM):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(treeserve, "LLM", Recording)
+    args = ["generate", "--model", llama_dir, "--raw", "hi", "--max-tokens", "3", "--kv-cache-memory", str(8 << 20)]
+    assert main([*args, "--kv-cache-dtype", "fp8_e4m3"]) == 0
+    assert made[-1].engine.arena.buffer.dtype == torch.float8_e4m3fn
+    with pytest.raises(SystemExit) as exit_:
+        main([*args, "--kv-cache-dtype", "fp8"])
+    assert exit_.value.code == 2 and "invalid choice: 'fp8'" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     from tests.search.step_world import build_step_world
