@@ -93,3 +93,17 @@ def test_cpu_arena_is_zeroed_private_memory_in_huge_pages_where_linux_gives_them
     assert mapping.get("Anonymous", "0 kB") != "0 kB", "the arena is not private anonymous memory (shared: no THP)"
     if mode in ("always", "madvise"):
         assert mapping.get("THPeligible") == "1", mapping
+
+
+def test_an_fp8_view_holds_twice_the_tokens_of_bf16_and_a_scale_pair_a_layer():
+    fp8 = KVLayout(SMALL.num_layers, SMALL.num_kv_heads, SMALL.head_dim, torch.float8_e4m3fn)
+    assert 2 * fp8.token_bytes == SMALL.token_bytes
+    page, sizes = shared_block_sizes([fp8, SMALL], [8, 4])
+    assert page == 4 * SMALL.token_bytes and sizes == [8, 4]  # the FP8 model gets twice the tokens a page
+    pages = PageArena(3, page, "cpu")
+    arena = view(pages, fp8, sizes[0])
+    assert arena.fp8 and arena.scales.tolist() == [[1.0, 1.0]] * fp8.num_layers  # none shipped: 1.0
+    assert arena.layer_scales(1).data_ptr() == arena.scales[1].data_ptr()  # the kernels read the arena's own
+    assert view(pages, SMALL, sizes[1]).layer_scales(0) is None
+    with pytest.raises(ValueError, match=r"KV scales must be fp32 \[2, 2\]"):
+        KVArena(0, 2, 8, 2, 16, torch.float8_e4m3fn, "cpu", pages, scales=torch.ones(2))
