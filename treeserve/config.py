@@ -17,16 +17,17 @@ import torch
 from treeserve.device import resolve_attention_backend, resolve_device
 from treeserve.layers.quant import ACTIVATIONS, kernels_available
 from treeserve.models.gguf_loader import GGUFCheckpoint, is_gguf
-from treeserve.models.loader import QUANTIZATIONS
+from treeserve.models.loader import CHECKPOINT, QUANTIZATIONS, read_hf_config
+from treeserve.models.quantized_checkpoint import read_scheme
 
 log = logging.getLogger(__name__)
 
 DEFAULT_KV_CAP = 1 << 30  # a CPU engine's KV when not told: at most this (and kv_cache_fraction of free memory)
 GPU_MEMORY_FRACTION = 0.9  # on CUDA, the share of free memory an engine or a runtime takes (vLLM's default)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-EXECUTOR_BACKENDS = ("mp", "ray")  # how a parallel engine starts its other ranks (vLLM's names)
 # what the KV pages hold: "auto" the model's dtype; "fp8_e4m3" one byte a value, scaled per layer
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn}
+EXECUTOR_BACKENDS = ("mp", "ray")  # how a parallel engine starts its other ranks (vLLM's names)
 SPECULATIVE_METHODS = ("ngram", "tree", "model")  # where drafts come from (engine/speculative/)
 
 
@@ -39,12 +40,12 @@ def check_model_path(path: str, name: str = "model") -> None:
     raise FileNotFoundError(f"{name} not found (a checkpoint directory or a .gguf file): {path!r}")
 
 
-ASYNC_ENV = "TREESERVE_ASYNC_SCHEDULING"
 def check_kv_cache_dtype(value: object, name: str = "kv_cache_dtype") -> None:
     if not isinstance(value, str) or value not in KV_CACHE_DTYPES:
         raise ValueError(f"{name} must be one of {list(KV_CACHE_DTYPES)}, got {value!r}")
 
 
+ASYNC_ENV = "TREESERVE_ASYNC_SCHEDULING"
 
 
 def resolve_async_scheduling(value: bool | None, device: str, speculating: bool) -> bool:
@@ -205,8 +206,8 @@ class EngineConfig:
     # of it on CUDA (the arena is allocated and zeroed up front, like vLLM's).
     kv_cache_memory: int | None = None
     kv_cache_fraction: float = 0.25
-    enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES (docs/memory.md: an FP8 KV cache)
+    enable_prefix_caching: bool = True
     seed: int = 0
     model_id: str = ""  # salts prefix-cache hashes so two models never share a page
     # "int8": quantise a Hugging Face checkpoint per channel at load; "gguf": run a GGUF file's
@@ -252,8 +253,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
         check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be a positive byte count, got {self.kv_cache_memory}")
         if not 0.0 < self.kv_cache_fraction <= 1.0:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
@@ -285,6 +286,20 @@ class EngineConfig:
         method, gguf = self.quantization, is_gguf(self.model)
         if method not in (None, *QUANTIZATIONS):
             raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} or None, got {method!r}")
+        scheme = None
+        if not gguf and os.path.isfile(os.path.join(self.model, "config.json")):
+            scheme = read_scheme(self.model, read_hf_config(self.model))  # refuses what treeserve does not run
+        if scheme is not None:  # GPTQ / AWQ / compressed-tensors: run as stored, or dense with dequantize=True
+            if method is not None:
+                raise ValueError(f"{self.model!r} is a {scheme.method} checkpoint, quantised already: "
+                                 f"quantization={method!r} does not apply (dequantize=True loads it dense)")
+            if self.dequantize:
+                return None
+            if self.device == "cpu" and not kernels_available():
+                log.warning("%s: the CPU kernels are not built; dequantising the %s weights on load", self.model,
+                            scheme.method)
+                return None
+            return CHECKPOINT
         if method == "int8" and gguf:
             raise ValueError(
                 "quantization='int8' is for Hugging Face checkpoints: a GGUF file runs its own quantised "

@@ -40,8 +40,6 @@ def test_every_transformers_field_is_read_inert_or_refused(model_type):
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("quantization_config", {"quant_method": "compressed-tensors"}, "quant_method 'compressed-tensors'"),
-        ("quantization_config", {"quant_method": "gptq", "bits": 4}, "GPTQ, AWQ and compressed-tensors"),
         ("final_logit_softcapping", 30.0, "final_logit_softcapping"),
         ("attn_logit_softcapping", 50.0, "attn_logit_softcapping"),
         ("is_encoder_decoder", True, "encoder-decoder"),
@@ -54,7 +52,7 @@ def test_a_refused_field_names_itself(field, value, message):
 
 
 def test_refused_fields_at_their_noop_values_load():
-    check_fields({"model_type": "llama", "quantization_config": None, "is_encoder_decoder": False}, "llama")
+    check_fields({"model_type": "llama", "attn_logit_softcapping": None, "is_encoder_decoder": False}, "llama")
 
 
 def test_an_unknown_moe_field_is_refused():

@@ -39,8 +39,7 @@ def _weights(layer: nn.Module, local_rope: bool) -> kernels.LayerWeights | None:
     if not hasattr(mlp, "gate_up_proj"):  # routed experts (Qwen3-MoE): the per-layer path
         return None
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    if any(not isinstance(lin.weight, QuantTensor) or lin.weight.plan.call is None or lin.weight.dtype != torch.bfloat16
-           for lin in linears):  # fmt: skip
+    if not all(_chainable(lin.weight) for lin in linears):
         return None
     if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3: every norm
         norms = (layer.input_layernorm, attn.q_norm, attn.k_norm, layer.post_attention_layernorm,
@@ -57,6 +56,12 @@ def _weights(layer: nn.Module, local_rope: bool) -> kernels.LayerWeights | None:
     plans = [lin.weight.plan for lin in linears]
     biases = tuple(None if lin.bias is None else lin.bias.detach().float().contiguous() for lin in linears)
     return kernels.LayerWeights(*plans, tuple(tensors), biases, attn.window, local_rope)
+
+
+def _chainable(weight: object) -> bool:
+    """A bf16 quantised matrix the C stack multiplies (act-order matrices gather their inputs first: not)."""
+    return (isinstance(weight, QuantTensor) and weight.plan.call is not None and weight.dtype == torch.bfloat16
+            and weight.input_order is None)
 
 
 def _norm_tensor(norm: nn.Module) -> torch.Tensor | None:

@@ -107,6 +107,7 @@ class QuantTensor:
     dtype: torch.dtype = torch.float32
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     activations: str = "int8"  # what the matmul takes activations as: kernels.ACTIVATIONS (`Plan`)
+    input_order: torch.Tensor | None = None  # int64 [cols]: multiply x[..., input_order] (GPTQ act-order)
     _plan: kernels.Plan | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -131,14 +132,17 @@ class QuantTensor:
 
     def to(self, dtype: torch.dtype) -> QuantTensor:
         """The same bytes, computing in `dtype` (the loader's cast)."""
-        return QuantTensor(self.parts, self.cols, dtype, self.device, self.activations)
+        return QuantTensor(self.parts, self.cols, dtype, self.device, self.activations, self.input_order)
 
     @staticmethod
     def cat(tensors: list[QuantTensor]) -> QuantTensor:
         """Row-stack (a fused projection); the parts keep their own formats and bytes."""
         assert len({t.cols for t in tensors}) == 1
         parts, first = [p for t in tensors for p in t.parts], tensors[0]
-        return QuantTensor(parts, first.cols, first.dtype, activations=first.activations)
+        orders = [t.input_order for t in tensors]
+        if any(o is not None for o in orders) and not all(o is not None and torch.equal(o, orders[0]) for o in orders):
+            raise ValueError("row-stacked matrices multiply their inputs in one order (act-order g_idx)")
+        return QuantTensor(parts, first.cols, first.dtype, activations=first.activations, input_order=orders[0])
 
     def slice_rows(self, start: int, stop: int) -> QuantTensor:
         """Output channels [start, stop) (a column-parallel shard), across the parts they fall
@@ -150,12 +154,14 @@ class QuantTensor:
             if lo < hi:
                 parts.append(part.slice_rows(lo - first, hi - first))
             first += part.rows
-        return QuantTensor(parts, self.cols, self.dtype, self.device, self.activations)
+        return QuantTensor(parts, self.cols, self.dtype, self.device, self.activations, self.input_order)
 
     def slice_columns(self, start: int, stop: int) -> QuantTensor:
         """Input columns [start, stop) (a row-parallel shard): whole blocks of every row, the
         file's bytes copied; a ValueError where the slice would cut a block."""
         _check_range("columns", start, stop, self.cols)
+        if self.input_order is not None:
+            raise ValueError("an act-order (g_idx) matrix is not split by columns: its groups mix every rank's inputs")
         parts = [p.slice_columns(start, stop, self.cols) for p in self.parts]
         return QuantTensor(parts, stop - start, self.dtype, self.device, self.activations)
 
@@ -173,15 +179,20 @@ class QuantTensor:
         parts = [p.in_panels(self.cols, formats) for p in self.parts]
         if all(new is old for new, old in zip(parts, self.parts, strict=True)):
             return self
-        return QuantTensor(parts, self.cols, self.dtype, self.device, self.activations)
+        return QuantTensor(parts, self.cols, self.dtype, self.device, self.activations, self.input_order)
 
     def with_activations(self, activations: str) -> QuantTensor:
         """The same bytes, multiplied with activations as `activations` says (kernels.ACTIVATIONS)."""
-        return QuantTensor(self.parts, self.cols, self.dtype, self.device, activations)
+        return QuantTensor(self.parts, self.cols, self.dtype, self.device, activations, self.input_order)
 
     def dequantize(self) -> torch.Tensor:
-        """The fp32 matrix (the reference the kernels are tested against)."""
-        return torch.cat([p.dequantize(torch.arange(p.rows), self.cols) for p in self.parts])
+        """The fp32 matrix in the layer's input order (the reference the kernels are tested against)."""
+        stored = torch.cat([p.dequantize(torch.arange(p.rows), self.cols) for p in self.parts])
+        if self.input_order is None:
+            return stored
+        out = torch.empty_like(stored)
+        out[:, self.input_order] = stored
+        return out
 
 
 def _check_range(what: str, start: int, stop: int, size: int) -> None:
@@ -196,6 +207,8 @@ def quant_linear(x: torch.Tensor, weight: QuantTensor, bias: torch.Tensor | None
     plan says so; otherwise bf16 activations go in as they are where the CPU has bf16 dot
     products (bf16 weights, fp32 sums), and anything else as fp32."""
     plan = weight.plan
+    if weight.input_order is not None:
+        x = x.index_select(-1, weight.input_order)
     bf16 = x.dtype == torch.bfloat16
     fast = plan.fast(x.dtype)
     if fast and bias is None and x.is_contiguous() and x.dtype in (torch.bfloat16, torch.float32):

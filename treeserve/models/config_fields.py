@@ -20,6 +20,7 @@ INERT = {
     "output_hidden_states", "output_router_logits", "pad_token_id", "pretraining_tp", "problem_type", "resid_pdrop",
     "return_dict", "router_aux_loss_coef", "tokenizer_class", "torch_dtype", "transformers_version", "use_cache",
     "classifier_dropout", "token_classification_bias",  # a reward head's: the PRM adapters read its tensors
+    "quantization_config",  # read (or refused) by models/quantized_checkpoint.py, not by the model's config
 }  # fmt: skip
 # pretraining_tp splits Llama's matmuls into slices summed again: the same products in another order.
 
@@ -61,9 +62,6 @@ READ = {
 
 # field -> (the value that changes nothing, why another value is refused)
 REFUSED = {
-    "quantization_config": (None, "a quantised checkpoint ({}): treeserve reads GGUF files and quantises dense "
-                                  "weights itself (quantization='int8'); GPTQ, AWQ and compressed-tensors files "
-                                  "are not supported yet"),
     "is_encoder_decoder": (False, "encoder-decoder models are not supported: treeserve runs causal decoders"),
     "use_bidirectional_attention": (False, "bidirectional attention is not supported: treeserve runs causal decoders"),
     "attn_logit_softcapping": (None, "attention logit soft-capping is not implemented"),

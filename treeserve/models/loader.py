@@ -37,6 +37,7 @@ from torch import nn
 
 from treeserve.layers import pick_kernels
 from treeserve.layers.embedding import Embedding
+from treeserve.layers.group_quant import CheckpointWeight, Fp8Weight, GroupQuantWeight
 from treeserve.layers.linear import Linear
 from treeserve.layers.norm import GemmaRMSNorm, RMSNorm
 from treeserve.layers.quant import QuantTensor, describe, quantize_int8, set_quantized
@@ -44,6 +45,7 @@ from treeserve.models.config import ModelConfig
 from treeserve.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from treeserve.models.gguf_loader import GGUFCheckpoint, is_gguf
 from treeserve.models.llama import LlamaForCausalLM
+from treeserve.models.quantized_checkpoint import CheckpointScheme, quantized_tensors, read_scheme
 from treeserve.models.qwen3_moe import Qwen3MoeForCausalLM
 from treeserve.models.sharding import shard_config, shard_tensor, stage_config, stage_name
 
@@ -60,6 +62,7 @@ ARCHITECTURES: dict[str, tuple[type[ModelConfig], type[LlamaForCausalLM]]] = {
 
 
 QUANTIZATIONS = ("gguf", "int8")
+CHECKPOINT = "checkpoint"  # the resolved quantization of a GPTQ / AWQ / compressed-tensors checkpoint run as stored
 # A checkpoint tensor under these local names must be one the decoder reads: anything else there
 # (a quantisation scale, an expert of another architecture) is an error, never silently dropped.
 # Ignorable: rope tables cached in the checkpoint (`rotary_emb`), the tied LM head's copy. Tensors
@@ -155,6 +158,12 @@ def load_model(
         hf_config, tensors = gguf.config, gguf.tensors(keep_quantized=quantization == "gguf")
     else:
         hf_config, tensors = read_hf_config(model_dir), iter_safetensors(model_dir)
+    scheme = None if is_gguf(model_dir) else read_scheme(model_dir, hf_config)
+    if scheme is not None:
+        if quantization not in (None, CHECKPOINT):
+            raise ValueError(f"{model_dir!r} is a {scheme.method} checkpoint: it runs its own quantisation, "
+                             f"not quantization={quantization!r}")
+        tensors = quantized_tensors(tensors, scheme)
     config = stage_config(shard_config(_config(model_dir, hf_config), tp_rank, tp_size), pp_rank, pp_size)
     model_class = ARCHITECTURES[hf_config["model_type"]][1]
     if quantization == "int8":
@@ -188,23 +197,52 @@ def load_model(
                 f"tensor {name} in {model_dir!r} has shape {tuple(tensor.shape)}, config.json implies {tuple(want)}"
             )
     for name, tensor in list(state.items()):
-        if isinstance(tensor, QuantTensor):
-            module_name, _, attr = name.rpartition(".")
-            module = model.get_submodule(module_name)
-            if isinstance(module, Linear | Embedding):
-                set_quantized(module, attr, tensor.with_activations(quant_activations))
-                del state[name]
-            else:  # a matrix the kernels are not wired for
-                state[name] = tensor.dequantize().to(dtype)
+        if isinstance(tensor, GroupQuantWeight | Fp8Weight):
+            state[name] = tensor = _checkpoint_weight(name, tensor, quantization == CHECKPOINT, dtype, device)
+        if isinstance(tensor, torch.Tensor):
+            continue
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if isinstance(tensor, QuantTensor) and isinstance(module, Linear | Embedding):
+            set_quantized(module, attr, tensor.with_activations(quant_activations))
+            del state[name]
+        elif isinstance(module, Linear) and not isinstance(tensor, QuantTensor):  # CUDA: as the checkpoint stores it
+            set_quantized(module, attr, tensor)
+            del state[name]
+        else:  # a matrix the kernels are not wired for
+            state[name] = tensor.dequantize().to(dtype)
     model.load_state_dict({k: v.to(device) for k, v in state.items()}, assign=True)
     model.init_rope(min(max_positions or config.max_position_embeddings, config.max_position_embeddings), device)
     model.eval().requires_grad_(False)
     pick_kernels(model)
     formats = describe(model)
     label = None if formats is None else ("int8" if quantization == "int8" else f"gguf:{formats}")
+    if scheme is not None:
+        label = _checkpoint_label(scheme, model, quantization == CHECKPOINT)
     if label is not None and quant_activations != "int8":
         label += f", {quant_activations} activations"
     return LoadedModel(model, config, hf_config, extra, label)
+
+
+def _checkpoint_weight(name: str, weight: CheckpointWeight, keep: bool, dtype: torch.dtype,
+                       device: str | torch.device) -> torch.Tensor | CheckpointWeight | QuantTensor:  # fmt: skip
+    """What a quantised checkpoint's layer runs as here: dense when not `keep` (dequantize=True);
+    on a CPU the 8-bit kernels' blocks (FP8: dense, no CPU multiplies it); on CUDA as stored."""
+    if not keep or (isinstance(weight, Fp8Weight) and torch.device(device).type == "cpu"):
+        return weight.dequantize().to(dtype)
+    if torch.device(device).type == "cpu":
+        try:
+            return weight.to_quant_tensor()
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from e
+    return weight
+
+
+def _checkpoint_label(scheme: CheckpointScheme, model: nn.Module, keep: bool) -> str:
+    formats = describe(model)
+    if not keep or formats is None:  # dequantize=True, or FP8 on a CPU
+        return f"{scheme.label}, dequantised"
+    return f"{scheme.label} as {formats}"
 
 
 def random_weights_seed(model_dir: str) -> int | None:
@@ -303,7 +341,7 @@ def _collect_state(
             if local.startswith(DECODER_PREFIXES):
                 raise ValueError(f"checkpoint {model_dir!r} has tensor {hf_name!r} that {type(model).__name__} does "
                                  "not read (a quantised or other-architecture checkpoint?)")  # fmt: skip
-            extra[hf_name] = tensor.dequantize() if isinstance(tensor, QuantTensor) else tensor
+            extra[hf_name] = tensor if isinstance(tensor, torch.Tensor) else tensor.dequantize()
             continue
         pieces = [(part, tensor)] if part is not None else _fused_parts(local, tensor, model)
         for part, piece in pieces:
@@ -363,6 +401,7 @@ def _split_rows(tensor: torch.Tensor | QuantTensor, sizes: list[int]) -> list[to
 
 def _fuse(pieces: list[torch.Tensor | QuantTensor], dtype: torch.dtype) -> torch.Tensor | QuantTensor:
     """Row-stack q/k/v or gate/up: quantised parts stay quantised when all of them are."""
-    if all(isinstance(p, QuantTensor) for p in pieces):
-        return QuantTensor.cat(pieces)
-    return torch.cat([p.dequantize().to(dtype) if isinstance(p, QuantTensor) else p for p in pieces], dim=0)
+    kind = type(pieces[0])
+    if kind is not torch.Tensor and all(type(p) is kind for p in pieces):
+        return kind.cat(pieces)
+    return torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize().to(dtype) for p in pieces], dim=0)

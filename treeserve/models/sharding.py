@@ -118,14 +118,14 @@ def shard_tensor(name: str, tensor: torch.Tensor | QuantTensor, part: str | None
         if name.endswith(".bias"):
             return tensor if rank == 0 else torch.zeros_like(tensor)
         cols = tensor.shape[1] // size
-        if isinstance(tensor, QuantTensor):
+        if not isinstance(tensor, torch.Tensor):  # quantised: whole blocks or groups
             return tensor.slice_columns(rank * cols, (rank + 1) * cols)
         return tensor[:, rank * cols : (rank + 1) * cols].contiguous()
     return tensor  # norms: replicated
 
 
 def _rows(tensor: torch.Tensor | QuantTensor, start: int, stop: int) -> torch.Tensor | QuantTensor:
-    if isinstance(tensor, QuantTensor):
+    if not isinstance(tensor, torch.Tensor):
         return tensor.slice_rows(start, stop)
     return tensor[start:stop].contiguous()
 

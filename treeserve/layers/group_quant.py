@@ -1,0 +1,213 @@
+"""Weights as quantised checkpoints store them: integer codes with group scales, or FP8.
+
+A GPTQ, AWQ or compressed-tensors checkpoint's linear layer arrives here unpacked from the file's
+own layout (`models/quantized_checkpoint.py`) into one of two canonical forms:
+
+- `GroupQuantWeight`: unsigned `bits`-bit codes [n, k] (4 bits: two a byte, column 2j in the low
+  nibble), scales [n, k / group_size], and zero points [n, k / group_size] or None (the symmetric
+  zero 2^(bits-1)). Weight w[r, c] = scale[r, g] * (code[r, c] - zero[r, g]), g = c // group_size.
+  `input_order` (GPTQ act-order) says the stored columns are the inputs in that order: the layer
+  computes x[:, input_order] @ W^T.
+- `Fp8Weight`: float8_e4m3fn [n, k] with an fp32 scale a row.
+
+Fusing (q/k/v, gate/up) and tensor-parallel shards cut these forms (`cat`, `slice_rows`,
+`slice_columns`), then `for_device` turns each into what that device multiplies:
+- on a CPU, integer weights become the 8-bit kernels' blocks (`layers/quant.py`), exactly: 4-bit
+  symmetric codes are Q4_0 (a block's scale its group's), 4-bit codes with zero points Q5_0
+  (code - zero + 16 fits 5 bits), grouped 8-bit Q8_0, per-channel 8-bit our int8 rows. The block
+  formats' scales are fp16: a checkpoint's fp32/bf16 scales are rounded to fp16 (a relative change
+  below 2^-11, far under the 4-bit step; docs/decisions.md). FP8 weights, which no CPU multiplies,
+  are dequantised into the engine's dtype.
+- on CUDA, both stay as they are and `kernels/triton/quant_matmul.py` multiplies them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from treeserve.kernels.cpu import quant as kernels
+from treeserve.layers.quant import QuantPart, QuantTensor
+
+FP16_SCALE_TOLERANCE = 2.0**-10  # largest relative change rounding a scale to fp16 may make
+
+
+@dataclass
+class GroupQuantWeight:
+    codes: torch.Tensor  # uint8 [n, k // 2] (4 bits) or [n, k] (8 bits)
+    bits: int
+    scales: torch.Tensor  # [n, k // group_size], fp16 / bf16 / fp32
+    zeros: torch.Tensor | None  # uint8 [n, k // group_size]; None: 2^(bits-1)
+    group_size: int
+    cols: int
+    input_order: torch.Tensor | None = None  # int64 [cols]
+    activations: str = "weights-only"  # "int8": the checkpoint quantises activations too (W8A8)
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.codes.shape[0], self.cols))
+
+    def to(self, dtype: torch.dtype) -> GroupQuantWeight:
+        return replace(self, dtype=dtype)
+
+    def unpacked(self) -> torch.Tensor:
+        """The codes as int16 [n, k] (one a column)."""
+        if self.bits == 8:
+            return self.codes.to(torch.int16)
+        low, high = (self.codes & 0x0F).to(torch.int16), (self.codes >> 4).to(torch.int16)
+        return torch.stack((low, high), dim=-1).reshape(self.codes.shape[0], self.cols)
+
+    def zero_points(self) -> torch.Tensor:
+        """uint8 [n, groups], the symmetric zero where the checkpoint has none."""
+        if self.zeros is not None:
+            return self.zeros
+        return torch.full(self.scales.shape, 1 << (self.bits - 1), dtype=torch.uint8, device=self.scales.device)
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 matrix in the layer's input order (the reference every path is checked against)."""
+        repeat = lambda t: t.repeat_interleave(self.group_size, dim=1)  # noqa: E731
+        w = (self.unpacked() - repeat(self.zero_points()).to(torch.int16)).float() * repeat(self.scales.float())
+        if self.input_order is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.input_order] = w
+        return out
+
+    def slice_rows(self, start: int, stop: int) -> GroupQuantWeight:
+        zeros = None if self.zeros is None else self.zeros[start:stop]
+        return replace(self, codes=self.codes[start:stop], scales=self.scales[start:stop], zeros=zeros)
+
+    def slice_columns(self, start: int, stop: int) -> GroupQuantWeight:
+        """Input columns [start, stop): whole groups (a row-parallel shard)."""
+        if self.input_order is not None:
+            raise ValueError(
+                "an act-order (g_idx) GPTQ matrix is not split by columns: its groups mix every "
+                "rank's inputs; run it with tensor_parallel_size=1"
+            )
+        if start % self.group_size or stop % self.group_size:
+            raise ValueError(f"columns [{start}, {stop}) cut {self.group_size}-column quantisation groups")
+        per_byte = 8 // self.bits
+        groups = slice(start // self.group_size, stop // self.group_size)
+        zeros = None if self.zeros is None else self.zeros[:, groups].contiguous()
+        return replace(
+            self,
+            codes=self.codes[:, start // per_byte : stop // per_byte].contiguous(),
+            scales=self.scales[:, groups].contiguous(),
+            zeros=zeros,
+            cols=stop - start,
+        )
+
+    @staticmethod
+    def cat(weights: list[GroupQuantWeight]) -> GroupQuantWeight:
+        """Row-stack a fused projection's parts: one bits, group size and input order."""
+        first = weights[0]
+        for w in weights[1:]:
+            kind = (w.bits, w.group_size, w.cols, w.activations)
+            if kind != (first.bits, first.group_size, first.cols, first.activations):
+                raise ValueError(
+                    f"a fused projection's parts are quantised differently: {kind} beside "
+                    f"{(first.bits, first.group_size, first.cols, first.activations)}"
+                )
+            if not _same_order(w.input_order, first.input_order):
+                raise ValueError(
+                    "a fused projection's parts have different act-order permutations (g_idx): "
+                    "not supported (q/k/v and gate/up share their input, so GPTQ gives them one)"
+                )
+        has_zeros = any(w.zeros is not None for w in weights)
+        zeros = torch.cat([w.zero_points() for w in weights]) if has_zeros else None
+        return replace(
+            first,
+            codes=torch.cat([w.codes for w in weights]),
+            scales=torch.cat([w.scales for w in weights]),
+            zeros=zeros,
+        )
+
+    def to_quant_tensor(self) -> QuantTensor:
+        """The CPU kernels' blocks of this matrix, the same weights (module docstring)."""
+        n, k = self.shape
+        if k % 32 or self.group_size % 32:
+            raise ValueError(
+                f"the CPU kernels take groups of a multiple of 32 columns, got {self.group_size} over {k} columns"
+            )
+        scales = self.scales.float()
+        codes = self.unpacked()
+        if self.bits == 8 and self.zeros is None and self.group_size == k:
+            values = (codes - 128).to(torch.int8).view(torch.uint8)
+            part = QuantPart(kernels.I8, values.contiguous(), scales[:, 0].contiguous())
+        else:
+            part = _blocks(codes, self.zero_points(), scales, self.group_size, self.bits)
+        return QuantTensor([part], k, self.dtype, input_order=self.input_order)
+
+
+def _same_order(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+
+def _blocks(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int, bits: int) -> QuantPart:
+    """Q4_0 (4-bit, the symmetric zero), Q5_0 (4-bit with zero points) or Q8_0 (8-bit, symmetric)
+    blocks of 32 columns: d = the group's scale in fp16, codes shifted so d * value is the weight."""
+    n, k = codes.shape
+    per_block = lambda t: t.repeat_interleave(group // 32, dim=1)  # noqa: E731  [n, k / 32]
+    d = per_block(scales).to(torch.float16)
+    change = ((d.float() - per_block(scales)).abs() / per_block(scales).abs().clamp_min(1e-30)).max()
+    if change > FP16_SCALE_TOLERANCE:
+        raise ValueError(
+            f"a group scale changes by {float(change):.2g} (relative) in fp16, the CPU blocks' scale "
+            "type; load with dequantize=True to run this matrix dense"
+        )
+    signed = codes.view(n, k // 32, 32) - per_block(zeros).to(torch.int16).unsqueeze(-1)  # the weight / d
+    symmetric = bool((zeros == (1 << (bits - 1))).all())
+    scale_bytes = d.view(torch.uint8).view(n, k // 32, 2)
+    if bits == 8:
+        if not symmetric:
+            raise ValueError(
+                "8-bit codes with zero points do not fit the CPU's 8-bit blocks; load with "
+                "dequantize=True to run this matrix dense"
+            )
+        blocks = torch.cat((scale_bytes, signed.to(torch.int8).view(torch.uint8)), dim=-1)
+        return QuantPart(kernels.QTYPES["Q8_0"], blocks.reshape(n, -1).contiguous())
+    if symmetric:  # Q4_0: d, then 16 bytes: column j in the low nibble of byte j, column j + 16 in the high
+        u = (signed + 8).to(torch.uint8)
+        blocks = torch.cat((scale_bytes, u[..., :16] | (u[..., 16:] << 4)), dim=-1)
+        return QuantPart(kernels.QTYPES["Q4_0"], blocks.reshape(n, -1).contiguous())
+    # Q5_0: d, 4 bytes of fifth bits (bit j: column j's), 16 bytes of low nibbles as Q4_0's
+    u = (signed + 16).to(torch.int32)
+    high = ((u >> 4) & 1) << torch.arange(32, dtype=torch.int32)
+    qh = high.sum(dim=-1, dtype=torch.int64).view(n, k // 32, 1).view(torch.uint8)[..., :4]  # little-endian
+    low = (u & 0x0F).to(torch.uint8)
+    blocks = torch.cat((scale_bytes, qh, low[..., :16] | (low[..., 16:] << 4)), dim=-1)
+    return QuantPart(kernels.QTYPES["Q5_0"], blocks.reshape(n, -1).contiguous())
+
+
+@dataclass
+class Fp8Weight:
+    weight: torch.Tensor  # float8_e4m3fn [n, k]
+    scales: torch.Tensor  # fp32 [n]
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    def to(self, dtype: torch.dtype) -> Fp8Weight:
+        return replace(self, dtype=dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight.float() * self.scales.float().unsqueeze(1)
+
+    def slice_rows(self, start: int, stop: int) -> Fp8Weight:
+        return replace(self, weight=self.weight[start:stop], scales=self.scales[start:stop])
+
+    def slice_columns(self, start: int, stop: int) -> Fp8Weight:
+        return replace(self, weight=self.weight[:, start:stop].contiguous())
+
+    @staticmethod
+    def cat(weights: list[Fp8Weight]) -> Fp8Weight:
+        return replace(
+            weights[0], weight=torch.cat([w.weight for w in weights]), scales=torch.cat([w.scales for w in weights])
+        )
+
+
+CheckpointWeight = GroupQuantWeight | Fp8Weight
