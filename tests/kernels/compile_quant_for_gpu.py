@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -15,6 +16,8 @@ from triton.compiler import ASTSource
 from treeserve.kernels.triton import quant_matmul as qm
 
 TARGETS = {"sm80": GPUTarget("cuda", 80, 32), "sm90": GPUTarget("cuda", 90, 32)}
+SHARED_BYTES = {"sm80": 166912, "sm90": 232448}  # the most shared memory a block may take
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def compiles(kernel: triton.JITFunction, args: dict, options: dict, label: str, targets: tuple[str, ...]) -> bool:
@@ -28,7 +31,9 @@ def compiles(kernel: triton.JITFunction, args: dict, options: dict, label: str, 
     ok = True
     for name in targets:
         try:
-            triton.compile(ASTSource(kernel, signature, constants), target=TARGETS[name], options=options)
+            compiled = triton.compile(ASTSource(kernel, signature, constants), target=TARGETS[name], options=options)
+            if compiled.metadata.shared > SHARED_BYTES[name]:
+                raise RuntimeError(f"{compiled.metadata.shared} bytes of shared memory, {SHARED_BYTES[name]} at most")
             print(f"ok   {name} {label}")
         except Exception as e:  # noqa: BLE001 - report every failure, then exit 1
             print(f"FAIL {name} {label}: {type(e).__name__}: {str(e)[:1500]}")
@@ -41,6 +46,7 @@ DEQUANT = [  # (dtype, FORMAT, zeros, partial, bias, rows, targets): each branch
     ("bf16", 4, False, False, True, 512, ("sm90",)),
     ("fp16", 8, True, False, True, 33, ("sm90",)),
     ("fp32", 8, False, True, False, 1, ("sm90",)),
+    ("fp32", 4, True, False, True, 512, ("sm80",)),  # the largest tile's shared memory
     ("bf16", qm.FP8_FORMAT, False, False, True, 33, ("sm80", "sm90")),  # W8A16 is for cards without FP8
     ("fp16", qm.FP8_FORMAT, False, True, False, 1, ("sm80",)),
 ]
@@ -71,7 +77,7 @@ def main() -> int:
             BLOCK_N=block_n,
             BLOCK_K=128,
         )
-        options = dict(num_warps=warps, num_stages=3, enable_fp_fusion=False)
+        options = dict(num_warps=warps, num_stages=qm.pipeline_stages(DTYPES[dt]), enable_fp_fusion=False)
         label = f"dequant {dt} format={fmt} zeros={has_zeros} partial={partial} m<={rows}"
         ok &= compiles(qm._dequant_gemm, args, options, label, targets)
     args = dict(

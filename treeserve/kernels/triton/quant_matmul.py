@@ -73,6 +73,12 @@ def tile_for(m: int) -> tuple[int, int, int]:
     return next(t[1:] for t in TILES if m <= t[0])
 
 
+def pipeline_stages(x_dtype: torch.dtype) -> int:
+    """Software-pipeline depth: 3, or 2 for fp32 x, whose 128 x 128 tiles at 3 stages need 192 KiB
+    of shared memory (an A100 has 163)."""
+    return 2 if x_dtype == torch.float32 else 3
+
+
 def block_k(group_size: int) -> int:
     """The widest of 128, 64, 32 dividing the group: a tile never spans two groups."""
     return next(b for b in (128, 64, 32) if group_size % b == 0)
@@ -220,53 +226,17 @@ def _weight_gemm(
     split = m <= DECODE_ROWS and chunks > 1
     part = torch.empty(chunks, m, n, dtype=torch.float32, device=x.device) if split else out
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), chunks if split else 1)
-    _dequant_gemm[grid](
-        x,
-        weight,
-        scales,
-        scales if zeros is None else zeros,
-        out if bias is None else bias,
-        part,
-        m,
-        n,
-        k,
-        group_size,
-        k_tiles,
-        per_chunk,
-        1 if split else chunks,
-        x.stride(0),
-        weight.stride(0),
-        scales.stride(0),
-        0 if zeros is None else zeros.stride(0),
-        n,
-        m * n,
-        FORMAT=fmt,
-        ZERO=2 ** (fmt - 1) if fmt else 0,
-        HAS_ZEROS=zeros is not None,
-        HAS_BIAS=bias is not None,
-        PARTIAL=split,
-        UPCAST=x.device.type == "cpu",
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=bk,
-        num_warps=warps,
-        num_stages=3,
-        enable_fp_fusion=False,
-    )
+    pointers = (x, weight, scales, scales if zeros is None else zeros, out if bias is None else bias, part)
+    sizes = (m, n, k, group_size, k_tiles, per_chunk, 1 if split else chunks)
+    strides = (x.stride(0), weight.stride(0), scales.stride(0), 0 if zeros is None else zeros.stride(0), n, m * n)
+    flags = dict(FORMAT=fmt, ZERO=2 ** (fmt - 1) if fmt else 0, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None)
+    flags.update(PARTIAL=split, UPCAST=x.device.type == "cpu", enable_fp_fusion=False)
+    tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, num_warps=warps, num_stages=pipeline_stages(x.dtype))
+    _dequant_gemm[grid](*pointers, *sizes, *strides, **flags, **tiles)
     if split:
-        block = 1024
-        _sum_chunks[(triton.cdiv(m * n, block),)](
-            part,
-            out if bias is None else bias,
-            out,
-            m * n,
-            n,
-            CHUNKS=chunks,
-            HAS_BIAS=bias is not None,
-            BLOCK=block,
-            num_warps=4,
-            enable_fp_fusion=False,
-        )
+        block, bias_or_out = 1024, out if bias is None else bias
+        flags = dict(CHUNKS=chunks, HAS_BIAS=bias is not None, BLOCK=block, enable_fp_fusion=False)
+        _sum_chunks[(triton.cdiv(m * n, block),)](part, bias_or_out, out, m * n, n, **flags)
     return out
 
 
@@ -429,27 +399,11 @@ def int8_matmul_triton(
         return out
     weight = weight.contiguous()
     block_m, block_n, warps = tile_for(m)
-    _int8_gemm[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
-        x_q,
-        weight,
-        x_scale,
-        w_scale,
-        out if bias is None else bias,
-        out,
-        m,
-        n,
-        k,
-        x_q.stride(0),
-        weight.stride(0),
-        out.stride(0),
-        HAS_BIAS=bias is not None,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=INT8_BLOCK_K,
-        num_warps=warps,
-        num_stages=3,
-        enable_fp_fusion=False,
-    )
+    pointers = (x_q, weight, x_scale, w_scale, out if bias is None else bias, out)
+    sizes = (m, n, k, x_q.stride(0), weight.stride(0), out.stride(0))
+    tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=INT8_BLOCK_K, num_warps=warps, num_stages=3)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _int8_gemm[grid](*pointers, *sizes, HAS_BIAS=bias is not None, **tiles, enable_fp_fusion=False)
     return out
 
 
