@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from tests.quantized_files import awq_pack, write_awq, write_compressed_tensors
 from tests.tiny_models import build_checkpoint
 from treeserve import LLM, SamplingParams, ScoreParams
+from treeserve.layers.group_quant import Fp8Weight, GroupQuantWeight, checkpoint_linear
 from treeserve.layers.quant import QuantTensor, kernels_available
 from treeserve.models.loader import iter_safetensors, read_hf_config
 from treeserve.models.quantized_checkpoint import quantized_tensors, read_scheme
@@ -40,6 +41,11 @@ IDS = list(range(3, 40))
 def _logits(llm: LLM) -> torch.Tensor:
     out = llm.score([IDS], ScoreParams(positions=list(range(len(IDS))), return_hidden_states=True))[0]
     return llm.engine.model.compute_logits(out.hidden_states)
+
+
+def _stored_weights(path: str) -> dict[str, GroupQuantWeight | Fp8Weight]:
+    scheme = read_scheme(path, read_hf_config(path))
+    return {name: w for name, w in quantized_tensors(iter_safetensors(path), scheme) if not isinstance(w, torch.Tensor)}
 
 
 def _read_weights(path: str) -> dict[str, torch.Tensor]:
@@ -135,6 +141,44 @@ def test_awq_unpacks_and_runs(dense, make_llm, tmp_path):
     assert quantised.engine.quantization == "awq(awq:w4a16) as Q5_0, bf16 activations"
     ref = _logits(reference)
     torch.testing.assert_close(_logits(quantised), ref, rtol=0, atol=1e-5 * float(ref.abs().max()) + 1e-5)
+
+
+def test_stored_weights_multiply_as_the_gpu_kernels_take_them(compressed):
+    """What a CUDA engine runs (`checkpoint_linear` over the weights as stored); CPU tensors take
+    the kernels' references, the Triton kernels themselves are held to those in
+    tests/kernels/test_triton_quant_matmul.py. W8A8 rounds activations per row (exact integer sums)."""
+    paths = [str(FIXTURES / name) for name in GPTQ] + [
+        compressed[name] for name in ("W4A16_ASYM", "W8A8", "FP8_DYNAMIC")
+    ]
+    torch.manual_seed(0)
+    for path in paths:
+        for name, stored in _stored_weights(path).items():
+            weight = stored.on(torch.device("cpu"))
+            x = torch.randn(3, weight.shape[1])
+            if isinstance(weight, GroupQuantWeight) and weight.int8_rows is not None:  # x rounded per row
+                step = x.abs().amax(dim=1, keepdim=True) / 127
+                x_used = (x / step).round().clamp(-127, 127) * step
+            else:
+                x_used = x
+            expected = x_used @ weight.dequantize().t()
+            torch.testing.assert_close(checkpoint_linear(x, weight), expected, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_an_engine_runs_weights_as_stored(monkeypatch, make_llm):
+    """A CUDA engine's wiring on a CPU: the loader keeps the weights as stored (as on CUDA), the
+    Linear layers pick `checkpoint_linear`, the planner counts their bytes, the logits match."""
+    from treeserve.models import loader
+    from treeserve.runtime.planner import weight_bytes
+
+    path = str(FIXTURES / "gptq-4bit-asym-act-order")
+    dense = make_llm(path, dequantize=True)
+    monkeypatch.setattr(loader, "_checkpoint_weight", lambda name, weight, keep, dtype, device: weight.on(device))
+    stored = make_llm(path)
+    layer = stored.engine.model.layers[0].self_attn.qkv_proj
+    assert isinstance(layer.weight, GroupQuantWeight) and layer.kernel is checkpoint_linear
+    assert weight_bytes(stored.engine.model) < weight_bytes(dense.engine.model)
+    ref = _logits(dense)
+    torch.testing.assert_close(_logits(stored), ref, rtol=0, atol=1e-5 * float(ref.abs().max()) + 1e-5)
 
 
 def test_awq_pack_order_is_autoawqs():

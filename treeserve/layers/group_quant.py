@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+from torch import nn
 
 from treeserve.kernels.cpu import quant as kernels
 from treeserve.layers.quant import QuantPart, QuantTensor
@@ -44,13 +45,36 @@ class GroupQuantWeight:
     input_order: torch.Tensor | None = None  # int64 [cols]
     activations: str = "weights-only"  # "int8": the checkpoint quantises activations too (W8A8)
     dtype: torch.dtype = torch.float32
+    int8_rows: torch.Tensor | None = None  # W8A8 per channel on CUDA: the codes as signed int8 (`on`)
 
     @property
     def shape(self) -> torch.Size:
         return torch.Size((self.codes.shape[0], self.cols))
 
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
     def to(self, dtype: torch.dtype) -> GroupQuantWeight:
         return replace(self, dtype=dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.codes, self.scales, self.zeros, self.input_order, self.int8_rows) if t is not None]
+
+    def on(self, device: torch.device) -> GroupQuantWeight:
+        """This weight on `device`, as its kernels there take it (`checkpoint_linear`)."""
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        int8 = None
+        if self.activations == "int8" and self.bits == 8 and self.zeros is None and self.group_size == self.cols:
+            int8 = (self.codes.to(torch.int16) - 128).to(torch.int8)
+        return replace(
+            self,
+            codes=move(self.codes),
+            scales=move(self.scales),
+            zeros=move(self.zeros),
+            input_order=move(self.input_order),
+            int8_rows=move(int8),
+        )
 
     def unpacked(self) -> torch.Tensor:
         """The codes as int16 [n, k] (one a column)."""
@@ -191,8 +215,18 @@ class Fp8Weight:
     def shape(self) -> torch.Size:
         return self.weight.shape
 
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
     def to(self, dtype: torch.dtype) -> Fp8Weight:
         return replace(self, dtype=dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.weight, self.scales]
+
+    def on(self, device: torch.device) -> Fp8Weight:
+        return replace(self, weight=self.weight.to(device), scales=self.scales.to(device))
 
     def dequantize(self) -> torch.Tensor:
         return self.weight.float() * self.scales.float().unsqueeze(1)
@@ -211,3 +245,33 @@ class Fp8Weight:
 
 
 CheckpointWeight = GroupQuantWeight | Fp8Weight
+
+
+def checkpoint_linear(x: torch.Tensor, weight: CheckpointWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for a checkpoint's weight kept as stored: on CUDA the Triton / cuBLAS kernels, on
+    CPU tensors those kernels' PyTorch references (which need no triton)."""
+    if x.device.type == "cuda":
+        from treeserve.kernels.triton.quant_matmul import fp8_matmul, int8_matmul, int_weight_matmul
+    else:
+        from treeserve.kernels.quant_reference import fp8_matmul_reference as fp8_matmul
+        from treeserve.kernels.quant_reference import int8_matmul_reference as int8_matmul
+        from treeserve.kernels.quant_reference import int_weight_matmul_reference as int_weight_matmul
+    rows = x.reshape(-1, x.shape[-1])
+    if isinstance(weight, Fp8Weight):
+        out = fp8_matmul(rows, weight.weight, weight.scales, bias)
+    elif weight.int8_rows is not None:
+        out = int8_matmul(rows, weight.int8_rows, weight.scales[:, 0].float(), bias)
+    else:
+        w = weight
+        out = int_weight_matmul(rows, w.codes, w.bits, w.scales, w.zeros, w.group_size, w.input_order, bias)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def checkpoint_weights(model: nn.Module) -> dict[str, CheckpointWeight]:
+    """Every weight of `model` kept as a checkpoint stores it, by dotted name."""
+    found = {}
+    for prefix, module in model.named_modules():
+        for name, value in vars(module).items():
+            if isinstance(value, GroupQuantWeight | Fp8Weight):
+                found[f"{prefix}.{name}" if prefix else name] = value
+    return found

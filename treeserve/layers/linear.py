@@ -35,6 +35,7 @@ from torch import nn
 
 from treeserve.kernels import cpu as cpu_kernels
 from treeserve.kernels.cpu import avx2
+from treeserve.layers.group_quant import Fp8Weight, GroupQuantWeight, checkpoint_linear
 from treeserve.layers.quant import QuantTensor, dense_panels, dense_panels_supported, quant_linear, set_quantized
 
 LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -66,10 +67,12 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return row_invariant_linear(x.float(), weight, bias).to(torch.bfloat16)
 
 
-def linear_kernel(weight: torch.Tensor | QuantTensor) -> LinearKernel:
+def linear_kernel(weight: torch.Tensor | QuantTensor | GroupQuantWeight | Fp8Weight) -> LinearKernel:
     """The matmul with F.linear's semantics that suits `weight`'s format, device and dtype."""
     if isinstance(weight, QuantTensor):
         return quant_linear
+    if isinstance(weight, GroupQuantWeight | Fp8Weight):  # a quantised checkpoint's, on CUDA
+        return checkpoint_linear
     if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and cpu_kernels.bf16_built():
         return cpu_kernels.linear
     if avx2.supports(weight):  # (built only where the CPU has no bf16 products)

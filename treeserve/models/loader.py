@@ -235,7 +235,7 @@ def _checkpoint_weight(name: str, weight: CheckpointWeight, keep: bool, dtype: t
             return weight.to_quant_tensor()
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from e
-    return weight
+    return weight.on(torch.device(device))
 
 
 def _checkpoint_label(scheme: CheckpointScheme, model: nn.Module, keep: bool) -> str:

@@ -32,6 +32,7 @@ import torch
 from treeserve.config import DEFAULT_KV_CAP, GPU_MEMORY_FRACTION
 from treeserve.device import total_memory
 from treeserve.engine.llm_engine import LLMEngine
+from treeserve.layers.group_quant import checkpoint_weights
 from treeserve.layers.quant import quantized_weights
 from treeserve.sampling_params import ScoreParams
 
@@ -177,6 +178,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
     tensors = list(model.state_dict().values())
     for weight in quantized_weights(model).values():
         tensors += [t for part in weight.parts for t in (part.data, part.scales) if t is not None]
+    for stored in checkpoint_weights(model).values():
+        tensors += stored.tensors()
     ranges = sorted({(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors if t.numel()})
     total, reached = 0, 0
     for start, end in ranges:
