@@ -120,6 +120,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fraction_or_off(text: str) -> float | None:
+    """`--budget-fraction`'s value: a number (SearchConfig checks its range), or "off" for None."""
+    if text.strip().lower() in ("off", "none"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1] or 'off', got {text!r}") from None
+
+
 def _add_search_flags(p: argparse.ArgumentParser) -> None:
     from treeserve.search.context import STRATEGIES, SearchConfig
 
@@ -157,6 +167,13 @@ def _add_search_flags(p: argparse.ArgumentParser) -> None:
                    help="with --adaptive: tokens the run may sample and feed the PRM, an equal share a problem; "
                         "problems grow within their share and narrow past it, the least settled first "
                         "(docs/adaptive.md)")  # fmt: skip
+    p.add_argument(
+        "--budget-fraction",
+        type=_fraction_or_off,
+        default=d.budget_fraction,
+        help="with --adaptive and no --budget-tokens: the run picks its budget, for a mean width this far from "
+        f"--first-width to --n (default {d.budget_fraction}, calibrated; off: no budget; docs/adaptive.md)",
+    )
     p.add_argument("--reward-temperature", type=float, default=d.reward_temperature,
                    help="rebase, particle_filtering: the softmax temperature over rewards (default 0.2 for rebase, "
                         "1.0 for particle_filtering; lower is greedier)")  # fmt: skip

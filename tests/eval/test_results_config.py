@@ -87,3 +87,23 @@ def test_a_journal_from_before_the_verifier_and_reasoning_resumes(tmp_path):
     settings.verifier = ModelSettings("/models/orm")
     with pytest.raises(ValueError, match="verifier"):
         Journal.open(path, run_config(settings, SearchConfig(), [PROBLEM]), resume=True)
+
+
+def test_an_adaptive_journal_from_before_the_picked_budget_resumes_without_one(tmp_path):
+    """An adaptive run without budget_tokens written before the run picked its own budget ran with
+    none: it reads as budget_fraction None, so today's default (a picked budget) is another run and
+    `--budget-fraction off` resumes it; runs the change did not touch read at the default."""
+    settings = EvalSettings(progress=False)
+    config = json.loads(json.dumps(run_config(settings, SearchConfig(adaptive=True), [PROBLEM])))
+    before = config | {"search": {k: v for k, v in config["search"].items() if k != "budget_fraction"}}
+    assert upgrade_config(before)["search"]["budget_fraction"] is None
+    for unchanged in ({"adaptive": False}, {"budget_tokens": 1000}):  # fixed N; a budget given
+        old = before | {"search": before["search"] | unchanged}
+        assert upgrade_config(old)["search"]["budget_fraction"] == SearchConfig().budget_fraction
+    path = journal_path(tmp_path / "results.json")
+    path.write_text(json.dumps({"journal": 1, "config": before}) + "\n")
+    with pytest.raises(ValueError, match="budget_fraction"):
+        Journal.open(path, config, resume=True)
+    off = run_config(settings, SearchConfig(adaptive=True, budget_fraction=None), [PROBLEM])
+    Journal.open(path, json.loads(json.dumps(off)), resume=True).close()
+    assert upgrade_config(config) == config  # written with it: read as written

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import math
+from dataclasses import replace
 
 import pytest
 
 from treeserve.eval.arith import arith_dataset
 from treeserve.eval.grading import extract_answer
+from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM
 from treeserve.runtime.runtime import Runtime
 from treeserve.search.certainty import reward_certainty, vote_certainty
 from treeserve.search.context import SearchConfig, SearchContext
@@ -71,10 +73,27 @@ def test_reward_certainty_weighs_answers_by_the_prm():
     ({"adaptive": True, "first_width": 6, "beam_width": 4}, "must be a multiple of beam_width"),
     ({"adaptive": True, "budget_tokens": -5}, "budget_tokens must be a positive"),
     ({"budget_tokens": 1000}, "needs adaptive=True"),
+    ({"adaptive": True, "budget_fraction": 1.5}, "budget_fraction must be in"),
+    ({"adaptive": True, "budget_fraction": -0.1}, "budget_fraction must be in"),
+    ({"budget_fraction": "0.3"}, "budget_fraction must be in"),
 ])  # fmt: skip
 def test_bad_values_are_refused(bad, message):
     with pytest.raises(ValueError, match=message):
         SearchConfig(**bad)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"strategy": "rebase"}, "adaptive search is"), ({"strategy": "mcts"}, "adaptive search is"),
+    ({"strategy": "dvts", "first_width": 6}, "must be a multiple of beam_width"),
+    ({"certainty": 1.5}, "certainty must be in"), ({"budget_tokens": 0}, "budget_tokens must be a positive"),
+])  # fmt: skip
+def test_adaptive_with_its_picked_budget_refuses_what_it_refused(config, message):
+    """The default budget (picked by the run) changes no check: adaptive alone, with the default
+    budget_fraction, refuses what it refused before; budget_fraction alone is no error."""
+    assert SearchConfig(adaptive=True).budget_fraction is not None
+    with pytest.raises(ValueError, match=message):
+        SearchConfig(adaptive=True, **config)
+    SearchConfig(budget_fraction=0.5)  # read only by adaptive search, like certainty
 
 
 def test_adaptive_search_needs_an_answer_rule(runtime):
@@ -120,11 +139,12 @@ def test_dvts_counts_one_vote_a_subtree(runtime):
 @pytest.mark.parametrize("strategy", ["beam_search", "dvts", "majority", "best_of_n"])
 def test_a_settled_problem_stops_early_and_spends_less(runtime, strategy):
     """A low threshold: every problem stops before its full width or its last iteration, having
-    sampled fewer tokens than the fixed search; the record says where and why."""
+    sampled fewer tokens than the fixed search; the record says where and why (no budget: one
+    narrows them, below)."""
     steps = strategy in ("beam_search", "dvts")  # max_tokens: per step, else per whole solution
     kwargs = {"strategy": strategy, "n": 16, "beam_width": 4, "num_iterations": 6, "max_tokens": 48 if steps else 256}
     fixed, _ = search(runtime, PROBLEMS, **kwargs)
-    adaptive, _ = search(runtime, PROBLEMS, adaptive=True, certainty=0.6, **kwargs)
+    adaptive, _ = search(runtime, PROBLEMS, adaptive=True, certainty=0.6, budget_fraction=None, **kwargs)
     for before, after in zip(fixed, adaptive, strict=True):
         assert before.stop is None and after.stop is not None
         stop = after.stop
@@ -137,8 +157,10 @@ def test_a_settled_problem_stops_early_and_spends_less(runtime, strategy):
 
 
 def test_a_problems_decisions_read_only_its_own_tree(runtime):
-    """Alone or beside other problems: the same beams, the same stop."""
-    kwargs = {"adaptive": True, "certainty": 0.7, "n": 16, "num_iterations": 6, "max_tokens": 48}
+    """Alone or beside other problems: the same beams, the same stop (without a budget: the one the
+    run picks reads the problems that ended before)."""
+    kwargs = {"adaptive": True, "certainty": 0.7, "n": 16, "num_iterations": 6, "max_tokens": 48,
+              "budget_fraction": None}  # fmt: skip
     together, _ = search(runtime, PROBLEMS, **kwargs)
     for problem, result in zip(PROBLEMS, together, strict=True):
         [alone], _ = search(runtime, [problem], **kwargs)
@@ -185,7 +207,7 @@ def test_optimised_equals_reference_with_stops(runtime, strategy):
     in flight) against the plain reference path, the same stops and beams."""
     certainty = 0.6 if strategy == "beam_search" else 0.8  # DVTS: one subtree's vote alone is 0.75
     config = SearchConfig(strategy=strategy, n=16, num_iterations=6, max_tokens=48, adaptive=True,
-                          certainty=certainty, seed=1)  # fmt: skip
+                          certainty=certainty, seed=1, budget_fraction=None)  # fmt: skip
     problems = PROBLEMS + [(r["unique_id"], r["problem"]) for r in arith_dataset(size=2, seed=0, levels=(1,))]
     prm = load_prm(runtime, "prm", None)
     fast = asyncio.run(search_problems(SearchContext(config, runtime, "generator", prm, answer_of=boxed), problems))
@@ -223,7 +245,8 @@ def test_a_budget_is_paced_over_the_runs_problems():
     ctx.generated_tokens = 700
     ctx.decide(c, 3, 8, 0.95, exhausted=False, grows=False)  # c settles, 50 tokens short of its share
     assert ctx.surplus == -50 and "c" not in ctx.certainties
-    ctx.surplus = 600.0  # shares left unspent: split among the problems in flight
+    assert "budget_tokens" not in c.stop  # given, not picked
+    ctx.ended, ctx.ended_spent = 3, 150  # shares left unspent (600): split among the problems in flight
     assert not ctx.over_pace(b)  # 300 < 250 + 600 / 3
     assert ctx.next_width(b, 8, widths) == 16
 
@@ -233,7 +256,7 @@ def test_sampling_rounds_stop_for_the_budget(runtime):
     the run spends less, and every problem leaves the budget's table."""
     kwargs = {"strategy": "majority", "n": 16, "num_iterations": 6, "max_tokens": 256, "adaptive": True,
               "certainty": 0.99}  # fmt: skip
-    free, free_ctx = search(runtime, PROBLEMS, **kwargs)
+    free, free_ctx = search(runtime, PROBLEMS, budget_fraction=None, **kwargs)
     capped, ctx = search(runtime, PROBLEMS, budget_tokens=free_ctx.spent_tokens // 3, **kwargs)
     assert "budget" in {r.stop["reason"] for r in capped}
     assert ctx.spent_tokens < free_ctx.spent_tokens
@@ -249,10 +272,85 @@ def test_beam_search_narrows_for_the_budget_and_starves_no_problem(runtime):
     width once the budget is spent, and every one runs to its end, settled or exhausted."""
     kwargs = {"strategy": "beam_search", "n": 16, "num_iterations": 6, "max_tokens": 48, "adaptive": True,
               "certainty": 0.99, "max_concurrent_problems": 1}  # fmt: skip
-    free, free_ctx = search(runtime, PROBLEMS, **kwargs)
+    free, free_ctx = search(runtime, PROBLEMS, budget_fraction=None, **kwargs)
     capped, ctx = search(runtime, PROBLEMS, budget_tokens=free_ctx.spent_tokens // 3, **kwargs)
     assert ctx.spent_tokens < free_ctx.spent_tokens
     assert not ctx.certainties
     assert {r.stop["reason"] for r in capped} <= {"settled", "exhausted"}
     assert any(r.stop["widths"] != sorted(r.stop["widths"]) for r in capped)  # some problem narrowed
     assert len(capped[-1].stop["widths"]) > 1  # the last problem ran on past its first decision
+
+
+def test_the_run_picks_its_budget_from_the_problems_that_ended():
+    """Adaptive alone over a run's problems: no budget until a problem ends; then the problems x
+    the mean width first_width + budget_fraction x (n - first_width) x the tokens a beam's search
+    cost, on average over the problems ended (beam search: each iteration's spend over its width;
+    sampling rounds: all of it over the samples), recorded in each stop as it stood then."""
+    config = SearchConfig(n=16, adaptive=True, first_width=4, budget_fraction=0.25)
+    ctx = SearchContext(config, None, "generator", None, answer_of=boxed)
+    assert not ctx.paced and ctx.budget is None  # one search (/v1/search): no problem set to pick it from
+    ctx.expect(10)
+    widths = config.widths()
+    a, b = Problem("a", "a", []), Problem("b", "b", [])
+    a.generated_tokens = 400
+    assert ctx.decide(a, 0, 4, 0.0, exhausted=False, grows=False) == ""
+    assert ctx.paced and ctx.budget is None and ctx.may_widen(a) and ctx.next_width(a, 4, widths) == 8
+    a.generated_tokens, a.prm_tokens = 1200, 800  # 1,600 more over 8 beams
+    assert ctx.decide(a, 1, 8, 0.95, exhausted=False, grows=False) == "settled"
+    assert a.beam_tokens == 400 / 4 + 1600 / 8 == 300
+    assert ctx.budget == 10 * (4 + 0.25 * 12) * 300 == 21000 and ctx.share == 2100
+    assert a.stop["budget_tokens"] == 21000
+    b.generated_tokens = 2500
+    ctx.decide(b, 0, 4, 0.0, exhausted=False, grows=False)
+    assert ctx.over_pace(b) and ctx.next_width(b, 8, widths) == 4  # past its share: narrows
+    sampling = SearchContext(replace(config, strategy="majority"), None, "generator", None, answer_of=boxed)
+    sampling.expect(2)
+    c = Problem("c", "c", [], generated_tokens=800)
+    sampling.decide(c, 0, 4, 0.5, exhausted=False, grows=True)
+    c.generated_tokens = 2000
+    assert sampling.decide(c, 1, 8, 0.9, exhausted=False, grows=True) == "settled"
+    assert sampling.budget == 2 * 7 * 2000 / 8
+    off = SearchContext(replace(config, budget_fraction=None), None, "generator", None, answer_of=boxed)
+    off.expect(10)
+    assert not off.paced and off.budget is None
+
+
+def test_adaptive_alone_paces_a_run_by_the_budget_it_picks(runtime):
+    """Beam search over a run with no flag but adaptive: the first problem runs free (no problem
+    has ended), the later ones within the budget picked from it; the run spends less than with
+    the budget off, every problem runs to its end, and no page is left behind (`search`)."""
+    kwargs = {"n": 16, "num_iterations": 6, "max_tokens": 48, "adaptive": True, "certainty": 0.99,
+              "max_concurrent_problems": 1}  # fmt: skip
+    free, free_ctx = search(runtime, PROBLEMS, budget_fraction=None, **kwargs)
+    paced, ctx = search(runtime, PROBLEMS, budget_fraction=0.0, **kwargs)
+    assert ctx.spent_tokens < free_ctx.spent_tokens
+    assert paced[0].stop == free[0].stop | {"budget_tokens": paced[0].stop["budget_tokens"]}
+    assert {r.stop["reason"] for r in paced} <= {"settled", "exhausted"} and not ctx.certainties
+    assert ctx.ended == len(PROBLEMS)
+    assert paced[-1].stop["budget_tokens"] == round(ctx.budget) == round(4 * ctx.ended_beam_tokens)
+    assert "budget_tokens" not in free[0].stop
+
+
+def test_the_picked_budget_is_the_same_run_twice():
+    """Every optimisation on and all problems in flight, each run on a fresh runtime: the picked
+    budget, the stops and the beams are the same run after run. What a problem gets reads the
+    problems that ended before it, in the order the engines' batches end them (which follows
+    what their prefix caches hold): another batch of problems, a warm runtime or the reference
+    (one problem at a time) is another run (docs/adaptive.md)."""
+    config = SearchConfig(n=16, num_iterations=6, max_tokens=48, adaptive=True, certainty=0.6, seed=1,
+                          budget_fraction=0.0)  # fmt: skip
+    problems = PROBLEMS + [(r["unique_id"], r["problem"]) for r in arith_dataset(size=2, seed=0, levels=(1,))]
+
+    def run() -> list:
+        runtime = Runtime.for_search(DEFAULT_GENERATOR, DEFAULT_PRM, 32 << 20, dtype="float32")
+        ctx = SearchContext(config, runtime, "generator", load_prm(runtime, "prm", None), answer_of=boxed)
+        results = asyncio.run(search_problems(ctx, problems))
+        asyncio.run(runtime.close())
+        runtime.check_pages_idle()
+        return results
+
+    first, second = run(), run()
+    assert [decisions(r.stop) for r in first] == [decisions(r.stop) for r in second]
+    assert [signature(r) for r in first] == [signature(r) for r in second]
+    assert all("budget_tokens" in r.stop for r in first)
+    assert any(r.stop["widths"] != sorted(r.stop["widths"]) for r in first)  # the budget narrowed a problem

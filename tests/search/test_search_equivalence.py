@@ -71,11 +71,12 @@ CONFIGS = {
                                   exploration=0.5),  # fmt: skip
     "particles_ess": SearchConfig(strategy="particle_filtering", n=4, num_iterations=5, max_tokens=24,
                                   resample_threshold=0.7),  # fmt: skip
-    # adaptive search: the same stops and beams with every optimisation on
+    # adaptive search: the same stops and beams with every optimisation on; without a budget a problem
+    # reads only its own tree, so all problems may be in flight
     "beam_adaptive": SearchConfig(strategy="beam_search", n=8, beam_width=2, num_iterations=6, max_tokens=24,
-                                  adaptive=True, certainty=0.7, first_width=2),  # fmt: skip
+                                  adaptive=True, certainty=0.7, first_width=2, budget_fraction=None),  # fmt: skip
     "majority_adaptive": SearchConfig(strategy="majority", n=8, max_tokens=64, adaptive=True, certainty=0.7,
-                                      first_width=2),  # fmt: skip
+                                      first_width=2, budget_fraction=None),  # fmt: skip
 }
 
 

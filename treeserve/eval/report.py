@@ -271,10 +271,14 @@ def upgrade_config(config: Mapping[str, Any]) -> dict:
     had its own settings (`generator` and `prm` paths beside flat keys, the PRM's `prm_`-prefixed,
     `engine_args` per model) gets `generator` and `prm` sections (`ModelSettings`), the keys it
     lacks at today's defaults. Search settings added since it was written are filled in at their
-    defaults (the same run)."""
+    defaults (the same run), except `budget_fraction` of an adaptive run without `budget_tokens`:
+    one written before the run picked its own budget ran without one (None)."""
     config = dict(config)
     if isinstance(config.get("search"), Mapping):
-        config["search"] = {**asdict(SearchConfig()), **config["search"]}
+        search = config["search"]
+        unbudgeted = search.get("adaptive") and search.get("budget_tokens") is None
+        before = {"budget_fraction": None} if unbudgeted and "budget_fraction" not in search else {}
+        config["search"] = {**asdict(SearchConfig()), **before, **search}
     if not isinstance(config.get("generator"), str) and not isinstance(config.get("prm"), str):
         return config
     tuned = config.pop("engine_args", None) or {}

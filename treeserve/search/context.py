@@ -43,6 +43,9 @@ REWARD_TEMPERATURES = {"rebase": 0.2, "particle_filtering": 1.0}
 # a step is not empty (an empty step would end the solution)
 ANY_STEP = r"(?:[^\n]|\n[^\n])+"
 ANY_ANSWER = r"(?:[^\n]|\n[^\n])*\n?"
+# adaptive search's self-picked budget, calibrated on 120 level-4/5 arithmetic problems apart from the
+# held-out ones (docs/decisions.md)
+BUDGET_FRACTION = 0.3
 
 
 @dataclass
@@ -89,6 +92,10 @@ class SearchConfig:
     # problems grow within their share (the less settled first) and narrow past it; sampling
     # rounds and DVTS waves that may not grow stop (docs/adaptive.md)
     budget_tokens: int | None = None
+    # adaptive without budget_tokens, over a run's problems: the run picks its budget itself, for a mean
+    # width of first_width + budget_fraction * (n - first_width) at the tokens a beam's search costs in the
+    # problems ended so far (`SearchContext.budget`); None: no budget
+    budget_fraction: float | None = BUDGET_FRACTION
     # a reasoning generator (<think>...</think>): the PRM reads the steps with the think tags
     # removed, a step that is only a tag not at all (search/reasoning.py); answers come from the text
     # after </think>
@@ -132,6 +139,9 @@ class SearchConfig:
             raise ValueError(f"first_width must be an integer >= 1, got {self.first_width!r}")
         if self.budget_tokens is not None and (not isinstance(self.budget_tokens, int) or self.budget_tokens < 1):
             raise ValueError(f"budget_tokens must be a positive number of tokens, got {self.budget_tokens!r}")
+        f = self.budget_fraction
+        if f is not None and (not isinstance(f, int | float) or not 0.0 <= f <= 1.0):
+            raise ValueError(f"budget_fraction must be in [0, 1] (0: the first width, 1: n) or None, got {f!r}")
         if self.budget_tokens is not None and not self.adaptive:
             raise ValueError("budget_tokens moves compute between problems: it needs adaptive=True (--adaptive)")
         if self.adaptive and self.strategy in ("beam_search", "dvts") and self.first_width % self.beam_width:
@@ -268,11 +278,13 @@ class SearchContext:
     # whole text (with `config.reasoning` theirs read the text after </think>)
     answer_of: Callable[[Problem, str], Hashable | None] | None = None
     _scoring: Problem | None = None  # the problem whose PRM input is being built (see _score)
-    certainties: dict[str, float] = field(default_factory=dict)  # budget_tokens: problems in flight, latest
-    # budget_tokens, paced: the problems the run will search (`expect`: each gets an equal share),
-    # and the shares the problems that ended left unspent (less what they overspent)
+    certainties: dict[str, float] = field(default_factory=dict)  # paced: problems in flight, latest
+    # paced (a budget given or picked): the problems the run will search (`expect`: each gets an equal
+    # share); of those that ended, how many, what they spent, and the sum of what a beam of each cost
     expected_problems: int = 0
-    surplus: float = 0.0
+    ended: int = 0
+    ended_spent: int = 0
+    ended_beam_tokens: float = 0.0
 
     def __post_init__(self) -> None:
         if self.prm is not None:
@@ -312,27 +324,55 @@ class SearchContext:
         surplus."""
         c = self.config
         reason = "settled" if certainty >= c.certainty else "exhausted" if exhausted else ""
-        if c.budget_tokens is not None:
+        stop = problem.stop if problem.stop is not None else {"widths": [], "certainty": []}
+        problem.stop = stop
+        if self.paced:
+            problem.count_beam_tokens(width, cumulative=grows)
             self.certainties[problem.uid] = certainty
             if not reason and grows and not self.may_widen(problem):
                 reason = "budget"
             if reason:
                 del self.certainties[problem.uid]
-                self.surplus += self.share - problem.spent_tokens
-        stop = problem.stop if problem.stop is not None else {"widths": [], "certainty": []}
-        problem.stop = stop
+                self.ended += 1
+                self.ended_spent += problem.spent_tokens
+                self.ended_beam_tokens += problem.beam_tokens
+                if c.budget_tokens is None:  # the budget the run picked, as it stands now
+                    stop["budget_tokens"] = round(self.budget)
         stop["widths"].append(width)
         stop["certainty"].append(round(certainty, 4))
         if reason:
             stop |= {"iteration": iteration, "reason": reason}
         return reason
 
+    @property
+    def paced(self) -> bool:
+        """A budget paces the problems: `budget_tokens`, or adaptive search over a run's problems
+        (`expect`) with `budget_fraction`."""
+        c = self.config
+        picked = c.adaptive and c.budget_fraction is not None and self.expected_problems > 0
+        return c.budget_tokens is not None or picked
+
+    @property
+    def budget(self) -> float | None:
+        """The tokens the run may sample and feed the PRM: `budget_tokens`, or the run's own pick
+        (`budget_fraction`): its problems x the mean width first_width + budget_fraction x (n -
+        first_width) x the tokens a beam's search cost, on average over the problems ended so far
+        (None until one has ended, and without a budget)."""
+        c = self.config
+        if c.budget_tokens is not None:
+            return c.budget_tokens
+        if not self.paced or not self.ended:
+            return None
+        first = c.widths()[0]
+        width = first + c.budget_fraction * (c.n - first)
+        return self.expected_problems * width * self.ended_beam_tokens / self.ended
+
     def may_widen(self, problem: Problem) -> bool:
-        """With `budget_tokens`: whether `problem` may grow its width, i.e. it is among the less
+        """With a `budget`: whether `problem` may grow its width, i.e. it is among the less
         settled half of the problems in flight, it is not `over_pace`, and the budget is not
         spent. This reads the other problems: with a budget, what a problem gets depends on
         what else is in flight."""
-        budget = self.config.budget_tokens
+        budget = self.budget
         if budget is None:
             return True
         return self.spent_tokens < budget and not self.over_pace(problem) and self._less_settled(problem)
@@ -348,7 +388,7 @@ class SearchContext:
             return widths[min(at + 1, len(widths) - 1)]
         if not self.over_pace(problem):
             return width
-        if self.spent_tokens >= self.config.budget_tokens:  # all of it spent: the first width, to the end
+        if self.spent_tokens >= self.budget:  # all of it spent: the first width, to the end
             return widths[0]
         return width if self._less_settled(problem, strictly=True) else widths[max(at - 1, 0)]
 
@@ -367,15 +407,22 @@ class SearchContext:
 
     @property
     def share(self) -> float:
-        """With `budget_tokens`: each problem's share of it (all of it when the run expected no
+        """With a `budget`: each problem's share of it (all of it when the run expected no
         number of problems: one search)."""
-        budget = self.config.budget_tokens
+        budget = self.budget
         return budget / self.expected_problems if self.expected_problems else budget
 
+    @property
+    def surplus(self) -> float:
+        """What the problems that ended left of their shares, less what they spent beyond them."""
+        return self.ended * self.share - self.ended_spent
+
     def over_pace(self, problem: Problem) -> bool:
-        """With `budget_tokens`: `problem` spent its share and its part of the surplus (shared by
-        the problems in flight). Paced per problem: a run-wide count let the first problems in
+        """With a `budget`: `problem` spent its share and its part of the surplus (shared by the
+        problems in flight). Paced per problem: a run-wide count let the first problems in
         flight spend the whole budget, and the last ones of a run stopped at their first decision."""
+        if self.budget is None:
+            return False
         in_flight = max(1, len(self.certainties))
         return problem.spent_tokens >= self.share + max(0.0, self.surplus) / in_flight
 

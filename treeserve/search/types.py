@@ -34,11 +34,25 @@ class Problem:
     # (raised by a strategy that has nothing else left to return)
     too_long: int = 0
     too_long_error: ValueError | None = None
+    # paced adaptive search: the tokens one beam of its widths cost so far (what a run's picked budget
+    # is made of), and its spend when that was counted
+    beam_tokens: float = 0.0
+    counted_tokens: int = 0
 
     @property
     def spent_tokens(self) -> int:
         """Tokens sampled and fed to the PRM for it (its part of `SearchContext.spent_tokens`)."""
         return self.generated_tokens + self.prm_tokens
+
+    def count_beam_tokens(self, width: int, cumulative: bool) -> None:
+        """Update `beam_tokens` after a decision at `width`: the `width` beams of an iteration share
+        what it spent (beam search); a `cumulative` width (sampling rounds, DVTS waves) counts every
+        beam so far, which share all of it."""
+        if cumulative:
+            self.beam_tokens = self.spent_tokens / width
+        else:
+            self.beam_tokens += (self.spent_tokens - self.counted_tokens) / width
+        self.counted_tokens = self.spent_tokens
 
     @property
     def spent(self) -> dict[str, int]:
