@@ -31,9 +31,19 @@ the summary gives, per fixed run, the best accuracy of an adaptive run that comp
 tokens (the Pareto front as a step) and its margin in points. An item `N:W` runs from first width W
 instead of `--first-width`, and `N:W:B` also under `--budget-tokens B` (`--curve-ns 32:8:4400000,64:8`).
 
+Adaptive runs are `--adaptive` as the command line gives it: without `--budget-tokens` the run picks
+its budget (`SearchConfig.budget_fraction`, docs/adaptive.md), so the `--thresholds` run at 0.9 is
+`--adaptive` alone, the default point. `--fractions off,0.2,0.4` adds adaptive runs at
+N=`--adaptive-n` and `--curve-certainty` at those budget fractions (`off`: no budget, the rule before
+the run picked one); each row records the budget fraction and the picked budget's range over the run.
+
 `--budgets 300000,440000` adds adaptive runs at N=`--adaptive-n` and `--curve-certainty` under those
 `--budget-tokens` (paced over the problems: docs/adaptive.md); each row records the tokens the run
 spent (sampled and fed to the PRM: what a budget counts) beside its computed tokens.
+
+`--reuse` takes a run from `--out` when its results there are of that very run (search config and
+problems): a cut-short invocation resumes, and runs added later run alone while the table, the figure
+and the comparison still hold every run.
 
 `--smoke`: 4 problems, fixed N 4 and 8, adaptive at N=8 with the middle threshold (0.8).
 
@@ -54,13 +64,15 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from treeserve.eval.arith import arith_dataset
+from treeserve.eval.journal import config_differences
 from treeserve.eval.plots import plot_accuracy_vs_compute
-from treeserve.eval.report import write_results
+from treeserve.eval.report import upgrade_config, write_results
 from treeserve.eval.runner import DEFAULT_GENERATOR, EvalSettings, run_eval
 from treeserve.runtime.model_settings import ModelSettings
 from treeserve.search.context import SearchConfig
@@ -76,14 +88,37 @@ def few_shot_prompt(shots: int, levels: tuple[int, ...]) -> str:
     return worked + "Question: {question}\nSolution:"
 
 
-def run(name: str, records: list[dict], config: SearchConfig, out: Path, generator: str = DEFAULT_GENERATOR) -> dict:
-    """One eval run, its results written to `out/<name>.json`; the row of the table."""
+def reusable(path: Path, config: SearchConfig, records: list[dict]) -> dict | None:
+    """The results at `path` when they are of this very run (search config, problems), else None."""
+    if not path.exists():
+        return None
+    document = json.loads(path.read_text())
+    ran = upgrade_config(document["config"])  # settings added since it ran, at their defaults
+    same = not config_differences(ran["search"], json.loads(json.dumps(asdict(config))))
+    ids = [p["unique_id"] for p in document["problems"]]
+    return document if same and ids == [r["unique_id"] for r in records] else None
+
+
+def run(
+    name: str,
+    records: list[dict],
+    config: SearchConfig,
+    out: Path,
+    generator: str = DEFAULT_GENERATOR,
+    reuse: bool = False,
+) -> dict:
+    """One eval run, its results written to `out/<name>.json` (with `reuse`, read from there when it
+    holds this run); the row of the table."""
     start = time.perf_counter()
-    settings = EvalSettings(dataset="inline", generator=ModelSettings(generator), progress=False)
-    document = run_eval(settings, config, inline=records)
-    path = write_results(document, out / f"{name}.json")
+    path = out / f"{name}.json"
+    document = reusable(path, config, records) if reuse else None
+    if document is None:
+        settings = EvalSettings(dataset="inline", generator=ModelSettings(generator), progress=False)
+        document = run_eval(settings, config, inline=records)
+        path = write_results(document, path)
     summary, problems = document["summary"], document["problems"]
     stops = [p["stop"] for p in problems if p.get("stop")]
+    picks = [s["budget_tokens"] for s in stops if "budget_tokens" in s]
     settled = [s["iteration"] for s in stops if s.get("reason") == "settled"]
     row = {
         "name": name, "path": str(path), "strategy": config.strategy, "n": config.n, "adaptive": config.adaptive,
@@ -91,6 +126,8 @@ def run(name: str, records: list[dict], config: SearchConfig, out: Path, generat
         "accuracy": summary["accuracy"], "rule": summary.get("accuracy_rule"),
         "computed_tokens": summary["computed_tokens"], "generated_tokens": summary["generated_tokens"],
         "budget_tokens": config.budget_tokens,
+        "budget_fraction": config.budget_fraction if config.adaptive and config.budget_tokens is None else None,
+        "picked_budget": [min(picks), max(picks)] if picks else None,  # as it stood when problems ended
         "spent_tokens": sum(p["spent"]["generated_tokens"] + p["spent"]["prm_input_tokens"] for p in problems),
         "wall_s": summary["wall_time_s"], "problems_per_min": 60 * summary["problems_per_s"],
         "process_s": time.perf_counter() - start,  # with model loading and grading
@@ -187,12 +224,16 @@ def main() -> None:
     ap.add_argument("--curve-certainty", type=float, default=0.9)
     ap.add_argument("--budgets", default="", help="adaptive runs at --adaptive-n and --curve-certainty with these "
                                                   "--budget-tokens (tokens sampled and fed to the PRM)")
+    ap.add_argument("--fractions", default="", help="adaptive runs at --adaptive-n and --curve-certainty with these "
+                    "--budget-fraction values (the budget the run picks; off: none)")
     ap.add_argument("--first-width", type=int, default=4)
     ap.add_argument("--thresholds", default="0.5,0.7,0.8,0.9,0.95", help="adaptive runs' certainty")
     ap.add_argument("--tolerance", type=float, default=2.5, help="points below fixed N that count as the same")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--out", type=Path, default=Path("bench/out/adaptive"), help="folder of the runs' results")
     ap.add_argument("--summary", type=Path, default=None, help="rows and table (default: OUT.json)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="take a run's results from --out when they hold that very run (a run cut short, resumed)")
     ap.add_argument("--smoke", action="store_true", help="4 problems, N 4 and 8, adaptive N=8 at one threshold")
     ap.add_argument("--generator", default=DEFAULT_GENERATOR, help="the generator (default: the shipped one)")
     ap.add_argument("--levels", default="4,5", help="the problems' levels")
@@ -214,18 +255,25 @@ def main() -> None:
     if args.few_shot:
         common |= {"prompt_format": few_shot_prompt(args.few_shot, levels), "stop": FEW_SHOT_STOP}
     ns = sorted({int(n) for n in args.ns.split(",")} | {args.adaptive_n})
-    rows = [run(f"{args.strategy}_n{n}", records, SearchConfig(n=n, **common), args.out, args.generator) for n in ns]
-    adaptive = [(args.adaptive_n, float(t), args.first_width, None) for t in args.thresholds.split(",") if t]
-    adaptive += [(n, args.curve_certainty, w, b) for n, w, b in curve_runs(args.curve_ns, args.first_width)
+    rows = [run(f"{args.strategy}_n{n}", records, SearchConfig(n=n, **common), args.out, args.generator, args.reuse)
+            for n in ns]
+    picked = SearchConfig().budget_fraction
+    adaptive = [(args.adaptive_n, float(t), args.first_width, None, picked) for t in args.thresholds.split(",") if t]
+    adaptive += [(n, args.curve_certainty, w, b, picked) for n, w, b in curve_runs(args.curve_ns, args.first_width)
                  if (n, w, b) != (args.adaptive_n, args.first_width, None)]  # fmt: skip
     budgets = [int(b) for b in args.budgets.split(",") if b]
-    adaptive += [(args.adaptive_n, args.curve_certainty, args.first_width, b) for b in budgets]
-    for n, t, width, budget in adaptive:
+    adaptive += [(args.adaptive_n, args.curve_certainty, args.first_width, b, picked) for b in budgets]
+    fractions = [None if f == "off" else float(f) for f in args.fractions.split(",") if f]
+    adaptive += [(args.adaptive_n, args.curve_certainty, args.first_width, None, f) for f in fractions if f != picked]
+    for n, t, width, budget, fraction in adaptive:
         config = SearchConfig(n=n, adaptive=True, certainty=t, first_width=min(width, n), budget_tokens=budget,
-                              **common)  # fmt: skip
-        name = (f"{args.strategy}_n{n}_adaptive_t{t:g}" + (f"_w{width}" if width != args.first_width else "")
-                + (f"_budget{budget}" if budget else ""))  # fmt: skip
-        rows.append(run(name, records, config, args.out, args.generator))
+                              budget_fraction=fraction, **common)  # fmt: skip
+        name = f"{args.strategy}_n{n}_adaptive_t{t:g}" + (f"_w{width}" if width != args.first_width else "")
+        if budget:
+            name += f"_budget{budget}"
+        elif fraction != picked:
+            name += "_nobudget" if fraction is None else f"_f{fraction:g}"
+        rows.append(run(name, records, config, args.out, args.generator, args.reuse))
     figures = derived(rows, args.adaptive_n, args.tolerance)
     png = plot_accuracy_vs_compute([r["path"] for r in rows], args.out / "accuracy_vs_computed_tokens.png")
     text = table(rows, figures, args.adaptive_n)

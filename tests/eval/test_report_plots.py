@@ -20,6 +20,7 @@ from treeserve.eval.report import (
     read_results,
     write_results,
 )
+from treeserve.search.context import SearchConfig
 
 
 def graded_builtin_run(preds=None):
@@ -167,6 +168,24 @@ def test_an_adaptive_point_is_labelled_with_its_first_width_and_budget(tmp_path)
     assert label == "beam_search N=32 adaptive T=0.9 w=8 budget=3300000"
     fixed = _compute_point(tmp_path / "fixed.json", compute_doc(32, 0.6, 1_391_994))
     assert fixed[:2] == ("beam_search fixed", "beam_search N=32")
+
+
+def test_an_adaptive_point_says_whether_the_run_picked_its_budget(tmp_path):
+    """`--adaptive` alone (the budget the run picks at the default fraction) is labelled the default
+    and starred; another fraction says which; a run without a budget says so."""
+    from treeserve.eval.plots import _compute_point
+
+    doc = compute_doc(16, 0.6, 150_000, certainty=0.9)
+    labels = []
+    for fraction in (SearchConfig().budget_fraction, 0.5, None):
+        doc["config"]["search"]["budget_fraction"] = fraction
+        labels.append(_compute_point(tmp_path / "run.json", doc)[1])
+    assert labels == [f"beam_search N=16 adaptive T=0.9 picked f={SearchConfig().budget_fraction} (default)",
+                      "beam_search N=16 adaptive T=0.9 picked f=0.5", "beam_search N=16 adaptive T=0.9 no budget"]
+    doc["config"]["search"]["budget_fraction"] = SearchConfig().budget_fraction
+    path = write_results(doc, tmp_path / "default.json")
+    out = plot_accuracy_vs_compute([path], tmp_path / "compute.png")
+    assert out.read_bytes().startswith(b"\x89PNG")
 
 
 def test_plot_vs_compute_needs_computed_tokens(tmp_path):

@@ -12,7 +12,8 @@ accuracy vs N on a log2 axis, the figure of search-and-learn and "Scaling test-t
 `plot_accuracy_vs_compute` (`treeserve plot --x computed-tokens`) places each file at its
 summary's `computed_tokens` (every token the generator and the PRM ran) and its headline
 accuracy, one point per file labelled with its strategy, N and, for an adaptive run, its
-certainty threshold, first width and budget, and draws the Pareto front (`pareto_front`) as a
+certainty threshold, first width and budget (given, picked by the run, or none; the
+default, `--adaptive` alone, starred), and draws the Pareto front (`pareto_front`) as a
 step line: the best accuracy any run reached within a number of computed tokens. With `lines`,
 each series' points (a strategy's fixed runs) are joined in order of computed tokens.
 
@@ -33,8 +34,10 @@ from typing import Any
 
 from treeserve.eval.metrics import SELECTIONS
 from treeserve.eval.report import answer_rule, read_results
+from treeserve.search.context import SearchConfig
 
 _METHOD_STYLES = {"naive": ":", "weighted": "-", "majority": "--"}  # overlapping lines stay visible
+DEFAULT_MARK = " (default)"  # an adaptive run at the budget `--adaptive` alone picks: starred
 
 
 def _label(config: dict, path: Path) -> tuple[str, int | None]:
@@ -143,6 +146,12 @@ def _compute_point(path: Path, results: dict) -> tuple[str, str, float, float]:
             label += f" w={search['first_width']}"
         if search.get("budget_tokens") is not None:
             label += f" budget={search['budget_tokens']}"
+        elif search.get("budget_fraction") is None:  # (a run from before the run picked its budget)
+            label += " no budget"
+        else:
+            label += f" picked f={search['budget_fraction']}"
+            if search["budget_fraction"] == SearchConfig().budget_fraction:
+                label += DEFAULT_MARK
     return series, label, float(tokens), float(summary["accuracy"])
 
 
@@ -170,6 +179,10 @@ def plot_accuracy_vs_compute(results_paths: Sequence[str | Path], out_png: str |
         ax.plot([x for x, _ in mine], [y for _, y in mine], marker=markers[i % len(markers)], ls=style, label=series)
     for i, (_, label, x, y) in enumerate(sorted(points, key=lambda p: p[2])):  # neighbours above, below
         ax.annotate(label, (x, y), xytext=(5, 5 if i % 2 else -11), textcoords="offset points", fontsize="x-small")
+    starred = [(x, y) for _, label, x, y in points if label.endswith(DEFAULT_MARK)]
+    if starred:
+        xs, ys = zip(*starred, strict=True)
+        ax.scatter(xs, ys, marker="*", s=260, color="gold", edgecolors="black", zorder=3, label="--adaptive alone")
     front = pareto_front([(x, y) for _, _, x, y in points])
     ax.step([x for x, _ in front], [y for _, y in front], where="post", color="black", alpha=0.6,
             label="Pareto front")  # fmt: skip
