@@ -192,3 +192,27 @@ def test_bad_flags_fail_before_any_model_loads(tmp_path, capsys, argv, message):
     assert eval_cli(tmp_path / "r.json", *argv) == 2
     assert message in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # no journal: nothing ran
+
+
+def test_an_adaptive_run_resumes_with_the_budget_it_picks(tmp_path, capsys):
+    """`--adaptive` alone journals the budget fraction it picks by: a journal holding some of its
+    problems resumes with the same command (the resumed invocation picks its budget from the
+    problems it searches) and the records kept are the journal's; a journal of the run without a
+    budget (`--budget-fraction off`) is another run, named."""
+    full = tmp_path / "full.json"
+    assert eval_cli(full, "--adaptive") == 0
+    document = json.loads(full.read_text())
+    assert document["config"]["search"]["budget_fraction"] == SearchConfig().budget_fraction
+    assert all("budget_tokens" in p["stop"] for p in document["problems"])
+    out = tmp_path / "results.json"
+    journal = Journal.open(journal_path(out), document["config"])
+    for record in document["problems"][:3]:
+        journal.add(record, 1.0, {})
+    journal.close()
+    assert eval_cli(out, "--adaptive", "--budget-fraction", "off") == 2
+    assert f"search.budget_fraction: {SearchConfig().budget_fraction} in the file, None now" in capsys.readouterr().err
+    assert eval_cli(out, "--adaptive", "--resume") == 0
+    assert "3 of 8 problems done" in capsys.readouterr().err
+    resumed = json.loads(out.read_text())
+    assert resumed["problems"][:3] == document["problems"][:3] and len(resumed["problems"]) == 8
+    assert not journal_path(out).exists()
