@@ -40,7 +40,7 @@ def write_compressed_tensors(
     from compressed_tensors.quantization.utils import calculate_qparams
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(src, dtype="auto").eval()  # the source's dtype, as llm-compressor
     scheme = preset_name_to_scheme(scheme_name, ["Linear"])
     if scheme.weights.strategy == "group":
         scheme.weights.group_size = group_size
