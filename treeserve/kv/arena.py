@@ -1,16 +1,7 @@
-"""The page arena: one preallocated buffer of equal-sized pages, viewed by each model in its own shape.
-
-`PageArena` owns the bytes: `num_pages` pages of `page_bytes` each, one buffer per device.
-`KVArena` is one model's view of it: a page holds K and V of `block_size` tokens for every
-layer of that model, contiguous (layout [page, layer, k/v, token, kv_head, head_dim]), so a
-page is the unit the block manager hands out, copies (copy-on-write) and evicts, whichever
-model it goes to. When a model's page content is smaller than `page_bytes` (see
-`shared_block_sizes`), the rest of each page is unused by it. Which page belongs to whom is
-the page pool's business (`page_pool.py`).
-
-An FP8 arena (dtype torch.float8_e4m3fn, `kv_cache_dtype="fp8_e4m3"`) holds one byte a value,
-so the same bytes hold twice the tokens of a bf16 one; `KVArena.scales` holds each layer's
-(k_scale, v_scale): a stored value is round(x / scale) in e4m3, read back as e4m3 * scale.
+"""The page arena: one buffer of equal-sized pages (`PageArena`), viewed by each model in its
+own shape (`KVArena`): a page is [layer, k/v, token, kv_head, head_dim] of `block_size` tokens,
+the rest of the page idle when smaller. FP8 arenas store round(x / scale) in e4m3 with one
+(k_scale, v_scale) a layer. Ownership of pages is `page_pool.py`'s.
 """
 
 from __future__ import annotations
@@ -22,14 +13,12 @@ import torch
 from treeserve.kernels import cpu as cpu_kernels
 from treeserve.kernels.cpu.memory import huge_pages
 
-PAGE_ALIGN = 64  # bytes: a page starts on a cache line and is a whole number of elements of any dtype
-FP8 = torch.float8_e4m3fn  # the one-byte KV dtype the attention kernels read and write
+PAGE_ALIGN = 64  # bytes: a cache line, and whole elements of any dtype
+FP8 = torch.float8_e4m3fn
 
 
 @dataclass(frozen=True)
 class KVLayout:
-    """The shape of one model's KV cache per token."""
-
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -44,13 +33,8 @@ class KVLayout:
 
 
 def shared_block_sizes(layouts: list[KVLayout], preferred: list[int]) -> tuple[int, list[int]]:
-    """Page bytes and per-model block sizes for models sharing one arena.
-
-    The rule: the page is the smallest of the models' preferred pages (preferred block size x
-    token bytes), but at least one token of the largest model; each model then gets as many
-    tokens per page as fit. Models with equal token bytes get equal block sizes and use whole
-    pages; otherwise a model uses `block_size x token_bytes` of each page and the rest is idle.
-    """
+    """Page bytes and per-model block sizes: the smallest preferred page, at least one token of
+    the largest model; each model fits as many tokens as it can."""
     page = min(layout.page_bytes(bs) for layout, bs in zip(layouts, preferred, strict=True))
     page = max(page, max(layout.page_bytes(1) for layout in layouts))
     return page, [page // layout.token_bytes for layout in layouts]
@@ -76,8 +60,6 @@ class PageArena:
 
 
 class KVArena:
-    """One model's view of a `PageArena` (its own arena when none is given)."""
-
     def __init__(
         self,
         num_blocks: int,
@@ -90,8 +72,7 @@ class KVArena:
         pages: PageArena | None = None,
         scales: torch.Tensor | None = None,
     ):
-        """`scales`: fp32 [num_layers, 2], each layer's (k_scale, v_scale) for an FP8 arena (None:
-        1.0, what vLLM uses when a checkpoint ships none); a loader sets a checkpoint's own there."""
+        """`scales`: fp32 [num_layers, 2] (k_scale, v_scale) for FP8; None is 1.0, as vLLM."""
         layout = KVLayout(num_layers, num_kv_heads, head_dim, dtype)
         if pages is None:
             pages = PageArena(num_blocks, layout.page_bytes(block_size), device)
@@ -110,8 +91,10 @@ class KVArena:
         if scales is None:
             scales = torch.ones(num_layers, 2, dtype=torch.float32, device=pages.buffer.device)
         if scales.shape != (num_layers, 2) or scales.dtype != torch.float32:
-            raise ValueError(f"KV scales must be fp32 [{num_layers}, 2] (k_scale, v_scale a layer), got "
-                             f"{scales.dtype} {list(scales.shape)}")
+            raise ValueError(
+                f"KV scales must be fp32 [{num_layers}, 2] (k_scale, v_scale a layer), got "
+                f"{scales.dtype} {list(scales.shape)}"
+            )
         self.scales = scales
 
     @staticmethod
@@ -119,22 +102,20 @@ class KVArena:
         return KVLayout(num_layers, num_kv_heads, head_dim, dtype).page_bytes(block_size)
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V views of one layer: each [num_blocks, block_size, kv_heads, head_dim]."""
+        """K and V, each [num_blocks, block_size, kv_heads, head_dim]."""
         return self.buffer[:, index, 0], self.buffer[:, index, 1]
 
     def layer_scales(self, index: int) -> torch.Tensor | None:
-        """Layer `index`'s fp32 (k_scale, v_scale) on the arena's device for an FP8 arena; None otherwise."""
         return self.scales[index] if self.fp8 else None
 
-    def copy_slots(self, src_pages: torch.Tensor, src_offsets: torch.Tensor, dst_pages: torch.Tensor,
-                   dst_offsets: torch.Tensor) -> None:  # fmt: skip
-        """Copy single tokens' K/V, every layer: slot (page, offset) i of `src` to slot i of `dst` (no
-        slot both: twins' new slots); in one C call on a CPU."""
+    def copy_slots(
+        self, src_pages: torch.Tensor, src_offsets: torch.Tensor, dst_pages: torch.Tensor, dst_offsets: torch.Tensor
+    ) -> None:
+        """Copy slot (page, offset) i of `src` to slot i of `dst`, every layer; no slot is both."""
         copied = cpu_kernels.copy_slots(self.buffer, src_pages, src_offsets, dst_pages, dst_offsets)
         if src_pages.numel() and not copied:
             self.buffer[dst_pages, :, :, dst_offsets] = self.buffer[src_pages, :, :, src_offsets]
 
     def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy whole pages, every layer: page src[i] onto page dst[i] (index tensors on the arena's device)."""
         if src.numel():
             self.buffer[dst] = self.buffer[src]

@@ -1,11 +1,5 @@
-"""Per-step page statistics of one model: a timeline cheap enough to leave on.
-
-After every engine step the engine calls `PageLog.record()`, which appends one row of
-integers read from O(1) counters of the page pool: this model's pages in use and cached, the
-pool's free pages (shared with the other models of the arena) and this model's cumulative
-prefix-cache counters. The newest `max_rows` rows are kept (a long-running server does not
-grow without bound); `rows()` returns them as dicts for JSON and plots.
-"""
+"""Per-step page statistics of one model: a row of O(1) pool counters after every engine step,
+the newest `max_rows` kept; cheap enough to leave on."""
 
 from __future__ import annotations
 
@@ -27,10 +21,19 @@ class PageLog:
     def record(self) -> None:
         b, pool, stats = self.blocks, self.blocks.pool, self.blocks.stats
         self.steps += 1
-        self._rows.append((
-            self.steps, time.perf_counter() - self.start, pool.in_use[b.owner], pool.num_cached[b.owner],
-            pool.num_free, stats.hits, stats.misses, stats.evictions, stats.thrash,
-        ))  # fmt: skip
+        self._rows.append(
+            (
+                self.steps,
+                time.perf_counter() - self.start,
+                pool.in_use[b.owner],
+                pool.num_cached[b.owner],
+                pool.num_free,
+                stats.hits,
+                stats.misses,
+                stats.evictions,
+                stats.thrash,
+            )
+        )
 
     def rows(self) -> list[dict]:
         return [dict(zip(COLUMNS, row, strict=True)) for row in self._rows]
