@@ -1,12 +1,5 @@
-"""The process groups a parallel model's ranks meet in, and where each rank sits.
-
-Owns `RankGroup` (ranks that meet in collectives: a process group of their own, built from a
-TCP store, so a process may hold several models at different sizes: gloo on a CPU, NCCL on
-CUDA) and `Placement` (where a rank of tensor_parallel_size x pipeline_parallel_size sits: its
-stage's tensor-parallel group and its shard's pipeline group). The layers call a group's
-collectives (`all_reduce`, `gather_vocab`, sends); how a checkpoint splits is
-`models/sharding.py`'s. Nothing here knows about models, requests or engines.
-"""
+"""The process groups a parallel model's ranks meet in (`RankGroup`: its own gloo or NCCL group
+from a TCP store, so a process may hold several models) and where a rank sits (`Placement`)."""
 
 from __future__ import annotations
 
@@ -21,19 +14,18 @@ import torch.distributed as dist
 
 @dataclass
 class RankGroup:
-    """Ranks that meet in collectives: a pipeline stage's tensor shards, or a shard's stages."""
+    """A pipeline stage's tensor shards, or a shard's stages."""
 
-    rank: int  # this rank's index in the group
+    rank: int
     size: int
-    group: Any  # a torch.distributed ProcessGroup (gloo or NCCL)
-    wait_s: float = 0.0  # seconds this rank spent in collectives and receives (waiting included)
+    group: Any
+    wait_s: float = 0.0  # in collectives and receives, waiting included
 
     @classmethod
     def join(cls, store: Any, name: str, rank: int, size: int, device: torch.device, timeout_s: float) -> RankGroup:
-        """Rank `rank` of group `name`'s `size` ranks, met through `store`; a collective that waits
-        longer than `timeout_s` (a rank died or hangs) raises."""
+        """A collective that waits longer than `timeout_s` (a rank died or hangs) raises."""
         timeout, store = datetime.timedelta(seconds=timeout_s), dist.PrefixStore(name, store)
-        if device.type == "cuda":  # unmeasured: this workplace lends one GPU at a time
+        if device.type == "cuda":  # untested on more than one GPU
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
             return cls(rank, size, dist.ProcessGroupNCCL(store, rank, size, options))
@@ -55,7 +47,6 @@ class RankGroup:
         return torch.cat(parts, dim=-1)
 
     def isend(self, x: torch.Tensor, dst: int) -> Any:
-        """Start sending `x` to rank `dst` (a pipeline stage's activations); wait() on the result."""
         return self.group.send([x.contiguous()], dst, 0)
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, device: torch.device) -> torch.Tensor:
@@ -71,14 +62,13 @@ class RankGroup:
 
 @dataclass
 class Placement:
-    """Where global rank `rank` of tp_size x pp_size sits (vLLM's order: a stage's shards are
-    consecutive ranks), and the groups it meets its peers in."""
+    """Global rank `rank` of tp_size x pp_size (vLLM's order: a stage's shards are consecutive)."""
 
     rank: int
     tp_size: int
     pp_size: int
-    tp: RankGroup | None = None  # its stage's tensor shards (None at tp_size 1)
-    pp: RankGroup | None = None  # its shard's pipeline stages (None at pp_size 1)
+    tp: RankGroup | None = None
+    pp: RankGroup | None = None
 
     @property
     def tp_rank(self) -> int:
@@ -89,10 +79,9 @@ class Placement:
         return self.rank // self.tp_size
 
     def connect(self, host: str, port: int, device: torch.device, timeout_s: float) -> Placement:
-        """Join both groups through the TCP store at host:port (rank 0 hosts it); returns self."""
         size = self.tp_size * self.pp_size
         store = dist.TCPStore(host, port, size, is_master=self.rank == 0, timeout=datetime.timedelta(seconds=timeout_s))
-        if self.tp_size > 1:  # every rank joins its stage's group first: no rank waits on a later join
+        if self.tp_size > 1:  # every rank joins tp first: no rank waits on a later join
             self.tp = RankGroup.join(store, f"tp{self.pp_rank}", self.tp_rank, self.tp_size, device, timeout_s)
         if self.pp_size > 1:
             self.pp = RankGroup.join(store, f"pp{self.tp_rank}", self.pp_rank, self.pp_size, device, timeout_s)

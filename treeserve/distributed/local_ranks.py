@@ -1,9 +1,5 @@
-"""Ranks on this host: processes started with torch.multiprocessing's spawn, messages down a pipe.
-
-Owns `LocalRank` (rank 0's handle on one such process; `distributed_executor_backend="mp"`) and
-`serve` (the process's loop: build the worker, report ready or its load error, then run what
-rank 0 sends until "stop" or until the pipe ends, which means rank 0 is gone).
-"""
+"""Ranks on this host (`distributed_executor_backend="mp"`): spawned processes, messages down a
+pipe; a closed pipe means rank 0 is gone."""
 
 from __future__ import annotations
 
@@ -19,19 +15,17 @@ from treeserve.distributed.protocol import RankGone, WorkerArgs, WorkerFactory
 
 
 def local_device(device: torch.device, rank: int) -> str:
-    """Rank `rank`'s device on this host: the rank-th GPU after rank 0's (unmeasured: one GPU is
-    lent at a time here), or the CPU."""
+    """The rank-th GPU after rank 0's (untested on more than one), or the CPU."""
     return f"cuda:{(device.index or 0) + rank}" if device.type == "cuda" else "cpu"
 
 
 class LocalRank:
-    """A rank on this host: a spawned process, its messages down a pipe."""
-
     def __init__(self, args: WorkerArgs, worker: WorkerFactory) -> None:
         context = mp.get_context("spawn")
         self.pipe, theirs = context.Pipe()
-        self.process = context.Process(target=serve, args=(worker, args, theirs), daemon=True,
-                                       name=f"treeserve-rank{args.rank}")  # fmt: skip
+        self.process = context.Process(
+            target=serve, args=(worker, args, theirs), daemon=True, name=f"treeserve-rank{args.rank}"
+        )
         _start(self.process)
         theirs.close()
 
@@ -40,7 +34,7 @@ class LocalRank:
             return ("timeout", None) if self.process.exitcode is None else ("error", f"it exited ({self.state()})")
         try:
             return self.pipe.recv()
-        except EOFError:  # it exited without a word
+        except EOFError:
             return "error", f"it exited ({self.state()})"
 
     def send(self, message: tuple) -> None:
@@ -69,10 +63,9 @@ class LocalRank:
 
 
 def _start(process: mp.Process) -> None:
-    """Start `process`, also from a daemonic process (the server's engine core): multiprocessing
-    refuses daemons children because it would not wait for them, and here nothing needs it to:
-    a rank exits when its pipe closes (rank 0 is gone) and rank 0's finalizer stops its ranks."""
-    config = mp.current_process()._config  # noqa: SLF001 - multiprocessing keeps the flag nowhere else
+    """Start `process`, also from a daemon (the server's engine core): multiprocessing refuses
+    daemons children, but a rank exits when its pipe closes and rank 0's finalizer stops it."""
+    config = mp.current_process()._config
     daemon = config.get("daemon")
     config["daemon"] = False
     try:
@@ -83,7 +76,6 @@ def _start(process: mp.Process) -> None:
 
 
 def serve(make_worker: WorkerFactory, args: WorkerArgs, pipe: Connection) -> None:
-    """A local rank: join the groups, load its part, then run what rank 0 sends until it stops."""
     worker = make_worker(args)
     if worker.load_error is not None:
         pipe.send(("error", worker.load_error))
@@ -92,11 +84,11 @@ def serve(make_worker: WorkerFactory, args: WorkerArgs, pipe: Connection) -> Non
     while True:
         try:
             message = pipe.recv()
-        except EOFError:  # rank 0 is gone
+        except EOFError:
             return
         try:
             if not worker.handle(message):
                 return
-        except Exception:  # noqa: BLE001 - a failed collective (rank 0 or a peer gone): stop
+        except Exception:  # a failed collective: rank 0 or a peer is gone
             traceback.print_exc()
             return

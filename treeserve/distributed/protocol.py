@@ -1,10 +1,4 @@
-"""What passes between rank 0 and a rank > 0, however the rank was started.
-
-Owns `WorkerArgs` (what a rank is started with), `Worker` (what it runs: the caller's, built by a
-`WorkerFactory`), `RankHandle` (rank 0's view of one rank: `local_ranks.py::LocalRank`,
-`ray_ranks.py::RayRank`), `ParallelSettings` (what the launchers read of the engine's settings)
-and `RankGone`. Types and one helper only: nothing here starts a process.
-"""
+"""What passes between rank 0 and a rank > 0, however started: types and one helper only."""
 
 from __future__ import annotations
 
@@ -19,8 +13,6 @@ class RankGone(Exception):
 
 
 class ParallelSettings(Protocol):
-    """What the ranks read of an engine's settings (`config.py::EngineConfig` has these)."""
-
     tensor_parallel_size: int
     pipeline_parallel_size: int
     parallel_timeout_s: float
@@ -29,32 +21,30 @@ class ParallelSettings(Protocol):
 
 @dataclass
 class WorkerArgs:
-    config: Any  # the engine's settings, handed to the worker as they are
-    device: str  # this rank's
+    config: Any
+    device: str
     rank: int
-    host: str  # where rank 0's TCP store listens
+    host: str  # rank 0's TCP store
     port: int
     threads: int
 
 
 class Worker(Protocol):
-    """What a rank > 0 runs, built from its `WorkerArgs` (joined to its groups, its part loaded)."""
+    """What a rank > 0 runs, joined to its groups and its part loaded."""
 
-    load_error: str | None  # why its part could not load (reported to rank 0), else None
-    parts: dict  # what it holds, reported to rank 0 when ready (weights' bytes, KV bytes a token)
+    load_error: str | None
+    parts: dict  # reported when ready: weights' bytes, KV bytes a token
 
-    def handle(self, message: tuple) -> bool: ...  # run one message; False for "stop"
+    def handle(self, message: tuple) -> bool: ...  # False for "stop"
 
 
-WorkerFactory = Callable[[WorkerArgs], Worker]  # a picklable callable: a class or a module-level function
+WorkerFactory = Callable[[WorkerArgs], Worker]  # picklable
 
 
 class RankHandle(Protocol):
-    """Rank 0's view of one other rank, however it was started."""
-
     def ready(self, timeout_s: float) -> tuple[str, Any]: ...  # ("ready", parts) | ("error", why)
     def send(self, message: tuple) -> None: ...  # RankGone when it cannot be reached
-    def exited(self, timeout_s: float = 0.0) -> bool: ...  # waits up to timeout_s for it to exit
+    def exited(self, timeout_s: float = 0.0) -> bool: ...
     def state(self) -> str: ...
     def stop(self) -> None: ...
 
