@@ -11,9 +11,8 @@ from treeserve.layers.rotary import RotaryEmbedding
 
 
 class Attention(Protocol):
-    """q [T, Hq, D] and k/v [T, Hkv, D] of layer `layer` -> [T, Hq, D]; the engine stores k/v in its pages.
-    With `rope` (the layer's table, the tokens' positions), q and k come unrotated and the engine
-    rotates them as it stores k (one launch on the Triton backend, `kernels/triton/rope_kv.py`)."""
+    """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D], k/v stored in the engine's pages. With `rope`
+    (table, positions) q and k come unrotated and the engine rotates them as it stores k."""
 
     def __call__(
         self,
@@ -26,7 +25,5 @@ class Attention(Protocol):
     ) -> torch.Tensor: ...
 
     def stack_pages(self) -> StackPages | None:
-        """The step's pages and groups where a fused CPU step may read them in place (on the C
-        kernels' backend, each group on the C kernel the per-layer path would call for it); None
-        otherwise (then call per layer)."""
+        """The step's pages and groups where the C layer stack may read them in place, else None."""
         ...

@@ -1,24 +1,11 @@
-"""Weights as quantised checkpoints store them: integer codes with group scales, or FP8.
-
-A GPTQ, AWQ or compressed-tensors checkpoint's linear layer arrives here unpacked from the file's
-own layout (`models/quantized_checkpoint.py`) into one of two canonical forms:
-
-- `GroupQuantWeight`: unsigned `bits`-bit codes [n, k] (4 bits: two a byte, column 2j in the low
-  nibble), scales [n, k / group_size], and zero points [n, k / group_size] or None (the symmetric
-  zero 2^(bits-1)). Weight w[r, c] = scale[r, g] * (code[r, c] - zero[r, g]), g = c // group_size.
-  `input_order` (GPTQ act-order) says the stored columns are the inputs in that order: the layer
-  computes x[:, input_order] @ W^T.
-- `Fp8Weight`: float8_e4m3fn [n, k] with an fp32 scale a row.
-
-Fusing (q/k/v, gate/up) and tensor-parallel shards cut these forms (`cat`, `slice_rows`,
-`slice_columns`), then `for_device` turns each into what that device multiplies:
-- on a CPU, integer weights become the 8-bit kernels' blocks (`layers/quant.py`), exactly: 4-bit
-  symmetric codes are Q4_0 (a block's scale its group's), 4-bit codes with zero points Q5_0
-  (code - zero + 16 fits 5 bits), grouped 8-bit Q8_0, per-channel 8-bit our int8 rows. The block
-  formats' scales are fp16: a checkpoint's fp32/bf16 scales are rounded to fp16 (a relative change
-  below 2^-11, far under the 4-bit step; docs/decisions.md). FP8 weights, which no CPU multiplies,
-  are dequantised into the engine's dtype.
-- on CUDA, both stay as they are and `kernels/triton/quant_matmul.py` multiplies them.
+"""Quantised checkpoints' weights (GPTQ, AWQ, compressed-tensors) in two canonical forms:
+- `GroupQuantWeight`: `bits`-bit codes [n, k] (4 bits: two a byte, column 2j low), scales and
+  optional zero points [n, k / group_size] (default 2^(bits-1)); w = scale * (code - zero).
+  `input_order` (GPTQ act-order): the layer computes x[:, input_order] @ W^T.
+- `Fp8Weight`: e4m3 [n, k] with an fp32 scale a row.
+On a CPU integer weights become the 8-bit kernels' blocks exactly (4-bit symmetric: Q4_0, with
+zeros: Q5_0, grouped 8-bit: Q8_0, per channel: int8), scales in fp16; FP8 is dequantised.
+On CUDA both stay as they are (`kernels/triton/quant_matmul.py`).
 """
 
 from __future__ import annotations
@@ -31,21 +18,21 @@ from torch import nn
 from treeserve.kernels.cpu import quant as kernels
 from treeserve.layers.quant import QuantPart, QuantTensor
 
-FP16_SCALE_TOLERANCE = 2.0**-10  # largest relative change rounding a scale to fp16 may make
+FP16_SCALE_TOLERANCE = 2.0**-10  # relative, rounding a scale to fp16
 
 
 @dataclass
 class GroupQuantWeight:
     codes: torch.Tensor  # uint8 [n, k // 2] (4 bits) or [n, k] (8 bits)
     bits: int
-    scales: torch.Tensor  # [n, k // group_size], fp16 / bf16 / fp32
+    scales: torch.Tensor  # [n, k // group_size]
     zeros: torch.Tensor | None  # uint8 [n, k // group_size]; None: 2^(bits-1)
     group_size: int
     cols: int
-    input_order: torch.Tensor | None = None  # int64 [cols]
-    activations: str = "weights-only"  # "int8": the checkpoint quantises activations too (W8A8)
+    input_order: torch.Tensor | None = None
+    activations: str = "weights-only"  # "int8": W8A8
     dtype: torch.dtype = torch.float32
-    int8_rows: torch.Tensor | None = None  # W8A8 per channel on CUDA: the codes as signed int8 (`on`)
+    int8_rows: torch.Tensor | None = None  # W8A8 per channel on CUDA
 
     @property
     def shape(self) -> torch.Size:
@@ -62,7 +49,6 @@ class GroupQuantWeight:
         return [t for t in (self.codes, self.scales, self.zeros, self.input_order, self.int8_rows) if t is not None]
 
     def on(self, device: torch.device) -> GroupQuantWeight:
-        """This weight on `device`, as its kernels there take it (`checkpoint_linear`)."""
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         int8 = None
         if self.activations == "int8" and self.bits == 8 and self.zeros is None and self.group_size == self.cols:
@@ -77,20 +63,18 @@ class GroupQuantWeight:
         )
 
     def unpacked(self) -> torch.Tensor:
-        """The codes as int16 [n, k] (one a column)."""
         if self.bits == 8:
             return self.codes.to(torch.int16)
         low, high = (self.codes & 0x0F).to(torch.int16), (self.codes >> 4).to(torch.int16)
         return torch.stack((low, high), dim=-1).reshape(self.codes.shape[0], self.cols)
 
     def zero_points(self) -> torch.Tensor:
-        """uint8 [n, groups], the symmetric zero where the checkpoint has none."""
         if self.zeros is not None:
             return self.zeros
         return torch.full(self.scales.shape, 1 << (self.bits - 1), dtype=torch.uint8, device=self.scales.device)
 
     def dequantize(self) -> torch.Tensor:
-        """The fp32 matrix in the layer's input order (the reference every path is checked against)."""
+        """The fp32 matrix in the layer's input order: the reference."""
         repeat = lambda t: t.repeat_interleave(self.group_size, dim=1)  # noqa: E731
         w = (self.unpacked() - repeat(self.zero_points()).to(torch.int16)).float() * repeat(self.scales.float())
         if self.input_order is None:
@@ -104,7 +88,6 @@ class GroupQuantWeight:
         return replace(self, codes=self.codes[start:stop], scales=self.scales[start:stop], zeros=zeros)
 
     def slice_columns(self, start: int, stop: int) -> GroupQuantWeight:
-        """Input columns [start, stop): whole groups (a row-parallel shard)."""
         if self.input_order is not None:
             raise ValueError(
                 "an act-order (g_idx) GPTQ matrix is not split by columns: its groups mix every "
@@ -125,7 +108,6 @@ class GroupQuantWeight:
 
     @staticmethod
     def cat(weights: list[GroupQuantWeight]) -> GroupQuantWeight:
-        """Row-stack a fused projection's parts: one bits, group size and input order."""
         first = weights[0]
         for w in weights[1:]:
             kind = (w.bits, w.group_size, w.cols, w.activations)
@@ -149,7 +131,6 @@ class GroupQuantWeight:
         )
 
     def to_quant_tensor(self) -> QuantTensor:
-        """The CPU kernels' blocks of this matrix, the same weights (module docstring)."""
         n, k = self.shape
         if k % 32 or self.group_size % 32:
             raise ValueError(
@@ -170,8 +151,7 @@ def _same_order(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 
 
 def _blocks(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int, bits: int) -> QuantPart:
-    """Q4_0 (4-bit, the symmetric zero), Q5_0 (4-bit with zero points) or Q8_0 (8-bit, symmetric)
-    blocks of 32 columns: d = the group's scale in fp16, codes shifted so d * value is the weight."""
+    """Q4_0, Q5_0 or Q8_0 blocks of 32 columns: d = the group's scale in fp16, d * value the weight."""
     n, k = codes.shape
     per_block = lambda t: t.repeat_interleave(group // 32, dim=1)  # noqa: E731  [n, k / 32]
     d = per_block(scales).to(torch.float16)
@@ -181,7 +161,7 @@ def _blocks(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, grou
             f"a group scale changes by {float(change):.2g} (relative) in fp16, the CPU blocks' scale "
             "type; load with dequantize=True to run this matrix dense"
         )
-    signed = codes.view(n, k // 32, 32) - per_block(zeros).to(torch.int16).unsqueeze(-1)  # the weight / d
+    signed = codes.view(n, k // 32, 32) - per_block(zeros).to(torch.int16).unsqueeze(-1)
     symmetric = bool((zeros == (1 << (bits - 1))).all())
     scale_bytes = d.view(torch.uint8).view(n, k // 32, 2)
     if bits == 8:
@@ -192,14 +172,14 @@ def _blocks(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, grou
             )
         blocks = torch.cat((scale_bytes, signed.to(torch.int8).view(torch.uint8)), dim=-1)
         return QuantPart(kernels.QTYPES["Q8_0"], blocks.reshape(n, -1).contiguous())
-    if symmetric:  # Q4_0: d, then 16 bytes: column j in the low nibble of byte j, column j + 16 in the high
+    if symmetric:  # Q4_0: d, 16 bytes: column j low nibble of byte j, j + 16 the high
         u = (signed + 8).to(torch.uint8)
         blocks = torch.cat((scale_bytes, u[..., :16] | (u[..., 16:] << 4)), dim=-1)
         return QuantPart(kernels.QTYPES["Q4_0"], blocks.reshape(n, -1).contiguous())
-    # Q5_0: d, 4 bytes of fifth bits (bit j: column j's), 16 bytes of low nibbles as Q4_0's
+    # Q5_0: d, 4 bytes of fifth bits (bit j: column j), 16 bytes of nibbles as Q4_0
     u = (signed + 16).to(torch.int32)
     high = ((u >> 4) & 1) << torch.arange(32, dtype=torch.int32)
-    qh = high.sum(dim=-1, dtype=torch.int64).view(n, k // 32, 1).view(torch.uint8)[..., :4]  # little-endian
+    qh = high.sum(dim=-1, dtype=torch.int64).view(n, k // 32, 1).view(torch.uint8)[..., :4]
     low = (u & 0x0F).to(torch.uint8)
     blocks = torch.cat((scale_bytes, qh, low[..., :16] | (low[..., 16:] << 4)), dim=-1)
     return QuantPart(kernels.QTYPES["Q5_0"], blocks.reshape(n, -1).contiguous())
@@ -207,7 +187,7 @@ def _blocks(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, grou
 
 @dataclass
 class Fp8Weight:
-    weight: torch.Tensor  # float8_e4m3fn [n, k]
+    weight: torch.Tensor  # e4m3 [n, k]
     scales: torch.Tensor  # fp32 [n]
     dtype: torch.dtype = torch.float32
 
@@ -248,8 +228,7 @@ CheckpointWeight = GroupQuantWeight | Fp8Weight
 
 
 def checkpoint_linear(x: torch.Tensor, weight: CheckpointWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for a checkpoint's weight kept as stored: on CUDA the Triton / cuBLAS kernels, on
-    CPU tensors those kernels' PyTorch references (which need no triton)."""
+    """F.linear for a weight kept as stored: Triton / cuBLAS on CUDA, their PyTorch references on CPU."""
     if x.device.type == "cuda":
         from treeserve.kernels.triton.quant_matmul import fp8_matmul, int8_matmul, int_weight_matmul
     else:
@@ -268,7 +247,6 @@ def checkpoint_linear(x: torch.Tensor, weight: CheckpointWeight, bias: torch.Ten
 
 
 def checkpoint_weights(model: nn.Module) -> dict[str, CheckpointWeight]:
-    """Every weight of `model` kept as a checkpoint stores it, by dotted name."""
     found = {}
     for prefix, module in model.named_modules():
         for name, value in vars(module).items():

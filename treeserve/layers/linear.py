@@ -1,28 +1,9 @@
-"""Linear layers and the LM head's matmul, with the kernel picked at load.
-
-`Linear` is `nn.Linear` (same parameters, same checkpoint names) whose forward calls
-`self.kernel`. On a CPU with AVX512-BF16 (every CPU with AMX has it), a bf16 `Linear` lays its
-weight out once as panels of 16 output channels (`dense_panels`: a `QuantTensor` of one dense
-part, the same size, no second copy), multiplied by one kernel for every batch size, so a row's
-bits never depend on the batch: AMX tiles where the CPU has them (the panels are TDPBF16PS's B
-tiles as they lie: `amx_linear.c`), else `bf16_panels.c`'s dot products (at peak bf16
-dot-product rate from 16 rows on and at memory bandwidth at one row, 1.0-2.5x the
-GEMV-below-4-rows / oneDNN-above pair it replaced, AMD Zen 4). Either way the layer stack
-(`layers/layer_stack.py`) chains it like a quantised matrix. Where AMX multiplies them, a bf16
-embedding table is laid out as the same panels and a tied LM head multiplies it there
-(`layers/embedding.py`); without AMX the table stays a plain matrix, and the tied head goes
-through `kernels.cpu.linear` (a GEMV that streams the weights for up to 4 rows, oneDNN with rows
-padded to a bucket above that). For a `QuantTensor` (the loader replaced the parameter by
-quantised bytes), `quant_linear`; for fp32 weights on a CPU, `row_invariant_linear` (F.linear
-with at least MIN_GEMM_ROWS rows); F.linear everywhere else (cuBLAS on a GPU).
-
-On a CPU that does not multiply bf16 itself (neither AVX512-BF16 nor AMX: PyTorch emulates the
-products, 3-7x slower than fp32 on an AVX2 AMD EPYC) but has AVX2 and FMA, a bf16 `Linear` keeps
-its weight in bf16 and `kernels/cpu/avx2.py` multiplies it, widening in registers and summing in
-fp32 in one fixed order (batch invariant), the product rounded to bf16 once. Without AVX2 (or
-its build), the weight is widened to fp32 at load (`widens`; exact: every bf16 is an fp32) and
-`widened_linear` multiplies the bf16 inputs in fp32, row-invariant as an fp32 layer, rounding the
-product to bf16 once; the weights then take twice the memory.
+"""`Linear` (nn.Linear, same checkpoint names) calls a kernel picked at load, so a row's bits
+never depend on the batch:
+- bf16 on AVX512-BF16: weights laid out once as 16-channel panels (`dense_panels`, no second
+  copy), on AMX tiles where present, else `bf16_panels.c`; the layer stack chains them;
+- bf16 without bf16 products: the AVX2 kernel (fp32 sums in one order), else widened to fp32;
+- `QuantTensor`: `quant_linear`; fp32 on a CPU: `row_invariant_linear`; else F.linear.
 """
 
 from __future__ import annotations
@@ -40,17 +21,13 @@ from treeserve.layers.quant import QuantTensor, dense_panels, dense_panels_suppo
 
 LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
-# MKL's fp32 GEMM multiplies fewer rows than this with other kernels (a GEMV at one row,
-# small-matrix kernels up to 15 rows for k >= 512, up to 5 at k = 128) that sum each dot
-# product in another order, so a row's last bits depended on how many rows shared its matmul
-# (from 16 rows on, every row count gave the same bits: 16-2048 rows, k 64-4096, tested).
+# Below 16 rows MKL's fp32 GEMM switches kernels and summation order, so a row's bits would
+# depend on the batch; from 16 rows on they do not.
 MIN_GEMM_ROWS = 16
 
 
 def widens(weight: torch.Tensor | QuantTensor) -> bool:
-    """A dense bf16 matrix on a CPU that does not multiply bf16 itself (so it has no AMX tiles
-    either) and has no AVX2 kernel for it (`kernels/cpu/avx2.py`): widened to fp32 at load
-    (`widened_linear`)."""
+    """A bf16 CPU matrix with neither bf16 products nor the AVX2 kernel: widened to fp32 at load."""
     return (
         isinstance(weight, torch.Tensor)
         and weight.device.type == "cpu"
@@ -62,20 +39,19 @@ def widens(weight: torch.Tensor | QuantTensor) -> bool:
 
 
 def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """A bf16 layer whose weight (and bias) were widened to fp32 at load: bf16 rows x multiplied in
-    fp32, the product rounded to bf16 once."""
+    """bf16 rows times a widened fp32 weight, the product rounded to bf16 once."""
     return row_invariant_linear(x.float(), weight, bias).to(torch.bfloat16)
 
 
 def linear_kernel(weight: torch.Tensor | QuantTensor | GroupQuantWeight | Fp8Weight) -> LinearKernel:
-    """The matmul with F.linear's semantics that suits `weight`'s format, device and dtype."""
+    """F.linear for `weight`'s format, device and dtype."""
     if isinstance(weight, QuantTensor):
         return quant_linear
-    if isinstance(weight, GroupQuantWeight | Fp8Weight):  # a quantised checkpoint's, on CUDA
+    if isinstance(weight, GroupQuantWeight | Fp8Weight):  # on CUDA
         return checkpoint_linear
     if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and cpu_kernels.bf16_built():
         return cpu_kernels.linear
-    if avx2.supports(weight):  # (built only where the CPU has no bf16 products)
+    if avx2.supports(weight):
         return avx2.linear
     if weight.device.type == "cpu" and weight.dtype == torch.float32:
         return row_invariant_linear
@@ -83,10 +59,7 @@ def linear_kernel(weight: torch.Tensor | QuantTensor | GroupQuantWeight | Fp8Wei
 
 
 def row_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear whose rows' bits do not depend on how many rows are multiplied together (fp32
-    on a CPU): fewer than MIN_GEMM_ROWS rows are padded with zero rows. Without it a decode step
-    of 3 sequences and a speculating one of 4 rows computed the same token's logits in other
-    last bits, and a sampled token at a CDF boundary changed: speculation changed an output."""
+    """fp32 F.linear whose rows' bits do not depend on the batch: pads to MIN_GEMM_ROWS rows."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if rows >= MIN_GEMM_ROWS or rows == 0:
         return F.linear(x, weight, bias)
@@ -98,7 +71,7 @@ def row_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True):
         super().__init__(in_features, out_features, bias)
-        self.kernel: LinearKernel = F.linear  # until `pick_kernel` (a model built for training keeps PyTorch)
+        self.kernel: LinearKernel = F.linear  # until `pick_kernel`
 
     def pick_kernel(self) -> None:
         if widens(self.weight):

@@ -1,10 +1,6 @@
-"""RMS norms: Llama's (weight x normed, in the input dtype) and Gemma's (1 + weight, in fp32).
-
-Both use the C kernel `kernels.cpu.rms_norm_bf16` for bf16 inputs when `pick_kernel` found
-the weights on a CPU with the kernels built (same bits as the PyTorch lines below), the
-Triton kernel `kernels.triton.norm` when it found them on CUDA (one launch for the ~8 ops of
-the PyTorch lines; `add_norm` folds the residual add before the norm into it too: the decoder
-layers' fused path), and PyTorch otherwise.
+"""RMS norms: Llama's (weight x normed, in the input dtype) and Gemma's (1 + weight, in fp32),
+on the C kernel for bf16 on a CPU, one Triton launch on CUDA (`add_norm` folds in the residual
+add), else PyTorch; the same bits either way on a CPU.
 """
 
 from __future__ import annotations
@@ -24,7 +20,7 @@ def _c_kernel_for(weight: torch.Tensor) -> bool:
 def _triton_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, fp32_weight: bool
 ) -> torch.Tensor:
-    from treeserve.kernels.triton.norm import rms_norm  # triton is imported only where it runs
+    from treeserve.kernels.triton.norm import rms_norm
 
     return rms_norm(x, weight, eps, residual, fp32_weight)
 
@@ -49,8 +45,7 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(residual + x), residual + x), the sum written into `residual` (None: (norm(x), x)).
-        One Triton launch: only where `use_triton` (the decoder layers' fused path)."""
+        """(norm(residual + x), residual + x), the sum written into `residual`; Triton only."""
         if residual is None:
             return self(x), x
         return _triton_norm(x, self.weight, self.eps, residual, fp32_weight=False), residual
@@ -65,7 +60,7 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
         self.use_c = False
         self.use_triton = False
-        self._gain: torch.Tensor | None = None  # fp32 1 + weight, made at the first call (weights are frozen)
+        self._gain: torch.Tensor | None = None  # fp32 1 + weight (weights are frozen)
 
     def pick_kernel(self) -> None:
         self.use_c = _c_kernel_for(self.weight)
@@ -86,7 +81,6 @@ class GemmaRMSNorm(nn.Module):
         return F.rms_norm(x.float(), self.weight.shape, self.gain(), self.eps).to(x.dtype)
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """As `RMSNorm.add_norm`, with Gemma's fp32 gain."""
         if residual is None:
             return self(x), x
         return _triton_norm(x, self.gain(), self.eps, residual, fp32_weight=True), residual

@@ -1,12 +1,6 @@
-"""Rotary position embeddings: inverse frequencies (default, linear, dynamic, llama3, yarn, longrope)
-and a cos/sin table.
-
-Computes exactly what `transformers` computes (fp32 inverse frequencies times integer
-positions), so logits match bit for bit in fp32. For bf16 on a CPU, `pick_kernel` chooses
-the C kernel `kernels.cpu.rope_bf16` (PyTorch's bits, read from the fused projection's
-strided heads); inputs it cannot take go through the PyTorch lines. On CUDA it sets
-`use_triton`: the attention block then hands q, k and this table to the engine, which rotates
-them as it stores k and v (`kernels/triton/rope_kv.py`, PyTorch's bits too).
+"""Rotary position embeddings (default, linear, dynamic, llama3, yarn, longrope), computed as
+`transformers` does (fp32 bit for bit). bf16 on a CPU uses the C kernel; on CUDA the engine
+rotates q and k as it stores k (`use_triton`).
 """
 
 from __future__ import annotations
@@ -19,23 +13,29 @@ import torch
 from treeserve.kernels import cpu as cpu_kernels
 from treeserve.kernels import triton as triton_kernels
 
-ROPE_KEYS = {  # each rope type's parameters (besides rope_type / type and rope_theta); others are refused
+ROPE_KEYS = {  # each type's parameters besides rope_type / type / rope_theta; others are refused
     "default": set(),
     "linear": {"factor"},
     "dynamic": {"factor"},
     "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
-    "yarn": {"factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
-             "mscale_all_dim", "truncate"},
+    "yarn": {
+        "factor",
+        "original_max_position_embeddings",
+        "attention_factor",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "truncate",
+    },
     "longrope": {"factor", "original_max_position_embeddings", "attention_factor", "long_factor", "short_factor"},
-}  # fmt: skip
+}
 ROPE_ALIASES = {"su": "longrope"}  # older Phi-3 configs
 
 
 @dataclass
 class RopeFrequencies:
-    """What a rope table is made of: inverse frequencies for positions below `switch` (all of them
-    when `long_inv_freq` is None), longrope's long ones from `switch` on, and the factor cos and sin
-    are multiplied by (yarn's and longrope's attention factor)."""
+    """`inv_freq` below `switch`, longrope's `long_inv_freq` from it on; cos/sin times `attention_factor`."""
 
     inv_freq: torch.Tensor
     attention_factor: float = 1.0
@@ -49,7 +49,6 @@ def rope_type(scaling: dict | None) -> str:
 
 
 def check_rope(scaling: dict | None) -> None:
-    """Refuse a rope type or parameter this module does not implement, naming it."""
     kind = rope_type(scaling)
     if kind not in ROPE_KEYS:
         raise ValueError(f"unsupported rope type {kind!r} (supported: {', '.join(ROPE_KEYS)})")
@@ -59,10 +58,8 @@ def check_rope(scaling: dict | None) -> None:
 
 
 def rope_frequencies(dim: int, theta: float, scaling: dict | None) -> RopeFrequencies:
-    """transformers' `ROPE_INIT_FUNCTIONS` for `dim` rotated dimensions, in its order of fp32
-    operations. `scaling` is normalised by `ModelConfig.from_hf` (original_max_position_embeddings
-    and factor filled in as transformers fills them). "dynamic" (NTK) changes frequencies only past
-    max_position_embeddings, which the table never reaches: its frequencies are the default ones."""
+    """transformers' `ROPE_INIT_FUNCTIONS`, in its order of fp32 operations ("dynamic" changes
+    nothing below max_position_embeddings, which the table never passes)."""
     check_rope(scaling)
     exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (theta**exponent)
@@ -79,7 +76,6 @@ def rope_frequencies(dim: int, theta: float, scaling: dict | None) -> RopeFreque
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """The inverse frequencies of a rope without an attention factor or a long range (tests, kernels)."""
     return rope_frequencies(head_dim, theta, scaling).inv_freq
 
 
@@ -103,8 +99,7 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 def _yarn(dim: int, base: float, scaling: dict) -> RopeFrequencies:
-    """YaRN (Peng et al. 2023): interpolated low frequencies, extrapolated high ones, a linear ramp
-    between, and cos/sin scaled by the attention factor."""
+    """YaRN (Peng et al. 2023): low frequencies interpolated, high ones extrapolated, a ramp between."""
     factor = scaling["factor"]
     original = scaling["original_max_position_embeddings"]
     attention_factor = scaling.get("attention_factor")
@@ -135,8 +130,7 @@ def _yarn(dim: int, base: float, scaling: dict) -> RopeFrequencies:
 
 
 def _longrope(dim: int, base: float, scaling: dict, exponent: torch.Tensor) -> RopeFrequencies:
-    """LongRoPE (Phi-3, Phi-4-mini): per-frequency factors, the short ones below the pretraining
-    length and the long ones from it on, and cos/sin scaled by the attention factor."""
+    """LongRoPE (Phi-3, Phi-4-mini): short factors below the pretraining length, long ones from it."""
     factor = scaling["factor"]
     original = scaling["original_max_position_embeddings"]
     attention_factor = scaling.get("attention_factor")
@@ -153,14 +147,13 @@ def _longrope(dim: int, base: float, scaling: dict, exponent: torch.Tensor) -> R
 
 
 class RotaryEmbedding:
-    """A cos/sin table over positions [0, max_positions), looked up per token. Its width is the
-    rotated part of a head (`partial_rotary_factor`, Phi-4-mini's 0.75): the rest passes through."""
+    """cos/sin over positions [0, max_positions), as wide as the rotated part of a head."""
 
     def __init__(self, freqs: RopeFrequencies | torch.Tensor, max_positions: int, device: torch.device | str):
         freqs = freqs if isinstance(freqs, RopeFrequencies) else RopeFrequencies(freqs)
         positions = torch.arange(max_positions, dtype=torch.float32)
         table = positions[:, None] * freqs.inv_freq[None, :].float()
-        if freqs.long_inv_freq is not None and max_positions > freqs.switch:  # longrope's long range
+        if freqs.long_inv_freq is not None and max_positions > freqs.switch:
             table[freqs.switch :] = positions[freqs.switch :, None] * freqs.long_inv_freq[None, :].float()
         emb = torch.cat((table, table), dim=-1)
         cos, sin = emb.cos(), emb.sin()
@@ -171,22 +164,20 @@ class RotaryEmbedding:
         self.rotary_dim = self.cos.shape[1]
         self._looked_up: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
         self.use_c = False
-        self.use_triton = False  # rotate as the engine stores k (`Attention`'s `rope`), on CUDA
+        self.use_triton = False  # the engine rotates q, k as it stores k
 
     def pick_kernel(self, dtype: torch.dtype, head_dim: int | None = None) -> None:
-        """Choose the kernel for q/k of `dtype` (the model's), on this table's device. The C and
-        Triton kernels rotate whole heads: a partial rotary table takes the PyTorch lines."""
+        """The C and Triton kernels rotate whole heads only."""
         whole = head_dim is None or head_dim == self.rotary_dim
         on_c = self.cos.device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels.load() is not None
         self.use_c = whole and on_c
         self.use_triton = whole and triton_kernels.fused_layers(self.cos.device)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hkv, D], positions: [T] -> rotated q, k in their dtype."""
         cos, sin = self.lookup(positions, q.dtype)
         if self.use_c and all(_c_layout(t) for t in (q, k)):
             return cpu_kernels.rope_bf16(q, cos, sin), cpu_kernels.rope_bf16(k, cos, sin)
-        if q.shape[-1] != self.rotary_dim:  # rotate the first rotary_dim of each head, pass the rest
+        if q.shape[-1] != self.rotary_dim:
             d = self.rotary_dim
             q_rot, k_rot = q[..., :d], k[..., :d]
             q_rot = q_rot * cos + _rotate_half(q_rot) * sin
@@ -195,7 +186,7 @@ class RotaryEmbedding:
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin rows [T, 1, D] of `positions`, reused while every layer of one forward passes the same tensor."""
+        """cos/sin [T, 1, D], reused while the layers of a forward pass the same `positions`."""
         last = self._looked_up
         if last is None or last[0] is not positions or last[1] != dtype:
             cos = self.cos[positions].unsqueeze(1).to(dtype)
@@ -205,7 +196,7 @@ class RotaryEmbedding:
 
 
 def _c_layout(x: torch.Tensor) -> bool:
-    """bf16 heads contiguous within each token (rows may be strided): what the C kernel reads."""
+    """bf16 heads contiguous within a token (rows may be strided)."""
     return x.dtype == torch.bfloat16 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
