@@ -132,8 +132,13 @@ def _moe(cfg: dict, layers: int) -> MoEConfig:
     step = cfg.get("decoder_sparse_step", 1)
     only_mlp = set(cfg.get("mlp_only_layers") or [])
     sparse = [i not in only_mlp and step > 0 and (i + 1) % step == 0 for i in range(layers)]
-    return MoEConfig(experts, cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
-                     bool(cfg.get("norm_topk_prob", False)), sparse)  # fmt: skip
+    return MoEConfig(
+        experts,
+        cfg["num_experts_per_tok"],
+        cfg["moe_intermediate_size"],
+        bool(cfg.get("norm_topk_prob", False)),
+        sparse,
+    )
 
 
 def _layer_windows(cfg: dict, model_type: str, layers: int) -> list[int | None]:

@@ -15,21 +15,57 @@ import logging
 log = logging.getLogger(__name__)
 
 INERT = {
-    "_name_or_path", "architectures", "attention_dropout", "auto_map", "chunk_size_feed_forward", "dtype",
-    "embd_pdrop", "id2label", "initializer_range", "label2id", "model_type", "num_labels", "output_attentions",
-    "output_hidden_states", "output_router_logits", "pad_token_id", "pretraining_tp", "problem_type", "resid_pdrop",
-    "return_dict", "router_aux_loss_coef", "tokenizer_class", "torch_dtype", "transformers_version", "use_cache",
-    "classifier_dropout", "token_classification_bias",  # a reward head's: the PRM adapters read its tensors
+    "_name_or_path",
+    "architectures",
+    "attention_dropout",
+    "auto_map",
+    "chunk_size_feed_forward",
+    "dtype",
+    "embd_pdrop",
+    "id2label",
+    "initializer_range",
+    "label2id",
+    "model_type",
+    "num_labels",
+    "output_attentions",
+    "output_hidden_states",
+    "output_router_logits",
+    "pad_token_id",
+    "pretraining_tp",
+    "problem_type",
+    "resid_pdrop",
+    "return_dict",
+    "router_aux_loss_coef",
+    "tokenizer_class",
+    "torch_dtype",
+    "transformers_version",
+    "use_cache",
+    "classifier_dropout",
+    "token_classification_bias",  # a reward head's: the PRM adapters read its tensors
     "quantization_config",  # read (or refused) by models/quantized_checkpoint.py, not by the model's config
-}  # fmt: skip
+}
 # pretraining_tp splits Llama's matmuls into slices summed again: the same products in another order.
 
 _LLAMA = {
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
-    "max_position_embeddings", "tie_word_embeddings", "attention_bias", "mlp_bias", "hidden_act", "eos_token_id",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "attention_bias",
+    "mlp_bias",
+    "hidden_act",
+    "eos_token_id",
     "bos_token_id",
-}  # fmt: skip
+}
 _QWEN_WINDOWS = {"sliding_window", "use_sliding_window", "max_window_layers", "layer_types"}
 READ = {
     "llama": _LLAMA,
@@ -46,7 +82,7 @@ READ = {
         "num_experts_per_tok",
         "num_experts",
         "num_local_experts",
-    },  # fmt: skip
+    },
     "phi3": _LLAMA | {"sliding_window", "original_max_position_embeddings", "partial_rotary_factor"},
     "gemma3_text": _LLAMA
     | {
@@ -57,7 +93,7 @@ READ = {
         "sliding_window",
         "sliding_window_pattern",
         "_sliding_window_pattern",
-    },  # fmt: skip
+    },
 }
 
 # field -> (the value that changes nothing, why another value is refused)
@@ -66,7 +102,7 @@ REFUSED = {
     "use_bidirectional_attention": (False, "bidirectional attention is not supported: treeserve runs causal decoders"),
     "attn_logit_softcapping": (None, "attention logit soft-capping is not implemented"),
     "final_logit_softcapping": (None, "final logit soft-capping is not implemented"),
-}  # fmt: skip
+}
 _MOE_WORDS = ("expert", "moe", "router", "routed", "topk", "top_k")
 
 

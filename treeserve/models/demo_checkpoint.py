@@ -58,8 +58,12 @@ def build_demo_checkpoint(out_dir: Path | None = None, seed: int = 0) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=CONFIG["vocab_size"], special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=CONFIG["vocab_size"],
+        special_tokens=SPECIALS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(CORPUS * 50, trainer)
     tok.save(str(out_dir / "tokenizer.json"))
     tokenizer_config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": TEMPLATE}
@@ -78,16 +82,24 @@ def _random_weights(c: dict, seed: int) -> dict[str, torch.Tensor]:
     def w(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen) * 0.05).to(torch.bfloat16)
 
-    tensors = {"model.embed_tokens.weight": w(c["vocab_size"], hidden), "lm_head.weight": w(c["vocab_size"], hidden),
-               "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}  # fmt: skip
+    tensors = {
+        "model.embed_tokens.weight": w(c["vocab_size"], hidden),
+        "lm_head.weight": w(c["vocab_size"], hidden),
+        "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+    }
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        tensors.update({
-            p + "self_attn.q_proj.weight": w(hidden, hidden), p + "self_attn.k_proj.weight": w(kv, hidden),
-            p + "self_attn.v_proj.weight": w(kv, hidden), p + "self_attn.o_proj.weight": w(hidden, hidden),
-            p + "mlp.gate_proj.weight": w(inter, hidden), p + "mlp.up_proj.weight": w(inter, hidden),
-            p + "mlp.down_proj.weight": w(hidden, inter),
-            p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-            p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-        })  # fmt: skip
+        tensors.update(
+            {
+                p + "self_attn.q_proj.weight": w(hidden, hidden),
+                p + "self_attn.k_proj.weight": w(kv, hidden),
+                p + "self_attn.v_proj.weight": w(kv, hidden),
+                p + "self_attn.o_proj.weight": w(hidden, hidden),
+                p + "mlp.gate_proj.weight": w(inter, hidden),
+                p + "mlp.up_proj.weight": w(inter, hidden),
+                p + "mlp.down_proj.weight": w(hidden, inter),
+                p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+                p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+            }
+        )
     return tensors

@@ -42,10 +42,21 @@ from treeserve.models.gguf_file import GGUFFile
 
 log = logging.getLogger(__name__)
 
-ARCH_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
-                    "phi3": "phi3", "gemma3": "gemma3_text"}  # fmt: skip
-ARCH_NAMES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-              "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM"}  # fmt: skip
+ARCH_MODEL_TYPES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3moe": "qwen3_moe",
+    "phi3": "phi3",
+    "gemma3": "gemma3_text",
+}
+ARCH_NAMES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
 
 _LAYER_NAMES = {  # llama.cpp's per-layer tensor name -> Hugging Face's (after model.layers.N.)
     "attn_q": "self_attn.q_proj",
@@ -156,15 +167,20 @@ class GGUFCheckpoint:
                 },
             )
         else:
-            config.update(architectures=[ARCH_NAMES[model_type]], hidden_act="silu", rope_theta=theta,
-                          rope_scaling=scaling)  # fmt: skip
+            config.update(
+                architectures=[ARCH_NAMES[model_type]], hidden_act="silu", rope_theta=theta, rope_scaling=scaling
+            )
         if model_type == "phi3":
             config.update(self._phi3_fields(config["head_dim"]))
         if model_type == "qwen3_moe":  # llama.cpp routes every layer and renormalises the top k
             experts = self._arch_field("expert_feed_forward_length")
-            config.update(num_experts=self._arch_field("expert_count"),
-                          num_experts_per_tok=self._arch_field("expert_used_count"), moe_intermediate_size=experts,
-                          norm_topk_prob=True, intermediate_size=config["intermediate_size"] or experts)  # fmt: skip
+            config.update(
+                num_experts=self._arch_field("expert_count"),
+                num_experts_per_tok=self._arch_field("expert_used_count"),
+                moe_intermediate_size=experts,
+                norm_topk_prob=True,
+                intermediate_size=config["intermediate_size"] or experts,
+            )
         return config
 
     def _gemma_layer_types(self, layers: int) -> list[str]:
@@ -264,8 +280,11 @@ class GGUFCheckpoint:
     def quantized_blocks(self) -> dict[str, tuple[int, str, int]]:
         """(input width, format, weights a block) of each matrix `tensors(keep_quantized=True)`
         keeps in its blocks, by Hugging Face name: the tensor table's, no weight read."""
-        return {self.hf_name(t.name): (int(t.shape[0]), t.tensor_type.name, gguf.GGML_QUANT_SIZES[t.tensor_type][0])
-                for t in self.reader.tensors if _kept_quantized(t)}  # fmt: skip
+        return {
+            self.hf_name(t.name): (int(t.shape[0]), t.tensor_type.name, gguf.GGML_QUANT_SIZES[t.tensor_type][0])
+            for t in self.reader.tensors
+            if _kept_quantized(t)
+        }
 
     def _quantized(self, name: str, tensor: object, heads: int, kv_heads: int) -> Iterator[tuple[str, QuantTensor]]:
         """The tensor's blocks as one matrix, or stacked experts' as one matrix an expert."""

@@ -154,8 +154,9 @@ class LlamaForCausalLM(nn.Module):
 
     def init_rope(self, max_positions: int, device: torch.device | str) -> None:
         cfg = self.config
-        self.rope = RotaryEmbedding(rope_frequencies(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling), max_positions,
-                                    device)  # fmt: skip
+        self.rope = RotaryEmbedding(
+            rope_frequencies(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling), max_positions, device
+        )
 
     def pick_kernel(self) -> None:
         """The tied LM head's matmul, the rotary tables' kernels and the fused layer stack
@@ -174,9 +175,16 @@ class LlamaForCausalLM(nn.Module):
         act = self.layers[0].mlp.act
         if cfg.tp_size == 1 and cfg.pp_size == 1:  # one C call for every layer: no place for collectives
             embedding = self.embed_tokens if hasattr(self, "embed_tokens") else None
-            self.layer_stack = LayerStack.build(self.layers, self.norm, self.rope_tables(), act,
-                                                cfg.intermediate_size, cfg.rms_norm_eps, embedding,
-                                                self.embedding_scale(torch.bfloat16))  # fmt: skip
+            self.layer_stack = LayerStack.build(
+                self.layers,
+                self.norm,
+                self.rope_tables(),
+                act,
+                cfg.intermediate_size,
+                cfg.rms_norm_eps,
+                embedding,
+                self.embedding_scale(torch.bfloat16),
+            )
 
     def attach(self, tp: RankGroup) -> None:
         """Join `tp` (this model holds rank tp.rank's shard): every layer that reduces or gathers."""

@@ -161,8 +161,10 @@ def load_model(
     scheme = None if is_gguf(model_dir) else read_scheme(model_dir, hf_config)
     if scheme is not None:
         if quantization not in (None, CHECKPOINT):
-            raise ValueError(f"{model_dir!r} is a {scheme.method} checkpoint: it runs its own quantisation, "
-                             f"not quantization={quantization!r}")
+            raise ValueError(
+                f"{model_dir!r} is a {scheme.method} checkpoint: it runs its own quantisation, "
+                f"not quantization={quantization!r}"
+            )
         tensors = quantized_tensors(tensors, scheme)
     config = stage_config(shard_config(_config(model_dir, hf_config), tp_rank, tp_size), pp_rank, pp_size)
     model_class = ARCHITECTURES[hf_config["model_type"]][1]
@@ -224,8 +226,9 @@ def load_model(
     return LoadedModel(model, config, hf_config, extra, label)
 
 
-def _checkpoint_weight(name: str, weight: CheckpointWeight, keep: bool, dtype: torch.dtype,
-                       device: str | torch.device) -> torch.Tensor | CheckpointWeight | QuantTensor:  # fmt: skip
+def _checkpoint_weight(
+    name: str, weight: CheckpointWeight, keep: bool, dtype: torch.dtype, device: str | torch.device
+) -> torch.Tensor | CheckpointWeight | QuantTensor:
     """What a quantised checkpoint's layer runs as here: dense when not `keep` (dequantize=True);
     on a CPU the 8-bit kernels' blocks (FP8: dense, no CPU multiplies it); on CUDA as stored."""
     if not keep or (isinstance(weight, Fp8Weight) and torch.device(device).type == "cpu"):
@@ -267,8 +270,11 @@ def random_state(
     """Every tensor `model` expects, made on `device` in `dtype`: norm weights at unit gain
     (1, or 0 for Gemma's 1 + weight), biases 0, the rest normal(0, 0.02) from a generator
     seeded by (seed, tensor name), so no tensor depends on the others or on their order."""
-    gains = {name: 0.0 if isinstance(m, GemmaRMSNorm) else 1.0
-             for name, m in model.named_modules() if isinstance(m, RMSNorm | GemmaRMSNorm)}  # fmt: skip
+    gains = {
+        name: 0.0 if isinstance(m, GemmaRMSNorm) else 1.0
+        for name, m in model.named_modules()
+        if isinstance(m, RMSNorm | GemmaRMSNorm)
+    }
     state = {}
     for name, meta in model.state_dict().items():
         tensor = torch.empty(meta.shape, dtype=dtype, device=device)
@@ -339,8 +345,10 @@ def _collect_state(
             if "rotary_emb" in hf_name or (hf_name == "lm_head.weight" and model.config.tie_word_embeddings):
                 continue  # IGNORABLE: a cached rope table; the tied head's copy of the table
             if local.startswith(DECODER_PREFIXES):
-                raise ValueError(f"checkpoint {model_dir!r} has tensor {hf_name!r} that {type(model).__name__} does "
-                                 "not read (a quantised or other-architecture checkpoint?)")  # fmt: skip
+                raise ValueError(
+                    f"checkpoint {model_dir!r} has tensor {hf_name!r} that {type(model).__name__} does "
+                    "not read (a quantised or other-architecture checkpoint?)"
+                )
             extra[hf_name] = tensor if isinstance(tensor, torch.Tensor) else tensor.dequantize()
             continue
         pieces = [(part, tensor)] if part is not None else _fused_parts(local, tensor, model)
@@ -371,8 +379,9 @@ def _unstacked(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[st
             yield name, tensor
 
 
-def _fused_parts(local: str, tensor: torch.Tensor | QuantTensor,
-                 model: LlamaForCausalLM) -> list[tuple[str | None, torch.Tensor | QuantTensor]]:  # fmt: skip
+def _fused_parts(
+    local: str, tensor: torch.Tensor | QuantTensor, model: LlamaForCausalLM
+) -> list[tuple[str | None, torch.Tensor | QuantTensor]]:
     """A checkpoint tensor as (fused part, rows) pieces: a q/k/v or gate/up matrix that the checkpoint
     holds fused already (Phi-3's `qkv_proj`, `gate_up_proj`) in its parts, so a tensor-parallel rank
     takes its slice of each; any other tensor whole, as (None, tensor). A quantised matrix splits

@@ -59,9 +59,16 @@ def shard_config(cfg: ModelConfig, rank: int, size: int) -> ModelConfig:
         return cfg
     check_divisible(cfg, size, cfg.vocab_size)
     moe = None if cfg.moe is None else replace(cfg.moe, intermediate_size=cfg.moe.intermediate_size // size)
-    return replace(cfg, num_heads=cfg.num_heads // size, num_kv_heads=max(cfg.num_kv_heads // size, 1),
-                   intermediate_size=cfg.intermediate_size // size, moe=moe, tp_rank=rank, tp_size=size,
-                   full_kv_heads=cfg.num_kv_heads)  # fmt: skip
+    return replace(
+        cfg,
+        num_heads=cfg.num_heads // size,
+        num_kv_heads=max(cfg.num_kv_heads // size, 1),
+        intermediate_size=cfg.intermediate_size // size,
+        moe=moe,
+        tp_rank=rank,
+        tp_size=size,
+        full_kv_heads=cfg.num_kv_heads,
+    )
 
 
 def stage_layers(num_layers: int, rank: int, size: int) -> tuple[int, int]:
@@ -84,8 +91,14 @@ def stage_config(cfg: ModelConfig, rank: int, size: int) -> ModelConfig:
         return cfg
     check_stages(cfg, size)
     first, count = stage_layers(cfg.num_layers, rank, size)
-    return replace(cfg, num_layers=count, layer_windows=cfg.layer_windows[first : first + count], pp_rank=rank,
-                   pp_size=size, first_layer=first)  # fmt: skip
+    return replace(
+        cfg,
+        num_layers=count,
+        layer_windows=cfg.layer_windows[first : first + count],
+        pp_rank=rank,
+        pp_size=size,
+        first_layer=first,
+    )
 
 
 def stage_name(name: str, cfg: ModelConfig) -> str | None:
@@ -100,8 +113,9 @@ def stage_name(name: str, cfg: ModelConfig) -> str | None:
     return name if cfg.pp_rank == 0 else None  # the embedding, final norm and LM head live on stage 0
 
 
-def shard_tensor(name: str, tensor: torch.Tensor | QuantTensor, part: str | None,
-                 cfg: ModelConfig) -> torch.Tensor | QuantTensor:  # fmt: skip
+def shard_tensor(
+    name: str, tensor: torch.Tensor | QuantTensor, part: str | None, cfg: ModelConfig
+) -> torch.Tensor | QuantTensor:
     """Rank `cfg.tp_rank`'s slice of checkpoint tensor `name` (a fused module's `part`, or whole);
     a quantised one's whole rows, or whole blocks of its rows (its bytes the file's)."""
     rank, size = cfg.tp_rank, cfg.tp_size
@@ -140,8 +154,12 @@ def check_whole_blocks(blocks: dict[str, tuple[int, str, int]], size: int) -> No
         if module in ROW_PARALLEL and (cols // size) % block and block > worst.get(module, (0, "", 0))[2]:
             worst[module] = (cols, qformat, block)
     if worst:
-        bad = [f"{module}'s {cols} inputs / {size} = {cols // size} a rank, not whole {qformat} blocks of {block}"
-               for module, (cols, qformat, block) in sorted(worst.items())]  # fmt: skip
-        raise ValueError(f"tensor_parallel_size={size} would cut quantised blocks: {'; '.join(bad)} (a rank "
-                         "multiplies whole blocks of its input columns; load dense with dequantize=True, or use "
-                         "another size)")  # fmt: skip
+        bad = [
+            f"{module}'s {cols} inputs / {size} = {cols // size} a rank, not whole {qformat} blocks of {block}"
+            for module, (cols, qformat, block) in sorted(worst.items())
+        ]
+        raise ValueError(
+            f"tensor_parallel_size={size} would cut quantised blocks: {'; '.join(bad)} (a rank "
+            "multiplies whole blocks of its input columns; load dense with dequantize=True, or use "
+            "another size)"
+        )

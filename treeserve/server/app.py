@@ -165,8 +165,9 @@ def build_app(served: Served, api_key: str | None = None) -> FastAPI:
         kept = served.traces.get(search_id)
         if kept is None:
             return JSONResponse(error_body(404, served.traces.missing(search_id)), status_code=404)
-        return JSONResponse({"id": search_id, "object": "search.trace", "problem": kept["problem"],
-                             "trace": kept["trace"]})  # fmt: skip
+        return JSONResponse(
+            {"id": search_id, "object": "search.trace", "problem": kept["problem"], "trace": kept["trace"]}
+        )
 
     @app.get("/ui", response_class=HTMLResponse)
     async def ui() -> Response:
@@ -188,8 +189,14 @@ def build_app(served: Served, api_key: str | None = None) -> FastAPI:
 def _card(served: Served, name: str, role: str, engine: str) -> dict:
     """One `/v1/models` entry: OpenAI's fields, the context length (as vLLM lists it) and the model's role."""
     max_model_len = served.runtime.engine(engine).max_model_len
-    return {"id": name, "object": "model", "created": 0, "owned_by": "treeserve", "max_model_len": max_model_len,
-            "role": role}  # fmt: skip
+    return {
+        "id": name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "treeserve",
+        "max_model_len": max_model_len,
+        "role": role,
+    }
 
 
 async def _core_search(served: Served, core: CoreClient, body: SearchRequest, request: Request) -> Response:
@@ -320,5 +327,6 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
-                            headers=exc.headers)  # fmt: skip
+        return JSONResponse(
+            error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code, headers=exc.headers
+        )

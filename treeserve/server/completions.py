@@ -83,8 +83,14 @@ class Job:
     echo_only: bool = False  # echo with max_tokens=0: the one token generated is not returned
 
 
-def sampling_params(served: Served, req: SamplingFields, prompt_len: int, max_tokens: int | None,
-                    logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:  # fmt: skip
+def sampling_params(
+    served: Served,
+    req: SamplingFields,
+    prompt_len: int,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None,
+) -> SamplingParams:
     limit = served.max_model_len
     if prompt_len >= limit:
         raise ValueError(f"This model's maximum context length is {limit} tokens; the prompt has {prompt_len}.")
@@ -97,15 +103,29 @@ def sampling_params(served: Served, req: SamplingFields, prompt_len: int, max_to
             "Please reduce the length of the prompt or the completion."
         )
     return SamplingParams(
-        n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
-        max_tokens=max_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
-        include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
-        skip_special_tokens=req.skip_special_tokens, presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-        logit_bias=req.logit_bias, min_tokens=req.min_tokens, prompt_logprobs=prompt_logprobs,
-        structured_outputs=structured_outputs(req), max_thinking_tokens=req.max_thinking_tokens,
+        n=req.n,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        seed=req.seed,
+        max_tokens=max_tokens,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        logprobs=logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+        logit_bias=req.logit_bias,
+        min_tokens=req.min_tokens,
+        prompt_logprobs=prompt_logprobs,
+        structured_outputs=structured_outputs(req),
+        max_thinking_tokens=req.max_thinking_tokens,
         output_kind=RequestOutputKind.DELTA,
-    )  # fmt: skip
+    )
 
 
 GUIDED = ("json", "regex", "choice", "grammar")  # vLLM's older `guided_<name>` fields
@@ -128,8 +148,9 @@ def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
     if isinstance(fmt, JsonSchemaFormat):
         return StructuredOutputsParams(json=fmt.json_schema.schema_)
     if (so := req.structured_outputs) is not None:
-        return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
-                                       json_object=so.json_object)  # fmt: skip
+        return StructuredOutputsParams(
+            json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar, json_object=so.json_object
+        )
     return StructuredOutputsParams(**guided) if guided else None
 
 
@@ -173,8 +194,14 @@ def chat_job(served: Served, req: ChatCompletionRequest) -> Job:
     return _checked(served, req, [prompt], max_tokens, logprobs, req.prompt_logprobs)
 
 
-def _checked(served: Served, req: SamplingFields, prompts: list[list[int]], max_tokens: int | None,
-             logprobs: int | None, prompt_logprobs: int | None) -> Job:  # fmt: skip
+def _checked(
+    served: Served,
+    req: SamplingFields,
+    prompts: list[list[int]],
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None,
+) -> Job:
     engine = served.runtime.engine(served.generator)
     longest = max(prompts, key=len)
     params = sampling_params(served, req, len(longest), max_tokens, logprobs, prompt_logprobs)
@@ -242,8 +269,9 @@ async def _interleaved(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIter
 
 # ---- responses ---------------------------------------------------------------------------
 def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
-    return sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= k),
-                  key=lambda item: item[1].rank)[:k]  # fmt: skip
+    return sorted(
+        ((t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= k), key=lambda item: item[1].rank
+    )[:k]
 
 
 def completion_logprobs(c: CompletionOutput, k: int, first: int = 0, offset: int = 0) -> dict:
@@ -256,8 +284,12 @@ def echo_logprobs(out: RequestOutput, k: int, decode: Callable[[list[int], bool]
     return _logprobs_object(zip(out.prompt_token_ids, out.prompt_logprobs or [], strict=False), k, 0, decode)
 
 
-def _logprobs_object(pairs: Iterable[tuple[int, dict[int, Logprob] | None]], k: int, offset: int,
-                     decode: Callable[[list[int], bool], str] | None = None) -> dict:  # fmt: skip
+def _logprobs_object(
+    pairs: Iterable[tuple[int, dict[int, Logprob] | None]],
+    k: int,
+    offset: int,
+    decode: Callable[[list[int], bool], str] | None = None,
+) -> dict:
     """{tokens, token_logprobs, top_logprobs, text_offset} of (token, entry) pairs; an entry of
     None (a prompt's first token) gives null log-probabilities and text from `decode`."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
@@ -306,8 +338,11 @@ def chat_logprobs(c: CompletionOutput, k: int, first: int = 0) -> dict:
 
 def _usage(job: Job, completion_tokens: int) -> dict:
     prompt_tokens = sum(len(p) for p in job.prompts)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 async def full_response(served: Served, job: Job, chat: bool) -> dict:
@@ -339,9 +374,13 @@ async def full_response(served: Served, job: Job, chat: bool) -> dict:
                     choice["prompt_logprobs"] = prompt_logprobs_json(final[i])
             choices.append(choice)
     body = {
-        "id": new_id("chatcmpl" if chat else "cmpl"), "object": "chat.completion" if chat else "text_completion",
-        "created": now(), "model": served.model_name, "choices": choices, "usage": _usage(job, tokens),
-    }  # fmt: skip
+        "id": new_id("chatcmpl" if chat else "cmpl"),
+        "object": "chat.completion" if chat else "text_completion",
+        "created": now(),
+        "model": served.model_name,
+        "choices": choices,
+        "usage": _usage(job, tokens),
+    }
     if chat and final[0].prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs_json(final[0])  # vLLM's place for chat
     return body
@@ -436,8 +475,10 @@ async def stream_events(served: Served, job: Job, chat: bool, include_usage: boo
         return f"data: {json.dumps(body)}\n\n"
 
     if chat:
-        roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                 for i in range(len(job.prompts) * job.params.n)]  # fmt: skip
+        roles = [
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            for i in range(len(job.prompts) * job.params.n)
+        ]
         yield chunk(roles)
     try:
         async with aclosing(run_job(served, job)) as outputs:

@@ -93,8 +93,11 @@ class CoreClient:
                 continue
             self.up = False
             code = self.process.exitcode
-            log.error("the engine core died (exit code %s); failing %d in-flight requests, restarting it",
-                      code, len(self.queues))  # fmt: skip
+            log.error(
+                "the engine core died (exit code %s); failing %d in-flight requests, restarting it",
+                code,
+                len(self.queues),
+            )
             error = CoreDown(f"the engine core process died (exit code {code}); it is being restarted")
             for queue in self.queues.values():
                 queue.put_nowait(error)

@@ -27,9 +27,15 @@ def build_core_served(settings: ServerSettings) -> Served:
     client = CoreClient(settings)
     metrics = ServerMetrics(lambda: client.last_stats)
     names = settings.names()
-    served = Served(client, settings.name, metrics, prm_name=names.get("prm"),  # type: ignore[arg-type]
-                    verifier_name=names.get("verifier"), traces=TraceRing(settings.trace_ring),
-                    reasoning=reasoning)  # fmt: skip
+    served = Served(
+        client,
+        settings.name,
+        metrics,
+        prm_name=names.get("prm"),  # type: ignore[arg-type]
+        verifier_name=names.get("verifier"),
+        traces=TraceRing(settings.trace_ring),
+        reasoning=reasoning,
+    )
     client.on_restart = served.metrics.core_restarts.inc
     return served
 
@@ -42,8 +48,14 @@ def serve(settings: ServerSettings, sock: socket.socket | None = None) -> None:
 
     served = build_core_served(settings) if settings.engine_process else build_served(settings)
     app = build_app(served, settings.api_key)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info", access_log=False,
-                            timeout_graceful_shutdown=settings.shutdown_timeout)  # fmt: skip
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        access_log=False,
+        timeout_graceful_shutdown=settings.shutdown_timeout,
+    )
     server = uvicorn.Server(config)
     # uvicorn re-raises the signal it stopped on once it is done; a SIGTERM handled gracefully
     # is then a normal exit (status 0), as process managers expect

@@ -41,9 +41,11 @@ def engine_stats(runtime: Runtime) -> dict[str, dict[str, float]]:
         }
         if engine.speculator is not None:
             drafts = engine.speculator.stats  # under vLLM's metric names
-            values |= {"spec_decode_num_drafts": drafts.num_drafts,
-                       "spec_decode_num_draft_tokens": drafts.num_draft_tokens,
-                       "spec_decode_num_accepted_tokens": drafts.num_accepted_tokens}  # fmt: skip
+            values |= {
+                "spec_decode_num_drafts": drafts.num_drafts,
+                "spec_decode_num_draft_tokens": drafts.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": drafts.num_accepted_tokens,
+            }
         stats[name] = values
     return stats
 
@@ -88,19 +90,37 @@ class ServerMetrics:
         """`source`: the engine state per model (`engine_stats` of a runtime, or the core's report)."""
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("treeserve_http_requests", "HTTP responses by route and status", ["route", "status"],
-                                registry=r)  # fmt: skip
-        self.prompt_tokens = Counter("treeserve_prompt_tokens", "prompt tokens of finished requests", ["model"],
-                                     registry=r)  # fmt: skip
+        self.requests = Counter(
+            "treeserve_http_requests", "HTTP responses by route and status", ["route", "status"], registry=r
+        )
+        self.prompt_tokens = Counter(
+            "treeserve_prompt_tokens", "prompt tokens of finished requests", ["model"], registry=r
+        )
         self.generation_tokens = Counter("treeserve_generation_tokens", "tokens generated", ["model"], registry=r)
-        self.ttft = Histogram("treeserve_time_to_first_token_seconds", "request arrival to first generated token",
-                              ["model"], buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.itl = Histogram("treeserve_inter_token_latency_seconds", "time between a request's engine steps that "
-                             "produced tokens", ["model"], buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.search_seconds = Histogram("treeserve_search_seconds", "wall time of /v1/search requests", ["strategy"],
-                                        buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.core_restarts = Counter("treeserve_engine_core_restarts", "times the engine-core process was restarted",
-                                     registry=r)  # fmt: skip
+        self.ttft = Histogram(
+            "treeserve_time_to_first_token_seconds",
+            "request arrival to first generated token",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "treeserve_inter_token_latency_seconds",
+            "time between a request's engine steps that produced tokens",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.search_seconds = Histogram(
+            "treeserve_search_seconds",
+            "wall time of /v1/search requests",
+            ["strategy"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.core_restarts = Counter(
+            "treeserve_engine_core_restarts", "times the engine-core process was restarted", registry=r
+        )
         r.register(RuntimeCollector(source))
 
     def render(self) -> tuple[bytes, str]:

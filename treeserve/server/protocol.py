@@ -224,8 +224,9 @@ class ErrorResponse(BaseModel):
 
 def error_body(status: int, message: str, kind: str | None = None) -> dict[str, Any]:
     kinds = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
-    return {"error": {"message": message, "type": kind or kinds.get(status, "server_error"), "param": None,
-                      "code": status}}  # fmt: skip
+    return {
+        "error": {"message": message, "type": kind or kinds.get(status, "server_error"), "param": None, "code": status}
+    }
 
 
 Steps = Annotated[list[StrictStr], Field(min_length=1)]

@@ -69,15 +69,32 @@ def search_context(served: Served, req: SearchRequest) -> tuple[SearchContext, P
     if (req.problem is None) == (req.messages is None):
         raise ValueError("give exactly one of 'problem' or 'messages'")
     config = SearchConfig(
-        strategy=req.strategy, n=req.n, beam_width=req.beam_width, num_iterations=req.num_iterations,
-        temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_tokens, agg=req.agg,
-        filter_duplicates=req.filter_duplicates, final_to_eos=req.final_to_eos, lookahead=req.lookahead, seed=req.seed,
-        step_regex=req.step_regex, answer_regex=req.answer_regex, trace=req.trace, adaptive=req.adaptive,
-        certainty=req.certainty, first_width=req.first_width, budget_tokens=req.budget_tokens,
-        prompt_format=req.prompt_format, stop=req.stop or [], reasoning=req.reasoning,
-        reward_temperature=req.reward_temperature, resample_threshold=req.resample_threshold,
+        strategy=req.strategy,
+        n=req.n,
+        beam_width=req.beam_width,
+        num_iterations=req.num_iterations,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        max_tokens=req.max_tokens,
+        agg=req.agg,
+        filter_duplicates=req.filter_duplicates,
+        final_to_eos=req.final_to_eos,
+        lookahead=req.lookahead,
+        seed=req.seed,
+        step_regex=req.step_regex,
+        answer_regex=req.answer_regex,
+        trace=req.trace,
+        adaptive=req.adaptive,
+        certainty=req.certainty,
+        first_width=req.first_width,
+        budget_tokens=req.budget_tokens,
+        prompt_format=req.prompt_format,
+        stop=req.stop or [],
+        reasoning=req.reasoning,
+        reward_temperature=req.reward_temperature,
+        resample_threshold=req.resample_threshold,
         exploration=req.exploration,
-    )  # fmt: skip
+    )
     if req.deadline_s is not None and not (math.isfinite(req.deadline_s) and req.deadline_s > 0):
         raise ValueError(f"deadline_s must be a finite number of seconds > 0, got {req.deadline_s!r}")
     prm = None
@@ -86,12 +103,20 @@ def search_context(served: Served, req: SearchRequest) -> tuple[SearchContext, P
             raise ValueError(f"strategy {config.strategy!r} needs a PRM; start the server with --prm DIR")
         prm = copy.copy(served.prm)  # the context hooks its own counters onto the adapter it gets
     if req.verify and served.verifier is None:
-        raise ValueError("verify: true needs a verifier, and this server has none: start it with --verifier DIR "
-                         "(an outcome reward model), or leave verify out")  # fmt: skip
+        raise ValueError(
+            "verify: true needs a verifier, and this server has none: start it with --verifier DIR "
+            "(an outcome reward model), or leave verify out"
+        )
     verify = served.verifier is not None if req.verify is None else req.verify
     verifier = copy.copy(served.verifier) if verify else None  # its own counter hook, as the PRM's
-    ctx = SearchContext(config, served.runtime, served.generator, prm, verifier=verifier,
-                        answer_of=reasoning_answer_key if config.reasoning else answer_key)  # fmt: skip
+    ctx = SearchContext(
+        config,
+        served.runtime,
+        served.generator,
+        prm,
+        verifier=verifier,
+        answer_of=reasoning_answer_key if config.reasoning else answer_key,
+    )
     if req.messages is not None:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         users = [m["content"] for m in messages if m["role"] == "user"]
@@ -104,8 +129,10 @@ def search_context(served: Served, req: SearchRequest) -> tuple[SearchContext, P
         problem = ctx.problem(req.problem, req.problem)
     limit = served.max_model_len
     if len(problem.prompt_ids) + 1 >= limit:
-        raise ValueError(f"the problem's prompt ({len(problem.prompt_ids)} tokens) leaves no room within "
-                         f"the context of {limit} tokens")  # fmt: skip
+        raise ValueError(
+            f"the problem's prompt ({len(problem.prompt_ids)} tokens) leaves no room within "
+            f"the context of {limit} tokens"
+        )
     return ctx, problem  # the question is the problem's id: its seeds depend on (seed, question, beam path)
 
 
@@ -196,32 +223,53 @@ async def run_search(served: Served, req: SearchRequest, ctx: SearchContext, pro
     return result
 
 
-def _result(served: Served, req: SearchRequest, ctx: SearchContext, prompt_tokens: int, beams: list[Beam],
-            seconds: float) -> dict:  # fmt: skip
+def _result(
+    served: Served, req: SearchRequest, ctx: SearchContext, prompt_tokens: int, beams: list[Beam], seconds: float
+) -> dict:
     config = ctx.config
-    scored = [ScoredCompletion(b.text, extract_answer(b.text, config.reasoning), b.scores, correct=False)
-              for b in beams]  # fmt: skip
+    scored = [
+        ScoredCompletion(b.text, extract_answer(b.text, config.reasoning), b.scores, correct=False) for b in beams
+    ]
     method = req.selection or DEFAULT_SELECTION[config.strategy]
     picks = {rule: select(scored, rule, config.agg) for rule in SELECTIONS}
     chosen = picks[method]
     completions = [
-        {"index": i, "text": b.text, "steps": b.steps, "step_scores": b.scores,
-         "score": aggregate_scores(b.scores, config.agg), "answer": s.answer, "generated_tokens": b.generated_tokens}
+        {
+            "index": i,
+            "text": b.text,
+            "steps": b.steps,
+            "step_scores": b.scores,
+            "score": aggregate_scores(b.scores, config.agg),
+            "answer": s.answer,
+            "generated_tokens": b.generated_tokens,
+        }
         for i, (b, s) in enumerate(zip(beams, scored, strict=True))
-    ]  # fmt: skip
+    ]
     return {
-        "id": new_id("search"), "object": "search", "created": now(), "model": served.model_name,
-        "strategy": config.strategy, "selection": method, "agg": config.agg, "verified": ctx.verifier is not None,
-        "answer": None if chosen is None else scored[chosen].answer, "chosen_index": chosen,
+        "id": new_id("search"),
+        "object": "search",
+        "created": now(),
+        "model": served.model_name,
+        "strategy": config.strategy,
+        "selection": method,
+        "agg": config.agg,
+        "verified": ctx.verifier is not None,
+        "answer": None if chosen is None else scored[chosen].answer,
+        "chosen_index": chosen,
         "answers_by_rule": {rule: None if i is None else scored[i].answer for rule, i in picks.items()},
         "completions": completions,
-        "usage": {"prompt_tokens": prompt_tokens, "generator_tokens": ctx.generated_tokens,
-                  "prm_tokens": ctx.prm_input_tokens, "prm_unique_tokens": len(ctx.prm_tree),
-                  "prm_requests": ctx.prm_requests, "verifier_tokens": ctx.verifier_input_tokens,
-                  "lookahead_generator_tokens": ctx.lookahead_generated_tokens,
-                  "lookahead_prm_tokens": ctx.lookahead_prm_tokens},
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "generator_tokens": ctx.generated_tokens,
+            "prm_tokens": ctx.prm_input_tokens,
+            "prm_unique_tokens": len(ctx.prm_tree),
+            "prm_requests": ctx.prm_requests,
+            "verifier_tokens": ctx.verifier_input_tokens,
+            "lookahead_generator_tokens": ctx.lookahead_generated_tokens,
+            "lookahead_prm_tokens": ctx.lookahead_prm_tokens,
+        },
         "timing": {"seconds": seconds},
-    }  # fmt: skip
+    }
 
 
 async def stream_search(served: Served, req: SearchRequest, ctx: SearchContext, problem: Problem) -> AsyncIterator[str]:
@@ -231,10 +279,17 @@ async def stream_search(served: Served, req: SearchRequest, ctx: SearchContext, 
 
     def progress(iteration: int, beams: list[Beam]) -> None:
         scores = [aggregate_scores(b.scores, ctx.config.agg) for b in beams]
-        events.put_nowait({"object": "search.progress", "iteration": iteration, "beams": len(beams),
-                           "completed": sum(b.completed for b in beams), "best_score": max(scores, default=None),
-                           "generator_tokens": ctx.generated_tokens,
-                           "elapsed_s": time.perf_counter() - start})  # fmt: skip
+        events.put_nowait(
+            {
+                "object": "search.progress",
+                "iteration": iteration,
+                "beams": len(beams),
+                "completed": sum(b.completed for b in beams),
+                "best_score": max(scores, default=None),
+                "generator_tokens": ctx.generated_tokens,
+                "elapsed_s": time.perf_counter() - start,
+            }
+        )
 
     ctx.on_iteration = progress
     task = asyncio.create_task(run_search(served, req, ctx, problem))

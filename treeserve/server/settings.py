@@ -84,6 +84,14 @@ def build_served(settings: ServerSettings) -> Served:
         raise ValueError(f"--verifier must be an outcome reward model (style orm), got style {verifier.style!r}")
     metrics = ServerMetrics(lambda: engine_stats(runtime))
     names = settings.names()
-    return Served(runtime, settings.name, metrics, prm=prm, verifier=verifier, prm_name=names.get("prm"),
-                  verifier_name=names.get("verifier"), traces=TraceRing(settings.trace_ring),
-                  reasoning=reasoning)  # fmt: skip
+    return Served(
+        runtime,
+        settings.name,
+        metrics,
+        prm=prm,
+        verifier=verifier,
+        prm_name=names.get("prm"),
+        verifier_name=names.get("verifier"),
+        traces=TraceRing(settings.trace_ring),
+        reasoning=reasoning,
+    )

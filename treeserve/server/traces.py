@@ -33,22 +33,44 @@ class TraceRing:
         return self.entries.get(search_id)
 
     def missing(self, search_id: str) -> str:
-        return (f"no traced search {search_id!r} among the {len(self.entries)} kept (the server keeps the newest "
-                f"{self.size}, --trace-ring; send \"trace\": true on /v1/search to record one)")  # fmt: skip
+        return (
+            f"no traced search {search_id!r} among the {len(self.entries)} kept (the server keeps the newest "
+            f'{self.size}, --trace-ring; send "trace": true on /v1/search to record one)'
+        )
 
 
 def as_results(result: dict) -> dict:
     """A traced `/v1/search` result as a one-problem results document for the view."""
     completions = [
-        {"text": c["text"], "answer": c["answer"], "step_scores": c["step_scores"], "score": c["score"],
-         "correct": None}
+        {
+            "text": c["text"],
+            "answer": c["answer"],
+            "step_scores": c["step_scores"],
+            "score": c["score"],
+            "correct": None,
+        }
         for c in result["completions"]
-    ]  # fmt: skip
+    ]
     trace = result["trace"]
-    record = {"unique_id": result["id"], "level": None, "problem": result["problem"], "answer": None,
-              "pred": result["answer"], "correct": None, "completions": completions, "trace": trace}  # fmt: skip
-    config = {"search": {"strategy": result["strategy"], "n": trace["n"], "beam_width": trace["beam_width"],
-                         "agg": result["agg"]}, "selection": result["selection"]}  # fmt: skip
+    record = {
+        "unique_id": result["id"],
+        "level": None,
+        "problem": result["problem"],
+        "answer": None,
+        "pred": result["answer"],
+        "correct": None,
+        "completions": completions,
+        "trace": trace,
+    }
+    config = {
+        "search": {
+            "strategy": result["strategy"],
+            "n": trace["n"],
+            "beam_width": trace["beam_width"],
+            "agg": result["agg"],
+        },
+        "selection": result["selection"],
+    }
     return {"config": config, "summary": {}, "problems": [record]}
 
 

@@ -83,10 +83,18 @@ def _logprob_entry(entry: dict | None) -> dict[int, Logprob] | None:
 def encode_output(out: RequestOutput) -> list:
     """`out` as lists (its request id and prompt travel apart: the API process has them)."""
     completions = [
-        [c.index, c.text, c.token_ids, None if c.logprobs is None else [_entry(e) for e in c.logprobs],
-         c.cumulative_logprob, c.finish_reason, c.stop_reason, c.stop_offsets]
+        [
+            c.index,
+            c.text,
+            c.token_ids,
+            None if c.logprobs is None else [_entry(e) for e in c.logprobs],
+            c.cumulative_logprob,
+            c.finish_reason,
+            c.stop_reason,
+            c.stop_offsets,
+        ]
         for c in out.outputs
-    ]  # fmt: skip
+    ]
     prompt_logprobs = None if out.prompt_logprobs is None else [_entry(e) for e in out.prompt_logprobs]
     return [out.finished, out.num_cached_tokens, completions, prompt_logprobs]
 
@@ -95,10 +103,18 @@ def decode_output(request_id: str, prompt_token_ids: list[int], message: list) -
     """The `RequestOutput` that `encode_output` gave `message` of."""
     finished, cached, completions, prompt_logprobs = message
     outputs = [
-        CompletionOutput(index, text, tokens, cumulative, None if logprobs is None else
-                         [_logprob_entry(e) for e in logprobs], finish, stop, [tuple(o) for o in offsets])
+        CompletionOutput(
+            index,
+            text,
+            tokens,
+            cumulative,
+            None if logprobs is None else [_logprob_entry(e) for e in logprobs],
+            finish,
+            stop,
+            [tuple(o) for o in offsets],
+        )
         for index, text, tokens, logprobs, cumulative, finish, stop, offsets in completions
-    ]  # fmt: skip
+    ]
     if prompt_logprobs is not None:
         prompt_logprobs = [_logprob_entry(e) for e in prompt_logprobs]
     return RequestOutput(request_id, None, prompt_token_ids, outputs, finished, cached, prompt_logprobs)

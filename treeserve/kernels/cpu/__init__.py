@@ -1,19 +1,11 @@
-"""Build once, cache, and call the C kernels of `cpu_kernels.c` beside this file (CPU fast paths).
+"""Build once, cache and call the C kernels of `cpu_kernels.c`: paged decode and prefill
+attention (bf16/fp32 pages, or FP8 with per-layer scales), sampling, a bf16 GEMV, RMSNorm, rope,
+gated activations; `amx_linear.c` too. `quant.py` and `layer_stack.py` build theirs the same way.
 
-Kernels: paged decode and prefill attention (over bf16/fp32 pages, or FP8 pages with per-layer
-scales: `KV_FP8`), softmax sampling, a bf16 GEMV for linear
-layers at small batch, RMSNorm and rotary embeddings; `amx_linear.c` (bf16 linear layers on
-AMX tiles: dense panels, or quantised weights dequantised per call) and `quant.py` beside
-this file (the matmuls of quantised weights, `quant_kernels.c`) and `layer_stack.py` (every
-layer of a step in one call, chaining these) are built the same way. Nothing here knows about models:
-`layers/` picks these for a model's layers at load, the engine's `cpu` attention backend
-and the sampler call the others.
-
-The library is compiled with the system C compiler at first use (about a second) into
-`$TREESERVE_CACHE` (default `~/.cache/treeserve`), keyed by the source, the compiler and the
-CPU, and called through ctypes on tensor data pointers. Without a compiler, or with
-`TREESERVE_CPU_KERNELS=0`, `load()` returns None and callers use their PyTorch path,
-which is also the reference the kernels are tested against.
+Built with the system C compiler at first use into `$TREESERVE_CACHE` (default
+`~/.cache/treeserve`), keyed by source, compiler and CPU, called through ctypes on data pointers.
+Without a compiler, or with `TREESERVE_CPU_KERNELS=0`, `load()` is None and callers use their
+PyTorch path, the reference the kernels are tested against.
 """
 
 from __future__ import annotations
@@ -37,12 +29,11 @@ import torch.nn.functional as F
 
 SOURCE = Path(__file__).parent / "cpu_kernels.c"
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]  # inputs are finite
-# Linked without -ffast-math: with it, GCC < 13 links crtfastmath.o into the shared library,
-# whose constructor turns on flush-to-zero for the whole process when the library loads.
+# Linked without -ffast-math: GCC < 13 would link crtfastmath.o, turning on flush-to-zero process-wide.
 LINK_FLAGS = ["-shared", "-fopenmp", "-lmvec", "-lm"]
 _i64, _int, _float, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-KV_FP8 = torch.float8_e4m3fn  # the FP8 KV cache's dtype (kv/arena.py's FP8)
+KV_FP8 = torch.float8_e4m3fn
 
 
 def _cpu_signature() -> bytes:
@@ -55,28 +46,27 @@ def _cpu_signature() -> bytes:
 
 @cache
 def native_bf16() -> bool:
-    """Whether the CPU multiplies bf16 itself (AVX512-BF16 or AMX-BF16 in /proc/cpuinfo's flags).
-    Without, PyTorch emulates bf16 products (3-7x slower than fp32 on an AVX2 AMD EPYC); True where
-    the flags cannot be read."""
+    """AVX512-BF16 or AMX-BF16 in /proc/cpuinfo (else PyTorch emulates bf16); True if unreadable."""
     flags = _cpu_signature().split()
     return not flags or b"avx512_bf16" in flags or b"amx_bf16" in flags
 
 
 def build(source: Path, flags: list[str] = FLAGS) -> ctypes.CDLL | None:
-    """Compile `source` into a shared library (once per source, compiler and CPU) and load it;
-    None when kernels are switched off or cannot be built (callers use their PyTorch path)."""
+    """Compile `source` once per source, compiler and CPU, and load it; None when off or unbuildable."""
     if os.environ.get("TREESERVE_CPU_KERNELS", "1") == "0":
         return None
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         warnings.warn(f"no C compiler found: {source.name} not built, using PyTorch paths", stacklevel=2)
         return None
-    if os.environ.get("TREESERVE_AMX_EMULATED") == "1":  # the AMX kernels on tiles in plain C (amx_emulated.h)
-        warnings.warn("TREESERVE_AMX_EMULATED=1: AMX tiles emulated in C, for tests; any time measured is meaningless",
-                      stacklevel=2)  # fmt: skip
+    if os.environ.get("TREESERVE_AMX_EMULATED") == "1":  # emulated tiles in plain C (amx_emulated.h)
+        warnings.warn(
+            "TREESERVE_AMX_EMULATED=1: AMX tiles emulated in C, for tests; any time measured is meaningless",
+            stacklevel=2,
+        )
         flags = [*flags, "-DTREESERVE_AMX_EMULATED"]
     signature = " ".join(flags + LINK_FLAGS).encode() + compiler.encode() + _cpu_signature()
-    headers = b"".join(path.read_bytes() for path in sorted(source.parent.glob("*.h")))  # what sources include
+    headers = b"".join(path.read_bytes() for path in sorted(source.parent.glob("*.h")))
     key = hashlib.sha256(source.read_bytes() + headers + signature)
     cache_dir = Path(os.environ.get("TREESERVE_CACHE", Path.home() / ".cache" / "treeserve")) / "kernels"
     lib_path = cache_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
@@ -95,15 +85,12 @@ def build(source: Path, flags: list[str] = FLAGS) -> ctypes.CDLL | None:
                 warnings.warn(message, stacklevel=2)
                 return None
         os.unlink(obj)
-        os.replace(tmp.name, lib_path)  # atomic: concurrent builders never see a partial file
+        os.replace(tmp.name, lib_path)  # atomic for concurrent builders
     return ctypes.CDLL(str(lib_path))
 
 
 def prebuild(sources: Sequence[tuple[Path, list[str]]]) -> None:
-    """Compile `sources` ((file, flags) pairs) at once, each from a thread: the compilers are
-    processes, so a cold start waits for the longest build instead of their sum (on 2 cores,
-    ~1.2 s instead of ~1.9 s for a dense bf16 model's three libraries). The loaders then find
-    each library built; a source already built costs a hash."""
+    """Compile `sources` at once, a thread each: a cold start waits for the longest build, not the sum."""
     threads = [threading.Thread(target=build, args=(source, flags)) for source, flags in sources]
     for thread in threads:
         thread.start()
@@ -137,13 +124,58 @@ def load() -> ctypes.CDLL | None:
         ]
         getattr(lib, f"sample_rows_{suffix}").argtypes = [_ptr, _i64, _int, _int, _ptr, _ptr, _int]
         getattr(lib, f"argmax_rows_{suffix}").argtypes = [_ptr, _i64, _int, _int, _ptr, _int]
-        getattr(lib, f"sample_rows_masked_{suffix}").argtypes = [_ptr, _i64, _int, _int, _ptr, _i64, _int, _ptr,
-                                                                 _ptr, _int]  # fmt: skip
-        getattr(lib, f"paged_decode_fp8_{suffix}").argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _int, _int,
-                                                                _int, _int, _int, _float, _i64, _ptr, _int, _ptr]
-        getattr(lib, f"paged_prefill_fp8_{suffix}").argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr,
-                                                                 _int, _int, _int, _int, _int, _float, _i64, _ptr,
-                                                                 _int, _ptr]
+        getattr(lib, f"sample_rows_masked_{suffix}").argtypes = [
+            _ptr,
+            _i64,
+            _int,
+            _int,
+            _ptr,
+            _i64,
+            _int,
+            _ptr,
+            _ptr,
+            _int,
+        ]
+        getattr(lib, f"paged_decode_fp8_{suffix}").argtypes = [
+            _ptr,
+            _ptr,
+            _i64,
+            _i64,
+            _ptr,
+            _i64,
+            _ptr,
+            _int,
+            _int,
+            _int,
+            _int,
+            _int,
+            _float,
+            _i64,
+            _ptr,
+            _int,
+            _ptr,
+        ]
+        getattr(lib, f"paged_prefill_fp8_{suffix}").argtypes = [
+            _ptr,
+            _ptr,
+            _i64,
+            _i64,
+            _ptr,
+            _i64,
+            _ptr,
+            _ptr,
+            _ptr,
+            _int,
+            _int,
+            _int,
+            _int,
+            _int,
+            _float,
+            _i64,
+            _ptr,
+            _int,
+            _ptr,
+        ]
     lib.store_kv_fp8.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _int, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr]
     lib.rms_norm_bf16.argtypes = [_ptr, _i64, _int, _ptr, _ptr, _float, _ptr, _int]
     lib.gated_act_bf16.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _int]
@@ -162,22 +194,34 @@ def supports(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype in _SUFFIX and load() is not None
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             pages: torch.Tensor, offsets: torch.Tensor, kv_scales: torch.Tensor | None = None) -> bool:  # fmt: skip
-    """`k_cache[pages, offsets] = k` and the same for v, in one C call: k/v [T, Hkv, D] with
-    contiguous heads, k/v_cache [pages, block, Hkv, D] views of one arena, pages/offsets int64
-    slots the engine allocated. An FP8 cache (`KV_FP8`) stores e4m3(k / k_scale) and e4m3(v / v_scale),
-    `kv_scales` the layer's fp32 (k_scale, v_scale). False (nothing written) where the layouts do not fit."""
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pages: torch.Tensor,
+    offsets: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
+) -> bool:
+    """`k_cache[pages, offsets] = k`, the same for v, in one C call (FP8: e4m3(k / k_scale) with
+    `kv_scales` the layer's (k_scale, v_scale)). False, nothing written, where layouts do not fit."""
     kv_heads, head_dim = k_cache.shape[2:]
     width = kv_heads * head_dim
     fp8 = k_cache.dtype == KV_FP8
     fits = (
-        supports(k) and v.dtype == k.dtype and (k_cache.dtype == k.dtype or fp8 and _scales_fit(kv_scales))
-        and k.shape == v.shape and k.shape[1:] == (kv_heads, head_dim)
-        and k.stride()[1:] == (head_dim, 1) and v.stride()[1:] == (head_dim, 1)
-        and k_cache.stride()[1:] == (width, head_dim, 1) and v_cache.stride() == k_cache.stride()
-        and pages.dtype == offsets.dtype == torch.int64 and pages.is_contiguous() and offsets.is_contiguous()
-    )  # fmt: skip
+        supports(k)
+        and v.dtype == k.dtype
+        and (k_cache.dtype == k.dtype or fp8 and _scales_fit(kv_scales))
+        and k.shape == v.shape
+        and k.shape[1:] == (kv_heads, head_dim)
+        and k.stride()[1:] == (head_dim, 1)
+        and v.stride()[1:] == (head_dim, 1)
+        and k_cache.stride()[1:] == (width, head_dim, 1)
+        and v_cache.stride() == k_cache.stride()
+        and pages.dtype == offsets.dtype == torch.int64
+        and pages.is_contiguous()
+        and offsets.is_contiguous()
+    )
     if not fits:
         return False
     if fp8:
@@ -186,40 +230,61 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         load().store_kv_fp8(*rows, *cache, pages.data_ptr(), offsets.data_ptr(), kv_scales.data_ptr())
         return True
     load().store_kv(
-        k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.shape[0], width, k.element_size(),
-        k_cache.data_ptr(), k_cache.stride(0), width, (v_cache.data_ptr() - k_cache.data_ptr()) // k.element_size(),
-        pages.data_ptr(), offsets.data_ptr(),
-    )  # fmt: skip
+        k.data_ptr(),
+        k.stride(0),
+        v.data_ptr(),
+        v.stride(0),
+        k.shape[0],
+        width,
+        k.element_size(),
+        k_cache.data_ptr(),
+        k_cache.stride(0),
+        width,
+        (v_cache.data_ptr() - k_cache.data_ptr()) // k.element_size(),
+        pages.data_ptr(),
+        offsets.data_ptr(),
+    )
     return True
 
 
 def _scales_fit(kv_scales: torch.Tensor | None) -> bool:
-    """A layer's (k_scale, v_scale): fp32 [2], contiguous, on the CPU."""
     if kv_scales is None:
         return False
     return kv_scales.device.type == "cpu" and kv_scales.dtype == torch.float32 and kv_scales.stride() == (1,)
 
 
-def copy_slots(buffer: torch.Tensor, src_pages: torch.Tensor, src_offsets: torch.Tensor, dst_pages: torch.Tensor,
-               dst_offsets: torch.Tensor) -> bool:  # fmt: skip
-    """`buffer[dst_pages, :, :, dst_offsets] = buffer[src_pages, :, :, src_offsets]` in one C call:
-    buffer a KV arena's view [pages, layers, 2, block, kv_heads, head_dim] with contiguous pages'
-    contents, slots int64 and contiguous, no slot both a source and a destination. False (nothing
-    copied) where the layouts do not fit."""
+def copy_slots(
+    buffer: torch.Tensor,
+    src_pages: torch.Tensor,
+    src_offsets: torch.Tensor,
+    dst_pages: torch.Tensor,
+    dst_offsets: torch.Tensor,
+) -> bool:
+    """`buffer[dst_pages, :, :, dst_offsets] = buffer[src_pages, :, :, src_offsets]` in one C call, no
+    slot both source and destination. False, nothing copied, where layouts do not fit."""
     pages, layers, _, block, kv_heads, head_dim = buffer.shape
     token = kv_heads * head_dim
     fits = (
-        buffer.device.type == "cpu" and load() is not None
+        buffer.device.type == "cpu"
+        and load() is not None
         and buffer.stride()[1:] == (2 * block * token, block * token, token, head_dim, 1)
         and all(t.dtype == torch.int64 and t.is_contiguous() for t in (src_pages, src_offsets, dst_pages, dst_offsets))
-    )  # fmt: skip
+    )
     if not fits:
         return False
     size = buffer.element_size()
     load().copy_slots(
-        buffer.data_ptr(), buffer.stride(0) * size, layers, block, token * size,
-        src_pages.data_ptr(), src_offsets.data_ptr(), dst_pages.data_ptr(), dst_offsets.data_ptr(), src_pages.numel(),
-    )  # fmt: skip
+        buffer.data_ptr(),
+        buffer.stride(0) * size,
+        layers,
+        block,
+        token * size,
+        src_pages.data_ptr(),
+        src_offsets.data_ptr(),
+        dst_pages.data_ptr(),
+        dst_offsets.data_ptr(),
+        src_pages.numel(),
+    )
     return True
 
 
@@ -234,8 +299,7 @@ def paged_decode(
     out: torch.Tensor | None = None,
     kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [B, Hq, D]; k/v_cache [pages, block, Hkv, D] views of one arena; -> [B, Hq, D] (into
-    `out`, contiguous and like q, where given). FP8 caches need `kv_scales` (`store_kv`'s)."""
+    """q [B, Hq, D] over k/v_cache [pages, block, Hkv, D] -> [B, Hq, D] (into `out` where given)."""
     q = q.contiguous()
     tables = tables.contiguous()
     context_lens = context_lens.contiguous()
@@ -254,24 +318,34 @@ def paged_decode(
         kernel(*pages, *shape, kv_scales.data_ptr(), torch.get_num_threads(), out.data_ptr())
         return out
     getattr(load(), f"paged_decode_{_SUFFIX[q.dtype]}")(
-        q.data_ptr(), k_cache.data_ptr(), k_cache.stride(0), v_offset,
-        tables.data_ptr(), tables.stride(0), context_lens.data_ptr(),
-        batch, q_heads, kv_heads, head_dim, block_size,
-        scale, window or 0, torch.get_num_threads(), out.data_ptr(),
-    )  # fmt: skip
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        k_cache.stride(0),
+        v_offset,
+        tables.data_ptr(),
+        tables.stride(0),
+        context_lens.data_ptr(),
+        batch,
+        q_heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        window or 0,
+        torch.get_num_threads(),
+        out.data_ptr(),
+    )
     return out
 
 
 @cache
 def bf16_built() -> bool:
-    """True when the AVX512-BF16 kernels (the GEMV, the prefill attention) were compiled in."""
     lib = load()
     return lib is not None and lib.avx512_bf16_built() == 1
 
 
 def prefill_supports(q: torch.Tensor, kv_dtype: torch.dtype | None = None) -> bool:
-    """True when `paged_prefill` runs attention for q [T, Hq, D] over a cache of `kv_dtype` (None:
-    q's): contiguous on a CPU, `prefill_fits`; over an FP8 cache, q fp32 or bf16 (portable C)."""
+    """Whether `paged_prefill` takes q [T, Hq, D] over a cache of `kv_dtype` (None: q's)."""
     if q.device.type != "cpu" or not q.is_contiguous():
         return False
     if kv_dtype == KV_FP8:
@@ -280,8 +354,7 @@ def prefill_supports(q: torch.Tensor, kv_dtype: torch.dtype | None = None) -> bo
 
 
 def prefill_fits(dtype: torch.dtype, head_dim: int) -> bool:
-    """True when `paged_prefill` takes heads of `dtype` and `head_dim` in bf16 pages: bf16 on a CPU with
-    AVX512-BF16, D % 32 == 0."""
+    """bf16 heads with D % 32 == 0 on a CPU with AVX512-BF16."""
     return dtype == torch.bfloat16 and head_dim % 32 == 0 and bf16_built()
 
 
@@ -298,12 +371,8 @@ def paged_prefill(
     out: torch.Tensor,
     kv_scales: torch.Tensor | None = None,
 ) -> None:
-    """Causal attention of each sequence's chunk of queries, written into `out` in place.
-
-    q and out [T, Hq, D] are the step's flat batch; sequence b's queries are rows
-    q_starts[b] .. q_starts[b] + q_lens[b] - 1, the last of them at position context_lens[b] - 1.
-    FP8 caches need `kv_scales` (`store_kv`'s).
-    """
+    """Causal attention of each sequence's chunk into `out`: sequence b's queries are rows
+    q_starts[b] .. + q_lens[b] - 1 of the flat batch, the last at position context_lens[b] - 1."""
     assert q.is_contiguous() and out.is_contiguous() and q.shape == out.shape
     tables, q_starts, q_lens, context_lens = (t.contiguous() for t in (tables, q_starts, q_lens, context_lens))
     assert tables.dtype == q_starts.dtype == q_lens.dtype == context_lens.dtype == torch.int64
@@ -320,18 +389,31 @@ def paged_prefill(
         kernel(*pages, *chunks, *shape, kv_scales.data_ptr(), torch.get_num_threads(), out.data_ptr())
         return
     load().paged_prefill_bf16(
-        q.data_ptr(), k_cache.data_ptr(), k_cache.stride(0), v_offset,
-        tables.data_ptr(), tables.stride(0), q_starts.data_ptr(), q_lens.data_ptr(),
-        context_lens.data_ptr(), tables.shape[0], q_heads, kv_heads, head_dim, block_size,
-        scale, window or 0, torch.get_num_threads(), out.data_ptr(),
-    )  # fmt: skip
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        k_cache.stride(0),
+        v_offset,
+        tables.data_ptr(),
+        tables.stride(0),
+        q_starts.data_ptr(),
+        q_lens.data_ptr(),
+        context_lens.data_ptr(),
+        tables.shape[0],
+        q_heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        window or 0,
+        torch.get_num_threads(),
+        out.data_ptr(),
+    )
 
 
-GEMV_MAX_ROWS = 4  # above this, a matmul reuses each weight enough for oneDNN's GEMM to win
+GEMV_MAX_ROWS = 4  # above this oneDNN's GEMM wins
 
 
 def gemv_supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """True when `linear_bf16` should run x @ weight.T: a few bf16 rows on a CPU with AVX512-BF16."""
     return (
         x.dim() == 2
         and x.shape[0] <= GEMV_MAX_ROWS
@@ -343,14 +425,12 @@ def gemv_supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     )
 
 
-ROW_BUCKET = 16  # oneDNN builds a bf16 kernel per row count (~0.6 ms each): pad rows to a multiple of this
+ROW_BUCKET = 16  # oneDNN builds a kernel per row count (~0.6 ms each)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through `linear_bf16` where `gemv_supports` says so. Other bf16 inputs on a CPU
-    get their rows padded with zeros to a multiple of ROW_BUCKET, so that oneDNN reuses a few
-    kernels instead of building one for every batch size a search passes through (a row's
-    result does not change: oneDNN's bf16 kernels gave the same bits at every padded size tried)."""
+    """F.linear, by `linear_bf16` where `gemv_supports`; other bf16 CPU rows are padded to a multiple of
+    ROW_BUCKET so oneDNN reuses a few kernels (same bits at every padded size tried)."""
     if gemv_supports(x, weight, bias):
         return linear_bf16(x, weight, bias)
     rows = x.shape[0]
@@ -369,15 +449,22 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     n = weight.shape[0]
     out = torch.empty(rows, n, dtype=torch.bfloat16)
     load().linear_bf16(
-        x.data_ptr(), x.stride(0), rows, weight.data_ptr(), None if bias is None else bias.contiguous().data_ptr(),
-        n, k, out.data_ptr(), out.stride(0), torch.get_num_threads(),
-    )  # fmt: skip
+        x.data_ptr(),
+        x.stride(0),
+        rows,
+        weight.data_ptr(),
+        None if bias is None else bias.contiguous().data_ptr(),
+        n,
+        k,
+        out.data_ptr(),
+        out.stride(0),
+        torch.get_num_threads(),
+    )
     return out
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """torch.argmax(logits, dim=-1) of `logits` [B, V] (fp32 or bf16, rows with unit stride): the
-    first maximum of each row, or its first NaN."""
+    """argmax of each row of `logits` [B, V]: the first maximum, or the first NaN."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     rows, vocab = logits.shape
@@ -403,37 +490,48 @@ def sample_rows(logits: torch.Tensor, uniforms: Sequence[float] | np.ndarray) ->
 def sample_rows_masked(
     logits: torch.Tensor, masks: torch.Tensor, vocab: int, uniforms: Sequence[float] | np.ndarray
 ) -> torch.Tensor:
-    """`sample_rows` over the tokens each row's bitmask allows (`masks` [B, words] int32, bit i of
-    a row = token i; tokens >= `vocab` never allowed); a negative uniform picks the first allowed
-    maximum (greedy); -1 where a row allows nothing."""
+    """`sample_rows` over the tokens each row's bitmask allows (bit i = token i, none >= `vocab`);
+    a negative uniform is greedy; -1 where a row allows nothing."""
     logits, masks = logits.contiguous(), masks.contiguous()
     rows, width = logits.shape
     u = torch.from_numpy(np.ascontiguousarray(uniforms, dtype=np.float64))
     out = torch.empty(rows, dtype=torch.int64)
     getattr(load(), f"sample_rows_masked_{_SUFFIX[logits.dtype]}")(
-        logits.data_ptr(), logits.stride(0), rows, width, masks.data_ptr(), masks.stride(0), vocab, u.data_ptr(),
-        out.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
+        logits.data_ptr(),
+        logits.stride(0),
+        rows,
+        width,
+        masks.data_ptr(),
+        masks.stride(0),
+        vocab,
+        u.data_ptr(),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
     return out
 
 
 @cache
 def act_table(act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """act(x) in bf16 for every bf16 bit pattern x (index = the pattern), by PyTorch's own kernel
-    over a contiguous run (its vectorised path, which a row of a whole number of vectors takes),
-    then 2 entries of padding (`gated_act_bf16`'s gathers read 4 bytes an entry)."""
+    """act(x) for every bf16 bit pattern, by PyTorch's vectorised kernel, plus 2 padding entries
+    (the gathers read 4 bytes)."""
     patterns = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     return torch.cat([act(patterns), torch.zeros(2, dtype=torch.bfloat16)]).contiguous()
 
 
 def gated_act_bf16(gate_up: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """act(gate) * up of a fused gate|up output [..., 2 * inter] (bf16, rows contiguous), act from
-    `act_table`'s table: PyTorch's bits, one pass."""
+    """act(gate) * up of a fused [..., 2 * inter] bf16 output from `act_table`: PyTorch's bits."""
     inter = gate_up.shape[-1] // 2
     gate_up = gate_up.contiguous()
     out = torch.empty(*gate_up.shape[:-1], inter, dtype=torch.bfloat16)
-    load().gated_act_bf16(gate_up.data_ptr(), gate_up.numel() // (2 * inter), inter, table.data_ptr(),
-                          out.data_ptr(), torch.get_num_threads())  # fmt: skip
+    load().gated_act_bf16(
+        gate_up.data_ptr(),
+        gate_up.numel() // (2 * inter),
+        inter,
+        table.data_ptr(),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -442,22 +540,33 @@ def rms_norm_bf16(x: torch.Tensor, eps: float, gain: torch.Tensor | None, weight
     x = x.contiguous()
     out = torch.empty_like(x)
     load().rms_norm_bf16(
-        x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1],
-        None if gain is None else gain.data_ptr(), None if weight is None else weight.data_ptr(),
-        eps, out.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
+        x.data_ptr(),
+        x.numel() // x.shape[-1],
+        x.shape[-1],
+        None if gain is None else gain.data_ptr(),
+        None if weight is None else weight.data_ptr(),
+        eps,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
     return out
 
 
 def rope_bf16(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin in bf16, as PyTorch rounds it: x [T, H, D] with contiguous
-    heads, cos/sin [T, 1, D] contiguous -> contiguous [T, H, D]."""
+    """x * cos + rotate_half(x) * sin in bf16 as PyTorch rounds it; x [T, H, D], cos/sin [T, 1, D]."""
     tokens, heads, dim = x.shape
     out = torch.empty(tokens, heads, dim, dtype=torch.bfloat16)
     load().rope_bf16(
-        x.data_ptr(), x.stride(0), tokens, heads, dim, cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+        x.data_ptr(),
+        x.stride(0),
+        tokens,
+        heads,
+        dim,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        out.data_ptr(),
         torch.get_num_threads(),
-    )  # fmt: skip
+    )
     return out
 
 
@@ -466,15 +575,29 @@ AMX_SOURCE = Path(__file__).parent / "amx_linear.c"
 
 @cache
 def load_amx() -> ctypes.CDLL | None:
-    """`amx_linear.c` (bf16 and dequantised-quantised linear layers on tiles), where this CPU and
-    process may use AMX tiles; else None."""
+    """`amx_linear.c`, where this CPU and process may use AMX tiles; else None."""
     lib = build(AMX_SOURCE, [flag for flag in FLAGS if flag != "-ffast-math"])
     if lib is None or not lib.amx_linear_available():
         return None
-    # quant_kernels.c's qmatmul's arguments
     for matmul in (lib.amx_quant_matmul, lib.amx_dense_matmul):
-        matmul.argtypes = [_int, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _i64, _int, _int,
-                           _int]  # fmt: skip
+        matmul.argtypes = [
+            _int,
+            _ptr,
+            _ptr,
+            _ptr,
+            _ptr,
+            _ptr,
+            _i64,
+            _ptr,
+            _i64,
+            _int,
+            _ptr,
+            _ptr,
+            _i64,
+            _int,
+            _int,
+            _int,
+        ]
     return lib
 
 
@@ -482,8 +605,7 @@ AMX_CHUNK = 32  # weights of k a tile product takes
 
 
 def amx_supports(weight: torch.Tensor) -> bool:
-    """True when AMX tiles can multiply by `weight` [n, k] laid out as dense panels (`quant.bf16_panels`):
-    bf16 on a CPU with usable AMX, k % 32 == 0."""
+    """bf16 [n, k], k % 32 == 0, on a CPU with usable AMX."""
     return (
         isinstance(weight, torch.Tensor)
         and weight.dim() == 2

@@ -59,7 +59,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out = torch.empty(rows, n, dtype=torch.bfloat16)
     if rows:
         b = None if bias is None else bias.float().contiguous()
-        load().avx2_linear_bf16(flat.data_ptr(), flat.stride(0), rows, weight.data_ptr(),
-                                None if b is None else b.data_ptr(), n, k, out.data_ptr(),
-                                torch.get_num_threads())  # fmt: skip
+        load().avx2_linear_bf16(
+            flat.data_ptr(),
+            flat.stride(0),
+            rows,
+            weight.data_ptr(),
+            None if b is None else b.data_ptr(),
+            n,
+            k,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
     return out.view(*shape[:-1], n)

@@ -1,17 +1,10 @@
-"""Call the quantised-weight kernels of `quant_kernels.c` (matmul with float activations, row
-dequantisation, int8 quantisation) and `q8_kernels.c` (the same matmul with 8-bit activations).
+"""ctypes bindings for `quant_kernels.c` (matmul with float activations, dequantise, int8
+quantise), `q8_kernels.c` (8-bit activations) and `bf16_panels.c` (dense bf16 panels).
 
-A quantised matrix is a uint8 tensor [n, row_bytes] of llama.cpp blocks (one row a output
-channel) plus, for our per-channel int8, an fp32 scale a row. `QTYPES` names the formats the
-kernels take, by ggml's type numbers; `BLOCKS` gives each one's (weights, bytes) a block.
-`available()` is False without a C compiler or with `TREESERVE_CPU_KERNELS=0`: callers then
-dequantise at load (the reference path). A `Plan`'s `q8` says whether its matmul rounds the
-activations to 8 bits (formats and CPU allow it); `layers/quant.py` follows it.
-`lay_out` lays a matrix out once as the 8-bit kernel's panels (type PANELS + format: 16 output
-channels a panel, the codes in the order the kernel reads them, the file's size), which it then
-streams as one run of bytes instead of unpacking 16 rows at once: the same results, to the bit.
-Q8_0 panels hold a byte a code; the nibble formats' (Q4_0, Q5_0, Q4_K, Q6_K) keep their codes
-packed, so only the 8-bit kernel's VNNI path reads them (not AMX, not `panel_rows`).
+A quantised matrix is uint8 [n, row_bytes] of llama.cpp blocks (a row an output channel; ggml
+type numbers in `QTYPES`), plus an fp32 scale a row for our int8. `lay_out` stores it as the
+8-bit kernel's panels (PANELS + format: 16 channels a panel, codes in read order; same bits).
+Without a C compiler or with `TREESERVE_CPU_KERNELS=0`, callers dequantise at load.
 """
 
 from __future__ import annotations
@@ -27,22 +20,29 @@ from treeserve.kernels.cpu import AMX_CHUNK, FLAGS, build, load_amx, native_bf16
 from treeserve.kernels.cpu.memory import weight_buffer
 
 SOURCE = Path(__file__).parent / "quant_kernels.c"
-Q8_SOURCE = Path(__file__).parent / "q8_kernels.c"  # the same matmul with 8-bit activations
-BF16_SOURCE = Path(__file__).parent / "bf16_panels.c"  # dense bf16 matrices laid out as panels
-# No -ffast-math: the few-row path and the panel path must round every product and sum alike
-# (a row's result may not depend on the batch), so the compiler may not reassociate.
+Q8_SOURCE = Path(__file__).parent / "q8_kernels.c"
+BF16_SOURCE = Path(__file__).parent / "bf16_panels.c"
+# No -ffast-math: a row's result may not depend on the batch, so no reassociation.
 QUANT_FLAGS = [flag for flag in FLAGS if flag != "-ffast-math"]
 I8 = 1000  # per-output-channel symmetric int8 (ours; not a ggml type)
-PANELS = 2000  # a format's number + PANELS: that format laid out as q8_kernels.c's panels (ours)
+PANELS = 2000  # format + PANELS: that format as q8_kernels.c's panels (ours)
 PANEL = 16  # output channels a panel
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "I8": I8}
-BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (256, 144), 13: (256, 176),
-          14: (256, 210), I8: (32, 32)}  # fmt: skip
-LAYOUTS = {QTYPES[name] for name in ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K")}  # formats `lay_out` takes
-BYTE_LAYOUTS = {QTYPES["Q8_0"]}  # laid out a byte a code: rows looked up (`panel_rows`), AMX reads them
-BF16_PANELS = PANELS + 30  # a dense bf16 matrix (ggml's type 30) laid out by `bf16_panels` (no file holds it)
+BLOCKS = {  # (weights, bytes) a block
+    2: (32, 18),
+    3: (32, 20),
+    6: (32, 22),
+    7: (32, 24),
+    8: (32, 34),
+    12: (256, 144),
+    13: (256, 176),
+    14: (256, 210),
+    I8: (32, 32),
+}
+LAYOUTS = {QTYPES[name] for name in ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K")}
+BYTE_LAYOUTS = {QTYPES["Q8_0"]}  # a byte a code: `panel_rows` and AMX read them; nibble panels stay packed
+BF16_PANELS = PANELS + 30  # ggml's bf16 type, laid out by `bf16_panels`
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-# every matmul's arguments (qmatmul, q8_matmul, bf16_matmul): see quant_kernels.c's qmatmul
 MATMUL_ARGS = [_int, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _i64, _int, _int, _int]
 
 
@@ -71,8 +71,7 @@ def load_q8() -> ctypes.CDLL | None:
 
 @cache
 def load_bf16() -> ctypes.CDLL | None:
-    """`bf16_panels.c`, where this CPU has AVX512-BF16 (built alone: a dense model needs none of the
-    quantised kernels, whose builds take ~7 s of a cold start)."""
+    """`bf16_panels.c` where the CPU has AVX512-BF16; built alone so dense models skip the quantised builds."""
     if not native_bf16():
         return None
     lib = build(BF16_SOURCE, QUANT_FLAGS)
@@ -84,14 +83,12 @@ def load_bf16() -> ctypes.CDLL | None:
 
 
 def bf16_panels_available() -> bool:
-    """Whether this CPU multiplies dense bf16 panels (AVX512-BF16: `bf16_panels.c`)."""
     return load_bf16() is not None
 
 
 def bf16_panels(weight: torch.Tensor) -> torch.Tensor:
-    """A dense bf16 matrix [n, k] (k even) as `bf16_panels.c`'s panels: uint8 [ceil(n / PANEL),
-    row_bytes(BF16_PANELS, k)], panel p holding weights (2i, 2i + 1) of channel p * PANEL + c at
-    pair i, lane c; channels past n are zero weights. The matrix's own size."""
+    """bf16 [n, k] as uint8 panels [ceil(n / PANEL), row_bytes(BF16_PANELS, k)]: panel p, pair i,
+    lane c holds weights (2i, 2i + 1) of channel p * PANEL + c; channels past n are zero."""
     n, k = weight.shape
     assert weight.dtype == torch.bfloat16 and k % 2 == 0
     padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=torch.bfloat16)
@@ -110,14 +107,14 @@ def bf16_panel_rows(data: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tens
     return out
 
 
-Q8_FORMATS = {QTYPES[name] for name in ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q6_K", "I8")}  # what q8_kernels.c takes
+Q8_FORMATS = {QTYPES[name] for name in ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q6_K", "I8")}
 Q8_FORMATS |= {PANELS + qtype for qtype in LAYOUTS}
-TILE_FORMATS = set(QTYPES.values()) | {PANELS + qtype for qtype in BYTE_LAYOUTS}  # what amx_linear.c dequantises
-ACTIVATIONS = ("int8", "bf16")  # what quantised matmuls take activations as (`Plan`)
+TILE_FORMATS = set(QTYPES.values()) | {PANELS + qtype for qtype in BYTE_LAYOUTS}  # amx_linear.c dequantises
+ACTIVATIONS = ("int8", "bf16")
 
 
 def q8_available() -> bool:
-    """Whether this CPU multiplies quantised weights with 8-bit activations (AVX512-VNNI)."""
+    """AVX512-VNNI: quantised weights times 8-bit activations."""
     return available() and load_q8() is not None
 
 
@@ -127,13 +124,13 @@ def available() -> bool:
 
 @cache
 def bf16_dot() -> bool:
-    """Whether qmatmul takes bf16 activations (AVX512-BF16 dot products; built for this CPU)."""
+    """Whether qmatmul takes bf16 activations (AVX512-BF16)."""
     lib = load()
     return lib is not None and bool(lib.bf16_dot_available())
 
 
 def row_bytes(qtype: int, k: int) -> int:
-    """Bytes a row of k weights (laid out: a panel of PANEL rows, the codes and fp16 scales)."""
+    """Bytes a row of k weights (laid out: a panel of PANEL rows)."""
     if qtype == BF16_PANELS:
         return PANEL * 2 * k
     if qtype > PANELS:
@@ -152,20 +149,16 @@ MAX_PARTS = 8  # row-stacked matrices a `Plan` may hold (quant_kernels.c)
 
 
 class Plan:
-    """The ctypes arguments describing a row-stack of quantised matrices (built once a weight):
-    part j = (format, uint8 [rows (or panels), row_bytes], fp32 row scales or None, rows).
+    """ctypes arguments for a row-stack of quantised matrices, built once a weight: part j =
+    (format, uint8 [rows (or panels), row_bytes], fp32 row scales or None, rows).
 
-    `activations` says which matmul multiplies it: "int8" rounds each activation row to 8 bits
-    in blocks of 32 and multiplies integers (q8_kernels.c, llama.cpp's way: `q8`); "bf16" takes
-    bf16 rows as they are and, on a CPU with AMX, dequantises the weights into bf16 tiles
-    (amx_linear.c: the bf16 layer of the dequantised matrix, to the bit: `tiles`). A matrix of
-    dense bf16 panels (`dense`) is multiplied whatever the activations: on AMX tiles, which are its
-    panels as they lie, where the CPU has them (amx_linear.c), else by bf16_panels.c. `call` is
-    that matmul with this matrix's arguments bound (None where none applies: quant_kernels.c's
-    fp32/bf16-dot kernel, `qmatmul`, then multiplies)."""
+    "int8" activations: rows rounded to 8 bits in blocks of 32, integer products (`q8`); "bf16":
+    on AMX, weights dequantised into bf16 tiles (`tiles`). Dense bf16 panels take either. `call`
+    is the chosen matmul with the arguments bound; None means `qmatmul`."""
 
-    def __init__(self, parts: list[tuple[int, torch.Tensor, torch.Tensor | None, int]], k: int,
-                 activations: str = "int8"):  # fmt: skip
+    def __init__(
+        self, parts: list[tuple[int, torch.Tensor, torch.Tensor | None, int]], k: int, activations: str = "int8"
+    ):
         if not 1 <= len(parts) <= MAX_PARTS:
             raise ValueError(f"a quantised matrix has 1..{MAX_PARTS} parts, got {len(parts)}")
         if activations not in ACTIVATIONS:
@@ -176,7 +169,7 @@ class Plan:
         count = len(parts)
         types = [qtype for qtype, *_ in parts]
         self.k, self.n = k, sum(rows for *_, rows in parts)
-        self.tensors = parts  # keeps the bytes alive while the pointers below are used
+        self.tensors = parts  # keeps the bytes alive for the pointers below
         self.args = (
             count,
             (ctypes.c_int * count)(*types),
@@ -186,34 +179,43 @@ class Plan:
             (ctypes.c_int64 * count)(*(rows for *_, rows in parts)),
             k,
         )
-        # the 8-bit kernel: every part in a format q8_kernels.c takes, rows of whole 64-weight
-        # groups, and a CPU with AVX512-VNNI (its Q8_0 panels, `lay_out`, are read by the tiles too)
         self.q8_formats = k % 64 == 0 and all(qtype in Q8_FORMATS for qtype in types) and q8_available()
         self.q8 = activations == "int8" and self.q8_formats
         self.tiles = activations == "bf16" and all(qtype in TILE_FORMATS for qtype in types) and load_amx() is not None
-        self.dense = all(qtype == BF16_PANELS for qtype in types)  # bf16 panels: any activations
+        self.dense = all(qtype == BF16_PANELS for qtype in types)
         assert not self.dense or bf16_panels_available()
-        # a dense matrix's panels are AMX tiles as they lie: on a CPU with AMX, rows of whole
-        # 32-weight chunks go on them (amx_linear.c), other widths on `bf16_matmul`
+        # dense panels are AMX tiles as they lie, for whole 32-weight chunks
         dense_tiles = self.dense and k % AMX_CHUNK == 0 and load_amx() is not None
-        self.function = (load_q8().q8_matmul if self.q8 else load_amx().amx_quant_matmul if self.tiles
-                         else load_amx().amx_dense_matmul if dense_tiles
-                         else load_bf16().bf16_matmul if self.dense else None)  # fmt: skip
+        self.function = (
+            load_q8().q8_matmul
+            if self.q8
+            else load_amx().amx_quant_matmul
+            if self.tiles
+            else load_amx().amx_dense_matmul
+            if dense_tiles
+            else load_bf16().bf16_matmul
+            if self.dense
+            else None
+        )
         self.call = partial(self.function, *self.args) if self.function is not None else None
-        self.laid_out = any(qtype > PANELS for qtype in types)  # only the 8-bit kernel and the tiles read panels
+        self.laid_out = any(qtype > PANELS for qtype in types)  # only `call` reads panels
 
     def fast(self, x_dtype: torch.dtype) -> bool:
-        """Whether `call` multiplies rows of `x_dtype` (else quant_kernels.c's `qmatmul`)."""
         return self.q8 or self.dense or (self.tiles and x_dtype == torch.bfloat16)
 
     def run(self, x: torch.Tensor, m: int, out: torch.Tensor, bias: torch.Tensor | None, fast: bool) -> None:
-        """The kernel call, unchecked: x's m rows (unit stride) @ W^T (+ bias) into out's rows,
-        by `call` where `fast` (`qmatmul` checks the arguments; the decode path of `quant_linear`
-        calls this directly), else by quant_kernels.c's `qmatmul`."""
+        """x's m rows @ W^T (+ bias) into out, unchecked (`qmatmul` checks); by `call` where `fast`."""
         (self.call if fast else partial(load().qmatmul, *self.args))(
-            x.data_ptr(), x.stride(0) if x.dim() == 2 else self.k, m, _ptr_or_none(bias), out.data_ptr(), self.n,
-            int(out.dtype == torch.bfloat16), int(x.dtype == torch.bfloat16), torch.get_num_threads(),
-        )  # fmt: skip
+            x.data_ptr(),
+            x.stride(0) if x.dim() == 2 else self.k,
+            m,
+            _ptr_or_none(bias),
+            out.data_ptr(),
+            self.n,
+            int(out.dtype == torch.bfloat16),
+            int(x.dtype == torch.bfloat16),
+            torch.get_num_threads(),
+        )
 
 
 def qmatmul(
@@ -223,12 +225,8 @@ def qmatmul(
     out: torch.Tensor | None = None,
     fast: bool = False,
 ) -> torch.Tensor:
-    """x [m, k] (rows with unit stride; fp32, or bf16 where `bf16_dot()`) @ W^T (+ bias, fp32 [n])
-    -> out [m, n], fp32 or bf16. With bf16 rows the weights are rounded to bf16 as they are
-    unpacked (products exact, sums fp32): the bf16 model's matmul on a bf16 copy of W.
-    `fast`: by the plan's `call` instead: with `plan.q8` (fp32 or bf16 rows) each row is rounded
-    to int8 in blocks of 32 and multiplied in integers (q8_kernels.c), llama.cpp's way; with
-    `plan.tiles` (bf16 rows) on bf16 AMX tiles of the dequantised weights (amx_linear.c)."""
+    """x [m, k] (unit-stride rows, fp32 or bf16) @ W^T (+ bias) -> out [m, n], fp32 or bf16.
+    bf16 rows see W rounded to bf16 as unpacked; `fast` uses the plan's `call` (see `Plan`)."""
     m = x.shape[0]
     assert x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1 and x.shape[1] == plan.k
     assert not fast or plan.fast(x.dtype)
@@ -244,27 +242,33 @@ def qmatmul(
 def dequant_rows(
     qtype: int, data: torch.Tensor, scales: torch.Tensor | None, ids: torch.Tensor, k: int
 ) -> torch.Tensor:
-    """fp32 rows `ids` [count] of the matrix -> [count, k] (embedding lookups, dequantise)."""
+    """fp32 rows `ids` [count] of the matrix -> [count, k]."""
     ids = ids.to(torch.int64).contiguous()
     if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < data.shape[0]):
         raise IndexError(f"row ids out of range for a matrix of {data.shape[0]} rows")
     out = torch.empty(ids.numel(), k, dtype=torch.float32)
     load().dequant_rows(
-        qtype, data.data_ptr(), data.stride(0), _ptr_or_none(scales), ids.data_ptr(), ids.numel(), k,
-        out.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
+        qtype,
+        data.data_ptr(),
+        data.stride(0),
+        _ptr_or_none(scales),
+        ids.data_ptr(),
+        ids.numel(),
+        k,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
     return out
 
 
 def lay_out(qtype: int, data: torch.Tensor, k: int) -> torch.Tensor:
-    """A matrix (uint8 [n, row_bytes], a format in LAYOUTS) laid out as the 8-bit kernel's
-    panels: uint8 [ceil(n / PANEL), row_bytes(PANELS + qtype, k)] (needs `q8_available()`, k a
-    multiple of 64). Channels past n in the last panel are zero weights."""
+    """uint8 [n, row_bytes] as the 8-bit kernel's panels [ceil(n / PANEL), row_bytes(PANELS + qtype, k)];
+    k a multiple of 64, channels past n zero."""
     assert q8_available() and qtype in LAYOUTS and k % 64 == 0 and data.shape[1] == row_bytes(qtype, k)
     data = data.contiguous()
     shape = (-(-data.shape[0] // PANEL), row_bytes(PANELS + qtype, k))
     out = weight_buffer(shape[0] * shape[1]).view(shape)
-    assert out.data_ptr() % 64 == 0  # the kernel reads Q8_0 panels' codes and scales with aligned loads
+    assert out.data_ptr() % 64 == 0  # aligned loads
     n, rb = data.shape
     load_q8().q8_panels(qtype, data.data_ptr(), n, k, rb, out.data_ptr(), torch.get_num_threads())
     _page_out(data)
@@ -272,9 +276,7 @@ def lay_out(qtype: int, data: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _page_out(t: torch.Tensor) -> None:
-    """Ask Linux to reclaim a tensor's pages (MADV_PAGEOUT, a hint: the data stays valid). A GGUF
-    file's memory map read once for `lay_out` then leaves the resident set instead of staying
-    beside its copy; anonymous memory without swap stays as it is."""
+    """MADV_PAGEOUT hint: a GGUF map read once for `lay_out` leaves the resident set; data stays valid."""
     page = 4096
     start = t.data_ptr() // page * page
     end = -(-(t.data_ptr() + t.numel() * t.element_size()) // page) * page
@@ -283,7 +285,7 @@ def _page_out(t: torch.Tensor) -> None:
 
 
 def panel_rows(qtype: int, data: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
-    """fp32 rows `ids` of a laid-out matrix (type PANELS + Q8_0): the dequantiser's values."""
+    """fp32 rows `ids` of a PANELS + Q8_0 matrix."""
     assert qtype == PANELS + QTYPES["Q8_0"]
     ids = ids.to(torch.int64).contiguous()
     out = torch.empty(ids.numel(), k, dtype=torch.float32)
@@ -292,7 +294,7 @@ def panel_rows(qtype: int, data: torch.Tensor, ids: torch.Tensor, k: int) -> tor
 
 
 def quantize_i8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-output-channel symmetric int8 of weight [n, k]: (int8 viewed as uint8 [n, k], fp32 scales [n])."""
+    """Per-channel symmetric int8 of [n, k]: (int8 as uint8 [n, k], fp32 scales [n])."""
     w = weight.detach().to(torch.float32).contiguous()
     n, k = w.shape
     q = torch.empty(n, k, dtype=torch.uint8)

@@ -1,16 +1,7 @@
-"""Triton kernels: the KV store, paged decode and prefill attention, the sampler's draw, and
-the layers' fused chains.
-
-One file per kernel family (`kv_store`, `decode_attention`, `prefill_attention`,
-`sampling`), each taking the same arguments as its C counterpart in `kernels/cpu`, so the
-engine's attention backends swap families without reshaping anything. The fused chains
-(`norm`: the residual add and RMS norm; `rope_kv`: rope and the KV store; `activation`:
-act(gate) * up) replace runs of PyTorch ops in the model's forward, cutting a decode step's
-launches on a GPU; layers pick them at load where `fused_layers` says yes. They run on CUDA
-tensors, and on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1` set before
-triton is imported), which is how the test suite proves them on machines without a GPU.
-Importing this package never imports triton (a CPU install has none): the kernel modules
-do, and callers import them only after `available` said yes.
+"""Triton kernels, each taking its C counterpart's arguments (`kv_store`, `decode_attention`,
+`prefill_attention`, `sampling`), and fused layer chains (`norm`, `rope_kv`, `activation`).
+They run on CUDA, and on CPU tensors under `TRITON_INTERPRET=1` (how tests prove them).
+Importing this package never imports triton; callers import a kernel module after `available`.
 """
 
 from __future__ import annotations
@@ -45,7 +36,5 @@ def available(device: torch.device) -> str | None:
 
 
 def fused_layers(device: torch.device) -> bool:
-    """Whether layers on `device` use the fused chains (`norm`, `rope_kv`, `activation`): CUDA
-    tensors with triton importable. Never CPU tensors, whose interpreter is for tests (they set
-    the layers' `use_triton` flags by hand)."""
+    """Layers on `device` use the fused chains: CUDA with triton (tests set `use_triton` by hand)."""
     return device.type == "cuda" and _import_error() is None

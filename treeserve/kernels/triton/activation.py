@@ -1,19 +1,7 @@
-"""Gated activations of the fused gate/up projection: act(gate) * up in one launch.
-
-gate_up [T, 2I] (rows may be strided; gate in the first I columns, up in the last I, as
-`LlamaMLP` chunks it) -> a new contiguous [T, I]. One program per (row, block of BLOCK
-columns). Activations (`ACTIVATIONS`, the names `LlamaMLP` knows):
-* "silu" (the Llama family): g / (1 + exp(-g)), PyTorch's formula;
-* "gelu_pytorch_tanh" (Gemma 3): 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), PyTorch's
-  formula and order of operations, with Cephes' fp32 tanh (`_tanh`: Triton has no tanh its
-  interpreter runs). Keeping 1 + tanh, rather than the exact 2 / (1 + exp(-2y)), keeps
-  PyTorch's cancellation for very negative g too (exactly 0 where its tanh rounds to -1).
-Rounded as PyTorch's two eager ops round: act(gate) in fp32 from the input, rounded to the
-dtype, then times up in fp32, rounded again. Not bit-exact: exp and tanh here (the GPU's
-`ex2.approx`, numpy's exp in the interpreter) and PyTorch's (Sleef on a CPU, `expf`/`tanhf`
-on CUDA) differ in the last fp32 bit or two, so fp32 agrees within ~1e-6 relative (GELU:
-plus ~1e-7 absolute where 1 + tanh cancels, an ulp of 1 there), and bf16 within one ulp,
-most values exactly.
+"""act(gate) * up of the fused gate/up projection [T, 2I] -> [T, I] in one launch: "silu" or
+"gelu_pytorch_tanh" (PyTorch's formula, 1 + tanh kept for its cancellation), rounded as PyTorch's
+two eager ops. exp/tanh differ from PyTorch's in the last bit or two: fp32 within ~1e-6, bf16
+within one ulp.
 """
 
 from __future__ import annotations
@@ -30,11 +18,12 @@ BLOCK = 1024  # columns per program at most
 
 @triton.jit
 def _tanh(y):
-    """tanh in fp32 within ~2 ulp (Cephes' tanhf: a polynomial below |y| 0.625, else 1 - 2 / (e^2|y| + 1));
-    Triton has no tanh its interpreter runs."""
+    """Cephes' fp32 tanhf, within ~2 ulp: Triton has no tanh its interpreter runs."""
     z = y * y
-    small = ((((-5.70498872745e-3 * z + 2.06390887954e-2) * z - 5.37397155531e-2) * z + 1.33314422036e-1) * z
-             - 3.33332819422e-1) * z * y + y  # fmt: skip
+    small = (
+        (((-5.70498872745e-3 * z + 2.06390887954e-2) * z - 5.37397155531e-2) * z + 1.33314422036e-1) * z
+        - 3.33332819422e-1
+    ) * z * y + y
     e = tl.exp(2.0 * tl.minimum(tl.abs(y), 20.0))  # tanh(20) rounds to 1 in fp32; no overflow
     large = 1.0 - tl.div_rn(tl.full(y.shape, 2.0, tl.float32), e + 1.0)
     return tl.where(tl.abs(y) < 0.625, small, tl.where(y < 0, -large, large))
@@ -42,9 +31,14 @@ def _tanh(y):
 
 @triton.jit
 def _gated(
-    gate_up_ptr, out_ptr, in_stride, out_stride,
-    INTER: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    gate_up_ptr,
+    out_ptr,
+    in_stride,
+    out_stride,
+    INTER: tl.constexpr,
+    ACT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTER
@@ -61,7 +55,6 @@ def _gated(
 
 
 def gated_activation(gate_up: torch.Tensor, act: str) -> torch.Tensor:
-    """act(gate) * up of gate_up [T, 2I] = [gate | up], as [T, I]; `act` one of ACTIVATIONS."""
     tokens, width = gate_up.shape
     assert width % 2 == 0 and gate_up.stride(-1) == 1, "gate_up must be [T, 2I] with contiguous rows"
     inter = width // 2
@@ -70,7 +63,14 @@ def gated_activation(gate_up: torch.Tensor, act: str) -> torch.Tensor:
         return out
     block = min(triton.next_power_of_2(inter), BLOCK)
     _gated[(tokens, triton.cdiv(inter, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0),
-        INTER=inter, ACT=ACTIVATIONS[act], BLOCK=block, num_warps=4, enable_fp_fusion=False,
-    )  # fmt: skip
+        gate_up,
+        out,
+        gate_up.stride(0),
+        out.stride(0),
+        INTER=inter,
+        ACT=ACTIVATIONS[act],
+        BLOCK=block,
+        num_warps=4,
+        enable_fp_fusion=False,
+    )
     return out

@@ -65,12 +65,36 @@ PARTITION_SIZE = 512  # `partition_size` for the previous rule: one split per 51
 
 @triton.jit
 def _partial(
-    q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, max_ptr, sum_ptr, acc_ptr, scales_ptr,
-    q_stride_b, q_stride_h, tables_stride, cache_stride_page, cache_stride_slot, cache_stride_h,
-    scale, window, num_splits, parts, min_length,
-    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, FINAL: tl.constexpr, KV_FP8: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    tables_ptr,
+    lens_ptr,
+    max_ptr,
+    sum_ptr,
+    acc_ptr,
+    scales_ptr,
+    q_stride_b,
+    q_stride_h,
+    tables_stride,
+    cache_stride_page,
+    cache_stride_slot,
+    cache_stride_h,
+    scale,
+    window,
+    num_splits,
+    parts,
+    min_length,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    FINAL: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
     """Partial results into [B, Hq, splits] (max, sum) and [B, Hq, splits, D] (acc); FINAL (one
     split): acc_ptr is the contiguous output [B, Hq, D] and gets the normalised result."""
     b = tl.program_id(0)
@@ -98,8 +122,18 @@ def _partial(
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < hi
-        rows = token_rows(tables_ptr, b, tables_stride, pos, valid, kv_head, cache_stride_page, cache_stride_slot,
-                          cache_stride_h, PAGE)  # fmt: skip
+        rows = token_rows(
+            tables_ptr,
+            b,
+            tables_stride,
+            pos,
+            valid,
+            kv_head,
+            cache_stride_page,
+            cache_stride_slot,
+            cache_stride_h,
+            PAGE,
+        )
         kv_mask = valid[:, None] & (d[None, :] < D)
         k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if KV_FP8:
@@ -137,9 +171,17 @@ def _partial(
 
 @triton.jit
 def _reduce(
-    max_ptr, sum_ptr, acc_ptr, out_ptr, out_stride_b, out_stride_h, num_parts,
-    D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+    max_ptr,
+    sum_ptr,
+    acc_ptr,
+    out_ptr,
+    out_stride_b,
+    out_stride_h,
+    num_parts,
+    D: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     b = tl.program_id(0)
     h = tl.program_id(1)
     parts = tl.arange(0, BLOCK_P)
@@ -213,16 +255,49 @@ def paged_decode(
         sums = torch.empty_like(maxes)
         accs = torch.empty(batch, q_heads, splits, dim, dtype=torch.float32, device=q.device)
     _partial[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, tables, context_lens, maxes, sums, accs, kv_scales,
-        q.stride(0), q.stride(1), tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        scale, window or 0, splits, parts, min_length,
-        GROUP=group, D=dim, BLOCK_G=max(triton.next_power_of_2(group), 16), BLOCK_D=block_d,
-        PAGE=block_size, BLOCK_N=block_n, UPCAST=q.device.type == "cpu", FINAL=final, KV_FP8=fp8,
-        num_warps=num_warps, num_stages=num_stages,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        context_lens,
+        maxes,
+        sums,
+        accs,
+        kv_scales,
+        q.stride(0),
+        q.stride(1),
+        tables.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        scale,
+        window or 0,
+        splits,
+        parts,
+        min_length,
+        GROUP=group,
+        D=dim,
+        BLOCK_G=max(triton.next_power_of_2(group), 16),
+        BLOCK_D=block_d,
+        PAGE=block_size,
+        BLOCK_N=block_n,
+        UPCAST=q.device.type == "cpu",
+        FINAL=final,
+        KV_FP8=fp8,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     if not final:
         _reduce[(batch, q_heads)](
-            maxes, sums, accs, out, out.stride(0), out.stride(1), splits,
-            D=dim, BLOCK_P=triton.next_power_of_2(splits), BLOCK_D=block_d,
-        )  # fmt: skip
+            maxes,
+            sums,
+            accs,
+            out,
+            out.stride(0),
+            out.stride(1),
+            splits,
+            D=dim,
+            BLOCK_P=triton.next_power_of_2(splits),
+            BLOCK_D=block_d,
+        )
     return out

@@ -1,10 +1,5 @@
-"""FP8 e4m3fn codes for the FP8 KV cache, in integer arithmetic: the same bits in the interpreter and on any GPU.
-
-The KV kernels pass FP8 pages as uint8 and convert here: `to_e4m3` rounds fp32 to the nearest
-e4m3 value (ties to even), saturates at +-448 (infinities too) and keeps NaN, the bits torch's
-`.to(torch.float8_e4m3fn)` gives; `from_e4m3` reads a code back as fp32, exactly (e4m3 values
-are exact in bf16 and fp16 too). Done on the bits rather than by `.to(tl.float8e4nv)`, which
-needs an sm_89+ GPU and whose rounding the interpreter does not promise.
+"""e4m3fn codes for the FP8 KV cache in integer arithmetic (pages are passed as uint8): torch's
+bits, in the interpreter and on any GPU (`tl.float8e4nv` needs sm_89+). Saturates at +-448.
 """
 
 from __future__ import annotations
@@ -13,14 +8,13 @@ import torch
 import triton
 import triton.language as tl
 
-FP8 = torch.float8_e4m3fn  # the FP8 KV cache's dtype
+FP8 = torch.float8_e4m3fn
 
 
 def fp8_operands(
     k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scales: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A layer's caches as the kernels take them (FP8 pages as uint8 views) and its scales (fp32
-    [2]: k_scale, v_scale; for a cache of another dtype an unused placeholder, the caches as they are)."""
+    """The caches as the kernels take them (FP8 as uint8) and fp32 (k_scale, v_scale) or a placeholder."""
     if k_cache.dtype != FP8:
         return k_cache, v_cache, k_cache  # any pointer: KV_FP8 False never reads it
     assert kv_scales is not None and kv_scales.dtype == torch.float32 and kv_scales.shape == (2,), (
@@ -31,13 +25,12 @@ def fp8_operands(
 
 @triton.jit
 def to_e4m3(x):
-    """fp32 `x` -> uint8 e4m3fn codes."""
     bits = x.to(tl.uint32, bitcast=True)
     sign = (bits >> 24) & 0x80
     mag = bits & 0x7FFFFFFF
-    # normal range: drop 20 mantissa bits, rounding to nearest even, and rebias the exponent (127 -> 7)
+    # normal: drop 20 mantissa bits to nearest even, rebias the exponent (127 -> 7)
     normal = (mag - (120 << 23) + 0x7FFFF + ((mag >> 20) & 1)) >> 20
-    # below 2^-6 (the subnormals): the nearest multiple of 2^-9, ties to even
+    # subnormals: the nearest multiple of 2^-9
     exponent = (mag >> 23).to(tl.int32)
     mantissa = (mag & 0x7FFFFF) | tl.where(exponent > 0, 0x800000, 0).to(tl.uint32)
     shift = tl.minimum(tl.maximum(141 - exponent, 1), 31).to(tl.uint32)
@@ -53,7 +46,6 @@ def to_e4m3(x):
 
 @triton.jit
 def from_e4m3(code):
-    """uint8 e4m3fn codes -> fp32."""
     c = code.to(tl.uint32)
     mag = c & 0x7F
     normal = ((mag + (120 << 3)) << 20).to(tl.float32, bitcast=True)  # exponent + 120, mantissa in place

@@ -19,10 +19,26 @@ from treeserve.kernels.triton.fp8 import FP8, fp8_operands, inverse, to_e4m3
 
 @triton.jit
 def _store_kv(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, pages_ptr, offsets_ptr, scales_ptr,
-    k_stride_t, k_stride_h, v_stride_t, v_stride_h, cache_stride_page, cache_stride_slot, cache_stride_h,
-    HEADS: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr,
-):  # fmt: skip
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    pages_ptr,
+    offsets_ptr,
+    scales_ptr,
+    k_stride_t,
+    k_stride_h,
+    v_stride_t,
+    v_stride_h,
+    cache_stride_page,
+    cache_stride_slot,
+    cache_stride_h,
+    HEADS: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     page = tl.load(pages_ptr + t).to(tl.int64)
     offset = tl.load(offsets_ptr + t).to(tl.int64)
@@ -59,7 +75,23 @@ def store_kv(
     assert k.dtype == v.dtype and v_cache.dtype == k_cache.dtype and (fp8 or k.dtype == k_cache.dtype)
     k_cache, v_cache, kv_scales = fp8_operands(k_cache, v_cache, kv_scales)
     _store_kv[(tokens,)](
-        k, v, k_cache, v_cache, slot_pages.contiguous(), slot_offsets.contiguous(), kv_scales,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        HEADS=heads, D=dim, BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(dim), KV_FP8=fp8,
-    )  # fmt: skip
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_pages.contiguous(),
+        slot_offsets.contiguous(),
+        kv_scales,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        HEADS=heads,
+        D=dim,
+        BLOCK_H=triton.next_power_of_2(heads),
+        BLOCK_D=triton.next_power_of_2(dim),
+        KV_FP8=fp8,
+    )

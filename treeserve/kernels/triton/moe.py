@@ -64,11 +64,27 @@ def align_to_blocks(experts: torch.Tensor, num_experts: int, block_m: int) -> tu
 
 @triton.jit
 def _grouped_gemm(
-    a_ptr, w_ptr, c_ptr, weights_ptr, sorted_ptr, block_expert_ptr, total_ptr,
-    pairs, N, K, stride_am, stride_we, stride_wn, stride_cm,
-    A_ROW_DIV: tl.constexpr, WEIGHTED: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    a_ptr,
+    w_ptr,
+    c_ptr,
+    weights_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    total_ptr,
+    pairs,
+    N,
+    K,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_cm,
+    A_ROW_DIV: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """C[id] = A[id // A_ROW_DIV] @ W[expert].T (times weights[id] where WEIGHTED) for the ids of
     one block; padding ids (>= pairs) neither load nor store."""
     pid_m = tl.program_id(0)
@@ -112,26 +128,52 @@ def _sum_slots(y_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
 
 
 def grouped_gemm(
-    a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, aligned: tuple[torch.Tensor, ...], block_m: int,
-    a_row_div: int, weights: torch.Tensor | None = None,
-) -> None:  # fmt: skip
+    a: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    aligned: tuple[torch.Tensor, ...],
+    block_m: int,
+    a_row_div: int,
+    weights: torch.Tensor | None = None,
+) -> None:
     """out[id] = a[id // a_row_div] @ w[expert of id].T for every flat id, times weights[id] if given."""
     sorted_ids, block_experts, total = aligned
     n, k = w.shape[1:]
     assert w.stride(2) == 1 and a.stride(1) == 1 and out.is_contiguous(), "rows must be contiguous"
     grid = (block_experts.numel(), triton.cdiv(n, BLOCK_N))
     _grouped_gemm[grid](
-        a, w, out, out if weights is None else weights, sorted_ids, block_experts, total,
-        out.shape[0], n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        A_ROW_DIV=a_row_div, WEIGHTED=weights is not None, UPCAST=a.device.type == "cpu",
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4,
-    )  # fmt: skip
+        a,
+        w,
+        out,
+        out if weights is None else weights,
+        sorted_ids,
+        block_experts,
+        total,
+        out.shape[0],
+        n,
+        k,
+        a.stride(0),
+        w.stride(0),
+        w.stride(1),
+        out.stride(0),
+        A_ROW_DIV=a_row_div,
+        WEIGHTED=weights is not None,
+        UPCAST=a.device.type == "cpu",
+        BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
+        num_warps=4,
+    )
 
 
 def fused_moe(
-    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
     act: str,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """sum over each row's k experts e of weights * down_e(act(gate_e(x)) * up_e(x)), as [T, H].
 
     x [T, H]; w_gate_up [E, 2I, H] ([gate; up] per expert); w_down [E, H, I]; experts [T, k]

@@ -54,18 +54,50 @@ WIDE_NUM_STAGES = 2
 
 @triton.jit
 def _attend(
-    acc, m_i, l_i, q, q_pos, start, hi, window, d, k_cache_ptr, v_cache_ptr, tables_ptr, seq, tables_stride, kv_head,
-    cache_stride_page, cache_stride_slot, cache_stride_h, qk_scale,
-    D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
-    KV_FP8: tl.constexpr, DTYPE: tl.constexpr,
-):  # fmt: skip
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pos,
+    start,
+    hi,
+    window,
+    d,
+    k_cache_ptr,
+    v_cache_ptr,
+    tables_ptr,
+    seq,
+    tables_stride,
+    kv_head,
+    cache_stride_page,
+    cache_stride_slot,
+    cache_stride_h,
+    qk_scale,
+    D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
     """One key tile (positions start .. start + BLOCK_N - 1, those < hi) into the online
     softmax state (acc, m_i in log2 units, l_i). MASKED: apply the causal and window mask;
     otherwise every row sees every key of the tile."""
     pos = start + tl.arange(0, BLOCK_N)
     k_valid = pos < hi
-    rows = token_rows(tables_ptr, seq, tables_stride, pos, k_valid, kv_head, cache_stride_page, cache_stride_slot,
-                      cache_stride_h, PAGE)  # fmt: skip
+    rows = token_rows(
+        tables_ptr,
+        seq,
+        tables_stride,
+        pos,
+        k_valid,
+        kv_head,
+        cache_stride_page,
+        cache_stride_slot,
+        cache_stride_h,
+        PAGE,
+    )
     kv_mask = k_valid[:, None] & (d[None, :] < D)
     k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
     if KV_FP8:
@@ -97,12 +129,32 @@ def _attend(
 
 @triton.jit
 def _prefill(
-    q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, starts_ptr, lens_ptr, context_ptr, out_ptr, scales_ptr,
-    q_stride_t, q_stride_h, tables_stride, cache_stride_page, cache_stride_slot, cache_stride_h,
-    scale, window,
-    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    tables_ptr,
+    starts_ptr,
+    lens_ptr,
+    context_ptr,
+    out_ptr,
+    scales_ptr,
+    q_stride_t,
+    q_stride_h,
+    tables_stride,
+    cache_stride_page,
+    cache_stride_slot,
+    cache_stride_h,
+    scale,
+    window,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
     BLOCK_Q = BLOCK_M // GROUP  # query positions per program
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # a sequence's last tiles (the most keys) first
     kv_head = tl.program_id(1)
@@ -140,22 +192,91 @@ def _prefill(
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for start in range(lo, whole_lo, BLOCK_N):
             acc, m_i, l_i = _attend(
-                acc, m_i, l_i, q, q_pos, start, hi, window, d, k_cache_ptr, v_cache_ptr, tables_ptr, b, tables_stride,
-                kv_head, cache_stride_page, cache_stride_slot, cache_stride_h, qk_scale, D, PAGE, BLOCK_N, True, UPCAST,
-                KV_FP8, DTYPE,
-            )  # fmt: skip
+                acc,
+                m_i,
+                l_i,
+                q,
+                q_pos,
+                start,
+                hi,
+                window,
+                d,
+                k_cache_ptr,
+                v_cache_ptr,
+                tables_ptr,
+                b,
+                tables_stride,
+                kv_head,
+                cache_stride_page,
+                cache_stride_slot,
+                cache_stride_h,
+                qk_scale,
+                D,
+                PAGE,
+                BLOCK_N,
+                True,
+                UPCAST,
+                KV_FP8,
+                DTYPE,
+            )
         for start in range(whole_lo, whole_hi, BLOCK_N):
             acc, m_i, l_i = _attend(
-                acc, m_i, l_i, q, q_pos, start, hi, window, d, k_cache_ptr, v_cache_ptr, tables_ptr, b, tables_stride,
-                kv_head, cache_stride_page, cache_stride_slot, cache_stride_h, qk_scale, D, PAGE, BLOCK_N, False,
-                UPCAST, KV_FP8, DTYPE,
-            )  # fmt: skip
+                acc,
+                m_i,
+                l_i,
+                q,
+                q_pos,
+                start,
+                hi,
+                window,
+                d,
+                k_cache_ptr,
+                v_cache_ptr,
+                tables_ptr,
+                b,
+                tables_stride,
+                kv_head,
+                cache_stride_page,
+                cache_stride_slot,
+                cache_stride_h,
+                qk_scale,
+                D,
+                PAGE,
+                BLOCK_N,
+                False,
+                UPCAST,
+                KV_FP8,
+                DTYPE,
+            )
         for start in range(whole_hi, hi, BLOCK_N):
             acc, m_i, l_i = _attend(
-                acc, m_i, l_i, q, q_pos, start, hi, window, d, k_cache_ptr, v_cache_ptr, tables_ptr, b, tables_stride,
-                kv_head, cache_stride_page, cache_stride_slot, cache_stride_h, qk_scale, D, PAGE, BLOCK_N, True, UPCAST,
-                KV_FP8, DTYPE,
-            )  # fmt: skip
+                acc,
+                m_i,
+                l_i,
+                q,
+                q_pos,
+                start,
+                hi,
+                window,
+                d,
+                k_cache_ptr,
+                v_cache_ptr,
+                tables_ptr,
+                b,
+                tables_stride,
+                kv_head,
+                cache_stride_page,
+                cache_stride_slot,
+                cache_stride_h,
+                qk_scale,
+                D,
+                PAGE,
+                BLOCK_N,
+                True,
+                UPCAST,
+                KV_FP8,
+                DTYPE,
+            )
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         if KV_FP8:
             out = out * tl.load(scales_ptr + 1)
@@ -209,9 +330,31 @@ def paged_prefill(
         return
     tables, q_starts, q_lens, context_lens = (t.contiguous() for t in (tables, q_starts, q_lens, context_lens))
     _prefill[(tiles, kv_heads, batch)](
-        q, k_cache, v_cache, tables, q_starts, q_lens, context_lens, out, kv_scales,
-        q.stride(0), q.stride(1), tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        scale, window or 0,
-        GROUP=group, D=dim, BLOCK_D=block_d, PAGE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        UPCAST=q.device.type == "cpu", KV_FP8=fp8, num_warps=num_warps, num_stages=num_stages,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        q_starts,
+        q_lens,
+        context_lens,
+        out,
+        kv_scales,
+        q.stride(0),
+        q.stride(1),
+        tables.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        scale,
+        window or 0,
+        GROUP=group,
+        D=dim,
+        BLOCK_D=block_d,
+        PAGE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        UPCAST=q.device.type == "cpu",
+        KV_FP8=fp8,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )

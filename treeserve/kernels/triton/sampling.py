@@ -58,9 +58,18 @@ def _chunk_stats(logits_ptr, stride, max_ptr, sum_ptr, vocab, chunks, CHUNK: tl.
 
 @triton.jit
 def _draw_row(
-    logits_ptr, stride, max_ptr, sum_ptr, uniforms_ptr, out_ptr, vocab, chunks,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr,
-):  # fmt: skip
+    logits_ptr,
+    stride,
+    max_ptr,
+    sum_ptr,
+    uniforms_ptr,
+    out_ptr,
+    vocab,
+    chunks,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CHUNKS: tl.constexpr,
+):
     row = tl.program_id(0)
     ids = tl.arange(0, CHUNKS)  # CHUNKS: chunks rounded up to a power of two, at least 2
     stats = row.to(tl.int64) * chunks + ids
@@ -114,9 +123,20 @@ def sample_rows(scaled_logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Te
     sums = torch.empty_like(maxes)
     stride = scaled_logits.stride(0)
     _chunk_stats[(rows, chunks)](
-        scaled_logits, stride, maxes, sums, vocab, chunks, CHUNK=CHUNK, BLOCK=BLOCK, num_warps=NUM_WARPS)  # fmt: skip
+        scaled_logits, stride, maxes, sums, vocab, chunks, CHUNK=CHUNK, BLOCK=BLOCK, num_warps=NUM_WARPS
+    )
     _draw_row[(rows,)](
-        scaled_logits, stride, maxes, sums, uniforms, out, vocab, chunks,
-        CHUNK=CHUNK, BLOCK=BLOCK, CHUNKS=max(2, triton.next_power_of_2(chunks)), num_warps=NUM_WARPS,
-    )  # fmt: skip
+        scaled_logits,
+        stride,
+        maxes,
+        sums,
+        uniforms,
+        out,
+        vocab,
+        chunks,
+        CHUNK=CHUNK,
+        BLOCK=BLOCK,
+        CHUNKS=max(2, triton.next_power_of_2(chunks)),
+        num_warps=NUM_WARPS,
+    )
     return out
