@@ -394,3 +394,32 @@ def test_decode_rows_in_the_steps_lead_are_attended_in_place_with_the_gathered_b
     assert torch.equal(
         outs[1][[3, 0, 4]], cpu_kernels.paged_decode(q[[3, 0, 4]], k_cache, v_cache, tables, lens, 32**-0.5, None)
     )
+
+
+def test_fp32_prefill_rows_do_not_depend_on_the_chunk_around_them():
+    """The `cpu` backend's fp32 prefill chunks (no C prefill kernel takes them): a chunk whole,
+    beside another sequence's, or in two pieces over its cached first piece gives the same bits,
+    each row a decode's."""
+    from treeserve.engine.attention import CpuBackend, SeqGroup
+
+    torch.manual_seed(0)
+    arena = KVArena(64, 1, 4, 4, 32, torch.float32, "cpu")
+    arena.buffer.normal_()
+    k_cache, v_cache = arena.layer(0)
+    tables = torch.randperm(64)[:40].view(2, 20)
+    q = torch.randn(50, 8, 32)
+
+    def run(seqs: list[tuple[int, int, int, int]]) -> torch.Tensor:  # (table row, first row, queries, context)
+        tab, starts, lens, ctx = (torch.tensor(c) for c in zip(*seqs, strict=True))
+        width = int(lens.max())
+        index = torch.minimum(starts[:, None] + torch.arange(width), (starts + lens - 1)[:, None])
+        pos = ctx[:, None] - lens[:, None] + torch.minimum(torch.arange(width), (lens - 1)[:, None])
+        out = torch.zeros_like(q)
+        CpuBackend().attend(SeqGroup(tables[tab], ctx, index, pos, starts, lens), q, k_cache, v_cache, None, None, out)
+        return out[10:47]
+
+    whole = run([(0, 0, 10, 60), (1, 10, 37, 70)])
+    assert torch.equal(run([(1, 10, 37, 70)]), whole)
+    assert torch.equal(run([(1, 10, 20, 53)]) + run([(1, 30, 17, 70)]), whole)
+    last = cpu_kernels.paged_decode(q[46:47], k_cache, v_cache, tables[1:], torch.tensor([70]), 32**-0.5, None)
+    assert torch.equal(whole[-1:], last)

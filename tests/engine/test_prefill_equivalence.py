@@ -44,6 +44,23 @@ def test_prefix_hit_matches_full(llama_dir, make_llm):
     assert llm.engine.blocks.stats.hits == 2
 
 
+def test_prefix_hit_and_chunks_read_the_full_prefills_bits(llama_dir, make_llm):
+    """fp32 on the `cpu` backend: a position read after a prefix-cache hit, or in a small chunk,
+    has the bits of one full prefill (SDPA's rows changed their last bits with the rows beside
+    them: a PRM score after a hit differed from the cold one, and search broke ties by it)."""
+    ids = make_llm(llama_dir).get_tokenizer().encode(TEXT)
+    ref = read_all(make_llm(llama_dir, enable_prefix_caching=False), ids)
+    llm = make_llm(llama_dir)
+    read_all(llm, ids[:35])
+    tail = list(range(33, len(ids)))
+    out = llm.score([ids], ScoreParams(positions=tail, token_ids=[5, 17, 42], return_hidden_states=True))[0]
+    assert out.num_cached_tokens == 32
+    assert torch.equal(out.hidden_states, ref.hidden_states[33:]) and torch.equal(out.logprobs, ref.logprobs[33:])
+    for chunk in (1, 2, 3, 7):
+        chunked = read_all(make_llm(llama_dir, enable_prefix_caching=False, max_num_batched_tokens=chunk), ids)
+        assert torch.equal(chunked.hidden_states, ref.hidden_states), chunk
+
+
 def test_prefix_hit_never_skips_a_requested_position(llama_dir, make_llm):
     llm = make_llm(llama_dir)
     ids = llm.get_tokenizer().encode(TEXT)

@@ -168,6 +168,19 @@ def test_a_problems_decisions_read_only_its_own_tree(runtime):
         assert signature(alone) == signature(result)
 
 
+def test_a_warm_runtime_searches_as_a_fresh_one():
+    """The score cache off, the same search twice on one fresh runtime: the second reads the
+    PRM's inputs from its prefix cache, the first computed them (the first of four equal beams
+    whole, the others after a hit), and both get the same scores to the bit, so the same
+    survivors and beams (before: beam 0 scored 1.2e-7 lower cold and lost its tie)."""
+    runtime = Runtime.for_search(DEFAULT_GENERATOR, DEFAULT_PRM, 32 << 20, dtype="float32")
+    kwargs = {"n": 16, "num_iterations": 3, "max_tokens": 48, "adaptive": True, "certainty": 0.6}
+    kwargs |= {"budget_fraction": None, "max_concurrent_problems": 1, "score_cache": False}
+    cold, warm = (search(runtime, PROBLEMS[:1], **kwargs)[0] for _ in range(2))
+    asyncio.run(runtime.close())
+    assert [(b.text, b.scores) for b in cold[0].beams] == [(b.text, b.scores) for b in warm[0].beams]
+
+
 def test_the_first_round_is_the_fixed_searchs_first_samples(runtime):
     """Adaptive majority voting that never settles: its first 4 completions are the fixed run's
     first 4 (the same seed and indices), the rest come from later rounds."""

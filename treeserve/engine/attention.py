@@ -11,7 +11,8 @@ Backends (chosen once per engine from `EngineConfig.attention_backend`):
   longest chunk of the step, masks built once per step and window. Runs on any device and
   is the reference the kernels are tested against.
 * `cpu`: the C kernels of `kernels/cpu` read pages in place (decodes in fp32 and bf16, bf16
-  prefill chunks with AVX512-BF16); SDPA for the rest.
+  prefill chunks with AVX512-BF16; other fp32 and bf16 chunks as one decode a query, so that a
+  row's bits never depend on the chunk around it); SDPA for the rest.
 * `triton`: the Triton kernels of `kernels/triton` for all three parts (store, decode,
   prefill); on CUDA, and on CPU tensors under TRITON_INTERPRET=1 (how the tests run them).
 
@@ -153,8 +154,23 @@ class CpuBackend(SdpaBackend):
                 q, k_cache, v_cache, group.block_tables, group.query_start, group.query_len,
                 group.context_lens, kernel_scale, window, out, kv_scales,
             )  # fmt: skip
+        elif cpu_kernels.supports(q):
+            out_rows, tables, lens = queries_as_decodes(group)
+            out[out_rows] = cpu_kernels.paged_decode(
+                q[out_rows], k_cache, v_cache, tables, lens, kernel_scale, window, kv_scales=kv_scales
+            )
         else:
             super().attend(group, q, k_cache, v_cache, scale, window, out, kv_scales)
+
+
+def queries_as_decodes(group: SeqGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A prefill chunk as decodes, one a query: (its rows in the flat batch, their block tables,
+    their context lengths: position + 1). SDPA's fp32 rows on a CPU change their last bits with
+    the number of queries beside them, so a PRM score read after a prefix-cache hit (2 new rows)
+    differed from the same score read cold (50 rows), and search broke ties by it."""
+    valid = group.query_valid
+    seqs = torch.arange(valid.shape[0], device=valid.device)[:, None].expand_as(valid)[valid]
+    return group.query_index[valid], group.block_tables[seqs], group.query_pos[valid] + 1
 
 
 class TritonBackend:
