@@ -1,16 +1,8 @@
-"""Quantised matmuls in plain PyTorch: the references the Triton and cuBLAS paths of
-`kernels/triton/quant_matmul.py` are tested against, and the CPU's fallback (this module never
-imports triton, so a CPU install without it can call them).
-
-Layouts (what `layers/` hands the kernels, whatever the checkpoint format):
-* int weights: codes uint8, [n, k // 2] for 4 bits (column 2j of a row in the low nibble of byte
-  j, column 2j + 1 in the high nibble) or [n, k] for 8 bits, unsigned; scales [n, k // group_size]
-  (fp16, bf16 or fp32); zeros uint8 [n, k // group_size] or None (the symmetric 2**(bits - 1));
-  w[r, c] = scales[r, c // g] * (code[r, c] - zeros[r, c // g]) in fp32. `input_order` (GPTQ
-  act-order): the stored columns are x's columns in that order, y = x[:, input_order] @ W.T.
-* FP8: weight float8_e4m3fn [n, k], weight_scale fp32 [n] or a single value.
-* int8: weight int8 [n, k], weight_scale fp32 [n]; activations quantised per row, symmetric.
-Every sum here is fp32 (int8: exact in fp64), results cast to x's dtype once at the end.
+"""Quantised matmuls in plain PyTorch: the references `triton/quant_matmul.py` is tested against,
+and the CPU fallback (never imports triton). Layouts as `layers/group_quant.py` hands them:
+int codes uint8 [n, k // 2] (4 bits, column 2j low) or [n, k], scales and zeros [n, k // g],
+w = scale * (code - zero), `input_order`: y = x[:, input_order] @ W.T; FP8 e4m3 [n, k] with fp32
+scales [n] or one; int8 [n, k] with fp32 [n]. Sums in fp32 (int8: exact in fp64), cast once.
 """
 
 from __future__ import annotations
@@ -68,7 +60,6 @@ def unpack_int4(codes: torch.Tensor) -> torch.Tensor:
 def dequantize_int(
     codes: torch.Tensor, bits: int, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int
 ) -> torch.Tensor:
-    """The fp32 weight [n, k] the codes stand for."""
     q = (unpack_int4(codes) if bits == 4 else codes).to(torch.float32)
     zero = torch.full_like(scales, 2 ** (bits - 1), dtype=torch.float32) if zeros is None else zeros.float()
     return scales.float().repeat_interleave(group_size, dim=1) * (q - zero.repeat_interleave(group_size, dim=1))
@@ -108,7 +99,6 @@ def check_scaled_weight(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
 
 
 def channel_scales(weight_scale: torch.Tensor, n: int) -> torch.Tensor:
-    """fp32 [n]: a per-tensor scale repeated, a per-channel one flattened."""
     return weight_scale.reshape(-1).expand(n) if weight_scale.numel() == 1 else weight_scale.reshape(n)
 
 

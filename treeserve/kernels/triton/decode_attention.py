@@ -1,49 +1,20 @@
-"""Paged decode attention, flash-decoding style: one query per sequence over its pages, in place.
+"""Paged decode attention, flash-decoding style: one query per sequence over its pages.
 
-q [B, Hq, D]; k_cache/v_cache [pages, block_size, Hkv, D] (one layer's views of the arena);
-block_tables [B, max_pages]; context_lens [B] (keys visible to the query, itself included,
-so the query sits at position context_len - 1); `window`: keys at positions > query - window.
+q [B, Hq, D]; k/v_cache [pages, block_size, Hkv, D]; block_tables [B, max_pages]; context_lens
+[B] (keys visible, the query included); `window`: keys at positions > query - window.
+Pass 1 (`_partial`): a program per (sequence, KV head, split) takes the KV head's q group as the
+rows of one tile (padded to 16, `tl.dot`'s least), walks its partition's keys in BLOCK_N tiles
+with an fp32 online softmax; an empty partition writes max -inf, sum 0. Pass 2 (`_reduce`): a
+program per (sequence, q head) rescales the partitions to a common max and divides; one split
+writes the output in pass 1.
 
-Pass 1 (`_partial`): one program per (sequence, KV head, split) takes all q heads of that
-KV head's group at once as the rows of one tile (GQA: each K/V row is read once per KV
-head; the group is padded to 16 rows, the least `tl.dot` takes, which costs nothing in a
-memory-bound kernel), walks its partition's keys in tiles of BLOCK_N through the block
-table and keeps an online softmax (running max, sum, weighted value sum) in fp32. The keys
-in view, [max(context - window, 0), context), are cut into `splits` partitions of
-L_b = ceil(ceil(in view / splits) / BLOCK_N) * BLOCK_N keys each, per sequence: a short
-context fills the first partition or two, and a long one is spread evenly over all of
-them. A partition with no keys writes max -inf and sum 0. Pass 2 (`_reduce`): one program
-per (sequence, q head) rescales the partitions' partial results to a common max (empty
-ones weigh 0) and divides. With one split, pass 1 writes the output itself and there is
-no pass 2.
-
-Batch invariance: how a sequence's keys are partitioned depends on its own view only,
-L_b = roundup(max(ceil(in view / MAX_SPLITS), MIN_PARTITION), BLOCK_N), so its output has
-the same bits alone, in any batch and in any CUDA graph bucket (the reduce adds the zero
-weight of unused partitions exactly). The launch grid's split count (`split_count`)
-depends on shapes only (CUDA graphs replay one grid for every context): enough for the
-longest view the block table allows. Contexts up to MIN_PARTITION keys take one partition
-(at large batch the fastest: no reduce pass), longer ones up to MAX_SPLITS. A forced
-`num_splits` (tests, benchmarks) cuts every view into that many partitions instead.
-
-Precision: on CUDA, bf16/fp16 q and K/V go to the tensor cores as they are, with fp32
-accumulation; the probabilities are rounded to the cache dtype for the second product, as
-FlashAttention does. q is rounded to the cache dtype. fp32 caches keep fp32 products
-(input_precision "ieee", not tf32). On CPU tensors (Triton's interpreter, `UPCAST`) the
-operands are upcast to fp32 first, as the interpreter's bf16 `tl.dot` is wrong (triton
-3.9); the products of bf16 values are exact in fp32, so only the order of sums differs
-from a GPU. The output has q's dtype. FP8 caches (uint8 views, `fp8.py`): keys and values
-are read as e4m3 -> q's dtype (exact), k_scale joins the softmax scale and v_scale the output,
-and the probabilities are rounded to q's dtype.
-
-Tunables (module defaults, and keyword arguments of `paged_decode` so a benchmark can
-sweep them): BLOCK_N keys per tile, NUM_WARPS and NUM_STAGES of pass 1, and the split
-count. On an H100 (bf16, timed in CUDA graphs over caches larger than L2) with one split
-the kernel read K/V at 2.7 TB/s at batch 512 x 700 keys (32 q / 8 KV heads of 64 dims)
-and 2.4 TB/s at 64 x 700; 1.0 TB/s at 16 x 700, where 3-4 splits gave 1.56 (the price of
-batch invariance at small batches of short contexts: microseconds a layer). Refused: K and
-V caches with different strides, a head_dim that is not contiguous, Hq not a multiple of
-Hkv, a tile that is not a power of two of at least 16 keys.
+Batch invariance: a sequence's partitions depend on its own view only, L_b =
+roundup(max(ceil(in view / MAX_SPLITS), MIN_PARTITION), BLOCK_N), so its bits are the same in any
+batch or CUDA graph bucket; the grid's split count (`split_count`) depends on shapes only.
+Precision: bf16/fp16 on tensor cores with fp32 sums, probabilities rounded to the cache dtype
+(as FlashAttention); fp32 caches use "ieee" products. Under the interpreter (`UPCAST`) operands
+are upcast, its bf16 `tl.dot` being wrong. FP8 caches: e4m3 read as q's dtype, k_scale joins the
+softmax scale, v_scale the output.
 """
 
 from __future__ import annotations
@@ -55,12 +26,12 @@ import triton.language as tl
 from treeserve.kernels.triton.fp8 import fp8_operands, from_e4m3
 from treeserve.kernels.triton.pages import token_rows
 
-BLOCK_N = 64  # keys per tile
-NUM_WARPS = 4  # of a pass-1 program
-NUM_STAGES = 2  # software pipelining of pass 1's key loop
-MAX_SPLITS = 32  # partitions per (sequence, KV head) at most
-MIN_PARTITION = 1024  # keys: a sequence's view is cut into partitions of at least this many
-PARTITION_SIZE = 512  # `partition_size` for the previous rule: one split per 512 keys of table width
+BLOCK_N = 64
+NUM_WARPS = 4
+NUM_STAGES = 2
+MAX_SPLITS = 32
+MIN_PARTITION = 1024  # keys: views are cut into partitions of at least this many
+PARTITION_SIZE = 512  # the previous rule: one split per 512 keys of table width
 
 
 @triton.jit
@@ -95,13 +66,12 @@ def _partial(
     FINAL: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):
-    """Partial results into [B, Hq, splits] (max, sum) and [B, Hq, splits, D] (acc); FINAL (one
-    split): acc_ptr is the contiguous output [B, Hq, D] and gets the normalised result."""
+    """Partials into [B, Hq, splits] (max, sum) and [B, Hq, splits, D]; FINAL: the output itself."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
     context = tl.load(lens_ptr + b).to(tl.int32)
-    first = tl.where(window > 0, tl.maximum(context - window, 0), 0)  # the first key in view
+    first = tl.where(window > 0, tl.maximum(context - window, 0), 0)
     length = tl.cdiv(tl.maximum(tl.cdiv(context - first, parts), min_length), BLOCK_N) * BLOCK_N  # whole tiles
     lo = first + part * length
     hi = tl.minimum(lo + length, context)
@@ -151,13 +121,13 @@ def _partial(
             v = from_e4m3(v).to(q_ptr.dtype.element_ty)
             p = p.to(q_ptr.dtype.element_ty)
         else:
-            p = p.to(v_cache_ptr.dtype.element_ty)  # rounded to the cache dtype, as on tensor cores
+            p = p.to(v_cache_ptr.dtype.element_ty)  # as on tensor cores
         if UPCAST:
             p = p.to(tl.float32)
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m_i = m_new
-    out = (b * tl.num_programs(1) * GROUP + heads) * num_splits + part  # index into [B, Hq, splits]
+    out = (b * tl.num_programs(1) * GROUP + heads) * num_splits + part
     if KV_FP8:
         acc = acc * tl.load(scales_ptr + 1)
     if FINAL:
@@ -190,7 +160,7 @@ def _reduce(
     in_range = parts < num_parts
     m = tl.load(max_ptr + base + parts, mask=in_range, other=float("-inf"))
     m_all = tl.max(m, 0)
-    weight = tl.where(in_range, tl.exp(m - m_all), 0.0)  # empty partitions (max -inf) weigh 0
+    weight = tl.where(in_range, tl.exp(m - m_all), 0.0)  # empty partitions weigh 0
     total = tl.sum(tl.load(sum_ptr + base + parts, mask=in_range, other=0.0) * weight, 0)
     acc_mask = in_range[:, None] & (d[None, :] < D)
     acc = tl.load(acc_ptr + (base + parts)[:, None] * D + d[None, :], mask=acc_mask, other=0.0)
@@ -199,9 +169,8 @@ def _reduce(
 
 
 def split_count(table_keys: int, window: int | None) -> int:
-    """The launch grid's partitions per (sequence, KV head), from shapes only: as many as the
-    longest view the block table allows needs (MIN_PARTITION keys or more each), at most
-    MAX_SPLITS. A sequence uses those its own view needs (`partition_length`); the rest do nothing."""
+    """Partitions per (sequence, KV head) in the grid, from shapes only: what the longest view the
+    block table allows needs, at most MAX_SPLITS; a sequence uses its own share."""
     view = min(table_keys, window) if window else table_keys
     return max(1, min(MAX_SPLITS, -(-view // MIN_PARTITION)))
 
@@ -222,9 +191,8 @@ def paged_decode(
     num_stages: int = NUM_STAGES,
     kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [B, Hq, D] -> [B, Hq, D]; see the module docstring. `num_splits` forces the split count;
-    `partition_size` is the previous kernel's rule (one split per that many keys of the table's
-    width, tiles of at most that many keys). FP8 caches need the layer's fp32 `kv_scales`."""
+    """q [B, Hq, D] -> [B, Hq, D]. `num_splits` forces the split count (tests, benchmarks);
+    `partition_size` is the previous rule. FP8 caches need the layer's `kv_scales`."""
     batch, q_heads, dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert q.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
@@ -242,13 +210,12 @@ def paged_decode(
         num_splits = num_splits or -(-table_keys // partition_size)
     assert block_n >= 16 and block_n & (block_n - 1) == 0, "a tile is a power of two of at least 16 keys"
     splits = num_splits or split_count(table_keys, window)
-    # a sequence's partitions: its own view's share of MAX_SPLITS, MIN_PARTITION keys at least
-    # (batch-invariant); a forced count cuts every view into that many instead
+    # batch-invariant partitions; a forced count cuts every view into that many
     parts, min_length = (num_splits, 0) if num_splits else (MAX_SPLITS, MIN_PARTITION)
     group = q_heads // kv_heads
     block_d = max(triton.next_power_of_2(dim), 16)
     final = splits == 1
-    if final:  # [B, Hq, 1, D] is [B, Hq, D]: pass 1 writes the output (the max and sum stores are compiled out)
+    if final:  # pass 1 writes the output
         maxes = sums = accs = out
     else:
         maxes = torch.empty(batch, q_heads, splits, dtype=torch.float32, device=q.device)

@@ -1,24 +1,9 @@
 """Fused MoE: routed experts' gated MLPs as two grouped GEMMs over expert-sorted rows (vLLM's and
-SGLang's `fused_moe` shape, shorter).
-
-`fused_moe(x, w_gate_up [E, 2I, H], w_down [E, H, I], experts [T, k], weights [T, k], act)`:
-1. each row's k slots sorted by expert id, so the final sum runs in ascending expert order as
-   `SparseMoE`'s index_add_ does;
-2. `align_to_blocks`: the T*k (row, slot) pairs sorted by expert and each expert's run padded to
-   a multiple of BLOCK_M, so one block of rows belongs to one expert (PyTorch ops, no host sync:
-   the launch grid is the shapes' upper bound and blocks past the real total return at once);
-3. `_grouped_gemm` over (row blocks x output tiles) reads its block's expert matrix from the
-   stacked weights: gate_up [T*k, 2I] from x, then act(gate) * up (`activation.py`), then down
-   [T*k, H] with the routing weight multiplied in;
-4. `_sum_slots`: each row's k results added in slot order.
-Rounded where the PyTorch path rounds (each projection's output, the weighted product, each
-add), with fp32 accumulation inside a GEMM in another order than PyTorch's, so fp32 agrees
-within ~1e-6 relative of the sums' magnitude and bf16 within an ulp or two. On CPU tensors
-(Triton's interpreter) bf16 operands are upcast before `tl.dot`, whose bf16 result is wrong
-there (triton 3.9). Not batch-invariant, unlike the CPU path: a row's fp32 bits can depend on
-its place in a block (measured in the interpreter), and the block height on the batch
-(`block_rows`). Knows nothing about models: the caller stacks the weights. Unmeasured on a GPU:
-the tiles (BLOCK_N, BLOCK_K, `block_rows`) are a guess after vLLM's default config, not a sweep.
+SGLang's `fused_moe`, shorter). Slots sorted by expert (the sum runs in `SparseMoE`'s order);
+`align_to_blocks` pads each expert's run to BLOCK_M without a host sync; `_grouped_gemm` does
+gate_up, then act * up, then down with the routing weight; `_sum_slots` adds a row's k results.
+Rounded where PyTorch rounds (fp32 within ~1e-6, bf16 an ulp or two); not batch-invariant (a
+row's bits depend on its block). Tile sizes follow vLLM's default config, untuned on a GPU.
 """
 
 from __future__ import annotations
@@ -31,7 +16,7 @@ from treeserve.kernels.triton.activation import gated_activation
 from treeserve.kernels.triton.rounding import round_to
 
 BLOCK_N, BLOCK_K = 64, 32
-SUM_BLOCK = 1024  # columns per program of `_sum_slots` at most
+SUM_BLOCK = 1024
 
 
 def block_rows(pairs: int, num_experts: int) -> int:
@@ -40,10 +25,8 @@ def block_rows(pairs: int, num_experts: int) -> int:
 
 
 def align_to_blocks(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
-    """(sorted_ids, block_experts, total) for `experts` [T, k]: sorted_ids [B * block_m] lists the
-    flat (row * k + slot) indices grouped by expert, rows ascending, each expert's run padded with
-    T * k to a multiple of block_m; block_experts [B] the expert of each block; total [1] how many
-    entries the padded runs hold. B covers the worst case, so the shapes depend on T, k and E only."""
+    """(sorted_ids, block_experts, total) for `experts` [T, k]: flat (row * k + slot) ids grouped
+    by expert, each run padded with T * k to a multiple of block_m; shapes depend on T, k, E only."""
     flat = experts.flatten()
     pairs = flat.numel()
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
@@ -85,8 +68,7 @@ def _grouped_gemm(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """C[id] = A[id // A_ROW_DIV] @ W[expert].T (times weights[id] where WEIGHTED) for the ids of
-    one block; padding ids (>= pairs) neither load nor store."""
+    """C[id] = A[id // A_ROW_DIV] @ W[expert].T (times weights[id] where WEIGHTED); padding ids skip."""
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
         return
@@ -103,7 +85,7 @@ def _grouped_gemm(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_base + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+        w = tl.load(w_base + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if UPCAST:
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc += tl.dot(a, w, input_precision="ieee")
@@ -116,7 +98,6 @@ def _grouped_gemm(
 
 @triton.jit
 def _sum_slots(y_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
-    """out[t] = y[t, 0] + y[t, 1] + ... in order, each add rounded to the dtype."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
@@ -174,10 +155,8 @@ def fused_moe(
     weights: torch.Tensor,
     act: str,
 ) -> torch.Tensor:
-    """sum over each row's k experts e of weights * down_e(act(gate_e(x)) * up_e(x)), as [T, H].
-
-    x [T, H]; w_gate_up [E, 2I, H] ([gate; up] per expert); w_down [E, H, I]; experts [T, k]
-    (distinct per row) and weights [T, k] in x's dtype; `act` one of activation.ACTIVATIONS."""
+    """sum over each row's k experts of weights * down_e(act(gate_e(x)) * up_e(x)) -> [T, H];
+    w_gate_up [E, 2I, H], w_down [E, H, I], experts [T, k] distinct per row."""
     tokens, hidden = x.shape
     top_k = experts.shape[1]
     num_experts, width, _ = w_gate_up.shape
@@ -185,7 +164,7 @@ def fused_moe(
     out = torch.empty_like(x)
     if tokens == 0:
         return out
-    experts, perm = experts.sort(dim=1)  # slots in ascending expert order: the sum's order
+    experts, perm = experts.sort(dim=1)  # the sum's order
     weights = weights.gather(1, perm).contiguous()
     block_m = block_rows(experts.numel(), num_experts)
     aligned = align_to_blocks(experts, num_experts, block_m)

@@ -1,33 +1,12 @@
-"""Paged prefill attention: each sequence's chunk of queries over its cached pages and itself.
+"""Paged prefill attention: each sequence's chunk of queries over its cached pages and itself
+(prompt and chunked prefill, PRM scoring, speculative verification). q and out [T, Hq, D] are
+the flat batch; sequence b's queries are rows q_starts[b] .. + q_lens[b] - 1, the last at position
+context_lens[b] - 1, its own K/V already stored. Causal, with an optional sliding `window`.
 
-q and out [T, Hq, D] are the step's flat batch; sequence b's queries are rows
-q_starts[b] .. q_starts[b] + q_lens[b] - 1, the last at position context_lens[b] - 1, so
-the keys before the chunk are cached pages (a prefix-cache hit or an earlier chunk) and
-the chunk's own K/V were stored into the pages before the call. Causal, with an optional
-sliding `window` (keys at positions > query - window). This is prompt prefill, chunked
-prefill, PRM scoring and speculative verification alike.
-
-FlashAttention-2's layout, with the GQA group packed into the tile: one program per (tile
-of BLOCK_Q query positions, KV head, sequence) -- program ids in that order, so the
-programs reading one sequence's pages run close together. Its BLOCK_M = BLOCK_Q x GROUP
-rows are (query position, q head) pairs, row r: position r // GROUP of the tile, q head
-kv_head * GROUP + r % GROUP; each K/V tile of BLOCK_N keys, read through the block table,
-is loaded once for the whole group. Online softmax in fp32 (exp2, the scale folded into
-log2 units). The key loop is bounded by the tile's last query and starts at the window of
-its first; key tiles every row sees whole (before the first query, inside the last
-query's window) skip the mask, the others (the diagonal, the window's edge) are masked,
-and a row with no key in view yet keeps a zero sum. When GROUP does not divide BLOCK_M,
-BLOCK_Q = BLOCK_M // GROUP and the last BLOCK_M % GROUP rows idle.
-
-On CUDA, bf16/fp16 operands go to the tensor cores as they are (fp32 accumulation, p
-rounded to the cache dtype for the second product); fp32 caches multiply in full fp32
-("ieee", no tf32). On CPU tensors (the interpreter) they are upcast to fp32 first
-(`UPCAST`): the interpreter's bf16 `tl.dot` returns garbage (triton 3.9), while products
-of bf16 values are exact in fp32, so only the order of the fp32 sums can differ from a
-GPU. FP8 caches (uint8 views, `fp8.py`): keys and values are read as e4m3 -> q's dtype
-(exact), k_scale joins the softmax scale, v_scale the output, and p is rounded to q's dtype.
-Refused: a non-contiguous q or out, K and V caches with different strides or a
-non-contiguous head_dim, q heads not a multiple of KV heads.
+FlashAttention-2 with the GQA group packed into the tile: a program per (BLOCK_Q query positions,
+KV head, sequence); row r is position r // GROUP, q head kv_head * GROUP + r % GROUP, so each K/V
+tile is loaded once for the group. fp32 online softmax in log2 units; only tiles at the diagonal
+or the window's edge are masked. Precision and FP8 as in `decode_attention.py`.
 """
 
 from __future__ import annotations
@@ -39,14 +18,12 @@ import triton.language as tl
 from treeserve.kernels.triton.fp8 import fp8_operands, from_e4m3
 from treeserve.kernels.triton.pages import token_rows
 
-# Launch defaults, from a sweep on an H100 (bf16, head_dim 128, 32 q / 8 KV heads, PRM steps of ~100
-# tokens over 200-1200 cached); `paged_prefill` takes each as a keyword to sweep.
+# Launch defaults from an H100 sweep (bf16, head_dim 128, PRM steps); each is a keyword of `paged_prefill`.
 BLOCK_M = 64  # rows per program: query positions x the GQA group's q heads
-BLOCK_N = 64  # keys per tile
+BLOCK_N = 64
 NUM_WARPS = 4
 NUM_STAGES = 3
-# Rows wider than bf16 head_dim 128 (fp32 caches, head_dim 256): fewer keys a tile and stages
-# (shared memory), more warps. Compiled and run on an H100, not tuned.
+# Rows wider than 256 bytes: fewer keys a tile and stages, more warps (untuned).
 WIDE_BLOCK_N = 32
 WIDE_NUM_WARPS = 8
 WIDE_NUM_STAGES = 2
@@ -81,9 +58,7 @@ def _attend(
     KV_FP8: tl.constexpr,
     DTYPE: tl.constexpr,
 ):
-    """One key tile (positions start .. start + BLOCK_N - 1, those < hi) into the online
-    softmax state (acc, m_i in log2 units, l_i). MASKED: apply the causal and window mask;
-    otherwise every row sees every key of the tile."""
+    """One key tile into the online softmax state (acc, m_i in log2 units, l_i); MASKED: causal/window."""
     pos = start + tl.arange(0, BLOCK_N)
     k_valid = pos < hi
     rows = token_rows(
@@ -155,7 +130,7 @@ def _prefill(
     UPCAST: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):
-    BLOCK_Q = BLOCK_M // GROUP  # query positions per program
+    BLOCK_Q = BLOCK_M // GROUP
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # a sequence's last tiles (the most keys) first
     kv_head = tl.program_id(1)
     b = tl.program_id(2)
@@ -164,7 +139,7 @@ def _prefill(
         first_row = tl.load(starts_ptr + b)
         context = tl.load(context_ptr + b).to(tl.int32)
         r = tl.arange(0, BLOCK_M)
-        i = tile * BLOCK_Q + r // GROUP  # query index within the chunk
+        i = tile * BLOCK_Q + r // GROUP
         head = kv_head * GROUP + r % GROUP
         q_valid = (i < num_queries) & (r < BLOCK_Q * GROUP)
         q_pos = context - num_queries + i
@@ -302,11 +277,8 @@ def paged_prefill(
     num_stages: int | None = None,
     kv_scales: torch.Tensor | None = None,
 ) -> None:
-    """Causal attention of each sequence's chunk of queries, written into `out` in place.
-    `max_query_len` (the longest chunk, known to the caller) spares a device-to-host read.
-    block_m (rows: query positions x GQA group, raised to the group's power of 2), block_n,
-    num_warps and num_stages override the module's defaults (for benchmark sweeps). FP8 caches
-    need the layer's fp32 `kv_scales` (k_scale, v_scale)."""
+    """Causal attention of each sequence's chunk into `out`. `max_query_len` spares a device read;
+    block sizes, warps and stages override the defaults. FP8 caches need `kv_scales`."""
     assert q.is_contiguous() and out.is_contiguous() and q.shape == out.shape
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     _, q_heads, dim = q.shape

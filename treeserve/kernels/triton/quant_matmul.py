@@ -1,23 +1,12 @@
-"""Quantised-weight matmuls on a GPU: W4A16 / W8A16 grouped int weights (GPTQ, AWQ, compressed-
-tensors' pack-quantized, once `layers/` has laid them out), FP8 W8A8 and int8 W8A8.
+"""Quantised-weight matmuls on a GPU: W4A16 / W8A16 grouped int weights, FP8 and int8 W8A8.
 
-* `int_weight_matmul`: a tiled Triton GEMM that dequantises each weight tile in registers. The
-  tile's codes minus its zero are small integers, exact in x's dtype, so the tensor cores multiply
-  exact values; each tile's fp32 dot is then multiplied by its group's scale (a tile never spans
-  two groups). The K axis is cut into chunks that depend on (n, k, group size) only; a row's sum
-  is C_0 + C_1 + ... in chunk order, C_j the sum of chunk j's tiles in K order. At m <= 16
-  (decode) each chunk is a program of its own (split-K) writing fp32 partials, and a second
-  kernel adds them in that order with the bias (deterministic, no atomics); above, one program
-  walks every chunk and adds the same sums in the same order. A row's result therefore does not
-  depend on m wherever the tile's dot does not (exact in the interpreter; on a GPU unmeasured).
-* `fp8_matmul`: `torch._scaled_mm` with per-row dynamic activation scales (vLLM's) on cards with
-  FP8 (compute capability >= 8.9), else a Triton W8A16 kernel (the same GEMM, decoding e4m3 bytes).
-* `int8_matmul`: per-row symmetric activation quantisation, then `torch._int_mm` where its shape
-  rules allow (m > 16, k and n multiples of 8), else a Triton int8 kernel; integer sums are exact
-  and all paths share one epilogue, so every path gives the reference's bits.
-CPU tensors take the references (`kernels/quant_reference.py`), except through the `*_triton`
-functions, which the tests run in Triton's interpreter. Block sizes come from a table by m (no
-autotune); none of it has run on a GPU yet (docs/decisions.md). Knows nothing about checkpoints.
+* `int_weight_matmul`: a Triton GEMM dequantising each weight tile in registers (code - zero is
+  exact in x's dtype; each tile's fp32 dot times its group's scale). K is cut into chunks that
+  depend on (n, k, group size) only, summed in chunk order: split-K programs plus a second kernel
+  at m <= 16, one program walking them above, so a row's result does not depend on m.
+* `fp8_matmul`: `torch._scaled_mm` with per-row activation scales on FP8 cards (sm >= 8.9), else
+  Triton W8A16. `int8_matmul`: `torch._int_mm` where its shapes allow, else Triton; one epilogue.
+CPU tensors take `kernels/quant_reference.py` (the `*_triton` functions run in the interpreter).
 """
 
 from __future__ import annotations
@@ -69,13 +58,11 @@ INT8_BLOCK_K = 64
 
 
 def tile_for(m: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for m rows."""
     return next(t[1:] for t in TILES if m <= t[0])
 
 
 def pipeline_stages(x_dtype: torch.dtype) -> int:
-    """Software-pipeline depth: 3, or 2 for fp32 x, whose 128 x 128 tiles at 3 stages need 192 KiB
-    of shared memory (an A100 has 163)."""
+    """3 stages, or 2 for fp32 x (128 x 128 tiles at 3 need 192 KiB of shared memory; an A100 has 163)."""
     return 2 if x_dtype == torch.float32 else 3
 
 
@@ -277,7 +264,6 @@ def int_weight_matmul(
 def fp8_weight_matmul_triton(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """W8A16: x @ (weight * scale).T with the e4m3 weight decoded per tile in the Triton kernel."""
     check_scaled_weight(x, weight, weight_scale, torch.float8_e4m3fn)
     n, k = weight.shape
     scales = channel_scales(weight_scale, n)[:, None]
@@ -315,7 +301,6 @@ def fp8_scaled_mm_args(
 def fp8_matmul_scaled(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """W8A8 through `torch._scaled_mm` (also runs on CPU tensors, where torch implements it)."""
     check_scaled_weight(x, weight, weight_scale, torch.float8_e4m3fn)
     args, x_scale = fp8_scaled_mm_args(x, weight, weight_scale.to(x.device), bias)
     out = torch._scaled_mm(args.pop("input"), args.pop("mat2"), **args)

@@ -1,22 +1,7 @@
-"""Rotary embedding fused with the KV store: rotate q and k, write k and v into their pages.
-
-q [T, Hq, D], k and v [T, Hkv, D] (views of the fused q/k/v projection are fine: strides are
-passed, each head's D contiguous); cos, sin [max_positions, D] fp32 (`RotaryEmbedding`'s
-tables, whose two halves repeat); positions [T]. One program per token t:
-* q rotated into a new contiguous [T, Hq, D] (what attention reads: it replaces the rope's
-  output and the `.contiguous()` copy `AttentionBatch` made of it);
-* k rotated, and v as it is, written to k_cache/v_cache[slot_pages[t], slot_offsets[t]] (one
-  layer's strided views of the arena, as `kv_store.store_kv` writes them; a slot page of -1,
-  a CUDA graph's padding row, is stored nowhere); k and v themselves are left alone, and no
-  other byte of the arena is touched. An FP8 cache gets the rotated k (rounded to q's dtype
-  first, as the unfused path stores it) and v as `kv_store` writes them (`kv_scales`).
-Neox style (`rotate_half`): out[:D/2] = x1 cos - x2 sin, out[D/2:] = x2 cos + x1 sin.
-
-Computed as `RotaryEmbedding.__call__` computes it in PyTorch: cos and sin rounded to q's dtype
-(`lookup`), each product rounded to that dtype, then their sum (`q * cos + rotate_half(q) * sin`,
-three eager ops). The launch disables FMA contraction, so these are PyTorch's bits in fp32 and
-bf16 alike, in the interpreter and on a GPU. Replaces, per layer, ~13 PyTorch ops (the two
-rotations, the two-op store, the copy) with one launch, and the per-forward cos/sin lookups.
+"""Rotary embedding fused with the KV store, one program a token: q rotated into a new contiguous
+[T, Hq, D]; k rotated and v written to their slots (`kv_store`'s layout and FP8 rule; page -1 is
+a CUDA graph's padding row). Neox style, rounded as `RotaryEmbedding.__call__`'s three eager ops
+with FMA contraction off: PyTorch's bits in fp32 and bf16, in the interpreter and on a GPU.
 """
 
 from __future__ import annotations
@@ -122,8 +107,7 @@ def rope_store_kv(
     slot_offsets: torch.Tensor,
     kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Rotated q as a new contiguous [T, Hq, D]; rotated k and v stored in their slots (an FP8
-    cache's with the layer's fp32 `kv_scales`). See the module docstring."""
+    """Rotated q [T, Hq, D]; rotated k and v stored in their slots (FP8 with `kv_scales`)."""
     tokens, q_heads, dim = q.shape
     kv_heads = k.shape[1]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -1,26 +1,12 @@
-"""The seeded sampler's plain draw: an inverse-CDF lookup in softmax(row), the vocabulary split across programs.
+"""The seeded sampler's plain draw: inverse-CDF in softmax(row), the vocabulary split over programs.
 
-scaled_logits [B, V] (fp32 or bf16, already divided by the temperature), uniforms [B]
-(float64, one per row, from (seed, completion index, position)). The row is cut into
-cdiv(V, CHUNK) chunks of CHUNK entries, read in blocks of BLOCK; all arithmetic is fp32.
-1. `_chunk_stats`, one program per (row, chunk): the chunk's max and its sum of
-   exp(x - chunk max), kept per lane (rescaled when a lane's max grows) and combined across
-   lanes at the end, into [B, chunks] buffers. A whole row no longer waits on one program
-   (at batch 1 that was one SM reading Llama 3's 128256 logits twice).
-2. `_draw_row`, one program per row: the row max, each chunk's weight (its sum rescaled to
-   the row max), their inclusive prefix sums (one cumsum; the total is its last entry) and
-   target = u * total. The chosen chunk is the first of nonzero weight whose prefix sum
-   exceeds the target; only it is read again, a running sum of exp(x - row max) from the
-   prefix before it, and the token is the first index whose sum exceeds the target: the
-   `torch.searchsorted(cdf, u * cdf[-1], right=True)` of `sampler._draw`, up to float
-   rounding at a bucket edge. Rounding has two ways to miss, both taken to a bucket edge
-   the target is within rounding of: a scan that ends in its chunk without exceeding the
-   target takes the chunk's last token of nonzero probability, and a target that no prefix
-   sum exceeds (u * total rounded up to the total) takes the last token of nonzero
-   probability in the row (as the C kernel does). A masked (-inf) token is never taken.
-The chunking depends only on V, each program's order of operations is fixed, and no
-program reads another row, so a row's token never depends on the batch (batch invariance).
-Launch grids come from shapes only: no host sync, safe inside a CUDA graph or stream.
+scaled_logits [B, V] (temperature applied), uniforms [B] float64; fp32 arithmetic.
+1. `_chunk_stats`, a program per (row, CHUNK): the chunk's max and sum of exp(x - max).
+2. `_draw_row`, a program per row: chunk weights at the row max, their prefix sums, target =
+   u * total; only the chosen chunk is read again, and the token is the first index whose sum
+   exceeds the target (`sampler._draw`'s searchsorted up to rounding at a bucket edge; a miss
+   takes the last token of nonzero probability, as the C kernel). Masked tokens are never taken.
+Chunking depends on V only and no program reads another row: batch invariant, no host sync.
 """
 
 from __future__ import annotations
@@ -30,7 +16,7 @@ import triton
 import triton.language as tl
 
 BLOCK = 1024  # vocabulary entries per step of either pass
-CHUNK = 2048  # vocabulary entries per program of pass 1, and what pass 2 reads again; a multiple of BLOCK
+CHUNK = 2048  # a multiple of BLOCK; what pass 2 reads again
 NUM_WARPS = 4
 
 
@@ -39,7 +25,7 @@ def _chunk_stats(logits_ptr, stride, max_ptr, sum_ptr, vocab, chunks, CHUNK: tl.
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     base = logits_ptr + row.to(tl.int64) * stride + chunk * CHUNK
-    end = vocab - chunk * CHUNK  # entries of the row left from this chunk's start
+    end = vocab - chunk * CHUNK
     offsets = tl.arange(0, BLOCK)
     lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
     lane_sum = tl.zeros([BLOCK], tl.float32)
@@ -71,19 +57,19 @@ def _draw_row(
     CHUNKS: tl.constexpr,
 ):
     row = tl.program_id(0)
-    ids = tl.arange(0, CHUNKS)  # CHUNKS: chunks rounded up to a power of two, at least 2
+    ids = tl.arange(0, CHUNKS)  # rounded up to a power of two, at least 2
     stats = row.to(tl.int64) * chunks + ids
     chunk_max = tl.load(max_ptr + stats, mask=ids < chunks, other=float("-inf"))
     chunk_sum = tl.load(sum_ptr + stats, mask=ids < chunks, other=0.0)
     row_max = tl.max(chunk_max, 0)
     row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a row of only masked tokens: no nan
     weight = chunk_sum * tl.exp(chunk_max - row_max)
-    upper = tl.cumsum(weight, 0)  # upper[c]: the cdf at the end of chunk c
+    upper = tl.cumsum(weight, 0)
     total = tl.sum(tl.where(ids == chunks - 1, upper, 0.0), 0)
     target = (tl.load(uniforms_ptr + row) * total.to(tl.float64)).to(tl.float32)
 
     first = tl.min(tl.where((upper > target) & (weight > 0.0) & (ids < chunks), ids, CHUNKS), 0)
-    heavy = tl.max(tl.where(weight > 0.0, ids, 0), 0)  # the last chunk of nonzero weight
+    heavy = tl.max(tl.where(weight > 0.0, ids, 0), 0)
     found = first < CHUNKS
     chunk = tl.where(found, first, heavy)
     running = tl.sum(tl.where(ids == chunk - 1, upper, 0.0), 0)  # the cdf before the chunk
@@ -93,9 +79,9 @@ def _draw_row(
     base = logits_ptr + row.to(tl.int64) * stride
     start = chunk * CHUNK
     end = tl.minimum(start + CHUNK, vocab)
-    crossed = end  # first index whose cdf exceeds the target; end until found
-    last = -1 + 0 * row  # last index of nonzero probability seen so far
-    live = -1 + 0 * row  # last index with a finite logit, should exp(x - max) round a chunk's max to 0
+    crossed = end
+    last = -1 + 0 * row
+    live = -1 + 0 * row  # last finite logit, should exp round a chunk's max to 0
     while (crossed == end) & (start < end):
         index = start + offsets
         x = tl.load(base + index, mask=index < end, other=float("-inf")).to(tl.float32)
@@ -111,7 +97,6 @@ def _draw_row(
 
 
 def sample_rows(scaled_logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """[B, V] logits and [B] float64 uniforms in [0, 1) on one device -> [B] int64 token ids."""
     rows, vocab = scaled_logits.shape
     assert scaled_logits.stride(-1) == 1 and uniforms.shape == (rows,) and uniforms.dtype == torch.float64
     assert CHUNK % BLOCK == 0
