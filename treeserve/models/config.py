@@ -1,10 +1,6 @@
-"""A model's shapes and options, read from its `config.json`: what every layer is built from.
-
-Owns `ModelConfig`, the one config of every architecture (the Llama family's fields; Gemma 3's
-subclass adds its own in `gemma3.py`), with `from_hf` for the Llama family (Llama, Mistral,
-Qwen2, Qwen3, Qwen3-MoE, Phi-3); `config_fields.py` says which config.json fields are read. A
-tensor- or pipeline-parallel rank's config is a copy with its share (`sharding.py`).
-It holds data and its parsing only: no tensors, no modules.
+"""`ModelConfig`, every architecture's shapes and options from `config.json` (`from_hf` for the
+Llama family; Gemma 3's subclass in `gemma3.py`; read fields in `config_fields.py`). Data and
+parsing only; a parallel rank's config is a copy with its share (`sharding.py`).
 """
 
 from __future__ import annotations
@@ -17,9 +13,8 @@ from treeserve.models.config_fields import check_fields
 
 @dataclass
 class MoEConfig:
-    """Routed experts of a sparse MLP (Qwen3-MoE): top-k of `num_experts` a token, each expert a
-    gated MLP of `intermediate_size` rows; `sparse_layers` are the layers that have them (the rest
-    are dense MLPs of the model's `intermediate_size`)."""
+    """Routed experts (Qwen3-MoE): top-k of `num_experts` a token, each `intermediate_size` rows;
+    `sparse_layers` have them, the rest are dense."""
 
     num_experts: int
     top_k: int
@@ -49,16 +44,16 @@ class ModelConfig:
     eos_token_ids: list[int]
     bos_token_id: int | None
     has_lm_head: bool = True  # False for reward models whose checkpoint has a head of its own
-    hidden_act: str = "silu"  # MLP activation: "silu" or "gelu_pytorch_tanh"
+    hidden_act: str = "silu"  # "silu" or "gelu_pytorch_tanh"
     attn_scale: float | None = None  # softmax scale of attention; None: head_dim ** -0.5
     qk_norm: bool = False  # RMS norms on q and k per head before rope (Qwen3)
     partial_rotary_factor: float = 1.0  # the share of each head rope rotates (Phi-4-mini: 0.75)
     moe: MoEConfig | None = None  # routed experts (Qwen3-MoE); None: dense MLPs
-    tp_rank: int = 0  # tensor parallelism (models/sharding.py): this rank's heads, KV heads and
-    tp_size: int = 1  # intermediate rows are in the fields above; the vocabulary is whole
+    tp_rank: int = 0  # this rank's heads and rows are in the fields above
+    tp_size: int = 1
     full_kv_heads: int = 0  # the model's KV heads (more than num_kv_heads when split; a rank may hold a copy)
-    pp_rank: int = 0  # pipeline parallelism: this stage's layers are num_layers (and layer_windows)
-    pp_size: int = 1  # from first_layer on; stage 0 also holds the embedding, final norm and LM head
+    pp_rank: int = 0  # this stage's layers start at first_layer
+    pp_size: int = 1  # stage 0 also holds embedding, final norm, LM head
     first_layer: int = 0
 
     @property
@@ -67,8 +62,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
-        """The Llama family (llama, mistral, qwen2, qwen3, qwen3_moe, phi3): every field that
-        changes the arithmetic is read by `parse` or refused by `check_fields`."""
+        """The Llama family: every field that changes the arithmetic is read or refused."""
         check_fields(cfg, cfg.get("model_type", "llama"))
         return cls.parse(cfg)
 
@@ -110,9 +104,7 @@ class ModelConfig:
 
 
 def _rope_scaling(rope: dict, cfg: dict) -> dict | None:
-    """The rope parameters as `layers/rotary.py` reads them, filled in as transformers fills them:
-    the pretraining length (Phi-3 keeps it beside the rope parameters, and it wins there) and
-    yarn's and longrope's factor from the two lengths where the config gives none."""
+    """The rope parameters for `layers/rotary.py`, lengths and factors filled in as transformers does."""
     if not rope or rotary.rope_type(rope) == "default":
         return None
     rotary.check_rope(rope)

@@ -1,13 +1,7 @@
-"""Gemma 3 text models (`model_type: gemma3_text`, e.g. Gemma 3 270M / 1B) on flat token batches.
-
-What differs from the Llama family (`llama.py`, whose MLP and attention interface it shares):
-embeddings scaled by sqrt(hidden_size); RMSNorm weights stored as offsets from 1 and applied
-in fp32 before the cast back; RMS norms on q and k per head before rope; a norm after
-attention and after the MLP as well as before each; GELU (tanh) MLP; attention scaled by
-`query_pre_attn_scalar ** -0.5`; sliding-window ("local") layers interleaved with global
-ones, each kind with its own rope base (and rope scaling only on global layers). Logit
-soft-capping is not implemented (no Gemma 3 checkpoint uses it): a config asking for it is
-refused rather than run wrong (`config_fields.py`).
+"""Gemma 3 text models (`gemma3_text`) on flat token batches: Llama's blocks plus embeddings times
+sqrt(hidden), fp32 norms of 1 + w, q/k norms, norms after attention and the MLP too, GELU (tanh),
+`query_pre_attn_scalar ** -0.5`, local and global layers with their own rope. Logit soft-capping
+is refused (no Gemma 3 checkpoint uses it).
 """
 
 from __future__ import annotations
@@ -36,7 +30,7 @@ class Gemma3Config(ModelConfig):
         if act != "gelu_pytorch_tanh":
             raise ValueError(f"unsupported hidden_activation {act!r} for gemma3_text")
         global_rope, local_rope = _rope_parameters(cfg)
-        llama_view = {  # what Gemma shares with Llama, under Llama's keys and with Gemma's defaults
+        llama_view = {  # Gemma's fields under Llama's keys
             **cfg,
             "model_type": "llama",
             "hidden_act": "silu",
@@ -82,8 +76,6 @@ def _layer_windows(cfg: dict, layers: int) -> list[int | None]:
 
 
 class Gemma3Attention(LlamaAttentionBlock):
-    """Llama's attention block plus RMS norms on q and k (per head) before rope."""
-
     def __init__(self, cfg: Gemma3Config, layer: int):
         super().__init__(cfg, layer)
         self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -109,8 +101,7 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
     def forward_fused(self, out, residual, positions, rope, attn):  # noqa: ANN001 - as forward
-        """`LlamaDecoderLayer.forward_fused` for Gemma 3: the adds go into the norms before each
-        sublayer; the norms after them (post-attention, post-feedforward) stay plain."""
+        """As Llama's, the adds inside the norms before each sublayer; the post-norms stay plain."""
         h, residual = self.input_layernorm.add_norm(out, residual)
         h = self.post_attention_layernorm(self.self_attn(h, positions, rope, attn))
         h, residual = self.pre_feedforward_layernorm.add_norm(h, residual)
@@ -118,8 +109,6 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
-    """Same interface as `LlamaForCausalLM` (name mapping, fused q/k/v and gate/up, logits)."""
-
     decoder_layer = Gemma3DecoderLayer
     final_norm = GemmaRMSNorm
 
@@ -130,7 +119,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.local_rope: RotaryEmbedding | None = None
 
     def init_rope(self, max_positions: int, device: torch.device | str) -> None:
-        super().init_rope(max_positions, device)  # the global layers' table
+        super().init_rope(max_positions, device)
         cfg = self.config
         local = rope_frequencies(cfg.head_dim, cfg.local_rope_theta, cfg.local_rope_scaling)
         self.local_rope = RotaryEmbedding(local, max_positions, device)
@@ -139,8 +128,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return self.rope, self.local_rope
 
     def embedding_scale(self, dtype: torch.dtype) -> torch.Tensor:
-        """sqrt(hidden) rounded via fp32 to `dtype`, as transformers does: a 0-dim host tensor made
-        once per dtype (two operators a token, each slow after a forward, when made every call)."""
+        """sqrt(hidden) rounded via fp32 to `dtype` as transformers does, a 0-dim tensor cached per dtype."""
         scale = self._embed_scales.get(dtype)
         if scale is None:
             with torch.inference_mode(False):  # usable in any mode later

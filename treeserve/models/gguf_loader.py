@@ -1,27 +1,11 @@
-"""GGUF files (llama.cpp's format) as checkpoints: config, tensors (quantised or not), HF export.
-
-A GGUF file carries the architecture's hyper-parameters as metadata, its tensors under
-llama.cpp's names (`blk.3.attn_q.weight`), possibly quantised, and its tokenizer (see
-`gguf_tokenizer.py`). This module turns the metadata into the `config.json` dict a Hugging
-Face checkpoint of the same model has, and yields every tensor under its Hugging Face name:
-kept quantised (a `QuantTensor` over the memory-mapped bytes) where the quantised kernels
-take the format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), else dequantised by the
-`gguf` package (F16, F32 and every other type it knows); and undoing what llama.cpp's
-converter did to it: Llama q/k rows were permuted for
-llama.cpp's interleaved rope; Gemma norm weights were stored as 1 + w. `convert_gguf` writes
-the result as a Hugging Face directory that transformers and vLLM load.
-
-Supported `general.architecture`: llama (without llama3 rope scaling, whose parameters a
-GGUF does not keep), qwen2, qwen3, qwen3moe, phi3, gemma3. Qwen3-MoE's 3-D expert tensors
-([experts, rows, cols]) become one matrix an expert: each expert's rows of blocks, a view of the
-file's bytes, so experts run on the dense layers' kernels. Phi-3 keeps HF's fused `attn_qkv` and
-`ffn_up` (gate rows, then up rows; the loader splits them by rows, blocks intact), its rotated
-share of a head in `rope.dimension_count` and longrope's factors as the tensors
-`rope_factors_long` / `rope_factors_short` (read into the config, as HF's `rope_scaling`).
-Gemma 3 details llama.cpp fixes in code rather than metadata
-(older files) are fixed here the same way: every 6th layer global and local rope base 10000
-unless `attention.sliding_window_pattern` / `rope.freq_base_swa` say otherwise, and
-query_pre_attn_scalar = head_dim (hidden / heads for the 62-layer 27B).
+"""GGUF files (llama.cpp's format) as checkpoints: the metadata as the model's `config.json`,
+every tensor under its Hugging Face name (kept in its blocks for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+Q4_K, Q5_K, Q6_K; else dequantised by `gguf`), llama.cpp's converter undone (Llama's q/k row
+permutation, Gemma's 1 + w norms); `convert_gguf` writes an HF directory.
+Architectures: llama (no llama3 rope scaling), qwen2, qwen3, qwen3moe (3-D experts become a
+matrix an expert, views of the file), phi3 (fused `attn_qkv` / `ffn_up`, longrope factor
+tensors), gemma3 (llama.cpp's in-code defaults for older files: every 6th layer global, local
+rope base 10000, query_pre_attn_scalar = head_dim).
 """
 
 from __future__ import annotations
@@ -58,7 +42,7 @@ ARCH_NAMES = {
     "phi3": "Phi3ForCausalLM",
 }
 
-_LAYER_NAMES = {  # llama.cpp's per-layer tensor name -> Hugging Face's (after model.layers.N.)
+_LAYER_NAMES = {  # llama.cpp's name after blk.N. -> HF's after model.layers.N.
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -72,15 +56,15 @@ _LAYER_NAMES = {  # llama.cpp's per-layer tensor name -> Hugging Face's (after m
     "ffn_norm": "post_attention_layernorm",  # Gemma 3: pre_feedforward_layernorm (below)
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
-    "ffn_gate_inp": "mlp.gate",  # Qwen3-MoE: the router, and every expert's matrix in one 3-D tensor
+    "ffn_gate_inp": "mlp.gate",  # Qwen3-MoE: the router
     "ffn_gate_exps": "mlp.experts.gate_proj",
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
 }
 _GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm"}
-_PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}  # fused
+_PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_ROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}  # longrope
+_ROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 
 
 def is_gguf(path: str) -> bool:
@@ -93,8 +77,7 @@ def _read(path: str, size: int, mtime_ns: int) -> GGUFFile:  # noqa: ARG001 - si
 
 
 def read_gguf(path: str) -> GGUFFile:
-    """The file's reader (memory-mapped; see `gguf_file.py`), shared by the model loader and
-    the tokenizer: one parse per file version."""
+    """The file's memory-mapped reader, one parse per file version (loader and tokenizer share it)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path!r}")
     stat = os.stat(path)
@@ -102,8 +85,6 @@ def read_gguf(path: str) -> GGUFFile:
 
 
 class GGUFCheckpoint:
-    """One GGUF file, read lazily (the reader memory-maps it)."""
-
     def __init__(self, path: str):
         self.reader = read_gguf(path)
         self.path = path
@@ -126,7 +107,6 @@ class GGUFCheckpoint:
 
     @cached_property
     def config(self) -> dict:
-        """The Hugging Face `config.json` of this model."""
         heads = self._arch_field("attention.head_count")
         hidden = self._arch_field("embedding_length")
         layers = self._arch_field("block_count")
@@ -215,8 +195,7 @@ class GGUFCheckpoint:
         raise ValueError(f"unsupported rope scaling {kind!r} in {self.path!r} (supported: linear)")
 
     def _longrope(self) -> dict:
-        """llama.cpp keeps longrope as its factor tensors and the pretraining length; its
-        attention factor is HF's formula (`layers/rotary.py`) unless the file says otherwise."""
+        """longrope from its factor tensors; the attention factor is HF's formula unless the file has one."""
         factors = {key: self._vector(name) for name, key in _ROPE_FACTORS.items() if name in self.tensor_names}
         original = self._arch_field("rope.scaling.original_context_length")
         if len(factors) != 2 or not original:
@@ -235,7 +214,6 @@ class GGUFCheckpoint:
         return np.asarray(gguf.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(-1).tolist()
 
     def hf_name(self, name: str) -> str:
-        """Hugging Face name of a llama.cpp tensor name; an unknown name is an error."""
         stem, _, suffix = name.rpartition(".")
         if stem in _GLOBAL_NAMES:
             return f"{_GLOBAL_NAMES[stem]}.{suffix}"
@@ -245,14 +223,13 @@ class GGUFCheckpoint:
         raise ValueError(f"unknown tensor {name!r} in GGUF file {self.path!r}")
 
     def tensors(self, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
-        """(Hugging Face name, tensor in Hugging Face layout) for every tensor of the file: fp32,
-        or with `keep_quantized` a `QuantTensor` over the file's bytes for each matrix in a
-        format the quantised kernels take (others are dequantised, one log line a format)."""
+        """(HF name, tensor in HF layout) for every tensor: fp32, or with `keep_quantized` a
+        `QuantTensor` over the file's bytes where the kernels take the format."""
         heads = self.config["num_attention_heads"]
         kv_heads = self.config["num_key_value_heads"]
         dequantized: set[str] = set()
         for tensor in self.reader.tensors:
-            if tensor.name in _ROPE_FACTORS:  # read into the config (`_longrope`)
+            if tensor.name in _ROPE_FACTORS:
                 continue
             name = self.hf_name(tensor.name)
             kind = tensor.tensor_type
@@ -271,15 +248,14 @@ class GGUFCheckpoint:
                 weight = _unpermute_rope_rows(weight, kv_heads)
             elif self.arch == "gemma3" and name.endswith("norm.weight"):
                 weight = weight - 1.0
-            if ".mlp.experts." in name:  # [experts, rows, cols]: each expert's matrix under its own name
+            if ".mlp.experts." in name:  # each expert's matrix under its own name
                 for expert, matrix in enumerate(weight):
                     yield _expert_name(name, expert), matrix
                 continue
             yield name, weight
 
     def quantized_blocks(self) -> dict[str, tuple[int, str, int]]:
-        """(input width, format, weights a block) of each matrix `tensors(keep_quantized=True)`
-        keeps in its blocks, by Hugging Face name: the tensor table's, no weight read."""
+        """(input width, format, weights a block) of each matrix kept in blocks, from the tensor table."""
         return {
             self.hf_name(t.name): (int(t.shape[0]), t.tensor_type.name, gguf.GGML_QUANT_SIZES[t.tensor_type][0])
             for t in self.reader.tensors
@@ -288,7 +264,7 @@ class GGUFCheckpoint:
 
     def _quantized(self, name: str, tensor: object, heads: int, kv_heads: int) -> Iterator[tuple[str, QuantTensor]]:
         """The tensor's blocks as one matrix, or stacked experts' as one matrix an expert."""
-        data = torch.from_numpy(tensor.data)  # a view of the (copy-on-write) memory map
+        data = torch.from_numpy(tensor.data)  # a view of the copy-on-write memory map
         if self.arch == "llama" and ".q_proj." in name:
             data = _unpermute_rope_rows(data, heads).contiguous()
         elif self.arch == "llama" and ".k_proj." in name:
@@ -297,7 +273,7 @@ class GGUFCheckpoint:
         if data.dim() == 2:
             yield name, QuantTensor([QuantPart(qtype, data)], cols)
             return
-        for expert, rows in enumerate(data):  # [experts, rows, bytes a row]: an expert's rows are contiguous
+        for expert, rows in enumerate(data):  # an expert's rows are contiguous
             yield _expert_name(name, expert), QuantTensor([QuantPart(qtype, rows)], cols)
 
 
@@ -305,8 +281,6 @@ _DENSE = {"F32", "F16", "BF16", "F64"}
 
 
 def _kept_quantized(tensor: object) -> bool:
-    """A matrix, or a stack of experts' matrices, in a format the quantised kernels take (kept
-    in its blocks with keep_quantized)."""
     stacked = len(tensor.shape) == 3 and "_exps." in tensor.name
     return (len(tensor.shape) == 2 or stacked) and tensor.tensor_type.value in KERNEL_FORMATS
 

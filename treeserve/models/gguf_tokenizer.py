@@ -1,33 +1,14 @@
-"""A GGUF file's tokenizer, rebuilt as a `tokenizers.Tokenizer` that gives the ids llama.cpp gives.
-
-A GGUF has no `tokenizer.json`: it stores `tokenizer.ggml.*` keys (tokens, scores, token types,
-merges, special ids, flags). This module turns them into a `tokenizers` pipeline plus the content of
-a Hugging Face `tokenizer_config.json`, so that `tok.encode(text).ids` equals llama.cpp's
-`llama_tokenize(text, add_special=True, parse_special=True)` and `tok.decode(ids)` gives text back.
-It never reads weights and never tokenizes by itself: the work at encode time is `tokenizers`'.
-
-Scope, mirroring llama.cpp's `llama-vocab.cpp`:
-
-- `tokenizer.ggml.model == "llama"` (llama.cpp's SPM tokenizer; Llama 2, Gemma 3). llama.cpp merges
-  the adjacent pair whose concatenation is the highest-scoring vocabulary entry, ties to the left.
-  That is BPE with one merge `(left, right)` for every split of every token whose halves are both
-  tokens, ranked by the merged token's score; chars missing from the vocabulary fall back to
-  `<0xNN>` byte tokens. Spaces become "▁"; when `tokenizer.ggml.add_space_prefix` (default true;
-  Gemma 3 has false) a "▁" goes before every text fragment, as llama.cpp puts one at the start and
-  after every special token. There is no pre-tokenizer: a fragment is merged as one piece.
-- `tokenizer.ggml.model == "gpt2"` (byte-level BPE with `tokenizer.ggml.merges`), with the
-  pre-tokenizer regexes llama.cpp uses for `tokenizer.ggml.pre` in {"gpt-2" (llama.cpp's
-  spelling; "gpt2" too), "llama-bpe" (also "llama3", "llama-v3"; whole words found in the
-  vocabulary skip the merges), "qwen2", "default" (also a missing key)}.
-- Anything else raises ValueError naming the model or pre-tokenizer type.
-
-Token types: control (3) and unknown (2) become special added tokens (parsed as one id, dropped by
-`decode(skip_special_tokens=True)`), user-defined (4) plain added tokens (parsed as one id, always
-decoded). All of them match the raw text before any normalisation, as llama.cpp matches them.
-Known gap: llama.cpp splits on the longest special token first over the whole text, `tokenizers`
-takes the leftmost-longest match; they differ only where special tokens overlap in the text.
-llama.cpp's name-based fix-ups (marking "<end_of_turn>"-like tokens control, phi-3 rstrip) are not
-copied: the token types in the file are used as they are.
+"""A GGUF file's tokenizer (`tokenizer.ggml.*` keys) rebuilt as a `tokenizers.Tokenizer` plus a
+`tokenizer_config.json`, giving llama.cpp's `llama_tokenize(text, add_special=True,
+parse_special=True)` ids; mirrors `llama-vocab.cpp`.
+- "llama" (SPM: Llama 2, Gemma 3): BPE with a merge for every split of a token into two tokens,
+  ranked by the merged token's score; byte fallback; "▁" before every fragment when
+  `add_space_prefix` (default true); no pre-tokenizer.
+- "gpt2" (byte-level BPE) with llama.cpp's pre-tokenizer regexes for "gpt-2", "llama-bpe",
+  "qwen2" and "default"; anything else raises ValueError.
+Control (3) and unknown (2) tokens become special added tokens, user-defined (4) plain ones. Gap:
+`tokenizers` matches special tokens leftmost-longest, llama.cpp longest first (only overlapping
+ones differ); llama.cpp's name-based fix-ups are not copied.
 """
 
 from __future__ import annotations
@@ -69,11 +50,7 @@ _ID_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_
 
 
 def tokenizer_from_gguf(reader: GGUFFile) -> tuple[Tokenizer, dict]:
-    """-> (tokenizer, tokenizer_config) for the vocabulary in `reader`'s metadata.
-
-    tokenizer_config holds bos/eos/unk/pad token strings (where the ids are known), add_bos_token,
-    add_eos_token and, when the file has one, chat_template.
-    """
+    """-> (tokenizer, tokenizer_config: special token strings, add_bos/eos_token, chat_template)."""
     model_type = _value(reader, "tokenizer.ggml.model")
     if model_type not in ("llama", "gpt2"):
         raise ValueError(f"unsupported GGUF tokenizer model {model_type!r}: only 'llama' (SPM) and 'gpt2' (BPE)")
@@ -131,11 +108,8 @@ def _spm_tokenizer(tokens: list[str], scores: np.ndarray, unk: int | None, add_p
 
 
 def _spm_merges(tokens: list[str], vocab: dict[str, int], scores: np.ndarray) -> list[tuple[str, str]]:
-    """Every (left, right) with left, right and left + right all tokens, best merged score first.
-
-    llama.cpp breaks equal scores by position; ranking equal scores by the merged token's id can only
-    differ where two equal-score merges compete for the same symbol.
-    """
+    """Every (left, right) with left, right and left + right all tokens, best merged score first
+    (ties by merged id; llama.cpp's by position differ only where two such merges compete)."""
     pairs: list[tuple[str, str]] = []
     merged: list[int] = []
     for i, token in enumerate(tokens):
@@ -168,7 +142,6 @@ def _bpe_tokenizer(tokens: list[str], merges: list[str], pre: str) -> Tokenizer:
 def _post_processor(
     tokens: list[str], ids: dict[str, int], add_bos: bool, add_eos: bool
 ) -> processors.TemplateProcessing | None:
-    """BOS/EOS around each sequence, as llama_tokenize(add_special=True) adds them."""
     if not (add_bos or add_eos):
         return None
     first = [tokens[ids["bos"]]] if add_bos else []
@@ -180,7 +153,6 @@ def _post_processor(
 
 
 def _special_ids(reader: GGUFFile, model_type: str, n_tokens: int) -> dict[str, int]:
-    """bos/eos/unk/pad ids from the file, else llama.cpp's defaults for an SPM vocabulary."""
     defaults = _SPM_DEFAULT_IDS if model_type == "llama" else {}
     ids = {}
     for name, key in _ID_KEYS.items():

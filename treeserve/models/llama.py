@@ -1,15 +1,7 @@
-"""The Llama family (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, Phi-3/4-mini) on flat token batches.
-
-One definition covers the family: qkv bias, q/k norms (Qwen3), tied embeddings, GQA, sliding
-windows, partial rotary heads and rope scaling come from `config.json` (Qwen3-MoE swaps the MLP:
-`qwen3_moe.py`). The model reads a flat batch (`input_ids`, `positions`, both [T]) and calls an
-`Attention` object for each layer; it never sees pages, requests or padding. q/k/v and gate/up
-projections are fused so each layer runs four matmuls (Phi-3's checkpoints hold them fused
-already). On CUDA (`pick_kernel` found Triton) the same arithmetic runs in fewer launches: each
-residual add inside the norm after it (`forward_fused`), rope inside the KV store, act(gate) * up
-in one kernel (`kernels/triton/norm.py`, `rope_kv.py`, `activation.py`); on a CPU act(gate) * up
-of bf16 rows is one C pass reading the activation from PyTorch's own table
-(`kernels.cpu.gated_act_bf16`).
+"""The Llama family (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, Phi-3/4-mini) on flat token batches
+([T] ids and positions), calling an `Attention` per layer; it never sees pages or requests. q/k/v
+and gate/up are fused (four matmuls a layer). On CUDA residual adds run inside the next norm
+(`forward_fused`), rope inside the KV store and act(gate) * up in one kernel.
 """
 
 from __future__ import annotations
@@ -31,7 +23,7 @@ from treeserve.models.config import ModelConfig
 
 
 class LlamaAttentionBlock(nn.Module):
-    tp: RankGroup | None = None  # with tensor parallelism: o_proj's partial sums are all-reduced
+    tp: RankGroup | None = None  # o_proj's partial sums are all-reduced
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -42,7 +34,7 @@ class LlamaAttentionBlock(nn.Module):
         self.window = cfg.layer_windows[layer]
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        if cfg.qk_norm:  # Qwen3: an RMS norm over each head of q and of k before rope
+        if cfg.qk_norm:  # Qwen3
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
@@ -53,7 +45,7 @@ class LlamaAttentionBlock(nn.Module):
         k = k.view(-1, kv_heads, head_dim)
         v = v.view(-1, kv_heads, head_dim)
         q, k = self.norm_qk(q, k)
-        if rope.use_triton:  # the engine rotates q and k as it stores k and v (one launch on CUDA)
+        if rope.use_triton:  # the engine rotates q and k as it stores k
             out = attn(self.layer, q, k, v, self.window, rope=(rope, positions))
         else:
             q, k = rope(q, k, positions)
@@ -62,7 +54,6 @@ class LlamaAttentionBlock(nn.Module):
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-head q/k norms before rope: Qwen3's and Gemma 3's; none in Llama."""
         if not hasattr(self, "q_norm"):
             return q, k
         return self.q_norm(q), self.k_norm(k)
@@ -74,17 +65,17 @@ ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approxim
 class LlamaMLP(nn.Module):
     """Gated MLP, down(act(gate(x)) * up(x)); Gemma uses it with a tanh-approximated GELU."""
 
-    tp: RankGroup | None = None  # with tensor parallelism: down_proj's partial sums are all-reduced
+    tp: RankGroup | None = None  # down_proj's partial sums are all-reduced
 
     def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        intermediate = intermediate_size or cfg.intermediate_size  # a routed expert's own size (Qwen3-MoE)
+        intermediate = intermediate_size or cfg.intermediate_size  # a routed expert's own size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * intermediate, bias=cfg.mlp_bias)
         self.down_proj = Linear(intermediate, cfg.hidden_size, bias=cfg.mlp_bias)
         self.hidden_act = cfg.hidden_act
         self.act = ACTIVATIONS[cfg.hidden_act]
-        self.use_triton = False  # act(gate) * up in one launch (`kernels/triton/activation.py`), on CUDA
-        self.act_table: torch.Tensor | None = None  # on a CPU: act(gate) * up in one C pass (bf16 rows)
+        self.use_triton = False  # CUDA: one launch
+        self.act_table: torch.Tensor | None = None  # CPU bf16: one C pass
 
     def pick_kernel(self) -> None:
         device = self.down_proj.weight.device
@@ -97,8 +88,7 @@ class LlamaMLP(nn.Module):
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
-        """down(act(gate(x)) * up(x)) on this rank's rows: its share of the sum (all of it without
-        tensor parallelism)."""
+        """down(act(gate(x)) * up(x)) on this rank's rows: its share of the sum."""
         gate_up = self.gate_up_proj(x)
         if self.use_triton:
             from treeserve.kernels.triton.activation import gated_activation
@@ -125,20 +115,17 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_fused(self, out, residual, positions, rope, attn):  # noqa: ANN001 - as forward
-        """`forward` with each residual add inside the norm after it (`add_norm`, vLLM's layout):
-        `residual` is the stream before the previous layer's `out` is added (None at the first
-        layer), updated in place; returns this layer's (out, residual) alike."""
+        """`forward` with each residual add inside the next norm (`add_norm`, vLLM's layout):
+        `residual` is updated in place (None at the first layer); returns (out, residual)."""
         h, residual = self.input_layernorm.add_norm(out, residual)
         h, residual = self.post_attention_layernorm.add_norm(self.self_attn(h, positions, rope, attn), residual)
         return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    """Token ids in, final hidden states out; `compute_logits` on the rows that need them."""
-
-    decoder_layer: type[nn.Module] = LlamaDecoderLayer  # subclasses (Gemma 3) swap the layer and norm
+    decoder_layer: type[nn.Module] = LlamaDecoderLayer  # subclasses swap the layer and norm
     final_norm: type[nn.Module] = RMSNorm
-    tp: RankGroup | None = None  # with tensor parallelism: vocab-parallel embedding and LM head
+    tp: RankGroup | None = None  # vocab-parallel embedding and LM head
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -149,8 +136,8 @@ class LlamaForCausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size // cfg.tp_size, bias=False)
         self.rope: RotaryEmbedding | None = None
-        self.logits_linear = F.linear  # the tied LM head's matmul (`pick_kernel`): the table is no Linear
-        self.layer_stack: LayerStack | None = None  # all layers of a step in one C call, where picked
+        self.logits_linear = F.linear  # the tied LM head's matmul
+        self.layer_stack: LayerStack | None = None  # all layers of a step in one C call
 
     def init_rope(self, max_positions: int, device: torch.device | str) -> None:
         cfg = self.config
@@ -159,21 +146,20 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def pick_kernel(self) -> None:
-        """The tied LM head's matmul, the rotary tables' kernels and the fused layer stack
-        (`layers.pick_kernels` calls this after every submodule picked its own)."""
+        """The tied LM head's matmul, the rope kernels and the layer stack (after the submodules)."""
         if hasattr(self, "embed_tokens"):
-            weight = self.embed_tokens.weight  # its layout picked already (`pick_kernels`: submodules first)
-            widened = self.embed_tokens.widened  # a bf16 table held in fp32: a bf16 model all the same
+            weight = self.embed_tokens.weight
+            widened = self.embed_tokens.widened  # a bf16 table held in fp32
             self.logits_linear = widened_linear if widened else linear_kernel(weight)
             dtype = torch.bfloat16 if widened else weight.dtype
-        else:  # a later pipeline stage: the norms keep the model's dtype
+        else:  # a later pipeline stage
             dtype = self.layers[0].input_layernorm.weight.dtype
         for rope in vars(self).values():
             if isinstance(rope, RotaryEmbedding):
                 rope.pick_kernel(dtype, self.config.head_dim)
         cfg = self.config
         act = self.layers[0].mlp.act
-        if cfg.tp_size == 1 and cfg.pp_size == 1:  # one C call for every layer: no place for collectives
+        if cfg.tp_size == 1 and cfg.pp_size == 1:  # no place for collectives in one C call
             embedding = self.embed_tokens if hasattr(self, "embed_tokens") else None
             self.layer_stack = LayerStack.build(
                 self.layers,
@@ -187,14 +173,12 @@ class LlamaForCausalLM(nn.Module):
             )
 
     def attach(self, tp: RankGroup) -> None:
-        """Join `tp` (this model holds rank tp.rank's shard): every layer that reduces or gathers."""
         for module in self.modules():
             if isinstance(module, LlamaAttentionBlock | LlamaMLP | LlamaForCausalLM):
                 module.tp = tp
 
     def embedding_scale(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """What `embed` multiplies the table's rows by (a 0-dim tensor of `dtype`, Gemma's); None:
-        nothing. The layer stack multiplies by the same value where it looks the rows up itself."""
+        """What `embed` multiplies rows by (Gemma's 0-dim tensor); None: nothing."""
         return None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -207,25 +191,23 @@ class LlamaForCausalLM(nn.Module):
         return x if scale is None else x * scale
 
     def rope_tables(self) -> tuple[RotaryEmbedding, RotaryEmbedding]:
-        """(global layers' table, sliding-window layers' table): one table here, two in Gemma 3."""
+        """(global table, sliding-window table): two only in Gemma 3."""
         return self.rope, self.rope
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
         stack = self.layer_stack
         if stack is not None and (normed := stack(input_ids, positions, attn, self.embed)) is not None:
-            return normed  # the lookup, every layer and the final norm in one C call
+            return normed
         return self.norm(self.run_layers(self.embed(input_ids), positions, attn))
 
     @property
     def fused_residual(self) -> bool:
-        """Whether the layers run `forward_fused` (their norms picked the Triton kernel: CUDA)."""
         return len(self.layers) > 0 and self.layers[0].input_layernorm.use_triton
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
-        """The decoder layers this model holds (all of them, or a pipeline stage's) on `x`; each
-        layer's rope table by its kind (global or sliding window)."""
+        """This model's decoder layers (all, or a pipeline stage's) on `x`."""
         global_rope, local_rope = self.rope_tables()
-        if self.fused_residual:  # the same adds, each inside the next norm's launch
+        if self.fused_residual:
             residual = None
             for layer in self.layers:
                 rope = global_rope if layer.self_attn.window is None else local_rope
@@ -241,16 +223,15 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             weight = self.embed_tokens.weight
             logits = self.logits_linear(hidden.to(weight.dtype), weight)
-        else:  # a Linear of its own, with the kernel it picked
+        else:
             logits = self.lm_head(hidden.to(self.lm_head.weight.dtype))
-        if self.tp is not None:  # every rank's slice of the vocabulary
+        if self.tp is not None:
             logits = self.tp.gather_vocab(logits)
         return logits.float() if float32 else logits
 
     @staticmethod
     def hf_to_local(name: str) -> tuple[str, str | None]:
-        """Map a checkpoint tensor name to (local name, fused part or None): q/k/v and gate/up,
-        a routed expert's too (`mlp.experts.3.gate_proj`), go into their fused matrix."""
+        """Checkpoint name -> (local name, fused part or None); experts' projections too."""
         name = name.removeprefix("model.")
         for fused, parts in LlamaForCausalLM.FUSED_ORDER.items():
             for part in parts:

@@ -1,23 +1,9 @@
-"""Load a checkpoint into one of our model definitions.
-
-A checkpoint is a Hugging Face directory (`config.json` and `*.safetensors`: one file, or
-shards listed by `model.safetensors.index.json`) or a GGUF file (`gguf_loader.py` supplies
-the same config and tensor names). Tensor names are mapped onto the local modules (fusing
-q/k/v and gate/up) and cast to the requested dtype on the requested device. Tensors outside the
-decoder (reward heads, for example) are kept in `LoadedModel.extra_tensors`; one inside it that
-the model does not read is an error (`DECODER_PREFIXES`).
-
-Quantisation (`quantization`): "gguf" keeps a GGUF file's quantised matrices in their blocks
-(`layers/quant.py`; the parameter of the Linear/Embedding is replaced by a `QuantTensor`);
-"int8" quantises every linear layer, the embedding table and the LM head of a Hugging Face
-checkpoint per output channel at load; None loads dense weights (a GGUF file dequantised).
-
-Random weights (benchmarks of shapes whose weights cannot be downloaded): a directory with
-`config.json`, a tokenizer and `random_weights.json` (`{"seed": S}`, RANDOM_WEIGHTS) instead of
-`*.safetensors` loads with every tensor drawn directly on the target device in the target
-dtype: normal(0, 0.02) matrices, unit-gain norms, zero biases, each tensor from a generator
-seeded by (S, its name), so the same seed, device and shapes give the same weights. No weight
-file is read or written; the answers are noise, the costs are the real shapes'.
+"""Load a Hugging Face directory (safetensors, sharded or not) or a GGUF file into our models:
+names mapped onto local modules (q/k/v and gate/up fused), cast to the dtype and device. Tensors
+outside the decoder go to `LoadedModel.extra_tensors`; an unread one inside it is an error.
+`quantization`: "gguf" keeps a GGUF file's blocks, "int8" quantises per channel at load, None is
+dense. A directory with `random_weights.json` (`{"seed": S}`) instead of weights draws every
+tensor on the device from a generator seeded by (S, name): real shapes, noise answers.
 """
 
 from __future__ import annotations
@@ -62,13 +48,11 @@ ARCHITECTURES: dict[str, tuple[type[ModelConfig], type[LlamaForCausalLM]]] = {
 
 
 QUANTIZATIONS = ("gguf", "int8")
-CHECKPOINT = "checkpoint"  # the resolved quantization of a GPTQ / AWQ / compressed-tensors checkpoint run as stored
-# A checkpoint tensor under these local names must be one the decoder reads: anything else there
-# (a quantisation scale, an expert of another architecture) is an error, never silently dropped.
-# Ignorable: rope tables cached in the checkpoint (`rotary_emb`), the tied LM head's copy. Tensors
-# outside the decoder (reward heads: `score.*`, `v_head.*`) go to `LoadedModel.extra_tensors`.
+CHECKPOINT = "checkpoint"  # a quantised checkpoint run as stored
+# A tensor under these names must be one the decoder reads (never silently dropped); rope tables
+# and the tied head's copy are ignorable; reward heads go to `extra_tensors`.
 DECODER_PREFIXES = ("layers.", "embed_tokens.", "norm.")
-RANDOM_WEIGHTS = "random_weights.json"  # its presence: random weights from config.json (module docstring)
+RANDOM_WEIGHTS = "random_weights.json"
 log = logging.getLogger(__name__)
 
 
@@ -111,7 +95,7 @@ def iter_safetensors(model_dir: str):
             raise FileNotFoundError(f"missing weight shard {path!r}")
         try:
             handle = safe_open(path, framework="pt")
-        except Exception as e:  # safetensors raises its own error type on corrupt headers
+        except Exception as e:  # safetensors' own error type on corrupt headers
             raise ValueError(f"malformed safetensors file {path!r}: {e}") from e
         with handle as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
@@ -120,8 +104,8 @@ def iter_safetensors(model_dir: str):
 
 @contextmanager
 def _skip_init():
-    """Module constructors would fill weights we overwrite anyway (and on the meta device the
-    first fill imports torch's Python decompositions, seconds of start-up): make them no-ops."""
+    """Make module constructors' weight fills no-ops: we overwrite them (and the meta device's first
+    fill costs seconds importing decompositions)."""
     names = ("kaiming_uniform_", "uniform_", "normal_")
     saved = {name: getattr(torch.nn.init, name) for name in names}
     try:
@@ -145,14 +129,9 @@ def load_model(
     pp_size: int = 1,
     max_positions: int | None = None,
 ) -> LoadedModel:
-    """`model_dir`: a Hugging Face checkpoint directory or a GGUF file; `quantization`: one of
-    QUANTIZATIONS or None (checked by `EngineConfig`: "gguf" only for a GGUF file, on a CPU);
-    `quant_activations`: what the quantised matmuls take activations as (layers/quant.py ACTIVATIONS);
-    `tp_rank` of `tp_size`: load that rank's shard only; `pp_rank` of `pp_size`: that pipeline
-    stage's layers only (models/sharding.py; dense weights); `max_positions`: the positions the
-    rotary tables cover (the engine's `max_model_len`; None or more: the model's own limit). The
-    tables are fp32 [positions, head_dim], cos and sin: Gemma 3's two over its 32k positions
-    are 134 MB, 8 MB at 2048."""
+    """`model_dir`: a Hugging Face directory or a GGUF file; `quantization` one of QUANTIZATIONS;
+    `quant_activations` as layers/quant.py's ACTIVATIONS; `tp_rank`/`pp_rank` load that shard or
+    stage only; `max_positions`: what the fp32 rope tables cover (None: the model's limit)."""
     if is_gguf(model_dir):
         gguf = GGUFCheckpoint(model_dir)
         hf_config, tensors = gguf.config, gguf.tensors(keep_quantized=quantization == "gguf")
@@ -172,7 +151,7 @@ def load_model(
         check_int8_shapes(config)
     with torch.device("meta"), _skip_init():
         model = model_class(config)
-    if pp_rank > 0:  # a later pipeline stage: its layers only
+    if pp_rank > 0:
         for name in ("embed_tokens", "norm", "lm_head"):
             if hasattr(model, name):
                 delattr(model, name)
@@ -185,7 +164,7 @@ def load_model(
         state = _quantize_int8(model, state, dtype)
     expected = set(model.state_dict().keys())
     if "lm_head.weight" in expected - set(state) and extra:
-        # a reward/value model: a head of its own instead of an LM head (see extra_tensors)
+        # a reward/value model's own head
         del model.lm_head
         model.config.has_lm_head = False
         expected.discard("lm_head.weight")
@@ -208,10 +187,10 @@ def load_model(
         if isinstance(tensor, QuantTensor) and isinstance(module, Linear | Embedding):
             set_quantized(module, attr, tensor.with_activations(quant_activations))
             del state[name]
-        elif isinstance(module, Linear) and not isinstance(tensor, QuantTensor):  # CUDA: as the checkpoint stores it
+        elif isinstance(module, Linear) and not isinstance(tensor, QuantTensor):  # CUDA: as stored
             set_quantized(module, attr, tensor)
             del state[name]
-        else:  # a matrix the kernels are not wired for
+        else:
             state[name] = tensor.dequantize().to(dtype)
     model.load_state_dict({k: v.to(device) for k, v in state.items()}, assign=True)
     model.init_rope(min(max_positions or config.max_position_embeddings, config.max_position_embeddings), device)
@@ -229,8 +208,8 @@ def load_model(
 def _checkpoint_weight(
     name: str, weight: CheckpointWeight, keep: bool, dtype: torch.dtype, device: str | torch.device
 ) -> torch.Tensor | CheckpointWeight | QuantTensor:
-    """What a quantised checkpoint's layer runs as here: dense when not `keep` (dequantize=True);
-    on a CPU the 8-bit kernels' blocks (FP8: dense, no CPU multiplies it); on CUDA as stored."""
+    """What a quantised checkpoint's layer runs as: dense when not `keep`; on a CPU the 8-bit
+    kernels' blocks (FP8 dense); on CUDA as stored."""
     if not keep or (isinstance(weight, Fp8Weight) and torch.device(device).type == "cpu"):
         return weight.dequantize().to(dtype)
     if torch.device(device).type == "cpu":
@@ -249,8 +228,7 @@ def _checkpoint_label(scheme: CheckpointScheme, model: nn.Module, keep: bool) ->
 
 
 def random_weights_seed(model_dir: str) -> int | None:
-    """The seed of a random-weights directory (its RANDOM_WEIGHTS file), or None for real weights
-    (a directory without that file, or a GGUF file)."""
+    """The seed of a random-weights directory, else None."""
     path = os.path.join(model_dir, RANDOM_WEIGHTS)
     if not os.path.isfile(path):
         return None
@@ -267,9 +245,8 @@ def random_weights_seed(model_dir: str) -> int | None:
 def random_state(
     model: nn.Module, seed: int, dtype: torch.dtype, device: str | torch.device
 ) -> dict[str, torch.Tensor]:
-    """Every tensor `model` expects, made on `device` in `dtype`: norm weights at unit gain
-    (1, or 0 for Gemma's 1 + weight), biases 0, the rest normal(0, 0.02) from a generator
-    seeded by (seed, tensor name), so no tensor depends on the others or on their order."""
+    """Every tensor `model` expects, on `device` in `dtype`: unit-gain norms, zero biases, the rest
+    normal(0, 0.02), each from a generator seeded by (seed, name)."""
     gains = {
         name: 0.0 if isinstance(m, GemmaRMSNorm) else 1.0
         for name, m in model.named_modules()
@@ -284,7 +261,7 @@ def random_state(
         elif attr == "bias":
             tensor.zero_()
         else:
-            # 32 bits: a CPU generator (mt19937) reads no more of its seed
+            # a CPU generator reads 32 bits of its seed
             generator = torch.Generator(device=tensor.device).manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
             tensor.normal_(0.0, 0.02, generator=generator)
         state[name] = tensor
@@ -302,13 +279,11 @@ def _config(model_dir: str, hf_config: dict) -> ModelConfig:
 
 
 def read_model_config(model_dir: str) -> ModelConfig:
-    """The model's config from its checkpoint, without its weights."""
     hf_config = GGUFCheckpoint(model_dir).config if is_gguf(model_dir) else read_hf_config(model_dir)
     return _config(model_dir, hf_config)
 
 
 def check_int8_shapes(config: ModelConfig) -> None:
-    """int8 rows are whole 32-weight blocks: every matrix's input width a multiple of 32."""
     widths = {
         "hidden_size": config.hidden_size,
         "num_attention_heads x head_dim": config.num_heads * config.head_dim,
@@ -324,7 +299,6 @@ def check_int8_shapes(config: ModelConfig) -> None:
 def _quantize_int8(
     model: nn.Module, state: dict[str, torch.Tensor], dtype: torch.dtype
 ) -> dict[str, torch.Tensor | QuantTensor]:
-    """Replace the weights of every Linear and the embedding table (the tied LM head) by int8."""
     targets = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, Linear | Embedding)}
     return {k: quantize_int8(v, dtype) if k in targets else v for k, v in state.items()}
 
@@ -339,11 +313,11 @@ def _collect_state(
     for hf_name, tensor in _unstacked(tensors):
         local, part = model.hf_to_local(hf_name)
         local = stage_name(local, model.config)
-        if local is None:  # another pipeline stage's
+        if local is None:
             continue
         if local not in expected:
             if "rotary_emb" in hf_name or (hf_name == "lm_head.weight" and model.config.tie_word_embeddings):
-                continue  # IGNORABLE: a cached rope table; the tied head's copy of the table
+                continue  # a cached rope table, or the tied head's copy
             if local.startswith(DECODER_PREFIXES):
                 raise ValueError(
                     f"checkpoint {model_dir!r} has tensor {hf_name!r} that {type(model).__name__} does "
@@ -367,9 +341,7 @@ def _collect_state(
 
 
 def _unstacked(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors, with routed experts stacked in one 3-D tensor (transformers 5's
-    `mlp.experts.gate_up_proj` [experts, 2 x rows, cols] and `mlp.experts.down_proj`) as one
-    matrix an expert, under the names of the per-expert layout the Hub's checkpoints use."""
+    """The checkpoint's tensors, transformers 5's stacked experts split into the Hub's per-expert names."""
     for name, tensor in tensors:
         stem, _, matrix = name.rpartition(".experts.")
         if stem and matrix in ("gate_up_proj", "down_proj") and isinstance(tensor, torch.Tensor) and tensor.dim() == 3:
@@ -382,10 +354,8 @@ def _unstacked(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[st
 def _fused_parts(
     local: str, tensor: torch.Tensor | QuantTensor, model: LlamaForCausalLM
 ) -> list[tuple[str | None, torch.Tensor | QuantTensor]]:
-    """A checkpoint tensor as (fused part, rows) pieces: a q/k/v or gate/up matrix that the checkpoint
-    holds fused already (Phi-3's `qkv_proj`, `gate_up_proj`) in its parts, so a tensor-parallel rank
-    takes its slice of each; any other tensor whole, as (None, tensor). A quantised matrix splits
-    by rows too: a block holds one row's weights, so each part keeps the file's blocks (views)."""
+    """A tensor as (fused part, rows) pieces: Phi-3's fused qkv / gate_up split into its parts (so a
+    rank takes its slice of each, quantised blocks as views), any other as (None, tensor)."""
     module = local.split(".")[-2] if local.count(".") else local
     if module not in model.FUSED_ORDER:
         return [(None, tensor)]

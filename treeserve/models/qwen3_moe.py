@@ -1,16 +1,8 @@
-"""Qwen3-MoE (`model_type: qwen3_moe`, e.g. Qwen3-30B-A3B): the Qwen3 decoder with routed experts.
-
-Owns the sparse MLP. A router (`mlp.gate`, hidden -> experts) scores each token; softmax in fp32
-over all experts, the top k kept (renormalised to sum 1 where `norm_topk_prob`), cast back to the
-model's dtype. Tokens are then grouped by expert: each expert that any token chose runs once on
-the rows gathered for it (never a dense loop over all experts), its output scaled by the rows'
-weights and added into the result in ascending expert order, as transformers adds them. Each
-expert is a gated MLP on the same `Linear` kernels as a dense layer, so a row's result does not
-depend on the other rows of the step. With tensor parallelism every expert holds its share of
-intermediate rows and the weighted sum is all-reduced once. Layers listed in `mlp_only_layers`
-(or off `decoder_sparse_step`) keep a dense MLP. On CUDA (`pick_kernel`) the experts' weights are
-stacked once into [E, 2I, H] and [E, H, I] tensors (the experts' `Linear` weights become views of
-them: one copy) and the routed rows run as two grouped GEMMs (`kernels/triton/moe.py`).
+"""Qwen3-MoE (`model_type: qwen3_moe`): the Qwen3 decoder with routed experts. The router's fp32
+softmax picks the top k (renormalised where `norm_topk_prob`); each chosen expert runs once on
+its rows, outputs added in ascending expert order as transformers does, on the dense `Linear`
+kernels (batch invariant). Under TP experts hold their share of rows, all-reduced once. On CUDA
+the experts' weights are stacked once (the `Linear`s become views) for `kernels/triton/moe.py`.
 """
 
 from __future__ import annotations
@@ -26,7 +18,7 @@ from treeserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 
 class SparseMoE(nn.Module):
-    tp: RankGroup | None = None  # with tensor parallelism: the experts' partial sums are all-reduced once
+    tp: RankGroup | None = None  # the experts' partial sums are all-reduced once
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -35,21 +27,19 @@ class SparseMoE(nn.Module):
         self.gate = Linear(cfg.hidden_size, moe.num_experts, bias=False)
         self.experts = nn.ModuleList(LlamaMLP(cfg, moe.intermediate_size) for _ in range(moe.num_experts))
         self.act = self.experts[0].act
-        self.use_triton = False  # the grouped-GEMM kernels (`kernels/triton/moe.py`), on CUDA
-        self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # ([E, 2I, H], [E, H, I]), `stack_experts`
+        self.use_triton = False
+        self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def pick_kernel(self) -> None:
         if triton_kernels.fused_layers(self.gate.weight.device):
             self.use_triton = self.stack_experts()
 
     def stack_experts(self) -> bool:
-        """Stack the experts' gate_up and down weights for the grouped GEMM, each expert's weights
-        becoming views into the stacks; False (nothing changed) unless every weight is a plain
-        matrix of one dtype and no expert has a bias."""
+        """Stack the experts' weights (each becoming views); False unless all are plain, one dtype, no bias."""
         linears = [proj for expert in self.experts for proj in (expert.gate_up_proj, expert.down_proj)]
         dtype = linears[0].weight.dtype
         if not all(isinstance(p.weight, torch.Tensor) and p.weight.dtype == dtype and p.bias is None for p in linears):
-            return False  # a QuantTensor (quantised or laid out as panels), mixed dtypes, or biases
+            return False
         stacks = []
         for name in ("gate_up_proj", "down_proj"):
             stack = torch.stack([getattr(expert, name).weight.detach() for expert in self.experts])
@@ -78,8 +68,8 @@ class SparseMoE(nn.Module):
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Each chosen expert once on its rows (`experts`, `weights`: the routing's [T * k], row-major)."""
-        order = torch.argsort(experts, stable=True)  # (row, slot) pairs grouped by expert, rows ascending
+        """Each chosen expert once on its rows (`experts`, `weights`: [T * k], row-major)."""
+        order = torch.argsort(experts, stable=True)  # grouped by expert, rows ascending
         counts = torch.bincount(experts, minlength=len(self.experts)).tolist()
         out = torch.zeros_like(x)
         start = 0

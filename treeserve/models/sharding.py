@@ -1,26 +1,9 @@
-"""How a model's checkpoint and config split over tensor- and pipeline-parallel ranks.
-
-Owns the split (Megatron's), for rank r of k:
-
-- qkv_proj, gate_up_proj: column-parallel, each fused part (q, k, v; gate, up) cut into k
-  slices of whole heads (q: num_heads / k, k and v: num_kv_heads / k) or intermediate rows,
-  every routed expert's alike (Qwen3-MoE; the router is replicated);
-- o_proj, down_proj: row-parallel (the rank's input columns), bias on rank 0 only; their
-  outputs are all-reduced (`distributed/groups.py::RankGroup.all_reduce`), once per block;
-- embed_tokens: vocab-parallel (rows [r V/k, (r+1) V/k)); ids outside the slice look up
-  zeros, and the sum over ranks is the row (`layers/embedding.py::vocab_parallel_lookup`);
-- lm_head (or the tied table): vocab-parallel; logits are gathered along the vocabulary;
-- norms and q/k norms: replicated.
-
-A GGUF file's quantised matrices (`QuantTensor`) split the same way in their blocks, a rank's
-bytes the file's: whole rows, or whole blocks of each row's input columns (`check_whole_blocks`
-refuses a size that would cut one). Pipeline stages hold contiguous layers (`stage_config`,
-`stage_name`).
-
-KV heads are split with q's, so each rank's arena holds its heads. `shard_config` gives a
-rank's config (heads, KV heads and intermediate size divided); the vocabulary stays whole in
-the config (requests are checked against it) and the two tables take `vocab_size // k` rows.
-It computes shapes and slices only: the process groups the ranks meet in are `distributed/`'s.
+"""How a checkpoint and config split over tensor- and pipeline-parallel ranks (Megatron's split):
+qkv/gate_up column-parallel in whole heads or rows (every routed expert alike), o/down
+row-parallel (bias on rank 0, outputs all-reduced), embedding and LM head vocab-parallel, norms
+replicated. Quantised matrices split in whole rows or blocks, a rank's bytes the file's. KV heads
+go with q's; the config's vocabulary stays whole. Pipeline stages hold contiguous layers.
+Shapes and slices only: the process groups are `distributed/`'s.
 """
 
 from __future__ import annotations
@@ -32,12 +15,12 @@ import torch
 from treeserve.layers.quant import QuantTensor
 from treeserve.models.config import ModelConfig
 
-ROW_PARALLEL = ("o_proj", "down_proj")  # split along their input; everything else fused is split along its output
+ROW_PARALLEL = ("o_proj", "down_proj")  # everything else fused splits along its output
 
 
 def check_divisible(cfg: ModelConfig, size: int, vocab_size: int) -> None:
-    """Refuse a split that does not come out whole, naming the numbers (before any weight loads).
-    Fewer KV heads than ranks are replicated (vLLM's rule) when the ranks are a multiple of them."""
+    """Refuse a split that does not come out whole, before any weight loads; fewer KV heads than
+    ranks are replicated (vLLM's rule) when the ranks are a multiple of them."""
     counts = {"attention heads": cfg.num_heads, "intermediate size": cfg.intermediate_size, "vocabulary": vocab_size}
     if cfg.moe is not None:
         counts["experts' intermediate size"] = cfg.moe.intermediate_size
@@ -54,7 +37,6 @@ def kv_head_of(rank: int, size: int, num_kv_heads: int) -> int | None:
 
 
 def shard_config(cfg: ModelConfig, rank: int, size: int) -> ModelConfig:
-    """Rank `rank`'s config: its heads, KV heads and intermediate rows (vocabulary whole)."""
     if size == 1:
         return cfg
     check_divisible(cfg, size, cfg.vocab_size)
@@ -72,21 +54,18 @@ def shard_config(cfg: ModelConfig, rank: int, size: int) -> ModelConfig:
 
 
 def stage_layers(num_layers: int, rank: int, size: int) -> tuple[int, int]:
-    """(first layer, count) of pipeline stage `rank` of `size`: contiguous, the later stages one
-    layer more when the split is uneven (stage 0 also embeds, norms and samples)."""
+    """(first layer, count) of stage `rank`: the later stages a layer more when uneven."""
     base, extra = divmod(num_layers, size)
     counts = [base + (s >= size - extra) for s in range(size)]
     return sum(counts[:rank]), counts[rank]
 
 
 def check_stages(cfg: ModelConfig, size: int) -> None:
-    """Refuse more pipeline stages than layers (before any weight loads)."""
     if cfg.num_layers < size:
         raise ValueError(f"pipeline_parallel_size={size} is more than the model's {cfg.num_layers} layers")
 
 
 def stage_config(cfg: ModelConfig, rank: int, size: int) -> ModelConfig:
-    """Stage `rank`'s config: its layers (num_layers, layer_windows) and where they start."""
     if size == 1:
         return cfg
     check_stages(cfg, size)
@@ -102,8 +81,7 @@ def stage_config(cfg: ModelConfig, rank: int, size: int) -> ModelConfig:
 
 
 def stage_name(name: str, cfg: ModelConfig) -> str | None:
-    """A checkpoint tensor's local name on `cfg`'s pipeline stage (its layer renumbered), or None
-    when the stage does not hold it."""
+    """A tensor's name on `cfg`'s stage (its layer renumbered), or None when the stage lacks it."""
     if cfg.pp_size == 1:
         return name
     if name.startswith("layers."):
@@ -116,8 +94,7 @@ def stage_name(name: str, cfg: ModelConfig) -> str | None:
 def shard_tensor(
     name: str, tensor: torch.Tensor | QuantTensor, part: str | None, cfg: ModelConfig
 ) -> torch.Tensor | QuantTensor:
-    """Rank `cfg.tp_rank`'s slice of checkpoint tensor `name` (a fused module's `part`, or whole);
-    a quantised one's whole rows, or whole blocks of its rows (its bytes the file's)."""
+    """Rank `cfg.tp_rank`'s slice of checkpoint tensor `name` (a fused module's `part`, or whole)."""
     rank, size = cfg.tp_rank, cfg.tp_size
     if size == 1:
         return tensor
@@ -126,7 +103,7 @@ def shard_tensor(
     if part in ("k_proj", "v_proj") and replicated is not None:  # this rank's copy of one KV head
         return _rows(tensor, replicated * cfg.head_dim, (replicated + 1) * cfg.head_dim)
     if name.endswith(("embed_tokens.weight", "lm_head.weight")) or part is not None:
-        rows = tensor.shape[0] // size  # vocab rows, or a part's heads / rows
+        rows = tensor.shape[0] // size
         return _rows(tensor, rank * rows, (rank + 1) * rows)
     if module in ROW_PARALLEL:
         if name.endswith(".bias"):
@@ -135,7 +112,7 @@ def shard_tensor(
         if not isinstance(tensor, torch.Tensor):  # quantised: whole blocks or groups
             return tensor.slice_columns(rank * cols, (rank + 1) * cols)
         return tensor[:, rank * cols : (rank + 1) * cols].contiguous()
-    return tensor  # norms: replicated
+    return tensor  # replicated
 
 
 def _rows(tensor: torch.Tensor | QuantTensor, start: int, stop: int) -> torch.Tensor | QuantTensor:
@@ -145,9 +122,8 @@ def _rows(tensor: torch.Tensor | QuantTensor, start: int, stop: int) -> torch.Te
 
 
 def check_whole_blocks(blocks: dict[str, tuple[int, str, int]], size: int) -> None:
-    """Refuse a split that cuts a quantised row-parallel matrix's blocks (before any weight
-    loads): `blocks` maps a checkpoint name to (input width, format, weights a block), and each
-    rank's input width must be whole blocks of the largest format its matrices have."""
+    """Refuse a split that cuts a quantised row-parallel matrix's blocks: `blocks` maps a name to
+    (input width, format, weights a block)."""
     worst: dict[str, tuple[int, str, int]] = {}
     for name, (cols, qformat, block) in blocks.items():
         module = name.rsplit(".", 2)[-2] if "." in name else name

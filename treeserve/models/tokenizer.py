@@ -1,8 +1,5 @@
-"""A checkpoint's tokenizer: `tokenizers` for text <-> ids, plus its special tokens and chat template.
-
-Reads `tokenizer.json`, `tokenizer_config.json` and, when present, `chat_template.jinja`
-and `generation_config.json` (whose `eos_token_id` list real checkpoints use to stop). For a
-GGUF file, the same two come from its metadata (`gguf_tokenizer.py`).
+"""A checkpoint's tokenizer (`tokenizers`) with its special tokens, chat template and
+`generation_config.json`'s eos ids; a GGUF file's come from `gguf_tokenizer.py`.
 """
 
 from __future__ import annotations
@@ -74,11 +71,8 @@ def _fallback_byte(text: str) -> int | None:
 
 
 def decoded_token_bytes(hf: HFTokenizer) -> tuple[list[bytes], list[int]]:
-    """Each token id's own bytes in decoded text, special tokens' content included, and the special
-    ids. Covers the ids below the vocabulary size and every added token's; an id without a token gets
-    b"". Follows the decoder: byte-level (GPT-2's byte-to-unicode alphabet; a token with a character
-    outside it is its UTF-8), SentencePiece-style (`<0xNN>` byte pieces, U+2581 as a space) or plain
-    (the token's text). An id's text is the one `decode` reads: an added token's content first."""
+    """Each token id's bytes in decoded text (b"" for none) and the special ids, following the
+    decoder: byte-level, SentencePiece-style (`<0xNN>`, U+2581) or plain; added tokens first."""
     decoder = json.loads(hf.decoder.__getstate__()) if hf.decoder is not None else {}
     kinds = {d.get("type") for d in decoder.get("decoders") or [decoder]}
     added = hf.get_added_tokens_decoder()
@@ -117,7 +111,6 @@ _FROM_BYTE_LEVEL.update({c: "\uffff" for c in range(256) if c not in _FROM_BYTE_
 
 class Tokenizer:
     def __init__(self, model_dir: str, model_eos_ids: list[int] | None = None):
-        """`model_dir`: a Hugging Face checkpoint directory or a GGUF file."""
         self.hf, config = _load(model_dir)
         self.special_tokens = {k: t for k in _SPECIAL_KEYS if (t := _token_text(config.get(k)))}
         self.chat_template = self._find_chat_template(model_dir, config)
@@ -161,9 +154,7 @@ class Tokenizer:
         return self.hf.id_to_token(token_id)
 
     def token_bytes(self) -> tuple[list[bytes], list[int]]:
-        """Each token id's bytes in decoded text (what a constraint library matches text against)
-        and the ids of special tokens (which decode to nothing): `decoded_token_bytes` with the
-        special tokens emptied."""
+        """`decoded_token_bytes` with special tokens emptied (what constraint libraries match)."""
         pieces, specials = decoded_token_bytes(self.hf)
         out = [pieces[i] if i < len(pieces) else b"" for i in range(self.vocab_size)]
         for i in specials:
