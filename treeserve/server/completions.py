@@ -1,14 +1,6 @@
-"""`/v1/completions` and `/v1/chat/completions`: OpenAI requests in, engine streams out.
-
-A request becomes token-id prompts and one `SamplingParams`; every prompt is checked by
-the engine before any is submitted, so a bad prompt in a batch queues nothing. Each
-prompt runs as one streamed runtime request of DELTA outputs (the runtime's driver steps
-all of them in one engine loop): a step hands the routes what it added, so a long completion
-costs each step what the step added, not its length. Streaming responses are Server-Sent
-Events ending in `data: [DONE]`; text that could still turn out to be the start of a stop
-string is held back (by the engine) until it cannot. Closing a stream (or a client that goes
-away) aborts the engine requests. With a reasoning parser (`reasoning.py`), a chat choice's text
-is split into `reasoning_content` and `content`, whole or delta by delta.
+"""`/v1/completions` and `/v1/chat/completions`: OpenAI requests in, engine streams out. Every
+prompt is checked before any is submitted; each runs as one streamed runtime request of DELTA
+outputs. Streams are SSE ending in `data: [DONE]`; closing one aborts its engine requests.
 """
 
 from __future__ import annotations
@@ -54,14 +46,13 @@ class Served:
     model_name: str
     metrics: ServerMetrics
     generator: str = "generator"
-    prm: PRM | None = None  # the PRM adapter, when a PRM is hosted (loaded once, at startup)
-    verifier: PRM | None = None  # an outcome RM re-ranking /v1/search's completions (`verify`), when hosted
-    # the public names of the hosted PRM and verifier (None: not hosted); known in the API process
-    # too when the adapters live in the engine core (`ServerSettings.names`)
+    prm: PRM | None = None  # loaded once, at startup
+    verifier: PRM | None = None  # re-ranks /v1/search's completions
+    # public names of the PRM and verifier (None: not hosted), known in the API process too
     prm_name: str | None = None
     verifier_name: str | None = None
-    traces: TraceRing = field(default_factory=TraceRing)  # the newest traced searches (GET /ui)
-    reasoning: ReasoningParser | None = None  # chat completions split `<think>` blocks into reasoning_content
+    traces: TraceRing = field(default_factory=TraceRing)  # GET /ui
+    reasoning: ReasoningParser | None = None
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -74,13 +65,11 @@ class Served:
 
 @dataclass
 class Job:
-    """The prompts of one HTTP request, their sampling parameters, and their timing for metrics."""
-
     prompts: list[list[int]]
     params: SamplingParams
     start: float = field(default_factory=time.perf_counter)
-    echo: list[str] | None = None  # completions' echo: each prompt's text, prepended to its choices
-    echo_only: bool = False  # echo with max_tokens=0: the one token generated is not returned
+    echo: list[str] | None = None  # each prompt's text, prepended to its choices
+    echo_only: bool = False  # max_tokens=0: the one token generated is not returned
 
 
 def sampling_params(
@@ -132,9 +121,8 @@ GUIDED = ("json", "regex", "choice", "grammar")  # vLLM's older `guided_<name>` 
 
 
 def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
-    """The request's constraint, from OpenAI's `response_format` (json_object, json_schema),
-    vLLM's `structured_outputs`, or vLLM's older `guided_*` fields. ValueError when more than
-    one is given, or the constraint itself is malformed (the engine checks it compiles)."""
+    """The request's constraint from `response_format`, `structured_outputs` or `guided_*`;
+    ValueError when more than one is given or it is malformed."""
     fmt = req.response_format
     guided = {name: value for name in GUIDED if (value := getattr(req, f"guided_{name}")) is not None}
     given = [f"response_format ({fmt.type})"] if isinstance(fmt, JsonObjectFormat | JsonSchemaFormat) else []
@@ -169,7 +157,7 @@ def completion_job(served: Served, req: CompletionRequest) -> Job:
             engine.check_text_length(p)  # before tokenising megabytes
     prompts = [engine.tokenize_prompt(p)[1] for p in raw]
     prompt_logprobs = req.prompt_logprobs
-    if req.echo and req.logprobs is not None:  # the prompt's own tokens' logprobs come first
+    if req.echo and req.logprobs is not None:
         prompt_logprobs = max(prompt_logprobs or 0, req.logprobs)
     max_tokens = 1 if req.max_tokens == 0 else req.max_tokens  # echo_only: one token, not returned
     job = _checked(served, req, prompts, max_tokens, req.logprobs, prompt_logprobs)
@@ -211,8 +199,7 @@ def _checked(
 
 
 async def run_job(served: Served, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, what the step added: a DELTA output) after every engine step that added to
-    a prompt's completions, for all prompts of the job."""
+    """(prompt index, DELTA output) after every engine step that added to a prompt's completions."""
     streams = [
         served.runtime.generate_stream(served.generator, {"prompt_token_ids": p}, job.params) for p in job.prompts
     ]
@@ -267,7 +254,6 @@ async def _interleaved(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIter
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-# ---- responses ---------------------------------------------------------------------------
 def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     return sorted(
         ((t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= k), key=lambda item: item[1].rank
@@ -280,7 +266,6 @@ def completion_logprobs(c: CompletionOutput, k: int, first: int = 0, offset: int
 
 
 def echo_logprobs(out: RequestOutput, k: int, decode: Callable[[list[int], bool], str]) -> dict:
-    """The prompt's part of a completions `logprobs` object (echo): its first token's is null."""
     return _logprobs_object(zip(out.prompt_token_ids, out.prompt_logprobs or [], strict=False), k, 0, decode)
 
 
@@ -316,7 +301,6 @@ def prompt_logprobs_json(out: RequestOutput) -> list | None:
 
 
 def visible(job: Job, c: CompletionOutput) -> CompletionOutput:
-    """What a choice shows: with echo and max_tokens=0, nothing generated."""
     if not job.echo_only:
         return c
     finish = "length" if c.finish_reason is not None else None
@@ -388,23 +372,21 @@ async def full_response(served: Served, job: Job, chat: bool) -> dict:
 
 @dataclass
 class StreamState:
-    """What a stream has sent so far, per choice: the text offset of its next token's logprobs (its
-    tokens' text, which runs ahead of the text sent while a stop string may still cut it), and which
-    choices ended; per prompt, the output that had its prompt's logprobs (the first)."""
+    """What a stream has sent per choice: the text offset of its next token's logprobs (ahead of the
+    text while a stop string may still cut it) and which choices ended."""
 
     job: Job
     chat: bool
     decode: Callable[[list[int], bool], str]
     reasoning: ReasoningParser | None = None
     offsets: dict[int, int] = field(default_factory=dict)
-    thinking: dict[int, ReasoningStream] = field(default_factory=dict)  # per choice, with a reasoning parser
+    thinking: dict[int, ReasoningStream] = field(default_factory=dict)
     ended: set[int] = field(default_factory=set)
     heads: dict[int, RequestOutput] = field(default_factory=dict)
     completion_tokens: int = 0
 
     @property
     def k(self) -> int | None:
-        """Top log-probabilities per token (None: no logprobs)."""
         return self.job.params.logprobs
 
     def choices(self, prompt_index: int, out: RequestOutput) -> list[dict]:
@@ -425,7 +407,7 @@ class StreamState:
             offset = self.offsets.get(index, len(echo))
             delta = self._delta(index, text, done) if self.chat else {}
             if self.chat:
-                text = "".join(delta.values())  # (with a reasoning parser, a tag's start may be held back)
+                text = "".join(delta.values())
             if not text and not done and not (first and echo) and not (self.k is not None and c.token_ids):
                 continue
             choice: dict = {"index": index, "finish_reason": c.finish_reason if done else None}
@@ -449,8 +431,7 @@ class StreamState:
         return choices
 
     def _delta(self, index: int, text: str, done: bool) -> dict:
-        """A chat choice's delta: its new text as content, or with a reasoning parser, as
-        reasoning_content and content (what a tag that may be incomplete leaves is held back)."""
+        """A chat choice's delta as content, or with a reasoning parser split (partial tags held)."""
         if self.reasoning is None:
             return {"content": text} if text else {}
         stream = self.thinking.get(index)

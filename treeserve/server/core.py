@@ -1,15 +1,7 @@
-"""The engine-core process: the runtime (generator and PRM engines, one page arena), the
-search programs of `/v1/search` and the scoring of `/v1/prm/score`, driven over ZeroMQ by the
-API process (`core_client.py`).
-
-`core_main` loads the models from the server's settings (exactly as the in-process server
-does: `build_served`), says hello (each model's `ModelInfo`), then serves messages (see
-`wire.py`) while the runtime's driver steps the engines in the same event loop. A
-generation is one `runtime.open_stream` whose sink sends each output as the driver reads it
-back (the routes ask for deltas), with no coroutine of its own; a search and a PRM scoring
-request run the same code as the in-process routes (the server's score cache lives here).
-Messages produced while the loop runs are sent together, one ZeroMQ message per flush. The
-core exits when told to stop, or when the API process is gone.
+"""The engine-core process: the runtime, `/v1/search` programs and `/v1/prm/score` scoring,
+driven over ZeroMQ by the API process (`core_client.py`; messages in `wire.py`). A generation is
+one `runtime.open_stream` whose sink sends each delta as the driver reads it back; messages are
+flushed together, one ZeroMQ message per flush. Exits when told to, or when the API is gone.
 """
 
 from __future__ import annotations
@@ -42,7 +34,6 @@ RANKS_FAILED = 3  # the exit code of a core whose parallel model lost a rank (th
 
 
 def core_main(settings: ServerSettings, to_core: str, from_core: str) -> None:
-    """The core process's entry point (multiprocessing, spawn)."""
     for sig in (signal.SIGINT, signal.SIGTERM):  # the API process decides when the core stops
         signal.signal(sig, signal.SIG_IGN)
     served = build_served(settings)  # its runtime froze the heap it loaded (`runtime.freeze_heap`)
@@ -51,7 +42,6 @@ def core_main(settings: ServerSettings, to_core: str, from_core: str) -> None:
 
 
 def error_of(e: BaseException) -> tuple[int, str]:
-    """The HTTP status and message a failed request gets."""
     if isinstance(e, ValueError):
         return 400, str(e)
     if isinstance(e, StepFailed):
@@ -66,9 +56,9 @@ class Core:
         self.inbox = socket(zmq.PULL, to_core, bind=False)
         self.outbox = socket(zmq.PUSH, from_core, bind=False)
         self.pending: list[list] = []
-        self.tasks: dict[str, asyncio.Task] = {}  # searches and PRM scoring requests
+        self.tasks: dict[str, asyncio.Task] = {}
         self.scores = ServedScores(served.prm) if served.prm is not None else None
-        self.streams: dict[str, tuple[str, str]] = {}  # generations: (model, the runtime's request id)
+        self.streams: dict[str, tuple[str, str]] = {}  # generations: (model, runtime request id)
 
     async def run(self) -> None:
         info = {name: asdict(ModelInfo.of(engine)) for name, engine in self.runtime.engines.items()}
@@ -101,7 +91,7 @@ class Core:
         elif kind == "prm":
             _, rid, body = message
             self.start(rid, self.prm_score(rid, body))
-        elif kind == "abort":  # the client went away: its engine requests are aborted, their pages go back
+        elif kind == "abort":  # the client went away
             if (stream := self.streams.pop(message[1], None)) is not None:
                 self.runtime.close_stream(*stream)
             elif (task := self.tasks.get(message[1])) is not None:
@@ -117,7 +107,7 @@ class Core:
         task.add_done_callback(lambda _: self.tasks.pop(rid, None))
 
     def generate(self, rid: str, model: str, prompt_ids: list[int], params: object) -> None:
-        def sink(out: RequestOutput | Exception) -> None:  # in the runtime's driver, as it reads a step back
+        def sink(out: RequestOutput | Exception) -> None:  # in the runtime's driver
             if isinstance(out, Exception):
                 self.streams.pop(rid, None)
                 self.send(["err", rid, *error_of(out)])
@@ -160,15 +150,14 @@ class Core:
             self._exit_if_ranks_failed()
 
     def _exit_if_ranks_failed(self) -> None:
-        """A parallel model whose ranks failed (one died or hung: they were all stopped) cannot
-        step again: exit, and the API process's supervisor starts a new core with new ranks."""
+        """Ranks failed: exit, and the API's supervisor starts a new core with new ranks."""
         if any(e.ranks is not None and e.ranks.stopped for e in self.runtime.engines.values()):
             self.flush()
             os._exit(RANKS_FAILED)
 
     def send(self, message: list) -> None:
         if not self.pending:
-            asyncio.get_running_loop().call_soon(self.flush)  # after what runs now: one message per flush
+            asyncio.get_running_loop().call_soon(self.flush)  # one message per flush
         self.pending.append(message)
 
     def flush(self) -> None:

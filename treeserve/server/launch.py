@@ -1,8 +1,5 @@
-"""`treeserve serve`: load the generator (and optionally a PRM) into one runtime and run uvicorn.
-
-Binds to loopback unless told otherwise. By default the engines run in an engine-core
-process of their own (`core.py`, supervised by `core_client.py`) and this process serves
-HTTP; with `engine_process=False` one event loop serves HTTP and drives the engines.
+"""`treeserve serve`: uvicorn over one runtime, on loopback unless told otherwise; the engines
+in an engine-core process of their own unless `engine_process=False`.
 """
 
 from __future__ import annotations
@@ -21,7 +18,6 @@ from treeserve.server.traces import TraceRing
 
 
 def build_core_served(settings: ServerSettings) -> Served:
-    """The API process's side: the models load in the engine-core process when the app starts."""
     settings.check()  # bad settings fail here, before a process is started
     reasoning = settings.reasoning()
     client = CoreClient(settings)
@@ -41,9 +37,7 @@ def build_core_served(settings: ServerSettings) -> Served:
 
 
 def serve(settings: ServerSettings, sock: socket.socket | None = None) -> None:
-    """Run until interrupted (SIGINT/SIGTERM: stop accepting, give open requests
-    `shutdown_timeout` seconds, abort the rest, stop the core). `sock` (already bound)
-    overrides host and port, as tests do."""
+    """Run until SIGINT/SIGTERM (open requests get `shutdown_timeout`); `sock` overrides host/port."""
     import uvicorn
 
     served = build_core_served(settings) if settings.engine_process else build_served(settings)
@@ -57,8 +51,7 @@ def serve(settings: ServerSettings, sock: socket.socket | None = None) -> None:
         timeout_graceful_shutdown=settings.shutdown_timeout,
     )
     server = uvicorn.Server(config)
-    # uvicorn re-raises the signal it stopped on once it is done; a SIGTERM handled gracefully
-    # is then a normal exit (status 0), as process managers expect
+    # uvicorn re-raises the signal it stopped on: a graceful SIGTERM is then exit status 0
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
     freeze_heap()  # what is loaded now lives as long as the server: collections skip it
     try:

@@ -1,15 +1,7 @@
-"""`POST /v1/prm/score`: the server's PRM as a service, for search loops that run elsewhere.
-
-Owns the request's checks (`check_request`, before any work), the server-wide score cache
-(`ServedScores`) and the response. A solution's scores are `PRM.score(question, steps)`'s,
-asked as `SearchContext._score_shown` asks for a beam's: a step's score depends only on the
-question and the steps up to it (`score_cache.prefix_keys`), so the steps of a cached prefix
-are not read again, the rest are read with `start=` over pages the PRM's engine prefix-caches,
-and requests for the same steps at the same time share one PRM request. The cache keeps the
-SCORE_CACHE_ENTRIES prefixes used last. The solutions of a batch are scored concurrently; the
-first error (a 400 naming the solution: an input past the PRM's context, say) cancels the
-others, whose engine requests are aborted. It never touches a search's state: the adapter it
-scores with is a copy of the server's.
+"""`POST /v1/prm/score`: the server's PRM as a service for search loops that run elsewhere.
+A step's score depends only on the question and the steps up to it, so cached prefixes are not
+read again, the rest read with `start=` over prefix-cached pages, and concurrent requests for the
+same steps share one PRM request (`ServedScores`, LRU). A batch's first error cancels the rest.
 """
 
 from __future__ import annotations
@@ -30,13 +22,11 @@ if TYPE_CHECKING:
     from treeserve.server.completions import Served
 
 SCORE_CACHE_ENTRIES = 1 << 17  # prefix scores the server keeps (LRU): ~131k steps, ~20 MB
-PRM_ENGINE = "prm"  # the runtime's engine of the PRM (settings.build_served)
+PRM_ENGINE = "prm"
 
 
 @dataclass
 class LRUScores(ScoreCache):
-    """The score cache, kept to the `capacity` prefixes used last."""
-
     capacity: int = SCORE_CACHE_ENTRIES
     scores: OrderedDict[int, float] = field(default_factory=OrderedDict)
 
@@ -52,20 +42,18 @@ class LRUScores(ScoreCache):
             self.scores.popitem(last=False)
 
     def _touch(self, keys: list[int]) -> None:
-        for key in reversed(keys):  # a prefix's first steps become the newest: a chain loses its tail first
+        for key in reversed(keys):  # a chain loses its tail first
             self.scores.move_to_end(key)
 
 
 @dataclass
 class RequestUsage:
-    prompt_tokens: int = 0  # PRM input tokens built for this request
-    cached_steps: int = 0  # steps answered without a PRM read of their own (the cache, or a shared request)
+    prompt_tokens: int = 0
+    cached_steps: int = 0  # answered by the cache or a shared request
 
 
 @dataclass
 class ServedScores:
-    """The server's PRM scores: its adapter, the cache, and the prefixes being read now."""
-
     prm: PRM
     cache: LRUScores = field(default_factory=LRUScores)
     in_flight: dict[int, asyncio.Future] = field(default_factory=dict)  # prefix key -> scores being read
@@ -99,7 +87,6 @@ class ServedScores:
 
 
 def _solutions(req: PRMScoreRequest) -> list[tuple[str, list[str]]]:
-    """(the field naming it, its steps) for each solution of the request."""
     if req.steps is not None:
         return [("steps", req.steps)]
     return [(f"solutions[{i}]", steps) for i, steps in enumerate(req.solutions or [])]
@@ -139,7 +126,6 @@ async def _scored(
 
 
 async def score_request(served: Served, scores: ServedScores, req: PRMScoreRequest) -> dict:
-    """The response to a request `check_request` passed."""
     usage = RequestUsage()
     solutions = [_scored(scores, req.question, where, steps, usage) for where, steps in _solutions(req)]
     result = await gather_or_cancel(*solutions)

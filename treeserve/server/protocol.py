@@ -1,14 +1,6 @@
-"""The HTTP request and response shapes: OpenAI's (as vLLM serves them) plus `/v1/search` and `/v1/prm/score`.
-
-Owns validation at the HTTP boundary. Field names, defaults and response fields follow
-OpenAI's API reference; the extras vLLM accepts (`top_k`, `min_p`, `ignore_eos`,
-`stop_token_ids`, `repetition_penalty`, `min_tokens`, `prompt_logprobs`, ...) are accepted
-too, and so are the structured-output fields: OpenAI's `response_format`, vLLM's
-`structured_outputs` and its older `guided_*` names, and a reasoning model's thinking budget
-(`max_thinking_tokens`). Bounds that protect the server (at
-most `MAX_N` completions, `MAX_LOGPROBS` top log-probabilities, `MAX_STOP` stop strings,
-`MAX_LOGIT_BIAS` biased tokens) are part of the schema, so a bad value is a 400 before
-anything is queued.
+"""The HTTP request and response shapes: OpenAI's (as vLLM serves them, with vLLM's extras and
+structured-output fields) plus `/v1/search` and `/v1/prm/score`. Bounds that protect the server
+(`MAX_N`, `MAX_LOGPROBS`, `MAX_STOP`, `MAX_LOGIT_BIAS`) are in the schema: a 400 before queueing.
 """
 
 from __future__ import annotations
@@ -21,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
 from treeserve.search.context import SearchConfig
 
-MAX_N = 256  # completions per request (the largest beam-search N users run)
+MAX_N = 256  # the largest beam-search N users run
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_STOP = 16
 MAX_LOGIT_BIAS = 1024  # entries in one request's logit_bias (OpenAI allows 300)
@@ -103,7 +95,6 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, Bias] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     user: str | None = None
     response_format: ResponseFormat | None = None
-    # vLLM's extras
     repetition_penalty: Annotated[float, Field(ge=0.01, le=2.0)] = 1.0  # above 0: no fp32 overflow
     min_tokens: Annotated[int, Field(ge=0)] = 0
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
@@ -114,19 +105,19 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsFields | None = None
-    guided_json: dict[str, Any] | str | None = None  # vLLM's older names for structured_outputs' fields
+    guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
-    # reasoning models: at most this many tokens in a `<think>` block, then `</think>` and the answer
+    # reasoning models: tokens allowed in a `<think>` block
     max_thinking_tokens: Annotated[int, Field(ge=0)] | None = None
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: Annotated[int, Field(ge=0)] | None = 16  # 0 only with echo (the prompt's logprobs alone)
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16  # 0 only with echo
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: bool = False  # prepend the prompt (and, with logprobs, its tokens' logprobs)
+    echo: bool = False  # with logprobs, the prompt's too
 
 
 class TextPart(BaseModel):
@@ -153,7 +144,7 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
 
 
-_SEARCH = SearchConfig()  # the one definition of every search setting's default
+_SEARCH = SearchConfig()  # every search setting's default
 
 
 class SearchRequest(BaseModel):
@@ -175,31 +166,26 @@ class SearchRequest(BaseModel):
     selection: Literal["naive", "weighted", "majority"] | None = None
     filter_duplicates: bool = False
     final_to_eos: bool = False
-    lookahead: Annotated[int, Field(ge=0, le=200)] = _SEARCH.lookahead  # greedy rollout steps to score
-    step_regex: str | None = None  # every step the separator ends matches it (llguidance regex)
-    answer_regex: str | None = None  # the final step matches it
+    lookahead: Annotated[int, Field(ge=0, le=200)] = _SEARCH.lookahead
+    step_regex: str | None = None  # every step matches it (llguidance regex)
+    answer_regex: str | None = None
     seed: int = _SEARCH.seed
-    # a base generator (docs/search.md): its prompt as plain text with {question} in it, and stop strings
-    # that end a solution; SearchConfig checks them (a 400 naming the field)
+    # a base generator (docs/search.md): prompt with {question}, stop strings; SearchConfig checks them
     prompt_format: str | None = None
     stop: str | list[str] | None = None
     stream: bool = False
-    trace: bool = False  # return every candidate step, its scores and fate; kept for GET /ui
-    # adaptive search (docs/adaptive.md): start at first_width, grow toward n while the answer's
-    # certainty stays below `certainty`; SearchConfig checks the values (a 400 naming the field)
+    trace: bool = False  # kept for GET /ui
+    # adaptive search (docs/adaptive.md); SearchConfig checks the values
     adaptive: bool = False
     certainty: float = _SEARCH.certainty
     first_width: int = _SEARCH.first_width
-    # tokens this search may sample and feed the PRM: it grows within them and narrows past them
-    # (a pace, not a cap: docs/adaptive.md); needs adaptive
+    # a pace, not a cap (docs/adaptive.md); needs adaptive
     budget_tokens: int | None = None
     deadline_s: float | None = None  # answer with what the search holds after this many seconds
-    # re-score and re-rank the completions with the server's verifier (`serve --verifier`; None: when it has one)
+    # verify with `serve --verifier` (None: when it has one)
     verify: bool | None = None
-    # a reasoning generator: the PRM reads steps without <think>/</think>, answers are read after </think>
     reasoning: bool = False
-    # rebase, particle_filtering (docs/search.md): the softmax temperature over rewards (None: the strategy's
-    # default) and particle filtering's resampling threshold on the effective sample size; SearchConfig checks them
+    # rebase, particle_filtering: reward temperature (None: the strategy's) and ESS threshold
     reward_temperature: float | None = None
     resample_threshold: float = _SEARCH.resample_threshold
     exploration: float = _SEARCH.exploration  # mcts: UCT's exploration constant
@@ -233,12 +219,11 @@ Steps = Annotated[list[StrictStr], Field(min_length=1)]
 
 
 class PRMScoreRequest(BaseModel):
-    """`POST /v1/prm/score`: the PRM's score of every step of one solution (`steps`) or of each
-    solution of a batch (`solutions`); `prm_api.check_request` checks what the schema cannot."""
+    """`POST /v1/prm/score`: every step of one solution (`steps`) or of a batch (`solutions`)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = None  # the PRM's name (GET /v1/models, role "prm")
+    model: str | None = None  # the PRM's name (role "prm")
     question: StrictStr
     steps: Steps | None = None
     solutions: Annotated[list[Steps], Field(min_length=1, max_length=MAX_N)] | None = None

@@ -1,22 +1,10 @@
 """`/v1/search`: one problem, one strategy, over the server's generator and PRM.
 
-A request becomes a `SearchConfig` (the same fields as `treeserve eval`'s flags) and a
-`SearchContext` of its own (its own score cache and counters) over the shared runtime, so
-concurrent searches batch together in the engines. The answer is chosen among the final
-completions the way `treeserve eval` chooses (naive / weighted / majority by strategy, or the
-request's `selection`), comparing answers as stripped strings (no math-verify equivalence: that
-needs the grading workers). The response names the rule (`selection`) and gives every rule's
-pick (`answers_by_rule`). With `stream`, progress events follow each scored iteration. With
-`trace`, the result carries the search's trace (`search/trace.py`) and its problem.
-
-Adaptive search (`adaptive`, `certainty`, `first_width`, `budget_tokens`: one problem's, paced as
-a run's share is) groups completions by the same answer
-key the response compares (the last `\\boxed{}`, stripped); the result records the problem's
-`stop` and the tokens it `spent`. With `deadline_s` the strategy runs as a task: once the
-deadline passes (on the event loop's timer, or at an iteration reported past it on `clock`),
-the search is cancelled (its engine requests aborted, their pages freed) and the answer is
-chosen among the scored beams it held then, with `stop.reason` "deadline"; a search that
-scored no iteration by then is a 400 (`SearchDeadline`).
+A request becomes a `SearchConfig` and a `SearchContext` of its own over the shared runtime (so
+concurrent searches batch in the engines). Answers are chosen as `treeserve eval` chooses,
+comparing stripped strings; the response names the rule and every rule's pick. `stream` sends
+progress events; `trace` returns the trace. With `deadline_s` the search is cancelled at the
+deadline and answers from the scored beams it held (`stop.reason` "deadline"; none: 400).
 """
 
 from __future__ import annotations
@@ -37,13 +25,11 @@ from treeserve.search.types import Beam, Problem, aggregate
 from treeserve.server.completions import Served
 from treeserve.server.protocol import SearchRequest, error_body, new_id, now
 
-clock = time.monotonic  # what a deadline is checked against when an iteration reports (tests swap it)
+clock = time.monotonic  # tests swap it
 
 
 class SearchDeadline(ValueError):
-    """`deadline_s` passed before the search scored its first iteration: nothing to answer with.
-    A 400 like any other value of the request that leaves no answer (the server answers no
-    input with a 5xx: those are its own faults), in the engine core too (`core.error_of`)."""
+    """`deadline_s` passed before the first scored iteration: a 400 (the input left no answer)."""
 
     def __init__(self, seconds: float):
         super().__init__(
@@ -53,18 +39,16 @@ class SearchDeadline(ValueError):
 
 
 def answer_key(problem: Problem, text: str) -> str | None:
-    """Adaptive search's answer key: the completion's answer as the response reports and groups
-    it (the last `\\boxed{}`, stripped)."""
+    """The answer as the response reports and groups it: the last `\\boxed{}`, stripped."""
     return extract_answer(text)
 
 
 def reasoning_answer_key(problem: Problem, text: str) -> str | None:
-    """`answer_key` of a reasoning model's completion: read after its `</think>`."""
     return extract_answer(text, reasoning=True)
 
 
 def search_context(served: Served, req: SearchRequest) -> tuple[SearchContext, Problem]:
-    """The context and the problem of one request; raises ValueError before any work starts."""
+    """The context and the problem of one request; ValueError before any work starts."""
     served.check_model(req.model)
     if (req.problem is None) == (req.messages is None):
         raise ValueError("give exactly one of 'problem' or 'messages'")
@@ -101,14 +85,14 @@ def search_context(served: Served, req: SearchRequest) -> tuple[SearchContext, P
     if config.strategy != "majority":
         if served.prm is None:
             raise ValueError(f"strategy {config.strategy!r} needs a PRM; start the server with --prm DIR")
-        prm = copy.copy(served.prm)  # the context hooks its own counters onto the adapter it gets
+        prm = copy.copy(served.prm)  # its own counter hooks
     if req.verify and served.verifier is None:
         raise ValueError(
             "verify: true needs a verifier, and this server has none: start it with --verifier DIR "
             "(an outcome reward model), or leave verify out"
         )
     verify = served.verifier is not None if req.verify is None else req.verify
-    verifier = copy.copy(served.verifier) if verify else None  # its own counter hook, as the PRM's
+    verifier = copy.copy(served.verifier) if verify else None
     ctx = SearchContext(
         config,
         served.runtime,
@@ -133,16 +117,12 @@ def search_context(served: Served, req: SearchRequest) -> tuple[SearchContext, P
             f"the problem's prompt ({len(problem.prompt_ids)} tokens) leaves no room within "
             f"the context of {limit} tokens"
         )
-    return ctx, problem  # the question is the problem's id: its seeds depend on (seed, question, beam path)
+    return ctx, problem  # its seeds depend on (seed, question, beam path)
 
 
 class HeldBeams:
-    """The scored beams a search holds as its iterations report (`ctx.on_iteration`), and
-    whether its deadline has passed. Beam search reports each iteration's beams: it holds the
-    newest ones and every beam finished before, the best n of them as beam search returns
-    them. DVTS reports one subtree at a time: it holds each subtree's newest candidates (what
-    that subtree returns if it stops now). Best-of-N and majority report only at their end.
-    """
+    """The scored beams a search holds as its iterations report, and whether its deadline passed:
+    beam search's newest beams plus every finished one, DVTS's newest per subtree."""
 
     def __init__(self, config: SearchConfig, seconds: float):
         self.config = config
@@ -150,9 +130,9 @@ class HeldBeams:
         self.seconds = seconds
         self.start = clock()
         self.expired = asyncio.Event()
-        self.iteration: int | None = None  # the newest iteration scored
-        self.newest: dict[int, list[Beam]] = {}  # subtree (0: the whole search) -> its newest scored beams
-        self.finished: dict[tuple[int, ...], Beam] = {}  # beam search: every beam that ended, by path
+        self.iteration: int | None = None
+        self.newest: dict[int, list[Beam]] = {}  # subtree (0: the whole search) -> newest scored beams
+        self.finished: dict[tuple[int, ...], Beam] = {}  # beam search: every ended beam, by path
 
     def saw(self, iteration: int, beams: list[Beam]) -> None:
         if beams:
@@ -169,16 +149,15 @@ class HeldBeams:
             return newest
         paths = {b.path for b in newest}
         beams = [b for path, b in self.finished.items() if path not in paths] + newest
-        beams.sort(key=lambda b: -aggregate(b.scores, self.config.agg))  # stable: ties keep their order
+        beams.sort(key=lambda b: -aggregate(b.scores, self.config.agg))  # stable
         return beams[: self.config.n]
 
 
 async def _until_deadline(ctx: SearchContext, problem: Problem, seconds: float) -> list[Beam]:
-    """The strategy's beams; or, when `seconds` pass first, the scored beams the search held
-    then (the search cancelled, its engine requests aborted), `problem.stop` saying so. Raises
-    SearchDeadline when it held none."""
+    """The strategy's beams, or after `seconds` the scored beams held then (the search cancelled);
+    SearchDeadline when none."""
     held = HeldBeams(ctx.config, seconds)
-    progress = ctx.on_iteration  # streaming's progress events go on
+    progress = ctx.on_iteration
 
     def saw(iteration: int, beams: list[Beam]) -> None:
         held.saw(iteration, beams)
@@ -190,11 +169,11 @@ async def _until_deadline(ctx: SearchContext, problem: Problem, seconds: float) 
     expired = asyncio.ensure_future(held.expired.wait())
     try:
         await asyncio.wait({search, expired}, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
-    finally:  # the deadline (or the client leaving) came first: stop the search, freeing its pages
+    finally:  # deadline or client gone: stop the search, freeing its pages
         search.cancel()
         expired.cancel()
         await asyncio.gather(search, expired, return_exceptions=True)
-    if not search.cancelled():  # it ended first (its error, if any, is the request's)
+    if not search.cancelled():  # it ended first
         return search.result()
     beams = held.beams()
     if not beams:
@@ -215,11 +194,11 @@ async def run_search(served: Served, req: SearchRequest, ctx: SearchContext, pro
     seconds = time.perf_counter() - start
     served.metrics.search_seconds.labels(ctx.config.strategy).observe(seconds)
     result = _result(served, req, ctx, len(problem.prompt_ids), beams, seconds)
-    result["stop"] = problem.stop  # adaptive or stopped on the deadline: where it stopped and why
+    result["stop"] = problem.stop
     result["spent"] = problem.spent
     if req.trace:
         result["trace"] = ctx.take_trace(problem, beams, seconds)
-        result["problem"] = problem.question  # what the trace's page shows (a conversation's last user turn)
+        result["problem"] = problem.question  # a conversation's last user turn
     return result
 
 
@@ -273,7 +252,6 @@ def _result(
 
 
 async def stream_search(served: Served, req: SearchRequest, ctx: SearchContext, problem: Problem) -> AsyncIterator[str]:
-    """SSE: a `search.progress` event after each scored iteration, then the result, then [DONE]."""
     events: asyncio.Queue = asyncio.Queue()
     start = time.perf_counter()
 
@@ -299,13 +277,13 @@ async def stream_search(served: Served, req: SearchRequest, ctx: SearchContext, 
             yield f"data: {json.dumps(event)}\n\n"
         try:
             result = task.result()
-        except ValueError as e:  # a bad input found only while searching (SearchDeadline too)
+        except ValueError as e:  # found while searching (SearchDeadline too)
             result = error_body(400, str(e))
-        except StepFailed as e:  # an engine step serving this search failed
+        except StepFailed as e:
             result = error_body(500, str(e))
         yield f"data: {json.dumps(result)}\n\n"
         yield "data: [DONE]\n\n"
-    finally:  # the client went away: stop the search, which aborts its engine requests
+    finally:  # the client went away
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)

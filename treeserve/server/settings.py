@@ -1,9 +1,5 @@
-"""A server's settings (`treeserve serve`'s flags) and the models they load.
-
-Owns `ServerSettings` (checked before any model loads) and `build_served`, which loads the
-generator and, when given, a PRM and a verifier into one runtime and returns what the routes serve. The
-API process and the engine-core process (`core.py`) both build from here; `launch.py` starts
-one or the other.
+"""A server's settings (`treeserve serve`'s flags), checked before any model loads, and
+`build_served`: the generator, PRM and verifier in one runtime, for the API or the core process.
 """
 
 from __future__ import annotations
@@ -23,28 +19,25 @@ from treeserve.server.traces import TraceRing
 
 @dataclass
 class ServerSettings:
-    generator: ModelSettings  # the model clients generate with
-    prm: ModelSettings | None = None  # the PRM /v1/search scores with (None: no /v1/search)
-    verifier: ModelSettings | None = None  # an outcome RM that re-ranks /v1/search's completions ("verify")
-    runtime: RuntimeSettings = field(default_factory=RuntimeSettings)  # dtype, device, memory: both models'
+    generator: ModelSettings
+    prm: ModelSettings | None = None  # None: no /v1/search
+    verifier: ModelSettings | None = None  # an outcome RM re-ranking /v1/search
+    runtime: RuntimeSettings = field(default_factory=RuntimeSettings)  # both models'
     served_model_name: str | None = None  # default: the generator directory's name
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    engine_process: bool = True  # the engines in an engine-core process of their own (False: in this one)
-    shutdown_timeout: float = 30.0  # on SIGTERM, seconds open requests get before they are aborted
-    trace_ring: int = 32  # how many traced searches (/v1/search "trace": true) GET /ui keeps, newest first
-    reasoning_parser: str | None = None  # the generator's think-block convention (server/reasoning.py's PARSERS)
+    engine_process: bool = True  # False: engines in this process
+    shutdown_timeout: float = 30.0  # seconds open requests get on SIGTERM
+    trace_ring: int = 32  # traced searches GET /ui keeps
+    reasoning_parser: str | None = None  # server/reasoning.py's PARSERS
 
     @property
     def name(self) -> str:
-        """The model id clients send: `served_model_name`, else the generator directory's name."""
         return self.served_model_name or Path(self.generator.path).resolve().name
 
     def names(self) -> dict[str, str]:
-        """The name clients use for each hosted model, by role ("generator", "prm", "verifier"):
-        the generator's `name`; the PRM's and the verifier's directory names, with "-prm" or
-        "-verifier" added to one that would repeat a name before it."""
+        """Each hosted model's name by role: "-prm" / "-verifier" added to one repeating a name."""
         names = {"generator": self.name}
         for role, model in (("prm", self.prm), ("verifier", self.verifier)):
             if model is not None:
@@ -63,11 +56,10 @@ class ServerSettings:
         if self.trace_ring < 0:
             raise ValueError(f"trace_ring must be >= 0 (0 keeps no traced search), got {self.trace_ring}")
         if self.reasoning_parser is not None:
-            ReasoningParser(self.reasoning_parser)  # the name; the tokenizer in `reasoning`
+            ReasoningParser(self.reasoning_parser)
 
     def reasoning(self) -> ReasoningParser | None:
-        """The generator's reasoning parser, checked against its tokenizer (ValueError: it has no
-        think tokens), before any weights load."""
+        """The generator's parser, checked against its tokenizer before any weights load."""
         if self.reasoning_parser is None:
             return None
         return ReasoningParser.for_tokenizer(self.reasoning_parser, Tokenizer(self.generator.path))

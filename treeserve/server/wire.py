@@ -1,20 +1,11 @@
-"""The messages between the API process and the engine-core process, and outputs as deltas.
+"""Messages between the API process and the engine-core process: msgpack lists, kind first.
 
-Every message is a msgpack list (msgspec), its first item the kind:
-
-    API -> core   ["gen", rid, model, prompt token ids, pickled SamplingParams]
-                  ["search", rid, raw /v1/search JSON body]    ["abort", rid]
-                  ["prm", rid, raw /v1/prm/score JSON body] (answered "done" or "err")
-                  ["stats", nonce]    ["fail", model] (the test hook)    ["stop"]
-    core -> API   one msgpack list of such messages per flush (outputs of one engine step
-                  travel together): ["hello", {model: ModelInfo fields}]
-                  ["out", rid, delta]    ["err", rid, HTTP status, message]
-                  ["ok", rid] (a search passed its checks)    ["event", rid, SSE text]
-                  ["done", rid, JSON result or None]    ["stats", nonce, {model: {...}}]
-
-An output travels as lists (`encode_output` / `decode_output`), of the kind its request's
-`output_kind` asks: the server's routes ask for deltas (`RequestOutputKind.DELTA`), so a step
-sends what it added to each stream, not the whole of it again.
+    API -> core   ["gen", rid, model, prompt ids, pickled SamplingParams]  ["abort", rid]
+                  ["search" | "prm", rid, raw JSON body]  ["stats", nonce]  ["fail", model]  ["stop"]
+    core -> API   a list of messages per flush: ["hello", {model: ModelInfo}]  ["out", rid, delta]
+                  ["err", rid, status, message]  ["ok", rid]  ["event", rid, SSE text]
+                  ["done", rid, JSON or None]  ["stats", nonce, {model: {...}}]
+Outputs travel as deltas (`RequestOutputKind.DELTA`).
 """
 
 from __future__ import annotations
@@ -45,8 +36,7 @@ class CoreDown(CoreError):
 
 
 def socket(kind: int, address: str, bind: bool) -> zmq.Socket:
-    """A plain (non-asyncio) ZeroMQ socket: sends never block (no high-water mark), reads go
-    through `receive`."""
+    """A plain ZeroMQ socket: sends never block (no high-water mark), reads through `receive`."""
     sock = zmq.Context.instance().socket(kind)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.LINGER, 0)
@@ -55,9 +45,8 @@ def socket(kind: int, address: str, bind: bool) -> zmq.Socket:
 
 
 async def receive(sock: zmq.Socket) -> AsyncIterator[bytes]:
-    """Every message of `sock`, read in the running event loop. ZeroMQ's descriptor is edge-
-    triggered: each wake-up drains the socket until EVENTS says nothing is left, so no message
-    waits for the next one (zmq.asyncio was measured leaving first outputs ~0.12 s behind)."""
+    """Every message of `sock`, read in the event loop; each wake-up drains the edge-triggered
+    descriptor until EVENTS says nothing is left."""
     loop = asyncio.get_running_loop()
     ready = asyncio.Event()
     loop.add_reader(sock.getsockopt(zmq.FD), ready.set)
@@ -81,7 +70,7 @@ def _logprob_entry(entry: dict | None) -> dict[int, Logprob] | None:
 
 
 def encode_output(out: RequestOutput) -> list:
-    """`out` as lists (its request id and prompt travel apart: the API process has them)."""
+    """`out` as lists (its request id and prompt travel apart)."""
     completions = [
         [
             c.index,
@@ -100,7 +89,6 @@ def encode_output(out: RequestOutput) -> list:
 
 
 def decode_output(request_id: str, prompt_token_ids: list[int], message: list) -> RequestOutput:
-    """The `RequestOutput` that `encode_output` gave `message` of."""
     finished, cached, completions, prompt_logprobs = message
     outputs = [
         CompletionOutput(
