@@ -10,13 +10,15 @@ On CUDA both stay as they are (`kernels/triton/quant_matmul.py`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import cache
 
 import torch
 from torch import nn
 
 from treeserve.kernels.cpu import quant as kernels
-from treeserve.layers.quant import QuantPart, QuantTensor
+from treeserve.layers.quant import QuantPart, QuantTensor, in_input_order, same_input_order, weights_of
 
 FP16_SCALE_TOLERANCE = 2.0**-10  # relative, rounding a scale to fp16
 
@@ -77,11 +79,7 @@ class GroupQuantWeight:
         """The fp32 matrix in the layer's input order: the reference."""
         repeat = lambda t: t.repeat_interleave(self.group_size, dim=1)  # noqa: E731
         w = (self.unpacked() - repeat(self.zero_points()).to(torch.int16)).float() * repeat(self.scales.float())
-        if self.input_order is None:
-            return w
-        out = torch.empty_like(w)
-        out[:, self.input_order] = w
-        return out
+        return in_input_order(w, self.input_order)
 
     def slice_rows(self, start: int, stop: int) -> GroupQuantWeight:
         zeros = None if self.zeros is None else self.zeros[start:stop]
@@ -116,7 +114,7 @@ class GroupQuantWeight:
                     f"a fused projection's parts are quantised differently: {kind} beside "
                     f"{(first.bits, first.group_size, first.cols, first.activations)}"
                 )
-            if not _same_order(w.input_order, first.input_order):
+            if not same_input_order(w.input_order, first.input_order):
                 raise ValueError(
                     "a fused projection's parts have different act-order permutations (g_idx): "
                     "not supported (q/k/v and gate/up share their input, so GPTQ gives them one)"
@@ -144,10 +142,6 @@ class GroupQuantWeight:
         else:
             part = _blocks(codes, self.zero_points(), scales, self.group_size, self.bits)
         return QuantTensor([part], k, self.dtype, input_order=self.input_order)
-
-
-def _same_order(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
 
 def _blocks(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int, bits: int) -> QuantPart:
@@ -227,14 +221,22 @@ class Fp8Weight:
 CheckpointWeight = GroupQuantWeight | Fp8Weight
 
 
+@cache
+def _matmuls(device_type: str) -> tuple[Callable, Callable, Callable]:
+    """(fp8, int8, int-weight) matmuls for a device: the Triton / cuBLAS ones on CUDA, their
+    PyTorch references elsewhere (which need no triton). Picked once, not on every call."""
+    if device_type == "cuda":
+        from treeserve.kernels.triton import quant_matmul as q
+
+        return q.fp8_matmul, q.int8_matmul, q.int_weight_matmul
+    from treeserve.kernels import quant_reference as r
+
+    return r.fp8_matmul_reference, r.int8_matmul_reference, r.int_weight_matmul_reference
+
+
 def checkpoint_linear(x: torch.Tensor, weight: CheckpointWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for a weight kept as stored: Triton / cuBLAS on CUDA, their PyTorch references on CPU."""
-    if x.device.type == "cuda":
-        from treeserve.kernels.triton.quant_matmul import fp8_matmul, int8_matmul, int_weight_matmul
-    else:
-        from treeserve.kernels.quant_reference import fp8_matmul_reference as fp8_matmul
-        from treeserve.kernels.quant_reference import int8_matmul_reference as int8_matmul
-        from treeserve.kernels.quant_reference import int_weight_matmul_reference as int_weight_matmul
+    fp8_matmul, int8_matmul, int_weight_matmul = _matmuls(x.device.type)
     rows = x.reshape(-1, x.shape[-1])
     if isinstance(weight, Fp8Weight):
         out = fp8_matmul(rows, weight.weight, weight.scales, bias)
@@ -247,9 +249,4 @@ def checkpoint_linear(x: torch.Tensor, weight: CheckpointWeight, bias: torch.Ten
 
 
 def checkpoint_weights(model: nn.Module) -> dict[str, CheckpointWeight]:
-    found = {}
-    for prefix, module in model.named_modules():
-        for name, value in vars(module).items():
-            if isinstance(value, GroupQuantWeight | Fp8Weight):
-                found[f"{prefix}.{name}" if prefix else name] = value
-    return found
+    return weights_of(model, (GroupQuantWeight, Fp8Weight))

@@ -118,10 +118,9 @@ class QuantTensor:
         """Row-stack a fused projection; parts keep their formats and bytes."""
         assert len({t.cols for t in tensors}) == 1
         parts, first = [p for t in tensors for p in t.parts], tensors[0]
-        orders = [t.input_order for t in tensors]
-        if any(o is not None for o in orders) and not all(o is not None and torch.equal(o, orders[0]) for o in orders):
+        if not all(same_input_order(t.input_order, first.input_order) for t in tensors):
             raise ValueError("row-stacked matrices multiply their inputs in one order (act-order g_idx)")
-        return QuantTensor(parts, first.cols, first.dtype, activations=first.activations, input_order=orders[0])
+        return QuantTensor(parts, first.cols, first.dtype, activations=first.activations, input_order=first.input_order)
 
     def slice_rows(self, start: int, stop: int) -> QuantTensor:
         """Output channels [start, stop) as views of the parts' bytes (a column-parallel shard)."""
@@ -159,12 +158,9 @@ class QuantTensor:
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 matrix in the layer's input order: the reference."""
-        stored = torch.cat([p.dequantize(torch.arange(p.rows), self.cols) for p in self.parts])
-        if self.input_order is None:
-            return stored
-        out = torch.empty_like(stored)
-        out[:, self.input_order] = stored
-        return out
+        return in_input_order(
+            torch.cat([p.dequantize(torch.arange(p.rows), self.cols) for p in self.parts]), self.input_order
+        )
 
 
 def _check_range(what: str, start: int, stop: int, size: int) -> None:
@@ -236,13 +232,32 @@ def set_quantized(module: nn.Module, name: str, weight: QuantTensor) -> None:
     setattr(module, name, weight)
 
 
-def quantized_weights(model: nn.Module) -> dict[str, QuantTensor]:
+def same_input_order(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Two matrices gather their inputs alike (act-order `input_order`s, None: as they come)."""
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+
+def in_input_order(stored: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """A matrix whose columns are stored in `order` (act-order), with its columns put back."""
+    if order is None:
+        return stored
+    out = torch.empty_like(stored)
+    out[:, order] = stored
+    return out
+
+
+def weights_of(model: nn.Module, kinds: type | tuple[type, ...]) -> dict[str, object]:
+    """Every weight of `model` held as a plain attribute of one of `kinds`, by dotted name."""
     found = {}
     for prefix, module in model.named_modules():
         for name, value in vars(module).items():
-            if isinstance(value, QuantTensor):
+            if isinstance(value, kinds):
                 found[f"{prefix}.{name}" if prefix else name] = value
     return found
+
+
+def quantized_weights(model: nn.Module) -> dict[str, QuantTensor]:
+    return weights_of(model, QuantTensor)
 
 
 def describe(model: nn.Module) -> str | None:

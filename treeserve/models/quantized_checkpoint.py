@@ -268,9 +268,9 @@ def read_layer(module: str, parts: dict[str, torch.Tensor], layer: WeightScheme)
         return _read_gptq(module, parts, layer)
     if layer.format == "awq":
         return _read_awq(module, parts)
-    for suffix in ("input_scale",):
-        if suffix in parts and not bool(torch.isfinite(parts[suffix].float()).all() and (parts[suffix] > 0).all()):
-            raise ValueError(f"{module}.{suffix} holds a non-positive or non-finite scale")
+    static = parts.get("input_scale")  # checked, not used: the kernels scale activations as they go
+    if static is not None and not bool(torch.isfinite(static.float()).all() and (static > 0).all()):
+        raise ValueError(f"{module}.input_scale holds a non-positive or non-finite scale")
     scale = parts["weight_scale"].float()
     if layer.format == "float-quantized":
         weight = parts["weight"]
