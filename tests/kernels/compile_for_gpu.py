@@ -41,12 +41,13 @@ def compiles(kernel: triton.JITFunction, args: dict, label: str) -> bool:
 
 def main() -> int:
     ok = True
-    for dt in ("fp32", "bf16"):
-        cache = dict(k_cache_ptr=f"*{dt}", v_cache_ptr=f"*{dt}", **ARENA)
+    for dt, kv in (("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "u8")):  # an FP8 cache: e4m3 bytes
+        fp8 = kv == "u8"
+        cache = dict(k_cache_ptr=f"*{kv}", v_cache_ptr=f"*{kv}", scales_ptr="*fp32", KV_FP8=fp8, **ARENA)
         for window in (0, 7):
             for group, dim, page in ((1, 64, 16), (4, 128, 1), (8, 256, 64), (2, 80, 4)):
                 block_d = max(triton.next_power_of_2(dim), 16)
-                shape = f"{dt} window={window} group={group} D={dim} page={page}"
+                shape = f"{dt} kv={kv} window={window} group={group} D={dim} page={page}"
                 ok &= compiles(decode_attention._partial, dict(
                     q_ptr=f"*{dt}", lens_ptr="*i64", max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", **cache,
                     q_stride_b=512, q_stride_h=64, scale=0.125, window=window, num_splits=3, parts=32,
@@ -63,10 +64,11 @@ def main() -> int:
             num_parts=3, D=64, BLOCK_P=4, BLOCK_D=64,
         ), f"decode reduce {dt}")  # fmt: skip
         ok &= compiles(kv_store._store_kv, dict(
-            k_ptr=f"*{dt}", v_ptr=f"*{dt}", k_cache_ptr=f"*{dt}", v_cache_ptr=f"*{dt}", pages_ptr="*i64",
-            offsets_ptr="*i64", k_stride_t=768, k_stride_h=64, v_stride_t=768, v_stride_h=64, cache_stride_page=99968,
-            cache_stride_slot=256, cache_stride_h=64, HEADS=4, D=64, BLOCK_H=4, BLOCK_D=64,
-        ), f"store {dt}")  # fmt: skip
+            k_ptr=f"*{dt}", v_ptr=f"*{dt}", k_cache_ptr=f"*{kv}", v_cache_ptr=f"*{kv}", pages_ptr="*i64",
+            offsets_ptr="*i64", scales_ptr="*fp32", k_stride_t=768, k_stride_h=64, v_stride_t=768, v_stride_h=64,
+            cache_stride_page=99968, cache_stride_slot=256, cache_stride_h=64, HEADS=4, D=64, BLOCK_H=4, BLOCK_D=64,
+            KV_FP8=fp8,
+        ), f"store {dt} kv={kv}")  # fmt: skip
         chunks = -(-151936 // sampling.CHUNK)
         ok &= compiles(sampling._chunk_stats, dict(
             logits_ptr=f"*{dt}", stride=151936, max_ptr="*fp32", sum_ptr="*fp32", vocab=151936, chunks=chunks,
