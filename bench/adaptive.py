@@ -121,20 +121,28 @@ def run(
     picks = [s["budget_tokens"] for s in stops if "budget_tokens" in s]
     settled = [s["iteration"] for s in stops if s.get("reason") == "settled"]
     row = {
-        "name": name, "path": str(path), "strategy": config.strategy, "n": config.n, "adaptive": config.adaptive,
-        "certainty": config.certainty if config.adaptive else None, "problems": len(problems),
-        "accuracy": summary["accuracy"], "rule": summary.get("accuracy_rule"),
-        "computed_tokens": summary["computed_tokens"], "generated_tokens": summary["generated_tokens"],
+        "name": name,
+        "path": str(path),
+        "strategy": config.strategy,
+        "n": config.n,
+        "adaptive": config.adaptive,
+        "certainty": config.certainty if config.adaptive else None,
+        "problems": len(problems),
+        "accuracy": summary["accuracy"],
+        "rule": summary.get("accuracy_rule"),
+        "computed_tokens": summary["computed_tokens"],
+        "generated_tokens": summary["generated_tokens"],
         "budget_tokens": config.budget_tokens,
         "budget_fraction": config.budget_fraction if config.adaptive and config.budget_tokens is None else None,
         "picked_budget": [min(picks), max(picks)] if picks else None,  # as it stood when problems ended
         "spent_tokens": sum(p["spent"]["generated_tokens"] + p["spent"]["prm_input_tokens"] for p in problems),
-        "wall_s": summary["wall_time_s"], "problems_per_min": 60 * summary["problems_per_s"],
+        "wall_s": summary["wall_time_s"],
+        "problems_per_min": 60 * summary["problems_per_s"],
         "process_s": time.perf_counter() - start,  # with model loading and grading
         "settled_share": len(settled) / len(problems) if config.adaptive else None,
         "mean_stop_iteration": statistics.mean(settled) if settled else None,
         "stop_reasons": {r: sum(s.get("reason") == r for s in stops) for r in sorted({s["reason"] for s in stops})},
-    }  # fmt: skip
+    }
     print(json.dumps(row), flush=True)
     return row
 
@@ -143,17 +151,28 @@ def derived(rows: list[dict], n: int, tolerance: float) -> dict:
     """Each adaptive run at N=`n` against fixed N=`n`, the fastest one within `tolerance` points below
     it, and the curve of every adaptive run."""
     fixed = next(r for r in rows if not r["adaptive"] and r["n"] == n)
-    against = [{
-        "name": r["name"], "certainty": r["certainty"],
-        "computed_fraction": r["computed_tokens"] / fixed["computed_tokens"] if fixed["computed_tokens"] else None,
-        "accuracy_points": 100 * (r["accuracy"] - fixed["accuracy"]),
-        "problems_per_min": r["problems_per_min"],
-    } for r in rows if r["adaptive"] and r["n"] == n]  # fmt: skip
+    against = [
+        {
+            "name": r["name"],
+            "certainty": r["certainty"],
+            "computed_fraction": r["computed_tokens"] / fixed["computed_tokens"] if fixed["computed_tokens"] else None,
+            "accuracy_points": 100 * (r["accuracy"] - fixed["accuracy"]),
+            "problems_per_min": r["problems_per_min"],
+        }
+        for r in rows
+        if r["adaptive"] and r["n"] == n
+    ]
     close = [a for a in against if a["accuracy_points"] >= -tolerance - 1e-9]
     best = max(close, key=lambda a: a["problems_per_min"], default=None)
     speedup = best["problems_per_min"] / fixed["problems_per_min"] if best and fixed["problems_per_min"] else None
-    return {"fixed": fixed["name"], "against_fixed": against, "same_accuracy": best, "same_accuracy_speedup": speedup,
-            "tolerance_points": tolerance, "curve": curve(rows)}  # fmt: skip
+    return {
+        "fixed": fixed["name"],
+        "against_fixed": against,
+        "same_accuracy": best,
+        "same_accuracy_speedup": speedup,
+        "tolerance_points": tolerance,
+        "curve": curve(rows),
+    }
 
 
 def curve(rows: list[dict]) -> list[dict]:
@@ -165,8 +184,14 @@ def curve(rows: list[dict]) -> list[dict]:
     for f in (r for r in rows if not r["adaptive"]):
         cheaper = [r for r in adaptive if r["computed_tokens"] <= f["computed_tokens"]]
         best = max(cheaper, key=lambda r: (r["accuracy"], -r["computed_tokens"]), default=None)
-        out.append({"fixed": f["name"], "n": f["n"], "adaptive": best and best["name"],
-                    "margin_points": None if best is None else 100 * (best["accuracy"] - f["accuracy"])})  # fmt: skip
+        out.append(
+            {
+                "fixed": f["name"],
+                "n": f["n"],
+                "adaptive": best and best["name"],
+                "margin_points": None if best is None else 100 * (best["accuracy"] - f["accuracy"]),
+            }
+        )
     return out
 
 
@@ -197,8 +222,11 @@ def table(rows: list[dict], figures: dict, n: int) -> str:
             f"| {_or_dash(r['settled_share'], '.0%')} | {_or_dash(r['mean_stop_iteration'], '.2f')} "
             f"| {r['spent_tokens']} |"
         )
-    lines += ["", f"| adaptive run | computed tokens / fixed N={n}'s | accuracy - fixed N={n}'s (points) |",
-              "|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        f"| adaptive run | computed tokens / fixed N={n}'s | accuracy - fixed N={n}'s (points) |",
+        "|---|---|---|",
+    ]
     for a in figures["against_fixed"]:
         lines.append(f"| {a['name']} | {_or_dash(a['computed_fraction'], '.2f')} | {a['accuracy_points']:+.1f} |")
     lines += ["", "| fixed run | the adaptive curve at its computed tokens | margin (points) |", "|---|---|---|"]
@@ -208,8 +236,10 @@ def table(rows: list[dict], figures: dict, n: int) -> str:
     head = f"\n\nproblems/min at the same accuracy (at most {tol:g} points below fixed N={n}):"
     if best is None:
         return "\n".join(lines) + f"{head} no adaptive run\n"
-    return "\n".join(lines) + (f"{head} {best['name']} at {best['problems_per_min']:.1f} problems/min, "
-                               f"{_or_dash(figures['same_accuracy_speedup'], '.2f')}x fixed N={n}'s\n")  # fmt: skip
+    return "\n".join(lines) + (
+        f"{head} {best['name']} at {best['problems_per_min']:.1f} problems/min, "
+        f"{_or_dash(figures['same_accuracy_speedup'], '.2f')}x fixed N={n}'s\n"
+    )
 
 
 def main() -> None:
@@ -219,27 +249,47 @@ def main() -> None:
     ap.add_argument("--strategy", default="beam_search")
     ap.add_argument("--ns", default="4,8,16,32,64", help="fixed runs' N")
     ap.add_argument("--adaptive-n", type=int, default=16)
-    ap.add_argument("--curve-ns", default="", help="adaptive runs at these N too (at --curve-certainty): the curve; "
-                    "an item N:W runs from first width W, N:W:B also under --budget-tokens B")
+    ap.add_argument(
+        "--curve-ns",
+        default="",
+        help="adaptive runs at these N too (at --curve-certainty): the curve; "
+        "an item N:W runs from first width W, N:W:B also under --budget-tokens B",
+    )
     ap.add_argument("--curve-certainty", type=float, default=0.9)
-    ap.add_argument("--budgets", default="", help="adaptive runs at --adaptive-n and --curve-certainty with these "
-                                                  "--budget-tokens (tokens sampled and fed to the PRM)")
-    ap.add_argument("--fractions", default="", help="adaptive runs at --adaptive-n and --curve-certainty with these "
-                    "--budget-fraction values (the budget the run picks; off: none)")
+    ap.add_argument(
+        "--budgets",
+        default="",
+        help="adaptive runs at --adaptive-n and --curve-certainty with these "
+        "--budget-tokens (tokens sampled and fed to the PRM)",
+    )
+    ap.add_argument(
+        "--fractions",
+        default="",
+        help="adaptive runs at --adaptive-n and --curve-certainty with these "
+        "--budget-fraction values (the budget the run picks; off: none)",
+    )
     ap.add_argument("--first-width", type=int, default=4)
     ap.add_argument("--thresholds", default="0.5,0.7,0.8,0.9,0.95", help="adaptive runs' certainty")
     ap.add_argument("--tolerance", type=float, default=2.5, help="points below fixed N that count as the same")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--out", type=Path, default=Path("bench/out/adaptive"), help="folder of the runs' results")
     ap.add_argument("--summary", type=Path, default=None, help="rows and table (default: OUT.json)")
-    ap.add_argument("--reuse", action="store_true",
-                    help="take a run's results from --out when they hold that very run (a run cut short, resumed)")
+    ap.add_argument(
+        "--reuse",
+        action="store_true",
+        help="take a run's results from --out when they hold that very run (a run cut short, resumed)",
+    )
     ap.add_argument("--smoke", action="store_true", help="4 problems, N 4 and 8, adaptive N=8 at one threshold")
     ap.add_argument("--generator", default=DEFAULT_GENERATOR, help="the generator (default: the shipped one)")
     ap.add_argument("--levels", default="4,5", help="the problems' levels")
     ap.add_argument("--max-tokens", type=int, default=None, help="per step or completion (default: SearchConfig's)")
-    ap.add_argument("--few-shot", type=int, default=0, metavar="K",
-                    help="a plain prompt of K worked examples, for a base model without a chat template")
+    ap.add_argument(
+        "--few-shot",
+        type=int,
+        default=0,
+        metavar="K",
+        help="a plain prompt of K worked examples, for a base model without a chat template",
+    )
     args = ap.parse_args()
     if args.smoke:  # the middle threshold
         thresholds = args.thresholds.split(",")
@@ -255,19 +305,31 @@ def main() -> None:
     if args.few_shot:
         common |= {"prompt_format": few_shot_prompt(args.few_shot, levels), "stop": FEW_SHOT_STOP}
     ns = sorted({int(n) for n in args.ns.split(",")} | {args.adaptive_n})
-    rows = [run(f"{args.strategy}_n{n}", records, SearchConfig(n=n, **common), args.out, args.generator, args.reuse)
-            for n in ns]
+    rows = [
+        run(f"{args.strategy}_n{n}", records, SearchConfig(n=n, **common), args.out, args.generator, args.reuse)
+        for n in ns
+    ]
     picked = SearchConfig().budget_fraction
     adaptive = [(args.adaptive_n, float(t), args.first_width, None, picked) for t in args.thresholds.split(",") if t]
-    adaptive += [(n, args.curve_certainty, w, b, picked) for n, w, b in curve_runs(args.curve_ns, args.first_width)
-                 if (n, w, b) != (args.adaptive_n, args.first_width, None)]  # fmt: skip
+    adaptive += [
+        (n, args.curve_certainty, w, b, picked)
+        for n, w, b in curve_runs(args.curve_ns, args.first_width)
+        if (n, w, b) != (args.adaptive_n, args.first_width, None)
+    ]
     budgets = [int(b) for b in args.budgets.split(",") if b]
     adaptive += [(args.adaptive_n, args.curve_certainty, args.first_width, b, picked) for b in budgets]
     fractions = [None if f == "off" else float(f) for f in args.fractions.split(",") if f]
     adaptive += [(args.adaptive_n, args.curve_certainty, args.first_width, None, f) for f in fractions if f != picked]
     for n, t, width, budget, fraction in adaptive:
-        config = SearchConfig(n=n, adaptive=True, certainty=t, first_width=min(width, n), budget_tokens=budget,
-                              budget_fraction=fraction, **common)  # fmt: skip
+        config = SearchConfig(
+            n=n,
+            adaptive=True,
+            certainty=t,
+            first_width=min(width, n),
+            budget_tokens=budget,
+            budget_fraction=fraction,
+            **common,
+        )
         name = f"{args.strategy}_n{n}_adaptive_t{t:g}" + (f"_w{width}" if width != args.first_width else "")
         if budget:
             name += f"_budget{budget}"
@@ -277,8 +339,13 @@ def main() -> None:
     figures = derived(rows, args.adaptive_n, args.tolerance)
     png = plot_accuracy_vs_compute([r["path"] for r in rows], args.out / "accuracy_vs_computed_tokens.png")
     text = table(rows, figures, args.adaptive_n)
-    document = {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "derived": figures,
-                "plot": str(png), "table": text}  # fmt: skip
+    document = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "rows": rows,
+        "derived": figures,
+        "plot": str(png),
+        "table": text,
+    }
     summary_path.write_text(json.dumps(document, indent=1) + "\n")
     print(f"\n{text}\nwrote {summary_path}, {png} and {len(rows)} results files in {args.out}")
 

@@ -94,9 +94,12 @@ def main() -> None:
             for name, split, batch in plan:
                 m, _ = measure(settings, config, budget, split, batch, records)
                 runs.append({"repeat": repeat, "budget": budget, "config": name, **asdict(m)})
-                print(f"  [{repeat}] KV {budget / MIB:g} MiB {name}: {m.problems_per_min:.1f} problems/min, "
-                      f"acc {m.accuracy:.3f}, hit gen {m.generator_hit_rate:.2f} prm {m.prm_hit_rate:.2f}, "
-                      f"evictions {m.evictions}, preemptions {m.preemptions}", flush=True)  # fmt: skip
+                print(
+                    f"  [{repeat}] KV {budget / MIB:g} MiB {name}: {m.problems_per_min:.1f} problems/min, "
+                    f"acc {m.accuracy:.3f}, hit gen {m.generator_hit_rate:.2f} prm {m.prm_hit_rate:.2f}, "
+                    f"evictions {m.evictions}, preemptions {m.preemptions}",
+                    flush=True,
+                )
 
     table = []
     for budget in budgets:
@@ -111,10 +114,15 @@ def main() -> None:
         row["tuned choice"] = f"{tuned[budget].label}, max_num_seqs {tuned[budget].max_num_seqs}"
         table.append(row)
     doc = {
-        "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
-        "problems": args.problems, "working_set": ws, "budgets": budgets, "runs": runs, "table": table,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": platform.processor() or platform.machine(),
+        "problems": args.problems,
+        "working_set": ws,
+        "budgets": budgets,
+        "runs": runs,
+        "table": table,
         "tuned": {b: asdict(m) for b, m in tuned.items()},
-    }  # fmt: skip
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1))
     names = ["shared", *[f"prm {s:g}" for s in splits], "tuned"]
@@ -122,8 +130,10 @@ def main() -> None:
     print("|---" * (len(names) + 4) + "|")
     for row in table:
         cells = " | ".join(f"{row[n]:.1f}" for n in names)
-        print(f"| {row['budget_mib']:g} | {cells} | {row['shared / best static']:.2f}x | {row['shared / tuned']:.2f}x "
-              f"| {row['tuned choice']} |")  # fmt: skip
+        print(
+            f"| {row['budget_mib']:g} | {cells} | {row['shared / best static']:.2f}x | {row['shared / tuned']:.2f}x "
+            f"| {row['tuned choice']} |"
+        )
 
 
 if __name__ == "__main__":

@@ -81,10 +81,17 @@ def main() -> None:
         start = time.perf_counter()
         llm.generate(prompt, params)
         seconds = time.perf_counter() - start
-        parts = [spans(("stack", 0), ("stack", 1)), spans(("stack", 1), ("lm", 0)), spans(("lm", 0), ("lm", 1)),
-                 spans(("lm", 1), ("stack", 0))]  # fmt: skip
-        print(f"| {1e3 * seconds / args.tokens:.2f} | " + " | ".join(f"{1e3 * statistics.median(p):.3f}" for p in parts)
-              + " |")  # fmt: skip
+        parts = [
+            spans(("stack", 0), ("stack", 1)),
+            spans(("stack", 1), ("lm", 0)),
+            spans(("lm", 0), ("lm", 1)),
+            spans(("lm", 1), ("stack", 0)),
+        ]
+        print(
+            f"| {1e3 * seconds / args.tokens:.2f} | "
+            + " | ".join(f"{1e3 * statistics.median(p):.3f}" for p in parts)
+            + " |"
+        )
 
 
 if __name__ == "__main__":

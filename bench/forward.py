@@ -71,10 +71,22 @@ ENGINES = ("treeserve", "vllm")
 PROMPT_TOKENS = 32  # each decode row's prompt
 KV_GIB = 2  # each engine's KV cache (256 rows of Llama-1B shape need ~0.5 GiB)
 MAX_MODEL_LEN = 4096  # or the model's context where it is shorter
-LLAMA1B = {"hidden": 2048, "layers": 16, "heads": 32, "kv_heads": 8, "intermediate": 8192, "vocab": 128256,
-           "tie_word_embeddings": True, "max_positions": MAX_MODEL_LEN}  # fmt: skip
-CPU_FLAGS = {"amx": ("amx_bf16", "amx_tile"), "avx512_bf16": ("avx512_bf16",), "avx512f": ("avx512f",),
-             "avx2": ("avx2",)}  # fmt: skip
+LLAMA1B = {
+    "hidden": 2048,
+    "layers": 16,
+    "heads": 32,
+    "kv_heads": 8,
+    "intermediate": 8192,
+    "vocab": 128256,
+    "tie_word_embeddings": True,
+    "max_positions": MAX_MODEL_LEN,
+}
+CPU_FLAGS = {
+    "amx": ("amx_bf16", "amx_tile"),
+    "avx512_bf16": ("avx512_bf16",),
+    "avx512f": ("avx512f",),
+    "avx2": ("avx2",),
+}
 
 
 def _bench(name: str) -> ModuleType:
@@ -137,8 +149,10 @@ def llama1b_checkpoint() -> Checkpoint:
 # Qwen3-1.7B's layer shape at 4 layers, the same Llama without q/k norms, and Qwen3-30B-A3B's
 # layer shape (128 experts, top 8) at 2 layers: what fits a 24 GiB machine in fp32. The shapes
 # are bench/workloads.py's, with this bench's context.
-_QWEN3 = {name: {**config, "max_position_embeddings": MAX_MODEL_LEN}
-          for name, config in _bench("workloads").QWEN3_SHAPES.items()}  # fmt: skip
+_QWEN3 = {
+    name: {**config, "max_position_embeddings": MAX_MODEL_LEN}
+    for name, config in _bench("workloads").QWEN3_SHAPES.items()
+}
 QWEN3_1_7B_4L = {**_QWEN3["qwen3-1.7b"], "num_hidden_layers": 4}
 QWEN3_30B_A3B_2L = {**_QWEN3["qwen3-30b-a3b"], "num_hidden_layers": 2}
 
@@ -160,10 +174,11 @@ MODELS = {
     "gemma": gemma_checkpoint,
     "llama1b": llama1b_checkpoint,
     "qwen3-1.7b-4l": lambda: random_checkpoint("qwen3-1.7b-4l", QWEN3_1_7B_4L),
-    "llama-as-qwen3-4l": lambda: random_checkpoint("llama-as-qwen3-4l", {**QWEN3_1_7B_4L, "model_type": "llama",
-                                                                          "architectures": ["LlamaForCausalLM"]}),
+    "llama-as-qwen3-4l": lambda: random_checkpoint(
+        "llama-as-qwen3-4l", {**QWEN3_1_7B_4L, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+    ),
     "qwen3-30b-a3b-2l": lambda: random_checkpoint("qwen3-30b-a3b-2l", QWEN3_30B_A3B_2L, files=True),
-}  # fmt: skip
+}
 
 
 def random_ids(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -195,9 +210,15 @@ class TreeserveDriver:
     def __init__(self, spec: dict) -> None:
         from treeserve import LLM
 
-        self.llm = LLM(spec["path"], dtype=spec["dtype"], kv_cache_memory=KV_GIB << 30, seed=0,
-                       max_model_len=spec["max_model_len"], max_num_seqs=spec["max_num_seqs"],
-                       max_num_batched_tokens=spec["max_num_batched_tokens"])  # fmt: skip
+        self.llm = LLM(
+            spec["path"],
+            dtype=spec["dtype"],
+            kv_cache_memory=KV_GIB << 30,
+            seed=0,
+            max_model_len=spec["max_model_len"],
+            max_num_seqs=spec["max_num_seqs"],
+            max_num_batched_tokens=spec["max_num_batched_tokens"],
+        )
         self.engine = self.llm.engine
         self.ids: list[str] = []
 
@@ -231,9 +252,15 @@ class VllmDriver:
     def __init__(self, spec: dict) -> None:
         from vllm import LLM
 
-        self.llm = LLM(model=spec["path"], dtype=spec["dtype"], seed=0, max_model_len=spec["max_model_len"],
-                       max_num_seqs=spec["max_num_seqs"], max_num_batched_tokens=spec["max_num_batched_tokens"],
-                       enable_prefix_caching=True)  # fmt: skip
+        self.llm = LLM(
+            model=spec["path"],
+            dtype=spec["dtype"],
+            seed=0,
+            max_model_len=spec["max_model_len"],
+            max_num_seqs=spec["max_num_seqs"],
+            max_num_batched_tokens=spec["max_num_batched_tokens"],
+            enable_prefix_caching=True,
+        )
         self.engine = self.llm.llm_engine
         self.ids: list[str] = []
         self.with_tokens: set[str] = set()
@@ -288,8 +315,13 @@ def measure_decode(driver: Driver, timers: object, rows: int, steps: int, vocab:
         walls.append(1e3 * (time.perf_counter() - start))
         forwards.append(model_ms(timers, before))
     driver.abort_all()
-    return {"rows": rows, "step_ms": statistics.median(walls), "forward_ms": statistics.median(forwards),
-            "step_ms_each": walls, "forward_ms_each": forwards}  # fmt: skip
+    return {
+        "rows": rows,
+        "step_ms": statistics.median(walls),
+        "forward_ms": statistics.median(forwards),
+        "step_ms_each": walls,
+        "forward_ms_each": forwards,
+    }
 
 
 def measure_prefill(driver: Driver, timers: object, length: int, vocab: int) -> dict:
@@ -360,16 +392,31 @@ def cpu_info() -> dict:
 
 
 def run_child(engine: str, checkpoint: Checkpoint, args: argparse.Namespace) -> dict | None:
-    spec = {"engine": engine, "path": checkpoint.paths[engine], "dtype": checkpoint.dtype, "vocab": checkpoint.vocab,
-            "max_model_len": checkpoint.max_model_len, "max_num_seqs": max(256, *args.rows),
-            "max_num_batched_tokens": max(2048, *args.prefill), "rows": args.rows, "steps": args.steps,
-            "prefill": prefill_lengths(args.prefill, checkpoint), "threads": args.threads}  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(KV_GIB),
-           "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+    spec = {
+        "engine": engine,
+        "path": checkpoint.paths[engine],
+        "dtype": checkpoint.dtype,
+        "vocab": checkpoint.vocab,
+        "max_model_len": checkpoint.max_model_len,
+        "max_num_seqs": max(256, *args.rows),
+        "max_num_batched_tokens": max(2048, *args.prefill),
+        "rows": args.rows,
+        "steps": args.steps,
+        "prefill": prefill_lengths(args.prefill, checkpoint),
+        "threads": args.threads,
+    }
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(args.threads),
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": str(KV_GIB),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     python = VLLM_PYTHON if engine == "vllm" else sys.executable
-    done = subprocess.run([python, __file__, "--child", json.dumps(spec)], capture_output=True, text=True, env=env,
-                          cwd=ROOT)  # fmt: skip
+    done = subprocess.run(
+        [python, __file__, "--child", json.dumps(spec)], capture_output=True, text=True, env=env, cwd=ROOT
+    )
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode or not lines:
         print(f"{checkpoint.name} {engine}: failed (exit {done.returncode})\n{done.stderr[-3000:]}", file=sys.stderr)
@@ -407,9 +454,11 @@ def table(model: str, runs: dict[str, list[dict]]) -> tuple[str, dict]:
     """The markdown table of one model and its medians."""
     medians = {engine: measurements(results) for engine, results in runs.items() if results}
     labels = list(dict.fromkeys(label for m in medians.values() for label in m))
-    lines = [f"\n{model}: medians of {max((len(r) for r in runs.values()), default=0)} runs",
-             "| measurement | treeserve | vllm | treeserve / vllm (time) | vllm / treeserve (time) |",
-             "|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"\n{model}: medians of {max((len(r) for r in runs.values()), default=0)} runs",
+        "| measurement | treeserve | vllm | treeserve / vllm (time) | vllm / treeserve (time) |",
+        "|---|---|---|---|---|",
+    ]
     for label in labels:
         ts, vl = (medians.get(e, {}).get(label) for e in ENGINES)
         cells = [f"{v[0]:.2f}" if v else "-" for v in (ts, vl)]
@@ -450,10 +499,18 @@ def main() -> None:
         raise SystemExit(f"vllm python not found at {VLLM_PYTHON}: run bench/setup_vllm.sh first (or set VLLM_PYTHON)")
     cpu = cpu_info()
     load = os.getloadavg()[0]  # other work on these cores inflates --threads > 1 runs many times over
-    print(f"{cpu['model_name']} ({', '.join(k for k, v in cpu['flags'].items() if v)}), {args.threads} threads, "
-          f"load average {load:.2f} before the runs")  # fmt: skip
-    report: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu, "threads": args.threads, "argv": sys.argv,
-                    "load_average_before": load, "models": {}}  # fmt: skip
+    print(
+        f"{cpu['model_name']} ({', '.join(k for k, v in cpu['flags'].items() if v)}), {args.threads} threads, "
+        f"load average {load:.2f} before the runs"
+    )
+    report: dict = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "cpu": cpu,
+        "threads": args.threads,
+        "argv": sys.argv,
+        "load_average_before": load,
+        "models": {},
+    }
     for name in models:
         checkpoint = MODELS[name]()
         runs: dict[str, list[dict]] = {e: [] for e in engines}

@@ -177,12 +177,22 @@ def main() -> None:
     count_triton_launches(counter_slot)
     rows = []
     for arch in args.archs.split(","):
-        path = build_checkpoint(os.path.join(tempfile.gettempdir(), f"treeserve-fused-ops-{arch}"), arch,
-                                **(GEMMA if arch == "gemma3_text" else {}))  # fmt: skip
+        path = build_checkpoint(
+            os.path.join(tempfile.gettempdir(), f"treeserve-fused-ops-{arch}"),
+            arch,
+            **(GEMMA if arch == "gemma3_text" else {}),
+        )
         results = {}
         for variant in ("plain", "fused"):
-            llm = LLM(path, dtype=args.dtype, device=args.device, attention_backend="triton", block_size=4,
-                      kv_cache_memory=1 << 20, enforce_eager=True)  # fmt: skip
+            llm = LLM(
+                path,
+                dtype=args.dtype,
+                device=args.device,
+                attention_backend="triton",
+                block_size=4,
+                kv_cache_memory=1 << 20,
+                enforce_eager=True,
+            )
             if args.device == "cpu":
                 as_on_cuda(llm.engine.model, getattr(torch, args.dtype), fused=variant == "fused")
             elif variant == "plain":  # pick_kernel chose the fused chains on CUDA
@@ -192,8 +202,10 @@ def main() -> None:
             results[variant] = count_decode_step(llm, args.seqs, counter_slot, args.device == "cuda")
         rows.append((arch, len(llm.engine.model.layers), results))
 
-    print(f"one decode step of {args.seqs} sequences, the model's forward ({args.device}, {args.dtype}, "
-          f"torch {torch.__version__})")  # fmt: skip
+    print(
+        f"one decode step of {args.seqs} sequences, the model's forward ({args.device}, {args.dtype}, "
+        f"torch {torch.__version__})"
+    )
     print("| arch | path | ops in the forward | per decoder layer | outside the layers | device activities |")
     print("|---|---|---|---|---|---|")
     for arch, _, results in rows:

@@ -41,8 +41,11 @@ def main() -> None:
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     path = str(fetch_gguf("gemma3-270m"))
-    variants = {"quantised fp32": ("float32", False), "quantised bf16": ("bfloat16", False),
-                "dequantised fp32": ("float32", True)}  # fmt: skip
+    variants = {
+        "quantised fp32": ("float32", False),
+        "quantised bf16": ("bfloat16", False),
+        "dequantised fp32": ("float32", True),
+    }
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     ours, prompt_ids = {}, None
     for name, (dtype, dequantize) in variants.items():
@@ -52,15 +55,20 @@ def main() -> None:
         ours[name] = [o.outputs[0].token_ids for o in outs]
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompt_ids, f)
-    proc = subprocess.run([LLAMACPP, os.path.join(HERE, "peers", "llamacpp_greedy.py"), path, f.name, str(args.tokens)],
-                          capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(
+        [LLAMACPP, os.path.join(HERE, "peers", "llamacpp_greedy.py"), path, f.name, str(args.tokens)],
+        capture_output=True,
+        text=True,
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"llama.cpp failed:\n{proc.stderr[-3000:]}")
     reference = json.loads(lines[-1][len("RESULT ") :])
     report = {}
-    print(f"| treeserve variant | identical to llama.cpp ({len(PROMPTS)} prompts x {args.tokens} tokens) | "
-          "mean common prefix (tokens) |")  # fmt: skip
+    print(
+        f"| treeserve variant | identical to llama.cpp ({len(PROMPTS)} prompts x {args.tokens} tokens) | "
+        "mean common prefix (tokens) |"
+    )
     print("|---|---|---|")
     for name, outputs in ours.items():
         same = sum(a == b for a, b in zip(outputs, reference, strict=True))

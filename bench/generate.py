@@ -76,8 +76,14 @@ def run_engine(engine: str, model: str, workload: str, threads: int) -> dict:
     return json.loads(lines[-1][len("RESULT ") :])
 
 
-def run_rotating(engines: list[str], models: dict[str, str], workload: dict, repeats: int, threads: int,
-                 probe: Callable[[], float] | None = None) -> dict:  # fmt: skip
+def run_rotating(
+    engines: list[str],
+    models: dict[str, str],
+    workload: dict,
+    repeats: int,
+    threads: int,
+    probe: Callable[[], float] | None = None,
+) -> dict:
     """{engine: [results]} with the order of engines rotated every repetition; `probe` (the
     memory bandwidth) runs just before each treeserve run, its value kept in that run's result."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -131,8 +137,14 @@ def gemma_main(args: argparse.Namespace, engines: list[str]) -> None:
         import torch
 
         convert_gguf(gguf_path, hf_dir, torch.bfloat16)
-    models = {"treeserve": gguf_path, "treeserve-bf16": gguf_path, "treeserve-tiles": gguf_path, "llamacpp": gguf_path,
-              "vllm": hf_dir, "transformers": hf_dir}  # fmt: skip
+    models = {
+        "treeserve": gguf_path,
+        "treeserve-bf16": gguf_path,
+        "treeserve-tiles": gguf_path,
+        "llamacpp": gguf_path,
+        "vllm": hf_dir,
+        "transformers": hf_dir,
+    }
     checkpoint = GGUFCheckpoint(gguf_path)
     weight_bytes = sum(int(t.n_bytes) for t in checkpoint.reader.tensors)  # as stored; tied LM head once
     run_scenarios(args, engines, models, weight_bytes, "Gemma 3 270M", (1000, 100000))
@@ -148,9 +160,16 @@ def quantized_main(args: argparse.Namespace, engines: list[str]) -> None:
 
     from tests.quantized_files import write_compressed_tensors
 
-    dense = build_random_llama(os.path.join(tempfile.gettempdir(), "treeserve-bench-llama-1b"), hidden=2048,
-                               layers=16, heads=32, kv_heads=8, vocab=128256, intermediate=8192,
-                               tie_word_embeddings=True)  # Llama-3.2-1B's shape
+    dense = build_random_llama(
+        os.path.join(tempfile.gettempdir(), "treeserve-bench-llama-1b"),
+        hidden=2048,
+        layers=16,
+        heads=32,
+        kv_heads=8,
+        vocab=128256,
+        intermediate=8192,
+        tie_word_embeddings=True,
+    )  # Llama-3.2-1B's shape
     path = os.path.join(tempfile.gettempdir(), f"treeserve-bench-llama-1b-{args.quantized}")
     if not os.path.isfile(os.path.join(path, "config.json")):
         write_compressed_tensors(dense, path, args.quantized, group_size=128)
@@ -158,14 +177,22 @@ def quantized_main(args: argparse.Namespace, engines: list[str]) -> None:
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
         for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
             tensor = f.get_slice(name)
-            weight_bytes += math.prod(tensor.get_shape()) * {"I32": 4, "I64": 8, "F32": 4, "BF16": 2, "F16": 2,
-                                                              "I8": 1, "F8_E4M3": 1}[tensor.get_dtype()]
+            weight_bytes += (
+                math.prod(tensor.get_shape())
+                * {"I32": 4, "I64": 8, "F32": 4, "BF16": 2, "F16": 2, "I8": 1, "F8_E4M3": 1}[tensor.get_dtype()]
+            )
     models = {e: path for e in engines}
     run_scenarios(args, engines, models, weight_bytes, f"Llama-1B shape, {args.quantized}", (1000, 100000))
 
 
-def run_scenarios(args: argparse.Namespace, engines: list[str], models: dict[str, str], weight_bytes: int,
-                  title: str, token_range: tuple[int, int]) -> None:
+def run_scenarios(
+    args: argparse.Namespace,
+    engines: list[str],
+    models: dict[str, str],
+    weight_bytes: int,
+    title: str,
+    token_range: tuple[int, int],
+) -> None:
     """decode1, batch and prefill over `models` (engine -> path); decode1 against the floor of
     `weight_bytes` read a token at the bandwidth probed before each run."""
     import random
@@ -195,13 +222,24 @@ def run_scenarios(args: argparse.Namespace, engines: list[str], models: dict[str
         if name not in args.scenarios:
             continue
         print(f"\n== {name}", flush=True)
-        runs = run_rotating(engines, models, workload, args.repeats, args.threads,
-                            (lambda: memory_bandwidth(args.threads)) if name == "decode1" else None)  # fmt: skip
+        runs = run_rotating(
+            engines,
+            models,
+            workload,
+            args.repeats,
+            args.threads,
+            (lambda: memory_bandwidth(args.threads)) if name == "decode1" else None,
+        )
         medians = {e: statistics.median(r["tokens_per_s"] for r in runs[e]) for e in engines}
         results[name] = {"medians": medians, "runs": runs}
     print(f"\n{title}, median of {args.repeats} runs, {args.threads} threads:")
-    print("| scenario | " + " | ".join(f"{e} tok/s" for e in engines) + " | " + " | ".join(
-        f"treeserve / {e}" for e in engines if e != "treeserve") + " |")  # fmt: skip
+    print(
+        "| scenario | "
+        + " | ".join(f"{e} tok/s" for e in engines)
+        + " | "
+        + " | ".join(f"treeserve / {e}" for e in engines if e != "treeserve")
+        + " |"
+    )
     for name, result in results.items():
         m = result["medians"]
         ratios = [f"{m['treeserve'] / m[e]:.2f}x" for e in engines if e != "treeserve"] if "treeserve" in m else []
@@ -216,15 +254,24 @@ def run_scenarios(args: argparse.Namespace, engines: list[str], models: dict[str
         decode_ms = 1e3 / results["decode1"]["medians"]["treeserve"]
         ratios = [run["ratio_to_floor"] for run in runs]
         ratio = statistics.median(ratios)
-        summary.update(bandwidth_gb_s=statistics.median(bandwidths), treeserve_decode_ms_per_token=decode_ms,
-                       ratio_to_floor=ratio)  # fmt: skip
-        print(f"memory bandwidth (copy, probed before each run) {min(bandwidths):.1f}-{max(bandwidths):.1f} GB/s; "
-              f"quantised weights {weight_bytes / 1e6:.0f} MB; treeserve batch-1 decode {decode_ms:.1f} ms/token; "
-              f"against the floor of its own probe, median {ratio:.2f}x "
-              f"({', '.join(f'{r:.2f}' for r in ratios)})")  # fmt: skip
+        summary.update(
+            bandwidth_gb_s=statistics.median(bandwidths), treeserve_decode_ms_per_token=decode_ms, ratio_to_floor=ratio
+        )
+        print(
+            f"memory bandwidth (copy, probed before each run) {min(bandwidths):.1f}-{max(bandwidths):.1f} GB/s; "
+            f"quantised weights {weight_bytes / 1e6:.0f} MB; treeserve batch-1 decode {decode_ms:.1f} ms/token; "
+            f"against the floor of its own probe, median {ratio:.2f}x "
+            f"({', '.join(f'{r:.2f}' for r in ratios)})"
+        )
     if args.output:
-        meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
-                "threads": args.threads, "argv": sys.argv, "summary": summary, "results": results}  # fmt: skip
+        meta = {
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+            "machine": platform.processor() or platform.machine(),
+            "threads": args.threads,
+            "argv": sys.argv,
+            "summary": summary,
+            "results": results,
+        }
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         with open(args.output, "w") as out:
             json.dump(meta, out, indent=1)
@@ -243,8 +290,12 @@ def main() -> None:
     ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "treeserve-bench-llama-256x4"))
     ap.add_argument("--output", default=None, help="write the raw runs here (JSON)")
     ap.add_argument("--gemma", action="store_true", help="Gemma 3 270M: decode1, batch and prefill scenarios")
-    ap.add_argument("--quantized", default=None, help="a compressed-tensors scheme (W4A16, W8A8, ...): a 1B-shape "
-                    "checkpoint in it, decode1, batch and prefill scenarios")
+    ap.add_argument(
+        "--quantized",
+        default=None,
+        help="a compressed-tensors scheme (W4A16, W8A8, ...): a 1B-shape "
+        "checkpoint in it, decode1, batch and prefill scenarios",
+    )
     ap.add_argument(
         "--scenarios",
         default="decode1,batch,prefill",

@@ -51,8 +51,9 @@ def environment(device: str) -> dict:
     info["attention_backend"] = resolve_attention_backend(None, device)
     info["vllm"] = None
     if os.path.exists(VLLM_PYTHON):
-        version = subprocess.run([VLLM_PYTHON, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
-                                 text=True)  # fmt: skip
+        version = subprocess.run(
+            [VLLM_PYTHON, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True
+        )
         info["vllm"] = version.stdout.strip() or None
     return info
 
@@ -83,8 +84,12 @@ def main() -> None:
     ap.add_argument("--ns", default="16,64", help="beam search N values")
     ap.add_argument("--skip-gemma", action="store_true", help="without the Gemma 3 270M generation runs")
     ap.add_argument("--model-size", default="arith", help="search models: arith (shipped) or a twin size (s, m, l)")
-    ap.add_argument("--transformers-problems", type=int, default=10,
-                    help="problems for the sal-transformers search peer (0: leave it out)")  # fmt: skip
+    ap.add_argument(
+        "--transformers-problems",
+        type=int,
+        default=10,
+        help="problems for the sal-transformers search peer (0: leave it out)",
+    )
     ap.add_argument("--out", default=os.path.join(HERE, "out", "gpu"))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -102,14 +107,37 @@ def main() -> None:
     search = ["bench/search.py", *common, "--model-size", args.model_size]
     peers = ",sal-vllm,thesis-vllm,vllm-prefix-prm" if with_vllm else ""
     for n in args.ns.split(","):
-        run(results, f"search_n{n}", f"beam search N={n}", [
-            *search, "--systems", "treeserve" + peers, "--n", n, "--problems", str(args.problems),
-        ], args.out)  # fmt: skip
+        run(
+            results,
+            f"search_n{n}",
+            f"beam search N={n}",
+            [
+                *search,
+                "--systems",
+                "treeserve" + peers,
+                "--n",
+                n,
+                "--problems",
+                str(args.problems),
+            ],
+            args.out,
+        )
     if args.transformers_problems:  # the slow peer on a few problems, treeserve beside it on the same ones
-        run(results, "search_sal_transformers", "beam search N=16 against sal-transformers", [
-            *search, "--systems", "treeserve,sal-transformers", "--n", "16",
-            "--problems", str(args.transformers_problems),
-        ], args.out)  # fmt: skip
+        run(
+            results,
+            "search_sal_transformers",
+            "beam search N=16 against sal-transformers",
+            [
+                *search,
+                "--systems",
+                "treeserve,sal-transformers",
+                "--n",
+                "16",
+                "--problems",
+                str(args.transformers_problems),
+            ],
+            args.out,
+        )
     print(f"\n{json.dumps(env)}\nwrote {os.path.join(args.out, 'gpu.json')}")
 
 

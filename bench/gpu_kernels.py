@@ -112,16 +112,18 @@ def variants(module: Any, before: Any, sweep: list[dict]) -> list[tuple[str, Any
     return out + ([("before", before, {})] if before is not None else [])
 
 
-def decode_case(kernel: Any, before: Any, batch: int, context: int, device: str, sweep: list[dict],
-                peak: tuple) -> list[dict]:  # fmt: skip
+def decode_case(
+    kernel: Any, before: Any, batch: int, context: int, device: str, sweep: list[dict], peak: tuple
+) -> list[dict]:
     q_heads, kv_heads, dim, page = 32, 8, 64, 16
     k, v, tables = paged(batch, context, kv_heads, dim, page, device, seed=batch)
     q = torch.randn(batch, q_heads, dim, device=device).to(torch.bfloat16)
     lens = torch.full((batch,), context, dtype=torch.int64, device=device)
     scale = dim**-0.5
     keys, values = gathered(k, tables[0], context), gathered(v, tables[0], context)
-    ref = torch.nn.functional.scaled_dot_product_attention(q.float()[:, :, None], keys, values, scale=scale,
-                                                           enable_gqa=True)[:, :, 0]  # fmt: skip
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float()[:, :, None], keys, values, scale=scale, enable_gqa=True
+    )[:, :, 0]
     nbytes = 2 * batch * context * kv_heads * dim * k.element_size()
     rows = []
     for name, module, kw in variants(kernel, before, sweep):
@@ -138,8 +140,9 @@ def decode_case(kernel: Any, before: Any, batch: int, context: int, device: str,
     return rows
 
 
-def prefill_case(kernel: Any, before: Any, batch: int, new: int, cached: int, device: str, sweep: list[dict],
-                 peak: tuple) -> list[dict]:  # fmt: skip
+def prefill_case(
+    kernel: Any, before: Any, batch: int, new: int, cached: int, device: str, sweep: list[dict], peak: tuple
+) -> list[dict]:
     q_heads, kv_heads, dim, page = 32, 8, 128, 4
     context = cached + new
     k, v, tables = paged(batch, context, kv_heads, dim, page, device, seed=batch + 1)
@@ -150,10 +153,18 @@ def prefill_case(kernel: Any, before: Any, batch: int, new: int, cached: int, de
     scale = dim**-0.5
     keys, values = gathered(k, tables[0], context), gathered(v, tables[0], context)
     mask = torch.arange(context, device=device)[None, :] <= (cached + torch.arange(new, device=device))[:, None]
-    ref = torch.nn.functional.scaled_dot_product_attention(
-        q.float().view(batch, new, q_heads, dim).transpose(1, 2), keys, values, attn_mask=mask, scale=scale,
-        enable_gqa=True,
-    ).transpose(1, 2).reshape(batch * new, q_heads, dim)  # fmt: skip
+    ref = (
+        torch.nn.functional.scaled_dot_product_attention(
+            q.float().view(batch, new, q_heads, dim).transpose(1, 2),
+            keys,
+            values,
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        .transpose(1, 2)
+        .reshape(batch * new, q_heads, dim)
+    )
     flops = 4 * batch * q_heads * dim * sum(cached + i + 1 for i in range(new))
     rows = []
     for name, module, kw in variants(kernel, before, sweep):
@@ -161,7 +172,8 @@ def prefill_case(kernel: Any, before: Any, batch: int, new: int, cached: int, de
         out = torch.empty_like(q)
         try:
             fn = lambda i, m=module, kw=kw, out=out: m.paged_prefill(  # noqa: E731
-                q, k, v, tables[i], starts, q_lens, lens, scale, None, out, max_query_len=new, **kw)  # fmt: skip
+                q, k, v, tables[i], starts, q_lens, lens, scale, None, out, max_query_len=new, **kw
+            )
             fn(0)
             row["max_err"] = (out.float() - ref).abs().max().item()
             row["ms"] = time_ms(fn, device, len(tables))
@@ -185,7 +197,8 @@ def print_table(rows: list[dict]) -> None:
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         shape = {"decode": f"B={r['batch']} x {r.get('context')}", "sampler": f"B={r['batch']} x {VOCAB}"}.get(
-            r["kernel"], f"B={r['batch']} x {r.get('new')} new over {r.get('cached')}")  # fmt: skip
+            r["kernel"], f"B={r['batch']} x {r.get('new')} new over {r.get('cached')}"
+        )
         if "error" in r:
             print(f"| {r['kernel']} | {shape} | {r['variant']} | failed: {r['error']} |")
             continue
@@ -214,17 +227,29 @@ def main() -> None:
     sweep = not (args.tiny or args.no_sweep)
     decode_before = load_before(args.before, "decode_attention")
     prefill_before = load_before(args.before, "prefill_attention")
-    cases = ([("decode", 2, 40), ("prefill", 2, 8, 24), ("sampler", 2)] if args.tiny else
-             [("decode", 512, 700), ("decode", 64, 700), ("decode", 16, 700), ("prefill", 64, 100, 300),
-              ("prefill", 256, 100, 300), ("sampler", 1), ("sampler", 512)])  # fmt: skip
+    cases = (
+        [("decode", 2, 40), ("prefill", 2, 8, 24), ("sampler", 2)]
+        if args.tiny
+        else [
+            ("decode", 512, 700),
+            ("decode", 64, 700),
+            ("decode", 16, 700),
+            ("prefill", 64, 100, 300),
+            ("prefill", 256, 100, 300),
+            ("sampler", 1),
+            ("sampler", 512),
+        ]
+    )
     doc = {"device": torch.cuda.get_device_name() if key else args.device, "gpu": key, "peak": peak, "rows": []}
     for case in cases:
         if case[0] == "decode":
-            rows = decode_case(decode_attention, decode_before, *case[1:], args.device, DECODE_SWEEP if sweep else [],
-                               peak)  # fmt: skip
+            rows = decode_case(
+                decode_attention, decode_before, *case[1:], args.device, DECODE_SWEEP if sweep else [], peak
+            )
         elif case[0] == "prefill":
-            rows = prefill_case(prefill_attention, prefill_before, *case[1:], args.device,
-                                PREFILL_SWEEP if sweep else [], peak)  # fmt: skip
+            rows = prefill_case(
+                prefill_attention, prefill_before, *case[1:], args.device, PREFILL_SWEEP if sweep else [], peak
+            )
         else:
             rows = sampler_case(sampling, case[1], args.device)
         doc["rows"] += rows

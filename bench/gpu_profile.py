@@ -21,8 +21,11 @@ from treeserve.search.context import SearchConfig
 
 
 def summary(problems: int, args: argparse.Namespace) -> dict:
-    settings = EvalSettings(dataset=f"arith:level=4,5,size={problems},seed=0", progress=False,
-                            runtime=RuntimeSettings(dtype="bfloat16", kv_cache_memory=1 << 30, device=args.device))
+    settings = EvalSettings(
+        dataset=f"arith:level=4,5,size={problems},seed=0",
+        progress=False,
+        runtime=RuntimeSettings(dtype="bfloat16", kv_cache_memory=1 << 30, device=args.device),
+    )
     return run_eval(settings, SearchConfig(strategy="beam_search", n=args.n, beam_width=4, seed=0))["summary"]
 
 
@@ -38,8 +41,10 @@ def main() -> None:
     wall, steps = s["wall_time_s"], s["generator_steps"] + s["prm_steps"]
     print(f"search {wall:.2f} s, {60 * args.problems / wall:.1f} problems/min, accuracy {s['accuracy']:.3f}")
     for name in ("generator", "prm"):
-        print(f"  {name}: {s[f'{name}_steps']} steps, busy {s[f'{name}_busy_s']:.2f} s, "
-              f"{s[f'{name}_computed_tokens']} tokens computed")  # fmt: skip
+        print(
+            f"  {name}: {s[f'{name}_steps']} steps, busy {s[f'{name}_busy_s']:.2f} s, "
+            f"{s[f'{name}_computed_tokens']} tokens computed"
+        )
     print(f"  {1000 * wall / steps:.2f} ms of wall time per engine step", flush=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
     with profile(activities=activities) as prof:

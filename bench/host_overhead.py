@@ -83,8 +83,9 @@ def model_dir() -> str:
     if kind not in ("byte-level", "word-level"):
         raise SystemExit(f"HOST_TOKENIZER must be byte-level or word-level, not {kind!r}")
     path = os.path.join(tempfile.gettempdir(), f"treeserve-host-llama-{kind}")
-    return _workloads().build_random_llama(path, hidden=128, layers=3, heads=4, kv_heads=2, vocab=VOCAB,
-                                           byte_level=kind == "byte-level")  # fmt: skip
+    return _workloads().build_random_llama(
+        path, hidden=128, layers=3, heads=4, kv_heads=2, vocab=VOCAB, byte_level=kind == "byte-level"
+    )
 
 
 def prompts(count: int) -> list[list[int]]:
@@ -280,9 +281,13 @@ def child_beam(engine_name: str, count: int) -> dict:
     wall = time.perf_counter() - spans["start"]
     steps = sum(spans["runtime"].steps.values())
     summary = results["summary"]
-    return report(wall, steps, rows[0], timers,
-                  {"problems": 2 * problems, "accuracy": summary["accuracy"], "generated_tokens":
-                   summary["generated_tokens"]})  # fmt: skip
+    return report(
+        wall,
+        steps,
+        rows[0],
+        timers,
+        {"problems": 2 * problems, "accuracy": summary["accuracy"], "generated_tokens": summary["generated_tokens"]},
+    )
 
 
 def child_server(engine_name: str, count: int) -> dict:
@@ -344,8 +349,14 @@ def child_vllm(count: int) -> dict:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     timers = Timers()
-    llm = LLM(model=model_dir(), dtype="float32", seed=0, max_num_seqs=max(256, count), max_model_len=512,
-              enable_prefix_caching=True)  # fmt: skip
+    llm = LLM(
+        model=model_dir(),
+        dtype="float32",
+        seed=0,
+        max_num_seqs=max(256, count),
+        max_model_len=512,
+        enable_prefix_caching=True,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True)
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts(8)], params, use_tqdm=False)  # warm-up
     engine = llm.llm_engine
@@ -361,8 +372,13 @@ def child_vllm(count: int) -> dict:
         engine.step()
         steps += 1
     wall = time.perf_counter() - start
-    return report(wall, steps, steps * count, timers, {"async_scheduling": bool(
-        getattr(llm.llm_engine.vllm_config.scheduler_config, "async_scheduling", False))})  # fmt: skip
+    return report(
+        wall,
+        steps,
+        steps * count,
+        timers,
+        {"async_scheduling": bool(getattr(llm.llm_engine.vllm_config.scheduler_config, "async_scheduling", False))},
+    )
 
 
 def child(args: argparse.Namespace) -> None:
@@ -388,15 +404,29 @@ def child(args: argparse.Namespace) -> None:
 def run_child(engine: str, workload: str, count: int, args: argparse.Namespace) -> dict | None:
     python = VLLM_PYTHON if engine == "vllm" else sys.executable
     label = engine
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-           "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(args.threads),
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     if engine == "before":
         if not args.before:
             raise SystemExit("engine 'before' needs --before DIR (an earlier checkout)")
         env["PYTHONPATH"] = args.before
         engine = "treeserve-old"
-    command = [python, __file__, "--child", engine, "--workload", workload, "--count", str(count),
-               "--threads", str(args.threads)]  # fmt: skip
+    command = [
+        python,
+        __file__,
+        "--child",
+        engine,
+        "--workload",
+        workload,
+        "--count",
+        str(count),
+        "--threads",
+        str(args.threads),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode or not lines:
@@ -419,8 +449,12 @@ def main() -> None:
         choices=["byte-level", "word-level"],
         help="the random model's tokenizer (default byte-level; see model_dir)",
     )
-    ap.add_argument("--decode-tokens", type=int, default=None,
-                    help="tokens each request generates (default 64): a stream's cost with its length")
+    ap.add_argument(
+        "--decode-tokens",
+        type=int,
+        default=None,
+        help="tokens each request generates (default 64): a stream's cost with its length",
+    )
     ap.add_argument("--output", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--workload", default="decode", help=argparse.SUPPRESS)
@@ -448,12 +482,18 @@ def main() -> None:
                     result = run_child(engine, workload, count, args)
                     if result is not None:
                         runs.setdefault(f"{workload}/{count}/{engine}", []).append(result)
-                        print(f"{workload:6} {count:4} {engine:18} step {result['step_ms']:7.2f} ms  forward "
-                              f"{result['forward_ms']:7.2f}  sampling {result['sampling_ms']:6.2f}  host "
-                              f"{result['host_us_per_seq_step']:6.2f} us/seq-step  beyond execute "
-                              f"{result['beyond_execute_us_per_seq_step']:6.2f}", flush=True)  # fmt: skip
-    table = ["| workload | seqs | engine | wall s | steps | step ms | forward ms | sampling ms | host us / seq-step "
-             "| beyond execute us / seq-step | ops / step |", "|---" * 11 + "|"]  # fmt: skip
+                        print(
+                            f"{workload:6} {count:4} {engine:18} step {result['step_ms']:7.2f} ms  forward "
+                            f"{result['forward_ms']:7.2f}  sampling {result['sampling_ms']:6.2f}  host "
+                            f"{result['host_us_per_seq_step']:6.2f} us/seq-step  beyond execute "
+                            f"{result['beyond_execute_us_per_seq_step']:6.2f}",
+                            flush=True,
+                        )
+    table = [
+        "| workload | seqs | engine | wall s | steps | step ms | forward ms | sampling ms | host us / seq-step "
+        "| beyond execute us / seq-step | ops / step |",
+        "|---" * 11 + "|",
+    ]
     medians = {}
     for key, results in runs.items():
         workload, count, engine = key.split("/")
@@ -461,22 +501,34 @@ def main() -> None:
         medians[key] = med
         ops = results[0].get("ops_per_step", "")
         steps = statistics.median(r["steps"] for r in results)
-        table.append(f"| {workload} | {count} | {engine} | {med['wall_s']:.2f} | {steps:.0f} | {med['step_ms']:.2f} | "
-                     f"{med['forward_ms']:.2f} | "
-                     f"{med['sampling_ms']:.2f} | {med['host_us_per_seq_step']:.2f} | "
-                     f"{med['beyond_execute_us_per_seq_step']:.2f} | {ops} |")  # fmt: skip
+        table.append(
+            f"| {workload} | {count} | {engine} | {med['wall_s']:.2f} | {steps:.0f} | {med['step_ms']:.2f} | "
+            f"{med['forward_ms']:.2f} | "
+            f"{med['sampling_ms']:.2f} | {med['host_us_per_seq_step']:.2f} | "
+            f"{med['beyond_execute_us_per_seq_step']:.2f} | {ops} |"
+        )
     print("\n".join(table))
     if args.output:
         from treeserve.device import cpu_model
 
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         with open(args.output, "w") as f:
-            json.dump({"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M"),
-                       "machine": platform.processor() or platform.machine(), "cpu": cpu_model(),
-                       "threads": args.threads, "before": args.before, "runs": runs,
-                       "tokenizer": os.environ.get("HOST_TOKENIZER", "byte-level"),
-                       "decode_tokens": DECODE_TOKENS if not args.decode_tokens else args.decode_tokens,
-                       "medians": medians}, f, indent=1)  # fmt: skip
+            json.dump(
+                {
+                    "command": " ".join(sys.argv),
+                    "date": time.strftime("%Y-%m-%d %H:%M"),
+                    "machine": platform.processor() or platform.machine(),
+                    "cpu": cpu_model(),
+                    "threads": args.threads,
+                    "before": args.before,
+                    "runs": runs,
+                    "tokenizer": os.environ.get("HOST_TOKENIZER", "byte-level"),
+                    "decode_tokens": DECODE_TOKENS if not args.decode_tokens else args.decode_tokens,
+                    "medians": medians,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -68,10 +68,14 @@ def attention_case(
     k_cache, v_cache = arena.layer(1)
     step = torch.arange(queries)[None]
     group = SeqGroup(
-        block_tables=tables, context_lens=ctx, query_index=starts[:, None] + step,
-        query_pos=ctx[:, None] - queries + step, query_valid=torch.ones(seqs, queries, dtype=torch.bool),
-        query_start=starts, query_len=lens,
-    )  # fmt: skip
+        block_tables=tables,
+        context_lens=ctx,
+        query_index=starts[:, None] + step,
+        query_pos=ctx[:, None] - queries + step,
+        query_valid=torch.ones(seqs, queries, dtype=torch.bool),
+        query_start=starts,
+        query_len=lens,
+    )
     portable = AttentionBatch(arena=arena, slot_pages=tables, slot_offsets=tables, groups=[group])
     out = torch.empty_like(q)
     if queries == 1:

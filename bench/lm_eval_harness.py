@@ -118,8 +118,22 @@ def write_tasks(directory: str, problems: int) -> list[dict]:
 
 
 def start_server(port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "treeserve.cli", "serve", "--model", DEFAULT_GENERATOR, "--served-model-name", MODEL,
-           "--dtype", "float32", "--kv-cache-memory", "256M", "--port", str(port)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "treeserve.cli",
+        "serve",
+        "--model",
+        DEFAULT_GENERATOR,
+        "--served-model-name",
+        MODEL,
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "256M",
+        "--port",
+        str(port),
+    ]
     server = subprocess.Popen(cmd, cwd=ROOT)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -136,8 +150,22 @@ def run_lm_eval(model: str, url: str, tasks: str, task_dir: str, out: str, chat:
     args = f"base_url={url},model={MODEL},num_concurrent=1,max_retries=1"
     if not chat:
         args += f",tokenizer_backend=huggingface,tokenizer={DEFAULT_GENERATOR}"
-    cmd = [LMEVAL, "--model", model, "--model_args", args, "--tasks", tasks, "--include_path", task_dir,
-           "--output_path", out, "--log_samples", "--seed", "0"]  # fmt: skip
+    cmd = [
+        LMEVAL,
+        "--model",
+        model,
+        "--model_args",
+        args,
+        "--tasks",
+        tasks,
+        "--include_path",
+        task_dir,
+        "--output_path",
+        out,
+        "--log_samples",
+        "--seed",
+        "0",
+    ]
     if chat:
         cmd.append("--apply_chat_template")
     print("$", " ".join(cmd), flush=True)
@@ -187,10 +215,22 @@ def main() -> None:
     server = start_server(port)
     try:
         base = f"http://127.0.0.1:{port}/v1"
-        completions = run_lm_eval("local-completions", f"{base}/completions", "arith_mc,arith_gen_text", task_dir,
-                                  os.path.join(args.out, "completions"), chat=False)  # fmt: skip
-        chat = run_lm_eval("local-chat-completions", f"{base}/chat/completions", "arith_gen_chat", task_dir,
-                           os.path.join(args.out, "chat"), chat=True)  # fmt: skip
+        completions = run_lm_eval(
+            "local-completions",
+            f"{base}/completions",
+            "arith_mc,arith_gen_text",
+            task_dir,
+            os.path.join(args.out, "completions"),
+            chat=False,
+        )
+        chat = run_lm_eval(
+            "local-chat-completions",
+            f"{base}/chat/completions",
+            "arith_gen_chat",
+            task_dir,
+            os.path.join(args.out, "chat"),
+            chat=True,
+        )
     finally:
         server.terminate()
         server.wait(timeout=30)

@@ -143,14 +143,19 @@ def report(r: dict) -> str:
         f"{'RSS (MB)':<44}{'total':>8} {'anon':>8} {'file':>8}",
         f"{'before import':<44}{mb(start['VmRSS'])} {mb(start['RssAnon'])} {mb(start['RssFile'])}",
     ]
-    for name, mark in (("after import treeserve", imported), ("after LLM(model=gguf)", loaded),
-                       (f"after generating {r['tokens']} tokens", generated)):  # fmt: skip
+    for name, mark in (
+        ("after import treeserve", imported),
+        ("after LLM(model=gguf)", loaded),
+        (f"after generating {r['tokens']} tokens", generated),
+    ):
         lines.append(f"{name:<44}{mb(mark['VmRSS'])} {mb(mark['RssAnon'])} {mb(mark['RssFile'])}")
     growth = generated["VmRSS"] - imported["VmRSS"]
     anon, file = (generated[k] - imported[k] for k in ("RssAnon", "RssFile"))
     lines.append(f"{'growth: LLM() + generate (from after import)':<44}{mb(growth)} {mb(anon)} {mb(file)}")
-    lines.append(f"{'  vs llama.cpp (issue 64, AMX Xeon)':<44}{ISSUE_LLAMACPP_MB:8.1f}   "
-                 f"-> {growth / MB / ISSUE_LLAMACPP_MB:.2f}x")  # fmt: skip
+    lines.append(
+        f"{'  vs llama.cpp (issue 64, AMX Xeon)':<44}{ISSUE_LLAMACPP_MB:8.1f}   "
+        f"-> {growth / MB / ISSUE_LLAMACPP_MB:.2f}x"
+    )
     lines.append("inside LLM(model=gguf), RSS added by each step (MB):")
     keys = ("VmRSS", "RssAnon", "RssFile")
     zero = dict.fromkeys(keys, 0)
@@ -193,8 +198,12 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args)))
         return
-    options = {"--tokens": args.tokens, "--kv-mib": args.kv_mib, "--max-model-len": args.max_model_len,
-               "--threads": args.threads}  # fmt: skip
+    options = {
+        "--tokens": args.tokens,
+        "--kv-mib": args.kv_mib,
+        "--max-model-len": args.max_model_len,
+        "--threads": args.threads,
+    }
     command = [sys.executable, os.path.abspath(__file__), "--child", *(str(x) for kv in options.items() for x in kv)]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)

@@ -58,8 +58,9 @@ def run_generate(workload: str, sizes: dict, threads: int) -> dict:
     llm = LLM(path, dtype="bfloat16", dequantize="quantization" not in sizes, kv_cache_memory=256 << 20, **sizes)
     rng = random.Random(0)
     count, length, n, temperature = (1, 16, 1, 0.0) if workload == "decode" else (8, 32, 4, 0.8)
-    prompts = [{"prompt_token_ids": [2] + [rng.randrange(1000, 100000) for _ in range(length - 1)]}
-               for _ in range(count)]  # fmt: skip
+    prompts = [
+        {"prompt_token_ids": [2] + [rng.randrange(1000, 100000) for _ in range(length - 1)]} for _ in range(count)
+    ]
     params = SamplingParams(n=n, temperature=temperature, max_tokens=32, ignore_eos=True, seed=0)
     llm.generate(prompts[:1], SamplingParams(max_tokens=4))  # warm-up
     comm = _comm(llm.engine)
@@ -81,15 +82,22 @@ def run_beam(sizes: dict, threads: int) -> dict:
     from treeserve.search.context import SearchConfig
 
     prm_sizes = {k: v for k, v in sizes.items() if k != "quantization"}  # the PRM's ranks as the generator's
-    settings = EvalSettings(dataset="arith:level=4,5,size=10,seed=0", progress=False,
-                            generator=ModelSettings(DEFAULT_GENERATOR, **sizes),
-                            prm=ModelSettings(DEFAULT_PRM, **prm_sizes),
-                            runtime=RuntimeSettings(kv_cache_memory=256 << 20))  # fmt: skip
+    settings = EvalSettings(
+        dataset="arith:level=4,5,size=10,seed=0",
+        progress=False,
+        generator=ModelSettings(DEFAULT_GENERATOR, **sizes),
+        prm=ModelSettings(DEFAULT_PRM, **prm_sizes),
+        runtime=RuntimeSettings(kv_cache_memory=256 << 20),
+    )
     start = time.perf_counter()
     doc = run_eval(settings, SearchConfig(n=16, beam_width=4))
     wall = time.perf_counter() - start
-    return {"wall_s": wall, "problems_per_min": doc["summary"]["problems_per_s"] * 60,
-            "accuracy": doc["summary"]["accuracy"], "generated_tokens": doc["summary"]["generated_tokens"]}  # fmt: skip
+    return {
+        "wall_s": wall,
+        "problems_per_min": doc["summary"]["problems_per_s"] * 60,
+        "accuracy": doc["summary"]["accuracy"],
+        "generated_tokens": doc["summary"]["generated_tokens"],
+    }
 
 
 def _comm(engine) -> tuple[float, float]:  # noqa: ANN001
@@ -138,12 +146,23 @@ def main() -> None:
                 result = json.loads(done.stdout.strip().splitlines()[-1])
                 runs[workload][config].append(result)
                 print(workload, config, result, flush=True)
-    medians = {w: {c: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for c, rs in cs.items()}
-               for w, cs in runs.items()}  # fmt: skip
+    medians = {
+        w: {c: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for c, rs in cs.items()}
+        for w, cs in runs.items()
+    }
     os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
     with open(args.output, "w") as f:
-        json.dump({"cpu": cpu_model(), "date": time.strftime("%Y-%m-%d"), "threads": args.threads, "runs": runs,
-                   "medians": medians}, f, indent=1)  # fmt: skip
+        json.dump(
+            {
+                "cpu": cpu_model(),
+                "date": time.strftime("%Y-%m-%d"),
+                "threads": args.threads,
+                "runs": runs,
+                "medians": medians,
+            },
+            f,
+            indent=1,
+        )
     print(json.dumps(medians, indent=1))
 
 

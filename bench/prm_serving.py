@@ -153,9 +153,19 @@ def launch(peer: str, port: int, dtype: str, threads: int, kv_gib: int) -> subpr
         env.update(VLLM_CPU_KVCACHE_SPACE=str(kv_gib), VLLM_CPU_OMP_THREADS_BIND="nobind")
         classifier = {"classifier_from_token": [fmt["good_token"], fmt["bad_token"]], "method": "no_post_processing"}
         pooler = {"task": "token_classify", "tok_pooling_type": "STEP", "step_tag_id": fmt["step_tag_id"]}
-        flags = {"--model": PRM, "--port": port, "--host": "127.0.0.1", "--served-model-name": NAME, "--dtype": dtype,
-                 "--max-model-len": 512, "--seed": 0, "--runner": "pooling", "--convert": "classify",
-                 "--hf-overrides": json.dumps(classifier), "--pooler-config": json.dumps(pooler)}  # fmt: skip
+        flags = {
+            "--model": PRM,
+            "--port": port,
+            "--host": "127.0.0.1",
+            "--served-model-name": NAME,
+            "--dtype": dtype,
+            "--max-model-len": 512,
+            "--seed": 0,
+            "--runner": "pooling",
+            "--convert": "classify",
+            "--hf-overrides": json.dumps(classifier),
+            "--pooler-config": json.dumps(pooler),
+        }
         cmd = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", *argv(flags), "--enable-prefix-caching"]
     log = open(os.path.join(HERE, "out", f"prm_serving_{peer}.log"), "w")  # noqa: SIM115 (closed with the process)
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)

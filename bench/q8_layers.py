@@ -71,8 +71,10 @@ def main() -> None:
         raise SystemExit("these matrices are not on the 8-bit kernel's packed panels (an AMX CPU keeps the file's)")
     libs = {"before": library(args.before), "after": library(None)}
     sweep = torch.empty(0 if args.warm else 64 << 20, dtype=torch.uint8)
-    print(f"{len(plans)} matrices, {sum(d.numel() for plan in plans for _, d, *_ in plan.tensors) / 1e6:.0f} MB, "
-          f"{args.threads} threads, {'warm' if args.warm else 'from memory'}")  # fmt: skip
+    print(
+        f"{len(plans)} matrices, {sum(d.numel() for plan in plans for _, d, *_ in plan.tensors) / 1e6:.0f} MB, "
+        f"{args.threads} threads, {'warm' if args.warm else 'from memory'}"
+    )
     print("| rows | before ms | after ms | after / before | bit-identical |")
     print("|---|---|---|---|---|")
     for rows in (int(r) for r in args.rows.split(",")):

@@ -115,8 +115,15 @@ def main() -> None:
     finally:
         ray.shutdown()
 
-    keys = ("problems_per_min", "wall_s", "startup_s", "worker_search_s", "dispatch_overhead_ms",
-            "driver_cpu_ms_per_problem", "accuracy")  # fmt: skip
+    keys = (
+        "problems_per_min",
+        "wall_s",
+        "startup_s",
+        "worker_search_s",
+        "dispatch_overhead_ms",
+        "driver_cpu_ms_per_problem",
+        "accuracy",
+    )
     rows = {s: {k: median_of(r, k) for k in keys} for s, r in runs.items()}
     base = runs["in-process"][0]["preds"]
     for s, r in runs.items():
@@ -126,11 +133,15 @@ def main() -> None:
         json.dump({"args": vars(args), "round_trips": rtt, "rows": rows, "runs": runs}, f, indent=1)
 
     empty, result = rtt["noop_rtt_ms"], rtt["result_rtt_ms"]
-    print(f"\nRay round trip: empty {empty['median']:.2f} ms (p90 {empty['p90']:.2f}), "
-          f"one problem's result {result['median']:.2f} ms (p90 {result['p90']:.2f})")  # fmt: skip
+    print(
+        f"\nRay round trip: empty {empty['median']:.2f} ms (p90 {empty['p90']:.2f}), "
+        f"one problem's result {result['median']:.2f} ms (p90 {result['p90']:.2f})"
+    )
     print(f"{args.problems} problems, beam search N={args.n}, medians of {args.repeats}\n")
-    print("| system | problems/min | vs ray-1 | start-up s | search s/problem | dispatch ms/problem | "
-          "driver CPU ms/problem | accuracy | same answers |")  # fmt: skip
+    print(
+        "| system | problems/min | vs ray-1 | start-up s | search s/problem | dispatch ms/problem | "
+        "driver CPU ms/problem | accuracy | same answers |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     one = rows.get("ray-1", {}).get("problems_per_min")
 
@@ -138,10 +149,12 @@ def main() -> None:
         return "-" if x is None else format(x, spec)
 
     for s, r in rows.items():
-        print(f"| {s} | {r['problems_per_min']:.1f} | {fmt(one and r['problems_per_min'] / one, '.2f')} | "
-              f"{fmt(r['startup_s'], '.1f')} | {fmt(r['worker_search_s'], '.2f')} | "
-              f"{fmt(r['dispatch_overhead_ms'], '.1f')} | {r['driver_cpu_ms_per_problem']:.1f} | "
-              f"{r['accuracy']:.1%} | {r['same_answers_as_in_process']}/{args.problems} |")  # fmt: skip
+        print(
+            f"| {s} | {r['problems_per_min']:.1f} | {fmt(one and r['problems_per_min'] / one, '.2f')} | "
+            f"{fmt(r['startup_s'], '.1f')} | {fmt(r['worker_search_s'], '.2f')} | "
+            f"{fmt(r['dispatch_overhead_ms'], '.1f')} | {r['driver_cpu_ms_per_problem']:.1f} | "
+            f"{r['accuracy']:.1%} | {r['same_answers_as_in_process']}/{args.problems} |"
+        )
 
 
 if __name__ == "__main__":

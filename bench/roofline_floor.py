@@ -101,8 +101,13 @@ def search_floor(n: int, prompt: int, iterations: int, step: int, gpu: tuple[flo
     prm_flops = 2.0 * PRM.body_params * generated + PRM.attention_flops(generated, int(mean_context))
     gen_t, gen_bound = floor(gen_bytes, gen_flops, gpu)
     prm_t, prm_bound = floor(prm_bytes, prm_flops, gpu)
-    return {"gen_s": gen_t, "gen_bound": gen_bound, "prm_s": prm_t, "prm_bound": prm_bound,
-            "problems_per_min": 60.0 / (gen_t + prm_t)}  # fmt: skip
+    return {
+        "gen_s": gen_t,
+        "gen_bound": gen_bound,
+        "prm_s": prm_t,
+        "prm_bound": prm_bound,
+        "problems_per_min": 60.0 / (gen_t + prm_t),
+    }
 
 
 def tp_prm_step(n: int, context: int, step: int, k: int, gpu: tuple[float, float]) -> dict:
@@ -114,20 +119,30 @@ def tp_prm_step(n: int, context: int, step: int, k: int, gpu: tuple[float, float
     message = n * step * p.hidden * BF16  # one all-reduce's [tokens, hidden] bf16
     count = 2 * p.layers
     comm = count * (2 * (k - 1) / k * message / NVLINK_BYTES_PER_S + ALL_REDUCE_LATENCY_S)
-    return {"compute_s": compute, "bound": bound, "message_bytes": message, "all_reduces": count,
-            "ring_bytes_per_gpu": count * 2 * (k - 1) / k * message, "comm_s": comm,
-            "comm_share": comm / (compute + comm)}  # fmt: skip
+    return {
+        "compute_s": compute,
+        "bound": bound,
+        "message_bytes": message,
+        "all_reduces": count,
+        "ring_bytes_per_gpu": count * 2 * (k - 1) / k * message,
+        "comm_s": comm,
+        "comm_share": comm / (compute + comm),
+    }
 
 
 def tp_table(k: int, gpu: tuple[float, float]) -> None:
     print(f"PRM 72B at tensor_parallel_size={k}, scoring 100 new tokens a beam after 1024 cached:\n")
-    print("| N | tokens | compute floor per GPU (ms) | all-reduces | MB each | GB through each GPU | "
-          "all-reduce time (ms) | share of the step (not overlapped) |\n|---|---|---|---|---|---|---|---|")
+    print(
+        "| N | tokens | compute floor per GPU (ms) | all-reduces | MB each | GB through each GPU | "
+        "all-reduce time (ms) | share of the step (not overlapped) |\n|---|---|---|---|---|---|---|---|"
+    )
     for n in (4, 16, 64, 256):
         e = tp_prm_step(n, 1024, 100, k, gpu)
-        print(f"| {n} | {n * 100} | {e['compute_s'] * 1e3:.1f} ({e['bound']}) | {e['all_reduces']} | "
-              f"{e['message_bytes'] / 1e6:.2f} | {e['ring_bytes_per_gpu'] / 1e9:.2f} | {e['comm_s'] * 1e3:.1f} | "
-              f"{e['comm_share']:.0%} |")  # fmt: skip
+        print(
+            f"| {n} | {n * 100} | {e['compute_s'] * 1e3:.1f} ({e['bound']}) | {e['all_reduces']} | "
+            f"{e['message_bytes'] / 1e6:.2f} | {e['ring_bytes_per_gpu'] / 1e9:.2f} | {e['comm_s'] * 1e3:.1f} | "
+            f"{e['comm_share']:.0%} |"
+        )
 
 
 def main() -> None:
@@ -144,19 +159,25 @@ def main() -> None:
         for context in (256, 2048):
             nbytes, flops = decode_step(n, context)
             t, bound = floor(nbytes, flops, gpu)
-            print(f"| generator decode | {n} | {context} | {nbytes / 1e9:.2f} | {flops / 1e9:.0f} | "
-                  f"{t * 1e3:.3f} | {bound} |")  # fmt: skip
+            print(
+                f"| generator decode | {n} | {context} | {nbytes / 1e9:.2f} | {flops / 1e9:.0f} | "
+                f"{t * 1e3:.3f} | {bound} |"
+            )
     for n in (4, 16, 64, 256):
         nbytes, flops = prm_step(n, 1024, 100)
         t, bound = floor(nbytes, flops, gpu)
-        print(f"| PRM score, 100 new tokens/beam | {n} | 1024 | {nbytes / 1e9:.2f} | {flops / 1e9:.0f} | "
-              f"{t * 1e3:.2f} | {bound} |")  # fmt: skip
+        print(
+            f"| PRM score, 100 new tokens/beam | {n} | 1024 | {nbytes / 1e9:.2f} | {flops / 1e9:.0f} | "
+            f"{t * 1e3:.2f} | {bound} |"
+        )
     print("\nBeam search per problem, many problems in flight (prompt 200 tokens, 10 iterations of 100-token steps):\n")
     print("| N | generator floor (s) | PRM floor (s) | problems/min at the floor |\n|---|---|---|---|")
     for n in (16, 64):
         f = search_floor(n, prompt=200, iterations=10, step=100, gpu=gpu)
-        print(f"| {n} | {f['gen_s']:.3f} ({f['gen_bound']}) | {f['prm_s']:.3f} ({f['prm_bound']}) | "
-              f"{f['problems_per_min']:.0f} |")  # fmt: skip
+        print(
+            f"| {n} | {f['gen_s']:.3f} ({f['gen_bound']}) | {f['prm_s']:.3f} ({f['prm_bound']}) | "
+            f"{f['problems_per_min']:.0f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -107,8 +107,12 @@ def run_system(system: str, workload_path: str, threads: int, before: str | None
         if before is None:
             raise SystemExit("treeserve-before needs --before DIR (a checkout of an earlier commit)")
         root = os.path.abspath(before)
-        command = [sys.executable, os.path.join(root, "bench", "peers", "run_treeserve_search.py"), workload_path,
-                   out_path]  # fmt: skip
+        command = [
+            sys.executable,
+            os.path.join(root, "bench", "peers", "run_treeserve_search.py"),
+            workload_path,
+            out_path,
+        ]
     else:
         command = [*SYSTEMS[system], workload_path, out_path]
     if system == "treeserve-reference":
@@ -169,10 +173,18 @@ def main() -> None:
     ap.add_argument("--problems", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--model-size", default="arith", choices=["arith", *TWIN_SIZES],
-                    help="the shipped models, or their random-weight twins of that size")  # fmt: skip
-    ap.add_argument("--generator-shape", default=None, choices=list(QWEN3_SHAPES),
-                    help="a random-weight generator of this shape instead (module docstring)")  # fmt: skip
+    ap.add_argument(
+        "--model-size",
+        default="arith",
+        choices=["arith", *TWIN_SIZES],
+        help="the shipped models, or their random-weight twins of that size",
+    )
+    ap.add_argument(
+        "--generator-shape",
+        default=None,
+        choices=list(QWEN3_SHAPES),
+        help="a random-weight generator of this shape instead (module docstring)",
+    )
     ap.add_argument("--prm-shape", default=None, choices=["qwen3-1.7b"], help="a random-weight PRM of this shape")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers of the --*-shape models")
     ap.add_argument("--generator", default=os.path.join(ASSETS, "arith-generator"), help="with --model-size arith")
@@ -199,9 +211,19 @@ def main() -> None:
     if random_weights:
         shape = {"num_iterations": 5, "max_tokens": 32, "fixed_steps": True}
     workload = {
-        "problems": records, **models, **shape, "n": args.n, "beam_width": args.beam_width, "temperature": 0.8,
-        "top_p": 1.0, "agg": "last", "seed": 0, "dtype": "bfloat16", "kv_gib": 1, "device": args.device,
-    }  # fmt: skip
+        "problems": records,
+        **models,
+        **shape,
+        "n": args.n,
+        "beam_width": args.beam_width,
+        "temperature": 0.8,
+        "top_p": 1.0,
+        "agg": "last",
+        "seed": 0,
+        "dtype": "bfloat16",
+        "kv_gib": 1,
+        "device": args.device,
+    }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     workload_path = args.out + ".workload.json"
     with open(workload_path, "w") as f:
@@ -213,12 +235,14 @@ def main() -> None:
             out = run_system(system, workload_path, args.threads, args.before)
             correct = None if random_weights else grade(records, out)
             row = {
-                "problems_per_min": len(records) / out["wall_s"] * 60, "wall_s": out["wall_s"],
+                "problems_per_min": len(records) / out["wall_s"] * 60,
+                "wall_s": out["wall_s"],
                 "generated_tokens": out["generated_tokens"],
                 "generated_tokens_per_s": out["generated_tokens"] / out["wall_s"],
-                "prm_tokens_prefilled": out["prm_tokens_prefilled"], "prm_unique_tokens": out.get("prm_unique_tokens"),
+                "prm_tokens_prefilled": out["prm_tokens_prefilled"],
+                "prm_unique_tokens": out.get("prm_unique_tokens"),
                 **({} if correct is None else {f"correct_{rule}": sum(hits) for rule, hits in correct.items()}),
-            }  # fmt: skip
+            }
             runs[system].append(row)
             print(system, rep, json.dumps(row), flush=True)
     table = {}
@@ -228,7 +252,7 @@ def main() -> None:
             "problems_per_min": statistics.median(r["problems_per_min"] for r in rows),
             "generated_tokens_per_s": statistics.median(r["generated_tokens_per_s"] for r in rows),
             "prm_tokens_prefilled": statistics.median(r["prm_tokens_prefilled"] for r in rows),
-        }  # fmt: skip
+        }
         for rule in () if random_weights else RULES:  # seeded runs repeat their answers
             correct = int(statistics.median(r[f"correct_{rule}"] for r in rows))
             table[system][f"accuracy_{rule}"] = correct / total
@@ -242,17 +266,21 @@ def main() -> None:
     models += "".join(f", {role} {shape}" for role, shape in shapes.items() if shape)
     models += f" at {args.layers} layers" if args.layers and any(shapes.values()) else ""
     print(f"\nn={args.n}, {len(records)} problems ({models}), {args.repeats} repetitions, medians:")
-    print("| system | problems/min | generated tok/s | PRM tokens prefilled | accuracy, weighted (95% CI) "
-          "| accuracy, naive | treeserve speed-up |")  # fmt: skip
+    print(
+        "| system | problems/min | generated tok/s | PRM tokens prefilled | accuracy, weighted (95% CI) "
+        "| accuracy, naive | treeserve speed-up |"
+    )
     print("|---|---|---|---|---|---|---|")
     for system, r in table.items():
         weighted, naive = "-", "-"
         if not random_weights:
             low, high = r["accuracy_weighted_ci95"]
             weighted, naive = f"{r['accuracy_weighted']:.1%} ({low:.1%}-{high:.1%})", f"{r['accuracy_naive']:.1%}"
-        print(f"| {system} | {r['problems_per_min']:.1f} | {r['generated_tokens_per_s']:.0f} | "
-              f"{r['prm_tokens_prefilled']:.0f} | {weighted} | {naive} | "
-              f"{r['treeserve_speedup'] or float('nan'):.2f}x |")  # fmt: skip
+        print(
+            f"| {system} | {r['problems_per_min']:.1f} | {r['generated_tokens_per_s']:.0f} | "
+            f"{r['prm_tokens_prefilled']:.0f} | {weighted} | {naive} | "
+            f"{r['treeserve_speedup'] or float('nan'):.2f}x |"
+        )
 
 
 if __name__ == "__main__":

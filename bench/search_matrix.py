@@ -63,16 +63,25 @@ def run(name: str, settings: EvalSettings, config: SearchConfig, out: Path) -> l
         )
         label = {"naive": "best_of_n", "weighted": "weighted_best_of_n"}.get(selection or "", name)
         low, high = wilson_interval(correct, len(problems))
-        rows.append({
-            "name": label if selection else name, "strategy": config.strategy, "n": config.n,
-            "rule": selection or summary["accuracy_rule"],
-            "accuracy": correct / len(problems), "ci95": [low, high], "problems": len(problems),
-            "problems_per_min": 60 * summary["problems_per_s"], "generated_tokens": summary["generated_tokens"],
-            "prm_tokens_prefilled": summary.get("prm_tokens_prefilled", 0),
-            "prm_unique_tokens": summary.get("prm_unique_tokens", 0), "wall_s": time.perf_counter() - start,
-            "lookahead": config.lookahead, "lookahead_generated_tokens": summary.get("lookahead_generated_tokens", 0),
-            "lookahead_prm_tokens": summary.get("lookahead_prm_tokens", 0),
-        })  # fmt: skip
+        rows.append(
+            {
+                "name": label if selection else name,
+                "strategy": config.strategy,
+                "n": config.n,
+                "rule": selection or summary["accuracy_rule"],
+                "accuracy": correct / len(problems),
+                "ci95": [low, high],
+                "problems": len(problems),
+                "problems_per_min": 60 * summary["problems_per_s"],
+                "generated_tokens": summary["generated_tokens"],
+                "prm_tokens_prefilled": summary.get("prm_tokens_prefilled", 0),
+                "prm_unique_tokens": summary.get("prm_unique_tokens", 0),
+                "wall_s": time.perf_counter() - start,
+                "lookahead": config.lookahead,
+                "lookahead_generated_tokens": summary.get("lookahead_generated_tokens", 0),
+                "lookahead_prm_tokens": summary.get("lookahead_prm_tokens", 0),
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -131,8 +140,9 @@ def main() -> None:
     if args.only_lookahead and not args.lookaheads:
         parser.error("--only-lookahead needs --lookaheads K,K,...")
     args.out.mkdir(parents=True, exist_ok=True)
-    settings = EvalSettings(dataset=f"arith:level=4,5,size={args.size},seed=0", progress=False,
-                            runtime=RuntimeSettings(dtype=args.dtype))
+    settings = EvalSettings(
+        dataset=f"arith:level=4,5,size={args.size},seed=0", progress=False, runtime=RuntimeSettings(dtype=args.dtype)
+    )
     base = SearchConfig(beam_width=args.beam_width, num_iterations=40, temperature=args.temperature)
     if args.lookaheads:
         ks = [int(k) for k in args.lookaheads.split(",")]

@@ -29,14 +29,17 @@ def measure(records: list[dict], n: int, in_flight: int, repeats: int) -> dict:
     for _ in range(repeats):
         s = run_eval(settings, config, inline=records)["summary"]
         per_s = s["generated_tokens_per_s"]
-        runs.append({"problems_per_min": s["problems_per_s"] * 60, "generated_tokens_per_s": per_s,
-                     "accuracy": s["accuracy"]})  # fmt: skip
+        runs.append(
+            {"problems_per_min": s["problems_per_s"] * 60, "generated_tokens_per_s": per_s, "accuracy": s["accuracy"]}
+        )
     return {
-        "n": n, "in_flight": in_flight, "runs": runs,
+        "n": n,
+        "in_flight": in_flight,
+        "runs": runs,
         "problems_per_min": statistics.median(r["problems_per_min"] for r in runs),
         "generated_tokens_per_s": statistics.median(r["generated_tokens_per_s"] for r in runs),
         "accuracy": statistics.median(r["accuracy"] for r in runs),
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -56,8 +59,10 @@ def main() -> None:
     print("| N | problems in flight | problems/min | generated tok/s | accuracy |")
     print("|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['n']} | {r['in_flight']} | {r['problems_per_min']:.1f} | {r['generated_tokens_per_s']:.0f} | "
-              f"{r['accuracy']:.1%} |")  # fmt: skip
+        print(
+            f"| {r['n']} | {r['in_flight']} | {r['problems_per_min']:.1f} | {r['generated_tokens_per_s']:.0f} | "
+            f"{r['accuracy']:.1%} |"
+        )
 
 
 if __name__ == "__main__":

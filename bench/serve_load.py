@@ -60,8 +60,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(server: str, model: str, port: int, threads: int, kv_gib: int,
-           before: str | None = None) -> subprocess.Popen:  # fmt: skip
+def launch(
+    server: str, model: str, port: int, threads: int, kv_gib: int, before: str | None = None
+) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     cwd = ROOT
     if server == "treeserve-before":  # treeserve from an earlier checkout (a git worktree), same flags
@@ -70,8 +71,20 @@ def launch(server: str, model: str, port: int, threads: int, kv_gib: int,
         cwd = os.path.abspath(before)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [cwd, os.environ.get("PYTHONPATH")]))
     if server.startswith("treeserve"):
-        cmd = [sys.executable, "-m", "treeserve.cli", "serve", "--model", model, "--port", str(port),
-               "--served-model-name", NAME, "--kv-cache-memory", str(kv_gib << 30)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "treeserve.cli",
+            "serve",
+            "--model",
+            model,
+            "--port",
+            str(port),
+            "--served-model-name",
+            NAME,
+            "--kv-cache-memory",
+            str(kv_gib << 30),
+        ]
         if server == "treeserve-inprocess":
             cmd.append("--engine-in-process")
         if server == "treeserve-overlap":  # overlapped steps (issue 52), off by default on a CPU
@@ -82,9 +95,25 @@ def launch(server: str, model: str, port: int, threads: int, kv_gib: int,
         env.update(VLLM_CPU_KVCACHE_SPACE=str(kv_gib), VLLM_CPU_OMP_THREADS_BIND="nobind")
         if server == "vllm-inprocess":
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        cmd = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
-               "--served-model-name", NAME, "--dtype", "bfloat16", "--max-model-len", "512", "--seed", "0",
-               "--host", "127.0.0.1"]  # fmt: skip
+        cmd = [
+            VLLM_PYTHON,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--port",
+            str(port),
+            "--served-model-name",
+            NAME,
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "512",
+            "--seed",
+            "0",
+            "--host",
+            "127.0.0.1",
+        ]
     log = open(os.path.join(HERE, "out", f"serve_load_{server}.log"), "w")  # noqa: SIM115 (closed with the process)
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
 
@@ -155,9 +184,16 @@ async def one_search(client: httpx.AsyncClient, base: str, load: Load, i: int) -
 
 
 async def one_request(client: httpx.AsyncClient, base: str, load: Load, i: int) -> Outcome:
-    body = {"model": NAME, "messages": [{"role": "user", "content": load.prompts[i]}], "max_tokens": load.max_tokens,
-            "temperature": 0.8, "seed": i, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": NAME,
+        "messages": [{"role": "user", "content": load.prompts[i]}],
+        "max_tokens": load.max_tokens,
+        "temperature": 0.8,
+        "seed": i,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     out, start, chunks = Outcome(), time.perf_counter(), 0
     try:
         async with client.stream("POST", base + "/v1/chat/completions", json=body) as response:
@@ -258,13 +294,18 @@ def summarize(load: Load, wall: float) -> dict:
     ttfts = sorted(o.ttft for o in load.outcomes if o.ttft is not None)
     p99 = ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))] if ttfts else None
     return {
-        "requests": len(load.outcomes), "completed": len(done), "aborted": sum(o.aborted for o in load.outcomes),
-        "errors": [o.error for o in load.outcomes if o.error], "wall_s": wall,
-        "requests_per_s": len(done) / wall, "tokens_per_s": sum(o.tokens for o in done) / wall,
-        "ttft_p50_s": statistics.median(ttfts) if ttfts else None, "ttft_p99_s": p99,
+        "requests": len(load.outcomes),
+        "completed": len(done),
+        "aborted": sum(o.aborted for o in load.outcomes),
+        "errors": [o.error for o in load.outcomes if o.error],
+        "wall_s": wall,
+        "requests_per_s": len(done) / wall,
+        "tokens_per_s": sum(o.tokens for o in done) / wall,
+        "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
+        "ttft_p99_s": p99,
         "all_accounted": all(o.completed or o.aborted for o in load.outcomes),
         "accuracy": (sum(bool(o.correct) for o in done) / len(done)) if load.search_n and done else None,
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -278,10 +319,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--kv-gib", type=int, default=1)
-    ap.add_argument("--search-n", type=int, default=0,
-                    help="> 0: the load is /v1/search requests (beam search with this N), not chats")  # fmt: skip
-    ap.add_argument("--search-budget", type=int, default=2500,
-                    help="treeserve-budget: each search's budget_tokens (sampled and fed to the PRM)")  # fmt: skip
+    ap.add_argument(
+        "--search-n",
+        type=int,
+        default=0,
+        help="> 0: the load is /v1/search requests (beam search with this N), not chats",
+    )
+    ap.add_argument(
+        "--search-budget",
+        type=int,
+        default=2500,
+        help="treeserve-budget: each search's budget_tokens (sampled and fed to the PRM)",
+    )
     ap.add_argument("--out", default=os.path.join(HERE, "out", "serve_load.json"))
     ap.add_argument("--before", default=None, help="the checkout server treeserve-before runs (a git worktree)")
     args = ap.parse_args()
@@ -322,8 +371,11 @@ def main() -> None:
             f"ttft_p50 ({v}/{t})": medians[v]["ttft_p50_s"] / medians[t]["ttft_p50_s"],
             f"ttft_p99 ({v}/{t})": medians[v]["ttft_p99_s"] / medians[t]["ttft_p99_s"],
         }
-        for t in servers if t.startswith("treeserve") for v in servers if v != t
-    }  # fmt: skip
+        for t in servers
+        if t.startswith("treeserve")
+        for v in servers
+        if v != t
+    }
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print(json.dumps({"medians": medians, "ratios": report["ratios"]}, indent=1))

@@ -63,8 +63,10 @@ def gemma(workloads: list[str], repeats: int) -> list[dict]:
 
     path = str(fetch_gguf("gemma3-270m"))
     settings = {"plain": None, "ngram k=4": ngram(4), "ngram k=8": ngram(8)}
-    llms = {name: LLM(path, kv_cache_memory=256 << 20, max_model_len=4096, speculative_config=spec)
-            for name, spec in settings.items()}  # fmt: skip
+    llms = {
+        name: LLM(path, kv_cache_memory=256 << 20, max_model_len=4096, speculative_config=spec)
+        for name, spec in settings.items()
+    }
     cases = {
         "gemma-copy": (COPY_PROMPT, SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)),
         "gemma-story": (STORY_PROMPT, SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)),
@@ -88,12 +90,19 @@ def gemma(workloads: list[str], repeats: int) -> list[dict]:
                 texts[name] = out.token_ids
                 if before is not None:
                     after = llm.engine.speculator.stats.as_dict()
-                    accepted[name] = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens",
-                                                                         "num_accepted_tokens")}  # fmt: skip
+                    accepted[name] = {
+                        k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+                    }
         base = statistics.median(runs["plain"])
         for name, values in runs.items():
-            row = {"workload": workload, "setting": name, "runs": values, "median": statistics.median(values),
-                   "ratio": statistics.median(values) / base, "identical": texts[name] == texts["plain"]}  # fmt: skip
+            row = {
+                "workload": workload,
+                "setting": name,
+                "runs": values,
+                "median": statistics.median(values),
+                "ratio": statistics.median(values) / base,
+                "identical": texts[name] == texts["plain"],
+            }
             if name in accepted:
                 a = accepted[name]
                 row["acceptance_rate"] = a["num_accepted_tokens"] / max(a["num_draft_tokens"], 1)
@@ -118,8 +127,12 @@ def search(workloads: list[str], repeats: int, problems: int) -> list[dict]:
         dataset = f"arith:level=4,5,size={count},seed=0"
 
         def run(spec: dict | None, dtype: str, dataset: str = dataset, config: SearchConfig = config) -> dict:
-            s = EvalSettings(dataset=dataset, runtime=RuntimeSettings(dtype=dtype), progress=False,
-                             generator=ModelSettings(DEFAULT_GENERATOR, speculative_config=spec))
+            s = EvalSettings(
+                dataset=dataset,
+                runtime=RuntimeSettings(dtype=dtype),
+                progress=False,
+                generator=ModelSettings(DEFAULT_GENERATOR, speculative_config=spec),
+            )
             return run_eval(s, config)
 
         runs: dict[str, list[float]] = {name: [] for name in settings}
@@ -129,16 +142,25 @@ def search(workloads: list[str], repeats: int, problems: int) -> list[dict]:
                 doc = run(settings[name], "bfloat16")
                 runs[name].append(doc["summary"]["problems_per_s"] * 60)
                 last[name] = doc
-        exact = {name: run(spec, "float32", f"arith:level=4,5,size={min(count, 10)},seed=0")
-                 for name, spec in settings.items()}  # fmt: skip
+        exact = {
+            name: run(spec, "float32", f"arith:level=4,5,size={min(count, 10)},seed=0")
+            for name, spec in settings.items()
+        }
         base = statistics.median(runs["plain"])
         for name, values in runs.items():
             s = last[name]["summary"]
-            row = {"workload": workload, "setting": name, "runs": values, "median": statistics.median(values),
-                   "ratio": statistics.median(values) / base, "accuracy": s["accuracy"],
-                   "generator_steps": s["generator_steps"], "generator_computed_tokens": s["generator_computed_tokens"],
-                   "generator_busy_s": s["generator_busy_s"],
-                   "identical_fp32": _signature(exact[name]) == _signature(exact["plain"])}  # fmt: skip
+            row = {
+                "workload": workload,
+                "setting": name,
+                "runs": values,
+                "median": statistics.median(values),
+                "ratio": statistics.median(values) / base,
+                "accuracy": s["accuracy"],
+                "generator_steps": s["generator_steps"],
+                "generator_computed_tokens": s["generator_computed_tokens"],
+                "generator_busy_s": s["generator_busy_s"],
+                "identical_fp32": _signature(exact[name]) == _signature(exact["plain"]),
+            }
             if "generator_spec_acceptance_rate" in s:
                 row["acceptance_rate"] = s["generator_spec_acceptance_rate"]
                 row["mean_acceptance_length"] = s["generator_spec_mean_acceptance_length"]
@@ -159,8 +181,7 @@ def draft(workloads: list[str], repeats: int) -> list[dict]:
 
     target = os.path.join(ROOT, "treeserve", "assets", "arith-generator")
     cut = cut_layers(target, os.path.join(HERE, "out", "arith-draft-2l"), 2)
-    settings = {"plain": None, "draft 2 layers k=4": {"model": cut, "num_speculative_tokens": 4},
-                "ngram k=4": ngram(4)}  # fmt: skip
+    settings = {"plain": None, "draft 2 layers k=4": {"model": cut, "num_speculative_tokens": 4}, "ngram k=4": ngram(4)}
     llms = {name: LLM(target, kv_cache_memory=64 << 20, speculative_config=spec) for name, spec in settings.items()}
     records = load_dataset("arith:level=4,5,size=20,seed=0")
     chats = [[{"role": "user", "content": r["problem"]}] for r in records]
@@ -183,8 +204,14 @@ def draft(workloads: list[str], repeats: int) -> list[dict]:
                 stats[name] = llm.engine.speculator.stats.as_dict()
     base = statistics.median(runs["plain"])
     for name, values in runs.items():
-        row = {"workload": "draft", "setting": name, "runs": values, "median": statistics.median(values),
-               "ratio": statistics.median(values) / base, "identical": outputs[name] == outputs["plain"]}  # fmt: skip
+        row = {
+            "workload": "draft",
+            "setting": name,
+            "runs": values,
+            "median": statistics.median(values),
+            "ratio": statistics.median(values) / base,
+            "identical": outputs[name] == outputs["plain"],
+        }
         if name in stats:
             row["acceptance_rate"] = stats[name]["acceptance_rate"]
             row["mean_acceptance_length"] = stats[name]["mean_acceptance_length"]
@@ -236,8 +263,10 @@ def main() -> None:
     print(f"{'workload':<14} {'setting':<20} {'median':>9} {'ratio':>7} {'accept':>7} {'len':>5} same")
     for r in rows:
         same = r.get("identical", r.get("identical_fp32"))
-        print(f"{r['workload']:<14} {r['setting']:<20} {r['median']:9.1f} {r['ratio']:6.2f}x "
-              f"{r.get('acceptance_rate', 0):7.2f} {r.get('mean_acceptance_length', 0):5.2f} {same}")  # fmt: skip
+        print(
+            f"{r['workload']:<14} {r['setting']:<20} {r['median']:9.1f} {r['ratio']:6.2f}x "
+            f"{r.get('acceptance_rate', 0):7.2f} {r.get('mean_acceptance_length', 0):5.2f} {same}"
+        )
 
 
 if __name__ == "__main__":

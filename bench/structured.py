@@ -100,16 +100,30 @@ def main() -> None:
     results = {}
     for name, paths in models(args.models.split(",")).items():
         workload = {
-            "prompts": prompts(paths["treeserve"]), "n": 4, "max_tokens": 128, "temperature": 0.8,
-            "dtype": "bfloat16", "max_num_seqs": 256, "max_num_batched_tokens": 2048, "kv_bytes": 1 << 30,
-            "guided_json": SCHEMA, "typical_schema": TYPICAL,
-        }  # fmt: skip
+            "prompts": prompts(paths["treeserve"]),
+            "n": 4,
+            "max_tokens": 128,
+            "temperature": 0.8,
+            "dtype": "bfloat16",
+            "max_num_seqs": 256,
+            "max_num_batched_tokens": 2048,
+            "kv_bytes": 1 << 30,
+            "guided_json": SCHEMA,
+            "typical_schema": TYPICAL,
+        }
         print(f"\n== {name}", flush=True)
         runs = run_rotating(engines, paths, workload, args.repeats, args.threads)
         results[name] = runs
     print(f"\nmedians of {args.repeats} runs, {args.threads} threads, 32 prompts x n=4 x 128 tokens:")
-    columns = ["model", "engine", "unguided tok/s", "guided tok/s", "guided / unguided", "first guided request s",
-               "plain request s"]  # fmt: skip
+    columns = [
+        "model",
+        "engine",
+        "unguided tok/s",
+        "guided tok/s",
+        "guided / unguided",
+        "first guided request s",
+        "plain request s",
+    ]
     print("| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|")
     for name, runs in results.items():
         for base in bases:
@@ -118,8 +132,10 @@ def main() -> None:
             first = statistics.median(r["first_guided_request_s"] for r in runs[f"{base}-guided"])
             request = statistics.median(r["plain_request_s"] for r in runs[f"{base}-guided"])
             tokens = {r["tokens"] for r in runs[f"{base}-guided"]}
-            print(f"| {name} | {base} | {plain:.1f} | {guided:.1f} | {guided / plain:.2f}x | {first:.2f} | "
-                  f"{request:.3f} |  (guided tokens: {sorted(tokens)})")  # fmt: skip
+            print(
+                f"| {name} | {base} | {plain:.1f} | {guided:.1f} | {guided / plain:.2f}x | {first:.2f} | "
+                f"{request:.3f} |  (guided tokens: {sorted(tokens)})"
+            )
         if len(bases) > 1:
             a, b = bases[0], bases[1]
             ratio = statistics.median(r["tokens_per_s"] for r in runs[f"{a}-guided"]) / statistics.median(

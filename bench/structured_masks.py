@@ -34,7 +34,7 @@ SCHEMA = {
             "type": "object",
             "properties": {"city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
             "required": ["city"],
-        },  # fmt: skip
+        },
     },
     "required": ["name", "age"],
 }
@@ -52,8 +52,11 @@ def llguidance_run(tok: Tokenizer, kind: str, text: str) -> dict:
     wrapper = llguidance.TokenizerWrapper(_Wrapped(tok, tokens, specials))
     lltok = llguidance.LLTokenizer(wrapper, n_vocab=tok.vocab_size, eos_token=tok.eos_token_ids)
     t1 = time.perf_counter()
-    grammar = (llguidance.LLMatcher.grammar_from_json_schema(json.dumps(SCHEMA)) if kind == "json"
-               else llguidance.LLMatcher.grammar_from_regex(REGEX))  # fmt: skip
+    grammar = (
+        llguidance.LLMatcher.grammar_from_json_schema(json.dumps(SCHEMA))
+        if kind == "json"
+        else llguidance.LLMatcher.grammar_from_regex(REGEX)
+    )
     matcher = llguidance.LLMatcher(lltok, grammar)
     assert not matcher.is_error(), matcher.get_error()
     t2 = time.perf_counter()
@@ -120,8 +123,17 @@ def main() -> None:
     tokenizers = {"arith (word-level, %d)": str(ASSETS / "arith-generator")}
     if Path(args.gguf).exists():
         tokenizers["Gemma 3 GGUF (SentencePiece-style, %d)"] = args.gguf
-    columns = ["tokenizer", "constraint", "library", "tokenizer setup s", "first compile s", "second compile s",
-               "mask us p50", "mask us mean", "tokens"]  # fmt: skip
+    columns = [
+        "tokenizer",
+        "constraint",
+        "library",
+        "tokenizer setup s",
+        "first compile s",
+        "second compile s",
+        "mask us p50",
+        "mask us mean",
+        "tokens",
+    ]
     print("| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|")
     for label, path in tokenizers.items():
         tok = Tokenizer(path)
@@ -129,9 +141,17 @@ def main() -> None:
             for name, run in libraries:
                 r = run(tok, kind, text)
                 us = [t * 1e6 for t in r["mask_us"]]
-                cells = [label % tok.vocab_size, kind, name, f"{r['tokenizer_s']:.3f}", f"{r['grammar_s']:.3f}",
-                         f"{r['second_compile_s']:.4f}", f"{statistics.median(us):.0f}", f"{statistics.mean(us):.0f}",
-                         str(len(us))]  # fmt: skip
+                cells = [
+                    label % tok.vocab_size,
+                    kind,
+                    name,
+                    f"{r['tokenizer_s']:.3f}",
+                    f"{r['grammar_s']:.3f}",
+                    f"{r['second_compile_s']:.4f}",
+                    f"{statistics.median(us):.0f}",
+                    f"{statistics.mean(us):.0f}",
+                    str(len(us)),
+                ]
                 print("| " + " | ".join(cells) + " |")
 
 

@@ -85,8 +85,12 @@ from search import run_system  # noqa: E402
 from workloads import FIRST_WORD, QWEN3_SHAPES, build_random_weights_dir, word_level_tokenizer  # noqa: E402
 
 # what roofline_floor.Shape does not hold, from the models' config.json
-LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}  # fmt: skip
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 COMMON = {"rope_theta": 500000.0, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5}
 GENERATOR_EXTRA = {**COMMON, "tie_word_embeddings": True, "rope_scaling": {**LLAMA3_ROPE, "factor": 32.0}}
 PRM_EXTRA = {**COMMON, "tie_word_embeddings": False, "rope_scaling": {**LLAMA3_ROPE, "factor": 8.0}}
@@ -117,11 +121,21 @@ TINY = Workload(prompt_tokens=48, step_tokens=16, iterations=2, ns=(4,), problem
 def hf_config(shape: Shape, extra: dict) -> dict:
     """config.json of a Llama of `shape` (bench/roofline_floor.py's fields) plus `extra`."""
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": shape.vocab,
-        "hidden_size": shape.hidden, "intermediate_size": shape.mlp, "num_hidden_layers": shape.layers,
-        "num_attention_heads": shape.q_heads, "num_key_value_heads": shape.kv_heads, "head_dim": shape.head_dim,
-        "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16", **extra,
-    }  # fmt: skip
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": shape.vocab,
+        "hidden_size": shape.hidden,
+        "intermediate_size": shape.mlp,
+        "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.q_heads,
+        "num_key_value_heads": shape.kv_heads,
+        "head_dim": shape.head_dim,
+        "hidden_act": "silu",
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "torch_dtype": "bfloat16",
+        **extra,
+    }
 
 
 # --generator-shape / --prm-shape -> config.json; at --tiny a Llama is its tiny twin (TINY_SHAPES)
@@ -140,8 +154,10 @@ def model_config(name: str, shapes: dict[str, dict], tiny: bool, layers: int | N
 def random_problems(tokenizer: object, count: int, length: int, tag: str, vocab: int) -> list[tuple[str, str]]:
     """(unique id, question) pairs: `length` random word ids below `vocab` each, decoded (seeded by `tag`)."""
     rng = random.Random(tag)
-    return [(f"{tag}-{i}", tokenizer.decode([rng.randrange(FIRST_WORD, vocab) for _ in range(length)]))
-            for i in range(count)]  # fmt: skip
+    return [
+        (f"{tag}-{i}", tokenizer.decode([rng.randrange(FIRST_WORD, vocab) for _ in range(length)]))
+        for i in range(count)
+    ]
 
 
 def write_json(path: str, content: dict) -> None:
@@ -154,8 +170,11 @@ def engine_args(tiny: bool, eager: bool) -> dict[str, dict]:
     """Per model: room for the workload's context; a generator batch as wide as the graphs go;
     large PRM prefill steps; no decode graphs for the PRM (it only scores)."""
     max_len = (TINY if tiny else THESIS).max_model_len
-    generator = {"max_model_len": max_len, "max_num_seqs": 64 if tiny else 512,
-                 "max_num_batched_tokens": 1024 if tiny else 4096}  # fmt: skip
+    generator = {
+        "max_model_len": max_len,
+        "max_num_seqs": 64 if tiny else 512,
+        "max_num_batched_tokens": 1024 if tiny else 4096,
+    }
     prm = {"max_model_len": max_len, "max_num_batched_tokens": 1024 if tiny else 8192}
     if not eager:
         prm["cuda_graph_sizes"] = [1]
@@ -178,10 +197,14 @@ def gpu_key(device: str, override: str | None) -> str | None:
 
 def counters(runtime: object) -> dict[str, dict]:
     return {
-        name: {"steps": runtime.steps[name], "busy_s": runtime.busy_s[name], "rows": engine.page_log.steps,
-               "computed_tokens": engine.num_computed_tokens}
+        name: {
+            "steps": runtime.steps[name],
+            "busy_s": runtime.busy_s[name],
+            "rows": engine.page_log.steps,
+            "computed_tokens": engine.num_computed_tokens,
+        }
         for name, engine in runtime.engines.items()
-    }  # fmt: skip
+    }
 
 
 def engine_report(runtime: object, name: str, before: dict, after: dict) -> dict:
@@ -190,14 +213,16 @@ def engine_report(runtime: object, name: str, before: dict, after: dict) -> dict
     steps, busy = a["steps"] - b["steps"], a["busy_s"] - b["busy_s"]
     rows = [r for r in runtime.engines[name].page_log.rows() if r["step"] > b["rows"]]
     return {
-        "steps": steps, "busy_s": busy, "ms_per_step": 1e3 * busy / steps if steps else None,
+        "steps": steps,
+        "busy_s": busy,
+        "ms_per_step": 1e3 * busy / steps if steps else None,
         "computed_tokens": a["computed_tokens"] - b["computed_tokens"],
         # after each of its steps: pages its running sequences hold, and those plus its cached ones
         "peak_pages_in_use": max((r["in_use"] for r in rows), default=0),
         "peak_pages_held": max((r["in_use"] + r["cached"] for r in rows), default=0),
         "min_free_pages": min((r["free"] for r in rows), default=None),  # the arena's (both models)
         "evictions": rows[-1]["evictions"] - rows[0]["evictions"] if rows else 0,
-    }  # fmt: skip
+    }
 
 
 def decode_launches(engine: object, batch: int, prompt_tokens: int, vocab: int, steps: int = 8) -> dict | None:
@@ -231,9 +256,13 @@ def decode_launches(engine: object, batch: int, prompt_tokens: int, vocab: int, 
     names = [e.name for e in events]
     launches = sum(names.count(n) for n in LAUNCHES)
     kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
-    return {"batch": batch, "steps": steps, "kernel_launches_per_step": launches / steps,
-            "graph_launches_per_step": names.count("cudaGraphLaunch") / steps,
-            "gpu_kernels_per_step": len(kernels) / steps}  # fmt: skip
+    return {
+        "batch": batch,
+        "steps": steps,
+        "kernel_launches_per_step": launches / steps,
+        "graph_launches_per_step": names.count("cudaGraphLaunch") / steps,
+        "gpu_kernels_per_step": len(kernels) / steps,
+    }
 
 
 def graph_share(before: dict | None, after: dict | None) -> dict | None:
@@ -293,17 +322,27 @@ def run_treeserve(config: str, setup: dict) -> dict:
     args = engine_args(setup["tiny"], config == "eager")
     start = time.perf_counter()
     runtime = Runtime.for_search(
-        setup["generator"], setup["prm"], setup["kv_cache_memory"] if cpu else None, engine_args=args,
-        dtype="bfloat16", device=device, memory_fraction=None if cpu else setup["memory_fraction"],
-        enforce_eager=config == "eager", overlap_models=config != "one-stream",
-    )  # fmt: skip
+        setup["generator"],
+        setup["prm"],
+        setup["kv_cache_memory"] if cpu else None,
+        engine_args=args,
+        dtype="bfloat16",
+        device=device,
+        memory_fraction=None if cpu else setup["memory_fraction"],
+        enforce_eager=config == "eager",
+        overlap_models=config != "one-stream",
+    )
     generator = runtime.engine("generator")
     result = {
-        "load_s": time.perf_counter() - start, "runs": [], "cuda_graphs": generator.graph_stats is not None,
-        "async_scheduling": generator.async_scheduling, "engine_args": args,
+        "load_s": time.perf_counter() - start,
+        "runs": [],
+        "cuda_graphs": generator.graph_stats is not None,
+        "async_scheduling": generator.async_scheduling,
+        "engine_args": args,
         "two_streams": generator.queue.stream is not None,
-        "memory_table": runtime.memory_plan.table(), "memory": runtime.memory_plan.to_json(),
-    }  # fmt: skip
+        "memory_table": runtime.memory_plan.table(),
+        "memory": runtime.memory_plan.to_json(),
+    }
     progress(f"loaded both models ({result['load_s']:.1f} s; graphs captured: {result['cuda_graphs']})")
     vocab = setup["vocab"]
     result["launches_per_decode_step"] = decode_launches(generator, 64, w.prompt_tokens, vocab)
@@ -313,12 +352,25 @@ def run_treeserve(config: str, setup: dict) -> dict:
     tokenizer = Tokenizer(setup["generator"])
     gpu = gpu_key(device, setup["gpu"])
     for n in w.ns:
-        search = SearchConfig(strategy="beam_search", n=n, beam_width=w.beam_width, num_iterations=w.iterations,
-                              max_tokens=w.step_tokens, fixed_steps=True, temperature=0.8, agg="last", seed=0,
-                              max_concurrent_problems=w.problems)  # fmt: skip
+        search = SearchConfig(
+            strategy="beam_search",
+            n=n,
+            beam_width=w.beam_width,
+            num_iterations=w.iterations,
+            max_tokens=w.step_tokens,
+            fixed_steps=True,
+            temperature=0.8,
+            agg="last",
+            seed=0,
+            max_concurrent_problems=w.problems,
+        )
         warm = replace(search, num_iterations=2, max_tokens=min(16, w.step_tokens))
-        asyncio.run(search_problems(SearchContext(warm, runtime, "generator", prm),
-                                    random_problems(tokenizer, 2, w.prompt_tokens, f"warm{n}", vocab)))  # fmt: skip
+        asyncio.run(
+            search_problems(
+                SearchContext(warm, runtime, "generator", prm),
+                random_problems(tokenizer, 2, w.prompt_tokens, f"warm{n}", vocab),
+            )
+        )
         progress(f"N={n}: warmed up")
         if "syncs" not in result and not cpu:  # once: the host syncs one short search makes
             short = SearchContext(warm, runtime, "generator", prm)
@@ -340,21 +392,36 @@ def run_treeserve(config: str, setup: dict) -> dict:
         after = counters(runtime)
         runtime.check_pages_idle()
         per_min = 60 * len(problems) / wall
-        run = {"n": n, "problems": len(problems), "wall_s": wall, "problems_per_min": per_min,
-               "generated_tokens": ctx.generated_tokens, "prm_input_tokens": ctx.prm_input_tokens,
-               "generator": engine_report(runtime, "generator", before, after),
-               "prm": engine_report(runtime, "prm", before, after), "roofline": None,
-               "generator_graphs": graph_share(graphs_before, generator.graph_stats)}  # fmt: skip
+        run = {
+            "n": n,
+            "problems": len(problems),
+            "wall_s": wall,
+            "problems_per_min": per_min,
+            "generated_tokens": ctx.generated_tokens,
+            "prm_input_tokens": ctx.prm_input_tokens,
+            "generator": engine_report(runtime, "generator", before, after),
+            "prm": engine_report(runtime, "prm", before, after),
+            "roofline": None,
+            "generator_graphs": graph_share(graphs_before, generator.graph_stats),
+        }
         if gpu is not None and setup["roofline"]:
             f = search_floor(n, prompt=w.prompt_tokens, iterations=w.iterations, step=w.step_tokens, gpu=GPUS[gpu])
             serial, overlapped = 60 / (f["gen_s"] + f["prm_s"]), 60 / max(f["gen_s"], f["prm_s"])
-            run["roofline"] = {"gpu": gpu, **f, "serial_floor_per_min": serial, "overlapped_floor_per_min": overlapped,
-                               "of_serial": per_min / serial, "of_overlapped": per_min / overlapped}  # fmt: skip
+            run["roofline"] = {
+                "gpu": gpu,
+                **f,
+                "serial_floor_per_min": serial,
+                "overlapped_floor_per_min": overlapped,
+                "of_serial": per_min / serial,
+                "of_overlapped": per_min / overlapped,
+            }
         result["runs"].append(run)
         write_json(setup["partial"], result)
-        progress(f"N={n}: {len(problems)} problems in {wall:.1f} s, {per_min:.1f} problems/min; generator "
-                 f"{run['generator']['ms_per_step']:.2f} ms/step, PRM {run['prm']['ms_per_step']:.2f} ms/step; "
-                 f"graphs: {run['generator_graphs']}")  # fmt: skip
+        progress(
+            f"N={n}: {len(problems)} problems in {wall:.1f} s, {per_min:.1f} problems/min; generator "
+            f"{run['generator']['ms_per_step']:.2f} ms/step, PRM {run['prm']['ms_per_step']:.2f} ms/step; "
+            f"graphs: {run['generator_graphs']}"
+        )
     asyncio.run(runtime.close())
     return result
 
@@ -370,18 +437,35 @@ def run_sal(setup: dict) -> dict:
     problems = random_problems(tokenizer, w["sal_problems"], w["prompt_tokens"], f"sal{n}", setup["vocab"])
     workload = {
         "problems": [{"problem": q, "answer": "", "unique_id": uid} for uid, q in problems],
-        "generator": setup["generator"], "prm": setup["prm"], "n": n, "beam_width": w["beam_width"],
-        "num_iterations": w["iterations"], "max_tokens": w["step_tokens"], "fixed_steps": True, "temperature": 0.8,
-        "top_p": 1.0, "agg": "last", "seed": 0, "dtype": "bfloat16", "kv_gib": 1, "device": setup["device"],
+        "generator": setup["generator"],
+        "prm": setup["prm"],
+        "n": n,
+        "beam_width": w["beam_width"],
+        "num_iterations": w["iterations"],
+        "max_tokens": w["step_tokens"],
+        "fixed_steps": True,
+        "temperature": 0.8,
+        "top_p": 1.0,
+        "agg": "last",
+        "seed": 0,
+        "dtype": "bfloat16",
+        "kv_gib": 1,
+        "device": setup["device"],
         "max_model_len": w["max_model_len"],
-    }  # fmt: skip
+    }
     path = os.path.join(setup["models"], "sal_workload.json")
     with open(path, "w") as f:
         json.dump(workload, f)
     out = run_system("sal-transformers", path, setup["threads"])
-    run = {"n": n, "problems": len(problems), "wall_s": out["wall_s"], "load_s": out["load_s"],
-           "problems_per_min": 60 * len(problems) / out["wall_s"], "generated_tokens": out["generated_tokens"],
-           "prm_tokens_prefilled": out["prm_tokens_prefilled"]}  # fmt: skip
+    run = {
+        "n": n,
+        "problems": len(problems),
+        "wall_s": out["wall_s"],
+        "load_s": out["load_s"],
+        "problems_per_min": 60 * len(problems) / out["wall_s"],
+        "generated_tokens": out["generated_tokens"],
+        "prm_tokens_prefilled": out["prm_tokens_prefilled"],
+    }
     return {"runs": [run]}
 
 
@@ -390,25 +474,37 @@ def table(results: dict[str, dict]) -> str:
     def fmt(x: float | None, spec: str) -> str:
         return "-" if x is None else format(x, spec)
 
-    lines = ["| config | N | problems | wall (s) | problems/min | of serial floor | of overlapped floor | "
-             "generator ms/step (steps) | PRM ms/step (steps) | launches / decode step: kernel + graph (GPU kernels) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| config | N | problems | wall (s) | problems/min | of serial floor | of overlapped floor | "
+        "generator ms/step (steps) | PRM ms/step (steps) | launches / decode step: kernel + graph (GPU kernels) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for config, result in results.items():
         launches = result.get("launches_per_decode_step")
-        launch = "-" if launches is None else (f"{launches['kernel_launches_per_step']:.0f} + "
-                                               f"{launches['graph_launches_per_step']:.0f} "
-                                               f"({launches['gpu_kernels_per_step']:.0f})")  # fmt: skip
+        launch = (
+            "-"
+            if launches is None
+            else (
+                f"{launches['kernel_launches_per_step']:.0f} + "
+                f"{launches['graph_launches_per_step']:.0f} "
+                f"({launches['gpu_kernels_per_step']:.0f})"
+            )
+        )
         for run in result.get("runs", []):
             if "error" in run:
                 lines.append(f"| {config} | {run['n']} | failed: {run['error'][:200]} |")
                 continue
             roof = run.get("roofline") or {}
-            steps = {k: (f"{fmt(run[k]['ms_per_step'], '.2f')} ({run[k]['steps']})" if k in run else "-")
-                     for k in ("generator", "prm")}  # fmt: skip
-            lines.append(f"| {config} | {run['n']} | {run['problems']} | {run['wall_s']:.1f} | "
-                         f"{run['problems_per_min']:.1f} | {fmt(roof.get('of_serial'), '.0%')} | "
-                         f"{fmt(roof.get('of_overlapped'), '.0%')} | {steps['generator']} | {steps['prm']} | "
-                         f"{launch if 'generator' in run else '-'} |")  # fmt: skip
+            steps = {
+                k: (f"{fmt(run[k]['ms_per_step'], '.2f')} ({run[k]['steps']})" if k in run else "-")
+                for k in ("generator", "prm")
+            }
+            lines.append(
+                f"| {config} | {run['n']} | {run['problems']} | {run['wall_s']:.1f} | "
+                f"{run['problems_per_min']:.1f} | {fmt(roof.get('of_serial'), '.0%')} | "
+                f"{fmt(roof.get('of_overlapped'), '.0%')} | {steps['generator']} | {steps['prm']} | "
+                f"{launch if 'generator' in run else '-'} |"
+            )
         if "error" in result:  # after the N values it finished, if any
             lines.append(f"| {config} | failed or stopped: {result['error'][:200]} |")
     return "\n".join(lines)
@@ -469,8 +565,9 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="2-layer models, 4 problems, N=4: a smoke run (CPU)")
     ap.add_argument("--generator-shape", default=THESIS_PAIR[0], choices=list(GENERATOR_SHAPES))
     ap.add_argument("--prm-shape", default=THESIS_PAIR[1], choices=list(PRM_SHAPES))
-    ap.add_argument("--layers", type=int, default=None, help="both models' decoder layers (default: the shapes'; "
-                    "--tiny 2)")  # fmt: skip
+    ap.add_argument(
+        "--layers", type=int, default=None, help="both models' decoder layers (default: the shapes'; --tiny 2)"
+    )
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"any of {', '.join(CONFIGS)}")
     ap.add_argument("--ns", default=None, help="beam search N values (default 16,64; --tiny 4)")
     ap.add_argument("--problems", type=int, default=None, help="problems per N, all in flight (default 64)")
@@ -486,45 +583,77 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown configs {unknown}; choose from {list(CONFIGS)}")
     w = TINY if args.tiny else THESIS
-    w = replace(w, ns=tuple(int(n) for n in args.ns.split(",")) if args.ns else w.ns,
-                problems=args.problems or w.problems, sal_problems=args.sal_problems or w.sal_problems)  # fmt: skip
+    w = replace(
+        w,
+        ns=tuple(int(n) for n in args.ns.split(",")) if args.ns else w.ns,
+        problems=args.problems or w.problems,
+        sal_problems=args.sal_problems or w.sal_problems,
+    )
     layers = args.layers or (2 if args.tiny else None)
-    shapes = {"generator": model_config(args.generator_shape, GENERATOR_SHAPES, args.tiny, layers),
-              "prm": model_config(args.prm_shape, PRM_SHAPES, args.tiny, layers)}  # fmt: skip
+    shapes = {
+        "generator": model_config(args.generator_shape, GENERATOR_SHAPES, args.tiny, layers),
+        "prm": model_config(args.prm_shape, PRM_SHAPES, args.tiny, layers),
+    }
     roofline = not args.tiny and layers is None and (args.generator_shape, args.prm_shape) == THESIS_PAIR
     os.makedirs(args.out, exist_ok=True)
     out_path = os.path.join(args.out, "thesis_shapes.json")
     notes = []
     if args.tiny:
-        notes.append(f"tiny: {layers} layers (Llama shapes at hidden 64 / 128, their vocabulary kept; Qwen3 shapes "
-                     "at their own widths)")  # fmt: skip
+        notes.append(
+            f"tiny: {layers} layers (Llama shapes at hidden 64 / 128, their vocabulary kept; Qwen3 shapes "
+            "at their own widths)"
+        )
     if not roofline:
         notes.append("no roofline fraction: its floor is for the Llama pair at full depth, on a GPU")
     if not args.device.startswith("cuda"):
-        notes.append("on a CPU `graphs` and `eager` run the same path (no CUDA graphs); kernel launches are "
-                     "counted on CUDA only (None here)")  # fmt: skip
-    document = {"environment": environment(args.device, args.tiny), "workload": asdict(w),
-                "shapes": {"generator": {"name": args.generator_shape, "config": shapes["generator"]},
-                           "prm": {"name": args.prm_shape, "config": shapes["prm"]}},
-                "notes": notes, "configs": {}}  # fmt: skip
+        notes.append(
+            "on a CPU `graphs` and `eager` run the same path (no CUDA graphs); kernel launches are "
+            "counted on CUDA only (None here)"
+        )
+    document = {
+        "environment": environment(args.device, args.tiny),
+        "workload": asdict(w),
+        "shapes": {
+            "generator": {"name": args.generator_shape, "config": shapes["generator"]},
+            "prm": {"name": args.prm_shape, "config": shapes["prm"]},
+        },
+        "notes": notes,
+        "configs": {},
+    }
     results = document["configs"]
     with tempfile.TemporaryDirectory(prefix="thesis-models-") as models:
-        dirs = {role: build_random_weights_dir(os.path.join(models, role), config,
-                                               word_level_tokenizer(config["vocab_size"]), seed=int(role == "prm"),
-                                               step_tag_prm=role == "prm")
-                for role, config in shapes.items()}  # fmt: skip
+        dirs = {
+            role: build_random_weights_dir(
+                os.path.join(models, role),
+                config,
+                word_level_tokenizer(config["vocab_size"]),
+                seed=int(role == "prm"),
+                step_tag_prm=role == "prm",
+            )
+            for role, config in shapes.items()
+        }
         setup = {
-            "device": args.device, "tiny": args.tiny, "workload": asdict(w), "models": models, "gpu": args.gpu,
-            "memory_fraction": args.memory_fraction, "kv_cache_memory": args.kv_cache_memory, "threads": args.threads,
-            "roofline": roofline, "vocab": min(config["vocab_size"] for config in shapes.values()), **dirs,
-        }  # fmt: skip
+            "device": args.device,
+            "tiny": args.tiny,
+            "workload": asdict(w),
+            "models": models,
+            "gpu": args.gpu,
+            "memory_fraction": args.memory_fraction,
+            "kv_cache_memory": args.kv_cache_memory,
+            "threads": args.threads,
+            "roofline": roofline,
+            "vocab": min(config["vocab_size"] for config in shapes.values()),
+            **dirs,
+        }
         run_configs(configs, setup, results, lambda: write_json(out_path, document))
     for config, result in results.items():
         if "memory_table" in result:
             print(f"\n{config}: {result['memory_table']}")
         if result.get("syncs"):
-            print(f"{config}: {result['syncs']['total']} host syncs in a short search, by line: "
-                  f"{json.dumps(dict(list(result['syncs']['sites'].items())[:12]))}")  # fmt: skip
+            print(
+                f"{config}: {result['syncs']['total']} host syncs in a short search, by line: "
+                f"{json.dumps(dict(list(result['syncs']['sites'].items())[:12]))}"
+            )
     print(f"\n{table(results)}\n")
     print("\n".join(f"note: {n}" for n in notes))
     print(f"wrote {out_path}")

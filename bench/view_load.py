@@ -80,14 +80,23 @@ def main() -> None:
         largest = max(tiled["problems"], key=lambda p: len((p.get("trace") or {}).get("nodes", [])))
         ready, tree, nodes = load_times(page, largest["unique_id"], args.repeats)
         row = {
-            "results": args.results, "problems_in_file": len(document["problems"]), "problems_on_page": args.problems,
-            "n": document["config"]["search"]["n"], "results_bytes": Path(args.results).stat().st_size,
-            "trace_bytes_median": statistics.median(trace_bytes), "trace_bytes_max": max(trace_bytes),
-            "tiled_results_bytes": big.stat().st_size, "page_bytes": page.stat().st_size,
-            "ready_s": statistics.median(ready), "largest_tree_s": statistics.median(tree),
-            "largest_tree_nodes": nodes, "ready_s_all": ready, "largest_tree_s_all": tree,
-            "cpu": cpu_model(), "date": time.strftime("%Y-%m-%d"),
-        }  # fmt: skip
+            "results": args.results,
+            "problems_in_file": len(document["problems"]),
+            "problems_on_page": args.problems,
+            "n": document["config"]["search"]["n"],
+            "results_bytes": Path(args.results).stat().st_size,
+            "trace_bytes_median": statistics.median(trace_bytes),
+            "trace_bytes_max": max(trace_bytes),
+            "tiled_results_bytes": big.stat().st_size,
+            "page_bytes": page.stat().st_size,
+            "ready_s": statistics.median(ready),
+            "largest_tree_s": statistics.median(tree),
+            "largest_tree_nodes": nodes,
+            "ready_s_all": ready,
+            "largest_tree_s_all": tree,
+            "cpu": cpu_model(),
+            "date": time.strftime("%Y-%m-%d"),
+        }
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(row, indent=1))
     print(json.dumps(row, indent=1))

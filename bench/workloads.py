@@ -29,15 +29,40 @@ TWIN_SIZES = {
 }
 # Qwen/Qwen3-1.7B's and Qwen/Qwen3-30B-A3B's config.json fields that shape the model (q/k norms come
 # with model_type), bos 0 and eos 1 for the word-level tokenizer (`word_level_tokenizer`)
-QWEN3_1_7B = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 2048,
-              "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
-              "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True, "rms_norm_eps": 1e-6,
-              "rope_theta": 1000000.0, "max_position_embeddings": 40960, "attention_bias": False,
-              "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1}  # fmt: skip
-QWEN3_30B_A3B = {**QWEN3_1_7B, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
-                 "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "num_experts": 128,
-                 "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
-                 "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False}  # fmt: skip
+QWEN3_1_7B = {
+    "model_type": "qwen3",
+    "architectures": ["Qwen3ForCausalLM"],
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 40960,
+    "attention_bias": False,
+    "hidden_act": "silu",
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}
+QWEN3_30B_A3B = {
+    **QWEN3_1_7B,
+    "model_type": "qwen3_moe",
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "tie_word_embeddings": False,
+}
 QWEN3_SHAPES = {"qwen3-1.7b": QWEN3_1_7B, "qwen3-30b-a3b": QWEN3_30B_A3B}
 
 
@@ -83,18 +108,22 @@ def build_random_llama(
             },
             f,
         )
-    return _save_random(out_dir, transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=intermediate or 4 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=max_positions,
-        bos_token_id=0,
-        eos_token_id=1,
-        tie_word_embeddings=tie_word_embeddings,
-    ), seed)  # fmt: skip
+    return _save_random(
+        out_dir,
+        transformers.LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=intermediate or 4 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            max_position_embeddings=max_positions,
+            bos_token_id=0,
+            eos_token_id=1,
+            tie_word_embeddings=tie_word_embeddings,
+        ),
+        seed,
+    )
 
 
 def _byte_level_tokenizer(vocab: int):  # noqa: ANN202 - tokenizers.Tokenizer
@@ -108,15 +137,18 @@ def _byte_level_tokenizer(vocab: int):  # noqa: ANN202 - tokenizers.Tokenizer
     words += ["".join(rng.choices(letters, k=rng.randint(2, 9))) for _ in range(6000)]
     corpus = []
     for _ in range(4000):
-        record = {rng.choice(words): rng.choice([rng.randint(-999, 9999), rng.choice(words) * rng.randint(1, 3)])
-                  for _ in range(rng.randint(1, 5))}  # fmt: skip
+        record = {
+            rng.choice(words): rng.choice([rng.randint(-999, 9999), rng.choice(words) * rng.randint(1, 3)])
+            for _ in range(rng.randint(1, 5))
+        }
         corpus.append(json.dumps(record) + " " + " ".join(rng.choices(words, k=8)))
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<s>", "</s>", "<unk>"], initial_alphabet=alphabet,
-                                  show_progress=False)  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<s>", "</s>", "<unk>"], initial_alphabet=alphabet, show_progress=False
+    )
     tok.train_from_iterator(corpus, trainer)
     return tok
 
@@ -139,8 +171,14 @@ def build_twin(size: str, role: str, out_root: str, seed: int = 0) -> str:
     with open(os.path.join(asset, "config.json")) as f:
         shipped = json.load(f)
     hidden, layers, heads, kv_heads, intermediate = TWIN_SIZES[size]
-    shipped.update(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                   num_key_value_heads=kv_heads, intermediate_size=intermediate, head_dim=hidden // heads)  # fmt: skip
+    shipped.update(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=intermediate,
+        head_dim=hidden // heads,
+    )
     return _save_random(out_dir, transformers.LlamaConfig(**shipped), seed + (role == "prm"))
 
 
@@ -190,10 +228,19 @@ WORD_SPECIALS = ["<s>", "</s>", "<unk>"]
 STEP_TAG, GOOD, BAD = "ки", "+", "-"
 FIRST_WORD = len(WORD_SPECIALS) + 3
 STEP_TAG_PRM = {
-    "style": "step_tag", "step_tag": STEP_TAG, "step_tag_id": 3, "good_token": GOOD, "good_token_id": 4,
-    "bad_token": BAD, "bad_token_id": 5, "prompt_format": "{problem} ", "first_step_prefix": "",
-    "step_format": "{step} " + STEP_TAG, "step_separator": "\n", "use_chat_template": False,
-}  # fmt: skip
+    "style": "step_tag",
+    "step_tag": STEP_TAG,
+    "step_tag_id": 3,
+    "good_token": GOOD,
+    "good_token_id": 4,
+    "bad_token": BAD,
+    "bad_token_id": 5,
+    "prompt_format": "{problem} ",
+    "first_step_prefix": "",
+    "step_format": "{step} " + STEP_TAG,
+    "step_separator": "\n",
+    "use_chat_template": False,
+}
 PLAIN_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
 
@@ -223,9 +270,15 @@ def build_random_weights_dir(
     from treeserve.models.loader import RANDOM_WEIGHTS
 
     os.makedirs(out_dir, exist_ok=True)
-    tokenizer_config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "</s>",
-                        "chat_template": PLAIN_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast",
-                        "model_max_length": config.get("max_position_embeddings", 4096)}  # fmt: skip
+    tokenizer_config = {
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "pad_token": "</s>",
+        "chat_template": PLAIN_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": config.get("max_position_embeddings", 4096),
+    }
     files = {"config.json": config, "tokenizer_config.json": tokenizer_config, RANDOM_WEIGHTS: {"seed": seed}}
     if step_tag_prm:
         files["prm_config.json"] = STEP_TAG_PRM

@@ -10,8 +10,23 @@ from treeserve.cli import main
 
 
 def test_generate_runs(llama_dir, capsys):
-    code = main(["generate", "--model", llama_dir, "--raw", "hello", "--n", "2", "--max-tokens", "5",
-                 "--kv-cache-memory", str(8 << 20), "--dtype", "float32"])  # fmt: skip
+    code = main(
+        [
+            "generate",
+            "--model",
+            llama_dir,
+            "--raw",
+            "hello",
+            "--n",
+            "2",
+            "--max-tokens",
+            "5",
+            "--kv-cache-memory",
+            str(8 << 20),
+            "--dtype",
+            "float32",
+        ]
+    )
     out = capsys.readouterr()
     assert code == 0
     assert "=== hello" in out.out and "completion 1" in out.out and "tok/s" in out.err
@@ -58,10 +73,28 @@ def world(tmp_path_factory):
 def test_eval_plot_solve(world, tmp_path, capsys):
     generator, prm = world
     jsonl = tmp_path / "tiny.jsonl"
-    jsonl.write_text('{"problem": "Compute 1+2.", "answer": "3", "level": 1, "unique_id": "a"}\n'
-                     '{"problem": "Compute 2*2.", "answer": "4", "level": 2, "unique_id": "b"}\n')  # fmt: skip
-    common = ["--generator", generator, "--prm", prm, "--n", "4", "--beam-width", "2", "--num-iterations", "3",
-              "--max-tokens", "16", "--dtype", "float32", "--kv-cache-memory", str(64 << 20)]  # fmt: skip
+    jsonl.write_text(
+        '{"problem": "Compute 1+2.", "answer": "3", "level": 1, "unique_id": "a"}\n'
+        '{"problem": "Compute 2*2.", "answer": "4", "level": 2, "unique_id": "b"}\n'
+    )
+    common = [
+        "--generator",
+        generator,
+        "--prm",
+        prm,
+        "--n",
+        "4",
+        "--beam-width",
+        "2",
+        "--num-iterations",
+        "3",
+        "--max-tokens",
+        "16",
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        str(64 << 20),
+    ]
     out = tmp_path / "results.json"
     assert main(["eval", "--dataset", str(jsonl), "--output", str(out), *common]) == 0
     doc = json.loads(out.read_text())
@@ -114,8 +147,12 @@ def _model_options(subcommand: str) -> set[str]:
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command").choices[subcommand]
     mine = {name for flag in MODEL_FLAGS for model in ("generator", "prm") for name in flag.names(model)}
-    return {o for action in sub._actions for o in action.option_strings if o.lstrip("-").removeprefix("no-")
-            in {m.lstrip("-") for m in mine}}  # fmt: skip
+    return {
+        o
+        for action in sub._actions
+        for o in action.option_strings
+        if o.lstrip("-").removeprefix("no-") in {m.lstrip("-") for m in mine}
+    }
 
 
 def test_every_subcommand_has_the_same_per_model_flags():
@@ -124,11 +161,28 @@ def test_every_subcommand_has_the_same_per_model_flags():
     with_prm = {sub: _model_options(sub) for sub in MODEL_SUBCOMMANDS if sub != "generate"}
     assert len({frozenset(options) for options in with_prm.values()}) == 1, with_prm
     options = with_prm["eval"]
-    assert {"--generator", "--model", "--prm", "--prm-style", "--quantization", "--prm-quantization", "--dequantize",
-            "--quant-activations", "--speculative-config", "--tensor-parallel-size", "--prm-tensor-parallel-size",
-            "--pipeline-parallel-size", "--prm-pipeline-parallel-size", "--distributed-executor-backend",
-            "--async-scheduling", "--no-async-scheduling", "--enforce-eager", "--max-model-len",
-            "--prm-kv-fraction", "--prm-enforce-eager"} <= options  # fmt: skip
+    assert {
+        "--generator",
+        "--model",
+        "--prm",
+        "--prm-style",
+        "--quantization",
+        "--prm-quantization",
+        "--dequantize",
+        "--quant-activations",
+        "--speculative-config",
+        "--tensor-parallel-size",
+        "--prm-tensor-parallel-size",
+        "--pipeline-parallel-size",
+        "--prm-pipeline-parallel-size",
+        "--distributed-executor-backend",
+        "--async-scheduling",
+        "--no-async-scheduling",
+        "--enforce-eager",
+        "--max-model-len",
+        "--prm-kv-fraction",
+        "--prm-enforce-eager",
+    } <= options
     assert _model_options("generate") == {o for o in options if not o.lstrip("-").removeprefix("no-").startswith("prm")}
 
 
@@ -136,9 +190,26 @@ def test_flags_become_each_models_settings():
     from treeserve.cli import build_parser
     from treeserve.model_flags import model_settings
 
-    args = build_parser().parse_args(["eval", "--model", "g", "--prm", "p", "--quantization", "int8",
-                                      "--prm-tensor-parallel-size", "2", "--enforce-eager", "--prm-kv-fraction", "0.3",
-                                      "--distributed-executor-backend", "ray", "--prm-style", "step_tag"])  # fmt: skip
+    args = build_parser().parse_args(
+        [
+            "eval",
+            "--model",
+            "g",
+            "--prm",
+            "p",
+            "--quantization",
+            "int8",
+            "--prm-tensor-parallel-size",
+            "2",
+            "--enforce-eager",
+            "--prm-kv-fraction",
+            "0.3",
+            "--distributed-executor-backend",
+            "ray",
+            "--prm-style",
+            "step_tag",
+        ]
+    )
     generator, prm = model_settings(args, "generator"), model_settings(args, "prm", {"max_num_seqs": 8})
     assert (generator.path, generator.quantization, generator.tensor_parallel_size) == ("g", "int8", 1)
     assert (prm.path, prm.quantization, prm.tensor_parallel_size, prm.kv_fraction) == ("p", None, 2, 0.3)

@@ -68,9 +68,17 @@ def save_tokenizer(tok, out_dir: str) -> None:
 
 def tiny_shape(tok: Tokenizer) -> dict:
     """The tiny models' shape (config.json keys) for tokenizer `tok`."""
-    return dict(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                bos_token_id=tok.token_to_id("<s>"), eos_token_id=tok.token_to_id("</s>"))  # fmt: skip
+    return dict(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=tok.token_to_id("<s>"),
+        eos_token_id=tok.token_to_id("</s>"),
+    )
 
 
 def build_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, **overrides) -> str:
@@ -149,8 +157,14 @@ def build_random_weights_dir(out_dir: str, seed: int = 0, **overrides) -> str:
     os.makedirs(out_dir, exist_ok=True)
     tok = train_tokenizer()
     save_tokenizer(tok, out_dir)
-    config = dict(model_type="llama", architectures=["LlamaForCausalLM"], **tiny_shape(tok), rms_norm_eps=1e-5,
-                  rope_theta=10000.0, tie_word_embeddings=False)  # fmt: skip
+    config = dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        **tiny_shape(tok),
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
     config.update(overrides)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=1)

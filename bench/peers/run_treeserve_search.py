@@ -34,10 +34,13 @@ def main() -> None:
     with open(workload_path) as f:
         w = json.load(f)
     settings = EvalSettings(
-        dataset="inline", generator=ModelSettings(w["generator"], speculative_config=spec), prm=ModelSettings(w["prm"]),
+        dataset="inline",
+        generator=ModelSettings(w["generator"], speculative_config=spec),
+        prm=ModelSettings(w["prm"]),
         runtime=RuntimeSettings(dtype=w["dtype"], kv_cache_memory=w["kv_gib"] << 30, device=w.get("device", "cpu")),
-        reference="--reference" in sys.argv, progress=False,
-    )  # fmt: skip
+        reference="--reference" in sys.argv,
+        progress=False,
+    )
     for model in (settings.generator, settings.prm):
         if "--int8" in sys.argv:
             model.quantization = "int8"
@@ -46,21 +49,36 @@ def main() -> None:
         if "--async-scheduling" in sys.argv:
             model.async_scheduling = True
     config = SearchConfig(
-        strategy="beam_search", n=w["n"], beam_width=w["beam_width"], num_iterations=w["num_iterations"],
-        temperature=w["temperature"], top_p=w["top_p"], max_tokens=w["max_tokens"], agg=w["agg"], final_to_eos=True,
-        fixed_steps=w["fixed_steps"], seed=w["seed"],
-    )  # fmt: skip
+        strategy="beam_search",
+        n=w["n"],
+        beam_width=w["beam_width"],
+        num_iterations=w["num_iterations"],
+        temperature=w["temperature"],
+        top_p=w["top_p"],
+        max_tokens=w["max_tokens"],
+        agg=w["agg"],
+        final_to_eos=True,
+        fixed_steps=w["fixed_steps"],
+        seed=w["seed"],
+    )
     records = [{"problem": p["problem"], "answer": p["answer"], "unique_id": p["unique_id"]} for p in w["problems"]]
     results = run_eval(settings, config, inline=records)
     s = results["summary"]
     problems = [
-        {"unique_id": p["unique_id"], "completions": [{"text": c["text"], "step_scores": c["step_scores"]}
-                                                      for c in p["completions"]]}
+        {
+            "unique_id": p["unique_id"],
+            "completions": [{"text": c["text"], "step_scores": c["step_scores"]} for c in p["completions"]],
+        }
         for p in results["problems"]
-    ]  # fmt: skip
-    out = {"system": "treeserve-reference" if settings.reference else "treeserve", "wall_s": s["wall_time_s"],
-           "generated_tokens": s["generated_tokens"], "prm_tokens_prefilled": s["prm_tokens_prefilled"],
-           "prm_unique_tokens": s["prm_unique_tokens"], "problems": problems}  # fmt: skip
+    ]
+    out = {
+        "system": "treeserve-reference" if settings.reference else "treeserve",
+        "wall_s": s["wall_time_s"],
+        "generated_tokens": s["generated_tokens"],
+        "prm_tokens_prefilled": s["prm_tokens_prefilled"],
+        "prm_unique_tokens": s["prm_unique_tokens"],
+        "problems": problems,
+    }
     with open(out_path, "w") as f:
         json.dump(out, f)
 

@@ -168,9 +168,15 @@ class TransformersGenerator:
             kwargs["min_new_tokens"] = max_new  # EOS is masked until max_tokens
         with self.torch.inference_mode():
             out = self.model.generate(
-                **enc, do_sample=True, temperature=w["temperature"], top_p=w["top_p"], max_new_tokens=max_new,
-                pad_token_id=tok.pad_token_id, stopping_criteria=self.criteria([RoomLeft(width, room)]), **kwargs,
-            )  # fmt: skip
+                **enc,
+                do_sample=True,
+                temperature=w["temperature"],
+                top_p=w["top_p"],
+                max_new_tokens=max_new,
+                pad_token_id=tok.pad_token_id,
+                stopping_criteria=self.criteria([RoomLeft(width, room)]),
+                **kwargs,
+            )
         for i, cap, row in zip(fits, room, out[:, width:], strict=True):
             new = [t for t in row.tolist()[:cap] if t != tok.pad_token_id]
             counters.generated_tokens += len(new)
@@ -193,9 +199,15 @@ class VLLMGenerator:
     def generate(self, prompts: list[str], w: dict, stop: bool, counters: Counters) -> list[tuple[str, str]]:
         from vllm import SamplingParams, TokensPrompt
 
-        params = SamplingParams(temperature=w["temperature"], top_p=w["top_p"], max_tokens=w["max_tokens"], n=1,
-                                stop=[STOP] if stop else None, include_stop_str_in_output=True,
-                                ignore_eos=w["fixed_steps"])  # fmt: skip
+        params = SamplingParams(
+            temperature=w["temperature"],
+            top_p=w["top_p"],
+            max_tokens=w["max_tokens"],
+            n=1,
+            stop=[STOP] if stop else None,
+            include_stop_str_in_output=True,
+            ignore_eos=w["fixed_steps"],
+        )
         ids = [self.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
         fits = [i for i, p in enumerate(ids) if fits_context(p)]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=ids[i]) for i in fits], params, use_tqdm=False)
@@ -219,8 +231,9 @@ class TransformersPRM:
         c = self.format.config
         self.tag, self.good, self.bad = c["step_tag_id"], c["good_token_id"], c["bad_token_id"]
 
-    def score(self, questions: list[str], completions: list[str], counters: Counters,
-              batch_size: int = 16) -> list[list[float]]:  # fmt: skip
+    def score(
+        self, questions: list[str], completions: list[str], counters: Counters, batch_size: int = 16
+    ) -> list[list[float]]:
         torch, scores = self.torch, []
         inputs = []
         for q, c in zip(questions, completions, strict=True):
@@ -251,11 +264,16 @@ class VLLMPRM:
         self.format = PRMFormat(prm_dir)
         c = self.format.config
         self.llm = LLM(
-            model=prm_dir, dtype=dtype, seed=seed, enable_prefix_caching=True, max_model_len=MAX_LEN,
-            runner="pooling", convert="classify",
+            model=prm_dir,
+            dtype=dtype,
+            seed=seed,
+            enable_prefix_caching=True,
+            max_model_len=MAX_LEN,
+            runner="pooling",
+            convert="classify",
             hf_overrides={"classifier_from_token": [c["good_token"], c["bad_token"]], "method": "no_post_processing"},
             pooler_config=PoolerConfig(task="token_classify", tok_pooling_type="STEP", step_tag_id=c["step_tag_id"]),
-        )  # fmt: skip
+        )
         self.tokenizer = self.llm.get_tokenizer()
 
     def score(self, questions: list[str], completions: list[str], counters: Counters) -> list[list[float]]:
@@ -265,8 +283,9 @@ class VLLMPRM:
         for q, c in zip(questions, completions, strict=True):
             ids = self.tokenizer(self.format.text(q, c), add_special_tokens=False).input_ids
             prompts.append(ids[:MAX_LEN])  # steps past the context score 0, as in treeserve
-        outs = self.llm.encode([TokensPrompt(prompt_token_ids=p) for p in prompts], pooling_task="token_classify",
-                               use_tqdm=False)  # fmt: skip
+        outs = self.llm.encode(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], pooling_task="token_classify", use_tqdm=False
+        )
         scores = []
         for c, ids, out in zip(completions, prompts, outs, strict=True):
             counters.prm_tokens_total += len(ids)
@@ -296,9 +315,13 @@ class VLLMPrefixPRM:
         c = self.format.config
         self.tag, self.good, self.bad = c["step_tag_id"], c["good_token_id"], c["bad_token_id"]
         self.llm = LLM(
-            model=prm_dir, dtype=dtype, seed=seed, enable_prefix_caching=True, max_model_len=MAX_LEN + 1,
+            model=prm_dir,
+            dtype=dtype,
+            seed=seed,
+            enable_prefix_caching=True,
+            max_model_len=MAX_LEN + 1,
             hf_overrides={"max_position_embeddings": MAX_LEN + 1},  # vLLM's limit; RoPE is unchanged below it
-        )  # fmt: skip
+        )
         self.tokenizer = self.llm.get_tokenizer()
         self.cache: dict[tuple[int, ...], float] = {}
         self.requests = 0  # prefixes sent to vLLM (one per distinct step tag)
@@ -313,8 +336,9 @@ class VLLMPrefixPRM:
             prefixes.append([tuple(ids[: p + 1]) for p, t in enumerate(ids[:MAX_LEN]) if t == self.tag])
         new = list(dict.fromkeys(k for keys in prefixes for k in keys if k not in self.cache))
         if new:
-            params = SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=[self.good, self.bad],
-                                    detokenize=False)  # fmt: skip
+            params = SamplingParams(
+                max_tokens=1, temperature=0.0, logprob_token_ids=[self.good, self.bad], detokenize=False
+            )
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(k)) for k in new], params, use_tqdm=False)
             pairs = []
             for key, out in zip(new, outs, strict=True):
@@ -326,8 +350,10 @@ class VLLMPrefixPRM:
             for key, p in zip(new, torch.sigmoid(pairs[:, 0] - pairs[:, 1]).tolist(), strict=True):
                 self.cache[key] = p
             self.requests += len(new)
-        return [[self.cache[k] for k in keys] + [0.0] * (step_count(c) - len(keys))
-                for keys, c in zip(prefixes, completions, strict=True)]  # fmt: skip
+        return [
+            [self.cache[k] for k in keys] + [0.0] * (step_count(c) - len(keys))
+            for keys, c in zip(prefixes, completions, strict=True)
+        ]
 
 
 # ---- search ------------------------------------------------------------------------------
@@ -338,8 +364,9 @@ def conversation(question: str, text: str) -> list[dict]:
     return conv
 
 
-def beam_search(questions: list[str], generator: object, prm: object, w: dict, counters: Counters,
-                cache: dict | None = None) -> list[list[Beam]]:  # fmt: skip
+def beam_search(
+    questions: list[str], generator: object, prm: object, w: dict, counters: Counters, cache: dict | None = None
+) -> list[list[Beam]]:
     """search-and-learn's `_beam_search`, run over several problems in lockstep when given
     more than one (thesis-vllm); with one problem it is search-and-learn's loop as is."""
     n, keep = w["n"], w["n"] // w["beam_width"]
@@ -360,8 +387,9 @@ def beam_search(questions: list[str], generator: object, prm: object, w: dict, c
         last = it == w["num_iterations"] - 1
         flat = [b for q in active for b in active[q]]
         convs = [conversation(b.prompt, b.current_text) for b in flat]
-        templated = tok.apply_chat_template(convs, add_generation_prompt=it == 0, continue_final_message=it > 0,
-                                            tokenize=False)  # fmt: skip
+        templated = tok.apply_chat_template(
+            convs, add_generation_prompt=it == 0, continue_final_message=it > 0, tokenize=False
+        )
         results = generator.generate(templated, w, stop=not (last or w["fixed_steps"]), counters=counters)
         for beam, (text, reason) in zip(flat, results, strict=True):
             beam.current_text += text
@@ -395,8 +423,9 @@ def score_all(prm: object, beams: list[Beam], counters: Counters, cache: dict | 
     keys = [(b.prompt, b.current_text) for b in beams]
     missing = list(dict.fromkeys(k for k in keys if k not in cache))
     if missing:
-        for key, scores in zip(missing, prm.score([k[0] for k in missing], [k[1] for k in missing], counters),
-                               strict=True):  # fmt: skip
+        for key, scores in zip(
+            missing, prm.score([k[0] for k in missing], [k[1] for k in missing], counters), strict=True
+        ):
             cache[key] = scores
     return [cache[k] for k in keys]
 
@@ -416,8 +445,10 @@ def check_inputs(problems: int, tokenizer: object, fmt: PRMFormat) -> list[dict]
 
     records = arith_dataset(size=problems, seed=0, levels=(4, 5))
     generator = LLM(os.path.join(ASSETS, "arith-generator"), dtype="bfloat16", kv_cache_memory=1 << 28)
-    samples = generator.chat([[{"role": "user", "content": r["problem"]}] for r in records],
-                             SamplingParams(n=2, temperature=0.8, max_tokens=400, seed=0))  # fmt: skip
+    samples = generator.chat(
+        [[{"role": "user", "content": r["problem"]}] for r in records],
+        SamplingParams(n=2, temperature=0.8, max_tokens=400, seed=0),
+    )
     items = []
     for r, out in zip(records, samples, strict=True):
         calls = itertools.count()  # the perturbation sees each step's node and true result in turn
@@ -488,16 +519,23 @@ def check_scores(problems: int) -> None:
         subprocess.run([VLLM_PYTHON, os.path.abspath(__file__), "--check-scores-vllm", path], env=env, check=True)
         with open(path) as f:
             checked = json.load(f)
-    rows = [(i, k, t, v, f) for i, item in enumerate(checked["items"])
-            for k, (t, v, f) in enumerate(zip(item["treeserve"], item["vllm"], item["fp32"], strict=True))]  # fmt: skip
+    rows = [
+        (i, k, t, v, f)
+        for i, item in enumerate(checked["items"])
+        for k, (t, v, f) in enumerate(zip(item["treeserve"], item["vllm"], item["fp32"], strict=True))
+    ]
     diffs = [abs(t - v) for _, _, t, v, _ in rows]
     worst = max(diffs)
-    print(f"{len(items)} PRM inputs, {len(rows)} steps ({len(checked['distinct_tags'])} distinct step tags, "
-          f"{checked['requests']} vLLM requests, {checked['prm_tokens_prefilled']} of {checked['prm_tokens_total']} "
-          f"prompt tokens prefilled)")  # fmt: skip
-    print(f"max |treeserve - vllm-prefix-prm| = {worst:.4f} (mean {sum(diffs) / len(diffs):.4f}); against fp32: "
-          f"treeserve {max(abs(t - f) for _, _, t, _, f in rows):.4f}, "
-          f"vllm-prefix-prm {max(abs(v - f) for _, _, _, v, f in rows):.4f}")  # fmt: skip
+    print(
+        f"{len(items)} PRM inputs, {len(rows)} steps ({len(checked['distinct_tags'])} distinct step tags, "
+        f"{checked['requests']} vLLM requests, {checked['prm_tokens_prefilled']} of {checked['prm_tokens_total']} "
+        f"prompt tokens prefilled)"
+    )
+    print(
+        f"max |treeserve - vllm-prefix-prm| = {worst:.4f} (mean {sum(diffs) / len(diffs):.4f}); against fp32: "
+        f"treeserve {max(abs(t - f) for _, _, t, _, f in rows):.4f}, "
+        f"vllm-prefix-prm {max(abs(v - f) for _, _, _, v, f in rows):.4f}"
+    )
     edge = checked["items"][-1]
     for k in (edge["edge_step"], edge["edge_step"] + 1):
         print(
@@ -521,8 +559,7 @@ def check_scores_vllm(path: str) -> None:
     steps = [[s for s in item["completion"].split(STOP) if s.strip()] for item in items]
     for k in range(1, max(len(s) for s in steps)):
         prm.score(questions, [STOP.join(s[:k]) for s in steps], counters)
-    for item, scores in zip(items, prm.score(questions, [item["completion"] for item in items], counters),
-                            strict=True):  # fmt: skip
+    for item, scores in zip(items, prm.score(questions, [item["completion"] for item in items], counters), strict=True):
         item["vllm"] = scores
     check.update(requests=prm.requests, distinct_tags=[list(k) for k in prm.cache], **counters.__dict__)
     with open(path, "w") as f:
@@ -569,10 +606,12 @@ def main() -> None:
         results = [beam_search([q], generator, prm, w, counters)[0] for q in questions]
     wall = time.perf_counter() - start
     problems = [
-        {"unique_id": p["unique_id"], "completions": [{"text": b.current_text, "step_scores": b.all_scores}
-                                                      for b in beams]}
+        {
+            "unique_id": p["unique_id"],
+            "completions": [{"text": b.current_text, "step_scores": b.all_scores} for b in beams],
+        }
         for p, beams in zip(w["problems"], results, strict=True)
-    ]  # fmt: skip
+    ]
     with open(out_path, "w") as f:
         json.dump({"system": system, "wall_s": wall, "load_s": load_s, **counters.__dict__, "problems": problems}, f)
 

@@ -128,12 +128,22 @@ def test_two_runs_side_by_side(watched, traced_results, tmp_path):
 
 
 def test_ui_behind_an_api_key(browser):
-    settings = ServerSettings(ModelSettings(DEFAULT_GENERATOR), ModelSettings(DEFAULT_PRM), api_key=API_KEY,
-                              runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20))  # fmt: skip
+    settings = ServerSettings(
+        ModelSettings(DEFAULT_GENERATOR),
+        ModelSettings(DEFAULT_PRM),
+        api_key=API_KEY,
+        runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20),
+    )
     live = start_server(settings)
     try:
-        body = {"problem": "Compute (3 + 4) * 5. <b>bold?</b>", "n": 4, "beam_width": 2, "num_iterations": 6,
-                "seed": 1, "trace": True}  # fmt: skip
+        body = {
+            "problem": "Compute (3 + 4) * 5. <b>bold?</b>",
+            "n": 4,
+            "beam_width": 2,
+            "num_iterations": 6,
+            "seed": 1,
+            "trace": True,
+        }
         auth = {"Authorization": f"Bearer {API_KEY}"}
         result = httpx.post(live.base_url + "/v1/search", json=body, headers=auth, timeout=120).json()
         w = Watched(browser, allowed=live.base_url)

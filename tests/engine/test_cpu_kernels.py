@@ -250,8 +250,14 @@ def test_layers_pick_their_kernels_at_load(llama_dir, monkeypatch):
     elif avx2.load() is not None:  # AVX2 without bf16 products: bf16 weights on avx2_linear.c
         assert picked(torch.bfloat16)[0] == {avx2.linear}
     monkeypatch.setenv("TREESERVE_CPU_KERNELS", "0")
-    caches = (cpu_kernels.load, cpu_kernels.bf16_built, cpu_kernels.load_amx, quant_kernels.load,
-              quant_kernels.load_bf16, avx2.load)  # fmt: skip
+    caches = (
+        cpu_kernels.load,
+        cpu_kernels.bf16_built,
+        cpu_kernels.load_amx,
+        quant_kernels.load,
+        quant_kernels.load_bf16,
+        avx2.load,
+    )
     for cached in caches:
         cached.cache_clear()
     try:

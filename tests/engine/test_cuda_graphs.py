@@ -159,11 +159,18 @@ def test_an_engine_replaying_graphs_gives_the_plain_engines_outputs(checkpoint, 
     """Greedy, and seeded sampling with n > 1, with prefix hits (shared prompts) on 24 pages of
     4 tokens (sequences are preempted and recomputed): the tokens of an engine without graphs;
     pages idle after (cpu_llm checks)."""
-    kwargs = {"attention_backend": "sdpa", "max_num_seqs": 8, "block_size": 4, "kv_cache_memory": 24 * PAGE,
-              "max_model_len": 72}  # fmt: skip
+    kwargs = {
+        "attention_backend": "sdpa",
+        "max_num_seqs": 8,
+        "block_size": 4,
+        "kv_cache_memory": 24 * PAGE,
+        "max_model_len": 72,
+    }
     prompts = PROMPTS + [PROMPTS[0] + " return", PROMPTS[1] + " again"]  # prefix hits
-    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
-              SamplingParams(temperature=0.9, max_tokens=40, seed=11, n=3, ignore_eos=True)]  # fmt: skip
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.9, max_tokens=40, seed=11, n=3, ignore_eos=True),
+    ]
     with_graphs = cpu_llm(checkpoint, **kwargs)
     assert with_graphs.engine.runner.graphs is not None
     got = [[c.token_ids for o in with_graphs.generate(prompts, p) for c in o.outputs] for p in params]

@@ -123,9 +123,19 @@ def test_activation_peak_reads_the_cuda_allocator(fake_gpu):
 
 def test_plan_sources_say_measured_or_estimated():
     cuda, cpu = planner.sources(CUDA), planner.sources(torch.device("cpu"))
-    assert set(cuda) == set(cpu) == {
-        "total_memory", "free_at_start", "weights", "activation_peak", "sampler_peak", "other", "loaded",
-    }  # fmt: skip
+    assert (
+        set(cuda)
+        == set(cpu)
+        == {
+            "total_memory",
+            "free_at_start",
+            "weights",
+            "activation_peak",
+            "sampler_peak",
+            "other",
+            "loaded",
+        }
+    )
     assert cuda["sampler_peak"].startswith("estimated")
     assert all(how.startswith("measured") for name, how in cuda.items() if name != "sampler_peak")
     assert "CUDA caching allocator" in cuda["activation_peak"] and "profiler" in cpu["activation_peak"]

@@ -65,8 +65,11 @@ def test_deltas_give_the_cumulative_stream(llama_dir, make_llm, engine, n):
     text = llm.generate(PROMPTS[0], replace(base, n=1))[0].outputs[0].text
     stop = text[len(text) // 3 : len(text) // 3 + 4]
     sizes = set()
-    for params in (replace(base, n=n), replace(base, n=n, stop=[stop]),
-                   replace(base, n=n, stop=[stop], include_stop_str_in_output=True)):  # fmt: skip
+    for params in (
+        replace(base, n=n),
+        replace(base, n=n, stop=[stop]),
+        replace(base, n=n, stop=[stop], include_stop_str_in_output=True),
+    ):
         whole = stream(llm.engine, params)
         deltas = stream(llm.engine, replace(params, output_kind=RequestOutputKind.DELTA))
         for request_id, outputs in whole.items():

@@ -42,7 +42,7 @@ def engines(llama_dir):
             kv_cache_memory=24 * PAGE,
             max_model_len=72,
             async_scheduling=overlap,
-        )  # fmt: skip
+        )
         for overlap in (True, False)
     ]
     assert made[0].engine.async_scheduling and not made[1].engine.async_scheduling
@@ -52,8 +52,9 @@ def engines(llama_dir):
 @st.composite
 def request_params(draw: st.DrawFn) -> SamplingParams:
     if draw(st.integers(0, 3)) == 0:  # long and wide: these fill the pages, so others are preempted
-        return SamplingParams(n=3, temperature=0.8, seed=draw(st.integers(0, 1000)),
-                              max_tokens=draw(st.integers(30, 40)), ignore_eos=True)  # fmt: skip
+        return SamplingParams(
+            n=3, temperature=0.8, seed=draw(st.integers(0, 1000)), max_tokens=draw(st.integers(30, 40)), ignore_eos=True
+        )
     short = draw(st.booleans())
     stops = draw(st.lists(st.sampled_from(STOPS), max_size=2, unique=True))
     constrained = draw(st.integers(0, 7)) == 0  # rare: a step holding one is not overlapped
@@ -105,15 +106,19 @@ def assert_same(got: dict[str, list], want: dict[str, list]) -> None:
     for rid, completions in want.items():
         for a, b in zip(got[rid], completions, strict=True):
             assert (a.token_ids, a.text, a.finish_reason, a.stop_reason, a.stop_offsets) == (
-                b.token_ids, b.text, b.finish_reason, b.stop_reason, b.stop_offsets
-            ), rid  # fmt: skip
+                b.token_ids,
+                b.text,
+                b.finish_reason,
+                b.stop_reason,
+                b.stop_offsets,
+            ), rid
             assert (a.logprobs is None) == (b.logprobs is None)
             if a.logprobs is not None:
                 assert math.isclose(a.cumulative_logprob, b.cumulative_logprob, rel_tol=1e-5, abs_tol=1e-5)
                 for x, y in zip(a.logprobs, b.logprobs, strict=True):
                     assert [(t, v.rank, v.decoded_token) for t, v in x.items()] == [
                         (t, v.rank, v.decoded_token) for t, v in y.items()
-                    ]  # fmt: skip
+                    ]
                     assert all(math.isclose(x[t].logprob, y[t].logprob, rel_tol=1e-5, abs_tol=1e-5) for t in x)
 
 

@@ -92,8 +92,9 @@ def test_a_stream_closed_while_its_step_is_in_flight(llama_dir):
     a clean run's tokens."""
 
     def load() -> Runtime:
-        return Runtime.load([ModelSpec("g", llama_dir)], kv_cache_memory=8 << 20, dtype="float32",
-                            async_scheduling=True)  # fmt: skip
+        return Runtime.load(
+            [ModelSpec("g", llama_dir)], kv_cache_memory=8 << 20, dtype="float32", async_scheduling=True
+        )
 
     runtime, clean = load(), load()
 

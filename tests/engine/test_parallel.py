@@ -30,9 +30,12 @@ pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two ranks nee
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, str]:
-    out = {arch: build_checkpoint(str(tmp_path_factory.mktemp(arch)), arch, num_hidden_layers=3,
-                                  tie_word_embeddings=arch == "qwen2")  # fmt: skip
-           for arch in ("llama", "qwen2", "gemma3_text", "qwen3_moe", "phi3")}
+    out = {
+        arch: build_checkpoint(
+            str(tmp_path_factory.mktemp(arch)), arch, num_hidden_layers=3, tie_word_embeddings=arch == "qwen2"
+        )
+        for arch in ("llama", "qwen2", "gemma3_text", "qwen3_moe", "phi3")
+    }
     # one KV head for two ranks (Gemma 3 270M's shape): each rank holds a copy of it
     out["llama-1kv"] = build_checkpoint(str(tmp_path_factory.mktemp("mqa")), "llama", num_key_value_heads=1)
     return out
@@ -42,10 +45,15 @@ def outputs(llm: LLM) -> tuple:
     greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16))
     sampled = llm.generate(PROMPTS, SamplingParams(temperature=0.9, max_tokens=16, seed=7, n=2))
     ids = llm.get_tokenizer().encode("def f(x): return x * x", add_special_tokens=False)
-    [scored] = llm.score([ids], ScoreParams(positions=list(range(len(ids))), token_ids=[3, 5, 7, 11],
-                                            return_hidden_states=True))  # fmt: skip
-    return ([o.outputs[0].token_ids for o in greedy], [[c.token_ids for c in o.outputs] for o in sampled],
-            torch.as_tensor(scored.logprobs), scored.hidden_states)  # fmt: skip
+    [scored] = llm.score(
+        [ids], ScoreParams(positions=list(range(len(ids))), token_ids=[3, 5, 7, 11], return_hidden_states=True)
+    )
+    return (
+        [o.outputs[0].token_ids for o in greedy],
+        [[c.token_ids for c in o.outputs] for o in sampled],
+        torch.as_tensor(scored.logprobs),
+        scored.hidden_states,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -95,10 +103,13 @@ def test_tensor_shards_of_pipeline_stages_give_one_ranks_outputs(checkpoints, on
 
 
 def search(generator: dict | None = None, prm: dict | None = None) -> dict:
-    settings = EvalSettings(dataset="arith:level=4,size=3,seed=1", progress=False,
-                            generator=ModelSettings(DEFAULT_GENERATOR, **(generator or {})),
-                            prm=ModelSettings(DEFAULT_PRM, **(prm or {})),
-                            runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20))  # fmt: skip
+    settings = EvalSettings(
+        dataset="arith:level=4,size=3,seed=1",
+        progress=False,
+        generator=ModelSettings(DEFAULT_GENERATOR, **(generator or {})),
+        prm=ModelSettings(DEFAULT_PRM, **(prm or {})),
+        runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20),
+    )
     return run_eval(settings, SearchConfig(n=4, beam_width=2, num_iterations=5))  # checks the pages are idle
 
 
@@ -135,8 +146,9 @@ def test_beam_search_keeps_its_beams(plain_search, sizes):
 
 
 def test_a_killed_rank_is_a_clear_error_and_no_rank_is_left(checkpoints):
-    llm = LLM(checkpoints["llama"], dtype="float32", kv_cache_memory=8 << 20, tensor_parallel_size=2,
-              parallel_timeout_s=10.0)  # fmt: skip
+    llm = LLM(
+        checkpoints["llama"], dtype="float32", kv_cache_memory=8 << 20, tensor_parallel_size=2, parallel_timeout_s=10.0
+    )
     engine, [rank1] = llm.engine, [h.process for h in llm.engine.ranks.handles]
     for i in range(8):
         engine.add_request(str(i), PROMPTS[i % 3], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
@@ -164,8 +176,13 @@ def test_a_rank_that_fails_starting_is_an_error_at_once(checkpoints, monkeypatch
     monkeypatch.setattr(torch, "get_num_threads", lambda: 0)
     start = time.monotonic()
     with pytest.raises(RankFailed, match=r"a rank exited before it joined") as failure:
-        LLM(checkpoints["llama"], dtype="float32", kv_cache_memory=8 << 20, tensor_parallel_size=2,
-            parallel_timeout_s=60.0)  # fmt: skip
+        LLM(
+            checkpoints["llama"],
+            dtype="float32",
+            kv_cache_memory=8 << 20,
+            tensor_parallel_size=2,
+            parallel_timeout_s=60.0,
+        )
     assert time.monotonic() - start < 30.0
     assert "exit code 1" in str(failure.value)
 
@@ -177,7 +194,7 @@ def test_ranks_exit_when_rank_0_is_killed(checkpoints):
         f"llm = LLM({checkpoints['llama']!r}, dtype='float32', kv_cache_memory=8 << 20, pipeline_parallel_size=2)\n"
         "print(llm.engine.ranks.handles[0].process.pid, flush=True)\n"
         "time.sleep(60)\n"
-    )  # fmt: skip
+    )
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         rank1 = int(parent.stdout.readline())
@@ -202,21 +219,39 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize(
     ("overrides", "kwargs", "message"),
     [
-        ({"num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 48}, {"tensor_parallel_size": 2},
-         "attention heads 6|KV heads 3"),
-        ({"num_attention_heads": 3, "num_key_value_heads": 3, "hidden_size": 48}, {"tensor_parallel_size": 2},
-         "attention heads 3, KV heads 3"),
-        ({"intermediate_size": 96}, {"tensor_parallel_size": 2, "quantization": "int8"},
-         "int8 at tensor_parallel_size=2 needs each rank's matrix widths to be multiples of 32"),
-        ({}, {"tensor_parallel_size": 2, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
-         "speculative decoding runs on one rank"),
+        (
+            {"num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 48},
+            {"tensor_parallel_size": 2},
+            "attention heads 6|KV heads 3",
+        ),
+        (
+            {"num_attention_heads": 3, "num_key_value_heads": 3, "hidden_size": 48},
+            {"tensor_parallel_size": 2},
+            "attention heads 3, KV heads 3",
+        ),
+        (
+            {"intermediate_size": 96},
+            {"tensor_parallel_size": 2, "quantization": "int8"},
+            "int8 at tensor_parallel_size=2 needs each rank's matrix widths to be multiples of 32",
+        ),
+        (
+            {},
+            {"tensor_parallel_size": 2, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+            "speculative decoding runs on one rank",
+        ),
         ({"num_hidden_layers": 1}, {"pipeline_parallel_size": 2}, "more than the model's 1 layers"),
         ({}, {"tensor_parallel_size": (os.cpu_count() or 1) + 1}, "more than the"),
-        ({}, {"tensor_parallel_size": 2, "pipeline_parallel_size": os.cpu_count() or 1},
-         rf"tensor_parallel_size=2 x pipeline_parallel_size={os.cpu_count() or 1} needs {2 * (os.cpu_count() or 1)} "
-         "ranks, more than the"),
-        ({}, {"tensor_parallel_size": 2, "distributed_executor_backend": "threads"},
-         "distributed_executor_backend must be one of"),
+        (
+            {},
+            {"tensor_parallel_size": 2, "pipeline_parallel_size": os.cpu_count() or 1},
+            rf"tensor_parallel_size=2 x pipeline_parallel_size={os.cpu_count() or 1} needs {2 * (os.cpu_count() or 1)} "
+            "ranks, more than the",
+        ),
+        (
+            {},
+            {"tensor_parallel_size": 2, "distributed_executor_backend": "threads"},
+            "distributed_executor_backend must be one of",
+        ),
         ({}, {"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer"),
     ],
 )

@@ -105,10 +105,13 @@ def test_two_ranks_run_the_files_blocks(gguf_path, kind):
     ("shape", "quants", "message"),
     [
         (dict(intermediate_size=96), ("Q8_0",), r"down_proj's 96 inputs / 2 = 48 a rank, not whole Q8_0 blocks of 32"),
-        (dict(hidden_size=256, intermediate_size=256, head_dim=64), ("Q6_K",),
-         r"down_proj's 256 inputs / 2 = 128 a rank, not whole Q6_K blocks of 256; o_proj's 256 inputs / 2 = 128"),
+        (
+            dict(hidden_size=256, intermediate_size=256, head_dim=64),
+            ("Q6_K",),
+            r"down_proj's 256 inputs / 2 = 128 a rank, not whole Q6_K blocks of 256; o_proj's 256 inputs / 2 = 128",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_split_that_cuts_blocks_is_refused_before_loading(tmp_path, shape, quants, message):
     hf = build_checkpoint(str(tmp_path / "hf"), "llama", **shape)
     path = write_gguf(hf, str(tmp_path / "tiny.gguf"), "llama", quants=quants)

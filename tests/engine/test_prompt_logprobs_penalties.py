@@ -84,8 +84,9 @@ def test_repetition_penalty_matches_transformers(llama_dir, make_llm):
     assert changed  # the penalty did something
 
 
-def openai_greedy(model_dir: str, ids: list[int], steps: int, presence: float, frequency: float,
-                  bias: dict[int, float]) -> list[int]:  # fmt: skip
+def openai_greedy(
+    model_dir: str, ids: list[int], steps: int, presence: float, frequency: float, bias: dict[int, float]
+) -> list[int]:
     """OpenAI's definition, written out: mu[j] - c[j] * frequency - (c[j] > 0) * presence + bias[j]."""
     hf = hf_model(model_dir)
     out: list[int] = []
@@ -107,8 +108,14 @@ def test_presence_frequency_and_bias_match_openais_definition(llama_dir, make_ll
     bias = {5: 3.0, 17: -100.0, 42: 1.5}
     plain = openai_greedy(llama_dir, ids, 12, 0.0, 0.0, {})
     for presence, frequency in ((0.8, 0.0), (0.0, 1.2), (-0.5, 0.6)):
-        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, presence_penalty=presence,
-                                frequency_penalty=frequency, logit_bias=bias)  # fmt: skip
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=12,
+            ignore_eos=True,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            logit_bias=bias,
+        )
         ours = llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
         assert ours == openai_greedy(llama_dir, ids, 12, presence, frequency, bias) != plain
 
@@ -131,19 +138,31 @@ def test_min_tokens_blocks_eos_and_stop_ids(llama_dir, make_llm):
     assert llm.generate(PROMPT, SamplingParams(**params))[0].outputs[0].token_ids == [eos[0]]
     out = llm.generate(PROMPT, SamplingParams(**params, min_tokens=4))[0].outputs[0]
     assert len(out.token_ids) == 5 and out.token_ids[-1] == eos[0] and out.finish_reason == "stop"
-    out = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[11],
-                                              logit_bias={11: 100.0}, min_tokens=3))[0].outputs[0]  # fmt: skip
+    out = llm.generate(
+        PROMPT,
+        SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[11], logit_bias={11: 100.0}, min_tokens=3),
+    )[0].outputs[0]
     assert len(out.token_ids) == 4 and out.token_ids[-1] == 11 and 11 not in out.token_ids[:3]
 
 
 def test_edited_requests_are_batch_invariant(llama_dir, make_llm):
     llm = make_llm(llama_dir)
-    edited = SamplingParams(temperature=0.9, seed=7, max_tokens=12, n=3, presence_penalty=0.5, frequency_penalty=0.3,
-                            repetition_penalty=1.2, logit_bias={3: 2.0}, min_tokens=2)  # fmt: skip
+    edited = SamplingParams(
+        temperature=0.9,
+        seed=7,
+        max_tokens=12,
+        n=3,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        repetition_penalty=1.2,
+        logit_bias={3: 2.0},
+        min_tokens=2,
+    )
     alone = llm.generate(PROMPT, edited)[0]
     others = [SamplingParams(temperature=0.7, seed=s, max_tokens=12) for s in range(4)]
-    mixed = llm.generate([PROMPT, "Compute 1 + 2.", PROMPT, "x y z", PROMPT], [others[0], others[1], edited,
-                                                                            others[2], others[3]])  # fmt: skip
+    mixed = llm.generate(
+        [PROMPT, "Compute 1 + 2.", PROMPT, "x y z", PROMPT], [others[0], others[1], edited, others[2], others[3]]
+    )
     assert [c.token_ids for c in mixed[2].outputs] == [c.token_ids for c in alone.outputs]
     plain_alone = llm.generate("Compute 1 + 2.", others[1])[0]
     assert mixed[1].outputs[0].token_ids == plain_alone.outputs[0].token_ids

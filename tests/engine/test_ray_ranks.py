@@ -54,8 +54,14 @@ def test_ray_ranks_give_one_ranks_outputs(cluster, checkpoint, make_llm, monkeyp
 
 def test_a_killed_actor_is_a_clear_error(cluster, checkpoint, monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    llm = LLM(checkpoint, dtype="float32", kv_cache_memory=8 << 20, tensor_parallel_size=2,
-              distributed_executor_backend="ray", parallel_timeout_s=10.0)  # fmt: skip
+    llm = LLM(
+        checkpoint,
+        dtype="float32",
+        kv_cache_memory=8 << 20,
+        tensor_parallel_size=2,
+        distributed_executor_backend="ray",
+        parallel_timeout_s=10.0,
+    )
     engine, [rank1] = llm.engine, llm.engine.ranks.handles
     for i in range(8):
         engine.add_request(str(i), PROMPTS[i % 3], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
@@ -80,8 +86,15 @@ def test_a_cluster_without_room_is_refused(cluster, checkpoint, monkeypatch):
     """Three one-CPU ranks on a two-CPU cluster: refused after the timeout, nothing reserved."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     with pytest.raises(ValueError, match=r"the Ray cluster has no room for 3 ranks of \{'CPU': 1\}"):
-        LLM(checkpoint, dtype="float32", kv_cache_memory=8 << 20, tensor_parallel_size=2, pipeline_parallel_size=2,
-            distributed_executor_backend="ray", parallel_timeout_s=2.0)  # fmt: skip
+        LLM(
+            checkpoint,
+            dtype="float32",
+            kv_cache_memory=8 << 20,
+            tensor_parallel_size=2,
+            pipeline_parallel_size=2,
+            distributed_executor_backend="ray",
+            parallel_timeout_s=2.0,
+        )
     assert groups_removed()
 
 

@@ -53,9 +53,16 @@ requests = st.lists(
 def params_of(request: tuple) -> SamplingParams:
     _, temperature, max_tokens, stop, occurrences, n, seed, logprobs = request
     return SamplingParams(
-        temperature=temperature, max_tokens=max_tokens, stop=stop, n_stop_occurrences=occurrences, n=n,
-        seed=seed, logprobs=logprobs, include_stop_str_in_output=seed % 2 == 0, top_p=0.9 if seed % 3 == 0 else 1.0,
-    )  # fmt: skip
+        temperature=temperature,
+        max_tokens=max_tokens,
+        stop=stop,
+        n_stop_occurrences=occurrences,
+        n=n,
+        seed=seed,
+        logprobs=logprobs,
+        include_stop_str_in_output=seed % 2 == 0,
+        top_p=0.9 if seed % 3 == 0 else 1.0,
+    )
 
 
 @pytest.mark.parametrize("method", ["ngram", "tree", "model"])
@@ -198,9 +205,11 @@ def test_draft_model_must_share_the_vocabulary(llama_dir, tmp_path):
 def test_no_speculation_on_a_prm(llama_dir):
     with pytest.raises(ValueError, match="speculative decoding is for the generator"):
         Runtime.for_search(
-            llama_dir, llama_dir, 8 << 20,
+            llama_dir,
+            llama_dir,
+            8 << 20,
             engine_args={"prm": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}},
-        )  # fmt: skip
+        )
 
 
 def test_counters_reach_metrics_and_llm(llama_dir, make_llm):

@@ -39,8 +39,13 @@ def progress_writes(path: Path) -> set[str]:
     """Progress fields assigned on an object other than `self` (or an engine) in the module at `path`."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-            node, ast.AugAssign | ast.AnnAssign) else []  # fmt: skip
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AugAssign | ast.AnnAssign)
+            else []
+        )
         for target in targets:
             for t in ast.walk(target):
                 owner = t.value.id if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) else None

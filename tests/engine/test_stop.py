@@ -109,8 +109,9 @@ def test_engine_text_from_the_sequences_own_tokens(llama_dir, make_llm, include)
     prompt = "Once upon a time"
     first = llm.generate([prompt], SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True))
     end = first[0].outputs[0].token_ids[5]  # a token some completions sample: it ends them there
-    params = SamplingParams(temperature=0.8, seed=3, n=4, max_tokens=12, stop_token_ids=[end],
-                            include_stop_str_in_output=include)  # fmt: skip
+    params = SamplingParams(
+        temperature=0.8, seed=3, n=4, max_tokens=12, stop_token_ids=[end], include_stop_str_in_output=include
+    )
     out = llm.generate([prompt], params)[0]
     prompt_ids = out.prompt_token_ids
     assert len(out.outputs) == 4 and any(c.finish_reason == "stop" for c in out.outputs)

@@ -181,15 +181,22 @@ def test_length_cut_is_a_valid_prefix(llm):
 
 
 def test_seeded_guided_requests_are_batch_invariant(llm):
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string", "maxLength": 6}},
-              "required": ["n", "s"]}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}, "s": {"type": "string", "maxLength": 6}},
+        "required": ["n", "s"],
+    }
     guided = [
         SamplingParams(temperature=1.0, max_tokens=40, seed=100 + i, structured_outputs=so)
         for i, so in enumerate(
-            [StructuredOutputsParams(json=schema), StructuredOutputsParams(regex=r"[a-z]{2,9}!"),
-             StructuredOutputsParams(choice=["alpha", "beta", "gamma"]), StructuredOutputsParams(grammar=ARITHMETIC)]
+            [
+                StructuredOutputsParams(json=schema),
+                StructuredOutputsParams(regex=r"[a-z]{2,9}!"),
+                StructuredOutputsParams(choice=["alpha", "beta", "gamma"]),
+                StructuredOutputsParams(grammar=ARITHMETIC),
+            ]
         )
-    ]  # fmt: skip
+    ]
     alone = [llm.generate(["Hello there"], p)[0].outputs[0].token_ids for p in guided]
     plain = SamplingParams(temperature=1.0, max_tokens=40, seed=7)
     batch = [guided[i % 4] if i % 2 == 0 else plain for i in range(32)]

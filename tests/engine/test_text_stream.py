@@ -194,8 +194,10 @@ def test_byte_level_lossy_utf8_as_tokenizers_decodes_it():
     rng = random.Random(1)
     leads = [0xC0, 0xC2, 0xDF, 0xE0, 0xE1, 0xED, 0xEF, 0xF0, 0xF4, 0xF5, 0xFF]
     for _ in range(3000):
-        data = [rng.choice([rng.randrange(256), rng.choice(leads), rng.randrange(0x80, 0xC0), 0x61])
-                for _ in range(rng.randrange(1, 10))]  # fmt: skip
+        data = [
+            rng.choice([rng.randrange(256), rng.choice(leads), rng.randrange(0x80, 0xC0), 0x61])
+            for _ in range(rng.randrange(1, 10))
+        ]
         ids = [letter[b] for b in data]
         assert fast(tok, [letter[0x61]], ids, True) == expected(tok, [letter[0x61]], ids, True), data
 

@@ -112,10 +112,14 @@ def test_search_equivalence(world):  # noqa: F811 - the step-world fixture
 
     def run(reference: bool) -> dict:
         settings = EvalSettings(
-            generator=ModelSettings(generator), prm=ModelSettings(prm), reference=reference, progress=False,
-            runtime=RuntimeSettings(dtype="float32", kv_cache_memory=1 << 20, device=DEVICE,
-                                    attention_backend="triton"),
-        )  # fmt: skip
+            generator=ModelSettings(generator),
+            prm=ModelSettings(prm),
+            reference=reference,
+            progress=False,
+            runtime=RuntimeSettings(
+                dtype="float32", kv_cache_memory=1 << 20, device=DEVICE, attention_backend="triton"
+            ),
+        )
         return run_eval(settings, config, inline=[dict(r) for r in RECORDS[:1]])
 
     fast, plain = run(False), run(True)

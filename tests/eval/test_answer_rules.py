@@ -47,9 +47,31 @@ def world(tmp_path_factory):
 def test_every_strategy_prints_and_records_its_rule(world, tmp_path, capsys, strategy, select):
     generator, prm = world
     out = tmp_path / "r.json"
-    args = ["eval", "--dataset", "arith:level=1,size=3,seed=0", "--generator", generator, "--prm", prm,
-            "--strategy", strategy, "--n", "4", "--beam-width", "2", "--num-iterations", "3", "--max-tokens", "16",
-            "--dtype", "float32", "--kv-cache-memory", str(64 << 20), "--output", str(out)]  # fmt: skip
+    args = [
+        "eval",
+        "--dataset",
+        "arith:level=1,size=3,seed=0",
+        "--generator",
+        generator,
+        "--prm",
+        prm,
+        "--strategy",
+        strategy,
+        "--n",
+        "4",
+        "--beam-width",
+        "2",
+        "--num-iterations",
+        "3",
+        "--max-tokens",
+        "16",
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        str(64 << 20),
+        "--output",
+        str(out),
+    ]
     assert main(args + (["--select", select] if select else [])) == 0
     rule = select or DEFAULT_SELECTION[strategy]
     summary = json.loads(out.read_text())["summary"]

@@ -216,8 +216,9 @@ def test_checkpoint_tokenizer_and_chat_template(ckpt: Path) -> None:
     assert ids[0] == config["bos_token_id"] and ids[-1] == tokenizer.token_to_id("<|assistant|>")
     full = template.render(
         messages=messages[1:] + [{"role": "assistant", "content": "1 + 2 = 3."}],
-        add_generation_prompt=False, bos_token=tok_config["bos_token"],
-    )  # fmt: skip
+        add_generation_prompt=False,
+        bos_token=tok_config["bos_token"],
+    )
     assert full == "<|bos|><|user|>Compute 1 + 2.<|end|><|assistant|>1 + 2 = 3.<|end|>"
 
 

@@ -61,8 +61,9 @@ def test_the_cli_refuses_a_directory_without_a_checkpoint(tmp_path, monkeypatch,
 
 def test_the_cli_refuses_a_copy_stage_without_new_layers(tmp_path, monkeypatch, capsys):
     (tmp_path / "config.json").write_text("{}")
-    monkeypatch.setattr("sys.argv", ["copy_drills", "--prm", str(tmp_path), "--teach", str(tmp_path / "out"),
-                                     "--extra-layers", "0"])  # fmt: skip
+    monkeypatch.setattr(
+        "sys.argv", ["copy_drills", "--prm", str(tmp_path), "--teach", str(tmp_path / "out"), "--extra-layers", "0"]
+    )
     with pytest.raises(SystemExit) as exit_info:
         main()
     assert exit_info.value.code == 2

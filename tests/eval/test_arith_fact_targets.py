@@ -86,8 +86,18 @@ def test_a_stage_trains_only_its_new_layers_and_stops_at_its_target(tmp_path):
     from tools.arith.facts import build, curriculum, teach
 
     base = tiny_model(tmp_path)
-    summary = build("check", 0, tmp_path / "init", tmp_path / "check", steps=2, rows_per_batch=2, lr=1e-2,
-                    warmup=1, target=1.0, extra_layers=1)  # fmt: skip
+    summary = build(
+        "check",
+        0,
+        tmp_path / "init",
+        tmp_path / "check",
+        steps=2,
+        rows_per_batch=2,
+        lr=1e-2,
+        warmup=1,
+        target=1.0,
+        extra_layers=1,
+    )
     assert summary["steps"] == 2 and summary["extra_layers"] == 1
     assert list(curriculum(tmp_path / "check")) == ["check"] and curriculum(tmp_path / "init") == {}
     # a chain of stage directories moved elsewhere together still reads back
@@ -109,8 +119,9 @@ def test_a_stage_trains_only_its_new_layers_and_stops_at_its_target(tmp_path):
     assert new_layer.self_attn.o_proj.weight.abs().sum() > 0 and new_layer.mlp.down_proj.weight.abs().sum() > 0
 
     for stage in ("check", "route"):
-        stopped = teach(checked.train(), stage, 0, steps=10, rows_per_batch=2, lr=1e-3, warmup=1, target=0.0,
-                        log_every=2)  # fmt: skip
+        stopped = teach(
+            checked.train(), stage, 0, steps=10, rows_per_batch=2, lr=1e-3, warmup=1, target=0.0, log_every=2
+        )
         assert stopped["steps"] == 2 and stopped["max_steps"] == 10
 
 

@@ -42,13 +42,21 @@ def test_counts_cover_all_completions_and_the_chosen_one_of_wrong_problems():
     document = {
         "problems": [
             # wrong: the search picked 34, first written by the miscopied operand
-            {"problem": PROBLEM, "pred": "34", "correct": False,
-             "completions": [completion(t) for t in (GOOD, MISCOPIED_OPERAND, WRONG_RESULT)]},
+            {
+                "problem": PROBLEM,
+                "pred": "34",
+                "correct": False,
+                "completions": [completion(t) for t in (GOOD, MISCOPIED_OPERAND, WRONG_RESULT)],
+            },
             # right: its completions count, its choice does not
-            {"problem": PROBLEM, "pred": "33", "correct": True,
-             "completions": [completion(t) for t in (MISCOPIED_REST, GOOD)]},
+            {
+                "problem": PROBLEM,
+                "pred": "33",
+                "correct": True,
+                "completions": [completion(t) for t in (MISCOPIED_REST, GOOD)],
+            },
         ]
-    }  # fmt: skip
+    }
     counts = mistake_counts(document)
     assert counts["all"] == {"none": 2, "operation": 1, "result": 1, "rest": 1}
     assert counts["chosen_wrong"] == {"operation": 1}
@@ -57,22 +65,31 @@ def test_counts_cover_all_completions_and_the_chosen_one_of_wrong_problems():
 
 
 def record(uid: str, pred: str, correct: bool, *texts: str) -> dict:
-    return {"unique_id": uid, "problem": PROBLEM, "pred": pred, "correct": correct,
-            "completions": [completion(t) for t in texts]}  # fmt: skip
+    return {
+        "unique_id": uid,
+        "problem": PROBLEM,
+        "pred": pred,
+        "correct": correct,
+        "completions": [completion(t) for t in texts],
+    }
 
 
 def test_paired_counts_name_the_mistake_of_the_run_that_is_wrong():
-    run = {"problems": [
-        record("a", "34", False, MISCOPIED_OPERAND, GOOD),  # lost: this run's miscopy
-        record("b", "33", True, GOOD, WRONG_RESULT),  # won: the baseline's wrong result
-        record("c", "33", True, GOOD),  # both right: not counted
-        record("d", "38", False, MISCOPIED_REST),  # not in the baseline: not counted
-    ]}  # fmt: skip
-    baseline = {"problems": [
-        record("a", "33", True, GOOD),
-        record("b", "34", False, WRONG_RESULT, GOOD),
-        record("c", "33", True, GOOD),
-    ]}  # fmt: skip
+    run = {
+        "problems": [
+            record("a", "34", False, MISCOPIED_OPERAND, GOOD),  # lost: this run's miscopy
+            record("b", "33", True, GOOD, WRONG_RESULT),  # won: the baseline's wrong result
+            record("c", "33", True, GOOD),  # both right: not counted
+            record("d", "38", False, MISCOPIED_REST),  # not in the baseline: not counted
+        ]
+    }
+    baseline = {
+        "problems": [
+            record("a", "33", True, GOOD),
+            record("b", "34", False, WRONG_RESULT, GOOD),
+            record("c", "33", True, GOOD),
+        ]
+    }
     counts = paired_counts(run, baseline)
     assert counts == {"lost": {"operation": 1}, "won": {"result": 1}}
     assert paired_counts(baseline, run) == {"lost": {"result": 1}, "won": {"operation": 1}}

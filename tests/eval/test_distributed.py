@@ -24,8 +24,9 @@ QUALITY = ("accuracy", "accuracy_by_level", "naive@n", "weighted@n", "majority@n
 
 
 def settings() -> EvalSettings:
-    return EvalSettings(dataset=DATASET, runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20),
-                        progress=False)
+    return EvalSettings(
+        dataset=DATASET, runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20), progress=False
+    )
 
 
 def config() -> SearchConfig:
@@ -61,8 +62,24 @@ def cluster():
 
 def test_two_workers_write_the_single_process_results(cluster, single, tmp_path, capsys):
     out = tmp_path / "results.json"
-    assert main(["eval", "--dataset", DATASET, *FLAGS, "--output", str(out), "--workers", "2",
-                 "--cpus-per-worker", "1", "--trace"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "eval",
+                "--dataset",
+                DATASET,
+                *FLAGS,
+                "--output",
+                str(out),
+                "--workers",
+                "2",
+                "--cpus-per-worker",
+                "1",
+                "--trace",
+            ]
+        )
+        == 0
+    )
     doc = json.loads(out.read_text())
     assert signature(doc) == signature(single, approx=True)  # traced on the workers: the same search
     assert all(len(p["trace"]["completions"]) == len(p["completions"]) for p in doc["problems"])

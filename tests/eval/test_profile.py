@@ -10,14 +10,36 @@ from treeserve.cli import main
 from treeserve.runtime.model_settings import TUNED_KEYS
 from treeserve.runtime.tuner import GridPoint, choose, read_config
 
-SMALL = ["--dataset", "arith:level=1,size=2,seed=0", "--n", "4", "--beam-width", "2", "--num-iterations", "3",
-         "--dtype", "float32"]  # fmt: skip
+SMALL = [
+    "--dataset",
+    "arith:level=1,size=2,seed=0",
+    "--n",
+    "4",
+    "--beam-width",
+    "2",
+    "--num-iterations",
+    "3",
+    "--dtype",
+    "float32",
+]
 
 
 def test_profile_writes_runs_timelines_and_plots(tmp_path, capsys):
     out = tmp_path / "prof"
-    args = ["profile", *SMALL, "--budgets", "12M,16M", "--splits", "0.5", "--max-num-seqs", "4,64",
-            "--max-num-batched-tokens", "512", "--out", str(out)]  # fmt: skip
+    args = [
+        "profile",
+        *SMALL,
+        "--budgets",
+        "12M,16M",
+        "--splits",
+        "0.5",
+        "--max-num-seqs",
+        "4,64",
+        "--max-num-batched-tokens",
+        "512",
+        "--out",
+        str(out),
+    ]
     assert main(args) == 0
     doc = json.loads((out / "profile.json").read_text())
     assert len(doc["runs"]) == 2 * 2 + 2  # every budget x (shared, 0.5), then the batch grid at one budget
@@ -31,8 +53,22 @@ def test_profile_writes_runs_timelines_and_plots(tmp_path, capsys):
 
 def test_tune_writes_settings_that_eval_accepts(tmp_path):
     tuned, report = tmp_path / "tuned.json", tmp_path / "report.json"
-    args = ["tune", *SMALL, "--kv-cache-memory", "12M", "--splits", "shared,0.5", "--max-num-seqs", "4,64",
-            "--max-num-batched-tokens", "512", "--output", str(tuned), "--report", str(report)]  # fmt: skip
+    args = [
+        "tune",
+        *SMALL,
+        "--kv-cache-memory",
+        "12M",
+        "--splits",
+        "shared,0.5",
+        "--max-num-seqs",
+        "4,64",
+        "--max-num-batched-tokens",
+        "512",
+        "--output",
+        str(tuned),
+        "--report",
+        str(report),
+    ]
     assert main(args) == 0
     config = read_config(str(tuned))
     grid = json.loads(report.read_text())
@@ -54,8 +90,10 @@ def test_tune_writes_settings_that_eval_accepts(tmp_path):
 
 def tuned_of(doc: dict) -> dict:
     """Each model's batch settings a results file records, as a tune settings file writes them."""
-    return {name: {k: v for k, v in doc["config"][name].items() if k in TUNED_KEYS and v is not None}
-            for name in ("generator", "prm")}  # fmt: skip
+    return {
+        name: {k: v for k, v in doc["config"][name].items() if k in TUNED_KEYS and v is not None}
+        for name in ("generator", "prm")
+    }
 
 
 def test_min_max_rule_picks_the_best_worst_model():

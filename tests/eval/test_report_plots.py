@@ -64,8 +64,9 @@ def test_grade_problems_rejects_misaligned_input():
 
 def results_doc(strategy="best_of_n", n=4):
     _, problems = graded_builtin_run()
-    stats = RunStats(wall_time_s=2.0, generated_tokens=300, prm_tokens_prefilled=120, prm_unique_tokens=100,
-                     prefix_hit_rate=0.5)  # fmt: skip
+    stats = RunStats(
+        wall_time_s=2.0, generated_tokens=300, prm_tokens_prefilled=120, prm_unique_tokens=100, prefix_hit_rate=0.5
+    )
     return build_results({"strategy": strategy, "n": n, "dataset": "arith"}, problems, stats, agg="last"), problems
 
 
@@ -102,10 +103,12 @@ def test_write_read_round_trip(tmp_path):
         ("[1, 2]", "top level is a list"),
         ('{"config": {}, "summary": {}}', "missing 'problems'"),
         ('{"config": {}, "summary": {"accuracy": 1.0}, "problems": []}', "problems_per_s"),
-        ('{"config": {}, "summary": {"accuracy": 1, "problems_per_s": 1}, "problems": [{"unique_id": "x"}]}',
-         "problems\\[0\\] lacks"),
+        (
+            '{"config": {}, "summary": {"accuracy": 1, "problems_per_s": 1}, "problems": [{"unique_id": "x"}]}',
+            "problems\\[0\\] lacks",
+        ),
     ],
-)  # fmt: skip
+)
 def test_read_rejects_non_results(tmp_path, content, message):
     path = tmp_path / "x.json"
     path.write_text(content, encoding="utf-8")
@@ -141,15 +144,22 @@ def test_pareto_front_membership():
 
 def compute_doc(n, accuracy, tokens, certainty=None):
     doc, _ = results_doc("beam_search", n)
-    doc["config"] = {"search": {"strategy": "beam_search", "n": n, "adaptive": certainty is not None,
-                                "certainty": certainty or 0.9}, "dataset": "arith"}  # fmt: skip
+    doc["config"] = {
+        "search": {"strategy": "beam_search", "n": n, "adaptive": certainty is not None, "certainty": certainty or 0.9},
+        "dataset": "arith",
+    }
     doc["summary"] |= {"accuracy": accuracy, "computed_tokens": tokens}
     return doc
 
 
 def test_plot_vs_compute_writes_png(tmp_path):
-    runs = [(4, 0.4, 20_000, None), (16, 0.55, 80_000, None), (64, 0.6, 320_000, None),
-            (16, 0.54, 45_000, 0.8), (16, 0.5, 90_000, 0.95)]  # fmt: skip
+    runs = [
+        (4, 0.4, 20_000, None),
+        (16, 0.55, 80_000, None),
+        (64, 0.6, 320_000, None),
+        (16, 0.54, 45_000, 0.8),
+        (16, 0.5, 90_000, 0.95),
+    ]
     paths = [write_results(compute_doc(*run), tmp_path / f"run{i}.json") for i, run in enumerate(runs)]
     out = plot_accuracy_vs_compute(paths, tmp_path / "plots" / "compute.png")
     data = out.read_bytes()
@@ -180,8 +190,11 @@ def test_an_adaptive_point_says_whether_the_run_picked_its_budget(tmp_path):
     for fraction in (SearchConfig().budget_fraction, 0.5, None):
         doc["config"]["search"]["budget_fraction"] = fraction
         labels.append(_compute_point(tmp_path / "run.json", doc)[1])
-    assert labels == [f"beam_search N=16 adaptive T=0.9 picked f={SearchConfig().budget_fraction} (default)",
-                      "beam_search N=16 adaptive T=0.9 picked f=0.5", "beam_search N=16 adaptive T=0.9 no budget"]
+    assert labels == [
+        f"beam_search N=16 adaptive T=0.9 picked f={SearchConfig().budget_fraction} (default)",
+        "beam_search N=16 adaptive T=0.9 picked f=0.5",
+        "beam_search N=16 adaptive T=0.9 no budget",
+    ]
     doc["config"]["search"]["budget_fraction"] = SearchConfig().budget_fraction
     path = write_results(doc, tmp_path / "default.json")
     out = plot_accuracy_vs_compute([path], tmp_path / "compute.png")

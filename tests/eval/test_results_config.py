@@ -18,30 +18,72 @@ from treeserve.search.context import SearchConfig
 
 OLD = {  # as `treeserve eval` wrote it before models had settings of their own
     "search": {"strategy": "beam_search", "n": 4, "agg": "last"},
-    "dataset": "arith:level=4,size=2,seed=0", "generator": "/models/gen", "prm": "/models/prm", "prm_style": "step_tag",
-    "dtype": "float32", "device": "cpu", "attention_backend": "cpu", "kv_cache_memory": 1 << 26, "memory_budget": None,
-    "memory_fraction": None, "prm_kv_fraction": 0.3,
+    "dataset": "arith:level=4,size=2,seed=0",
+    "generator": "/models/gen",
+    "prm": "/models/prm",
+    "prm_style": "step_tag",
+    "dtype": "float32",
+    "device": "cpu",
+    "attention_backend": "cpu",
+    "kv_cache_memory": 1 << 26,
+    "memory_budget": None,
+    "memory_fraction": None,
+    "prm_kv_fraction": 0.3,
     "engine_args": {"generator": {"max_num_seqs": 32}, "prm": {"max_num_batched_tokens": 512}},
-    "quantization": "int8", "prm_quantization": None, "dequantize": False, "quant_activations": "bf16",
-    "speculative_config": None, "async_scheduling": False, "enforce_eager": True, "tensor_parallel_size": 2,
-    "prm_tensor_parallel_size": 1, "pipeline_parallel_size": 1, "prm_pipeline_parallel_size": 2,
-    "distributed_executor_backend": "mp", "memory_report": None, "page_logs": False, "reference": False,
-    "limit": None, "shard": None, "selection": "weighted", "num_problems": 1,
-}  # fmt: skip
+    "quantization": "int8",
+    "prm_quantization": None,
+    "dequantize": False,
+    "quant_activations": "bf16",
+    "speculative_config": None,
+    "async_scheduling": False,
+    "enforce_eager": True,
+    "tensor_parallel_size": 2,
+    "prm_tensor_parallel_size": 1,
+    "pipeline_parallel_size": 1,
+    "prm_pipeline_parallel_size": 2,
+    "distributed_executor_backend": "mp",
+    "memory_report": None,
+    "page_logs": False,
+    "reference": False,
+    "limit": None,
+    "shard": None,
+    "selection": "weighted",
+    "num_problems": 1,
+}
 COMPLETION = {"text": "1+2 = 3", "answer": "3", "step_scores": [0.9], "score": 0.9, "correct": True}
-PROBLEM = {"unique_id": "a", "level": 1, "problem": "Compute 1+2.", "answer": "3", "pred": "3", "correct": True,
-           "completions": [COMPLETION]}  # fmt: skip
+PROBLEM = {
+    "unique_id": "a",
+    "level": 1,
+    "problem": "Compute 1+2.",
+    "answer": "3",
+    "pred": "3",
+    "correct": True,
+    "completions": [COMPLETION],
+}
 
 
 def test_an_old_config_reads_as_todays():
     config = upgrade_config(OLD)
     generator, prm = ModelSettings.from_dict(config["generator"]), ModelSettings.from_dict(config["prm"])
-    assert generator == ModelSettings("/models/gen", quantization="int8", quant_activations="bf16",
-                                      async_scheduling=False, enforce_eager=True, tensor_parallel_size=2,
-                                      max_num_seqs=32)  # fmt: skip
-    assert prm == ModelSettings("/models/prm", style="step_tag", quant_activations="bf16", async_scheduling=False,
-                                enforce_eager=True, pipeline_parallel_size=2, kv_fraction=0.3,
-                                max_num_batched_tokens=512)  # fmt: skip
+    assert generator == ModelSettings(
+        "/models/gen",
+        quantization="int8",
+        quant_activations="bf16",
+        async_scheduling=False,
+        enforce_eager=True,
+        tensor_parallel_size=2,
+        max_num_seqs=32,
+    )
+    assert prm == ModelSettings(
+        "/models/prm",
+        style="step_tag",
+        quant_activations="bf16",
+        async_scheduling=False,
+        enforce_eager=True,
+        pipeline_parallel_size=2,
+        kv_fraction=0.3,
+        max_num_batched_tokens=512,
+    )
     assert not {k for k in config if k.startswith("prm_")} and "engine_args" not in config
     assert config["dtype"] == "float32" and config["selection"] == "weighted"
     assert config["search"] == {**asdict(SearchConfig()), **OLD["search"]}  # settings added since: their defaults

@@ -26,8 +26,20 @@ from treeserve.eval.report import upgrade_config
 from treeserve.search.context import SearchConfig
 
 # the shipped arithmetic generator and PRM; one problem at a time, so problems finish one by one
-FLAGS = ["--dataset", "arith:level=4,5,size=8,seed=0", "--n", "4", "--beam-width", "2", "--dtype", "float32",
-         "--kv-cache-memory", str(64 << 20), "--max-concurrent-problems", "1"]  # fmt: skip
+FLAGS = [
+    "--dataset",
+    "arith:level=4,5,size=8,seed=0",
+    "--n",
+    "4",
+    "--beam-width",
+    "2",
+    "--dtype",
+    "float32",
+    "--kv-cache-memory",
+    str(64 << 20),
+    "--max-concurrent-problems",
+    "1",
+]
 QUALITY = ("accuracy", "accuracy_by_level", "naive@n", "weighted@n", "majority@n", "pass@n", "pass@N", "num_problems")
 
 
@@ -145,8 +157,10 @@ def test_settings_added_since_a_file_was_written_at_their_defaults_are_the_same_
     ]
     # search settings added since, at defaults that are not empty (resample_threshold 1.0, exploration 1.0)
     now = {"search": asdict(SearchConfig(n=4)), "dataset": "d"}
-    written = {"search": {k: v for k, v in now["search"].items() if k not in ("resample_threshold", "exploration")},
-               "dataset": "d"}  # fmt: skip
+    written = {
+        "search": {k: v for k, v in now["search"].items() if k not in ("resample_threshold", "exploration")},
+        "dataset": "d",
+    }
     assert config_differences(upgrade_config(written), now) == []
     assert config_differences(upgrade_config(written), {**now, "search": {**now["search"], "exploration": 2.0}}) == [
         "search.exploration: 1.0 in the file, 2.0 now"

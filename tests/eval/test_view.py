@@ -30,8 +30,13 @@ def make_traced_results(folder: Path, name: str = "traced.json", **search: objec
     from treeserve.search.context import SearchConfig
 
     generator, prm = build_step_world(str(folder / "world"))
-    settings = EvalSettings(generator=ModelSettings(generator), prm=ModelSettings(prm), progress=False, page_logs=True,
-                            runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20))  # fmt: skip
+    settings = EvalSettings(
+        generator=ModelSettings(generator),
+        prm=ModelSettings(prm),
+        progress=False,
+        page_logs=True,
+        runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20),
+    )
     config = SearchConfig(n=8, beam_width=2, num_iterations=5, max_tokens=24, trace=True, **search)
     run_eval(settings, config, inline=[dict(r) for r in RECORDS], output=folder / name)
     return folder / name

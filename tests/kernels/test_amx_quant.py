@@ -80,10 +80,12 @@ def test_mixed_parts_panels_and_int8_rows_are_the_bf16_layer_and_rows_keep_their
     """A fused matrix of Q5_0, Q6_K, laid-out Q8_0 and int8 parts, none a whole number of
     16-channel panels; each row's result is the same alone, in any batch and thread count."""
     q8, scales = quant.quantize_i8(torch.randn(7, 256))
-    parts = [QuantPart(quant.QTYPES["Q5_0"], _blocks("Q5_0", 9, 256, 2)),
-             QuantPart(quant.QTYPES["Q6_K"], _blocks("Q6_K", 6, 256, 3)),
-             QuantPart(quant.QTYPES["Q8_0"], _blocks("Q8_0", 21, 256, 4)),
-             QuantPart(quant.I8, q8, scales)]  # fmt: skip
+    parts = [
+        QuantPart(quant.QTYPES["Q5_0"], _blocks("Q5_0", 9, 256, 2)),
+        QuantPart(quant.QTYPES["Q6_K"], _blocks("Q6_K", 6, 256, 3)),
+        QuantPart(quant.QTYPES["Q8_0"], _blocks("Q8_0", 21, 256, 4)),
+        QuantPart(quant.I8, q8, scales),
+    ]
     weight = _tiles(QuantTensor(parts, 256))
     if quant.q8_available():  # the Q8_0 part as the 8-bit kernel's panels, which the tiles read too
         assert weight.plan.laid_out

@@ -204,8 +204,15 @@ def test_nibble_formats_laid_out_as_packed_panels_give_the_files_results_to_the_
     n = 37  # the last panel holds 5 channels
     number = quant.QTYPES[qtype]
     data = _blocks(qtype, n, k, seed=11)
-    filed = QuantTensor([QuantPart(number, data), QuantPart(quant.QTYPES["Q8_0"], _blocks("Q8_0", 20, k, seed=12)),
-                         QuantPart(number, _blocks(qtype, 3, k, seed=13))], k, torch.bfloat16)  # fmt: skip
+    filed = QuantTensor(
+        [
+            QuantPart(number, data),
+            QuantPart(quant.QTYPES["Q8_0"], _blocks("Q8_0", 20, k, seed=12)),
+            QuantPart(number, _blocks(qtype, 3, k, seed=13)),
+        ],
+        k,
+        torch.bfloat16,
+    )
     laid = filed.in_panels()
     assert [p.qtype for p in laid.parts] == [quant.PANELS + p.qtype for p in filed.parts]
     assert laid.parts[0].data.numel() == 3 * 16 * quant.row_bytes(number, k) and laid.shape == filed.shape
@@ -228,16 +235,26 @@ def test_nibble_formats_laid_out_as_packed_panels_give_the_files_results_to_the_
 
 def test_a_matrix_the_int8_kernel_does_not_multiply_is_not_laid_out():
     narrow = QuantTensor([QuantPart(quant.QTYPES["Q8_0"], _blocks("Q8_0", 4, 96))], 96)  # 96 % 64
-    mixed = QuantTensor([QuantPart(quant.QTYPES["Q8_0"], _blocks("Q8_0", 4, 256)),
-                         QuantPart(quant.QTYPES["Q4_1"], _blocks("Q4_1", 4, 256))], 256)  # fmt: skip
+    mixed = QuantTensor(
+        [
+            QuantPart(quant.QTYPES["Q8_0"], _blocks("Q8_0", 4, 256)),
+            QuantPart(quant.QTYPES["Q4_1"], _blocks("Q4_1", 4, 256)),
+        ],
+        256,
+    )
     assert narrow.in_panels() is narrow and mixed.in_panels() is mixed
 
 
 def test_formats_or_widths_the_int8_kernels_do_not_take_keep_float_activations():
     assert not quant.Plan([(quant.QTYPES["Q4_1"], _blocks("Q4_1", 4, 256), None, 4)], 256).q8
     assert not quant.Plan([(quant.QTYPES["Q8_0"], _blocks("Q8_0", 4, 96), None, 4)], 96).q8  # 96 % 64
-    mixed = quant.Plan([(quant.QTYPES["Q8_0"], _blocks("Q8_0", 4, 256), None, 4),
-                        (quant.QTYPES["Q5_K"], _blocks("Q5_K", 4, 256), None, 4)], 256)  # fmt: skip
+    mixed = quant.Plan(
+        [
+            (quant.QTYPES["Q8_0"], _blocks("Q8_0", 4, 256), None, 4),
+            (quant.QTYPES["Q5_K"], _blocks("Q5_K", 4, 256), None, 4),
+        ],
+        256,
+    )
     assert not mixed.q8
 
 
@@ -256,9 +273,11 @@ def test_int8_rounds_each_weight_to_half_a_step_and_multiplies_exactly():
 
 
 def test_quant_linear_of_mixed_parts_bias_and_bf16_equals_f_linear_on_the_dequantised_matrix():
-    parts = [QuantPart(quant.QTYPES["Q5_0"], _blocks("Q5_0", 8, 256, 1)),
-             QuantPart(quant.QTYPES["Q6_K"], _blocks("Q6_K", 6, 256, 2)),
-             QuantPart(quant.QTYPES["Q8_0"], _blocks("Q8_0", 5, 256, 3))]  # fmt: skip
+    parts = [
+        QuantPart(quant.QTYPES["Q5_0"], _blocks("Q5_0", 8, 256, 1)),
+        QuantPart(quant.QTYPES["Q6_K"], _blocks("Q6_K", 6, 256, 2)),
+        QuantPart(quant.QTYPES["Q8_0"], _blocks("Q8_0", 5, 256, 3)),
+    ]
     weight = QuantTensor(parts, 256)
     assert weight.shape == (19, 256) and weight.formats == ["Q5_0", "Q6_K", "Q8_0"]
     assert weight.nbytes == 8 * 176 + 6 * 210 + 5 * 272
@@ -321,8 +340,12 @@ def test_tiles_off_the_int8_kernels_give_the_tiles_bits(tmp_path):
     x = torch.randn(40, 512, generator=torch.Generator().manual_seed(8)).bfloat16()
     torch.save(x, tmp_path / "x.pt")
     env = {**os.environ, "TREESERVE_AMX": "0"}
-    subprocess.run([sys.executable, "-c", _WITHOUT_TILES, str(tmp_path / "x.pt"), str(tmp_path / "out.pt")],
-                   env=env, check=True, cwd=Path(__file__).parents[2])  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-c", _WITHOUT_TILES, str(tmp_path / "x.pt"), str(tmp_path / "out.pt")],
+        env=env,
+        check=True,
+        cwd=Path(__file__).parents[2],
+    )
     without = torch.load(tmp_path / "out.pt")
     with_tiles = _int8_products(x)
     assert with_tiles.keys() == without.keys()

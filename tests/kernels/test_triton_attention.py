@@ -103,9 +103,17 @@ def check_prefill(chunks, case, dtype):
     out = torch.full_like(q, float("nan"))
     scale = dim**-0.5
     prefill_attention.paged_prefill(
-        q, k_cache, v_cache, tables, starts.to(DEVICE), lens.to(DEVICE), torch.tensor(contexts, device=DEVICE),
-        scale, window, out,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        starts.to(DEVICE),
+        lens.to(DEVICE),
+        torch.tensor(contexts, device=DEVICE),
+        scale,
+        window,
+        out,
+    )
     assert out[starts - 1].isnan().all()
     for b, (cached, n) in enumerate(chunks):
         mine = slice(int(starts[b]), int(starts[b]) + n)

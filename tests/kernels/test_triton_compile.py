@@ -24,8 +24,11 @@ def test_every_kernel_compiles_for_hopper():
     env["PYTHONPATH"] = str(ROOT)
     done = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("compile_for_gpu.py"))],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if "ptxas" in done.stdout and "not found" in done.stdout:
         pytest.skip("this triton build has no ptxas to compile with")
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]

@@ -44,8 +44,15 @@ def paged(contexts: list[int], dim: int, dtype: torch.dtype) -> tuple[torch.Tens
     return *arena.layer(0), tables.to(DEVICE)
 
 
-def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-              contexts: list[int], scale: float, window: int | None) -> torch.Tensor:  # fmt: skip
+def reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    contexts: list[int],
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
     """[B, Hq, D] in fp32: each query over its sequence's keys in view, gathered page by page."""
     group = q.shape[1] // k_cache.shape[2]
     out = []
@@ -58,8 +65,9 @@ def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tab
     return torch.stack(out)
 
 
-def check(dtype: torch.dtype, dim: int, group: int, window: int | None = None, contexts: list[int] = CONTEXTS,
-          **tunables: int) -> None:  # fmt: skip
+def check(
+    dtype: torch.dtype, dim: int, group: int, window: int | None = None, contexts: list[int] = CONTEXTS, **tunables: int
+) -> None:
     k_cache, v_cache, tables = paged(contexts, dim, dtype)
     q = torch.randn(len(contexts), KV_HEADS * group, dim, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
     lens = torch.tensor(contexts, device=DEVICE)
@@ -104,8 +112,9 @@ def test_strided_q():
     q = wide[:, : KV_HEADS * 4]
     contexts = [5, 40, 130]
     k_cache, v_cache, tables = paged(contexts, 64, torch.float32)
-    got = decode_attention.paged_decode(q, k_cache, v_cache, tables, torch.tensor(contexts, device=DEVICE), 0.125,
-                                        None, num_splits=2)  # fmt: skip
+    got = decode_attention.paged_decode(
+        q, k_cache, v_cache, tables, torch.tensor(contexts, device=DEVICE), 0.125, None, num_splits=2
+    )
     want = reference(q, k_cache, v_cache, tables, contexts, 0.125, None)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -131,8 +140,9 @@ def test_a_rows_bits_do_not_depend_on_its_batch(dtype):
     together = decode_attention.paged_decode(q, k_cache, v_cache, tables, lens, 0.125, None)
     for b, context in enumerate(contexts):
         width = -(-context // PAGE)
-        alone = decode_attention.paged_decode(q[b : b + 1], k_cache, v_cache, tables[b : b + 1, :width],
-                                              lens[b : b + 1], 0.125, None)  # fmt: skip
+        alone = decode_attention.paged_decode(
+            q[b : b + 1], k_cache, v_cache, tables[b : b + 1, :width], lens[b : b + 1], 0.125, None
+        )
         assert torch.equal(alone, together[b : b + 1]), context
 
 

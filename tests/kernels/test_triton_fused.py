@@ -202,8 +202,15 @@ def test_fused_forward_equals_the_plain_forward(model, request, make_llm):
     at every position of a 9-token prompt over 3 pages within 1e-5 (measured: 2e-6 of values up
     to 3), and the same greedy tokens over two decode steps. Short: the interpreter runs each
     program of each launch in Python (~4 s for the Llama, ~6 s for the 3-layer Gemma)."""
-    llm = make_llm(request.getfixturevalue(model), attention_backend="triton", device=DEVICE, block_size=4,
-                   kv_cache_memory=1 << 16, max_model_len=64, enable_prefix_caching=False)  # fmt: skip
+    llm = make_llm(
+        request.getfixturevalue(model),
+        attention_backend="triton",
+        device=DEVICE,
+        block_size=4,
+        kv_cache_memory=1 << 16,
+        max_model_len=64,
+        enable_prefix_caching=False,
+    )
     ids = llm.get_tokenizer().encode(PROMPTS[1])[:9]
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     plain_hidden, plain_tokens = hidden_states(llm, ids), llm.generate(ids, params)[0].outputs[0].token_ids

@@ -60,9 +60,19 @@ def check(chunks, q_heads, kv_heads, dim, dtype, window=None, block_size=16, **b
     out = torch.full_like(q, float("nan"))
     scale = dim**-0.5
     prefill_attention.paged_prefill(
-        q, k_cache, v_cache, tables.to(DEVICE), starts.to(DEVICE), lens.to(DEVICE),
-        torch.tensor(contexts, device=DEVICE), scale, window, out, int(lens.max()), **blocks,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        tables.to(DEVICE),
+        starts.to(DEVICE),
+        lens.to(DEVICE),
+        torch.tensor(contexts, device=DEVICE),
+        scale,
+        window,
+        out,
+        int(lens.max()),
+        **blocks,
+    )
     assert out[starts - 1].isnan().all()
     for b, (cached, n) in enumerate(chunks):
         mine = slice(int(starts[b]), int(starts[b]) + n)

@@ -120,7 +120,7 @@ def test_phi3_longrope_switches_to_long_factors_past_the_pretraining_length(fami
                     "beta_slow": 2,
                 }
             },
-        ),  # fmt: skip
+        ),
         (
             "llama",
             {
@@ -133,7 +133,7 @@ def test_phi3_longrope_switches_to_long_factors_past_the_pretraining_length(fami
                     "truncate": False,
                 }
             },
-        ),  # fmt: skip
+        ),
         ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
         ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
         ("qwen3", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),

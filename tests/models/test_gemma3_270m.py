@@ -142,11 +142,14 @@ def test_guided_json_on_the_gguf_tokenizer(gemma_gguf):
 
     schema = {
         "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 20}, "population": {"type": "integer", "minimum": 0},
-                       "country": {"enum": ["France", "Japan", "Peru"]}},
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "population": {"type": "integer", "minimum": 0},
+            "country": {"enum": ["France", "Japan", "Peru"]},
+        },
         "required": ["city", "population", "country"],
         "additionalProperties": False,
-    }  # fmt: skip
+    }
     llm = LLM(model=gemma_gguf, kv_cache_memory=256 << 20, max_model_len=512)
     so = StructuredOutputsParams(json=schema)
     outs = llm.generate(
@@ -181,12 +184,15 @@ def test_bf16_activations_give_the_dequantised_bf16_models_bits(gemma_gguf, make
     """`quant_activations="bf16"` on an AMX CPU: the file's Q4_K/Q5_0/Q6_K/Q8_0 blocks dequantised
     into bf16 tiles per call give `dequantize=True`'s bf16 tokens and logprobs, the 20 prompts
     batched (through the layer stack)."""
-    tiled = make_llm(gemma_gguf, dtype="bfloat16", quant_activations="bf16", kv_cache_memory=64 << 20,
-                     max_model_len=512)  # fmt: skip
+    tiled = make_llm(
+        gemma_gguf, dtype="bfloat16", quant_activations="bf16", kv_cache_memory=64 << 20, max_model_len=512
+    )
     if not tiled.engine.model.layers[0].mlp.down_proj.weight.plan.tiles:
         pytest.skip("no usable AMX tiles on this CPU")
     dense = make_llm(gemma_gguf, dtype="bfloat16", dequantize=True, kv_cache_memory=64 << 20, max_model_len=512)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.7, seed=5, logprobs=3)
-    runs = [[(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(PROMPTS, params)]
-            for llm in (tiled, dense)]  # fmt: skip
+    runs = [
+        [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(PROMPTS, params)]
+        for llm in (tiled, dense)
+    ]
     assert runs[0] == runs[1]

@@ -33,8 +33,12 @@ def test_fields_and_tensors_equal_the_gguf_packages_reader(tiny_gguf):
     assert len(ours.tensors) == len(ref.tensors)
     for a, b in zip(ours.tensors, ref.tensors, strict=True):
         assert (a.name, a.tensor_type, a.n_elements, a.n_bytes, a.data_offset) == (
-            b.name, b.tensor_type, b.n_elements, b.n_bytes, b.data_offset,
-        )  # fmt: skip
+            b.name,
+            b.tensor_type,
+            b.n_elements,
+            b.n_bytes,
+            b.data_offset,
+        )
         assert np.array_equal(a.shape, b.shape) and a.data.dtype == b.data.dtype
         assert np.array_equal(a.data, b.data)
     assert torch.from_numpy(ours.tensors[0].data).numel() > 0  # writable view: no copy, no warning

@@ -115,8 +115,11 @@ def test_cli_generate_takes_quantization_flags(tmp_path, capsys):
 
     hf = build_checkpoint(str(tmp_path / "hf"), "llama")
     path = write_gguf(hf, str(tmp_path / "tiny.gguf"), "llama")
-    for args in (["--model", hf, "--quantization", "int8"], ["--model", path, "--dequantize"],
-                 ["--model", path, "--quant-activations", "bf16"]):  # fmt: skip
+    for args in (
+        ["--model", hf, "--quantization", "int8"],
+        ["--model", path, "--dequantize"],
+        ["--model", path, "--quant-activations", "bf16"],
+    ):
         assert main(["generate", "def f", *args, "--n", "1", "--max-tokens", "4", "--kv-cache-memory", "8M"]) == 0
     assert main(["generate", "x", "--model", path, "--quantization", "int8"]) != 0
     assert "for Hugging Face checkpoints" in capsys.readouterr().err
@@ -128,10 +131,13 @@ def test_eval_runs_both_models_in_int8_and_records_it():
     from treeserve.runtime.runtime_settings import RuntimeSettings
     from treeserve.search.context import SearchConfig
 
-    settings = EvalSettings(dataset="arith:level=1,size=2,seed=0",
-                            generator=ModelSettings(DEFAULT_GENERATOR, quantization="int8"),
-                            prm=ModelSettings(DEFAULT_PRM, quantization="int8"),
-                            runtime=RuntimeSettings(kv_cache_memory=32 << 20), progress=False)  # fmt: skip
+    settings = EvalSettings(
+        dataset="arith:level=1,size=2,seed=0",
+        generator=ModelSettings(DEFAULT_GENERATOR, quantization="int8"),
+        prm=ModelSettings(DEFAULT_PRM, quantization="int8"),
+        runtime=RuntimeSettings(kv_cache_memory=32 << 20),
+        progress=False,
+    )
     config = SearchConfig(strategy="beam_search", n=4, beam_width=2, num_iterations=2, max_tokens=24)
     results = run_eval(settings, config)  # checks every page is back at the end
     assert results["quantization"] == {"generator": "int8", "prm": "int8"}
@@ -269,9 +275,18 @@ def test_layer_stack_takes_prefill_chunks_and_mixed_steps_with_the_per_layer_bit
         while engine.has_unfinished_requests():
             step()
         a, b, c, d = (outs[r] for r in "abcd")
-        runs.append((a.outputs[0].token_ids, a.outputs[0].logprobs, b.hidden_states.view(torch.int32).tolist(),
-                     b.logprobs.view(torch.int32).tolist(), c.outputs[0].token_ids, c.outputs[0].logprobs,
-                     d.outputs[0].token_ids, d.outputs[0].logprobs))  # fmt: skip
+        runs.append(
+            (
+                a.outputs[0].token_ids,
+                a.outputs[0].logprobs,
+                b.hidden_states.view(torch.int32).tolist(),
+                b.logprobs.view(torch.int32).tolist(),
+                c.outputs[0].token_ids,
+                c.outputs[0].logprobs,
+                d.outputs[0].token_ids,
+                d.outputs[0].logprobs,
+            )
+        )
     assert runs[0] == runs[1]
     assert (False, True) in groups and (True, True) in groups and (True, False) in groups  # chunks, mixed, decodes
     assert "decodes after a chunk" in groups
@@ -291,8 +306,10 @@ def test_bf16_activations_on_tiles_give_the_dequantised_bf16_models_bits(tmp_pat
     assert weight_bytes(tiled.engine.model) < weight_bytes(dense.engine.model) / 1.5
     prompts = [[5, 6, 7, 5, 6, 7], list(range(3, 30)), [9, 8]]
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=16, logprobs=2, ignore_eos=True) for s in (1, 2, 3)]
-    runs = [[(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
-            for llm in (tiled, dense)]  # fmt: skip
+    runs = [
+        [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+        for llm in (tiled, dense)
+    ]
     assert runs[0] == runs[1]
     alone = tiled.generate([prompts[1]], [params[1]])[0].outputs[0]
     assert (alone.token_ids, alone.logprobs) == runs[0][1]

@@ -18,25 +18,49 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 2}
     [
         ("generator", ModelSettings("/nope"), FileNotFoundError, "generator model not found"),
         ("prm", ModelSettings("/nope"), FileNotFoundError, "prm model not found"),
-        ("generator", ModelSettings(DEFAULT_GENERATOR, tensor_parallel_size=0), ValueError,
-         "generator: tensor_parallel_size must be a positive integer, got 0"),
-        ("prm", ModelSettings(DEFAULT_PRM, pipeline_parallel_size=-1), ValueError,
-         "prm: pipeline_parallel_size must be a positive integer"),
-        ("generator", ModelSettings(DEFAULT_GENERATOR, distributed_executor_backend="threads"), ValueError,
-         "distributed_executor_backend must be one of"),
+        (
+            "generator",
+            ModelSettings(DEFAULT_GENERATOR, tensor_parallel_size=0),
+            ValueError,
+            "generator: tensor_parallel_size must be a positive integer, got 0",
+        ),
+        (
+            "prm",
+            ModelSettings(DEFAULT_PRM, pipeline_parallel_size=-1),
+            ValueError,
+            "prm: pipeline_parallel_size must be a positive integer",
+        ),
+        (
+            "generator",
+            ModelSettings(DEFAULT_GENERATOR, distributed_executor_backend="threads"),
+            ValueError,
+            "distributed_executor_backend must be one of",
+        ),
         ("prm", ModelSettings(DEFAULT_PRM, kv_fraction=1.0), ValueError, r"prm_kv_fraction must be in \(0, 1\)"),
         ("prm", ModelSettings(DEFAULT_PRM, speculative_config=NGRAM), ValueError, "speculative decoding is for the"),
         ("generator", ModelSettings(DEFAULT_GENERATOR, speculative_config="{bad"), ValueError, "not valid JSON"),
-        ("generator", ModelSettings(DEFAULT_GENERATOR, speculative_config=NGRAM, async_scheduling=True), ValueError,
-         "cannot be combined"),
-        ("generator", ModelSettings(DEFAULT_GENERATOR, quant_activations="fp4"), ValueError,
-         "generator: quant_activations must be one of"),
-        ("generator", ModelSettings(DEFAULT_GENERATOR, enforce_eager="yes"), ValueError,
-         "enforce_eager must be True or False"),
+        (
+            "generator",
+            ModelSettings(DEFAULT_GENERATOR, speculative_config=NGRAM, async_scheduling=True),
+            ValueError,
+            "cannot be combined",
+        ),
+        (
+            "generator",
+            ModelSettings(DEFAULT_GENERATOR, quant_activations="fp4"),
+            ValueError,
+            "generator: quant_activations must be one of",
+        ),
+        (
+            "generator",
+            ModelSettings(DEFAULT_GENERATOR, enforce_eager="yes"),
+            ValueError,
+            "enforce_eager must be True or False",
+        ),
         ("generator", ModelSettings(DEFAULT_GENERATOR, max_model_len=1), ValueError, "max_model_len must be >= 2"),
         ("prm", ModelSettings(DEFAULT_PRM, max_num_seqs=0), ValueError, "prm: max_num_seqs must be a positive integer"),
     ],
-)  # fmt: skip
+)
 def test_bad_values_are_refused_naming_the_model(name, settings, error, message):
     with pytest.raises(error, match=message):
         settings.check(name, "cpu")
@@ -51,11 +75,23 @@ def test_check_resolves_what_runs():
 
 def test_engine_args_leave_defaults_out():
     assert ModelSettings(DEFAULT_GENERATOR).engine_args() == {}
-    args = ModelSettings(DEFAULT_GENERATOR, quantization="int8", enforce_eager=True, max_num_seqs=8,
-                         tensor_parallel_size=2, distributed_executor_backend="ray", kv_fraction=0.3,
-                         style="step_tag").engine_args()  # fmt: skip
-    assert args == {"quantization": "int8", "enforce_eager": True, "max_num_seqs": 8, "tensor_parallel_size": 2,
-                    "distributed_executor_backend": "ray"}  # fmt: skip
+    args = ModelSettings(
+        DEFAULT_GENERATOR,
+        quantization="int8",
+        enforce_eager=True,
+        max_num_seqs=8,
+        tensor_parallel_size=2,
+        distributed_executor_backend="ray",
+        kv_fraction=0.3,
+        style="step_tag",
+    ).engine_args()
+    assert args == {
+        "quantization": "int8",
+        "enforce_eager": True,
+        "max_num_seqs": 8,
+        "tensor_parallel_size": 2,
+        "distributed_executor_backend": "ray",
+    }
 
 
 def test_eval_and_server_check_their_models_the_same_way():

@@ -23,8 +23,9 @@ PROBLEMS = [("a", "Compute (12 + 7) * 3."), ("b", "Compute 45 - 17 + 8."), ("c",
 def beams(device: str, overlap: bool) -> tuple[list, Runtime]:
     """Beam search (N=8, sampled) on the shipped arithmetic models: every problem's beams, their
     text and step scores."""
-    runtime = Runtime.for_search(DEFAULT_GENERATOR, DEFAULT_PRM, 32 << 20, dtype="float32", device=device,
-                                 overlap_models=overlap)  # fmt: skip
+    runtime = Runtime.for_search(
+        DEFAULT_GENERATOR, DEFAULT_PRM, 32 << 20, dtype="float32", device=device, overlap_models=overlap
+    )
     config = SearchConfig(n=8, beam_width=2, num_iterations=4, temperature=0.8, seed=3)
     ctx = SearchContext(config, runtime, "generator", load_prm(runtime, "prm", None))
     results = asyncio.run(search_problems(ctx, PROBLEMS))

@@ -50,11 +50,17 @@ def _tokenizer(think: bool = False) -> Tokenizer:
 FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 32}),
-    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
-                  {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}),
-    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM,
-             {"partial_rotary_factor": 0.75, "pad_token_id": None}),
-}  # fmt: skip
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True},
+    ),
+    "phi3": (
+        transformers.Phi3Config,
+        transformers.Phi3ForCausalLM,
+        {"partial_rotary_factor": 0.75, "pad_token_id": None},
+    ),
+}
 
 
 def _save(out_dir: str, seed: int, think: bool = False, family: str = "llama") -> str:
@@ -66,10 +72,19 @@ def _save(out_dir: str, seed: int, think: bool = False, family: str = "llama") -
         json.dump({"bos_token": "<s>", "eos_token": "</s>", "chat_template": template}, f)
     config_class, model_class, shape = FAMILIES[family]
     config = config_class(
-        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=0,
-        eos_token_id=1, initializer_range=0.02, tie_word_embeddings=False, **shape,
-    )  # fmt: skip
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=0,
+        eos_token_id=1,
+        initializer_range=0.02,
+        tie_word_embeddings=False,
+        **shape,
+    )
     torch.manual_seed(seed)
     model = model_class(config)
     if think:  # the tags' logits spread wider: a tag is likely at some positions (a few in a search), not ~1/50
@@ -85,6 +100,15 @@ def build_step_world(root: str, think: bool = False, family: str = "llama") -> t
     generator = _save(os.path.join(root, "generator"), seed=1, think=think, family=family)
     prm = _save(os.path.join(root, "prm"), seed=2, think=think)
     with open(os.path.join(prm, "prm_config.json"), "w") as f:
-        json.dump({"style": "step_tag", "step_tag": "<|step|>", "good_token": "a", "bad_token": "b",
-                   "step_separator": "\n\n", "prompt_format": "{question}"}, f)  # fmt: skip
+        json.dump(
+            {
+                "style": "step_tag",
+                "step_tag": "<|step|>",
+                "good_token": "a",
+                "bad_token": "b",
+                "step_separator": "\n\n",
+                "prompt_format": "{question}",
+            },
+            f,
+        )
     return generator, prm

@@ -39,8 +39,9 @@ def signature(result) -> list:  # noqa: ANN001
 
 
 def search(runtime: Runtime, problems: list, on_iteration=None, **config: object) -> tuple[list, SearchContext]:  # noqa: ANN001
-    ctx = SearchContext(SearchConfig(seed=1, **config), runtime, "generator", load_prm(runtime, "prm", None),
-                        answer_of=boxed)  # fmt: skip
+    ctx = SearchContext(
+        SearchConfig(seed=1, **config), runtime, "generator", load_prm(runtime, "prm", None), answer_of=boxed
+    )
     ctx.on_iteration = on_iteration
     results = asyncio.run(search_problems(ctx, problems))
     runtime.check_pages_idle()
@@ -67,26 +68,35 @@ def test_reward_certainty_weighs_answers_by_the_prm():
     assert reward_certainty(["7", "8"], [1.7, -3.0]) == 1.0  # values clipped to [0, 1]
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"certainty": 2}, "certainty must be in"), ({"certainty": 0}, "certainty must be in"),
-    ({"first_width": 0}, "first_width must be"),
-    ({"adaptive": True, "first_width": 6, "beam_width": 4}, "must be a multiple of beam_width"),
-    ({"adaptive": True, "budget_tokens": -5}, "budget_tokens must be a positive"),
-    ({"budget_tokens": 1000}, "needs adaptive=True"),
-    ({"adaptive": True, "budget_fraction": 1.5}, "budget_fraction must be in"),
-    ({"adaptive": True, "budget_fraction": -0.1}, "budget_fraction must be in"),
-    ({"budget_fraction": "0.3"}, "budget_fraction must be in"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"certainty": 2}, "certainty must be in"),
+        ({"certainty": 0}, "certainty must be in"),
+        ({"first_width": 0}, "first_width must be"),
+        ({"adaptive": True, "first_width": 6, "beam_width": 4}, "must be a multiple of beam_width"),
+        ({"adaptive": True, "budget_tokens": -5}, "budget_tokens must be a positive"),
+        ({"budget_tokens": 1000}, "needs adaptive=True"),
+        ({"adaptive": True, "budget_fraction": 1.5}, "budget_fraction must be in"),
+        ({"adaptive": True, "budget_fraction": -0.1}, "budget_fraction must be in"),
+        ({"budget_fraction": "0.3"}, "budget_fraction must be in"),
+    ],
+)
 def test_bad_values_are_refused(bad, message):
     with pytest.raises(ValueError, match=message):
         SearchConfig(**bad)
 
 
-@pytest.mark.parametrize("config, message", [
-    ({"strategy": "rebase"}, "adaptive search is"), ({"strategy": "mcts"}, "adaptive search is"),
-    ({"strategy": "dvts", "first_width": 6}, "must be a multiple of beam_width"),
-    ({"certainty": 1.5}, "certainty must be in"), ({"budget_tokens": 0}, "budget_tokens must be a positive"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"strategy": "rebase"}, "adaptive search is"),
+        ({"strategy": "mcts"}, "adaptive search is"),
+        ({"strategy": "dvts", "first_width": 6}, "must be a multiple of beam_width"),
+        ({"certainty": 1.5}, "certainty must be in"),
+        ({"budget_tokens": 0}, "budget_tokens must be a positive"),
+    ],
+)
 def test_adaptive_with_its_picked_budget_refuses_what_it_refused(config, message):
     """The default budget (picked by the run) changes no check: adaptive alone, with the default
     budget_fraction, refuses what it refused before; budget_fraction alone is no error."""
@@ -118,8 +128,9 @@ def test_dvts_counts_one_vote_a_subtree(runtime):
     """A subtree's candidates are siblings: one subtree is one vote (certainty 0.75), never enough
     for 0.8, however many of its candidates agree; a problem that settles has subtrees agreeing."""
     easy = [(r["unique_id"], r["problem"]) for r in arith_dataset(size=4, seed=0, levels=(1, 2, 3))]
-    results, ctx = search(runtime, easy, strategy="dvts", n=16, num_iterations=6, max_tokens=48, adaptive=True,
-                          certainty=0.8)  # fmt: skip
+    results, ctx = search(
+        runtime, easy, strategy="dvts", n=16, num_iterations=6, max_tokens=48, adaptive=True, certainty=0.8
+    )
     for result in results:
         stop = result.stop
         assert (
@@ -159,8 +170,14 @@ def test_a_settled_problem_stops_early_and_spends_less(runtime, strategy):
 def test_a_problems_decisions_read_only_its_own_tree(runtime):
     """Alone or beside other problems: the same beams, the same stop (without a budget: the one the
     run picks reads the problems that ended before)."""
-    kwargs = {"adaptive": True, "certainty": 0.7, "n": 16, "num_iterations": 6, "max_tokens": 48,
-              "budget_fraction": None}  # fmt: skip
+    kwargs = {
+        "adaptive": True,
+        "certainty": 0.7,
+        "n": 16,
+        "num_iterations": 6,
+        "max_tokens": 48,
+        "budget_fraction": None,
+    }
     together, _ = search(runtime, PROBLEMS, **kwargs)
     for problem, result in zip(PROBLEMS, together, strict=True):
         [alone], _ = search(runtime, [problem], **kwargs)
@@ -200,8 +217,9 @@ def test_beam_search_keeps_survivors_for_the_width_it_grows_to(runtime):
     def record(iteration: int, beams: list) -> None:
         seen.append([b.path for b in beams])
 
-    [result], _ = search(runtime, PROBLEMS[2:], record, n=16, adaptive=True, certainty=1.0, num_iterations=3,
-                         max_tokens=48)  # fmt: skip
+    [result], _ = search(
+        runtime, PROBLEMS[2:], record, n=16, adaptive=True, certainty=1.0, num_iterations=3, max_tokens=48
+    )
     assert result.stop["widths"] == [4, 8, 16]
     assert [len(paths) for paths in seen] == [4, 8, 16]
     parents = [{path[:-2] for path in paths} for paths in seen]  # a scored beam: its parent's path, copy, sample
@@ -209,8 +227,9 @@ def test_beam_search_keeps_survivors_for_the_width_it_grows_to(runtime):
 
 
 def test_a_trace_records_the_stop(runtime):
-    [result], _ = search(runtime, PROBLEMS[:1], adaptive=True, certainty=0.6, n=8, num_iterations=6, max_tokens=48,
-                         trace=True)  # fmt: skip
+    [result], _ = search(
+        runtime, PROBLEMS[:1], adaptive=True, certainty=0.6, n=8, num_iterations=6, max_tokens=48, trace=True
+    )
     assert result.trace["stop"] == result.stop
 
 
@@ -219,13 +238,22 @@ def test_optimised_equals_reference_with_stops(runtime, strategy):
     """Problems that settle and problems that do not: every optimisation on (caches, all problems
     in flight) against the plain reference path, the same stops and beams."""
     certainty = 0.6 if strategy == "beam_search" else 0.8  # DVTS: one subtree's vote alone is 0.75
-    config = SearchConfig(strategy=strategy, n=16, num_iterations=6, max_tokens=48, adaptive=True,
-                          certainty=certainty, seed=1, budget_fraction=None)  # fmt: skip
+    config = SearchConfig(
+        strategy=strategy,
+        n=16,
+        num_iterations=6,
+        max_tokens=48,
+        adaptive=True,
+        certainty=certainty,
+        seed=1,
+        budget_fraction=None,
+    )
     problems = PROBLEMS + [(r["unique_id"], r["problem"]) for r in arith_dataset(size=2, seed=0, levels=(1,))]
     prm = load_prm(runtime, "prm", None)
     fast = asyncio.run(search_problems(SearchContext(config, runtime, "generator", prm, answer_of=boxed), problems))
-    plain = asyncio.run(search_problems(SearchContext(config.reference(), runtime, "generator", prm, answer_of=boxed),
-                                        problems))  # fmt: skip
+    plain = asyncio.run(
+        search_problems(SearchContext(config.reference(), runtime, "generator", prm, answer_of=boxed), problems)
+    )
     assert {r.stop["reason"] for r in fast} == {"settled", "exhausted"}
     assert [decisions(r.stop) for r in fast] == [decisions(r.stop) for r in plain]
     assert [signature(r) for r in fast] == [signature(r) for r in plain]
@@ -267,8 +295,14 @@ def test_a_budget_is_paced_over_the_runs_problems():
 def test_sampling_rounds_stop_for_the_budget(runtime):
     """Majority voting whose budget is spent: its problems stop growing (reason "budget"),
     the run spends less, and every problem leaves the budget's table."""
-    kwargs = {"strategy": "majority", "n": 16, "num_iterations": 6, "max_tokens": 256, "adaptive": True,
-              "certainty": 0.99}  # fmt: skip
+    kwargs = {
+        "strategy": "majority",
+        "n": 16,
+        "num_iterations": 6,
+        "max_tokens": 256,
+        "adaptive": True,
+        "certainty": 0.99,
+    }
     free, free_ctx = search(runtime, PROBLEMS, budget_fraction=None, **kwargs)
     capped, ctx = search(runtime, PROBLEMS, budget_tokens=free_ctx.spent_tokens // 3, **kwargs)
     assert "budget" in {r.stop["reason"] for r in capped}
@@ -283,8 +317,15 @@ def test_beam_search_narrows_for_the_budget_and_starves_no_problem(runtime):
     the budget starved before it was paced: the first problem spent it all and the last stopped
     at its first decision): problems grow, narrow again once over their share or at the first
     width once the budget is spent, and every one runs to its end, settled or exhausted."""
-    kwargs = {"strategy": "beam_search", "n": 16, "num_iterations": 6, "max_tokens": 48, "adaptive": True,
-              "certainty": 0.99, "max_concurrent_problems": 1}  # fmt: skip
+    kwargs = {
+        "strategy": "beam_search",
+        "n": 16,
+        "num_iterations": 6,
+        "max_tokens": 48,
+        "adaptive": True,
+        "certainty": 0.99,
+        "max_concurrent_problems": 1,
+    }
     free, free_ctx = search(runtime, PROBLEMS, budget_fraction=None, **kwargs)
     capped, ctx = search(runtime, PROBLEMS, budget_tokens=free_ctx.spent_tokens // 3, **kwargs)
     assert ctx.spent_tokens < free_ctx.spent_tokens
@@ -332,8 +373,14 @@ def test_adaptive_alone_paces_a_run_by_the_budget_it_picks(runtime):
     """Beam search over a run with no flag but adaptive: the first problem runs free (no problem
     has ended), the later ones within the budget picked from it; the run spends less than with
     the budget off, every problem runs to its end, and no page is left behind (`search`)."""
-    kwargs = {"n": 16, "num_iterations": 6, "max_tokens": 48, "adaptive": True, "certainty": 0.99,
-              "max_concurrent_problems": 1}  # fmt: skip
+    kwargs = {
+        "n": 16,
+        "num_iterations": 6,
+        "max_tokens": 48,
+        "adaptive": True,
+        "certainty": 0.99,
+        "max_concurrent_problems": 1,
+    }
     free, free_ctx = search(runtime, PROBLEMS, budget_fraction=None, **kwargs)
     paced, ctx = search(runtime, PROBLEMS, budget_fraction=0.0, **kwargs)
     assert ctx.spent_tokens < free_ctx.spent_tokens
@@ -350,8 +397,9 @@ def test_the_picked_budget_is_the_same_run_twice():
     problems that ended before it, in the order the engines' batches end them (which follows
     what their prefix caches hold): another batch of problems, a warm runtime or the reference
     (one problem at a time) is another run (docs/adaptive.md)."""
-    config = SearchConfig(n=16, num_iterations=6, max_tokens=48, adaptive=True, certainty=0.6, seed=1,
-                          budget_fraction=0.0)  # fmt: skip
+    config = SearchConfig(
+        n=16, num_iterations=6, max_tokens=48, adaptive=True, certainty=0.6, seed=1, budget_fraction=0.0
+    )
     problems = PROBLEMS + [(r["unique_id"], r["problem"]) for r in arith_dataset(size=2, seed=0, levels=(1,))]
 
     def run() -> list:

@@ -140,8 +140,9 @@ PLAIN = {"rebase": plain_rebase, "particle_filtering": plain_particle_filtering}
 
 def search(runtime, config: SearchConfig, plain: bool) -> list[list[tuple[str, list[float]]]]:
     async def main():
-        ctx = SearchContext(config.reference() if plain else config, runtime, "generator",
-                            load_prm(runtime, "prm", None))  # fmt: skip
+        ctx = SearchContext(
+            config.reference() if plain else config, runtime, "generator", load_prm(runtime, "prm", None)
+        )
         if plain:
             out = [await PLAIN[config.strategy](ctx, ctx.problem(uid, q)) for uid, q in QUESTIONS]
         else:
@@ -153,12 +154,15 @@ def search(runtime, config: SearchConfig, plain: bool) -> list[list[tuple[str, l
 
 @pytest.mark.parametrize(
     "config",
-    [SearchConfig(strategy="rebase", n=8, num_iterations=6, max_tokens=48, seed=3),
-     SearchConfig(strategy="particle_filtering", n=8, num_iterations=6, max_tokens=48, seed=3),
-     SearchConfig(strategy="particle_filtering", n=8, num_iterations=6, max_tokens=48, seed=4,
-                  resample_threshold=0.6)],
+    [
+        SearchConfig(strategy="rebase", n=8, num_iterations=6, max_tokens=48, seed=3),
+        SearchConfig(strategy="particle_filtering", n=8, num_iterations=6, max_tokens=48, seed=3),
+        SearchConfig(
+            strategy="particle_filtering", n=8, num_iterations=6, max_tokens=48, seed=4, resample_threshold=0.6
+        ),
+    ],
     ids=["rebase", "particles", "particles_ess"],
-)  # fmt: skip
+)
 def test_search_equals_the_plain_reference(runtime, config):
     fast, plain = search(runtime, config, plain=False), search(runtime, config, plain=True)
     assert [[t for t, _ in p] for p in fast] == [[t for t, _ in p] for p in plain]
@@ -171,8 +175,11 @@ def test_search_equals_the_plain_reference(runtime, config):
 
 def traced(strategy: str, **fields) -> dict:
     config = SearchConfig(strategy=strategy, n=8, num_iterations=6, max_tokens=48, trace=True, **fields)
-    settings = EvalSettings(dataset="arith:level=4,size=3,seed=0", progress=False,
-                            runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20))  # fmt: skip
+    settings = EvalSettings(
+        dataset="arith:level=4,size=3,seed=0",
+        progress=False,
+        runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20),
+    )
     return run_eval(settings, config)
 
 
@@ -238,18 +245,21 @@ def test_particle_trace_and_view(tmp_path):
     assert "particle_filtering" in (tmp_path / "view.html").read_text()
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"strategy": "rebase", "reward_temperature": 0}, "reward_temperature must be a number > 0"),
-    ({"strategy": "beam_search", "reward_temperature": 0.5}, "leave it unset"),
-    ({"strategy": "particle_filtering", "resample_threshold": 1.5}, r"resample_threshold must be in \(0, 1\]"),
-    ({"strategy": "rebase", "resample_threshold": 0.5}, "particle filtering's"),
-    ({"strategy": "rebase", "adaptive": True}, "adaptive search is"),
-    ({"strategy": "particle_filtering", "speculative_steps": 1}, "speculative_steps=0"),
-    ({"strategy": "rebase", "lookahead": 1}, "use it with beam_search, dvts or mcts"),
-    ({"strategy": "beam_search", "exploration": 2.0}, "exploration is MCTS's"),
-    ({"strategy": "mcts", "exploration": -1.0}, "exploration must be a number >= 0"),
-    ({"strategy": "mcts", "adaptive": True}, "adaptive search is"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"strategy": "rebase", "reward_temperature": 0}, "reward_temperature must be a number > 0"),
+        ({"strategy": "beam_search", "reward_temperature": 0.5}, "leave it unset"),
+        ({"strategy": "particle_filtering", "resample_threshold": 1.5}, r"resample_threshold must be in \(0, 1\]"),
+        ({"strategy": "rebase", "resample_threshold": 0.5}, "particle filtering's"),
+        ({"strategy": "rebase", "adaptive": True}, "adaptive search is"),
+        ({"strategy": "particle_filtering", "speculative_steps": 1}, "speculative_steps=0"),
+        ({"strategy": "rebase", "lookahead": 1}, "use it with beam_search, dvts or mcts"),
+        ({"strategy": "beam_search", "exploration": 2.0}, "exploration is MCTS's"),
+        ({"strategy": "mcts", "exploration": -1.0}, "exploration must be a number >= 0"),
+        ({"strategy": "mcts", "adaptive": True}, "adaptive search is"),
+    ],
+)
 def test_bad_settings_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):
         SearchConfig(**fields)
@@ -259,8 +269,21 @@ def test_bad_settings_are_refused(fields, message):
 def test_shards_merge_to_the_unsharded_run(tmp_path, strategy):
     """Each problem's search depends on its own seeds only, so shards (and resumed runs, which
     skip the problems a journal holds) give the whole run's records."""
-    flags = ["eval", "--dataset", "arith:level=4,5,size=4,seed=0", "--strategy", strategy, "--n", "4",
-             "--num-iterations", "5", "--dtype", "float32", "--kv-cache-memory", str(64 << 20)]  # fmt: skip
+    flags = [
+        "eval",
+        "--dataset",
+        "arith:level=4,5,size=4,seed=0",
+        "--strategy",
+        strategy,
+        "--n",
+        "4",
+        "--num-iterations",
+        "5",
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        str(64 << 20),
+    ]
     assert main([*flags, "--output", str(tmp_path / "all.json")]) == 0
     shards = [tmp_path / f"shard{i}.json" for i in range(2)]
     for i, path in enumerate(shards):

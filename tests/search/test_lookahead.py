@@ -24,8 +24,9 @@ from treeserve.search.prm import load_prm
 from treeserve.search.types import Beam, Problem
 
 QUESTIONS = ["Compute 1+2.", "Compute 3*4-5.", "Compute (6+7)*8."]
-RECORDS = [{"problem": q, "answer": "3", "unique_id": f"q{i}", "level": 1, "grader": "arith"}
-           for i, q in enumerate(QUESTIONS)]  # fmt: skip
+RECORDS = [
+    {"problem": q, "answer": "3", "unique_id": f"q{i}", "level": 1, "grader": "arith"} for i, q in enumerate(QUESTIONS)
+]
 BEAM = SearchConfig(strategy="beam_search", n=4, beam_width=2, num_iterations=5, max_tokens=24, lookahead=1)
 DVTS = SearchConfig(strategy="dvts", n=4, beam_width=2, num_iterations=5, max_tokens=24, lookahead=1)
 
@@ -37,8 +38,13 @@ def world(tmp_path_factory):
 
 def settings(world, reference: bool = False) -> EvalSettings:
     generator, prm = world
-    return EvalSettings(generator=ModelSettings(generator), prm=ModelSettings(prm), reference=reference, progress=False,
-                        runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20))  # fmt: skip
+    return EvalSettings(
+        generator=ModelSettings(generator),
+        prm=ModelSettings(prm),
+        reference=reference,
+        progress=False,
+        runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20),
+    )
 
 
 def run(world, config: SearchConfig, reference: bool = False) -> dict:

@@ -72,14 +72,19 @@ def test_a_search_with_every_beam_too_long_raises_and_a_run_goes_on(strategy):
 
 
 def test_search_over_http_is_a_400_naming_the_lengths():
-    settings = ServerSettings(ModelSettings(DEFAULT_GENERATOR), ModelSettings(DEFAULT_PRM, max_model_len=24),
-                              served_model_name="arith", api_key=API_KEY,
-                              runtime=RuntimeSettings(dtype="float32", kv_cache_memory=32 << 20))  # fmt: skip
+    settings = ServerSettings(
+        ModelSettings(DEFAULT_GENERATOR),
+        ModelSettings(DEFAULT_PRM, max_model_len=24),
+        served_model_name="arith",
+        api_key=API_KEY,
+        runtime=RuntimeSettings(dtype="float32", kv_cache_memory=32 << 20),
+    )
     server = start_server(settings)
     try:
         body = {"problem": QUESTION, "strategy": "beam_search", "n": 2, "beam_width": 1, "max_tokens": 32}
-        response = httpx.post(server.base_url + "/v1/search", json=body,
-                              headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)  # fmt: skip
+        response = httpx.post(
+            server.base_url + "/v1/search", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
+        )
         assert response.status_code == 400, response.text
         assert "at most 24" in response.text and "max_model_len" in response.text
         server.check_baseline()

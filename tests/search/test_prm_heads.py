@@ -158,8 +158,13 @@ def search(dirs: dict[str, str], config: SearchConfig, verifier: str | None = No
 
     async def main():
         try:
-            ctx = SearchContext(config, runtime, "generator", load_prm(runtime, "prm"),
-                                verifier=load_prm(runtime, verifier) if verifier else None)  # fmt: skip
+            ctx = SearchContext(
+                config,
+                runtime,
+                "generator",
+                load_prm(runtime, "prm"),
+                verifier=load_prm(runtime, verifier) if verifier else None,
+            )
             results = await search_problems(ctx, [("q", ARITH_QUESTION)])
             return ctx, results[0]
         finally:

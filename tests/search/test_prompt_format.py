@@ -15,13 +15,16 @@ from treeserve.search.run import search_problems
 PROBLEMS = [("a", "Compute (12 + 7) * 3."), ("b", "Compute 45 - 17 + 8.")]
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"prompt_format": "Q: no question here"}, "must be text containing '{question}'"),
-    ({"prompt_format": "Q: {question}", "system_prompt": "Be brief."}, "replaces the chat template"),
-    ({"stop": ["ok", ""]}, "stop must be a list of non-empty strings"),
-    ({"stop": [7]}, "stop must be a list of non-empty strings"),
-    ({"stop": ["Question:"], "speculative_steps": 1}, "use them apart"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"prompt_format": "Q: no question here"}, "must be text containing '{question}'"),
+        ({"prompt_format": "Q: {question}", "system_prompt": "Be brief."}, "replaces the chat template"),
+        ({"stop": ["ok", ""]}, "stop must be a list of non-empty strings"),
+        ({"stop": [7]}, "stop must be a list of non-empty strings"),
+        ({"stop": ["Question:"], "speculative_steps": 1}, "use them apart"),
+    ],
+)
 def test_bad_values_are_refused(bad, message):
     with pytest.raises(ValueError, match=message):
         SearchConfig(**bad)

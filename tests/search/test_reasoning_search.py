@@ -28,8 +28,9 @@ from treeserve.search.reasoning import UNJUDGED, prm_view, spread, visible
 from treeserve.search.run import search_problems
 
 QUESTIONS = ["Compute 1+2.", "Compute 3*4-5.", "Compute (6+7)*8.", "Compute 9-1."]
-RECORDS = [{"problem": q, "answer": "3", "unique_id": f"q{i}", "level": 1, "grader": "arith"}
-           for i, q in enumerate(QUESTIONS)]  # fmt: skip
+RECORDS = [
+    {"problem": q, "answer": "3", "unique_id": f"q{i}", "level": 1, "grader": "arith"} for i, q in enumerate(QUESTIONS)
+]
 TAGS = ("<think>", "</think>")
 
 
@@ -110,8 +111,9 @@ def test_the_prm_never_sees_a_think_tag(think_world):
 def run(world, config: SearchConfig, reference: bool) -> dict:
     generator, prm = world
     runtime = RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20)
-    settings = EvalSettings(generator=ModelSettings(generator), prm=ModelSettings(prm), reference=reference,
-                            progress=False, runtime=runtime)  # fmt: skip
+    settings = EvalSettings(
+        generator=ModelSettings(generator), prm=ModelSettings(prm), reference=reference, progress=False, runtime=runtime
+    )
     return run_eval(settings, config, inline=[dict(r) for r in RECORDS])
 
 

@@ -17,8 +17,9 @@ from treeserve.runtime.runtime_settings import RuntimeSettings
 from treeserve.search.context import SearchConfig
 
 QUESTIONS = ["Compute 1+2.", "Compute 3*4-5.", "Compute (6+7)*8.", "Compute 9-1."]
-RECORDS = [{"problem": q, "answer": "3", "unique_id": f"q{i}", "level": 1, "grader": "arith"}
-           for i, q in enumerate(QUESTIONS)]  # fmt: skip
+RECORDS = [
+    {"problem": q, "answer": "3", "unique_id": f"q{i}", "level": 1, "grader": "arith"} for i, q in enumerate(QUESTIONS)
+]
 
 
 @pytest.fixture(scope="module")
@@ -26,13 +27,22 @@ def world(tmp_path_factory):
     return build_step_world(str(tmp_path_factory.mktemp("step_world")))
 
 
-def run(world, config: SearchConfig, reference: bool, kv_cache_memory: int = 64 << 20,
-        prm_kv_fraction: float | None = None, speculative_config: dict | None = None) -> dict:  # fmt: skip
+def run(
+    world,
+    config: SearchConfig,
+    reference: bool,
+    kv_cache_memory: int = 64 << 20,
+    prm_kv_fraction: float | None = None,
+    speculative_config: dict | None = None,
+) -> dict:
     generator, prm = world
-    settings = EvalSettings(generator=ModelSettings(generator, speculative_config=speculative_config),
-                            prm=ModelSettings(prm, kv_fraction=prm_kv_fraction),
-                            reference=reference, progress=False,
-                            runtime=RuntimeSettings(dtype="float32", kv_cache_memory=kv_cache_memory))  # fmt: skip
+    settings = EvalSettings(
+        generator=ModelSettings(generator, speculative_config=speculative_config),
+        prm=ModelSettings(prm, kv_fraction=prm_kv_fraction),
+        reference=reference,
+        progress=False,
+        runtime=RuntimeSettings(dtype="float32", kv_cache_memory=kv_cache_memory),
+    )
     return run_eval(settings, config, inline=[dict(r) for r in RECORDS])
 
 
@@ -40,17 +50,20 @@ def signature(doc: dict, approx: bool = False) -> list:
     """Each problem's answer and completions: texts, and step scores to 5 digits, or with
     `approx` within 1e-5 (for one side of a comparison: a score's last bits follow what the
     PRM's prefix cache held, and 5-digit rounding can split two such values)."""
+
     def scores(values: list[float]) -> object:
         return pytest.approx(values, abs=1e-5) if approx else [round(s, 5) for s in values]
 
-    return [(p["unique_id"], p["pred"], [(c["text"], scores(c["step_scores"])) for c in p["completions"]])
-            for p in doc["problems"]]  # fmt: skip
+    return [
+        (p["unique_id"], p["pred"], [(c["text"], scores(c["step_scores"])) for c in p["completions"]])
+        for p in doc["problems"]
+    ]
 
 
 CONFIGS = {
     "beam_spec": SearchConfig(
         strategy="beam_search", n=8, beam_width=2, num_iterations=6, max_tokens=24, speculative_steps=2
-    ),  # fmt: skip
+    ),
     "beam_prod_dedup": SearchConfig(
         strategy="beam_search",
         n=4,
@@ -60,23 +73,35 @@ CONFIGS = {
         agg="prod",
         filter_duplicates=True,
         final_to_eos=True,
-    ),  # fmt: skip
+    ),
     "dvts": SearchConfig(strategy="dvts", n=4, beam_width=2, num_iterations=5, max_tokens=24),
     "best_of_n": SearchConfig(strategy="best_of_n", n=4, max_tokens=64),
     "weighted_min": SearchConfig(strategy="weighted_best_of_n", n=4, max_tokens=64, agg="min"),
     "majority": SearchConfig(strategy="majority", n=4, max_tokens=64),
     "rebase": SearchConfig(strategy="rebase", n=6, num_iterations=5, max_tokens=24),
     "mcts": SearchConfig(strategy="mcts", n=4, beam_width=2, num_iterations=5, max_tokens=24),
-    "mcts_rollouts": SearchConfig(strategy="mcts", n=4, beam_width=2, num_iterations=5, max_tokens=24, lookahead=1,
-                                  exploration=0.5),  # fmt: skip
-    "particles_ess": SearchConfig(strategy="particle_filtering", n=4, num_iterations=5, max_tokens=24,
-                                  resample_threshold=0.7),  # fmt: skip
+    "mcts_rollouts": SearchConfig(
+        strategy="mcts", n=4, beam_width=2, num_iterations=5, max_tokens=24, lookahead=1, exploration=0.5
+    ),
+    "particles_ess": SearchConfig(
+        strategy="particle_filtering", n=4, num_iterations=5, max_tokens=24, resample_threshold=0.7
+    ),
     # adaptive search: the same stops and beams with every optimisation on; without a budget a problem
     # reads only its own tree, so all problems may be in flight
-    "beam_adaptive": SearchConfig(strategy="beam_search", n=8, beam_width=2, num_iterations=6, max_tokens=24,
-                                  adaptive=True, certainty=0.7, first_width=2, budget_fraction=None),  # fmt: skip
-    "majority_adaptive": SearchConfig(strategy="majority", n=8, max_tokens=64, adaptive=True, certainty=0.7,
-                                      first_width=2, budget_fraction=None),  # fmt: skip
+    "beam_adaptive": SearchConfig(
+        strategy="beam_search",
+        n=8,
+        beam_width=2,
+        num_iterations=6,
+        max_tokens=24,
+        adaptive=True,
+        certainty=0.7,
+        first_width=2,
+        budget_fraction=None,
+    ),
+    "majority_adaptive": SearchConfig(
+        strategy="majority", n=8, max_tokens=64, adaptive=True, certainty=0.7, first_width=2, budget_fraction=None
+    ),
 }
 
 
@@ -115,8 +140,9 @@ def test_speculation_reuses_text(world):
     assert signature(spec) == signature(plain)
 
 
-@pytest.mark.parametrize("memory", [{"prm_kv_fraction": 0.3}, {"kv_cache_memory": 600 << 10}],
-                         ids=["static-split", "tight-shared-arena"])  # fmt: skip
+@pytest.mark.parametrize(
+    "memory", [{"prm_kv_fraction": 0.3}, {"kv_cache_memory": 600 << 10}], ids=["static-split", "tight-shared-arena"]
+)
 def test_memory_layout_does_not_change_the_search(world, memory):
     """The shared arena (default), a static split and a shared arena so small that pages are
     evicted and sequences preempted all select the same beams as the reference."""

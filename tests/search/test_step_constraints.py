@@ -28,7 +28,7 @@ CONFIGS = {
     "beam_search": SearchConfig(strategy="beam_search", n=4, beam_width=2, num_iterations=5, max_tokens=24),
     "beam_lookahead_final_to_eos": SearchConfig(
         strategy="beam_search", n=4, beam_width=2, num_iterations=4, max_tokens=200, lookahead=1, final_to_eos=True
-    ),  # fmt: skip
+    ),
     "dvts_lookahead": SearchConfig(strategy="dvts", n=4, beam_width=2, num_iterations=10, max_tokens=24, lookahead=1),
     "best_of_n": SearchConfig(strategy="best_of_n", n=4, max_tokens=200),
     "majority": SearchConfig(strategy="majority", n=4, max_tokens=200),

@@ -24,8 +24,13 @@ def world(tmp_path_factory):
 
 def run(world, config: SearchConfig, reference: bool = False) -> dict:
     generator, prm = world
-    settings = EvalSettings(generator=ModelSettings(generator), prm=ModelSettings(prm), reference=reference,
-                            progress=False, runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20))
+    settings = EvalSettings(
+        generator=ModelSettings(generator),
+        prm=ModelSettings(prm),
+        reference=reference,
+        progress=False,
+        runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20),
+    )
     return run_eval(settings, config, inline=[dict(r) for r in RECORDS])
 
 
@@ -104,8 +109,11 @@ def test_arithmetic_trace_marks_shared_scores_and_duplicates():
     """The shipped arithmetic pair writes many identical steps: beams share PRM requests, and
     filter_duplicates drops twins, each of which has a surviving twin of the same text."""
     config = SearchConfig(n=8, beam_width=2, num_iterations=6, filter_duplicates=True, trace=True, seed=1)
-    settings = EvalSettings(dataset="arith:level=4,size=2,seed=0", progress=False,
-                            runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20))
+    settings = EvalSettings(
+        dataset="arith:level=4,size=2,seed=0",
+        progress=False,
+        runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20),
+    )
     doc = run_eval(settings, config)
     rows = [n for p in doc["problems"] for n in nodes(p["trace"])]
     sources, fates = Counter(n["cache"] for n in rows), Counter(n["fate"] for n in rows)

@@ -73,8 +73,13 @@ def start_server(settings: ServerSettings, build: Callable[[ServerSettings], Ser
 
 @pytest.fixture(scope="session")
 def live_server() -> Iterator[LiveServer]:
-    settings = ServerSettings(ModelSettings(DEFAULT_GENERATOR), ModelSettings(DEFAULT_PRM), served_model_name=MODEL,
-                              api_key=API_KEY, runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20))
+    settings = ServerSettings(
+        ModelSettings(DEFAULT_GENERATOR),
+        ModelSettings(DEFAULT_PRM),
+        served_model_name=MODEL,
+        api_key=API_KEY,
+        runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20),
+    )
     server = start_server(settings)
     yield server
     server.stop()

@@ -32,8 +32,13 @@ from treeserve.runtime.runtime_settings import RuntimeSettings
 from treeserve.server.launch import build_core_served
 from treeserve.server.settings import ServerSettings
 
-SETTINGS = dict(generator=ModelSettings(DEFAULT_GENERATOR), prm=ModelSettings(DEFAULT_PRM), served_model_name=MODEL,
-                api_key=API_KEY, runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20))  # fmt: skip
+SETTINGS = dict(
+    generator=ModelSettings(DEFAULT_GENERATOR),
+    prm=ModelSettings(DEFAULT_PRM),
+    served_model_name=MODEL,
+    api_key=API_KEY,
+    runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20),
+)
 SEARCH = {"problem": "Compute (12 + 7) * 3.", "n": 4, "beam_width": 2, "seed": 3}
 
 
@@ -80,12 +85,24 @@ def idle(server: LiveServer) -> None:
 
 BODIES = [
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 24, "temperature": 0.0}),
-    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 24, "temperature": 0.9, "seed": 5, "n": 2,
-                              "logprobs": True, "top_logprobs": 2}),
-    ("/v1/completions", {"prompt": "Compute 3 + 4.", "max_tokens": 12, "echo": True, "logprobs": 1,
-                         "stop": ["="], "seed": 1}),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": CHAT,
+            "max_tokens": 24,
+            "temperature": 0.9,
+            "seed": 5,
+            "n": 2,
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "Compute 3 + 4.", "max_tokens": 12, "echo": True, "logprobs": 1, "stop": ["="], "seed": 1},
+    ),
     ("/v1/search", SEARCH),
-]  # fmt: skip
+]
 
 
 def strip_ids(body: object) -> object:
@@ -109,9 +126,20 @@ def test_answers_equal_the_in_process_server(core_server, server, path, body):
 
 STREAMED = [
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 24, "temperature": 0.9, "seed": 5, "n": 2}),
-    ("/v1/completions", {"prompt": "Compute 3 + 4.", "max_tokens": 16, "temperature": 0.9, "seed": 2, "n": 2,
-                         "logprobs": 1, "prompt_logprobs": 1, "stop": [" 7"]}),
-]  # fmt: skip
+    (
+        "/v1/completions",
+        {
+            "prompt": "Compute 3 + 4.",
+            "max_tokens": 16,
+            "temperature": 0.9,
+            "seed": 2,
+            "n": 2,
+            "logprobs": 1,
+            "prompt_logprobs": 1,
+            "stop": [" 7"],
+        },
+    ),
+]
 
 
 @pytest.mark.parametrize(("path", "body"), STREAMED)
@@ -176,8 +204,9 @@ def test_kill_9_mid_load(core_server):
     def stream() -> None:
         body = {"messages": CHAT, "max_tokens": 400, "ignore_eos": True, "stream": True}
         try:
-            with httpx.stream("POST", core_server.base_url + "/v1/chat/completions", json=body, headers=AUTH,
-                              timeout=60) as r:  # fmt: skip
+            with httpx.stream(
+                "POST", core_server.base_url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60
+            ) as r:
                 last = [line for line in r.iter_lines() if line.startswith("data: ")][-2]
                 statuses.append(r.status_code if r.status_code != 200 else json.loads(last[6:]).get("error"))
         except httpx.HTTPError as e:
@@ -235,8 +264,20 @@ def test_sigterm_with_streams_open(tmp_path):
     sock = free_socket()
     port = sock.getsockname()[1]
     sock.close()
-    command = [sys.executable, "-m", "treeserve.cli", "serve", "--port", str(port), "--dtype", "float32",
-               "--kv-cache-memory", "64M", "--shutdown-timeout", "2"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "treeserve.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "64M",
+        "--shutdown-timeout",
+        "2",
+    ]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         base = f"http://127.0.0.1:{port}"

@@ -110,16 +110,17 @@ BAD_INPUTS = [
 
 
 @pytest.mark.parametrize(("path", "body", "status"), BAD_INPUTS)
-def test_bad_input_is_a_4xx_with_an_openai_error_body(server: LiveServer, path: str, body: object,
-                                                      status: int) -> None:  # fmt: skip
+def test_bad_input_is_a_4xx_with_an_openai_error_body(server: LiveServer, path: str, body: object, status: int) -> None:
     response = post(server, path, body)
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["code"] == status and error["message"] and error["type"]
 
 
-@pytest.mark.parametrize(("field", "value"), [("certainty", 2), ("certainty", 0), ("first_width", 0),
-                                              ("deadline_s", 0), ("budget_tokens", 0)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("certainty", 2), ("certainty", 0), ("first_width", 0), ("deadline_s", 0), ("budget_tokens", 0)],
+)
 def test_bad_adaptive_values_are_refused_naming_the_field(server: LiveServer, field: str, value: float) -> None:
     before = generated(server)
     response = post(server, "/v1/search", {"problem": "Compute 1 + 2.", "adaptive": True, field: value})
@@ -195,13 +196,19 @@ def test_metrics_count_requests_tokens_and_pages(server: LiveServer) -> None:
     post(server, "/v1/completions", {"prompt": "Compute 1 + 2.", "max_tokens": 5})
     post(server, "/v1/completions", {"prompt": "hi", "n": 0})
     text = httpx.get(server.base_url + "/metrics", headers=AUTH).text
-    for name in ("treeserve_http_requests_total{route=\"/v1/completions\",status=\"200\"}",
-                 "treeserve_http_requests_total{route=\"/v1/completions\",status=\"400\"}",
-                 "treeserve_generation_tokens_total", "treeserve_time_to_first_token_seconds_count",
-                 "treeserve_inter_token_latency_seconds_count", "treeserve_num_requests_running{model=\"prm\"}",
-                 "treeserve_kv_pages_used{model=\"generator\"}", "treeserve_kv_pages_cached{model=\"generator\"}",
-                 "treeserve_prefix_cache_hit_rate{model=\"generator\"}", "treeserve_kv_evictions_total{model=\"prm\"}",
-                 "treeserve_kv_thrash_total{model=\"generator\"}"):  # fmt: skip
+    for name in (
+        'treeserve_http_requests_total{route="/v1/completions",status="200"}',
+        'treeserve_http_requests_total{route="/v1/completions",status="400"}',
+        "treeserve_generation_tokens_total",
+        "treeserve_time_to_first_token_seconds_count",
+        "treeserve_inter_token_latency_seconds_count",
+        'treeserve_num_requests_running{model="prm"}',
+        'treeserve_kv_pages_used{model="generator"}',
+        'treeserve_kv_pages_cached{model="generator"}',
+        'treeserve_prefix_cache_hit_rate{model="generator"}',
+        'treeserve_kv_evictions_total{model="prm"}',
+        'treeserve_kv_thrash_total{model="generator"}',
+    ):
         assert name in text, name
 
 
@@ -210,10 +217,11 @@ def test_too_little_kv_memory_queues_and_preempts_without_changing_answers() -> 
     cfg = offline.engine.model_config
     page = KVArena.page_bytes(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, offline.engine.config.torch_dtype)
     settings = ServerSettings(
-        ModelSettings(DEFAULT_GENERATOR, max_model_len=128), served_model_name=MODEL,
+        ModelSettings(DEFAULT_GENERATOR, max_model_len=128),
+        served_model_name=MODEL,
         runtime=RuntimeSettings(dtype="float32", kv_cache_memory=12 * page),
     )  # one 128-token sequence needs 9 pages
-    server = start_server(settings)  # fmt: skip
+    server = start_server(settings)
     try:
         prompts = [f"Compute (({a} + 7) * 3) - {a}." for a in range(2, 10)]
         params = SamplingParams(temperature=0, max_tokens=90, ignore_eos=True)

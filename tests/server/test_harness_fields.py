@@ -63,8 +63,12 @@ def test_echo_with_max_tokens_zero_returns_the_prompt_alone(server: LiveServer, 
     assert choice["text"] == CONTEXT and choice["finish_reason"] == "length"
     assert len(choice["logprobs"]["tokens"]) == n and out["usage"]["completion_tokens"] == 0
     assert all(len(top) <= 3 for top in choice["logprobs"]["top_logprobs"][1:])
-    streamed = httpx.post(server.base_url + "/v1/completions", headers=AUTH, timeout=60,
-                          json={"prompt": CONTEXT, "echo": True, "max_tokens": 0, "stream": True})  # fmt: skip
+    streamed = httpx.post(
+        server.base_url + "/v1/completions",
+        headers=AUTH,
+        timeout=60,
+        json={"prompt": CONTEXT, "echo": True, "max_tokens": 0, "stream": True},
+    )
     chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == CONTEXT
 
@@ -83,8 +87,16 @@ def test_echo_streamed_equals_echo_whole(server: LiveServer) -> None:
 def test_streamed_n_with_prompt_logprobs_and_a_stop_string_equals_whole(server: LiveServer) -> None:
     """The core streams deltas: each choice's first chunk still has the prompt's logprobs, and
     the chunks put together give the whole response's text, logprobs and text offsets."""
-    body = {"prompt": CONTEXT, "n": 2, "seed": 3, "temperature": 1.0, "max_tokens": 16, "logprobs": 1,
-            "prompt_logprobs": 1, "stop": [" 3"]}  # fmt: skip
+    body = {
+        "prompt": CONTEXT,
+        "n": 2,
+        "seed": 3,
+        "temperature": 1.0,
+        "max_tokens": 16,
+        "logprobs": 1,
+        "prompt_logprobs": 1,
+        "stop": [" 3"],
+    }
     whole = {c["index"]: c for c in post(server, body)["choices"]}
     streamed = httpx.post(server.base_url + "/v1/completions", headers=AUTH, timeout=60, json={**body, "stream": True})
     chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
@@ -113,8 +125,11 @@ def test_prompt_logprobs_extra_on_both_endpoints(server: LiveServer, offline: LL
     for entry, ref, token in zip(got[1:], want.prompt_logprobs[1:], want.prompt_token_ids[1:], strict=True):
         assert entry[str(token)]["logprob"] == pytest.approx(ref[token].logprob, abs=1e-5)
         assert {int(t) for t in entry} == set(ref)
-    chat = post(server, {"messages": [{"role": "user", "content": "Compute 1 + 2."}], "prompt_logprobs": 0,
-                         "max_tokens": 2}, "/v1/chat/completions")  # fmt: skip
+    chat = post(
+        server,
+        {"messages": [{"role": "user", "content": "Compute 1 + 2."}], "prompt_logprobs": 0, "max_tokens": 2},
+        "/v1/chat/completions",
+    )
     assert chat["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
 
 

@@ -55,8 +55,14 @@ def test_greedy_chat_equals_the_offline_engine(client: OpenAI, offline: LLM) -> 
 def test_streamed_text_equals_the_whole_response(client: OpenAI) -> None:
     messages = [{"role": "user", "content": QUESTION}]
     whole = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=200)
-    stream = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=200,
-                                            stream=True, stream_options={"include_usage": True})  # fmt: skip
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        temperature=0,
+        max_tokens=200,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     pieces, finish, usage = [], None, None
     for chunk in stream:
         if chunk.usage is not None:
@@ -72,8 +78,9 @@ def test_stop_string_is_cut_the_same_way_streamed_and_whole(client: OpenAI) -> N
     messages = [{"role": "user", "content": QUESTION}]
     kwargs = {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 200, "stop": ["\n\n"]}
     whole = client.chat.completions.create(**kwargs).choices[0]
-    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kwargs, stream=True)
-                       if c.choices)  # fmt: skip
+    streamed = "".join(
+        c.choices[0].delta.content or "" for c in client.chat.completions.create(**kwargs, stream=True) if c.choices
+    )
     assert whole.finish_reason == "stop" and "\n\n" not in whole.message.content and whole.message.content
     assert streamed == whole.message.content
 
@@ -90,8 +97,15 @@ def test_n_completions_with_a_seed_are_reproducible(client: OpenAI) -> None:
 
 
 def test_streamed_n_and_batched_prompts_index_their_choices(client: OpenAI) -> None:
-    stream = client.completions.create(model=MODEL, prompt=["Compute 1 + 2.", "Compute 5 * 6."], max_tokens=8,
-                                       n=2, temperature=1.0, seed=1, stream=True)  # fmt: skip
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=["Compute 1 + 2.", "Compute 5 * 6."],
+        max_tokens=8,
+        n=2,
+        temperature=1.0,
+        seed=1,
+        stream=True,
+    )
     texts: dict[int, str] = {}
     finished = set()
     for chunk in stream:
@@ -99,8 +113,9 @@ def test_streamed_n_and_batched_prompts_index_their_choices(client: OpenAI) -> N
             texts[choice.index] = texts.get(choice.index, "") + choice.text
             if choice.finish_reason:
                 finished.add(choice.index)
-    whole = client.completions.create(model=MODEL, prompt=["Compute 1 + 2.", "Compute 5 * 6."], max_tokens=8, n=2,
-                                      temperature=1.0, seed=1)  # fmt: skip
+    whole = client.completions.create(
+        model=MODEL, prompt=["Compute 1 + 2.", "Compute 5 * 6."], max_tokens=8, n=2, temperature=1.0, seed=1
+    )
     assert finished == {0, 1, 2, 3}
     assert texts == {c.index: c.text for c in whole.choices}
 
@@ -111,16 +126,29 @@ def test_logprobs(client: OpenAI) -> None:
     assert len(lp.tokens) == len(lp.token_logprobs) == out.usage.completion_tokens
     assert all(len(top) <= 2 for top in lp.top_logprobs) and all(x <= 0 for x in lp.token_logprobs)
     assert "".join(lp.tokens) == out.choices[0].text
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
-                                          max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)  # fmt: skip
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
     assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob >= t.logprob for t in content)
 
 
 def test_search_over_http(client: OpenAI) -> None:
-    body = {"problem": QUESTION, "strategy": "beam_search", "n": 4, "beam_width": 2, "num_iterations": 10,
-            "temperature": 0.8, "seed": 3}  # fmt: skip
+    body = {
+        "problem": QUESTION,
+        "strategy": "beam_search",
+        "n": 4,
+        "beam_width": 2,
+        "num_iterations": 10,
+        "temperature": 0.8,
+        "seed": 3,
+    }
     out = client.post("/search", body=body, cast_to=object)
     assert out["object"] == "search" and out["strategy"] == "beam_search"
     assert len(out["completions"]) == 4
@@ -138,9 +166,14 @@ def test_search_over_http(client: OpenAI) -> None:
     assert all(len(c["step_scores"]) == len(c["steps"]) for c in ahead["completions"])  # rollouts are not kept
 
 
-@pytest.mark.parametrize("strategy, extra", [("rebase", {"reward_temperature": 0.3}),
-                                             ("particle_filtering", {"resample_threshold": 0.5}),
-                                             ("mcts", {"exploration": 0.5})])  # fmt: skip
+@pytest.mark.parametrize(
+    "strategy, extra",
+    [
+        ("rebase", {"reward_temperature": 0.3}),
+        ("particle_filtering", {"resample_threshold": 0.5}),
+        ("mcts", {"exploration": 0.5}),
+    ],
+)
 def test_strategies_beyond_beam_search_over_http(client: OpenAI, strategy: str, extra: dict) -> None:
     body = {"problem": QUESTION, "strategy": strategy, "n": 4, "num_iterations": 8, "seed": 3, **extra}
     out = client.post("/search", body=body, cast_to=object)
@@ -155,8 +188,16 @@ def test_strategies_beyond_beam_search_over_http(client: OpenAI, strategy: str, 
 
 def test_search_with_step_and_answer_regexes(client: OpenAI) -> None:
     step, answer = r"[^\n]{1,100}", r"The answer is \\boxed\{-?[0-9]+\}\."
-    body = {"problem": QUESTION, "strategy": "beam_search", "n": 4, "beam_width": 2, "num_iterations": 10,
-            "seed": 3, "step_regex": step, "answer_regex": answer}  # fmt: skip
+    body = {
+        "problem": QUESTION,
+        "strategy": "beam_search",
+        "n": 4,
+        "beam_width": 2,
+        "num_iterations": 10,
+        "seed": 3,
+        "step_regex": step,
+        "answer_regex": answer,
+    }
     out = client.post("/search", body=body, cast_to=object)
     for c in out["completions"]:
         *middle, last = c["steps"]
@@ -165,8 +206,14 @@ def test_search_with_step_and_answer_regexes(client: OpenAI) -> None:
 
 
 def test_search_streams_progress_then_the_result(server: LiveServer) -> None:
-    body = {"problem": QUESTION, "strategy": "beam_search", "n": 4, "beam_width": 2, "num_iterations": 10,
-            "stream": True}  # fmt: skip
+    body = {
+        "problem": QUESTION,
+        "strategy": "beam_search",
+        "n": 4,
+        "beam_width": 2,
+        "num_iterations": 10,
+        "stream": True,
+    }
     headers = {"Authorization": f"Bearer {API_KEY}"}
     with httpx.stream("POST", server.base_url + "/v1/search", json=body, headers=headers, timeout=60) as response:
         assert response.status_code == 200
@@ -198,15 +245,26 @@ def test_a_search_takes_a_plain_prompt_and_stop_strings(client: OpenAI) -> None:
 
 
 def test_an_adaptive_search_returns_its_stop_and_spent_tokens(client: OpenAI) -> None:
-    body = {"problem": QUESTION, "strategy": "beam_search", "n": 8, "beam_width": 2, "num_iterations": 10, "seed": 3,
-            "adaptive": True, "certainty": 0.5, "first_width": 2}  # fmt: skip
+    body = {
+        "problem": QUESTION,
+        "strategy": "beam_search",
+        "n": 8,
+        "beam_width": 2,
+        "num_iterations": 10,
+        "seed": 3,
+        "adaptive": True,
+        "certainty": 0.5,
+        "first_width": 2,
+    }
     out = client.post("/search", body=body, cast_to=object)
     stop = out["stop"]
     assert stop["reason"] in ("settled", "exhausted") and stop["iteration"] == len(stop["widths"]) - 1
     assert len(stop["certainty"]) == len(stop["widths"]) and stop["widths"][0] == 2 and max(stop["widths"]) <= 8
     assert (stop["certainty"][-1] >= 0.5) == (stop["reason"] == "settled")
-    assert out["spent"] == {"generated_tokens": out["usage"]["generator_tokens"],
-                            "prm_input_tokens": out["usage"]["prm_tokens"]}  # fmt: skip
+    assert out["spent"] == {
+        "generated_tokens": out["usage"]["generator_tokens"],
+        "prm_input_tokens": out["usage"]["prm_tokens"],
+    }
     fixed = client.post("/search", body={**body, "adaptive": False}, cast_to=object)
     assert fixed["stop"] is None and fixed["spent"]["generated_tokens"] > 0
 
@@ -214,8 +272,17 @@ def test_an_adaptive_search_returns_its_stop_and_spent_tokens(client: OpenAI) ->
 def test_a_search_budget_narrows_the_search_once_spent(client: OpenAI) -> None:
     """`budget_tokens` a third of what the search spends free: it grows, narrows once past the
     budget, and runs to its end on fewer tokens."""
-    body = {"problem": QUESTION, "strategy": "beam_search", "n": 8, "beam_width": 2, "num_iterations": 10, "seed": 3,
-            "adaptive": True, "certainty": 0.99, "first_width": 2}  # fmt: skip
+    body = {
+        "problem": QUESTION,
+        "strategy": "beam_search",
+        "n": 8,
+        "beam_width": 2,
+        "num_iterations": 10,
+        "seed": 3,
+        "adaptive": True,
+        "certainty": 0.99,
+        "first_width": 2,
+    }
     free = client.post("/search", body=body, cast_to=object)
     spent = sum(free["spent"].values())
     capped = client.post("/search", body={**body, "budget_tokens": spent // 3}, cast_to=object)
@@ -235,8 +302,15 @@ def deadline_after_the_first_iteration(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_deadline_answers_from_the_first_iteration_and_frees_every_page(
     server: LiveServer, client: OpenAI, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    body = {"problem": QUESTION, "strategy": "beam_search", "n": 4, "beam_width": 2, "num_iterations": 10, "seed": 3,
-            "trace": True}  # fmt: skip
+    body = {
+        "problem": QUESTION,
+        "strategy": "beam_search",
+        "n": 4,
+        "beam_width": 2,
+        "num_iterations": 10,
+        "seed": 3,
+        "trace": True,
+    }
     whole = client.post("/search", body=body, cast_to=object)
     assert max(len(c["steps"]) for c in whole["completions"]) > 1  # the search runs past its first iteration
     deadline_after_the_first_iteration(monkeypatch)
@@ -258,8 +332,15 @@ def test_a_deadline_answers_from_the_first_iteration_and_frees_every_page(
 
 def test_a_streamed_deadline_keeps_the_progress_events(server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
     deadline_after_the_first_iteration(monkeypatch)
-    body = {"problem": QUESTION, "strategy": "beam_search", "n": 4, "beam_width": 2, "num_iterations": 10,
-            "deadline_s": 500, "stream": True}  # fmt: skip
+    body = {
+        "problem": QUESTION,
+        "strategy": "beam_search",
+        "n": 4,
+        "beam_width": 2,
+        "num_iterations": 10,
+        "deadline_s": 500,
+        "stream": True,
+    }
     headers = {"Authorization": f"Bearer {API_KEY}"}
     with httpx.stream("POST", server.base_url + "/v1/search", json=body, headers=headers, timeout=60) as response:
         events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]

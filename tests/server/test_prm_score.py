@@ -35,15 +35,27 @@ SOLUTIONS = [
     ["12 + 7 = 19, leaving 19 * 3.", "19 * 3 = 54.", "The answer is \\boxed{54}."],
     ["12 + 7 = 18, leaving 18 * 3."],
 ]
-SEARCH = {"strategy": "beam_search", "n": 4, "beam_width": 2, "num_iterations": 3, "max_tokens": 48, "seed": 3,
-          "temperature": 1.0}  # fmt: skip
+SEARCH = {
+    "strategy": "beam_search",
+    "n": 4,
+    "beam_width": 2,
+    "num_iterations": 3,
+    "max_tokens": 48,
+    "seed": 3,
+    "temperature": 1.0,
+}
 RUNTIME = {"dtype": "float32", "kv_cache_memory": 64 << 20}
 LONG_STEPS = [f"{i} + {i} = {2 * i}, leaving {2 * i} + 1." for i in range(60)]  # ~1,700 PRM tokens, past 512
 
 
 def settings(prm: bool = True) -> ServerSettings:
-    return ServerSettings(ModelSettings(DEFAULT_GENERATOR), ModelSettings(DEFAULT_PRM) if prm else None,
-                          served_model_name=MODEL, api_key=API_KEY, runtime=RuntimeSettings(**RUNTIME))  # fmt: skip
+    return ServerSettings(
+        ModelSettings(DEFAULT_GENERATOR),
+        ModelSettings(DEFAULT_PRM) if prm else None,
+        served_model_name=MODEL,
+        api_key=API_KEY,
+        runtime=RuntimeSettings(**RUNTIME),
+    )
 
 
 def score(server: LiveServer, body: dict) -> httpx.Response:
@@ -98,8 +110,14 @@ def prm_reads(server: LiveServer) -> int:
 
 def test_models_give_every_model_its_role(server):
     cards = httpx.get(server.base_url + "/v1/models", headers=AUTH, timeout=10).json()["data"]
-    generator = {"id": MODEL, "object": "model", "created": 0, "owned_by": "treeserve",
-                 "max_model_len": server.served.max_model_len, "role": "generator"}  # fmt: skip
+    generator = {
+        "id": MODEL,
+        "object": "model",
+        "created": 0,
+        "owned_by": "treeserve",
+        "max_model_len": server.served.max_model_len,
+        "role": "generator",
+    }
     assert cards[0] == generator
     assert [(c["id"], c["role"]) for c in cards[1:]] == [(PRM_NAME, "prm")]
     assert cards[1]["max_model_len"] == server.served.runtime.engine("prm").max_model_len
@@ -119,8 +137,9 @@ def test_single_and_batch_scores_equal_prm_score_offline(server, offline):
 
 
 def test_scores_equal_a_beam_searchs_step_scores(server, offline):
-    search = httpx.post(server.base_url + "/v1/search", json={"problem": QUESTION, **SEARCH}, headers=AUTH,
-                        timeout=120).json()  # fmt: skip
+    search = httpx.post(
+        server.base_url + "/v1/search", json={"problem": QUESTION, **SEARCH}, headers=AUTH, timeout=120
+    ).json()
     completions = search["completions"]
     solutions = [c["steps"] for c in completions]
     got = scored(server, {"question": QUESTION, "solutions": solutions})["scores"]
@@ -208,8 +227,12 @@ def test_an_input_past_the_prms_context_is_a_400(server, offline):
 def test_a_client_that_leaves_aborts_its_reads(server):
     solutions = [[f"{i} * {j} = {i * j}." for j in range(1, 12)] for i in range(64)]
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(server.base_url + "/v1/prm/score", json={"question": "Compute it.", "solutions": solutions},
-                   headers=AUTH, timeout=0.05)  # fmt: skip
+        httpx.post(
+            server.base_url + "/v1/prm/score",
+            json={"question": "Compute it.", "solutions": solutions},
+            headers=AUTH,
+            timeout=0.05,
+        )
     # the `server` fixture checks that no request is left and every page is back
 
 

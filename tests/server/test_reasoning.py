@@ -107,8 +107,12 @@ def thinking_dir(tmp_path_factory) -> str:
 
 
 def reasoning_server(model_dir: str, parser: str) -> LiveServer:
-    settings = ServerSettings(ModelSettings(model_dir), served_model_name=MODEL, reasoning_parser=parser,
-                              runtime=RuntimeSettings(dtype="float32", kv_cache_memory=16 << 20))  # fmt: skip
+    settings = ServerSettings(
+        ModelSettings(model_dir),
+        served_model_name=MODEL,
+        reasoning_parser=parser,
+        runtime=RuntimeSettings(dtype="float32", kv_cache_memory=16 << 20),
+    )
     return start_server(settings)
 
 
@@ -138,8 +142,9 @@ def offline_outputs(offline: LLM, n: int, budget: int | None) -> list:
 
 def chat(client: OpenAI, n: int, budget: int | None, **kw) -> object:
     extra = {"max_thinking_tokens": budget} if budget is not None else {}
-    return client.chat.completions.create(model=MODEL, messages=MESSAGES, n=n, temperature=1.0, seed=7,
-                                          max_tokens=24, extra_body=extra, **kw)  # fmt: skip
+    return client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, n=n, temperature=1.0, seed=7, max_tokens=24, extra_body=extra, **kw
+    )
 
 
 @pytest.mark.parametrize("budget", [None, 0, 4])
@@ -200,8 +205,9 @@ def test_bad_budgets_are_a_400(client: OpenAI) -> None:
 def test_a_budget_on_a_model_without_think_tokens_is_a_400(server: LiveServer) -> None:
     arith = OpenAI(base_url=server.base_url + "/v1", api_key="test-key", max_retries=0, timeout=60)
     with pytest.raises(BadRequestError, match="max_thinking_tokens needs a model whose tokenizer has <think>"):
-        arith.chat.completions.create(model="arith", messages=MESSAGES, max_tokens=4,
-                                      extra_body={"max_thinking_tokens": 2})  # fmt: skip
+        arith.chat.completions.create(
+            model="arith", messages=MESSAGES, max_tokens=4, extra_body={"max_thinking_tokens": 2}
+        )
 
 
 def test_qwen3_needs_think_in_the_output(thinking_dir: str, offline: LLM) -> None:

@@ -13,8 +13,14 @@ from treeserve.search.trace import nodes
 from treeserve.server.traces import TraceRing
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-SEARCH = {"problem": "Compute (12 + 7) * 3. <script>alert(1)</script>", "strategy": "beam_search", "n": 4,
-          "beam_width": 2, "num_iterations": 6, "seed": 3}  # fmt: skip
+SEARCH = {
+    "problem": "Compute (12 + 7) * 3. <script>alert(1)</script>",
+    "strategy": "beam_search",
+    "n": 4,
+    "beam_width": 2,
+    "num_iterations": 6,
+    "seed": 3,
+}
 
 
 def post(server: LiveServer, body: dict) -> dict:

@@ -39,24 +39,29 @@ def orm_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def verified_server(orm_dir):
-    settings = ServerSettings(ModelSettings(DEFAULT_GENERATOR), ModelSettings(DEFAULT_PRM),
-                              verifier=ModelSettings(orm_dir), served_model_name="arith", api_key=API_KEY,
-                              runtime=RuntimeSettings(dtype="float32", kv_cache_memory=KV))  # fmt: skip
+    settings = ServerSettings(
+        ModelSettings(DEFAULT_GENERATOR),
+        ModelSettings(DEFAULT_PRM),
+        verifier=ModelSettings(orm_dir),
+        served_model_name="arith",
+        api_key=API_KEY,
+        runtime=RuntimeSettings(dtype="float32", kv_cache_memory=KV),
+    )
     server = start_server(settings)
     yield server
     server.stop()
 
 
 def search_http(server, body: dict) -> httpx.Response:
-    return httpx.post(server.base_url + "/v1/search", json={"problem": QUESTION, **SEARCH, **body}, headers=AUTH,
-                      timeout=120)  # fmt: skip
+    return httpx.post(
+        server.base_url + "/v1/search", json={"problem": QUESTION, **SEARCH, **body}, headers=AUTH, timeout=120
+    )
 
 
 def signature(completions: list[dict], approx: bool = False) -> list:
     """Texts and step scores (with `approx`, within 1e-5: a score's last bits follow what the prefix
     cache held)."""
-    return [(c["text"], pytest.approx(c["step_scores"], abs=1e-5) if approx else c["step_scores"])
-            for c in completions]  # fmt: skip
+    return [(c["text"], pytest.approx(c["step_scores"], abs=1e-5) if approx else c["step_scores"]) for c in completions]
 
 
 def python_api(orm_dir: str, verify: bool) -> list:
@@ -67,8 +72,13 @@ def python_api(orm_dir: str, verify: bool) -> list:
 
     async def body():
         try:
-            ctx = SearchContext(SearchConfig(**SEARCH), rt, "generator", load_prm(rt, "prm"),
-                                verifier=load_prm(rt, "verifier") if verify else None)  # fmt: skip
+            ctx = SearchContext(
+                SearchConfig(**SEARCH),
+                rt,
+                "generator",
+                load_prm(rt, "prm"),
+                verifier=load_prm(rt, "verifier") if verify else None,
+            )
             [result] = await search_problems(ctx, [(QUESTION, QUESTION)])
             return [{"text": b.text, "step_scores": b.scores} for b in result.beams]
         finally:
@@ -84,8 +94,22 @@ def test_the_same_verified_answer_from_the_cli_http_and_python(orm_dir, verified
     data.write_text(json.dumps({"problem": QUESTION, "answer": "94", "unique_id": QUESTION}) + "\n")
     output = tmp_path / "verified.json"
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in SEARCH.items()]
-    code = main(["eval", "--dataset", str(data), "--output", str(output), "--dtype", "float32",
-                 "--kv-cache-memory", str(KV), "--verifier", orm_dir, *flags])  # fmt: skip
+    code = main(
+        [
+            "eval",
+            "--dataset",
+            str(data),
+            "--output",
+            str(output),
+            "--dtype",
+            "float32",
+            "--kv-cache-memory",
+            str(KV),
+            "--verifier",
+            orm_dir,
+            *flags,
+        ]
+    )
     assert code == 0  # run_eval checked that every page was back
     results = read_results(output)
     assert results["config"]["verifier"]["path"] == orm_dir
@@ -115,8 +139,12 @@ def test_models_list_the_verifier_with_its_role(verified_server, orm_dir):
     orm = os.path.basename(orm_dir)  # a verifier's name: its directory's
     cards = httpx.get(verified_server.base_url + "/v1/models", headers=AUTH, timeout=10).json()["data"]
     assert [(c["id"], c["role"]) for c in cards] == [("arith", "generator"), ("arith-prm", "prm"), (orm, "verifier")]
-    response = httpx.post(verified_server.base_url + "/v1/prm/score", headers=AUTH, timeout=10,
-                          json={"model": orm, "question": QUESTION, "steps": ["3 * 18 = 54."]})  # fmt: skip
+    response = httpx.post(
+        verified_server.base_url + "/v1/prm/score",
+        headers=AUTH,
+        timeout=10,
+        json={"model": orm, "question": QUESTION, "steps": ["3 * 18 = 54."]},
+    )
     assert response.status_code == 400 and "not a PRM" in response.json()["error"]["message"]
 
 

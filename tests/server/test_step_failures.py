@@ -28,8 +28,9 @@ def test_a_failed_step_is_a_500_and_the_next_request_succeeds(server: LiveServer
 
 def test_a_stream_ends_with_an_error_event(server: LiveServer) -> None:
     server.served.runtime.engine("generator").inject_failure()
-    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json={**BODY, "stream": True},
-                      headers=AUTH, timeout=60) as response:  # fmt: skip
+    with httpx.stream(
+        "POST", server.base_url + "/v1/chat/completions", json={**BODY, "stream": True}, headers=AUTH, timeout=60
+    ) as response:
         assert response.status_code == 200  # sent before the step ran
         events = [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"

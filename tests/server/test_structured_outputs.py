@@ -170,8 +170,10 @@ BAD_CONSTRAINTS = [
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema"}}, "json_schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
-     "json schema"),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
+        "json schema",
+    ),
     ({"structured_outputs": {"regex": "("}}, "unclosed group"),  # the parser's own words
     ({"structured_outputs": {"grammar": "start: foo("}}, "grammar"),
     ({"structured_outputs": {"json": "{not json"}}, "not valid JSON"),
@@ -186,7 +188,7 @@ BAD_CONSTRAINTS = [
     ({"guided_regex": "a", "guided_choice": ["b"]}, "two constraints at once"),
     ({"guided_regex": "a", "structured_outputs": {"regex": "b"}}, "two constraints at once"),
     ({"structured_outputs": {"json_object": True}, "ignore_eos": True}, "ignore_eos"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("extra", "named"), BAD_CONSTRAINTS)
@@ -204,10 +206,15 @@ def test_bad_constraint_is_a_400_naming_the_problem(server: LiveServer, extra: d
 
 def test_server_is_healthy_after_bad_constraints(client: OpenAI) -> None:
     with pytest.raises(BadRequestError, match="two constraints at once"):
-        client.chat.completions.create(messages=MESSAGES, response_format={"type": "json_object"},
-                                       extra_body={"structured_outputs": {"regex": "a"}}, **SAMPLED)  # fmt: skip
-    got = client.chat.completions.create(messages=MESSAGES, extra_body={"structured_outputs": {"choice": CHOICES}},
-                                         **SAMPLED)  # fmt: skip
+        client.chat.completions.create(
+            messages=MESSAGES,
+            response_format={"type": "json_object"},
+            extra_body={"structured_outputs": {"regex": "a"}},
+            **SAMPLED,
+        )
+    got = client.chat.completions.create(
+        messages=MESSAGES, extra_body={"structured_outputs": {"choice": CHOICES}}, **SAMPLED
+    )
     assert {c.message.content for c in got.choices} <= set(CHOICES)
 
 

@@ -61,7 +61,7 @@ def main() -> None:
         round0 = mine_search.ROUND0_DIR
         prm_train = train_prm.train(
             args.seed, **train_prm.DEFAULTS, generator_dir=PRM_BASE_DIR, out_dir=round0, init_dir=init
-        )  # fmt: skip
+        )
         prm_train["search_rounds"] = mine_search.search_rounds(args.seed, PRM_BASE_DIR, round0, PRM_DIR)
         write_json(WORK_DIR / "prm_train.json", prm_train)
     results = evaluate.evaluate(GENERATOR_DIR, PRM_DIR, per_level_sampled=100, n=16, temperature=0.8, seed=args.seed)

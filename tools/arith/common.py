@@ -184,10 +184,16 @@ def save_checkpoint(model, out_dir: Path, extra_files: dict[str, dict] | None = 
     model.save_pretrained(out_dir, safe_serialization=True)
     build_tokenizer().save(str(out_dir / "tokenizer.json"))
     write_json(out_dir / "tokenizer_config.json", tokenizer_config())
-    write_json(out_dir / "special_tokens_map.json", {
-        "bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": UNK,
-        "additional_special_tokens": [USER, ASSISTANT, SYSTEM, STEP_TAG],
-    })  # fmt: skip
+    write_json(
+        out_dir / "special_tokens_map.json",
+        {
+            "bos_token": BOS,
+            "eos_token": EOS,
+            "pad_token": PAD,
+            "unk_token": UNK,
+            "additional_special_tokens": [USER, ASSISTANT, SYSTEM, STEP_TAG],
+        },
+    )
     for name, payload in (extra_files or {}).items():
         write_json(out_dir / name, payload)
 

@@ -46,9 +46,15 @@ MAX_VALUE = max(spec.max_value for spec in LEVELS.values())
 # How a prefix drill's last step goes wrong, and how often: roughly the generator's first wrong
 # steps on training problems (result 46%, rest 26%, right operand 12%, left operand 9%, final 4%).
 PREFIX_KINDS = {
-    "result": 0.36, "rest": 0.22, "right": 0.12, "left": 0.1, "final": 0.08, "premature": 0.04,
-    "order": 0.04, "far": 0.04,
-}  # fmt: skip
+    "result": 0.36,
+    "rest": 0.22,
+    "right": 0.12,
+    "left": 0.1,
+    "final": 0.08,
+    "premature": 0.04,
+    "order": 0.04,
+    "far": 0.04,
+}
 NEAR_MISSES = (1, 1, 1, 1, 1, 2, 2, 2, 3, 3, 4, 5, 6, 8, 10)
 
 

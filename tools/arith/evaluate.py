@@ -47,9 +47,13 @@ def evaluate(
         greedy_acc = sum(grade(g[0], r["answer"]) for g, r in zip(greedy, recs, strict=True)) / len(recs)
         sub = recs[:per_level_sampled]
         samples = generate(
-            llm, [r["problem"] for r in sub], max_new_tokens=max_new_tokens_for(lv),
-            temperature=temperature, n=n, seed=seed + lv,
-        )  # fmt: skip
+            llm,
+            [r["problem"] for r in sub],
+            max_new_tokens=max_new_tokens_for(lv),
+            temperature=temperature,
+            n=n,
+            seed=seed + lv,
+        )
         correct = [[grade(s, r["answer"]) for s in ss] for ss, r in zip(samples, sub, strict=True)]
         results["levels"][lv] = {
             "greedy_acc": greedy_acc,

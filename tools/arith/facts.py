@@ -213,9 +213,17 @@ def held_out_score(stage: str, facts: list[Fact]):
 
 
 def teach(
-    model, stage: str, seed: int, steps: int, rows_per_batch: int, lr: float, warmup: int, target: float = 1.0,
-    log_every: int = 250, checkpoint: Path | None = None,
-) -> dict:  # fmt: skip
+    model,
+    stage: str,
+    seed: int,
+    steps: int,
+    rows_per_batch: int,
+    lr: float,
+    warmup: int,
+    target: float = 1.0,
+    log_every: int = 250,
+    checkpoint: Path | None = None,
+) -> dict:
     """Train `model`'s trainable parameters in place on one stage's rows, walking the shuffled
     table `FACTS_PER_ROW` facts at a time: `fact_row`s with a cosine schedule ("table"), or
     `check_row`s / `drill_row`s at a constant lr until `held_out_score` reaches `target`
@@ -251,20 +259,38 @@ def teach(
             accuracy = fact_accuracy(model, rng.sample(facts, 1000))
             held_out = score(model) if score else None
             model.train()
-            entry = {"step": step + 1, "loss": running / log_every, "sample_accuracy": accuracy,
-                     "held_out_score": held_out, "elapsed_s": time.time() - start}  # fmt: skip
+            entry = {
+                "step": step + 1,
+                "loss": running / log_every,
+                "sample_accuracy": accuracy,
+                "held_out_score": held_out,
+                "elapsed_s": time.time() - start,
+            }
             log.append(entry)
-            print(f"{stage} step {step + 1}/{steps} loss {entry['loss']:.4f} table {accuracy:.3f} "
-                  f"held-out {held_out} {entry['elapsed_s']:.0f}s", flush=True)  # fmt: skip
+            print(
+                f"{stage} step {step + 1}/{steps} loss {entry['loss']:.4f} table {accuracy:.3f} "
+                f"held-out {held_out} {entry['elapsed_s']:.0f}s",
+                flush=True,
+            )
             running = 0.0
             if checkpoint is not None:
                 save_checkpoint(model, checkpoint)
             if held_out is not None and held_out >= target:
                 break
     model.eval()
-    return {"stage": stage, "seed": seed, "steps": step + 1, "max_steps": steps, "target": target,
-            "rows_per_batch": rows_per_batch, "peak_lr": lr, "warmup": warmup, "train_seconds": time.time() - start,
-            "table_accuracy": fact_accuracy(model, facts), "log": log}  # fmt: skip
+    return {
+        "stage": stage,
+        "seed": seed,
+        "steps": step + 1,
+        "max_steps": steps,
+        "target": target,
+        "rows_per_batch": rows_per_batch,
+        "peak_lr": lr,
+        "warmup": warmup,
+        "train_seconds": time.time() - start,
+        "table_accuracy": fact_accuracy(model, facts),
+        "log": log,
+    }
 
 
 def build(stage: str, seed: int, init: Path, out: Path, extra_layers: int = 0, **recipe) -> dict:

@@ -66,8 +66,9 @@ def mine(
         key = f"prm-mined-{seed}-{lv}" if round_ == 1 else f"prm-mined-{seed}-round{round_}-{lv}"
         stream = problem_stream(random.Random(key), lv, exclude)
         records += [{**to_record(next(stream), f"mined/L{lv}/{i}"), "grader": "arith"} for i in range(per_level)]
-    settings = EvalSettings(generator=ModelSettings(str(generator_dir)), prm=ModelSettings(str(prm_dir)),
-                            progress=False)
+    settings = EvalSettings(
+        generator=ModelSettings(str(generator_dir)), prm=ModelSettings(str(prm_dir)), progress=False
+    )
     config = SearchConfig(strategy="beam_search", n=n, temperature=temperature, seed=seed)
     results = run_eval(settings, config, inline=records)
     out: list[Example] = []
@@ -95,9 +96,13 @@ def cached_mined(
 
 
 def search_rounds(
-    seed: int, generator_dir: Path, prm_dir: Path, out_dir: Path, rounds: int = SEARCH_ROUNDS,
+    seed: int,
+    generator_dir: Path,
+    prm_dir: Path,
+    out_dir: Path,
+    rounds: int = SEARCH_ROUNDS,
     per_level: int = MINE_PER_LEVEL,
-) -> list[dict]:  # fmt: skip
+) -> list[dict]:
     """`rounds` times: mine with the PRM so far, then fine-tune it (`FINE_TUNE`) on its training
     data plus every solution mined so far. Starts from the PRM in `prm_dir`; the last round's PRM
     goes to `out_dir`, earlier ones to the scratch directory. Returns each round's summary."""
@@ -112,10 +117,16 @@ def search_rounds(
         next_dir = out_dir if round_ == rounds else WORK_DIR / f"prm-round{round_}"
         summary = train(seed, **recipe, generator_dir=generator_dir, out_dir=next_dir, init_dir=prm_dir, mined=mined)
         bad = sum(not all(labels) for _, _, labels in examples)
-        summaries.append({
-            **summary, "round": round_, "mined_this_round": len(examples), "mined_bad": bad,
-            "mined_per_level": per_level, "mine_seconds": seconds,
-        })  # fmt: skip
+        summaries.append(
+            {
+                **summary,
+                "round": round_,
+                "mined_this_round": len(examples),
+                "mined_bad": bad,
+                "mined_per_level": per_level,
+                "mine_seconds": seconds,
+            }
+        )
         prm_dir = next_dir
     return summaries
 

@@ -122,9 +122,10 @@ def corrupted_steps(rng: random.Random, problem: Problem, kind: str) -> list[str
         text = render(expr)
         ready = {(n.left, n.op, n.right) for _, n in ready_nodes(expr)}
         pairs = [
-            m for m in re.finditer(r"(?=(?<!\d)(\d+) ([-+*]) (\d+))", text)
+            m
+            for m in re.finditer(r"(?=(?<!\d)(\d+) ([-+*]) (\d+))", text)
             if (int(m.group(1)), m.group(2), int(m.group(3))) not in ready
-        ]  # fmt: skip
+        ]
         if not pairs:
             return _steps_with_slips(rng, problem, {k})
         m = rng.choice(pairs)

@@ -144,9 +144,16 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
 
 
 def train(
-    seed: int, steps: int, warm_steps: int, max_tokens: int, drill_frac: float, lr: float, noise: float,
-    out_dir: Path, init: Path | None = None,
-) -> dict:  # fmt: skip
+    seed: int,
+    steps: int,
+    warm_steps: int,
+    max_tokens: int,
+    drill_frac: float,
+    lr: float,
+    noise: float,
+    out_dir: Path,
+    init: Path | None = None,
+) -> dict:
     set_threads(GENERATOR_THREADS)
     import torch
     from transformers import LlamaForCausalLM
@@ -164,8 +171,9 @@ def train(
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr, betas=(0.9, 0.95),
-    )  # fmt: skip
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
     model.train()
     start, log, running = time.time(), [], 0.0
     watch = monitor_batch()
@@ -194,11 +202,20 @@ def train(
     model.eval()
     save_checkpoint(model, out_dir)
     summary = {
-        "seed": seed, "steps": steps, "warm_steps": warm_steps, "max_tokens_per_batch": max_tokens,
-        "drill_fraction": drill_frac, "peak_lr": lr, "noise_per_digit": noise, "parameters": n_params,
-        "shape": GENERATOR_SHAPE, "threads": torch.get_num_threads(), "init": str(init) if init else None,
-        "train_seconds": elapsed, "log": log,
-    }  # fmt: skip
+        "seed": seed,
+        "steps": steps,
+        "warm_steps": warm_steps,
+        "max_tokens_per_batch": max_tokens,
+        "drill_fraction": drill_frac,
+        "peak_lr": lr,
+        "noise_per_digit": noise,
+        "parameters": n_params,
+        "shape": GENERATOR_SHAPE,
+        "threads": torch.get_num_threads(),
+        "init": str(init) if init else None,
+        "train_seconds": elapsed,
+        "log": log,
+    }
     write_json(WORK_DIR / f"generator_train_{out_dir.name}.json", summary)
     return summary
 
@@ -211,9 +228,12 @@ def train_recipe(seed: int, out_dir: Path) -> dict:
         phases.append(train(seed, **phase, out_dir=target, init=init))
         init = target
     summary = {
-        "seed": seed, "parameters": phases[0]["parameters"], "shape": GENERATOR_SHAPE, "phases": phases,
+        "seed": seed,
+        "parameters": phases[0]["parameters"],
+        "shape": GENERATOR_SHAPE,
+        "phases": phases,
         "train_seconds": sum(p["train_seconds"] for p in phases),
-    }  # fmt: skip
+    }
     write_json(WORK_DIR / "generator_train.json", summary)
     return summary
 
@@ -223,11 +243,19 @@ def recipe_summary(seed: int) -> dict:
     generator whose training log is gone."""
     n_params = sum(t.numel() for t in _weights(GENERATOR_DIR).values())
     phases = [
-        {"seed": seed, "steps": p["steps"], "warm_steps": p["warm_steps"], "max_tokens_per_batch": p["max_tokens"],
-         "drill_fraction": p["drill_frac"], "peak_lr": p["lr"], "noise_per_digit": p["noise"],
-         "threads": GENERATOR_THREADS, "train_seconds": None}
+        {
+            "seed": seed,
+            "steps": p["steps"],
+            "warm_steps": p["warm_steps"],
+            "max_tokens_per_batch": p["max_tokens"],
+            "drill_fraction": p["drill_frac"],
+            "peak_lr": p["lr"],
+            "noise_per_digit": p["noise"],
+            "threads": GENERATOR_THREADS,
+            "train_seconds": None,
+        }
         for p in PHASES
-    ]  # fmt: skip
+    ]
     return {"seed": seed, "parameters": n_params, "shape": GENERATOR_SHAPE, "phases": phases, "train_seconds": None}
 
 

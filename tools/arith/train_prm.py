@@ -57,12 +57,21 @@ from treeserve import LLM
 from treeserve.eval.arith_labels import split_steps, step_labels
 
 DEFAULTS = {
-    "on_policy_per_level": 400, "samples_per_problem": 4, "synthetic_per_level": 1500,
-    "epochs": 2, "max_tokens": 2048, "lr": 1e-3,
-    "drill_passes": 1, "prefix_drills_per_level": 0, "lm_weight": 0.5, "fact_check_weight": 1.0,
-    "copy_check_weight": 0.0, "check_every": 0,
-    "extra_layers": 2, "base_lr_scale": 0.1,
-}  # fmt: skip
+    "on_policy_per_level": 400,
+    "samples_per_problem": 4,
+    "synthetic_per_level": 1500,
+    "epochs": 2,
+    "max_tokens": 2048,
+    "lr": 1e-3,
+    "drill_passes": 1,
+    "prefix_drills_per_level": 0,
+    "lm_weight": 0.5,
+    "fact_check_weight": 1.0,
+    "copy_check_weight": 0.0,
+    "check_every": 0,
+    "extra_layers": 2,
+    "base_lr_scale": 0.1,
+}
 
 
 def on_policy_examples(generator: LLM, problems_by_level: dict, n: int, seed: int) -> list[Example]:
@@ -72,9 +81,13 @@ def on_policy_examples(generator: LLM, problems_by_level: dict, n: int, seed: in
         half = len(texts) // 2
         for temperature, chunk in ((0.8, texts[:half]), (1.0, texts[half:])):
             samples = generate(
-                generator, chunk, max_new_tokens=max_new_tokens_for(lv), temperature=temperature,
-                n=n, seed=seed * 100 + lv,
-            )  # fmt: skip
+                generator,
+                chunk,
+                max_new_tokens=max_new_tokens_for(lv),
+                temperature=temperature,
+                n=n,
+                seed=seed * 100 + lv,
+            )
             for text, completions in zip(chunk, samples, strict=True):
                 for completion in completions:
                     steps = split_steps(completion)
@@ -93,12 +106,26 @@ def cached_on_policy(generator_dir: Path, problems_by_level: dict, n: int, seed:
 
 
 def train(
-    seed: int, on_policy_per_level: int, samples_per_problem: int, synthetic_per_level: int,
-    epochs: int, max_tokens: int, lr: float, generator_dir: Path, out_dir: Path,
-    drill_passes: int = 0, prefix_drills_per_level: int = 0, lm_weight: float = 0.0, fact_check_weight: float = 0.0,
-    copy_check_weight: float = 0.0, check_every: int = 0, init_dir: Path | None = None, extra_layers: int = 0,
-    base_lr_scale: float = 1.0, mined: list[Example] | None = None,
-) -> dict:  # fmt: skip
+    seed: int,
+    on_policy_per_level: int,
+    samples_per_problem: int,
+    synthetic_per_level: int,
+    epochs: int,
+    max_tokens: int,
+    lr: float,
+    generator_dir: Path,
+    out_dir: Path,
+    drill_passes: int = 0,
+    prefix_drills_per_level: int = 0,
+    lm_weight: float = 0.0,
+    fact_check_weight: float = 0.0,
+    copy_check_weight: float = 0.0,
+    check_every: int = 0,
+    init_dir: Path | None = None,
+    extra_layers: int = 0,
+    base_lr_scale: float = 1.0,
+    mined: list[Example] | None = None,
+) -> dict:
     set_threads(PRM_THREADS)
     import torch
 
@@ -106,9 +133,11 @@ def train(
     exclude = held_out_texts()
     streams = {lv: problem_stream(random.Random(f"prm-problems-{seed}-{lv}"), lv, exclude) for lv in LEVELS}
     on_policy, sample_seconds = cached_on_policy(
-        generator_dir, {lv: [next(streams[lv]) for _ in range(on_policy_per_level)] for lv in LEVELS},
-        samples_per_problem, seed,
-    )  # fmt: skip
+        generator_dir,
+        {lv: [next(streams[lv]) for _ in range(on_policy_per_level)] for lv in LEVELS},
+        samples_per_problem,
+        seed,
+    )
     rng = random.Random(f"prm-synthetic-{seed}")
     synthetic = synthetic_examples(rng, [next(streams[lv]) for lv in LEVELS for _ in range(synthetic_per_level)])
     drill_rng = random.Random(f"prm-drills-{seed}")
@@ -121,16 +150,19 @@ def train(
     n_bad = sum(labels.count(False) for _, _, labels in data)
     print(
         f"PRM data: {len(data)} solutions ({len(drills)} drills, {len(mined)} mined), {n_steps} steps, {n_bad} bad "
-        f"({sample_seconds:.0f}s sampling)", flush=True,
-    )  # fmt: skip
+        f"({sample_seconds:.0f}s sampling)",
+        flush=True,
+    )
 
     encoded = []
     for problem, steps, labels in data:
         ids, tags = prm_input(problem, steps)
         targets = (
-            tag_targets(ids, tags, labels), result_targets(ids, tags, labels), fact_check_targets(ids, tags),
+            tag_targets(ids, tags, labels),
+            result_targets(ids, tags, labels),
+            fact_check_targets(ids, tags),
             copy_check_targets(problem, steps, ids, tags) if copy_check_weight else [-100] * len(ids),
-        )  # fmt: skip
+        )
         encoded.append((ids, *targets))
     # The PRM starts as a copy of the generator, or continues from `init_dir` (an earlier PRM).
     model = deepen(load_model(init_dir or generator_dir), extra_layers).train()
@@ -187,17 +219,31 @@ def train(
     model.eval()
     save_checkpoint(model, out_dir, extra_files={"prm_config.json": PRM_FORMAT})
     summary = {
-        "seed": seed, "parameters": sum(p.numel() for p in model.parameters()),
-        "on_policy_solutions": len(on_policy), "synthetic_solutions": len(synthetic), "drills": len(drills),
+        "seed": seed,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "on_policy_solutions": len(on_policy),
+        "synthetic_solutions": len(synthetic),
+        "drills": len(drills),
         "mined_solutions": len(mined),
-        "init": "generator" if init_dir is None else init_dir.name, "extra_layers": extra_layers,
-        "base_lr_scale": base_lr_scale, "stages": curriculum(init_dir) if init_dir is not None else {},
-        "drill_passes": drill_passes, "prefix_drills_per_level": prefix_drills_per_level, "lm_weight": lm_weight,
-        "fact_check_weight": fact_check_weight, "copy_check_weight": copy_check_weight,
-        "steps_labelled": n_steps, "bad_steps": n_bad, "optimizer_steps": len(schedule), "epochs": epochs,
-        "max_tokens_per_batch": max_tokens, "peak_lr": lr, "sample_seconds": sample_seconds,
-        "train_seconds": train_seconds, "log": log,
-    }  # fmt: skip
+        "init": "generator" if init_dir is None else init_dir.name,
+        "extra_layers": extra_layers,
+        "base_lr_scale": base_lr_scale,
+        "stages": curriculum(init_dir) if init_dir is not None else {},
+        "drill_passes": drill_passes,
+        "prefix_drills_per_level": prefix_drills_per_level,
+        "lm_weight": lm_weight,
+        "fact_check_weight": fact_check_weight,
+        "copy_check_weight": copy_check_weight,
+        "steps_labelled": n_steps,
+        "bad_steps": n_bad,
+        "optimizer_steps": len(schedule),
+        "epochs": epochs,
+        "max_tokens_per_batch": max_tokens,
+        "peak_lr": lr,
+        "sample_seconds": sample_seconds,
+        "train_seconds": train_seconds,
+        "log": log,
+    }
     return summary
 
 

@@ -91,8 +91,16 @@ class SdpaBackend:
 
     name = "sdpa"
 
-    def store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              pages: torch.Tensor, offsets: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:  # fmt: skip
+    def store(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        pages: torch.Tensor,
+        offsets: torch.Tensor,
+        kv_scales: torch.Tensor | None = None,
+    ) -> None:
         """`kv_scales`: an FP8 cache's (k_scale, v_scale) for this layer (None: the cache has k's dtype)."""
         if pages.device.type == "cpu" and bool((pages < 0).any()):  # padding rows (tests of cuda_graphs.py)
             keep = pages >= 0
@@ -102,9 +110,17 @@ class SdpaBackend:
         k_cache[pages, offsets] = k
         v_cache[pages, offsets] = v
 
-    def attend(self, group: SeqGroup, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               scale: float | None, window: int | None, out: torch.Tensor,
-               kv_scales: torch.Tensor | None = None) -> None:  # fmt: skip
+    def attend(
+        self,
+        group: SeqGroup,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float | None,
+        window: int | None,
+        out: torch.Tensor,
+        kv_scales: torch.Tensor | None = None,
+    ) -> None:
         """Write the attention of `group`'s queries (rows of q) into the same rows of `out`
         (`scale` None: head_dim ** -0.5, SDPA's own default, which kernels compute alike)."""
         batch, pages = group.block_tables.shape
@@ -132,14 +148,30 @@ class CpuBackend(SdpaBackend):
 
     name = "cpu"
 
-    def store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              pages: torch.Tensor, offsets: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:  # fmt: skip
+    def store(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        pages: torch.Tensor,
+        offsets: torch.Tensor,
+        kv_scales: torch.Tensor | None = None,
+    ) -> None:
         if not cpu_kernels.store_kv(k, v, k_cache, v_cache, pages, offsets, kv_scales):
             super().store(k, v, k_cache, v_cache, pages, offsets, kv_scales)
 
-    def attend(self, group: SeqGroup, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               scale: float | None, window: int | None, out: torch.Tensor,
-               kv_scales: torch.Tensor | None = None) -> None:  # fmt: skip
+    def attend(
+        self,
+        group: SeqGroup,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float | None,
+        window: int | None,
+        out: torch.Tensor,
+        kv_scales: torch.Tensor | None = None,
+    ) -> None:
         kernel_scale = scale or q.shape[-1] ** -0.5
         if group.is_decode and cpu_kernels.supports(q):
             args = (k_cache, v_cache, group.block_tables, group.context_lens, kernel_scale, window)
@@ -151,9 +183,18 @@ class CpuBackend(SdpaBackend):
                 out[index] = cpu_kernels.paged_decode(q[index], *args, kv_scales=kv_scales)
         elif cpu_kernels.prefill_supports(q, k_cache.dtype):
             cpu_kernels.paged_prefill(
-                q, k_cache, v_cache, group.block_tables, group.query_start, group.query_len,
-                group.context_lens, kernel_scale, window, out, kv_scales,
-            )  # fmt: skip
+                q,
+                k_cache,
+                v_cache,
+                group.block_tables,
+                group.query_start,
+                group.query_len,
+                group.context_lens,
+                kernel_scale,
+                window,
+                out,
+                kv_scales,
+            )
         elif cpu_kernels.supports(q):
             out_rows, tables, lens = queries_as_decodes(group)
             out[out_rows] = cpu_kernels.paged_decode(
@@ -186,9 +227,17 @@ class TritonBackend:
         self._decode = decode_attention.paged_decode
         self._prefill = prefill_attention.paged_prefill
 
-    def attend(self, group: SeqGroup, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               scale: float | None, window: int | None, out: torch.Tensor,
-               kv_scales: torch.Tensor | None = None) -> None:  # fmt: skip
+    def attend(
+        self,
+        group: SeqGroup,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float | None,
+        window: int | None,
+        out: torch.Tensor,
+        kv_scales: torch.Tensor | None = None,
+    ) -> None:
         scale = scale or q.shape[-1] ** -0.5
         if group.is_decode:
             index = group.query_index[:, 0]
@@ -196,9 +245,19 @@ class TritonBackend:
             out[index] = self._decode(q[index], k_cache, v_cache, tables, lens, scale, window, kv_scales=kv_scales)
         else:
             self._prefill(
-                q, k_cache, v_cache, group.block_tables, group.query_start, group.query_len,
-                group.context_lens, scale, window, out, group.query_index.shape[1], kv_scales=kv_scales,
-            )  # fmt: skip
+                q,
+                k_cache,
+                v_cache,
+                group.block_tables,
+                group.query_start,
+                group.query_len,
+                group.context_lens,
+                scale,
+                window,
+                out,
+                group.query_index.shape[1],
+                kv_scales=kv_scales,
+            )
 
 
 AttentionBackend = SdpaBackend | CpuBackend | TritonBackend
@@ -229,8 +288,19 @@ class AttentionBatch:
         kv_scales = self.arena.layer_scales(layer)
         if rope is not None and self.backend.name == "triton":  # rotated as stored: one launch
             table, positions = rope
-            q = self.backend.rope_store(q, k, v, table.cos, table.sin, positions, k_cache, v_cache,
-                                        self.slot_pages, self.slot_offsets, kv_scales)  # fmt: skip
+            q = self.backend.rope_store(
+                q,
+                k,
+                v,
+                table.cos,
+                table.sin,
+                positions,
+                k_cache,
+                v_cache,
+                self.slot_pages,
+                self.slot_offsets,
+                kv_scales,
+            )
         else:
             if rope is not None:
                 q, k = rope[0](q, k, rope[1])
@@ -264,5 +334,6 @@ class AttentionBatch:
         if not all(t.dtype == torch.int64 and t.is_contiguous() for t in tensors):
             return None
         buffer = self.arena.buffer  # [pages, layers, 2 (K, V), block, kv_heads, head_dim]
-        return StackPages(k_cache, buffer.stride(1), buffer.stride(2), self.slot_pages, self.slot_offsets, decodes,
-                          chunks, self.scale)  # fmt: skip
+        return StackPages(
+            k_cache, buffer.stride(1), buffer.stride(2), self.slot_pages, self.slot_offsets, decodes, chunks, self.scale
+        )

@@ -103,24 +103,42 @@ class StaticInputs:
         """The attention batch of the first `bucket` rows (views: what a graph captures)."""
         rows = torch.arange(bucket, device=self.flat.device)
         positions = self.field(1)[:bucket]
-        group = SeqGroup(self.tables[:bucket], self.field(4)[:bucket], rows[:, None], positions[:, None], rows,
-                         torch.ones(bucket, dtype=torch.int64, device=self.flat.device))  # fmt: skip
+        group = SeqGroup(
+            self.tables[:bucket],
+            self.field(4)[:bucket],
+            rows[:, None],
+            positions[:, None],
+            rows,
+            torch.ones(bucket, dtype=torch.int64, device=self.flat.device),
+        )
         return AttentionBatch(arena, self.field(2)[:bucket], self.field(3)[:bucket], [group], backend, scale)
 
 
 class DecodeGraphs:
     """One engine's decode graphs: captured at load, replayed for decode-only steps."""
 
-    def __init__(self, model: torch.nn.Module, arena: Any, backend: Any, scale: float | None, sizes: list[int],
-                 width: int, graph_class: type | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        arena: Any,
+        backend: Any,
+        scale: float | None,
+        sizes: list[int],
+        width: int,
+        graph_class: type | None = None,
+    ) -> None:
         self.model, self.arena, self.block_size = model, arena, arena.block_size
         self.sizes = sizes
         self.inputs = StaticInputs.allocate(max(sizes), width, arena.buffer.device)
         self.graph_class = graph_class or GRAPH_CLASS
         self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}  # bucket -> (graph, its output [bucket, hidden])
-        self.stats: dict[str, Any] = {"sizes": sizes, "capture_s": 0.0, "memory_bytes": 0, "replays": 0,
-                                      "eager": {"prefill or drafted rows": 0, "more rows than captured": 0,
-                                                "wider block table": 0}}  # fmt: skip
+        self.stats: dict[str, Any] = {
+            "sizes": sizes,
+            "capture_s": 0.0,
+            "memory_bytes": 0,
+            "replays": 0,
+            "eager": {"prefill or drafted rows": 0, "more rows than captured": 0, "wider block table": 0},
+        }
         self._attn = {b: self.inputs.attention(b, arena, backend, scale) for b in sizes}
 
     def bucket(self, batch: ForwardBatch) -> int | None:
@@ -159,9 +177,11 @@ class DecodeGraphs:
                     graph = self.graph_class()
                     self.graphs[bucket] = (graph, graph.capture(lambda b=bucket: self._forward(b), pool))
         except torch.cuda.OutOfMemoryError as e:
-            raise ValueError(f"capturing CUDA graphs for decode batches of {self.sizes} ran out of device memory: "
-                             "run with --enforce-eager (enforce_eager=True), a smaller --max-num-seqs, or fewer "
-                             f"cuda_graph_sizes ({e})") from e  # fmt: skip
+            raise ValueError(
+                f"capturing CUDA graphs for decode batches of {self.sizes} ran out of device memory: "
+                "run with --enforce-eager (enforce_eager=True), a smaller --max-num-seqs, or fewer "
+                f"cuda_graph_sizes ({e})"
+            ) from e
         if cuda:
             torch.cuda.synchronize(device)
             self.stats["memory_bytes"] = free_before - torch.cuda.mem_get_info(device)[0]
@@ -173,8 +193,9 @@ class DecodeGraphs:
             group.masks.clear()
         return self.model(self.inputs.field(0)[:bucket], self.inputs.field(1)[:bucket], attn)
 
-    def run(self, batch: ForwardBatch, bucket: int, staging: Any, fill: tuple | None,
-            eager: bool = False) -> torch.Tensor:  # fmt: skip
+    def run(
+        self, batch: ForwardBatch, bucket: int, staging: Any, fill: tuple | None, eager: bool = False
+    ) -> torch.Tensor:
         """Replay `bucket`'s graph on `batch` (`fill`: the previous step's samples to write into the
         token ids on the device; `eager`: run the same padded forward without the graph, what
         the replay is compared against); the real rows' final hidden states (a view, valid

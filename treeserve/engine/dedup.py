@@ -69,13 +69,17 @@ class Twins:
         positions = (batch.starts[item_of] + within)[copy]
         pages = positions // block_size
         return cls(
-            computed, rows,
-            batch.tables[rep[item_of][copy], pages], positions % block_size,
-            batch.tables[item_of[copy], pages], positions % block_size,
-        )  # fmt: skip
+            computed,
+            rows,
+            batch.tables[rep[item_of][copy], pages],
+            positions % block_size,
+            batch.tables[item_of[copy], pages],
+            positions % block_size,
+        )
 
-    def expand(self, hidden: torch.Tensor, arena: KVArena,
-               to_device: Callable[..., list[torch.Tensor]]) -> torch.Tensor:  # fmt: skip
+    def expand(
+        self, hidden: torch.Tensor, arena: KVArena, to_device: Callable[..., list[torch.Tensor]]
+    ) -> torch.Tensor:
         """The hidden rows of the whole batch, after copying each representative's new K/V into
         its twins' slots (`to_device`: the runner's staging, one copy for all the indices)."""
         slots = (self.src_pages, self.src_offsets, self.dst_pages, self.dst_offsets, self.rows)

@@ -63,8 +63,15 @@ class StopChecker:
         "hold",
     )
 
-    def __init__(self, tokenizer: HFTokenizer, prompt_ids: list[int], params: SamplingParams, eos_ids: list[int],
-                 lazy: bool = True, tokens: list[int] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        eos_ids: list[int],
+        lazy: bool = True,
+        tokens: list[int] | None = None,
+    ):
         self.tokenizer = tokenizer
         self.prompt_context = prompt_ids[-_CONTEXT_TOKENS:]
         self.params = params

@@ -46,8 +46,13 @@ class ForwardBatch:
 
     def take(self, items: np.ndarray) -> ForwardBatch:
         """The batch of these items only (their rows, in this order)."""
-        return ForwardBatch(self.token_ids[rows_of(self.offsets[items], self.lens[items])], self.starts[items],
-                            self.lens[items], self.drafted[items], self.tables[items])  # fmt: skip
+        return ForwardBatch(
+            self.token_ids[rows_of(self.offsets[items], self.lens[items])],
+            self.starts[items],
+            self.lens[items],
+            self.drafted[items],
+            self.tables[items],
+        )
 
 
 def micro_batches(batch: ForwardBatch, parts: int) -> list[np.ndarray]:
@@ -86,8 +91,9 @@ def attention_inputs(batch: ForwardBatch, block_size: int) -> tuple[np.ndarray, 
     items = np.arange(lens.shape[0])
     if lens.shape[0] == batch.token_ids.shape[0] and not drafted.any():  # plain decodes: one row each
         pages = -(-int(starts.max() + 1) // block_size)
-        group = GroupLayout(np.ascontiguousarray(tables[:, :pages]), starts + 1, items[:, None], starts[:, None],
-                            items, lens)  # fmt: skip
+        group = GroupLayout(
+            np.ascontiguousarray(tables[:, :pages]), starts + 1, items[:, None], starts[:, None], items, lens
+        )
         return starts, tables[items, starts // block_size], starts % block_size, [group]
     offsets = batch.offsets
     item_of = np.repeat(items, lens)
@@ -104,14 +110,22 @@ def attention_inputs(batch: ForwardBatch, block_size: int) -> tuple[np.ndarray, 
     groups = []
     for members in (decode, ~decode):
         if members.any():
-            groups.append(_group(tables[row_item[members]], row_offset[members], row_start[members],
-                                 row_len[members], block_size))  # fmt: skip
+            groups.append(
+                _group(tables[row_item[members]], row_offset[members], row_start[members], row_len[members], block_size)
+            )
     return positions, slot_pages, positions % block_size, groups
 
 
-def _group(tables: np.ndarray, offset: np.ndarray, start: np.ndarray, length: np.ndarray,
-           block_size: int) -> GroupLayout:  # fmt: skip
+def _group(
+    tables: np.ndarray, offset: np.ndarray, start: np.ndarray, length: np.ndarray, block_size: int
+) -> GroupLayout:
     pages = -(-int((start + length).max()) // block_size)
     clamped = np.minimum(np.arange(int(length.max()))[None, :], length[:, None] - 1)
-    return GroupLayout(np.ascontiguousarray(tables[:, :pages]), start + length, offset[:, None] + clamped,
-                       start[:, None] + clamped, offset, length)  # fmt: skip
+    return GroupLayout(
+        np.ascontiguousarray(tables[:, :pages]),
+        start + length,
+        offset[:, None] + clamped,
+        start[:, None] + clamped,
+        offset,
+        length,
+    )

@@ -46,8 +46,15 @@ NONE.flags.writeable = False
 
 
 class InputBatch:
-    def __init__(self, block_size: int, max_pages: int, eos_ids: list[int], constraints: Constraints,
-                 think: ThinkTokens | None = None, capacity: int = 64):  # fmt: skip
+    def __init__(
+        self,
+        block_size: int,
+        max_pages: int,
+        eos_ids: list[int],
+        constraints: Constraints,
+        think: ThinkTokens | None = None,
+        capacity: int = 64,
+    ):
         self.block_size = block_size
         self.eos_ids = list(eos_ids)
         self.constraints = constraints
@@ -285,8 +292,9 @@ class InputBatch:
             step.prompt_reads.append(PromptRead(request, start + 1, targets, k))
         return plans
 
-    def _sampling(self, step: PreparedStep, at: list[int], rows: list[int], fork_keys: dict[int, int],
-                  special: list[int]) -> SamplePlan:  # fmt: skip
+    def _sampling(
+        self, step: PreparedStep, at: list[int], rows: list[int], fork_keys: dict[int, int], special: list[int]
+    ) -> SamplePlan:
         """The plan of sampled rows `at` (flat rows) of the step's items (`rows`: each item's row of
         the persistent arrays); `fork_keys`: a fork's first sample row -> its stream key; `special`:
         the sample rows with logprobs, a constraint or logit edits."""
@@ -302,8 +310,9 @@ class InputBatch:
             if fork_keys:
                 keys[list(fork_keys)] = list(fork_keys.values())
             uniform = seeded_uniforms(keys, positions)
-            params = SamplingBatch(self.temperature[rows_], self.top_p[rows_], self.top_k[rows_], self.min_p[rows_],
-                                   uniform)  # fmt: skip
+            params = SamplingBatch(
+                self.temperature[rows_], self.top_p[rows_], self.top_k[rows_], self.min_p[rows_], uniform
+            )
         plan = SamplePlan(torch.from_numpy(at_), params)
         guides = []
         forced: dict[int, int] = {}  # sample row -> the token a thinking budget forces there

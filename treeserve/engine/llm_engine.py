@@ -92,9 +92,16 @@ class LLMEngine:
         if tp * pp > 1:
             self.ranks = Ranks(config, self.device, RankWorker)
         try:
-            loaded = load_model(config.model, config.torch_dtype, self.device, config.quantization,
-                                config.quant_activations, tp_size=tp, pp_size=pp,
-                                max_positions=config.max_model_len)  # fmt: skip
+            loaded = load_model(
+                config.model,
+                config.torch_dtype,
+                self.device,
+                config.quantization,
+                config.quant_activations,
+                tp_size=tp,
+                pp_size=pp,
+                max_positions=config.max_model_len,
+            )
             if self.ranks is not None:
                 if tp > 1:
                     loaded.model.attach(self.ranks.placement.tp)
@@ -150,12 +157,18 @@ class LLMEngine:
         backend, one rank, not `enforce_eager`; else nothing). Called once, after the final
         `attach_kv`: the memory planner's probe arena gets none, and a second attach drops them."""
         config = self.config
-        if not cuda_graphs.graphs_apply(self.device, config.attention_backend, config.enforce_eager,
-                                        self.ranks is not None):  # fmt: skip
+        if not cuda_graphs.graphs_apply(
+            self.device, config.attention_backend, config.enforce_eager, self.ranks is not None
+        ):
             return
-        graphs = cuda_graphs.DecodeGraphs(self.model, self.arena, self.runner.backend, self.model_config.attn_scale,
-                                          cuda_graphs.capture_sizes(config.max_num_seqs, config.cuda_graph_sizes),
-                                          self.inputs.tables.shape[1])  # fmt: skip
+        graphs = cuda_graphs.DecodeGraphs(
+            self.model,
+            self.arena,
+            self.runner.backend,
+            self.model_config.attn_scale,
+            cuda_graphs.capture_sizes(config.max_num_seqs, config.cuda_graph_sizes),
+            self.inputs.tables.shape[1],
+        )
         graphs.capture()
         self.runner.graphs, self.graph_stats = graphs, graphs.stats
 
@@ -170,8 +183,10 @@ class LLMEngine:
             log.warning(
                 "max_model_len lowered from the model's %d to %d tokens, what a KV budget of %d MiB holds; "
                 "give more KV memory (kv_cache_memory / --kv-cache-memory) or set max_model_len to choose",
-                self.max_model_len, fits, pages.nbytes >> 20,
-            )  # fmt: skip
+                self.max_model_len,
+                fits,
+                pages.nbytes >> 20,
+            )
             self.max_model_len, pages_per_seq = fits, pages.num_pages
         if pages.num_pages < pages_per_seq:
             raise ValueError(
@@ -187,31 +202,49 @@ class LLMEngine:
         layout = self.kv_layout
         self.block_size = block_size
         self.arena = KVArena(
-            pages.num_pages, layout.num_layers, block_size, layout.num_kv_heads, layout.head_dim, layout.dtype,
-            self.device, pages=pages, scales=self.kv_scales,
-        )  # fmt: skip
+            pages.num_pages,
+            layout.num_layers,
+            block_size,
+            layout.num_kv_heads,
+            layout.head_dim,
+            layout.dtype,
+            self.device,
+            pages=pages,
+            scales=self.kv_scales,
+        )
         self.blocks = BlockManager(
             pages.num_pages, block_size, config.model_id, config.enable_prefix_caching, pool=pool
         )
         self.peers: dict[int, DeviceQueue] = {}  # the other engines on this page pool, by owner (`share_kv`)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.scheduler.on_release = self._released
-        self.inputs = InputBatch(block_size, pages_per_seq, list(self.tokenizer.eos_token_ids), self.constraints,
-                                 self.think)  # fmt: skip
+        self.inputs = InputBatch(
+            block_size, pages_per_seq, list(self.tokenizer.eos_token_ids), self.constraints, self.think
+        )
         backend = BACKENDS[config.attention_backend]()
         ranks, stage = self.ranks, None
         if ranks is not None:
             ranks.send(("kv", pages.num_pages, block_size))
             if ranks.placement.pp is not None:
                 stage = (ranks.placement.pp, 0, config.pipeline_parallel_size, config.torch_dtype)
-        self.runner = ModelRunner(self.model, self.arena, self.device, self.model_config.attn_scale, backend,
-                                  self.draw, self.tokenizer.vocab_size, ranks and ranks.send,
-                                  ranks is not None and ranks.placement.tp is not None, stage)  # fmt: skip
+        self.runner = ModelRunner(
+            self.model,
+            self.arena,
+            self.device,
+            self.model_config.attn_scale,
+            backend,
+            self.draw,
+            self.tokenizer.vocab_size,
+            ranks and ranks.send,
+            ranks is not None and ranks.placement.tp is not None,
+            stage,
+        )
         self.graph_stats = None  # {"sizes", "capture_s", "memory_bytes", ...} once `capture_graphs` has run
         self.page_log = PageLog(self.blocks)
         generated = self.updates.num_generated_tokens if hasattr(self, "updates") else 0
-        self.updates = Postprocessor(self.scheduler, self.blocks, self.tokenizer, self.constraints, self.speculator,
-                                     self.max_model_len)  # fmt: skip
+        self.updates = Postprocessor(
+            self.scheduler, self.blocks, self.tokenizer, self.constraints, self.speculator, self.max_model_len
+        )
         self.updates.num_generated_tokens = generated
         if self.speculator is not None and self.speculator.draft_model is not None:
             self.speculator.draft_model.attach(pages, self.blocks.pool, backend, config.model_id)
@@ -228,8 +261,9 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         cfg = self.model_config
-        check_request(token_ids, params, cfg.vocab_size, cfg.has_lm_head, self.max_model_len, self.constraints,
-                      self.think)  # fmt: skip
+        check_request(
+            token_ids, params, cfg.vocab_size, cfg.has_lm_head, self.max_model_len, self.constraints, self.think
+        )
 
     def add_request(
         self,
@@ -272,10 +306,17 @@ class LLMEngine:
         request.prompt_key = hash(tuple(token_ids[:TWIN_KEY_TOKENS])) if len(token_ids) >= TWIN_KEY_TOKENS else None
         tokens, detok = list(token_ids), None
         if sampling is not None:  # it reads the sequence's own list of tokens
-            detok = StopChecker(self.tokenizer.hf, token_ids, sampling, self.tokenizer.eos_token_ids, lazy=not stream,
-                                tokens=tokens)  # fmt: skip
-        seq = Sequence(request=request, index=0, token_ids=tokens, detok=detok, pending_forks=request.width - 1,
-                       quiet=request.plain and not stream)  # fmt: skip
+            detok = StopChecker(
+                self.tokenizer.hf, token_ids, sampling, self.tokenizer.eos_token_ids, lazy=not stream, tokens=tokens
+            )
+        seq = Sequence(
+            request=request,
+            index=0,
+            token_ids=tokens,
+            detok=detok,
+            pending_forks=request.width - 1,
+            quiet=request.plain and not stream,
+        )
         if detok is not None:
             seq.ending_ids, seq.check_len = detok.quiet_stops(self.max_model_len)
         seq.logprobs = [] if sampling and sampling.logprobs is not None else None
@@ -369,8 +410,9 @@ class LLMEngine:
             self.speculator.propose(self.scheduler.running, self.max_model_len)
         return self.scheduler.schedule(can_preempt=can_preempt)
 
-    def _launch(self, batch: list, copies: list[tuple[int, int]], previous: InFlight | None,
-                queued: bool) -> InFlight | None:  # fmt: skip
+    def _launch(
+        self, batch: list, copies: list[tuple[int, int]], previous: InFlight | None, queued: bool
+    ) -> InFlight | None:
         """Build `batch`'s plan and submit its device work: `queued` on the device queue, else run
         here (`previous`: the step in flight, whose samples it may read); None when there is
         nothing to run."""

@@ -43,8 +43,15 @@ class Verification:
 
 
 class Postprocessor:
-    def __init__(self, scheduler: Scheduler, blocks: BlockManager, tokenizer: Tokenizer, constraints: Constraints,
-                 speculator: Speculator | None, max_model_len: int):  # fmt: skip
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        blocks: BlockManager,
+        tokenizer: Tokenizer,
+        constraints: Constraints,
+        speculator: Speculator | None,
+        max_model_len: int,
+    ):
         self.scheduler = scheduler
         self.blocks = blocks
         self.tokenizer = tokenizer

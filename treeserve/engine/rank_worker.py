@@ -43,17 +43,29 @@ class RankWorker:
         self.placement = Placement(args.rank, tp, pp).connect(args.host, args.port, device, config.parallel_timeout_s)
         self.load_error: str | None = None
         try:
-            loaded = load_model(config.model, config.torch_dtype, device, config.quantization, config.quant_activations,
-                                tp_rank=self.placement.tp_rank, tp_size=tp, pp_rank=self.placement.pp_rank,
-                                pp_size=pp, max_positions=config.max_model_len)  # fmt: skip
+            loaded = load_model(
+                config.model,
+                config.torch_dtype,
+                device,
+                config.quantization,
+                config.quant_activations,
+                tp_rank=self.placement.tp_rank,
+                tp_size=tp,
+                pp_rank=self.placement.pp_rank,
+                pp_size=pp,
+                max_positions=config.max_model_len,
+            )
         except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it
             self.load_error = f"{type(e).__name__}: {e}"
             return
         self.model, self.model_config = loaded.model, loaded.config
         if self.placement.tp is not None:
             self.model.attach(self.placement.tp)
-        self.parts = {"weights": sum(t.numel() * t.element_size() for t in self.model.state_dict().values()),
-                      "kv_token_bytes": self._layout().token_bytes, "quantization": loaded.quantization}  # fmt: skip
+        self.parts = {
+            "weights": sum(t.numel() * t.element_size() for t in self.model.state_dict().values()),
+            "kv_token_bytes": self._layout().token_bytes,
+            "quantization": loaded.quantization,
+        }
 
     def _layout(self) -> Any:
         from treeserve.kv.arena import KVLayout
@@ -73,11 +85,20 @@ class RankWorker:
             _, num_pages, block_size = message
             dtype = self.config.torch_dtype
             pages = PageArena(num_pages, self._layout().page_bytes(block_size), self.device)
-            arena = KVArena(num_pages, cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim,
-                            self.config.kv_torch_dtype, self.device, pages=pages)  # fmt: skip
+            arena = KVArena(
+                num_pages,
+                cfg.num_layers,
+                block_size,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                self.config.kv_torch_dtype,
+                self.device,
+                pages=pages,
+            )
             stage = None if placement.pp is None else (placement.pp, placement.pp_rank, placement.pp_size, dtype)
-            self.runner = ModelRunner(self.model, arena, self.device, cfg.attn_scale,
-                                      BACKENDS[self.config.attention_backend](), stage=stage)  # fmt: skip
+            self.runner = ModelRunner(
+                self.model, arena, self.device, cfg.attn_scale, BACKENDS[self.config.attention_backend](), stage=stage
+            )
         elif kind == "step":
             self.runner.mirror_step(*message[1:])
         elif kind == "logits" and placement.pp_rank == 0:  # stage 0 holds the LM head's shards

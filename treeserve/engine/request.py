@@ -149,8 +149,9 @@ class Sequence:
 
     def completion(self) -> CompletionOutput:
         """This completion so far (a cumulative output)."""
-        return self._output(self.detok.text if self.detok else "", self.token_ids[self.num_prompt_tokens :],
-                            self.logprobs)  # fmt: skip
+        return self._output(
+            self.detok.text if self.detok else "", self.token_ids[self.num_prompt_tokens :], self.logprobs
+        )
 
     def delta(self) -> CompletionOutput | None:
         """What this completion added since its last delta (None: nothing): its new tokens with

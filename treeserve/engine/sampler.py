@@ -99,8 +99,10 @@ class SamplingBatch:
     @classmethod
     def of(cls, temperature: object, top_p: object, top_k: object, min_p: object, uniform: object) -> SamplingBatch:
         """From sequences (or scalars, broadcast to the others' length)."""
-        arrays = [np.atleast_1d(np.asarray(v, dtype)) for v, dtype in
-                  zip((temperature, top_p, top_k, min_p, uniform), _DTYPES, strict=True)]  # fmt: skip
+        arrays = [
+            np.atleast_1d(np.asarray(v, dtype))
+            for v, dtype in zip((temperature, top_p, top_k, min_p, uniform), _DTYPES, strict=True)
+        ]
         rows = max(a.shape[0] for a in arrays)
         return cls(*(np.broadcast_to(a, (rows,)).copy() for a in arrays))
 
@@ -257,8 +259,9 @@ class TokenLogprobs:
     top_logprobs: torch.Tensor  # [R, k]
 
     def host(self) -> HostLogprobs:
-        return HostLogprobs(self.logprobs.tolist(), self.ranks.tolist(), self.top_ids.tolist(),
-                            self.top_logprobs.tolist())  # fmt: skip
+        return HostLogprobs(
+            self.logprobs.tolist(), self.ranks.tolist(), self.top_ids.tolist(), self.top_logprobs.tolist()
+        )
 
 
 @dataclass

@@ -19,8 +19,10 @@ def check_text_length(tokenizer: Tokenizer, text: str, max_model_len: int) -> No
     holds the GIL for seconds, and such a prompt is refused anyway."""
     limit = 2 * max_model_len * tokenizer.max_token_chars
     if len(text) > limit:
-        raise ValueError(f"the prompt has {len(text)} characters, more than {max_model_len} tokens (this model's "
-                         f"maximum context length) can hold")  # fmt: skip
+        raise ValueError(
+            f"the prompt has {len(text)} characters, more than {max_model_len} tokens (this model's "
+            f"maximum context length) can hold"
+        )
 
 
 def tokenize_prompt(tokenizer: Tokenizer, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
@@ -41,8 +43,15 @@ def tokenize_prompt(tokenizer: Tokenizer, prompt: str | list[int] | dict) -> tup
     raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
 
-def check_request(token_ids: list[int], params: SamplingParams | ScoreParams, vocab: int, lm_head: bool,
-                  max_model_len: int, constraints: Constraints, think: ThinkTokens | None) -> None:  # fmt: skip
+def check_request(
+    token_ids: list[int],
+    params: SamplingParams | ScoreParams,
+    vocab: int,
+    lm_head: bool,
+    max_model_len: int,
+    constraints: Constraints,
+    think: ThinkTokens | None,
+) -> None:
     """Raise ValueError for anything that cannot run (`think`: the tokenizer's think tokens, if any)."""
     if not token_ids:
         raise ValueError("the prompt is empty")

@@ -94,8 +94,16 @@ class RayOptions:
 class EvalWorker:
     """One runtime (generator + PRM) in a Ray actor; searches one problem per call, many calls at once."""
 
-    def __init__(self, settings: EvalSettings, config: SearchConfig, threads: int, driver_assets: str,
-                 crash_after: int | None, hang_after: int | None = None, run_problems: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        settings: EvalSettings,
+        config: SearchConfig,
+        threads: int,
+        driver_assets: str,
+        crash_after: int | None,
+        hang_after: int | None = None,
+        run_problems: int = 0,
+    ):
         import torch
 
         torch.set_num_threads(threads)
@@ -103,9 +111,9 @@ class EvalWorker:
             settings,
             generator=replace(settings.generator, path=_local_path(settings.generator.path, driver_assets)),
             prm=settings.prm and replace(settings.prm, path=_local_path(settings.prm.path, driver_assets)),
-            verifier=settings.verifier and replace(settings.verifier,
-                                                   path=_local_path(settings.verifier.path, driver_assets)),
-        )  # fmt: skip
+            verifier=settings.verifier
+            and replace(settings.verifier, path=_local_path(settings.verifier.path, driver_assets)),
+        )
         self.runtime = build_runtime(settings, config)
         self.grader = Grader()  # adaptive search's answer keys (math kinds start worker processes when used)
         self.kinds: dict[str, str] = {}  # unique id -> grader kind, of the problems sent here
@@ -174,10 +182,15 @@ def run_eval_distributed(
     # each worker keeps up to `window` problems in flight: enough for full batches, few enough
     # that at least half the problems are handed out as workers free up
     window = min(config.max_concurrent_problems, max(1, math.ceil(len(records) / (2 * options.workers))))
-    distributed = {"workers": options.workers, "cpus_per_worker": options.cpus_per_worker,
-                   "ray_address": options.address, "problems_in_flight_per_worker": window}  # fmt: skip
-    journal, todo = open_journal(settings, run_config(settings, config, records, {"distributed": distributed}),
-                                 records, output, resume)  # fmt: skip
+    distributed = {
+        "workers": options.workers,
+        "cpus_per_worker": options.cpus_per_worker,
+        "ray_address": options.address,
+        "problems_in_flight_per_worker": window,
+    }
+    journal, todo = open_journal(
+        settings, run_config(settings, config, records, {"distributed": distributed}), records, output, resume
+    )
     summary: dict = {}
     stopped = None
     if todo:
@@ -186,8 +199,14 @@ def run_eval_distributed(
         try:
             with Grader() as grader:
                 dispatch = ProblemDispatch(ray, settings, config, options, todo, window)
-                recorder = Recorder(journal, grader, settings.answer_rule(config.strategy), config.agg,
-                                    dispatch.total_counters, reasoning=config.reasoning)  # fmt: skip
+                recorder = Recorder(
+                    journal,
+                    grader,
+                    settings.answer_rule(config.strategy),
+                    config.agg,
+                    dispatch.total_counters,
+                    reasoning=config.reasoning,
+                )
                 summary = dispatch.run(recorder, grace)
                 stopped = dispatch.stopped
         finally:
@@ -211,8 +230,10 @@ def _connect(ray: Any, options: RayOptions) -> bool:
     needed = options.workers * options.cpus_per_worker
     have = ray.cluster_resources().get("CPU", 0)
     if have < needed:
-        message = (f"{options.workers} workers x {options.cpus_per_worker} CPUs need {needed} CPUs but the Ray "
-                   f"cluster has {have:g}")  # fmt: skip
+        message = (
+            f"{options.workers} workers x {options.cpus_per_worker} CPUs need {needed} CPUs but the Ray "
+            f"cluster has {have:g}"
+        )
         if not options.address:
             if started:
                 ray.shutdown()
@@ -240,8 +261,15 @@ class _Slot:
 class ProblemDispatch:
     """The driver's loop: problems go to workers with room, results and deaths come back."""
 
-    def __init__(self, ray: Any, settings: EvalSettings, config: SearchConfig, options: RayOptions,
-                 records: list[dict], window: int):  # fmt: skip
+    def __init__(
+        self,
+        ray: Any,
+        settings: EvalSettings,
+        config: SearchConfig,
+        options: RayOptions,
+        records: list[dict],
+        window: int,
+    ):
         self.ray, self.settings, self.config, self.options, self.records = ray, settings, config, options, records
         self.window = window
         self.queue = deque(range(len(records)))
@@ -272,8 +300,10 @@ class ProblemDispatch:
             def on_signal(signum: int, frame: object) -> None:
                 if self.stopped is None:
                     self.stopped, self.deadline = signum, time.perf_counter() + grace
-                    _log(f"{signal.Signals(signum).name}: handing out no more problems; those in flight get "
-                         f"{grace:g} s to finish (signal again to stop now)")  # fmt: skip
+                    _log(
+                        f"{signal.Signals(signum).name}: handing out no more problems; those in flight get "
+                        f"{grace:g} s to finish (signal again to stop now)"
+                    )
                 else:
                     self.deadline = 0.0
 
@@ -289,8 +319,9 @@ class ProblemDispatch:
                 slot.ready = None
             startup = time.perf_counter() - begin
             start = recorder.start = time.perf_counter()
-            self.bar = tqdm(total=len(self.records), unit="problem", disable=not self.settings.progress,
-                            dynamic_ncols=True)  # fmt: skip
+            self.bar = tqdm(
+                total=len(self.records), unit="problem", disable=not self.settings.progress, dynamic_ncols=True
+            )
             try:
                 seconds, overheads = self._dispatch()
             finally:
@@ -320,8 +351,15 @@ class ProblemDispatch:
 
     def _start(self, index: int, crash_after: int | None = None, hang_after: int | None = None) -> _Slot:
         worker = self.ray.remote(EvalWorker).options(num_cpus=self.options.cpus_per_worker, max_restarts=0)
-        actor = worker.remote(self.settings, self.config, self.options.cpus_per_worker, str(ASSETS), crash_after,
-                              hang_after, len(self.records))  # fmt: skip
+        actor = worker.remote(
+            self.settings,
+            self.config,
+            self.options.cpus_per_worker,
+            str(ASSETS),
+            crash_after,
+            hang_after,
+            len(self.records),
+        )
         self.actors += 1
         return _Slot(index, actor, self.actors, actor.ready.remote())
 
@@ -438,8 +476,10 @@ class ProblemDispatch:
     def _report(self, wall: float, startup: float, seconds: list[float], overheads: list[float]) -> dict:
         # prm_unique_tokens is per worker, summed: a prompt searched on two workers counts twice
         if self.retried:
-            _log(f"{len(self.retried)} problems were retried after {self.failures} worker failures; "
-                 "each is answered once, by the worker that finished it")  # fmt: skip
+            _log(
+                f"{len(self.retried)} problems were retried after {self.failures} worker failures; "
+                "each is answered once, by the worker that finished it"
+            )
         return {
             "workers": self.options.workers,
             "worker_startup_s": startup,

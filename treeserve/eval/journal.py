@@ -32,8 +32,13 @@ VERSION = 1
 # config keys that say how a run was executed, not what it computes: they may change on resume
 OPERATIONAL = ("memory_report", "page_logs", "progress", "distributed", "overlap_models")
 # the same within a model's settings (the config's "generator", "prm" and "verifier" sections)
-MODEL_OPERATIONAL = ("async_scheduling", "tensor_parallel_size", "pipeline_parallel_size",
-                     "distributed_executor_backend", "enforce_eager")
+MODEL_OPERATIONAL = (
+    "async_scheduling",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "distributed_executor_backend",
+    "enforce_eager",
+)
 MODEL_SECTIONS = ("generator.", "prm.", "verifier.")
 
 

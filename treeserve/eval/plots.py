@@ -132,8 +132,10 @@ def _compute_point(path: Path, results: dict) -> tuple[str, str, float, float]:
     summary = results["summary"]
     tokens = summary.get("computed_tokens")
     if not isinstance(tokens, int | float) or isinstance(tokens, bool):
-        raise ValueError(f"{path}: its summary has no 'computed_tokens' (generator + PRM tokens run; runs before "
-                         "adaptive search did not record them): rerun it to plot against compute")  # fmt: skip
+        raise ValueError(
+            f"{path}: its summary has no 'computed_tokens' (generator + PRM tokens run; runs before "
+            "adaptive search did not record them): rerun it to plot against compute"
+        )
     config = results["config"]
     search = config.get("search") or config
     strategy, n = _label(config, path)
@@ -155,8 +157,9 @@ def _compute_point(path: Path, results: dict) -> tuple[str, str, float, float]:
     return series, label, float(tokens), float(summary["accuracy"])
 
 
-def plot_accuracy_vs_compute(results_paths: Sequence[str | Path], out_png: str | Path,
-                             title: str | None = None, lines: bool = False) -> Path:  # fmt: skip
+def plot_accuracy_vs_compute(
+    results_paths: Sequence[str | Path], out_png: str | Path, title: str | None = None, lines: bool = False
+) -> Path:
     """Draw each file's accuracy vs its computed tokens, with their Pareto front, into `out_png`;
     with `lines`, one line per series (bench/strategies.py: per strategy)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -184,8 +187,7 @@ def plot_accuracy_vs_compute(results_paths: Sequence[str | Path], out_png: str |
         xs, ys = zip(*starred, strict=True)
         ax.scatter(xs, ys, marker="*", s=260, color="gold", edgecolors="black", zorder=3, label="--adaptive alone")
     front = pareto_front([(x, y) for _, _, x, y in points])
-    ax.step([x for x, _ in front], [y for _, y in front], where="post", color="black", alpha=0.6,
-            label="Pareto front")  # fmt: skip
+    ax.step([x for x, _ in front], [y for _, y in front], where="post", color="black", alpha=0.6, label="Pareto front")
     ax.scatter([x for x, _ in front], [y for _, y in front], s=140, facecolors="none", edgecolors="black")
     ax.set_xscale("log")
     ax.set_xlabel("computed tokens (generator + PRM, log)")

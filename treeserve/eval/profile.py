@@ -70,16 +70,30 @@ def measure(
     """One run; returns its measurement and the whole results document."""
     batching = dict.fromkeys(TUNED_KEYS) | (batch_engine_args(batch)["generator"] if batch else {})
     run = replace(
-        settings, progress=False,
+        settings,
+        progress=False,
         runtime=replace(settings.runtime, kv_cache_memory=kv_cache_memory, memory_budget=None, memory_fraction=None),
         generator=replace(settings.generator, **batching),
         prm=settings.prm and replace(settings.prm, kv_fraction=prm_kv_fraction, **batching),
-    )  # fmt: skip
+    )
     try:
         doc = run_eval(run, config, inline=records)
     except ValueError as e:  # refused at load time: counts as zero throughput
-        zero = Measurement(kv_cache_memory, prm_kv_fraction, *(batch or (None, None)), 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
-                           0, 0, 0, error=str(e))  # fmt: skip
+        zero = Measurement(
+            kv_cache_memory,
+            prm_kv_fraction,
+            *(batch or (None, None)),
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            0,
+            0,
+            0,
+            error=str(e),
+        )
         return zero, {"page_logs": {}}
     s = doc["summary"]
     m = Measurement(
@@ -132,8 +146,9 @@ def profile(
     quantization = None  # what each model ran with, from the first run that loaded them
     for budget in budgets:
         for split in [None, *splits]:
-            m, doc = measure(replace(settings, page_logs=budget == timeline_budget), config, budget, split,
-                             records=records)  # fmt: skip
+            m, doc = measure(
+                replace(settings, page_logs=budget == timeline_budget), config, budget, split, records=records
+            )
             note(m)
             quantization = quantization or doc.get("quantization")
             if budget == timeline_budget and split in (None, 0.3) and not m.error:
@@ -141,12 +156,19 @@ def profile(
     for batch in batches:
         note(measure(settings, config, timeline_budget, None, batch, records)[0])
     result = {
-        "config": {"search": asdict(config), "dataset": settings.dataset, "num_problems": len(records),
-                   "budgets": budgets, "splits": splits, "batches": batches, "timeline_budget": timeline_budget,
-                   "quantization": quantization},
+        "config": {
+            "search": asdict(config),
+            "dataset": settings.dataset,
+            "num_problems": len(records),
+            "budgets": budgets,
+            "splits": splits,
+            "batches": batches,
+            "timeline_budget": timeline_budget,
+            "quantization": quantization,
+        },
         "runs": [asdict(m) for m in runs],
         "timelines": timelines,
-    }  # fmt: skip
+    }
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile.json").write_text(json.dumps(result))

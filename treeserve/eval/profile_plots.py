@@ -36,9 +36,10 @@ def plot_timeline(timelines: dict[str, dict], out: Path) -> Path:
 def plot_budget(runs: list[dict], out: Path) -> Path:
     fig, (hit, thrash) = _figure(2)
     for label, split in (("shared", None), ("PRM 0.3", 0.3)):
-        rows = sorted((r for r in runs if r["prm_kv_fraction"] == split and r["max_num_seqs"] is None
-                       and not r["error"]),
-                      key=lambda r: r["kv_cache_memory"])  # fmt: skip
+        rows = sorted(
+            (r for r in runs if r["prm_kv_fraction"] == split and r["max_num_seqs"] is None and not r["error"]),
+            key=lambda r: r["kv_cache_memory"],
+        )
         mib = [r["kv_cache_memory"] / (1 << 20) for r in rows]
         hit.plot(mib, [r["generator_hit_rate"] for r in rows], "o-", label=f"generator, {label}")
         hit.plot(mib, [r["prm_hit_rate"] for r in rows], "s--", label=f"PRM, {label}")
@@ -59,12 +60,20 @@ def plot_split(runs: list[dict], out: Path) -> Path:
     for budget in budgets:
         rows = [r for r in runs if r["kv_cache_memory"] == budget and r["max_num_seqs"] is None]
         static = sorted((r for r in rows if r["prm_kv_fraction"] is not None), key=lambda r: r["prm_kv_fraction"])
-        line = ax.plot([r["prm_kv_fraction"] for r in static], [r["problems_per_min"] for r in static], "o-",
-                       label=f"static split, KV {budget / (1 << 20):g} MiB")[0]  # fmt: skip
+        line = ax.plot(
+            [r["prm_kv_fraction"] for r in static],
+            [r["problems_per_min"] for r in static],
+            "o-",
+            label=f"static split, KV {budget / (1 << 20):g} MiB",
+        )[0]
         for r in rows:
             if r["prm_kv_fraction"] is None:
-                ax.axhline(r["problems_per_min"], linestyle="--", color=line.get_color(),
-                           label=f"shared arena, KV {budget / (1 << 20):g} MiB")  # fmt: skip
+                ax.axhline(
+                    r["problems_per_min"],
+                    linestyle="--",
+                    color=line.get_color(),
+                    label=f"shared arena, KV {budget / (1 << 20):g} MiB",
+                )
     ax.set(title="throughput vs PRM share of KV", xlabel="PRM share of KV", ylabel="problems/min")
     ax.legend(fontsize=7)
     return _save(fig, out / "split.png")

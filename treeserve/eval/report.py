@@ -262,8 +262,13 @@ def read_results(path: str | Path) -> dict:
 # applied to both models, these to the generator, these (renamed) to the PRM
 _OLD_BOTH = ("dequantize", "quant_activations", "async_scheduling", "enforce_eager", "distributed_executor_backend")
 _OLD_GENERATOR = ("quantization", "speculative_config", "tensor_parallel_size", "pipeline_parallel_size")
-_OLD_PRM = {"prm_style": "style", "prm_quantization": "quantization", "prm_kv_fraction": "kv_fraction",
-            "prm_tensor_parallel_size": "tensor_parallel_size", "prm_pipeline_parallel_size": "pipeline_parallel_size"}
+_OLD_PRM = {
+    "prm_style": "style",
+    "prm_quantization": "quantization",
+    "prm_kv_fraction": "kv_fraction",
+    "prm_tensor_parallel_size": "tensor_parallel_size",
+    "prm_pipeline_parallel_size": "pipeline_parallel_size",
+}
 
 
 def upgrade_config(config: Mapping[str, Any]) -> dict:

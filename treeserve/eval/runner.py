@@ -81,8 +81,9 @@ def build_runtime(settings: EvalSettings, config: SearchConfig) -> Runtime:
     return settings.runtime.load(settings.generator, prm, settings.verifier, enable_prefix_caching=config.prefix_cache)
 
 
-def search_context(settings: EvalSettings, config: SearchConfig, runtime: Runtime, grader: Grader,
-                   kinds: dict[str, str]) -> SearchContext:  # fmt: skip
+def search_context(
+    settings: EvalSettings, config: SearchConfig, runtime: Runtime, grader: Grader, kinds: dict[str, str]
+) -> SearchContext:
     """A run's context over `runtime` (`build_runtime`'s): its PRM and verifier adapters, and
     adaptive search's answer keys by `grader` for the problems' `kinds` (unique id -> kind)."""
     prm = load_prm(runtime, "prm", settings.prm.style) if "prm" in runtime.engines else None
@@ -139,8 +140,14 @@ def run_eval(
         with Grader() as grader:
             kinds = {str(r["unique_id"]): r.get("grader", "math") for r in todo}
             ctx = search_context(settings, config, runtime, grader, kinds)
-            recorder = Recorder(journal, grader, settings.answer_rule(config.strategy), config.agg,
-                                lambda: run_counters(runtime, ctx), reasoning=config.reasoning)  # fmt: skip
+            recorder = Recorder(
+                journal,
+                grader,
+                settings.answer_rule(config.strategy),
+                config.agg,
+                lambda: run_counters(runtime, ctx),
+                reasoning=config.reasoning,
+            )
             stopped = asyncio.run(_search(ctx, todo, recorder, settings.progress, grace))
         runtime.check_pages_idle()
         extra["memory"] = runtime.memory_plan.to_json()
@@ -157,8 +164,10 @@ def open_journal(
     journal = Journal.open(journal_path(output) if output else None, config, resume)
     todo = [r for r in records if str(r["unique_id"]) not in journal.records]
     if journal.records and settings.progress:
-        print(f"treeserve: resuming {journal.path}: {len(records) - len(todo)} of {len(records)} problems done",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"treeserve: resuming {journal.path}: {len(records) - len(todo)} of {len(records)} problems done",
+            file=sys.stderr,
+        )
     return journal, todo
 
 
@@ -214,20 +223,32 @@ class Recorder:
     reasoning: bool = False  # answers read after `</think>` (SearchConfig.reasoning)
     start: float = field(default_factory=time.perf_counter)
 
-    def add(self, record: dict, completions: list[tuple[str, list[float]]], trace: dict | None = None,
-            extra: dict | None = None) -> None:  # fmt: skip
+    def add(
+        self,
+        record: dict,
+        completions: list[tuple[str, list[float]]],
+        trace: dict | None = None,
+        extra: dict | None = None,
+    ) -> None:
         """`extra`: the search's own record of the problem (tokens spent; adaptive: its stop)."""
-        [outcome] = grade_problems([record], [completions], self.grader, selection=self.selection, agg=self.agg,
-                                   reasoning=self.reasoning)  # fmt: skip
+        [outcome] = grade_problems(
+            [record], [completions], self.grader, selection=self.selection, agg=self.agg, reasoning=self.reasoning
+        )
         row = problem_record(outcome, self.agg) | {k: v for k, v in (extra or {}).items() if v is not None}
         if trace is not None:
             row["trace"] = trace
         self.journal.add(row, time.perf_counter() - self.start, self.counters())
 
 
-def finish(journal: Journal, records: list[dict], agg: str, output: str | Path | None = None,
-           extra_summary: dict | None = None, sections: dict | None = None,
-           stopped: int | None = None) -> dict:  # fmt: skip
+def finish(
+    journal: Journal,
+    records: list[dict],
+    agg: str,
+    output: str | Path | None = None,
+    extra_summary: dict | None = None,
+    sections: dict | None = None,
+    stopped: int | None = None,
+) -> dict:
     """The results document from the journal's records (in `records`' order) and counters, plus
     `extra_summary` and top-level `sections`; with `output`, written there atomically and the
     journal removed. Raises `Interrupted` (the journal kept) when a problem is missing: the run
@@ -259,8 +280,12 @@ async def _search(
     by_uid = {str(r["unique_id"]): r for r in records}
 
     def done(result: ProblemResult) -> None:
-        recorder.add(by_uid[result.uid], [(b.text, b.scores) for b in result.beams], result.trace,
-                     {"spent": result.spent, "stop": result.stop})  # fmt: skip
+        recorder.add(
+            by_uid[result.uid],
+            [(b.text, b.scores) for b in result.beams],
+            result.trace,
+            {"spent": result.spent, "stop": result.stop},
+        )
         bar.update(1)
         bar.set_postfix_str(f"{engine.num_generated_tokens / (time.perf_counter() - start):.0f} tok/s")
 
@@ -275,8 +300,11 @@ async def _search(
             return
         caught.append(signum)
         stop.set()
-        tqdm.write(f"treeserve: {signal.Signals(signum).name}: admitting no more problems; those in flight get "
-                   f"{grace:g} s to finish (signal again to stop now)", file=sys.stderr)  # fmt: skip
+        tqdm.write(
+            f"treeserve: {signal.Signals(signum).name}: admitting no more problems; those in flight get "
+            f"{grace:g} s to finish (signal again to stop now)",
+            file=sys.stderr,
+        )
         loop.call_later(grace, task.cancel)
 
     signals = (signal.SIGINT, signal.SIGTERM) if grace is not None else ()

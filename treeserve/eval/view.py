@@ -86,11 +86,17 @@ def stop_line(stop: dict | None, search: dict) -> str | None:
 def _index_entry(i: int, p: dict, search: dict) -> dict:
     trace = p.get("trace") or {}
     return {
-        "index": i, "level": p.get("level"), "problem": str(p.get("problem", ""))[:300], "answer": p.get("answer"),
-        "pred": p.get("pred"), "correct": p.get("correct"), "traced": bool(trace),
-        "tokens": trace.get("generated_tokens"), "seconds": trace.get("seconds"),
+        "index": i,
+        "level": p.get("level"),
+        "problem": str(p.get("problem", ""))[:300],
+        "answer": p.get("answer"),
+        "pred": p.get("pred"),
+        "correct": p.get("correct"),
+        "traced": bool(trace),
+        "tokens": trace.get("generated_tokens"),
+        "seconds": trace.get("seconds"),
         "stopped": stop_line(p.get("stop") or trace.get("stop"), search),
-    }  # fmt: skip
+    }
 
 
 def _plots(paths: Sequence[Path], documents: Sequence[dict]) -> list[dict]:
@@ -107,12 +113,12 @@ def _plots(paths: Sequence[Path], documents: Sequence[dict]) -> list[dict]:
             if doc.get("page_logs"):
                 png = plot_pages(doc["page_logs"], Path(tmp) / f"pages{k}.png")
                 out.append((f"{path.name}: pages and prefix hits", png))
-        return [{"title": t, "src": "data:image/png;base64," + base64.b64encode(f.read_bytes()).decode()}
-                for t, f in out]  # fmt: skip
+        return [
+            {"title": t, "src": "data:image/png;base64," + base64.b64encode(f.read_bytes()).decode()} for t, f in out
+        ]
 
 
-def build_page(documents: Sequence[tuple[str, dict]], problem: str | None = None,
-               plots: Sequence[dict] = ()) -> str:  # fmt: skip
+def build_page(documents: Sequence[tuple[str, dict]], problem: str | None = None, plots: Sequence[dict] = ()) -> str:
     """The HTML of `documents` ((name, results document) pairs; two are shown side by side),
     only `problem` when given (ValueError listing the ids when no file has it)."""
     if not documents:
@@ -123,8 +129,14 @@ def build_page(documents: Sequence[tuple[str, dict]], problem: str | None = None
         search = doc["config"].get("search") or doc["config"]
         problems = {str(p["unique_id"]): _index_entry(i, p, search) for i, p in enumerate(doc["problems"])}
         order += [uid for uid in problems if uid not in order]
-        runs.append({"name": name, "describe": _describe(name, doc), "problems": problems,
-                     "traced": any(p["traced"] for p in problems.values())})  # fmt: skip
+        runs.append(
+            {
+                "name": name,
+                "describe": _describe(name, doc),
+                "problems": problems,
+                "traced": any(p["traced"] for p in problems.values()),
+            }
+        )
     if problem is not None:
         if problem not in order:
             shown = ", ".join(order[:50]) + (f", ... ({len(order) - 50} more)" if len(order) > 50 else "")

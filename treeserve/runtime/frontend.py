@@ -52,5 +52,6 @@ class Frontend:
 
     def check_request(self, request_id: str, token_ids: list[int], params: SamplingParams | ScoreParams) -> None:
         info = self.info
-        check_request(token_ids, params, info.vocab_size, info.has_lm_head, info.max_model_len, self.constraints,
-                      self.think)  # fmt: skip
+        check_request(
+            token_ids, params, info.vocab_size, info.has_lm_head, info.max_model_len, self.constraints, self.think
+        )

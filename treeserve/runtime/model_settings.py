@@ -57,19 +57,28 @@ class ModelSettings:
         `async_scheduling` to what `device` runs, so results record what ran."""
         check_model_path(str(self.path), f"{name} model")
         try:
-            check_parallel(str(self.path), device, self.tensor_parallel_size, self.pipeline_parallel_size,
-                           self.quantization, backend=self.distributed_executor_backend)  # fmt: skip
+            check_parallel(
+                str(self.path),
+                device,
+                self.tensor_parallel_size,
+                self.pipeline_parallel_size,
+                self.quantization,
+                backend=self.distributed_executor_backend,
+            )
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
         speculative = SpeculativeConfig.parse(self.speculative_config)
         if speculative is not None and name != "generator":
-            raise ValueError(f"a {'PRM' if name == 'prm' else name} only scores (one forward per input): "
-                             "speculative decoding is for the generator")  # fmt: skip
+            raise ValueError(
+                f"a {'PRM' if name == 'prm' else name} only scores (one forward per input): "
+                "speculative decoding is for the generator"
+            )
         self.speculative_config = None if speculative is None else asdict(speculative)
         self.async_scheduling = resolve_async_scheduling(self.async_scheduling, device, speculative is not None)
         if self.quant_activations not in (None, *ACTIVATIONS):
-            raise ValueError(f"{name}: quant_activations must be one of {list(ACTIVATIONS)} or None, "
-                             f"got {self.quant_activations!r}")  # fmt: skip
+            raise ValueError(
+                f"{name}: quant_activations must be one of {list(ACTIVATIONS)} or None, got {self.quant_activations!r}"
+            )
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"{name}: enforce_eager must be True or False, got {self.enforce_eager!r}")
         if self.kv_cache_dtype is not None:

@@ -103,11 +103,13 @@ class MemoryPlan:
         lines += [
             f"  weights {self.weights / mib:9.1f}   activations {self.activations / mib:.1f}"
             f"   other {self.other / mib:.1f}",
-            f"  KV {self.kv_bytes / mib:14.1f}   " + (
-                f"one shared arena: {self.num_pages} pages of {self.page_bytes} bytes" if self.shared
+            f"  KV {self.kv_bytes / mib:14.1f}   "
+            + (
+                f"one shared arena: {self.num_pages} pages of {self.page_bytes} bytes"
+                if self.shared
                 else "static split"
             ),
-        ]  # fmt: skip
+        ]
         for m in self.models:
             share = "shared" if m.kv_fraction is None else f"{m.kv_fraction:.2f} of KV"
             lines.append(
@@ -125,12 +127,16 @@ class MemoryPlan:
                 load += f", {m.loaded / m.checkpoint_bytes:.2f}x its files' {m.checkpoint_bytes / mib:.1f}"
             lines.append(load)
             if m.graphs:
-                lines.append(f"  {'':<10}   CUDA graphs: {len(m.graphs['sizes'])} decode batch sizes up to "
-                             f"{max(m.graphs['sizes'])}, {m.graphs['memory_bytes'] / mib:.1f} MiB, captured in "
-                             f"{m.graphs['capture_s']:.1f} s (measured)")  # fmt: skip
+                lines.append(
+                    f"  {'':<10}   CUDA graphs: {len(m.graphs['sizes'])} decode batch sizes up to "
+                    f"{max(m.graphs['sizes'])}, {m.graphs['memory_bytes'] / mib:.1f} MiB, captured in "
+                    f"{m.graphs['capture_s']:.1f} s (measured)"
+                )
             for rank in (m.parallel or {}).get("ranks", []):
-                lines.append(f"  {'':<10}   rank {rank['rank']}: weights {rank['weights'] / mib:.1f}, "
-                             f"KV {rank['kv_bytes'] / mib:.1f} (its process)")  # fmt: skip
+                lines.append(
+                    f"  {'':<10}   rank {rank['rank']}: weights {rank['weights'] / mib:.1f}, "
+                    f"KV {rank['kv_bytes'] / mib:.1f} (its process)"
+                )
         lines += [f"  {name}: {how}" for name, how in self.sources.items()]
         return "\n".join(lines)
 
@@ -308,19 +314,33 @@ def plan(
     for name, engine in engines.items():
         weights = weight_bytes(engine.model)
         sampler = engine.config.max_num_seqs * engine.model_config.vocab_size * SAMPLER_BYTES_PER_LOGIT
-        models.append(ModelMemory(
-            name, weights, activation_peak(engine), engine.kv_layout.token_bytes, sampler_peak=sampler,
-            other=max(0, loaded_bytes[name] - weights), loaded=loaded_bytes[name],
-            checkpoint_bytes=checkpoint_bytes(engine.config.model),
-            kv_fraction=None if kv_fractions is None else kv_fractions[name], quantization=engine.quantization,
-            kv_cache_dtype=engine.config.kv_cache_dtype,
-            parallel=_parallel(engine.config),
-        ))  # fmt: skip
+        models.append(
+            ModelMemory(
+                name,
+                weights,
+                activation_peak(engine),
+                engine.kv_layout.token_bytes,
+                sampler_peak=sampler,
+                other=max(0, loaded_bytes[name] - weights),
+                loaded=loaded_bytes[name],
+                checkpoint_bytes=checkpoint_bytes(engine.config.model),
+                kv_fraction=None if kv_fractions is None else kv_fractions[name],
+                quantization=engine.quantization,
+                kv_cache_dtype=engine.config.kv_cache_dtype,
+                parallel=_parallel(engine.config),
+            )
+        )
     budget = memory_budget if memory_fraction is None else int(memory_fraction * free_at_start)
     result = MemoryPlan(
-        str(device), total_memory(device), free_at_start, budget, kv_cache_memory or 0, kv_fractions is None,
-        models=models, sources=sources(device),
-    )  # fmt: skip
+        str(device),
+        total_memory(device),
+        free_at_start,
+        budget,
+        kv_cache_memory or 0,
+        kv_fractions is None,
+        models=models,
+        sources=sources(device),
+    )
     if kv_cache_memory is None:
         result.kv_bytes = budget - result.weights - result.activations - result.other
         if result.kv_bytes <= 0:
@@ -346,6 +366,6 @@ def record_pages(plan: MemoryPlan, engines: dict[str, LLMEngine]) -> None:
             m.parallel["ranks"] = [
                 {"rank": r, "weights": part["weights"], "kv_bytes": m.num_pages * m.block_size * part["kv_token_bytes"]}
                 for r, part in enumerate(engine.ranks.parts, start=1)
-            ]  # fmt: skip
+            ]
     if plan.shared:
         plan.page_bytes, plan.num_pages = plan.models[0].page_bytes, plan.models[0].num_pages

@@ -157,9 +157,14 @@ class Runtime:
             # process freed): never a negative load
             loaded[name] = max(0, process_memory(device) - before)
         memory = planner.plan(
-            engines, None if shared else {s.name: s.kv_fraction for s in specs}, free_at_start, loaded,
-            kv_cache_memory, memory_budget, memory_fraction,
-        )  # fmt: skip
+            engines,
+            None if shared else {s.name: s.kv_fraction for s in specs},
+            free_at_start,
+            loaded,
+            kv_cache_memory,
+            memory_budget,
+            memory_fraction,
+        )
         if shared:
             share_kv(list(engines.values()), memory.kv_bytes)
         else:
@@ -227,9 +232,12 @@ class Runtime:
         return await self._submit(model, {"prompt_token_ids": token_ids}, params)
 
     def open_stream(
-        self, model: str, prompt: str | list[int] | dict, params: SamplingParams,
+        self,
+        model: str,
+        prompt: str | list[int] | dict,
+        params: SamplingParams,
         sink: Callable[[RequestOutput | Exception], None],
-    ) -> str:  # fmt: skip
+    ) -> str:
         """Submit a request whose outputs (as `params.output_kind` says) go to `sink` as the
         driver reads each step back, or the error that fails it; returns its id for
         `close_stream`. `sink` runs in the driver, so it must not block. Bad input raises here,

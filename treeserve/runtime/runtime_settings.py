@@ -37,26 +37,42 @@ class RuntimeSettings:
             self.overlap_models = self.device.startswith("cuda")
         generator.check("generator", self.device)
         if generator.kv_fraction is not None:
-            raise ValueError("a static KV split is given as the PRM's share (prm kv_fraction); the generator gets "
-                             "the rest")  # fmt: skip
+            raise ValueError(
+                "a static KV split is given as the PRM's share (prm kv_fraction); the generator gets the rest"
+            )
         if prm is not None:
             prm.check("prm", self.device)
         if verifier is not None:
             verifier.check("verifier", self.device)
             if verifier.kv_fraction is not None or (prm is not None and prm.kv_fraction is not None):
-                raise ValueError("a verifier shares the page arena with the generator and the PRM: a static KV "
-                                 "split (prm or verifier kv_fraction) cannot take it")  # fmt: skip
+                raise ValueError(
+                    "a verifier shares the page arena with the generator and the PRM: a static KV "
+                    "split (prm or verifier kv_fraction) cannot take it"
+                )
 
-    def load(self, generator: ModelSettings, prm: ModelSettings | None, verifier: ModelSettings | None = None,
-             **load_kwargs: object) -> Runtime:  # fmt: skip
+    def load(
+        self,
+        generator: ModelSettings,
+        prm: ModelSettings | None,
+        verifier: ModelSettings | None = None,
+        **load_kwargs: object,
+    ) -> Runtime:
         """The generator (engine "generator") and, when given, the PRM (engine "prm") and the
         verifier (engine "verifier") in one runtime, one page arena."""
         models = {"generator": generator, "prm": prm, "verifier": verifier}
         engine_args = {name: m.engine_args() for name, m in models.items() if m is not None}
         return Runtime.for_search(
-            str(generator.path), str(prm.path) if prm else None, self.kv_cache_memory,
-            prm.kv_fraction if prm else None, engine_args, str(verifier.path) if verifier else None,
-            dtype=self.dtype, memory_budget=self.memory_budget, memory_fraction=self.memory_fraction,
-            device=self.device, attention_backend=self.attention_backend, overlap_models=bool(self.overlap_models),
+            str(generator.path),
+            str(prm.path) if prm else None,
+            self.kv_cache_memory,
+            prm.kv_fraction if prm else None,
+            engine_args,
+            str(verifier.path) if verifier else None,
+            dtype=self.dtype,
+            memory_budget=self.memory_budget,
+            memory_fraction=self.memory_fraction,
+            device=self.device,
+            attention_backend=self.attention_backend,
+            overlap_models=bool(self.overlap_models),
             **load_kwargs,
-        )  # fmt: skip
+        )

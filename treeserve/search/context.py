@@ -32,8 +32,16 @@ from treeserve.search.trace import SearchTrace
 from treeserve.search.tree_tokens import TreeTokens
 from treeserve.search.types import STEP_STOP, Beam, Leftover, Problem, aggregate
 
-STRATEGIES = ("best_of_n", "weighted_best_of_n", "majority", "beam_search", "dvts", "rebase", "particle_filtering",
-              "mcts")
+STRATEGIES = (
+    "best_of_n",
+    "weighted_best_of_n",
+    "majority",
+    "beam_search",
+    "dvts",
+    "rebase",
+    "particle_filtering",
+    "mcts",
+)
 # strategies whose own rule spends the budget: they take no adaptive search and no speculative steps
 OWN_BUDGET = ("rebase", "particle_filtering", "mcts")
 # the softmax temperature over rewards each strategy that has one uses unless `reward_temperature` is given:
@@ -120,8 +128,10 @@ class SearchConfig:
         if self.lookahead < 0:
             raise ValueError(f"lookahead must be >= 0, got {self.lookahead}")
         if self.lookahead and self.strategy not in ("beam_search", "dvts", "mcts"):
-            raise ValueError(f"lookahead={self.lookahead} rolls out further steps, but {self.strategy!r} does not: "
-                             "use it with beam_search, dvts or mcts, or leave lookahead at 0")  # fmt: skip
+            raise ValueError(
+                f"lookahead={self.lookahead} rolls out further steps, but {self.strategy!r} does not: "
+                "use it with beam_search, dvts or mcts, or leave lookahead at 0"
+            )
         if self.fixed_steps and self.speculative_steps:
             raise ValueError("fixed_steps has no step boundaries to speculate past: use speculative_steps=0")
         if not isinstance(self.reasoning, bool):
@@ -145,16 +155,20 @@ class SearchConfig:
         if self.budget_tokens is not None and not self.adaptive:
             raise ValueError("budget_tokens moves compute between problems: it needs adaptive=True (--adaptive)")
         if self.adaptive and self.strategy in ("beam_search", "dvts") and self.first_width % self.beam_width:
-            raise ValueError(f"adaptive {self.strategy}: first_width={self.first_width} must be a multiple of "
-                             f"beam_width={self.beam_width}")  # fmt: skip
+            raise ValueError(
+                f"adaptive {self.strategy}: first_width={self.first_width} must be a multiple of "
+                f"beam_width={self.beam_width}"
+            )
 
     def _check_rewards(self) -> None:
         t = self.reward_temperature
         if t is not None and (not isinstance(t, int | float) or not math.isfinite(t) or t <= 0):
             raise ValueError(f"reward_temperature must be a number > 0, got {t!r}")
         if t is not None and self.strategy not in REWARD_TEMPERATURES:
-            raise ValueError(f"reward_temperature weighs rewards for {' and '.join(REWARD_TEMPERATURES)}, not "
-                             f"{self.strategy!r}: leave it unset")  # fmt: skip
+            raise ValueError(
+                f"reward_temperature weighs rewards for {' and '.join(REWARD_TEMPERATURES)}, not "
+                f"{self.strategy!r}: leave it unset"
+            )
         r = self.resample_threshold
         if not isinstance(r, int | float) or not 0.0 < r <= 1.0:
             raise ValueError(f"resample_threshold must be in (0, 1] (1: resample every step), got {r!r}")
@@ -167,8 +181,10 @@ class SearchConfig:
             raise ValueError(f"exploration is MCTS's, not {self.strategy!r}: leave it at 1")
         if self.strategy in OWN_BUDGET:
             if self.adaptive:
-                raise ValueError(f"{self.strategy} spends its budget by its rewards already: adaptive search is "
-                                 "beam search's, DVTS's and the sampling strategies'")  # fmt: skip
+                raise ValueError(
+                    f"{self.strategy} spends its budget by its rewards already: adaptive search is "
+                    "beam search's, DVTS's and the sampling strategies'"
+                )
             if self.speculative_steps:
                 raise ValueError(f"speculative_steps is beam search's; {self.strategy} takes speculative_steps=0")
 
@@ -190,26 +206,33 @@ class SearchConfig:
             if not isinstance(self.prompt_format, str) or "{question}" not in self.prompt_format:
                 raise ValueError(f"prompt_format must be text containing '{{question}}', got {self.prompt_format!r}")
             if self.system_prompt:
-                raise ValueError("system_prompt is a chat message, and prompt_format replaces the chat template: "
-                                 "put the instructions in prompt_format")  # fmt: skip
+                raise ValueError(
+                    "system_prompt is a chat message, and prompt_format replaces the chat template: "
+                    "put the instructions in prompt_format"
+                )
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, list | tuple) or any(not isinstance(t, str) or not t for t in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         self.stop = list(self.stop)
         if self.stop and (self.speculative_steps or self.fixed_steps):
-            raise ValueError("stop strings end a solution, but speculative_steps counts stop strings as step "
-                             "boundaries and fixed_steps has none: use them apart")  # fmt: skip
+            raise ValueError(
+                "stop strings end a solution, but speculative_steps counts stop strings as step "
+                "boundaries and fixed_steps has none: use them apart"
+            )
 
     def _check_constraints(self) -> None:
         if self.step_regex is None and self.answer_regex is None:
             return
         if self.fixed_steps:
-            raise ValueError("fixed_steps has no step boundaries and ignores EOS: it cannot take step_regex or "
-                             "answer_regex")  # fmt: skip
+            raise ValueError(
+                "fixed_steps has no step boundaries and ignores EOS: it cannot take step_regex or answer_regex"
+            )
         if self.speculative_steps:
-            raise ValueError("speculative_steps decodes past the step boundary in one request, where a per-step "
-                             "constraint (step_regex, answer_regex) ends it: use speculative_steps=0")  # fmt: skip
+            raise ValueError(
+                "speculative_steps decodes past the step boundary in one request, where a per-step "
+                "constraint (step_regex, answer_regex) ends it: use speculative_steps=0"
+            )
         for name in ("step_regex", "answer_regex"):
             value = getattr(self, name)
             if value is None:
@@ -292,13 +315,16 @@ class SearchContext:
         if self.verifier is not None:
             self.verifier.on_input = self._saw_verifier_input
         if self.verifier is not None and not self.verifier.outcome:
-            raise ValueError(f"the verifier re-scores whole solutions: it must be an outcome reward model "
-                             f"(style orm), got style {self.verifier.style!r}")  # fmt: skip
+            raise ValueError(
+                f"the verifier re-scores whole solutions: it must be an outcome reward model "
+                f"(style orm), got style {self.verifier.style!r}"
+            )
         if self.config.reasoning:
             check_generator(self.runtime.tokenizer(self.generator))
         if self.config.adaptive and self.answer_of is None:
-            raise ValueError("adaptive search needs an answer rule (SearchContext.answer_of) to tell when "
-                             "answers agree")  # fmt: skip
+            raise ValueError(
+                "adaptive search needs an answer rule (SearchContext.answer_of) to tell when answers agree"
+            )
 
     def _saw_prm_input(self, ids: list[int]) -> None:
         self.prm_tree.add(ids)
@@ -313,8 +339,9 @@ class SearchContext:
         """Each beam's answer key (adaptive search; None: no answer yet)."""
         return [self.answer_of(problem, b.text) for b in beams]
 
-    def decide(self, problem: Problem, iteration: int, width: int, certainty: float, exhausted: bool,
-               grows: bool) -> str:  # fmt: skip
+    def decide(
+        self, problem: Problem, iteration: int, width: int, certainty: float, exhausted: bool, grows: bool
+    ) -> str:
         """An adaptive decision after `iteration` (a round or wave for sampling and DVTS), recorded
         in `problem.stop` (each iteration's width and certainty; once it stops, where and why):
         why the problem stops now, or "" to go on. "settled": its certainty reached the
@@ -525,8 +552,11 @@ class SearchContext:
             c = out.outputs[0]
             self._generated(problem, len(c.token_ids))
             first = c.stop_offsets[0][0]
-            beam.leftover = Leftover(list(c.token_ids[first:]), [t - first for t, _ in c.stop_offsets[1:]],
-                                 c.finish_reason == "stop" and c.stop_reason is None)  # fmt: skip
+            beam.leftover = Leftover(
+                list(c.token_ids[first:]),
+                [t - first for t, _ in c.stop_offsets[1:]],
+                c.finish_reason == "stop" and c.stop_reason is None,
+            )
             beam.pending = None
         taken = beam.leftover.next_step(limit) if beam.leftover is not None else None
         if taken is not None:
@@ -644,9 +674,14 @@ class SearchContext:
         ended = False
         while not ended and len(steps) < c.lookahead and len(prompt) + 1 < limit:
             stop = None if c.fixed_steps else [STEP_STOP, *c.stop]
-            params = SamplingParams(temperature=0.0, max_tokens=c.max_tokens, stop=stop,
-                                    include_stop_str_in_output=True, ignore_eos=c.fixed_steps,
-                                    structured_outputs=c.constraint(whole=False))  # fmt: skip
+            params = SamplingParams(
+                temperature=0.0,
+                max_tokens=c.max_tokens,
+                stop=stop,
+                include_stop_str_in_output=True,
+                ignore_eos=c.fixed_steps,
+                structured_outputs=c.constraint(whole=False),
+            )
             out = await self.runtime.generate(
                 self.generator, {"prompt_token_ids": prompt}, params, self.draft_group(problem)
             )
@@ -700,6 +735,7 @@ class SearchContext:
         known = self.cache.known(keys)
         if len(known) == len(steps):
             return known, "cache"
+
         async def read() -> list[float]:
             self.prm_requests += 1
             self._scoring = problem  # as above

@@ -43,8 +43,10 @@ async def _subtree(ctx: SearchContext, problem: Problem, index: int) -> list[Bea
         best = _best(candidates, c.agg)
         beam = candidates[best]
         ends = beam.completed or last  # the result is this expansion's candidates
-        fates = [TOO_LONG if b.dropped else FINISHED if ends else KEPT if i == best else PRUNED
-                 for i, b in enumerate(candidates)]  # fmt: skip
+        fates = [
+            TOO_LONG if b.dropped else FINISHED if ends else KEPT if i == best else PRUNED
+            for i, b in enumerate(candidates)
+        ]
         ctx.report(problem, iteration, candidates, fates)
         if beam.completed:
             break

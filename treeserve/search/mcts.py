@@ -98,8 +98,12 @@ async def mcts(ctx: SearchContext, problem: Problem) -> list[Beam]:
             node.pending -= 1
             new = Node(child, parent=node, ended=child.completed or len(child.steps) >= c.num_iterations)
             node.children.append(new)
-            ctx.report(problem, len(new.beam.steps) - 1, [new.beam],
-                       [TOO_LONG if new.beam.dropped else FINISHED if new.ended else KEPT])  # fmt: skip
+            ctx.report(
+                problem,
+                len(new.beam.steps) - 1,
+                [new.beam],
+                [TOO_LONG if new.beam.dropped else FINISHED if new.ended else KEPT],
+            )
             if new.beam.dropped:
                 node.back_up(0.0, visits=-1)  # the walk's virtual visit, taken back
                 continue

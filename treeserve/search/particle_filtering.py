@@ -65,8 +65,9 @@ async def particle_filtering(ctx: SearchContext, problem: Problem) -> list[Beam]
     for iteration in range(c.num_iterations):
         last = iteration == c.num_iterations - 1
         moving = [i for i, p in enumerate(particles) if not (p.completed or p.dropped)]
-        grown = await gather_or_cancel(*(ctx.expand(problem, particles[i], to_eos=last and c.final_to_eos)
-                                         for i in moving))  # fmt: skip
+        grown = await gather_or_cancel(
+            *(ctx.expand(problem, particles[i], to_eos=last and c.final_to_eos) for i in moving)
+        )
         for i, children in zip(moving, grown, strict=True):
             particles[i] = children[0]
         stepped = [particles[i] for i in moving]
@@ -85,8 +86,10 @@ async def particle_filtering(ctx: SearchContext, problem: Problem) -> list[Beam]
             continue
         ancestors = resample(probs, c.seed, problem.uid, iteration)
         drawn = set(ancestors)
-        fates = [TOO_LONG if p.dropped else FINISHED if p.completed else KEPT if i in drawn else PRUNED
-                 for i, p in zip(moving, stepped, strict=True)]  # fmt: skip
+        fates = [
+            TOO_LONG if p.dropped else FINISHED if p.completed else KEPT if i in drawn else PRUNED
+            for i, p in zip(moving, stepped, strict=True)
+        ]
         ctx.report(problem, iteration, stepped, fates)
         copies: dict[int, int] = {}
         resampled = []

@@ -53,8 +53,12 @@ def check_generator(tokenizer: Tokenizer, name: str = "the generator") -> None:
     decoding keeps (the search reads the tags in the steps' text)."""
     problem = tags_in_text(tokenizer)
     if problem == "missing":
-        raise ValueError(f"reasoning search needs a generator that writes {THINK_START}...{THINK_END}, but "
-                         f"{name}'s tokenizer has no {THINK_START} and {THINK_END} tokens")  # fmt: skip
+        raise ValueError(
+            f"reasoning search needs a generator that writes {THINK_START}...{THINK_END}, but "
+            f"{name}'s tokenizer has no {THINK_START} and {THINK_END} tokens"
+        )
     if problem == "special":
-        raise ValueError(f"reasoning search: {name}'s {THINK_START}/{THINK_END} are special tokens, which decoded "
-                         "steps leave out, so the think block cannot be found")  # fmt: skip
+        raise ValueError(
+            f"reasoning search: {name}'s {THINK_START}/{THINK_END} are special tokens, which decoded "
+            "steps leave out, so the think block cannot be found"
+        )

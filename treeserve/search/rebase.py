@@ -60,11 +60,13 @@ async def rebase(ctx: SearchContext, problem: Problem) -> list[Beam]:
             break
         counts = expand_counts([b.value(c.agg) for b in live], budget, temperature)
         given = dict(zip((id(b) for b in live), counts, strict=True))
-        fates = [TOO_LONG if b.dropped else FINISHED if b.completed else KEPT if given[id(b)] else PRUNED
-                 for b in nodes]  # fmt: skip
+        fates = [
+            TOO_LONG if b.dropped else FINISHED if b.completed else KEPT if given[id(b)] else PRUNED for b in nodes
+        ]
         ctx.report(problem, iteration, nodes, fates)
         to_eos = iteration + 1 == c.num_iterations - 1 and c.final_to_eos
-        grown = await gather_or_cancel(*(ctx.expand(problem, b, n=k, to_eos=to_eos)
-                                         for b, k in zip(live, counts, strict=True) if k))  # fmt: skip
+        grown = await gather_or_cancel(
+            *(ctx.expand(problem, b, n=k, to_eos=to_eos) for b, k in zip(live, counts, strict=True) if k)
+        )
         nodes = [child for children in grown for child in children]
     return await ctx.verify(problem, ctx.check_left(problem, solutions))

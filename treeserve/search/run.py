@@ -72,8 +72,11 @@ async def search_problems(
                 beams = await strategy(ctx, problem)
             except PRMInputTooLong as e:
                 beams = []
-                problem.stop = (problem.stop or {}) | {"reason": "prm_context", "dropped": problem.too_long,
-                                                       "error": str(e)}  # fmt: skip
+                problem.stop = (problem.stop or {}) | {
+                    "reason": "prm_context",
+                    "dropped": problem.too_long,
+                    "error": str(e),
+                }
             finally:
                 ctx.forget(problem)
             seconds = time.perf_counter() - start

@@ -41,8 +41,18 @@ VERSION = 1
 KEPT, PRUNED, FINISHED, DUPLICATE, TOO_LONG = "kept", "pruned", "finished", "duplicate", "too_long"
 FATES = (KEPT, PRUNED, FINISHED, DUPLICATE, TOO_LONG)
 FLAT_STRATEGIES = ("best_of_n", "weighted_best_of_n", "majority")
-FIELDS = ("parent", "iteration", "text", "tokens", "step_scores", "score", "lookahead_scores", "fate", "speculative",
-          "cache")  # fmt: skip
+FIELDS = (
+    "parent",
+    "iteration",
+    "text",
+    "tokens",
+    "step_scores",
+    "score",
+    "lookahead_scores",
+    "fate",
+    "speculative",
+    "cache",
+)
 
 
 def _number(x: float) -> float | None:
@@ -73,11 +83,20 @@ class SearchTrace:
                 text, tokens, scores = beam.steps[-1], len(beam.step_ids[-1]), beam.scores[-1:]
             else:
                 text, tokens, scores = "", 0, []
-            self.rows.append([
-                self._parent(beam.path), iteration, text, tokens, [_number(s) for s in scores],
-                _number(beam.value(self.agg)), [_number(s) for s in beam.lookahead_scores], fate, beam.speculative,
-                beam.score_source,
-            ])  # fmt: skip
+            self.rows.append(
+                [
+                    self._parent(beam.path),
+                    iteration,
+                    text,
+                    tokens,
+                    [_number(s) for s in scores],
+                    _number(beam.value(self.agg)),
+                    [_number(s) for s in beam.lookahead_scores],
+                    fate,
+                    beam.speculative,
+                    beam.score_source,
+                ]
+            )
         for k, beam in enumerate(beams):
             self.index[beam.path] = first + k
 
@@ -96,11 +115,17 @@ class SearchTrace:
 
     def to_json(self, completions: Sequence[Beam], seconds: float) -> dict:
         return {
-            "version": VERSION, "strategy": self.strategy, "n": self.n, "beam_width": self.beam_width,
-            "agg": self.agg, "fields": list(FIELDS), "nodes": self.rows,
+            "version": VERSION,
+            "strategy": self.strategy,
+            "n": self.n,
+            "beam_width": self.beam_width,
+            "agg": self.agg,
+            "fields": list(FIELDS),
+            "nodes": self.rows,
             "completions": [self._node(b.path) for b in completions],
-            "seconds": seconds, "generated_tokens": sum(row[3] for row in self.rows),
-        }  # fmt: skip
+            "seconds": seconds,
+            "generated_tokens": sum(row[3] for row in self.rows),
+        }
 
 
 def nodes(trace: dict) -> list[dict]:

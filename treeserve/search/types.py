@@ -80,8 +80,14 @@ class Beam:
     dropped: bool = False  # its PRM input outgrew the PRM's context: search neither extends nor returns it
 
     def child(self, copy: int) -> Beam:
-        child = Beam(self.path + (copy,), list(self.step_ids), list(self.steps), list(self.scores), self.completed,
-                     self.generated_tokens)  # fmt: skip
+        child = Beam(
+            self.path + (copy,),
+            list(self.step_ids),
+            list(self.steps),
+            list(self.scores),
+            self.completed,
+            self.generated_tokens,
+        )
         if copy == 0:
             child.pending, child.leftover = self.pending, self.leftover
         return child

@@ -62,8 +62,16 @@ class DraftModel:
         if block_size < 1:
             raise ValueError(f"draft model {self.path!r} needs more KV bytes per token than a page holds")
         layout = self.layout
-        arena = KVArena(pages.num_pages, layout.num_layers, block_size, layout.num_kv_heads, layout.head_dim,
-                        layout.dtype, self.device, pages=pages)  # fmt: skip
+        arena = KVArena(
+            pages.num_pages,
+            layout.num_layers,
+            block_size,
+            layout.num_kv_heads,
+            layout.head_dim,
+            layout.dtype,
+            self.device,
+            pages=pages,
+        )
         self.blocks = BlockManager(pages.num_pages, block_size, "draft:" + model_id, True, pool=pool)
         self.runner = ModelRunner(self.model, arena, self.device, self.attn_scale, backend)
 

@@ -98,8 +98,10 @@ def check_verifier(model_dir: str, style: str | None = None) -> None:
     `SearchContext` refuses a verifier whose adapter is not an ORM's.)"""
     found = style or style_from_files(str(model_dir))
     if found is not None and found != "orm":
-        raise ValueError(f"the verifier re-scores whole solutions, so it must be an outcome reward model (style "
-                         f"orm), but {str(model_dir)!r} is a {found} PRM: pass it as --prm")  # fmt: skip
+        raise ValueError(
+            f"the verifier re-scores whole solutions, so it must be an outcome reward model (style "
+            f"orm), but {str(model_dir)!r} is a {found} PRM: pass it as --prm"
+        )
 
 
 def detect_style(runtime: Runtime, model: str) -> str:

@@ -51,8 +51,10 @@ class OutcomeRM(PRM):
         elif "score.weight" in extra:
             self.head = [extra["score.weight"].float(), extra.get("score.bias", torch.zeros(1)).float()]
         else:
-            raise ValueError(f"model {model!r} lacks an outcome reward head: score.weight [1, hidden] "
-                             f"or score.0/score.2 (Qwen2ForRewardModel)")  # fmt: skip
+            raise ValueError(
+                f"model {model!r} lacks an outcome reward head: score.weight [1, hidden] "
+                f"or score.0/score.2 (Qwen2ForRewardModel)"
+            )
         if self.head[-2].shape[0] != 1:
             raise ValueError(f"an outcome reward head has one output, got shape {tuple(self.head[-2].shape)}")
 
@@ -61,8 +63,9 @@ class OutcomeRM(PRM):
         messages = [{"role": "user", "content": question}, {"role": "assistant", "content": STEP_STOP.join(steps)}]
         if self.system_prompt:
             messages.insert(0, {"role": "system", "content": self.system_prompt})
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=False,
-                                                  chat_template=self.chat_template)  # fmt: skip
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=False, chat_template=self.chat_template
+        )
         return list(self.encode(text))
 
     def build(self, question: str, steps: list[str]) -> tuple[list[int], list[int]]:

@@ -45,8 +45,9 @@ class TokenClassificationPRM(PRM):
             raise ValueError(f"model {model!r} lacks the token-classification head tensor score.weight")
         self.weight = extra["score.weight"].float()
         if self.weight.ndim != 2 or self.weight.shape[0] != 2:
-            raise ValueError(f"score.weight must have 2 labels (TRL's PRM: 0 bad, 1 good), "
-                             f"got shape {tuple(self.weight.shape)}")  # fmt: skip
+            raise ValueError(
+                f"score.weight must have 2 labels (TRL's PRM: 0 bad, 1 good), got shape {tuple(self.weight.shape)}"
+            )
         bias = extra.get("score.bias")
         self.bias = torch.zeros(2) if bias is None else bias.float()
 
