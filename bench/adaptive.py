@@ -75,7 +75,7 @@ from treeserve.eval.plots import plot_accuracy_vs_compute
 from treeserve.eval.report import upgrade_config, write_results
 from treeserve.eval.runner import DEFAULT_GENERATOR, EvalSettings, run_eval
 from treeserve.runtime.model_settings import ModelSettings
-from treeserve.search.context import SearchConfig
+from treeserve.search.config import SearchConfig
 
 FEW_SHOT_STOP = ["Question:", "\n\n\n"]  # a base model writes on into the next question
 

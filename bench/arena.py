@@ -32,7 +32,7 @@ from pathlib import Path
 
 from treeserve.eval.profile import measure, tune
 from treeserve.eval.runner import EvalSettings, load_problems
-from treeserve.search.context import SearchConfig
+from treeserve.search.config import SearchConfig
 
 MIB = 1 << 20
 

@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from treeserve.eval.runner import EvalSettings, run_eval
 from treeserve.runtime.runtime_settings import RuntimeSettings
-from treeserve.search.context import SearchConfig
+from treeserve.search.config import SearchConfig
 
 
 def summary(problems: int, args: argparse.Namespace) -> dict:

@@ -79,7 +79,7 @@ def run_beam(sizes: dict, threads: int) -> dict:
     from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM, EvalSettings, run_eval
     from treeserve.runtime.model_settings import ModelSettings
     from treeserve.runtime.runtime_settings import RuntimeSettings
-    from treeserve.search.context import SearchConfig
+    from treeserve.search.config import SearchConfig
 
     prm_sizes = {k: v for k, v in sizes.items() if k != "quantization"}  # the PRM's ranks as the generator's
     settings = EvalSettings(

@@ -80,7 +80,8 @@ def record_traffic(problems: int, n: int, dtype: str, seed: int) -> tuple[list[S
     from treeserve.eval.arith import arith_dataset
     from treeserve.runtime.model_settings import ModelSettings
     from treeserve.runtime.runtime_settings import RuntimeSettings
-    from treeserve.search.context import SearchConfig, SearchContext
+    from treeserve.search.config import SearchConfig
+    from treeserve.search.context import SearchContext
     from treeserve.search.prm import load_prm
     from treeserve.search.run import search_problems
 

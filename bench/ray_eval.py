@@ -34,7 +34,7 @@ import torch
 from treeserve.eval.arith import arith_dataset
 from treeserve.eval.distributed import RayOptions, run_eval_distributed
 from treeserve.eval.runner import EvalSettings, run_eval
-from treeserve.search.context import SearchConfig
+from treeserve.search.config import SearchConfig
 
 
 class Echo:

@@ -36,14 +36,14 @@ from treeserve.eval.metrics import wilson_interval
 from treeserve.eval.report import write_results
 from treeserve.eval.runner import EvalSettings, run_eval
 from treeserve.runtime.runtime_settings import RuntimeSettings
-from treeserve.search.context import SearchConfig
+from treeserve.search.config import SearchConfig
 
 ABLATION = {
     "all optimisations": {},
     "no prefix cache": {"prefix_cache": False},
     "no score cache": {"score_cache": False},
     "one problem at a time": {"max_concurrent_problems": 1},
-    "+ speculative steps (k=1)": {"speculative_steps": 1},
+    "+ decode ahead (k=1)": {"decode_ahead": 1},
 }
 
 

@@ -17,7 +17,7 @@ import statistics
 
 from treeserve.eval.arith import arith_dataset
 from treeserve.eval.runner import EvalSettings, run_eval
-from treeserve.search.context import SearchConfig
+from treeserve.search.config import SearchConfig
 
 
 def measure(records: list[dict], n: int, in_flight: int, repeats: int) -> dict:

@@ -116,7 +116,7 @@ def search(workloads: list[str], repeats: int, problems: int) -> list[dict]:
     from treeserve.eval.runner import DEFAULT_GENERATOR, EvalSettings, run_eval
     from treeserve.runtime.model_settings import ModelSettings
     from treeserve.runtime.runtime_settings import RuntimeSettings
-    from treeserve.search.context import SearchConfig
+    from treeserve.search.config import SearchConfig
 
     settings = {"plain": None, "ngram k=4": ngram(4), "tree k=4": {**ngram(4), "method": "tree"}}
     rows = []

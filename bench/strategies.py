@@ -60,7 +60,7 @@ from treeserve.eval.metrics import SELECTIONS
 from treeserve.eval.plots import pareto_front, plot_accuracy_vs_compute
 from treeserve.eval.report import upgrade_config, write_results
 from treeserve.eval.runner import EvalSettings, run_eval
-from treeserve.search.context import STRATEGIES, SearchConfig
+from treeserve.search.config import STRATEGIES, SearchConfig
 
 ALL_STRATEGIES = "beam_search,dvts,weighted_best_of_n,rebase,particle_filtering,mcts"
 TREE_STRATEGIES = ("beam_search", "dvts", "mcts")  # beam width 4, as `treeserve eval` (MCTS: children a node)

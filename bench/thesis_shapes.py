@@ -306,7 +306,8 @@ def run_treeserve(config: str, setup: dict) -> dict:
 
     from treeserve.models.tokenizer import Tokenizer
     from treeserve.runtime.runtime import Runtime
-    from treeserve.search.context import SearchConfig, SearchContext
+    from treeserve.search.config import SearchConfig
+    from treeserve.search.context import SearchContext
     from treeserve.search.prm import load_prm
     from treeserve.search.run import search_problems
 

@@ -227,7 +227,7 @@ def test_a_search_has_the_same_defaults_from_the_cli_http_and_python():
     from dataclasses import fields
 
     from treeserve.cli import build_parser
-    from treeserve.search.context import SearchConfig
+    from treeserve.search.config import SearchConfig
     from treeserve.server.protocol import SearchRequest
 
     config = SearchConfig()

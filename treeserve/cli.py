@@ -144,7 +144,7 @@ def _fraction_or_off(text: str) -> float | None:
 
 
 def _add_search_flags(p: argparse.ArgumentParser) -> None:
-    from treeserve.search.context import STRATEGIES, SearchConfig
+    from treeserve.search.config import STRATEGIES, SearchConfig
 
     d = SearchConfig()  # the one definition of every search setting's default
     p.add_argument("--strategy", default=d.strategy, help=f"one of {', '.join(STRATEGIES)}")
@@ -253,9 +253,9 @@ def _add_search_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--no-score-cache", action="store_true")
     p.add_argument(
-        "--speculative-steps",
+        "--decode-ahead",
         type=int,
-        default=d.speculative_steps,
+        default=d.decode_ahead,
         help="beam search: decode K steps past each boundary while the PRM scores",
     )
     p.add_argument("--reference", action="store_true", help="plain path: no caches, one problem at a time")
@@ -326,7 +326,7 @@ def _search_settings(args: argparse.Namespace, dataset: str = ""):  # noqa: ANN2
     from dataclasses import fields
 
     from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM, EvalSettings
-    from treeserve.search.context import SearchConfig
+    from treeserve.search.config import SearchConfig
 
     given = {**vars(args), "prefix_cache": not args.no_prefix_cache, "score_cache": not args.no_score_cache}
     given["trace"] = getattr(args, "trace", False)

@@ -21,7 +21,7 @@ import sys
 from treeserve.eval.runner import EvalSettings, run_eval
 from treeserve.runtime.model_settings import ModelSettings
 from treeserve.runtime.runtime_settings import RuntimeSettings
-from treeserve.search.context import SearchConfig
+from treeserve.search.config import SearchConfig
 
 
 def main() -> None:

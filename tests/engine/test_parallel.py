@@ -21,7 +21,7 @@ from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM, EvalSettings, 
 from treeserve.runtime.model_settings import ModelSettings
 from treeserve.runtime.runtime_settings import RuntimeSettings
 from treeserve.sampling_params import ScoreParams
-from treeserve.search.context import SearchConfig
+from treeserve.search.config import SearchConfig
 
 PROMPTS = ["def f(x):", "hello world", "the quick brown fox"]
 KINDS = ("tensor_parallel_size", "pipeline_parallel_size")

@@ -23,7 +23,7 @@ from treeserve import SamplingParams, ScoreParams  # noqa: E402
 from treeserve.eval.runner import EvalSettings, run_eval  # noqa: E402
 from treeserve.runtime.model_settings import ModelSettings  # noqa: E402
 from treeserve.runtime.runtime_settings import RuntimeSettings  # noqa: E402
-from treeserve.search.context import SearchConfig  # noqa: E402
+from treeserve.search.config import SearchConfig  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPTS = [

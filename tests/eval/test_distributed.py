@@ -16,7 +16,7 @@ import pytest
 from treeserve.cli import main
 from treeserve.eval.runner import EvalSettings, run_eval
 from treeserve.runtime.runtime_settings import RuntimeSettings
-from treeserve.search.context import SearchConfig
+from treeserve.search.config import SearchConfig
 
 DATASET = "arith:level=4,5,size=6,seed=0"  # the shipped arithmetic generator and PRM
 FLAGS = ["--n", "4", "--beam-width", "2", "--dtype", "float32", "--kv-cache-memory", str(64 << 20)]

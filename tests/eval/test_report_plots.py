@@ -20,7 +20,7 @@ from treeserve.eval.report import (
     read_results,
     write_results,
 )
-from treeserve.search.context import SearchConfig
+from treeserve.search.config import SearchConfig
 
 
 def graded_builtin_run(preds=None):

@@ -14,7 +14,7 @@ from treeserve.eval.journal import Journal, journal_path
 from treeserve.eval.report import read_results, upgrade_config
 from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM, EvalSettings, run_config
 from treeserve.runtime.model_settings import ModelSettings
-from treeserve.search.context import SearchConfig
+from treeserve.search.config import SearchConfig
 
 OLD = {  # as `treeserve eval` wrote it before models had settings of their own
     "search": {"strategy": "beam_search", "n": 4, "agg": "last"},

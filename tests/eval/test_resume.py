@@ -23,7 +23,7 @@ from treeserve.cli import main
 from treeserve.eval.journal import Journal, config_differences, journal_path
 from treeserve.eval.merge import merge_results
 from treeserve.eval.report import upgrade_config
-from treeserve.search.context import SearchConfig
+from treeserve.search.config import SearchConfig
 
 # the shipped arithmetic generator and PRM; one problem at a time, so problems finish one by one
 FLAGS = [

@@ -27,7 +27,7 @@ def make_traced_results(folder: Path, name: str = "traced.json", **search: objec
     from treeserve.eval.runner import EvalSettings, run_eval
     from treeserve.runtime.model_settings import ModelSettings
     from treeserve.runtime.runtime_settings import RuntimeSettings
-    from treeserve.search.context import SearchConfig
+    from treeserve.search.config import SearchConfig
 
     generator, prm = build_step_world(str(folder / "world"))
     settings = EvalSettings(

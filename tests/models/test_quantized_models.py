@@ -129,7 +129,7 @@ def test_eval_runs_both_models_in_int8_and_records_it():
     from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM, EvalSettings, run_eval
     from treeserve.runtime.model_settings import ModelSettings
     from treeserve.runtime.runtime_settings import RuntimeSettings
-    from treeserve.search.context import SearchConfig
+    from treeserve.search.config import SearchConfig
 
     settings = EvalSettings(
         dataset="arith:level=1,size=2,seed=0",

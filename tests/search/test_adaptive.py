@@ -15,7 +15,8 @@ from treeserve.eval.grading import extract_answer
 from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM
 from treeserve.runtime.runtime import Runtime
 from treeserve.search.certainty import reward_certainty, vote_certainty
-from treeserve.search.context import SearchConfig, SearchContext
+from treeserve.search.config import SearchConfig
+from treeserve.search.context import SearchContext
 from treeserve.search.dvts import waves
 from treeserve.search.prm import load_prm
 from treeserve.search.run import search_problems

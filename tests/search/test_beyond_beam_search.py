@@ -17,7 +17,8 @@ from treeserve.eval.merge import merge_results
 from treeserve.eval.runner import EvalSettings, run_eval
 from treeserve.eval.view import write_view
 from treeserve.runtime.runtime_settings import RuntimeSettings
-from treeserve.search.context import SearchConfig, SearchContext
+from treeserve.search.config import SearchConfig
+from treeserve.search.context import SearchContext
 from treeserve.search.mcts import Node, room, select
 from treeserve.search.particle_filtering import effective_sample_size, log_weight, probabilities, resample
 from treeserve.search.prm import load_prm
@@ -253,7 +254,7 @@ def test_particle_trace_and_view(tmp_path):
         ({"strategy": "particle_filtering", "resample_threshold": 1.5}, r"resample_threshold must be in \(0, 1\]"),
         ({"strategy": "rebase", "resample_threshold": 0.5}, "particle filtering's"),
         ({"strategy": "rebase", "adaptive": True}, "adaptive search is"),
-        ({"strategy": "particle_filtering", "speculative_steps": 1}, "speculative_steps=0"),
+        ({"strategy": "particle_filtering", "decode_ahead": 1}, "decode_ahead=0"),
         ({"strategy": "rebase", "lookahead": 1}, "use it with beam_search, dvts or mcts"),
         ({"strategy": "beam_search", "exploration": 2.0}, "exploration is MCTS's"),
         ({"strategy": "mcts", "exploration": -1.0}, "exploration must be a number >= 0"),

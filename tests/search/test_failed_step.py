@@ -12,7 +12,8 @@ from treeserve import StepFailed
 from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM
 from treeserve.runtime.runtime import Runtime
 from treeserve.search.beam_search import beam_search
-from treeserve.search.context import SearchConfig, SearchContext
+from treeserve.search.config import SearchConfig
+from treeserve.search.context import SearchContext
 from treeserve.search.prm import load_prm
 
 

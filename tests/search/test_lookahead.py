@@ -19,7 +19,8 @@ from treeserve.cli import main
 from treeserve.eval.runner import EvalSettings, build_runtime, run_eval
 from treeserve.runtime.model_settings import ModelSettings
 from treeserve.runtime.runtime_settings import RuntimeSettings
-from treeserve.search.context import SearchConfig, SearchContext
+from treeserve.search.config import SearchConfig
+from treeserve.search.context import SearchContext
 from treeserve.search.prm import load_prm
 from treeserve.search.types import Beam, Problem
 
@@ -60,7 +61,7 @@ def signature(doc: dict) -> list:
 
 @pytest.mark.parametrize(
     "config",
-    [replace(BEAM, speculative_steps=2), replace(BEAM, lookahead=2, agg="min"), DVTS, replace(DVTS, lookahead=2)],
+    [replace(BEAM, decode_ahead=2), replace(BEAM, lookahead=2, agg="min"), DVTS, replace(DVTS, lookahead=2)],
     ids=["beam-k1-speculative", "beam-k2-min", "dvts-k1", "dvts-k2"],
 )
 def test_optimised_equals_reference(world, config):

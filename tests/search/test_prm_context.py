@@ -14,7 +14,8 @@ from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM
 from treeserve.runtime.model_settings import ModelSettings
 from treeserve.runtime.runtime import Runtime
 from treeserve.runtime.runtime_settings import RuntimeSettings
-from treeserve.search.context import SearchConfig, SearchContext
+from treeserve.search.config import SearchConfig
+from treeserve.search.context import SearchContext
 from treeserve.search.prm import PRMInputTooLong, load_prm
 from treeserve.search.run import STRATEGY_FUNCTIONS, search_problems
 from treeserve.search.types import Beam

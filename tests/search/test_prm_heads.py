@@ -20,7 +20,8 @@ from tests.search.prm_fixtures import build_qwen_reward_model, build_sequence_cl
 from tests.search.test_prm_adapters import QUESTION, STEPS, TOL, qwen2_hidden_states, serve
 from treeserve.eval.runner import DEFAULT_GENERATOR
 from treeserve.runtime.runtime import ModelSpec, Runtime
-from treeserve.search.context import SearchConfig, SearchContext
+from treeserve.search.config import SearchConfig
+from treeserve.search.context import SearchContext
 from treeserve.search.prm import OutcomeRM, TokenClassificationPRM, load_prm
 from treeserve.search.run import search_problems
 from treeserve.search.types import STEP_STOP

@@ -8,7 +8,8 @@ import asyncio
 
 import pytest
 
-from treeserve.search.context import SearchConfig, SearchContext
+from treeserve.search.config import SearchConfig
+from treeserve.search.context import SearchContext
 from treeserve.search.prm import load_prm
 from treeserve.search.run import search_problems
 
@@ -22,7 +23,7 @@ PROBLEMS = [("a", "Compute (12 + 7) * 3."), ("b", "Compute 45 - 17 + 8.")]
         ({"prompt_format": "Q: {question}", "system_prompt": "Be brief."}, "replaces the chat template"),
         ({"stop": ["ok", ""]}, "stop must be a list of non-empty strings"),
         ({"stop": [7]}, "stop must be a list of non-empty strings"),
-        ({"stop": ["Question:"], "speculative_steps": 1}, "use them apart"),
+        ({"stop": ["Question:"], "decode_ahead": 1}, "use them apart"),
     ],
 )
 def test_bad_values_are_refused(bad, message):

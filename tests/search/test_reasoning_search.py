@@ -22,7 +22,8 @@ from treeserve.eval.runner import EvalSettings, run_eval
 from treeserve.runtime.model_settings import ModelSettings
 from treeserve.runtime.runtime import Runtime
 from treeserve.runtime.runtime_settings import RuntimeSettings
-from treeserve.search.context import SearchConfig, SearchContext
+from treeserve.search.config import SearchConfig
+from treeserve.search.context import SearchContext
 from treeserve.search.prm import load_prm
 from treeserve.search.reasoning import UNJUDGED, prm_view, spread, visible
 from treeserve.search.run import search_problems
@@ -120,7 +121,7 @@ def run(world, config: SearchConfig, reference: bool) -> dict:
 @pytest.mark.parametrize(
     "config",
     [
-        SearchConfig(n=8, beam_width=2, num_iterations=6, max_tokens=24, speculative_steps=2, reasoning=True),
+        SearchConfig(n=8, beam_width=2, num_iterations=6, max_tokens=24, decode_ahead=2, reasoning=True),
         SearchConfig(strategy="dvts", n=4, beam_width=2, num_iterations=5, max_tokens=24, lookahead=1, reasoning=True),
         SearchConfig(strategy="weighted_best_of_n", n=4, max_tokens=64, agg="min", reasoning=True),
     ],

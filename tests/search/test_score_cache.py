@@ -11,7 +11,8 @@ import asyncio
 
 import pytest
 
-from treeserve.search.context import SearchConfig, SearchContext
+from treeserve.search.config import SearchConfig
+from treeserve.search.context import SearchContext
 from treeserve.search.types import Problem
 
 

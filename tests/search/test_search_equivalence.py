@@ -14,7 +14,7 @@ from tests.search.step_world import build_step_world
 from treeserve.eval.runner import EvalSettings, run_eval
 from treeserve.runtime.model_settings import ModelSettings
 from treeserve.runtime.runtime_settings import RuntimeSettings
-from treeserve.search.context import SearchConfig
+from treeserve.search.config import SearchConfig
 
 QUESTIONS = ["Compute 1+2.", "Compute 3*4-5.", "Compute (6+7)*8.", "Compute 9-1."]
 RECORDS = [
@@ -62,7 +62,7 @@ def signature(doc: dict, approx: bool = False) -> list:
 
 CONFIGS = {
     "beam_spec": SearchConfig(
-        strategy="beam_search", n=8, beam_width=2, num_iterations=6, max_tokens=24, speculative_steps=2
+        strategy="beam_search", n=8, beam_width=2, num_iterations=6, max_tokens=24, decode_ahead=2
     ),
     "beam_prod_dedup": SearchConfig(
         strategy="beam_search",
@@ -136,7 +136,7 @@ def test_speculation_reuses_text(world):
     config = CONFIGS["beam_spec"]
     spec = run(world, config, reference=False)
     assert spec["summary"]["generator_steps"] > 0
-    plain = run(world, SearchConfig(**{**config.__dict__, "speculative_steps": 0}), reference=False)
+    plain = run(world, SearchConfig(**{**config.__dict__, "decode_ahead": 0}), reference=False)
     assert signature(spec) == signature(plain)
 
 
@@ -164,7 +164,7 @@ def test_fixed_steps_runs_every_iteration(world):
     assert {len(c["step_scores"]) for c in completions} == {3}
     assert fast["summary"]["generated_tokens"] == len(QUESTIONS) * 3 * 4 * 8
     with pytest.raises(ValueError, match="fixed_steps"):
-        SearchConfig(strategy="beam_search", n=4, beam_width=2, fixed_steps=True, speculative_steps=1)
+        SearchConfig(strategy="beam_search", n=4, beam_width=2, fixed_steps=True, decode_ahead=1)
 
 
 @pytest.mark.parametrize("method", ["ngram", "tree", "model"])

@@ -3,7 +3,7 @@
 Every strategy (fp32) runs with a step regex and an answer regex, optimised and reference:
 both select the same beams, and every step of every returned completion fullmatches the
 step regex, except a final step, which fullmatches the answer regex. Lookahead rollouts
-obey the same constraint. A bad regex, `fixed_steps` or `speculative_steps` with a
+obey the same constraint. A bad regex, `fixed_steps` or `decode_ahead` with a
 constraint fail when the `SearchConfig` is built, and in the CLI before any model loads.
 """
 
@@ -18,7 +18,7 @@ import pytest
 from tests.search.step_world import build_step_world
 from tests.search.test_lookahead import first_beams, run, search_context
 from treeserve.cli import main
-from treeserve.search.context import SearchConfig
+from treeserve.search.config import SearchConfig
 
 # bounded, so no step reaches max_tokens (each character is at least one token)
 STEP = r"[abc0-9]{1,5}"
@@ -124,7 +124,7 @@ def test_rollout_steps_obey_the_constraint(world):
         ({"answer_regex": "a)|(b"}, "answer_regex .* is not a valid regex"),  # valid only inside the combination
         ({"step_regex": ""}, "step_regex must be a non-empty regex"),
         ({"answer_regex": "x", "fixed_steps": True}, "fixed_steps .* cannot take step_regex"),
-        ({"step_regex": "x", "speculative_steps": 1}, "speculative_steps .* use speculative_steps=0"),
+        ({"step_regex": "x", "decode_ahead": 1}, "decode_ahead .* use decode_ahead=0"),
     ],
 )
 def test_bad_constraints_fail_at_config(fields, message):

@@ -13,7 +13,7 @@ from tests.search.test_search_equivalence import CONFIGS, RECORDS, signature
 from treeserve.eval.runner import EvalSettings, run_eval
 from treeserve.runtime.model_settings import ModelSettings
 from treeserve.runtime.runtime_settings import RuntimeSettings
-from treeserve.search.context import SearchConfig
+from treeserve.search.config import SearchConfig
 from treeserve.search.trace import FATES, nodes
 
 
@@ -97,7 +97,7 @@ def test_beam_search_trace(traced, name):
 
 
 def test_trace_flags_speculation_and_score_sources(world, traced):
-    spec = Counter(n["speculative"] for p in traced["beam_spec"]["problems"] for n in nodes(p["trace"]))
+    spec = Counter(n["decoded_ahead"] for p in traced["beam_spec"]["problems"] for n in nodes(p["trace"]))
     assert spec[True] > 0 and spec[False] > 0  # later steps came from text decoded past the boundary
     plain = run(world, replace(CONFIGS["dvts"], trace=True), reference=True)
     assert {n["cache"] for p in plain["problems"] for n in nodes(p["trace"])} == {"prm"}  # no score cache

@@ -21,7 +21,8 @@ from treeserve.eval.report import read_results
 from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM
 from treeserve.runtime.model_settings import ModelSettings
 from treeserve.runtime.runtime_settings import RuntimeSettings
-from treeserve.search.context import SearchConfig, SearchContext
+from treeserve.search.config import SearchConfig
+from treeserve.search.context import SearchContext
 from treeserve.search.prm import load_prm
 from treeserve.search.run import search_problems
 from treeserve.server.settings import ServerSettings, build_served

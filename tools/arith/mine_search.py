@@ -57,7 +57,7 @@ def mine(
     final beam, split into steps and labelled. Each mining round draws its own problems."""
     from treeserve.eval.runner import EvalSettings, run_eval
     from treeserve.runtime.model_settings import ModelSettings
-    from treeserve.search.context import SearchConfig
+    from treeserve.search.config import SearchConfig
 
     set_threads(MINE_THREADS)
     exclude = excluded_texts()

@@ -45,7 +45,7 @@ from treeserve.eval.runner import (
     run_counters,
     search_context,
 )
-from treeserve.search.context import SearchConfig
+from treeserve.search.config import SearchConfig
 from treeserve.search.run import search_problems
 
 RAY_EXTRA = "pip install 'treeserve[ray]'"

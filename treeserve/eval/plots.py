@@ -34,7 +34,7 @@ from typing import Any
 
 from treeserve.eval.metrics import SELECTIONS
 from treeserve.eval.report import answer_rule, read_results
-from treeserve.search.context import SearchConfig
+from treeserve.search.config import SearchConfig
 
 _METHOD_STYLES = {"naive": ":", "weighted": "-", "majority": "--"}  # overlapping lines stay visible
 DEFAULT_MARK = " (default)"  # an adaptive run at the budget `--adaptive` alone picks: starred

@@ -19,7 +19,7 @@ from pathlib import Path
 from treeserve.eval.runner import EvalSettings, load_problems, run_eval
 from treeserve.runtime.model_settings import TUNED_KEYS
 from treeserve.runtime.tuner import GridPoint, choose
-from treeserve.search.context import SearchConfig
+from treeserve.search.config import SearchConfig
 
 DEFAULT_SPLITS = (0.1, 0.2, 0.3, 0.5, 0.7)
 DEFAULT_BATCH = ((32, 512), (64, 1024), (256, 2048))  # (max_num_seqs, max_num_batched_tokens)

@@ -40,7 +40,7 @@ from treeserve.eval.metrics import (
     summarize,
 )
 from treeserve.runtime.model_settings import ModelSettings
-from treeserve.search.context import SearchConfig
+from treeserve.search.config import SearchConfig
 
 PROBLEM_KEYS = ("unique_id", "level", "problem", "answer", "pred", "correct", "completions")
 COMPLETION_KEYS = ("text", "answer", "step_scores", "score", "correct")
@@ -280,7 +280,9 @@ def upgrade_config(config: Mapping[str, Any]) -> dict:
     one written before the run picked its own budget ran without one (None)."""
     config = dict(config)
     if isinstance(config.get("search"), Mapping):
-        search = config["search"]
+        search = dict(config["search"])
+        if "speculative_steps" in search:  # its name before 2026-12-02
+            search["decode_ahead"] = search.pop("speculative_steps")
         unbudgeted = search.get("adaptive") and search.get("budget_tokens") is None
         before = {"budget_fraction": None} if unbudgeted and "budget_fraction" not in search else {}
         config["search"] = {**asdict(SearchConfig()), **before, **search}

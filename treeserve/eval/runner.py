@@ -33,7 +33,8 @@ from treeserve.models.tokenizer import Tokenizer
 from treeserve.runtime.model_settings import ModelSettings
 from treeserve.runtime.runtime import Runtime
 from treeserve.runtime.runtime_settings import RuntimeSettings
-from treeserve.search.context import SearchConfig, SearchContext
+from treeserve.search.config import SearchConfig
+from treeserve.search.context import SearchContext
 from treeserve.search.prm import check_verifier, load_prm
 from treeserve.search.reasoning import check_generator
 from treeserve.search.run import ProblemResult, search_problems

@@ -38,9 +38,9 @@ async def beam_search(ctx: SearchContext, problem: Problem) -> list[Beam]:
     try:
         beams = ctx.check_left(problem, await _iterate(ctx, problem, active, finished, widths))
         return await ctx.verify(problem, beams)
-    finally:  # speculative requests of beams nobody will extend
+    finally:  # decode-ahead requests of beams nobody will extend
         for beam in active + finished:
-            beam.drop_speculation()
+            beam.drop_decode_ahead()
 
 
 async def _iterate(
@@ -78,7 +78,7 @@ async def _iterate(
         survivors = [beams[alive[k]] for k in sorted(ranked[:keep])]
         for k in ranked[keep:]:
             fates[alive[k]] = PRUNED
-            beams[alive[k]].drop_speculation()
+            beams[alive[k]].drop_decode_ahead()
         for k in ranked[:keep]:
             fates[alive[k]] = KEPT
         ctx.report(problem, iteration, beams, fates)

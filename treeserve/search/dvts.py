@@ -24,7 +24,8 @@ returned are re-scored by it.
 from __future__ import annotations
 
 from treeserve.search.certainty import vote_certainty
-from treeserve.search.context import SearchConfig, SearchContext, gather_or_cancel
+from treeserve.search.config import SearchConfig
+from treeserve.search.context import SearchContext, gather_or_cancel
 from treeserve.search.trace import FINISHED, KEPT, PRUNED, TOO_LONG
 from treeserve.search.types import Beam, Problem
 

@@ -3,7 +3,7 @@
 A beam's lineage is the path of copy indices from its root (root j has path (j,); copy c of
 a beam with path p has path p + (c,)). Trailing zeros are dropped before hashing, so copy 0
 of a beam continues its parent's random stream: the text a beam would decode past a step
-boundary (speculative tree expansion) is exactly what its copy 0 would generate next.
+boundary (decode-ahead) is exactly what its copy 0 would generate next.
 The sampler adds the completion index and the absolute position to this seed. Particle
 filtering's resampling draws come from `resample_seed` (run seed, problem, iteration).
 """

@@ -8,7 +8,7 @@ row per candidate, its fields named once (a node's id is its row's index)::
 
     {"version": 1, "strategy": "beam_search", "n": 16, "beam_width": 4, "agg": "last",
      "fields": ["parent", "iteration", "text", "tokens", "step_scores", "score",
-                "lookahead_scores", "fate", "speculative", "cache"],
+                "lookahead_scores", "fate", "decoded_ahead", "cache"],
      "nodes": [[null, 0, "15 + 4 = 19.", 9, [0.81], 0.81, [], "kept", false, "prm"], ...],
      "completions": [41, 42, ...],        # the node of each of the problem's completions, in order
      "seconds": 1.2,                      # the problem's search, start to end
@@ -21,7 +21,7 @@ row per candidate, its fields named once (a node's id is its row's index)::
     lookahead_scores  the PRM's scores of its greedy rollout (whose text is discarded)
     fate              kept | pruned | finished | duplicate | too_long (its PRM input outgrew
                       the PRM's context: dropped, unscored)
-    speculative       its step was decoded past the previous boundary (speculative_steps)
+    decoded_ahead     its step was decoded past the previous boundary (decode_ahead)
     cache             where its scores came from: prm | cache | shared | "" (no PRM)
 
 `nodes(trace)` turns the rows into dicts with an "id".
@@ -50,7 +50,7 @@ FIELDS = (
     "score",
     "lookahead_scores",
     "fate",
-    "speculative",
+    "decoded_ahead",
     "cache",
 )
 
@@ -93,7 +93,7 @@ class SearchTrace:
                     _number(beam.value(self.agg)),
                     [_number(s) for s in beam.lookahead_scores],
                     fate,
-                    beam.speculative,
+                    beam.decoded_ahead,
                     beam.score_source,
                 ]
             )

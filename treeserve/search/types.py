@@ -1,7 +1,7 @@
 """The values search strategies pass around: a problem, a beam (a partial solution), a leftover.
 
 Owns `Problem` (a question and its prompt's token ids), `Beam` (one partial solution: its steps
-as text and token ids, their PRM scores, its lineage `path`, and what speculative tree
+as text and token ids, their PRM scores, its lineage `path`, and what decode-ahead
 expansion decoded past its last step: the request still running (`pending`) or the tokens it
 produced (`leftover`)), `Leftover` (tokens decoded past a step boundary, cut into steps as a
 fresh request would) and `aggregate` (step scores to one value). Data and pure functions only:
@@ -69,13 +69,13 @@ class Beam:
     completed: bool = False
     generated_tokens: int = 0
     lookahead_scores: list[float] = field(default_factory=list)  # of this iteration's rollout (not inherited)
-    # speculative tree expansion: the request still decoding past this beam's last step, or
+    # decode-ahead: the request still decoding past this beam's last step, or
     # the tokens it decoded there. Only copy 0 inherits them (it continues the same seed).
     pending: DecodeAhead | None = None
     leftover: Leftover | None = None
     # for traces, of this beam's newest step (not inherited): decoded past the previous boundary;
     # where its scores came from ("prm", "cache", "shared"; "" before any)
-    speculative: bool = False
+    decoded_ahead: bool = False
     score_source: str = ""
     dropped: bool = False  # its PRM input outgrew the PRM's context: search neither extends nor returns it
 
@@ -92,7 +92,7 @@ class Beam:
             child.pending, child.leftover = self.pending, self.leftover
         return child
 
-    def drop_speculation(self) -> None:
+    def drop_decode_ahead(self) -> None:
         if self.pending is not None:
             self.pending.cancel()
         self.pending = self.leftover = None

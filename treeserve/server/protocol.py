@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
-from treeserve.search.context import SearchConfig
+from treeserve.search.config import SearchConfig
 
 MAX_N = 256  # the largest beam-search N users run
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs

@@ -19,7 +19,8 @@ from collections.abc import AsyncIterator
 from treeserve.eval.grading import extract_answer
 from treeserve.eval.metrics import DEFAULT_SELECTION, SELECTIONS, ScoredCompletion, aggregate_scores, select
 from treeserve.runtime.runtime import StepFailed
-from treeserve.search.context import SearchConfig, SearchContext
+from treeserve.search.config import SearchConfig
+from treeserve.search.context import SearchContext
 from treeserve.search.run import STRATEGY_FUNCTIONS
 from treeserve.search.types import Beam, Problem, aggregate
 from treeserve.server.completions import Served

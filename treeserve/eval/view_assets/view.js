@@ -267,7 +267,7 @@ function showNode(details, n, byId, chosen, gold) {
   const rows = [
     ["node", n.id], ["iteration", n.iteration], ["fate", n.fate + (chosen ? " · on the chosen answer's path" : "") + (gold ? " · reached gold" : "")],
     ["PRM step score", n.step_scores.map((s) => fmt(s)).join(", ") || "–"], ["ranked by", fmt(n.score)],
-    ["tokens", n.tokens ?? "–"], ["scores from", n.cache || "–"], ["speculative", n.speculative ? "yes" : "no"],
+    ["tokens", n.tokens ?? "–"], ["scores from", n.cache || "–"], ["decoded ahead", (n.decoded_ahead ?? n.speculative) ? "yes" : "no"],
   ];
   if (n.lookahead_scores && n.lookahead_scores.length) rows.push(["lookahead scores", n.lookahead_scores.map((s) => fmt(s)).join(", ")]);
   const dl = el("dl");
