@@ -4,9 +4,10 @@
 
 Runs `treeserve eval` (beam search on arithmetic levels 4-5, the shipped models) with
 timers wrapped around the engine step (steps not overlapped), its device work
-(`ModelRunner.execute`: forward, LM head, draw), attention, sampling, the draw, scheduling and
-every `F.linear` call that goes through `torch.nn.functional` (noting the first call of each
-(rows, weight) shape, where oneDNN builds its kernel; the C kernels are called by name and not
+(`ModelRunner.execute`: forward, LM head, draw), attention, sampling, the draw, scheduling,
+each pass of the garbage collector and every `F.linear` call that goes through
+`torch.nn.functional` (noting the first call of each (rows, weight) shape, where oneDNN builds
+its kernel; the C kernels are called by name and not
 timed here: `bench/kernels.py` times them). Timers cost microseconds against millisecond calls,
 unlike a tracing profiler, so the split matches an untimed run. Nested timers overlap: attention
 is inside the device work, the device work inside the step. The step minus its device work is
@@ -16,6 +17,7 @@ the engine's host time; the run's wall minus the steps is the search's own Pytho
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -30,6 +32,7 @@ from treeserve.kernels import cpu as cpu_kernels  # noqa: E402  (its F is torch.
 seconds: Counter[str] = Counter()
 calls: Counter[str] = Counter()
 linear_shapes: set[tuple] = set()
+inside: Counter[str] = Counter()  # timers running now, by label
 
 
 def timed(owner: object, name: str, label: str) -> None:
@@ -37,9 +40,11 @@ def timed(owner: object, name: str, label: str) -> None:
 
     def wrapper(*args: object, **kwargs: object) -> object:
         start = time.perf_counter()
+        inside[label] += 1
         try:
             return inner(*args, **kwargs)
         finally:
+            inside[label] -= 1
             seconds[label] += time.perf_counter() - start
             calls[label] += 1
 
@@ -62,6 +67,22 @@ def timed_linear() -> None:
     cpu_kernels.F.linear = wrapper  # the module object is torch.nn.functional: every F.linear caller
 
 
+def timed_gc() -> None:
+    """The cyclic collector's passes, by generation: `gc.callbacks` brackets each one."""
+    started: list[float] = []
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            where = "inside an engine step" if inside["engine step"] else "between steps or at start-up"
+            label = f"gc collection, generation {info['generation']}, {where}"
+            seconds[label] += time.perf_counter() - started.pop()
+            calls[label] += 1
+
+    gc.callbacks.append(callback)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--problems", type=int, default=40)
@@ -74,10 +95,16 @@ def main() -> None:
     timed(model_runner, "sample", "      draw")
     timed(scheduler.Scheduler, "schedule", "  scheduling")
     timed_linear()
+    timed_gc()
     dataset = f"arith:level=4,5,size={args.problems},seed=0"
     start = time.perf_counter()
     cli.main(["eval", "--dataset", dataset, "--strategy", "beam_search", "--n", str(args.n), "--output", os.devnull])
-    print(f"\nwhole command {time.perf_counter() - start:.2f} s (start-up included)\n")
+    wall = time.perf_counter() - start
+    print(f"\nwhole command {wall:.2f} s (start-up included)\n")
+    collected = sum(t for label, t in seconds.items() if label.startswith("gc "))
+    in_steps = sum(t for label, t in seconds.items() if label.startswith("gc ") and "inside" in label)
+    print(f"garbage collection: {collected:.3f} s, {100 * collected / wall:.2f}% of the wall; ", end="")
+    print(f"inside engine steps {in_steps:.3f} s, {100 * in_steps / wall:.2f}%\n")
     print("| timer | seconds | calls |\n|---|---|---|")
     for label, total in sorted(seconds.items(), key=lambda kv: -kv[1]):
         print(f"| {label} | {total:.2f} | {calls[label]} |")
