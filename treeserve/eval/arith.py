@@ -1,30 +1,7 @@
-"""The built-in arithmetic world: problems, reference solutions, dataset records, grading.
-
-Owns the synthetic multi-step arithmetic task treeserve ships so that test-time search runs
-on a laptop CPU with no downloads: the expression language (non-negative integers, `+`,
-`-`, `*`, parentheses), a seeded generator of problems at difficulty levels 1-5, reference
-solutions written the way reasoning models write them (one operation per step, steps
-separated by a blank line, a final `The answer is \\boxed{N}.`), records shaped like
-MATH-500 and grading by the exact value of the boxed answer.
-
-A problem is a chain of operations, fully parenthesised, e.g. `Compute ((12 + 7) * 3) - 15.`,
-and its reference solution is::
-
-    12 + 7 = 19, leaving (19 * 3) - 15.
-
-    19 * 3 = 57, leaving 57 - 15.
-
-    57 - 15 = 42.
-
-    The answer is \\boxed{42}.
-
-Each step computes the first operation whose operands are both numbers, in post-order
-(the leftmost innermost parenthesis first), and rewrites what is left. The parser and the
-step judge accept any expression (precedence included), e.g. typed into `treeserve solve`.
-
-It must never import torch, the engine or any model: it is pure, deterministic Python.
-Step-level labels for process reward models live in `arith_labels`.
-"""
+"""The built-in arithmetic task (search on a CPU with no downloads): seeded problems at levels 1-5 such as
+`Compute ((12 + 7) * 3) - 15.`, reference solutions of one operation per step (`12 + 7 = 19, leaving
+(19 * 3) - 15.`, blank-line separated, then `The answer is \\boxed{42}.`), MATH-500-shaped records and
+exact grading. Pure Python: never imports torch, the engine or a model."""
 
 from __future__ import annotations
 
@@ -88,8 +65,7 @@ def evaluate(expr: Expr) -> int:
 
 
 def render(expr: Expr) -> str:
-    """Print fully parenthesised: every operation inside another one is in parentheses, so
-    the order of operations is written out and no precedence rule is needed to read it."""
+    """Fully parenthesised, so no precedence rule is needed to read it."""
     if isinstance(expr, int):
         return str(expr)
     left, right = render(expr.left), render(expr.right)
@@ -184,11 +160,8 @@ def format_answer(value: int | str) -> str:
 
 
 def solve(expr: Expr, perturb: Callable[[BinOp, int], int] | None = None) -> list[str]:
-    """Solution steps for `expr`, the boxed answer last.
-
-    `perturb(node, true_result)` may return a different result for a step (a noisy
-    teacher); later steps then consistently use the value it returned.
-    """
+    """Solution steps for `expr`, the boxed answer last; `perturb(node, true_result)` may change a
+    step's result (a noisy teacher), which later steps then use."""
     steps: list[str] = []
     while isinstance(expr, BinOp):
         path, node = next(ready_nodes(expr))
@@ -239,9 +212,7 @@ def _intermediates(expr: Expr) -> Iterator[int]:
 
 
 def extend_chain(rng: random.Random, expr: Expr, n_ops: int, max_leaf: int) -> Expr:
-    """`expr` as the start of a left-deep chain `((expr op b) op c) op d`: each operation takes
-    the result so far and a new number (for `*`, a single digit 2-9, so each step stays "long"
-    arithmetic; otherwise 1..max_leaf)."""
+    """`expr` extended to a left-deep chain `((expr op b) op c) op d` (multipliers 2-9, else 1..max_leaf)."""
     for _ in range(n_ops):
         op = rng.choice(OPS)
         expr = BinOp(op, expr, rng.randint(2, 9) if op == "*" else rng.randint(1, max_leaf))
@@ -273,11 +244,8 @@ def to_record(problem: Problem, unique_id: str) -> dict:
 
 
 def arith_dataset(size: int = 500, seed: int = 0, levels: tuple[int, ...] = (1, 2, 3, 4, 5)) -> list[dict]:
-    """`size` distinct problems spread evenly over `levels`, reproducible from `seed`.
-
-    The default (500 problems, seed 0) is the fixed test split: 100 problems per level,
-    ids `arith/L<level>/<index>`.
-    """
+    """`size` distinct problems spread evenly over `levels`, reproducible from `seed`; the default is
+    the fixed test split (ids `arith/L<level>/<index>`)."""
     if size < 0 or not levels:
         raise ValueError("size must be >= 0 and levels non-empty")
     records: list[dict] = []

@@ -1,21 +1,9 @@
-"""Step-level labels for the arithmetic world: which steps of a solution are good.
+"""The arithmetic step judge (PRM training labels and checks) and the corruptions that make wrong steps.
 
-Owns the automatic judge used to label process-reward-model training data and to check
-PRM scores: a step is good iff its arithmetic is right and it uses correct earlier results.
-Concretely, the judge replays the true state of the problem (the expression with every
-operation done so far replaced by its true value) and calls a step good iff
-
-* it is an operation step `a op b = c[, leaving <rest>].` whose `a op b` is an operation
-  of the true state with both operands already numbers (any such operation, not only the
-  reference order; `+` and `*` may swap operands), `c` is its true value, and `<rest>` is
-  exactly the true state after it (absent iff nothing is left); or
-* it is the final step `The answer is \\boxed{N}.` and N is the true answer.
-
-A step that names an operation of the true state advances the state (with the true value)
-even when it is wrong, so a wrong value carried into later steps makes those steps bad.
-
-It also owns the corruptions used to make wrong steps on purpose (noisy teachers and
-synthetic PRM negatives). Pure Python: it never imports torch or the engine.
+The judge replays the true state (every operation done so far replaced by its true value): a step
+`a op b = c[, leaving <rest>].` is good iff `a op b` is a ready operation of that state (in any order;
+`+`, `*` may swap operands), `c` its true value and `<rest>` the state after it. A named operation
+advances the state with its true value even when wrong, so a wrong value carried on makes later steps bad.
 """
 
 from __future__ import annotations
@@ -78,11 +66,8 @@ MISTAKES = ("format", "operation", "result", "rest", "final")  # what `step_verd
 
 
 def step_verdicts(problem: str | Expr, steps: Sequence[str]) -> list[str]:
-    """Per-step "good", or what is wrong with the step: "format" (neither an operation step
-    nor the final one, or an operation after nothing is left), "operation" (its `a op b` is not
-    an operation of the true state: a miscopied operand, a wrong order, an earlier wrong result
-    carried in), "result" (wrong value), "rest" (right value, wrong rewritten rest) or "final"
-    (wrong boxed answer)."""
+    """Per step, "good" or one of MISTAKES: "format" (not a step, or one after nothing is left),
+    "operation" (not a ready operation of the true state), "result", "rest" or "final" (wrong answer)."""
     state = problem_expression(problem) if isinstance(problem, str) else problem
     answer = evaluate(state)
     verdicts: list[str] = []

@@ -1,27 +1,7 @@
-"""Paired comparison of results files: is one strategy really more accurate than another?
-
-Two runs on the same problems are paired data: a problem both runs solve (or both miss) says
-nothing about which is better; only the problems one run solves and the other misses do. So
-this module matches problems by `unique_id` and reports, for each run against the first
-(the baseline):
-
-* accuracy and its 95% Wilson interval, on the problems every file shares;
-* the four counts both / only this run / only the baseline / neither;
-* the accuracy difference with a 95% interval for paired proportions (Wald, on the
-  discordant counts);
-* the exact two-sided McNemar p-value: a binomial test of "only this run" against
-  "only the baseline" with p = 1/2. Small p (say < 0.05) means the difference is unlikely
-  to be sampling noise over these problems.
-
-Like is compared with like. A file's `correct` flags come from its answer rule (the config's
-`selection`: naive, weighted or majority; `metrics.py`). When every file used the same rule, one
-table compares them under it. When the rules differ (a weighted beam search against a naive
-best-of-N, say), `compare_by_rule` re-selects each problem's answer from its graded completions
-under each rule the files used, and gives one table per rule, saying so: a weighted accuracy is
-never paired with a naive one.
-
-It reads results documents (`report.read_results`) and never runs a search.
-"""
+"""Paired comparison of results files (`treeserve compare`): problems matched by `unique_id`, each run
+against the first, with Wilson intervals, the discordant counts, a Wald interval of the paired difference
+and the exact McNemar p-value. Files that chose answers by different rules are re-selected under each
+rule and compared per rule, so a weighted accuracy is never paired with a naive one."""
 
 from __future__ import annotations
 
@@ -117,10 +97,8 @@ class Run:
 
 
 def compare_results(paths: Sequence[str | Path], rule: str | None = None) -> list[PairedComparison]:
-    """One PairedComparison per file (the first, the baseline, against itself), over the
-    problems all files share; each file's answers as recorded, or re-selected under `rule`.
-    ValueError when fewer than two files are given, when they share no problem, or when one
-    `unique_id` names different problems in two files."""
+    """One PairedComparison per file (the first is the baseline) over the problems all share, answers as
+    recorded or re-selected under `rule`. ValueError for < 2 files, no shared problem or a clashing id."""
     if len(paths) < 2:
         raise ValueError("compare needs at least two results files")
     return _compare([Run.read(p) for p in paths], rule)

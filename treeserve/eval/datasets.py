@@ -1,19 +1,7 @@
-"""Evaluation datasets: turn a dataset spec into a validated list of problem records.
-
-Owns the spec grammar used by `treeserve eval --dataset` and the loading of problem files:
-
-* `arith` or `arith:level=4,5,size=200,seed=0`: the built-in arithmetic task
-  (`treeserve.eval.arith.arith_dataset`): `size` problems in total spread evenly over the
-  levels (default 500 problems over levels 1-5, seed 0: the fixed test split).
-* any other spec is a path to a JSONL file in MATH-500 format: one JSON object per line with
-  string `problem` and `answer`, optional int `level`, optional string `unique_id` (default
-  `line-N`), optional `grader` (`"math"` by default, or `"arith"`); other keys are kept.
-
-Every record returned carries `problem, answer, level, unique_id` and `grader` (`"arith"` or
-`"math"`, the grader kind `treeserve.eval.grading.Grader` expects). A JSONL file is validated
-completely before anything is returned, so a bad line fails the run before any work starts.
-This module never grades, never calls an engine and never imports torch.
-"""
+"""`treeserve eval --dataset` specs: `arith[:level=4,5,size=200,seed=0]` (the built-in task) or a MATH-500
+JSONL path (string `problem`, `answer`; optional int `level`, string `unique_id` (default `line-N`),
+`grader` "math" or "arith"). Every record gets `level`, `unique_id` and `grader`; a file is validated
+whole before any work starts."""
 
 from __future__ import annotations
 
@@ -28,11 +16,8 @@ _ARITH_DEFAULTS = {"size": 500, "seed": 0, "level": tuple(sorted(arith.LEVELS))}
 
 
 def load_dataset(spec: str) -> list[dict]:
-    """Records for a dataset spec: `arith[:options]` or a path to a MATH-500-style JSONL file.
-
-    Raises ValueError for a malformed spec or file (naming the option, or the file and line),
-    FileNotFoundError for a missing file.
-    """
+    """Records for `arith[:options]` or a JSONL path; ValueError for a malformed spec or file (naming
+    the option, or the file and line), FileNotFoundError for a missing file."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError("dataset spec must be a non-empty string: 'arith[:level=..,size=..,seed=..]' or a JSONL path")
     spec = spec.strip()
@@ -44,12 +29,8 @@ def load_dataset(spec: str) -> list[dict]:
 
 
 def parse_arith_spec(spec: str) -> dict:
-    """Options of an `arith[:key=value,...]` spec: {"level": tuple[int, ...], "size": int, "seed": int}.
-
-    `level` takes one or more comma-separated levels (`level=4,5`); `levels` is accepted as an
-    alias. Values that follow a level without a key belong to it, so `arith:level=1,2,size=10`
-    reads levels (1, 2) and size 10.
-    """
+    """{"level": tuple[int, ...], "size": int, "seed": int} of an `arith[:key=value,...]` spec; keyless
+    values after `level=` (alias `levels=`) are more levels: `arith:level=1,2,size=10`."""
     head, _, body = spec.partition(":")
     if head != "arith":
         raise ValueError(f"not an arith spec: {spec!r}")

@@ -1,19 +1,7 @@
-"""Evaluation across Ray actors: `treeserve eval --workers N [--ray-address ADDR] [--cpus-per-worker C]`.
-
-Owns the distributed run: joining (or starting) a Ray cluster, one `EvalWorker` actor per
-worker, handing problems out as workers free up, retrying the problems of workers that die,
-and merging the workers' counters. Each actor hosts one runtime (generator + PRM) built as
-the single-process runner builds it and searches one problem per call, up to `window` calls
-at once (continuous problem batching inside the worker); when a call returns, the driver gives
-that worker the next problem, so a faster worker takes more. Grading and the results document
-are the runner's (`grade_and_report`), so a distributed run writes the single-process JSON:
-search seeds depend only on (run seed, problem, beam lineage), so the completions, step scores
-(up to float rounding from batch shapes, as between the optimised and reference paths) and
-answers are the single-process run's, plus `workers`, `worker_failures` and `retried_problems`.
-
-Never imports ray at module level (it is the optional `treeserve[ray]` extra) and never
-searches in the driver process.
-"""
+"""`treeserve eval --workers N` on Ray: one `EvalWorker` actor (one runtime) per worker, problems handed
+out as workers free up, a dead or hung worker's problems retried, counters merged. Seeds depend only on
+(run seed, problem, beam lineage), so the results are the single-process run's plus `workers`,
+`worker_failures` and `retried_problems`. Ray (the `treeserve[ray]` extra) is imported lazily."""
 
 from __future__ import annotations
 
@@ -74,11 +62,8 @@ class RayOptions:
     workers: int
     address: str | None = None  # an existing cluster ("auto" or "HEAD_IP:6379"); None starts one here
     cpus_per_worker: int = 1  # Ray's num_cpus per actor and its torch threads
-    # a busy worker that does not answer a heartbeat for this long (its event loop is stuck: a hung
-    # step) is killed and its problems go to the others, as if it had died
-    heartbeat_timeout_s: float = 120.0
-    # tests only: worker index -> that worker's process exits (os._exit) as it finishes its k-th problem,
-    # or (hang_after) its event loop blocks for good there
+    heartbeat_timeout_s: float = 120.0  # a busy worker silent this long is hung: killed, as if it had died
+    # tests only: worker index -> it exits (crash_after) or blocks its event loop (hang_after) at its k-th problem
     crash_after: dict[int, int] = field(default_factory=dict)
     hang_after: dict[int, int] = field(default_factory=dict)
 
@@ -118,9 +103,7 @@ class EvalWorker:
         self.grader = Grader()  # adaptive search's answer keys (math kinds start worker processes when used)
         self.kinds: dict[str, str] = {}  # unique id -> grader kind, of the problems sent here
         self.ctx = search_context(settings, config, self.runtime, self.grader, self.kinds)
-        # a budget's share is the whole run's (this worker searches one problem a call; its own
-        # spend, not the other workers', counts toward the budget being spent)
-        self.ctx.expect(run_problems)
+        self.ctx.expect(run_problems)  # budget shares are the whole run's; only this worker's spend counts
         self.finished = 0
         self.crash_after, self.hang_after = crash_after, hang_after
 
@@ -155,8 +138,7 @@ class EvalWorker:
 
 
 def _local_path(path: str, driver_assets: str) -> str:
-    """The shipped models travel with the package: a path into the driver's assets folder
-    means this node's assets folder (the package may be installed elsewhere here)."""
+    """A path into the driver's assets folder means this node's (the package may be installed elsewhere)."""
     if path and Path(path).is_relative_to(driver_assets):
         return str(ASSETS / Path(path).relative_to(driver_assets))
     return path
@@ -171,16 +153,13 @@ def run_eval_distributed(
     resume: bool = False,
     grace: float | None = None,
 ) -> dict:
-    """`run_eval` on `options.workers` Ray actors; the same results document, plus the run's
-    `workers`, `worker_failures` and `retried_problems` (unique ids) in its summary. The driver
-    keeps the journal (`output`, `resume`) and handles the signals (`grace`) as `run_eval` does."""
+    """`run_eval` on `options.workers` Ray actors; the driver keeps the journal and handles signals."""
     options.check()
     records = load_problems(settings, inline)
     check_reasoning(settings, config)
     if settings.reference:
         config = config.reference()
-    # each worker keeps up to `window` problems in flight: enough for full batches, few enough
-    # that at least half the problems are handed out as workers free up
+    # problems in flight per worker: enough for full batches, few enough that half are handed out as workers free up
     window = min(config.max_concurrent_problems, max(1, math.ceil(len(records) / (2 * options.workers))))
     distributed = {
         "workers": options.workers,
@@ -216,8 +195,7 @@ def run_eval_distributed(
 
 
 def _connect(ray: Any, options: RayOptions) -> bool:
-    """Join the cluster (or use the one this process already has, or start one here); True
-    when this call started Ray and so must shut it down."""
+    """Join, reuse or start a Ray cluster; True when this call started Ray (and so must shut it down)."""
     if ray.is_initialized():
         started = False
     elif options.address:
@@ -288,9 +266,8 @@ class ProblemDispatch:
         self.bar: tqdm | None = None
 
     def run(self, recorder: Recorder, grace: float | None = None) -> dict:
-        """Search every problem, each recorded by `recorder` as it comes back; the summary's
-        distributed fields. With `grace`, SIGINT/SIGTERM stop handing out problems and give
-        those in flight `grace` seconds."""
+        """Search every problem, recording each as it returns; the summary's distributed fields.
+        With `grace`, SIGINT/SIGTERM stop handing out problems and give those in flight `grace` s."""
         ray, options = self.ray, self.options
         self.recorder = recorder
         begin = time.perf_counter()
@@ -364,8 +341,7 @@ class ProblemDispatch:
         return _Slot(index, actor, self.actors, actor.ready.remote())
 
     def _dispatch(self) -> tuple[list[float], list[float]]:
-        """Run until every problem has its result; returns each result's search time in its
-        worker and its dispatch overhead (seconds from submitting to receiving it, minus that)."""
+        """Run until every problem is answered; (search seconds, dispatch overhead seconds) per result."""
         ray = self.ray
         seconds: list[float] = []
         overheads: list[float] = []
@@ -418,8 +394,7 @@ class ProblemDispatch:
                 slot.in_flight += 1
 
     def _heartbeats(self) -> None:
-        """Ping every busy worker every HEARTBEAT_S; one that leaves a ping unanswered for
-        `heartbeat_timeout_s` is hung: killed, its problems retried elsewhere (as for a death)."""
+        """Ping busy workers; one silent for `heartbeat_timeout_s` is treated as dead."""
         now, timeout = time.perf_counter(), self.options.heartbeat_timeout_s
         for slot in self.slots:
             if not slot.alive or slot.ready is not None or not slot.in_flight:
@@ -450,8 +425,7 @@ class ProblemDispatch:
             _log(f"worker {slot.index} could not be restarted ({_reason(e)}); going on without it")
 
     def _lost(self, slot: _Slot, i: int, error: Exception) -> None:
-        """A call failed because its worker died: the problem goes back to the front of the queue,
-        and the worker's place gets a new actor (while replacements are left)."""
+        """A call's worker died: requeue the problem at the front and replace the actor while restarts remain."""
         uid = str(self.records[i]["unique_id"])
         self.attempts[i] += 1
         if self.attempts[i] >= MAX_ATTEMPTS:

@@ -1,25 +1,7 @@
-"""Grading: extract final answers from completions, decide correctness, group equal answers.
-
-Owns `extract_answer` (the last `\\boxed{...}`; of a reasoning model's text, the last after
-`</think>` when it has one) and `Grader`, which grades many
-(prediction, gold answer, kind) items at once:
-
-* kind `"arith"`: the exact integer value, via `treeserve.eval.arith`, in this process.
-* kind `"math"`: `math_verify.verify(parse('\\boxed{gold}'), parse(pred))`, run in worker
-  processes (`ProcessPoolExecutor`, forkserver or spawn context). math-verify's own timeout
-  uses `signal.alarm`, which only works in a main thread; a worker runs each item in its main
-  thread under a `setitimer` deadline instead, and the parent kills and restarts the workers
-  when an item overruns that deadline anyway (code that never returns to the interpreter).
-  An item that times out counts as wrong; grading never hangs.
-
-A prediction is an extracted answer (`extract_answer`'s output) or a text that contains
-`\\boxed{...}`; `None` (no answer) is always wrong. `Grader.answer_keys` / `equivalent`
-give answers a canonical key (math: math-verify's parse, falling back to the stripped
-string) so majority and weighted voting group `\\frac12` with `0.5`. Keys, not pairwise
-`verify`, define equivalence, so grouping is transitive.
-
-It never calls an engine; results are cached per Grader, so grading the same pair twice is free.
-"""
+"""Answer extraction (`extract_answer`) and grading (`Grader`): kind "arith" exactly in-process, kind "math"
+by math-verify in worker processes under a per-item deadline (an overrun kills the workers; the item is
+wrong, grading never hangs). Voting groups answers by canonical keys, not pairwise `verify`, so grouping
+is transitive (`\\frac12` with `0.5`). A `None` prediction is always wrong."""
 
 from __future__ import annotations
 
@@ -44,17 +26,14 @@ _MAX_ATTEMPTS = 3  # an item whose worker dies this many times is counted wrong
 
 
 def extract_answer(completion_text: str, reasoning: bool = False) -> str | None:
-    """The content of the last `\\boxed{...}` (braces balanced), stripped; None if absent or empty.
-    With `reasoning`, of the text after the last `</think>` when there is one (a box inside the
-    think block is not the answer)."""
+    """The last `\\boxed{...}`'s content, stripped, or None; with `reasoning`, only after the last `</think>`."""
     if reasoning:
         completion_text = completion_text.rpartition(THINK_END)[2]
     answer = arith.extract_boxed(completion_text)
     return answer if answer else None
 
 
-# ---------------------------------------------------------------------------------------------
-# Work done inside worker processes (module level, so it pickles by reference).
+# Run inside worker processes (module level, so it pickles by reference).
 
 
 def verify_math(gold: str, pred: str) -> bool:
@@ -102,7 +81,7 @@ def _init_worker() -> None:
     import math_verify
 
     logging.getLogger("math_verify").setLevel(logging.ERROR)
-    # The first parse builds math-verify's grammars (~0.15 s): pay it here, not in an item's deadline.
+    # builds math-verify's grammars here, outside any item's deadline
     math_verify.parse("\\boxed{\\frac{1}{2}}", parsing_timeout=None)
     signal.signal(signal.SIGALRM, _on_alarm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
@@ -130,12 +109,9 @@ def _call_with_deadline(fn: Callable[..., Any], args: tuple, timeout_s: float) -
         signal.setitimer(signal.ITIMER_REAL, 0)
 
 
-# ---------------------------------------------------------------------------------------------
-
-
 @dataclass
 class GradingStats:
-    """What a Grader did: items graded, answers keyed, and how many ran out of time or failed."""
+    """Counts of what a Grader did."""
 
     graded: int = 0
     keyed: int = 0
@@ -147,13 +123,9 @@ class GradingStats:
 
 
 class Grader:
-    """Grades (prediction, gold, kind) items in batches; a context manager owning its worker processes.
-
-    `timeout_s` bounds each math item in a worker; the parent kills the workers when an item
-    runs past `timeout_s + kill_grace_s`. `verify_fn(gold, pred)` and `key_fn(answer)` must be
-    module-level functions (they run in the workers); the defaults are `verify_math` and `math_key`.
-    Workers start at the first math item, not before, so arith-only use spawns nothing.
-    """
+    """Grades (prediction, gold, kind) items in batches; a context manager owning its worker processes,
+    started at the first math item. `timeout_s` bounds each math item; the parent kills the workers
+    past `timeout_s + kill_grace_s`. `verify_fn` and `key_fn` must be module-level (they run in workers)."""
 
     def __init__(
         self,
@@ -178,8 +150,6 @@ class Grader:
         self._verdicts: dict[tuple[str, str, str], bool] = {}
         self._keys: dict[tuple[str, str], str] = {}
         self._pool: ProcessPoolExecutor | None = None
-
-    # -- public API ----------------------------------------------------------------------------
 
     def grade(self, pred: str | None, answer: str, kind: str) -> bool:
         """Whether one prediction matches the gold answer."""
@@ -267,14 +237,9 @@ class Grader:
             with contextlib.suppress(Exception):  # at interpreter exit multiprocessing may be torn down
                 self._kill_pool()
 
-    # -- worker pool ---------------------------------------------------------------------------
-
     def _run(self, fn: Callable[..., Any], calls: list[tuple]) -> list[tuple[str, Any]]:
-        """fn(*args) for each args in `calls`, in workers, at most one in flight per worker.
-
-        Keeping in-flight items <= workers means an item starts when it is submitted, so its
-        deadline can be measured from the submit time.
-        """
+        """fn(*args) for each of `calls` in workers, at most one in flight per worker (so an item
+        starts when submitted, and its deadline counts from then)."""
         results: list[tuple[str, Any] | None] = [None] * len(calls)
         attempts = [0] * len(calls)
         todo = deque(range(len(calls)))
@@ -324,7 +289,6 @@ class Grader:
             return self._pool
         if "forkserver" in multiprocessing.get_all_start_methods():
             context = multiprocessing.get_context("forkserver")
-            # Import once in the fork server (if it is not running yet), so each worker forks ready.
             context.set_forkserver_preload([__name__, "math_verify"])
         else:
             context = multiprocessing.get_context("spawn")
@@ -348,7 +312,7 @@ class Grader:
         pool, self._pool = self._pool, None
         if pool is None:
             return
-        # ProcessPoolExecutor cannot stop a running call (Python < 3.14 has no kill_workers): kill the processes.
+        # a running call cannot be cancelled (no kill_workers before Python 3.14): kill the processes
         for process in list((getattr(pool, "_processes", None) or {}).values()):
             if process.is_alive():
                 process.kill()

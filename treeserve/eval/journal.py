@@ -1,19 +1,7 @@
-"""The journal of an evaluation run: `OUTPUT.partial.jsonl`, what lets a killed run resume.
-
-Owns that file. Its first line is the run's header, `{"journal": 1, "config": {...}}` (the
-results document's config); every later line is one finished problem::
-
-    {"record": {...},        # its record, exactly as in the results JSON's "problems"
-     "session": "...",       # which invocation wrote it (a resumed run is a new session)
-     "elapsed_s": 12.5,      # seconds that session had been searching when the problem finished
-     "counters": {...}}      # the session's run counters at that moment (runner.run_counters)
-
-Each line is flushed and fsynced as its problem finishes, so a kill loses at most the problems
-in flight. A run whose output already has a journal resumes it: the configs must agree (keys
-in OPERATIONAL may differ), finished problems are skipped, and the final document is built
-from the journal's records, so it equals an uninterrupted run's. A line that does not parse
-(a write the kill tore) is dropped with a warning and its problem is searched again.
-"""
+"""`OUTPUT.partial.jsonl`, which lets a killed run resume: a header `{"journal": 1, "config": {...}}`, then
+one fsynced line per finished problem `{"record", "session", "elapsed_s", "counters"}` (elapsed and
+counters: that session's so far). Resuming needs an equal config (OPERATIONAL keys aside), skips finished
+problems and drops torn lines; the final document equals an uninterrupted run's."""
 
 from __future__ import annotations
 
@@ -61,8 +49,8 @@ class Journal:
 
     @classmethod
     def open(cls, path: str | Path | None, config: Mapping[str, Any], resume: bool = False) -> Journal:
-        """The journal at `path`: a new one, or the existing one after checking its config.
-        `resume` demands an existing journal. Raises ValueError before anything is searched."""
+        """A new journal at `path`, or the existing one once its config checks out (ValueError if not);
+        `resume` demands an existing one."""
         config = json.loads(json.dumps(config))  # as it reads back from the file
         if path is None:
             return cls(None, config)
@@ -151,9 +139,8 @@ def config_differences(
     new_name: str = "now",
     prefix: str = "",
 ) -> list[str]:
-    """'key: X in the file, Y now' for every (nested) key whose value differs, OPERATIONAL keys (and
-    MODEL_OPERATIONAL keys of a model's settings) aside. A key the file lacks whose value is now
-    empty (None, False, 0, "", [], {}) is a setting added since, at its default: the same run."""
+    """'key: X in the file, Y now' per differing (nested) key, operational keys aside; a key the file
+    lacks whose value is now empty is a setting added since, at its default: the same run."""
     out = []
     for key in sorted(set(old) | set(new)):
         if (not prefix and key in OPERATIONAL) or (prefix in MODEL_SECTIONS and key in MODEL_OPERATIONAL):

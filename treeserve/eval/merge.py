@@ -1,13 +1,6 @@
-"""`treeserve merge`: one results document from the shards of a run (`eval --shard i/k`).
-
-Shard i of k holds the dataset's problems i, i+k, i+2k, ... (`runner.load_problems`), so the
-merged problems are interleaved back into dataset order. The shards must come from one run:
-configs equal apart from `shard`, `num_problems` and the operational keys, every index
-0..k-1 exactly once, each shard's size the one its index gets, no problem twice. The summary
-is recomputed from the merged records; counters (tokens, cache hits) and search seconds are
-summed over the shards, so `problems_per_s` is per machine-second, not the shards' parallel
-wall time.
-"""
+"""`treeserve merge`: one results document from the shards of one run (`eval --shard i/k`; shard i holds
+problems i, i+k, ...), interleaved back into dataset order. The summary is recomputed; counters and search
+seconds are summed, so `problems_per_s` is per machine-second, not the shards' parallel wall time."""
 
 from __future__ import annotations
 

@@ -1,34 +1,7 @@
-"""Metrics of a test-time search run: step-score aggregation, answer selection, accuracies.
-
-Owns the aggregates search-and-learn (huggingface/search-and-learn, `sal/utils/score.py`)
-reports, as plain functions over graded completions:
-
-* step-score aggregation `agg`: `last` (the PRM's score of the final step), `min`, `prod`;
-* selection among a problem's completions:
-  - `naive`: the completion with the highest aggregated score (ties: the first);
-  - `weighted`: sum the aggregated scores per group of equivalent answers, pick the best group;
-  - `majority`: the most frequent group (ties: the group seen first);
-* each evaluated on the first n completions for n = 1, 2, 4, ... <= N (search-and-learn's
-  subsampling), plus N itself when N is not a power of two;
-* `pass@N` (any completion correct), accuracy overall and by level, and the 95% Wilson
-  interval of an accuracy (the benchmarks report it).
-
-A run's headline accuracy is one rule's: `DEFAULT_SELECTION[strategy]` unless the user chose
-another (`--select`). The summary names it (`accuracy_rule`) beside every rule's accuracy at N
-(`accuracy_by_rule`), and `describe_accuracy` writes the line the CLI prints, so a number is
-never read under the wrong rule. search-and-learn's `pred` is `naive` for every strategy
-(`sal/search/best_of_n.py` l. 90, `beam_search.py` l. 217, `diverse_verifier_tree_search.py`
-l. 176-178: the argmax of the aggregated scores); its `score` computes all three at each n.
-
-Differences from search-and-learn, on purpose: a completion with no final answer does not vote
-in `weighted`/`majority` (search-and-learn votes for the empty string); a completion with no
-step scores gets the aggregated score 0.0. A pick is the *index* of a completion, so its
-correctness is that completion's grade (for a group, the grade of its first member).
-
-Answer equivalence comes from outside (`ScoredCompletion.group`, e.g. from
-`treeserve.eval.grading.Grader.answer_keys` via `group_ids`); without groups, answers are
-compared as stripped strings. Nothing here grades, parses LaTeX or calls an engine.
-"""
+"""search-and-learn's metrics (`sal/utils/score.py`) over graded completions: step-score aggregation
+(last, min, prod), selection (naive, weighted, majority) on the first n = 1, 2, 4, ... <= N completions,
+pass@N, accuracy by level, Wilson intervals. Unlike search-and-learn, a completion with no answer does
+not vote. Answer equivalence comes from outside (`ScoredCompletion.group`); nothing here grades."""
 
 from __future__ import annotations
 
@@ -179,10 +152,8 @@ def _mean(values: Sequence[bool]) -> float:
 
 
 def accuracy_at_n(problems: Sequence[ProblemOutcome], method: str, agg: str = "last") -> dict[int, float]:
-    """{n: accuracy of `method` on each problem's first n completions} for n in subsample_sizes(N).
-
-    N is the largest number of completions of any problem; a problem with fewer uses all of its own.
-    """
+    """{n: accuracy of `method` on each problem's first n completions} for n in subsample_sizes(N),
+    N the most completions of any problem."""
     num = max((len(p.completions) for p in problems), default=0)
     table: dict[int, float] = {}
     for n in subsample_sizes(num):
@@ -215,12 +186,7 @@ def accuracy_by_level(problems: Sequence[ProblemOutcome]) -> dict[str, float]:
 
 
 def summarize(problems: Sequence[ProblemOutcome], agg: str = "last", rule: str | None = None) -> dict:
-    """The quality half of a results summary (JSON-ready: table keys are strings).
-
-    Keys: num_problems, accuracy, accuracy_rule (`rule`: the selection that chose each problem's
-    answer, None when unknown), accuracy_by_rule ({rule: accuracy at N} for every selection and
-    pass@N), accuracy_by_level, agg, N, naive@n, weighted@n, majority@n, pass@n, pass@N.
-    """
+    """The quality half of a results summary (JSON-ready; `rule` chose each problem's answer, None if unknown)."""
     if rule is not None and rule not in SELECTIONS:
         raise ValueError(f"accuracy rule must be one of {SELECTIONS}, got {rule!r}")
     num = max((len(p.completions) for p in problems), default=0)
@@ -243,9 +209,7 @@ def summarize(problems: Sequence[ProblemOutcome], agg: str = "last", rule: str |
 
 
 def describe_accuracy(summary: dict) -> str:
-    """`accuracy 0.600 (weighted@16; naive 0.525, majority 0.600, pass@16 0.625)`: the headline
-    accuracy, the rule that produced it, and the others at the same N. Summaries written before
-    rules were recorded say `rule not recorded`."""
+    """`accuracy 0.600 (weighted@16; naive 0.525, majority 0.600, pass@16 0.625)`: headline rule first."""
     rule, num, by_rule = summary.get("accuracy_rule"), summary.get("N"), summary.get("accuracy_by_rule")
     head = f"accuracy {summary['accuracy']:.3f}"
     if by_rule is None:

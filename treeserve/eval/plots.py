@@ -1,29 +1,6 @@
-"""Plots of evaluation results: accuracy against the number of completions N, or against compute.
-
-Owns `plot_accuracy_vs_n`, which reads results documents (`treeserve.eval.report`) and draws
-accuracy vs N on a log2 axis, the figure of search-and-learn and "Scaling test-time compute":
-
-* a results file whose summary has `naive@n` / `weighted@n` / `majority@n` tables gets one
-  line per table, labelled `<strategy> N=<n>: <method>`, the rule of its headline accuracy
-  marked `(headline)`;
-* files without tables add one point (their `accuracy` at their N) to a line per strategy and
-  answer rule, so separate beam-search runs at N = 4, 16, 64 form one line.
-
-`plot_accuracy_vs_compute` (`treeserve plot --x computed-tokens`) places each file at its
-summary's `computed_tokens` (every token the generator and the PRM ran) and its headline
-accuracy, one point per file labelled with its strategy, N and, for an adaptive run, its
-certainty threshold, first width and budget (given, picked by the run, or none; the
-default, `--adaptive` alone, starred), and draws the Pareto front (`pareto_front`) as a
-step line: the best accuracy any run reached within a number of computed tokens. With `lines`,
-each series' points (a strategy's fixed runs) are joined in order of computed tokens.
-
-Unless given a title, the figure's title names each file's headline rule (`headline_title`).
-`plot_pages` draws a run's page log; its pages panel (`draw_pages`) is also `treeserve
-profile`'s timeline (`profile_plots.py`).
-
-It uses matplotlib's object API with the Agg canvas (no pyplot, no global backend change),
-imported only when a plot is drawn. It never computes metrics itself.
-"""
+"""`treeserve plot`: accuracy vs N (log2; one line per @n table, or one point per file without tables),
+accuracy vs computed tokens with the Pareto front, and a run's page log. Titles name each file's headline
+rule. matplotlib's object API on the Agg canvas (no pyplot), imported only when a plot is drawn."""
 
 from __future__ import annotations
 
@@ -48,8 +25,7 @@ def _label(config: dict, path: Path) -> tuple[str, int | None]:
 
 
 def headline_title(results: Sequence[tuple[Path, dict]], what: str = "accuracy vs N", with_n: bool = True) -> str:
-    """`accuracy vs N; headline rule: beam_search N=16 weighted, best_of_n N=16 naive` (without
-    N, `with_n=False`: one entry per strategy and rule)."""
+    """`accuracy vs N; headline rule: beam_search N=16 weighted, best_of_n N=16 naive`."""
     heads: list[str] = []
     for path, document in results:
         strategy, n = _label(document["config"], path)
@@ -117,9 +93,7 @@ def plot_accuracy_vs_n(results_paths: Sequence[str | Path], out_png: str | Path,
 
 
 def pareto_front(points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The (cost, accuracy) points no other point beats: none has at most their cost and at
-    least their accuracy, one of the two strictly. Sorted by cost (accuracy rises along them);
-    of equal points, one is kept."""
+    """The (cost, accuracy) points no other point beats, sorted by cost; of equal points, one is kept."""
     front: list[tuple[float, float]] = []
     for cost, accuracy in sorted(points, key=lambda p: (p[0], -p[1])):
         if not front or accuracy > front[-1][1]:
@@ -161,7 +135,7 @@ def plot_accuracy_vs_compute(
     results_paths: Sequence[str | Path], out_png: str | Path, title: str | None = None, lines: bool = False
 ) -> Path:
     """Draw each file's accuracy vs its computed tokens, with their Pareto front, into `out_png`;
-    with `lines`, one line per series (bench/strategies.py: per strategy)."""
+    with `lines`, each series (a strategy's fixed or adaptive runs) joined by cost."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -204,9 +178,8 @@ def plot_accuracy_vs_compute(
 
 
 def plot_pages(page_logs: dict[str, list[dict]], out_png: str | Path) -> Path:
-    """A run's page log (`eval --page-logs`: one row per engine step, `kv/stats.py`'s columns)
-    as two panels: each model's pages in use and cached, and the free pages, over time; and
-    each model's prefix-cache hit rate so far (cumulative hits / lookups) over time."""
+    """A run's page log (`eval --page-logs`, `kv/stats.py`'s columns): pages and cumulative prefix-cache
+    hit rate over time."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -229,9 +202,8 @@ def plot_pages(page_logs: dict[str, list[dict]], out_png: str | Path) -> Path:
 
 
 def draw_pages(ax: Any, page_logs: dict[str, list[dict]], title: str, free: str | None) -> None:
-    """The pages panel: each model's pages in use (solid) and cached (dashed) over time, from
-    its page log's rows (`kv/stats.py`'s columns), and, labelled `free` unless it is None, the
-    free pages of the first model's pool (all models' when they share one arena)."""
+    """Each model's pages in use (solid) and cached (dashed) over time, and unless `free` is None the
+    first model's free pages (all models' when they share one arena); also `treeserve profile`'s."""
     for name, rows in page_logs.items():
         t = [r["time_s"] for r in rows]
         ax.plot(t, [r["in_use"] for r in rows], label=f"{name} in use")

@@ -1,14 +1,7 @@
-"""Memory and batching investigations on the arithmetic beam-search workload (thesis chapter 6).
-
-Each measurement is one real `run_eval` of PRM-guided beam search under one memory layout
-(one shared arena, or a static split giving the PRM a share) and one batch setting
-(`max_num_seqs`, `max_num_batched_tokens` for both models), reduced to a `Measurement`:
-end-to-end problems/min, each model's throughput (generated tokens per second of generator
-step time; PRM tokens computed per second of PRM step time), prefix-cache hit rates,
-evictions, thrash and preemptions. `profile` runs the sweeps behind `treeserve profile`
-(page timeline, budgets, splits, batch settings); `tune` runs the grid of `treeserve tune`
-and applies the min-max rule of `treeserve.runtime.tuner`.
-"""
+"""`treeserve profile` and `treeserve tune` (thesis chapter 6): real `run_eval`s of arithmetic beam search
+per memory layout (a shared arena or a static PRM share) and batch setting, each reduced to a
+`Measurement`; throughputs are tokens per second of that model's step time. `tune` picks by
+`treeserve.runtime.tuner`'s min-max rule."""
 
 from __future__ import annotations
 

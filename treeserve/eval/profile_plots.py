@@ -1,13 +1,6 @@
-"""The figures of `treeserve profile` (thesis figures 6.1-6.7), drawn from its profile.json document.
-
-- timeline.png: pages in use and cached per model, and free pages, over time (6.2/6.3);
-- budget.png: prefix-cache hit rate per model and thrash events against the KV budget (6.6/6.7);
-- split.png: problems/min against the PRM's static share of KV, one line per budget, the
-  shared arena as a dashed line at its budget's colour (6.1);
-- batch.png: each model's throughput over max_num_seqs x max_num_batched_tokens (6.4/6.5).
-
-matplotlib's object API with the Agg canvas (no pyplot), as in `plots.py`.
-"""
+"""The figures of `treeserve profile` (thesis figures 6.1-6.7) from its profile.json: timeline.png (pages
+over time), budget.png (hit rate and thrash vs KV budget), split.png (problems/min vs the PRM's share),
+batch.png (throughput over the batch grid). matplotlib's object API on Agg, as in `plots.py`."""
 
 from __future__ import annotations
 

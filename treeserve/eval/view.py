@@ -1,15 +1,6 @@
-"""`treeserve view`: a run's searches as one self-contained HTML page (no network needed).
-
-Owns the page: an index (every problem's verdict, answers, tokens and time, per results file)
-as JSON, each problem's whole record (completions and search trace, `search/trace.py`) as
-gzip + base64 that the page inflates when the problem is opened (so 500 problems at N=64 load
-in seconds), the run's plots as inline PNGs, and the script and styles of `view_assets/`. An
-adaptive search's problems say where they stopped and why (`stop_line`, from the record's or
-its trace's `stop`).
-Two files of the same problems are shown side by side. Nothing from a results file is put
-into the HTML as markup: the data sit in script elements (JSON with `<`, `>`, `&` escaped, or
-base64), and the script sets every text as textContent.
-"""
+"""`treeserve view`: one self-contained HTML page of a run's searches (two files side by side): a JSON
+index, each problem's record as gzip + base64 inflated on opening, inline plots, `view_assets/`.
+Nothing from a results file becomes markup: data sit in script elements, and the script sets textContent."""
 
 from __future__ import annotations
 
@@ -62,10 +53,8 @@ UNITS = {"beam_search": "iteration", "dvts": "wave"}  # the unit adaptive decisi
 
 
 def stop_line(stop: dict | None, search: dict) -> str | None:
-    """Where a problem's search stopped and why, from its `stop` record (`SearchContext.decide`'s,
-    or a `/v1/search` deadline's), e.g. "stopped at iteration 3: settled (certainty 0.93 >= 0.9),
-    widths 4 > 8 > 16": the certainty it stopped with, against the threshold when `search` (the
-    run's search config) records one, and its widths, repeats dropped. None when it has none."""
+    """E.g. "stopped at iteration 3: settled (certainty 0.93 >= 0.9), widths 4 > 8 > 16", from a
+    `stop` record (`SearchContext.decide`'s or a `/v1/search` deadline's); None without one."""
     if not stop or "reason" not in stop:
         return None
     reason = stop["reason"]
@@ -100,8 +89,7 @@ def _index_entry(i: int, p: dict, search: dict) -> dict:
 
 
 def _plots(paths: Sequence[Path], documents: Sequence[dict]) -> list[dict]:
-    """The run's plots as data URLs: accuracy vs N, and pages and prefix hits over time when
-    the run kept its page logs (`eval --page-logs`)."""
+    """The run's plots as data URLs: accuracy vs N, and its page log's when it kept one."""
     from treeserve.eval.plots import plot_accuracy_vs_n, plot_pages
 
     out = []
