@@ -26,10 +26,9 @@ from treeserve.engine.cuda_graphs import DecodeGraphs
 from treeserve.engine.dedup import Twins
 from treeserve.engine.forward_batch import ForwardBatch, attention_inputs, micro_batches
 from treeserve.engine.inference_mode import inference_mode
-from treeserve.engine.penalties import adjust_logits
-from treeserve.engine.sampler import Draw, sample, sample_masked, token_logprobs
+from treeserve.engine.sampler import Draw, sample_plan, token_logprobs
 from treeserve.engine.staging import Staging
-from treeserve.engine.step_plan import SamplePlan, ScorePlan, StepPlan
+from treeserve.engine.step_plan import ScorePlan, StepPlan
 from treeserve.engine.step_result import PreviousStepFailed, StepResult
 from treeserve.kv.arena import KVArena
 
@@ -98,7 +97,10 @@ class ModelRunner:
         if twins:
             hidden = twins.expand(hidden, self.arena, self.staging.to_device)
         if plan.sample is not None:
-            self._sample(plan.sample, hidden, result)
+            result.tokens, result.logprobs = sample_plan(
+                plan.sample, hidden, self.compute_logits, self.staging.to_device, self.draw, self.vocab_size
+            )
+            result.host_tokens = to_host(result.tokens)
         if plan.scores is not None:
             self._score(plan.scores, hidden, result)
         for read in plan.prompt_logprobs:
@@ -183,56 +185,6 @@ class ModelRunner:
             tokens[at] = fill[2][source]
         attn = AttentionBatch(self.arena, slot_pages, slot_offsets, groups, self.backend, self.scale)
         return tokens, positions, attn
-
-    def _sample(self, plan: SamplePlan, hidden: torch.Tensor, result: StepResult) -> None:
-        params = plan.params
-        (index,) = self.staging.to_device(plan.rows)
-        states = hidden.index_select(0, index)
-        scaled = states
-        if not params.all_greedy:  # x / 1 is x: greedy and T=1 batches skip the division
-            divisors = params.divisors()
-            if plan.edited:
-                divisors[plan.edited] = 1.0  # edited rows: raw logits, edited, then divided by the temperature
-            if (divisors != 1.0).any():
-                (scale,) = self.staging.to_device(torch.from_numpy(divisors).to(states.dtype)[:, None])
-                scaled = states / scale
-        logits = self.compute_logits(scaled, float32=False)
-        if plan.edited:
-            tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
-            plain = sorted(set(range(len(params))) - set(plan.edited))
-            if plain:
-                tokens[plain] = self._draw(plan, plain, logits[plain])
-            raw = adjust_logits(logits[plan.edited].float(), plan.histories)
-            (temps,) = self.staging.to_device(torch.from_numpy(params.take(plan.edited).divisors()).float()[:, None])
-            tokens[plan.edited] = self._draw(plan, plan.edited, raw / temps)
-        else:
-            tokens = self._draw(plan, None, logits)
-        if plan.logprob_rows:
-            wanted = torch.tensor(plan.logprob_rows, device=tokens.device)
-            raw = self.compute_logits(states[wanted])
-            result.logprobs = token_logprobs(raw, tokens[wanted], plan.logprobs_k)
-        result.tokens = tokens
-        result.host_tokens = to_host(tokens)
-
-    def _draw(self, plan: SamplePlan, rows: list[int] | None, scaled: torch.Tensor) -> torch.Tensor:
-        """Tokens of sample rows `rows` (None: all) from their scaled logits; constrained rows over
-        what their constraint allows."""
-        if not plan.guided:
-            return sample(scaled, plan.params if rows is None else plan.params.take(rows), self.draw)
-        rows = list(range(len(plan.params))) if rows is None else rows
-        params = plan.params.take(rows)
-        mask_of = {row: i for i, row in enumerate(plan.guided)}
-        guided = [i for i, row in enumerate(rows) if row in mask_of]
-        if not guided:
-            return sample(scaled, params, self.draw)
-        masks = plan.masks[[mask_of[rows[i]] for i in guided]]
-        if len(guided) == len(rows):
-            return sample_masked(scaled, params, masks, self.vocab_size, self.draw)
-        tokens = torch.empty(len(rows), dtype=torch.long, device=scaled.device)
-        free = sorted(set(range(len(rows))) - set(guided))
-        tokens[free] = sample(scaled[free], params.take(free), self.draw)
-        tokens[guided] = sample_masked(scaled[guided], params.take(guided), masks, self.vocab_size, self.draw)
-        return tokens
 
     def _score(self, plan: ScorePlan, hidden: torch.Tensor, result: StepResult) -> None:
         (index,) = self.staging.to_device(plan.rows)

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from treeserve.engine.guided import unpack
+from treeserve.engine.penalties import RowHistory, adjust_logits
 from treeserve.kernels import cpu as cpu_kernels
 
 _M64 = (1 << 64) - 1
@@ -136,6 +137,81 @@ def _draw_triton(scaled: torch.Tensor, rows: SamplingBatch) -> torch.Tensor:
 
     uniforms = torch.from_numpy(rows.uniform).to(scaled.device, non_blocking=True)
     return sample_rows(scaled, uniforms)
+
+
+LMHead = Callable[[torch.Tensor, bool], torch.Tensor]  # (hidden rows, float32) -> logits
+ToDevice = Callable[..., list[torch.Tensor]]  # host tensors of one dtype -> the same on the device
+
+
+@dataclass
+class SamplePlan:
+    """What a step samples: rows of its (full) hidden states and each row's parameters."""
+
+    rows: torch.Tensor  # [S] flat row indices
+    params: SamplingBatch
+    edited: list[int] = field(default_factory=list)  # rows whose raw logits get edits (penalties, bias, min_tokens)
+    histories: list[RowHistory] = field(default_factory=list)  # what those edits read, in the same order
+    guided: list[int] = field(default_factory=list)  # rows drawn among what their constraint allows ...
+    masks: torch.Tensor | None = None  # ... [len(guided), words] int32 bitmasks
+    logprob_rows: list[int] = field(default_factory=list)  # rows whose sampled token's logprobs are returned
+    logprobs_k: int = 0  # how many top alternatives they get
+
+
+def sample_plan(
+    plan: SamplePlan, hidden: torch.Tensor, lm_head: LMHead, to_device: ToDevice, draw: Draw | None, vocab: int
+) -> tuple[torch.Tensor, TokenLogprobs | None]:
+    """The tokens of `plan`'s rows of `hidden` ([S] on the device) and, for its logprob rows, their
+    logprobs: scaled logits, then the edited rows' raw logits edited and scaled, then the draws
+    (constrained rows under their masks), then logprobs of the raw distribution."""
+    params = plan.params
+    (index,) = to_device(plan.rows)
+    states = hidden.index_select(0, index)
+    scaled = states
+    if not params.all_greedy:  # x / 1 is x: greedy and T=1 batches skip the division
+        divisors = params.divisors()
+        if plan.edited:
+            divisors[plan.edited] = 1.0  # edited rows: raw logits, edited, then divided by the temperature
+        if (divisors != 1.0).any():
+            (scale,) = to_device(torch.from_numpy(divisors).to(states.dtype)[:, None])
+            scaled = states / scale
+    logits = lm_head(scaled, False)
+    if plan.edited:
+        raw = adjust_logits(logits[plan.edited].float(), plan.histories)
+        (temps,) = to_device(torch.from_numpy(params.take(plan.edited).divisors()).float()[:, None])
+        tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
+        plain = sorted(set(range(len(params))) - set(plan.edited))
+        if plain:
+            tokens[plain] = draw_rows(plan, plain, logits[plain], draw, vocab)
+        tokens[plan.edited] = draw_rows(plan, plan.edited, raw / temps, draw, vocab)
+    else:
+        tokens = draw_rows(plan, None, logits, draw, vocab)
+    if not plan.logprob_rows:
+        return tokens, None
+    wanted = torch.tensor(plan.logprob_rows, device=tokens.device)
+    return tokens, token_logprobs(lm_head(states[wanted], True), tokens[wanted], plan.logprobs_k)
+
+
+def draw_rows(
+    plan: SamplePlan, rows: list[int] | None, scaled: torch.Tensor, draw: Draw | None, vocab: int
+) -> torch.Tensor:
+    """Tokens of sample rows `rows` (None: all) from their scaled logits; constrained rows over
+    what their constraint allows."""
+    if not plan.guided:
+        return sample(scaled, plan.params if rows is None else plan.params.take(rows), draw)
+    rows = list(range(len(plan.params))) if rows is None else rows
+    params = plan.params.take(rows)
+    mask_of = {row: i for i, row in enumerate(plan.guided)}
+    guided = [i for i, row in enumerate(rows) if row in mask_of]
+    if not guided:
+        return sample(scaled, params, draw)
+    masks = plan.masks[[mask_of[rows[i]] for i in guided]]
+    if len(guided) == len(rows):
+        return sample_masked(scaled, params, masks, vocab, draw)
+    tokens = torch.empty(len(rows), dtype=torch.long, device=scaled.device)
+    free = sorted(set(range(len(rows))) - set(guided))
+    tokens[free] = sample(scaled[free], params.take(free), draw)
+    tokens[guided] = sample_masked(scaled[guided], params.take(guided), masks, vocab, draw)
+    return tokens
 
 
 def fused_draw(attention_backend: str) -> Draw | None:

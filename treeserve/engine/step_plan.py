@@ -17,26 +17,11 @@ import numpy as np
 import torch
 
 from treeserve.engine.forward_batch import ForwardBatch
-from treeserve.engine.penalties import RowHistory
-from treeserve.engine.sampler import SamplingBatch
+from treeserve.engine.sampler import SamplePlan
 
 if TYPE_CHECKING:
     from treeserve.engine.request import Request, Sequence
     from treeserve.engine.scheduler import ScheduledSeq
-
-
-@dataclass
-class SamplePlan:
-    """What a step samples: rows of its (full) hidden states and each row's parameters."""
-
-    rows: torch.Tensor  # [S] flat row indices
-    params: SamplingBatch
-    edited: list[int] = field(default_factory=list)  # rows whose raw logits get edits (penalties, bias, min_tokens)
-    histories: list[RowHistory] = field(default_factory=list)  # what those edits read, in the same order
-    guided: list[int] = field(default_factory=list)  # rows drawn among what their constraint allows ...
-    masks: torch.Tensor | None = None  # ... [len(guided), words] int32 bitmasks
-    logprob_rows: list[int] = field(default_factory=list)  # rows whose sampled token's logprobs are returned
-    logprobs_k: int = 0  # how many top alternatives they get
 
 
 @dataclass
