@@ -1,9 +1,5 @@
-"""treeserve: an LLM inference runtime built for test-time search.
-
-The public API mirrors vLLM's offline API: `LLM`, `SamplingParams`, `RequestOutput`.
-Names are imported on first use, so light submodules (grading workers, for example)
-do not pay for importing torch.
-"""
+"""treeserve: an LLM inference runtime built for test-time search, with vLLM's offline API (`LLM`,
+`SamplingParams`, `RequestOutput`). Names load on first use, so light submodules skip torch."""
 
 from importlib import import_module
 

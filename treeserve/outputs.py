@@ -38,16 +38,13 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
-    # SamplingParams.prompt_logprobs: per prompt token, None for the first, else the actual
-    # token's entry and the top k (vLLM's shape)
+    # per prompt token: None for the first, else the actual token's entry and the top k (vLLM's shape)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 def merged(*outputs: RequestOutput) -> RequestOutput:
-    """One `DELTA` output saying what consecutive ones say (for a consumer that fell behind, or
-    one that gathers a whole request), joined in one pass: per completion, the text, tokens and
-    logprobs of all; the prompt's logprobs from whichever has them (the first delta); the rest
-    as the newest says."""
+    """One `DELTA` output saying what consecutive ones say: per completion their text, tokens and
+    logprobs joined, the prompt's logprobs from whichever has them, the rest as the newest says."""
     parts: dict[int, list[CompletionOutput]] = {}
     for out in outputs:
         for c in out.outputs:

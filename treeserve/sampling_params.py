@@ -1,24 +1,19 @@
-"""Sampling and scoring parameters of one request (the vLLM-shaped public vocabulary).
-
-This module owns validation of per-request parameters: every bad value raises a
-`ValueError` naming the field before any engine state changes. It never touches tensors.
-"""
+"""Per-request sampling and scoring parameters (vLLM's vocabulary); a bad value raises a `ValueError`
+naming the field before any engine state changes."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
 
-# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS). The engine divides the hidden
-# state by the temperature in the model's dtype, where 1e-75 is 0 in bf16.
+# temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing by 1e-75 in bf16 divides by 0
 GREEDY_BELOW = 1e-5
 
 
 class RequestOutputKind(Enum):
-    """What a streamed request's outputs hold (vLLM's names): everything so far (`CUMULATIVE`),
-    what is new since the last output (`DELTA`: new tokens, their logprobs and new text; text a
-    stop string may still cut is held back until it cannot be), or one output at the end
-    (`FINAL_ONLY`). A request that does not stream has one output, the whole, whatever this says."""
+    """What a streamed request's outputs hold (vLLM's names): everything so far (`CUMULATIVE`), what
+    is new (`DELTA`; text a stop string may still cut is held back), or one output at the end
+    (`FINAL_ONLY`). A request that does not stream has one output, the whole."""
 
     CUMULATIVE = 0
     DELTA = 1
@@ -89,15 +84,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # transformers/vLLM: tokens in the prompt or the output
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     min_tokens: int = 0  # EOS and stop_token_ids are blocked until this many tokens exist
-    # Stop at the k-th occurrence of a stop string instead of the first (used by
-    # speculative tree expansion to decode several reasoning steps ahead).
-    n_stop_occurrences: int = 1
-    # constrained generation: masks from the constraint are applied before the seeded draw
-    structured_outputs: StructuredOutputsParams | None = None
-    # reasoning models: at most this many generated tokens in a `<think>` block before the engine
-    # writes `</think>` and the answer follows (None: no budget); max_tokens still bounds the whole
+    n_stop_occurrences: int = 1  # stop at the k-th stop-string occurrence (search decodes steps ahead)
+    structured_outputs: StructuredOutputsParams | None = None  # masks applied before the seeded draw
+    # at most this many tokens in a `<think>` block before `</think>` is written (None: none; max_tokens bounds all)
     max_thinking_tokens: int | None = None
-    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # a stream's outputs: the whole or what is new
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -190,13 +181,9 @@ class SamplingParams:
 
 @dataclass
 class ScoreParams:
-    """A forward-only request: read the model at chosen positions, generate nothing.
-
-    `positions` index the request's tokens; the model's prediction *after* token `p` is
-    returned. `token_ids` lists the candidate ids whose log-probabilities are wanted at
-    every position (empty: none). `return_hidden_states` also returns the final (normed)
-    hidden state at each position, for reward or value heads.
-    """
+    """A forward-only request, generating nothing: at each of `positions` (token indices) the model's
+    prediction *after* that token, as log-probabilities of the candidate `token_ids` and/or, with
+    `return_hidden_states`, the final normed hidden state (for reward or value heads)."""
 
     positions: list[int]
     token_ids: list[int] = field(default_factory=list)

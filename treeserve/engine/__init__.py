@@ -1,6 +1,4 @@
-"""One model's engine: requests in, one step at a time, outputs out.
-
-A step, one line per stage, with the file that owns it:
+"""One model's engine: requests in, one step at a time, outputs out. A step's stages and their files:
 
     add_request -> Request/Sequence ............ request.py (validation.py checks first)
     schedule    -> [ScheduledSeq], page copies .. scheduler.py (+ kv/block_manager.py)
@@ -10,8 +8,6 @@ A step, one line per stage, with the file that owns it:
                    forward, sample, read-outs ... attention.py, sampler.py, dedup.py, cuda_graphs.py
     read        -> tokens, stops, forks, outputs  postprocess.py (+ detokenizer.py)
 
-`llm_engine.py` strings them together in one of two loops, chosen at start-up: `step_plain`
-(schedule, run, read back) or the overlapped loop (launch step t+1, then read back step t).
-Each engine's device work goes through its `DeviceQueue` (a worker thread on a CPU, a stream
-on CUDA), which owns launch order and the fences on pages handed between engines.
+`llm_engine.py` runs them plainly or overlapped (launch step t+1, then read back step t); `DeviceQueue`
+owns launch order and the fences on pages handed between engines.
 """

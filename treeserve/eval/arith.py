@@ -19,8 +19,6 @@ SUBJECT = "arithmetic"
 
 @dataclass(frozen=True)
 class BinOp:
-    """One binary operation of an expression tree."""
-
     op: str
     left: Expr
     right: Expr
@@ -32,8 +30,6 @@ Path = tuple[int, ...]
 
 @dataclass(frozen=True)
 class LevelSpec:
-    """What a difficulty level means: operation count, number sizes, parentheses."""
-
     n_ops: int
     max_leaf: int  # leaves are drawn from 1..max_leaf (multipliers from 2..9)
     max_value: int  # every intermediate result lies in 0..max_value
@@ -220,7 +216,6 @@ def extend_chain(rng: random.Random, expr: Expr, n_ops: int, max_leaf: int) -> E
 
 
 def make_problem(rng: random.Random, level: int) -> Problem:
-    """Draw one problem of the given level (1-5) from `rng`."""
     if level not in LEVELS:
         raise ValueError(f"level must be one of {sorted(LEVELS)}, got {level!r}")
     spec = LEVELS[level]

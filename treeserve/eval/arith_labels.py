@@ -1,10 +1,9 @@
 """The arithmetic step judge (PRM training labels and checks) and the corruptions that make wrong steps.
 
-The judge replays the true state (every operation done so far replaced by its true value): a step
-`a op b = c[, leaving <rest>].` is good iff `a op b` is a ready operation of that state (in any order;
-`+`, `*` may swap operands), `c` its true value and `<rest>` the state after it. A named operation
-advances the state with its true value even when wrong, so a wrong value carried on makes later steps bad.
-"""
+The judge replays the true state (operations done so far replaced by their true values): a step
+`a op b = c[, leaving <rest>].` is good iff `a op b` is a ready operation of that state (`+`, `*` may swap
+operands), `c` its true value and `<rest>` the state after it. A named operation advances the state with
+its true value even when wrong, so a wrong value carried on makes later steps bad."""
 
 from __future__ import annotations
 
@@ -104,12 +103,10 @@ def step_verdicts(problem: str | Expr, steps: Sequence[str]) -> list[str]:
 
 
 def step_labels(problem: str | Expr, steps: Sequence[str]) -> list[bool]:
-    """Per-step good (True) / bad (False) labels for a solution of `problem`."""
     return [verdict == "good" for verdict in step_verdicts(problem, steps)]
 
 
 def solution_labels(problem: str, solution: str) -> tuple[list[str], list[bool]]:
-    """Split a solution text into steps and label each."""
     steps = split_steps(solution)
     return steps, step_labels(problem, steps)
 

@@ -1,7 +1,6 @@
-"""Paired comparison of results files (`treeserve compare`): problems matched by `unique_id`, each run
-against the first, with Wilson intervals, the discordant counts, a Wald interval of the paired difference
-and the exact McNemar p-value. Files that chose answers by different rules are re-selected under each
-rule and compared per rule, so a weighted accuracy is never paired with a naive one."""
+"""`treeserve compare`: each run against the first on shared `unique_id`s (Wilson intervals, discordant
+counts, paired Wald difference, exact McNemar p). Files whose answer rules differ are re-selected and
+compared under each rule, so a weighted accuracy is never paired with a naive one."""
 
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ class PairedComparison:
     name: str
     rule: str | None  # the answer rule both accuracies use (None: as recorded, by files that name none)
     recorded_rule: str | None  # the rule this file's own answers were chosen by
-    file: str  # the file's name
+    file: str
     total: int
     both: int  # solved by this run and the baseline
     only_this: int
@@ -62,8 +61,6 @@ def mcnemar_exact(b: int, c: int) -> float:
 
 @dataclass
 class Run:
-    """One results file: its label, the rule its `correct` flags came from, the document."""
-
     path: str | Path
     name: str
     rule: str | None
@@ -139,8 +136,7 @@ def _compare(files: Sequence[Run], rule: str | None) -> list[PairedComparison]:
 
 
 def compare_by_rule(paths: Sequence[str | Path]) -> dict[str | None, list[PairedComparison]]:
-    """{rule: comparisons}: one entry, the files as recorded, when they all used one rule;
-    otherwise one entry per rule any of them used, every file re-selected under it."""
+    """{rule: comparisons}: the files as recorded if they share one rule, else re-selected under each."""
     if len(paths) < 2:
         raise ValueError("compare needs at least two results files")
     files = [Run.read(p) for p in paths]

@@ -1,7 +1,6 @@
-"""Answer extraction (`extract_answer`) and grading (`Grader`): kind "arith" exactly in-process, kind "math"
-by math-verify in worker processes under a per-item deadline (an overrun kills the workers; the item is
-wrong, grading never hangs). Voting groups answers by canonical keys, not pairwise `verify`, so grouping
-is transitive (`\\frac12` with `0.5`). A `None` prediction is always wrong."""
+"""Answer extraction and grading: kind "arith" exactly in-process, "math" by math-verify in worker processes
+under a per-item deadline (an overrun is wrong; grading never hangs). Voting groups answers by canonical
+keys, not pairwise `verify`, so grouping is transitive (`\\frac12` with `0.5`). `None` is always wrong."""
 
 from __future__ import annotations
 
@@ -111,8 +110,6 @@ def _call_with_deadline(fn: Callable[..., Any], args: tuple, timeout_s: float) -
 
 @dataclass
 class GradingStats:
-    """Counts of what a Grader did."""
-
     graded: int = 0
     keyed: int = 0
     cache_hits: int = 0
@@ -152,7 +149,6 @@ class Grader:
         self._pool: ProcessPoolExecutor | None = None
 
     def grade(self, pred: str | None, answer: str, kind: str) -> bool:
-        """Whether one prediction matches the gold answer."""
         return self.grade_many([(pred, answer, kind)])[0]
 
     def grade_many(self, items: Iterable[tuple[str | None, str, str]]) -> list[bool]:
@@ -238,8 +234,7 @@ class Grader:
                 self._kill_pool()
 
     def _run(self, fn: Callable[..., Any], calls: list[tuple]) -> list[tuple[str, Any]]:
-        """fn(*args) for each of `calls` in workers, at most one in flight per worker (so an item
-        starts when submitted, and its deadline counts from then)."""
+        """fn(*args) per call in workers, one in flight per worker, so a deadline counts from submission."""
         results: list[tuple[str, Any] | None] = [None] * len(calls)
         attempts = [0] * len(calls)
         todo = deque(range(len(calls)))

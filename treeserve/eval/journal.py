@@ -1,7 +1,6 @@
-"""`OUTPUT.partial.jsonl`, which lets a killed run resume: a header `{"journal": 1, "config": {...}}`, then
-one fsynced line per finished problem `{"record", "session", "elapsed_s", "counters"}` (elapsed and
-counters: that session's so far). Resuming needs an equal config (OPERATIONAL keys aside), skips finished
-problems and drops torn lines; the final document equals an uninterrupted run's."""
+"""`OUTPUT.partial.jsonl`, which lets a killed run resume: a `{"journal": 1, "config": {...}}` header, then one
+fsynced `{"record", "session", "elapsed_s", "counters"}` line per finished problem. Resuming needs an equal
+config (OPERATIONAL keys aside), drops torn lines, and yields the document of an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -49,8 +48,7 @@ class Journal:
 
     @classmethod
     def open(cls, path: str | Path | None, config: Mapping[str, Any], resume: bool = False) -> Journal:
-        """A new journal at `path`, or the existing one once its config checks out (ValueError if not);
-        `resume` demands an existing one."""
+        """A new journal, or the existing one if its config matches (ValueError if not; `resume` needs one)."""
         config = json.loads(json.dumps(config))  # as it reads back from the file
         if path is None:
             return cls(None, config)

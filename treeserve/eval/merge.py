@@ -14,8 +14,7 @@ PER_SHARD = ("shard", "num_problems")
 
 
 def merge_results(paths: list[str | Path]) -> dict:
-    """The merged results document of the shard files `paths` (any order); ValueError naming
-    the file and the problem when they are not the shards of one run."""
+    """The merged document of one run's shard files (any order); else ValueError naming file and problem."""
     if not paths:
         raise ValueError("merge needs the shards' results files")
     by_index: dict[int, tuple[str, dict]] = {}

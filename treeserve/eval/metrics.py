@@ -1,7 +1,6 @@
-"""search-and-learn's metrics (`sal/utils/score.py`) over graded completions: step-score aggregation
-(last, min, prod), selection (naive, weighted, majority) on the first n = 1, 2, 4, ... <= N completions,
-pass@N, accuracy by level, Wilson intervals. Unlike search-and-learn, a completion with no answer does
-not vote. Answer equivalence comes from outside (`ScoredCompletion.group`); nothing here grades."""
+"""search-and-learn's metrics (`sal/utils/score.py`): step-score aggregation, selection (naive, weighted,
+majority) on the first n = 1, 2, 4, ... <= N completions, pass@N, Wilson intervals. A completion with no
+answer does not vote; equivalence comes from outside (`ScoredCompletion.group`); nothing here grades."""
 
 from __future__ import annotations
 
@@ -27,8 +26,6 @@ DEFAULT_SELECTION = {
 
 @dataclass
 class ScoredCompletion:
-    """One completion of a problem: its text, final answer, PRM step scores and grade."""
-
     text: str
     answer: str | None
     step_scores: list[float]
@@ -152,8 +149,7 @@ def _mean(values: Sequence[bool]) -> float:
 
 
 def accuracy_at_n(problems: Sequence[ProblemOutcome], method: str, agg: str = "last") -> dict[int, float]:
-    """{n: accuracy of `method` on each problem's first n completions} for n in subsample_sizes(N),
-    N the most completions of any problem."""
+    """{n: accuracy of `method` on each problem's first n completions} for n in subsample_sizes(max N)."""
     num = max((len(p.completions) for p in problems), default=0)
     table: dict[int, float] = {}
     for n in subsample_sizes(num):
@@ -172,7 +168,6 @@ def pass_at_n(problems: Sequence[ProblemOutcome]) -> dict[int, float]:
 
 
 def accuracy(problems: Sequence[ProblemOutcome]) -> float:
-    """Share of problems whose chosen answer (`ProblemOutcome.correct`) is right."""
     return _mean([p.correct for p in problems])
 
 

@@ -134,8 +134,7 @@ def _compute_point(path: Path, results: dict) -> tuple[str, str, float, float]:
 def plot_accuracy_vs_compute(
     results_paths: Sequence[str | Path], out_png: str | Path, title: str | None = None, lines: bool = False
 ) -> Path:
-    """Draw each file's accuracy vs its computed tokens, with their Pareto front, into `out_png`;
-    with `lines`, each series (a strategy's fixed or adaptive runs) joined by cost."""
+    """Accuracy vs computed tokens with the Pareto front into `out_png`; `lines` joins each series by cost."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -178,8 +177,7 @@ def plot_accuracy_vs_compute(
 
 
 def plot_pages(page_logs: dict[str, list[dict]], out_png: str | Path) -> Path:
-    """A run's page log (`eval --page-logs`, `kv/stats.py`'s columns): pages and cumulative prefix-cache
-    hit rate over time."""
+    """A run's page log (`eval --page-logs`): pages and cumulative prefix-cache hit rate over time."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

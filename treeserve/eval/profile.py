@@ -177,8 +177,7 @@ def tune(
     batches: list[tuple[int, int]],
     progress: bool = True,
 ) -> tuple[Measurement, list[Measurement], list[float]]:
-    """Measure every (split, batch setting) and pick by the min-max rule; returns the choice,
-    every measurement and every point's normalised min score."""
+    """Measure every (split, batch) and pick by the min-max rule: (choice, measurements, normalised min scores)."""
     records = load_problems(settings)
     grid: list[Measurement] = []
     for split in splits:

@@ -107,8 +107,7 @@ def _plots(paths: Sequence[Path], documents: Sequence[dict]) -> list[dict]:
 
 
 def build_page(documents: Sequence[tuple[str, dict]], problem: str | None = None, plots: Sequence[dict] = ()) -> str:
-    """The HTML of `documents` ((name, results document) pairs; two are shown side by side),
-    only `problem` when given (ValueError listing the ids when no file has it)."""
+    """The HTML of (name, results document) pairs, only `problem` if given (ValueError if none has it)."""
     if not documents:
         raise ValueError("view needs a results file")
     order: list[str] = []

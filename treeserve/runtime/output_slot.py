@@ -1,11 +1,5 @@
-"""What the engine steps gave one stream that its consumer has not taken yet, and its wake-up.
-
-`Runtime.generate_stream`'s consumer takes, as one output, everything the steps gave since it
-last looked: the newest output when they are cumulative, the deltas merged when they are
-`RequestOutputKind.DELTA`, or the error that ended the stream (which no later output replaces).
-A step puts without waiting. A slot costs a step one attribute and at most one future's result
-per stream: no queue of outputs the consumer would only skip or merge.
-"""
+"""A stream's untaken output (the newest, the deltas merged, or the error that ended it) and its wake-up;
+a step puts without waiting, and no queue holds outputs the consumer would only skip or merge."""
 
 from __future__ import annotations
 
