@@ -26,9 +26,9 @@ from treeserve.engine.cuda_graphs import DecodeGraphs
 from treeserve.engine.dedup import Twins
 from treeserve.engine.forward_batch import ForwardBatch, attention_inputs, micro_batches
 from treeserve.engine.inference_mode import inference_mode
-from treeserve.engine.sampler import Draw, sample_plan, token_logprobs
+from treeserve.engine.sampler import Draw, read_out, sample_plan
 from treeserve.engine.staging import Staging
-from treeserve.engine.step_plan import ScorePlan, StepPlan
+from treeserve.engine.step_plan import StepPlan
 from treeserve.engine.step_result import PreviousStepFailed, StepResult
 from treeserve.kv.arena import KVArena
 
@@ -101,12 +101,11 @@ class ModelRunner:
                 plan.sample, hidden, self.compute_logits, self.staging.to_device, self.draw, self.vocab_size
             )
             result.host_tokens = to_host(result.tokens)
-        if plan.scores is not None:
-            self._score(plan.scores, hidden, result)
-        for read in plan.prompt_logprobs:
-            (targets,) = self.staging.to_device(read.targets)
-            logits = self.compute_logits(hidden[read.start : read.stop])
-            result.prompt_logprobs.append(token_logprobs(logits, targets, read.k))
+        if plan.scores is not None or plan.prompt_logprobs:
+            scores, states, result.prompt_logprobs = read_out(
+                plan.scores, plan.prompt_logprobs, hidden, self.compute_logits, self.staging.to_device
+            )
+            result.scores, result.states = to_host(scores), to_host(states)
         if self.device.type == "cuda":  # the host waits on this, not on the whole device (StepResult.wait)
             result.copied = torch.cuda.Event()
             result.copied.record()
@@ -186,21 +185,11 @@ class ModelRunner:
         attn = AttentionBatch(self.arena, slot_pages, slot_offsets, groups, self.backend, self.scale)
         return tokens, positions, attn
 
-    def _score(self, plan: ScorePlan, hidden: torch.Tensor, result: StepResult) -> None:
-        (index,) = self.staging.to_device(plan.rows)
-        rows = hidden[index]
-        if plan.token_ids.shape[1]:
-            (ids,) = self.staging.to_device(plan.token_ids)
-            logprobs = torch.log_softmax(self.compute_logits(rows), dim=-1)
-            result.scores = to_host(logprobs.gather(1, ids))
-        if plan.states:
-            result.states = to_host(rows.float())
 
-
-def to_host(values: torch.Tensor) -> torch.Tensor:
+def to_host(values: torch.Tensor | None) -> torch.Tensor | None:
     """`values` on the host: a device tensor is copied into pinned memory without blocking (its
     values are there once the step's `copied` event has passed); a host tensor as it is."""
-    if values.device.type == "cpu":
+    if values is None or values.device.type == "cpu":
         return values
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
     host.copy_(values, non_blocking=True)

@@ -357,6 +357,46 @@ def token_logprobs(raw_logits: torch.Tensor, tokens: torch.Tensor, k: int) -> To
     return TokenLogprobs(chosen.squeeze(1), ranks, ids, values)
 
 
+@dataclass
+class ScorePlan:
+    """Forward-only read-outs: log-probabilities of chosen tokens and hidden states at rows."""
+
+    rows: torch.Tensor  # [R] flat row indices
+    token_ids: torch.Tensor  # [R, K] candidate ids per row (padded; K may be 0)
+    states: bool  # also return the rows' hidden states (float32)
+
+
+@dataclass
+class PromptLogprobPlan:
+    """Log-probabilities of prompt tokens predicted by rows [start, stop) of the flat batch."""
+
+    start: int
+    stop: int
+    targets: torch.Tensor  # [stop - start] the prompt tokens those rows predict
+    k: int
+
+
+def read_out(
+    plan: ScorePlan | None, prompt: list[PromptLogprobPlan], hidden: torch.Tensor, lm_head: LMHead, to_device: ToDevice
+) -> tuple[torch.Tensor | None, torch.Tensor | None, list[TokenLogprobs]]:
+    """(scores, states, prompt logprobs) of `hidden` on the device: the scored rows' log-probabilities
+    of their candidate ids and their states, and each prompt slice's token logprobs."""
+    staged = to_device(*([plan.rows, plan.token_ids] if plan else []), *(read.targets for read in prompt))
+    scores = states = None
+    if plan is not None:
+        index, ids, *staged = staged
+        rows = hidden[index]
+        if plan.token_ids.shape[1]:
+            scores = torch.log_softmax(lm_head(rows, True), dim=-1).gather(1, ids)
+        if plan.states:
+            states = rows.float()
+    reads = [
+        token_logprobs(lm_head(hidden[read.start : read.stop], True), targets, read.k)
+        for read, targets in zip(prompt, staged, strict=True)
+    ]
+    return scores, states, reads
+
+
 def _top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask everything outside each row's top-k, then outside its top-p nucleus (vLLM's order)."""
     ordered, order = scaled.sort(dim=-1, descending=True, stable=True)

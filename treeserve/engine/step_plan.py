@@ -14,33 +14,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from treeserve.engine.forward_batch import ForwardBatch
-from treeserve.engine.sampler import SamplePlan
+from treeserve.engine.sampler import PromptLogprobPlan, SamplePlan, ScorePlan
 
 if TYPE_CHECKING:
     from treeserve.engine.request import Request, Sequence
     from treeserve.engine.scheduler import ScheduledSeq
-
-
-@dataclass
-class ScorePlan:
-    """Forward-only read-outs: log-probabilities of chosen tokens and hidden states at rows."""
-
-    rows: torch.Tensor  # [R] flat row indices
-    token_ids: torch.Tensor  # [R, K] candidate ids per row (padded; K may be 0)
-    states: bool  # also return the rows' hidden states (float32)
-
-
-@dataclass
-class PromptLogprobPlan:
-    """Log-probabilities of prompt tokens predicted by rows [start, stop) of the flat batch."""
-
-    start: int
-    stop: int
-    targets: torch.Tensor  # [stop - start] the prompt tokens those rows predict
-    k: int
 
 
 @dataclass
