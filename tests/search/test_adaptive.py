@@ -43,7 +43,7 @@ def search(runtime: Runtime, problems: list, on_iteration=None, **config: object
     ctx = SearchContext(
         SearchConfig(seed=1, **config), runtime, "generator", load_prm(runtime, "prm", None), answer_of=boxed
     )
-    ctx.on_iteration = on_iteration
+    ctx.traces.on_iteration = on_iteration
     results = asyncio.run(search_problems(ctx, problems))
     runtime.check_pages_idle()
     return results, ctx
@@ -267,30 +267,30 @@ def test_a_budget_is_paced_over_the_runs_problems():
     whole budget is spent, and the share a problem leaves unspent goes to the others."""
     config = SearchConfig(strategy="beam_search", n=16, adaptive=True, first_width=4, budget_tokens=1000)
     ctx = SearchContext(config, None, "generator", None, answer_of=boxed)
-    ctx.expect(4)
-    ctx.expect(1)  # a Ray worker: told the run's count, then one problem a call
-    assert ctx.share == 250
+    ctx.budget.expect(4)
+    ctx.budget.expect(1)  # a Ray worker: told the run's count, then one problem a call
+    assert ctx.budget.share == 250
     widths = config.widths()
     a, b, c = (Problem(uid, uid, []) for uid in "abc")
-    ctx.certainties = {"a": 0.0, "b": 0.0, "c": 0.6}
+    ctx.budget.certainties = {"a": 0.0, "b": 0.0, "c": 0.6}
     a.generated_tokens, b.generated_tokens, c.generated_tokens = 100, 300, 300
     ctx.generated_tokens = 700
-    assert ctx.next_width(a, 4, widths) == 8  # under its share: grows
-    assert ctx.next_width(b, 8, widths) == 4  # over it, as settled as the median: narrows
-    assert ctx.next_width(c, 16, widths) == 8
-    ctx.certainties |= {"a": 0.2, "d": 0.5}  # the median (0.2) above b's 0: b, less settled, keeps its width
-    assert ctx.next_width(b, 8, widths) == 8
-    ctx.certainties["a"] = 0.0
+    assert ctx.budget.next_width(a, 4, widths) == 8  # under its share: grows
+    assert ctx.budget.next_width(b, 8, widths) == 4  # over it, as settled as the median: narrows
+    assert ctx.budget.next_width(c, 16, widths) == 8
+    ctx.budget.certainties |= {"a": 0.2, "d": 0.5}  # the median (0.2) above b's 0: b, less settled, keeps its width
+    assert ctx.budget.next_width(b, 8, widths) == 8
+    ctx.budget.certainties["a"] = 0.0
     ctx.generated_tokens = 1000  # all of it spent: back to the first width, never beyond it
-    assert ctx.next_width(b, 16, widths) == 4
-    assert ctx.next_width(a, 4, widths) == 4  # (a, under its share, neither grows nor narrows)
+    assert ctx.budget.next_width(b, 16, widths) == 4
+    assert ctx.budget.next_width(a, 4, widths) == 4  # (a, under its share, neither grows nor narrows)
     ctx.generated_tokens = 700
-    ctx.decide(c, 3, 8, 0.95, exhausted=False, grows=False)  # c settles, 50 tokens short of its share
-    assert ctx.surplus == -50 and "c" not in ctx.certainties
+    ctx.budget.decide(c, 3, 8, 0.95, exhausted=False, grows=False)  # c settles, 50 tokens short of its share
+    assert ctx.budget.surplus == -50 and "c" not in ctx.budget.certainties
     assert "budget_tokens" not in c.stop  # given, not picked
-    ctx.ended, ctx.ended_spent = 3, 150  # shares left unspent (600): split among the problems in flight
-    assert not ctx.over_pace(b)  # 300 < 250 + 600 / 3
-    assert ctx.next_width(b, 8, widths) == 16
+    ctx.budget.ended, ctx.budget.ended_spent = 3, 150  # shares left unspent (600): split among the problems in flight
+    assert not ctx.budget.over_pace(b)  # 300 < 250 + 600 / 3
+    assert ctx.budget.next_width(b, 8, widths) == 16
 
 
 def test_sampling_rounds_stop_for_the_budget(runtime):
@@ -308,7 +308,7 @@ def test_sampling_rounds_stop_for_the_budget(runtime):
     capped, ctx = search(runtime, PROBLEMS, budget_tokens=free_ctx.spent_tokens // 3, **kwargs)
     assert "budget" in {r.stop["reason"] for r in capped}
     assert ctx.spent_tokens < free_ctx.spent_tokens
-    assert not ctx.certainties
+    assert not ctx.budget.certainties
     for result in capped:
         assert result.stop["widths"] == sorted(result.stop["widths"])
 
@@ -330,7 +330,7 @@ def test_beam_search_narrows_for_the_budget_and_starves_no_problem(runtime):
     free, free_ctx = search(runtime, PROBLEMS, budget_fraction=None, **kwargs)
     capped, ctx = search(runtime, PROBLEMS, budget_tokens=free_ctx.spent_tokens // 3, **kwargs)
     assert ctx.spent_tokens < free_ctx.spent_tokens
-    assert not ctx.certainties
+    assert not ctx.budget.certainties
     assert {r.stop["reason"] for r in capped} <= {"settled", "exhausted"}
     assert any(r.stop["widths"] != sorted(r.stop["widths"]) for r in capped)  # some problem narrowed
     assert len(capped[-1].stop["widths"]) > 1  # the last problem ran on past its first decision
@@ -343,31 +343,36 @@ def test_the_run_picks_its_budget_from_the_problems_that_ended():
     sampling rounds: all of it over the samples), recorded in each stop as it stood then."""
     config = SearchConfig(n=16, adaptive=True, first_width=4, budget_fraction=0.25)
     ctx = SearchContext(config, None, "generator", None, answer_of=boxed)
-    assert not ctx.paced and ctx.budget is None  # one search (/v1/search): no problem set to pick it from
-    ctx.expect(10)
+    assert not ctx.budget.paced and ctx.budget.limit is None  # one search (/v1/search): no problem set to pick it from
+    ctx.budget.expect(10)
     widths = config.widths()
     a, b = Problem("a", "a", []), Problem("b", "b", [])
     a.generated_tokens = 400
-    assert ctx.decide(a, 0, 4, 0.0, exhausted=False, grows=False) == ""
-    assert ctx.paced and ctx.budget is None and ctx.may_widen(a) and ctx.next_width(a, 4, widths) == 8
+    assert ctx.budget.decide(a, 0, 4, 0.0, exhausted=False, grows=False) == ""
+    assert (
+        ctx.budget.paced
+        and ctx.budget.limit is None
+        and ctx.budget.may_widen(a)
+        and ctx.budget.next_width(a, 4, widths) == 8
+    )
     a.generated_tokens, a.prm_tokens = 1200, 800  # 1,600 more over 8 beams
-    assert ctx.decide(a, 1, 8, 0.95, exhausted=False, grows=False) == "settled"
+    assert ctx.budget.decide(a, 1, 8, 0.95, exhausted=False, grows=False) == "settled"
     assert a.beam_tokens == 400 / 4 + 1600 / 8 == 300
-    assert ctx.budget == 10 * (4 + 0.25 * 12) * 300 == 21000 and ctx.share == 2100
+    assert ctx.budget.limit == 10 * (4 + 0.25 * 12) * 300 == 21000 and ctx.budget.share == 2100
     assert a.stop["budget_tokens"] == 21000
     b.generated_tokens = 2500
-    ctx.decide(b, 0, 4, 0.0, exhausted=False, grows=False)
-    assert ctx.over_pace(b) and ctx.next_width(b, 8, widths) == 4  # past its share: narrows
+    ctx.budget.decide(b, 0, 4, 0.0, exhausted=False, grows=False)
+    assert ctx.budget.over_pace(b) and ctx.budget.next_width(b, 8, widths) == 4  # past its share: narrows
     sampling = SearchContext(replace(config, strategy="majority"), None, "generator", None, answer_of=boxed)
-    sampling.expect(2)
+    sampling.budget.expect(2)
     c = Problem("c", "c", [], generated_tokens=800)
-    sampling.decide(c, 0, 4, 0.5, exhausted=False, grows=True)
+    sampling.budget.decide(c, 0, 4, 0.5, exhausted=False, grows=True)
     c.generated_tokens = 2000
-    assert sampling.decide(c, 1, 8, 0.9, exhausted=False, grows=True) == "settled"
-    assert sampling.budget == 2 * 7 * 2000 / 8
+    assert sampling.budget.decide(c, 1, 8, 0.9, exhausted=False, grows=True) == "settled"
+    assert sampling.budget.limit == 2 * 7 * 2000 / 8
     off = SearchContext(replace(config, budget_fraction=None), None, "generator", None, answer_of=boxed)
-    off.expect(10)
-    assert not off.paced and off.budget is None
+    off.budget.expect(10)
+    assert not off.budget.paced and off.budget.limit is None
 
 
 def test_adaptive_alone_paces_a_run_by_the_budget_it_picks(runtime):
@@ -386,9 +391,9 @@ def test_adaptive_alone_paces_a_run_by_the_budget_it_picks(runtime):
     paced, ctx = search(runtime, PROBLEMS, budget_fraction=0.0, **kwargs)
     assert ctx.spent_tokens < free_ctx.spent_tokens
     assert paced[0].stop == free[0].stop | {"budget_tokens": paced[0].stop["budget_tokens"]}
-    assert {r.stop["reason"] for r in paced} <= {"settled", "exhausted"} and not ctx.certainties
-    assert ctx.ended == len(PROBLEMS)
-    assert paced[-1].stop["budget_tokens"] == round(ctx.budget) == round(4 * ctx.ended_beam_tokens)
+    assert {r.stop["reason"] for r in paced} <= {"settled", "exhausted"} and not ctx.budget.certainties
+    assert ctx.budget.ended == len(PROBLEMS)
+    assert paced[-1].stop["budget_tokens"] == round(ctx.budget.limit) == round(4 * ctx.budget.ended_beam_tokens)
     assert "budget_tokens" not in free[0].stop
 
 

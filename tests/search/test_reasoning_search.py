@@ -84,8 +84,7 @@ def test_the_prm_never_sees_a_think_tag(think_world):
             prm = load_prm(runtime, "prm")
             config = SearchConfig(n=4, beam_width=2, num_iterations=5, max_tokens=24, seed=1, reasoning=True)
             ctx = SearchContext(config, runtime, "generator", prm)
-            counted = prm.on_input
-            prm.on_input = lambda ids: (inputs.append(list(ids)), counted(ids))
+            prm.on_input = lambda ids: inputs.append(list(ids))
             results = await search_problems(ctx, [(f"q{i}", q) for i, q in enumerate(QUESTIONS)])
             return prm, results
         finally:

@@ -23,7 +23,7 @@ class CountingPRM:
         self.fail = fail
         self.release = asyncio.Event()
 
-    async def score(self, question: str, steps: list[str], start: int = 0) -> list[float]:
+    async def score(self, question: str, steps: list[str], start: int = 0, on_input: object = None) -> list[float]:
         self.calls.append((tuple(steps), start))
         await self.release.wait()
         if self.fail:

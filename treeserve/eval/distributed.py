@@ -103,7 +103,7 @@ class EvalWorker:
         self.grader = Grader()  # adaptive search's answer keys (math kinds start worker processes when used)
         self.kinds: dict[str, str] = {}  # unique id -> grader kind, of the problems sent here
         self.ctx = search_context(settings, config, self.runtime, self.grader, self.kinds)
-        self.ctx.expect(run_problems)  # budget shares are the whole run's; only this worker's spend counts
+        self.ctx.budget.expect(run_problems)  # budget shares are the whole run's; only this worker's spend counts
         self.finished = 0
         self.crash_after, self.hang_after = crash_after, hang_after
 

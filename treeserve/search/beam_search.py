@@ -65,14 +65,14 @@ async def _iterate(
         if c.adaptive:  # Dynasor's reward certainty over the beams finished and alive
             pool = finished + [beams[i] for i in alive]
             certainty = reward_certainty(ctx.answers(problem, pool), [b.value(c.agg) for b in pool])
-            ended = ctx.decide(problem, iteration, width, certainty, exhausted=not alive or last, grows=False)
+            ended = ctx.budget.decide(problem, iteration, width, certainty, exhausted=not alive or last, grows=False)
             last = last or bool(ended)  # settled (or out of budget): the beams alive are returned as they stand
         if not alive or last:
             finished += [beams[i] for i in alive]
-            ctx.report(problem, iteration, beams, fates)
+            ctx.traces.report(problem, iteration, beams, fates)
             break
         # adaptive: wider while unsettled (with a budget: narrower once past the problem's share)
-        width = ctx.next_width(problem, width, widths)
+        width = ctx.budget.next_width(problem, width, widths)
         keep = width // c.beam_width  # survivors for the width they are copied up to
         ranked = sorted(range(len(alive)), key=lambda k: (-beams[alive[k]].value(c.agg), k))
         survivors = [beams[alive[k]] for k in sorted(ranked[:keep])]
@@ -81,7 +81,7 @@ async def _iterate(
             beams[alive[k]].drop_decode_ahead()
         for k in ranked[:keep]:
             fates[alive[k]] = KEPT
-        ctx.report(problem, iteration, beams, fates)
+        ctx.traces.report(problem, iteration, beams, fates)
         # copy survivors back up to the width, round robin (search-and-learn's order)
         active[:] = [survivors[j % len(survivors)].child(j // len(survivors)) for j in range(width)]
     finished.sort(key=lambda b: -aggregate(b.scores, c.agg))  # stable: ties keep their order

@@ -49,9 +49,9 @@ async def _sample(ctx: SearchContext, problem: Problem, scored: bool) -> list[Be
         if not c.adaptive:
             break
         certainty = vote_certainty(ctx.answers(problem, [b for b in beams if not b.dropped]))
-        if ctx.decide(problem, round_, width, certainty, exhausted=width == c.n, grows=True):
+        if ctx.budget.decide(problem, round_, width, certainty, exhausted=width == c.n, grows=True):
             break
-    ctx.report(problem, 0, beams, [TOO_LONG if b.dropped else FINISHED for b in beams])
+    ctx.traces.report(problem, 0, beams, [TOO_LONG if b.dropped else FINISHED for b in beams])
     return ctx.check_left(problem, [b for b in beams if not b.dropped])
 
 

@@ -1,17 +1,10 @@
-"""What every strategy needs for one run: settings, the runtime, the PRM, caches, counters.
+"""The primitives search strategies are written in, over one run's runtime, PRM and caches.
 
-The values strategies pass around (`Problem`, `Beam`, `Leftover`) are `types.py`'s.
-
-Also the primitives strategies are written in: `expand` (generate the next step of a
-beam, as token ids so the next prompt is exactly what was sampled), `score` (PRM scores of
-a beam's steps, through the score cache when it is on) and `score_beam` (the same for a
-beam, after a greedy lookahead rollout whose text is scored and then discarded), and
-`verify` (the final beams re-scored by an outcome reward model, `verifier`).
-
-A beam whose PRM input outgrows the PRM's context (`PRMInputTooLong`) is dropped: marked
-`dropped`, counted (`prm_too_long`, `Problem.too_long`) and traced as "too_long"; a
-strategy left with nothing to return raises the error (`check_left`), which the server
-answers with a 400.
+Owns `SearchContext`: `expand` (a beam's next step, as token ids), `score` and `score_beam`
+(PRM scores, through the score cache; with lookahead, of a greedy rollout too), `verify` (an
+outcome reward model's re-scoring), the generator's prompts and the run's token counters. It
+holds the run's `Budget` (budget.py) and `Traces` (trace.py). A beam whose PRM input outgrows
+the PRM's context is dropped (`drop`); a strategy left with none raises it (`check_left`).
 """
 
 from __future__ import annotations
@@ -23,20 +16,20 @@ from dataclasses import dataclass, field
 from treeserve.outputs import CompletionOutput
 from treeserve.runtime.runtime import Runtime
 from treeserve.sampling_params import SamplingParams
+from treeserve.search.budget import Budget
 from treeserve.search.config import SearchConfig
 from treeserve.search.prm.base import PRM, PRMInputTooLong
 from treeserve.search.reasoning import check_generator, prm_view, spread
 from treeserve.search.score_cache import ScoreCache, prefix_keys, shared
 from treeserve.search.seeds import lineage_seed
-from treeserve.search.trace import SearchTrace
+from treeserve.search.trace import Traces
 from treeserve.search.tree_tokens import TreeTokens
 from treeserve.search.types import STEP_STOP, Beam, Leftover, Problem, aggregate
 
 
 async def gather_or_cancel(*aws: Awaitable) -> list:
-    """`asyncio.gather`, except that when one fails the others are cancelled (their engine
-    requests aborted) before the error propagates: a failed engine step ends the whole search
-    at once instead of leaving its other beams decoding for nobody."""
+    """`asyncio.gather`, but when one fails the others are cancelled (their requests aborted)
+    before the error propagates."""
     tasks = [asyncio.ensure_future(a) for a in aws]
     try:
         return await asyncio.gather(*tasks)
@@ -53,40 +46,27 @@ class SearchContext:
     runtime: Runtime
     generator: str
     prm: PRM | None
-    # an outcome reward model that re-scores the beams a strategy returns (`verify`): their step
-    # scores become its scores by the prefix rule (search/prm/outcome.py), the PRM's stay in the trace
-    verifier: PRM | None = None
+    verifier: PRM | None = None  # an outcome reward model: `verify`'s
     cache: ScoreCache = field(default_factory=ScoreCache)
     prm_tree: TreeTokens = field(default_factory=TreeTokens)  # distinct tokens the PRM was shown
-    prm_requests: int = 0
-    prm_too_long: int = 0  # beams dropped because their PRM input outgrew the PRM's context
     in_flight: dict[int, asyncio.Future] = field(default_factory=dict)  # prefix key -> scores being computed
     rollouts: dict[tuple[int, ...], asyncio.Future] = field(default_factory=dict)  # prompt -> rollout running
-    generated_tokens: int = 0  # every token the generator sampled for this context, kept or pruned
-    prm_input_tokens: int = 0  # tokens of every PRM input built (cached or not)
-    verifier_input_tokens: int = 0  # tokens of every verifier input built
-    lookahead_generated_tokens: int = 0  # of generated_tokens, those of lookahead rollouts
-    lookahead_prm_tokens: int = 0  # of the PRM inputs' tokens, those of rollout steps
-    on_iteration: Callable[[int, list[Beam]], None] | None = None  # progress: (iteration, scored beams)
-    traces: dict[str, SearchTrace] = field(default_factory=dict)  # problem id -> its trace (config.trace)
-    # adaptive search: a completion's answer key (equal keys: the same answer; None: no answer),
-    # given by the caller, which owns the answer rules (eval's grader, the server's); it gets the
-    # whole text (with `config.reasoning` theirs read the text after </think>)
+    # the run's counters: every token sampled (kept or pruned) and of every PRM input built (cached or not)
+    prm_requests: int = 0
+    prm_too_long: int = 0
+    generated_tokens: int = 0
+    prm_input_tokens: int = 0
+    verifier_input_tokens: int = 0
+    lookahead_generated_tokens: int = 0  # of generated_tokens
+    lookahead_prm_tokens: int = 0  # of prm_input_tokens
+    # adaptive search: a completion's answer key (equal: the same answer; None: none), the caller's rule
     answer_of: Callable[[Problem, str], Hashable | None] | None = None
-    _scoring: Problem | None = None  # the problem whose PRM input is being built (see _score)
-    certainties: dict[str, float] = field(default_factory=dict)  # paced: problems in flight, latest
-    # paced (a budget given or picked): the problems the run will search (`expect`: each gets an equal
-    # share); of those that ended, how many, what they spent, and the sum of what a beam of each cost
-    expected_problems: int = 0
-    ended: int = 0
-    ended_spent: int = 0
-    ended_beam_tokens: float = 0.0
+    budget: Budget = field(init=False)
+    traces: Traces = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.prm is not None:
-            self.prm.on_input = self._saw_prm_input
-        if self.verifier is not None:
-            self.verifier.on_input = self._saw_verifier_input
+        self.budget = Budget(self.config, lambda: self.spent_tokens)
+        self.traces = Traces(self.config)
         if self.verifier is not None and not self.verifier.outcome:
             raise ValueError(
                 f"the verifier re-scores whole solutions: it must be an outcome reward model "
@@ -99,11 +79,15 @@ class SearchContext:
                 "adaptive search needs an answer rule (SearchContext.answer_of) to tell when answers agree"
             )
 
-    def _saw_prm_input(self, ids: list[int]) -> None:
+    @property
+    def spent_tokens(self) -> int:
+        """Tokens the run sampled and fed the PRM (what `budget_tokens` bounds)."""
+        return self.generated_tokens + self.prm_input_tokens
+
+    def _saw_prm_input(self, problem: Problem, ids: list[int]) -> None:
         self.prm_tree.add(ids)
         self.prm_input_tokens += len(ids)
-        if self._scoring is not None:
-            self._scoring.prm_tokens += len(ids)
+        problem.prm_tokens += len(ids)
 
     def _saw_verifier_input(self, ids: list[int]) -> None:
         self.verifier_input_tokens += len(ids)
@@ -111,125 +95,6 @@ class SearchContext:
     def answers(self, problem: Problem, beams: list[Beam]) -> list[Hashable | None]:
         """Each beam's answer key (adaptive search; None: no answer yet)."""
         return [self.answer_of(problem, b.text) for b in beams]
-
-    def decide(
-        self, problem: Problem, iteration: int, width: int, certainty: float, exhausted: bool, grows: bool
-    ) -> str:
-        """An adaptive decision after `iteration` (a round or wave for sampling and DVTS), recorded
-        in `problem.stop` (each iteration's width and certainty; once it stops, where and why):
-        why the problem stops now, or "" to go on. "settled": its certainty reached the
-        threshold; "exhausted": it ran to its end; "budget": going on means growing (`grows`:
-        a sampling round, a DVTS wave) and it may not (`may_widen`). Beam search never stops
-        for the budget: it narrows (`next_width`). An ended problem's unspent share joins the
-        surplus."""
-        c = self.config
-        reason = "settled" if certainty >= c.certainty else "exhausted" if exhausted else ""
-        stop = problem.stop if problem.stop is not None else {"widths": [], "certainty": []}
-        problem.stop = stop
-        if self.paced:
-            problem.count_beam_tokens(width, cumulative=grows)
-            self.certainties[problem.uid] = certainty
-            if not reason and grows and not self.may_widen(problem):
-                reason = "budget"
-            if reason:
-                del self.certainties[problem.uid]
-                self.ended += 1
-                self.ended_spent += problem.spent_tokens
-                self.ended_beam_tokens += problem.beam_tokens
-                if c.budget_tokens is None:  # the budget the run picked, as it stands now
-                    stop["budget_tokens"] = round(self.budget)
-        stop["widths"].append(width)
-        stop["certainty"].append(round(certainty, 4))
-        if reason:
-            stop |= {"iteration": iteration, "reason": reason}
-        return reason
-
-    @property
-    def paced(self) -> bool:
-        """A budget paces the problems: `budget_tokens`, or adaptive search over a run's problems
-        (`expect`) with `budget_fraction`."""
-        c = self.config
-        picked = c.adaptive and c.budget_fraction is not None and self.expected_problems > 0
-        return c.budget_tokens is not None or picked
-
-    @property
-    def budget(self) -> float | None:
-        """The tokens the run may sample and feed the PRM: `budget_tokens`, or the run's own pick
-        (`budget_fraction`): its problems x the mean width first_width + budget_fraction x (n -
-        first_width) x the tokens a beam's search cost, on average over the problems ended so far
-        (None until one has ended, and without a budget)."""
-        c = self.config
-        if c.budget_tokens is not None:
-            return c.budget_tokens
-        if not self.paced or not self.ended:
-            return None
-        first = c.widths()[0]
-        width = first + c.budget_fraction * (c.n - first)
-        return self.expected_problems * width * self.ended_beam_tokens / self.ended
-
-    def may_widen(self, problem: Problem) -> bool:
-        """With a `budget`: whether `problem` may grow its width, i.e. it is among the less
-        settled half of the problems in flight, it is not `over_pace`, and the budget is not
-        spent. This reads the other problems: with a budget, what a problem gets depends on
-        what else is in flight."""
-        budget = self.budget
-        if budget is None:
-            return True
-        return self.spent_tokens < budget and not self.over_pace(problem) and self._less_settled(problem)
-
-    def next_width(self, problem: Problem, width: int, widths: list[int]) -> int:
-        """Beam search's width for the next iteration, of `widths`: one step wider while
-        `may_widen`; with a budget, one step narrower once the problem is `over_pace`, unless it
-        is less settled than the median of those in flight (a wider width goes on spending at
-        every iteration; and before its beams finish a problem's certainty is 0, like most
-        others'); else the same."""
-        at = widths.index(width)
-        if self.may_widen(problem):  # (always, without a budget)
-            return widths[min(at + 1, len(widths) - 1)]
-        if not self.over_pace(problem):
-            return width
-        if self.spent_tokens >= self.budget:  # all of it spent: the first width, to the end
-            return widths[0]
-        return width if self._less_settled(problem, strictly=True) else widths[max(at - 1, 0)]
-
-    def _less_settled(self, problem: Problem, strictly: bool = False) -> bool:
-        """`problem`'s certainty is at or below (`strictly`: below) the median of the problems in
-        flight: it is among the less settled half."""
-        ordered = sorted(self.certainties.values())
-        mine, median = self.certainties.get(problem.uid, 0.0), ordered[(len(ordered) - 1) // 2]
-        return mine < median if strictly else mine <= median
-
-    def expect(self, problems: int) -> None:
-        """The run searches `problems` problems: each gets that share of a budget. The largest
-        count given stands (`search_problems` gives its list's; a Ray worker is told the run's,
-        then searches one problem a call)."""
-        self.expected_problems = max(self.expected_problems, problems)
-
-    @property
-    def share(self) -> float:
-        """With a `budget`: each problem's share of it (all of it when the run expected no
-        number of problems: one search)."""
-        budget = self.budget
-        return budget / self.expected_problems if self.expected_problems else budget
-
-    @property
-    def surplus(self) -> float:
-        """What the problems that ended left of their shares, less what they spent beyond them."""
-        return self.ended * self.share - self.ended_spent
-
-    def over_pace(self, problem: Problem) -> bool:
-        """With a `budget`: `problem` spent its share and its part of the surplus (shared by the
-        problems in flight). Paced per problem: a run-wide count let the first problems in
-        flight spend the whole budget, and the last ones of a run stopped at their first decision."""
-        if self.budget is None:
-            return False
-        in_flight = max(1, len(self.certainties))
-        return problem.spent_tokens >= self.share + max(0.0, self.surplus) / in_flight
-
-    @property
-    def spent_tokens(self) -> int:
-        """Tokens the search sampled and fed the PRM so far (what `budget_tokens` bounds)."""
-        return self.generated_tokens + self.prm_input_tokens
 
     def problem(self, uid: str, question: str, messages: list[dict] | None = None) -> Problem:
         """The generator's prompt for `question` (a user message), or for a whole conversation
@@ -256,28 +121,6 @@ class SearchContext:
     def forget(self, problem: Problem) -> None:
         """`problem`'s search ended: the generator drops its drafting text."""
         self.runtime.forget_draft_group(self.generator, self.draft_group(problem))
-
-    def report(self, problem: Problem, iteration: int, beams: list[Beam], fates: list[str]) -> None:
-        """An iteration's scored candidates and what the search did with each (trace.FATES)."""
-        if self.config.trace:
-            c = self.config
-            trace = self.traces.setdefault(problem.uid, SearchTrace(c.strategy, c.n, c.beam_width, c.agg))
-            trace.add(iteration, beams, fates)
-        if self.on_iteration is not None:
-            self.on_iteration(iteration, beams)
-
-    def take_trace(self, problem: Problem, completions: list[Beam], seconds: float) -> dict | None:
-        """`problem`'s trace as JSON (None unless `config.trace`), forgotten here."""
-        trace = self.traces.pop(problem.uid, None)
-        if not self.config.trace:
-            return None
-        if trace is None:  # a search that reported no iteration
-            c = self.config
-            trace = SearchTrace(c.strategy, c.n, c.beam_width, c.agg)
-        doc = trace.to_json(completions, seconds)
-        if problem.stop is not None:  # adaptive search: every stop is in the trace
-            doc["stop"] = problem.stop
-        return doc
 
     def sampling(self, problem: Problem, path: tuple[int, ...], n: int, to_eos: bool) -> SamplingParams:
         c = self.config
@@ -404,7 +247,8 @@ class SearchContext:
         if not shown:
             return True
         try:
-            beam.scores = spread(await self.verifier.score(problem.question, shown), owner)
+            scores = await self.verifier.score(problem.question, shown, on_input=self._saw_verifier_input)
+            beam.scores = spread(scores, owner)
         except PRMInputTooLong as e:
             self.drop(problem, beam, e)
             return False
@@ -498,10 +342,13 @@ class SearchContext:
         """`_score` of the steps the PRM reads."""
         if not steps:
             return [], ""
+
+        def seen(ids: list[int]) -> None:
+            self._saw_prm_input(problem, ids)
+
         if not self.config.score_cache:
             self.prm_requests += 1
-            self._scoring = problem  # read by _saw_prm_input, which prm.score calls before its first await
-            return await self.prm.score(problem.question, steps), "prm"
+            return await self.prm.score(problem.question, steps, on_input=seen), "prm"
         keys = prefix_keys(problem.question, steps)
         known = self.cache.known(keys)
         if len(known) == len(steps):
@@ -509,8 +356,7 @@ class SearchContext:
 
         async def read() -> list[float]:
             self.prm_requests += 1
-            self._scoring = problem  # as above
-            scores = known + await self.prm.score(problem.question, steps, start=len(known))
+            scores = known + await self.prm.score(problem.question, steps, start=len(known), on_input=seen)
             self.cache.store(keys, scores)
             return scores
 

@@ -39,7 +39,7 @@ async def _subtree(ctx: SearchContext, problem: Problem, index: int) -> list[Bea
         candidates = await ctx.expand(problem, beam, n=c.beam_width, to_eos=last and c.final_to_eos)
         await gather_or_cancel(*(ctx.score_beam(problem, b, lookahead=not last) for b in candidates))
         if all(b.dropped for b in candidates):  # the subtree outgrew the PRM: what it kept before
-            ctx.report(problem, iteration, candidates, [TOO_LONG] * len(candidates))
+            ctx.traces.report(problem, iteration, candidates, [TOO_LONG] * len(candidates))
             return [beam] if iteration else []
         best = _best(candidates, c.agg)
         beam = candidates[best]
@@ -48,7 +48,7 @@ async def _subtree(ctx: SearchContext, problem: Problem, index: int) -> list[Bea
             TOO_LONG if b.dropped else FINISHED if ends else KEPT if i == best else PRUNED
             for i, b in enumerate(candidates)
         ]
-        ctx.report(problem, iteration, candidates, fates)
+        ctx.traces.report(problem, iteration, candidates, fates)
         if beam.completed:
             break
     return [b for b in candidates if not b.dropped]
@@ -77,7 +77,7 @@ async def dvts(ctx: SearchContext, problem: Problem) -> list[Beam]:
             break
         kept = [tree[_best(tree, c.agg)] for tree in subtrees if tree]  # one vote a subtree
         certainty = vote_certainty(ctx.answers(problem, kept))
-        if ctx.decide(problem, wave, width, certainty, exhausted=width == c.n, grows=True):
+        if ctx.budget.decide(problem, wave, width, certainty, exhausted=width == c.n, grows=True):
             break
     beams = ctx.check_left(problem, [b for tree in subtrees for b in tree])
     return await ctx.verify(problem, beams)

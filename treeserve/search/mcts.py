@@ -98,7 +98,7 @@ async def mcts(ctx: SearchContext, problem: Problem) -> list[Beam]:
             node.pending -= 1
             new = Node(child, parent=node, ended=child.completed or len(child.steps) >= c.num_iterations)
             node.children.append(new)
-            ctx.report(
+            ctx.traces.report(
                 problem,
                 len(new.beam.steps) - 1,
                 [new.beam],

@@ -73,14 +73,14 @@ async def particle_filtering(ctx: SearchContext, problem: Problem) -> list[Beam]
         stepped = [particles[i] for i in moving]
         await gather_or_cancel(*(ctx.score_beam(problem, p) for p in stepped))
         if all(p.dropped for p in particles):
-            ctx.report(problem, iteration, stepped, [TOO_LONG] * len(stepped))
+            ctx.traces.report(problem, iteration, stepped, [TOO_LONG] * len(stepped))
             break
         ends = last or all(p.completed or p.dropped for p in particles)
         weights = [-math.inf if p.dropped else log_weight(p.value(c.agg), temperature) for p in particles]
         probs = probabilities(weights)
         if ends or effective_sample_size(probs) > c.resample_threshold * c.n:
             fates = [TOO_LONG if p.dropped else FINISHED if p.completed or ends else KEPT for p in stepped]
-            ctx.report(problem, iteration, stepped, fates)
+            ctx.traces.report(problem, iteration, stepped, fates)
             if ends:
                 break
             continue
@@ -90,7 +90,7 @@ async def particle_filtering(ctx: SearchContext, problem: Problem) -> list[Beam]
             TOO_LONG if p.dropped else FINISHED if p.completed else KEPT if i in drawn else PRUNED
             for i, p in zip(moving, stepped, strict=True)
         ]
-        ctx.report(problem, iteration, stepped, fates)
+        ctx.traces.report(problem, iteration, stepped, fates)
         copies: dict[int, int] = {}
         resampled = []
         for a in ancestors:

@@ -56,14 +56,14 @@ async def rebase(ctx: SearchContext, problem: Problem) -> list[Beam]:
         budget = c.n - len(solutions)
         if last or not live or budget <= 0:
             solutions += live  # at the last iteration the live nodes stand as solutions
-            ctx.report(problem, iteration, nodes, [TOO_LONG if b.dropped else FINISHED for b in nodes])
+            ctx.traces.report(problem, iteration, nodes, [TOO_LONG if b.dropped else FINISHED for b in nodes])
             break
         counts = expand_counts([b.value(c.agg) for b in live], budget, temperature)
         given = dict(zip((id(b) for b in live), counts, strict=True))
         fates = [
             TOO_LONG if b.dropped else FINISHED if b.completed else KEPT if given[id(b)] else PRUNED for b in nodes
         ]
-        ctx.report(problem, iteration, nodes, fates)
+        ctx.traces.report(problem, iteration, nodes, fates)
         to_eos = iteration + 1 == c.num_iterations - 1 and c.final_to_eos
         grown = await gather_or_cancel(
             *(ctx.expand(problem, b, n=k, to_eos=to_eos) for b, k in zip(live, counts, strict=True) if k)

@@ -59,7 +59,7 @@ async def search_problems(
     """problems: (unique id, question) pairs. Results come back in input order. Once `stop` is
     set no problem starts (its result is None); those already started run to the end."""
     strategy = STRATEGY_FUNCTIONS[ctx.config.strategy]
-    ctx.expect(len(problems))  # a budget is paced over them
+    ctx.budget.expect(len(problems))  # a budget is paced over them
     gate = asyncio.Semaphore(ctx.config.max_concurrent_problems)
 
     async def one(uid: str, question: str) -> ProblemResult | None:
@@ -80,7 +80,7 @@ async def search_problems(
             finally:
                 ctx.forget(problem)
             seconds = time.perf_counter() - start
-            trace = ctx.take_trace(problem, beams, seconds)
+            trace = ctx.traces.take(problem, beams, seconds)
             result = ProblemResult(uid, beams, seconds, trace, problem.spent, problem.stop)
             if on_done is not None:
                 on_done(result)

@@ -1,8 +1,8 @@
 """Search traces: every candidate step a search produced, its PRM scores and its fate.
 
-Owns `SearchTrace`, which a `SearchContext` with `config.trace` keeps per problem. Strategies
-report each scored iteration with the fate of every candidate; the trace is an output only
-(nothing reads it back while searching), so tracing on or off changes no beam and no answer.
+Owns `SearchTrace` (one problem's) and `Traces` (a run's, per problem in flight, with its
+progress callback: `ctx.traces`). Strategies `report` each scored iteration with the fate of
+every candidate; nothing reads a trace back while searching, so tracing changes no beam.
 Its JSON, stored as a problem record's "trace" (results, journal, `/v1/search`), holds one
 row per candidate, its fields named once (a node's id is its row's index)::
 
@@ -32,10 +32,11 @@ Particle filtering's copies of a finished particle are one node, which each such
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from treeserve.search.types import Beam
+from treeserve.search.config import SearchConfig
+from treeserve.search.types import Beam, Problem
 
 VERSION = 1
 KEPT, PRUNED, FINISHED, DUPLICATE, TOO_LONG = "kept", "pruned", "finished", "duplicate", "too_long"
@@ -126,6 +127,34 @@ class SearchTrace:
             "seconds": seconds,
             "generated_tokens": sum(row[3] for row in self.rows),
         }
+
+
+@dataclass
+class Traces:
+    config: SearchConfig
+    on_iteration: Callable[[int, list[Beam]], None] | None = None  # progress: (iteration, scored beams)
+    kept: dict[str, SearchTrace] = field(default_factory=dict)  # problem id -> its trace (config.trace)
+
+    def _new(self) -> SearchTrace:
+        c = self.config
+        return SearchTrace(c.strategy, c.n, c.beam_width, c.agg)
+
+    def report(self, problem: Problem, iteration: int, beams: list[Beam], fates: list[str]) -> None:
+        """An iteration's scored candidates and what the search did with each (FATES)."""
+        if self.config.trace:
+            self.kept.setdefault(problem.uid, self._new()).add(iteration, beams, fates)
+        if self.on_iteration is not None:
+            self.on_iteration(iteration, beams)
+
+    def take(self, problem: Problem, completions: list[Beam], seconds: float) -> dict | None:
+        """`problem`'s trace as JSON (None unless `config.trace`), forgotten here."""
+        trace = self.kept.pop(problem.uid, None)
+        if not self.config.trace:
+            return None
+        doc = (trace or self._new()).to_json(completions, seconds)
+        if problem.stop is not None:
+            doc["stop"] = problem.stop
+        return doc
 
 
 def nodes(trace: dict) -> list[dict]:

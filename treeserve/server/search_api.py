@@ -158,14 +158,14 @@ async def _until_deadline(ctx: SearchContext, problem: Problem, seconds: float) 
     """The strategy's beams, or after `seconds` the scored beams held then (the search cancelled);
     SearchDeadline when none."""
     held = HeldBeams(ctx.config, seconds)
-    progress = ctx.on_iteration
+    progress = ctx.traces.on_iteration
 
     def saw(iteration: int, beams: list[Beam]) -> None:
         held.saw(iteration, beams)
         if progress is not None:
             progress(iteration, beams)
 
-    ctx.on_iteration = saw
+    ctx.traces.on_iteration = saw
     search = asyncio.ensure_future(STRATEGY_FUNCTIONS[ctx.config.strategy](ctx, problem))
     expired = asyncio.ensure_future(held.expired.wait())
     try:
@@ -198,7 +198,7 @@ async def run_search(served: Served, req: SearchRequest, ctx: SearchContext, pro
     result["stop"] = problem.stop
     result["spent"] = problem.spent
     if req.trace:
-        result["trace"] = ctx.take_trace(problem, beams, seconds)
+        result["trace"] = ctx.traces.take(problem, beams, seconds)
         result["problem"] = problem.question  # a conversation's last user turn
     return result
 
@@ -270,7 +270,7 @@ async def stream_search(served: Served, req: SearchRequest, ctx: SearchContext, 
             }
         )
 
-    ctx.on_iteration = progress
+    ctx.traces.on_iteration = progress
     task = asyncio.create_task(run_search(served, req, ctx, problem))
     task.add_done_callback(lambda _: events.put_nowait(None))
     try:

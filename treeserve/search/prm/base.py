@@ -72,8 +72,15 @@ class PRM(ABC):
     def read(self, out: ScoreOutput) -> list[float]:
         """One score in [0, 1] per read position (higher: the step is more likely correct)."""
 
-    async def score(self, question: str, steps: list[str], start: int = 0) -> list[float]:
-        """Scores of steps[start:]; steps before `start` are not re-read (their pages may be cached)."""
+    def saw_input(self, ids: list[int], on_input: Callable[[list[int]], None] | None) -> None:
+        for hook in (self.on_input, on_input):
+            if hook is not None:
+                hook(ids)
+
+    async def score(
+        self, question: str, steps: list[str], start: int = 0, on_input: Callable[[list[int]], None] | None = None
+    ) -> list[float]:
+        """Scores of steps[start:] (steps before `start` are not re-read); `on_input` sees each input built."""
         if not steps or not 0 <= start < len(steps):
             raise ValueError(f"need at least one step to score after start={start}, got {len(steps)} steps")
         ids, positions = self.build(question, steps)
@@ -81,7 +88,6 @@ class PRM(ABC):
         if positions[-1] >= limit:
             raise PRMInputTooLong(self.model, positions[-1] + 1, limit)
         ids = ids[: positions[-1] + 1]
-        if self.on_input is not None:
-            self.on_input(ids)
+        self.saw_input(ids, on_input)
         out = await self.runtime.score(self.model, ids, self.score_params(positions[start:]))
         return self.read(out)

@@ -24,6 +24,8 @@ another so each one's pages serve the next as prefix-cache hits. It never runs t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from treeserve.outputs import ScoreOutput
@@ -93,17 +95,23 @@ class OutcomeRM(PRM):
         out = await self._read_solution(question, steps)
         return self._rewards(out)[0].item()
 
-    async def score(self, question: str, steps: list[str], start: int = 0) -> list[float]:
+    async def score(
+        self, question: str, steps: list[str], start: int = 0, on_input: Callable[[list[int]], None] | None = None
+    ) -> list[float]:
         """Scores of steps[start:] by the prefix rule: step i's is the score of steps[: i + 1]."""
         if not steps or not 0 <= start < len(steps):
             raise ValueError(f"need at least one step to score after start={start}, got {len(steps)} steps")
-        return [self.read(await self._read_solution(question, steps[: i + 1]))[0] for i in range(start, len(steps))]
+        return [
+            self.read(await self._read_solution(question, steps[: i + 1], on_input))[0]
+            for i in range(start, len(steps))
+        ]
 
-    async def _read_solution(self, question: str, steps: list[str]) -> ScoreOutput:
+    async def _read_solution(
+        self, question: str, steps: list[str], on_input: Callable[[list[int]], None] | None = None
+    ) -> ScoreOutput:
         ids = self.solution_ids(question, steps)
         limit = self.runtime.engine(self.model).max_model_len
         if len(ids) > limit:
             raise PRMInputTooLong(self.model, len(ids), limit)
-        if self.on_input is not None:
-            self.on_input(ids)
+        self.saw_input(ids, on_input)
         return await self.runtime.score(self.model, ids, self.score_params([len(ids) - 1]))
