@@ -58,13 +58,13 @@ def test_a_failing_step_fails_its_requests_and_undoes_the_step_after_it(llama_di
     want = tokens(llm.generate(PROMPTS[2:], PARAMS))
     engine = llm.engine
     undone: list[set[str]] = []
-    roll_back = engine.updates.roll_back
+    roll_back = engine.postprocessor.roll_back
 
     def recording(step) -> None:  # noqa: ANN001 - a PreparedStep
         undone.append({item.seq.request.request_id for item in step.batch if not item.seq.is_finished})
         roll_back(step)
 
-    monkeypatch.setattr(engine.updates, "roll_back", recording)
+    monkeypatch.setattr(engine.postprocessor, "roll_back", recording)
     for i, prompt in enumerate(PROMPTS[:2]):
         engine.add_request(f"r{i}", prompt, PARAMS)
     engine.step()

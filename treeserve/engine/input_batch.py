@@ -224,19 +224,19 @@ class InputBatch:
             elif own_end == len(ids) + seq.num_pending:  # its last token is computed: sample the next
                 last = at + own_end - start - 1
                 forks = seq.pending_forks  # forked when the token arrives
-                if request.host_rows:
+                if not request.plain:
                     special.append(len(samples))
                 samples.append(SampleRow(seq, forks=forks))
                 sample_at.append(last)
                 if forks:
-                    if request.host_rows:
+                    if not request.plain:
                         special += range(len(samples), len(samples) + forks)
                     fork_keys.update((len(samples) + f - 1, stream_key(request.seed, f)) for f in range(1, forks + 1))
                     samples += [SampleRow(seq, fork=f) for f in range(1, forks + 1)]
                     sample_at += [last] * forks
                 if draft:  # the target's token after each drafted one
                     step.drafts[seq.seq_id] = draft
-                    if request.host_rows:
+                    if not request.plain:
                         special += range(len(samples), len(samples) + len(draft))
                     samples += [SampleRow(seq, draft_position=j) for j in range(1, len(draft) + 1)]
                     sample_at += range(last + 1, last + 1 + len(draft))

@@ -26,8 +26,9 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+from collections.abc import Iterator
 from concurrent.futures import Future
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 
 import torch
@@ -129,6 +130,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)
         self.num_computed_tokens = 0  # every token run through the model (prompt, recompute, decode)
+        self.num_generated_tokens = 0  # every token sampled into a sequence
         self.stalled = False  # the last step had work but no pages for it
         self._injected: Exception | None = None  # inject_failure's error, raised by the next batch
         self.async_scheduling = config.async_scheduling  # resolved by EngineConfig: True or False
@@ -174,7 +176,66 @@ class LLMEngine:
 
     def attach_kv(self, pages: PageArena, block_size: int, pool: PagePool | None = None) -> None:
         """Use `pages` (with `block_size` tokens per page of this model) for KV, its page states
-        in `pool` (shared with the other models on the same arena), or a pool of its own."""
+        in `pool` (shared with the other models on the same arena), or a pool of its own. Makes
+        every part that depends on the KV, anew: a second attach replaces the first's."""
+        config, layout, ranks = self.config, self.kv_layout, self.ranks
+        pages_per_seq = self._fit_context(pages, block_size)
+        self.block_size = block_size
+        self.arena = KVArena(
+            pages.num_pages,
+            layout.num_layers,
+            block_size,
+            layout.num_kv_heads,
+            layout.head_dim,
+            layout.dtype,
+            self.device,
+            pages=pages,
+            scales=self.kv_scales,
+        )
+        self.blocks = BlockManager(
+            pages.num_pages, block_size, config.model_id, config.enable_prefix_caching, pool=pool
+        )
+        self.peers: dict[int, DeviceQueue] = {}  # the other engines on this page pool, by owner (`share_pages_with`)
+        self.inputs = InputBatch(
+            block_size, pages_per_seq, list(self.tokenizer.eos_token_ids), self.constraints, self.think
+        )
+        self.scheduler = Scheduler(
+            self.blocks,
+            self.inputs,
+            self.speculator,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+        )
+        self.postprocessor = Postprocessor(
+            self.scheduler, self.blocks, self.tokenizer, self.constraints, self.speculator, self.max_model_len
+        )
+        backend = BACKENDS[config.attention_backend]()
+        stage = None
+        if ranks is not None:
+            ranks.send(("kv", pages.num_pages, block_size))
+            if ranks.placement.pp is not None:
+                stage = (ranks.placement.pp, 0, config.pipeline_parallel_size, config.torch_dtype)
+        self.runner = ModelRunner(
+            self.model,
+            self.arena,
+            self.device,
+            self.model_config.attn_scale,
+            backend,
+            self.draw,
+            self.tokenizer.vocab_size,
+            ranks and ranks.send,
+            ranks is not None and ranks.placement.tp is not None,
+            stage,
+        )
+        self.graph_stats = None  # {"sizes", "capture_s", "memory_bytes", ...} once `capture_graphs` has run
+        self.page_log = PageLog(self.blocks)
+        if self.speculator is not None and self.speculator.draft_model is not None:
+            self.speculator.draft_model.attach(pages, self.blocks.pool, backend, config.model_id)
+
+    def _fit_context(self, pages: PageArena, block_size: int) -> int:
+        """Set `max_model_len` for `pages` (lowered to what they hold when the config leaves it
+        open); the pages one sequence may need. Raises if one sequence cannot fit."""
         config = self.config
         self.max_model_len = self.context_len
         pages_per_seq = -(-self.max_model_len // block_size) + 1
@@ -199,55 +260,25 @@ class LLMEngine:
                     else ""
                 )
             )
-        layout = self.kv_layout
-        self.block_size = block_size
-        self.arena = KVArena(
-            pages.num_pages,
-            layout.num_layers,
-            block_size,
-            layout.num_kv_heads,
-            layout.head_dim,
-            layout.dtype,
-            self.device,
-            pages=pages,
-            scales=self.kv_scales,
-        )
-        self.blocks = BlockManager(
-            pages.num_pages, block_size, config.model_id, config.enable_prefix_caching, pool=pool
-        )
-        self.peers: dict[int, DeviceQueue] = {}  # the other engines on this page pool, by owner (`share_kv`)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
-        self.scheduler.on_release = self._released
-        self.inputs = InputBatch(
-            block_size, pages_per_seq, list(self.tokenizer.eos_token_ids), self.constraints, self.think
-        )
-        backend = BACKENDS[config.attention_backend]()
-        ranks, stage = self.ranks, None
-        if ranks is not None:
-            ranks.send(("kv", pages.num_pages, block_size))
-            if ranks.placement.pp is not None:
-                stage = (ranks.placement.pp, 0, config.pipeline_parallel_size, config.torch_dtype)
-        self.runner = ModelRunner(
-            self.model,
-            self.arena,
-            self.device,
-            self.model_config.attn_scale,
-            backend,
-            self.draw,
-            self.tokenizer.vocab_size,
-            ranks and ranks.send,
-            ranks is not None and ranks.placement.tp is not None,
-            stage,
-        )
-        self.graph_stats = None  # {"sizes", "capture_s", "memory_bytes", ...} once `capture_graphs` has run
-        self.page_log = PageLog(self.blocks)
-        generated = self.updates.num_generated_tokens if hasattr(self, "updates") else 0
-        self.updates = Postprocessor(
-            self.scheduler, self.blocks, self.tokenizer, self.constraints, self.speculator, self.max_model_len
-        )
-        self.updates.num_generated_tokens = generated
-        if self.speculator is not None and self.speculator.draft_model is not None:
-            self.speculator.draft_model.attach(pages, self.blocks.pool, backend, config.model_id)
+        return pages_per_seq
+
+    def share_pages_with(self, others: list[LLMEngine]) -> None:
+        """`others` attached the same page pool: this engine's steps wait for theirs that may
+        still use a page they handed over (`DeviceQueue.fence`)."""
+        self.peers = {other.blocks.owner: other.queue for other in others if other is not self}
+
+    def run_on_stream(self, priority: int = 0) -> None:
+        """Run this engine's steps on a CUDA stream of their own (`priority`: CUDA's, lower first)."""
+        self.queue.stream = torch.cuda.Stream(self.device, priority=priority)
+
+    @contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Steps run inside add nothing to the engine's token counts (the memory planner's probe)."""
+        counts = self.num_computed_tokens, self.num_generated_tokens
+        try:
+            yield
+        finally:
+            self.num_computed_tokens, self.num_generated_tokens = counts
 
     # ---- requests ----------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
@@ -294,15 +325,13 @@ class LLMEngine:
             stream=stream,
             delta=stream and sampling is not None and sampling.output_kind is RequestOutputKind.DELTA,
             draft_group=draft_group,
-            host_rows=sampling is not None
-            and (
-                sampling.logprobs is not None
-                or sampling.structured_outputs is not None
-                or sampling.adjusts_logits
-                or sampling.max_thinking_tokens is not None
-            ),
+            plain=sampling is not None
+            and sampling.logprobs is None
+            and sampling.prompt_logprobs is None
+            and sampling.structured_outputs is None
+            and not sampling.adjusts_logits
+            and sampling.max_thinking_tokens is None,
         )
-        request.plain = sampling is not None and not request.host_rows and sampling.prompt_logprobs is None
         request.prompt_key = hash(tuple(token_ids[:TWIN_KEY_TOKENS])) if len(token_ids) >= TWIN_KEY_TOKENS else None
         tokens, detok = list(token_ids), None
         if sampling is not None:  # it reads the sequence's own list of tokens
@@ -335,19 +364,9 @@ class LLMEngine:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
 
-    @property
-    def num_generated_tokens(self) -> int:
-        return self.updates.num_generated_tokens
-
     def has_unfinished_requests(self) -> bool:
         """Requests not yet finished, or a step whose results are still to be read back."""
         return bool(self.requests) or self._in_flight is not None
-
-    def _released(self, seq: Sequence) -> None:
-        """`seq` gave its pages back (finished, aborted or preempted)."""
-        self.inputs.release(seq)
-        if self.speculator is not None:
-            self.speculator.release(seq)
 
     # ---- one step ----------------------------------------------------------------------
     # `step()` is one of the two loops below, chosen at start-up from `async_scheduling`. Both return
@@ -379,11 +398,11 @@ class LLMEngine:
         try:
             if flight is not None and not flight.step.overlappable:
                 done, flight = flight, None
-                outputs += self._finish(done)
+                outputs += self._read_back(done)
             scheduled = self._schedule(can_preempt=flight is None)
             if scheduled is None:  # it would preempt: read the step in flight back, then schedule again
                 done, flight = flight, None
-                outputs += self._finish(done)
+                outputs += self._read_back(done)
                 scheduled = self._schedule(can_preempt=True)
             self._in_flight = self._launch(*scheduled, previous=flight, queued=True)
         except BaseException:
@@ -393,7 +412,7 @@ class LLMEngine:
 
     def _deliver(self, outputs: list, flight: InFlight) -> list:
         try:
-            return outputs + self._finish(flight)
+            return outputs + self._read_back(flight)
         except BaseException:
             self._undelivered = outputs
             raise
@@ -426,7 +445,7 @@ class LLMEngine:
         except Exception as e:  # atomic: the batch's requests fail, nothing else changes
             raise self._fail(batch, e) from e
         step.plan.fail, self._injected = self._injected, None
-        self.updates.launched(step)
+        self.postprocessor.launched(step)
         for owner in self.blocks.pool.take_handovers(self.blocks.owner):  # pages other engines released
             peer = self.peers.get(owner)
             if peer is not None:
@@ -434,7 +453,7 @@ class LLMEngine:
         run = self.queue.submit if queued else self.queue.run
         return InFlight(step, run(self.runner.execute, step.plan, previous.result if previous else None))
 
-    def _finish(self, flight: InFlight) -> list[RequestOutput | ScoreOutput]:
+    def _read_back(self, flight: InFlight) -> list[RequestOutput | ScoreOutput]:
         """Read a launched step back: tokens, stop rules, outputs. A step whose device work failed
         fails its requests (`StepFailed`), and the step launched after it is undone."""
         step = flight.step
@@ -446,13 +465,14 @@ class LLMEngine:
             if successor is not None:  # it read this step's samples: it did not run
                 with suppress(Exception):
                     successor.result.result()
-                self.updates.roll_back(successor.step)
+                self.postprocessor.roll_back(successor.step)
             raise error from e
         self.num_computed_tokens += result.num_computed
         try:
-            requests = self.updates.read(step, result)
+            requests, generated = self.postprocessor.read(step, result)
         except Exception as e:
             raise self._fail(step.batch, e) from e
+        self.num_generated_tokens += generated
         self.page_log.record()
         return [out for r in requests if (r.stream or r.finished) and (out := self._emit(r)) is not None]
 
@@ -505,5 +525,5 @@ def share_kv(engines: list[LLMEngine], kv_bytes: int) -> None:
     pool = PagePool(pages.num_pages)
     for engine, block_size in zip(engines, block_sizes, strict=True):
         engine.attach_kv(pages, block_size, pool)
-    for engine in engines:  # whose steps a page handed over may still be used by (`DeviceQueue.fence`)
-        engine.peers = {other.blocks.owner: other.queue for other in engines if other is not engine}
+    for engine in engines:
+        engine.share_pages_with(engines)

@@ -58,7 +58,6 @@ class Postprocessor:
         self.constraints = constraints
         self.speculator = speculator
         self.max_model_len = max_model_len
-        self.num_generated_tokens = 0
         # the step being read: the requests it has an output for (streams it touched, and those a
         # sequence of which ended in it), filled by `read` and by `_end`
         self._outputs: dict[str, Request] = {}
@@ -89,9 +88,10 @@ class Postprocessor:
             elif row.is_next:
                 seq.num_pending -= 1
 
-    def read(self, step: PreparedStep, result: StepResult) -> list[Request]:
-        """Apply `result` to the live sequences of `step`; the requests with an output to emit:
-        streams it touched, and those a sequence of which ended in it."""
+    def read(self, step: PreparedStep, result: StepResult) -> tuple[list[Request], int]:
+        """Apply `result` to the live sequences of `step`. Returns the requests with an output to
+        emit (streams it touched, and those a sequence of which ended in it) and the number of
+        tokens it generated."""
         result.wait()  # its device-to-host copies (the step's only sync)
         outputs = self._outputs = {}
         if self.blocks.enable_prefix_caching:
@@ -110,9 +110,8 @@ class Postprocessor:
             lp = lp.host()
             for i, token in enumerate(read.targets):
                 read.request.prompt_logprobs[read.index + i] = self.logprob_entry(token, lp, i, read.k)
-        if step.samples:
-            self._samples(step, result)
-        return list(outputs.values())
+        generated = self._samples(step, result) if step.samples else 0
+        return list(outputs.values()), generated
 
     def _scores(self, step: PreparedStep, result: StepResult) -> None:
         """Forward-only requests: what the step read, and the end of those it read to the end."""
@@ -132,35 +131,54 @@ class Postprocessor:
                 seq.finish_reason = "stop"
                 self._end(seq)
 
-    def _samples(self, step: PreparedStep, result: StepResult) -> None:
-        if not step.drafts and result.logprobs is None:
-            self._plain_samples(step, result)
-            return
+    def _samples(self, step: PreparedStep, result: StepResult) -> int:
+        """Each sampled token to its sequence; how many it appended. A plain decode's token (its
+        `Sequence.next_row`, most rows) goes into the list, and to the stop checker only if it may
+        end the sequence."""
         logprobs = result.logprobs.host() if result.logprobs is not None else None
-        logprob_row = {row: i for i, row in enumerate(step.plan.sample.logprob_rows)} if logprobs else {}
+        logprob_at = {id(step.samples[r]): i for i, r in enumerate(step.plan.sample.logprob_rows)} if logprobs else {}
+        drafts = step.drafts
         forks: dict[tuple[int, int], Sequence] = {}
         verifying: dict[int, Verification] = {}  # seq_id -> its draft's verification so far
-        for r, (row, token) in enumerate(zip(step.samples, result.sampled(), strict=True)):
-            seq, draft = row.seq, None
-            if row.fork:
+        void = 0  # rows whose token goes nowhere
+        for row, token in zip(step.samples, result.sampled(), strict=True):
+            seq = row.seq
+            plain = row is seq.next_row  # no fork, draft, logprobs or constraint
+            if plain or not (row.fork or row.draft_position):  # the sequence's next token
+                if seq.status is FINISHED:
+                    void += 1
+                    continue  # aborted, or ended by a token before this one
+                seq.num_pending -= 1
+                if plain:
+                    ids = seq.token_ids
+                    if len(ids) + 1 < seq.check_len and token not in seq.ending_ids:
+                        ids.append(token)  # no stop rule can end it: its checker counts it in `ids`
+                        continue
+                    draft = None
+                else:
+                    for fork in range(1, row.forks + 1):  # made at the parent's state before this token
+                        forks[(seq.seq_id, fork)] = self._fork(seq, fork)
+                    draft = drafts.get(seq.seq_id)
+            elif row.fork:
                 seq = forks.get((seq.seq_id, row.fork))
                 if seq is None:
+                    void += 1
                     continue  # its parent was gone when the token arrived
-            elif row.draft_position:
-                draft = step.drafts[seq.seq_id]
+                draft = None
             else:
-                if seq.status == SeqStatus.FINISHED:
-                    continue  # aborted, or ended by a token before this one: this one is void
-                seq.num_pending -= 1
-                if row.forks:  # made at the parent's state before this token
-                    for fork in range(1, row.forks + 1):
-                        forks[(seq.seq_id, fork)] = self._fork(seq, fork)
-                draft = step.drafts.get(seq.seq_id) if step.drafts else None
+                draft = drafts[seq.seq_id]
             if draft is not None:
                 check = verifying.setdefault(seq.seq_id, Verification(seq, len(draft)))
                 if not check.going:
-                    continue  # an earlier position of this draft was rejected: this row is void
-            going = self._append(seq, token, logprobs, logprob_row.get(r, -1) if logprobs else -1)
+                    void += 1
+                    continue  # an earlier position of this draft was rejected
+            if seq.guide is not None and not seq.guide.advance(token):
+                seq.finish_reason, seq.stop_reason = "abort", None  # the constraint library contradicted itself
+                self._end(seq)
+                void += 1
+                going = False
+            else:
+                going = self._append(seq, token, logprobs, logprob_at.get(id(row), -1) if logprob_at else -1)
             if draft is not None:
                 position = row.draft_position
                 matched = position < len(draft) and token == draft[position]
@@ -175,42 +193,7 @@ class Postprocessor:
                     seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed_tokens
                 )
                 self.blocks.truncate(seq.block_table, len(seq.token_ids))
-
-    def _plain_samples(self, step: PreparedStep, result: StepResult) -> None:
-        """`_samples` for a step that drafted nothing and returns no logprobs, with a plain
-        decode's next token (its `Sequence.next_row`, most rows) on a short path: into the list,
-        and to the stop checker only if it may end the sequence; forks and constraints as
-        `_samples` does."""
-        forks: dict[tuple[int, int], Sequence] = {}
-        elsewhere = 0  # rows not on the short path (`_append` counts the tokens they add)
-        for row, token in zip(step.samples, result.sampled(), strict=True):
-            seq = row.seq
-            if row is seq.next_row:  # a plain decode: no fork, no constraint
-                if seq.status is FINISHED:
-                    elsewhere += 1
-                    continue  # aborted, or ended by a token before this one: this one is void
-                seq.num_pending -= 1
-                ids = seq.token_ids
-                if len(ids) + 1 < seq.check_len and token not in seq.ending_ids:
-                    ids.append(token)  # no stop rule can end it: its checker counts it in `ids`
-                    continue
-                elsewhere += 1
-                self._append(seq, token, None, -1)  # it may end the sequence
-                continue
-            elsewhere += 1
-            if row.fork:
-                seq = forks.get((seq.seq_id, row.fork))
-                if seq is not None:
-                    self._append(seq, token, None, -1)
-                continue
-            if seq.status is FINISHED:
-                continue
-            seq.num_pending -= 1
-            if row.forks:
-                for fork in range(1, row.forks + 1):
-                    forks[(seq.seq_id, fork)] = self._fork(seq, fork)
-            self._append(seq, token, None, -1)
-        self.num_generated_tokens += len(step.samples) - elsewhere
+        return len(step.samples) - void
 
     def _fork(self, parent: Sequence, index: int) -> Sequence:
         """Completion `index` of the parent's request (n > 1), at the parent's state before its first
@@ -226,12 +209,7 @@ class Postprocessor:
 
     def _append(self, seq: Sequence, token: int, logprobs: HostLogprobs | None, row: int) -> bool:
         """Add a sampled token to `seq` and apply the stop rules; False when the sequence ended."""
-        if seq.guide is not None and not seq.guide.advance(token):
-            seq.finish_reason, seq.stop_reason = "abort", None  # the constraint library contradicted itself
-            self._end(seq)
-            return False
         seq.token_ids.append(token)
-        self.num_generated_tokens += 1
         if seq.logprobs is not None:
             seq.cumulative_logprob += logprobs.logprobs[row]
             seq.logprobs.append(self.logprob_entry(token, logprobs, row, seq.request.params.logprobs))

@@ -39,55 +39,61 @@ class SeqStatus(Enum):
 
 @dataclass(eq=False, slots=True)
 class Sequence:
-    # The fields a decode step reads come first: the object starts on a cache line, so they fill
-    # its first two lines (after a forward has swept the caches, each further line costs a trip
-    # to memory, per sequence and step).
+    # Fields by writer. Those a decode step reads come first: the object starts on a cache line,
+    # so they fill its first two lines (after a forward has swept the caches, each further line
+    # costs a trip to memory, per sequence and step).
+    # -- read every step. Made with the sequence (`LLMEngine.add_request`, `fork`); the
+    # postprocessor appends to `token_ids`
     request: Request
     token_ids: list[int]
     detok: StopChecker | None
-    # a sampled token not among `ending_ids` that leaves `token_ids` shorter than `check_len` needs
-    # no word to `detok` (`StopChecker.quiet_stops`): a decode's usual token on its short path
+    # a token not in `ending_ids` that leaves `token_ids` shorter than `check_len` cannot end the
+    # sequence (`StopChecker.quiet_stops`): it goes into the list without a word to `detok`
     ending_ids: frozenset[int] = frozenset()
     check_len: int = 0
+    quiet: bool = False  # its request is `plain` and does not stream: a decode reads nothing of it
+    # the scheduler's
     status: SeqStatus = SeqStatus.WAITING
-    num_computed_tokens: int = 0
-    # tokens sampled by steps not yet read back (overlapped steps); the newest is row
-    # `pending_row` of the samples of the step in flight, which the next step reads on the device
-    num_pending: int = 0
     block_table: list[int] = field(default_factory=list)
-    # speculative decoding: this step's drafted tokens (set before scheduling; () when none)
-    draft: list[int] | tuple[()] = ()
-    row: int = -1  # its row of the engine's persistent arrays while it runs (`input_batch.py`)
-    next_row: object = None  # the `step_plan.SampleRow` of its next token, made once (`input_batch.py`)
-    guide: Guide | None = None  # structured outputs: where this sequence is in its constraint
-    pending_forks: int = 0  # siblings to fork when the prompt is computed
-    quiet: bool = False  # its request is `plain` and does not stream: a decode needs nothing but its token
+    # the postprocessor's: its progress (the scheduler sets where it starts)
+    num_computed_tokens: int = 0
+    # tokens sampled by steps not yet read back; the newest is row `pending_row` of the samples of
+    # the step in flight, which the next step reads on the device
+    num_pending: int = 0
     pending_row: int = -1
-    # the rest: read by what a plain decode does not do
+    pending_forks: int = 0  # siblings to fork when the prompt is computed
+    # the input batch's
+    row: int = -1  # its row of the persistent arrays while it runs
+    next_row: object = None  # the `step_plan.SampleRow` of its next token, made once
+    guide: Guide | None = None  # where it is in its constraint (a fork's: made by the postprocessor)
+    # the speculator's: this step's drafted tokens, set before scheduling
+    draft: list[int] | tuple[()] = ()
+    # -- read by what a plain decode does not do. Made with the sequence
     index: int = 0  # which of the request's completions (feeds the sampler's seeded draws)
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    order: tuple[int, int] = field(init=False)  # the scheduler's order: (its request's arrival, index)
+    # the scheduler's: prefix-cache keys of its full blocks, and of the prompt blocks it computes
+    # itself (from block `promised_from` on), which sequences needing them wait for
     block_hashes: list[int] = field(default_factory=list)
-    # prefix cache: keys of the full prompt blocks this sequence computes itself (from block
-    # `promised_from` on); sequences waiting for the same blocks wait for the cache instead
     promised_blocks: list[int] = field(default_factory=list)
     promised_from: int = 0
+    # the postprocessor's: its output
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     # forward-only requests: what was read at each requested position (a recompute overwrites)
     score_rows: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = field(default_factory=dict)
-    drafting: DraftState | None = None  # the drafting state (speculative decoding)
-    # a hash of token_ids[:hashed], kept up to date by history_key (twin rows: dedup.py)
+    # the input batch's: a hash of token_ids[:hashed] (`history_key`; twin rows: dedup.py)
     history_hash: int | None = None
     hashed: int = 0
-    # a request of DELTA outputs: the output tokens and characters of text its outputs gave so
-    # far, and whether they gave its end
+    drafting: DraftState | None = None  # the speculator's
+    thinking: ThinkState | None = None  # a thinking budget's view of its think block (`thinking.py`)
+    # its DELTA outputs' (`delta`): the output tokens and characters given so far, and whether
+    # they gave its end
     sent_tokens: int = 0
     sent_chars: int = 0
     sent_end: bool = False
-    thinking: ThinkState | None = None  # a thinking budget's view of its think block (`thinking.py`)
-    order: tuple[int, int] = field(init=False)  # the scheduler's order: (its request's arrival, index)
 
     def __post_init__(self) -> None:
         self.order = (self.request.arrival, self.index)
@@ -200,10 +206,8 @@ class Request:
     delta: bool = False  # a stream's outputs say what is new (`RequestOutputKind.DELTA`), not the whole
     began: bool = False  # it had an output (DELTA outputs give the prompt's logprobs in the first only)
     draft_group: str | None = None  # speculative `tree` drafting: requests that draft from each other
-    # its sampled rows need work on the host: logprobs returned, a constraint, logit edits or a thinking budget
-    host_rows: bool = False
-    # a generation whose rows need nothing but their next token: no host rows, no prompt logprobs
-    # (a step takes its decode rows on a short path: `InputBatch.prepare`, `Postprocessor.read`)
+    # a generation whose rows need nothing but their next token (no logprobs, prompt logprobs,
+    # constraint, logit edits or thinking budget): its decodes take the short paths
     plain: bool = False
     # a hash of the prompt's first TWIN_KEY_TOKENS token ids (None: a shorter prompt): sequences
     # with equal histories (twins, `dedup.py`) have equal keys, or one of them has None

@@ -14,12 +14,16 @@ starving in the page pool; the other models then admit nothing new until it is s
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from operator import attrgetter
+from typing import TYPE_CHECKING
 
 from treeserve.engine.request import SeqStatus, Sequence
 from treeserve.kv.block_manager import BlockManager, PrefixHit
+
+if TYPE_CHECKING:
+    from treeserve.engine.input_batch import InputBatch
+    from treeserve.engine.speculative.speculator import Speculator
 
 # Admission leaves this many tokens of growth per running sequence free. Without it, a full
 # arena preempts (and later recomputes) running sequences to make room for new ones: on beam
@@ -45,8 +49,20 @@ _ARRIVAL_ORDER = attrgetter("order")  # (request arrival, completion index)
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        rows: InputBatch,
+        speculator: Speculator | None,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ):
+        # what a running sequence holds, each given back when it stops running (`_release`): its
+        # pages, its row of the input batch, a draft model's pages
         self.blocks = block_manager
+        self.rows = rows
+        self.speculator = speculator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -54,7 +70,6 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._in_order = True  # `running` is in arrival order (an append may break it; a removal never does)
         self.num_preemptions = 0
-        self.on_release: Callable[[Sequence], None] | None = None  # told of every sequence that gives its pages back
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -223,9 +238,7 @@ class Scheduler:
         return len(self.running) * -(-GROWTH_HEADROOM_TOKENS // self.blocks.block_size)
 
     def preempt(self, seq: Sequence) -> None:
-        self.blocks.release(seq.block_table)
-        if self.on_release is not None:
-            self.on_release(seq)
+        self._release(seq)
         seq.block_hashes.clear()
         seq.promised_blocks = []
         seq.num_computed_tokens = 0
@@ -240,9 +253,13 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.blocks.release(seq.block_table)
-        if self.on_release is not None:
-            self.on_release(seq)
+        self._release(seq)
         seq.status = SeqStatus.FINISHED
         if not self.waiting:  # nothing left to wait for pages (e.g. the waiting ones were aborted)
             self.blocks.pool.set_starving(self.blocks.owner, False)
+
+    def _release(self, seq: Sequence) -> None:
+        self.blocks.release(seq.block_table)
+        self.rows.release(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)

@@ -216,9 +216,8 @@ def activation_peak(engine: LLMEngine) -> int:
     for i, n in enumerate(lengths):
         params = ScoreParams([n - 1], token_ids=[0] if has_head else [], return_hidden_states=not has_head)
         engine.add_request(f"memory-probe-{i}", [1] * n, params)
-    computed = engine.num_computed_tokens
-    peak = _peak_bytes(lambda: engine.step_plain(), engine.device)  # on this thread: the profiler sees it
-    engine.num_computed_tokens = computed  # the probe is not work the engine did for anyone
+    with engine.uncounted():  # the probe is not work the engine did for anyone
+        peak = _peak_bytes(lambda: engine.step_plain(), engine.device)  # on this thread: the profiler sees it
     for i in range(len(lengths)):
         engine.abort(f"memory-probe-{i}")
     engine.check_pages_idle()

@@ -175,7 +175,7 @@ class Runtime:
         if overlap_models and device.type == "cuda":
             torch.cuda.synchronize(device)  # the loads' work on the current stream is done before the others start
             for i, engine in enumerate(engines.values()):
-                engine.queue.stream = torch.cuda.Stream(device, priority=-1 if i == 0 else 0)
+                engine.run_on_stream(priority=-1 if i == 0 else 0)
         planner.record_pages(memory, engines)
         runtime = cls(engines)
         runtime.memory_plan = memory
