@@ -1,24 +1,9 @@
 """Paged attention for one step: the step's metadata and the three backends that run it.
 
-Per layer, the new tokens' K/V are written into their pages (slot = page, offset), then
-queries attend to the pages of their own sequence. Sequences come in two groups so neither
-pays for the other's shape: decodes (one query each) and prefill chunks (many queries each:
-prompts, later chunks of long prompts, PRM scoring steps; a chunk attends to the sequence's
-cached pages and causally within itself).
-
-Backends (chosen once per engine from `EngineConfig.attention_backend`):
-* `sdpa`: PyTorch SDPA over pages gathered by block table, prefill chunks padded to the
-  longest chunk of the step, masks built once per step and window. Runs on any device and
-  is the reference the kernels are tested against.
-* `cpu`: the C kernels of `kernels/cpu` read pages in place (decodes in fp32 and bf16, bf16
-  prefill chunks with AVX512-BF16; other fp32 and bf16 chunks as one decode a query, so that a
-  row's bits never depend on the chunk around it); SDPA for the rest.
-* `triton`: the Triton kernels of `kernels/triton` for all three parts (store, decode,
-  prefill); on CUDA, and on CPU tensors under TRITON_INTERPRET=1 (how the tests run them).
-
-Every backend reads and writes an FP8 arena (`kv_cache_dtype="fp8_e4m3"`) with the layer's
-(k_scale, v_scale) (`KVArena.layer_scales`): stored as e4m3(x * (1 / scale)), read as e4m3 *
-scale (`to_fp8` and `from_fp8` are that, in PyTorch).
+Per layer the new tokens' K/V are written into their pages, then queries attend to their own
+sequence's pages, in two groups: decodes (one query each) and prefill chunks (many). Backends:
+`sdpa` (PyTorch, any device: the reference), `cpu` (the C kernels of `kernels/cpu`), `triton`
+(`kernels/triton`). An FP8 arena stores e4m3(x / scale) and reads e4m3 * scale, per layer.
 """
 
 from __future__ import annotations
@@ -53,8 +38,7 @@ class SeqGroup:
 
     @cached_property
     def leads(self) -> bool:
-        """Decodes whose queries are the step's first rows, in order (q[index] is q[:B]): read
-        once a step, on a CPU (a GPU would wait for it)."""
+        """Decodes whose queries are the step's first rows, in order (q[index] is q[:B])."""
         index = self.query_index[:, 0]
         return self.is_decode and bool((index == torch.arange(index.numel(), device=index.device)).all())
 
@@ -76,8 +60,7 @@ class SeqGroup:
 
 
 def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """What an FP8 cache stores for `x`: e4m3 of x * (1 / scale) in fp32, rounded to nearest even and
-    saturated at +-448 (PyTorch's conversion)."""
+    """What an FP8 cache stores for `x`: e4m3 of x * (1 / scale) in fp32 (nearest even, saturated at +-448)."""
     return (x.float() * (1 / scale)).to(FP8)
 
 
@@ -121,11 +104,10 @@ class SdpaBackend:
         out: torch.Tensor,
         kv_scales: torch.Tensor | None = None,
     ) -> None:
-        """Write the attention of `group`'s queries (rows of q) into the same rows of `out`
-        (`scale` None: head_dim ** -0.5, SDPA's own default, which kernels compute alike)."""
+        """Attention of `group`'s queries (rows of q) into the same rows of `out` (scale None: head_dim**-0.5)."""
         batch, pages = group.block_tables.shape
         block_size, kv_heads, head_dim = k_cache.shape[1:]
-        tables = group.block_tables.flatten()  # index_select copies pages ~3x faster than [] indexing on CPU
+        tables = group.block_tables.flatten()
         keys = k_cache.index_select(0, tables).view(batch, pages * block_size, kv_heads, head_dim)
         values = v_cache.index_select(0, tables).view(batch, pages * block_size, kv_heads, head_dim)
         if kv_scales is not None:
@@ -205,10 +187,8 @@ class CpuBackend(SdpaBackend):
 
 
 def queries_as_decodes(group: SeqGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A prefill chunk as decodes, one a query: (its rows in the flat batch, their block tables,
-    their context lengths: position + 1). SDPA's fp32 rows on a CPU change their last bits with
-    the number of queries beside them, so a PRM score read after a prefix-cache hit (2 new rows)
-    differed from the same score read cold (50 rows), and search broke ties by it."""
+    """A prefill chunk as decodes, one a query: (rows, block tables, context lengths); a row's bits
+    then never depend on the queries beside it, which SDPA's fp32 rows on a CPU do."""
     valid = group.query_valid
     seqs = torch.arange(valid.shape[0], device=valid.device)[:, None].expand_as(valid)[valid]
     return group.query_index[valid], group.block_tables[seqs], group.query_pos[valid] + 1
@@ -223,7 +203,7 @@ class TritonBackend:
         from treeserve.kernels.triton import decode_attention, kv_store, prefill_attention, rope_kv
 
         self.store = kv_store.store_kv
-        self.rope_store = rope_kv.rope_store_kv  # rope fused with the store (`AttentionBatch` with a `rope`)
+        self.rope_store = rope_kv.rope_store_kv
         self._decode = decode_attention.paged_decode
         self._prefill = prefill_attention.paged_prefill
 
@@ -312,10 +292,8 @@ class AttentionBatch:
         return out
 
     def stack_pages(self) -> StackPages | None:
-        """The pages and groups for `layers/layer_stack.py`, on the `cpu` backend: decodes (one
-        query a sequence) and prefill chunks, the latter only where `CpuBackend` runs them on the
-        C prefill kernel too (`prefill_fits`: bf16 heads of a multiple of 32 on AVX512-BF16). An FP8
-        arena steps layer by layer (the layer stack's kernels read bf16 pages)."""
+        """The pages and groups for `layers/layer_stack.py` on the `cpu` backend (None: layer by layer,
+        as on an FP8 arena); prefill chunks only where `CpuBackend` runs them on the C kernel too."""
         if self.backend.name != "cpu" or self.arena.fp8:
             return None
         k_cache, _ = self.arena.layer(0)

@@ -1,35 +1,8 @@
 """CUDA graphs for decode-only steps: the model's forward captured once per batch-size bucket.
 
-Owns `capture_sizes` (the buckets) and `DecodeGraphs` (the static inputs, one graph a bucket,
-replay). A decode step of B sequences runs the graph of the smallest bucket >= B: its inputs
-are written into the static buffers the graph was captured on (one host-to-device copy of
-one packed array, one device copy into place), rows B.. are padding, and one replay launches
-every kernel of the forward (about a thousand launches become one).
-
-- Buckets: vLLM's, 1, 2, 4, 8, then steps of 8 to 256 and of 16 above, up to `max_num_seqs` (at most MAX_CAPTURE,
-  and `max_num_seqs` itself when the steps of 8 miss it, so every decode batch has a graph);
-  a list given in `EngineConfig.cuda_graph_sizes` is cut to `max_num_seqs`.
-- Padding rows: token 0 at position 0, KV slot page -1 (the Triton KV store writes nothing
-  there), a context of one key in page 0 (read, never written): a padding row never touches
-  a page a sequence holds, and every computation is row by row, so a real row's bits do not
-  depend on them. Block tables are padded to the widest any sequence can have
-  (`pages_per_seq`), so one graph serves every context length.
-- A replay is compared with the same padded forward run eagerly (`run(..., eager=True)`: the
-  same shapes, the same kernels): bit-identical (tested on CUDA). The plain eager path
-  (`enforce_eager=True`, and every step graphs do not take) runs batches unpadded; on CUDA a
-  row's last bits may differ between the two, as cuBLAS picks kernels by row count (on a CPU
-  in fp32 every matmul is row-invariant, so they agree exactly there).
-- Mixed and prefill steps run eagerly (attention shapes vary with chunk lengths), as do
-  parallel models (their collectives) and the `sdpa`/`cpu` backends (they read the batch on
-  the host). The sampler runs after the replay, eagerly.
-- Captured once per engine, after its final arena is attached (`LLMEngine.capture_graphs`),
-  with Python's garbage collector frozen (vLLM's practice: a collection inside a capture can
-  finalise a Triton kernel the graph holds), and torch's per-capture `gc.collect` and
-  `empty_cache` skipped (one of each before the first bucket instead).
-- Capture time and the memory the graphs took (free device memory before minus after, read
-  after `empty_cache` so the allocator's idle cache is not counted) are measured and kept in
-  `stats` for the memory table and results, with how many steps replayed a graph and, for
-  the others, why not (`stats["replays"]`, `stats["eager"]`).
+A decode step of B sequences replays the graph of the smallest bucket >= B on static inputs
+(one packed copy); rows B.. are padding that touches no page a sequence holds, so a real row's
+bits do not depend on them. Other steps, parallel models and non-Triton backends run eagerly.
 """
 
 from __future__ import annotations
@@ -47,13 +20,13 @@ import torch
 from treeserve.engine.attention import AttentionBatch, SeqGroup
 from treeserve.engine.forward_batch import ForwardBatch, attention_inputs
 
-MAX_CAPTURE = 512  # the largest bucket captured
+MAX_CAPTURE = 512
 PAD_PAGE = -1  # a padding row's KV slot: the store skips it
 
 
 def capture_sizes(max_num_seqs: int, sizes: list[int] | None = None) -> list[int]:
     """The buckets for `max_num_seqs`: `sizes` (cut to max_num_seqs), else vLLM's list."""
-    if sizes is not None:  # sizes above max_num_seqs become max_num_seqs
+    if sizes is not None:
         return sorted({min(s, max_num_seqs) for s in sizes})
     limit = min(max_num_seqs, MAX_CAPTURE)
     steps = [1, 2, 4, 8, *range(16, 257, 8), *range(272, limit + 1, 16)]
@@ -67,11 +40,10 @@ def graphs_apply(device: torch.device, backend: str, enforce_eager: bool, parall
 
 @dataclass
 class StaticInputs:
-    """The graphs' inputs at fixed addresses: views of one flat int64 device buffer, so one
-    copy fills them all (`pack` lays a batch out the same way on the host)."""
+    """The graphs' inputs at fixed addresses: views of one flat int64 device buffer (one copy fills it)."""
 
-    rows: int  # the largest bucket
-    width: int  # block table columns
+    rows: int
+    width: int  # block table columns: the widest a sequence can have, so one graph serves every length
     flat: torch.Tensor  # [rows * (5 + width)]
 
     @classmethod
@@ -87,14 +59,13 @@ class StaticInputs:
         return self.flat[5 * self.rows :].view(self.rows, self.width)
 
     def pack(self, batch: ForwardBatch, block_size: int, bucket: int) -> np.ndarray:
-        """`batch` (decodes only, at most `bucket` of them; its inputs as `attention_inputs` derives
-        them for the eager path) and its padding, laid out as `flat`."""
+        """`batch` (at most `bucket` decodes) and its padding, laid out as `flat`."""
         positions, slot_pages, slot_offsets, [group] = attention_inputs(batch, block_size)
         n, head = positions.shape[0], np.zeros((5, self.rows), dtype=np.int64)
         for field, values in enumerate((batch.token_ids, positions, slot_pages, slot_offsets, group.context_lens)):
             head[field, :n] = values
         head[2, n:bucket] = PAD_PAGE
-        head[4, n:bucket] = 1
+        head[4, n:bucket] = 1  # a padding row reads one key of page 0 and writes nothing
         tables = np.zeros((self.rows, self.width), dtype=np.int64)
         tables[:n, : group.block_tables.shape[1]] = group.block_tables
         return np.concatenate([head.reshape(-1), tables.reshape(-1)])
@@ -142,8 +113,7 @@ class DecodeGraphs:
         self._attn = {b: self.inputs.attention(b, arena, backend, scale) for b in sizes}
 
     def bucket(self, batch: ForwardBatch) -> int | None:
-        """The bucket that runs `batch`, or None when it runs eagerly (not decodes only, more rows
-        than the largest bucket, or a wider block table than captured); counted in `stats`."""
+        """The bucket that runs `batch`, or None when it runs eagerly (counted in `stats`)."""
         n = batch.lens.shape[0]
         reason = None
         if batch.drafted.any() or not (batch.lens == 1).all():
@@ -160,8 +130,7 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket, largest first (smaller graphs reuse its memory pool). A capture
-        that runs out of device memory raises a ValueError naming `--enforce-eager`."""
+        """Capture every bucket, largest first (smaller graphs reuse its memory pool)."""
         device = self.inputs.flat.device
         cuda = device.type == "cuda"
         start = time.perf_counter()
@@ -173,7 +142,7 @@ class DecodeGraphs:
         try:
             with frozen_gc():
                 for bucket in sorted(self.sizes, reverse=True):
-                    self._forward(bucket)  # warm-up: Triton compiles, cuBLAS picks its kernels, outside the graph
+                    self._forward(bucket)  # warm-up outside the graph: Triton compiles, cuBLAS picks kernels
                     graph = self.graph_class()
                     self.graphs[bucket] = (graph, graph.capture(lambda b=bucket: self._forward(b), pool))
         except torch.cuda.OutOfMemoryError as e:
@@ -196,10 +165,8 @@ class DecodeGraphs:
     def run(
         self, batch: ForwardBatch, bucket: int, staging: Any, fill: tuple | None, eager: bool = False
     ) -> torch.Tensor:
-        """Replay `bucket`'s graph on `batch` (`fill`: the previous step's samples to write into the
-        token ids on the device; `eager`: run the same padded forward without the graph, what
-        the replay is compared against); the real rows' final hidden states (a view, valid
-        until the next replay)."""
+        """The real rows' final hidden states (a view, valid until the next replay) of `bucket`'s
+        graph on `batch`; `fill` as `ModelRunner.forward`'s; `eager`: the same padded forward unreplayed."""
         host = [torch.from_numpy(self.inputs.pack(batch, self.block_size, bucket))]
         if fill is not None:
             host += [torch.from_numpy(fill[0]), torch.from_numpy(fill[1])]
@@ -216,8 +183,7 @@ class DecodeGraphs:
 
 @contextmanager
 def frozen_gc() -> Iterator[None]:
-    """One collection, then the collector frozen and `gc.collect` / `torch.cuda.empty_cache` made
-    no-ops (torch.cuda.graph calls both on entering each capture) until the block ends."""
+    """GC frozen, and `gc.collect` / `torch.cuda.empty_cache` (which each capture calls) no-ops."""
     gc.collect()
     gc.freeze()
     collect, empty_cache = gc.collect, torch.cuda.empty_cache
@@ -230,8 +196,7 @@ def frozen_gc() -> Iterator[None]:
 
 
 class CudaGraph:
-    """torch.cuda.CUDAGraph as `capture(fn, pool)` (returns fn's output, at a fixed address) and
-    `replay()`; tests stand an eager twin in for it on a CPU."""
+    """torch.cuda.CUDAGraph as `capture(fn, pool)` (fn's output, at a fixed address) and `replay()`."""
 
     def __init__(self) -> None:
         self.graph = torch.cuda.CUDAGraph()
@@ -244,4 +209,4 @@ class CudaGraph:
         self.graph.replay()
 
 
-GRAPH_CLASS: type = CudaGraph  # what `DecodeGraphs` captures with (tests substitute an eager stand-in)
+GRAPH_CLASS: type = CudaGraph  # tests substitute an eager stand-in

@@ -1,18 +1,8 @@
 """Identical decode rows computed once: the beams of a search often hold the very same tokens.
 
-Beam search copies each surviving beam several times and the copies, sampling with different
-seeds from a confident model, often write the same first tokens of a step (on the arithmetic
-world's beam search, 72% of the generator's decode rows had a twin with equal token ids). Two
-sequences with equal token ids have equal hidden states and equal K/V at every position, so a
-step computes each such token once: one representative row runs through the model, its
-hidden state serves every twin (each still samples with its own seeded uniform, so outputs do
-not change), and the K/V it wrote is copied into each twin's own slots.
-
-The decision is split so that it can wait for the step's input tokens: the host groups decode
-items whose whole history before their first input token is equal (checked exactly, a hash only
-finds candidates) and whose drafts are equal (`twin_groups`); `Twins.find` then compares the
-first input tokens themselves, which with overlapped steps are the previous step's samples and
-exist only on the device side.
+Items with equal histories and first input tokens have equal hidden states and K/V: one
+representative runs through the model, serves every twin (each samples with its own uniform),
+and its new K/V is copied into the twins' slots.
 """
 
 from __future__ import annotations
@@ -28,8 +18,7 @@ from treeserve.kv.arena import KVArena
 
 
 def representatives(groups: np.ndarray, first_tokens: np.ndarray) -> np.ndarray:
-    """Per item, the first item of its group (`groups`, -1: none) with its first token (itself
-    when it has no twin)."""
+    """Per item, the first item of its group (`groups`, -1: none) with its first token (or itself)."""
     items = np.arange(groups.shape[0])
     candidates = np.flatnonzero(groups >= 0)
     key = groups[candidates] * (int(first_tokens.max()) + 1) + first_tokens[candidates]
@@ -45,14 +34,14 @@ class Twins:
 
     computed: ForwardBatch  # representatives and every item without a twin, in batch order
     rows: np.ndarray  # [T] for each row of the whole batch, its row in `computed`
-    src_pages: np.ndarray  # K/V slots to copy into the twins' own slots after the forward
+    src_pages: np.ndarray  # K/V slots (page, offset) to copy into the twins' own after the forward
     src_offsets: np.ndarray
     dst_pages: np.ndarray
     dst_offsets: np.ndarray
 
     @classmethod
     def find(cls, batch: ForwardBatch, groups: np.ndarray, block_size: int) -> Twins | None:
-        """The twins of `batch` (items of one group with equal first tokens), None when there are none."""
+        """The twins of `batch` (items of one group with equal first tokens), or None."""
         rep = representatives(groups, batch.token_ids[batch.offsets])
         items = np.arange(rep.shape[0])
         twin = rep != items
@@ -80,8 +69,7 @@ class Twins:
     def expand(
         self, hidden: torch.Tensor, arena: KVArena, to_device: Callable[..., list[torch.Tensor]]
     ) -> torch.Tensor:
-        """The hidden rows of the whole batch, after copying each representative's new K/V into
-        its twins' slots (`to_device`: the runner's staging, one copy for all the indices)."""
+        """The hidden rows of the whole batch, after copying each representative's new K/V into its twins'."""
         slots = (self.src_pages, self.src_offsets, self.dst_pages, self.dst_offsets, self.rows)
         *pairs, rows = to_device(*(torch.from_numpy(t) for t in slots))
         arena.copy_slots(*pairs)

@@ -1,11 +1,8 @@
 """A step's flat token batch: items of consecutive tokens, and the forward's inputs built from it.
 
-Item i computes `lens[i]` tokens from position `starts[i]` of one sequence, whose KV pages are
-row i of `tables`; the items' tokens are concatenated (no padding). `attention_inputs` derives
-what attention needs: every token's position and KV slot, and the rows of the two attention
-groups (decodes, one query each; prefill chunks, many). All of it is numpy on the host, a fixed
-number of array operations whatever the batch size (a small numpy operation costs a fraction of
-a PyTorch one); the model runner sends the results to the device in one staged copy.
+Item i computes `lens[i]` tokens from position `starts[i]`, its KV pages in row i of `tables`;
+the items' tokens are concatenated (no padding). `attention_inputs` derives every token's
+position and KV slot and the two attention groups' rows in a fixed number of numpy operations.
 """
 
 from __future__ import annotations
@@ -17,13 +14,14 @@ import numpy as np
 
 @dataclass
 class ForwardBatch:
-    """The items of a flat token batch (host int64 arrays)."""
+    """The items of a flat token batch (host int64 arrays): token_ids [T]; starts, lens, drafted
+    (bool: a speculating decode) [B]; tables [B, W]."""
 
-    token_ids: np.ndarray  # [T]
-    starts: np.ndarray  # [B]
-    lens: np.ndarray  # [B]
-    drafted: np.ndarray  # [B] bool: a speculating decode (each of its positions is a decode row of its own)
-    tables: np.ndarray  # [B, W]
+    token_ids: np.ndarray
+    starts: np.ndarray
+    lens: np.ndarray
+    drafted: np.ndarray
+    tables: np.ndarray
 
     @classmethod
     def of(cls, items: list[tuple[list[int], int, list[int]]]) -> ForwardBatch:
@@ -56,8 +54,7 @@ class ForwardBatch:
 
 
 def micro_batches(batch: ForwardBatch, parts: int) -> list[np.ndarray]:
-    """`batch`'s items in up to `parts` contiguous runs of about equal tokens (pipeline stages
-    work on one run while the next stage works on the one before)."""
+    """`batch`'s items in up to `parts` contiguous runs of about equal tokens (pipeline micro-batches)."""
     ends = np.cumsum(batch.lens)
     cuts = np.searchsorted(ends, ends[-1] * np.arange(1, parts) / parts, side="left") + 1
     bounds = sorted({0, *cuts.tolist(), len(ends)})
@@ -72,21 +69,19 @@ def rows_of(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
 
 @dataclass
 class GroupLayout:
-    """The rows of one attention group (`attention.SeqGroup`'s fields, as host arrays)."""
+    """The rows of one attention group (`attention.SeqGroup`'s fields and shapes, as host arrays)."""
 
-    block_tables: np.ndarray  # [B, pages]
-    context_lens: np.ndarray  # [B]
-    query_index: np.ndarray  # [B, Q]
-    query_pos: np.ndarray  # [B, Q]
-    query_start: np.ndarray  # [B]
-    query_len: np.ndarray  # [B]
+    block_tables: np.ndarray
+    context_lens: np.ndarray
+    query_index: np.ndarray
+    query_pos: np.ndarray
+    query_start: np.ndarray
+    query_len: np.ndarray
 
 
 def attention_inputs(batch: ForwardBatch, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list]:
-    """(positions, slot pages, slot offsets, attention groups) of `batch`: a decode group (one
-    query a row) and a prefill group (chunks of queries); a speculating item's positions are decode
-    rows of their own, so each drafted position's hidden state is computed exactly as plain decoding
-    computes it."""
+    """(positions, slot pages, slot offsets, [decode group, prefill group]) of `batch`; a speculating
+    item's positions are decode rows of their own, computed exactly as plain decoding computes them."""
     lens, starts, tables, drafted = batch.lens, batch.starts, batch.tables, batch.drafted
     items = np.arange(lens.shape[0])
     if lens.shape[0] == batch.token_ids.shape[0] and not drafted.any():  # plain decodes: one row each

@@ -1,14 +1,8 @@
 """Structured outputs: constraints compiled by llguidance into a token mask per row and step.
 
-Owns what the engine needs for `SamplingParams.structured_outputs`: turning a constraint
-(JSON schema, any JSON object, regex, choice list, Lark or GBNF grammar) into an llguidance
-grammar, checking it before a request is queued, one llguidance tokenizer per engine (built
-from `Tokenizer.token_bytes`, so every tokenizer treeserve loads works: byte-level BPE,
-SentencePiece-style, word-level, the ones rebuilt from GGUF metadata), the per-sequence
-matcher (`Guide`), and a batch's bitmasks (`sampler.sample_masked` draws under them). The
-mask is applied before the seeded draw and depends only on the row's own tokens, so guided
-requests stay batch-invariant. Why llguidance and not xgrammar: `bench/structured_masks.py` (README,
-"Structured outputs").
+Owns turning a constraint (JSON schema, regex, choice, Lark or GBNF grammar) into an llguidance
+grammar and checking it, the engine's llguidance tokenizer, each sequence's matcher (`Guide`) and
+a batch's bitmasks. A mask depends only on the row's own tokens, so guided rows stay batch-invariant.
 """
 
 from __future__ import annotations
@@ -24,9 +18,8 @@ import torch
 from treeserve.models.tokenizer import Tokenizer
 from treeserve.sampling_params import StructuredOutputsParams
 
-# JSON is written as json.dumps writes it (", " and ": ", no other whitespace): with free
-# whitespace, small models loop on newlines and spaces until max_tokens. A schema's own
-# "x-guidance" options (e.g. {"whitespace_flexible": true}) override this.
+# JSON as json.dumps writes it: with free whitespace small models loop on spaces until max_tokens
+# (a schema's own "x-guidance" options override this)
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -48,7 +41,7 @@ def grammar_of(constraint: StructuredOutputsParams) -> str:
         lark = "start: " + " | ".join(json.dumps(c) for c in constraint.choice)
         return _checked(lambda: llguidance.LLMatcher.grammar_from_lark(lark), "choice")
     lark = constraint.grammar
-    if "::=" in lark:  # GBNF / EBNF (llama.cpp's and xgrammar's format)
+    if "::=" in lark:  # GBNF
         from llguidance.gbnf_to_lark import gbnf_to_lark
 
         lark = _checked(lambda: gbnf_to_lark(lark), "grammar")
@@ -58,7 +51,7 @@ def grammar_of(constraint: StructuredOutputsParams) -> str:
 def _checked(build, what: str) -> str:  # noqa: ANN001 - a thunk
     try:
         grammar = build()
-    except Exception as e:  # llguidance raises ValueError or RuntimeError with the parser's message
+    except Exception as e:
         raise ValueError(f"invalid structured_outputs {what}: {e}") from None
     ok, message = _validate(grammar)
     if not ok:
@@ -72,8 +65,7 @@ def _validate(grammar: str) -> tuple[bool, str]:
 
 
 class Constraints:
-    """One engine's constraint compiler: its llguidance tokenizer (built at the first guided
-    request) and the grammars it compiled, cached by constraint."""
+    """One engine's constraint compiler: its llguidance tokenizer (built lazily) and cached grammars."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -98,9 +90,7 @@ class Constraints:
         return self._lltok
 
     def check(self, constraint: StructuredOutputsParams, max_tokens: int | None) -> None:
-        """Raise ValueError if the constraint is invalid, or no output within `max_tokens` can
-        satisfy it: an empty language, or (regex and choice) more bytes than max_tokens of the
-        vocabulary's longest token can spell. Compiles (and caches) it on the way."""
+        """Raise ValueError if the constraint is invalid, or no output within `max_tokens` can satisfy it."""
         guide = self.guide(constraint)
         allowed = self.allowed([guide])[0]  # an empty language puts the matcher in an error state here
         if guide.matcher.is_error() or not (guide.matcher.is_accepting() or allowed.any()):
@@ -123,11 +113,8 @@ class Constraints:
         return Guide(matcher)
 
     def bitmask(self, guides: list[Guide]) -> torch.Tensor:
-        """[len(guides), ceil(vocab / 32)] int32, bit i of a row set where its constraint allows
-        token i next (EOS only where it accepts; never a special token other than EOS). The
-        masks are computed in parallel by llguidance's executor, with as many threads as torch. (Computing
-        the next step's masks in a thread during the forward was measured and dropped: on two
-        cores it gained nothing on Gemma 3 270M and cost 20% on a tiny model; bench/structured.py.)"""
+        """[len(guides), ceil(vocab / 32)] int32, bit i of a row set where its constraint allows token i
+        next (EOS only where it accepts; no other special token)."""
         _ = self.lltokenizer  # built (with `speakable_words`) before the first mask
         words = torch.empty(len(guides), (self.tokenizer.vocab_size + 31) // 32, dtype=torch.int32)
         targets = [(g.matcher, i) for i, g in enumerate(guides)]
@@ -135,7 +122,6 @@ class Constraints:
         return words & self.speakable_words
 
     def allowed(self, guides: list[Guide]) -> torch.Tensor:
-        """`bitmask` unpacked: [len(guides), vocab] bool."""
         return unpack(self.bitmask(guides), self.tokenizer.vocab_size)
 
 
@@ -152,9 +138,8 @@ class Guide:
     matcher: llguidance.LLMatcher
 
     def advance(self, token: int) -> bool:
-        """Consume a sampled token; False at a dead end: the mask allowed nothing (the sampler's
-        -1; e.g. the text needs a character the vocabulary can only spell as a special token) or
-        the matcher refused what it allowed. The engine ends that sequence alone ("abort")."""
+        """Consume a sampled token; False at a dead end (the mask allowed nothing: the sampler's -1,
+        or the matcher refused it): the engine aborts that sequence alone."""
         return token >= 0 and self.matcher.consume_token(token)
 
 
@@ -167,7 +152,7 @@ def _shortest_bytes(constraint: StructuredOutputsParams) -> int | None:
             low, _ = re._parser.parse(constraint.regex).getwidth()  # type: ignore[attr-defined]
         except (re.error, OverflowError, RecursionError):
             return None  # Python's parser reads a different dialect: skip the bound
-        return int(low)  # characters; each is >= 1 byte
+        return int(low)
     return None
 
 

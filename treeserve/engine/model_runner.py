@@ -1,13 +1,9 @@
-"""One step on the device: a plan built on the host in, sampled tokens and read-outs out.
+"""One step on the device: a `StepPlan` in, sampled tokens and read-outs out.
 
-The host (`input_batch.py`) describes a step as a `StepPlan`: the flat token ids (a token the
-previous step sampled and has not reported yet is named by its row in that step's samples),
-each item's start, length and block table, which items may be twins (`dedup.py`), and what
-to sample and read. `ModelRunner.execute` turns it into the forward's tensors (positions, KV
-slots, attention groups: built on the host from a few arrays, sent in one staged copy), runs
-the model and samples. Nothing it reads changes after the plan is built, so it may run on a
-worker thread while the host schedules the next step (`device_queue.py`); every write to the KV
-arena (page copies, twins' slots, the forward's own) happens here, in step order.
+`ModelRunner.execute` copies pages, finds twins (`dedup.py`), stages the forward's inputs in one
+copy and runs the model, then hands the hidden states to the sampler. Nothing it reads changes
+after the plan is built, so it may run on a worker thread (`device_queue.py`); every write to
+the KV arena happens here, in step order.
 """
 
 from __future__ import annotations
@@ -51,10 +47,9 @@ class ModelRunner:
         stage: tuple[RankGroup, int, int, torch.dtype] | None = None,
     ):
         self.model = model
-        # rank 0 of a parallel model (distributed/ranks.py): sends each step to the other ranks, which
-        # mirror its forward (and, tensor parallel, its logits: each rank holds a vocabulary slice)
+        # rank 0 of a parallel model: sends each step (and, tensor parallel, its logits) to the other ranks
         self.mirror, self.mirror_logits = mirror, mirror_logits
-        # a pipeline stage: (group, this stage, stages, activation dtype); its forward runs micro-batches
+        # a pipeline stage: (group, this stage, stages, activation dtype)
         self.stage = stage
         self.arena = arena
         self.block_size = arena.block_size
@@ -64,11 +59,10 @@ class ModelRunner:
         self.draw = draw
         self.vocab_size = vocab_size
         self.staging = Staging(device)
-        # a token the previous step sampled is written into the inputs on the device (CUDA: the
-        # host does not wait for it; twins are then not looked for) or here (a CPU, or the other
-        # ranks' inputs are sent from here)
+        # the previous step's samples are written into the inputs on the device (the host does not
+        # wait for them; twins are then not looked for), else here
         self.fill_on_device = device.type != "cpu" and mirror is None
-        self.graphs: DecodeGraphs | None = None  # CUDA graphs for decode-only steps (the engine captures them)
+        self.graphs: DecodeGraphs | None = None  # the engine captures them
 
     @inference_mode
     def execute(self, plan: StepPlan, previous: Future | Ran | None = None) -> StepResult:
@@ -106,21 +100,20 @@ class ModelRunner:
                 plan.scores, plan.prompt_logprobs, hidden, self.compute_logits, self.staging.to_device
             )
             result.scores, result.states = to_host(scores), to_host(states)
-        if self.device.type == "cuda":  # the host waits on this, not on the whole device (StepResult.wait)
+        if self.device.type == "cuda":  # what `StepResult.wait` waits on
             result.copied = torch.cuda.Event()
             result.copied.record()
         return result
 
     def _copy_pages(self, copies: list[tuple[int, int]]) -> None:
-        """The step's copy-on-write page copies (src, dst), their indices sent with the staging copy."""
+        """The step's copy-on-write page copies (src, dst)."""
         if copies:
             src, dst = self.staging.to_device(*torch.tensor(copies, dtype=torch.int64).T.contiguous())
             self.arena.copy_pages(src, dst)
 
     @inference_mode
     def mirror_step(self, copies: list[tuple[int, int]], batch: ForwardBatch, twins_of: np.ndarray | None) -> None:
-        """On a rank > 0: what `execute` does to this rank's arena and collectives for the step
-        rank 0 sent (page copies, the forward of `batch` and its twins' slots); nothing sampled."""
+        """On a rank > 0: `execute`'s page copies, forward and twins' slots for the step rank 0 sent."""
         self._copy_pages(copies)
         twins = Twins.find(batch, twins_of, self.block_size) if twins_of is not None else None
         hidden = self.forward(twins.computed if twins else batch)
@@ -128,10 +121,9 @@ class ModelRunner:
             twins.expand(hidden, self.arena, self.staging.to_device)
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
-        """The model's logits of rows `hidden`; with tensor parallelism every rank computes its
-        slice of the vocabulary (they are sent the rows) and the slices are gathered."""
+        """The model's logits of rows `hidden` (tensor parallel: each rank's vocabulary slice, gathered)."""
         if self.mirror_logits:
-            self.mirror(("logits", hidden.cpu()))  # each rank moves it to its device
+            self.mirror(("logits", hidden.cpu()))
         return self.model.compute_logits(hidden, float32)
 
     @inference_mode
@@ -146,9 +138,7 @@ class ModelRunner:
         return self.model(*self._inputs(batch, fill))
 
     def _pipelined(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """This stage's layers over `batch` in micro-batches: each stage works on one while the
-        next works on the one before. Stage 0 embeds and sends; the last stage sends back to
-        stage 0, which norms."""
+        """This stage's layers over `batch` in micro-batches; stage 0 embeds, and norms what the last returns."""
         group, rank, stages, dtype = self.stage
         hidden_size = self.model.config.hidden_size
         parts = [batch.take(items) for items in micro_batches(batch, stages)]
@@ -187,8 +177,8 @@ class ModelRunner:
 
 
 def to_host(values: torch.Tensor | None) -> torch.Tensor | None:
-    """`values` on the host: a device tensor is copied into pinned memory without blocking (its
-    values are there once the step's `copied` event has passed); a host tensor as it is."""
+    """`values` on the host: a device tensor copied into pinned memory without blocking (valid once
+    the step's `copied` event has passed)."""
     if values is None or values.device.type == "cpu":
         return values
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)

@@ -1,11 +1,8 @@
 """Edits to a row's raw logits before temperature: logit bias, min_tokens, penalties.
 
-The order is vLLM's: logit bias and the min_tokens block first, then the repetition penalty
-(transformers' and vLLM's: a logit of a token in the prompt or the output is divided by the
-penalty when positive, multiplied when negative), then the frequency and presence penalties
-(OpenAI's: minus `frequency_penalty` times the token's count in the output, minus
-`presence_penalty` once if it occurs there). Every edit reads only its own row's tokens and
-parameters, so an edited request samples the same tokens alone or in any batch.
+vLLM's order: logit bias and the min_tokens block, then the repetition penalty (a logit of a
+prompt or output token divided by it when positive, multiplied when negative), then OpenAI's
+frequency and presence penalties. Each edit reads only its own row, so outputs stay batch-invariant.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """What a parallel model's rank > 0 runs: its part of the model, and the steps rank 0 sends it.
 
-Owns `RankWorker` (joins its groups, loads its shard or stage, builds its arena and model
-runner, and replays rank 0's messages); the engine starts its ranks as
-`distributed/ranks.py::Ranks(config, device, RankWorker)`. Starting, watching and stopping the
-ranks, locally or as Ray actors, is `distributed/`'s; this module is the engine's side, which
-`distributed/` is handed as a factory and never imports. The messages, in the order rank 0 runs them:
+`distributed/` starts the ranks with `RankWorker` as a factory and never imports this module.
+The messages, in the order rank 0 sends them:
 
     ("kv", num_pages, block_size)      an arena of num_pages pages of this rank's heads / layers
     ("step", copies, batch, twins)     page copies, then the forward of `batch` (and its twins)
@@ -14,23 +11,19 @@ ranks, locally or as Ray actors, is `distributed/`'s; this module is the engine'
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from treeserve.distributed.groups import Placement
 from treeserve.distributed.protocol import WorkerArgs
 
-if TYPE_CHECKING:
-    pass
-
 
 class RankWorker:
     """Rank `args.rank` > 0: its part of the model, and the messages rank 0 sends it."""
 
     def __init__(self, args: WorkerArgs) -> None:
-        """Join the groups (a failure here is rank 0's "did not meet"), then load this rank's
-        part (a failure there is `load_error`, reported to rank 0)."""
+        """Join the groups, then load this rank's part (a failure there is `load_error`, for rank 0)."""
         from treeserve.models.loader import load_model
 
         config = args.config

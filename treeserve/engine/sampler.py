@@ -1,16 +1,9 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, logprobs; seeded per row.
+"""What a step reads from the LM head: sampled tokens (greedy, temperature, top-k, top-p,
+min-p, under constraint masks), their logprobs, scores and prompt logprobs.
 
-Reproducibility: each row's random draw is one uniform number derived by hashing
-(seed, completion index, position). A row's token therefore depends only on its own
-logits and that key, never on which other rows share the batch; this is what makes a
-seeded request give the same tokens alone or in a full batch, and what lets search
-strategies give each beam a reproducible stream. The draw is an inverse-CDF lookup over
-the filtered distribution in vocabulary order.
-
-Temperature is applied before the LM head (hidden / T, then the matmul), which yields
-logits / T without extra passes over a [batch, vocab] tensor; on a memory-bound CPU
-those passes cost more than the matmul. Log-probabilities are always those of the raw
-(unscaled) distribution, as in vLLM.
+A row's draw is one uniform hashed from (seed, completion index, position), so its token
+depends only on its own logits and that key, never on the batch. Temperature divides the hidden
+state before the LM head; logprobs are those of the raw distribution, as in vLLM.
 """
 
 from __future__ import annotations
@@ -54,7 +47,7 @@ _S30, _S27, _S31, _S11 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(
 
 
 def _mix64_array(x: np.ndarray) -> np.ndarray:
-    """`_mix64` of every entry of a uint64 array (numpy's array arithmetic wraps mod 2**64, silently)."""
+    """`_mix64` of every entry of a uint64 array (numpy wraps mod 2**64)."""
     x = x + _GOLDEN
     x = (x ^ (x >> _S30)) * _MUL1
     x = (x ^ (x >> _S27)) * _MUL2
@@ -69,8 +62,6 @@ def seeded_uniforms(keys: np.ndarray, positions: np.ndarray) -> np.ndarray:
 
 @functools.lru_cache(maxsize=64)
 def _greedy_arrays(rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A greedy batch's arrays, made once per row count (a step's allocations cost more than the
-    arrays: ~17 us after a forward at 256 rows); read-only, as every batch of that size shares them."""
     arrays = np.zeros(rows), np.ones(rows), np.zeros(rows, dtype=np.int64)
     for a in arrays:
         a.setflags(write=False)
@@ -79,27 +70,23 @@ def _greedy_arrays(rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 @dataclass
 class SamplingBatch:
-    """The sampling parameters of a step's rows, one array entry per row (vLLM's per-request
-    arrays): temperature (0: greedy), top_p, top_k (<= 0: off), min_p, and the row's uniform.
-    `all_greedy`: every row is greedy, known without reading the arrays (vLLM's flag of the same
-    name): the sampler takes the argmax at once."""
+    """Per-row sampling parameters (float64; top_k int64): temperature (0: greedy), top_p, top_k
+    (<= 0: off), min_p, the row's uniform; `all_greedy`: every row is, known without reading them."""
 
-    temperature: np.ndarray  # float64
-    top_p: np.ndarray  # float64
-    top_k: np.ndarray  # int64
-    min_p: np.ndarray  # float64
-    uniform: np.ndarray  # float64
+    temperature: np.ndarray
+    top_p: np.ndarray
+    top_k: np.ndarray
+    min_p: np.ndarray
+    uniform: np.ndarray
     all_greedy: bool = False
 
     @classmethod
     def greedy(cls, rows: int) -> SamplingBatch:
-        """`rows` greedy rows (no filter; their uniforms, never read, are 0)."""
         zeros, ones, no_top_k = _greedy_arrays(rows)
         return cls(zeros, ones, no_top_k, zeros, zeros, all_greedy=True)
 
     @classmethod
     def of(cls, temperature: object, top_p: object, top_k: object, min_p: object, uniform: object) -> SamplingBatch:
-        """From sequences (or scalars, broadcast to the others' length)."""
         arrays = [
             np.atleast_1d(np.asarray(v, dtype))
             for v, dtype in zip((temperature, top_p, top_k, min_p, uniform), _DTYPES, strict=True)
@@ -140,7 +127,7 @@ def _draw_triton(scaled: torch.Tensor, rows: SamplingBatch) -> torch.Tensor:
 
 
 LMHead = Callable[[torch.Tensor, bool], torch.Tensor]  # (hidden rows, float32) -> logits
-ToDevice = Callable[..., list[torch.Tensor]]  # host tensors of one dtype -> the same on the device
+ToDevice = Callable[..., list[torch.Tensor]]
 
 
 @dataclass
@@ -149,28 +136,26 @@ class SamplePlan:
 
     rows: torch.Tensor  # [S] flat row indices
     params: SamplingBatch
-    edited: list[int] = field(default_factory=list)  # rows whose raw logits get edits (penalties, bias, min_tokens)
-    histories: list[RowHistory] = field(default_factory=list)  # what those edits read, in the same order
-    guided: list[int] = field(default_factory=list)  # rows drawn among what their constraint allows ...
-    masks: torch.Tensor | None = None  # ... [len(guided), words] int32 bitmasks
-    logprob_rows: list[int] = field(default_factory=list)  # rows whose sampled token's logprobs are returned
-    logprobs_k: int = 0  # how many top alternatives they get
+    edited: list[int] = field(default_factory=list)  # rows whose raw logits get `penalties.adjust_logits`
+    histories: list[RowHistory] = field(default_factory=list)  # of the edited rows, in their order
+    guided: list[int] = field(default_factory=list)  # rows drawn under masks[i]: [len(guided), words] int32
+    masks: torch.Tensor | None = None
+    logprob_rows: list[int] = field(default_factory=list)  # rows whose token's logprobs (top logprobs_k) return
+    logprobs_k: int = 0
 
 
 def sample_plan(
     plan: SamplePlan, hidden: torch.Tensor, lm_head: LMHead, to_device: ToDevice, draw: Draw | None, vocab: int
 ) -> tuple[torch.Tensor, TokenLogprobs | None]:
-    """The tokens of `plan`'s rows of `hidden` ([S] on the device) and, for its logprob rows, their
-    logprobs: scaled logits, then the edited rows' raw logits edited and scaled, then the draws
-    (constrained rows under their masks), then logprobs of the raw distribution."""
+    """The tokens of `plan`'s rows of `hidden` ([S], on the device) and its logprob rows' logprobs."""
     params = plan.params
     (index,) = to_device(plan.rows)
     states = hidden.index_select(0, index)
     scaled = states
-    if not params.all_greedy:  # x / 1 is x: greedy and T=1 batches skip the division
+    if not params.all_greedy:
         divisors = params.divisors()
         if plan.edited:
-            divisors[plan.edited] = 1.0  # edited rows: raw logits, edited, then divided by the temperature
+            divisors[plan.edited] = 1.0  # edited rows are divided after their edits
         if (divisors != 1.0).any():
             (scale,) = to_device(torch.from_numpy(divisors).to(states.dtype)[:, None])
             scaled = states / scale
@@ -194,8 +179,7 @@ def sample_plan(
 def draw_rows(
     plan: SamplePlan, rows: list[int] | None, scaled: torch.Tensor, draw: Draw | None, vocab: int
 ) -> torch.Tensor:
-    """Tokens of sample rows `rows` (None: all) from their scaled logits; constrained rows over
-    what their constraint allows."""
+    """Tokens of sample rows `rows` (None: all); constrained rows under their masks."""
     if not plan.guided:
         return sample(scaled, plan.params if rows is None else plan.params.take(rows), draw)
     rows = list(range(len(plan.params))) if rows is None else rows
@@ -215,19 +199,13 @@ def draw_rows(
 
 
 def fused_draw(attention_backend: str) -> Draw | None:
-    """The kernel family's fused plain draw for an engine on `attention_backend` (one program
-    or thread per row, so it is batch-invariant): C on a CPU, Triton with Triton attention,
-    none (PyTorch's `_draw`) with SDPA."""
+    """The batch-invariant fused plain draw for `attention_backend` (None: PyTorch's `_draw`)."""
     return {"cpu": _draw_c, "triton": _draw_triton}.get(attention_backend)
 
 
 def sample(scaled_logits: torch.Tensor, rows: SamplingBatch, draw: Draw | None = _draw_c) -> torch.Tensor:
-    """scaled_logits: [B, V] = logits / temperature, any float dtype. Returns token ids [B].
-
-    Rows go to one of three pickers by their own parameters only (never by the batch):
-    greedy, plain draws (`draw`, the backend's fused kernel, where it runs on these logits),
-    filtered draws (PyTorch). Every picker runs on the logits' device.
-    """
+    """Token ids [B] of scaled_logits [B, V] (logits / temperature); each row goes to a picker by
+    its own parameters (greedy, `draw`'s fused kernel, filtered draws), never by the batch."""
     if rows.all_greedy:
         return _argmax(scaled_logits)
     vocab = scaled_logits.shape[-1]
@@ -252,17 +230,15 @@ def sample(scaled_logits: torch.Tensor, rows: SamplingBatch, draw: Draw | None =
 def sample_masked(
     scaled_logits: torch.Tensor, rows: SamplingBatch, masks: torch.Tensor, vocab: int, draw: Draw | None = _draw_c
 ) -> torch.Tensor:
-    """`sample` over the tokens each row's bitmask allows (`masks` [B, ceil(vocab / 32)] int32,
-    bit i = token i; columns from `vocab` on never). Greedy and plain rows on the C kernels take
-    one pass (`sample_rows_masked`); the others get -inf logits, then `sample`. -1 where a row
-    allows nothing."""
+    """`sample` over what each row's bitmask allows (`masks` [B, ceil(vocab / 32)] int32, bit i =
+    token i); -1 where a row allows nothing."""
     width = scaled_logits.shape[-1]
     direct = draw is _draw_c and cpu_kernels.supports(scaled_logits)
     fast = ~rows.filtered(width) if direct else np.zeros(len(rows), dtype=bool)
     tokens = torch.empty(len(rows), dtype=torch.long, device=scaled_logits.device)
     if fast.any():
         uniforms = np.where(rows.temperature == 0.0, -1.0, rows.uniform)[fast]
-        if fast.all():  # no copy of a [rows, vocab] slice
+        if fast.all():
             return cpu_kernels.sample_rows_masked(scaled_logits, masks, vocab, uniforms)
         index = torch.from_numpy(np.flatnonzero(fast))
         tokens[index] = cpu_kernels.sample_rows_masked(scaled_logits[index], masks[index], vocab, uniforms)
@@ -283,17 +259,13 @@ ARGMAX_CHUNK = 1024
 
 
 def _argmax(logits: torch.Tensor, rows: SamplingBatch | None = None) -> torch.Tensor:
-    """torch's argmax (the first maximum; the first NaN if any). On a CPU one C call
-    (`argmax_rows`: one read of each row). Elsewhere a wide row goes in two passes: chunk maxima
-    (vectorised, in the logits' dtype: no fp32 copy of the row), then the first chunk holding the
-    row's maximum. On a CPU, torch's argmax over one 262k-token row runs one scalar loop
-    (~0.35 ms) and the two passes are ~10 operators (~0.18 ms a step after a forward); the C call
-    takes ~0.03 ms."""
+    """torch's argmax (the first maximum; the first NaN if any): one C call on a CPU, else a wide
+    row in two passes (chunk maxima in the logits' dtype, then the first chunk holding the maximum)."""
     if cpu_kernels.supports(logits):
         return cpu_kernels.argmax_rows(logits)
     vocab = logits.shape[-1]
     if vocab < 16 * ARGMAX_CHUNK:
-        return logits.float().argmax(dim=-1)  # exact; bf16 argmax is ~5x slower on CPU
+        return logits.float().argmax(dim=-1)
     pad = -vocab % ARGMAX_CHUNK
     if pad:
         logits = F.pad(logits, (0, pad), value=float("-inf"))
@@ -308,7 +280,7 @@ def _draw(scaled: torch.Tensor, rows: SamplingBatch) -> torch.Tensor:
     device = scaled.device
     vocab = scaled.shape[-1]
     filtered = np.flatnonzero(((rows.top_k > 0) & (rows.top_k < vocab)) | (rows.top_p < 1.0))
-    if filtered.size:  # sorting is costly on a CPU: only rows that ask for top-k/top-p pay for it
+    if filtered.size:
         scaled = scaled.float()
         index = torch.from_numpy(filtered).to(device)
         top_k = np.where(rows.top_k[filtered] > 0, rows.top_k[filtered], vocab)
@@ -329,10 +301,10 @@ def _draw(scaled: torch.Tensor, rows: SamplingBatch) -> torch.Tensor:
 class TokenLogprobs:
     """Log-probabilities of sampled tokens, as tensors on the logits' device until `host()`."""
 
-    logprobs: torch.Tensor  # [R] the chosen tokens' log-probabilities
-    ranks: torch.Tensor  # [R]
-    top_ids: torch.Tensor  # [R, k]
-    top_logprobs: torch.Tensor  # [R, k]
+    logprobs: torch.Tensor  # [R]; ranks [R], top_ids and top_logprobs [R, k]
+    ranks: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
 
     def host(self) -> HostLogprobs:
         return HostLogprobs(
@@ -359,11 +331,11 @@ def token_logprobs(raw_logits: torch.Tensor, tokens: torch.Tensor, k: int) -> To
 
 @dataclass
 class ScorePlan:
-    """Forward-only read-outs: log-probabilities of chosen tokens and hidden states at rows."""
+    """Forward-only read-outs at rows: log-probabilities of candidate ids, and (`states`) hidden states."""
 
-    rows: torch.Tensor  # [R] flat row indices
-    token_ids: torch.Tensor  # [R, K] candidate ids per row (padded; K may be 0)
-    states: bool  # also return the rows' hidden states (float32)
+    rows: torch.Tensor  # [R] flat row indices; token_ids [R, K] (padded; K may be 0)
+    token_ids: torch.Tensor
+    states: bool
 
 
 @dataclass
@@ -372,15 +344,14 @@ class PromptLogprobPlan:
 
     start: int
     stop: int
-    targets: torch.Tensor  # [stop - start] the prompt tokens those rows predict
+    targets: torch.Tensor  # [stop - start]
     k: int
 
 
 def read_out(
     plan: ScorePlan | None, prompt: list[PromptLogprobPlan], hidden: torch.Tensor, lm_head: LMHead, to_device: ToDevice
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, list[TokenLogprobs]]:
-    """(scores, states, prompt logprobs) of `hidden` on the device: the scored rows' log-probabilities
-    of their candidate ids and their states, and each prompt slice's token logprobs."""
+    """(scores, states, prompt logprobs) of `hidden`, on the device."""
     staged = to_device(*([plan.rows, plan.token_ids] if plan else []), *(read.targets for read in prompt))
     scores = states = None
     if plan is not None:

@@ -1,21 +1,15 @@
 """Host-to-device staging of a step's small input tensors: one pinned buffer, one copy per call.
 
-A step's index tensors (token ids, positions, slots, block tables, query offsets) and the
-sampler's inputs (temperatures, uniforms) are built on the host from per-sequence lists.
-On a CPU device they are used as they are. On CUDA, each call packs its tensors of one
-dtype into a reused page-locked buffer and sends them with one asynchronous copy, so a
-step issues a few transfers instead of one blocking copy per tensor. Each dtype has a ring
-of RING buffers used in turn, each guarded by an event: a buffer is refilled only after the
-copy out of it has finished, which was RING calls ago. (With one buffer, a step's second
-copy waited for its first, which a stream runs only after the step before: with overlapped
-steps the host then waited for the GPU to finish the previous step.)
+On CUDA each call packs its tensors of one dtype into a page-locked buffer and sends them with one
+asynchronous copy; each dtype has a ring of RING buffers, and a buffer is refilled only after the
+copy out of it (RING calls ago) has finished. On a CPU the tensors are used as they are.
 """
 
 from __future__ import annotations
 
 import torch
 
-RING = 8  # buffers per dtype: a step makes a few copies, so a refill waits for a copy steps old
+RING = 8  # buffers per dtype: a refill waits for a copy some steps old
 
 
 class Staging:
@@ -23,7 +17,7 @@ class Staging:
         self.device = device
         self._buffers: dict[tuple[torch.dtype, int], torch.Tensor] = {}
         self._copied: dict[tuple[torch.dtype, int], torch.cuda.Event] = {}
-        self._turn: dict[torch.dtype, int] = {}  # the ring's next buffer, per dtype
+        self._turn: dict[torch.dtype, int] = {}
 
     def to_device(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         """The same tensors on the device (host tensors of one dtype; any shapes)."""
@@ -44,7 +38,7 @@ class Staging:
     def _buffer(self, key: tuple[torch.dtype, int], numel: int) -> torch.Tensor:
         event = self._copied.get(key)
         if event is not None:
-            event.synchronize()  # the last copy out of this buffer is done: safe to refill
+            event.synchronize()
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() < numel:
             with torch.inference_mode(False):  # a normal tensor: refilled in and out of inference mode

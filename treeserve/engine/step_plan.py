@@ -1,11 +1,7 @@
 """The step's contract, host to device: what one step runs, and what each of its rows means.
 
-Data only. `input_batch.py` writes a `PreparedStep` (the scheduler's batch, the `StepPlan` the
-device runs, and the host's key to what comes back); `model_runner.py` runs the plan;
-`postprocess.py` reads the results back through the same `PreparedStep`. Rows describe
-themselves: sampled row r is `samples[r]`, a `SampleRow` that names its sequence and whether its
-token is the sequence's next one, a fork's first one, or the target's token at a drafted
-position (vLLM's `SchedulerOutput` and `ModelRunnerOutput` play these parts there).
+Data only. `input_batch.py` writes a `PreparedStep`, `model_runner.py` runs its `StepPlan`, and
+`postprocess.py` reads the results back through it; sampled row r is `samples[r]`.
 """
 
 from __future__ import annotations
@@ -40,13 +36,9 @@ class StepPlan:
 
 @dataclass(slots=True)
 class SampleRow:
-    """One sampled row and what its token is to the host.
-
-    `fork` > 0: the first token of fork number `fork` of `seq` (n > 1; the fork is made when the
-    parent's own row arrives, which comes first and counts its forks in `forks`).
-    `draft_position` > 0: the target's token after drafted token `draft_position - 1` of `seq`
-    (speculative decoding; it verifies drafted token `draft_position`). Otherwise: `seq`'s next
-    token (drafting, it also verifies drafted token 0)."""
+    """One sampled row: `seq`'s next token; with `fork` > 0 the first token of that fork (made
+    when the parent's row, which counts its `forks`, arrives); with `draft_position` > 0 the
+    target's token after drafted token `draft_position - 1` (it verifies drafted token `draft_position`)."""
 
     seq: Sequence
     fork: int = 0
@@ -55,7 +47,6 @@ class SampleRow:
 
     @property
     def is_next(self) -> bool:
-        """The sequence's own next token (the one a later step may read before it is read back)."""
         return not self.fork and not self.draft_position
 
 
@@ -89,10 +80,6 @@ class PreparedStep:
     score_reads: list[ScoreRead] = field(default_factory=list)
     prompt_reads: list[PromptRead] = field(default_factory=list)
     scoring: bool = False  # it holds forward-only requests
-    # what `read` looks at instead of every item: the items whose computed tokens cross into a new
-    # page (the blocks they complete get their prefix-cache keys), and those of streaming requests
-    crossing: list[ScheduledSeq] = field(default_factory=list)
+    crossing: list[ScheduledSeq] = field(default_factory=list)  # items that complete a page (cache keys)
     streaming: list[ScheduledSeq] = field(default_factory=list)
-    # the next step may be scheduled before this one's tokens are read: no sequence that samples
-    # here needs its new token on the host before it samples again (constraints, logit edits)
-    overlappable: bool = True
+    overlappable: bool = True  # no row needs its token on the host before it samples again
