@@ -1,26 +1,5 @@
-"""PRM-guided beam search over reasoning steps (search-and-learn semantics and names).
-
-Each iteration every active beam samples one more step (up to "\n\n"); the PRM scores it;
-the best n / beam_width unfinished beams survive and are copied back up to n beams. Beams
-that end (EOS, length, empty step) are set aside. At `num_iterations` the thesis returns
-what the beam holds; `final_to_eos` instead samples the last iteration to EOS, as
-search-and-learn does. With `fixed_steps` (random-weight benchmarks) every step is
-`max_tokens` long and beams end only at `num_iterations`. With `lookahead` K, beams are
-ranked by the PRM's score at the end of a greedy rollout of K more steps (not on the last
-iteration, whose beams are not ranked); the beam keeps only its sampled step.
-
-Adaptive (`config.adaptive`): the first iteration runs `first_width` beams; after each
-iteration the problem's certainty (`certainty.reward_certainty` over the beams finished and
-alive) is recorded in `problem.stop`, and the search stops there once it reaches
-`config.certainty`, returning the beams finished and alive; else it keeps the survivors of
-twice the width (at most n), width / beam_width of them, and copies them up to it (keeping the
-current width's would leave one survivor copied 8 times on the way from 4 to 8). With a budget
-(`SearchContext.next_width`) a problem may also narrow again. Off, the search is exactly the
-fixed-width one.
-
-A beam whose PRM input outgrew the PRM's context is dropped (fate "too_long"); with a
-verifier (`SearchContext.verify`) the beams returned are re-scored and re-ranked by it.
-"""
+"""PRM-guided beam search over reasoning steps (search-and-learn's semantics and names).
+Adaptive, the width starts at `first_width` and doubles while unsettled (docs/adaptive.md)."""
 
 from __future__ import annotations
 
@@ -32,7 +11,7 @@ from treeserve.search.types import Beam, Problem, aggregate
 
 async def beam_search(ctx: SearchContext, problem: Problem) -> list[Beam]:
     c = ctx.config
-    widths = c.widths()  # [n]; adaptive: first_width, doubled up to n while unsettled
+    widths = c.widths()
     active = [Beam(path=(j,)) for j in range(widths[0])]
     finished: list[Beam] = []
     try:
@@ -62,7 +41,7 @@ async def _iterate(
             for i in set(alive) - set(unique):
                 fates[i] = DUPLICATE
             alive = unique
-        if c.adaptive:  # Dynasor's reward certainty over the beams finished and alive
+        if c.adaptive:
             pool = finished + [beams[i] for i in alive]
             certainty = reward_certainty(ctx.answers(problem, pool), [b.value(c.agg) for b in pool])
             ended = ctx.budget.decide(problem, iteration, width, certainty, exhausted=not alive or last, grows=False)
@@ -71,7 +50,6 @@ async def _iterate(
             finished += [beams[i] for i in alive]
             ctx.traces.report(problem, iteration, beams, fates)
             break
-        # adaptive: wider while unsettled (with a budget: narrower once past the problem's share)
         width = ctx.budget.next_width(problem, width, widths)
         keep = width // c.beam_width  # survivors for the width they are copied up to
         ranked = sorted(range(len(alive)), key=lambda k: (-beams[alive[k]].value(c.agg), k))

@@ -1,11 +1,5 @@
-"""The primitives search strategies are written in, over one run's runtime, PRM and caches.
-
-Owns `SearchContext`: `expand` (a beam's next step, as token ids), `score` and `score_beam`
-(PRM scores, through the score cache; with lookahead, of a greedy rollout too), `verify` (an
-outcome reward model's re-scoring), the generator's prompts and the run's token counters. It
-holds the run's `Budget` (budget.py) and `Traces` (trace.py). A beam whose PRM input outgrows
-the PRM's context is dropped (`drop`); a strategy left with none raises it (`check_left`).
-"""
+"""The primitives strategies are written in: `expand`, `score`, `score_beam`, `verify`.
+`SearchContext` holds a run's runtime, PRM, caches and counters, its `Budget` and `Traces`."""
 
 from __future__ import annotations
 
@@ -28,8 +22,7 @@ from treeserve.search.types import STEP_STOP, Beam, Leftover, Problem, aggregate
 
 
 async def gather_or_cancel(*aws: Awaitable) -> list:
-    """`asyncio.gather`, but when one fails the others are cancelled (their requests aborted)
-    before the error propagates."""
+    """`asyncio.gather`, but one failure cancels the others (aborting their requests)."""
     tasks = [asyncio.ensure_future(a) for a in aws]
     try:
         return await asyncio.gather(*tasks)
@@ -46,12 +39,12 @@ class SearchContext:
     runtime: Runtime
     generator: str
     prm: PRM | None
-    verifier: PRM | None = None  # an outcome reward model: `verify`'s
+    verifier: PRM | None = None
     cache: ScoreCache = field(default_factory=ScoreCache)
     prm_tree: TreeTokens = field(default_factory=TreeTokens)  # distinct tokens the PRM was shown
     in_flight: dict[int, asyncio.Future] = field(default_factory=dict)  # prefix key -> scores being computed
     rollouts: dict[tuple[int, ...], asyncio.Future] = field(default_factory=dict)  # prompt -> rollout running
-    # the run's counters: every token sampled (kept or pruned) and of every PRM input built (cached or not)
+    # every token sampled (kept or pruned), and of every PRM input built (cached or not)
     prm_requests: int = 0
     prm_too_long: int = 0
     generated_tokens: int = 0
@@ -59,7 +52,7 @@ class SearchContext:
     verifier_input_tokens: int = 0
     lookahead_generated_tokens: int = 0  # of generated_tokens
     lookahead_prm_tokens: int = 0  # of prm_input_tokens
-    # adaptive search: a completion's answer key (equal: the same answer; None: none), the caller's rule
+    # adaptive search: a completion's answer key (equal keys: the same answer; None: no answer)
     answer_of: Callable[[Problem, str], Hashable | None] | None = None
     budget: Budget = field(init=False)
     traces: Traces = field(init=False)
@@ -81,7 +74,6 @@ class SearchContext:
 
     @property
     def spent_tokens(self) -> int:
-        """Tokens the run sampled and fed the PRM (what `budget_tokens` bounds)."""
         return self.generated_tokens + self.prm_input_tokens
 
     def _saw_prm_input(self, problem: Problem, ids: list[int]) -> None:
@@ -93,13 +85,10 @@ class SearchContext:
         self.verifier_input_tokens += len(ids)
 
     def answers(self, problem: Problem, beams: list[Beam]) -> list[Hashable | None]:
-        """Each beam's answer key (adaptive search; None: no answer yet)."""
         return [self.answer_of(problem, b.text) for b in beams]
 
     def problem(self, uid: str, question: str, messages: list[dict] | None = None) -> Problem:
-        """The generator's prompt for `question` (a user message), or for a whole conversation
-        `messages` whose last user turn is the question the PRM sees; with `prompt_format`, that
-        text with the question in it, encoded as plain text (BOS and all)."""
+        """The generator's prompt for `question`, or for `messages` whose last user turn is `question`."""
         tokenizer = self.runtime.tokenizer(self.generator)
         if self.config.prompt_format is not None:
             if messages is not None:
@@ -114,12 +103,9 @@ class SearchContext:
         return Problem(uid, question, tokenizer.encode(text, add_special_tokens=False))
 
     def draft_group(self, problem: Problem) -> str:
-        """The generator's draft group of `problem`'s requests (speculative `tree` drafting: the
-        beams of one problem draft from each other's text)."""
         return f"{id(self):x}/{problem.uid}"
 
     def forget(self, problem: Problem) -> None:
-        """`problem`'s search ended: the generator drops its drafting text."""
         self.runtime.forget_draft_group(self.generator, self.draft_group(problem))
 
     def sampling(self, problem: Problem, path: tuple[int, ...], n: int, to_eos: bool) -> SamplingParams:
@@ -158,8 +144,6 @@ class SearchContext:
         problem.generated_tokens += tokens
 
     async def _expand_ahead(self, problem: Problem, prompt: list[int], beam: Beam, params: SamplingParams) -> Beam:
-        """Take the next step from what this lineage already decoded, or start a request that
-        reports its first step early and keeps decoding `decode_ahead` more."""
         limit = self.config.max_tokens
         if beam.pending is not None:
             out = await beam.pending.final
@@ -188,12 +172,11 @@ class SearchContext:
             child = self._grow(beam, 0, c.token_ids[: c.stop_offsets[0][0]], False)
             child.pending = ahead
             return child
-        ahead.cancel()  # no stop string within the step budget: this step ends the solution
+        ahead.cancel()  # no stop string within max_tokens: this step ends the solution
         return self._grow(beam, 0, c.token_ids[:limit], True)
 
     async def score_beam(self, problem: Problem, beam: Beam, lookahead: bool = False) -> None:
-        """Set `beam.scores` and, with `lookahead`, `beam.lookahead_scores`: the scores of a rollout
-        of `config.lookahead` more steps, which the PRM reads after the beam's own steps."""
+        """Set `beam.scores`; with `lookahead`, `beam.lookahead_scores` too, of a greedy rollout."""
         rollout = await self.rollout(problem, beam) if lookahead else []
         try:
             try:
@@ -207,7 +190,7 @@ class SearchContext:
             self.drop(problem, beam, e)
             return
         beam.scores, beam.lookahead_scores = scores[: len(beam.steps)], scores[len(beam.steps) :]
-        if rollout:  # the rollout's share of the PRM input (as if read whole: the same with caches or without)
+        if rollout:  # counted as if read whole, so the count is the same with caches or without
             shown, owner = self.prm_steps(beam.steps + rollout)
             if shown:
                 _, positions = self.prm.build(problem.question, shown)
@@ -216,7 +199,6 @@ class SearchContext:
                 self.lookahead_prm_tokens += positions[-1] + 1 - own
 
     def drop(self, problem: Problem, beam: Beam, error: PRMInputTooLong) -> None:
-        """`beam`'s PRM input outgrew the PRM's context: search neither extends nor returns it."""
         beam.dropped, beam.scores, beam.lookahead_scores = True, [], []
         beam.drop_decode_ahead()
         self.prm_too_long += 1
@@ -225,16 +207,13 @@ class SearchContext:
 
     @staticmethod
     def check_left(problem: Problem, beams: list[Beam]) -> list[Beam]:
-        """`beams`, unless none is left because every one was dropped as too long: then the
-        PRM's error, which names the lengths (an HTTP 400 on /v1/search)."""
+        """`beams`, or the PRM's error when every beam was dropped as too long."""
         if not beams and problem.too_long_error is not None:
             raise problem.too_long_error
         return beams
 
     async def verify(self, problem: Problem, beams: list[Beam]) -> list[Beam]:
-        """With a verifier: each beam's scores become the verifier's (the prefix rule: step i's
-        is its score of the solution that ends with step i), and the beams are sorted by their
-        aggregated verifier score (stable). A beam too long for the verifier is dropped."""
+        """`beams` re-scored by the verifier and sorted by its score (stable)."""
         if self.verifier is None or not beams:
             return beams
         scored = await gather_or_cancel(*(self._verify(problem, b) for b in beams))
@@ -255,17 +234,13 @@ class SearchContext:
         return True
 
     def prm_steps(self, steps: list[str]) -> tuple[list[str], list[int]]:
-        """The steps the PRM (and the verifier) read, and which of them each step takes its score
-        from: all of them, as they are; with `config.reasoning`, `reasoning.prm_view`'s."""
+        """The steps the PRM reads, and for each step the one it takes its score from."""
         if not self.config.reasoning:
             return steps, list(range(len(steps)))
         return prm_view(steps)
 
     async def rollout(self, problem: Problem, beam: Beam) -> list[str]:
-        """Up to `config.lookahead` steps after `beam`'s at temperature 0 (text, separator removed).
-        A finished beam has none. Greedy steps depend only on the prompt, so with the score cache
-        on, beams with the same tokens rolling out at the same time share one rollout (which
-        then finishes even if the beam that started it is cancelled)."""
+        """Up to `config.lookahead` greedy steps after `beam`'s; beams of equal tokens share one."""
         if beam.completed or not self.config.lookahead:
             return []
         prompt = problem.prompt_ids + [t for step in beam.step_ids for t in step]
@@ -279,9 +254,6 @@ class SearchContext:
         return list(await asyncio.shield(shared))
 
     async def _roll_out(self, problem: Problem, prompt: list[int]) -> list[str]:
-        """One request per greedy step; each prompt is the tokens so far, so the prefix cache
-        holds all but the newest. Stops where a beam would end (EOS, length, empty step, full
-        context)."""
         c = self.config
         tokenizer = self.runtime.tokenizer(self.generator)
         limit = self.runtime.engine(self.generator).max_model_len
@@ -325,13 +297,10 @@ class SearchContext:
         return child
 
     async def score(self, problem: Problem, steps: list[str]) -> list[float]:
-        """PRM scores of every step; with the score cache, only steps never scored are read,
-        and beams with the same steps asking at the same time share one PRM request."""
         return (await self._score(problem, steps))[0]
 
     async def _score(self, problem: Problem, steps: list[str]) -> tuple[list[float], str]:
-        """`score`'s scores and where they came from: "prm" (a request of its own), "cache"
-        (every step scored before), "shared" (another beam's request for the same steps)."""
+        """Scores and where they came from: "prm", "cache" or "shared" (another beam's request)."""
         if self.prm is None:
             raise ValueError(f"strategy {self.config.strategy!r} needs a PRM")
         shown, owner = self.prm_steps(steps)
@@ -339,7 +308,6 @@ class SearchContext:
         return spread(scores, owner), source
 
     async def _score_shown(self, problem: Problem, steps: list[str]) -> tuple[list[float], str]:
-        """`_score` of the steps the PRM reads."""
         if not steps:
             return [], ""
 

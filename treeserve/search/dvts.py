@@ -1,25 +1,5 @@
 """Diverse verifier tree search (DVTS): n / beam_width independent subtrees, greedy by PRM.
-
-Each subtree holds one beam; every iteration it samples beam_width candidate next steps
-(one request, n=beam_width), the PRM scores them, and the best one is kept. A subtree
-stops when its chosen step ends the solution. As in search-and-learn, the result holds
-all beam_width candidates of each subtree's last expansion, so n completions come back.
-With `lookahead` K, candidates are compared by the PRM's score at the end of a greedy
-rollout of K more steps (as in search-and-learn); the kept candidate keeps only its step.
-
-Adaptive (`config.adaptive`, Adaptive-Consistency's sequential rule over subtrees): subtrees
-run in waves, `first_width / beam_width` of them first, then one more a wave (at most
-n / beam_width), until the certainty of their answers reaches `config.certainty`. Each subtree
-casts one vote, the answer of the candidate it kept last (`certainty.vote_certainty`): the
-beam_width candidates of one expansion are siblings of one parent and mostly repeat its
-answer, so counting them as votes settled most problems on a single subtree. Subtree i is
-the same whichever wave runs it (its seeds follow its index).
-
-A candidate whose PRM input outgrew the PRM's context is dropped (fate "too_long"); a
-subtree whose candidates are all dropped ends, its result the candidate it kept before
-(none on its first expansion). With a verifier (`SearchContext.verify`) the completions
-returned are re-scored by it.
-"""
+Adaptive, subtrees run in waves, one vote a subtree; subtree i is the same in any wave."""
 
 from __future__ import annotations
 
@@ -60,8 +40,6 @@ def _best(candidates: list[Beam], agg: str) -> int:
 
 
 def waves(config: SearchConfig) -> list[int]:
-    """The widths (subtrees x beam_width) after each wave: all n at once, or adaptive, first_width
-    and then one subtree more a wave."""
     if not config.adaptive:
         return [config.n]
     return list(range(min(config.first_width, config.n), config.n, config.beam_width)) + [config.n]

@@ -1,26 +1,6 @@
 """Monte Carlo tree search over reasoning steps: UCT with the PRM as the value (rStar, ReST-MCTS*).
-
-The tree's nodes are partial solutions; the prompt is the root. A simulation walks down from the
-root, at each node taking the child of highest UCT score Q + c * sqrt(ln N(parent) / N(child))
-(Q: the mean value backed up through the child, N: visits, c: `SearchConfig.exploration`), until
-it reaches a node with room for another child or a finished one. A node has room for floor(sqrt(its
-visits)) children, at least 1 and at most `beam_width` (progressive widening: a walk goes deep before
-the tree grows wide). There it
-samples one new step (child k of a node draws with the node's lineage seed and copy index k), the
-PRM scores it (with `lookahead` K, after a greedy rollout of K more steps whose text is discarded:
-the rollouts share the tree's pages through the prefix cache), and that value is added to every
-node on the way back to the root. A finished node is a solution; a walk that ends on one backs its
-value up again without sampling.
-
-Simulations run in rounds of `beam_width`: each walk of a round adds a virtual visit (value 0) to
-its path, so the next walk of the round goes elsewhere, the round's steps are sampled together,
-and their values are backed up in walk order; the search is the same whatever else is in flight.
-A node `num_iterations` steps deep is not extended: it is a solution as it stands (as beam search
-returns its beams at its last iteration). It ends once it holds n solutions, or after
-n * num_iterations simulations, or when no node is left to expand, and returns its solutions,
-topped up to n with the best-valued unfinished leaves. A step whose PRM input outgrew the
-PRM's context is dropped (fate "too_long"); with a verifier the solutions are re-scored by it.
-"""
+Walks run in rounds of beam_width, each adding a virtual visit to its path, so a search does
+not depend on what else is in flight. Widening is progressive: floor(sqrt(visits)) children."""
 
 from __future__ import annotations
 
@@ -39,7 +19,7 @@ class Node:
     children: list[Node] = field(default_factory=list)
     pending: int = 0  # children being sampled in this round
     visits: int = 0
-    total: float = 0.0  # values backed up through this node
+    total: float = 0.0
     ended: bool = False  # a solution: finished, or as deep as the search goes (`num_iterations` steps)
 
     def uct(self, exploration: float) -> float:
@@ -55,13 +35,11 @@ class Node:
 
 
 def room(node: Node, width: int) -> int:
-    """The children `node` may have by now: progressive widening, floor(sqrt(visits)), 1 to `width`."""
     return min(width, max(1, math.isqrt(node.visits)))
 
 
 def select(root: Node, width: int, exploration: float) -> Node | None:
-    """Where the next walk ends: a node with room for a child, or a solution; None when the whole
-    tree is spent (every child of the walk's nodes dropped or still being sampled)."""
+    """Where the next walk ends: a node with room for a child, or a solution; None: the tree is spent."""
     node = root
     while True:
         if node.ended or len(node.children) + node.pending < room(node, width):
@@ -79,7 +57,7 @@ async def mcts(ctx: SearchContext, problem: Problem) -> list[Beam]:
     leaves: list[Node] = []
     simulations, limit = 0, c.n * c.num_iterations
     while len(solutions) < c.n and simulations < limit:
-        walks: list[tuple[Node, int]] = []  # (where a walk ended, the copy index of the child it samples)
+        walks: list[tuple[Node, int]] = []  # (where a walk ended, the copy index it samples)
         for _ in range(min(c.beam_width, limit - simulations)):
             node = select(root, c.beam_width, c.exploration)
             if node is None:
@@ -118,7 +96,6 @@ async def mcts(ctx: SearchContext, problem: Problem) -> list[Beam]:
 
 
 async def _sample(ctx: SearchContext, problem: Problem, node: Node, copy: int) -> Beam | None:
-    """Child `copy` of `node`, scored (None for a solution: nothing to sample)."""
     if node.ended:
         return None
     seeded = node.beam.child(copy)  # its lineage seed: copy 0 continues the node's stream

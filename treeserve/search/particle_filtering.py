@@ -1,25 +1,6 @@
 """Particle filtering over reasoning steps (Puri et al. 2025; its_hub's `ParticleFiltering`).
-
-n particles (partial solutions) start from the prompt. Each iteration every particle that has
-not ended samples one more step and the PRM scores it; a particle's log weight is
-logit(value) / T, its latest step score's log-odds (its_hub's `_inv_sigmoid`, clipped to
-[1e-7, 1 - 1e-7]) at temperature T (`SearchConfig.reward_temperature`, 1.0 unless given: its_hub's).
-Then the particles are resampled: n draws with replacement, probabilities softmax(log
-weights), from a random stream seeded by (run seed, problem, iteration) (`resample`). As in
-its_hub, ended particles stay in the pool with their final weight, so a likely solution is
-drawn many times; a copy of one is ended too. With `resample_threshold` r < 1 the particles
-are resampled only when the weights' effective sample size 1 / sum(p^2) is at most r * n
-(ESS-triggered resampling), else they go on as they are.
-
-A particle drawn k times becomes k copies (copy 0 continues its random stream, the others
-draw their own: `Beam.child`); one drawn none is pruned. The search ends when every particle
-has ended or at `num_iterations`, and returns the n particles (copies included, so the vote
-counts them; dropped ones aside): the answer is eval/metrics' rule (weighted by default,
-a weighted vote of particles; naive takes the highest weight, its_hub's argmax).
-
-A particle whose PRM input outgrew the PRM's context is dropped (fate "too_long", weight 0);
-with a verifier (`SearchContext.verify`) the particles returned are re-scored by it.
-"""
+Log weight logit(value) / T; resampling by softmax(log weights), seeded by (seed, problem,
+iteration), only once ESS <= `resample_threshold` * n. Ended particles stay in the pool."""
 
 from __future__ import annotations
 
@@ -31,7 +12,7 @@ from treeserve.search.seeds import resample_seed
 from treeserve.search.trace import FINISHED, KEPT, PRUNED, TOO_LONG
 from treeserve.search.types import Beam, Problem
 
-CLIP = 1e-7  # scores are clipped to [CLIP, 1 - CLIP] before their log-odds (its_hub's)
+CLIP = 1e-7  # its_hub's: scores clipped to [CLIP, 1 - CLIP] before their log-odds
 
 
 def log_weight(value: float, temperature: float) -> float:
@@ -40,7 +21,6 @@ def log_weight(value: float, temperature: float) -> float:
 
 
 def probabilities(log_weights: list[float]) -> list[float]:
-    """softmax(log_weights); a -inf weight (a dropped particle) gets 0."""
     top = max(log_weights)
     weights = [math.exp(w - top) for w in log_weights]
     total = sum(weights)
@@ -52,8 +32,6 @@ def effective_sample_size(probs: list[float]) -> float:
 
 
 def resample(probs: list[float], seed: int, problem_id: str, iteration: int) -> list[int]:
-    """n ancestors drawn with replacement by `probs` (multinomial), in ascending order; the draws
-    depend only on (seed, problem, iteration), not on what else is in flight."""
     rng = random.Random(resample_seed(seed, problem_id, iteration))
     return sorted(rng.choices(range(len(probs)), weights=probs, k=len(probs)))
 

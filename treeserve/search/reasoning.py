@@ -1,13 +1,5 @@
-"""Step-level search over a reasoning chain (`SearchConfig.reasoning`): what the PRM sees of it.
-
-A reasoning generator writes `<think>...</think>` before its answer; its steps end at "\\n\\n"
-inside the think block as outside, and the beam keeps them as sampled (the next prompt is the
-tokens sampled). The PRM reads each step with the think tags removed (`visible`), and a step
-that is only tags (and blanks) is not shown to it (`prm_view`); `spread` gives such a hidden step the score
-of the last shown step before it (1.0 before any: nothing judged, the identity of min and prod).
-Shown steps of k steps are a prefix of those of k + 1, so PRM inputs stay token prefixes of each
-other and the score cache's keys stay consistent. It never runs a model.
-"""
+"""What the PRM sees of a reasoning chain (`SearchConfig.reasoning`): steps without think tags.
+A step that is only tags is hidden and takes the last shown step's score (1.0 before any)."""
 
 from __future__ import annotations
 
@@ -49,8 +41,7 @@ def spread(scores: list[float], owner: list[int]) -> list[float]:
 
 
 def check_generator(tokenizer: Tokenizer, name: str = "the generator") -> None:
-    """ValueError unless the tokenizer writes `<think>` and `</think>` as tokens whose text
-    decoding keeps (the search reads the tags in the steps' text)."""
+    """ValueError unless `<think>` and `</think>` are tokens that decoding keeps as text."""
     problem = tags_in_text(tokenizer)
     if problem == "missing":
         raise ValueError(

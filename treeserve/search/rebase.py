@@ -1,21 +1,5 @@
 """REBASE, reward-balanced search (Wu et al. 2024, "Inference Scaling Laws", section 3.2).
-
-The first iteration samples n first steps from the prompt (one request, n=n). Each later
-iteration the PRM has scored every node of the newest depth; completed nodes leave the tree
-(they are solutions) and take their share of the budget with them: the budget is n less the
-solutions so far. The budget is split across the live nodes by softmax(value / T_b)
-(`expand_counts`), and node j samples that many children in one request (child i draws with
-the node's lineage seed and completion index i). A node given none is pruned. The search ends
-when the budget is spent, no node is live, or at `num_iterations`, where the live nodes are
-returned as they stand (with `final_to_eos`, the last iteration samples to EOS). All solutions
-come back, at most n; which answer wins is eval/metrics' rule (weighted by default).
-
-T_b is `SearchConfig.reward_temperature`, 0.2 unless given (our choice; the paper tunes it per
-setting): lower is greedier, higher spreads the budget evenly.
-
-A node whose PRM input outgrew the PRM's context is dropped (fate "too_long") and gives its
-budget to the others; with a verifier (`SearchContext.verify`) the solutions are re-scored by it.
-"""
+The budget, n less the solutions so far, is split over the live nodes by softmax(value / T_b)."""
 
 from __future__ import annotations
 
@@ -27,9 +11,8 @@ from treeserve.search.types import Beam, Problem
 
 
 def expand_counts(values: list[float], budget: int, temperature: float) -> list[int]:
-    """Children per node: `budget` split by softmax(value / temperature), as REBASE's code
-    splits it: nodes in order of value (the first of equals first), each takes the ceiling of
-    its share of what is left, so the counts add up to `budget` and the best node gets one."""
+    """`budget` split by softmax(value / temperature) as REBASE's code does: by value, each node the
+    ceiling of its share of what is left, so the counts sum to `budget`."""
     weights = [math.exp((v - max(values)) / temperature) for v in values]
     order = sorted(range(len(values)), key=lambda j: (-values[j], j))
     counts = [0] * len(values)

@@ -1,11 +1,5 @@
-"""Run a strategy over many problems at once (continuous problem batching).
-
-Every problem is its own asyncio task; up to `max_concurrent_problems` are in flight, so
-while some problems wait for the PRM others decode, and the engines' batches stay full
-without a batching mechanism of their own. The reference mode runs one problem at a time.
-A problem whose every beam outgrew the PRM's context (`PRMInputTooLong`) ends with no beams,
-its `stop` saying so, and the run goes on.
-"""
+"""Run a strategy over many problems at once: each is an asyncio task, up to
+`max_concurrent_problems` in flight, so the engines' batches stay full with no batcher of their own."""
 
 from __future__ import annotations
 
@@ -43,7 +37,7 @@ class ProblemResult:
     seconds: float
     trace: dict | None = None  # search/trace.py's JSON, when the config traces
     spent: dict | None = None  # tokens the search sampled and fed the PRM for this problem
-    stop: dict | None = None  # adaptive search: its widths, certainty, where it stopped and why
+    stop: dict | None = None  # `Problem.stop`
 
     @property
     def generated_tokens(self) -> int:
@@ -56,10 +50,9 @@ async def search_problems(
     on_done: Callable[[ProblemResult], None] | None = None,
     stop: asyncio.Event | None = None,
 ) -> list[ProblemResult | None]:
-    """problems: (unique id, question) pairs. Results come back in input order. Once `stop` is
-    set no problem starts (its result is None); those already started run to the end."""
+    """Results of (unique id, question) pairs, in order; once `stop` is set no problem starts (None)."""
     strategy = STRATEGY_FUNCTIONS[ctx.config.strategy]
-    ctx.budget.expect(len(problems))  # a budget is paced over them
+    ctx.budget.expect(len(problems))
     gate = asyncio.Semaphore(ctx.config.max_concurrent_problems)
 
     async def one(uid: str, question: str) -> ProblemResult | None:

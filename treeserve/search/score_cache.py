@@ -1,12 +1,5 @@
 """The score cache: (question, step prefix) -> PRM score of that prefix's last step.
-
-A step's score depends only on the question and the steps up to it, so a beam that
-survives an iteration never has its earlier steps re-scored, and beams that share a
-prefix share its scores. Keys chain hashes of the steps (xxhash), so lookups cost one
-hash per step, not the text of the whole prefix. `shared` lets callers asking for the same
-prefix at the same time share one PRM read (the search's context and the server's
-`/v1/prm/score`).
-"""
+Keys chain xxhash over the steps; `shared` lets concurrent asks for one prefix share a read."""
 
 from __future__ import annotations
 
@@ -33,7 +26,6 @@ class ScoreCache:
     misses: int = 0  # steps that had to be scored
 
     def known(self, keys: list[int]) -> list[float]:
-        """Scores of the longest cached leading run of `keys`."""
         found = []
         for key in keys:
             if key not in self.scores:
@@ -50,9 +42,8 @@ class ScoreCache:
 async def shared(
     in_flight: dict[int, asyncio.Future], key: int, read: Callable[[], Awaitable[list[float]]]
 ) -> tuple[list[float], bool]:
-    """`read()`'s scores, registered under `key` while it runs so that callers asking for the same
-    key meanwhile wait for them instead (then True: shared). A caller whose read was cancelled
-    with its own caller reads for itself; a failed read's error reaches every waiter."""
+    """`read()`'s scores, and True when another caller's read under `key` served them. A read
+    cancelled with its caller leaves the others to read for themselves; an error reaches all."""
     pending = in_flight.get(key)
     if pending is not None:
         try:

@@ -1,12 +1,5 @@
 """Seeds for search: sampled text depends only on (run seed, problem, beam lineage, position).
-
-A beam's lineage is the path of copy indices from its root (root j has path (j,); copy c of
-a beam with path p has path p + (c,)). Trailing zeros are dropped before hashing, so copy 0
-of a beam continues its parent's random stream: the text a beam would decode past a step
-boundary (decode-ahead) is exactly what its copy 0 would generate next.
-The sampler adds the completion index and the absolute position to this seed. Particle
-filtering's resampling draws come from `resample_seed` (run seed, problem, iteration).
-"""
+Trailing zeros of a lineage are dropped, so copy 0 continues its parent's stream (decode-ahead)."""
 
 from __future__ import annotations
 

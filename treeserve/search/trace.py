@@ -1,33 +1,12 @@
 """Search traces: every candidate step a search produced, its PRM scores and its fate.
 
-Owns `SearchTrace` (one problem's) and `Traces` (a run's, per problem in flight, with its
-progress callback: `ctx.traces`). Strategies `report` each scored iteration with the fate of
-every candidate; nothing reads a trace back while searching, so tracing changes no beam.
-Its JSON, stored as a problem record's "trace" (results, journal, `/v1/search`), holds one
-row per candidate, its fields named once (a node's id is its row's index)::
+Owns `SearchTrace` (a problem's) and `Traces` (`ctx.traces`: a run's, and its progress callback);
+tracing changes no beam. The JSON holds one row a candidate (its fields named once in "fields",
+its id the row's index) and the node of each completion::
 
-    {"version": 1, "strategy": "beam_search", "n": 16, "beam_width": 4, "agg": "last",
-     "fields": ["parent", "iteration", "text", "tokens", "step_scores", "score",
-                "lookahead_scores", "fate", "decoded_ahead", "cache"],
-     "nodes": [[null, 0, "15 + 4 = 19.", 9, [0.81], 0.81, [], "kept", false, "prm"], ...],
-     "completions": [41, 42, ...],        # the node of each of the problem's completions, in order
-     "seconds": 1.2,                      # the problem's search, start to end
-     "generated_tokens": 812}             # every candidate's tokens, kept or pruned (rollouts aside)
-
-    parent            the node it extends (null: a child of the prompt)
-    text, tokens      its own step (best-of-N: the whole completion) and its generated tokens
-    step_scores       the PRM's score of each of its steps (6 decimals; the completions keep all)
-    score             what the search ranked it by (aggregated, with lookahead)
-    lookahead_scores  the PRM's scores of its greedy rollout (whose text is discarded)
-    fate              kept | pruned | finished | duplicate | too_long (its PRM input outgrew
-                      the PRM's context: dropped, unscored)
-    decoded_ahead     its step was decoded past the previous boundary (decode_ahead)
-    cache             where its scores came from: prm | cache | shared | "" (no PRM)
-
-`nodes(trace)` turns the rows into dicts with an "id".
-Best-of-N and majority have no tree: one iteration of N finished nodes (a flat list).
-Particle filtering's copies of a finished particle are one node, which each such completion names.
-"""
+    {"version": 1, "strategy": "beam_search", "n": 16, "beam_width": 4, "agg": "last", "fields": [...],
+     "nodes": [[null, 0, "15 + 4 = 19.", 9, [0.81], 0.81, [], "kept", false, "prm"]],
+     "completions": [41, 42], "seconds": 1.2, "generated_tokens": 812}"""
 
 from __future__ import annotations
 
@@ -57,8 +36,7 @@ FIELDS = (
 
 
 def _number(x: float) -> float | None:
-    """Six decimals (for viewing; the results' completions keep every digit); JSON has no NaN
-    or infinity: they are written as null."""
+    """Six decimals; NaN and infinity (not JSON) as null."""
     return round(float(x), 6) if math.isfinite(x) else None
 
 
@@ -72,7 +50,6 @@ class SearchTrace:
     index: dict[tuple[int, ...], int] = field(default_factory=dict)  # beam lineage path -> its node
 
     def add(self, iteration: int, beams: Sequence[Beam], fates: Sequence[str]) -> None:
-        """One scored iteration: `beams[i]` ended it with fate `fates[i]`."""
         flat = self.strategy in FLAT_STRATEGIES
         first = len(self.rows)
         for beam, fate in zip(beams, fates, strict=True):
@@ -102,13 +79,10 @@ class SearchTrace:
             self.index[beam.path] = first + k
 
     def _parent(self, path: tuple[int, ...]) -> int | None:
-        """The node `path` extends: its longest proper prefix that is a node of an earlier
-        iteration (a beam search copy adds a copy index and an expansion index to its path)."""
         return self._node(path[:-1])
 
     def _node(self, path: tuple[int, ...]) -> int | None:
-        """The node of `path`, or of its longest prefix that is one (a copy of a finished
-        particle is its original's node)."""
+        """The node of `path`'s longest prefix that is one (a finished particle's copy: its original's)."""
         for end in range(len(path), 0, -1):
             if path[:end] in self.index:
                 return self.index[path[:end]]
@@ -140,7 +114,6 @@ class Traces:
         return SearchTrace(c.strategy, c.n, c.beam_width, c.agg)
 
     def report(self, problem: Problem, iteration: int, beams: list[Beam], fates: list[str]) -> None:
-        """An iteration's scored candidates and what the search did with each (FATES)."""
         if self.config.trace:
             self.kept.setdefault(problem.uid, self._new()).add(iteration, beams, fates)
         if self.on_iteration is not None:
@@ -158,5 +131,4 @@ class Traces:
 
 
 def nodes(trace: dict) -> list[dict]:
-    """A trace's rows as dicts of its fields, plus "id" (the row's index)."""
     return [{"id": i, **dict(zip(trace["fields"], row, strict=True))} for i, row in enumerate(trace["nodes"])]

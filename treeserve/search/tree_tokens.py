@@ -1,8 +1,4 @@
-"""Counts the distinct tokens of a family of inputs: the nodes of the trie of their prefixes.
-
-For the PRM this is the size of the search tree it had to read at least once; compared
-with the tokens it actually computed it tells how much the prefix cache saved.
-"""
+"""Counts the distinct tokens of a family of inputs: the nodes of their prefix trie."""
 
 from __future__ import annotations
 

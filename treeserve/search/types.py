@@ -1,12 +1,5 @@
-"""The values search strategies pass around: a problem, a beam (a partial solution), a leftover.
-
-Owns `Problem` (a question and its prompt's token ids), `Beam` (one partial solution: its steps
-as text and token ids, their PRM scores, its lineage `path`, and what decode-ahead
-expansion decoded past its last step: the request still running (`pending`) or the tokens it
-produced (`leftover`)), `Leftover` (tokens decoded past a step boundary, cut into steps as a
-fresh request would) and `aggregate` (step scores to one value). Data and pure functions only:
-the primitives that make and score beams are `context.py`'s, the record of them `trace.py`'s.
-"""
+"""The values strategies pass around: `Problem`, `Beam` (a partial solution), `Leftover`
+(tokens decode-ahead decoded past a step boundary) and `aggregate`. Data and pure functions only."""
 
 from __future__ import annotations
 
@@ -16,7 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from treeserve.runtime.runtime import DecodeAhead
 
-STEP_STOP = "\n\n"  # what ends a step
+STEP_STOP = "\n\n"
 
 
 @dataclass
@@ -24,30 +17,23 @@ class Problem:
     uid: str
     question: str
     prompt_ids: list[int]
-    # what its search spent: tokens the generator sampled (kept or pruned, rollouts too) and
-    # tokens of every PRM input built for it (cached or not)
+    # its spend: tokens sampled (kept or pruned, rollouts too), and of every PRM input built for it
     generated_tokens: int = 0
     prm_tokens: int = 0
-    # adaptive search: where it stopped and why, the widths it used, its certainty by iteration
-    stop: dict | None = None
-    # beams dropped because their PRM input outgrew the PRM's context, and the latest such error
-    # (raised by a strategy that has nothing else left to return)
+    stop: dict | None = None  # where and why its search stopped (adaptive: widths, certainty)
+    # beams dropped as too long for the PRM, and the latest error (raised when none is left)
     too_long: int = 0
     too_long_error: ValueError | None = None
-    # paced adaptive search: the tokens one beam of its widths cost so far (what a run's picked budget
-    # is made of), and its spend when that was counted
+    # paced search: what one beam of its widths cost so far, and its spend when that was counted
     beam_tokens: float = 0.0
     counted_tokens: int = 0
 
     @property
     def spent_tokens(self) -> int:
-        """Tokens sampled and fed to the PRM for it (its part of `SearchContext.spent_tokens`)."""
         return self.generated_tokens + self.prm_tokens
 
     def count_beam_tokens(self, width: int, cumulative: bool) -> None:
-        """Update `beam_tokens` after a decision at `width`: the `width` beams of an iteration share
-        what it spent (beam search); a `cumulative` width (sampling rounds, DVTS waves) counts every
-        beam so far, which share all of it."""
+        """The `width` beams of an iteration share its spend; a `cumulative` width shares all of it."""
         if cumulative:
             self.beam_tokens = self.spent_tokens / width
         else:
@@ -56,7 +42,6 @@ class Problem:
 
     @property
     def spent(self) -> dict[str, int]:
-        """What results report of its spend (eval's problem records, /v1/search's `spent`)."""
         return {"generated_tokens": self.generated_tokens, "prm_input_tokens": self.prm_tokens}
 
 
@@ -69,12 +54,10 @@ class Beam:
     completed: bool = False
     generated_tokens: int = 0
     lookahead_scores: list[float] = field(default_factory=list)  # of this iteration's rollout (not inherited)
-    # decode-ahead: the request still decoding past this beam's last step, or
-    # the tokens it decoded there. Only copy 0 inherits them (it continues the same seed).
+    # decode-ahead past the last step (a running request, or its tokens); only copy 0 inherits them
     pending: DecodeAhead | None = None
     leftover: Leftover | None = None
-    # for traces, of this beam's newest step (not inherited): decoded past the previous boundary;
-    # where its scores came from ("prm", "cache", "shared"; "" before any)
+    # for traces, of the newest step: decoded ahead, and where its scores came from ("" before any)
     decoded_ahead: bool = False
     score_source: str = ""
     dropped: bool = False  # its PRM input outgrew the PRM's context: search neither extends nor returns it
@@ -98,7 +81,6 @@ class Beam:
         self.pending = self.leftover = None
 
     def value(self, agg: str) -> float:
-        """What search ranks the beam by: its step scores, continued by its rollout's, aggregated."""
         return aggregate(self.scores + self.lookahead_scores, agg)
 
     @property
@@ -108,15 +90,12 @@ class Beam:
 
 @dataclass
 class Leftover:
-    """Tokens decoded past a step boundary, with the (relative) token offsets of later stops."""
-
     tokens: list[int]
-    stops: list[int]
+    stops: list[int]  # offsets of later stops, relative to `tokens`
     ended_by_eos: bool
 
     def next_step(self, max_tokens: int) -> tuple[list[int], bool, Leftover | None] | None:
-        """(step tokens, step ends the solution, what is left) exactly as a fresh request with the
-        same seed would produce, or None when the leftover cannot tell."""
+        """(step tokens, ends the solution, the rest) as a fresh request would produce, or None."""
         if self.stops and self.stops[0] <= max_tokens:
             cut = self.stops[0]
             rest = Leftover(self.tokens[cut:], [t - cut for t in self.stops[1:]], self.ended_by_eos)

@@ -1,15 +1,4 @@
-"""PRM adapters, one per input format, and `load_prm`, which picks the one a checkpoint needs.
-
-Styles: "step_tag" (Math-Shepherd, the shipped arithmetic PRM), "rlhflow" (chat turns,
-'+'/'-'), "reward_head" (Qwen2.5-Math-PRM, `<extra_0>` and a 2-class head), "value_head"
-(Skywork-o1-Open-PRM, a scalar head), "token_classification" (TRL's PRMTrainer, a 2-label
-`score` on every token) and "orm" (an outcome reward model: one reward a solution, step
-scores by the prefix rule of `outcome.py`). Without an explicit style, `load_prm` reads the
-model directory: a `prm_config.json` naming a "style" wins; then `architectures`:
-"...ProcessRewardModel" means reward_head, "...ForTokenClassification" token_classification,
-"...ForSequenceClassification" or "...ForRewardModel" orm; then `v_head.*` tensors mean
-value_head. Anything else is ambiguous and raises, asking for --prm-style.
-"""
+"""PRM adapters, one per input format, and `load_prm`, which picks the one a checkpoint needs."""
 
 from __future__ import annotations
 
@@ -74,8 +63,7 @@ def _read_json(path: str) -> dict:
 
 
 def style_from_files(model_dir: str) -> str | None:
-    """The PRM style a checkpoint directory's prm_config.json or config.json `architectures` names
-    (None: neither tells; a GGUF file tells nothing), read without loading the model."""
+    """The style prm_config.json or config.json's `architectures` names (None: neither tells)."""
     if not os.path.isdir(model_dir):
         return None
     style = _read_json(os.path.join(model_dir, "prm_config.json")).get("style")
@@ -93,9 +81,8 @@ def style_from_files(model_dir: str) -> str | None:
 
 
 def check_verifier(model_dir: str, style: str | None = None) -> None:
-    """Refuse, before it loads, a verifier that is not an outcome reward model: one whose given
-    `style` or whose files name a process PRM's. (Files that tell nothing are checked once loaded:
-    `SearchContext` refuses a verifier whose adapter is not an ORM's.)"""
+    """Refuse, before it loads, a verifier whose style or files name a process PRM (files that tell
+    nothing are checked once loaded, by `SearchContext`)."""
     found = style or style_from_files(str(model_dir))
     if found is not None and found != "orm":
         raise ValueError(

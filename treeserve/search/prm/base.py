@@ -1,19 +1,6 @@
 """What every PRM adapter is: (question, steps) -> model input -> one score per step.
-
-An adapter only builds token ids and reads outputs; the runtime does the forward pass
-(`Runtime.score`, forward-only, prefix-cached). Inputs are built so that the input for the
-first k steps is a token-for-token prefix of the input for more steps; then scoring a new
-step re-reads only the new tokens (the earlier ones are cached pages), and asking only
-for the new steps' positions (`start=`) lets the engine skip the cached prefix.
-
-Builders tokenize the prompt and each step's piece on its own (`encode`), and a beam is
-scored once an iteration with all its steps: `encode` remembers each piece's ids, so a
-beam's earlier steps, and the prompt every beam of a problem shares, are tokenized once.
-
-An input whose read positions run past the PRM's context is refused (`PRMInputTooLong`,
-naming both lengths), never truncated or scored 0: the search drops that beam and counts it
-(`SearchContext.prm_too_long`), and a request with nothing left to answer is a 400.
-"""
+The input for k steps is a token prefix of the input for more, so a new step re-reads only its
+own tokens (`start=`). An input past the PRM's context raises `PRMInputTooLong`."""
 
 from __future__ import annotations
 
@@ -28,8 +15,7 @@ ENCODED_PIECES = 1 << 16  # pieces `encode` remembers before it starts afresh
 
 
 class PRMInputTooLong(ValueError):
-    """A PRM input that the PRM's context cannot hold: `needed` positions (up to the last one
-    read, inclusive) against the model's `limit` (its max_model_len)."""
+    """A PRM input of `needed` positions (to the last one read) past the model's max_model_len."""
 
     def __init__(self, model: str, needed: int, limit: int):
         self.model, self.needed, self.limit = model, needed, limit
@@ -51,7 +37,6 @@ class PRM(ABC):
         self._encoded: dict[tuple[str, bool], tuple[int, ...]] = {}
 
     def encode(self, text: str, add_special_tokens: bool = False) -> tuple[int, ...]:
-        """The tokenizer's ids of `text` (a prompt, or one step's piece of the input), remembered."""
         key = (text, add_special_tokens)
         ids = self._encoded.get(key)
         if ids is None:

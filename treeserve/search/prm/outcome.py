@@ -1,26 +1,8 @@
 """Outcome reward models (ORMs): one reward for a whole solution, read at its last token.
 
-Owns the sequence-classification input format and head, e.g. Skywork-Reward-V2
-(`LlamaForSequenceClassification`, `score.weight` [1, hidden]) and Qwen2.5-Math-RM
-(`Qwen2ForRewardModel`, `score.0` Linear hidden->hidden, ReLU, `score.2` Linear hidden->1).
-The input is the checkpoint's chat template of the question as the user turn (after the
-prm_config.json "system_prompt", if any) and the solution as the assistant turn, rendered
-closed and tokenized without adding special tokens (the template writes the BOS), as both
-model cards do:
+Step i's score is sigmoid(reward) of the solution that ends with step i (the prefix rule)::
 
-    <|im_start|>user\\nQ<|im_end|>\\n<|im_start|>assistant\\nstep 1\\n\\nstep 2<|im_end|>\\n
-
-The solution is the steps joined by the search's step separator "\\n\\n". The reward is the
-head's output at the last token (`reward`); as a search score it is sigmoid(reward), in
-(0, 1) and in the same order, so weighted best-of-N sums positive weights.
-
-An ORM judges whole solutions only, so its step scores follow one explicit rule: the score
-of step i is the ORM's score of the solution that ends with step i (its steps 0..i). With
-agg "last" a completion's score is the ORM's on the whole of it: best-of-N and weighted
-best-of-N select by the ORM, and as `SearchContext.verifier` it re-ranks a search's final
-beams. Each prefix is its own input (the template closes the turn after it), read one after
-another so each one's pages serve the next as prefix-cache hits. It never runs the model.
-"""
+    <|im_start|>user\\nQ<|im_end|>\\n<|im_start|>assistant\\nstep 1\\n\\nstep 2<|im_end|>\\n"""
 
 from __future__ import annotations
 
@@ -38,7 +20,7 @@ from treeserve.search.types import STEP_STOP
 
 class OutcomeRM(PRM):
     style = "orm"
-    outcome = True  # step scores by the prefix rule (module docstring)
+    outcome = True
 
     def __init__(self, runtime: Runtime, model: str, config: dict | None = None):
         super().__init__(runtime, model)
@@ -61,7 +43,6 @@ class OutcomeRM(PRM):
             raise ValueError(f"an outcome reward head has one output, got shape {tuple(self.head[-2].shape)}")
 
     def solution_ids(self, question: str, steps: list[str]) -> list[int]:
-        """The model's input for the solution made of `steps`."""
         messages = [{"role": "user", "content": question}, {"role": "assistant", "content": STEP_STOP.join(steps)}]
         if self.system_prompt:
             messages.insert(0, {"role": "system", "content": self.system_prompt})
@@ -71,8 +52,7 @@ class OutcomeRM(PRM):
         return list(self.encode(text))
 
     def build(self, question: str, steps: list[str]) -> tuple[list[int], list[int]]:
-        """The whole solution's input, and for step i the position its score is read at in the
-        input of the solution that ends with step i (its last token)."""
+        """The whole solution's input; step i is read at the last token of steps[: i + 1]'s input."""
         positions = [len(self.solution_ids(question, steps[: i + 1])) - 1 for i in range(len(steps))]
         return self.solution_ids(question, steps), positions
 
@@ -98,7 +78,6 @@ class OutcomeRM(PRM):
     async def score(
         self, question: str, steps: list[str], start: int = 0, on_input: Callable[[list[int]], None] | None = None
     ) -> list[float]:
-        """Scores of steps[start:] by the prefix rule: step i's is the score of steps[: i + 1]."""
         if not steps or not 0 <= start < len(steps):
             raise ValueError(f"need at least one step to score after start={start}, got {len(steps)} steps")
         return [

@@ -1,19 +1,5 @@
 """Reward-head PRMs (Qwen2.5-Math-PRM style): `<extra_0>` after each step, a 2-class head on hidden states.
-
-Owns the Qwen2.5-Math-PRM input format and its head. The input is the chat template with a
-fixed system prompt, the question as the user turn and the steps joined and ended by
-`<extra_0>` as the assistant turn, e.g. with Qwen's template:
-
-    <|im_start|>system\\nPlease reason step by step, and put your final answer within \\\\boxed{}.<|im_end|>
-    <|im_start|>user\\nQ<|im_end|>\\n<|im_start|>assistant\\nstep 1<extra_0>step 2<extra_0>
-
-The assistant turn is left open (the template's closing tokens come after the last read
-position, so a causal model scores the same) and each step is tokenized on its own, so the
-input for k steps is a token prefix of the input for more steps. The head is the
-checkpoint's `score.0` (Linear hidden->hidden), ReLU, `score.2` (Linear hidden->2), read
-from the engine's extra tensors; the score of step i is softmax(head(h))[1] at the i-th
-`<extra_0>`. It never runs the base model itself.
-"""
+The assistant turn, left open: `<|im_start|>assistant\\nstep 1<extra_0>step 2<extra_0>`."""
 
 from __future__ import annotations
 

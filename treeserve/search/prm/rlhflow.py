@@ -1,20 +1,5 @@
 """Chat-format PRMs (RLHFlow/Llama3.1-8B-PRM-Deepseek-Data style): each step a user turn, '+' answers.
-
-Owns the chat input format. The conversation is the question and the first step in one user
-turn (`question + " " + step 1`), then one user turn per later step, and the assistant
-answers "+" after every step, rendered with the checkpoint's own chat template, e.g. with
-a Llama-3 template:
-
-    <|begin_of_text|><|start_header_id|>user<|end_header_id|>\\n\\nQ step 1<|eot_id|>
-    <|start_header_id|>assistant<|end_header_id|>\\n\\n+<|eot_id|>
-    <|start_header_id|>user<|end_header_id|>\\n\\nstep 2<|eot_id|>...
-
-The score of step i is softmax([logit('+'), logit('-')])[0] at the token right before the
-assistant's answer to step i (RLHFlow's reference reads position -3 of the conversation
-that ends with that answer). Each turn is rendered, checked to extend the previous
-rendering, and tokenized on its own, so the input for k steps is a token prefix of the
-input for more steps. It never runs a model itself.
-"""
+Step i's score is softmax([logit('+'), logit('-')])[0] just before the assistant's answer to it."""
 
 from __future__ import annotations
 

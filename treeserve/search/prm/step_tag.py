@@ -1,21 +1,5 @@
 """Step-tag PRMs (Math-Shepherd style): a tag token after each step, P(good) vs P(bad) at the tag.
-
-Owns the step-tag input format and its settings (`StepTagFormat`, read from a checkpoint's
-`prm_config.json` by `load_prm`). The input is
-
-    prompt_format(question) + first_step_prefix + step_format(step 1)
-                            + step_separator + step_format(step 2) + ...
-
-with `step_format` ending in the step tag, e.g. for the shipped arithmetic PRM
-
-    <|bos|><|user|>Compute 3 * 4 + 1.<|end|><|assistant|>3 * 4 = 12, leaving 12 + 1.<|step|>\\n\\n12 + 1 = 13.<|step|>
-
-The prompt and each step (with the separator before it and the tag after it) are tokenized
-separately and concatenated, so the input for k steps is a token prefix of the input for
-more steps by construction. The score of step i is softmax([logit(good), logit(bad)])[0] at
-the position of the i-th tag (the model predicts the label right after the tag). It never
-runs a model itself.
-"""
+The shipped arithmetic PRM reads `<|bos|><|user|>Q<|end|><|assistant|>step 1<|step|>\\n\\nstep 2<|step|>`."""
 
 from __future__ import annotations
 

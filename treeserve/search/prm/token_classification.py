@@ -1,20 +1,5 @@
 """Token-classification PRMs (TRL's `PRMTrainer`): a `score` Linear on every token, P(label 1) at each step's end.
-
-Owns TRL's input format (`PRMTrainer.tokenize_row`) and the `*ForTokenClassification` head,
-e.g. HuggingFaceH4/Qwen2.5-Math-1.5B-Instruct-PRM-0.2 (`Qwen2ForTokenClassification`). The
-input is the BOS token (when the tokenizer has one), the prompt's ids, then each step's ids
-followed by the step separator's ids, every piece tokenized on its own without special
-tokens; with the default separator "\\n":
-
-    <bos>Q step 1\\nstep 2\\n
-
-No chat template and nothing between the prompt and the first step, as TRL trains it. TRL
-puts each step's label on the last token of its separator, so the score of step i is
-softmax(score(h))[1] there, with `score.weight` [num_labels=2, hidden] (and `score.bias`
-if the checkpoint has one) from the engine's extra tensors. The separator is TRL's default
-"\\n" unless prm_config.json sets "step_separator" (HuggingFaceH4's PRM-0.2 checkpoints were
-trained with "\\n\\n"). It never runs the base model itself.
-"""
+TRL's format, no chat template: `<bos>Q step 1\\nstep 2\\n`, read at each separator's last token."""
 
 from __future__ import annotations
 

@@ -1,17 +1,5 @@
 """Value-head PRMs (Skywork-o1-Open-PRM style): a scalar head on the hidden state at each step end.
-
-Owns Skywork's input format (`prepare_input` in SkyworkAI/skywork-o1-prm-inference) and its
-head. The input is the BOS token text (when the tokenizer has one), the question and a
-newline, then each step followed by the step token, e.g. with the default step token "\\n":
-
-    <|endoftext|>Q\\nstep 1\\nstep 2\\n
-
-The prompt and each step are tokenized on their own and the step token's last id is
-appended after each step (as Skywork does), so the input for k steps is a token prefix of
-the input for more steps. The score of step i is sigmoid(v_head(h)) at the i-th step
-token, with `v_head.summary.weight` [1, hidden] and `v_head.summary.bias` [1] from the
-engine's extra tensors. It never runs the base model itself.
-"""
+Skywork's `prepare_input`: `<|endoftext|>Q\\nstep 1\\nstep 2\\n`, read at each step token."""
 
 from __future__ import annotations
 
