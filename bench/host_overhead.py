@@ -298,8 +298,8 @@ def child_server(engine_name: str, count: int) -> dict:
     from treeserve.server import wire
 
     overlap = {"async_scheduling": engine_name == "treeserve-overlap"} if engine_name != "treeserve-old" else {}
-    spec = ModelSpec("generator", model_dir(), engine_args={"max_num_seqs": max(256, count)})
-    runtime = Runtime.load([spec], kv_cache_memory=256 << 20, dtype="float32", **overlap)
+    spec = ModelSpec("generator", model_dir(), engine_args={"max_num_seqs": max(256, count), **overlap})
+    runtime = Runtime.load([spec], kv_cache_memory=256 << 20, dtype="float32")
     engine = runtime.engine("generator")
     params = SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True)
     if hasattr(wire, "encode_output"):  # the routes ask the core for deltas (since 2026-11-29)

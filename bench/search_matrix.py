@@ -40,11 +40,12 @@ from treeserve.search.config import SearchConfig
 
 ABLATION = {
     "all optimisations": {},
-    "no prefix cache": {"prefix_cache": False},
+    "no prefix cache": {},  # RUNTIME_ABLATION's
     "no score cache": {"score_cache": False},
     "one problem at a time": {"max_concurrent_problems": 1},
     "+ decode ahead (k=1)": {"decode_ahead": 1},
 }
+RUNTIME_ABLATION = {"no prefix cache": {"prefix_cache": False}}  # the runtime's settings, not the search's
 
 
 def run(name: str, settings: EvalSettings, config: SearchConfig, out: Path) -> list[dict]:
@@ -159,7 +160,8 @@ def main() -> None:
     if not args.skip_ablation:
         beam16 = replace(base, strategy="beam_search", n=16)
         for name, change in ABLATION.items():
-            ablation += run(f"ablation {name}", settings, replace(beam16, **change), args.out)
+            own = replace(settings, runtime=replace(settings.runtime, **RUNTIME_ABLATION.get(name, {})))
+            ablation += run(f"ablation {name}", own, replace(beam16, **change), args.out)
         ablation += run("ablation reference mode", replace(settings, reference=True), beam16, args.out)
     (args.out / "matrix.json").write_text(json.dumps({"rows": rows, "ablation": ablation}, indent=1) + "\n")
     text = f"## Strategies\n\n{table(rows)}\n\n## Ablation (beam search, N=16)\n\n{table(ablation)}\n"

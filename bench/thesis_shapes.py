@@ -321,6 +321,7 @@ def run_treeserve(config: str, setup: dict) -> dict:
     if cpu:
         torch.set_num_threads(setup["threads"])
     args = engine_args(setup["tiny"], config == "eager")
+    args = {name: {**model, "enforce_eager": config == "eager"} for name, model in args.items()}
     start = time.perf_counter()
     runtime = Runtime.for_search(
         setup["generator"],
@@ -330,7 +331,6 @@ def run_treeserve(config: str, setup: dict) -> dict:
         dtype="bfloat16",
         device=device,
         memory_fraction=None if cpu else setup["memory_fraction"],
-        enforce_eager=config == "eager",
         overlap_models=config != "one-stream",
     )
     generator = runtime.engine("generator")

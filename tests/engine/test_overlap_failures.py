@@ -93,7 +93,9 @@ def test_a_stream_closed_while_its_step_is_in_flight(llama_dir):
 
     def load() -> Runtime:
         return Runtime.load(
-            [ModelSpec("g", llama_dir)], kv_cache_memory=8 << 20, dtype="float32", async_scheduling=True
+            [ModelSpec("g", llama_dir, engine_args={"async_scheduling": True})],
+            kv_cache_memory=8 << 20,
+            dtype="float32",
         )
 
     runtime, clean = load(), load()

@@ -149,3 +149,18 @@ def test_an_adaptive_journal_from_before_the_picked_budget_resumes_without_one(t
     off = run_config(settings, SearchConfig(adaptive=True, budget_fraction=None), [PROBLEM])
     Journal.open(path, json.loads(json.dumps(off)), resume=True).close()
     assert upgrade_config(config) == config  # written with it: read as written
+
+
+@pytest.mark.parametrize("reference", [False, True])
+def test_a_journal_with_the_prefix_cache_among_the_search_settings_resumes(tmp_path, reference):
+    """`prefix_cache` was a search setting and is the runtime's now: a journal (or results file)
+    written with `search.prefix_cache` reads with it beside the runtime's settings, and resumes."""
+    settings = EvalSettings(progress=False, reference=reference)
+    config = json.loads(json.dumps(run_config(settings, SearchConfig(), [PROBLEM])))
+    assert "prefix_cache" not in config["search"] and config["prefix_cache"] is not reference
+    before = {k: v for k, v in config.items() if k != "prefix_cache"}
+    before["search"] = {**config["search"], "prefix_cache": not reference}
+    assert upgrade_config(before) == config
+    path = journal_path(tmp_path / "results.json")
+    path.write_text(json.dumps({"journal": 1, "config": before}) + "\n")
+    Journal.open(path, config, resume=True).close()

@@ -13,8 +13,11 @@ from treeserve.runtime.planner import weight_bytes
 from treeserve.runtime.runtime import ModelSpec, Runtime
 
 
-def specs(llama_dir, qwen2_dir, share=None):
-    return [ModelSpec("gen", llama_dir, share, block_size=16), ModelSpec("prm", qwen2_dir, share, block_size=4)]
+def specs(llama_dir, qwen2_dir, share=None, **engine_args):
+    return [
+        ModelSpec("gen", llama_dir, share, block_size=16, engine_args=engine_args),
+        ModelSpec("prm", qwen2_dir, share, block_size=4, engine_args=engine_args),
+    ]
 
 
 def test_shared_plan_one_arena_of_equal_pages(llama_dir, qwen2_dir, tmp_path):
@@ -95,7 +98,7 @@ def test_mixed_split_specs_are_refused(llama_dir, qwen2_dir):
 def test_tight_shared_arena_serves_both_models_and_loses_no_page(llama_dir, qwen2_dir):
     """Far more work than pages: the generator preempts, the PRM waits for pages the generator
     releases, cached pages of one model are evicted for the other, and everything finishes."""
-    rt = Runtime.load(specs(llama_dir, qwen2_dir), 96 * 4 * 512, dtype="float32", max_model_len=128)
+    rt = Runtime.load(specs(llama_dir, qwen2_dir, max_model_len=128), 96 * 4 * 512, dtype="float32")
     gen, prm = rt.engines["gen"], rt.engines["prm"]
     assert rt.memory_plan.num_pages == 96
 
@@ -124,7 +127,7 @@ def test_tight_shared_arena_serves_both_models_and_loses_no_page(llama_dir, qwen
 def test_an_aborted_starving_model_stops_blocking_the_other(llama_dir, qwen2_dir):
     """A model that waits for pages blocks the other's admissions; once its waiting requests are
     aborted, the other model admits again (no stale claim on the pool)."""
-    rt = Runtime.load(specs(llama_dir, qwen2_dir), 96 * 4 * 512, dtype="float32", max_model_len=128)
+    rt = Runtime.load(specs(llama_dir, qwen2_dir, max_model_len=128), 96 * 4 * 512, dtype="float32")
     gen, prm = rt.engines["gen"], rt.engines["prm"]
     pool = gen.blocks.pool
     gen.add_request("g", [1] * 20, SamplingParams(n=3, max_tokens=100, ignore_eos=True, seed=0))
@@ -153,7 +156,7 @@ def test_graphs_are_captured_once_on_the_final_arena(llama_dir, qwen2_dir, monke
 
     monkeypatch.setattr(cuda_graphs, "graphs_apply", lambda device, backend, eager, parallel: not eager)
     monkeypatch.setattr(cuda_graphs, "GRAPH_CLASS", Recorded)
-    rt = Runtime.load(specs(llama_dir, qwen2_dir), memory_budget=600 << 20, dtype="float32", max_num_seqs=4)
+    rt = Runtime.load(specs(llama_dir, qwen2_dir, max_num_seqs=4), memory_budget=600 << 20, dtype="float32")
     gen, prm = rt.engines["gen"], rt.engines["prm"]
     assert len(captured) == len(gen.graph_stats["sizes"]) + len(prm.graph_stats["sizes"])  # not twice
     assert gen.runner.graphs.arena is gen.arena and prm.runner.graphs.arena is prm.arena

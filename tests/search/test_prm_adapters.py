@@ -49,10 +49,9 @@ def arith_dir(tmp_path_factory) -> str:
 def serve(dirs: dict[str, str], body: Callable[[Runtime], Awaitable[object]]) -> object:
     """Run `body` against a fresh runtime hosting `dirs`; afterwards no page may be leaked."""
     runtime = Runtime.load(
-        [ModelSpec(name, path, 1 / len(dirs)) for name, path in dirs.items()],
+        [ModelSpec(name, path, 1 / len(dirs), block_size=4) for name, path in dirs.items()],
         kv_cache_memory=len(dirs) << 23,
         dtype="float32",
-        block_size=4,
     )
 
     async def main() -> object:

@@ -281,8 +281,10 @@ def upgrade_config(config: Mapping[str, Any]) -> dict:
     config = dict(config)
     if isinstance(config.get("search"), Mapping):
         search = dict(config["search"])
-        if "speculative_steps" in search:  # its name before 2026-12-02
+        if "speculative_steps" in search:  # decode_ahead's name before 2026-12-02
             search["decode_ahead"] = search.pop("speculative_steps")
+        if "prefix_cache" in search:  # a search setting before 2026-12-02, the runtime's since
+            config.setdefault("prefix_cache", search.pop("prefix_cache"))
         unbudgeted = search.get("adaptive") and search.get("budget_tokens") is None
         before = {"budget_fraction": None} if unbudgeted and "budget_fraction" not in search else {}
         config["search"] = {**asdict(SearchConfig()), **before, **search}

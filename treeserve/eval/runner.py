@@ -12,7 +12,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -75,11 +75,16 @@ class EvalSettings:
             raise ValueError(f"selection must be one of {', '.join(SELECTIONS)}, got {self.selection!r}")
 
 
+def runtime_settings(settings: EvalSettings) -> RuntimeSettings:
+    """The runtime's settings as the run uses them: the reference path has no prefix cache."""
+    return replace(settings.runtime, prefix_cache=False) if settings.reference else settings.runtime
+
+
 def build_runtime(settings: EvalSettings, config: SearchConfig) -> Runtime:
     prm = settings.prm if config.strategy != "majority" else None
     if config.strategy != "majority" and prm is None:
         raise ValueError(f"strategy {config.strategy!r} needs a PRM")
-    return settings.runtime.load(settings.generator, prm, settings.verifier, enable_prefix_caching=config.prefix_cache)
+    return runtime_settings(settings).load(settings.generator, prm, settings.verifier)
 
 
 def search_context(
@@ -204,7 +209,7 @@ def run_config(settings: EvalSettings, config: SearchConfig, records: list[dict]
     return {
         "search": asdict(config),
         **own,
-        **asdict(settings.runtime),
+        **asdict(runtime_settings(settings)),
         "selection": settings.answer_rule(config.strategy),
         "num_problems": len(records),
         **(extra or {}),

@@ -19,13 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from treeserve.config import EngineConfig
-from treeserve.device import (
-    available_memory,
-    process_memory,
-    release_free_heap,
-    resolve_attention_backend,
-    resolve_device,
-)
+from treeserve.device import available_memory, process_memory, release_free_heap
 from treeserve.engine.guided import grammar_of
 from treeserve.engine.llm_engine import LLMEngine, StepFailed, share_kv  # noqa: F401 - StepFailed: for the server
 from treeserve.models.tokenizer import Tokenizer
@@ -111,42 +105,38 @@ class Runtime:
         memory_budget: int | None = None,
         memory_fraction: float | None = None,
         overlap_models: bool = False,
-        **engine_kwargs: object,
+        device: str | None = None,
+        attention_backend: str | None = None,
     ) -> Runtime:
-        """Load every model, plan memory (see `planner.py`: give one of `kv_cache_memory` bytes
-        of KV, a `memory_budget` in bytes for everything, or a `memory_fraction` of free memory;
-        none: `planner.default_budget`, 0.9 of free memory on CUDA, 1 GiB of KV on a CPU)
-        and give the models KV pages: one shared arena when no spec has a `kv_fraction`, else a
-        static split whose fractions add up to 1. `overlap_models` (CUDA): each model steps on a
-        CUDA stream of its own, the first spec's (the generator's) at the higher priority, so
-        the GPU runs one model's kernels while the other's run; the page pool's fences order
-        a page one model releases before the other writes it (engine/device_queue.py)."""
+        """Load every model, plan memory (`planner.py`: one of `kv_cache_memory` bytes of KV, a
+        `memory_budget` in bytes for everything, or a `memory_fraction` of free memory; none:
+        `planner.default_budget`) and give the models KV pages: one shared arena when no spec has
+        a `kv_fraction`, else a static split whose fractions add up to 1. `overlap_models` (CUDA):
+        each model steps on a CUDA stream of its own, the first spec's at the higher priority; the
+        page pool's fences order a page one model releases before the other writes it."""
         fractions = [s.kv_fraction for s in specs]
         shared = all(f is None for f in fractions)
         if not shared and (None in fractions or abs(sum(fractions) - 1.0) > 1e-6):
             raise ValueError("either no model has a kv_fraction (one shared arena) or all do and they add up to 1")
         if len({s.name for s in specs}) != len(specs):
             raise ValueError("model names must be unique")
-        engine_kwargs["device"] = resolve_device(engine_kwargs.get("device"))  # type: ignore[arg-type]
-        engine_kwargs["attention_backend"] = resolve_attention_backend(
-            engine_kwargs.get("attention_backend"),
-            engine_kwargs["device"],  # type: ignore[arg-type]
-        )  # both checked before any model loads
-        device = torch.device(engine_kwargs["device"])
+        configs = {  # every model's settings checked (and the device resolved) before any model loads
+            s.name: EngineConfig(
+                model=s.path,
+                dtype=dtype,
+                device=device,
+                attention_backend=attention_backend,
+                enable_prefix_caching=enable_prefix_caching,
+                model_id=s.name + ":" + s.path,
+                **{"block_size": s.block_size, **s.engine_args},
+            )
+            for s in specs
+        }
+        device = torch.device(next(iter(configs.values())).device)
         if kv_cache_memory is None and memory_budget is None and memory_fraction is None:
             kv_cache_memory, memory_fraction = planner.default_budget(device)
         planner.check_budget(kv_cache_memory, memory_budget, memory_fraction)
         free_at_start = available_memory(device)
-        configs = {  # every model's settings checked before any model loads
-            s.name: EngineConfig(
-                model=s.path,
-                dtype=dtype,
-                enable_prefix_caching=enable_prefix_caching,
-                model_id=s.name + ":" + s.path,
-                **{"block_size": s.block_size, **engine_kwargs, **s.engine_args},
-            )
-            for s in specs
-        }
         engines: dict[str, LLMEngine] = {}
         loaded: dict[str, int] = {}  # process memory each load added
         for name, config in configs.items():
@@ -191,16 +181,20 @@ class Runtime:
         prm_kv_fraction: float | None = None,
         engine_args: dict[str, dict] | None = None,
         verifier: str | None = None,
-        **load_kwargs: object,
+        dtype: str = "bfloat16",
+        enable_prefix_caching: bool = True,
+        memory_budget: int | None = None,
+        memory_fraction: float | None = None,
+        overlap_models: bool = False,
+        device: str | None = None,
+        attention_backend: str | None = None,
     ) -> Runtime:
-        """A generator (engine "generator") and, when given, a PRM (engine "prm") and a verifier
-        (engine "verifier", an outcome RM; shared arena only) with `kv_cache_memory` bytes of KV:
-        one shared arena, or a static split giving the PRM a `prm_kv_fraction` share.
-        `engine_args` holds per-model settings (from `treeserve tune`). The models that only
-        score prefer 4-token pages: each PRM request recomputes at most 3 cached tokens before
-        its new step (16-token pages measured 2.3x the unique tokens of the search tree, 4-token
-        pages 1.4x). In a shared arena the smaller page wins, so the generator gets 4-token pages
-        too (measured about 2% slower than 16 on beam search)."""
+        """A generator (engine "generator") and, when given, a PRM ("prm") and a verifier
+        ("verifier", an outcome RM; shared arena only) with `kv_cache_memory` bytes of KV: one
+        shared arena, or a static split giving the PRM a `prm_kv_fraction` share. `engine_args`:
+        per-model EngineConfig settings. The models that only score prefer 4-token pages (a PRM
+        request recomputes at most 3 cached tokens before its new step); in a shared arena the
+        smaller page wins, so the generator gets them too."""
         args = engine_args or {}
         if prm and args.get("prm", {}).get("speculative_config") is not None:
             raise ValueError("a PRM only scores (one forward per input): speculative decoding is for the generator")
@@ -212,7 +206,17 @@ class Runtime:
             specs.append(ModelSpec("prm", prm, prm_kv_fraction if split else None, 4, args.get("prm", {})))
         if verifier:
             specs.append(ModelSpec("verifier", verifier, None, 4, args.get("verifier", {})))
-        return cls.load(specs, kv_cache_memory, **load_kwargs)
+        return cls.load(
+            specs,
+            kv_cache_memory,
+            dtype,
+            enable_prefix_caching,
+            memory_budget,
+            memory_fraction,
+            overlap_models,
+            device,
+            attention_backend,
+        )
 
     # ---- the API search programs use -------------------------------------------------
     def tokenizer(self, model: str) -> Tokenizer:

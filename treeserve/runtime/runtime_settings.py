@@ -1,9 +1,8 @@
-"""What every model of a search runtime shares: dtype, device, attention kernels, memory budget.
+"""What every model of a search runtime shares: dtype, device, attention kernels, memory, prefix cache.
 
-Owns `RuntimeSettings` and loading a generator, a PRM and optionally a verifier (an outcome
-reward model; each a `ModelSettings`) with them: `check` refuses bad values for the runtime and
-every model before any weight loads; `load` builds the `Runtime` (`Runtime.for_search`). `EvalSettings` and
-`ServerSettings` hold one beside their models' settings. Per-model settings never live here.
+Owns `RuntimeSettings`: `check` refuses bad values for the runtime and every model (each a
+`ModelSettings`) before any weight loads and resolves the device once; `load` builds the
+`Runtime`. Per-model settings never live here.
 """
 
 from __future__ import annotations
@@ -19,13 +18,13 @@ from treeserve.runtime.runtime import Runtime
 class RuntimeSettings:
     dtype: str = "bfloat16"
     device: str | None = None  # None: cuda when torch sees a GPU, else cpu
-    attention_backend: str | None = None  # None: the device's default (triton on CUDA, cpu on a CPU)
+    attention_backend: str | None = None  # None: triton on CUDA, cpu on a CPU
     kv_cache_memory: int | None = None  # bytes for all models' KV pages (none of the three: planner.default_budget)
-    memory_budget: int | None = None  # bytes for weights + activations + KV (see runtime/planner.py)
+    memory_budget: int | None = None  # bytes for weights + activations + KV (runtime/planner.py)
     memory_fraction: float | None = None  # of the memory free at start, for everything
-    # both models' steps on CUDA streams of their own, the generator's at higher priority, so the
-    # GPU runs them at once (None: on with CUDA; on a CPU accepted, and nothing changes)
+    # each model steps on a CUDA stream of its own (None: on with CUDA; a CPU ignores it)
     overlap_models: bool | None = None
+    prefix_cache: bool = True  # every engine's prefix cache (EngineConfig.enable_prefix_caching)
 
     def check(self, generator: ModelSettings, prm: ModelSettings | None, verifier: ModelSettings | None = None) -> None:
         """Resolve the device and backend (so results record what ran) and check every model on it."""
@@ -51,28 +50,23 @@ class RuntimeSettings:
                 )
 
     def load(
-        self,
-        generator: ModelSettings,
-        prm: ModelSettings | None,
-        verifier: ModelSettings | None = None,
-        **load_kwargs: object,
+        self, generator: ModelSettings, prm: ModelSettings | None, verifier: ModelSettings | None = None
     ) -> Runtime:
-        """The generator (engine "generator") and, when given, the PRM (engine "prm") and the
-        verifier (engine "verifier") in one runtime, one page arena."""
+        """The generator (engine "generator") and, when given, the PRM ("prm") and the verifier
+        ("verifier") in one runtime, one page arena."""
         models = {"generator": generator, "prm": prm, "verifier": verifier}
-        engine_args = {name: m.engine_args() for name, m in models.items() if m is not None}
         return Runtime.for_search(
             str(generator.path),
             str(prm.path) if prm else None,
             self.kv_cache_memory,
             prm.kv_fraction if prm else None,
-            engine_args,
+            {name: m.engine_args() for name, m in models.items() if m is not None},
             str(verifier.path) if verifier else None,
             dtype=self.dtype,
+            enable_prefix_caching=self.prefix_cache,
             memory_budget=self.memory_budget,
             memory_fraction=self.memory_fraction,
+            overlap_models=bool(self.overlap_models),
             device=self.device,
             attention_backend=self.attention_backend,
-            overlap_models=bool(self.overlap_models),
-            **load_kwargs,
         )

@@ -1,9 +1,16 @@
-"""A search's settings (`SearchConfig`): every option a strategy reads, its default and its checks."""
+"""A search's settings (`SearchConfig`): every option a strategy reads, declared once.
+
+Each field's metadata holds its help text, bounds (`ge`, `gt`, `le`), `choices`, a request cap
+(`cap`) and whether it is a flag (`flag`) and a `/v1/search` field (`http`). The eval and solve
+flags (cli.py), `/v1/search`'s request model (server/protocol.py) and the results file's config
+are made from these fields; `__post_init__` checks the bounds and the cross-field rules.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import MISSING, Field, dataclass, field, fields, replace
+from typing import Any
 
 from treeserve.runtime.runtime import check_constraint
 from treeserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -18,91 +25,138 @@ STRATEGIES = (
     "particle_filtering",
     "mcts",
 )
+AGGREGATIONS = ("last", "min", "prod")
 # strategies whose own rule spends the budget: they take no adaptive search and no decode-ahead
 OWN_BUDGET = ("rebase", "particle_filtering", "mcts")
-# the softmax temperature over rewards each strategy that has one uses unless `reward_temperature` is given:
-# REBASE's T_b over step scores (search/rebase.py), particle filtering's over their log-odds (its_hub's 1.0)
+# the softmax temperature over rewards unless `reward_temperature` is given: REBASE's T_b over step
+# scores, particle filtering's over their log-odds
 REWARD_TEMPERATURES = {"rebase": 0.2, "particle_filtering": 1.0}
-# what an unset step_regex / answer_regex allows: any text without a blank line (the separator);
-# a step is not empty (an empty step would end the solution)
+# an unset step_regex / answer_regex: any text without a blank line (the separator); a step is not empty
 ANY_STEP = r"(?:[^\n]|\n[^\n])+"
 ANY_ANSWER = r"(?:[^\n]|\n[^\n])*\n?"
-# adaptive search's self-picked budget, calibrated on 120 level-4/5 arithmetic problems apart from the
-# held-out ones (docs/decisions.md)
-BUDGET_FRACTION = 0.3
+BUDGET_FRACTION = 0.3  # adaptive search's self-picked budget (docs/adaptive.md)
+MAX_N = 256  # the widest search a request may ask for (a server's protection, not a rule of search)
+MAX_ITERATIONS = 200  # likewise for num_iterations and lookahead
+
+
+def setting(default: Any, help: str, *, factory: Any = None, **meta: Any) -> Any:
+    """A SearchConfig field: `help`, and in `meta` its bounds (`ge`, `gt`, `le`), `choices`, `cap`
+    (the most a request may ask), `metavar`, `flag=False` (no CLI flag), `http=False` (no
+    `/v1/search` field)."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help, **meta})
+    return field(default=default, metadata={"help": help, **meta})
+
+
+def default_of(f: Field) -> Any:
+    return f.default_factory() if f.default is MISSING else f.default
 
 
 @dataclass
 class SearchConfig:
-    strategy: str = "beam_search"
-    n: int = 16
-    beam_width: int = 4
-    num_iterations: int = 40
-    temperature: float = 0.8
-    top_p: float = 1.0
-    max_tokens: int = 256  # per step for step-wise search; per completion for best-of-N
-    agg: str = "last"  # step-score aggregation: last | min | prod
-    filter_duplicates: bool = False
-    final_to_eos: bool = False  # search-and-learn: sample the last iteration to EOS
-    # beam search, DVTS: rank a new step by the PRM's score at the end of a greedy rollout of this
-    # many more steps (Snell et al. 2024's lookahead search; the rollout's text is discarded)
-    lookahead: int = 0
-    # benchmarks on random weights: every step is max_tokens tokens (no stop string, EOS ignored)
-    # and only the last iteration ends a beam
-    fixed_steps: bool = False
-    system_prompt: str | None = None
-    # the generator's prompt as plain text, "{question}" replaced by the question, instead of its chat
-    # template: for a base model (few-shot examples, say), which has no chat template
-    prompt_format: str | None = None
-    # more stop strings; one ends the solution where it appears (a base model writing on past its answer)
-    stop: list[str] = field(default_factory=list)
-    seed: int = 0
-    # optimisations (all on by default; `reference()` turns them off)
-    prefix_cache: bool = True
-    score_cache: bool = True
-    max_concurrent_problems: int = 64
-    decode_ahead: int = 0  # beam search: decode this many steps past the boundary while the PRM scores
-    # constrained steps (llguidance regexes, matched against the whole step, separator removed):
-    # a step that the separator ends matches step_regex, the final step (then EOS) answer_regex
-    step_regex: str | None = None
-    answer_regex: str | None = None
-    trace: bool = False  # record every candidate step, its scores and its fate (search/trace.py); outputs only
-    # adaptive search (search/certainty.py): a problem starts at `first_width` beams or samples,
-    # grows toward n while its certainty stays below `certainty`, and stops once it reaches it
-    adaptive: bool = False
-    certainty: float = 0.9
-    first_width: int = 4
-    # adaptive: the tokens the whole run may sample and feed the PRM, an equal share a problem:
-    # problems grow within their share (the less settled first) and narrow past it; sampling
-    # rounds and DVTS waves that may not grow stop (docs/adaptive.md)
-    budget_tokens: int | None = None
-    # adaptive without budget_tokens, over a run's problems: the run picks its budget itself, for a mean
-    # width of first_width + budget_fraction * (n - first_width) at the tokens a beam's search costs in the
-    # problems ended so far (`SearchContext.budget`); None: no budget
-    budget_fraction: float | None = BUDGET_FRACTION
-    # a reasoning generator (<think>...</think>): the PRM reads the steps with the think tags
-    # removed, a step that is only a tag not at all (search/reasoning.py); answers come from the text
-    # after </think>
-    reasoning: bool = False
-    # REBASE, particle filtering: the softmax temperature over rewards (None: REWARD_TEMPERATURES'); particle
-    # filtering resamples when the weights' effective sample size is at most this fraction of n (1: every step)
-    reward_temperature: float | None = None
-    resample_threshold: float = 1.0
-    exploration: float = 1.0  # MCTS: UCT's exploration constant c (search/mcts.py)
+    strategy: str = setting("beam_search", f"one of {', '.join(STRATEGIES)}", choices=STRATEGIES)
+    n: int = setting(16, "beams or samples a problem gets (generate: completions a prompt gets)", ge=1, cap=MAX_N)
+    beam_width: int = setting(4, "beams kept per selection (beam search, DVTS)", ge=1, cap=MAX_N)
+    num_iterations: int = setting(40, "the most steps a solution takes", ge=1, cap=MAX_ITERATIONS)
+    temperature: float = setting(0.8, "the generator's sampling temperature", ge=0.0, cap=100.0)
+    top_p: float = setting(1.0, "the generator's nucleus sampling mass", gt=0.0, le=1.0)
+    max_tokens: int = setting(256, "per step (beam/DVTS) or per completion", ge=1)
+    agg: str = setting("last", "step-score aggregation", choices=AGGREGATIONS)
+    filter_duplicates: bool = setting(False, "drop beams whose text repeats another's")
+    final_to_eos: bool = setting(False, "search-and-learn: sample the last iteration to EOS")
+    lookahead: int = setting(
+        0,
+        "beam search, DVTS, MCTS: score each new step after K more greedy steps (their text discarded)",
+        ge=0,
+        cap=MAX_ITERATIONS,
+        metavar="K",
+    )
+    fixed_steps: bool = setting(
+        False,
+        "benchmarks on random weights: every step is max_tokens tokens (no stop string, EOS ignored)",
+        flag=False,
+        http=False,
+    )
+    system_prompt: str | None = setting(None, "a system message before the question", flag=False, http=False)
+    prompt_format: str | None = setting(
+        None,
+        "the generator's prompt as plain text with {question} in it, instead of its chat template "
+        "(a base model: few-shot examples)",
+        metavar="TEXT",
+    )
+    stop: list[str] = setting(
+        None,
+        "a stop string that ends a solution (repeatable), e.g. a base model's next 'Question:'",
+        factory=list,
+        metavar="STR",
+    )
+    seed: int = setting(0, "the search's seed (each beam's draws follow from it and its path)")
+    score_cache: bool = setting(True, "reuse PRM scores of steps scored before", http=False)
+    max_concurrent_problems: int = setting(64, "problems searched at once", ge=1, http=False)
+    decode_ahead: int = setting(
+        0, "beam search: decode K steps past each boundary while the PRM scores", ge=0, http=False
+    )
+    step_regex: str | None = setting(
+        None, "every step the separator ends must match this (llguidance regex, whole step)", metavar="REGEX"
+    )
+    answer_regex: str | None = setting(
+        None, r"the final step must match this, e.g. '.*\\boxed\{[^{}]+\}.*'", metavar="REGEX"
+    )
+    trace: bool = setting(
+        False,
+        "record every candidate step, its PRM scores and its fate in the results "
+        "(see them with treeserve view); changes no answer",
+    )
+    adaptive: bool = setting(
+        False, "stop a problem once its answer is settled, starting narrow (docs: adaptive search)"
+    )
+    certainty: float = setting(
+        0.9, "with --adaptive: the certainty in (0, 1] at which a problem stops (default 0.9)", gt=0.0, le=1.0
+    )
+    first_width: int = setting(
+        4, "with --adaptive: beams or samples to start with, doubled up to --n (default 4)", ge=1
+    )
+    budget_tokens: int | None = setting(
+        None,
+        "with --adaptive: tokens the run may sample and feed the PRM, an equal share a problem; "
+        "problems grow within their share and narrow past it, the least settled first (docs/adaptive.md)",
+        ge=1,
+    )
+    budget_fraction: float | None = setting(
+        BUDGET_FRACTION,
+        "with --adaptive and no --budget-tokens: the run picks its budget, for a mean width this far from "
+        f"--first-width to --n (default {BUDGET_FRACTION}; off: no budget; docs/adaptive.md)",
+        ge=0.0,
+        le=1.0,
+        http=False,
+    )
+    reasoning: bool = setting(
+        False,
+        "a reasoning generator (<think>...</think>): steps split on blank lines inside the think "
+        "block too, the PRM reads them without the think tags, answers are read after </think>",
+    )
+    reward_temperature: float | None = setting(
+        None,
+        "rebase, particle_filtering: the softmax temperature over rewards (default 0.2 for rebase, "
+        "1.0 for particle_filtering; lower is greedier)",
+        gt=0.0,
+    )
+    resample_threshold: float = setting(
+        1.0,
+        "particle_filtering: resample when the weights' effective sample size is at most this "
+        "fraction of --n (default 1: every step)",
+        gt=0.0,
+        le=1.0,
+    )
+    exploration: float = setting(1.0, "mcts: UCT's exploration constant (default 1; 0: greedy by value)", ge=0.0)
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
-        if self.n < 1 or self.beam_width < 1 or self.num_iterations < 1:
-            raise ValueError("n, beam_width and num_iterations must be >= 1")
+        if self.stop is None:  # a request's "stop": null
+            self.stop = []
+        for f in fields(self):
+            check_bounds(f, getattr(self, f.name))
         if self.strategy in ("beam_search", "dvts") and self.n % self.beam_width:
             raise ValueError(f"n={self.n} must be divisible by beam_width={self.beam_width} for {self.strategy}")
-        if self.agg not in ("last", "min", "prod"):
-            raise ValueError(f"agg must be last, min or prod, got {self.agg!r}")
-        if self.max_concurrent_problems < 1 or self.decode_ahead < 0:
-            raise ValueError("max_concurrent_problems must be >= 1 and decode_ahead >= 0")
-        if self.lookahead < 0:
-            raise ValueError(f"lookahead must be >= 0, got {self.lookahead}")
         if self.lookahead and self.strategy not in ("beam_search", "dvts", "mcts"):
             raise ValueError(
                 f"lookahead={self.lookahead} rolls out further steps, but {self.strategy!r} does not: "
@@ -110,8 +164,6 @@ class SearchConfig:
             )
         if self.fixed_steps and self.decode_ahead:
             raise ValueError("fixed_steps has no step boundaries to decode past: use decode_ahead=0")
-        if not isinstance(self.reasoning, bool):
-            raise ValueError(f"reasoning must be True or False, got {self.reasoning!r}")
         SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens)  # validates
         self._check_adaptive()
         self._check_rewards()
@@ -119,15 +171,6 @@ class SearchConfig:
         self._check_prompt()
 
     def _check_adaptive(self) -> None:
-        if not isinstance(self.certainty, int | float) or not 0.0 < self.certainty <= 1.0:
-            raise ValueError(f"certainty must be in (0, 1] (1: never settled early), got {self.certainty!r}")
-        if not isinstance(self.first_width, int) or self.first_width < 1:
-            raise ValueError(f"first_width must be an integer >= 1, got {self.first_width!r}")
-        if self.budget_tokens is not None and (not isinstance(self.budget_tokens, int) or self.budget_tokens < 1):
-            raise ValueError(f"budget_tokens must be a positive number of tokens, got {self.budget_tokens!r}")
-        f = self.budget_fraction
-        if f is not None and (not isinstance(f, int | float) or not 0.0 <= f <= 1.0):
-            raise ValueError(f"budget_fraction must be in [0, 1] (0: the first width, 1: n) or None, got {f!r}")
         if self.budget_tokens is not None and not self.adaptive:
             raise ValueError("budget_tokens moves compute between problems: it needs adaptive=True (--adaptive)")
         if self.adaptive and self.strategy in ("beam_search", "dvts") and self.first_width % self.beam_width:
@@ -137,23 +180,14 @@ class SearchConfig:
             )
 
     def _check_rewards(self) -> None:
-        t = self.reward_temperature
-        if t is not None and (not isinstance(t, int | float) or not math.isfinite(t) or t <= 0):
-            raise ValueError(f"reward_temperature must be a number > 0, got {t!r}")
-        if t is not None and self.strategy not in REWARD_TEMPERATURES:
+        if self.reward_temperature is not None and self.strategy not in REWARD_TEMPERATURES:
             raise ValueError(
                 f"reward_temperature weighs rewards for {' and '.join(REWARD_TEMPERATURES)}, not "
                 f"{self.strategy!r}: leave it unset"
             )
-        r = self.resample_threshold
-        if not isinstance(r, int | float) or not 0.0 < r <= 1.0:
-            raise ValueError(f"resample_threshold must be in (0, 1] (1: resample every step), got {r!r}")
-        if r != 1.0 and self.strategy != "particle_filtering":
+        if self.resample_threshold != 1.0 and self.strategy != "particle_filtering":
             raise ValueError(f"resample_threshold is particle filtering's, not {self.strategy!r}: leave it at 1")
-        x = self.exploration
-        if not isinstance(x, int | float) or not math.isfinite(x) or x < 0:
-            raise ValueError(f"exploration must be a number >= 0, got {x!r}")
-        if x != 1.0 and self.strategy != "mcts":
+        if self.exploration != 1.0 and self.strategy != "mcts":
             raise ValueError(f"exploration is MCTS's, not {self.strategy!r}: leave it at 1")
         if self.strategy in OWN_BUDGET:
             if self.adaptive:
@@ -232,5 +266,34 @@ class SearchConfig:
         return StructuredOutputsParams(regex=f"(?:{step})*{answer}" if whole else f"{step}|{answer}")
 
     def reference(self) -> SearchConfig:
-        """The plain path: no prefix cache, no score cache, one problem at a time."""
-        return replace(self, prefix_cache=False, score_cache=False, max_concurrent_problems=1, decode_ahead=0)
+        """The plain path: no score cache, one problem at a time (the runtime turns the prefix cache off)."""
+        return replace(self, score_cache=False, max_concurrent_problems=1, decode_ahead=0)
+
+
+def check_bounds(f: Field, value: Any) -> None:
+    """`value` against field `f`'s type (its annotation's text), `choices` and bounds."""
+    meta, name, optional = f.metadata, f.name, "None" in f.type
+    if value is None and optional:
+        return
+    if "choices" in meta:
+        if value not in meta["choices"]:
+            raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(meta['choices'])}")
+        return
+    kind = f.type.split(" |")[0]
+    if kind == "bool" and not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    if kind not in ("int", "float"):
+        return
+    lo, hi, closed = meta.get("ge", meta.get("gt")), meta.get("le"), "ge" in meta
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (kind == "float" or isinstance(value, int))
+    ok = ok and (lo is None or value > lo or (closed and value == lo)) and (hi is None or value <= hi)
+    if ok:
+        return
+    if lo is not None and hi is not None:
+        what = f"in {'[' if closed else '('}{lo:g}, {hi:g}]"
+    elif kind == "int":
+        what = "a positive integer" if lo == 1 else f">= {lo} (an integer)"
+    else:
+        what = f"a number {'>=' if closed else '>'} {lo:g}"
+    raise ValueError(f"{name} must be {what}{' or None' if optional else ''}, got {value!r}")

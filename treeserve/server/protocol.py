@@ -5,15 +5,15 @@ structured-output fields) plus `/v1/search` and `/v1/prm/score`. Bounds that pro
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, create_model
 
-from treeserve.search.config import SearchConfig
+from treeserve.search.config import MAX_N, SearchConfig, default_of
 
-MAX_N = 256  # the largest beam-search N users run
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_STOP = 16
 MAX_LOGIT_BIAS = 1024  # entries in one request's logit_bias (OpenAI allows 300)
@@ -144,51 +144,44 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
 
 
-_SEARCH = SearchConfig()  # every search setting's default
+def _search_field(f: dataclasses.Field) -> tuple[Any, Any]:
+    """A `/v1/search` field from SearchConfig field `f`: its type, bounds (a `cap` lowers `le`)
+    and choices from the metadata; `stop` also takes one string, or null for none."""
+    meta, kind = f.metadata, f.type.split(" |")[0]
+    if "choices" in meta:
+        annotation: Any = Literal[meta["choices"]]
+    elif kind == "list[str]":
+        annotation = str | list[str]
+    else:
+        caps = [v for v in (meta.get("le"), meta.get("cap")) if v is not None]
+        bounds = {"ge": meta.get("ge"), "gt": meta.get("gt"), "le": min(caps) if caps else None}
+        annotation = Annotated[{"int": int, "float": float, "bool": bool, "str": str}[kind], Field(**bounds)]
+    default = default_of(f)
+    if "None" in f.type or kind == "list[str]":
+        annotation = annotation | None
+        default = None if kind == "list[str]" else default
+    return annotation, Field(default=default, description=meta["help"])
 
 
-class SearchRequest(BaseModel):
-    """`POST /v1/search`: one problem, one strategy; the fields are `treeserve eval`'s flags."""
+SEARCH_FIELDS = tuple(f.name for f in dataclasses.fields(SearchConfig) if f.metadata.get("http", True))
+SearchRequest = create_model(
+    "SearchRequest",
+    __config__=ConfigDict(extra="forbid"),
+    __doc__="`POST /v1/search`: one problem, one strategy; SearchConfig's fields plus the request's own.",
+    model=(str | None, None),
+    problem=(str | None, None),
+    messages=(Annotated[list[ChatMessage], Field(min_length=1)] | None, None),
+    stream=(bool, False),
+    deadline_s=(float | None, None),  # answer with what the search holds after this many seconds
+    verify=(bool | None, None),  # verify with `serve --verifier` (None: when it has one)
+    selection=(Literal["naive", "weighted", "majority"] | None, None),
+    **{f.name: _search_field(f) for f in dataclasses.fields(SearchConfig) if f.name in SEARCH_FIELDS},
+)
 
-    model_config = ConfigDict(extra="forbid")
 
-    model: str | None = None
-    problem: str | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
-    strategy: str = _SEARCH.strategy
-    n: Count = _SEARCH.n
-    beam_width: Annotated[int, Field(ge=1, le=MAX_N)] = _SEARCH.beam_width
-    num_iterations: Annotated[int, Field(ge=1, le=200)] = _SEARCH.num_iterations
-    temperature: Temperature = _SEARCH.temperature
-    top_p: TopP = _SEARCH.top_p
-    max_tokens: MaxTokens = _SEARCH.max_tokens
-    agg: Literal["last", "min", "prod"] = _SEARCH.agg
-    selection: Literal["naive", "weighted", "majority"] | None = None
-    filter_duplicates: bool = False
-    final_to_eos: bool = False
-    lookahead: Annotated[int, Field(ge=0, le=200)] = _SEARCH.lookahead
-    step_regex: str | None = None  # every step matches it (llguidance regex)
-    answer_regex: str | None = None
-    seed: int = _SEARCH.seed
-    # a base generator (docs/search.md): prompt with {question}, stop strings; SearchConfig checks them
-    prompt_format: str | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    trace: bool = False  # kept for GET /ui
-    # adaptive search (docs/adaptive.md); SearchConfig checks the values
-    adaptive: bool = False
-    certainty: float = _SEARCH.certainty
-    first_width: int = _SEARCH.first_width
-    # a pace, not a cap (docs/adaptive.md); needs adaptive
-    budget_tokens: int | None = None
-    deadline_s: float | None = None  # answer with what the search holds after this many seconds
-    # verify with `serve --verifier` (None: when it has one)
-    verify: bool | None = None
-    reasoning: bool = False
-    # rebase, particle_filtering: reward temperature (None: the strategy's) and ESS threshold
-    reward_temperature: float | None = None
-    resample_threshold: float = _SEARCH.resample_threshold
-    exploration: float = _SEARCH.exploration  # mcts: UCT's exploration constant
+def search_config(request: BaseModel) -> SearchConfig:
+    """The request's SearchConfig (its cross-field checks raise ValueError: a 400)."""
+    return SearchConfig(**{name: getattr(request, name) for name in SEARCH_FIELDS})
 
 
 class Usage(BaseModel):

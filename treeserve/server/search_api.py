@@ -24,7 +24,7 @@ from treeserve.search.context import SearchContext
 from treeserve.search.run import STRATEGY_FUNCTIONS
 from treeserve.search.types import Beam, Problem, aggregate
 from treeserve.server.completions import Served
-from treeserve.server.protocol import SearchRequest, error_body, new_id, now
+from treeserve.server.protocol import SearchRequest, error_body, new_id, now, search_config
 
 clock = time.monotonic  # tests swap it
 
@@ -53,33 +53,7 @@ def search_context(served: Served, req: SearchRequest) -> tuple[SearchContext, P
     served.check_model(req.model)
     if (req.problem is None) == (req.messages is None):
         raise ValueError("give exactly one of 'problem' or 'messages'")
-    config = SearchConfig(
-        strategy=req.strategy,
-        n=req.n,
-        beam_width=req.beam_width,
-        num_iterations=req.num_iterations,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        max_tokens=req.max_tokens,
-        agg=req.agg,
-        filter_duplicates=req.filter_duplicates,
-        final_to_eos=req.final_to_eos,
-        lookahead=req.lookahead,
-        seed=req.seed,
-        step_regex=req.step_regex,
-        answer_regex=req.answer_regex,
-        trace=req.trace,
-        adaptive=req.adaptive,
-        certainty=req.certainty,
-        first_width=req.first_width,
-        budget_tokens=req.budget_tokens,
-        prompt_format=req.prompt_format,
-        stop=req.stop or [],
-        reasoning=req.reasoning,
-        reward_temperature=req.reward_temperature,
-        resample_threshold=req.resample_threshold,
-        exploration=req.exploration,
-    )
+    config = search_config(req)
     if req.deadline_s is not None and not (math.isfinite(req.deadline_s) and req.deadline_s > 0):
         raise ValueError(f"deadline_s must be a finite number of seconds > 0, got {req.deadline_s!r}")
     prm = None
