@@ -1,22 +1,9 @@
-"""Incremental detokenisation and the stop rules of one sequence.
+"""Incremental detokenisation and the stop rules of one sequence (`StopChecker`).
 
-Text is produced token by token in the chunks `tokenizers`' streaming decoder (`DecodeStream`, which
-buffers partial UTF-8 sequences) gives, by `text_stream.py` (from a table of each token's text where
-the decoder allows). After each token the checker applies, in vLLM's order: EOS (unless
-`ignore_eos`), `stop_token_ids`, stop strings (which may span several tokens; with
-`n_stop_occurrences=k` only the k-th occurrence stops; none before `min_tokens` tokens), then
-`max_tokens`. (The sampler blocks EOS and stop token ids before `min_tokens`.)
-
-Without stop strings no rule reads the text, so it is made when it is read (`text`): a step
-only counts the token (the sequence's own list holds it), and the stream runs over the tokens
-appended since the last read. The text is
-the same read after every token or once at the end; a step no longer pays for it while nobody
-looks. A request that streams reads it every step, so its text is made as tokens come.
-
-Such a lazy checker need not even be told of most tokens: it counts the tokens in the list it
-reads, so a token that is not an ending id and leaves the sequence short of its length limit
-(`quiet_stops`) can go into the list without a call, the step's usual case on its short path
-(`postprocess.py`).
+After each token, in vLLM's order: EOS (unless `ignore_eos`), `stop_token_ids`, stop strings (may
+span tokens; with `n_stop_occurrences=k` the k-th stops; none before `min_tokens`), `max_tokens`.
+Text comes from `text_stream.py`. Without stop strings no rule reads the text, so it is made when
+read (`lazy`), and a token that cannot end the sequence (`quiet_stops`) needs no call at all.
 """
 
 from __future__ import annotations
@@ -33,8 +20,7 @@ _CONTEXT_TOKENS = 6  # prompt tokens given to the stream so the first output tok
 
 @functools.lru_cache(maxsize=64)
 def _shared(ids: frozenset[int]) -> frozenset[int]:
-    """One object for equal sets of ending ids: every sequence's checker reads the same set, which
-    a step's pass over the sequences then finds in the caches."""
+    """One object for equal sets of ending ids (a step's pass over the sequences finds it cached)."""
     return ids
 
 
@@ -81,11 +67,8 @@ class StopChecker:
         stream = text_stream(tokenizer, self.prompt_context, params.skip_special_tokens)
         self.step_text, self.extend_text = stream.step, stream.extend
         self._text = ""
-        # the text is made when read, from the tokens not yet in it (stop strings, or `lazy` False
-        # for a stream read every step anyway: made as tokens come)
-        self.lazy = lazy and not params.stop
-        # the tokens appended: the sequence's own list, from its length now on (its owner appends
-        # each token before telling `append`), or a list of the checker's own (`tokens` None)
+        self.lazy = lazy and not params.stop  # the text is made when read
+        # the sequence's own list, which its owner appends to before `append`; or the checker's own
         self.owns_tokens = tokens is None
         self.tokens = [] if tokens is None else tokens
         self.first = len(self.tokens)  # tokens[first:] are the ones appended
@@ -93,18 +76,15 @@ class StopChecker:
         self.text_end: int | None = None  # the text ends before an ending token it leaves out
         self.max_tokens = params.max_tokens
         self.stops_found = 0
-        # (output tokens, text end) at each stop-string occurrence; speculative search splits steps here
+        # (output tokens, text end) at each stop-string occurrence (where search splits steps)
         self.stop_offsets: list[tuple[int, int]] = []
         self.search_from = 0
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
-        # the last characters of the text a stop string may still cut (a stream of DELTA outputs
-        # holds them back): those of its longest stop string but one, when the cut leaves it out
+        # the last characters a stop string may still cut (DELTA outputs hold them back)
         self.hold = 0 if params.include_stop_str_in_output else max(self.max_stop_len - 1, 0)
 
     def clone(self, output_ids: list[int], tokens: list[int] | None = None) -> StopChecker:
-        """A checker at this one's state, which `output_ids` (the tokens appended so far) reached;
-        `tokens`: the new sequence's own list, which ends with `output_ids` already. The twin
-        replays them on a list of its own, then reads `tokens` from where they start."""
+        """A checker at this one's state after `output_ids`, reading the new sequence's list `tokens`."""
         twin = StopChecker(self.tokenizer, self.prompt_context, self.params, [], lazy=self.lazy)
         twin.eos_ids, twin.ending_ids, twin.max_tokens = self.eos_ids, self.ending_ids, None
         for token in output_ids:
@@ -119,14 +99,10 @@ class StopChecker:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens appended so far."""
         return len(self.tokens) - self.first
 
     def quiet_stops(self, max_len: int) -> tuple[frozenset[int], int]:
-        """(ending ids, length): a token of the sequence whose list this checker reads needs no
-        `append` if it is not among the ids and the list stays shorter than the length (its
-        max_tokens, or `max_len`, the context). A checker that makes its text token by token (a
-        stream, stop strings) is told of every token: length 0."""
+        """(ending ids, length): a token not among the ids keeping the list shorter needs no `append`."""
         if not self.lazy or self.owns_tokens:
             return self.ending_ids, 0
         if self.max_tokens is None:
@@ -135,8 +111,7 @@ class StopChecker:
 
     @property
     def text(self) -> str:
-        """The text of the tokens appended so far (an ending token's only with
-        `include_stop_str_in_output`)."""
+        """The text so far (an ending token's only with `include_stop_str_in_output`)."""
         if self.lazy:
             end = len(self.tokens) if self.text_end is None else self.text_end
             if self.text_from < end:
@@ -145,14 +120,13 @@ class StopChecker:
         return self._text
 
     def append(self, token: int) -> tuple[str, str | int | None] | None:
-        """Add one generated token; returns (finish_reason, stop_reason) when the sequence ends.
-        (The sequence's own list holds it already, unless the checker owns its list.)"""
+        """Add one generated token; (finish_reason, stop_reason) when the sequence ends."""
         if self.owns_tokens:
             self.tokens.append(token)
         ending = token in self.ending_ids
-        if self.lazy and not ending:  # the usual token: in the list for the text, maybe the last
+        if self.lazy and not ending:
             return ("length", None) if self.max_tokens is not None and self.num_tokens >= self.max_tokens else None
-        if self.lazy:  # an ending token, without stop strings: its text only if asked for
+        if self.lazy:
             chunk = None
             if not self.params.include_stop_str_in_output:
                 self.text_end = len(self.tokens) - 1
@@ -165,7 +139,7 @@ class StopChecker:
         if chunk:
             previous = len(self._text)
             self._text += chunk
-            if self.max_stop_len and self.num_tokens > self.params.min_tokens:  # vLLM's rule
+            if self.max_stop_len and self.num_tokens > self.params.min_tokens:
                 stop = self._find_stop(previous)
                 if stop is not None:
                     return "stop", stop
@@ -178,7 +152,7 @@ class StopChecker:
         start = max(self.search_from, previous - self.max_stop_len + 1, 0)
         stops, text = self.params.stop, self._text
         while True:
-            index, stop = -1, None  # the earliest occurrence (ties: the least string), with no list per token
+            index, stop = -1, None
             for s in stops:
                 i = text.find(s, start)
                 if i >= 0 and (stop is None or (i, s) < (index, stop)):

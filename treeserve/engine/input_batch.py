@@ -1,16 +1,8 @@
 """The host side of a step: per-sequence state in preallocated arrays, and the step's plan.
 
-vLLM V1's persistent batch, at treeserve's scale: every running sequence owns a row of arrays
-(its block table, its sampling parameters and seed) from the step it first runs until it
-finishes or is preempted. A step writes only what changed into them (a new sequence's row; the
-pages a sequence gained or copied since it last ran) and reads the batch's rows with numpy,
-instead of rebuilding per-sequence lists. `prepare` turns the scheduler's batch into the
-`StepPlan` the device runs, with what each of its sampled and read rows means to the host
-(`PreparedStep`), which the engine reads back when the step's results arrive.
-
-A token the previous step sampled but has not yet reported (overlapped steps: `seq.num_pending`)
-is an input here all the same: its flat row is named in `pending_at`, and the device fills it
-from that step's samples.
+vLLM V1's persistent batch: a running sequence owns a row of arrays until it stops; a step writes
+only what changed. `prepare` turns the scheduler's batch into the `StepPlan` the device runs and
+the host's key to its results (`PreparedStep`); a token in flight is filled in on the device.
 """
 
 from __future__ import annotations
@@ -58,28 +50,24 @@ class InputBatch:
         self.block_size = block_size
         self.eos_ids = list(eos_ids)
         self.constraints = constraints
-        self.think = think  # the tokenizer's think tokens (requests with a thinking budget need them)
+        self.think = think
         self.tables = np.zeros((capacity, max_pages), dtype=np.int64)
         self.temperature = np.zeros(capacity, dtype=np.float64)
         self.top_p = np.ones(capacity, dtype=np.float64)
         self.top_k = np.zeros(capacity, dtype=np.int64)
         self.min_p = np.zeros(capacity, dtype=np.float64)
-        self.stream_key = np.zeros(capacity, dtype=np.uint64)  # `sampler.stream_key` of its seed and index
+        self.stream_key = np.zeros(capacity, dtype=np.uint64)
         self.free_rows = list(range(capacity - 1, -1, -1))
-        # running sequences per `Request.prompt_key`: a sequence alone with its key, while no
-        # sequence with a short prompt (None) runs, has no twin, and its decodes skip the history
-        # hash that finds twins
+        # running sequences per `Request.prompt_key`: one alone with its key, while no short prompt
+        # (None) runs, has no twin, and its decodes skip the history hash
         self.prompt_users: Counter[int | None] = Counter()
         self.shared_keys = 0  # keys with more than one running sequence (none: no decode looks its key up)
-        # per row, the table length and last page written into `tables` (a decode that stays in its
-        # page changes neither, and writes nothing)
+        # per row, the table length and last page written into `tables` (unchanged: nothing to write)
         self.synced_len = [0] * capacity
         self.synced_last = [-1] * capacity
-        self.drawing_rows = 0  # rows in use whose sequence draws (temperature > 0); none: steps are greedy
+        self.drawing_rows = 0  # rows in use with temperature > 0 (none: steps are greedy)
 
-    # ---- rows ------------------------------------------------------------------------
     def add(self, seq: Sequence) -> int:
-        """Give `seq` a row and write its sampling parameters there."""
         if not self.free_rows:
             self._grow()
         row = seq.row = self.free_rows.pop()
@@ -100,7 +88,6 @@ class InputBatch:
         return row
 
     def release(self, seq: Sequence) -> None:
-        """`seq` left the running set (finished or preempted): its row is free again."""
         if seq.row >= 0:
             self.free_rows.append(seq.row)
             p = seq.request.params
@@ -123,7 +110,6 @@ class InputBatch:
         self.synced_len += [0] * capacity
         self.synced_last += [-1] * capacity
 
-    # ---- one step --------------------------------------------------------------------
     def prepare(self, batch: list[ScheduledSeq], copies: list[tuple[int, int]]) -> PreparedStep:
         bs = self.block_size
         step = PreparedStep(batch)
@@ -138,13 +124,13 @@ class InputBatch:
         sync_pages: list[int] = []
         synced_len, synced_last = self.synced_len, self.synced_last
         groups = [-1] * len(batch)  # twin candidates: per decode item, the first item with its history (dedup.py)
-        first_with: dict[tuple, int] = {}  # (history key, draft) -> the first decode item with them
-        twinned = False  # some item has a twin candidate
+        first_with: dict[tuple, int] = {}
+        twinned = False
         prompt_users = self.prompt_users
         short_prompts = None in prompt_users  # a sequence with a short prompt runs (sequences added here aside)
-        sample_at: list[int] = []  # each sampled row's flat row (its item and position follow from it)
+        sample_at: list[int] = []
         fork_keys: dict[int, int] = {}  # a fork's first sample row -> its stream key (not its parent's)
-        special: list[int] = []  # sample rows with logprobs, a constraint or logit edits
+        special: list[int] = []
         score_rows: list[int] = []
         score_ids: list[list[int]] = []
         want_states = False
@@ -154,8 +140,8 @@ class InputBatch:
             if row < 0:
                 row = self.add(seq)
             table = seq.block_table
-            if len(table) != synced_len[row] or table[-1] is not synced_last[row]:  # (an equal page: written again)
-                first = start // bs if synced_len[row] else 0  # (a new row: its whole table)
+            if len(table) != synced_len[row] or table[-1] is not synced_last[row]:
+                first = start // bs if synced_len[row] else 0
                 sync_rows += [row] * (len(table) - first)
                 sync_cols += range(first, len(table))
                 sync_pages += table[first:]
@@ -170,7 +156,7 @@ class InputBatch:
             at = len(tokens)
             plain = n == 1 and (seq.quiet or request.plain)  # (quiet: nothing of its request is read)
             if plain and not seq.pending_forks and start + 1 == len(ids) + seq.num_pending:
-                # a plain decode (most rows of a step): one input token, the next one sampled
+                # a plain decode (most rows): one input token, the next one sampled
                 if not (start + 1) % bs:
                     step.crossing.append(item)
                 if start < len(ids):
@@ -179,7 +165,7 @@ class InputBatch:
                     pending_at.append(at)
                     pending_from.append(seq.pending_row)
                     tokens.append(0)
-                if short_prompts or (self.shared_keys and prompt_users[request.prompt_key] > 1):  # it may have a twin
+                if short_prompts or (self.shared_keys and prompt_users[request.prompt_key] > 1):
                     if seq.hashed == start - 1 and start % HISTORY_ANCHOR and seq.history_hash is not None:
                         # Sequence.history_key(start), one token on, inlined
                         seq.history_hash, seq.hashed = hash((seq.history_hash, ids[start - 1])), start
@@ -208,7 +194,7 @@ class InputBatch:
             if draft:
                 tokens += draft
                 drafted.append(i)
-            if request.params is not None and n == 1 + len(draft):  # a decode: twins?
+            if request.params is not None and n == 1 + len(draft):
                 groups[i] = _first_twin(first_with, (seq.history_key(start), tuple(draft)), i, batch, start)
                 twinned |= groups[i] != i
             if request.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
@@ -223,7 +209,7 @@ class InputBatch:
                     want_states |= request.score.return_hidden_states
             elif own_end == len(ids) + seq.num_pending:  # its last token is computed: sample the next
                 last = at + own_end - start - 1
-                forks = seq.pending_forks  # forked when the token arrives
+                forks = seq.pending_forks
                 if not request.plain:
                     special.append(len(samples))
                 samples.append(SampleRow(seq, forks=forks))
@@ -240,7 +226,6 @@ class InputBatch:
                         special += range(len(samples), len(samples) + len(draft))
                     samples += [SampleRow(seq, draft_position=j) for j in range(1, len(draft) + 1)]
                     sample_at += range(last + 1, last + 1 + len(draft))
-        # (few numpy calls: after a forward each one runs from cold caches, ~10 us a call)
         if sync_rows:
             self.tables[sync_rows, sync_cols] = sync_pages
         if drafted:
@@ -263,7 +248,7 @@ class InputBatch:
             prompt_logprobs=prompt_plans,
         )
         if twinned:
-            plan.twins = np.array(groups, dtype=np.int64)  # some item has a twin candidate
+            plan.twins = np.array(groups, dtype=np.int64)
         if sample_at:
             plan.sample = self._sampling(step, sample_at, rows, fork_keys, special)
         if score_rows:
@@ -274,14 +259,13 @@ class InputBatch:
 
     @staticmethod
     def _next_row(seq: Sequence) -> SampleRow:
-        """`seq`'s row for its next token (the same every step: rows are read, never changed)."""
+        """`seq`'s row for its next token, the same every step (rows are never changed)."""
         seq.next_row = SampleRow(seq)
         return seq.next_row
 
     @staticmethod
     def _prompt_logprobs(step: PreparedStep, request: Request, item: ScheduledSeq, at: int) -> list[PromptLogprobPlan]:
-        """Rows of this chunk that predict prompt tokens: the row at position p scores token p + 1
-        (in slices, as [rows, vocab] logits are large)."""
+        """Rows of this chunk that predict prompt tokens (position p scores token p + 1), in slices."""
         end = min(item.end, len(request.prompt_token_ids) - 1)
         k = request.params.prompt_logprobs
         plans = []
@@ -295,13 +279,11 @@ class InputBatch:
     def _sampling(
         self, step: PreparedStep, at: list[int], rows: list[int], fork_keys: dict[int, int], special: list[int]
     ) -> SamplePlan:
-        """The plan of sampled rows `at` (flat rows) of the step's items (`rows`: each item's row of
-        the persistent arrays); `fork_keys`: a fork's first sample row -> its stream key; `special`:
-        the sample rows with logprobs, a constraint or logit edits."""
+        """The plan of sampled flat rows `at`; `rows`: each item's persistent row."""
         at_ = np.array(at, dtype=np.int64)
         if not self.drawing_rows:  # every row is greedy: nothing to draw, no parameter to read
             params = SamplingBatch.greedy(len(at))
-        else:  # a sampled row's item and position (the sampled token's: its input's + 1) from its flat row
+        else:
             batch = step.plan.batch
             item = np.repeat(np.arange(batch.lens.shape[0]), batch.lens)[at_]
             positions = batch.starts[item] + at_ - batch.offsets[item] + 1
@@ -315,7 +297,7 @@ class InputBatch:
             )
         plan = SamplePlan(torch.from_numpy(at_), params)
         guides = []
-        forced: dict[int, int] = {}  # sample row -> the token a thinking budget forces there
+        forced: dict[int, int] = {}
         budgeted = False  # a row has a thinking budget: its next step needs this step's token on the host
         for i in special:
             seq = step.samples[i].seq
@@ -323,7 +305,7 @@ class InputBatch:
             if seq.logprobs is not None:
                 plan.logprob_rows.append(i)
                 plan.logprobs_k = max(plan.logprobs_k, p.logprobs)
-            if p.max_thinking_tokens is not None:  # (a fork's first row reads its parent: they share that state)
+            if p.max_thinking_tokens is not None:  # a fork's first row shares its parent's state
                 budgeted = True
                 token = forced_token(seq, p.max_thinking_tokens, self.think)
                 if token is not None:
@@ -339,11 +321,11 @@ class InputBatch:
             if p.adjusts_logits:
                 plan.edited.append(i)
                 plan.histories.append(self._history(seq))
-        if guides:  # one mask per guide (a parent's row and its forks' rows share it)
+        if guides:
             unique = list({id(g): g for g in guides}.values())
             at = {id(g): i for i, g in enumerate(unique)}
             plan.masks = self.constraints.bitmask(unique)[[at[id(g)] for g in guides]]
-        if forced:  # the constrained rows' masks and the forced rows' one-token masks, in plan.guided's order
+        if forced:  # with the forced rows' one-token masks, in plan.guided's order
             plan.masks = forced_masks(plan.guided, forced, plan.masks, self.constraints.tokenizer.vocab_size)
         step.overlappable = not (plan.guided or plan.edited or budgeted)
         return plan
@@ -361,15 +343,13 @@ class InputBatch:
 
 
 def _first_twin(first_with: dict[tuple, int], key: tuple, i: int, batch: list[ScheduledSeq], start: int) -> int:
-    """Decode item i's twin group: the first item with its history key (and draft) whose tokens
-    before `start` are equal, else i (a hash collision only costs the dedup)."""
+    """Decode item i's twin group: the first item with its key and equal tokens before `start`, else i."""
     j = first_with.setdefault(key, i)
     return j if j != i and batch[j].seq.token_ids[:start] == batch[i].seq.token_ids[:start] else i
 
 
 @functools.lru_cache(maxsize=64)
 def _no_drafts(items: int) -> np.ndarray:
-    """The draft mask of a batch without drafts, made once per size (read-only, shared)."""
     mask = np.zeros(items, dtype=bool)
     mask.setflags(write=False)
     return mask

@@ -1,24 +1,8 @@
 """One model's engine: requests in, one `step()` at a time: schedule -> run -> sample -> detokenize.
 
-Owns the model, its tokenizer, its view of a KV arena and its block manager, the scheduler
-and the live requests. The arena is its own (`attach_own_kv`) or one shared with other
-engines (`share_kv`: one page pool, pages flow to whichever model needs them).
-`add_request` validates everything before it changes any state; `abort` and normal
-completion both return every page to the pool (or to the prefix cache). After every step
-the engine appends a row of page statistics to its `page_log`.
-
-A step is launched (scheduled: `scheduler.py`; its plan built: `input_batch.py`; its
-progress counted: `postprocess.py`; its device work submitted to the engine's `DeviceQueue`,
-which runs `model_runner.py`) and later read back (`postprocess.py`: tokens appended, stop
-rules, outputs). `step()` is one of two loops chosen at start-up. `step_plain` reads back the
-step it launches. With `async_scheduling` (overlapped steps, vLLM's name) `step()` launches step
-t+1 before it reads back step t: the host schedules while the device computes, and step t's
-samples reach step t+1 on the device. Scheduling then treats a token in flight as known to
-exist (`Sequence.num_pending`); a sequence found finished when its token arrives has one more
-token in flight, which is discarded (its pages go back with the sequence's, none of it keyed
-in the prefix cache). A step whose sequences need their new token on the host before they
-sample again (a constraint, logit edits, speculative drafts), or that would preempt, waits
-for the step in flight instead. Outputs are the same either way.
+Owns the model, its tokenizer, the live requests and the parts made by `attach_kv` from its KV
+arena. A step is launched and read back (`postprocess.py`), with `async_scheduling` step t+1
+before step t is read back (docs/engine-loop.md); outputs are the same either way.
 """
 
 from __future__ import annotations
@@ -66,8 +50,7 @@ from treeserve.sampling_params import RequestOutputKind, SamplingParams, ScorePa
 
 __all__ = ["LLMEngine", "StepFailed", "share_kv"]
 
-# When max_model_len is not given and the KV budget cannot hold the model's whole context,
-# max_model_len is lowered to what fits, but never below this (or the model's own limit).
+# an unset max_model_len is lowered to what the KV holds, but never below this
 MIN_AUTO_MODEL_LEN = 2048
 
 log = logging.getLogger(__name__)
@@ -75,8 +58,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class InFlight:
-    """A launched step: its plan and what it means to the host, and its device work's future
-    (`Ran` when it ran on the calling thread)."""
+    """A launched step and its device work's future (`Ran`: it ran on the calling thread)."""
 
     step: PreparedStep
     result: Future | Ran
@@ -84,8 +66,7 @@ class InFlight:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, attach_kv: bool = True):
-        """Load the model; with `attach_kv`, also give it a KV arena of its own sized from
-        `config` (a runtime that shares one arena between models attaches it later)."""
+        """Load the model; with `attach_kv`, also a KV arena of its own (else the runtime attaches one)."""
         self.config = config
         self.device = torch.device(config.device)
         tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
@@ -112,15 +93,15 @@ class LLMEngine:
                 self.ranks.close()
             raise
         self.model = loaded.model
-        self.quantization = loaded.quantization  # e.g. "gguf:Q5_0+Q8_0", "int8", None
+        self.quantization = loaded.quantization
         self.model_config = loaded.config
         self.extra_tensors = loaded.extra_tensors
         self.tokenizer = Tokenizer(config.model, model_eos_ids=loaded.config.eos_token_ids)
-        release_free_heap()  # what building the weights and the tokenizer freed leaves the resident set
-        self.constraints = Constraints(self.tokenizer)  # structured outputs: compiled at first use, cached
-        self.think = ThinkTokens.of(self.tokenizer)  # `<think>`/`</think>` ids for thinking budgets (None: none)
+        release_free_heap()
+        self.constraints = Constraints(self.tokenizer)
+        self.think = ThinkTokens.of(self.tokenizer)
         limit = loaded.config.max_position_embeddings
-        self.context_len = min(config.max_model_len or limit, limit)  # max_model_len before the KV budget's say
+        self.context_len = min(config.max_model_len or limit, limit)
         self.max_model_len = self.context_len
         cfg = loaded.config
         self.kv_layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.kv_torch_dtype)
@@ -130,16 +111,15 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)
         self.num_computed_tokens = 0  # every token run through the model (prompt, recompute, decode)
-        self.num_generated_tokens = 0  # every token sampled into a sequence
+        self.num_generated_tokens = 0
         self.stalled = False  # the last step had work but no pages for it
-        self._injected: Exception | None = None  # inject_failure's error, raised by the next batch
-        self.async_scheduling = config.async_scheduling  # resolved by EngineConfig: True or False
-        # the loop, chosen once: launch step t+1 before reading back step t, or one step at a time
+        self._injected: Exception | None = None
+        self.async_scheduling = config.async_scheduling
         self.step = self._step_overlapped if self.async_scheduling else self.step_plain
         self.queue = DeviceQueue(self.device)
         self._in_flight: InFlight | None = None
         self._undelivered: list[RequestOutput | ScoreOutput] = []  # read back by a step that then failed
-        self.draw = fused_draw(config.attention_backend)  # the sampler's batch-invariant plain draw
+        self.draw = fused_draw(config.attention_backend)
         speculative = config.speculative_config
         draft = None
         if speculative is not None and speculative.method == "model":
@@ -150,14 +130,11 @@ class LLMEngine:
             self.capture_graphs()
 
     def attach_own_kv(self, kv_bytes: int) -> None:
-        """An arena of its own: as many pages of `config.block_size` tokens as fit `kv_bytes`."""
         page_bytes = self.kv_layout.page_bytes(self.config.block_size)
         self.attach_kv(PageArena(max(kv_bytes // page_bytes, 1), page_bytes, self.device), self.config.block_size)
 
     def capture_graphs(self) -> None:
-        """Capture the decode steps' CUDA graphs on the arena attached last (on CUDA, the Triton
-        backend, one rank, not `enforce_eager`; else nothing). Called once, after the final
-        `attach_kv`: the memory planner's probe arena gets none, and a second attach drops them."""
+        """Capture the decode steps' CUDA graphs where they apply, after the final `attach_kv`."""
         config = self.config
         if not cuda_graphs.graphs_apply(
             self.device, config.attention_backend, config.enforce_eager, self.ranks is not None
@@ -175,9 +152,7 @@ class LLMEngine:
         self.runner.graphs, self.graph_stats = graphs, graphs.stats
 
     def attach_kv(self, pages: PageArena, block_size: int, pool: PagePool | None = None) -> None:
-        """Use `pages` (with `block_size` tokens per page of this model) for KV, its page states
-        in `pool` (shared with the other models on the same arena), or a pool of its own. Makes
-        every part that depends on the KV, anew: a second attach replaces the first's."""
+        """Make every KV-dependent part for `pages`, their states in `pool` (shared) or a pool of its own."""
         config, layout, ranks = self.config, self.kv_layout, self.ranks
         pages_per_seq = self._fit_context(pages, block_size)
         self.block_size = block_size
@@ -195,7 +170,7 @@ class LLMEngine:
         self.blocks = BlockManager(
             pages.num_pages, block_size, config.model_id, config.enable_prefix_caching, pool=pool
         )
-        self.peers: dict[int, DeviceQueue] = {}  # the other engines on this page pool, by owner (`share_pages_with`)
+        self.peers: dict[int, DeviceQueue] = {}
         self.inputs = InputBatch(
             block_size, pages_per_seq, list(self.tokenizer.eos_token_ids), self.constraints, self.think
         )
@@ -228,18 +203,17 @@ class LLMEngine:
             ranks is not None and ranks.placement.tp is not None,
             stage,
         )
-        self.graph_stats = None  # {"sizes", "capture_s", "memory_bytes", ...} once `capture_graphs` has run
+        self.graph_stats = None
         self.page_log = PageLog(self.blocks)
         if self.speculator is not None and self.speculator.draft_model is not None:
             self.speculator.draft_model.attach(pages, self.blocks.pool, backend, config.model_id)
 
     def _fit_context(self, pages: PageArena, block_size: int) -> int:
-        """Set `max_model_len` for `pages` (lowered to what they hold when the config leaves it
-        open); the pages one sequence may need. Raises if one sequence cannot fit."""
+        """Set `max_model_len` for `pages`; the pages one sequence may need."""
         config = self.config
         self.max_model_len = self.context_len
         pages_per_seq = -(-self.max_model_len // block_size) + 1
-        fits = (pages.num_pages - 1) * block_size  # the longest sequence the arena holds
+        fits = (pages.num_pages - 1) * block_size
         if pages.num_pages < pages_per_seq and config.max_model_len is None and fits >= MIN_AUTO_MODEL_LEN:
             log.warning(
                 "max_model_len lowered from the model's %d to %d tokens, what a KV budget of %d MiB holds; "
@@ -263,8 +237,7 @@ class LLMEngine:
         return pages_per_seq
 
     def share_pages_with(self, others: list[LLMEngine]) -> None:
-        """`others` attached the same page pool: this engine's steps wait for theirs that may
-        still use a page they handed over (`DeviceQueue.fence`)."""
+        """`others` share this page pool: wait for their steps that may still use a page they hand over."""
         self.peers = {other.blocks.owner: other.queue for other in others if other is not self}
 
     def run_on_stream(self, priority: int = 0) -> None:
@@ -280,7 +253,6 @@ class LLMEngine:
         finally:
             self.num_computed_tokens, self.num_generated_tokens = counts
 
-    # ---- requests ----------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         return tokenize_prompt(self.tokenizer, prompt)
 
@@ -304,13 +276,11 @@ class LLMEngine:
         stream: bool = False,
         draft_group: str | None = None,
     ) -> None:
-        """Queue a request (bad input raises before anything changes). A `stream` has an output
-        after every step that touched it, as its `output_kind` says. With speculative `tree`
-        drafting, requests of one `draft_group` draft from each other's text."""
+        """Queue a request (bad input raises before anything changes); a `stream` has an output every step."""
         text, token_ids = self.tokenize_prompt(prompt)
         self.check_request(request_id, token_ids, params)
         sampling = params if isinstance(params, SamplingParams) else None
-        seed = 0  # forward-only requests sample nothing (and draw no seed, so they never shift later ones)
+        seed = 0  # forward-only: draws no seed, so it never shifts later requests' seeds
         if sampling is not None:
             seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(63)
             stream = stream and sampling.output_kind is not RequestOutputKind.FINAL_ONLY
@@ -334,7 +304,7 @@ class LLMEngine:
         )
         request.prompt_key = hash(tuple(token_ids[:TWIN_KEY_TOKENS])) if len(token_ids) >= TWIN_KEY_TOKENS else None
         tokens, detok = list(token_ids), None
-        if sampling is not None:  # it reads the sequence's own list of tokens
+        if sampling is not None:
             detok = StopChecker(
                 self.tokenizer.hf, token_ids, sampling, self.tokenizer.eos_token_ids, lazy=not stream, tokens=tokens
             )
@@ -365,17 +335,12 @@ class LLMEngine:
                 self.scheduler.finish(seq)
 
     def has_unfinished_requests(self) -> bool:
-        """Requests not yet finished, or a step whose results are still to be read back."""
         return bool(self.requests) or self._in_flight is not None
 
-    # ---- one step ----------------------------------------------------------------------
-    # `step()` is one of the two loops below, chosen at start-up from `async_scheduling`. Both return
-    # the outputs their read-back produced (streams, finished requests); a step launched in one call
-    # is read back in the same call (plain) or in the next (overlapped).
+    # `step()` is one of these two loops; each returns the outputs its read-backs produced
     @inference_mode
     def step_plain(self) -> list[RequestOutput | ScoreOutput]:
-        """Schedule, run, read back: one step, start to end (a step the overlapped loop left in
-        flight is read back first)."""
+        """Schedule, run, read back (a step the overlapped loop left in flight first)."""
         outputs, self._undelivered = self._undelivered, []
         if self._in_flight is not None:
             done, self._in_flight = self._in_flight, None
@@ -389,10 +354,7 @@ class LLMEngine:
 
     @inference_mode
     def _step_overlapped(self) -> list[RequestOutput | ScoreOutput]:
-        """Launch step t+1, then read back step t: the host schedules while the device computes,
-        and step t's samples reach step t+1 on the device. A step whose tokens are needed on the
-        host before its sequences sample again, or a schedule that would preempt a sequence whose
-        token is in flight, reads the step in flight back first."""
+        """Launch step t+1, then read back step t (first, if not `overlappable` or it would preempt)."""
         outputs, self._undelivered = self._undelivered, []
         flight, self._in_flight = self._in_flight, None
         try:
@@ -400,13 +362,13 @@ class LLMEngine:
                 done, flight = flight, None
                 outputs += self._read_back(done)
             scheduled = self._schedule(can_preempt=flight is None)
-            if scheduled is None:  # it would preempt: read the step in flight back, then schedule again
+            if scheduled is None:
                 done, flight = flight, None
                 outputs += self._read_back(done)
                 scheduled = self._schedule(can_preempt=True)
             self._in_flight = self._launch(*scheduled, previous=flight, queued=True)
         except BaseException:
-            self._in_flight, self._undelivered = flight, outputs  # still to be read back, still to deliver
+            self._in_flight, self._undelivered = flight, outputs
             raise
         return outputs if flight is None else self._deliver(outputs, flight)
 
@@ -418,13 +380,11 @@ class LLMEngine:
             raise
 
     def inject_failure(self, error: Exception | None = None) -> None:
-        """Test hook: the next step that runs a batch raises `error` (default: a RuntimeError)
-        right after the model's forward, as a failing kernel or an out-of-memory would."""
+        """Test hook: the next step that runs a batch raises `error` right after the forward."""
         self._injected = error or RuntimeError("injected step failure")
 
     def _schedule(self, can_preempt: bool) -> tuple[list, list[tuple[int, int]]] | None:
-        """This step's batch and page copies (drafts proposed first); None if it would have to
-        preempt and may not (a step is in flight)."""
+        """This step's batch and page copies; None if it would preempt and may not."""
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.max_model_len)
         return self.scheduler.schedule(can_preempt=can_preempt)
@@ -432,21 +392,19 @@ class LLMEngine:
     def _launch(
         self, batch: list, copies: list[tuple[int, int]], previous: InFlight | None, queued: bool
     ) -> InFlight | None:
-        """Build `batch`'s plan and submit its device work: `queued` on the device queue, else run
-        here (`previous`: the step in flight, whose samples it may read); None when there is
-        nothing to run."""
+        """Build `batch`'s plan and submit it after `previous` (whose samples it may read); None: no work."""
         self.stalled = not batch and previous is None and self.scheduler.has_work()
         if not batch:
             if self.stalled and not self.blocks.pool.shared:
                 raise RuntimeError("scheduler made no progress although requests are waiting")
-            return None  # sharing the arena: it waits for pages the other models hold
+            return None  # it waits for pages the other models hold
         try:
             step = self.inputs.prepare(batch, copies)
         except Exception as e:  # atomic: the batch's requests fail, nothing else changes
             raise self._fail(batch, e) from e
         step.plan.fail, self._injected = self._injected, None
         self.postprocessor.launched(step)
-        for owner in self.blocks.pool.take_handovers(self.blocks.owner):  # pages other engines released
+        for owner in self.blocks.pool.take_handovers(self.blocks.owner):
             peer = self.peers.get(owner)
             if peer is not None:
                 self.queue.wait(peer.fence())  # this step starts after their steps that may still use them
@@ -454,8 +412,7 @@ class LLMEngine:
         return InFlight(step, run(self.runner.execute, step.plan, previous.result if previous else None))
 
     def _read_back(self, flight: InFlight) -> list[RequestOutput | ScoreOutput]:
-        """Read a launched step back: tokens, stop rules, outputs. A step whose device work failed
-        fails its requests (`StepFailed`), and the step launched after it is undone."""
+        """Tokens, stop rules, outputs; a failed step fails its requests and undoes the one after it."""
         step = flight.step
         try:
             result = flight.result.result()
@@ -477,7 +434,6 @@ class LLMEngine:
         return [out for r in requests if (r.stream or r.finished) and (out := self._emit(r)) is not None]
 
     def _fail(self, batch: list, cause: BaseException) -> StepFailed:
-        """Abort the requests of a failed step; the error to raise."""
         failed = list(dict.fromkeys(item.seq.request.request_id for item in batch))
         for request_id in failed:
             self.abort(request_id)
@@ -492,9 +448,7 @@ class LLMEngine:
             self.requests.pop(request.request_id, None)
         return request.output(finished)
 
-    # ---- introspection -------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the model's other ranks (a parallel model); the engine cannot step afterwards."""
         if self.ranks is not None:
             self.ranks.close()
 
@@ -517,8 +471,7 @@ class LLMEngine:
 
 
 def share_kv(engines: list[LLMEngine], kv_bytes: int) -> None:
-    """Give `engines` one arena of `kv_bytes` and one page pool: equal-sized pages (the rule in
-    `kv.arena.shared_block_sizes`), each engine with as many tokens per page as fit."""
+    """Give `engines` one arena of `kv_bytes` and one page pool (`kv.arena.shared_block_sizes`)."""
     layouts = [e.kv_layout for e in engines]
     page_bytes, block_sizes = shared_block_sizes(layouts, [e.config.block_size for e in engines])
     pages = PageArena(kv_bytes // page_bytes, page_bytes, engines[0].device)

@@ -1,17 +1,9 @@
-"""The one owner of a sequence's progress through steps: what a step does to its sequences.
+"""The one owner of a sequence's progress through steps (nano-vllm's `Scheduler.postprocess`).
 
-nano-vllm's `Scheduler.postprocess`, in three moments of a step's life:
-* `launched`: the step is on its way. Its items' tokens count as computed, and each sequence
-  that samples its next token has one more token in flight (`num_pending`; overlapped steps
-  schedule the next step before this one is read back), its pending forks now being sampled.
-* `read`: its results arrived. Walks what each row meant (`PreparedStep`): prefix-cache keys
-  for the blocks the step completed, scores and prompt logprobs, and each sampled token (a
-  fork's first token creates the fork; a speculating sequence's tokens are kept while they match
-  its draft). A sequence finished or aborted since the step was launched is skipped: its token
-  in flight is discarded with it.
-* `roll_back`: it never ran (the step before it failed): `launched` undone.
-Nothing else writes `num_computed_tokens`, `num_pending` or `pending_forks` after a sequence is
-admitted (the scheduler sets where a sequence starts: its prefix-cache hit, a preemption's reset).
+`launched`: its tokens count as computed and each sampling sequence has a token in flight;
+`read`: each result row goes to the sequence it names, unless that one finished since;
+`roll_back`: it never ran. Nothing else writes `num_computed_tokens`, `num_pending` or
+`pending_forks` once a sequence is admitted.
 """
 
 from __future__ import annotations
@@ -34,12 +26,12 @@ FINISHED = SeqStatus.FINISHED
 
 @dataclass
 class Verification:
-    """One speculating sequence's draft, checked position by position against the target's samples."""
+    """One speculating sequence's draft, checked against the target's samples."""
 
     seq: Sequence
     drafted: int
     accepted: int = 0
-    going: bool = True  # every position so far matched and the sequence has not ended
+    going: bool = True
 
 
 class Postprocessor:
@@ -58,24 +50,21 @@ class Postprocessor:
         self.constraints = constraints
         self.speculator = speculator
         self.max_model_len = max_model_len
-        # the step being read: the requests it has an output for (streams it touched, and those a
-        # sequence of which ended in it), filled by `read` and by `_end`
+        # the step being read's requests with an output (streams it touched, those that ended)
         self._outputs: dict[str, Request] = {}
 
     def launched(self, step: PreparedStep) -> None:
-        """`step` is on its way to the device: what it computes counts as computed (drafted tokens
-        once accepted), and each sequence's next token is in flight, at its row of the samples."""
+        """`step` is on its way: its tokens count as computed (drafted ones once accepted)."""
         for item in step.batch:
             item.seq.num_computed_tokens = item.start + item.num_tokens - len(item.draft)
         for r, row in enumerate(step.samples):
-            if not (row.fork or row.draft_position):  # `row.is_next`: a later step may read it before it is read back
+            if not (row.fork or row.draft_position):
                 seq = row.seq
                 seq.num_pending += 1
                 seq.pending_row = r
                 seq.pending_forks = 0  # its forks are sampled in this step (rows `fork` > 0)
 
     def roll_back(self, step: PreparedStep) -> None:
-        """Undo `launched` for a step that never ran: its live sequences compute the same tokens again."""
         for item in step.batch:
             if not item.seq.is_finished:
                 item.seq.num_computed_tokens = item.start
@@ -89,9 +78,8 @@ class Postprocessor:
                 seq.num_pending -= 1
 
     def read(self, step: PreparedStep, result: StepResult) -> tuple[list[Request], int]:
-        """Apply `result` to the live sequences of `step`. Returns the requests with an output to
-        emit (streams it touched, and those a sequence of which ended in it) and the number of
-        tokens it generated."""
+        """Apply `result` to the live sequences of `step`: the requests with an output, and the
+        number of tokens it generated."""
         result.wait()  # its device-to-host copies (the step's only sync)
         outputs = self._outputs = {}
         if self.blocks.enable_prefix_caching:
@@ -114,7 +102,6 @@ class Postprocessor:
         return list(outputs.values()), generated
 
     def _scores(self, step: PreparedStep, result: StepResult) -> None:
-        """Forward-only requests: what the step read, and the end of those it read to the end."""
         for read in step.score_reads:
             seq = read.seq
             if seq.is_finished:
@@ -132,22 +119,20 @@ class Postprocessor:
                 self._end(seq)
 
     def _samples(self, step: PreparedStep, result: StepResult) -> int:
-        """Each sampled token to its sequence; how many it appended. A plain decode's token (its
-        `Sequence.next_row`, most rows) goes into the list, and to the stop checker only if it may
-        end the sequence."""
+        """Each sampled token to its sequence; how many it appended."""
         logprobs = result.logprobs.host() if result.logprobs is not None else None
         logprob_at = {id(step.samples[r]): i for i, r in enumerate(step.plan.sample.logprob_rows)} if logprobs else {}
         drafts = step.drafts
         forks: dict[tuple[int, int], Sequence] = {}
-        verifying: dict[int, Verification] = {}  # seq_id -> its draft's verification so far
-        void = 0  # rows whose token goes nowhere
+        verifying: dict[int, Verification] = {}
+        void = 0  # rows whose token is appended to nothing
         for row, token in zip(step.samples, result.sampled(), strict=True):
             seq = row.seq
-            plain = row is seq.next_row  # no fork, draft, logprobs or constraint
+            plain = row is seq.next_row  # a plain decode: no fork, draft, logprobs or constraint
             if plain or not (row.fork or row.draft_position):  # the sequence's next token
                 if seq.status is FINISHED:
                     void += 1
-                    continue  # aborted, or ended by a token before this one
+                    continue
                 seq.num_pending -= 1
                 if plain:
                     ids = seq.token_ids
@@ -156,14 +141,14 @@ class Postprocessor:
                         continue
                     draft = None
                 else:
-                    for fork in range(1, row.forks + 1):  # made at the parent's state before this token
+                    for fork in range(1, row.forks + 1):
                         forks[(seq.seq_id, fork)] = self._fork(seq, fork)
                     draft = drafts.get(seq.seq_id)
             elif row.fork:
                 seq = forks.get((seq.seq_id, row.fork))
                 if seq is None:
                     void += 1
-                    continue  # its parent was gone when the token arrived
+                    continue
                 draft = None
             else:
                 draft = drafts[seq.seq_id]
@@ -196,8 +181,6 @@ class Postprocessor:
         return len(step.samples) - void
 
     def _fork(self, parent: Sequence, index: int) -> Sequence:
-        """Completion `index` of the parent's request (n > 1), at the parent's state before its first
-        token, sharing the parent's pages up to there (copy-on-write)."""
         pages = -(-len(parent.token_ids) // self.blocks.block_size)
         sibling = parent.fork(index, self.blocks.fork(parent.block_table[:pages]))
         constraint = parent.request.params.structured_outputs
@@ -208,7 +191,6 @@ class Postprocessor:
         return sibling
 
     def _append(self, seq: Sequence, token: int, logprobs: HostLogprobs | None, row: int) -> bool:
-        """Add a sampled token to `seq` and apply the stop rules; False when the sequence ended."""
         seq.token_ids.append(token)
         if seq.logprobs is not None:
             seq.cumulative_logprob += logprobs.logprobs[row]
@@ -223,12 +205,10 @@ class Postprocessor:
         return True
 
     def _end(self, seq: Sequence) -> None:
-        """`seq` ended in the step being read: its pages go back, its request has an output."""
         self.scheduler.finish(seq)
         self._outputs[seq.request.request_id] = seq.request
 
     def logprob_entry(self, token: int, lp: HostLogprobs, i: int, k: int) -> dict[int, Logprob]:
-        """vLLM's shape: the actual token first, then the top k (the actual one may be among them)."""
         decode = self.tokenizer.decode
         entry = {token: Logprob(lp.logprobs[i], lp.ranks[i], decode([token], False))}
         for rank, (tid, value) in enumerate(zip(lp.top_ids[i][:k], lp.top_logprobs[i][:k], strict=True), 1):

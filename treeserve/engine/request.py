@@ -1,9 +1,7 @@
-"""Request and Sequence state: the only mutable records the engine keeps per request.
+"""Request and Sequence: the only mutable records the engine keeps per request.
 
-A `Request` is what a caller submitted (one prompt, `n` completions or one scoring pass). A
-`Sequence` is one token stream the scheduler runs: its token ids, how many are computed,
-its block table and its output. A request with `n > 1` runs one sequence through the
-prompt; when the prompt is computed, `n - 1` siblings fork from it and share its pages.
+A `Request` is what a caller submitted; a `Sequence` is one token stream the scheduler runs. A
+request with `n > 1` runs one sequence through the prompt, then forks `n - 1` siblings sharing its pages.
 """
 
 from __future__ import annotations
@@ -26,9 +24,9 @@ if TYPE_CHECKING:
     from treeserve.engine.thinking import ThinkState
 
 _seq_ids = itertools.count()
-_INDEX = attrgetter("index")  # a request's completions in order
+_INDEX = attrgetter("index")
 TWIN_KEY_TOKENS = 16
-HISTORY_ANCHOR = 64  # `Sequence.history_key` hashes the history whole at multiples of this many tokens
+HISTORY_ANCHOR = 64  # `Sequence.history_key` hashes the history whole at multiples of this
 
 
 class SeqStatus(Enum):
@@ -39,16 +37,12 @@ class SeqStatus(Enum):
 
 @dataclass(eq=False, slots=True)
 class Sequence:
-    # Fields by writer. Those a decode step reads come first: the object starts on a cache line,
-    # so they fill its first two lines (after a forward has swept the caches, each further line
-    # costs a trip to memory, per sequence and step).
-    # -- read every step. Made with the sequence (`LLMEngine.add_request`, `fork`); the
-    # postprocessor appends to `token_ids`
+    # Fields by writer; those a decode step reads first, in the object's first two cache lines.
+    # -- read every step. Made with the sequence (the postprocessor appends to `token_ids`)
     request: Request
     token_ids: list[int]
     detok: StopChecker | None
-    # a token not in `ending_ids` that leaves `token_ids` shorter than `check_len` cannot end the
-    # sequence (`StopChecker.quiet_stops`): it goes into the list without a word to `detok`
+    # a token not in `ending_ids` keeping `token_ids` under `check_len` cannot end it (`quiet_stops`)
     ending_ids: frozenset[int] = frozenset()
     check_len: int = 0
     quiet: bool = False  # its request is `plain` and does not stream: a decode reads nothing of it
@@ -57,23 +51,22 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     # the postprocessor's: its progress (the scheduler sets where it starts)
     num_computed_tokens: int = 0
-    # tokens sampled by steps not yet read back; the newest is row `pending_row` of the samples of
-    # the step in flight, which the next step reads on the device
+    # tokens sampled, not yet read back; the newest is row `pending_row` of the step in flight's samples
     num_pending: int = 0
     pending_row: int = -1
     pending_forks: int = 0  # siblings to fork when the prompt is computed
     # the input batch's
-    row: int = -1  # its row of the persistent arrays while it runs
+    row: int = -1
     next_row: object = None  # the `step_plan.SampleRow` of its next token, made once
     guide: Guide | None = None  # where it is in its constraint (a fork's: made by the postprocessor)
-    # the speculator's: this step's drafted tokens, set before scheduling
+    # the speculator's: this step's drafted tokens
     draft: list[int] | tuple[()] = ()
     # -- read by what a plain decode does not do. Made with the sequence
-    index: int = 0  # which of the request's completions (feeds the sampler's seeded draws)
+    index: int = 0
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     order: tuple[int, int] = field(init=False)  # the scheduler's order: (its request's arrival, index)
     # the scheduler's: prefix-cache keys of its full blocks, and of the prompt blocks it computes
-    # itself (from block `promised_from` on), which sequences needing them wait for
+    # itself from block `promised_from` on (others needing them wait for the cache)
     block_hashes: list[int] = field(default_factory=list)
     promised_blocks: list[int] = field(default_factory=list)
     promised_from: int = 0
@@ -88,9 +81,8 @@ class Sequence:
     history_hash: int | None = None
     hashed: int = 0
     drafting: DraftState | None = None  # the speculator's
-    thinking: ThinkState | None = None  # a thinking budget's view of its think block (`thinking.py`)
-    # its DELTA outputs' (`delta`): the output tokens and characters given so far, and whether
-    # they gave its end
+    thinking: ThinkState | None = None
+    # its DELTA outputs' (`delta`): tokens and characters given so far, and whether its end was
     sent_tokens: int = 0
     sent_chars: int = 0
     sent_end: bool = False
@@ -108,7 +100,6 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        """Its tokens, those sampled but not yet read back included."""
         return len(self.token_ids) + self.num_pending
 
     @property
@@ -120,10 +111,7 @@ class Sequence:
         return self.status == SeqStatus.FINISHED
 
     def history_key(self, n: int) -> tuple[int, int]:
-        """(n, a hash of the first n token ids): equal for sequences with equal first n tokens,
-        whenever each began hashing. The hash of the tokens up to the last multiple of
-        HISTORY_ANCHOR, then one token at a time: a decode extends it by one token, and every
-        HISTORY_ANCHOR tokens it is anchored anew."""
+        """(n, a hash of the first n ids): equal for equal ids, wherever hashing began."""
         base = n - n % HISTORY_ANCHOR
         if self.history_hash is None or not base <= self.hashed <= n:
             self.history_hash, self.hashed = hash(tuple(self.token_ids[:base])), base
@@ -133,15 +121,14 @@ class Sequence:
         return n, self.history_hash
 
     def fork(self, index: int, block_table: list[int]) -> Sequence:
-        """A sibling at this sequence's state before its first sampled token (n > 1), sharing the
-        pages of `block_table`."""
+        """A sibling at this sequence's state before its first sampled token, on `block_table`."""
         tokens = list(self.token_ids)
         return Sequence(
             request=self.request,
             index=index,
             token_ids=tokens,
             detok=self.detok.clone(self.token_ids[self.num_prompt_tokens :], tokens) if self.detok else None,
-            ending_ids=self.ending_ids,  # the same request's rules, from a prompt of the same length
+            ending_ids=self.ending_ids,
             check_len=self.check_len,
             quiet=self.quiet,
             status=self.status,
@@ -154,16 +141,12 @@ class Sequence:
         )
 
     def completion(self) -> CompletionOutput:
-        """This completion so far (a cumulative output)."""
         return self._output(
             self.detok.text if self.detok else "", self.token_ids[self.num_prompt_tokens :], self.logprobs
         )
 
     def delta(self) -> CompletionOutput | None:
-        """What this completion added since its last delta (None: nothing): its new tokens with
-        their logprobs, and its new text less the `StopChecker.hold` characters a stop string may
-        still cut, which come once it cannot (at the latest at the end): text given is never
-        taken back. Each step's cost is what the step added, not the length of the output."""
+        """What this completion added since its last delta (None: nothing); text is never taken back."""
         if self.sent_end:
             return None
         ended = self.finish_reason is not None
@@ -202,15 +185,14 @@ class Request:
     score: ScoreParams | None  # forward-only
     seed: int
     arrival: int
-    stream: bool = False  # emit an output after every step, not only at the end
-    delta: bool = False  # a stream's outputs say what is new (`RequestOutputKind.DELTA`), not the whole
+    stream: bool = False
+    delta: bool = False
     began: bool = False  # it had an output (DELTA outputs give the prompt's logprobs in the first only)
-    draft_group: str | None = None  # speculative `tree` drafting: requests that draft from each other
+    draft_group: str | None = None
     # a generation whose rows need nothing but their next token (no logprobs, prompt logprobs,
     # constraint, logit edits or thinking budget): its decodes take the short paths
     plain: bool = False
-    # a hash of the prompt's first TWIN_KEY_TOKENS token ids (None: a shorter prompt): sequences
-    # with equal histories (twins, `dedup.py`) have equal keys, or one of them has None
+    # a hash of the prompt's first TWIN_KEY_TOKENS ids (None: shorter): twins have equal keys or a None
     prompt_key: int | None = None
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0
@@ -219,11 +201,10 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        """Every completion has run to its end (asked of a streaming request every step)."""
         seqs = self.seqs
         if len(seqs) != self.width:
             return False
-        if len(seqs) == 1:  # the usual request, without a generator's cost
+        if len(seqs) == 1:
             return seqs[0].status is SeqStatus.FINISHED
         return all(seq.status is SeqStatus.FINISHED for seq in seqs)
 
@@ -232,8 +213,7 @@ class Request:
         return self.params.n if self.params else 1
 
     def output(self, finished: bool) -> RequestOutput | ScoreOutput | None:
-        """Its output now (`finished`: whether it has ended); None for a stream of DELTA outputs
-        with nothing new."""
+        """Its output now; None for a stream of DELTA outputs with nothing new."""
         if self.score is not None:
             rows = [self.seqs[0].score_rows[p] for p in self.score.positions]
             return ScoreOutput(

@@ -1,14 +1,8 @@
-"""Iteration-level (continuous) batching with a token budget, chunked prefill and preemption.
+"""Continuous batching with a token budget, chunked prefill and preemption.
 
-Each step: running decodes first (one token each), then running prefills, then waiting
-sequences, each taking what is left of `max_num_batched_tokens` (a long prompt is split
-into chunks over several steps). A decode with drafted tokens (speculative decoding) runs them
-too, as far as the budget and the free pages allow. A waiting sequence first takes what the prefix cache
-holds of it, and is admitted only if the running ones keep room to grow (headroom). When
-pages run out, the most recently arrived running sequence is preempted: its pages are
-released and it is recomputed later (its outputs are kept). On an arena shared with other
-models, a model whose next sequence does not fit while it runs nothing marks itself
-starving in the page pool; the other models then admit nothing new until it is served.
+Each step: running decodes (and their drafts), running prefills, then waiting sequences (after
+their prefix-cache hit, if the running ones keep room to grow). Out of pages, the latest arrival
+is preempted. On a shared arena, a model that cannot fit anything marks itself starving.
 """
 
 from __future__ import annotations
@@ -25,19 +19,16 @@ if TYPE_CHECKING:
     from treeserve.engine.input_batch import InputBatch
     from treeserve.engine.speculative.speculator import Speculator
 
-# Admission leaves this many tokens of growth per running sequence free. Without it, a full
-# arena preempts (and later recomputes) running sequences to make room for new ones: on beam
-# search at N=16 in an 8 MiB arena, 0 tokens gave 1838 preemptions, 32 tokens 38 and 1.6x the
-# throughput (a search step is about 25 tokens).
+# tokens of growth per running sequence admission leaves free (else a full arena preempts them)
 GROWTH_HEADROOM_TOKENS = 32
 
 
 @dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
-    start: int  # tokens already computed (cached) before this step
-    num_tokens: int  # tokens computed this step (a speculating decode: its last token + the draft)
-    draft: list[int] | tuple[()] = ()  # drafted tokens run after the sequence's own
+    start: int
+    num_tokens: int
+    draft: list[int] | tuple[()] = ()
 
     @property
     def end(self) -> int:
@@ -45,7 +36,7 @@ class ScheduledSeq:
 
 
 RUNNING = SeqStatus.RUNNING
-_ARRIVAL_ORDER = attrgetter("order")  # (request arrival, completion index)
+_ARRIVAL_ORDER = attrgetter("order")
 
 
 class Scheduler:
@@ -58,8 +49,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
     ):
-        # what a running sequence holds, each given back when it stops running (`_release`): its
-        # pages, its row of the input batch, a draft model's pages
+        # what a running sequence holds, given back when it stops (`_release`)
         self.blocks = block_manager
         self.rows = rows
         self.speculator = speculator
@@ -68,14 +58,13 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._in_order = True  # `running` is in arrival order (an append may break it; a removal never does)
+        self._in_order = True
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
-        """A sibling forked from a running sequence: it already holds (shared) pages."""
         self.running.append(seq)
         self._in_order = False
 
@@ -83,9 +72,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self, can_preempt: bool = True) -> tuple[list[ScheduledSeq], list[tuple[int, int]]] | None:
-        """Pick this step's work; returns the batch and the page copies to do before it runs, or
-        None if making room would preempt a sequence while `can_preempt` is False (a step is in
-        flight: the engine reads it back first, then schedules again)."""
+        """This step's batch and the page copies to do first; None if making room would preempt
+        while `can_preempt` is False."""
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
         copies: list[tuple[int, int]] = []
@@ -94,7 +82,6 @@ class Scheduler:
             self._in_order = True
         blocks = self.blocks
         block_size, ref_counts, pool = blocks.block_size, blocks.ref_counts, blocks.pool
-        # decodes first, then prefills (`prefills`, deferred by the first pass), each in arrival order
         queue, prefills = list(self.running), []
         for decoding in (True, False):
             for seq in queue:
@@ -143,7 +130,7 @@ class Scheduler:
                 continue
             item = self._admit(seq, hit, budget)
             if item is None:
-                starving = not self.running  # it waits for pages another model holds
+                starving = not self.running
                 break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
@@ -157,9 +144,8 @@ class Scheduler:
         return batch, copies
 
     def _promised_blocks(self) -> set[int]:
-        """Keys of the full prompt blocks that running prefills will compute and cache. A waiting
-        sequence whose next block is among them waits a step and then finds it cached, instead of
-        computing it a second time (n beams sent the same prompt at once)."""
+        """Keys of the full prompt blocks that running prefills will cache: a waiting sequence
+        needing one waits for the cache instead of computing it twice."""
         promised: set[int] = set()
         for seq in self.running:
             if seq.promised_blocks:
@@ -171,7 +157,7 @@ class Scheduler:
         return promised
 
     def _lookup(self, seq: Sequence) -> PrefixHit:
-        limit = len(seq.token_ids) - 1  # always compute at least the last token
+        limit = len(seq.token_ids) - 1
         if seq.request.score is not None:
             limit = min(limit, seq.request.score.positions[0])
         if seq.request.prompt_logprobs is not None:  # cached positions' logprobs are recomputed (as vLLM does)
@@ -179,8 +165,7 @@ class Scheduler:
         return self.blocks.find_prefix(seq.token_ids, limit)
 
     def _fit_draft(self, seq: Sequence, n: int, spare: int) -> list[int]:
-        """The part of `seq.draft` this step verifies: what the token budget and the free pages
-        allow (drafts never preempt anything), none unless the sequence runs its last token."""
+        """The part of `seq.draft` the budget and free pages allow (drafts never preempt)."""
         draft = seq.draft[:spare] if n == seq.num_uncomputed else []
         start = seq.num_computed_tokens
         if (
@@ -191,8 +176,7 @@ class Scheduler:
         return draft
 
     def _ends_in_flight(self, seq: Sequence) -> bool:
-        """The token a step in flight samples for `seq` is certainly its last (max_tokens or the
-        context): nothing more to compute for it."""
+        """The token in flight for `seq` is certainly its last (max_tokens or the context)."""
         if not seq.num_pending:
             return False
         max_tokens = seq.request.params.max_tokens
@@ -201,8 +185,8 @@ class Scheduler:
         )
 
     def _make_room(self, seq: Sequence, n: int, batch: list[ScheduledSeq], can_preempt: bool) -> bool | None:
-        """Preempt later sequences (not in `batch`) until `seq` can grow by n tokens; False if seq
-        itself went; None if that needs a preemption and `can_preempt` is False."""
+        """Preempt later sequences until `seq` can grow by n tokens; False if seq itself went; None
+        if that needs a preemption and `can_preempt` is False."""
         start = seq.num_computed_tokens
         while self.blocks.blocks_to_grow(seq.block_table, start, start + n) > self.blocks.num_free_blocks:
             if not can_preempt:
@@ -233,8 +217,7 @@ class Scheduler:
         return ScheduledSeq(seq, start, n)
 
     def headroom(self) -> int:
-        """Pages a new sequence must leave free: room for every running sequence to grow by
-        GROWTH_HEADROOM_TOKENS, so that admitting it does not soon force a running one out."""
+        """Pages a new sequence must leave free: GROWTH_HEADROOM_TOKENS for each running one."""
         return len(self.running) * -(-GROWTH_HEADROOM_TOKENS // self.blocks.block_size)
 
     def preempt(self, seq: Sequence) -> None:
@@ -248,14 +231,13 @@ class Scheduler:
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
-        """Release a sequence that ended (done or aborted), wherever it is."""
         if seq.status == SeqStatus.RUNNING:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._release(seq)
         seq.status = SeqStatus.FINISHED
-        if not self.waiting:  # nothing left to wait for pages (e.g. the waiting ones were aborted)
+        if not self.waiting:
             self.blocks.pool.set_starving(self.blocks.owner, False)
 
     def _release(self, seq: Sequence) -> None:

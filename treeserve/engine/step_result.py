@@ -1,8 +1,7 @@
 """The step's contract, device to host: what one step's device work returns, and how it fails.
 
-Data only. `model_runner.py` fills a `StepResult`; `postprocess.py` applies it to the sequences.
-A step that raised fails its own requests with `StepFailed` (the engine aborts them); a step
-that read the samples of a failed step did not run (`PreviousStepFailed`) and is rolled back.
+Data only. A step that raised fails its own requests (`StepFailed`); a step that read the
+samples of a failed step did not run (`PreviousStepFailed`) and is rolled back.
 """
 
 from __future__ import annotations
@@ -17,30 +16,27 @@ from treeserve.engine.sampler import TokenLogprobs
 @dataclass
 class StepResult:
     tokens: torch.Tensor | None = None  # [S] sampled ids on the device: the next step's pending inputs
-    host_tokens: torch.Tensor | None = None  # the same on the host (copied without blocking on CUDA)
-    copied: torch.cuda.Event | None = None  # recorded after the step's last device-to-host copy (CUDA)
-    logprobs: TokenLogprobs | None = None  # of SamplePlan.logprob_rows
+    host_tokens: torch.Tensor | None = None
+    copied: torch.cuda.Event | None = None  # after the step's last device-to-host copy (CUDA)
+    logprobs: TokenLogprobs | None = None
     scores: torch.Tensor | None = None  # [R, K] float32, host (filled when `copied` has passed)
-    states: torch.Tensor | None = None  # [R, hidden] float32, host (likewise)
+    states: torch.Tensor | None = None
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_computed: int = 0  # tokens run through the model (a twin's are not)
 
     def wait(self) -> None:
-        """Block until the step's device-to-host copies are done (its stream reached `copied`):
-        after it the host tensors hold their values, and the device tensors are safe to read
-        from any stream."""
+        """Block until the step's device-to-host copies are done (then its device tensors are
+        safe to read from any stream)."""
         if self.copied is not None:
             self.copied.synchronize()
 
     def sampled(self) -> list[int]:
-        """The sampled token ids (waits for the device-to-host copy)."""
         self.wait()
         return self.host_tokens.tolist()
 
 
 class StepFailed(RuntimeError):
-    """A step raised while running its batch. Its requests (`request_ids`) were aborted and
-    their pages released; every other request is untouched and the next step runs normally."""
+    """A step raised while running its batch: its requests (`request_ids`) were aborted, no other."""
 
     def __init__(self, request_ids: list[str], cause: BaseException):
         what = f"{type(cause).__name__}: {cause}"
@@ -50,4 +46,4 @@ class StepFailed(RuntimeError):
 
 
 class PreviousStepFailed(RuntimeError):
-    """This step read tokens of a step that failed: it did not run (the host rolls it back)."""
+    """This step read tokens of a step that failed: it did not run."""

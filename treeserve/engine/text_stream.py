@@ -1,35 +1,9 @@
-"""Incremental detokenisation: the text chunks `tokenizers`' `DecodeStream` gives, for less host time.
+"""Incremental detokenisation: the chunks `tokenizers`' `DecodeStream` gives, for less host time.
 
-This module owns the stream a sequence's generated tokens go through (`text_stream`: its `step`
-takes one token, its `extend` many) and the per-tokenizer tables behind it. `DecodeStream.step`
-decodes its whole window of ids for every token (0.4-3 us). For a decoder whose text is the
-concatenation of each token's own text (`qualifies`: ByteLevel; Fuse; SentencePiece's
-Replace("▁", " ") + ByteFallback + Fuse, optionally followed by Strip(" ", 1, 0); Metaspace with
-"▁"), `TextStream` (or `JoinedStream`, below) gives the same chunks, every step's return value,
-from a table of each id's decoded bytes; any other decoder keeps `DecodeStream`.
-
-`TextStream` is `DecodeStream`'s algorithm (tokenizers' `step_decode_stream`, ported in `_step`) with
-one shortcut. That algorithm keeps a window of ids and the text (`prefix`) of its first
-`prefix_index` ids; each token is pushed, the window decoded, and when the text is longer than the
-prefix and does not end in U+FFFD the rest is returned and the window drops its prefix ids. The
-shortcut: when all of the window is its prefix and the window's own bytes are valid, non-empty
-UTF-8, a token whose bytes are valid, non-empty UTF-8 not ending in U+FFFD decodes, under every
-qualifying decoder, to the prefix plus its own text (the window's bytes end on a whole character;
-Strip and Metaspace change only the window's first character or token, which is not the new one),
-so `DecodeStream` returns exactly that text and keeps the token alone as its window: the shortcut
-returns the text from the table and notes the token. Everything else (a character split across
-tokens, invalid UTF-8, a skipped special token, an id outside the vocabulary, the start after a
-context whose text is empty or ends in U+FFFD) runs the ported algorithm with the tokenizer's own
-`decode`, so it returns what `DecodeStream` returns. That keeps two of its surprises: a prompt tail
-ending mid-character has no prefix, so the first chunk repeats the tail's text; and (SentencePiece)
-a run of byte pieces that is not UTF-8, followed by text, raises its InvalidPrefix error.
-
-`JoinedStream` is the same algorithm for ByteLevel and Fuse decoders, whose text of any ids is their
-bytes joined as lossy UTF-8: it runs on bytes, with no call into the tokenizer. Its `extend` gives
-the chunks of many tokens in one decode (below).
-
-`extend(tokens)` returns the chunks `step` would return for each token, joined, and leaves the
-stream where those steps leave it (for everything later steps return).
+`text_stream` picks a sequence's stream, each with `step(token)` and `extend(tokens)`, each
+returning exactly what `DecodeStream.step` would: `JoinedStream` for ByteLevel and Fuse decoders
+(bytes joined as lossy UTF-8, no call into the tokenizer), `TextStream` for the other decoders
+whose text is each id's own text concatenated (`qualifies`), `DecodeSteps` for the rest.
 """
 
 from __future__ import annotations
@@ -52,16 +26,16 @@ _REPLACEMENT = "\ufffd"  # lossy UTF-8's stand-in for invalid bytes; DecodeStrea
 class StreamTable:
     """One tokenizer's tables for one `skip_special_tokens` setting, indexed by token id."""
 
-    raw: list[bytes]  # the id's bytes in decoded text (b"" for a skipped special token or a gap)
+    raw: list[bytes]
     texts: list[str | None]  # the text the shortcut returns for the id; None where it cannot take it
     joins_bytes: bool = False  # the decoder's text of any ids is their bytes joined, as lossy UTF-8
 
 
 @dataclass
 class _Entry:
-    key: tuple[bytes, int]  # the decoder's state and the vocabulary size the tables were built for
+    key: tuple[bytes, int]
     qualified: bool
-    joins_bytes: bool  # ByteLevel or Fuse: `JoinedStream` serves it
+    joins_bytes: bool
     tables: dict[bool, StreamTable] = field(default_factory=dict)
 
 
@@ -69,10 +43,9 @@ _ENTRIES: weakref.WeakKeyDictionary[HFTokenizer, _Entry] = weakref.WeakKeyDictio
 
 
 def qualifies(decoder: dict | None) -> bool:
-    """Whether a decoder (its JSON state) decodes ids to the concatenation of each id's own text, apart
-    from what `TextStream`'s shortcut never meets (the window's first character or token)."""
+    """Whether a decoder (JSON state) gives each id's own text concatenated, but for the first character."""
     if decoder is None:
-        return False  # no decoder: tokens joined with spaces
+        return False
     kind = decoder.get("type")
     if kind in ("ByteLevel", "Fuse"):
         return True
@@ -88,7 +61,6 @@ def qualifies(decoder: dict | None) -> bool:
 
 
 def _shortcut_text(data: bytes) -> str | None:
-    """The id's text where the shortcut can take it: valid, non-empty UTF-8 not ending in U+FFFD."""
     try:
         text = data.decode()
     except UnicodeDecodeError:
@@ -97,8 +69,7 @@ def _shortcut_text(data: bytes) -> str | None:
 
 
 def stream_table(hf: HFTokenizer, skip_special_tokens: bool) -> StreamTable | None:
-    """The tokenizer's table, built once per tokenizer object and setting (rebuilt if its decoder or
-    vocabulary size changed); None when its decoder does not qualify."""
+    """The tokenizer's table, cached per decoder and vocabulary; None when its decoder does not qualify."""
     decoder = hf.decoder
     state = decoder.__getstate__() if decoder is not None else b"null"
     key = (state, hf.get_vocab_size(with_added_tokens=True))
@@ -121,11 +92,13 @@ def stream_table(hf: HFTokenizer, skip_special_tokens: bool) -> StreamTable | No
 
 
 class DecodeStreamError(Exception):
-    """DecodeStream's InvalidPrefix error (it raises a plain Exception with this message)."""
+    """DecodeStream's InvalidPrefix error (a plain Exception there, with this message)."""
 
 
 class TextStream:
-    """One sequence's incremental decoder: `step(token)` returns what `DecodeStream.step` would."""
+    """`DecodeStream`'s algorithm (`_step`) with a shortcut: while the window is all prefix and
+    valid UTF-8, a token whose own text is valid, non-empty UTF-8 not ending in U+FFFD returns
+    that text from the table (why it equals DecodeStream's: docs/decisions.md)."""
 
     __slots__ = ("_hf", "_skip", "_raw", "_texts", "_fast", "_last", "_ids", "_prefix", "_prefix_index")
 
@@ -135,19 +108,18 @@ class TextStream:
         self._raw = table.raw
         self._texts = table.texts
         self._last: int | None = None  # on the shortcut: the window is this one token
-        self._ids = list(context)  # DecodeStream(ids=context) starts with no prefix ...
+        self._ids = list(context)
         self._prefix = ""
         self._prefix_index = 0
-        if self._ids:  # ... and takes the context's text as its prefix on the first step; done here
+        if self._ids:  # DecodeStream(ids=context) takes the context's text as its prefix on its first step
             self._take_prefix()
         self._fast = self._prefix_index == len(self._ids) and self._clean(self._ids)
 
     def step(self, token: int) -> str | None:
-        """Add one token; the new text, or None while there is none (DecodeStream's rule)."""
         if self._fast:
             try:
                 text = self._texts[token]
-            except IndexError:  # an id past the vocabulary (a padded LM head): decodes to nothing
+            except IndexError:
                 text = None
             if text is not None:
                 self._last = token
@@ -161,7 +133,6 @@ class TextStream:
         return self._step(token)
 
     def extend(self, tokens: list[int]) -> str:
-        """`step` over `tokens`, its chunks joined."""
         return _joined_steps(self.step, tokens)
 
     def _decode(self, ids: list[int]) -> str:
@@ -173,8 +144,7 @@ class TextStream:
             self._prefix, self._prefix_index = prefix, len(self._ids)
 
     def _clean(self, ids: list[int]) -> bool:
-        """Whether the window's own bytes are valid, non-empty UTF-8 (the shortcut's condition); never
-        with an id past the table (whose text the table does not know)."""
+        """The shortcut's condition: the window's bytes are valid, non-empty UTF-8, all ids in the table."""
         if max(ids, default=0) >= len(self._raw):
             return False
         data = b"".join([self._raw[i] for i in ids])
@@ -209,14 +179,8 @@ class TextStream:
 
 
 class JoinedStream:
-    """`TextStream` for decoders whose text of any ids is their bytes joined and decoded as lossy
-    UTF-8 (ByteLevel: Rust's `from_utf8_lossy`, which replaces the same maximal invalid subparts as
-    Python's "replace"; Fuse: the tokens' texts joined). `DecodeStream`'s algorithm on bytes, with
-    no call into the tokenizer: the window is the bytes of its prefix ids (`window`, whose text is
-    `prefix`) and of the ids after them (`pending`). A step adds the token's bytes to `pending`;
-    the window's text, when longer than the prefix (in UTF-8 bytes) and not ending in U+FFFD, gives
-    what follows the prefix, and `pending` becomes the window. `clean`: nothing pending and the
-    window valid, non-empty UTF-8, where a token of whole characters just returns its text."""
+    """`DecodeStream`'s algorithm on bytes, for decoders whose text is the ids' bytes as lossy UTF-8.
+    The window is the prefix's bytes (`window`, text `prefix`) and those after it (`pending`)."""
 
     __slots__ = ("_raw", "_texts", "_window", "_pending", "_prefix", "_clean", "_last")
 
@@ -224,22 +188,20 @@ class JoinedStream:
         self._raw, self._texts, self._last = table.raw, table.texts, None
         data = b"".join([self._bytes(i) for i in context])
         self._window, self._pending, self._prefix, self._clean = b"", data, "", False
-        # DecodeStream(ids=context) takes the context's text as its prefix on its first step; here
         try:
             text = data.decode()
         except UnicodeDecodeError:
             text = _REPLACEMENT
-        if text and not text.endswith(_REPLACEMENT):  # valid: the prefix, and the shortcut may run
+        if text and not text.endswith(_REPLACEMENT):
             self._window, self._pending, self._prefix, self._clean = data, b"", text, True
         else:
-            self._take_prefix()  # (lossy; an invalid window never takes the shortcut)
+            self._take_prefix()
 
     def _bytes(self, token: int) -> bytes:
-        return self._raw[token] if token < len(self._raw) else b""  # an id past the vocabulary: nothing
+        return self._raw[token] if token < len(self._raw) else b""
 
     def _take_prefix(self) -> None:
-        """DecodeStream's first move while its prefix is empty: all of the window becomes the prefix,
-        unless its text ends in U+FFFD."""
+        """While the prefix is empty, all of the window becomes it, unless its text ends in U+FFFD."""
         if not self._prefix and (self._window or self._pending):
             data = self._window + self._pending
             text = data.decode("utf-8", "replace")
@@ -247,23 +209,13 @@ class JoinedStream:
                 self._window, self._pending, self._prefix = data, b"", text
 
     def _settle(self) -> None:
-        """After the window became all prefix: whether the shortcut may run."""
         try:
             self._clean = bool(self._window) and bool(self._window.decode())
         except UnicodeDecodeError:
             self._clean = False
 
     def extend(self, tokens: list[int]) -> str:
-        """`step` over `tokens`, its chunks joined, in one decode. The window ends on a whole
-        character and its text is the prefix (both empty before the first chunk, once `__init__`'s
-        `_take_prefix` found the context's text ending in U+FFFD: no later step's `_take_prefix`
-        meets other bytes, since the step before would have given them as a chunk). So a step's
-        text is the prefix plus the lossy text of the bytes since the last chunk, and a step gives
-        a chunk exactly when those bytes' text is non-empty and does not end in U+FFFD: the chunks
-        of a run of tokens join to the lossy text of the pending and the run's bytes when that does
-        not end in U+FFFD. The longest such run goes in one decode and the rest (bytes held back)
-        step by step. Whether a text ends in U+FFFD shows in its last 4 bytes' text: a character
-        is at most 4 bytes, and a lead byte is never taken as another's continuation."""
+        """`step` over `tokens`, joined: the longest run not ending in U+FFFD in one decode (docs/decisions.md)."""
         raw, size = self._raw, len(self._raw)
         pieces = [raw[t] if t < size else b"" for t in tokens]
         data = self._pending + b"".join(pieces)
@@ -277,17 +229,16 @@ class JoinedStream:
         text = done.decode("utf-8", "replace")
         if text:  # the state the run's last chunk leaves: the window all prefix, nothing pending
             self._window, self._pending, self._prefix, self._last = done, b"", text, None
-            self._clean = _REPLACEMENT not in text  # valid UTF-8 (a U+FFFD of its own: the long way, same text)
+            self._clean = _REPLACEMENT not in text  # valid UTF-8
         return text + _joined_steps(self.step, tokens[run:]) if run < len(tokens) else text
 
     def step(self, token: int) -> str | None:
-        """Add one token; the new text, or None while there is none (DecodeStream's rule)."""
         if self._clean:
             try:
                 text = self._texts[token]
-            except IndexError:  # an id past the vocabulary (a padded LM head)
+            except IndexError:
                 text = None
-            if text is not None:  # the window's text plus this whole-character text: all of it new
+            if text is not None:
                 self._last = token  # the window is now this token (set when the shortcut ends)
                 return text
             self._clean = False
@@ -296,7 +247,7 @@ class JoinedStream:
         if not self._prefix:
             self._take_prefix()
         raw = self._raw
-        pending = self._pending + (raw[token] if token < len(raw) else b"")  # `_bytes`, inlined
+        pending = self._pending + (raw[token] if token < len(raw) else b"")
         string = (self._window + pending).decode("utf-8", "replace")
         prefix = self._prefix
         if string.endswith(_REPLACEMENT) or len(string.encode()) <= len(prefix.encode()):
@@ -314,8 +265,6 @@ class JoinedStream:
 
 
 class DecodeSteps:
-    """`DecodeStream` itself, for decoders that do not qualify, with the same two methods."""
-
     __slots__ = ("step",)
 
     def __init__(self, hf: HFTokenizer, context: list[int], skip_special_tokens: bool):
@@ -323,7 +272,6 @@ class DecodeSteps:
         self.step: Callable[[int], str | None] = functools.partial(stream.step, hf)
 
     def extend(self, tokens: list[int]) -> str:
-        """`step` over `tokens`, its chunks joined."""
         return _joined_steps(self.step, tokens)
 
 
@@ -335,8 +283,6 @@ Stream = JoinedStream | TextStream | DecodeSteps
 
 
 def text_stream(hf: HFTokenizer, context: list[int], skip_special_tokens: bool) -> Stream:
-    """A sequence's stream after the prompt tokens `context`: a `JoinedStream` or a `TextStream` when the
-    tokenizer's decoder qualifies, else `DecodeStream` (`DecodeSteps`)."""
     table = stream_table(hf, skip_special_tokens)
     if table is not None and table.joins_bytes:
         return JoinedStream(table, context)

@@ -1,8 +1,6 @@
 """Request validation shared by an engine and a front end that has no model (the API process).
 
-`tokenize_prompt` turns a prompt (text, token ids, or vLLM's prompt dicts) into token ids;
-`check_request` raises ValueError for anything a model with this vocabulary, context and
-tokenizer cannot run. Neither changes any state.
+Neither function changes any state.
 """
 
 from __future__ import annotations
@@ -14,9 +12,7 @@ from treeserve.sampling_params import SamplingParams, ScoreParams
 
 
 def check_text_length(tokenizer: Tokenizer, text: str, max_model_len: int) -> None:
-    """Raise ValueError, without tokenising, for a text that cannot fit in `max_model_len`
-    tokens (twice the bound, for normalisers that drop characters): tokenising megabytes
-    holds the GIL for seconds, and such a prompt is refused anyway."""
+    """Raise ValueError, before tokenising (which holds the GIL), for a text over twice `max_model_len`."""
     limit = 2 * max_model_len * tokenizer.max_token_chars
     if len(text) > limit:
         raise ValueError(

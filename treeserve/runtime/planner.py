@@ -1,21 +1,8 @@
 """The memory planner: what each model's weights and activations take, and what is left for KV pages.
 
-For every model it measures the weights (bytes of its parameters and buffers), the
-activation peak of one forward pass at `max_num_batched_tokens` (the largest batch its
-scheduler builds: a real step on a throwaway arena, bytes allocated above the start,
-tracked by the PyTorch profiler on CPU and by the CUDA allocator on GPU) and the other
-overhead (process memory the loads added beyond the weights: tokenizers, kernels, libraries).
-What each load added is reported as it was measured (`ModelMemory.loaded`: RSS on a CPU, with
-the size of the checkpoint's files beside it, the yardstick llama.cpp's mapped load is near).
-Then, as in the thesis, Mem_KV = Mem_budget - activations - weights - other, where the budget
-is a byte count or a fraction of the memory free when the runtime started; or the KV bytes
-are given directly (`kv_cache_memory`) and the breakdown only reports. The KV bytes become
-pages: one arena of equal pages shared by all models, or per-model arenas for a static split.
-Activation peaks are summed, not maxed: the runtime steps one engine at a time, but each
-keeps its allocator's cache. One number is estimated, not measured: the sampler's peak at
-`max_num_seqs` rows (logits, probabilities and their running sum, 12 bytes per row and
-vocabulary entry), since the probe step scores rather than samples. `MemoryPlan.sources`
-says how each number was obtained on the plan's device.
+Measured per model: weights, the activation peak of one `max_num_batched_tokens` step (summed
+over models: each keeps its allocator's cache) and the rest its load added. As in the thesis,
+Mem_KV = budget - activations - weights - other, unless the KV bytes are given.
 """
 
 from __future__ import annotations
@@ -43,37 +30,33 @@ class ModelMemory:
     weights: int
     activation_peak: int
     token_bytes: int  # of its KV pages: 1 byte a value with kv_cache_dtype "fp8_e4m3"
-    sampler_peak: int = 0  # estimated: max_num_seqs x vocab x SAMPLER_BYTES_PER_LOGIT
-    other: int = 0  # process memory its load added beyond its weights (tokenizer, libraries)
-    loaded: int = 0  # process memory its load added (measured: RSS on a CPU, device memory on CUDA)
-    checkpoint_bytes: int = 0  # its files' size on disk (a GGUF file; a directory's *.safetensors)
-    block_size: int = 0  # tokens per page (set by the plan)
+    sampler_peak: int = 0
+    other: int = 0  # process memory its load added beyond its weights
+    loaded: int = 0  # process memory its load added (RSS on a CPU)
+    checkpoint_bytes: int = 0
+    block_size: int = 0
     page_bytes: int = 0
     num_pages: int = 0  # pages of its own arena (static split); the whole shared arena otherwise
     kv_fraction: float | None = None  # static split share; None: the shared arena
-    quantization: str | None = None  # the formats its weights run in ("gguf:Q5_0+Q8_0", "int8"); None: dense
-    kv_cache_dtype: str = "auto"  # what its KV pages hold (EngineConfig's)
-    # a parallel model: {"tensor_parallel_size": k, "pipeline_parallel_size": p, "ranks": [{"rank",
-    # "weights", "kv_bytes"}, ...]}; the rest of this plan is rank 0's (its shard or stage, its
-    # heads' or layers' pages); each other rank holds what it reported, in a process of its own
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    # a parallel model: its sizes and {"rank", "weights", "kv_bytes"} per rank; the rest is rank 0's
     parallel: dict | None = None
-    # CUDA graphs of its decode steps (engine/cuda_graphs.py), measured at capture: {"sizes",
-    # "capture_s", "memory_bytes" (free device memory before capture minus after)}; None: none
-    graphs: dict | None = None
+    graphs: dict | None = None  # its CUDA graphs' {"sizes", "capture_s", "memory_bytes"}
 
 
 @dataclass
 class MemoryPlan:
     device: str
-    total_memory: int  # the device's memory
-    free_at_start: int  # free when the runtime started, before any model loaded
+    total_memory: int
+    free_at_start: int
     budget: int | None  # bytes for weights + activations + other + KV (None: KV bytes given directly)
     kv_bytes: int
     shared: bool
-    page_bytes: int = 0  # of the shared arena
-    num_pages: int = 0  # of the shared arena
+    page_bytes: int = 0
+    num_pages: int = 0
     models: list[ModelMemory] = field(default_factory=list)
-    sources: dict[str, str] = field(default_factory=dict)  # how each number was obtained (measured/estimated)
+    sources: dict[str, str] = field(default_factory=dict)
 
     @property
     def weights(self) -> int:
@@ -81,7 +64,6 @@ class MemoryPlan:
 
     @property
     def activations(self) -> int:
-        """Measured forward peaks plus the estimated sampler peaks."""
         return sum(m.activation_peak + m.sampler_peak for m in self.models)
 
     @property
@@ -161,7 +143,6 @@ LOADED_CUDA = "device memory after a load minus before it"
 
 
 def sources(device: torch.device) -> dict[str, str]:
-    """How the plan's numbers are obtained on `device`: measured (by what) or estimated (how)."""
     cuda = device.type == "cuda"
     return {
         "total_memory": "measured: " + ("torch.cuda.mem_get_info" if cuda else "sysconf physical pages"),
@@ -177,10 +158,8 @@ def sources(device: torch.device) -> dict[str, str]:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of a model's parameters, buffers and quantised weights (a GGUF file's memory-mapped
-    blocks at their size in the file), each byte counted once: the union of the tensors' byte
-    ranges (views of one storage, as the laid-out matrices carved from shared mappings are,
-    count what they cover, not the whole storage)."""
+    """Bytes of a model's parameters, buffers and quantised weights, each byte counted once (the
+    union of the tensors' byte ranges: views of one storage count what they cover)."""
     tensors = list(model.state_dict().values())
     for weight in quantized_weights(model).values():
         tensors += [t for part in weight.parts for t in (part.data, part.scales) if t is not None]
@@ -196,7 +175,6 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def checkpoint_bytes(path: str) -> int:
-    """Bytes of a checkpoint's weight files: a GGUF file's size, or a directory's *.safetensors."""
     if os.path.isfile(path):
         return os.path.getsize(path)
     if not os.path.isdir(path):
@@ -217,7 +195,7 @@ def activation_peak(engine: LLMEngine) -> int:
         params = ScoreParams([n - 1], token_ids=[0] if has_head else [], return_hidden_states=not has_head)
         engine.add_request(f"memory-probe-{i}", [1] * n, params)
     with engine.uncounted():  # the probe is not work the engine did for anyone
-        peak = _peak_bytes(lambda: engine.step_plain(), engine.device)  # on this thread: the profiler sees it
+        peak = _peak_bytes(lambda: engine.step_plain(), engine.device)
     for i in range(len(lengths)):
         engine.abort(f"memory-probe-{i}")
     engine.check_pages_idle()
@@ -241,10 +219,8 @@ def _peak_bytes(fn: object, device: torch.device) -> int:
 
 
 def _allocations(fn: object) -> list[tuple[int, int]]:
-    """(time, bytes) of every allocation (+) and free (-) of PyTorch's CPU allocator during `fn()`,
-    from the profiler's memory events. The profiler's C++ side is driven directly:
-    `torch.profiler.profile` would import torch._dynamo and torch._inductor on the way in (~1.5 s
-    of every run's start-up) for the same events."""
+    """(time, bytes) of every allocation (+) and free (-) of PyTorch's CPU allocator during `fn()`.
+    The profiler's C++ side is driven directly: `torch.profiler.profile` imports torch._dynamo."""
     from torch._C._profiler import ProfilerActivity, ProfilerConfig, ProfilerState, _ExperimentalConfig
     from torch.autograd import _disable_profiler, _enable_profiler, _prepare_profiler
 
@@ -261,10 +237,8 @@ def _allocations(fn: object) -> list[tuple[int, int]]:
 
 
 def default_budget(device: torch.device) -> tuple[int | None, float | None]:
-    """(kv_cache_memory, memory_fraction) when neither those nor a memory_budget are given: on CUDA
-    GPU_MEMORY_FRACTION of the memory free at start for both models' weights, activations and
-    the shared KV (vLLM's gpu_memory_utilization); on a CPU DEFAULT_KV_CAP bytes of KV (the
-    machine's memory is the other programs' too)."""
+    """(kv_cache_memory, memory_fraction) when none is given: on CUDA GPU_MEMORY_FRACTION of the
+    free memory for everything (vLLM's gpu_memory_utilization); on a CPU DEFAULT_KV_CAP bytes of KV."""
     if device.type == "cuda":
         return None, GPU_MEMORY_FRACTION
     return DEFAULT_KV_CAP, None
@@ -303,10 +277,8 @@ def plan(
     memory_budget: int | None = None,
     memory_fraction: float | None = None,
 ) -> MemoryPlan:
-    """Measure the engines and size their KV. `kv_fractions` None: one shared arena;
-    `loaded_bytes`: process memory each model's load added. Give exactly one of
-    `kv_cache_memory` (KV bytes), `memory_budget` (bytes for everything) or `memory_fraction`
-    (of `free_at_start`)."""
+    """Measure the engines and size their KV (`kv_fractions` None: one shared arena). Give exactly
+    one of `kv_cache_memory`, `memory_budget` (bytes for everything) or `memory_fraction`."""
     check_budget(kv_cache_memory, memory_budget, memory_fraction)
     device = next(iter(engines.values())).device
     models = []
@@ -351,8 +323,6 @@ def plan(
 
 
 def record_pages(plan: MemoryPlan, engines: dict[str, LLMEngine]) -> None:
-    """Copy the page layout the engines were given (block sizes, page bytes, page counts) and
-    their CUDA graphs' measured cost into `plan`."""
     for m in plan.models:
         engine = engines[m.name]
         m.graphs = engine.graph_stats
@@ -361,7 +331,7 @@ def record_pages(plan: MemoryPlan, engines: dict[str, LLMEngine]) -> None:
             engine.arena.pages.page_bytes,
             engine.blocks.num_blocks,
         )
-        if m.parallel and engine.ranks is not None:  # what each other rank reported holding
+        if m.parallel and engine.ranks is not None:
             m.parallel["ranks"] = [
                 {"rank": r, "weights": part["weights"], "kv_bytes": m.num_pages * m.block_size * part["kv_token_bytes"]}
                 for r, part in enumerate(engine.ranks.parts, start=1)

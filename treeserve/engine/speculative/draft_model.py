@@ -1,13 +1,8 @@
-"""A draft model for speculative decoding: a smaller model of the same vocabulary proposes k
-tokens greedily, the target verifies them (see `speculator.py`).
+"""A draft model for speculative decoding: a smaller model of the same vocabulary proposes k tokens greedily.
 
-The draft keeps a KV cache per target sequence in the target's page arena: its own view of the
-same pages (as many of its tokens per page as fit, like a PRM sharing the arena) and its own
-block tables in the same page pool, so its pages come from and go back to the one budget. Each
-step, a drafting sequence first catches the draft up on the tokens it has not seen (a prompt,
-or the target's last tokens), which yields the first drafted token, then runs k - 1 single-token
-forwards for the rest. After verification the draft's cache keeps what the target accepted.
-Drafting never preempts anything: a sequence the pool cannot give pages to drafts nothing.
+Its KV lives in the target's arena and page pool (its own view of the pages and its own block
+tables). Each step a drafting sequence catches the draft up on the tokens it has not seen, which
+yields the first drafted token, then runs k - 1 single-token forwards. Drafting never preempts.
 """
 
 from __future__ import annotations
@@ -54,10 +49,9 @@ class DraftModel:
         self.layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
         self.attn_scale = cfg.attn_scale
         self.device = device
-        self.states: dict[int, DraftSeq] = {}  # target seq_id -> its draft cache
+        self.states: dict[int, DraftSeq] = {}
 
     def attach(self, pages: PageArena, pool: PagePool, backend: AttentionBackend, model_id: str) -> None:
-        """Use `pages` and `pool` (the target's) for the draft's KV."""
         block_size = pages.page_bytes // self.layout.token_bytes
         if block_size < 1:
             raise ValueError(f"draft model {self.path!r} needs more KV bytes per token than a page holds")
@@ -79,7 +73,7 @@ class DraftModel:
     def propose(self, wanting: list[tuple[Sequence, int]]) -> None:
         """Set `seq.draft` (k greedy tokens) for each (sequence, k) the pool has pages for."""
         items: list[tuple[DraftSeq, int, int]] = []  # (draft cache, first position, tokens to compute)
-        ends: dict[int, int] = {}  # id(draft) -> its length with all k drafted tokens
+        ends: dict[int, int] = {}
         for seq, k in wanting:
             draft = self._sync(seq)
             start, end = draft.num_computed_tokens, len(seq.token_ids) + k - 1  # catch up, then k - 1 drafted
@@ -104,9 +98,8 @@ class DraftModel:
             seq.draft = self.states[seq.seq_id].token_ids[len(seq.token_ids) :]
 
     def _sync(self, seq: Sequence) -> DraftSeq:
-        """The draft cache of `seq`, cut back to the longest prefix its tokens still share with
-        the target's (drafted tokens the target rejected are dropped), leaving the last token to
-        compute (its logits give the first drafted token)."""
+        """The draft cache of `seq`, cut back to the prefix it shares with the target's tokens,
+        leaving the last token to compute (its logits give the first drafted token)."""
         draft = self.states.get(seq.seq_id)
         if draft is None:
             draft = self.states[seq.seq_id] = DraftSeq(list(seq.token_ids))
@@ -127,7 +120,6 @@ class DraftModel:
         return draft
 
     def release(self, seq: Sequence) -> None:
-        """The target sequence ended or was preempted: its draft pages go back to the pool."""
         draft = self.states.pop(seq.seq_id, None)
         if draft is not None:
             self.blocks.release(draft.block_table)

@@ -1,8 +1,6 @@
 """Prompt lookup: drafts read from text already seen, and one sequence's drafting state.
 
-Tokens are characters here (code point = token id), so an n-gram lookup is `str.rfind` over
-the sequence's own tokens or a draft group's corpus (see `speculator.py`). `DraftState` is what a
-sequence keeps between steps: its tokens as such a string and its adaptive draft length.
+Tokens are characters here (code point = token id), so an n-gram lookup is `str.rfind`.
 """
 
 from __future__ import annotations
@@ -15,10 +13,8 @@ MAX_PAUSE_STEPS = 64
 
 @dataclass
 class DraftState:
-    """One sequence's speculation state: its tokens as text (for lookups), its adaptive k."""
-
     k: int
-    text: str = ""  # token_ids as a string, one character (code point = token id) per token
+    text: str = ""
     misses: int = 0  # verifications in a row that accepted nothing
     paused_until: int = 0  # engine step before which this sequence drafts nothing
 
@@ -28,8 +24,7 @@ class DraftState:
         return self.text
 
     def adapt(self, drafted: int, accepted: int, limit: int, step: int) -> None:
-        """After a verification: all accepted -> one more next time; some -> one more than that;
-        none (twice in a row or more) -> pause for 2, 4, ... 64 steps, then try 1."""
+        """Some accepted -> one more than that; none, twice or more -> pause 2, 4, ... 64 steps, then 1."""
         if accepted == drafted:
             self.k, self.misses = min(limit, drafted + 1), 0
         elif accepted:
@@ -42,9 +37,7 @@ class DraftState:
 
 
 def lookup(corpus: str, own_end: int, suffix: str, k: int) -> list[int]:
-    """The up to `k` tokens after the latest occurrence of `suffix` in `corpus` whose
-    continuation is not empty (the occurrence at `own_end`, the sequence's own suffix, has
-    none; neither has one that a separator follows). Tokens are characters: `str.rfind`."""
+    """Up to `k` tokens after the latest occurrence of `suffix` in `corpus` that has a continuation."""
     end = len(corpus)
     while (at := corpus.rfind(suffix, 0, end)) >= 0:
         start = at + len(suffix)
@@ -56,8 +49,7 @@ def lookup(corpus: str, own_end: int, suffix: str, k: int) -> list[int]:
 
 
 def propose_lookup(corpus: str, own_end: int, tokens: str, k: int, n_min: int, n_max: int) -> list[int]:
-    """Prompt lookup: the longest suffix n-gram (n_max down to n_min) of `tokens` found in
-    `corpus` with a continuation decides the draft."""
+    """The draft after the longest suffix n-gram (n_max down to n_min) of `tokens` found in `corpus`."""
     for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
         draft = lookup(corpus, own_end, tokens[len(tokens) - n :], k)
         if draft:

@@ -1,18 +1,9 @@
-"""Speculative decoding: where drafts come from, and how many to draft (the setting: `config.py`).
+"""Speculative decoding: which sequences draft, how many tokens, and from where (docs/speculative-decoding.md).
 
-A speculating sequence runs its last sampled token plus k drafted tokens in one forward; the
-engine samples the target at every one of those positions with that position's own seeded
-uniform and keeps drafted tokens while they equal the target's sample (`engine/postprocess.py`).
-Since every token is the one plain decoding samples, outputs are identical to decoding without
-speculation, greedy or sampled; drafts only decide how many tokens one forward yields.
-
-Drafts come from prompt lookup (`ngram`: the sequence's own prompt and output), from the text
-of the other sequences of the same search (`tree`: siblings and cousins of a beam, which the
-search layer groups by passing a `draft_group` with each request), or from a smaller draft
-model of the same vocabulary (`model`: see `draft_model.py`). Each sequence drafts
-`num_speculative_tokens` at most and adapts: after a partial acceptance it drafts one more
-than it accepted, and after repeated rejections it stops drafting for a growing number of
-steps, so a workload whose drafts fail pays little.
+The target samples every drafted position with that position's own seeded uniform and keeps
+drafted tokens while they equal its samples, so outputs equal plain decoding's. Drafts come
+from prompt lookup (`ngram`), a draft group's text (`tree`) or a draft model (`model`); a
+sequence's draft length adapts, pausing after repeated rejections.
 """
 
 from __future__ import annotations
@@ -34,8 +25,6 @@ FINISHED_KEPT = 64  # finished sequences of a group still searched for drafts
 
 @dataclass
 class DraftStats:
-    """Cumulative counters of one engine (vLLM's names where it has them)."""
-
     method: str
     num_drafts: int = 0  # sequence-steps that verified a draft
     num_draft_tokens: int = 0
@@ -43,7 +32,6 @@ class DraftStats:
 
     @property
     def mean_acceptance_length(self) -> float:
-        """Tokens one speculating forward yields per sequence on average (accepted + the target's)."""
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
     def as_dict(self) -> dict:
@@ -58,14 +46,12 @@ class DraftStats:
 
 
 class DraftGroups:
-    """The sequences of each draft group (live, and the last FINISHED_KEPT finished), for `tree`."""
-
     def __init__(self) -> None:
         self.groups: OrderedDict[str, Group] = OrderedDict()
 
     def join(self, key: str) -> Group:
         group = self.groups.pop(key, None) or Group()
-        self.groups[key] = group  # most recently used last
+        self.groups[key] = group
         while len(self.groups) > GROUPS_KEPT:
             self.groups.popitem(last=False)
         return group
@@ -79,15 +65,14 @@ class DraftGroups:
 
 @dataclass
 class Group:
-    live: dict[int, Sequence] = field(default_factory=dict)  # seq_id -> a member still decoding
+    live: dict[int, Sequence] = field(default_factory=dict)
     finished: list[str] = field(default_factory=list)
     corpus: str = ""
     corpus_step: int = -1
     offsets: dict[int, int] = field(default_factory=dict)  # seq_id -> end of its tokens in corpus
 
     def build(self, step: int) -> None:
-        """The group's text as one corpus (finished members first, then live ones, each followed
-        by a separator), once per engine step; members that finished move to `finished`."""
+        """The group's text as one corpus (finished members, then live ones), once per engine step."""
         if self.corpus_step == step:
             return
         for seq_id, seq in list(self.live.items()):
@@ -106,13 +91,11 @@ class Group:
 
 
 class Speculator:
-    """One engine's drafting: which sequences draft this step, and how many tokens."""
-
     def __init__(self, config: SpeculativeConfig, draft_model: DraftModel | None = None):
         self.config = config
         self.stats = DraftStats(config.method)
         self.groups = DraftGroups()
-        self.draft_model = draft_model  # method "model"
+        self.draft_model = draft_model
         self.step = 0
 
     def propose(self, running: list[Sequence], max_model_len: int) -> None:
@@ -150,7 +133,6 @@ class Speculator:
         seq.drafting.adapt(drafted, accepted, self.config.num_speculative_tokens, self.step)
 
     def release(self, seq: Sequence) -> None:
-        """`seq` ended or was preempted (a draft model's pages for it go back to the pool)."""
         if self.draft_model is not None:
             self.draft_model.release(seq)
 
@@ -166,8 +148,7 @@ class Speculator:
 
     @staticmethod
     def _room(seq: Sequence, max_model_len: int) -> int:
-        """How many tokens `seq` may draft now: 0 unless it is decoding without logit edits, a
-        constraint or a thinking budget; never past max_tokens or the context."""
+        """How many tokens `seq` may draft now (0 with logit edits, a constraint or a thinking budget)."""
         params = seq.request.params
         if params is None or seq.num_uncomputed != 1 or seq.pending_forks or seq.num_output_tokens == 0:
             return 0
