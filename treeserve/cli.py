@@ -39,7 +39,7 @@ ASSETS = Path(__file__).parent / "assets"
 DEFAULT_GENERATOR = ASSETS / "arith-generator"
 DEFAULT_PROBLEMS = ["Compute ((12 + 7) * 3) - 15.", "Compute (((9 * 4) - 6) + 11) - 8."]
 REASONING_PARSERS = ["deepseek_r1", "qwen3"]  # server/reasoning.py's PARSERS (not imported: it loads torch)
-SAMPLING_FLAGS = ("n", "temperature", "top_p", "max_tokens", "stop", "seed")  # generate's, SearchConfig's
+SAMPLING_FLAGS = ("n", "temperature", "top_p", "max_tokens", "stop", "seed")
 
 
 def _default_model() -> Path:
@@ -168,12 +168,12 @@ def _search_flag(f: Field, default: object) -> tuple[list[str], dict]:
     if "metavar" in meta:
         options["metavar"] = meta["metavar"]
     name = "--" + f.name.replace("_", "-")
-    if kind == "bool":  # a flag that turns it on, or off where it is on by default
+    if kind == "bool":
         return [f"--no-{name[2:]}" if default else name], options | {"action": f"store_{not default}".lower()}
     if kind == "list[str]":
         return [name], options | {"action": "append", "default": None}
     parse = {"int": int, "float": float}.get(kind)
-    if parse is float and default is not None and "None" in f.type:  # a number, or "off"
+    if parse is float and default is not None and "None" in f.type:
         parse = _number_or_off
     return [name], options | {"default": default} | ({"type": parse} if parse else {})
 
@@ -234,7 +234,7 @@ def _apply_config_file(args: argparse.Namespace) -> None:
 
     budget_keys = ("kv_cache_memory", "memory_budget", "memory_fraction")
     budget_given = any(getattr(args, key, None) is not None for key in budget_keys)
-    for key, value in read_config(args.config).items():  # only the memory and engine settings' keys
+    for key, value in read_config(args.config).items():
         if key in budget_keys and budget_given:
             continue  # a budget flag replaces the file's budget, whichever kind
         if getattr(args, key, None) is None:

@@ -1,7 +1,5 @@
-"""Engine settings: which model, which dtype, how much KV memory, how big a batch, how to speculate.
-
-Owns validation of engine-level settings (clear `ValueError`s before anything loads).
-The memory budget is resolved to a page count in `kv/arena.py`, not here.
+"""One engine's settings (`EngineConfig`): model, dtype, KV memory, batch limits, speculation,
+parallelism; checked with clear `ValueError`s before anything loads.
 """
 
 from __future__ import annotations
@@ -22,8 +20,8 @@ from treeserve.models.quantized_checkpoint import read_scheme
 
 log = logging.getLogger(__name__)
 
-DEFAULT_KV_CAP = 1 << 30  # a CPU engine's KV when not told: at most this (and kv_cache_fraction of free memory)
-GPU_MEMORY_FRACTION = 0.9  # on CUDA, the share of free memory an engine or a runtime takes (vLLM's default)
+DEFAULT_KV_CAP = 1 << 30  # a CPU engine's KV when not told: at most this
+GPU_MEMORY_FRACTION = 0.9  # on CUDA, the share of free memory an engine or a runtime takes (vLLM's)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # what the KV pages hold: "auto" the model's dtype; "fp8_e4m3" one byte a value, scaled per layer
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn}
@@ -49,9 +47,7 @@ ASYNC_ENV = "TREESERVE_ASYNC_SCHEDULING"
 
 
 def resolve_async_scheduling(value: bool | None, device: str, speculating: bool) -> bool:
-    """`async_scheduling` as an engine runs it. Unset (None): on with CUDA; on a CPU as the
-    environment's TREESERVE_ASYNC_SCHEDULING says (0 or 1), else off; off with speculative
-    decoding, which cannot be combined with it."""
+    """`async_scheduling` as an engine runs it (None: EngineConfig.async_scheduling's default)."""
     if value is not None and not isinstance(value, bool):
         raise ValueError(f"async_scheduling must be True, False or None (the default), got {value!r}")
     if value and speculating:
@@ -77,9 +73,8 @@ def check_parallel(
     speculating: bool = False,
     backend: str = "mp",
 ) -> None:
-    """Parallel sizes against the devices (`backend` "mp": this host's; a Ray cluster's are
-    checked when its placement group is made), the formats and the model's shapes (its config
-    only: before any weight loads); ValueError naming the numbers."""
+    """Parallel sizes against this host's devices ("mp"), the formats and the model's shapes (its
+    config only); ValueError naming the numbers."""
     if backend not in EXECUTOR_BACKENDS:
         raise ValueError(f"distributed_executor_backend must be one of {list(EXECUTOR_BACKENDS)}, got {backend!r}")
     for name, size in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
@@ -122,18 +117,13 @@ def check_parallel(
 
 @dataclass
 class SpeculativeConfig:
-    """vLLM's `speculative_config` keys: `method` (ngram | tree | model; a `model` path alone
-    means a draft model), `num_speculative_tokens` (k, the most drafted per step),
-    `prompt_lookup_min` / `prompt_lookup_max` (n-gram lengths the lookups match),
-    `disable_by_batch_size` (no drafting in steps with more running sequences)."""
+    """vLLM's `speculative_config` keys (a `model` path alone means method "model")."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     model: str | None = None
-    # no drafts in a step with more running sequences than this (vLLM v0's key): a large batch
-    # is compute-bound on a CPU, so verifying drafts costs about what decoding them would
     disable_by_batch_size: int | None = None
 
     @classmethod
@@ -218,44 +208,26 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     block_size: int = 16
-    # KV memory budget: bytes if given, else a fraction of the device's memory free once the weights
-    # are in: kv_cache_fraction of it, at most DEFAULT_KV_CAP bytes, on a CPU; GPU_MEMORY_FRACTION
-    # of it on CUDA (the arena is allocated and zeroed up front, like vLLM's).
+    # KV bytes; None: a share of the memory free after the weights (kv_budget)
     kv_cache_memory: int | None = None
     kv_cache_fraction: float = 0.25
-    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES (docs/memory.md: an FP8 KV cache)
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     enable_prefix_caching: bool = True
     seed: int = 0
     model_id: str = ""  # salts prefix-cache hashes so two models never share a page
-    # "int8": quantise a Hugging Face checkpoint per channel at load; "gguf": run a GGUF file's
-    # quantised blocks as they are (the default for a GGUF file on a CPU); None: dense weights
+    # "int8": quantise per channel at load; "gguf": run a GGUF file's blocks (its default on a CPU)
     quantization: str | None = None
-    dequantize: bool = False  # load a GGUF file dense (dequantised), as before quantised kernels
-    # what quantised matmuls take activations as: "int8" (rounded to 8 bits a 32-block, llama.cpp's
-    # way: fastest at a few rows) or "bf16" (as they are; on an AMX CPU the weights dequantised into
-    # bf16 tiles, the dequantised model's bits: fastest from ~32 rows on). See README.
-    quant_activations: str = "int8"
-    # speculative decoding, vLLM's dict: {"method": "ngram" | "tree", "num_speculative_tokens": k,
-    # "prompt_lookup_min": a, "prompt_lookup_max": b} or {"model": DIR, "num_speculative_tokens": k}
-    speculative_config: dict | str | SpeculativeConfig | None = None
-    # overlapped steps (vLLM's name): the host schedules step t+1 and builds its inputs while the
-    # device runs step t. None: on with CUDA; on a CPU (a worker thread runs the forward), the
-    # environment's TREESERVE_ASYNC_SCHEDULING=0|1, else off (README: where it pays on a CPU).
-    # Speculative decoding drafts from the last token, so it steps without overlap.
+    dequantize: bool = False  # load a GGUF file dense
+    quant_activations: str = "int8"  # what quantised matmuls take activations as: "int8" | "bf16"
+    speculative_config: dict | str | SpeculativeConfig | None = None  # vLLM's dict (SpeculativeConfig)
+    # schedule step t+1 while the device runs t (None: on with CUDA; CPU: TREESERVE_ASYNC_SCHEDULING)
     async_scheduling: bool | None = None
-    # tensor and pipeline parallelism (vLLM's names): the model split over this many ranks, rank 0
-    # here and the others in processes the engine starts (models/sharding.py, distributed/); a
-    # rank that does not answer within parallel_timeout_s (it died or hangs) fails the requests
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    parallel_timeout_s: float = 60.0
-    # how ranks 1..k-1 start: "mp" (processes on this host) or "ray" (actors in a placement group
-    # of the Ray cluster this process joins: other hosts too; distributed/ray_ranks.py)
-    distributed_executor_backend: str = "mp"
-    # CUDA graphs for decode-only steps (engine/cuda_graphs.py), on by default on CUDA with the
-    # Triton backend; enforce_eager=True (vLLM's name) runs every step eagerly. cuda_graph_sizes:
-    # the batch-size buckets captured (None: 1, 2, 4, 8, then steps of 8 up to max_num_seqs)
-    enforce_eager: bool = False
+    parallel_timeout_s: float = 60.0  # a rank silent this long fails the requests
+    distributed_executor_backend: str = "mp"  # how ranks 1..k-1 start: "mp" (this host) | "ray"
+    enforce_eager: bool = False  # no CUDA graphs for decode steps
+    # the batch sizes captured (None: 1, 2, 4, 8, then steps of 8 up to max_num_seqs)
     cuda_graph_sizes: list[int] | None = None
 
     def __post_init__(self) -> None:

@@ -1,11 +1,8 @@
 """Which device and attention backend an engine runs on, and how much memory that device has.
 
-`resolve_device` and `resolve_attention_backend` turn the user's settings (or their
-defaults: CUDA when torch sees a GPU, the Triton kernels there and the C kernels on a CPU)
-into checked values, with an error naming the fix before any model loads. The memory
-queries serve the engine (its own KV budget) and the runtime's memory planner: CPU numbers
-come from /proc and sysconf, CUDA numbers from `torch.cuda.mem_get_info` and the caching
-allocator (tests substitute those queries; no GPU has run them yet).
+`resolve_device` and `resolve_attention_backend` check the user's settings (or pick the
+defaults) before any model loads. The memory queries read /proc and sysconf on a CPU,
+`torch.cuda.mem_get_info` on CUDA.
 """
 
 from __future__ import annotations
@@ -40,8 +37,7 @@ def resolve_device(device: str | None) -> str:
 
 
 def resolve_attention_backend(backend: str | None, device: str) -> str:
-    """The attention backend: `backend`, checked against `device`, or the device's default
-    ("triton" on CUDA, "cpu" (the C kernels, SDPA where they do not apply) on a CPU)."""
+    """`backend` checked against `device`, or the device's default ("triton" on CUDA, "cpu")."""
     kind = torch.device(device).type
     if backend is None:
         backend = "triton" if kind == "cuda" else "cpu"
@@ -61,7 +57,7 @@ def resolve_attention_backend(backend: str | None, device: str) -> str:
 
 
 def available_memory(device: torch.device) -> int:
-    """Bytes the device can still give us (free memory, not counting reclaimable caches twice)."""
+    """Bytes the device can still give (free memory)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     with open("/proc/meminfo") as f:
@@ -76,10 +72,8 @@ def total_memory(device: torch.device) -> int:
 
 
 def process_memory(device: torch.device) -> int:
-    """Bytes in use on `device` now: this process's resident set on a CPU; on CUDA the device's
-    used memory (total - free), which, unlike the allocator's reserve, also counts the CUDA
-    context, cuBLAS workspaces and kernels' code that a model load brings (the difference across
-    a load is what the load took, other processes' changes aside)."""
+    """Bytes in use on `device`: this process's resident set on a CPU; on CUDA total - free,
+    which also counts the CUDA context and workspaces a load brings."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return total - free
@@ -88,10 +82,7 @@ def process_memory(device: torch.device) -> int:
 
 
 def release_free_heap() -> None:
-    """Give the C heap's free pages back to the system (glibc's `malloc_trim`; nothing where the C
-    library has none). A model load frees temporaries glibc would otherwise keep resident: building
-    Gemma 3's tokenizer from its GGUF vocabulary (half a million merges made in Python, copied into
-    `tokenizers`) leaves ~50 MB of them."""
+    """Give the C heap's free pages back to the system (glibc's `malloc_trim`, where there is one)."""
     try:
         trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
@@ -100,7 +91,7 @@ def release_free_heap() -> None:
 
 
 def cpu_model() -> str:
-    """The CPU's model name as the kernel reports it (benchmarks name the machine they ran on)."""
+    """The CPU's model name as the kernel reports it."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")

@@ -1,7 +1,6 @@
 """The offline API, shaped like vLLM's `LLM`: generate, chat, and a forward-only `score`.
 
-Every call validates all of its inputs before submitting any of them, so a bad prompt in
-a list leaves the engine untouched. Outputs come back in input order.
+A call validates every input before submitting any; outputs come back in input order.
 """
 
 from __future__ import annotations
@@ -63,11 +62,8 @@ class LLM:
         return self._run(prompts, params)
 
     def score(self, token_ids: list[list[int]], params: ScoreParams | Seq[ScoreParams]) -> list[ScoreOutput]:
-        """Forward only: log-probs of `params.token_ids` (and hidden states) at `params.positions`.
-
-        Pages written here enter the prefix cache, so a later call that extends the same
-        sequences computes only the new tokens.
-        """
+        """Forward only: log-probs of `params.token_ids` (and hidden states) at `params.positions`;
+        the pages enter the prefix cache."""
         return self._run([{"prompt_token_ids": t} for t in token_ids], params)
 
     def _run(self, prompts: list[Prompt], params: object) -> list:

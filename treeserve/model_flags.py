@@ -1,12 +1,8 @@
-"""The command line's per-model flags, made once from one table for every subcommand.
+"""The command line's per-model flags, made from one table (`MODEL_FLAGS`) for every subcommand.
 
-Owns `MODEL_FLAGS`, one row per `ModelSettings` field a user sets: the generator's flag
-(`--quantization`), the PRM's (`--prm-quantization`) and the verifier's (`--verifier-quantization`),
-their options and help. `add_model_flags` adds them to a subcommand (the PRM's and the verifier's
-too when it loads them); `model_settings` reads one model's `ModelSettings` back from the parsed
-flags. Rows marked `both` are flags that have always set both models: the PRM's or verifier's own
-flag (`--prm-enforce-eager`) overrides, and left out it follows the generator's. Nothing here
-runs a model.
+Each row is a `ModelSettings` field: the generator's flag (`--quantization`), the PRM's
+(`--prm-quantization`) and the verifier's. A row marked `both` sets every model unless the
+model's own flag is given. `model_settings` reads one model's settings back from the flags.
 """
 
 from __future__ import annotations
@@ -25,10 +21,10 @@ LIKEWISE = "the PRM's, likewise"
 class ModelFlag:
     field: str  # the ModelSettings field it sets
     options: dict = field(default_factory=dict)  # add_argument's keywords but help (the generator's flag's)
-    help: str | None = None  # the generator's flag's help
-    prm_help: str | None = LIKEWISE  # the PRM's flag's help
-    generator: bool = True  # the generator has this flag
-    prm: bool = True  # the PRM has this flag
+    help: str | None = None
+    prm_help: str | None = LIKEWISE
+    generator: bool = True
+    prm: bool = True
     both: bool = False  # the generator's flag sets the PRM's (and verifier's) too, unless its own is given
     verifier: bool | None = None  # the verifier has this flag (None: as the PRM)
     verifier_help: str | None = None  # the verifier's flag's help (None: "the verifier's, likewise")

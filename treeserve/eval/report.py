@@ -1,20 +1,7 @@
-"""Results documents of an evaluation run: build, write, read and validate them.
+"""Results documents of an evaluation run: build, write, read, validate and upgrade them.
 
-Owns the results JSON `treeserve eval` writes::
-
-    {"config": {...},            # what ran (strategy, n, models, dataset, seeds...), free-form
-     "summary": {...},           # accuracy, accuracy_rule (the config's selection), accuracy_by_rule,
-                                 # problems_per_s, accuracy_by_level, naive@n, weighted@n,
-                                 # majority@n, pass@n, pass@N, num_problems, wall_time_s,
-                                 # generated_tokens, prm_tokens_prefilled, prm_unique_tokens,
-                                 # prefix_hit_rate, ...
-     "problems": [{"unique_id", "level", "problem", "answer", "pred", "correct",
-                   "completions": [{"text", "answer", "step_scores", "score", "correct", "group"}]}],
-     "counters": {...}}          # the run's raw counters (summed over resumed sessions and shards)
-
-and `grade_problems`, the glue from a search's raw output (texts and step scores per problem)
-to graded `ProblemOutcome`s. Throughput and cache numbers come in as `RunStats`: the caller
-measures them; this module never calls an engine.
+A document is {"config", "summary", "problems", "counters"} (docs/eval.md); `grade_problems`
+turns a search's texts and step scores into graded `ProblemOutcome`s. It never calls an engine.
 """
 
 from __future__ import annotations
@@ -58,7 +45,7 @@ class RunStats:
     generated_tokens: int = 0
     prm_tokens_prefilled: int = 0  # tokens the PRM actually computed (prefix-cache misses)
     prm_unique_tokens: int = 0  # distinct tokens the PRM had to read (the lower bound of the above)
-    prefix_hit_rate: float | None = None  # share of prompt tokens served by the prefix cache
+    prefix_hit_rate: float | None = None
 
 
 def grade_problems(
@@ -71,15 +58,9 @@ def grade_problems(
     agg: str = "last",
     reasoning: bool = False,
 ) -> list[ProblemOutcome]:
-    """Grade every completion of every problem at once and choose each problem's final answer.
-
-    `records` are dataset records (`load_dataset`; a record without `grader` is graded as
-    `"math"`), `completions[i]` the completions of `records[i]`. The final answer is
-    `preds[i]` when the strategy chose one (a text with a `\\boxed{}` or a bare answer), else
-    the completion `selection` picks at N under `agg`. With `reasoning`, a completion's answer is
-    read after its `</think>` (`extract_answer`).
-    Equivalent answers share a `group` (the grader's canonical keys).
-    """
+    """Grade every completion of every problem at once and choose each problem's answer:
+    `preds[i]` when the strategy chose one, else the completion `selection` picks under `agg`.
+    A record without `grader` is graded as "math"; equivalent answers share a `group`."""
     if len(records) != len(completions):
         raise ValueError(f"{len(records)} records but completions for {len(completions)} problems")
     if preds is not None and len(preds) != len(records):
@@ -160,7 +141,7 @@ def problem_record(p: ProblemOutcome, agg: str = "last") -> dict:
                 "step_scores": [_finite(s) for s in c.step_scores],
                 "score": _finite(aggregate_scores(c.step_scores, agg)),
                 "correct": bool(c.correct),
-                "group": c.group,  # its class of equivalent answers (majority and weighted votes)
+                "group": c.group,
             }
             for c in p.completions
         ],
@@ -258,8 +239,7 @@ def read_results(path: str | Path) -> dict:
     return document
 
 
-# results written before each model had settings of its own held them as flat keys: these
-# applied to both models, these to the generator, these (renamed) to the PRM
+# flat per-model keys of old results: both models', the generator's, the PRM's (renamed)
 _OLD_BOTH = ("dequantize", "quant_activations", "async_scheduling", "enforce_eager", "distributed_executor_backend")
 _OLD_GENERATOR = ("quantization", "speculative_config", "tensor_parallel_size", "pipeline_parallel_size")
 _OLD_PRM = {
@@ -272,12 +252,9 @@ _OLD_PRM = {
 
 
 def upgrade_config(config: Mapping[str, Any]) -> dict:
-    """A results document's (or journal's) config in today's form. One written before each model
-    had its own settings (`generator` and `prm` paths beside flat keys, the PRM's `prm_`-prefixed,
-    `engine_args` per model) gets `generator` and `prm` sections (`ModelSettings`), the keys it
-    lacks at today's defaults. Search settings added since it was written are filled in at their
-    defaults (the same run), except `budget_fraction` of an adaptive run without `budget_tokens`:
-    one written before the run picked its own budget ran without one (None)."""
+    """A results document's (or journal's) config in today's form: flat per-model keys become
+    `generator` and `prm` sections, search settings added since are filled in at their defaults
+    (an adaptive run from before the picked budget ran without one)."""
     config = dict(config)
     if isinstance(config.get("search"), Mapping):
         search = dict(config["search"])

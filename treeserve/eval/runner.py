@@ -1,8 +1,5 @@
-"""One evaluation run: dataset -> runtime (generator + PRM, and a verifier when given) -> search
--> grading -> results JSON.
-
-Everything that can be wrong with the inputs (dataset lines, strategy, n vs beam width,
-model directories) is checked before any model is loaded or any problem is searched.
+"""One evaluation run: dataset -> runtime (generator, PRM, verifier) -> search -> grading ->
+results JSON. Bad inputs are refused before any model loads.
 """
 
 from __future__ import annotations
@@ -50,15 +47,14 @@ class EvalSettings:
     dataset: str = "arith:level=4,5,size=40,seed=0"
     generator: ModelSettings = field(default_factory=lambda: ModelSettings(DEFAULT_GENERATOR))
     prm: ModelSettings | None = field(default_factory=lambda: ModelSettings(DEFAULT_PRM))  # None: majority only
-    # an outcome reward model that re-ranks the completions every strategy returns (SearchContext.verifier)
-    verifier: ModelSettings | None = None
-    runtime: RuntimeSettings = field(default_factory=RuntimeSettings)  # dtype, device, memory: both models'
-    memory_report: str | None = None  # write the memory plan (JSON) here
-    page_logs: bool = False  # put every engine's per-step page statistics in the results
+    verifier: ModelSettings | None = None  # an outcome RM re-ranking every strategy's completions
+    runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
+    memory_report: str | None = None
+    page_logs: bool = False
     reference: bool = False
-    limit: int | None = None  # only the first `limit` problems
+    limit: int | None = None
     shard: str | None = None  # "i/k": of those, problems i, i+k, i+2k, ... (`treeserve merge` joins shards)
-    selection: str | None = None  # override DEFAULT_SELECTION[strategy] (metrics.py)
+    selection: str | None = None
     progress: bool = True
 
     def answer_rule(self, strategy: str) -> str:
@@ -122,14 +118,10 @@ def run_eval(
     resume: bool = False,
     grace: float | None = None,
 ) -> dict:
-    """Search and grade `settings.dataset` (or the `inline` records) and return the results document.
-
-    With `output`, every finished problem goes to its journal (`journal.journal_path(output)`)
-    as it finishes, a journal left by an earlier run of the same config is resumed (`resume`
-    demands one), and the document is written to `output` at the end (atomically; the journal
-    is then removed). With `grace`, SIGINT/SIGTERM stop admitting problems, give those in
-    flight `grace` seconds, and raise `Interrupted`.
-    """
+    """Search and grade `settings.dataset` (or `inline` records); the results document. With
+    `output`, finished problems go to its journal, an earlier run's journal is resumed (`resume`
+    demands one) and the document is written there. With `grace`, SIGINT/SIGTERM give problems
+    in flight `grace` seconds, then raise `Interrupted`."""
     records = load_problems(settings, inline)
     check_reasoning(settings, config)
     if settings.reference:
@@ -226,7 +218,7 @@ class Recorder:
     selection: str
     agg: str
     counters: Callable[[], dict[str, int]]
-    reasoning: bool = False  # answers read after `</think>` (SearchConfig.reasoning)
+    reasoning: bool = False
     start: float = field(default_factory=time.perf_counter)
 
     def add(
@@ -255,10 +247,8 @@ def finish(
     sections: dict | None = None,
     stopped: int | None = None,
 ) -> dict:
-    """The results document from the journal's records (in `records`' order) and counters, plus
-    `extra_summary` and top-level `sections`; with `output`, written there atomically and the
-    journal removed. Raises `Interrupted` (the journal kept) when a problem is missing: the run
-    was stopped, by the signal `stopped`."""
+    """The results document from the journal (with `output`, written there and the journal
+    removed); `Interrupted` when a problem is missing (the run was stopped by `stopped`)."""
     if len(journal.records) < len(records):
         journal.close()
         raise Interrupted(stopped or signal.SIGINT, len(journal.records), len(records), journal.path)
@@ -301,7 +291,7 @@ async def _search(
     loop = asyncio.get_running_loop()
 
     def on_signal(signum: int) -> None:
-        if caught:  # a second signal: stop now
+        if caught:
             task.cancel()
             return
         caught.append(signum)
@@ -358,7 +348,7 @@ def run_counters(runtime: Runtime, ctx: SearchContext) -> dict[str, int]:
         out |= {f"{name}_preemptions": engine.scheduler.num_preemptions, f"{name}_steps": runtime.steps[name]}
         out[f"{name}_generated_tokens"] = engine.num_generated_tokens
         out[f"{name}_computed_tokens"] = engine.num_computed_tokens
-        out[f"{name}_busy_ms"] = round(runtime.busy_s[name] * 1000)  # time inside its steps
+        out[f"{name}_busy_ms"] = round(runtime.busy_s[name] * 1000)
         if engine.speculator is not None:
             spec = engine.speculator.stats
             out[f"{name}_spec_drafts"] = spec.num_drafts

@@ -1,10 +1,7 @@
 """What an API process needs of a model it does not hold: its tokenizer and request checks.
 
-The engine-core process loads the models; it describes each one (`ModelInfo`: path,
-effective `max_model_len`, vocabulary, EOS ids) and the API process builds a `Frontend`
-from that. A `Frontend` tokenises and validates requests with the functions the engine
-itself runs (`engine/validation.py`), so a request the API accepts is one the engine accepts,
-and bad input is answered without a round trip to the core.
+The core process describes each model (`ModelInfo`); a `Frontend` checks requests with the
+engine's own functions (engine/validation.py), so bad input is answered without the core.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """One process, several named engines, one async API for search programs.
 
-Search programs `await runtime.generate(...)` and `await runtime.score(...)` from as many
-concurrent tasks as they like. A single driver task steps every engine that has work, in
-turn, so while the PRM scores one problem the generator extends another, and batches fill
-up across problems. Bad input raises in the caller before anything is queued.
+Search programs `await runtime.generate(...)` and `runtime.score(...)` from many tasks; one
+driver task steps every engine that has work in turn, so batches fill across problems. Bad
+input raises in the caller before anything is queued.
 """
 
 from __future__ import annotations
@@ -30,9 +29,7 @@ from treeserve.sampling_params import RequestOutputKind, SamplingParams, ScorePa
 
 
 def check_constraint(constraint: StructuredOutputsParams) -> None:
-    """Raise ValueError naming what is wrong if `constraint` does not compile. Needs no model,
-    so callers check their input before any loads; each engine checks every request again
-    against its own tokenizer (an empty language, too few `max_tokens`)."""
+    """ValueError naming what is wrong if `constraint` does not compile (needs no model)."""
     grammar_of(constraint)
 
 
@@ -56,25 +53,18 @@ class ModelSpec:
     name: str
     path: str
     kv_fraction: float | None = None  # None: the shared arena; else this share of KV (a static split)
-    block_size: int = 16  # preferred tokens per page (the shared arena may give fewer; see kv/arena.py)
+    block_size: int = 16  # preferred tokens per page (a shared arena may give fewer)
     engine_args: dict = field(default_factory=dict)  # this model's EngineConfig settings (max_num_seqs, ...)
 
 
-# event-loop turns given to search programs after each engine step: a program awaiting a gather of
-# its beams' outputs needs about three (the beams' tasks finish, the gather completes, the program
-# runs on to its next request), so its next request makes the next engine's step
+# event-loop turns search programs get after each engine step, so their next requests make the
+# next engine's step: the beams' tasks finish, the gather completes, the program goes on
 REACTION_YIELDS = 3
 
 
 def freeze_heap() -> None:
-    """Put every object alive now (modules, models, tokenizers' tables) out of the cyclic
-    collector's reach, as vLLM's engine core does once it has started (`freeze_gc_heap`). The
-    collector's full passes then walk only what serving allocates (requests, sequences, outputs),
-    not the few hundred thousand objects of a loaded process: ~5 us of host time per
-    sequence-step at 256 streamed sequences on a runtime driven in-process (BENCHMARKS "Host
-    cost, third pass"; the server's core process froze its heap before, eval and search did
-    not). Frozen objects are still freed when their last reference goes; `Runtime.close`
-    unfreezes them."""
+    """Put every object alive now out of the cyclic collector's reach (vLLM's `freeze_gc_heap`):
+    its passes then walk only what serving allocates. `Runtime.close` unfreezes them."""
     gc.collect()
     gc.freeze()
 
@@ -86,7 +76,6 @@ class Runtime:
         self.engines = engines
         self._futures: dict[tuple[str, str], asyncio.Future] = {}
         self._early: dict[tuple[str, str], asyncio.Future] = {}  # speculations' first steps
-        # streams' sinks: each of their outputs goes in as the driver reads it back, then the error
         self._streams: dict[tuple[str, str], Callable[[RequestOutput | Exception], None]] = {}
         self._ids = itertools.count()
         self._wake: asyncio.Event | None = None
@@ -108,12 +97,10 @@ class Runtime:
         device: str | None = None,
         attention_backend: str | None = None,
     ) -> Runtime:
-        """Load every model, plan memory (`planner.py`: one of `kv_cache_memory` bytes of KV, a
-        `memory_budget` in bytes for everything, or a `memory_fraction` of free memory; none:
-        `planner.default_budget`) and give the models KV pages: one shared arena when no spec has
-        a `kv_fraction`, else a static split whose fractions add up to 1. `overlap_models` (CUDA):
-        each model steps on a CUDA stream of its own, the first spec's at the higher priority; the
-        page pool's fences order a page one model releases before the other writes it."""
+        """Load every model, plan memory (planner.py: one of `kv_cache_memory`, `memory_budget`,
+        `memory_fraction`, or `planner.default_budget`) and give the models KV pages: one shared
+        arena, or a static split when every spec has a `kv_fraction`. `overlap_models` (CUDA):
+        each model on a stream of its own, the first spec's at the higher priority."""
         fractions = [s.kv_fraction for s in specs]
         shared = all(f is None for f in fractions)
         if not shared and (None in fractions or abs(sum(fractions) - 1.0) > 1e-6):
@@ -143,8 +130,6 @@ class Runtime:
             release_free_heap()  # the engine trims the heap after its load: what was freed before is not the load's
             before = process_memory(device)
             engines[name] = LLMEngine(config, attach_kv=False)
-            # RSS can also fall during a load (the kernel reclaiming pages another part of the
-            # process freed): never a negative load
             loaded[name] = max(0, process_memory(device) - before)
         memory = planner.plan(
             engines,
@@ -189,12 +174,10 @@ class Runtime:
         device: str | None = None,
         attention_backend: str | None = None,
     ) -> Runtime:
-        """A generator (engine "generator") and, when given, a PRM ("prm") and a verifier
-        ("verifier", an outcome RM; shared arena only) with `kv_cache_memory` bytes of KV: one
-        shared arena, or a static split giving the PRM a `prm_kv_fraction` share. `engine_args`:
-        per-model EngineConfig settings. The models that only score prefer 4-token pages (a PRM
-        request recomputes at most 3 cached tokens before its new step); in a shared arena the
-        smaller page wins, so the generator gets them too."""
+        """Engines "generator", "prm" and "verifier" (an outcome RM; shared arena only): one
+        shared arena, or a static split giving the PRM `prm_kv_fraction`. `engine_args`: per
+        model. Scoring models prefer 4-token pages (a PRM request recomputes at most 3 cached
+        tokens); in a shared arena the smaller page wins."""
         args = engine_args or {}
         if prm and args.get("prm", {}).get("speculative_config") is not None:
             raise ValueError("a PRM only scores (one forward per input): speculative decoding is for the generator")
@@ -218,7 +201,6 @@ class Runtime:
             attention_backend,
         )
 
-    # ---- the API search programs use -------------------------------------------------
     def tokenizer(self, model: str) -> Tokenizer:
         return self._engine(model).tokenizer
 
@@ -242,11 +224,9 @@ class Runtime:
         params: SamplingParams,
         sink: Callable[[RequestOutput | Exception], None],
     ) -> str:
-        """Submit a request whose outputs (as `params.output_kind` says) go to `sink` as the
-        driver reads each step back, or the error that fails it; returns its id for
-        `close_stream`. `sink` runs in the driver, so it must not block. Bad input raises here,
-        with nothing queued. (`generate_stream` is the awaitable form; the engine-core process
-        encodes outputs in its sinks, with no coroutine woken per request and step.)"""
+        """Submit a request whose outputs (as `params.output_kind` says), or the error that fails
+        it, go to `sink` as the driver reads each step back; returns its id. `sink` runs in the
+        driver: it must not block."""
         engine = self._engine(model)
         request_id = str(next(self._ids))
         engine.add_request(request_id, prompt, params, stream=True)
@@ -255,21 +235,17 @@ class Runtime:
         return request_id
 
     def close_stream(self, model: str, request_id: str) -> None:
-        """Stop a stream whose consumer went away: its request is aborted and its pages go back
-        (nothing, when it had ended)."""
+        """Abort a stream whose consumer went away (nothing, when it had ended)."""
         if self._streams.pop((model, request_id), None) is not None:
             self.engines[model].abort(request_id)
 
     async def generate_stream(
         self, model: str, prompt: str | list[int] | dict, params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs after engine steps that touched it, as `params.output_kind`
-        says: the whole so far (cumulative: the newest one only, when several arrived while the
-        consumer was busy), what is new (delta: those merged), or the end only; the last one
-        with `finished=True`. Closing the iterator early (a client that went away) aborts the
-        request and returns its pages."""
+        """The request's outputs as `params.output_kind` says (cumulative: the newest; delta:
+        merged), the last with `finished=True`. Closing the iterator early aborts the request."""
         slot = OutputSlot(delta=params.output_kind is RequestOutputKind.DELTA)
-        request_id = self.open_stream(model, prompt, params, slot.put)  # raises on bad input, nothing queued
+        request_id = self.open_stream(model, prompt, params, slot.put)
         finished = False
         try:
             while not finished:
@@ -302,14 +278,13 @@ class Runtime:
             if future is not None and not future.done():
                 future.cancel()
 
-    # ---- driving the engines ---------------------------------------------------------
     def _engine(self, model: str) -> LLMEngine:
         if model not in self.engines:
             raise ValueError(f"unknown model {model!r}; this runtime hosts {sorted(self.engines)}")
         return self.engines[model]
 
     def forget_draft_group(self, model: str, draft_group: str) -> None:
-        """The group's requests are all done (a problem's search ended): drop its drafting text."""
+        """A problem's search ended: drop its drafting text."""
         speculator = self._engine(model).speculator
         if speculator is not None:
             speculator.forget_group(draft_group)
@@ -353,7 +328,7 @@ class Runtime:
             stepped = []
             for name, engine in self.engines.items():
                 if not engine.has_unfinished_requests():
-                    continue  # (outputs of the engine stepped before may have given it work: then it steps now)
+                    continue
                 stepped.append(name)
                 start = time.perf_counter()
                 try:
@@ -376,8 +351,8 @@ class Runtime:
                         self._early.pop(key).set_result(out)
                     if out.finished and (future := self._futures.pop(key, None)) and not future.done():
                         future.set_result(out)
-                for _ in range(REACTION_YIELDS):  # the search programs react (the PRM's requests follow the
-                    await asyncio.sleep(0)  # generator's outputs) before the next engine schedules
+                for _ in range(REACTION_YIELDS):
+                    await asyncio.sleep(0)
             stuck = set(stepped) if stepped and all(self.engines[name].stalled for name in stepped) else set()
             await asyncio.sleep(0)
 
@@ -405,7 +380,7 @@ class Runtime:
             self._driver = None
         for engine in self.engines.values():
             engine.close()
-        gc.unfreeze()  # what `load` froze can be collected again (a process that loads another runtime)
+        gc.unfreeze()
 
     def check_pages_idle(self) -> None:
         for engine in self.engines.values():

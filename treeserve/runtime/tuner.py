@@ -1,12 +1,8 @@
-"""The min-max tuner's rule and its settings file (thesis section 7.2).
+"""The min-max tuner's rule (thesis section 7.2) and its settings file (`--config`).
 
-Given, for every KV split i and batch setting j, the generator's and the PRM's throughput
-T_LLM[i, j] and T_PRM[i, j], pick i* = argmax_i max_j min(T_LLM[i, j], T_PRM[i, j]): the
-setting under which the slower of the two models is fastest. The two throughputs are in
-different units (generated tokens against scored tokens), so each is first divided by its
-best value over the grid; min then compares how close each model is to its own best. The
-chosen setting is written as a JSON settings file that `eval` and `serve` read with
-`--config`.
+Pick the KV split and batch setting under which the slower model is fastest:
+argmax over the grid of min(T_LLM / best T_LLM, T_PRM / best T_PRM), each throughput divided
+by its own best (they count different tokens).
 """
 
 from __future__ import annotations
@@ -21,9 +17,9 @@ CONFIG_KEYS = {"kv_cache_memory", "memory_budget", "memory_fraction", "prm_kv_fr
 class GridPoint:
     prm_kv_fraction: float | None  # None: the shared arena
     engine_args: dict  # {"generator": {...}, "prm": {...}}
-    generator_throughput: float  # generated tokens per second of generator step time
-    prm_throughput: float  # PRM tokens computed per second of PRM step time
-    problems_per_min: float  # end to end (reported, not used by the rule)
+    generator_throughput: float  # generated tokens / s of generator step time
+    prm_throughput: float  # PRM tokens computed / s of PRM step time
+    problems_per_min: float  # reported, not used by the rule
 
 
 def choose(points: list[GridPoint]) -> tuple[GridPoint, list[float]]:
@@ -44,7 +40,7 @@ def write_config(path: str, kv_cache_memory: int, prm_kv_fraction: float | None,
 
 
 def read_config(path: str) -> dict:
-    """A settings file from `treeserve tune` (or written by hand): only the known keys."""
+    """A settings file (`treeserve tune`'s, or by hand): only the known keys."""
     try:
         with open(path) as f:
             config = json.load(f)

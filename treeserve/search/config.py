@@ -28,8 +28,7 @@ STRATEGIES = (
 AGGREGATIONS = ("last", "min", "prod")
 # strategies whose own rule spends the budget: they take no adaptive search and no decode-ahead
 OWN_BUDGET = ("rebase", "particle_filtering", "mcts")
-# the softmax temperature over rewards unless `reward_temperature` is given: REBASE's T_b over step
-# scores, particle filtering's over their log-odds
+# the softmax temperature over rewards unless `reward_temperature` is given (REBASE's T_b)
 REWARD_TEMPERATURES = {"rebase": 0.2, "particle_filtering": 1.0}
 # an unset step_regex / answer_regex: any text without a blank line (the separator); a step is not empty
 ANY_STEP = r"(?:[^\n]|\n[^\n])+"
@@ -164,7 +163,7 @@ class SearchConfig:
             )
         if self.fixed_steps and self.decode_ahead:
             raise ValueError("fixed_steps has no step boundaries to decode past: use decode_ahead=0")
-        SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens)  # validates
+        SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens)
         self._check_adaptive()
         self._check_rewards()
         self._check_constraints()

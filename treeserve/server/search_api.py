@@ -1,10 +1,8 @@
 """`/v1/search`: one problem, one strategy, over the server's generator and PRM.
 
-A request becomes a `SearchConfig` and a `SearchContext` of its own over the shared runtime (so
-concurrent searches batch in the engines). Answers are chosen as `treeserve eval` chooses,
-comparing stripped strings; the response names the rule and every rule's pick. `stream` sends
-progress events; `trace` returns the trace. With `deadline_s` the search is cancelled at the
-deadline and answers from the scored beams it held (`stop.reason` "deadline"; none: 400).
+A request becomes a `SearchConfig` (protocol.search_config) and a `SearchContext` over the
+shared runtime. Answers are chosen as `treeserve eval` chooses. With `deadline_s` the search
+answers from the scored beams it held at the deadline.
 """
 
 from __future__ import annotations
@@ -60,7 +58,7 @@ def search_context(served: Served, req: SearchRequest) -> tuple[SearchContext, P
     if config.strategy != "majority":
         if served.prm is None:
             raise ValueError(f"strategy {config.strategy!r} needs a PRM; start the server with --prm DIR")
-        prm = copy.copy(served.prm)  # its own counter hooks
+        prm = copy.copy(served.prm)
     if req.verify and served.verifier is None:
         raise ValueError(
             "verify: true needs a verifier, and this server has none: start it with --verifier DIR "
@@ -92,7 +90,7 @@ def search_context(served: Served, req: SearchRequest) -> tuple[SearchContext, P
             f"the problem's prompt ({len(problem.prompt_ids)} tokens) leaves no room within "
             f"the context of {limit} tokens"
         )
-    return ctx, problem  # its seeds depend on (seed, question, beam path)
+    return ctx, problem
 
 
 class HeldBeams:
@@ -148,7 +146,7 @@ async def _until_deadline(ctx: SearchContext, problem: Problem, seconds: float) 
         search.cancel()
         expired.cancel()
         await asyncio.gather(search, expired, return_exceptions=True)
-    if not search.cancelled():  # it ended first
+    if not search.cancelled():
         return search.result()
     beams = held.beams()
     if not beams:
@@ -173,7 +171,7 @@ async def run_search(served: Served, req: SearchRequest, ctx: SearchContext, pro
     result["spent"] = problem.spent
     if req.trace:
         result["trace"] = ctx.traces.take(problem, beams, seconds)
-        result["problem"] = problem.question  # a conversation's last user turn
+        result["problem"] = problem.question
     return result
 
 
@@ -258,7 +256,7 @@ async def stream_search(served: Served, req: SearchRequest, ctx: SearchContext, 
             result = error_body(500, str(e))
         yield f"data: {json.dumps(result)}\n\n"
         yield "data: [DONE]\n\n"
-    finally:  # the client went away
+    finally:
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
