@@ -126,6 +126,9 @@ def hook_kernels(timers: Timers, engines: list) -> None:
         for name in ("sample", "sample_masked"):
             if hasattr(mod, name):
                 timers.wrap(mod, name, "draw")
+    sampler = importlib.import_module("treeserve.engine.sampler")
+    if hasattr(sampler, "draw_rows"):  # the sampler's one entry to the draws (sample_masked calls sample)
+        timers.wrap(sampler, "draw_rows", "draw")
 
 
 def count_schedule(engines: list) -> list[int]:
