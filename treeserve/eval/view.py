@@ -54,7 +54,7 @@ UNITS = {"beam_search": "iteration", "dvts": "wave"}  # the unit adaptive decisi
 
 def stop_line(stop: dict | None, search: dict) -> str | None:
     """E.g. "stopped at iteration 3: settled (certainty 0.93 >= 0.9), widths 4 > 8 > 16", from a
-    `stop` record (`SearchContext.decide`'s or a `/v1/search` deadline's); None without one."""
+    `stop` record (`Budget.decide`'s or a `/v1/search` deadline's); None without one."""
     if not stop or "reason" not in stop:
         return None
     reason = stop["reason"]
