@@ -1,10 +1,11 @@
 """The CPU attention and rope kernels against the PyTorch paths they replace, on search's shapes.
 
     OMP_NUM_THREADS=1 python bench/kernels.py [--repeats 5]
+    python bench/kernels.py --rates [--threads 1,2] [--against OLD/cpu_kernels.c]
 
 Cases (bf16, pages laid out as the engine's arena lays them out, one layer of four):
 * prefill: chunks of queries over cached prefixes, `cpu_kernels.paged_prefill` against the
-  portable path (`AttentionBatch._attend`: gather pages, SDPA with a padded mask). The PRM's
+  portable path (`SdpaBackend.attend`: gather pages, SDPA with a padded mask). The PRM's
   scoring steps (53 sequences x 6 new tokens over 150 cached, 8 query / 4 KV heads of 32 dims)
   and a Gemma-3-270M-shaped prompt (2048 tokens, 4 / 1 heads of 256 dims).
 * decode: one query per sequence, `cpu_kernels.paged_decode` against the same portable path;
@@ -13,6 +14,10 @@ Cases (bf16, pages laid out as the engine's arena lays them out, one layer of fo
   beams of one problem share the prefix cache's pages.
 * rope: `cpu_kernels.rope_bf16` against the three PyTorch ops (240 tokens, 8 heads of 32).
 Prints the median time of each over `--repeats` runs of ~0.3 s and the ratio.
+
+`--rates` (issue 90): paged prefill attention at the PRM's shapes (`PRM_SHAPES`: many sequences
+each adding 10-100 tokens over 100-500 cached), per kernel path, as KV GB/s and FLOP/s against
+the bf16 matmul's FLOP/s measured in the same run (`rates`).
 """
 
 from __future__ import annotations
@@ -23,13 +28,16 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from treeserve.engine.attention import AttentionBatch, SeqGroup  # noqa: E402
+from treeserve.engine.attention import SdpaBackend, SeqGroup  # noqa: E402
 from treeserve.kernels import cpu as cpu_kernels  # noqa: E402
 from treeserve.kv.arena import KVArena  # noqa: E402
+from treeserve.layers.linear import Linear  # noqa: E402
 from treeserve.layers.rotary import RotaryEmbedding, _rotate_half, rope_inv_freq  # noqa: E402
 
 
@@ -49,8 +57,53 @@ def attention_case(
     seqs: int, queries: int, context: int, dim: int, heads: tuple[int, int], block: int, shared: float = 0.0
 ) -> tuple[Callable[[], object], Callable[[], object]]:
     """(kernel, portable path) for `seqs` sequences computing their last `queries` of `context` tokens."""
+    case = paged_case([queries] * seqs, [context] * seqs, dim, heads, block, shared)
+    scale = dim**-0.5
+    if queries == 1:
+        return lambda: cpu_kernels.paged_decode(
+            case.q, case.k_cache, case.v_cache, case.tables, case.ctx, scale, None
+        ), case.portable
+    return lambda: cpu_kernels.paged_prefill(*case.prefill_args(), scale, None, case.out), case.portable
+
+
+@dataclass
+class PagedCase:
+    """Sequences' queries over their KV pages, laid out as the engine's arena lays them out."""
+
+    q: torch.Tensor  # [sum(lens), Hq, D]
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    tables: torch.Tensor  # [B, pages]
+    starts: torch.Tensor
+    lens: torch.Tensor  # new tokens of each sequence (its queries)
+    ctx: torch.Tensor  # cached + new tokens of each sequence
+    out: torch.Tensor
+
+    def prefill_args(self) -> tuple[torch.Tensor, ...]:
+        return self.q, self.k_cache, self.v_cache, self.tables, self.starts, self.lens, self.ctx
+
+    def portable(self) -> None:
+        """The SDPA path the kernels replace: pages gathered, padded to the longest, masked."""
+        width = int(self.lens.max())
+        step = torch.arange(width)[None]
+        group = SeqGroup(
+            block_tables=self.tables,
+            context_lens=self.ctx,
+            query_index=self.starts[:, None] + torch.minimum(step, self.lens[:, None] - 1),
+            query_pos=self.ctx[:, None] - self.lens[:, None] + step,
+            query_start=self.starts,
+            query_len=self.lens,
+        )
+        SdpaBackend().attend(group, self.q, self.k_cache, self.v_cache, None, None, self.out)
+
+
+def paged_case(
+    lens: list[int], contexts: list[int], dim: int, heads: tuple[int, int], block: int, shared: float = 0.0
+) -> PagedCase:
+    """Sequence b computes its last lens[b] of contexts[b] tokens; with `shared`, groups of 15
+    sequences have that fraction of their pages in common (beams of one problem)."""
     q_heads, kv_heads = heads
-    pages = -(-context // block)
+    seqs, pages = len(lens), -(-max(contexts) // block)
     common = int(pages * shared)
     groups = seqs // 15 if shared else 0
     arena = KVArena(groups * common + seqs * (pages - common) + 1, 4, block, kv_heads, dim, torch.bfloat16, "cpu")
@@ -60,29 +113,13 @@ def attention_case(
         g = b // 15
         rows.append([*range(g * common, (g + 1) * common), *range(fresh, fresh + pages - common)])
         fresh += pages - common
-    tables = torch.tensor(rows)
-    lens = torch.full((seqs,), queries)
-    ctx = torch.full((seqs,), context)
-    starts = torch.cumsum(lens, 0) - lens
-    q = torch.randn(seqs * queries, q_heads, dim, dtype=torch.bfloat16)
+    lens_t = torch.tensor(lens)
+    q = torch.randn(int(lens_t.sum()), q_heads, dim, dtype=torch.bfloat16)
     k_cache, v_cache = arena.layer(1)
-    step = torch.arange(queries)[None]
-    group = SeqGroup(
-        block_tables=tables,
-        context_lens=ctx,
-        query_index=starts[:, None] + step,
-        query_pos=ctx[:, None] - queries + step,
-        query_valid=torch.ones(seqs, queries, dtype=torch.bool),
-        query_start=starts,
-        query_len=lens,
+    starts = torch.cumsum(lens_t, 0) - lens_t
+    return PagedCase(
+        q, k_cache, v_cache, torch.tensor(rows), starts, lens_t, torch.tensor(contexts), torch.empty_like(q)
     )
-    portable = AttentionBatch(arena=arena, slot_pages=tables, slot_offsets=tables, groups=[group])
-    out = torch.empty_like(q)
-    if queries == 1:
-        kernel = lambda: cpu_kernels.paged_decode(q, k_cache, v_cache, tables, ctx, dim**-0.5, None)  # noqa: E731
-    else:
-        kernel = lambda: cpu_kernels.paged_prefill(q, k_cache, v_cache, tables, starts, lens, ctx, dim**-0.5, None, out)  # noqa: E731
-    return kernel, lambda: portable._attend(group, q, k_cache, v_cache, None)
 
 
 def rope_case() -> tuple[Callable[[], object], Callable[[], object]]:
@@ -93,12 +130,136 @@ def rope_case() -> tuple[Callable[[], object], Callable[[], object]]:
     return lambda: cpu_kernels.rope_bf16(q, cos, sin), lambda: q * cos + _rotate_half(q) * sin
 
 
+# The PRM's scoring shapes: many sequences, each adding 10-100 tokens over a cached prefix of
+# 100-500 (no padding to the longest); (head_dim, (query heads, KV heads)), block 16.
+PRM_SHAPES = {
+    "arith pair (D 32, 8/4 heads)": (32, (8, 4)),
+    "Gemma 3 270M (D 256, 4/1 heads)": (256, (4, 1)),
+}
+MATMUL = (512, 2048, 2048)  # rows x in x out of the bf16 matmul the attention rates are set against
+
+
+def prm_case(dim: int, heads: tuple[int, int], seqs: int, seed: int = 0) -> PagedCase:
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(10, 101, (seqs,), generator=gen).tolist()
+    prefixes = torch.randint(100, 501, (seqs,), generator=gen).tolist()
+    return paged_case(lens, [p + n for p, n in zip(prefixes, lens, strict=True)], dim, heads, 16)
+
+
+def attention_work(case: PagedCase) -> tuple[float, float]:
+    """(FLOPs, KV bytes): 4 * q_heads * head_dim per (query, key it sees); each sequence's K and V once."""
+    _, q_heads, dim = case.q.shape
+    kv_heads = case.k_cache.shape[2]
+    flops = kv = 0.0
+    for n, c in zip(case.lens.tolist(), case.ctx.tolist(), strict=True):
+        keys_seen = n * (c - n) + n * (n + 1) // 2
+        flops += 4 * q_heads * dim * keys_seen
+        kv += 2 * c * kv_heads * dim * case.k_cache.element_size()
+    return flops, kv
+
+
+def prefill_from(source: Path) -> Callable[[PagedCase], None]:
+    """paged_prefill_bf16 as built from `source` (another cpu_kernels.c, its headers beside it)."""
+    lib = cpu_kernels.build(source)
+    if lib is None:
+        sys.exit(f"{source} did not build")
+    lib.paged_prefill_bf16.argtypes = cpu_kernels.load().paged_prefill_bf16.argtypes
+    lib.paged_prefill_bf16.restype = None
+
+    def run(case: PagedCase) -> None:
+        _, q_heads, dim = case.q.shape
+        block, kv_heads = case.k_cache.shape[1:3]
+        v_offset = (case.v_cache.data_ptr() - case.k_cache.data_ptr()) // case.k_cache.element_size()
+        lib.paged_prefill_bf16(
+            *(case.q.data_ptr(), case.k_cache.data_ptr(), case.k_cache.stride(0), v_offset),
+            *(case.tables.data_ptr(), case.tables.stride(0), case.starts.data_ptr(), case.lens.data_ptr()),
+            *(case.ctx.data_ptr(), case.tables.shape[0], q_heads, kv_heads, dim, block, dim**-0.5, 0),
+            *(torch.get_num_threads(), case.out.data_ptr()),
+        )
+
+    return run
+
+
+def alternated_ms(fns: dict[str, Callable[[], object]], repeats: int, window: float = 0.2) -> dict[str, float]:
+    """Median ms a call of each fn, the fns taking turns (order rotated) so drift hits all alike."""
+    names = list(fns)
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            calls, start = 0, time.perf_counter()
+            while time.perf_counter() - start < window:
+                fns[name]()
+                calls += 1
+            times[name].append((time.perf_counter() - start) / calls * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def rates(threads: list[int], repeats: int, seqs: int, against: Path | None) -> None:
+    """Paged prefill attention's GB/s and FLOP/s at the PRM shapes against the bf16 matmul's FLOP/s."""
+    m, k, n = MATMUL
+    x = torch.randn(m, k, dtype=torch.bfloat16)
+    linear = Linear(k, n, bias=False).to(torch.bfloat16)
+    weight = linear.weight.detach().clone()
+    linear.pick_kernel()
+    matmuls = {"treeserve bf16 linear": lambda: linear(x), "torch.matmul bf16": lambda: torch.matmul(x, weight.t())}
+    cases = {name: prm_case(dim, heads, seqs) for name, (dim, heads) in PRM_SHAPES.items()}
+    old = prefill_from(against) if against else None
+    paths: dict[str, Callable[[PagedCase], object]] = {
+        "C AVX512-BF16": lambda c: cpu_kernels.paged_prefill(*c.prefill_args(), c.q.shape[-1] ** -0.5, None, c.out),
+        **({f"C AVX512-BF16 ({against.name})": old} if old else {}),
+        "PyTorch SDPA (gathered, padded)": PagedCase.portable,
+    }
+    print(f"{cpu_model()}; torch {torch.__version__}; median of {repeats}; {seqs} sequences a shape")
+    for name, case in cases.items():
+        flops, kv = attention_work(case)
+        print(f"{name}: {int(case.lens.sum())} queries, {flops / 1e9:.2f} GFLOP, {kv / 1e6:.1f} MB of KV a call")
+    print("| threads | shape | path | ms | KV GB/s | GFLOP/s | of treeserve matmul | of torch.matmul |")
+    print("|---|---|---|---|---|---|---|---|")
+    for t in threads:
+        torch.set_num_threads(t)
+        fns: dict[tuple[str, str], Callable[[], object]] = {("matmul", p): fn for p, fn in matmuls.items()}
+        for shape, case in cases.items():
+            fns.update({(shape, p): (lambda fn=fn, c=case: fn(c)) for p, fn in paths.items()})
+        ms = alternated_ms(fns, repeats)
+        mm = {p: 2 * m * n * k / ms[("matmul", p)] / 1e6 for p in matmuls}
+        own, ref = mm["treeserve bf16 linear"], mm["torch.matmul bf16"]
+        for p in matmuls:
+            print(f"| {t} | matmul {m}x{k}x{n} | {p} | {ms[('matmul', p)]:.3f} | | {mm[p]:.1f} | | |")
+        for shape, case in cases.items():
+            flops, kv = attention_work(case)
+            for p in paths:
+                t_ms = ms[(shape, p)]
+                rate = flops / t_ms / 1e6
+                print(
+                    f"| {t} | {shape} | {p} | {t_ms:.3f} | {kv / t_ms / 1e6:.2f} | {rate:.1f} "
+                    f"| {rate / own:.0%} | {rate / ref:.0%} |"
+                )
+
+
+def cpu_model() -> str:
+    with open("/proc/cpuinfo") as f:
+        lines = f.read().splitlines()
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    marks = [f for f in flags if f in ("avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")]
+    return f"{model} ({', '.join(marks) or 'no AVX512-BF16/AMX'})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rates", action="store_true", help="only the prefill attention rates at PRM shapes")
+    ap.add_argument("--threads", default="1,2", help="--rates: thread counts, comma-separated")
+    ap.add_argument("--seqs", type=int, default=32, help="--rates: sequences a shape")
+    ap.add_argument("--against", type=Path, help="--rates: also time paged_prefill_bf16 built from this source")
     args = ap.parse_args()
     if not cpu_kernels.bf16_built():
         sys.exit("the bf16 kernels are not built here (no C compiler or no AVX512-BF16)")
+    if args.rates:
+        rates([int(t) for t in args.threads.split(",")], args.repeats, args.seqs, args.against)
+        return
     cases = {
         "prefill: PRM step, 53 seqs x 6 new of 150": attention_case(53, 6, 150, 32, (8, 4), 4),
         "prefill: one 2048-token prompt, Gemma 3 270M heads": attention_case(1, 2048, 2048, 256, (4, 1), 16),
