@@ -520,79 +520,161 @@ void paged_decode_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride, 
  * place: sequence b's q_lens[b] queries start at flat row q_starts[b], query i sits at
  * position ctx_lens[b] - q_lens[b] + i and sees keys [max(0, pos + 1 - window), pos + 1).
  * A work item is (sequence, KV head, tile of 16 rows), a row being one (query, query head of
- * that KV head's group). The 16 rows sit in the 16 lanes of a vector: q.k takes one bf16 dot
- * product instruction per key and pair of dims (the key's pair broadcast straight from its
- * page), the softmax runs across the rows at once, and p.v accumulates 16 dims x 16 rows in
- * registers. A row's result depends only on its own query and keys (masked keys add exact
- * zeros), never on the chunk, tile or batch around it. head_dim must be a multiple of 32. */
+ * that KV head's group), so one pass over a KV head's pages serves its query heads. The 16
+ * rows sit in the 16 lanes of a vector, and keys go in blocks of 32, FlashAttention-2's online
+ * softmax per row: q.k for 8 keys at a time (bf16 dot products, each loaded pair of q reused by
+ * the 8, the key's pair broadcast straight from its page), the block's scores, the row's running
+ * max and its exps, then p.v as bf16 dot products too (p rounded to bf16, the block's V rows
+ * interleaved a pair of keys at a time), accumulating head_dim x 16 rows in fp32.
+ * Order of sums, per row: a score is its dims' pairs summed in order in one fp32 chain, times
+ * scale; key blocks are aligned to absolute positions [32j, 32j + 32); after block j the max is
+ * m_j = max(m_{j-1}, the block's scores), and both the denominator and each output value are
+ * (their value after block j - 1) * exp(m_{j-1} - m_j), then plus the block's pairs of keys
+ * (2i, 2i + 1) in order, one dot product instruction a pair (bf16(p) times v, or times 1 for the
+ * denominator); the output is that sum times 1 / the denominator, rounded to bf16 once. Keys a
+ * row does not see, and blocks or pairs the tile skips, add exact zeros and scale by exactly 1,
+ * so a row's bits depend only on its own query and keys, never on the chunk, tile or batch
+ * around it. head_dim must be a multiple of 32. */
 #define PREFILL_TILE 16
+#define KEY_BLOCK 32
 #define MASKED_SCORE (-1e30f) /* finite: -ffast-math assumes no infinities */
+
+/* Scores of 8 keys for the tile's 16 rows: dots[u] lane l = q row l . key row kr[u], one chain
+ * a key over the pairs of dims in order. */
+static inline __attribute__((always_inline)) void qk_keys8(const __m512i *qt, const bf16 *const *kr, int pairs,
+                                                           __m512 *dots) {
+    __m512 acc[8];
+    for (int u = 0; u < 8; u++) acc[u] = _mm512_setzero_ps();
+    for (int p = 0; p < pairs; p++) {
+        const __m512bh qv = (__m512bh)_mm512_load_si512(qt + p);
+        for (int u = 0; u < 8; u++) {
+            int32_t pair;
+            memcpy(&pair, kr[u] + 2 * p, 4);
+            acc[u] = _mm512_dpbf16_ps(acc[u], qv, (__m512bh)_mm512_set1_epi32(pair));
+        }
+    }
+    for (int u = 0; u < 8; u++) dots[u] = acc[u];
+}
+
+static void qk_block(const __m512i *qt, const bf16 *const *kr, int pairs, int n, __m512 *dots) {
+    for (int j = 0; j < n; j += 8) {
+        if (pairs == 16)
+            qk_keys8(qt, kr + j, 16, dots + j); /* head_dim 32: q stays in registers */
+        else
+            qk_keys8(qt, kr + j, pairs, dots + j);
+    }
+}
+
+/* acc[a] += sum over the pairs jp in [p0, p1) of P[jp] . vp[jp][a] for 16 accumulators a (lanes:
+ * rows), scaled first by alpha where `rescale`. */
+static inline void pv_chunk(float *accp, const __m512i *P, const int32_t *vp, int vp_stride, int p0, int p1,
+                            int rescale, __m512 alpha) {
+    __m512 acc[16];
+    for (int a = 0; a < 16; a++) {
+        acc[a] = _mm512_load_ps(accp + 16 * a);
+        if (rescale) acc[a] = _mm512_mul_ps(acc[a], alpha);
+    }
+    for (int jp = p0; jp < p1; jp++) {
+        const __m512bh pv = (__m512bh)_mm512_load_si512(P + jp);
+        const int32_t *v = vp + jp * vp_stride;
+        for (int a = 0; a < 16; a++) acc[a] = _mm512_dpbf16_ps(acc[a], pv, (__m512bh)_mm512_set1_epi32(v[a]));
+    }
+    for (int a = 0; a < 16; a++) _mm512_store_ps(accp + 16 * a, acc[a]);
+}
+
+/* The dim of accumulator a: a block's V pairs hold each 32 dims as unpacklo_epi16 then
+ * unpackhi_epi16 of two keys' rows (dims 0-3, 8-11, 16-19, 24-27, then 4-7, 12-15, ...). */
+static inline int pv_dim(int a) {
+    const int c = a & ~31, i = a & 31, h = i >> 4, j = i & 15;
+    return c + (j >> 2) * 8 + h * 4 + (j & 3);
+}
 
 static void prefill_tile_bf16(const bf16 *q, int64_t q_row_stride, const bf16 *k_cache, int64_t page_stride,
                               int64_t v_offset, const int64_t *table, int block_size, int64_t token_stride,
                               int kv_head, int head_dim, int group, int64_t first_pos, int first_row, int rows,
-                              int64_t window, float scale, float *buf, bf16 *out) {
+                              int64_t window, float scale, char *buf, bf16 *out) {
     const int pairs = head_dim / 2;
     int32_t lo[PREFILL_TILE], hi[PREFILL_TILE];
-    __m512i *qt = (__m512i *)buf; /* [pairs] vectors: lane l holds dims (2p, 2p+1) of row l */
-    int32_t *qt_lanes = (int32_t *)buf;
+    __m512i *qt = (__m512i *)buf; /* [pairs]: lane l holds dims (2p, 2p+1) of row l */
+    float *accp = (float *)(qt + pairs); /* [head_dim][16]: fp32 sums of p.v */
+    __m512i *P = (__m512i *)(accp + 16 * head_dim); /* [KEY_BLOCK / 2]: lane l: bf16 p of keys 2jp, 2jp + 1 */
+    int32_t *vp = (int32_t *)(P + KEY_BLOCK / 2);   /* [KEY_BLOCK / 2][head_dim]: V pairs, see pv_dim */
+    int32_t *qt_lanes = (int32_t *)qt;
     for (int l = 0; l < PREFILL_TILE; l++) {
-        const int r = first_row + l;
-        if (l < rows) {
-            const int64_t pos = first_pos + r / group;
-            hi[l] = (int32_t)(pos + 1);
-            lo[l] = window > 0 && pos + 1 > window ? (int32_t)(pos + 1 - window) : 0;
-            const bf16 *qr = q + (int64_t)(r / group) * q_row_stride + (int64_t)(kv_head * group + r % group) * head_dim;
-            for (int p = 0; p < pairs; p++) memcpy(qt_lanes + p * PREFILL_TILE + l, qr + 2 * p, 4);
-        } else {
-            hi[l] = lo[l] = 0; /* padding lane: every key masked */
-            for (int p = 0; p < pairs; p++) qt_lanes[p * PREFILL_TILE + l] = 0;
-        }
+        const int r = first_row + (l < rows ? l : rows - 1); /* padding lanes repeat the last row, unwritten */
+        const int64_t pos = first_pos + r / group;
+        hi[l] = (int32_t)(pos + 1);
+        lo[l] = window > 0 && pos + 1 > window ? (int32_t)(pos + 1 - window) : 0;
+        const bf16 *qr = q + (int64_t)(r / group) * q_row_stride + (int64_t)(kv_head * group + r % group) * head_dim;
+        for (int p = 0; p < pairs; p++) memcpy(qt_lanes + p * PREFILL_TILE + l, qr + 2 * p, 4);
     }
-    const int64_t klo = lo[0], khi = hi[rows - 1], nk = khi - klo;
-    float *scores = buf + pairs * PREFILL_TILE; /* [nk][16] */
-    float *vf = scores + nk * PREFILL_TILE;      /* [nk][head_dim], V in fp32 */
+    memset(accp, 0, sizeof(float) * 16 * head_dim);
+    const int64_t klo = lo[0], khi = hi[PREFILL_TILE - 1];
     const __m512i vlo = _mm512_loadu_si512(lo), vhi = _mm512_loadu_si512(hi);
     const __m512 vscale = _mm512_set1_ps(scale), vmasked = _mm512_set1_ps(MASKED_SCORE);
-    __m512 vmax = vmasked;
-    int64_t page = klo / block_size, slot = klo % block_size;
-    for (int64_t t = klo; t < khi; t++, slot++) {
-        if (slot == block_size) page++, slot = 0;
-        const bf16 *row = k_cache + table[page] * page_stride + slot * token_stride + (int64_t)kv_head * head_dim;
-        const __m512 dot = dot_lanes(qt, row, pairs);
-        const __m512i vt = _mm512_set1_epi32((int32_t)t);
-        const __mmask16 valid = _mm512_cmpge_epi32_mask(vt, vlo) & _mm512_cmplt_epi32_mask(vt, vhi);
-        const __m512 s = _mm512_mask_mov_ps(vmasked, valid, _mm512_mul_ps(dot, vscale));
-        _mm512_storeu_ps(scores + (t - klo) * PREFILL_TILE, s);
-        vmax = _mm512_max_ps(vmax, s);
-        const bf16 *v = row + v_offset;
-        for (int d = 0; d < head_dim; d += 16) _mm512_storeu_ps(vf + (t - klo) * head_dim + d, bf16x16_to_ps(v + d));
-    }
-    __m512 vsum = _mm512_setzero_ps();
     const __m512 unmasked = _mm512_set1_ps(MASKED_SCORE / 2);
-    for (int64_t i = 0; i < nk; i++) {
-        const __m512 s = _mm512_loadu_ps(scores + i * PREFILL_TILE);
-        const __mmask16 keep = _mm512_cmp_ps_mask(s, unmasked, _CMP_GT_OQ);
-        const __m512 e = _mm512_maskz_mov_ps(keep, exp_ps(_mm512_sub_ps(s, vmax))); /* masked: exactly 0 */
-        _mm512_storeu_ps(scores + i * PREFILL_TILE, e);
-        vsum = _mm512_add_ps(vsum, e);
+    const __m512i ones = _mm512_set1_epi32(0x3F803F80); /* bf16 (1, 1): the denominator's pairs */
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const bf16 *values = k_cache + v_offset;
+    __m512 m = vmasked, den = _mm512_setzero_ps();
+    for (int64_t b0 = klo / KEY_BLOCK * KEY_BLOCK; b0 < khi; b0 += KEY_BLOCK) {
+        const int j0 = (int)((klo > b0 ? klo : b0) - b0), j1 = (int)((khi < b0 + KEY_BLOCK ? khi : b0 + KEY_BLOCK) - b0);
+        int64_t rowoff[KEY_BLOCK];
+        const bf16 *kr[KEY_BLOCK];
+        for (int j = 0; j < KEY_BLOCK; j++) { /* keys out of [j0, j1) read key j0's row, then are masked */
+            const int64_t t = b0 + (j < j0 || j >= j1 ? j0 : j);
+            rowoff[j] = table[t / block_size] * page_stride + t % block_size * token_stride + (int64_t)kv_head * head_dim;
+            kr[j] = k_cache + rowoff[j];
+        }
+        const int q0 = j0 / 8 * 8, q1 = (j1 + 7) / 8 * 8; /* the key octets holding [j0, j1) */
+        __m512 s[KEY_BLOCK];
+        qk_block(qt, kr + q0, pairs, q1 - q0, s + q0);
+        /* every row sees every key of the block: no masks */
+        const int full = j0 == 0 && j1 == KEY_BLOCK && lo[PREFILL_TILE - 1] <= b0 && hi[0] >= b0 + KEY_BLOCK;
+        __m512 bmax = vmasked;
+        for (int j = q0; j < q1; j++) {
+            s[j] = _mm512_mul_ps(s[j], vscale);
+            if (!full) {
+                const __m512i vt = _mm512_set1_epi32((int32_t)(b0 + j));
+                const __mmask16 valid = _mm512_cmpge_epi32_mask(vt, vlo) & _mm512_cmplt_epi32_mask(vt, vhi);
+                s[j] = _mm512_mask_mov_ps(vmasked, valid, s[j]);
+            }
+            bmax = _mm512_max_ps(bmax, s[j]);
+        }
+        const __m512 m_new = _mm512_max_ps(m, bmax);
+        const __m512 alpha = exp_ps(_mm512_sub_ps(m, m_new)); /* exactly 1 where the max stays */
+        const int rescale = _mm512_cmp_ps_mask(m_new, m, _CMP_NEQ_UQ) != 0;
+        m = m_new;
+        den = _mm512_mul_ps(den, alpha);
+        const int p0 = q0 / 2, p1 = q1 / 2; /* pairs of keys: a key out of [j0, j1) gets p = 0, V = 0 */
+        for (int jp = p0; jp < p1; jp++) {
+            __m512 e0 = exp_ps(_mm512_sub_ps(s[2 * jp], m_new)), e1 = exp_ps(_mm512_sub_ps(s[2 * jp + 1], m_new));
+            if (!full) {
+                e0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s[2 * jp], unmasked, _CMP_GT_OQ), e0);
+                e1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s[2 * jp + 1], unmasked, _CMP_GT_OQ), e1);
+            }
+            const __m512i pair = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+            _mm512_store_si512(P + jp, pair);
+            den = _mm512_dpbf16_ps(den, (__m512bh)pair, (__m512bh)ones);
+            const int k0 = 2 * jp, k1 = 2 * jp + 1;
+            int32_t *dst = vp + jp * head_dim;
+            for (int c = 0; c < head_dim; c += 32) {
+                const __m512i v0 = k0 >= j0 && k0 < j1 ? _mm512_loadu_si512(values + rowoff[k0] + c) : _mm512_setzero_si512();
+                const __m512i v1 = k1 >= j0 && k1 < j1 ? _mm512_loadu_si512(values + rowoff[k1] + c) : _mm512_setzero_si512();
+                _mm512_store_si512(dst + c, _mm512_unpacklo_epi16(v0, v1));
+                _mm512_store_si512(dst + c + 16, _mm512_unpackhi_epi16(v0, v1));
+            }
+        }
+        for (int a = 0; a < head_dim; a += 16)
+            pv_chunk(accp + 16 * a, P, vp + a, head_dim, p0, p1, rescale, alpha);
     }
-    float inv[PREFILL_TILE], tile_out[16][PREFILL_TILE];
-    _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), vsum));
-    for (int c = 0; c < head_dim; c += 16) {
-        __m512 acc[16];
-        for (int dd = 0; dd < 16; dd++) acc[dd] = _mm512_setzero_ps();
-        for (int64_t i = 0; i < nk; i++) {
-            const __m512 p = _mm512_loadu_ps(scores + i * PREFILL_TILE);
-            const float *v = vf + i * head_dim + c;
-            for (int dd = 0; dd < 16; dd++) acc[dd] = _mm512_fmadd_ps(p, _mm512_set1_ps(v[dd]), acc[dd]);
-        }
-        for (int dd = 0; dd < 16; dd++) _mm512_storeu_ps(tile_out[dd], acc[dd]);
-        for (int l = 0; l < rows; l++) {
-            const int r = first_row + l;
-            bf16 *o = out + (int64_t)(r / group) * q_row_stride + (int64_t)(kv_head * group + r % group) * head_dim + c;
-            for (int dd = 0; dd < 16; dd++) o[dd] = store_bf16(tile_out[dd][l] * inv[l]);
-        }
+    float inv[PREFILL_TILE];
+    _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), den));
+    for (int l = 0; l < rows; l++) {
+        const int r = first_row + l;
+        bf16 *o = out + (int64_t)(r / group) * q_row_stride + (int64_t)(kv_head * group + r % group) * head_dim;
+        for (int a = 0; a < head_dim; a++) o[pv_dim(a)] = store_bf16(accp[16 * a + l] * inv[l]);
     }
 }
 
@@ -602,11 +684,8 @@ void paged_prefill_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride,
                         float scale, int64_t window, int threads, bf16 *out) {
     const int group = q_heads / kv_heads;
     const int64_t token_stride = (int64_t)kv_heads * head_dim, q_row_stride = (int64_t)q_heads * head_dim;
-    int64_t items = 0, max_ctx = 0;
-    for (int b = 0; b < batch; b++) {
-        items += (q_lens[b] * group + PREFILL_TILE - 1) / PREFILL_TILE * kv_heads;
-        max_ctx = ctx_lens[b] > max_ctx ? ctx_lens[b] : max_ctx;
-    }
+    int64_t items = 0;
+    for (int b = 0; b < batch; b++) items += (q_lens[b] * group + PREFILL_TILE - 1) / PREFILL_TILE * kv_heads;
     int64_t *work = (int64_t *)malloc(sizeof(int64_t) * 3 * (items + 1)); /* (sequence, KV head, first row) */
     int64_t n = 0;
     for (int b = 0; b < batch; b++)
@@ -615,10 +694,11 @@ void paged_prefill_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride,
                 work[3 * n] = b, work[3 * n + 1] = h, work[3 * n + 2] = r;
                 n++;
             }
-    const size_t floats = (size_t)head_dim / 2 * PREFILL_TILE + (size_t)max_ctx * (PREFILL_TILE + head_dim);
+    /* qt [head_dim / 2 vectors], p.v sums [head_dim vectors], P [16 vectors], V pairs [16 x head_dim dwords] */
+    const size_t bytes = (size_t)64 * (head_dim / 2 + head_dim + KEY_BLOCK / 2 + head_dim);
     _Pragma("omp parallel num_threads(threads)")
     {
-        float *buf = (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+        char *buf = (char *)aligned_alloc(64, bytes);
         _Pragma("omp for schedule(dynamic, 1)")
         for (int64_t w = 0; w < n; w++) {
             const int64_t b = work[3 * w], h = work[3 * w + 1], r = work[3 * w + 2];
