@@ -519,27 +519,29 @@ void paged_decode_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride, 
 /* paged_prefill_bf16: causal attention of chunks of queries over their KV pages, read in
  * place: sequence b's q_lens[b] queries start at flat row q_starts[b], query i sits at
  * position ctx_lens[b] - q_lens[b] + i and sees keys [max(0, pos + 1 - window), pos + 1).
- * A work item is (sequence, KV head, tile of 16 rows), a row being one (query, query head of
- * that KV head's group), so one pass over a KV head's pages serves its query heads. The 16
- * rows sit in the 16 lanes of a vector, and keys go in blocks of 32, FlashAttention-2's online
- * softmax per row: q.k for 8 keys at a time (bf16 dot products, each loaded pair of q reused by
- * the 8, the key's pair broadcast straight from its page), the block's scores, the row's running
- * max and its exps, then p.v as bf16 dot products too (p rounded to bf16, the block's V rows
- * interleaved a pair of keys at a time), accumulating head_dim x 16 rows in fp32.
+ * A row is one (query, query head of a KV head's group); a tile is 16 rows in the 16 lanes of
+ * a vector, and a work item is (sequence, KV head, up to PREFILL_TILES consecutive tiles), so
+ * one pass over a KV head's pages serves its query heads and the item's tiles share each block
+ * of keys while it is in L1. Keys go in blocks of 32, FlashAttention-2's online softmax per
+ * row: q.k for 8 keys at a time (bf16 dot products, each loaded pair of q reused by the 8, the
+ * key's pair broadcast from its page), the block's scores, the row's running max and its exps,
+ * then p.v as bf16 dot products too (p rounded to bf16; the block's V rows interleaved a pair
+ * of keys at a time, once for the item's tiles), accumulating head_dim x 16 rows in fp32.
  * Order of sums, per row: a score is its dims' pairs summed in order in one fp32 chain, times
  * scale; key blocks are aligned to absolute positions [32j, 32j + 32); after block j the max is
  * m_j = max(m_{j-1}, the block's scores), and both the denominator and each output value are
  * (their value after block j - 1) * exp(m_{j-1} - m_j), then plus the block's pairs of keys
  * (2i, 2i + 1) in order, one dot product instruction a pair (bf16(p) times v, or times 1 for the
  * denominator); the output is that sum times 1 / the denominator, rounded to bf16 once. Keys a
- * row does not see, and blocks or pairs the tile skips, add exact zeros and scale by exactly 1,
- * so a row's bits depend only on its own query and keys, never on the chunk, tile or batch
- * around it. head_dim must be a multiple of 32. */
+ * row does not see, and blocks or pairs its tile skips, add exact zeros and scale by exactly 1,
+ * so a row's bits depend only on its own query and keys, never on the chunk, tile, item or
+ * batch around it. head_dim must be a multiple of 32. */
 #define PREFILL_TILE 16
+#define PREFILL_TILES 4 /* tiles a work item */
 #define KEY_BLOCK 32
 #define MASKED_SCORE (-1e30f) /* finite: -ffast-math assumes no infinities */
 
-/* Scores of 8 keys for the tile's 16 rows: dots[u] lane l = q row l . key row kr[u], one chain
+/* Scores of 8 keys for a tile's 16 rows: dots[u] lane l = q row l . key row kr[u], one chain
  * a key over the pairs of dims in order. */
 static inline __attribute__((always_inline)) void qk_keys8(const __m512i *qt, const bf16 *const *kr, int pairs,
                                                            __m512 *dots) {
@@ -582,99 +584,144 @@ static inline void pv_chunk(float *accp, const __m512i *P, const int32_t *vp, in
     for (int a = 0; a < 16; a++) _mm512_store_ps(accp + 16 * a, acc[a]);
 }
 
-/* The dim of accumulator a: a block's V pairs hold each 32 dims as unpacklo_epi16 then
- * unpackhi_epi16 of two keys' rows (dims 0-3, 8-11, 16-19, 24-27, then 4-7, 12-15, ...). */
-static inline int pv_dim(int a) {
-    const int c = a & ~31, i = a & 31, h = i >> 4, j = i & 15;
-    return c + (j >> 2) * 8 + h * 4 + (j & 3);
-}
+typedef struct {
+    int32_t lo[PREFILL_TILE], hi[PREFILL_TILE]; /* each lane's keys [lo, hi) */
+    __m512 m, den;                              /* running max and denominator */
+    __m512i *qt;                                /* [head_dim / 2]: lane l holds dims (2p, 2p + 1) of row l */
+    float *acc;                                 /* [head_dim][16]: p.v sums */
+} prefill_tile;
 
-static void prefill_tile_bf16(const bf16 *q, int64_t q_row_stride, const bf16 *k_cache, int64_t page_stride,
-                              int64_t v_offset, const int64_t *table, int block_size, int64_t token_stride,
-                              int kv_head, int head_dim, int group, int64_t first_pos, int first_row, int rows,
-                              int64_t window, float scale, char *buf, bf16 *out) {
+/* One block of keys [b0, b0 + 32) for a tile whose keys fall in [klo, khi): scores, online
+ * softmax, p.v. rowoff: every key's row offset in the arena (its KV head's K row). */
+static void prefill_block(prefill_tile *tile, const bf16 *k_cache, const int64_t *rowoff, int64_t b0, int64_t klo,
+                          int64_t khi, int head_dim, float scale, __m512i *P, const int32_t *vp) {
     const int pairs = head_dim / 2;
-    int32_t lo[PREFILL_TILE], hi[PREFILL_TILE];
-    __m512i *qt = (__m512i *)buf; /* [pairs]: lane l holds dims (2p, 2p+1) of row l */
-    float *accp = (float *)(qt + pairs); /* [head_dim][16]: fp32 sums of p.v */
-    __m512i *P = (__m512i *)(accp + 16 * head_dim); /* [KEY_BLOCK / 2]: lane l: bf16 p of keys 2jp, 2jp + 1 */
-    int32_t *vp = (int32_t *)(P + KEY_BLOCK / 2);   /* [KEY_BLOCK / 2][head_dim]: V pairs, see pv_dim */
-    int32_t *qt_lanes = (int32_t *)qt;
-    for (int l = 0; l < PREFILL_TILE; l++) {
-        const int r = first_row + (l < rows ? l : rows - 1); /* padding lanes repeat the last row, unwritten */
-        const int64_t pos = first_pos + r / group;
-        hi[l] = (int32_t)(pos + 1);
-        lo[l] = window > 0 && pos + 1 > window ? (int32_t)(pos + 1 - window) : 0;
-        const bf16 *qr = q + (int64_t)(r / group) * q_row_stride + (int64_t)(kv_head * group + r % group) * head_dim;
-        for (int p = 0; p < pairs; p++) memcpy(qt_lanes + p * PREFILL_TILE + l, qr + 2 * p, 4);
-    }
-    memset(accp, 0, sizeof(float) * 16 * head_dim);
-    const int64_t klo = lo[0], khi = hi[PREFILL_TILE - 1];
-    const __m512i vlo = _mm512_loadu_si512(lo), vhi = _mm512_loadu_si512(hi);
+    const int j0 = (int)((klo > b0 ? klo : b0) - b0), j1 = (int)((khi < b0 + KEY_BLOCK ? khi : b0 + KEY_BLOCK) - b0);
+    const int q0 = j0 / 8 * 8, q1 = (j1 + 7) / 8 * 8; /* the key octets holding [j0, j1) */
+    const bf16 *kr[KEY_BLOCK];
+    for (int j = q0; j < q1; j++) /* keys out of [j0, j1) read key j0's row, then are masked */
+        kr[j] = k_cache + rowoff[b0 + (j < j0 || j >= j1 ? j0 : j)];
+    __m512 s[KEY_BLOCK];
+    qk_block(tile->qt, kr + q0, pairs, q1 - q0, s + q0);
+    /* every row sees every key of the block: no masks */
+    const int full = j0 == 0 && j1 == KEY_BLOCK && tile->lo[PREFILL_TILE - 1] <= b0 && tile->hi[0] >= b0 + KEY_BLOCK;
     const __m512 vscale = _mm512_set1_ps(scale), vmasked = _mm512_set1_ps(MASKED_SCORE);
+    const __m512i vlo = _mm512_loadu_si512(tile->lo), vhi = _mm512_loadu_si512(tile->hi);
+    __m512 bmax = vmasked;
+    for (int j = q0; j < q1; j++) {
+        s[j] = _mm512_mul_ps(s[j], vscale);
+        if (!full) {
+            const __m512i vt = _mm512_set1_epi32((int32_t)(b0 + j));
+            const __mmask16 valid = _mm512_cmpge_epi32_mask(vt, vlo) & _mm512_cmplt_epi32_mask(vt, vhi);
+            s[j] = _mm512_mask_mov_ps(vmasked, valid, s[j]);
+        }
+        bmax = _mm512_max_ps(bmax, s[j]);
+    }
+    const __m512 m_new = _mm512_max_ps(tile->m, bmax);
+    const __m512 alpha = exp_ps(_mm512_sub_ps(tile->m, m_new)); /* exactly 1 where the max stays */
+    const int rescale = _mm512_cmp_ps_mask(m_new, tile->m, _CMP_NEQ_UQ) != 0;
+    tile->m = m_new;
     const __m512 unmasked = _mm512_set1_ps(MASKED_SCORE / 2);
     const __m512i ones = _mm512_set1_epi32(0x3F803F80); /* bf16 (1, 1): the denominator's pairs */
     const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
                                                 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __m512 den = _mm512_mul_ps(tile->den, alpha);
+    const int p0 = q0 / 2, p1 = q1 / 2; /* pairs of keys: a key the tile does not see gets p = 0 */
+    for (int jp = p0; jp < p1; jp++) {
+        __m512 e0 = exp_ps(_mm512_sub_ps(s[2 * jp], m_new)), e1 = exp_ps(_mm512_sub_ps(s[2 * jp + 1], m_new));
+        if (!full) {
+            e0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s[2 * jp], unmasked, _CMP_GT_OQ), e0);
+            e1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s[2 * jp + 1], unmasked, _CMP_GT_OQ), e1);
+        }
+        const __m512i pair = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+        _mm512_store_si512(P + jp, pair);
+        den = _mm512_dpbf16_ps(den, (__m512bh)pair, (__m512bh)ones);
+    }
+    tile->den = den;
+    for (int a = 0; a < head_dim; a += 16) pv_chunk(tile->acc + 16 * a, P, vp + a, head_dim, p0, p1, rescale, alpha);
+}
+
+static void prefill_item_bf16(const bf16 *q, int64_t q_row_stride, const bf16 *k_cache, int64_t page_stride,
+                              int64_t v_offset, const int64_t *table, int block_size, int64_t token_stride,
+                              int kv_head, int head_dim, int group, int64_t first_pos, int first_row, int rows,
+                              int64_t window, float scale, char *buf, bf16 *out) {
+    const int pairs = head_dim / 2, tiles = (rows + PREFILL_TILE - 1) / PREFILL_TILE;
+    prefill_tile tile[PREFILL_TILES];
+    char *next = buf;
+    for (int t = 0; t < tiles; t++) {
+        prefill_tile *T = tile + t;
+        T->qt = (__m512i *)next;
+        T->acc = (float *)(T->qt + pairs);
+        next = (char *)(T->acc + 16 * head_dim);
+        memset(T->acc, 0, sizeof(float) * 16 * head_dim);
+        T->m = _mm512_set1_ps(MASKED_SCORE), T->den = _mm512_setzero_ps();
+        const bf16 *qr[PREFILL_TILE];
+        for (int l = 0; l < PREFILL_TILE; l++) {
+            const int i = t * PREFILL_TILE + l, r = first_row + (i < rows ? i : rows - 1); /* padding: the last row, unwritten */
+            const int64_t pos = first_pos + r / group;
+            T->hi[l] = (int32_t)(pos + 1);
+            T->lo[l] = window > 0 && pos + 1 > window ? (int32_t)(pos + 1 - window) : 0;
+            qr[l] = q + (int64_t)(r / group) * q_row_stride + (int64_t)(kv_head * group + r % group) * head_dim;
+        }
+        for (int c = 0; c < pairs; c += 16) { /* 16 rows x 16 pairs of dims, transposed */
+            __m512i r[16];
+            for (int l = 0; l < PREFILL_TILE; l++) r[l] = _mm512_loadu_si512(qr[l] + 2 * c);
+            transpose16_epi32(r);
+            for (int p = 0; p < 16; p++) _mm512_store_si512(T->qt + c + p, r[p]);
+        }
+    }
+    __m512i *P = (__m512i *)next;                  /* [KEY_BLOCK / 2]: lane l: bf16 p of keys 2jp, 2jp + 1 */
+    int32_t *vp = (int32_t *)(P + KEY_BLOCK / 2); /* [KEY_BLOCK / 2][head_dim]: dim d of keys 2jp, 2jp + 1 */
+    int64_t *rowoff = (int64_t *)(vp + KEY_BLOCK / 2 * head_dim);
+    const int64_t klo = tile[0].lo[0], khi = tile[tiles - 1].hi[PREFILL_TILE - 1];
+    int64_t page = klo / block_size, slot = klo % block_size;
+    for (int64_t t = klo; t < khi; t++, slot++) { /* rowoff[t]: key t's K row in the arena */
+        if (slot == block_size) page++, slot = 0;
+        rowoff[t] = table[page] * page_stride + slot * token_stride + (int64_t)kv_head * head_dim;
+    }
+    const __m512i lo_half = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
+                                             6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi_half = _mm512_add_epi16(lo_half, _mm512_set1_epi16(16));
     const bf16 *values = k_cache + v_offset;
-    __m512 m = vmasked, den = _mm512_setzero_ps();
+    const int row_lines = head_dim * (int)sizeof(bf16) / 64;
     for (int64_t b0 = klo / KEY_BLOCK * KEY_BLOCK; b0 < khi; b0 += KEY_BLOCK) {
         const int j0 = (int)((klo > b0 ? klo : b0) - b0), j1 = (int)((khi < b0 + KEY_BLOCK ? khi : b0 + KEY_BLOCK) - b0);
-        int64_t rowoff[KEY_BLOCK];
-        const bf16 *kr[KEY_BLOCK];
-        for (int j = 0; j < KEY_BLOCK; j++) { /* keys out of [j0, j1) read key j0's row, then are masked */
-            const int64_t t = b0 + (j < j0 || j >= j1 ? j0 : j);
-            rowoff[j] = table[t / block_size] * page_stride + t % block_size * token_stride + (int64_t)kv_head * head_dim;
-            kr[j] = k_cache + rowoff[j];
-        }
-        const int q0 = j0 / 8 * 8, q1 = (j1 + 7) / 8 * 8; /* the key octets holding [j0, j1) */
-        __m512 s[KEY_BLOCK];
-        qk_block(qt, kr + q0, pairs, q1 - q0, s + q0);
-        /* every row sees every key of the block: no masks */
-        const int full = j0 == 0 && j1 == KEY_BLOCK && lo[PREFILL_TILE - 1] <= b0 && hi[0] >= b0 + KEY_BLOCK;
-        __m512 bmax = vmasked;
-        for (int j = q0; j < q1; j++) {
-            s[j] = _mm512_mul_ps(s[j], vscale);
-            if (!full) {
-                const __m512i vt = _mm512_set1_epi32((int32_t)(b0 + j));
-                const __mmask16 valid = _mm512_cmpge_epi32_mask(vt, vlo) & _mm512_cmplt_epi32_mask(vt, vhi);
-                s[j] = _mm512_mask_mov_ps(vmasked, valid, s[j]);
+        for (int64_t t = b0 + KEY_BLOCK; t < b0 + 2 * KEY_BLOCK && t < khi; t++) /* the next block's K and V rows */
+            for (int l = 0; l < row_lines; l++) {
+                _mm_prefetch((const char *)(k_cache + rowoff[t]) + 64 * l, _MM_HINT_T0);
+                _mm_prefetch((const char *)(values + rowoff[t]) + 64 * l, _MM_HINT_T0);
             }
-            bmax = _mm512_max_ps(bmax, s[j]);
-        }
-        const __m512 m_new = _mm512_max_ps(m, bmax);
-        const __m512 alpha = exp_ps(_mm512_sub_ps(m, m_new)); /* exactly 1 where the max stays */
-        const int rescale = _mm512_cmp_ps_mask(m_new, m, _CMP_NEQ_UQ) != 0;
-        m = m_new;
-        den = _mm512_mul_ps(den, alpha);
-        const int p0 = q0 / 2, p1 = q1 / 2; /* pairs of keys: a key out of [j0, j1) gets p = 0, V = 0 */
-        for (int jp = p0; jp < p1; jp++) {
-            __m512 e0 = exp_ps(_mm512_sub_ps(s[2 * jp], m_new)), e1 = exp_ps(_mm512_sub_ps(s[2 * jp + 1], m_new));
-            if (!full) {
-                e0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s[2 * jp], unmasked, _CMP_GT_OQ), e0);
-                e1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s[2 * jp + 1], unmasked, _CMP_GT_OQ), e1);
-            }
-            const __m512i pair = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-            _mm512_store_si512(P + jp, pair);
-            den = _mm512_dpbf16_ps(den, (__m512bh)pair, (__m512bh)ones);
+        for (int jp = j0 / 8 * 4; jp < (j1 + 7) / 8 * 4; jp++) { /* V pairs, 0 for keys out of [j0, j1) */
             const int k0 = 2 * jp, k1 = 2 * jp + 1;
             int32_t *dst = vp + jp * head_dim;
             for (int c = 0; c < head_dim; c += 32) {
-                const __m512i v0 = k0 >= j0 && k0 < j1 ? _mm512_loadu_si512(values + rowoff[k0] + c) : _mm512_setzero_si512();
-                const __m512i v1 = k1 >= j0 && k1 < j1 ? _mm512_loadu_si512(values + rowoff[k1] + c) : _mm512_setzero_si512();
-                _mm512_store_si512(dst + c, _mm512_unpacklo_epi16(v0, v1));
-                _mm512_store_si512(dst + c + 16, _mm512_unpackhi_epi16(v0, v1));
+                const __m512i v0 = k0 >= j0 && k0 < j1 ? _mm512_loadu_si512(values + rowoff[b0 + k0] + c) : _mm512_setzero_si512();
+                const __m512i v1 = k1 >= j0 && k1 < j1 ? _mm512_loadu_si512(values + rowoff[b0 + k1] + c) : _mm512_setzero_si512();
+                _mm512_store_si512(dst + c, _mm512_permutex2var_epi16(v0, lo_half, v1));
+                _mm512_store_si512(dst + c + 16, _mm512_permutex2var_epi16(v0, hi_half, v1));
             }
         }
-        for (int a = 0; a < head_dim; a += 16)
-            pv_chunk(accp + 16 * a, P, vp + a, head_dim, p0, p1, rescale, alpha);
+        for (int t = 0; t < tiles; t++) {
+            const int64_t tlo = tile[t].lo[0], thi = tile[t].hi[PREFILL_TILE - 1];
+            if (tlo < b0 + KEY_BLOCK && thi > b0)
+                prefill_block(tile + t, k_cache, rowoff, b0, tlo, thi, head_dim, scale, P, vp);
+        }
     }
-    float inv[PREFILL_TILE];
-    _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), den));
-    for (int l = 0; l < rows; l++) {
-        const int r = first_row + l;
-        bf16 *o = out + (int64_t)(r / group) * q_row_stride + (int64_t)(kv_head * group + r % group) * head_dim;
-        for (int a = 0; a < head_dim; a++) o[pv_dim(a)] = store_bf16(accp[16 * a + l] * inv[l]);
+    for (int t = 0; t < tiles; t++) {
+        float inv[PREFILL_TILE];
+        _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), tile[t].den));
+        const int n = rows - t * PREFILL_TILE < PREFILL_TILE ? rows - t * PREFILL_TILE : PREFILL_TILE;
+        for (int a = 0; a < head_dim; a += 16) { /* 16 dims x 16 rows, transposed to rows */
+            __m512i r[16];
+            for (int d = 0; d < 16; d++) r[d] = _mm512_load_si512(tile[t].acc + 16 * (a + d));
+            transpose16_epi32(r);
+            for (int l = 0; l < n; l++) {
+                const int row = first_row + t * PREFILL_TILE + l;
+                bf16 *o = out + (int64_t)(row / group) * q_row_stride + (int64_t)(kv_head * group + row % group) * head_dim;
+                const __m512 x = _mm512_mul_ps(_mm512_castsi512_ps(r[l]), _mm512_set1_ps(inv[l]));
+                _mm256_storeu_si256((__m256i *)(o + a), (__m256i)_mm512_cvtneps_pbh(x));
+            }
+        }
     }
 }
 
@@ -682,30 +729,35 @@ void paged_prefill_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride,
                         const int64_t *tables, int64_t table_stride, const int64_t *q_starts, const int64_t *q_lens,
                         const int64_t *ctx_lens, int batch, int q_heads, int kv_heads, int head_dim, int block_size,
                         float scale, int64_t window, int threads, bf16 *out) {
-    const int group = q_heads / kv_heads;
+    const int group = q_heads / kv_heads, item_rows = PREFILL_TILE * PREFILL_TILES;
     const int64_t token_stride = (int64_t)kv_heads * head_dim, q_row_stride = (int64_t)q_heads * head_dim;
-    int64_t items = 0;
-    for (int b = 0; b < batch; b++) items += (q_lens[b] * group + PREFILL_TILE - 1) / PREFILL_TILE * kv_heads;
+    int64_t items = 0, max_ctx = 0;
+    for (int b = 0; b < batch; b++) {
+        items += (q_lens[b] * group + item_rows - 1) / item_rows * kv_heads;
+        max_ctx = ctx_lens[b] > max_ctx ? ctx_lens[b] : max_ctx;
+    }
     int64_t *work = (int64_t *)malloc(sizeof(int64_t) * 3 * (items + 1)); /* (sequence, KV head, first row) */
     int64_t n = 0;
     for (int b = 0; b < batch; b++)
         for (int h = 0; h < kv_heads; h++)
-            for (int64_t r = 0; r < q_lens[b] * group; r += PREFILL_TILE) {
+            for (int64_t r = 0; r < q_lens[b] * group; r += item_rows) {
                 work[3 * n] = b, work[3 * n + 1] = h, work[3 * n + 2] = r;
                 n++;
             }
-    /* qt [head_dim / 2 vectors], p.v sums [head_dim vectors], P [16 vectors], V pairs [16 x head_dim dwords] */
-    const size_t bytes = (size_t)64 * (head_dim / 2 + head_dim + KEY_BLOCK / 2 + head_dim);
+    /* per tile: qt [head_dim / 2 vectors], p.v sums [head_dim vectors]; P [16 vectors], V pairs
+     * [16 x head_dim dwords], key row offsets [max_ctx] */
+    const size_t bytes = (size_t)64 * (PREFILL_TILES * (head_dim / 2 + head_dim) + KEY_BLOCK / 2 + head_dim) +
+                         sizeof(int64_t) * (size_t)max_ctx;
     _Pragma("omp parallel num_threads(threads)")
     {
-        char *buf = (char *)aligned_alloc(64, bytes);
+        char *buf = (char *)aligned_alloc(64, (bytes + 63) / 64 * 64);
         _Pragma("omp for schedule(dynamic, 1)")
         for (int64_t w = 0; w < n; w++) {
             const int64_t b = work[3 * w], h = work[3 * w + 1], r = work[3 * w + 2];
             const int64_t rows = q_lens[b] * group - r;
-            prefill_tile_bf16(q + q_starts[b] * q_row_stride, q_row_stride, k_cache, page_stride, v_offset,
+            prefill_item_bf16(q + q_starts[b] * q_row_stride, q_row_stride, k_cache, page_stride, v_offset,
                               tables + b * table_stride, block_size, token_stride, (int)h, head_dim, group,
-                              ctx_lens[b] - q_lens[b], (int)r, rows < PREFILL_TILE ? (int)rows : PREFILL_TILE, window,
+                              ctx_lens[b] - q_lens[b], (int)r, rows < item_rows ? (int)rows : item_rows, window,
                               scale, buf, out + q_starts[b] * q_row_stride);
         }
         free(buf);
