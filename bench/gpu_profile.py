@@ -24,7 +24,7 @@ def summary(problems: int, args: argparse.Namespace) -> dict:
     settings = EvalSettings(
         dataset=f"arith:level=4,5,size={problems},seed=0",
         progress=False,
-        runtime=RuntimeSettings(dtype="bfloat16", kv_cache_memory=1 << 30, device=args.device),
+        runtime=RuntimeSettings.from_flat(dtype="bfloat16", kv_cache_memory=1 << 30, device=args.device),
     )
     return run_eval(settings, SearchConfig(strategy="beam_search", n=args.n, beam_width=4, seed=0))["summary"]
 

@@ -120,7 +120,7 @@ def child(args: argparse.Namespace) -> dict:
         "file_bytes": os.path.getsize(path),
         "weight_bytes": weight_bytes(llm.engine.model),
         "kv_bytes": llm.engine.arena.pages.nbytes,
-        "max_num_seqs": llm.engine.config.max_num_seqs,
+        "max_num_seqs": llm.engine.config.scheduler_config.max_num_seqs,
         "max_model_len": llm.engine.max_model_len,
         "vocab": llm.engine.model_config.vocab_size,
         "tokens": generated,

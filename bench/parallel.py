@@ -85,9 +85,9 @@ def run_beam(sizes: dict, threads: int) -> dict:
     settings = EvalSettings(
         dataset="arith:level=4,5,size=10,seed=0",
         progress=False,
-        generator=ModelSettings(DEFAULT_GENERATOR, **sizes),
-        prm=ModelSettings(DEFAULT_PRM, **prm_sizes),
-        runtime=RuntimeSettings(kv_cache_memory=256 << 20),
+        generator=ModelSettings.from_flat(DEFAULT_GENERATOR, **sizes),
+        prm=ModelSettings.from_flat(DEFAULT_PRM, **prm_sizes),
+        runtime=RuntimeSettings.from_flat(kv_cache_memory=256 << 20),
     )
     start = time.perf_counter()
     doc = run_eval(settings, SearchConfig(n=16, beam_width=4))

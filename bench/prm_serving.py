@@ -86,7 +86,7 @@ def record_traffic(problems: int, n: int, dtype: str, seed: int) -> tuple[list[S
     from treeserve.search.run import search_problems
 
     records = arith_dataset(size=problems, seed=0, levels=(4, 5))
-    runtime, generator, prm = RuntimeSettings(dtype=dtype), ModelSettings(GENERATOR), ModelSettings(PRM)
+    runtime, generator, prm = RuntimeSettings.from_flat(dtype=dtype), ModelSettings(GENERATOR), ModelSettings(PRM)
     runtime.check(generator, prm)
     rt = runtime.load(generator, prm)
     adapter = load_prm(rt, "prm")

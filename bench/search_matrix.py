@@ -142,7 +142,9 @@ def main() -> None:
         parser.error("--only-lookahead needs --lookaheads K,K,...")
     args.out.mkdir(parents=True, exist_ok=True)
     settings = EvalSettings(
-        dataset=f"arith:level=4,5,size={args.size},seed=0", progress=False, runtime=RuntimeSettings(dtype=args.dtype)
+        dataset=f"arith:level=4,5,size={args.size},seed=0",
+        progress=False,
+        runtime=RuntimeSettings.from_flat(dtype=args.dtype),
     )
     base = SearchConfig(beam_width=args.beam_width, num_iterations=40, temperature=args.temperature)
     if args.lookaheads:

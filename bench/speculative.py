@@ -129,7 +129,7 @@ def search(workloads: list[str], repeats: int, problems: int) -> list[dict]:
         def run(spec: dict | None, dtype: str, dataset: str = dataset, config: SearchConfig = config) -> dict:
             s = EvalSettings(
                 dataset=dataset,
-                runtime=RuntimeSettings(dtype=dtype),
+                runtime=RuntimeSettings.from_flat(dtype=dtype),
                 progress=False,
                 generator=ModelSettings(DEFAULT_GENERATOR, speculative_config=spec),
             )

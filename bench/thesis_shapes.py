@@ -241,7 +241,9 @@ def decode_launches(engine: object, batch: int, prompt_tokens: int, vocab: int, 
     for i, request_id in enumerate(ids):
         params = SamplingParams(max_tokens=4 * steps + 64, temperature=0.8, seed=i, ignore_eos=True)
         engine.add_request(request_id, [rng.randrange(FIRST_WORD, vocab) for _ in range(prompt_tokens)], params)
-    for _ in range(-(-batch * prompt_tokens // engine.config.max_num_batched_tokens) + 3):  # prefill, first decodes
+    for _ in range(
+        -(-batch * prompt_tokens // engine.config.scheduler_config.max_num_batched_tokens) + 3
+    ):  # prefill, first decodes
         engine.step()
     torch.cuda.synchronize(engine.device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -304,6 +306,7 @@ def run_treeserve(config: str, setup: dict) -> dict:
     `setup["partial"]` after each part (the parent reads it if this process is stopped)."""
     import torch
 
+    from treeserve.config import DeviceConfig
     from treeserve.models.tokenizer import Tokenizer
     from treeserve.runtime.runtime import Runtime
     from treeserve.search.config import SearchConfig
@@ -328,8 +331,7 @@ def run_treeserve(config: str, setup: dict) -> dict:
         setup["prm"],
         setup["kv_cache_memory"] if cpu else None,
         engine_args=args,
-        dtype="bfloat16",
-        device=device,
+        device_config=DeviceConfig(device, dtype="bfloat16"),
         memory_fraction=None if cpu else setup["memory_fraction"],
         overlap_models=config != "one-stream",
     )

@@ -211,12 +211,24 @@ def test_flags_become_each_models_settings():
         ]
     )
     generator, prm = model_settings(args, "generator"), model_settings(args, "prm", {"max_num_seqs": 8})
-    assert (generator.path, generator.quantization, generator.tensor_parallel_size) == ("g", "int8", 1)
-    assert (prm.path, prm.quantization, prm.tensor_parallel_size, prm.kv_fraction) == ("p", None, 2, 0.3)
-    assert generator.enforce_eager and prm.enforce_eager  # a flag that always set both models still does
-    assert prm.distributed_executor_backend == "ray" and prm.style == "step_tag" and prm.max_num_seqs == 8
+    assert (generator.path, generator.load_config.quantization, generator.parallel_config.tensor_parallel_size) == (
+        "g",
+        "int8",
+        1,
+    )
+    assert (prm.path, prm.load_config.quantization, prm.parallel_config.tensor_parallel_size, prm.kv_fraction) == (
+        "p",
+        None,
+        2,
+        0.3,
+    )
+    assert (
+        generator.graph_config.enforce_eager and prm.graph_config.enforce_eager
+    )  # a flag that always set both models still does
+    assert prm.parallel_config.distributed_executor_backend == "ray"
+    assert prm.style == "step_tag" and prm.scheduler_config.max_num_seqs == 8
     args = build_parser().parse_args(["serve", "--enforce-eager", "--no-prm-enforce-eager", "--prm", "p"])
-    assert not model_settings(args, "prm").enforce_eager  # the PRM's own flag wins
+    assert not model_settings(args, "prm").graph_config.enforce_eager  # the PRM's own flag wins
     assert model_settings(args, "generator") is None  # no path: serve picks its default
 
 

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from treeserve.cli import build_parser
+from treeserve.config import SUB_CONFIGS, EngineConfig, SchedulerConfig, SpeculativeConfig
 from treeserve.eval.runner import EvalSettings
 from treeserve.model_flags import MODEL_FLAGS
 from treeserve.runtime.model_settings import ModelSettings
@@ -18,30 +19,56 @@ from treeserve.search.config import SearchConfig
 from treeserve.server.protocol import SEARCH_FIELDS, SearchRequest
 from treeserve.server.settings import ServerSettings
 
-SETTINGS = (SearchConfig, EvalSettings, ServerSettings, RuntimeSettings, ModelSettings)
+ENGINE_SETTINGS = (EngineConfig, SpeculativeConfig, *SUB_CONFIGS.values())
+SETTINGS = (SearchConfig, EvalSettings, ServerSettings, RuntimeSettings, ModelSettings, *ENGINE_SETTINGS)
 SEARCH_SUBCOMMANDS = ("eval", "solve", "profile", "tune")
+# one name, two settings: a search's seed (its problems' draws) and an engine's (requests without
+# one); an engine's model and its draft model (vLLM's speculative_config key)
+SAME_NAME = {"seed": ["SearchConfig", "EngineConfig"], "model": ["EngineConfig", "SpeculativeConfig"]}
 
 
-def _declared(cls: type) -> set[str]:
-    """The fields `cls` declares itself: those whose type is another settings class are nesting."""
-    nested = {c.__name__ for c in SETTINGS}
-    return {f.name for f in dataclasses.fields(cls) if f.type.split(" |")[0] not in nested}
+def _declared(cls: type, settings: tuple[type, ...] = SETTINGS) -> set[str]:
+    """The fields `cls` declares itself: one whose type is (or may be) another settings class is nesting."""
+    nested = {c.__name__ for c in settings}
+    return {f.name for f in dataclasses.fields(cls) if not nested & set(f.type.split(" | "))}
+
+
+def _declared_twice(settings: tuple[type, ...]) -> dict[str, list[str]]:
+    owners: dict[str, list[str]] = defaultdict(list)
+    for cls in settings:
+        for name in _declared(cls, settings):
+            owners[name].append(cls.__name__)
+    return {name: classes for name, classes in owners.items() if len(classes) > 1}
 
 
 def test_no_settings_field_is_declared_in_two_classes():
-    """Over SearchConfig, EvalSettings, ServerSettings, RuntimeSettings and ModelSettings, a field
-    name belongs to one class, nesting aside (EvalSettings and ServerSettings hold a
-    RuntimeSettings and ModelSettings). `/v1/search`'s own fields (model, problem, ...) repeat no
-    SearchConfig field, and its search fields are SearchConfig's."""
-    owners: dict[str, list[str]] = defaultdict(list)
-    for cls in SETTINGS:
-        for name in _declared(cls):
-            owners[name].append(cls.__name__)
-    assert {name: classes for name, classes in owners.items() if len(classes) > 1} == {}
+    """Over the search, eval, server, runtime and model settings and the engine's config tree
+    (EngineConfig and its sub-configs), a field name belongs to one class, nesting aside
+    (EvalSettings holds a RuntimeSettings and ModelSettings, those the engine's sub-configs that
+    are theirs). `/v1/search`'s own fields (model, problem, ...) repeat no SearchConfig field, and
+    its search fields are SearchConfig's."""
+    assert _declared_twice(SETTINGS) == SAME_NAME
     search = {f.name for f in dataclasses.fields(SearchConfig)}
     own = set(SearchRequest.model_fields) - set(SEARCH_FIELDS)
     assert own == {"model", "problem", "messages", "stream", "deadline_s", "verify", "selection"}
     assert set(SEARCH_FIELDS) <= search and not own & search
+
+
+def test_the_check_fails_when_a_field_is_declared_twice():
+    @dataclasses.dataclass
+    class Copy:
+        max_num_seqs: int = 256  # SchedulerConfig's
+        scheduler_config: SchedulerConfig | None = None  # nesting: not a declaration
+
+    assert _declared_twice((*SETTINGS, Copy)) == {**SAME_NAME, "max_num_seqs": ["SchedulerConfig", "Copy"]}
+
+
+def test_model_and_runtime_settings_hold_the_engines_sub_configs():
+    """Every engine setting is held by ModelSettings (per model), RuntimeSettings (shared) or
+    EngineConfig alone: each sub-config whole by one of the first two."""
+    model, runtime = ({f.name for f in dataclasses.fields(cls)} for cls in (ModelSettings, RuntimeSettings))
+    assert set(SUB_CONFIGS) == (model | runtime) & set(SUB_CONFIGS) and not model & runtime
+    assert "speculative_config" in model
 
 
 @contextmanager

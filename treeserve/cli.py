@@ -198,7 +198,7 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     _add_device_flags(p)
     _add_overlap_flag(p)
     add_model_flags(p, prm=True, verifier=True)
-    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", help="no prefix cache")
+    p.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_false", help="no prefix cache")
     p.add_argument("--reference", action="store_true", help="plain path: no caches, one problem at a time")
 
 
@@ -257,10 +257,10 @@ def _search_settings(args: argparse.Namespace, dataset: str = ""):  # noqa: ANN2
 def _models(args: argparse.Namespace) -> dict:
     """The generator's, the PRM's and the runtime's settings from the flags (and a `--config` file's
     tuned batch settings)."""
-    from treeserve.runtime.runtime_settings import RuntimeSettings
+    from treeserve.runtime.runtime_settings import RUNTIME_KEYS, RuntimeSettings
 
     tuned = getattr(args, "engine_args", None) or {}
-    runtime = RuntimeSettings(**{f.name: getattr(args, f.name) for f in fields(RuntimeSettings) if f.name in args})
+    runtime = RuntimeSettings.from_flat(**{key: getattr(args, key) for key in RUNTIME_KEYS if key in args})
     return {
         "generator": model_settings(args, "generator", tuned.get("generator")),
         "prm": model_settings(args, "prm", tuned.get("prm")),
@@ -385,7 +385,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
     settings, config = _search_settings(args)
     settings.progress = False
     settings.dataset = "inline"
-    inline = [{"problem": args.question, "answer": "", "unique_id": "q0"}]
+    inline = [{"problem": args.question, "answer": "", "unique_id": args.question}]  # /v1/search's id: the same seeds
     output = args.output or ("solve.json" if args.trace else None)
     results = run_eval(settings, config, inline=inline, output=output)
     problem = results["problems"][0]

@@ -20,10 +20,11 @@ Prompt = str | list[int] | dict
 
 
 class LLM:
-    """`LLM(model=dir, dtype="bfloat16"|"float32", **EngineConfig fields)`."""
+    """`LLM(model=dir, dtype="bfloat16"|"float32", **settings)`: vLLM's flat keywords, mapped onto
+    the `EngineConfig` tree by `EngineConfig.from_kwargs`."""
 
     def __init__(self, model: str, dtype: str = "bfloat16", **engine_kwargs: object):
-        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **engine_kwargs))
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model, dtype=dtype, **engine_kwargs))
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:

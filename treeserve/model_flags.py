@@ -1,8 +1,9 @@
 """The command line's per-model flags, made from one table (`MODEL_FLAGS`) for every subcommand.
 
-Each row is a `ModelSettings` field: the generator's flag (`--quantization`), the PRM's
-(`--prm-quantization`) and the verifier's. A row marked `both` sets every model unless the
-model's own flag is given. `model_settings` reads one model's settings back from the flags.
+Each row is a setting of `ModelSettings` (its own or one of its sub-configs'): the generator's
+flag (`--quantization`), the PRM's (`--prm-quantization`) and the verifier's. A row marked
+`both` sets every model unless the model's own flag is given. `model_settings` reads one
+model's settings back from the flags.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ LIKEWISE = "the PRM's, likewise"
 
 @dataclass(frozen=True)
 class ModelFlag:
-    field: str  # the ModelSettings field it sets
+    field: str  # the setting: a ModelSettings field or one of its sub-configs' fields
     options: dict = field(default_factory=dict)  # add_argument's keywords but help (the generator's flag's)
     help: str | None = None
     prm_help: str | None = LIKEWISE
@@ -178,6 +179,7 @@ def model_settings(args: argparse.Namespace, model: str, tuned: dict | None = No
         if value is None and flag.both and model != "generator":
             value = getattr(args, flag.dest("generator"))
         values[flag.field] = value
-    if values["path"] is None:
+    path = values.pop("path")
+    if path is None:
         return None
-    return ModelSettings(**values, **(tuned or {}))
+    return ModelSettings.from_flat(path, model, **values, **(tuned or {}))

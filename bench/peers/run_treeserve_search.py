@@ -37,7 +37,9 @@ def main() -> None:
         dataset="inline",
         generator=ModelSettings(w["generator"], speculative_config=spec),
         prm=ModelSettings(w["prm"]),
-        runtime=RuntimeSettings(dtype=w["dtype"], kv_cache_memory=w["kv_gib"] << 30, device=w.get("device", "cpu")),
+        runtime=RuntimeSettings.from_flat(
+            dtype=w["dtype"], kv_cache_memory=w["kv_gib"] << 30, device=w.get("device", "cpu")
+        ),
         reference="--reference" in sys.argv,
         progress=False,
     )

@@ -61,6 +61,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from treeserve.config import DeviceConfig
 from treeserve.eval.metrics import aggregate_scores  # search-and-learn's last/min/prod (pure Python)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -489,7 +490,9 @@ def check_scores(problems: int) -> None:
     prm_dir = os.path.join(ASSETS, "arith-prm")
     fmt, tokenizer = PRMFormat(prm_dir), AutoTokenizer.from_pretrained(prm_dir)
     items = check_inputs(problems, tokenizer, fmt)
-    runtime = Runtime.load([ModelSpec("prm", prm_dir)], kv_cache_memory=1 << 28, dtype="bfloat16")
+    runtime = Runtime.load(
+        [ModelSpec("prm", prm_dir)], kv_cache_memory=1 << 28, device_config=DeviceConfig(dtype="bfloat16")
+    )
     prm = load_prm(runtime, "prm")
 
     async def score_with_treeserve() -> None:

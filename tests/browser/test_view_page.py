@@ -132,7 +132,7 @@ def test_ui_behind_an_api_key(browser):
         ModelSettings(DEFAULT_GENERATOR),
         ModelSettings(DEFAULT_PRM),
         api_key=API_KEY,
-        runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20),
+        runtime=RuntimeSettings.from_flat(dtype="float32", kv_cache_memory=64 << 20),
     )
     live = start_server(settings)
     try:

@@ -13,6 +13,7 @@ import asyncio
 import pytest
 
 from treeserve import SamplingParams, StepFailed
+from treeserve.config import DeviceConfig
 from treeserve.runtime.runtime import ModelSpec, Runtime
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "Numbers 0 1 2 3", "A B C D"]
@@ -64,7 +65,7 @@ def test_runtime_fails_only_the_batch_waiters(llama_dir):
 
     def load() -> Runtime:
         specs = [ModelSpec("g", llama_dir, engine_args={"max_num_seqs": 2})]
-        return Runtime.load(specs, kv_cache_memory=8 << 20, dtype="float32")
+        return Runtime.load(specs, kv_cache_memory=8 << 20, device_config=DeviceConfig(dtype="float32"))
 
     runtime, clean = load(), load()
 

@@ -73,7 +73,7 @@ def test_buckets_are_vllms_and_cut_to_max_num_seqs():
 @pytest.mark.parametrize("sizes", [[], [0, 4], "8", [2.5], [True]])
 def test_bad_bucket_lists_are_refused(checkpoint, sizes):
     with pytest.raises(ValueError, match="cuda_graph_sizes must be a non-empty list of positive batch sizes"):
-        EngineConfig(model=checkpoint, cuda_graph_sizes=sizes)
+        EngineConfig.from_kwargs(model=checkpoint, cuda_graph_sizes=sizes)
 
 
 def test_enforce_eager_on_a_cpu_is_accepted_and_changes_nothing(checkpoint, cpu_llm):
@@ -84,7 +84,7 @@ def test_enforce_eager_on_a_cpu_is_accepted_and_changes_nothing(checkpoint, cpu_
         o.outputs[0].token_ids for o in eager.generate(PROMPTS, params)
     ]
     with pytest.raises(ValueError, match="enforce_eager must be True or False"):
-        EngineConfig(model=checkpoint, enforce_eager="yes")
+        EngineConfig.from_kwargs(model=checkpoint, enforce_eager="yes")
 
 
 def decode_batch(engine, n: int) -> ForwardBatch:  # noqa: ANN001

@@ -91,7 +91,7 @@ def test_errors_come_before_the_model_loads(tmp_path, monkeypatch):
         pytest.skip("this machine has a GPU")
     missing = str(tmp_path / "no-such-model")
     with pytest.raises(ValueError, match="device='cuda'"):
-        EngineConfig(model=missing, device="cuda")
+        EngineConfig.from_kwargs(model=missing, device="cuda")
     with pytest.raises(ValueError, match="attention_backend must be"):
         LLM(missing, attention_backend="nope")
 

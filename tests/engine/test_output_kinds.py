@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 
 from treeserve import RequestOutputKind, SamplingParams
+from treeserve.config import DeviceConfig
 from treeserve.outputs import CompletionOutput, RequestOutput, merged
 from treeserve.runtime.runtime import ModelSpec, Runtime
 
@@ -121,7 +122,7 @@ def test_final_only_streams_one_output(llama_dir, make_llm):
 
 def test_a_consumer_that_falls_behind_gets_the_deltas_merged(llama_dir, make_llm):
     want = make_llm(llama_dir).generate(PROMPTS, BASE)
-    runtime = Runtime.load([ModelSpec("gen", llama_dir)], 16 << 20, dtype="float32")
+    runtime = Runtime.load([ModelSpec("gen", llama_dir)], 16 << 20, device_config=DeviceConfig(dtype="float32"))
     params = replace(BASE, output_kind=RequestOutputKind.DELTA)
 
     async def consume(prompt: str, pause: float) -> list[RequestOutput]:

@@ -15,6 +15,7 @@ import asyncio
 import pytest
 
 from treeserve import SamplingParams, StepFailed
+from treeserve.config import DeviceConfig
 from treeserve.runtime.runtime import ModelSpec, Runtime
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "Numbers 0 1 2 3", "A B C D"]
@@ -95,7 +96,7 @@ def test_a_stream_closed_while_its_step_is_in_flight(llama_dir):
         return Runtime.load(
             [ModelSpec("g", llama_dir, engine_args={"async_scheduling": True})],
             kv_cache_memory=8 << 20,
-            dtype="float32",
+            device_config=DeviceConfig(dtype="float32"),
         )
 
     runtime, clean = load(), load()

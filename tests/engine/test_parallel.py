@@ -106,9 +106,9 @@ def search(generator: dict | None = None, prm: dict | None = None) -> dict:
     settings = EvalSettings(
         dataset="arith:level=4,size=3,seed=1",
         progress=False,
-        generator=ModelSettings(DEFAULT_GENERATOR, **(generator or {})),
-        prm=ModelSettings(DEFAULT_PRM, **(prm or {})),
-        runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20),
+        generator=ModelSettings.from_flat(DEFAULT_GENERATOR, **(generator or {})),
+        prm=ModelSettings.from_flat(DEFAULT_PRM, **(prm or {})),
+        runtime=RuntimeSettings.from_flat(dtype="float32", kv_cache_memory=64 << 20),
     )
     return run_eval(settings, SearchConfig(n=4, beam_width=2, num_iterations=5))  # checks the pages are idle
 
@@ -258,7 +258,7 @@ def _alive(pid: int) -> bool:
 def test_bad_sizes_are_refused_before_any_weight_loads(tmp_path, overrides, kwargs, message):
     path = build_checkpoint(str(tmp_path), "llama", **overrides)
     with pytest.raises(ValueError, match=message):
-        EngineConfig(model=path, dtype="float32", **kwargs)  # the config alone: no engine, no process
+        EngineConfig.from_kwargs(model=path, dtype="float32", **kwargs)  # the config alone: no engine, no process
 
 
 def test_int8_shards_quantise_the_same_blocks(tmp_path):

@@ -116,8 +116,8 @@ def test_a_split_that_cuts_blocks_is_refused_before_loading(tmp_path, shape, qua
     hf = build_checkpoint(str(tmp_path / "hf"), "llama", **shape)
     path = write_gguf(hf, str(tmp_path / "tiny.gguf"), "llama", quants=quants)
     with pytest.raises(ValueError, match=message):
-        EngineConfig(model=path, dtype="float32", quantization="gguf", tensor_parallel_size=2)
-    EngineConfig(model=path, dtype="float32", dequantize=True, tensor_parallel_size=2)  # dense: any width
+        EngineConfig.from_kwargs(model=path, dtype="float32", quantization="gguf", tensor_parallel_size=2)
+    EngineConfig.from_kwargs(model=path, dtype="float32", dequantize=True, tensor_parallel_size=2)  # dense: any width
 
 
 @pytest.mark.parametrize(
@@ -149,4 +149,4 @@ def test_experts_whose_blocks_a_split_would_cut_are_refused(tmp_path):
     hf = build_checkpoint(str(tmp_path / "hf"), "qwen3_moe")  # experts 32 wide: 16 a rank
     path = write_gguf(hf, str(tmp_path / "tiny.gguf"), "qwen3moe")
     with pytest.raises(ValueError, match=r"down_proj's 32 inputs / 2 = 16 a rank"):
-        EngineConfig(model=path, dtype="float32", quantization="gguf", tensor_parallel_size=2)
+        EngineConfig.from_kwargs(model=path, dtype="float32", quantization="gguf", tensor_parallel_size=2)

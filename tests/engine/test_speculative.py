@@ -191,13 +191,13 @@ def test_lookup_takes_the_longest_suffix_match_with_a_continuation():
 )
 def test_bad_configs_are_refused_before_loading(llama_dir, value, message):
     with pytest.raises(ValueError, match=message):
-        EngineConfig(model=llama_dir, speculative_config=value)
+        EngineConfig.from_kwargs(model=llama_dir, speculative_config=value)
 
 
 def test_draft_model_must_share_the_vocabulary(llama_dir, tmp_path):
     other = build_checkpoint(str(tmp_path / "other"), "llama", vocab_size=600)
     with pytest.raises(ValueError, match="vocabulary"):
-        EngineConfig(model=llama_dir, speculative_config={"model": other, "num_speculative_tokens": 2})
+        EngineConfig.from_kwargs(model=llama_dir, speculative_config={"model": other, "num_speculative_tokens": 2})
     with pytest.raises(FileNotFoundError, match="draft model"):
         SpeculativeConfig.parse({"model": str(tmp_path / "missing"), "num_speculative_tokens": 2})
 

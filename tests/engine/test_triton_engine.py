@@ -116,7 +116,7 @@ def test_search_equivalence(world):  # noqa: F811 - the step-world fixture
             prm=ModelSettings(prm),
             reference=reference,
             progress=False,
-            runtime=RuntimeSettings(
+            runtime=RuntimeSettings.from_flat(
                 dtype="float32", kv_cache_memory=1 << 20, device=DEVICE, attention_backend="triton"
             ),
         )

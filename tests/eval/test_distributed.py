@@ -25,7 +25,7 @@ QUALITY = ("accuracy", "accuracy_by_level", "naive@n", "weighted@n", "majority@n
 
 def settings() -> EvalSettings:
     return EvalSettings(
-        dataset=DATASET, runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20), progress=False
+        dataset=DATASET, runtime=RuntimeSettings.from_flat(dtype="float32", kv_cache_memory=64 << 20), progress=False
     )
 
 
@@ -138,7 +138,7 @@ def test_a_worker_that_cannot_start_says_why(cluster):
     from treeserve.eval.distributed import RayOptions, WorkerError, run_eval_distributed
 
     bad = settings()
-    bad.runtime.kv_cache_memory = 10_000  # passes the driver's checks; the worker's engine refuses it
+    bad.runtime.arena_config.kv_cache_memory = 10_000  # passes the driver's checks; the worker's engine refuses it
     with pytest.raises(WorkerError, match="worker 0 failed to start: ValueError: the KV budget"):
         run_eval_distributed(bad, config(), RayOptions(workers=1))
 

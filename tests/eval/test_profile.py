@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import pytest
 
 from treeserve.cli import main
-from treeserve.runtime.model_settings import TUNED_KEYS
+from treeserve.runtime.model_settings import TUNED_KEYS, ModelSettings
 from treeserve.runtime.tuner import GridPoint, choose, read_config
 
 SMALL = [
@@ -80,19 +81,27 @@ def test_tune_writes_settings_that_eval_accepts(tmp_path):
     results = tmp_path / "results.json"
     assert main(["eval", *SMALL, "--config", str(tuned), "--output", str(results)]) == 0
     doc = json.loads(results.read_text())
-    assert tuned_of(doc) == config["engine_args"] and doc["config"]["prm"]["kv_fraction"] == config["prm_kv_fraction"]
+    assert tuned_of(doc) == file_settings(config) and doc["config"]["prm"]["kv_fraction"] == config["prm_kv_fraction"]
     assert doc["memory"]["kv_bytes"] == 12 << 20
     # a budget flag replaces the file's budget (any kind); the file's other settings still apply
     assert main(["eval", *SMALL, "--config", str(tuned), "--memory-budget", "600M", "--output", str(results)]) == 0
     doc = json.loads(results.read_text())
-    assert doc["memory"]["budget"] == 600 << 20 and tuned_of(doc) == config["engine_args"]
+    assert doc["memory"]["budget"] == 600 << 20 and tuned_of(doc) == file_settings(config)
 
 
 def tuned_of(doc: dict) -> dict:
-    """Each model's batch settings a results file records, as a tune settings file writes them."""
+    """Each model's batch settings a results file records."""
+    return {name: _batch(doc["config"][name]) for name in ("generator", "prm")}
+
+
+def file_settings(config: dict) -> dict:
+    """Each model's batch settings a tune settings file gives (flat, as it writes them)."""
+    return {name: _batch(asdict(ModelSettings.from_flat("m", **args))) for name, args in config["engine_args"].items()}
+
+
+def _batch(section: dict) -> dict:
     return {
-        name: {k: v for k, v in doc["config"][name].items() if k in TUNED_KEYS and v is not None}
-        for name in ("generator", "prm")
+        k: v for group in ("scheduler_config", "cache_config") for k, v in section[group].items() if k in TUNED_KEYS
     }
 
 

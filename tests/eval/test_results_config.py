@@ -65,7 +65,7 @@ PROBLEM = {
 def test_an_old_config_reads_as_todays():
     config = upgrade_config(OLD)
     generator, prm = ModelSettings.from_dict(config["generator"]), ModelSettings.from_dict(config["prm"])
-    assert generator == ModelSettings(
+    assert generator == ModelSettings.from_flat(
         "/models/gen",
         quantization="int8",
         quant_activations="bf16",
@@ -74,7 +74,7 @@ def test_an_old_config_reads_as_todays():
         tensor_parallel_size=2,
         max_num_seqs=32,
     )
-    assert prm == ModelSettings(
+    assert prm == ModelSettings.from_flat(
         "/models/prm",
         style="step_tag",
         quant_activations="bf16",
@@ -85,23 +85,26 @@ def test_an_old_config_reads_as_todays():
         max_num_batched_tokens=512,
     )
     assert not {k for k in config if k.startswith("prm_")} and "engine_args" not in config
-    assert config["dtype"] == "float32" and config["selection"] == "weighted"
+    assert config["device_config"] == {"device": "cpu", "attention_backend": "cpu", "dtype": "float32"}
+    assert config["arena_config"]["kv_cache_memory"] == 1 << 26 and config["selection"] == "weighted"
     assert config["search"] == {**asdict(SearchConfig()), **OLD["search"]}  # settings added since: their defaults
 
 
 def test_a_new_config_is_read_as_written():
-    settings = EvalSettings(generator=ModelSettings(DEFAULT_GENERATOR, max_num_seqs=8), prm=ModelSettings(DEFAULT_PRM))
+    settings = EvalSettings(
+        generator=ModelSettings.from_flat(DEFAULT_GENERATOR, max_num_seqs=8), prm=ModelSettings(DEFAULT_PRM)
+    )
     config = json.loads(json.dumps(run_config(settings, SearchConfig(), [PROBLEM])))
     assert upgrade_config(config) == config
     assert config["generator"] == asdict(settings.generator) and config["prm"]["path"] == DEFAULT_PRM
-    assert config["dtype"] == "bfloat16" and "runtime" not in config  # the runtime's settings stay flat
+    assert config["device_config"]["dtype"] == "bfloat16" and "runtime" not in config  # its sub-configs beside
 
 
 def test_old_results_files_load_compare_and_view(tmp_path, capsys):
     old = tmp_path / "old.json"
     summary = {"accuracy": 1.0, "problems_per_s": 1.0, "wall_time_s": 1.0}
     old.write_text(json.dumps({"config": OLD, "summary": summary, "problems": [PROBLEM]}))
-    assert read_results(old)["config"]["prm"]["tensor_parallel_size"] == 1
+    assert read_results(old)["config"]["prm"]["parallel_config"]["tensor_parallel_size"] == 1
     assert main(["compare", str(old), str(old)]) == 0
     assert main(["view", str(old), "--output", str(tmp_path / "old.html")]) == 0
     assert (tmp_path / "old.html").stat().st_size > 0
@@ -157,10 +160,61 @@ def test_a_journal_with_the_prefix_cache_among_the_search_settings_resumes(tmp_p
     written with `search.prefix_cache` reads with it beside the runtime's settings, and resumes."""
     settings = EvalSettings(progress=False, reference=reference)
     config = json.loads(json.dumps(run_config(settings, SearchConfig(), [PROBLEM])))
-    assert "prefix_cache" not in config["search"] and config["prefix_cache"] is not reference
-    before = {k: v for k, v in config.items() if k != "prefix_cache"}
+    assert "prefix_cache" not in config["search"] and config["arena_config"]["enable_prefix_caching"] is not reference
+    before = {k: v for k, v in flat_as_this_morning(config).items() if k != "prefix_cache"}
     before["search"] = {**config["search"], "prefix_cache": not reference}
     assert upgrade_config(before) == config
     path = journal_path(tmp_path / "results.json")
     path.write_text(json.dumps({"journal": 1, "config": before}) + "\n")
     Journal.open(path, config, resume=True).close()
+
+
+# ModelSettings' fields as results files held them until 2026-12-02 (None: the engine's default)
+FLAT_MODEL_KEYS = (
+    *("path", "style", "quantization", "dequantize", "quant_activations", "speculative_config"),
+    *("tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend", "async_scheduling"),
+    *("enforce_eager", "max_model_len", "kv_cache_dtype", "kv_fraction", "max_num_seqs"),
+    *("max_num_batched_tokens", "block_size"),
+)
+FLAT_DEFAULTS = {"quant_activations": "int8", "kv_cache_dtype": "auto", "max_num_seqs": 256}
+FLAT_DEFAULTS |= {"max_num_batched_tokens": 2048}
+
+
+def flat_as_this_morning(config: dict) -> dict:
+    """`config` as `treeserve eval` wrote it until 2026-12-02: each model's section flat, the
+    engine's defaults as None, the runtime's settings flat beside (the prefix cache `prefix_cache`)."""
+    old = {k: v for k, v in config.items() if k not in ("device_config", "arena_config")}
+    old |= config["device_config"] | {"kv_cache_memory": config["arena_config"]["kv_cache_memory"]}
+    old["prefix_cache"] = config["arena_config"]["enable_prefix_caching"]
+    for name in ("generator", "prm", "verifier"):
+        if config.get(name) is not None:
+            values = {k: v for group in config[name].values() if isinstance(group, dict) for k, v in group.items()}
+            values |= {k: v for k, v in config[name].items() if not isinstance(v, dict)}
+            flat = {k: values[k] for k in FLAT_MODEL_KEYS}
+            old[name] = flat | {k: None for k, v in FLAT_DEFAULTS.items() if flat[k] == v}
+    return old
+
+
+def test_a_config_with_flat_model_sections_reads_as_todays(tmp_path, capsys):
+    """A results file or journal written before the engine settings were sub-configs (each model's
+    section flat, the runtime's settings flat) reads as today's form: it resumes the same run, and
+    loads for compare and view."""
+    settings = EvalSettings(
+        generator=ModelSettings.from_flat(DEFAULT_GENERATOR, max_num_seqs=8, enforce_eager=True),
+        prm=ModelSettings(DEFAULT_PRM, style="step_tag", kv_fraction=0.3),
+        progress=False,
+    )
+    settings.check()
+    config = json.loads(json.dumps(run_config(settings, SearchConfig(), [PROBLEM])))
+    old = flat_as_this_morning(config)
+    assert old["generator"]["max_num_seqs"] == 8 and old["prm"]["max_num_seqs"] is None and "dtype" in old
+    assert upgrade_config(old) == config
+    path = journal_path(tmp_path / "results.json")
+    path.write_text(json.dumps({"journal": 1, "config": old}) + "\n")
+    Journal.open(path, config, resume=True).close()
+    results = tmp_path / "flat.json"
+    summary = {"accuracy": 1.0, "problems_per_s": 1.0, "wall_time_s": 1.0}
+    results.write_text(json.dumps({"config": old, "summary": summary, "problems": [PROBLEM]}))
+    assert read_results(results)["config"] == config
+    assert main(["compare", str(results), str(results)]) == 0
+    assert main(["view", str(results), "--output", str(tmp_path / "flat.html")]) == 0

@@ -35,7 +35,7 @@ def make_traced_results(folder: Path, name: str = "traced.json", **search: objec
         prm=ModelSettings(prm),
         progress=False,
         page_logs=True,
-        runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20),
+        runtime=RuntimeSettings.from_flat(dtype="float32", kv_cache_memory=64 << 20),
     )
     config = SearchConfig(n=8, beam_width=2, num_iterations=5, max_tokens=24, trace=True, **search)
     run_eval(settings, config, inline=[dict(r) for r in RECORDS], output=folder / name)

@@ -312,4 +312,4 @@ def test_an_unknown_kv_cache_dtype_is_refused(llama_dir, value):
         LLM(llama_dir, kv_cache_dtype=value)
     if value is not None:  # None is a ModelSettings' "the engine's default"
         with pytest.raises(ValueError, match=r"prm: kv_cache_dtype must be one of"):
-            ModelSettings(llama_dir, kv_cache_dtype=value).check("prm", "cpu")
+            ModelSettings.from_flat(llama_dir, kv_cache_dtype=value).check("prm", "cpu")

@@ -133,9 +133,9 @@ def test_eval_runs_both_models_in_int8_and_records_it():
 
     settings = EvalSettings(
         dataset="arith:level=1,size=2,seed=0",
-        generator=ModelSettings(DEFAULT_GENERATOR, quantization="int8"),
-        prm=ModelSettings(DEFAULT_PRM, quantization="int8"),
-        runtime=RuntimeSettings(kv_cache_memory=32 << 20),
+        generator=ModelSettings.from_flat(DEFAULT_GENERATOR, quantization="int8"),
+        prm=ModelSettings.from_flat(DEFAULT_PRM, quantization="int8"),
+        runtime=RuntimeSettings.from_flat(kv_cache_memory=32 << 20),
         progress=False,
     )
     config = SearchConfig(strategy="beam_search", n=4, beam_width=2, num_iterations=2, max_tokens=24)

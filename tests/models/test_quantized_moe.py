@@ -93,4 +93,4 @@ def test_int8_experts_are_quantised_and_match_their_rounded_weights(tmp_path, ma
     assert ((ours - ref).norm() / ref.norm()).item() < 0.1
     assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
     with pytest.raises(ValueError, match="experts' intermediate size"):  # 32 wide: 16 a rank, no whole block
-        EngineConfig(model=hf, dtype="float32", quantization="int8", tensor_parallel_size=2)
+        EngineConfig.from_kwargs(model=hf, dtype="float32", quantization="int8", tensor_parallel_size=2)

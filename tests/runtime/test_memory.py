@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from treeserve import SamplingParams, ScoreParams
+from treeserve.config import DeviceConfig
 from treeserve.runtime.planner import weight_bytes
 from treeserve.runtime.runtime import ModelSpec, Runtime
 
@@ -21,7 +22,7 @@ def specs(llama_dir, qwen2_dir, share=None, **engine_args):
 
 
 def test_shared_plan_one_arena_of_equal_pages(llama_dir, qwen2_dir, tmp_path):
-    rt = Runtime.load(specs(llama_dir, qwen2_dir), 4 << 20, dtype="float32")
+    rt = Runtime.load(specs(llama_dir, qwen2_dir), 4 << 20, device_config=DeviceConfig(dtype="float32"))
     plan = rt.memory_plan
     gen, prm = rt.engines["gen"], rt.engines["prm"]
     assert plan.shared and plan.kv_bytes == 4 << 20
@@ -51,7 +52,11 @@ def test_fp8_kv_plans_four_times_the_pages_of_fp32(llama_dir, qwen2_dir):
     holds 4x its fp32 tokens, and the table says what its pages hold."""
     fp8 = {"kv_cache_dtype": "fp8_e4m3"}
     prm = specs(llama_dir, qwen2_dir)[1]
-    rt = Runtime.load([ModelSpec("gen", llama_dir, block_size=4, engine_args=fp8), prm], 4 << 20, dtype="float32")
+    rt = Runtime.load(
+        [ModelSpec("gen", llama_dir, block_size=4, engine_args=fp8), prm],
+        4 << 20,
+        device_config=DeviceConfig(dtype="float32"),
+    )
     by_name = {m.name: m for m in rt.memory_plan.models}
     assert by_name["gen"].token_bytes * 4 == by_name["prm"].token_bytes == rt.engines["prm"].kv_layout.token_bytes
     assert rt.engines["gen"].block_size == 4 * rt.engines["prm"].block_size
@@ -60,7 +65,7 @@ def test_fp8_kv_plans_four_times_the_pages_of_fp32(llama_dir, qwen2_dir):
 
 
 def test_static_split_gives_each_model_its_share(llama_dir, qwen2_dir):
-    rt = Runtime.load(specs(llama_dir, qwen2_dir, 0.5), 4 << 20, dtype="float32")
+    rt = Runtime.load(specs(llama_dir, qwen2_dir, 0.5), 4 << 20, device_config=DeviceConfig(dtype="float32"))
     gen, prm = rt.engines["gen"], rt.engines["prm"]
     assert gen.blocks.pool is not prm.blocks.pool
     assert (gen.block_size, prm.block_size) == (16, 4)
@@ -69,7 +74,7 @@ def test_static_split_gives_each_model_its_share(llama_dir, qwen2_dir):
 
 
 def test_budget_mode_subtracts_weights_activations_and_other(llama_dir, qwen2_dir):
-    rt = Runtime.load(specs(llama_dir, qwen2_dir), memory_budget=600 << 20, dtype="float32")
+    rt = Runtime.load(specs(llama_dir, qwen2_dir), memory_budget=600 << 20, device_config=DeviceConfig(dtype="float32"))
     plan = rt.memory_plan
     assert plan.budget == 600 << 20
     assert plan.kv_bytes == plan.budget - plan.weights - plan.activations - plan.other
@@ -87,18 +92,24 @@ def test_budget_mode_subtracts_weights_activations_and_other(llama_dir, qwen2_di
 )
 def test_bad_budgets_are_refused_clearly(llama_dir, qwen2_dir, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        Runtime.load(specs(llama_dir, qwen2_dir), dtype="float32", **kwargs)
+        Runtime.load(specs(llama_dir, qwen2_dir), device_config=DeviceConfig(dtype="float32"), **kwargs)
 
 
 def test_mixed_split_specs_are_refused(llama_dir, qwen2_dir):
     with pytest.raises(ValueError, match="add up to 1"):
-        Runtime.load([ModelSpec("gen", llama_dir, 0.5), ModelSpec("prm", qwen2_dir)], 4 << 20, dtype="float32")
+        Runtime.load(
+            [ModelSpec("gen", llama_dir, 0.5), ModelSpec("prm", qwen2_dir)],
+            4 << 20,
+            device_config=DeviceConfig(dtype="float32"),
+        )
 
 
 def test_tight_shared_arena_serves_both_models_and_loses_no_page(llama_dir, qwen2_dir):
     """Far more work than pages: the generator preempts, the PRM waits for pages the generator
     releases, cached pages of one model are evicted for the other, and everything finishes."""
-    rt = Runtime.load(specs(llama_dir, qwen2_dir, max_model_len=128), 96 * 4 * 512, dtype="float32")
+    rt = Runtime.load(
+        specs(llama_dir, qwen2_dir, max_model_len=128), 96 * 4 * 512, device_config=DeviceConfig(dtype="float32")
+    )
     gen, prm = rt.engines["gen"], rt.engines["prm"]
     assert rt.memory_plan.num_pages == 96
 
@@ -127,7 +138,9 @@ def test_tight_shared_arena_serves_both_models_and_loses_no_page(llama_dir, qwen
 def test_an_aborted_starving_model_stops_blocking_the_other(llama_dir, qwen2_dir):
     """A model that waits for pages blocks the other's admissions; once its waiting requests are
     aborted, the other model admits again (no stale claim on the pool)."""
-    rt = Runtime.load(specs(llama_dir, qwen2_dir, max_model_len=128), 96 * 4 * 512, dtype="float32")
+    rt = Runtime.load(
+        specs(llama_dir, qwen2_dir, max_model_len=128), 96 * 4 * 512, device_config=DeviceConfig(dtype="float32")
+    )
     gen, prm = rt.engines["gen"], rt.engines["prm"]
     pool = gen.blocks.pool
     gen.add_request("g", [1] * 20, SamplingParams(n=3, max_tokens=100, ignore_eos=True, seed=0))
@@ -156,7 +169,11 @@ def test_graphs_are_captured_once_on_the_final_arena(llama_dir, qwen2_dir, monke
 
     monkeypatch.setattr(cuda_graphs, "graphs_apply", lambda device, backend, eager, parallel: not eager)
     monkeypatch.setattr(cuda_graphs, "GRAPH_CLASS", Recorded)
-    rt = Runtime.load(specs(llama_dir, qwen2_dir, max_num_seqs=4), memory_budget=600 << 20, dtype="float32")
+    rt = Runtime.load(
+        specs(llama_dir, qwen2_dir, max_num_seqs=4),
+        memory_budget=600 << 20,
+        device_config=DeviceConfig(dtype="float32"),
+    )
     gen, prm = rt.engines["gen"], rt.engines["prm"]
     assert len(captured) == len(gen.graph_stats["sizes"]) + len(prm.graph_stats["sizes"])  # not twice
     assert gen.runner.graphs.arena is gen.arena and prm.runner.graphs.arena is prm.arena

@@ -19,11 +19,11 @@ def test_a_runtime_on_a_cpu_keeps_its_kv_cap():
 
 
 def test_one_engine_on_cuda_is_not_capped_at_one_gib(llama_dir):
-    config = EngineConfig(model=llama_dir, device="cpu")
+    config = EngineConfig.from_kwargs(model=llama_dir, device="cpu")
     free = 70 << 30  # what an 80 GB card has free once an 8B model's weights are in
     assert config.kv_budget(free) == DEFAULT_KV_CAP
-    config.device = "cuda"  # as resolved on a GPU machine
+    config.device_config.device = "cuda"  # as resolved on a GPU machine
     assert config.kv_budget(free) == int(0.9 * free)
     assert config.kv_budget(free) >= 8 * DEFAULT_KV_CAP
-    config.kv_cache_memory = 123 << 20  # a size given is kept everywhere
+    config.arena_config.kv_cache_memory = 123 << 20  # a size given is kept everywhere
     assert config.kv_budget(free) == 123 << 20

@@ -9,6 +9,7 @@ import asyncio
 import pytest
 import torch
 
+from treeserve.config import DeviceConfig
 from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM
 from treeserve.runtime.model_settings import ModelSettings
 from treeserve.runtime.runtime import Runtime
@@ -25,7 +26,11 @@ def beams(device: str, overlap: bool) -> tuple[list, Runtime]:
     """Beam search (N=8, sampled) on the shipped arithmetic models: every problem's beams, their
     text and step scores."""
     runtime = Runtime.for_search(
-        DEFAULT_GENERATOR, DEFAULT_PRM, 32 << 20, dtype="float32", device=device, overlap_models=overlap
+        DEFAULT_GENERATOR,
+        DEFAULT_PRM,
+        32 << 20,
+        device_config=DeviceConfig(device, dtype="float32"),
+        overlap_models=overlap,
     )
     config = SearchConfig(n=8, beam_width=2, num_iterations=4, temperature=0.8, seed=3)
     ctx = SearchContext(config, runtime, "generator", load_prm(runtime, "prm", None))
@@ -37,11 +42,11 @@ def beams(device: str, overlap: bool) -> tuple[list, Runtime]:
 
 def test_bad_values_are_refused():
     with pytest.raises(ValueError, match="overlap_models must be True, False or None"):
-        RuntimeSettings(device="cpu", overlap_models="yes").check(ModelSettings(DEFAULT_GENERATOR), None)
+        RuntimeSettings.from_flat(device="cpu", overlap_models="yes").check(ModelSettings(DEFAULT_GENERATOR), None)
 
 
 def test_the_default_is_on_with_cuda_only():
-    settings = RuntimeSettings(device="cpu")
+    settings = RuntimeSettings.from_flat(device="cpu")
     settings.check(ModelSettings(DEFAULT_GENERATOR), None)
     assert settings.overlap_models is False
 

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from treeserve import SamplingParams, ScoreParams
+from treeserve.config import DeviceConfig
 from treeserve.runtime.runtime import ModelSpec, Runtime
 
 
@@ -14,7 +15,7 @@ from treeserve.runtime.runtime import ModelSpec, Runtime
 def runtime(request, llama_dir, qwen2_dir):
     share = request.param
     specs = [ModelSpec("gen", llama_dir, share), ModelSpec("prm", qwen2_dir, share)]
-    rt = Runtime.load(specs, 16 << 20, dtype="float32")
+    rt = Runtime.load(specs, 16 << 20, device_config=DeviceConfig(dtype="float32"))
     yield rt
     rt.check_pages_idle()
 

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from treeserve.config import DeviceConfig
 from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM
 from treeserve.runtime.runtime import Runtime
 
@@ -14,7 +15,7 @@ from treeserve.runtime.runtime import Runtime
 def runtime():
     """The shipped arithmetic pair (fp32, 32 MiB of KV) for one test module; closed after it, with
     every page back."""
-    rt = Runtime.for_search(DEFAULT_GENERATOR, DEFAULT_PRM, 32 << 20, dtype="float32")
+    rt = Runtime.for_search(DEFAULT_GENERATOR, DEFAULT_PRM, 32 << 20, device_config=DeviceConfig(dtype="float32"))
     yield rt
     asyncio.run(rt.close())
     rt.check_pages_idle()

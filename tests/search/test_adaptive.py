@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 
+from treeserve.config import DeviceConfig
 from treeserve.eval.arith import arith_dataset
 from treeserve.eval.grading import extract_answer
 from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM
@@ -191,7 +192,7 @@ def test_a_warm_runtime_searches_as_a_fresh_one():
     PRM's inputs from its prefix cache, the first computed them (the first of four equal beams
     whole, the others after a hit), and both get the same scores to the bit, so the same
     survivors and beams (before: beam 0 scored 1.2e-7 lower cold and lost its tie)."""
-    runtime = Runtime.for_search(DEFAULT_GENERATOR, DEFAULT_PRM, 32 << 20, dtype="float32")
+    runtime = Runtime.for_search(DEFAULT_GENERATOR, DEFAULT_PRM, 32 << 20, device_config=DeviceConfig(dtype="float32"))
     kwargs = {"n": 16, "num_iterations": 3, "max_tokens": 48, "adaptive": True, "certainty": 0.6}
     kwargs |= {"budget_fraction": None, "max_concurrent_problems": 1, "score_cache": False}
     cold, warm = (search(runtime, PROBLEMS[:1], **kwargs)[0] for _ in range(2))
@@ -409,7 +410,9 @@ def test_the_picked_budget_is_the_same_run_twice():
     problems = PROBLEMS + [(r["unique_id"], r["problem"]) for r in arith_dataset(size=2, seed=0, levels=(1,))]
 
     def run() -> list:
-        runtime = Runtime.for_search(DEFAULT_GENERATOR, DEFAULT_PRM, 32 << 20, dtype="float32")
+        runtime = Runtime.for_search(
+            DEFAULT_GENERATOR, DEFAULT_PRM, 32 << 20, device_config=DeviceConfig(dtype="float32")
+        )
         ctx = SearchContext(config, runtime, "generator", load_prm(runtime, "prm", None), answer_of=boxed)
         results = asyncio.run(search_problems(ctx, problems))
         asyncio.run(runtime.close())

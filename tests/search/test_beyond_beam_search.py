@@ -179,7 +179,7 @@ def traced(strategy: str, **fields) -> dict:
     settings = EvalSettings(
         dataset="arith:level=4,size=3,seed=0",
         progress=False,
-        runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20),
+        runtime=RuntimeSettings.from_flat(dtype="float32", kv_cache_memory=64 << 20),
     )
     return run_eval(settings, config)
 

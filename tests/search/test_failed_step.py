@@ -9,6 +9,7 @@ import asyncio
 import pytest
 
 from treeserve import StepFailed
+from treeserve.config import DeviceConfig
 from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM
 from treeserve.runtime.runtime import Runtime
 from treeserve.search.beam_search import beam_search
@@ -19,7 +20,11 @@ from treeserve.search.prm import load_prm
 
 def test_a_failed_step_cancels_the_rest_of_the_search():
     runtime = Runtime.for_search(
-        DEFAULT_GENERATOR, DEFAULT_PRM, 32 << 20, dtype="float32", engine_args={"generator": {"max_num_seqs": 2}}
+        DEFAULT_GENERATOR,
+        DEFAULT_PRM,
+        32 << 20,
+        device_config=DeviceConfig(dtype="float32"),
+        engine_args={"generator": {"max_num_seqs": 2}},
     )
     ctx = SearchContext(SearchConfig(n=4, beam_width=2, seed=0), runtime, "generator", load_prm(runtime, "prm", None))
     generator = runtime.engine("generator")

@@ -44,7 +44,7 @@ def settings(world, reference: bool = False) -> EvalSettings:
         prm=ModelSettings(prm),
         reference=reference,
         progress=False,
-        runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20),
+        runtime=RuntimeSettings.from_flat(dtype="float32", kv_cache_memory=64 << 20),
     )
 
 

@@ -14,6 +14,7 @@ import transformers
 from safetensors.torch import load_file
 
 from tests.search.prm_fixtures import build_arith_step_tag, build_reward_head, build_rlhflow, build_value_head
+from treeserve.config import DeviceConfig
 from treeserve.runtime.runtime import ModelSpec, Runtime
 from treeserve.search.prm import PRMInputTooLong, RewardHeadPRM, RLHFlowPRM, StepTagPRM, ValueHeadPRM, load_prm
 
@@ -51,7 +52,7 @@ def serve(dirs: dict[str, str], body: Callable[[Runtime], Awaitable[object]]) ->
     runtime = Runtime.load(
         [ModelSpec(name, path, 1 / len(dirs), block_size=4) for name, path in dirs.items()],
         kv_cache_memory=len(dirs) << 23,
-        dtype="float32",
+        device_config=DeviceConfig(dtype="float32"),
     )
 
     async def main() -> object:

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from tests.server.conftest import API_KEY, start_server
+from treeserve.config import DeviceConfig
 from treeserve.eval.runner import DEFAULT_GENERATOR, DEFAULT_PRM
 from treeserve.runtime.model_settings import ModelSettings
 from treeserve.runtime.runtime import Runtime
@@ -26,7 +27,7 @@ QUESTION = "Compute 3 * (25 - 7) + 40."
 
 def run(config: SearchConfig, body, prm_limit: int | None = None):
     """`body(ctx)` over the shipped pair, the PRM's context cut to `prm_limit`; every page back after."""
-    runtime = Runtime.for_search(DEFAULT_GENERATOR, DEFAULT_PRM, 32 << 20, dtype="float32")
+    runtime = Runtime.for_search(DEFAULT_GENERATOR, DEFAULT_PRM, 32 << 20, device_config=DeviceConfig(dtype="float32"))
     if prm_limit is not None:
         runtime.engine("prm").max_model_len = prm_limit
 
@@ -75,10 +76,10 @@ def test_a_search_with_every_beam_too_long_raises_and_a_run_goes_on(strategy):
 def test_search_over_http_is_a_400_naming_the_lengths():
     settings = ServerSettings(
         ModelSettings(DEFAULT_GENERATOR),
-        ModelSettings(DEFAULT_PRM, max_model_len=24),
+        ModelSettings.from_flat(DEFAULT_PRM, max_model_len=24),
         served_model_name="arith",
         api_key=API_KEY,
-        runtime=RuntimeSettings(dtype="float32", kv_cache_memory=32 << 20),
+        runtime=RuntimeSettings.from_flat(dtype="float32", kv_cache_memory=32 << 20),
     )
     server = start_server(settings)
     try:

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from tests.search.prm_fixtures import build_qwen_reward_model, build_sequence_classification, build_token_classification
 from tests.search.test_prm_adapters import QUESTION, STEPS, TOL, qwen2_hidden_states, serve
+from treeserve.config import DeviceConfig
 from treeserve.eval.runner import DEFAULT_GENERATOR
 from treeserve.runtime.runtime import ModelSpec, Runtime
 from treeserve.search.config import SearchConfig
@@ -155,7 +156,7 @@ def search(dirs: dict[str, str], config: SearchConfig, verifier: str | None = No
     (and a verifier); afterwards every page is free or cached."""
     specs = [ModelSpec("generator", DEFAULT_GENERATOR, 0.5)]
     specs += [ModelSpec(name, path, 0.5 / len(dirs)) for name, path in dirs.items()]
-    runtime = Runtime.load(specs, kv_cache_memory=48 << 20, dtype="float32")
+    runtime = Runtime.load(specs, kv_cache_memory=48 << 20, device_config=DeviceConfig(dtype="float32"))
 
     async def main():
         try:
@@ -213,7 +214,11 @@ def test_a_verifier_reranks_the_beams_beam_search_returns(head_dirs):
 
 
 def test_a_process_prm_is_no_verifier(head_dirs):
-    runtime = Runtime.load([ModelSpec("prm", head_dirs["tc_qwen2"], 1.0)], kv_cache_memory=8 << 20, dtype="float32")
+    runtime = Runtime.load(
+        [ModelSpec("prm", head_dirs["tc_qwen2"], 1.0)],
+        kv_cache_memory=8 << 20,
+        device_config=DeviceConfig(dtype="float32"),
+    )
     prm = load_prm(runtime, "prm")
     with pytest.raises(ValueError, match="outcome reward model"):
         SearchContext(SearchConfig(), runtime, "prm", prm, verifier=prm)

@@ -16,6 +16,7 @@ import pytest
 
 from tests.search.step_world import build_step_world
 from tests.search.test_search_equivalence import signature
+from treeserve.config import DeviceConfig
 from treeserve.eval.grading import Grader, extract_answer
 from treeserve.eval.report import grade_problems
 from treeserve.eval.runner import EvalSettings, run_eval
@@ -75,7 +76,7 @@ def test_answers_are_read_after_think():
 # ---- searches ------------------------------------------------------------------------------------
 def test_the_prm_never_sees_a_think_tag(think_world):
     generator, prm_dir = think_world
-    runtime = Runtime.for_search(generator, prm_dir, 32 << 20, dtype="float32")
+    runtime = Runtime.for_search(generator, prm_dir, 32 << 20, device_config=DeviceConfig(dtype="float32"))
     tags = {runtime.tokenizer("prm").hf.token_to_id(t) for t in TAGS}
     inputs: list[list[int]] = []
 
@@ -110,7 +111,7 @@ def test_the_prm_never_sees_a_think_tag(think_world):
 
 def run(world, config: SearchConfig, reference: bool) -> dict:
     generator, prm = world
-    runtime = RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20)
+    runtime = RuntimeSettings.from_flat(dtype="float32", kv_cache_memory=64 << 20)
     settings = EvalSettings(
         generator=ModelSettings(generator), prm=ModelSettings(prm), reference=reference, progress=False, runtime=runtime
     )
@@ -140,7 +141,7 @@ def test_a_generator_without_think_tokens_is_refused(plain_world, tmp_path):
     config = SearchConfig(n=4, beam_width=2, num_iterations=2, max_tokens=8, reasoning=True)
     with pytest.raises(ValueError, match="no <think> and </think> tokens"):
         run(plain_world, config, reference=False)  # before any weights load (no runtime to leak pages)
-    runtime = Runtime.for_search(*plain_world, 8 << 20, dtype="float32")
+    runtime = Runtime.for_search(*plain_world, 8 << 20, device_config=DeviceConfig(dtype="float32"))
     try:
         with pytest.raises(ValueError, match="reasoning search needs a generator"):
             SearchContext(config, runtime, "generator", load_prm(runtime, "prm"))

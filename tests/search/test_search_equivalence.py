@@ -41,7 +41,7 @@ def run(
         prm=ModelSettings(prm, kv_fraction=prm_kv_fraction),
         reference=reference,
         progress=False,
-        runtime=RuntimeSettings(dtype="float32", kv_cache_memory=kv_cache_memory),
+        runtime=RuntimeSettings.from_flat(dtype="float32", kv_cache_memory=kv_cache_memory),
     )
     return run_eval(settings, config, inline=[dict(r) for r in RECORDS])
 

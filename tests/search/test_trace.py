@@ -29,7 +29,7 @@ def run(world, config: SearchConfig, reference: bool = False) -> dict:
         prm=ModelSettings(prm),
         reference=reference,
         progress=False,
-        runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20),
+        runtime=RuntimeSettings.from_flat(dtype="float32", kv_cache_memory=64 << 20),
     )
     return run_eval(settings, config, inline=[dict(r) for r in RECORDS])
 
@@ -112,7 +112,7 @@ def test_arithmetic_trace_marks_shared_scores_and_duplicates():
     settings = EvalSettings(
         dataset="arith:level=4,size=2,seed=0",
         progress=False,
-        runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20),
+        runtime=RuntimeSettings.from_flat(dtype="float32", kv_cache_memory=64 << 20),
     )
     doc = run_eval(settings, config)
     rows = [n for p in doc["problems"] for n in nodes(p["trace"])]

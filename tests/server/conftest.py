@@ -78,7 +78,7 @@ def live_server() -> Iterator[LiveServer]:
         ModelSettings(DEFAULT_PRM),
         served_model_name=MODEL,
         api_key=API_KEY,
-        runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20),
+        runtime=RuntimeSettings.from_flat(dtype="float32", kv_cache_memory=64 << 20),
     )
     server = start_server(settings)
     yield server

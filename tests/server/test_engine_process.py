@@ -37,7 +37,7 @@ SETTINGS = dict(
     prm=ModelSettings(DEFAULT_PRM),
     served_model_name=MODEL,
     api_key=API_KEY,
-    runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20),
+    runtime=RuntimeSettings.from_flat(dtype="float32", kv_cache_memory=64 << 20),
 )
 SEARCH = {"problem": "Compute (12 + 7) * 3.", "n": 4, "beam_width": 2, "seed": 3}
 
@@ -197,7 +197,8 @@ def test_an_injected_failing_step_fails_only_its_request(core_server):
 
 def test_kill_9_mid_load(core_server):
     client = core_server.served.runtime
-    assert client.settings.generator.async_scheduling  # the core steps overlapped: the kill meets steps in flight
+    # the core steps overlapped: the kill meets steps in flight
+    assert client.settings.generator.scheduler_config.async_scheduling
     restarts = client.restarts
     statuses: list[object] = []
 

@@ -215,11 +215,13 @@ def test_metrics_count_requests_tokens_and_pages(server: LiveServer) -> None:
 def test_too_little_kv_memory_queues_and_preempts_without_changing_answers() -> None:
     offline = LLM(DEFAULT_GENERATOR, dtype="float32", kv_cache_memory=16 << 20, max_model_len=128)
     cfg = offline.engine.model_config
-    page = KVArena.page_bytes(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, offline.engine.config.torch_dtype)
+    page = KVArena.page_bytes(
+        cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, offline.engine.config.device_config.torch_dtype
+    )
     settings = ServerSettings(
-        ModelSettings(DEFAULT_GENERATOR, max_model_len=128),
+        ModelSettings.from_flat(DEFAULT_GENERATOR, max_model_len=128),
         served_model_name=MODEL,
-        runtime=RuntimeSettings(dtype="float32", kv_cache_memory=12 * page),
+        runtime=RuntimeSettings.from_flat(dtype="float32", kv_cache_memory=12 * page),
     )  # one 128-token sequence needs 9 pages
     server = start_server(settings)
     try:

@@ -26,10 +26,10 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 @pytest.fixture(scope="module")
 def fuzz_server() -> Iterator[LiveServer]:
     settings = ServerSettings(
-        ModelSettings(DEFAULT_GENERATOR, max_model_len=64),
-        ModelSettings(DEFAULT_PRM, max_model_len=64),
+        ModelSettings.from_flat(DEFAULT_GENERATOR, max_model_len=64),
+        ModelSettings.from_flat(DEFAULT_PRM, max_model_len=64),
         api_key=API_KEY,
-        runtime=RuntimeSettings(kv_cache_memory=32 << 20),
+        runtime=RuntimeSettings.from_flat(kv_cache_memory=32 << 20),
     )
     server = start_server(settings)
     yield server

@@ -54,7 +54,7 @@ def settings(prm: bool = True) -> ServerSettings:
         ModelSettings(DEFAULT_PRM) if prm else None,
         served_model_name=MODEL,
         api_key=API_KEY,
-        runtime=RuntimeSettings(**RUNTIME),
+        runtime=RuntimeSettings.from_flat(**RUNTIME),
     )
 
 
@@ -71,7 +71,7 @@ def scored(server: LiveServer, body: dict) -> dict:
 @pytest.fixture(scope="module")
 def offline() -> Iterator:
     """`PRM.score` on a runtime of the server's settings, run as a search runs it."""
-    runtime = RuntimeSettings(**RUNTIME)
+    runtime = RuntimeSettings.from_flat(**RUNTIME)
     generator, prm = ModelSettings(DEFAULT_GENERATOR), ModelSettings(DEFAULT_PRM)
     runtime.check(generator, prm)
     rt = runtime.load(generator, prm)

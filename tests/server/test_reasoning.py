@@ -111,7 +111,7 @@ def reasoning_server(model_dir: str, parser: str) -> LiveServer:
         ModelSettings(model_dir),
         served_model_name=MODEL,
         reasoning_parser=parser,
-        runtime=RuntimeSettings(dtype="float32", kv_cache_memory=16 << 20),
+        runtime=RuntimeSettings.from_flat(dtype="float32", kv_cache_memory=16 << 20),
     )
     return start_server(settings)
 

@@ -1,5 +1,5 @@
-"""The same search from `treeserve eval`'s flags, `/v1/search` and the Python API: equal
-`SearchConfig`s and the same answer, on the shipped arithmetic pair."""
+"""The same search from `treeserve eval`'s flags, `treeserve solve`, `/v1/search` and the Python
+API: equal `SearchConfig`s and the same answer, on the shipped arithmetic pair."""
 
 from __future__ import annotations
 
@@ -45,9 +45,16 @@ def test_cli_http_and_python_resolve_to_one_search(server: LiveServer, tmp_path)
     dataset.write_text(json.dumps(record) + "\n")
     assert main(["eval", "--dataset", str(dataset), *FLAGS, *RUNTIME, "--output", str(output)]) == 0
     on_cli = json.loads(output.read_text())["problems"][0]
-    settings = EvalSettings(runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20), progress=False)
+    settings = EvalSettings(
+        runtime=RuntimeSettings.from_flat(dtype="float32", kv_cache_memory=64 << 20), progress=False
+    )
     in_python = run_eval(settings, python, inline=[record])["problems"][0]
+
+    solved = tmp_path / "solve.json"
+    assert main(["solve", QUESTION, *FLAGS, *RUNTIME, "--output", str(solved)]) == 0
+    on_solve = json.loads(solved.read_text())["problems"][0]
 
     assert _completions(on_cli["completions"]) == _completions(in_python["completions"])
     assert _completions(over_http["completions"]) == _completions(in_python["completions"])
-    assert over_http["answer"] == on_cli["pred"] == in_python["pred"] is not None
+    assert _completions(on_solve["completions"]) == _completions(in_python["completions"])
+    assert over_http["answer"] == on_cli["pred"] == on_solve["pred"] == in_python["pred"] is not None

@@ -46,7 +46,7 @@ def verified_server(orm_dir):
         verifier=ModelSettings(orm_dir),
         served_model_name="arith",
         api_key=API_KEY,
-        runtime=RuntimeSettings(dtype="float32", kv_cache_memory=KV),
+        runtime=RuntimeSettings.from_flat(dtype="float32", kv_cache_memory=KV),
     )
     server = start_server(settings)
     yield server
@@ -66,7 +66,7 @@ def signature(completions: list[dict], approx: bool = False) -> list:
 
 
 def python_api(orm_dir: str, verify: bool) -> list:
-    runtime = RuntimeSettings(dtype="float32", kv_cache_memory=KV)
+    runtime = RuntimeSettings.from_flat(dtype="float32", kv_cache_memory=KV)
     generator, prm, verifier = ModelSettings(DEFAULT_GENERATOR), ModelSettings(DEFAULT_PRM), ModelSettings(orm_dir)
     runtime.check(generator, prm, verifier)
     rt = runtime.load(generator, prm, verifier)
@@ -179,7 +179,7 @@ def test_a_process_prm_its_files_do_not_name_is_refused_once_loaded(tmp_path):
         ModelSettings(DEFAULT_GENERATOR),
         prm=ModelSettings(DEFAULT_PRM),
         verifier=ModelSettings(prm),
-        runtime=RuntimeSettings(dtype="float32", kv_cache_memory=KV),
+        runtime=RuntimeSettings.from_flat(dtype="float32", kv_cache_memory=KV),
     )
     with pytest.raises(ValueError, match="must be an outcome reward model .style orm., got style 'value_head'"):
         build_served(settings)

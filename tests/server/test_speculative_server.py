@@ -20,7 +20,7 @@ def test_speculative_server_answers_as_the_plain_one(server: LiveServer) -> None
         ModelSettings(DEFAULT_PRM),
         served_model_name=MODEL,
         api_key=API_KEY,
-        runtime=RuntimeSettings(dtype="float32", kv_cache_memory=64 << 20),
+        runtime=RuntimeSettings.from_flat(dtype="float32", kv_cache_memory=64 << 20),
     )
     spec = start_server(settings)
     try:

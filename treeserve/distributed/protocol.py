@@ -19,6 +19,12 @@ class ParallelSettings(Protocol):
     distributed_executor_backend: str  # "mp" (local processes) or "ray"
 
 
+class ParallelEngine(Protocol):
+    """The settings a parallel engine hands its ranks (EngineConfig): the split in `parallel_config`."""
+
+    parallel_config: ParallelSettings
+
+
 @dataclass
 class WorkerArgs:
     config: Any

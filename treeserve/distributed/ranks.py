@@ -17,7 +17,7 @@ import torch
 
 from treeserve.distributed.groups import Placement
 from treeserve.distributed.local_ranks import LocalRank, local_device
-from treeserve.distributed.protocol import ParallelSettings, RankGone, RankHandle, WorkerArgs, WorkerFactory, free_port
+from treeserve.distributed.protocol import ParallelEngine, RankGone, RankHandle, WorkerArgs, WorkerFactory, free_port
 
 READY_TIMEOUT_S = 600.0  # to load a rank's part of the model
 
@@ -27,9 +27,9 @@ class RankFailed(RuntimeError):
 
 
 class Ranks:
-    def __init__(self, config: ParallelSettings, device: torch.device, worker: WorkerFactory) -> None:
-        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
-        if config.distributed_executor_backend == "ray":
+    def __init__(self, config: ParallelEngine, device: torch.device, worker: WorkerFactory) -> None:
+        tp, pp = config.parallel_config.tensor_parallel_size, config.parallel_config.pipeline_parallel_size
+        if config.parallel_config.distributed_executor_backend == "ray":
             from treeserve.distributed.ray_ranks import start_ray_ranks
 
             host, port, self.handles, release = start_ray_ranks(config, device, worker)
@@ -44,7 +44,7 @@ class Ranks:
         self.parts: list[dict] = []
         self.stopped = False
         self._finalizer = weakref.finalize(self, _stop, list(self.handles), release)
-        self.placement = self._meet(Placement(0, tp, pp), host, port, device, config.parallel_timeout_s)
+        self.placement = self._meet(Placement(0, tp, pp), host, port, device, config.parallel_config.parallel_timeout_s)
 
     def _meet(self, placement: Placement, host: str, port: int, device: torch.device, timeout_s: float) -> Placement:
         """Rank 0's joins, watched: a rank that exits before joining fails at once, not after `timeout_s`."""

@@ -16,7 +16,7 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from treeserve.distributed.protocol import ParallelSettings, RankGone, WorkerArgs, WorkerFactory, free_port
+from treeserve.distributed.protocol import ParallelEngine, RankGone, WorkerArgs, WorkerFactory, free_port
 
 
 @ray.remote
@@ -42,23 +42,23 @@ class RankActor:
 
 
 def start_ray_ranks(
-    config: ParallelSettings, device: torch.device, worker: WorkerFactory
+    config: ParallelEngine, device: torch.device, worker: WorkerFactory
 ) -> tuple[str, int, list[RayRank], Callable[[], None]]:
     """(TCP store host, port, handles, release of the placement group); ValueError when no room."""
     if not ray.is_initialized():
         ray.init(include_dashboard=False, log_to_driver=True)
-    size = config.tensor_parallel_size * config.pipeline_parallel_size
+    size = config.parallel_config.tensor_parallel_size * config.parallel_config.pipeline_parallel_size
     threads = torch.get_num_threads()
     bundle = {"GPU": 1, "CPU": 1} if device.type == "cuda" else {"CPU": threads}
     group = placement_group([dict(bundle) for _ in range(size - 1)], strategy="PACK")
     try:
-        ray.get(group.ready(), timeout=config.parallel_timeout_s)
+        ray.get(group.ready(), timeout=config.parallel_config.parallel_timeout_s)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(group)
         free = ray.available_resources()
         raise ValueError(
             f"the Ray cluster has no room for {size - 1} ranks of {bundle} within "
-            f"{config.parallel_timeout_s:g} s (it has {free} free)"
+            f"{config.parallel_config.parallel_timeout_s:g} s (it has {free} free)"
         ) from None
     host, port = ray.util.get_node_ip_address(), free_port()
     handles = []

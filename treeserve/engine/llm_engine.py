@@ -68,21 +68,21 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, attach_kv: bool = True):
         """Load the model; with `attach_kv`, also a KV arena of its own (else the runtime attaches one)."""
         self.config = config
-        self.device = torch.device(config.device)
-        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        self.device = torch.device(config.device_config.device)
+        tp, pp = config.parallel_config.tensor_parallel_size, config.parallel_config.pipeline_parallel_size
         self.ranks = None  # a parallel model's ranks 1..k-1, started before this rank loads its part
         if tp * pp > 1:
             self.ranks = Ranks(config, self.device, RankWorker)
         try:
             loaded = load_model(
                 config.model,
-                config.torch_dtype,
+                config.device_config.torch_dtype,
                 self.device,
-                config.quantization,
-                config.quant_activations,
+                config.load_config.quantization,
+                config.load_config.quant_activations,
                 tp_size=tp,
                 pp_size=pp,
-                max_positions=config.max_model_len,
+                max_positions=config.load_config.max_model_len,
             )
             if self.ranks is not None:
                 if tp > 1:
@@ -101,7 +101,7 @@ class LLMEngine:
         self.constraints = Constraints(self.tokenizer)
         self.think = ThinkTokens.of(self.tokenizer)
         limit = loaded.config.max_position_embeddings
-        self.context_len = min(config.max_model_len or limit, limit)
+        self.context_len = min(config.load_config.max_model_len or limit, limit)
         self.max_model_len = self.context_len
         cfg = loaded.config
         self.kv_layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.kv_torch_dtype)
@@ -114,30 +114,35 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.stalled = False  # the last step had work but no pages for it
         self._injected: Exception | None = None
-        self.async_scheduling = config.async_scheduling
+        self.async_scheduling = config.scheduler_config.async_scheduling
         self.step = self._step_overlapped if self.async_scheduling else self.step_plain
         self.queue = DeviceQueue(self.device)
         self._in_flight: InFlight | None = None
         self._undelivered: list[RequestOutput | ScoreOutput] = []  # read back by a step that then failed
-        self.draw = fused_draw(config.attention_backend)
+        self.draw = fused_draw(config.device_config.attention_backend)
         speculative = config.speculative_config
         draft = None
         if speculative is not None and speculative.method == "model":
-            draft = DraftModel(speculative.model, config.torch_dtype, self.device, cfg.vocab_size)
+            draft = DraftModel(speculative.model, config.device_config.torch_dtype, self.device, cfg.vocab_size)
         self.speculator = Speculator(speculative, draft) if speculative is not None else None
         if attach_kv:
             self.attach_own_kv(config.kv_budget(available_memory(self.device)))
             self.capture_graphs()
 
     def attach_own_kv(self, kv_bytes: int) -> None:
-        page_bytes = self.kv_layout.page_bytes(self.config.block_size)
-        self.attach_kv(PageArena(max(kv_bytes // page_bytes, 1), page_bytes, self.device), self.config.block_size)
+        page_bytes = self.kv_layout.page_bytes(self.config.cache_config.block_size)
+        self.attach_kv(
+            PageArena(max(kv_bytes // page_bytes, 1), page_bytes, self.device), self.config.cache_config.block_size
+        )
 
     def capture_graphs(self) -> None:
         """Capture the decode steps' CUDA graphs where they apply, after the final `attach_kv`."""
         config = self.config
         if not cuda_graphs.graphs_apply(
-            self.device, config.attention_backend, config.enforce_eager, self.ranks is not None
+            self.device,
+            config.device_config.attention_backend,
+            config.graph_config.enforce_eager,
+            self.ranks is not None,
         ):
             return
         graphs = cuda_graphs.DecodeGraphs(
@@ -145,7 +150,7 @@ class LLMEngine:
             self.arena,
             self.runner.backend,
             self.model_config.attn_scale,
-            cuda_graphs.capture_sizes(config.max_num_seqs, config.cuda_graph_sizes),
+            cuda_graphs.capture_sizes(config.scheduler_config.max_num_seqs, config.graph_config.cuda_graph_sizes),
             self.inputs.tables.shape[1],
         )
         graphs.capture()
@@ -168,7 +173,7 @@ class LLMEngine:
             scales=self.kv_scales,
         )
         self.blocks = BlockManager(
-            pages.num_pages, block_size, config.model_id, config.enable_prefix_caching, pool=pool
+            pages.num_pages, block_size, config.model_id, config.arena_config.enable_prefix_caching, pool=pool
         )
         self.peers: dict[int, DeviceQueue] = {}
         self.inputs = InputBatch(
@@ -178,19 +183,24 @@ class LLMEngine:
             self.blocks,
             self.inputs,
             self.speculator,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
+            config.scheduler_config.max_num_seqs,
+            config.scheduler_config.max_num_batched_tokens,
             self.max_model_len,
         )
         self.postprocessor = Postprocessor(
             self.scheduler, self.blocks, self.tokenizer, self.constraints, self.speculator, self.max_model_len
         )
-        backend = BACKENDS[config.attention_backend]()
+        backend = BACKENDS[config.device_config.attention_backend]()
         stage = None
         if ranks is not None:
             ranks.send(("kv", pages.num_pages, block_size))
             if ranks.placement.pp is not None:
-                stage = (ranks.placement.pp, 0, config.pipeline_parallel_size, config.torch_dtype)
+                stage = (
+                    ranks.placement.pp,
+                    0,
+                    config.parallel_config.pipeline_parallel_size,
+                    config.device_config.torch_dtype,
+                )
         self.runner = ModelRunner(
             self.model,
             self.arena,
@@ -214,7 +224,7 @@ class LLMEngine:
         self.max_model_len = self.context_len
         pages_per_seq = -(-self.max_model_len // block_size) + 1
         fits = (pages.num_pages - 1) * block_size
-        if pages.num_pages < pages_per_seq and config.max_model_len is None and fits >= MIN_AUTO_MODEL_LEN:
+        if pages.num_pages < pages_per_seq and config.load_config.max_model_len is None and fits >= MIN_AUTO_MODEL_LEN:
             log.warning(
                 "max_model_len lowered from the model's %d to %d tokens, what a KV budget of %d MiB holds; "
                 "give more KV memory (kv_cache_memory / --kv-cache-memory) or set max_model_len to choose",
@@ -230,7 +240,7 @@ class LLMEngine:
                 "raise kv_cache_memory or lower max_model_len"
                 + (
                     f" (without max_model_len it is lowered to what fits, but not below {MIN_AUTO_MODEL_LEN})"
-                    if config.max_model_len is None
+                    if config.load_config.max_model_len is None
                     else ""
                 )
             )
@@ -473,7 +483,7 @@ class LLMEngine:
 def share_kv(engines: list[LLMEngine], kv_bytes: int) -> None:
     """Give `engines` one arena of `kv_bytes` and one page pool (`kv.arena.shared_block_sizes`)."""
     layouts = [e.kv_layout for e in engines]
-    page_bytes, block_sizes = shared_block_sizes(layouts, [e.config.block_size for e in engines])
+    page_bytes, block_sizes = shared_block_sizes(layouts, [e.config.cache_config.block_size for e in engines])
     pages = PageArena(kv_bytes // page_bytes, page_bytes, engines[0].device)
     pool = PagePool(pages.num_pages)
     for engine, block_size in zip(engines, block_sizes, strict=True):

@@ -32,21 +32,23 @@ class RankWorker:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         self.config, self.device, self.runner = config, device, None
-        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
-        self.placement = Placement(args.rank, tp, pp).connect(args.host, args.port, device, config.parallel_timeout_s)
+        tp, pp = config.parallel_config.tensor_parallel_size, config.parallel_config.pipeline_parallel_size
+        self.placement = Placement(args.rank, tp, pp).connect(
+            args.host, args.port, device, config.parallel_config.parallel_timeout_s
+        )
         self.load_error: str | None = None
         try:
             loaded = load_model(
                 config.model,
-                config.torch_dtype,
+                config.device_config.torch_dtype,
                 device,
-                config.quantization,
-                config.quant_activations,
+                config.load_config.quantization,
+                config.load_config.quant_activations,
                 tp_rank=self.placement.tp_rank,
                 tp_size=tp,
                 pp_rank=self.placement.pp_rank,
                 pp_size=pp,
-                max_positions=config.max_model_len,
+                max_positions=config.load_config.max_model_len,
             )
         except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it
             self.load_error = f"{type(e).__name__}: {e}"
@@ -76,7 +78,7 @@ class RankWorker:
         kind, cfg, placement = message[0], self.model_config, self.placement
         if kind == "kv":
             _, num_pages, block_size = message
-            dtype = self.config.torch_dtype
+            dtype = self.config.device_config.torch_dtype
             pages = PageArena(num_pages, self._layout().page_bytes(block_size), self.device)
             arena = KVArena(
                 num_pages,
@@ -90,7 +92,12 @@ class RankWorker:
             )
             stage = None if placement.pp is None else (placement.pp, placement.pp_rank, placement.pp_size, dtype)
             self.runner = ModelRunner(
-                self.model, arena, self.device, cfg.attn_scale, BACKENDS[self.config.attention_backend](), stage=stage
+                self.model,
+                arena,
+                self.device,
+                cfg.attn_scale,
+                BACKENDS[self.config.device_config.attention_backend](),
+                stage=stage,
             )
         elif kind == "step":
             self.runner.mirror_step(*message[1:])

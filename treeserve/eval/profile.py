@@ -9,8 +9,9 @@ import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from treeserve.config import SchedulerConfig
 from treeserve.eval.runner import EvalSettings, load_problems, run_eval
-from treeserve.runtime.model_settings import TUNED_KEYS
+from treeserve.runtime.model_settings import ModelSettings
 from treeserve.runtime.tuner import GridPoint, choose
 from treeserve.search.config import SearchConfig
 
@@ -52,6 +53,13 @@ def batch_engine_args(batch: tuple[int, int]) -> dict:
     return {"generator": dict(one), "prm": dict(one)}
 
 
+def batched(model: ModelSettings, batch: tuple[int, int] | None) -> ModelSettings:
+    """`model` at `batch` = (max_num_seqs, max_num_batched_tokens), None: the defaults; its page size the role's."""
+    seqs, tokens = batch or (SchedulerConfig.max_num_seqs, SchedulerConfig.max_num_batched_tokens)
+    scheduler = replace(model.scheduler_config, max_num_seqs=seqs, max_num_batched_tokens=tokens)
+    return replace(model, scheduler_config=scheduler, cache_config=replace(model.cache_config, block_size=None))
+
+
 def measure(
     settings: EvalSettings,
     config: SearchConfig,
@@ -61,13 +69,13 @@ def measure(
     records: list[dict] | None = None,
 ) -> tuple[Measurement, dict]:
     """One run; returns its measurement and the whole results document."""
-    batching = dict.fromkeys(TUNED_KEYS) | (batch_engine_args(batch)["generator"] if batch else {})
+    arena = replace(settings.runtime.arena_config, kv_cache_memory=kv_cache_memory)
     run = replace(
         settings,
         progress=False,
-        runtime=replace(settings.runtime, kv_cache_memory=kv_cache_memory, memory_budget=None, memory_fraction=None),
-        generator=replace(settings.generator, **batching),
-        prm=settings.prm and replace(settings.prm, kv_fraction=prm_kv_fraction, **batching),
+        runtime=replace(settings.runtime, arena_config=arena, memory_budget=None, memory_fraction=None),
+        generator=batched(settings.generator, batch),
+        prm=settings.prm and replace(batched(settings.prm, batch), kv_fraction=prm_kv_fraction),
     )
     try:
         doc = run_eval(run, config, inline=records)

@@ -11,7 +11,7 @@ import math
 import os
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, Field, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from treeserve.eval.metrics import (
     summarize,
 )
 from treeserve.runtime.model_settings import ModelSettings
+from treeserve.runtime.runtime_settings import RUNTIME_CONFIGS
 from treeserve.search.config import SearchConfig
 
 PROBLEM_KEYS = ("unique_id", "level", "problem", "answer", "pred", "correct", "completions")
@@ -253,8 +254,9 @@ _OLD_PRM = {
 
 def upgrade_config(config: Mapping[str, Any]) -> dict:
     """A results document's (or journal's) config in today's form: flat per-model keys become
-    `generator` and `prm` sections, search settings added since are filled in at their defaults
-    (an adaptive run from before the picked budget ran without one)."""
+    `generator` and `prm` sections, flat settings the sub-configs holding them, search settings
+    added since are filled in at their defaults (an adaptive run from before the picked budget ran
+    without one)."""
     config = dict(config)
     if isinstance(config.get("search"), Mapping):
         search = dict(config["search"])
@@ -265,16 +267,28 @@ def upgrade_config(config: Mapping[str, Any]) -> dict:
         unbudgeted = search.get("adaptive") and search.get("budget_tokens") is None
         before = {"budget_fraction": None} if unbudgeted and "budget_fraction" not in search else {}
         config["search"] = {**asdict(SearchConfig()), **before, **search}
-    if not isinstance(config.get("generator"), str) and not isinstance(config.get("prm"), str):
-        return config
-    tuned = config.pop("engine_args", None) or {}
-    both = {k: config.pop(k) for k in _OLD_BOTH if k in config}
-    generator = {k: config.pop(k) for k in _OLD_GENERATOR if k in config}
-    prm = {new: config.pop(old) for old, new in _OLD_PRM.items() if old in config}
-    for name, own in (("generator", generator), ("prm", prm)):
-        if isinstance(config.get(name), str):
-            config[name] = asdict(ModelSettings(config[name], **both, **own, **tuned.get(name, {})))
+    if isinstance(config.get("generator"), str) or isinstance(config.get("prm"), str):
+        tuned = config.pop("engine_args", None) or {}
+        both = {k: config.pop(k) for k in _OLD_BOTH if k in config}
+        generator = {k: config.pop(k) for k in _OLD_GENERATOR if k in config}
+        prm = {new: config.pop(old) for old, new in _OLD_PRM.items() if old in config}
+        for name, own in (("generator", generator), ("prm", prm)):
+            if isinstance(config.get(name), str):
+                config[name] = {"path": config[name], **both, **own, **tuned.get(name, {})}
+    for name in ("generator", "prm", "verifier"):  # flat sections before 2026-12-02: the sub-configs since
+        section = config.get(name)
+        if isinstance(section, Mapping) and "load_config" not in section:
+            config[name] = asdict(ModelSettings.from_flat(**section))
+    if "prefix_cache" in config:  # the runtime's settings were flat before 2026-12-02
+        config["enable_prefix_caching"] = config.pop("prefix_cache")
+    for group, kind in RUNTIME_CONFIGS.items():
+        if group not in config and any(f.name in config for f in fields(kind)):
+            config[group] = {f.name: config.pop(f.name, _default(f)) for f in fields(kind)}
     return config
+
+
+def _default(f: Field) -> object:
+    return f.default_factory() if f.default is MISSING else f.default
 
 
 def validate_results(obj: Any, source: str = "results") -> dict:

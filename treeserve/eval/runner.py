@@ -73,7 +73,9 @@ class EvalSettings:
 
 def runtime_settings(settings: EvalSettings) -> RuntimeSettings:
     """The runtime's settings as the run uses them: the reference path has no prefix cache."""
-    return replace(settings.runtime, prefix_cache=False) if settings.reference else settings.runtime
+    if not settings.reference:
+        return settings.runtime
+    return replace(settings.runtime, arena_config=replace(settings.runtime.arena_config, enable_prefix_caching=False))
 
 
 def build_runtime(settings: EvalSettings, config: SearchConfig) -> Runtime:
@@ -196,7 +198,7 @@ def parse_shard(text: str) -> tuple[int, int]:
 
 def run_config(settings: EvalSettings, config: SearchConfig, records: list[dict], extra: dict | None = None) -> dict:
     """The results document's "config": what ran, on how many problems: the settings (each
-    model's a section of its own, the runtime's flat beside them), the search's nested."""
+    model's a section of its own, the runtime's sub-configs beside them), the search's nested."""
     own = {k: v for k, v in asdict(settings).items() if k not in ("progress", "runtime")}
     return {
         "search": asdict(config),

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from treeserve.config import DEFAULT_KV_CAP, GPU_MEMORY_FRACTION
+from treeserve.config import DEFAULT_KV_CAP, GPU_MEMORY_FRACTION, EngineConfig
 from treeserve.device import total_memory
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.layers.group_quant import checkpoint_weights
@@ -123,10 +123,10 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def _parallel(config: object) -> dict | None:
+def _parallel(config: EngineConfig) -> dict | None:
+    parallel = config.parallel_config
     keys = ("tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend")
-    sizes = {k: getattr(config, k) for k in keys}
-    return sizes if sizes["tensor_parallel_size"] * sizes["pipeline_parallel_size"] > 1 else None
+    return {k: getattr(parallel, k) for k in keys} if parallel.world_size > 1 else None
 
 
 def _describe(parallel: dict) -> str:
@@ -184,10 +184,10 @@ def checkpoint_bytes(path: str) -> int:
 
 def activation_peak(engine: LLMEngine) -> int:
     """Peak bytes allocated by one engine step that prefills `max_num_batched_tokens` tokens."""
-    num_tokens = engine.config.max_num_batched_tokens
+    num_tokens = engine.config.scheduler_config.max_num_batched_tokens
     chunk = engine.max_model_len
     lengths = [chunk] * (num_tokens // chunk) + ([num_tokens % chunk] if num_tokens % chunk else [])
-    bs = engine.config.block_size
+    bs = engine.config.cache_config.block_size
     pages = max(sum(-(-n // bs) for n in lengths), -(-engine.max_model_len // bs) + 1)
     engine.attach_own_kv(pages * engine.kv_layout.page_bytes(bs))
     has_head = engine.model_config.has_lm_head
@@ -284,7 +284,7 @@ def plan(
     models = []
     for name, engine in engines.items():
         weights = weight_bytes(engine.model)
-        sampler = engine.config.max_num_seqs * engine.model_config.vocab_size * SAMPLER_BYTES_PER_LOGIT
+        sampler = engine.config.scheduler_config.max_num_seqs * engine.model_config.vocab_size * SAMPLER_BYTES_PER_LOGIT
         models.append(
             ModelMemory(
                 name,
@@ -297,7 +297,7 @@ def plan(
                 checkpoint_bytes=checkpoint_bytes(engine.config.model),
                 kv_fraction=None if kv_fractions is None else kv_fractions[name],
                 quantization=engine.quantization,
-                kv_cache_dtype=engine.config.kv_cache_dtype,
+                kv_cache_dtype=engine.config.cache_config.kv_cache_dtype,
                 parallel=_parallel(engine.config),
             )
         )

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from treeserve.config import EngineConfig
+from treeserve.config import ArenaConfig, DeviceConfig, EngineConfig
 from treeserve.device import available_memory, process_memory, release_free_heap
 from treeserve.engine.guided import grammar_of
 from treeserve.engine.llm_engine import LLMEngine, StepFailed, share_kv  # noqa: F401 - StepFailed: for the server
@@ -54,7 +54,12 @@ class ModelSpec:
     path: str
     kv_fraction: float | None = None  # None: the shared arena; else this share of KV (a static split)
     block_size: int = 16  # preferred tokens per page (a shared arena may give fewer)
-    engine_args: dict = field(default_factory=dict)  # this model's EngineConfig settings (max_num_seqs, ...)
+    # EngineConfig.from_kwargs's keywords for this model: flat (max_num_seqs, ...) or its sub-configs
+    engine_args: dict = field(default_factory=dict)
+
+
+# a search's models' preferred page sizes: a PRM request recomputes at most 3 cached tokens
+ROLE_BLOCK_SIZES = {"generator": 16, "prm": 4, "verifier": 4}
 
 
 # event-loop turns search programs get after each engine step, so their next requests make the
@@ -89,13 +94,11 @@ class Runtime:
         cls,
         specs: list[ModelSpec],
         kv_cache_memory: int | None = None,
-        dtype: str = "bfloat16",
+        device_config: DeviceConfig | None = None,
         enable_prefix_caching: bool = True,
         memory_budget: int | None = None,
         memory_fraction: float | None = None,
         overlap_models: bool = False,
-        device: str | None = None,
-        attention_backend: str | None = None,
     ) -> Runtime:
         """Load every model, plan memory (planner.py: one of `kv_cache_memory`, `memory_budget`,
         `memory_fraction`, or `planner.default_budget`) and give the models KV pages: one shared
@@ -107,19 +110,19 @@ class Runtime:
             raise ValueError("either no model has a kv_fraction (one shared arena) or all do and they add up to 1")
         if len({s.name for s in specs}) != len(specs):
             raise ValueError("model names must be unique")
-        configs = {  # every model's settings checked (and the device resolved) before any model loads
-            s.name: EngineConfig(
-                model=s.path,
-                dtype=dtype,
-                device=device,
-                attention_backend=attention_backend,
-                enable_prefix_caching=enable_prefix_caching,
+        device_config = device_config or DeviceConfig()
+        arena = ArenaConfig(enable_prefix_caching=enable_prefix_caching)  # the planner sizes the arena
+        configs = {  # every model's settings checked before any model loads
+            s.name: EngineConfig.from_kwargs(
+                s.path,
                 model_id=s.name + ":" + s.path,
-                **{"block_size": s.block_size, **s.engine_args},
+                device_config=device_config,
+                arena_config=arena,
+                **(s.engine_args if "cache_config" in s.engine_args else {"block_size": s.block_size, **s.engine_args}),
             )
             for s in specs
         }
-        device = torch.device(next(iter(configs.values())).device)
+        device = torch.device(device_config.device)
         if kv_cache_memory is None and memory_budget is None and memory_fraction is None:
             kv_cache_memory, memory_fraction = planner.default_budget(device)
         planner.check_budget(kv_cache_memory, memory_budget, memory_fraction)
@@ -166,39 +169,28 @@ class Runtime:
         prm_kv_fraction: float | None = None,
         engine_args: dict[str, dict] | None = None,
         verifier: str | None = None,
-        dtype: str = "bfloat16",
+        device_config: DeviceConfig | None = None,
         enable_prefix_caching: bool = True,
         memory_budget: int | None = None,
         memory_fraction: float | None = None,
         overlap_models: bool = False,
-        device: str | None = None,
-        attention_backend: str | None = None,
     ) -> Runtime:
         """Engines "generator", "prm" and "verifier" (an outcome RM; shared arena only): one
         shared arena, or a static split giving the PRM `prm_kv_fraction`. `engine_args`: per
-        model. Scoring models prefer 4-token pages (a PRM request recomputes at most 3 cached
-        tokens); in a shared arena the smaller page wins."""
+        model. Pages: ROLE_BLOCK_SIZES; in a shared arena the smaller page wins."""
         args = engine_args or {}
         if prm and args.get("prm", {}).get("speculative_config") is not None:
             raise ValueError("a PRM only scores (one forward per input): speculative decoding is for the generator")
         split = prm and prm_kv_fraction is not None
+        shares = {"generator": 1.0 - prm_kv_fraction if split else None, "prm": prm_kv_fraction if split else None}
+        paths = {"generator": generator, "prm": prm, "verifier": verifier}
         specs = [
-            ModelSpec("generator", generator, 1.0 - prm_kv_fraction if split else None, 16, args.get("generator", {}))
+            ModelSpec(name, path, shares.get(name), ROLE_BLOCK_SIZES[name], args.get(name, {}))
+            for name, path in paths.items()
+            if path
         ]
-        if prm:
-            specs.append(ModelSpec("prm", prm, prm_kv_fraction if split else None, 4, args.get("prm", {})))
-        if verifier:
-            specs.append(ModelSpec("verifier", verifier, None, 4, args.get("verifier", {})))
         return cls.load(
-            specs,
-            kv_cache_memory,
-            dtype,
-            enable_prefix_caching,
-            memory_budget,
-            memory_fraction,
-            overlap_models,
-            device,
-            attention_backend,
+            specs, kv_cache_memory, device_config, enable_prefix_caching, memory_budget, memory_fraction, overlap_models
         )
 
     def tokenizer(self, model: str) -> Tokenizer:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from treeserve.runtime.model_settings import TUNED_KEYS
+
 CONFIG_KEYS = {"kv_cache_memory", "memory_budget", "memory_fraction", "prm_kv_fraction", "engine_args"}
 
 
@@ -52,7 +54,7 @@ def read_config(path: str) -> dict:
         unknown = sorted(set(config) - CONFIG_KEYS) if isinstance(config, dict) else config
         raise ValueError(f"settings file {path!r} has unknown keys {unknown}; known: {sorted(CONFIG_KEYS)}")
     args = config.get("engine_args") or {}
-    allowed = {"max_num_seqs", "max_num_batched_tokens", "block_size"}
+    allowed = set(TUNED_KEYS)
     for model, settings in args.items():
         if model not in ("generator", "prm") or not isinstance(settings, dict) or set(settings) - allowed:
             raise ValueError(f"settings file {path!r}: engine_args must map generator/prm to {sorted(allowed)}")
