@@ -538,7 +538,7 @@ void paged_decode_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride, 
  * so a row's bits depend only on its own query and keys, never on the chunk, tile, item or
  * batch around it. head_dim must be a multiple of 32. */
 #define PREFILL_TILE 16
-#define PREFILL_TILES 4 /* tiles a work item */
+#define PREFILL_TILES 8 /* tiles a work item */
 #define KEY_BLOCK 32
 #define MASKED_SCORE (-1e30f) /* finite: -ffast-math assumes no infinities */
 
@@ -744,6 +744,16 @@ static void prefill_item_bf16(const bf16 *q, int64_t q_row_stride, const bf16 *k
     }
 }
 
+typedef struct {
+    int64_t cost, seq, kv_head, row; /* a work item: (sequence, KV head, first row), its rows x keys */
+} prefill_work;
+
+static int longest_first(const void *a, const void *b) {
+    const prefill_work *x = (const prefill_work *)a, *y = (const prefill_work *)b;
+    if (x->cost != y->cost) return x->cost > y->cost ? -1 : 1;
+    return x->seq != y->seq ? (x->seq < y->seq ? -1 : 1) : x->row != y->row ? (x->row < y->row ? -1 : 1) : (x->kv_head < y->kv_head ? -1 : x->kv_head > y->kv_head);
+}
+
 void paged_prefill_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride, int64_t v_offset,
                         const int64_t *tables, int64_t table_stride, const int64_t *q_starts, const int64_t *q_lens,
                         const int64_t *ctx_lens, int batch, int q_heads, int kv_heads, int head_dim, int block_size,
@@ -755,14 +765,16 @@ void paged_prefill_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride,
         items += (q_lens[b] * group + item_rows - 1) / item_rows * kv_heads;
         max_ctx = ctx_lens[b] > max_ctx ? ctx_lens[b] : max_ctx;
     }
-    int64_t *work = (int64_t *)malloc(sizeof(int64_t) * 3 * (items + 1)); /* (sequence, KV head, first row) */
+    prefill_work *work = (prefill_work *)malloc(sizeof(prefill_work) * (items + 1));
     int64_t n = 0;
     for (int b = 0; b < batch; b++)
         for (int h = 0; h < kv_heads; h++)
             for (int64_t r = 0; r < q_lens[b] * group; r += item_rows) {
-                work[3 * n] = b, work[3 * n + 1] = h, work[3 * n + 2] = r;
-                n++;
+                const int64_t rows = q_lens[b] * group - r < item_rows ? q_lens[b] * group - r : item_rows;
+                const int64_t keys = ctx_lens[b] - q_lens[b] + (r + rows) / group; /* its last row's */
+                work[n++] = (prefill_work){rows * (window > 0 && keys > window ? window : keys), b, h, r};
             }
+    if (threads > 1) qsort(work, n, sizeof(prefill_work), longest_first); /* the last items taken are short */
     /* per tile: qt [head_dim / 2 vectors], p.v sums [head_dim vectors]; P [16 vectors], V pairs
      * [16 x head_dim dwords], key row offsets [max_ctx] */
     const size_t bytes = (size_t)64 * (PREFILL_TILES * (head_dim / 2 + head_dim) + KEY_BLOCK / 2 + head_dim) +
@@ -772,7 +784,7 @@ void paged_prefill_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride,
         char *buf = (char *)aligned_alloc(64, (bytes + 63) / 64 * 64);
         _Pragma("omp for schedule(dynamic, 1)")
         for (int64_t w = 0; w < n; w++) {
-            const int64_t b = work[3 * w], h = work[3 * w + 1], r = work[3 * w + 2];
+            const int64_t b = work[w].seq, h = work[w].kv_head, r = work[w].row;
             const int64_t rows = q_lens[b] * group - r;
             prefill_item_bf16(q + q_starts[b] * q_row_stride, q_row_stride, k_cache, page_stride, v_offset,
                               tables + b * table_stride, block_size, token_stride, (int)h, head_dim, group,
