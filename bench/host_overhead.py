@@ -263,9 +263,11 @@ def child_beam(engine_name: str, count: int) -> dict:
     except ImportError:  # a checkout before ModelSettings (engine 'before'): the settings were flat
         settings = EvalSettings(dataset=dataset, progress=False, dtype="float32")
     else:
-        settings = EvalSettings(dataset=dataset, progress=False, runtime=RuntimeSettings.from_flat(dtype="float32"))
+        flat = getattr(RuntimeSettings, "from_flat", RuntimeSettings)  # a checkout before the sub-configs: flat
+        settings = EvalSettings(dataset=dataset, progress=False, runtime=flat(dtype="float32"))
     if engine_name != "treeserve-old":
-        settings.generator.async_scheduling = settings.prm.async_scheduling = engine_name == "treeserve-overlap"
+        for model in (settings.generator, settings.prm):
+            getattr(model, "scheduler_config", model).async_scheduling = engine_name == "treeserve-overlap"
     settings.check()
     config = SearchConfig(strategy="beam_search", n=16, num_iterations=6, max_concurrent_problems=problems)
     timers, rows = Timers(), count_schedule([])
@@ -296,14 +298,15 @@ def child_beam(engine_name: str, count: int) -> dict:
 def child_server(engine_name: str, count: int) -> dict:
     import asyncio
 
-    from treeserve import SamplingParams
-    from treeserve.config import DeviceConfig
+    from treeserve import SamplingParams, config
     from treeserve.runtime.runtime import ModelSpec, Runtime
     from treeserve.server import wire
 
     overlap = {"async_scheduling": engine_name == "treeserve-overlap"} if engine_name != "treeserve-old" else {}
     spec = ModelSpec("generator", model_dir(), engine_args={"max_num_seqs": max(256, count), **overlap})
-    runtime = Runtime.load([spec], kv_cache_memory=256 << 20, device_config=DeviceConfig(dtype="float32"))
+    device = config.DeviceConfig(dtype="float32") if hasattr(config, "DeviceConfig") else None
+    shared = {"device_config": device} if device else {"dtype": "float32"}  # a checkout before the sub-configs
+    runtime = Runtime.load([spec], kv_cache_memory=256 << 20, **shared)
     engine = runtime.engine("generator")
     params = SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True)
     if hasattr(wire, "encode_output"):  # the routes ask the core for deltas (since 2026-11-29)

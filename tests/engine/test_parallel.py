@@ -139,7 +139,7 @@ def test_beam_search_keeps_its_beams(plain_search, sizes):
     assert beams(parallel) == beams(plain)
     assert scores(parallel) == pytest.approx(scores(plain), abs=1e-5)
     for model, given in sizes.items():  # the results record each model's sizes
-        assert {k: parallel["config"][model][k] for k in given} == given
+        assert {k: parallel["config"][model]["parallel_config"][k] for k in given} == given
     prm = next(m for m in parallel["memory"]["models"] if m["name"] == "prm")
     [rank1] = prm["parallel"]["ranks"]  # the memory plan: what the other rank holds
     assert rank1["weights"] > 0 and rank1["kv_bytes"] > 0
