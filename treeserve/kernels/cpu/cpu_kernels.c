@@ -775,9 +775,10 @@ void paged_prefill_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride,
                 work[n++] = (prefill_work){rows * (window > 0 && keys > window ? window : keys), b, h, r};
             }
     if (threads > 1) qsort(work, n, sizeof(prefill_work), longest_first); /* the last items taken are short */
-    /* per tile: qt [head_dim / 2 vectors], p.v sums [head_dim vectors]; P [16 vectors], V pairs
-     * [16 x head_dim dwords], key row offsets [max_ctx] */
-    const size_t bytes = (size_t)64 * (PREFILL_TILES * (head_dim / 2 + head_dim) + KEY_BLOCK / 2 + head_dim) +
+    /* per tile: qt [head_dim / 2 vectors], p.v sums [head_dim vectors]; P [KEY_BLOCK / 2 vectors],
+     * V pairs [KEY_BLOCK / 2 x head_dim dwords], key row offsets [max_ctx] */
+    const size_t bytes = (size_t)64 * (PREFILL_TILES * (head_dim / 2 + head_dim) + KEY_BLOCK / 2) +
+                         sizeof(int32_t) * KEY_BLOCK / 2 * head_dim +
                          sizeof(int64_t) * (size_t)max_ctx;
     _Pragma("omp parallel num_threads(threads)")
     {
