@@ -610,16 +610,13 @@ typedef struct {
 } prefill_tile;
 
 /* One block of keys [b0, b0 + 32) for a tile whose keys fall in [klo, khi): scores, online
- * softmax, p.v. rowoff: every key's row offset in the arena (its KV head's K row). */
-static void prefill_block(prefill_tile *tile, const bf16 *k_cache, const int64_t *rowoff, int64_t b0, int64_t klo,
-                          int64_t khi, int head_dim, float scale, __m512i *P, const int32_t *vp) {
+ * softmax, p.v. kr: the block's K rows (a key out of the item's range: another key's row). */
+static void prefill_block(prefill_tile *tile, const bf16 *const *kr, int64_t b0, int64_t klo, int64_t khi,
+                          int head_dim, float scale, __m512i *P, const int32_t *vp) {
     const int pairs = head_dim / 2;
     const int j0 = (int)((klo > b0 ? klo : b0) - b0), j1 = (int)((khi < b0 + KEY_BLOCK ? khi : b0 + KEY_BLOCK) - b0);
     const int q0 = j0 / 8 * 8, q1 = (j1 + 7) / 8 * 8; /* the key octets holding [j0, j1) */
-    const bf16 *kr[KEY_BLOCK];
-    for (int j = q0; j < q1; j++) /* keys out of [j0, j1) read key j0's row, then are masked */
-        kr[j] = k_cache + rowoff[b0 + (j < j0 || j >= j1 ? j0 : j)];
-    __m512 s[KEY_BLOCK];
+    __m512 s[KEY_BLOCK]; /* keys out of [j0, j1) are masked */
     qk_block(tile->qt, kr + q0, pairs, q1 - q0, s + q0);
     /* every row sees every key of the block: no masks */
     const int full = j0 == 0 && j1 == KEY_BLOCK && tile->lo[PREFILL_TILE - 1] <= b0 && tile->hi[0] >= b0 + KEY_BLOCK;
@@ -720,10 +717,11 @@ static void prefill_item_bf16(const bf16 *q, int64_t q_row_stride, const bf16 *k
                 _mm512_store_si512(dst + c + 16, _mm512_permutex2var_epi16(v0, hi_half, v1));
             }
         }
+        const bf16 *kr[KEY_BLOCK];
+        for (int j = 0; j < KEY_BLOCK; j++) kr[j] = k_cache + rowoff[b0 + (j < j0 || j >= j1 ? j0 : j)];
         for (int t = 0; t < tiles; t++) {
             const int64_t tlo = tile[t].lo[0], thi = tile[t].hi[PREFILL_TILE - 1];
-            if (tlo < b0 + KEY_BLOCK && thi > b0)
-                prefill_block(tile + t, k_cache, rowoff, b0, tlo, thi, head_dim, scale, P, vp);
+            if (tlo < b0 + KEY_BLOCK && thi > b0) prefill_block(tile + t, kr, b0, tlo, thi, head_dim, scale, P, vp);
         }
     }
     for (int t = 0; t < tiles; t++) {
