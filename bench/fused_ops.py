@@ -189,7 +189,7 @@ def main() -> None:
                 dtype=args.dtype,
                 device=args.device,
                 attention_backend="triton",
-                block_size=4,
+                page_size=4,
                 kv_cache_memory=1 << 20,
                 enforce_eager=True,
             )

@@ -24,7 +24,7 @@ not overlapped. Workloads, each at every `--seqs` count:
   after a real forward it runs from caches the forward's K/V reads swept;
 * `decode-swept`, `decode-swept-touched`: the same stub, which first sums `HOST_SWEEP_MB` MB
   (default 48, past this VM's 32 MB L3) as a forward's reads would sweep the caches; `-touched`
-  then reads every running sequence's objects again (its `Sequence`, token list, block table,
+  then reads every running sequence's objects again (its `Sequence`, token list, page table,
   stop checker, sample row and request), so the host finds those in the caches and only the
   rest cold (what is cold after a forward: docs/engine-loop.md);
 * `server`: the decode workload as the engine-core process serves it: each request's outputs
@@ -211,8 +211,8 @@ def swept_forward(engine, hidden: int, touch: bool):  # noqa: ANN001, ANN201 - a
             for request in engine.requests.values():
                 for seq in request.seqs:
                     seq.num_pending, seq.token_ids[-1], seq.detok.lazy, seq.request.plain  # noqa: B018
-                    if seq.block_table:
-                        seq.block_table[-1]  # noqa: B018
+                    if seq.page_table:
+                        seq.page_table[-1]  # noqa: B018
                     if seq.next_row is not None:
                         seq.next_row.fork  # noqa: B018
         return torch.zeros(tokens.shape[0], hidden)

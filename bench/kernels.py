@@ -87,7 +87,7 @@ class PagedCase:
         width = int(self.lens.max())
         step = torch.arange(width)[None]
         group = SeqGroup(
-            block_tables=self.tables,
+            page_tables=self.tables,
             context_lens=self.ctx,
             query_index=self.starts[:, None] + torch.minimum(step, self.lens[:, None] - 1),
             query_pos=self.ctx[:, None] - self.lens[:, None] + step,

@@ -146,3 +146,17 @@ def test_search_flags_are_searchconfigs_fields():
         assert dests == expected, name
         defaults = {a.dest: a.default for a in sub._actions}
         assert {k: defaults[k] for k in expected - {"stop"}} == {k: getattr(config, k) for k in expected - {"stop"}}
+
+
+def test_vllms_block_size_is_the_page_size(tmp_path):
+    """vLLM's `block_size` (LLM's keyword, a tune file's key) names treeserve's `page_size`."""
+    import json
+
+    from treeserve.config import CacheConfig, nest
+    from treeserve.runtime.tuner import read_config
+
+    assert nest({"block_size": 4}, {"cache_config": CacheConfig})["cache_config"] == CacheConfig(page_size=4)
+    assert ModelSettings.from_flat("m", block_size=8).cache_config.page_size == 8
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps({"engine_args": {"generator": {"block_size": 4, "max_num_seqs": 8}}}))
+    assert read_config(str(path))["engine_args"]["generator"] == {"page_size": 4, "max_num_seqs": 8}

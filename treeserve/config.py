@@ -266,12 +266,12 @@ class LoadConfig:
 class CacheConfig:
     """One model's KV pages: tokens a page and what a page holds."""
 
-    block_size: int | None = None  # None: 16, or the runtime's choice for the model's role
+    page_size: int | None = None  # None: 16, or the runtime's choice for the model's role
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
 
     def __post_init__(self) -> None:
-        if self.block_size is not None:
-            _positive_ints(self, ("block_size",))
+        if self.page_size is not None:
+            _positive_ints(self, ("page_size",))
         check_kv_cache_dtype(self.kv_cache_dtype)
 
 
@@ -350,6 +350,10 @@ SUB_CONFIGS: dict[str, type] = {
 TOP_LEVEL = ("model_id", "seed", "speculative_config")
 
 
+# vLLM's names for settings treeserve names otherwise: a KV page is vLLM's block
+VLLM_NAMES = {"block_size": "page_size"}
+
+
 def nest(values: dict[str, object], groups: dict[str, type]) -> dict[str, object]:
     """Flat settings (vLLM's keyword names) as `groups`' sub-configs; a group may also be given
     whole under its own name. Names in no group are left as they are, for the caller to refuse."""
@@ -357,6 +361,7 @@ def nest(values: dict[str, object], groups: dict[str, type]) -> dict[str, object
     flat: dict[str, dict] = {group: {} for group in groups}
     out: dict[str, object] = {}
     for name, value in values.items():
+        name = VLLM_NAMES.get(name, name)
         if name in owner:
             flat[owner[name]][name] = value
         else:
@@ -402,8 +407,8 @@ class EngineConfig:
         check_model_path(self.model)
         if not self.model_id:
             self.model_id = os.path.abspath(self.model)
-        if self.cache_config.block_size is None:
-            self.cache_config = replace(self.cache_config, block_size=DEFAULT_BLOCK_SIZE)
+        if self.cache_config.page_size is None:
+            self.cache_config = replace(self.cache_config, page_size=DEFAULT_BLOCK_SIZE)
         quantization = self._resolve_quantization()
         if quantization != self.load_config.quantization:
             self.load_config = replace(self.load_config, quantization=quantization)

@@ -74,7 +74,7 @@ def test_abort_returns_pages(llama_dir, make_llm):
     engine.add_request("a", "The quick brown fox jumps over the lazy dog", SamplingParams(n=3, max_tokens=50))
     engine.step()
     engine.step()
-    assert engine.blocks.num_used_blocks > 0
+    assert engine.pages.num_used_pages > 0
     engine.abort("a")
     engine.check_pages_idle()
 

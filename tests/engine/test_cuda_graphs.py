@@ -90,9 +90,9 @@ def test_enforce_eager_on_a_cpu_is_accepted_and_changes_nothing(checkpoint, cpu_
 def decode_batch(engine, n: int) -> ForwardBatch:  # noqa: ANN001
     """n decodes at scattered positions over scattered pages of `engine`'s arena."""
     width = 4
-    tables = torch.randperm(engine.arena.num_blocks - 1, generator=torch.Generator().manual_seed(n))[: n * width]
+    tables = torch.randperm(engine.arena.num_pages - 1, generator=torch.Generator().manual_seed(n))[: n * width]
     tables = (tables + 1).view(n, width).numpy()
-    starts = torch.randint(0, width * engine.block_size, (n,), generator=torch.Generator().manual_seed(n)).numpy()
+    starts = torch.randint(0, width * engine.page_size, (n,), generator=torch.Generator().manual_seed(n)).numpy()
     vocab = engine.model_config.vocab_size
     ids = torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(n + 1)).numpy()
     return ForwardBatch(ids, starts, starts * 0 + 1, starts < 0, tables)
@@ -162,7 +162,7 @@ def test_an_engine_replaying_graphs_gives_the_plain_engines_outputs(checkpoint, 
     kwargs = {
         "attention_backend": "sdpa",
         "max_num_seqs": 8,
-        "block_size": 4,
+        "page_size": 4,
         "kv_cache_memory": 24 * PAGE,
         "max_model_len": 72,
     }
@@ -177,7 +177,7 @@ def test_an_engine_replaying_graphs_gives_the_plain_engines_outputs(checkpoint, 
     assert EagerGraph.replays > 20 and with_graphs.engine.scheduler.num_preemptions > 0
     stats = with_graphs.engine.graph_stats  # each forward's choice counted: replayed, or why not
     assert stats["replays"] == EagerGraph.replays and stats["eager"]["prefill or drafted rows"] > 0
-    assert with_graphs.engine.blocks.stats.hits > 0
+    assert with_graphs.engine.pages.stats.hits > 0
     plain = cpu_llm(checkpoint, enforce_eager=True, **kwargs)
     assert plain.engine.runner.graphs is None
     want = [[c.token_ids for o in plain.generate(prompts, p) for c in o.outputs] for p in params]

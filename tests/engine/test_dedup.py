@@ -19,8 +19,8 @@ def test_twins_computed_once_same_outputs(llama_dir, make_llm, monkeypatch):
     rows = {"scheduled": 0, "computed": 0}
     find = Twins.find
 
-    def counting(batch, groups, block_size):
-        twins = find(batch, groups, block_size)
+    def counting(batch, groups, page_size):
+        twins = find(batch, groups, page_size)
         rows["scheduled"] += batch.token_ids.shape[0]
         rows["computed"] += (twins.computed if twins else batch).token_ids.shape[0]
         return twins
@@ -56,8 +56,8 @@ def test_twins_across_prompts_of_different_lengths(llama_dir, make_llm, monkeypa
     twins = []
     find = Twins.find
 
-    def counting(batch, groups, block_size):
-        found = find(batch, groups, block_size)
+    def counting(batch, groups, page_size):
+        found = find(batch, groups, page_size)
         twins.append(0 if found is None else batch.token_ids.shape[0] - found.computed.token_ids.shape[0])
         return found
 

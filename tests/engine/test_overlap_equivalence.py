@@ -38,7 +38,7 @@ def engines(llama_dir):
         LLM(
             llama_dir,
             dtype="float32",
-            block_size=4,
+            page_size=4,
             kv_cache_memory=24 * PAGE,
             max_model_len=72,
             async_scheduling=overlap,

@@ -30,14 +30,14 @@ def test_tiny_budget_preempts_and_matches(llama_dir, make_llm):
     big = make_llm(llama_dir)
     # 24 pages of 4 tokens: far less than 6 prompts x 3 completions x ~75 tokens need at once
     page = 2 * 2 * 4 * 2 * 16 * 4  # layers * k/v * block * kv_heads * head_dim * fp32 bytes
-    small = make_llm(llama_dir, block_size=4, kv_cache_memory=24 * page, max_model_len=80)
+    small = make_llm(llama_dir, page_size=4, kv_cache_memory=24 * page, max_model_len=80)
     assert run(small) == run(big)
     assert small.engine.scheduler.num_preemptions > 0
-    assert small.engine.blocks.stats.evictions > 0
+    assert small.engine.pages.stats.evictions > 0
 
 
 def test_n_completions_share_prompt_pages(llama_dir, make_llm):
-    llm = make_llm(llama_dir, block_size=4)
+    llm = make_llm(llama_dir, page_size=4)
     engine = llm.engine
     prompt = llm.get_tokenizer().encode(PROMPTS[0])  # 12+ tokens: several full pages
     engine.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(n=4, max_tokens=3, ignore_eos=True))
@@ -46,7 +46,7 @@ def test_n_completions_share_prompt_pages(llama_dir, make_llm):
     assert len(seqs) == 4
     full_pages = len(prompt) // 4
     for seq in seqs[1:]:
-        assert seq.block_table[:full_pages] == seqs[0].block_table[:full_pages]
-    assert engine.blocks.num_used_blocks == -(-len(prompt) // 4)  # no page was copied yet
+        assert seq.page_table[:full_pages] == seqs[0].page_table[:full_pages]
+    assert engine.pages.num_used_pages == -(-len(prompt) // 4)  # no page was copied yet
     while engine.has_unfinished_requests():
         engine.step()

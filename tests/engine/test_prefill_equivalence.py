@@ -41,7 +41,7 @@ def test_prefix_hit_matches_full(llama_dir, make_llm):
     assert out.num_cached_tokens == 32  # two full 16-token pages came from the cache
     torch.testing.assert_close(out.hidden_states, ref.hidden_states[33:], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.logprobs, ref.logprobs[33:], atol=1e-5, rtol=1e-5)
-    assert llm.engine.blocks.stats.hits == 2
+    assert llm.engine.pages.stats.hits == 2
 
 
 def test_prefix_hit_and_chunks_read_the_full_prefills_bits(llama_dir, make_llm):
@@ -94,7 +94,7 @@ def test_requests_sent_together_compute_a_shared_prefix_once(llama_dir, make_llm
     params = SamplingParams(temperature=0.8, max_tokens=4, ignore_eos=True, seed=3)
     together = llm.generate(prompts, params)
     assert llm.engine.num_computed_tokens == 48 + 6 * 2 + 6 * 3  # prefix once, tails, decodes
-    assert llm.engine.blocks.stats.hits == 5 * 3
+    assert llm.engine.pages.stats.hits == 5 * 3
     alone = [make_llm(llama_dir).generate([p], params)[0] for p in prompts]
     assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
 

@@ -41,7 +41,7 @@ def check_prompt_logprobs(out, ref: torch.Tensor, k: int) -> None:
 @pytest.mark.parametrize("chunk", [None, 7])
 def test_prompt_logprobs_match_transformers_also_from_the_prefix_cache(llama_dir, make_llm, chunk):
     kwargs = {"max_num_batched_tokens": chunk} if chunk else {}
-    llm = make_llm(llama_dir, block_size=4, **kwargs)
+    llm = make_llm(llama_dir, page_size=4, **kwargs)
     ids = llm.get_tokenizer().encode(PROMPT)
     ref = reference_prompt_logprobs(llama_dir, ids)
     params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3, n=2)

@@ -211,7 +211,7 @@ def test_guided_requests_survive_preemption(llama_dir, make_llm):
     params = SamplingParams(n=3, temperature=1.0, max_tokens=60, seed=4, structured_outputs=so)
     big = make_llm(llama_dir)
     page = 2 * 2 * 4 * 2 * 16 * 4  # as in test_preemption
-    small = make_llm(llama_dir, block_size=4, kv_cache_memory=24 * page, max_model_len=80)
+    small = make_llm(llama_dir, page_size=4, kv_cache_memory=24 * page, max_model_len=80)
 
     def run(llm):  # noqa: ANN001
         return [[(c.token_ids, c.finish_reason) for c in out.outputs] for out in llm.generate(PROMPTS, params)]

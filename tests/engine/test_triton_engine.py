@@ -33,7 +33,7 @@ PROMPTS = [
 ]
 # Pages crossed often, prompts prefilled in chunks; a small arena, since the interpreter copies
 # every tensor argument (the whole arena) to the host and back at each kernel launch.
-SMALL = {"block_size": 4, "max_num_batched_tokens": 16, "kv_cache_memory": 1 << 20}
+SMALL = {"page_size": 4, "max_num_batched_tokens": 16, "kv_cache_memory": 1 << 20}
 
 
 @pytest.mark.parametrize(

@@ -174,7 +174,7 @@ FLAT_MODEL_KEYS = (
     *("path", "style", "quantization", "dequantize", "quant_activations", "speculative_config"),
     *("tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend", "async_scheduling"),
     *("enforce_eager", "max_model_len", "kv_cache_dtype", "kv_fraction", "max_num_seqs"),
-    *("max_num_batched_tokens", "block_size"),
+    *("max_num_batched_tokens", "page_size"),
 )
 FLAT_DEFAULTS = {"quant_activations": "int8", "kv_cache_dtype": "auto", "max_num_seqs": 256}
 FLAT_DEFAULTS |= {"max_num_batched_tokens": 2048}

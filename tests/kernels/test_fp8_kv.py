@@ -101,7 +101,7 @@ def test_c_store_is_bit_exact(scales):
 
 def fp8_pages(contexts: list[int], block: int, heads: int, dim: int, scales: tuple[float, float], device: str):
     """Layer 1 of a 2-layer FP8 arena holding random K/V stored through the reference, shuffled
-    block tables, and the layer's scales."""
+    page tables, and the layer's scales."""
     g = torch.Generator().manual_seed(0)
     widths = [-(-c // block) for c in contexts]
     num_pages = sum(widths) + 3
@@ -135,7 +135,7 @@ def reference(q, q_pos, k_cache, v_cache, table, context, scale, window, kv_scal
 
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}  # bf16: the output's rounding (on a GPU q and p's too)
-CASES = [  # (block_size, q_heads, kv_heads, head_dim, window)
+CASES = [  # (page_size, q_heads, kv_heads, head_dim, window)
     (4, 4, 4, 16, None),
     (16, 8, 2, 64, 7),
     (1, 4, 1, 32, None),
@@ -275,7 +275,7 @@ def test_greedy_generation_runs_on_fp8_pages(llama_dir, make_llm, backend):
     every page is free or cached afterwards (`make_llm`); prefix-cache hits read the FP8 pages back."""
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = ["The quick brown fox jumps over", "Once upon a time, in a land far away"]
-    llm = make_llm(llama_dir, attention_backend=backend, kv_cache_dtype="fp8_e4m3", block_size=4)
+    llm = make_llm(llama_dir, attention_backend=backend, kv_cache_dtype="fp8_e4m3", page_size=4)
     assert llm.engine.arena.buffer.dtype == FP8
     first = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     again = llm.generate(prompts, params)
@@ -287,7 +287,7 @@ def test_greedy_generation_runs_on_fp8_pages(llama_dir, make_llm, backend):
 def test_greedy_generation_on_the_triton_backend(llama_dir, make_llm):
     triton_modules()
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    small = {"block_size": 4, "max_num_batched_tokens": 16, "kv_cache_memory": 1 << 20, "kv_cache_dtype": "fp8_e4m3"}
+    small = {"page_size": 4, "max_num_batched_tokens": 16, "kv_cache_memory": 1 << 20, "kv_cache_dtype": "fp8_e4m3"}
     want = make_llm(llama_dir, attention_backend="sdpa", **small).generate(["The quick brown fox"], params)
     got = make_llm(llama_dir, attention_backend="triton", device=DEVICE, **small).generate(
         ["The quick brown fox"], params
@@ -299,7 +299,7 @@ def test_the_same_bytes_hold_twice_the_pages(llama_dir, make_llm):
     bf16 = make_llm(llama_dir, dtype="bfloat16", kv_cache_memory=4 << 20)
     fp8 = make_llm(llama_dir, dtype="bfloat16", kv_cache_memory=4 << 20, kv_cache_dtype="fp8_e4m3")
     assert fp8.engine.kv_layout.token_bytes * 2 == bf16.engine.kv_layout.token_bytes
-    assert fp8.engine.blocks.num_blocks == 2 * bf16.engine.blocks.num_blocks
+    assert fp8.engine.pages.num_pages == 2 * bf16.engine.pages.num_pages
     assert fp8.engine.arena.pages.page_bytes == bf16.engine.arena.pages.page_bytes // 2
 
 
@@ -312,4 +312,4 @@ def test_an_unknown_kv_cache_dtype_is_refused(llama_dir, value):
         LLM(llama_dir, kv_cache_dtype=value)
     if value is not None:  # None is a ModelSettings' "the engine's default"
         with pytest.raises(ValueError, match=r"prm: kv_cache_dtype must be one of"):
-            ModelSettings.from_flat(llama_dir, kv_cache_dtype=value).check("prm", "cpu")
+            ModelSettings.from_flat(llama_dir, "prm", kv_cache_dtype=value)

@@ -1,7 +1,7 @@
 """The Triton attention kernels against SDPA over gathered pages (a GPU, or CPU tensors in Triton's interpreter).
 
 Caches are real arena views (`KVArena.layer`: page stride of the shared arena, V at an
-offset from K) with shuffled block tables. Matrix: page sizes 1, 4, 16 and 64, contexts
+offset from K) with shuffled page tables. Matrix: page sizes 1, 4, 16 and 64, contexts
 crossing pages, GQA ratios 1/2/4, head_dim 16/32/64/128/256, sliding windows shorter than
 the context; decode over several partitions (and over one); prefill chunks of 1..N queries
 after cached prefixes (prefix hits) in one flat batch with rows of other groups between
@@ -22,7 +22,7 @@ from treeserve.kv.arena import KVArena, PageArena  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
-CASES = [  # (block_size, q_heads, kv_heads, head_dim, window)
+CASES = [  # (page_size, q_heads, kv_heads, head_dim, window)
     (4, 4, 4, 16, None),
     (16, 4, 2, 16, None),
     (4, 8, 2, 64, 7),
@@ -33,12 +33,12 @@ CASES = [  # (block_size, q_heads, kv_heads, head_dim, window)
 ]
 
 
-def paged_cache(contexts: list[int], block_size: int, kv_heads: int, dim: int, dtype: torch.dtype):
-    """Layer 1 of a 2-layer arena holding random K/V, and a shuffled block table per sequence."""
+def paged_cache(contexts: list[int], page_size: int, kv_heads: int, dim: int, dtype: torch.dtype):
+    """Layer 1 of a 2-layer arena holding random K/V, and a shuffled page table per sequence."""
     g = torch.Generator().manual_seed(0)
-    widths = [-(-c // block_size) for c in contexts]
+    widths = [-(-c // page_size) for c in contexts]
     num_pages = sum(widths) + 3
-    arena = KVArena(num_pages, 2, block_size, kv_heads, dim, dtype, DEVICE)
+    arena = KVArena(num_pages, 2, page_size, kv_heads, dim, dtype, DEVICE)
     arena.buffer.copy_(torch.randn(arena.buffer.shape, generator=g))
     order = torch.randperm(num_pages, generator=g)
     tables = torch.zeros(len(contexts), max(widths), dtype=torch.int64)
@@ -65,8 +65,8 @@ def reference(q, q_pos, k_cache, v_cache, table, context, scale, window):
 
 
 def check_decode(contexts, case, dtype, partition_size):
-    block_size, q_heads, kv_heads, dim, window = case
-    k_cache, v_cache, tables = paged_cache(contexts, block_size, kv_heads, dim, dtype)
+    page_size, q_heads, kv_heads, dim, window = case
+    k_cache, v_cache, tables = paged_cache(contexts, page_size, kv_heads, dim, dtype)
     q = torch.randn(len(contexts), q_heads, dim, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
     lens = torch.tensor(contexts, device=DEVICE)
     scale = dim**-0.5
@@ -93,9 +93,9 @@ def test_decode_in_one_partition(case):
 def check_prefill(chunks, case, dtype):
     """chunks: (cached tokens before the chunk, chunk length) per sequence. The flat batch has
     a row of another group before each chunk; the kernel must leave those rows alone."""
-    block_size, q_heads, kv_heads, dim, window = case
+    page_size, q_heads, kv_heads, dim, window = case
     contexts = [cached + n for cached, n in chunks]
-    k_cache, v_cache, tables = paged_cache(contexts, block_size, kv_heads, dim, dtype)
+    k_cache, v_cache, tables = paged_cache(contexts, page_size, kv_heads, dim, dtype)
     lens = torch.tensor([n for _, n in chunks])
     starts = torch.cumsum(lens + 1, 0) - lens  # row starts[b] - 1 belongs to someone else
     rows = int(starts[-1] + lens[-1])

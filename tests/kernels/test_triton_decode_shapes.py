@@ -2,7 +2,7 @@
 a plain PyTorch reference (each sequence's pages gathered in order, softmax in fp32).
 
 One batch mixes contexts of 1, 17, 700 and 4096 keys (a lone key, less than a tile, a few
-tiles, many) on shuffled pages of a one-layer arena, with block tables wider than the
+tiles, many) on shuffled pages of a one-layer arena, with page tables wider than the
 longest sequence needs (as CUDA graphs pad them). Matrix: bf16 and fp32; head_dim 64 and
 128; GQA groups 1, 4 and 8; sliding windows; forced split counts of 1 (pass 1 writes the
 output), a few, and more than a short context has tiles (empty partitions); tiles of 16 and
@@ -28,7 +28,7 @@ KV_HEADS = 2
 
 
 def paged(contexts: list[int], dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """K and V views of a one-layer arena of random rows, and block tables of shuffled pages
+    """K and V views of a one-layer arena of random rows, and page tables of shuffled pages
     with two padding columns (page 0) past the widest sequence."""
     g = torch.Generator().manual_seed(0)
     widths = [-(-c // PAGE) for c in contexts]

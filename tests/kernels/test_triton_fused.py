@@ -206,7 +206,7 @@ def test_fused_forward_equals_the_plain_forward(model, request, make_llm):
         request.getfixturevalue(model),
         attention_backend="triton",
         device=DEVICE,
-        block_size=4,
+        page_size=4,
         kv_cache_memory=1 << 16,
         max_model_len=64,
         enable_prefix_caching=False,

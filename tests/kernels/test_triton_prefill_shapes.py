@@ -1,6 +1,6 @@
 """The paged prefill kernel against a plain PyTorch reference, over the shapes its tiles meet.
 
-The reference gathers each sequence's pages by its block table, masks causally (and by the
+The reference gathers each sequence's pages by its page table, masks causally (and by the
 window) and takes the softmax in fp32. Caches are real arena views (`KVArena.layer`) with
 shuffled pages; each flat batch has a row of another group before every chunk, which must
 stay untouched. Matrix: fp32 and bf16; head_dim 64 and 128; GQA groups 1, 4 and 8 (and 3,
@@ -42,12 +42,12 @@ def reference(q, k_cache, v_cache, table, cached, scale, window):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
 
 
-def check(chunks, q_heads, kv_heads, dim, dtype, window=None, block_size=16, **blocks):
+def check(chunks, q_heads, kv_heads, dim, dtype, window=None, page_size=16, **blocks):
     """chunks: (cached tokens, chunk length) per sequence, in one flat batch."""
     g = torch.Generator().manual_seed(len(chunks) * 1000 + q_heads * 10 + dim)
     contexts = [cached + n for cached, n in chunks]
-    widths = [-(-c // block_size) for c in contexts]
-    arena = KVArena(sum(widths) + 2, 2, block_size, kv_heads, dim, dtype, DEVICE)
+    widths = [-(-c // page_size) for c in contexts]
+    arena = KVArena(sum(widths) + 2, 2, page_size, kv_heads, dim, dtype, DEVICE)
     arena.buffer.copy_(torch.randn(arena.buffer.shape, generator=g))
     k_cache, v_cache = arena.layer(1)
     order = torch.randperm(sum(widths) + 2, generator=g)  # scattered pages
@@ -90,14 +90,14 @@ def test_chunks_after_cached_prefixes(q_heads, kv_heads, dim, dtype):
 
 @pytest.mark.parametrize("blocks", BLOCKS, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_block_sizes(dtype, blocks):
+def test_page_sizes(dtype, blocks):
     check(CHUNKS[:4], 8, 2, 64, dtype, **blocks)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_long_context(dtype):
     """A PRM step's shape over a ~4K-token prefix: 100 new tokens after 3996, beside a short prompt."""
-    check([(3996, 100), (0, 7)], 4, 1, 128, dtype, block_size=64)
+    check([(3996, 100), (0, 7)], 4, 1, 128, dtype, page_size=64)
 
 
 @pytest.mark.parametrize("blocks", BLOCKS[:2], ids=str)

@@ -7,35 +7,35 @@ import sys
 import pytest
 import torch
 
-from treeserve.kv.arena import PAGE_ALIGN, KVArena, KVLayout, PageArena, shared_block_sizes
+from treeserve.kv.arena import PAGE_ALIGN, KVArena, KVLayout, PageArena, shared_page_sizes
 
 SMALL = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16)  # 256 bytes per token
 BIG = KVLayout(num_layers=3, num_kv_heads=4, head_dim=16, dtype=torch.float32)  # 1536 bytes per token
 
 
 def test_equal_layouts_share_the_smaller_page():
-    page, sizes = shared_block_sizes([SMALL, SMALL], [16, 4])
+    page, sizes = shared_page_sizes([SMALL, SMALL], [16, 4])
     assert page == 4 * SMALL.token_bytes and sizes == [4, 4]
 
 
 def test_unequal_layouts_fit_as_many_tokens_as_the_page_holds():
-    page, sizes = shared_block_sizes([SMALL, BIG], [16, 16])
+    page, sizes = shared_page_sizes([SMALL, BIG], [16, 16])
     assert page == 16 * SMALL.token_bytes  # 4096 bytes: the smaller preferred page
     assert sizes == [16, 2]  # 2 x 1536 = 3072 of 4096 bytes used by the big model
-    page, sizes = shared_block_sizes([SMALL, BIG], [1, 16])
+    page, sizes = shared_page_sizes([SMALL, BIG], [1, 16])
     assert page == BIG.page_bytes(1) and sizes[1] == 1  # a page holds at least one token of every model
     assert page % PAGE_ALIGN == 0
 
 
-def view(pages: PageArena, layout: KVLayout, block_size: int) -> KVArena:
-    return KVArena(0, layout.num_layers, block_size, layout.num_kv_heads, layout.head_dim, layout.dtype, "cpu", pages)
+def view(pages: PageArena, layout: KVLayout, page_size: int) -> KVArena:
+    return KVArena(0, layout.num_layers, page_size, layout.num_kv_heads, layout.head_dim, layout.dtype, "cpu", pages)
 
 
 def test_two_models_views_write_only_their_own_page():
-    page, (bs_small, bs_big) = shared_block_sizes([SMALL, BIG], [16, 16])
+    page, (bs_small, bs_big) = shared_page_sizes([SMALL, BIG], [16, 16])
     pages = PageArena(5, page, "cpu")
     small, big = view(pages, SMALL, bs_small), view(pages, BIG, bs_big)
-    assert small.num_blocks == big.num_blocks == 5
+    assert small.num_pages == big.num_pages == 5
     k, v = big.layer(2)
     k[3].fill_(1.0)
     v[3].fill_(2.0)
@@ -98,7 +98,7 @@ def test_cpu_arena_is_zeroed_private_memory_in_huge_pages_where_linux_gives_them
 def test_an_fp8_view_holds_twice_the_tokens_of_bf16_and_a_scale_pair_a_layer():
     fp8 = KVLayout(SMALL.num_layers, SMALL.num_kv_heads, SMALL.head_dim, torch.float8_e4m3fn)
     assert 2 * fp8.token_bytes == SMALL.token_bytes
-    page, sizes = shared_block_sizes([fp8, SMALL], [8, 4])
+    page, sizes = shared_page_sizes([fp8, SMALL], [8, 4])
     assert page == 4 * SMALL.token_bytes and sizes == [8, 4]  # the FP8 model gets twice the tokens a page
     pages = PageArena(3, page, "cpu")
     arena = view(pages, fp8, sizes[0])

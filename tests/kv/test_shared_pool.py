@@ -6,34 +6,34 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from treeserve.kv.block_manager import BlockManager
+from treeserve.kv.page_manager import PageManager
 from treeserve.kv.page_pool import PagePool
 
 BLOCKS = (4, 2)  # the two models' tokens per page
 
 
 class TwoModels(RuleBasedStateMachine):
-    """Each sequence: (model, token ids, block table, block hashes); random admit/grow/fork/free."""
+    """Each sequence: (model, token ids, page table, block hashes); random admit/grow/fork/free."""
 
     def __init__(self):
         super().__init__()
         self.pool = PagePool(10)
-        self.models = [BlockManager(0, bs, f"m{i}", pool=self.pool) for i, bs in enumerate(BLOCKS)]
+        self.models = [PageManager(0, bs, f"m{i}", pool=self.pool) for i, bs in enumerate(BLOCKS)]
         self.seqs: list[dict] = []
 
     @rule(model=st.integers(0, 1), prompt=st.lists(st.integers(0, 2), min_size=1, max_size=12))
     def admit(self, model, prompt):
         bm = self.models[model]
         hit = bm.find_prefix(prompt, len(prompt) - 1)
-        table = list(hit.blocks)
-        start = len(table) * bm.block_size
-        need = bm.pages_to_acquire(hit) + bm.blocks_to_grow(table, start, len(prompt))
-        if need > bm.num_free_blocks:
+        table = list(hit.pages)
+        start = len(table) * bm.page_size
+        need = bm.pages_to_acquire(hit) + bm.pages_to_grow(table, start, len(prompt))
+        if need > bm.num_free_pages:
             return
         bm.acquire_prefix(hit)
         bm.grow(table, start, len(prompt))
         seq = {"model": model, "tokens": list(prompt), "table": table, "hashes": list(hit.hashes)}
-        bm.commit_full_blocks(table, seq["hashes"], seq["tokens"], len(prompt))
+        bm.commit_full_pages(table, seq["hashes"], seq["tokens"], len(prompt))
         self.seqs.append(seq)
 
     @precondition(lambda self: self.seqs)
@@ -41,11 +41,11 @@ class TwoModels(RuleBasedStateMachine):
     def append_token(self, data, token):
         seq = data.draw(st.sampled_from(self.seqs))
         bm, n = self.models[seq["model"]], len(seq["tokens"])
-        if bm.blocks_to_grow(seq["table"], n, n + 1) > bm.num_free_blocks:
+        if bm.pages_to_grow(seq["table"], n, n + 1) > bm.num_free_pages:
             return
         bm.grow(seq["table"], n, n + 1)
         seq["tokens"].append(token)
-        bm.commit_full_blocks(seq["table"], seq["hashes"], seq["tokens"], n + 1)
+        bm.commit_full_pages(seq["table"], seq["hashes"], seq["tokens"], n + 1)
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
@@ -75,14 +75,14 @@ class TwoModels(RuleBasedStateMachine):
             if count:
                 assert self.pool.owner[block] == holder[block]
         for i, bm in enumerate(self.models):
-            assert bm.num_used_blocks == len({b for s in self.seqs if s["model"] == i for b in s["table"]})
+            assert bm.num_used_pages == len({b for s in self.seqs if s["model"] == i for b in s["table"]})
 
     @invariant()
     def hits_never_cross_models(self):
         for seq in self.seqs:
             for i, key in enumerate(seq["hashes"]):
                 block = seq["table"][i]
-                if self.pool.block_hash[block] == key:
+                if self.pool.page_hash[block] == key:
                     assert self.pool.owner[block] == seq["model"]
 
     def teardown(self):
@@ -99,18 +99,18 @@ TestTwoModels.settings = settings(max_examples=150, stateful_step_count=40, dead
 
 def test_pages_flow_from_one_model_to_the_other():
     pool = PagePool(4)
-    a, b = BlockManager(0, 2, "a", pool=pool), BlockManager(0, 2, "b", pool=pool)
+    a, b = PageManager(0, 2, "a", pool=pool), PageManager(0, 2, "b", pool=pool)
     table: list[int] = []
     a.grow(table, 0, 8)  # a takes every page and caches them all
-    a.commit_full_blocks(table, [], [1, 2, 3, 4, 5, 6, 7, 8], 8)
+    a.commit_full_pages(table, [], [1, 2, 3, 4, 5, 6, 7, 8], 8)
     a.release(table)
-    assert a.num_cached_blocks == 4 and a.num_used_blocks == 0 and b.num_free_blocks == 4
+    assert a.num_cached_pages == 4 and a.num_used_pages == 0 and b.num_free_pages == 4
     other: list[int] = []
     b.grow(other, 0, 6)  # b evicts three of a's cached pages, least recently released first
-    assert b.num_used_blocks == 3 and a.num_cached_blocks == 1
+    assert b.num_used_pages == 3 and a.num_cached_pages == 1
     assert a.stats.evictions == 3 and b.stats.evictions == 0
-    assert not b.find_prefix([1, 2, 3, 4, 5, 6, 7, 8], 8).blocks  # keys are per model: b never hits a's pages
-    assert len(a.find_prefix([1, 2, 3, 4, 5, 6, 7, 8], 8).blocks) == 1  # the prefix page went last
+    assert not b.find_prefix([1, 2, 3, 4, 5, 6, 7, 8], 8).pages  # keys are per model: b never hits a's pages
+    assert len(a.find_prefix([1, 2, 3, 4, 5, 6, 7, 8], 8).pages) == 1  # the prefix page went last
     b.release(other)
     a.check_idle()
     b.check_idle()
@@ -118,7 +118,7 @@ def test_pages_flow_from_one_model_to_the_other():
 
 def test_the_first_starving_model_gets_released_pages_first():
     pool = PagePool(4)
-    a, b = BlockManager(0, 2, "a", pool=pool), BlockManager(0, 2, "b", pool=pool)
+    a, b = PageManager(0, 2, "a", pool=pool), PageManager(0, 2, "b", pool=pool)
     assert pool.may_admit(a.owner) and pool.may_admit(b.owner)
     pool.set_starving(b.owner, True)
     assert not pool.may_admit(a.owner) and pool.may_admit(b.owner)

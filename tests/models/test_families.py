@@ -159,7 +159,7 @@ def test_triton_backend_logits_match_transformers(family_dirs, make_llm, arch):
     chunked, paged prefill with 4-token pages, fp32 logits equal to transformers'."""
     pytest.importorskip("triton")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    small = {"block_size": 4, "max_num_batched_tokens": 16, "kv_cache_memory": 1 << 20}
+    small = {"page_size": 4, "max_num_batched_tokens": 16, "kv_cache_memory": 1 << 20}
     llm = make_llm(family_dirs[arch], attention_backend="triton", device=device, **small)
     ids = llm.get_tokenizer().encode(PROMPTS[1])
     diff = (our_logits(llm, ids) - reference_logits(family_dirs[arch], ids)).abs().max().item()

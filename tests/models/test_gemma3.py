@@ -37,12 +37,12 @@ def test_logits(gemma3_dir, make_llm):
 
 def test_logits_under_chunked_prefill(gemma3_dir, make_llm):
     """Chunks of 5 tokens: every chunk's sliding-window layers read keys from earlier chunks' pages."""
-    assert_parity(gemma3_dir, make_llm, max_num_batched_tokens=5, enable_prefix_caching=False, block_size=4)
+    assert_parity(gemma3_dir, make_llm, max_num_batched_tokens=5, enable_prefix_caching=False, page_size=4)
 
 
 def test_logits_with_prefix_cache_hits(gemma3_dir, make_llm):
     """Scoring only the new tail of a prompt whose first pages come from the prefix cache."""
-    llm = make_llm(gemma3_dir, block_size=4)
+    llm = make_llm(gemma3_dir, page_size=4)
     tokenizer = llm.get_tokenizer()
     base = tokenizer.encode(PROMPTS[0])
     llm.generate([base], SamplingParams(max_tokens=1))
@@ -50,7 +50,7 @@ def test_logits_with_prefix_cache_hits(gemma3_dir, make_llm):
     tail = list(range(len(base), len(longer)))
     out = llm.score([longer], ScoreParams(positions=tail, return_hidden_states=True))[0]
     logits = llm.engine.model.compute_logits(out.hidden_states)
-    assert llm.engine.blocks.stats.hits >= len(base) // 4 - 1
+    assert llm.engine.pages.stats.hits >= len(base) // 4 - 1
     diff = (logits - reference_logits(gemma3_dir, longer)[tail]).abs().max().item()
     assert diff <= 1e-4, f"max abs logit diff {diff} after a prefix hit"
 

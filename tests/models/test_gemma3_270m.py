@@ -125,7 +125,7 @@ def test_the_file_alone_is_enough(gemma_gguf, dtype):
 
     llm = LLM(model=gemma_gguf, dtype=dtype)
     engine = llm.engine
-    assert engine.max_model_len == (32768 if dtype == "bfloat16" else (engine.blocks.num_blocks - 1) * 16)
+    assert engine.max_model_len == (32768 if dtype == "bfloat16" else (engine.pages.num_pages - 1) * 16)
     assert engine.max_model_len >= 2048
     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0))
     assert len(out[0].outputs[0].token_ids) == 4

@@ -16,8 +16,8 @@ from treeserve.runtime.runtime import ModelSpec, Runtime
 
 def specs(llama_dir, qwen2_dir, share=None, **engine_args):
     return [
-        ModelSpec("gen", llama_dir, share, block_size=16, engine_args=engine_args),
-        ModelSpec("prm", qwen2_dir, share, block_size=4, engine_args=engine_args),
+        ModelSpec("gen", llama_dir, share, page_size=16, engine_args=engine_args),
+        ModelSpec("prm", qwen2_dir, share, page_size=4, engine_args=engine_args),
     ]
 
 
@@ -27,8 +27,8 @@ def test_shared_plan_one_arena_of_equal_pages(llama_dir, qwen2_dir, tmp_path):
     gen, prm = rt.engines["gen"], rt.engines["prm"]
     assert plan.shared and plan.kv_bytes == 4 << 20
     assert plan.num_pages == (4 << 20) // plan.page_bytes
-    assert gen.arena.pages is prm.arena.pages and gen.blocks.pool is prm.blocks.pool
-    assert gen.block_size == prm.block_size == 4  # equal layouts: the smaller preferred page wins
+    assert gen.arena.pages is prm.arena.pages and gen.pages.pool is prm.pages.pool
+    assert gen.page_size == prm.page_size == 4  # equal layouts: the smaller preferred page wins
     by_name = {m.name: m for m in plan.models}
     assert by_name["gen"].weights == weight_bytes(gen.model) > 0
     assert all(m.activation_peak > 0 for m in plan.models)
@@ -53,13 +53,13 @@ def test_fp8_kv_plans_four_times_the_pages_of_fp32(llama_dir, qwen2_dir):
     fp8 = {"kv_cache_dtype": "fp8_e4m3"}
     prm = specs(llama_dir, qwen2_dir)[1]
     rt = Runtime.load(
-        [ModelSpec("gen", llama_dir, block_size=4, engine_args=fp8), prm],
+        [ModelSpec("gen", llama_dir, page_size=4, engine_args=fp8), prm],
         4 << 20,
         device_config=DeviceConfig(dtype="float32"),
     )
     by_name = {m.name: m for m in rt.memory_plan.models}
     assert by_name["gen"].token_bytes * 4 == by_name["prm"].token_bytes == rt.engines["prm"].kv_layout.token_bytes
-    assert rt.engines["gen"].block_size == 4 * rt.engines["prm"].block_size
+    assert rt.engines["gen"].page_size == 4 * rt.engines["prm"].page_size
     assert "KV in fp8_e4m3" in rt.memory_plan.table()
     rt.check_pages_idle()
 
@@ -67,8 +67,8 @@ def test_fp8_kv_plans_four_times_the_pages_of_fp32(llama_dir, qwen2_dir):
 def test_static_split_gives_each_model_its_share(llama_dir, qwen2_dir):
     rt = Runtime.load(specs(llama_dir, qwen2_dir, 0.5), 4 << 20, device_config=DeviceConfig(dtype="float32"))
     gen, prm = rt.engines["gen"], rt.engines["prm"]
-    assert gen.blocks.pool is not prm.blocks.pool
-    assert (gen.block_size, prm.block_size) == (16, 4)
+    assert gen.pages.pool is not prm.pages.pool
+    assert (gen.page_size, prm.page_size) == (16, 4)
     for engine in (gen, prm):
         assert engine.arena.pages.nbytes <= 2 << 20 < engine.arena.pages.nbytes + engine.arena.pages.page_bytes
 
@@ -127,12 +127,12 @@ def test_tight_shared_arena_serves_both_models_and_loses_no_page(llama_dir, qwen
 
     outs = asyncio.run(main())
     assert all(len(c.token_ids) == 40 for out in outs for c in out.outputs)
-    assert gen.scheduler.num_preemptions > 0 or gen.blocks.stats.evictions + prm.blocks.stats.evictions > 0
+    assert gen.scheduler.num_preemptions > 0 or gen.pages.stats.evictions + prm.pages.stats.evictions > 0
     rows = gen.page_log.rows()
     assert rows and max(r["in_use"] for r in rows) <= 96
     assert {"step", "in_use", "cached", "free", "hits", "misses", "evictions", "thrash"} <= set(rows[0])
     rt.check_pages_idle()
-    assert gen.blocks.pool.num_available == 96
+    assert gen.pages.pool.num_available == 96
 
 
 def test_an_aborted_starving_model_stops_blocking_the_other(llama_dir, qwen2_dir):
@@ -142,15 +142,15 @@ def test_an_aborted_starving_model_stops_blocking_the_other(llama_dir, qwen2_dir
         specs(llama_dir, qwen2_dir, max_model_len=128), 96 * 4 * 512, device_config=DeviceConfig(dtype="float32")
     )
     gen, prm = rt.engines["gen"], rt.engines["prm"]
-    pool = gen.blocks.pool
+    pool = gen.pages.pool
     gen.add_request("g", [1] * 20, SamplingParams(n=3, max_tokens=100, ignore_eos=True, seed=0))
-    while gen.blocks.num_used_blocks < 70:
+    while gen.pages.num_used_pages < 70:
         gen.step()
     prm.add_request("p", [1] * 120, ScoreParams(positions=[119], token_ids=[3]))
     assert prm.step() == [] and prm.stalled  # 30 pages needed, fewer free, nothing of its own running
-    assert not pool.may_admit(gen.blocks.owner)
+    assert not pool.may_admit(gen.pages.owner)
     prm.abort("p")
-    assert pool.may_admit(gen.blocks.owner) and not pool.starving
+    assert pool.may_admit(gen.pages.owner) and not pool.starving
     gen.abort("g")
     rt.check_pages_idle()
 

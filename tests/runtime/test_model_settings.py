@@ -66,10 +66,10 @@ def test_engine_args_are_the_models_sub_configs():
     model = ModelSettings.from_flat(DEFAULT_GENERATOR, max_num_seqs=8, enforce_eager=True, kv_fraction=0.3)
     args = model.engine_args(4)
     assert args["scheduler_config"] is model.scheduler_config and args["graph_config"].enforce_eager
-    assert args["cache_config"].block_size == 4 and model.cache_config.block_size is None
-    assert ModelSettings.from_flat(DEFAULT_PRM, block_size=8).engine_args(4)["cache_config"].block_size == 8
+    assert args["cache_config"].page_size == 4 and model.cache_config.page_size is None
+    assert ModelSettings.from_flat(DEFAULT_PRM, page_size=8).engine_args(4)["cache_config"].page_size == 8
     config = EngineConfig.from_kwargs(DEFAULT_GENERATOR, dtype="float32", **args)
-    assert config.scheduler_config.max_num_seqs == 8 and config.cache_config.block_size == 4
+    assert config.scheduler_config.max_num_seqs == 8 and config.cache_config.page_size == 4
 
 
 def test_eval_and_server_check_their_models_the_same_way():

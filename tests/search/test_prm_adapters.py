@@ -50,7 +50,7 @@ def arith_dir(tmp_path_factory) -> str:
 def serve(dirs: dict[str, str], body: Callable[[Runtime], Awaitable[object]]) -> object:
     """Run `body` against a fresh runtime hosting `dirs`; afterwards no page may be leaked."""
     runtime = Runtime.load(
-        [ModelSpec(name, path, 1 / len(dirs), block_size=4) for name, path in dirs.items()],
+        [ModelSpec(name, path, 1 / len(dirs), page_size=4) for name, path in dirs.items()],
         kv_cache_memory=len(dirs) << 23,
         device_config=DeviceConfig(dtype="float32"),
     )
@@ -215,7 +215,7 @@ def test_prefix_stable_start_and_cache_hits(prm_dirs, arith_dir, style):
         for k in range(1, len(steps)):
             ids, positions = prm.build(question, steps[:k])
             assert full_ids[: len(ids)] == ids and full_positions[:k] == positions
-        stats = runtime.engine(style).blocks.stats
+        stats = runtime.engine(style).pages.stats
         await prm.score(question, steps[:2])
         hits = stats.hits
         tail = await prm.score(question, steps, start=2)

@@ -140,10 +140,10 @@ def test_token_classification_inputs_are_prefix_stable(head_dirs):
         for k in range(1, len(STEPS)):
             ids, positions = prm.build(QUESTION, STEPS[:k])
             assert full_ids[: len(ids)] == ids and full_positions[:k] == positions
-        hits = runtime.engine("tc_qwen2").blocks.stats.hits
+        hits = runtime.engine("tc_qwen2").pages.stats.hits
         full = await prm.score(QUESTION, STEPS)
         tail = await prm.score(QUESTION, STEPS + ["Done."], start=len(STEPS))
-        assert runtime.engine("tc_qwen2").blocks.stats.hits > hits
+        assert runtime.engine("tc_qwen2").pages.stats.hits > hits
         again = await prm.score(QUESTION, STEPS + ["Done."])
         assert max(abs(a - b) for a, b in zip(full + tail, again, strict=True)) <= TOL
 

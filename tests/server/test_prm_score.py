@@ -104,7 +104,7 @@ def no_prm_server() -> Iterator[LiveServer]:
 
 def prm_reads(server: LiveServer) -> int:
     """Prefix-cache lookups of the PRM's engine: every request that reaches it makes some."""
-    stats = server.served.runtime.engine("prm").blocks.stats
+    stats = server.served.runtime.engine("prm").pages.stats
     return stats.hits + stats.misses
 
 

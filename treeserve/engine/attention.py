@@ -24,7 +24,7 @@ from treeserve.layers.rotary import RotaryEmbedding
 class SeqGroup:
     """Sequences of one shape class; tensors index the step's flat token batch."""
 
-    block_tables: torch.Tensor  # [B, max_pages]
+    page_tables: torch.Tensor  # [B, max_pages]
     context_lens: torch.Tensor  # [B]: tokens visible to the last query (cached + new)
     query_index: torch.Tensor  # [B, Q]: flat token index of each query (padding repeats the last)
     query_pos: torch.Tensor  # [B, Q]: absolute position of each query
@@ -48,9 +48,9 @@ class SeqGroup:
         width = self.query_index.shape[1]
         return torch.arange(width, device=self.query_len.device)[None, :] < self.query_len[:, None]
 
-    def mask(self, window: int | None, block_size: int) -> torch.Tensor:
+    def mask(self, window: int | None, page_size: int) -> torch.Tensor:
         if window not in self.masks:
-            keys = torch.arange(self.block_tables.shape[1] * block_size, device=self.query_pos.device)
+            keys = torch.arange(self.page_tables.shape[1] * page_size, device=self.query_pos.device)
             qpos = self.query_pos[:, :, None]
             allowed = keys[None, None, :] <= qpos
             if window is not None:
@@ -105,11 +105,11 @@ class SdpaBackend:
         kv_scales: torch.Tensor | None = None,
     ) -> None:
         """Attention of `group`'s queries (rows of q) into the same rows of `out` (scale None: head_dim**-0.5)."""
-        batch, pages = group.block_tables.shape
-        block_size, kv_heads, head_dim = k_cache.shape[1:]
-        tables = group.block_tables.flatten()
-        keys = k_cache.index_select(0, tables).view(batch, pages * block_size, kv_heads, head_dim)
-        values = v_cache.index_select(0, tables).view(batch, pages * block_size, kv_heads, head_dim)
+        batch, pages = group.page_tables.shape
+        page_size, kv_heads, head_dim = k_cache.shape[1:]
+        tables = group.page_tables.flatten()
+        keys = k_cache.index_select(0, tables).view(batch, pages * page_size, kv_heads, head_dim)
+        values = v_cache.index_select(0, tables).view(batch, pages * page_size, kv_heads, head_dim)
         if kv_scales is not None:
             keys, values = from_fp8(keys, kv_scales[0], q.dtype), from_fp8(values, kv_scales[1], q.dtype)
         queries = q[group.query_index].transpose(1, 2)  # [B, Hq, Q, D]
@@ -117,7 +117,7 @@ class SdpaBackend:
             queries,
             keys.transpose(1, 2),
             values.transpose(1, 2),
-            attn_mask=group.mask(window, block_size),
+            attn_mask=group.mask(window, page_size),
             scale=scale,
             enable_gqa=True,
         )
@@ -156,7 +156,7 @@ class CpuBackend(SdpaBackend):
     ) -> None:
         kernel_scale = scale or q.shape[-1] ** -0.5
         if group.is_decode and cpu_kernels.supports(q):
-            args = (k_cache, v_cache, group.block_tables, group.context_lens, kernel_scale, window)
+            args = (k_cache, v_cache, group.page_tables, group.context_lens, kernel_scale, window)
             if group.leads:  # no gather, no scatter: the kernel writes the rows in place
                 rows = group.query_index.shape[0]
                 cpu_kernels.paged_decode(q[:rows], *args, out=out[:rows], kv_scales=kv_scales)
@@ -168,7 +168,7 @@ class CpuBackend(SdpaBackend):
                 q,
                 k_cache,
                 v_cache,
-                group.block_tables,
+                group.page_tables,
                 group.query_start,
                 group.query_len,
                 group.context_lens,
@@ -187,11 +187,11 @@ class CpuBackend(SdpaBackend):
 
 
 def queries_as_decodes(group: SeqGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A prefill chunk as decodes, one a query: (rows, block tables, context lengths); a row's bits
+    """A prefill chunk as decodes, one a query: (rows, page tables, context lengths); a row's bits
     then never depend on the queries beside it, which SDPA's fp32 rows on a CPU do."""
     valid = group.query_valid
     seqs = torch.arange(valid.shape[0], device=valid.device)[:, None].expand_as(valid)[valid]
-    return group.query_index[valid], group.block_tables[seqs], group.query_pos[valid] + 1
+    return group.query_index[valid], group.page_tables[seqs], group.query_pos[valid] + 1
 
 
 class TritonBackend:
@@ -221,14 +221,14 @@ class TritonBackend:
         scale = scale or q.shape[-1] ** -0.5
         if group.is_decode:
             index = group.query_index[:, 0]
-            tables, lens = group.block_tables, group.context_lens
+            tables, lens = group.page_tables, group.context_lens
             out[index] = self._decode(q[index], k_cache, v_cache, tables, lens, scale, window, kv_scales=kv_scales)
         else:
             self._prefill(
                 q,
                 k_cache,
                 v_cache,
-                group.block_tables,
+                group.page_tables,
                 group.query_start,
                 group.query_len,
                 group.context_lens,
@@ -301,9 +301,9 @@ class AttentionBatch:
         for group in self.groups:
             if group.is_decode:
                 rows = None if group.leads else group.query_index[:, 0].contiguous()
-                decodes = DecodeGroup(group.block_tables, group.context_lens, rows)
+                decodes = DecodeGroup(group.page_tables, group.context_lens, rows)
             elif cpu_kernels.prefill_fits(k_cache.dtype, k_cache.shape[-1]):
-                chunks = PrefillGroup(group.block_tables, group.query_start, group.query_len, group.context_lens)
+                chunks = PrefillGroup(group.page_tables, group.query_start, group.query_len, group.context_lens)
             else:
                 return None
         tensors = [self.slot_pages, self.slot_offsets]
@@ -311,7 +311,7 @@ class AttentionBatch:
             tensors += [] if group is None else [t for t in vars(group).values() if t is not None]
         if not all(t.dtype == torch.int64 and t.is_contiguous() for t in tensors):
             return None
-        buffer = self.arena.buffer  # [pages, layers, 2 (K, V), block, kv_heads, head_dim]
+        buffer = self.arena.buffer  # [pages, layers, 2 (K, V), page_size, kv_heads, head_dim]
         return StackPages(
             k_cache, buffer.stride(1), buffer.stride(2), self.slot_pages, self.slot_offsets, decodes, chunks, self.scale
         )

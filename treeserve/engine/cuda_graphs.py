@@ -43,7 +43,7 @@ class StaticInputs:
     """The graphs' inputs at fixed addresses: views of one flat int64 device buffer (one copy fills it)."""
 
     rows: int
-    width: int  # block table columns: the widest a sequence can have, so one graph serves every length
+    width: int  # page table columns: the widest a sequence can have, so one graph serves every length
     flat: torch.Tensor  # [rows * (5 + width)]
 
     @classmethod
@@ -58,16 +58,16 @@ class StaticInputs:
     def tables(self) -> torch.Tensor:
         return self.flat[5 * self.rows :].view(self.rows, self.width)
 
-    def pack(self, batch: ForwardBatch, block_size: int, bucket: int) -> np.ndarray:
+    def pack(self, batch: ForwardBatch, page_size: int, bucket: int) -> np.ndarray:
         """`batch` (at most `bucket` decodes) and its padding, laid out as `flat`."""
-        positions, slot_pages, slot_offsets, [group] = attention_inputs(batch, block_size)
+        positions, slot_pages, slot_offsets, [group] = attention_inputs(batch, page_size)
         n, head = positions.shape[0], np.zeros((5, self.rows), dtype=np.int64)
         for field, values in enumerate((batch.token_ids, positions, slot_pages, slot_offsets, group.context_lens)):
             head[field, :n] = values
         head[2, n:bucket] = PAD_PAGE
         head[4, n:bucket] = 1  # a padding row reads one key of page 0 and writes nothing
         tables = np.zeros((self.rows, self.width), dtype=np.int64)
-        tables[:n, : group.block_tables.shape[1]] = group.block_tables
+        tables[:n, : group.page_tables.shape[1]] = group.page_tables
         return np.concatenate([head.reshape(-1), tables.reshape(-1)])
 
     def attention(self, bucket: int, arena: Any, backend: Any, scale: float | None) -> AttentionBatch:
@@ -98,7 +98,7 @@ class DecodeGraphs:
         width: int,
         graph_class: type | None = None,
     ) -> None:
-        self.model, self.arena, self.block_size = model, arena, arena.block_size
+        self.model, self.arena, self.page_size = model, arena, arena.page_size
         self.sizes = sizes
         self.inputs = StaticInputs.allocate(max(sizes), width, arena.buffer.device)
         self.graph_class = graph_class or GRAPH_CLASS
@@ -108,7 +108,7 @@ class DecodeGraphs:
             "capture_s": 0.0,
             "memory_bytes": 0,
             "replays": 0,
-            "eager": {"prefill or drafted rows": 0, "more rows than captured": 0, "wider block table": 0},
+            "eager": {"prefill or drafted rows": 0, "more rows than captured": 0, "wider page table": 0},
         }
         self._attn = {b: self.inputs.attention(b, arena, backend, scale) for b in sizes}
 
@@ -121,7 +121,7 @@ class DecodeGraphs:
         elif n > self.sizes[-1]:
             reason = "more rows than captured"
         elif batch.tables.shape[1] > self.inputs.width:
-            reason = "wider block table"
+            reason = "wider page table"
         if reason is not None:
             self.stats["eager"][reason] += 1
             return None
@@ -167,7 +167,7 @@ class DecodeGraphs:
     ) -> torch.Tensor:
         """The real rows' final hidden states (a view, valid until the next replay) of `bucket`'s
         graph on `batch`; `fill` as `ModelRunner.forward`'s; `eager`: the same padded forward unreplayed."""
-        host = [torch.from_numpy(self.inputs.pack(batch, self.block_size, bucket))]
+        host = [torch.from_numpy(self.inputs.pack(batch, self.page_size, bucket))]
         if fill is not None:
             host += [torch.from_numpy(fill[0]), torch.from_numpy(fill[1])]
         staged = staging.to_device(*host)

@@ -40,7 +40,7 @@ class Twins:
     dst_offsets: np.ndarray
 
     @classmethod
-    def find(cls, batch: ForwardBatch, groups: np.ndarray, block_size: int) -> Twins | None:
+    def find(cls, batch: ForwardBatch, groups: np.ndarray, page_size: int) -> Twins | None:
         """The twins of `batch` (items of one group with equal first tokens), or None."""
         rep = representatives(groups, batch.token_ids[batch.offsets])
         items = np.arange(rep.shape[0])
@@ -56,14 +56,14 @@ class Twins:
         rows = computed.offsets[position_in_kept[rep[item_of]]] + within
         copy = twin[item_of]  # a twin has its representative's length and positions
         positions = (batch.starts[item_of] + within)[copy]
-        pages = positions // block_size
+        pages = positions // page_size
         return cls(
             computed,
             rows,
             batch.tables[rep[item_of][copy], pages],
-            positions % block_size,
+            positions % page_size,
             batch.tables[item_of[copy], pages],
-            positions % block_size,
+            positions % page_size,
         )
 
     def expand(

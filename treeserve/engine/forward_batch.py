@@ -25,7 +25,7 @@ class ForwardBatch:
 
     @classmethod
     def of(cls, items: list[tuple[list[int], int, list[int]]]) -> ForwardBatch:
-        """From (token ids to compute, first position, block table) per item (no speculation)."""
+        """From (token ids to compute, first position, page table) per item (no speculation)."""
         tables = np.zeros((len(items), max(len(table) for _, _, table in items)), dtype=np.int64)
         for i, (_, _, table) in enumerate(items):
             tables[i, : len(table)] = table
@@ -71,7 +71,7 @@ def rows_of(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
 class GroupLayout:
     """The rows of one attention group (`attention.SeqGroup`'s fields and shapes, as host arrays)."""
 
-    block_tables: np.ndarray
+    page_tables: np.ndarray
     context_lens: np.ndarray
     query_index: np.ndarray
     query_pos: np.ndarray
@@ -79,21 +79,21 @@ class GroupLayout:
     query_len: np.ndarray
 
 
-def attention_inputs(batch: ForwardBatch, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list]:
+def attention_inputs(batch: ForwardBatch, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list]:
     """(positions, slot pages, slot offsets, [decode group, prefill group]) of `batch`; a speculating
     item's positions are decode rows of their own, computed exactly as plain decoding computes them."""
     lens, starts, tables, drafted = batch.lens, batch.starts, batch.tables, batch.drafted
     items = np.arange(lens.shape[0])
     if lens.shape[0] == batch.token_ids.shape[0] and not drafted.any():  # plain decodes: one row each
-        pages = -(-int(starts.max() + 1) // block_size)
+        pages = -(-int(starts.max() + 1) // page_size)
         group = GroupLayout(
             np.ascontiguousarray(tables[:, :pages]), starts + 1, items[:, None], starts[:, None], items, lens
         )
-        return starts, tables[items, starts // block_size], starts % block_size, [group]
+        return starts, tables[items, starts // page_size], starts % page_size, [group]
     offsets = batch.offsets
     item_of = np.repeat(items, lens)
     positions = starts[item_of] + np.arange(item_of.shape[0]) - offsets[item_of]
-    slot_pages = tables[item_of, positions // block_size]
+    slot_pages = tables[item_of, positions // page_size]
     rows_per_item = np.where(drafted, lens, 1)
     row_item = np.repeat(items, rows_per_item)
     within = np.arange(row_item.shape[0]) - (np.cumsum(rows_per_item) - rows_per_item)[row_item]
@@ -106,15 +106,15 @@ def attention_inputs(batch: ForwardBatch, block_size: int) -> tuple[np.ndarray, 
     for members in (decode, ~decode):
         if members.any():
             groups.append(
-                _group(tables[row_item[members]], row_offset[members], row_start[members], row_len[members], block_size)
+                _group(tables[row_item[members]], row_offset[members], row_start[members], row_len[members], page_size)
             )
-    return positions, slot_pages, positions % block_size, groups
+    return positions, slot_pages, positions % page_size, groups
 
 
 def _group(
-    tables: np.ndarray, offset: np.ndarray, start: np.ndarray, length: np.ndarray, block_size: int
+    tables: np.ndarray, offset: np.ndarray, start: np.ndarray, length: np.ndarray, page_size: int
 ) -> GroupLayout:
-    pages = -(-int((start + length).max()) // block_size)
+    pages = -(-int((start + length).max()) // page_size)
     clamped = np.minimum(np.arange(int(length.max()))[None, :], length[:, None] - 1)
     return GroupLayout(
         np.ascontiguousarray(tables[:, :pages]),

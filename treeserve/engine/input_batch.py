@@ -40,14 +40,14 @@ NONE.flags.writeable = False
 class InputBatch:
     def __init__(
         self,
-        block_size: int,
+        page_size: int,
         max_pages: int,
         eos_ids: list[int],
         constraints: Constraints,
         think: ThinkTokens | None = None,
         capacity: int = 64,
     ):
-        self.block_size = block_size
+        self.page_size = page_size
         self.eos_ids = list(eos_ids)
         self.constraints = constraints
         self.think = think
@@ -111,7 +111,7 @@ class InputBatch:
         self.synced_last += [-1] * capacity
 
     def prepare(self, batch: list[ScheduledSeq], copies: list[tuple[int, int]]) -> PreparedStep:
-        bs = self.block_size
+        bs = self.page_size
         step = PreparedStep(batch)
         prompt_plans: list[PromptLogprobPlan] = []
         samples = step.samples
@@ -139,7 +139,7 @@ class InputBatch:
             row = seq.row
             if row < 0:
                 row = self.add(seq)
-            table = seq.block_table
+            table = seq.page_table
             if len(table) != synced_len[row] or table[-1] is not synced_last[row]:
                 first = start // bs if synced_len[row] else 0
                 sync_rows += [row] * (len(table) - first)

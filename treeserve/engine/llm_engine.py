@@ -39,8 +39,8 @@ from treeserve.engine.step_plan import PreparedStep
 from treeserve.engine.step_result import StepFailed
 from treeserve.engine.thinking import ThinkTokens
 from treeserve.engine.validation import check_request, check_text_length, tokenize_prompt
-from treeserve.kv.arena import KVArena, KVLayout, PageArena, shared_block_sizes
-from treeserve.kv.block_manager import BlockManager
+from treeserve.kv.arena import KVArena, KVLayout, PageArena, shared_page_sizes
+from treeserve.kv.page_manager import PageManager
 from treeserve.kv.page_pool import PagePool
 from treeserve.kv.stats import PageLog
 from treeserve.models.loader import load_model
@@ -130,9 +130,9 @@ class LLMEngine:
             self.capture_graphs()
 
     def attach_own_kv(self, kv_bytes: int) -> None:
-        page_bytes = self.kv_layout.page_bytes(self.config.cache_config.block_size)
+        page_bytes = self.kv_layout.page_bytes(self.config.cache_config.page_size)
         self.attach_kv(
-            PageArena(max(kv_bytes // page_bytes, 1), page_bytes, self.device), self.config.cache_config.block_size
+            PageArena(max(kv_bytes // page_bytes, 1), page_bytes, self.device), self.config.cache_config.page_size
         )
 
     def capture_graphs(self) -> None:
@@ -156,15 +156,15 @@ class LLMEngine:
         graphs.capture()
         self.runner.graphs, self.graph_stats = graphs, graphs.stats
 
-    def attach_kv(self, pages: PageArena, block_size: int, pool: PagePool | None = None) -> None:
+    def attach_kv(self, pages: PageArena, page_size: int, pool: PagePool | None = None) -> None:
         """Make every KV-dependent part for `pages`, their states in `pool` (shared) or a pool of its own."""
         config, layout, ranks = self.config, self.kv_layout, self.ranks
-        pages_per_seq = self._fit_context(pages, block_size)
-        self.block_size = block_size
+        pages_per_seq = self._fit_context(pages, page_size)
+        self.page_size = page_size
         self.arena = KVArena(
             pages.num_pages,
             layout.num_layers,
-            block_size,
+            page_size,
             layout.num_kv_heads,
             layout.head_dim,
             layout.dtype,
@@ -172,15 +172,15 @@ class LLMEngine:
             pages=pages,
             scales=self.kv_scales,
         )
-        self.blocks = BlockManager(
-            pages.num_pages, block_size, config.model_id, config.arena_config.enable_prefix_caching, pool=pool
+        self.pages = PageManager(
+            pages.num_pages, page_size, config.model_id, config.arena_config.enable_prefix_caching, pool=pool
         )
         self.peers: dict[int, DeviceQueue] = {}
         self.inputs = InputBatch(
-            block_size, pages_per_seq, list(self.tokenizer.eos_token_ids), self.constraints, self.think
+            page_size, pages_per_seq, list(self.tokenizer.eos_token_ids), self.constraints, self.think
         )
         self.scheduler = Scheduler(
-            self.blocks,
+            self.pages,
             self.inputs,
             self.speculator,
             config.scheduler_config.max_num_seqs,
@@ -188,12 +188,12 @@ class LLMEngine:
             self.max_model_len,
         )
         self.postprocessor = Postprocessor(
-            self.scheduler, self.blocks, self.tokenizer, self.constraints, self.speculator, self.max_model_len
+            self.scheduler, self.pages, self.tokenizer, self.constraints, self.speculator, self.max_model_len
         )
         backend = BACKENDS[config.device_config.attention_backend]()
         stage = None
         if ranks is not None:
-            ranks.send(("kv", pages.num_pages, block_size))
+            ranks.send(("kv", pages.num_pages, page_size))
             if ranks.placement.pp is not None:
                 stage = (
                     ranks.placement.pp,
@@ -214,16 +214,16 @@ class LLMEngine:
             stage,
         )
         self.graph_stats = None
-        self.page_log = PageLog(self.blocks)
+        self.page_log = PageLog(self.pages)
         if self.speculator is not None and self.speculator.draft_model is not None:
-            self.speculator.draft_model.attach(pages, self.blocks.pool, backend, config.model_id)
+            self.speculator.draft_model.attach(pages, self.pages.pool, backend, config.model_id)
 
-    def _fit_context(self, pages: PageArena, block_size: int) -> int:
+    def _fit_context(self, pages: PageArena, page_size: int) -> int:
         """Set `max_model_len` for `pages`; the pages one sequence may need."""
         config = self.config
         self.max_model_len = self.context_len
-        pages_per_seq = -(-self.max_model_len // block_size) + 1
-        fits = (pages.num_pages - 1) * block_size
+        pages_per_seq = -(-self.max_model_len // page_size) + 1
+        fits = (pages.num_pages - 1) * page_size
         if pages.num_pages < pages_per_seq and config.load_config.max_model_len is None and fits >= MIN_AUTO_MODEL_LEN:
             log.warning(
                 "max_model_len lowered from the model's %d to %d tokens, what a KV budget of %d MiB holds; "
@@ -248,7 +248,7 @@ class LLMEngine:
 
     def share_pages_with(self, others: list[LLMEngine]) -> None:
         """`others` share this page pool: wait for their steps that may still use a page they hand over."""
-        self.peers = {other.blocks.owner: other.queue for other in others if other is not self}
+        self.peers = {other.pages.owner: other.queue for other in others if other is not self}
 
     def run_on_stream(self, priority: int = 0) -> None:
         """Run this engine's steps on a CUDA stream of their own (`priority`: CUDA's, lower first)."""
@@ -405,7 +405,7 @@ class LLMEngine:
         """Build `batch`'s plan and submit it after `previous` (whose samples it may read); None: no work."""
         self.stalled = not batch and previous is None and self.scheduler.has_work()
         if not batch:
-            if self.stalled and not self.blocks.pool.shared:
+            if self.stalled and not self.pages.pool.shared:
                 raise RuntimeError("scheduler made no progress although requests are waiting")
             return None  # it waits for pages the other models hold
         try:
@@ -414,7 +414,7 @@ class LLMEngine:
             raise self._fail(batch, e) from e
         step.plan.fail, self._injected = self._injected, None
         self.postprocessor.launched(step)
-        for owner in self.blocks.pool.take_handovers(self.blocks.owner):
+        for owner in self.pages.pool.take_handovers(self.pages.owner):
             peer = self.peers.get(owner)
             if peer is not None:
                 self.queue.wait(peer.fence())  # this step starts after their steps that may still use them
@@ -464,29 +464,29 @@ class LLMEngine:
 
     def check_pages_idle(self) -> None:
         """Assert the page accounting invariant for an engine with no live requests."""
-        self.blocks.check_idle()
+        self.pages.check_idle()
         if self.speculator is not None and self.speculator.draft_model is not None:
-            self.speculator.draft_model.blocks.check_idle()
+            self.speculator.draft_model.pages.check_idle()
 
     @property
     def status(self) -> dict:
         return {
             "waiting": len(self.scheduler.waiting),
             "running": len(self.scheduler.running),
-            "pages_total": self.blocks.num_blocks,
-            "pages_used": self.blocks.num_used_blocks,
-            "pages_cached": self.blocks.num_cached_blocks,
+            "pages_total": self.pages.num_pages,
+            "pages_used": self.pages.num_used_pages,
+            "pages_cached": self.pages.num_cached_pages,
             "preemptions": self.scheduler.num_preemptions,
         }
 
 
 def share_kv(engines: list[LLMEngine], kv_bytes: int) -> None:
-    """Give `engines` one arena of `kv_bytes` and one page pool (`kv.arena.shared_block_sizes`)."""
+    """Give `engines` one arena of `kv_bytes` and one page pool (`kv.arena.shared_page_sizes`)."""
     layouts = [e.kv_layout for e in engines]
-    page_bytes, block_sizes = shared_block_sizes(layouts, [e.config.cache_config.block_size for e in engines])
+    page_bytes, page_sizes = shared_page_sizes(layouts, [e.config.cache_config.page_size for e in engines])
     pages = PageArena(kv_bytes // page_bytes, page_bytes, engines[0].device)
     pool = PagePool(pages.num_pages)
-    for engine, block_size in zip(engines, block_sizes, strict=True):
-        engine.attach_kv(pages, block_size, pool)
+    for engine, page_size in zip(engines, page_sizes, strict=True):
+        engine.attach_kv(pages, page_size, pool)
     for engine in engines:
         engine.share_pages_with(engines)

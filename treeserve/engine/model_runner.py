@@ -52,7 +52,7 @@ class ModelRunner:
         # a pipeline stage: (group, this stage, stages, activation dtype)
         self.stage = stage
         self.arena = arena
-        self.block_size = arena.block_size
+        self.page_size = arena.page_size
         self.device = device
         self.scale = scale
         self.backend = backend or SdpaBackend()
@@ -83,7 +83,7 @@ class ModelRunner:
         twins_of = plan.twins if fill is None and self.stage is None else None  # pipelines split the batch
         if self.mirror is not None:
             self.mirror(("step", plan.copies, batch, twins_of))
-        twins = Twins.find(batch, twins_of, self.block_size) if twins_of is not None else None
+        twins = Twins.find(batch, twins_of, self.page_size) if twins_of is not None else None
         hidden = self.forward(twins.computed if twins else batch, fill)
         if plan.fail is not None:
             raise plan.fail
@@ -115,7 +115,7 @@ class ModelRunner:
     def mirror_step(self, copies: list[tuple[int, int]], batch: ForwardBatch, twins_of: np.ndarray | None) -> None:
         """On a rank > 0: `execute`'s page copies, forward and twins' slots for the step rank 0 sent."""
         self._copy_pages(copies)
-        twins = Twins.find(batch, twins_of, self.block_size) if twins_of is not None else None
+        twins = Twins.find(batch, twins_of, self.page_size) if twins_of is not None else None
         hidden = self.forward(twins.computed if twins else batch)
         if twins:
             twins.expand(hidden, self.arena, self.staging.to_device)
@@ -161,7 +161,7 @@ class ModelRunner:
 
     def _inputs(self, batch: ForwardBatch, fill: tuple | None) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
         """The forward's token ids, positions and attention batch, on the device."""
-        positions, slot_pages, slot_offsets, groups = attention_inputs(batch, self.block_size)
+        positions, slot_pages, slot_offsets, groups = attention_inputs(batch, self.page_size)
         host = [batch.token_ids, positions, slot_pages, slot_offsets]
         host += [getattr(g, name) for g in groups for name in GROUP_FIELDS]
         if fill is not None:

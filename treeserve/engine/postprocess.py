@@ -17,7 +17,7 @@ from treeserve.engine.scheduler import Scheduler
 from treeserve.engine.speculative.speculator import Speculator
 from treeserve.engine.step_plan import PreparedStep
 from treeserve.engine.step_result import StepResult
-from treeserve.kv.block_manager import BlockManager
+from treeserve.kv.page_manager import PageManager
 from treeserve.models.tokenizer import Tokenizer
 from treeserve.outputs import Logprob
 
@@ -38,14 +38,14 @@ class Postprocessor:
     def __init__(
         self,
         scheduler: Scheduler,
-        blocks: BlockManager,
+        pages: PageManager,
         tokenizer: Tokenizer,
         constraints: Constraints,
         speculator: Speculator | None,
         max_model_len: int,
     ):
         self.scheduler = scheduler
-        self.blocks = blocks
+        self.pages = pages
         self.tokenizer = tokenizer
         self.constraints = constraints
         self.speculator = speculator
@@ -82,13 +82,13 @@ class Postprocessor:
         number of tokens it generated."""
         result.wait()  # its device-to-host copies (the step's only sync)
         outputs = self._outputs = {}
-        if self.blocks.enable_prefix_caching:
-            block_size = self.blocks.block_size
-            for item in step.crossing:  # the blocks before an item's start were keyed by earlier reads
+        if self.pages.enable_prefix_caching:
+            page_size = self.pages.page_size
+            for item in step.crossing:  # the pages before an item's start were keyed by earlier reads
                 seq = item.seq
                 computed = item.start + item.num_tokens - len(item.draft)
-                if seq.status is not FINISHED and computed // block_size > len(seq.block_hashes):
-                    self.blocks.commit_full_blocks(seq.block_table, seq.block_hashes, seq.token_ids, computed)
+                if seq.status is not FINISHED and computed // page_size > len(seq.page_hashes):
+                    self.pages.commit_full_pages(seq.page_table, seq.page_hashes, seq.token_ids, computed)
         for item in step.streaming:
             if item.seq.status is not FINISHED:
                 outputs[item.seq.request.request_id] = item.seq.request
@@ -174,15 +174,13 @@ class Postprocessor:
             self.speculator.verified(seq, check.drafted, check.accepted)
             if not seq.is_finished:  # the accepted drafted tokens' KV is valid, the rest is dropped
                 seq.num_computed_tokens += check.accepted
-                self.blocks.commit_full_blocks(
-                    seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed_tokens
-                )
-                self.blocks.truncate(seq.block_table, len(seq.token_ids))
+                self.pages.commit_full_pages(seq.page_table, seq.page_hashes, seq.token_ids, seq.num_computed_tokens)
+                self.pages.truncate(seq.page_table, len(seq.token_ids))
         return len(step.samples) - void
 
     def _fork(self, parent: Sequence, index: int) -> Sequence:
-        pages = -(-len(parent.token_ids) // self.blocks.block_size)
-        sibling = parent.fork(index, self.blocks.fork(parent.block_table[:pages]))
+        pages = -(-len(parent.token_ids) // self.pages.page_size)
+        sibling = parent.fork(index, self.pages.fork(parent.page_table[:pages]))
         constraint = parent.request.params.structured_outputs
         if constraint is not None:
             sibling.guide = self.constraints.guide(constraint)

@@ -3,7 +3,7 @@
 `distributed/` starts the ranks with `RankWorker` as a factory and never imports this module.
 The messages, in the order rank 0 sends them:
 
-    ("kv", num_pages, block_size)      an arena of num_pages pages of this rank's heads / layers
+    ("kv", num_pages, page_size)      an arena of num_pages pages of this rank's heads / layers
     ("step", copies, batch, twins)     page copies, then the forward of `batch` (and its twins)
     ("logits", hidden)                 tensor parallel: stage 0's vocabulary slices, gathered
     ("stop",)
@@ -77,13 +77,13 @@ class RankWorker:
 
         kind, cfg, placement = message[0], self.model_config, self.placement
         if kind == "kv":
-            _, num_pages, block_size = message
+            _, num_pages, page_size = message
             dtype = self.config.device_config.torch_dtype
-            pages = PageArena(num_pages, self._layout().page_bytes(block_size), self.device)
+            pages = PageArena(num_pages, self._layout().page_bytes(page_size), self.device)
             arena = KVArena(
                 num_pages,
                 cfg.num_layers,
-                block_size,
+                page_size,
                 cfg.num_kv_heads,
                 cfg.head_dim,
                 self.config.kv_torch_dtype,

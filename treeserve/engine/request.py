@@ -48,7 +48,7 @@ class Sequence:
     quiet: bool = False  # its request is `plain` and does not stream: a decode reads nothing of it
     # the scheduler's
     status: SeqStatus = SeqStatus.WAITING
-    block_table: list[int] = field(default_factory=list)
+    page_table: list[int] = field(default_factory=list)
     # the postprocessor's: its progress (the scheduler sets where it starts)
     num_computed_tokens: int = 0
     # tokens sampled, not yet read back; the newest is row `pending_row` of the step in flight's samples
@@ -65,10 +65,10 @@ class Sequence:
     index: int = 0
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     order: tuple[int, int] = field(init=False)  # the scheduler's order: (its request's arrival, index)
-    # the scheduler's: prefix-cache keys of its full blocks, and of the prompt blocks it computes
-    # itself from block `promised_from` on (others needing them wait for the cache)
-    block_hashes: list[int] = field(default_factory=list)
-    promised_blocks: list[int] = field(default_factory=list)
+    # the scheduler's: prefix-cache keys of its full pages, and of the prompt pages it computes
+    # itself from page `promised_from` on (others needing them wait for the cache)
+    page_hashes: list[int] = field(default_factory=list)
+    promised_pages: list[int] = field(default_factory=list)
     promised_from: int = 0
     # the postprocessor's: its output
     cumulative_logprob: float = 0.0
@@ -120,8 +120,8 @@ class Sequence:
         self.hashed = n
         return n, self.history_hash
 
-    def fork(self, index: int, block_table: list[int]) -> Sequence:
-        """A sibling at this sequence's state before its first sampled token, on `block_table`."""
+    def fork(self, index: int, page_table: list[int]) -> Sequence:
+        """A sibling at this sequence's state before its first sampled token, on `page_table`."""
         tokens = list(self.token_ids)
         return Sequence(
             request=self.request,
@@ -133,8 +133,8 @@ class Sequence:
             quiet=self.quiet,
             status=self.status,
             num_computed_tokens=len(self.token_ids),
-            block_table=block_table,
-            block_hashes=list(self.block_hashes),
+            page_table=page_table,
+            page_hashes=list(self.page_hashes),
             logprobs=[] if self.logprobs is not None else None,
             history_hash=self.history_hash,
             hashed=self.hashed,

@@ -13,7 +13,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from treeserve.engine.request import SeqStatus, Sequence
-from treeserve.kv.block_manager import BlockManager, PrefixHit
+from treeserve.kv.page_manager import PageManager, PrefixHit
 
 if TYPE_CHECKING:
     from treeserve.engine.input_batch import InputBatch
@@ -42,7 +42,7 @@ _ARRIVAL_ORDER = attrgetter("order")
 class Scheduler:
     def __init__(
         self,
-        block_manager: BlockManager,
+        page_manager: PageManager,
         rows: InputBatch,
         speculator: Speculator | None,
         max_num_seqs: int,
@@ -50,7 +50,7 @@ class Scheduler:
         max_model_len: int,
     ):
         # what a running sequence holds, given back when it stops (`_release`)
-        self.blocks = block_manager
+        self.pages = page_manager
         self.rows = rows
         self.speculator = speculator
         self.max_num_seqs = max_num_seqs
@@ -80,8 +80,8 @@ class Scheduler:
         if not self._in_order:
             self.running.sort(key=_ARRIVAL_ORDER)
             self._in_order = True
-        blocks = self.blocks
-        block_size, ref_counts, pool = blocks.block_size, blocks.ref_counts, blocks.pool
+        pages = self.pages
+        page_size, ref_counts, pool = pages.page_size, pages.ref_counts, pages.pool
         queue, prefills = list(self.running), []
         for decoding in (True, False):
             for seq in queue:
@@ -95,9 +95,9 @@ class Scheduler:
                 if seq.status is not RUNNING or uncomputed == 0 or (seq.num_pending and self._ends_in_flight(seq)):
                     continue  # preempted to make room for an earlier one; or waiting for its step's results
                 n = uncomputed if uncomputed < budget else budget
-                table = seq.block_table
-                grows = len(table) * block_size < start + n or (  # its first page written is copied if shared
-                    pool.shared_pages and start < len(table) * block_size and ref_counts[table[start // block_size]] > 1
+                table = seq.page_table
+                grows = len(table) * page_size < start + n or (  # its first page written is copied if shared
+                    pool.shared_pages and start < len(table) * page_size and ref_counts[table[start // page_size]] > 1
                 )
                 if grows:
                     room = self._make_room(seq, n, batch, can_preempt)
@@ -109,15 +109,15 @@ class Scheduler:
                 if seq.draft:
                     draft = self._fit_draft(seq, n, budget - n)
                     n += len(draft)
-                    grows = grows or len(table) * block_size < start + n
+                    grows = grows or len(table) * page_size < start + n
                 if grows:
-                    copies += blocks.grow(table, start, start + n)
+                    copies += pages.grow(table, start, start + n)
                 batch.append(ScheduledSeq(seq, start, n, draft))
                 budget -= n
             queue = prefills
-        promised = self._promised_blocks() if self.waiting else set()
+        promised = self._promised_pages() if self.waiting else set()
         deferred: list[Sequence] = []
-        owner = self.blocks.owner
+        owner = self.pages.owner
         starving = False
         while self.waiting and budget > 0 and pool.may_admit(owner):
             seq = self.waiting[0]
@@ -138,22 +138,22 @@ class Scheduler:
             self._in_order = False
             batch.append(item)
             budget -= item.num_tokens
-            promised.update(seq.promised_blocks)
+            promised.update(seq.promised_pages)
         self.waiting.extendleft(reversed(deferred))
         pool.set_starving(owner, starving)
         return batch, copies
 
-    def _promised_blocks(self) -> set[int]:
-        """Keys of the full prompt blocks that running prefills will cache: a waiting sequence
+    def _promised_pages(self) -> set[int]:
+        """Keys of the full prompt pages that running prefills will cache: a waiting sequence
         needing one waits for the cache instead of computing it twice."""
         promised: set[int] = set()
         for seq in self.running:
-            if seq.promised_blocks:
-                done = len(seq.block_hashes) - seq.promised_from
-                if done >= len(seq.promised_blocks):
-                    seq.promised_blocks = []
+            if seq.promised_pages:
+                done = len(seq.page_hashes) - seq.promised_from
+                if done >= len(seq.promised_pages):
+                    seq.promised_pages = []
                 else:
-                    promised.update(seq.promised_blocks[done:])
+                    promised.update(seq.promised_pages[done:])
         return promised
 
     def _lookup(self, seq: Sequence) -> PrefixHit:
@@ -162,7 +162,7 @@ class Scheduler:
             limit = min(limit, seq.request.score.positions[0])
         if seq.request.prompt_logprobs is not None:  # cached positions' logprobs are recomputed (as vLLM does)
             limit = 0
-        return self.blocks.find_prefix(seq.token_ids, limit)
+        return self.pages.find_prefix(seq.token_ids, limit)
 
     def _fit_draft(self, seq: Sequence, n: int, spare: int) -> list[int]:
         """The part of `seq.draft` the budget and free pages allow (drafts never preempt)."""
@@ -170,7 +170,7 @@ class Scheduler:
         start = seq.num_computed_tokens
         if (
             draft
-            and self.blocks.blocks_to_grow(seq.block_table, start, start + n + len(draft)) > self.blocks.num_free_blocks
+            and self.pages.pages_to_grow(seq.page_table, start, start + n + len(draft)) > self.pages.num_free_pages
         ):
             return []
         return draft
@@ -188,7 +188,7 @@ class Scheduler:
         """Preempt later sequences until `seq` can grow by n tokens; False if seq itself went; None
         if that needs a preemption and `can_preempt` is False."""
         start = seq.num_computed_tokens
-        while self.blocks.blocks_to_grow(seq.block_table, start, start + n) > self.blocks.num_free_blocks:
+        while self.pages.pages_to_grow(seq.page_table, start, start + n) > self.pages.num_free_pages:
             if not can_preempt:
                 return None
             scheduled = {item.seq.seq_id for item in batch}
@@ -200,30 +200,30 @@ class Scheduler:
         return True
 
     def _admit(self, seq: Sequence, hit: PrefixHit, budget: int) -> ScheduledSeq | None:
-        start = len(hit.blocks) * self.blocks.block_size
+        start = len(hit.pages) * self.pages.page_size
         n = min(len(seq.token_ids) - start, budget)
-        table = list(hit.blocks)
-        need = self.blocks.pages_to_acquire(hit) + self.blocks.blocks_to_grow(table, start, start + n)
-        if need + self.headroom() > self.blocks.num_free_blocks:
+        table = list(hit.pages)
+        need = self.pages.pages_to_acquire(hit) + self.pages.pages_to_grow(table, start, start + n)
+        if need + self.headroom() > self.pages.num_free_pages:
             return None
-        self.blocks.acquire_prefix(hit)
-        seq.block_table = table
-        seq.block_hashes = list(hit.hashes)
+        self.pages.acquire_prefix(hit)
+        seq.page_table = table
+        seq.page_hashes = list(hit.hashes)
         seq.num_computed_tokens = start
-        seq.promised_blocks, seq.promised_from = hit.missed, len(hit.blocks)
+        seq.promised_pages, seq.promised_from = hit.missed, len(hit.pages)
         if seq.request.num_cached_tokens == 0:
             seq.request.num_cached_tokens = start
-        self.blocks.grow(seq.block_table, start, start + n)
+        self.pages.grow(seq.page_table, start, start + n)
         return ScheduledSeq(seq, start, n)
 
     def headroom(self) -> int:
         """Pages a new sequence must leave free: GROWTH_HEADROOM_TOKENS for each running one."""
-        return len(self.running) * -(-GROWTH_HEADROOM_TOKENS // self.blocks.block_size)
+        return len(self.running) * -(-GROWTH_HEADROOM_TOKENS // self.pages.page_size)
 
     def preempt(self, seq: Sequence) -> None:
         self._release(seq)
-        seq.block_hashes.clear()
-        seq.promised_blocks = []
+        seq.page_hashes.clear()
+        seq.promised_pages = []
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
         self.running.remove(seq)
@@ -238,10 +238,10 @@ class Scheduler:
         self._release(seq)
         seq.status = SeqStatus.FINISHED
         if not self.waiting:
-            self.blocks.pool.set_starving(self.blocks.owner, False)
+            self.pages.pool.set_starving(self.pages.owner, False)
 
     def _release(self, seq: Sequence) -> None:
-        self.blocks.release(seq.block_table)
+        self.pages.release(seq.page_table)
         self.rows.release(seq)
         if self.speculator is not None:
             self.speculator.release(seq)

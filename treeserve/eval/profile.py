@@ -57,7 +57,7 @@ def batched(model: ModelSettings, batch: tuple[int, int] | None) -> ModelSetting
     """`model` at `batch` = (max_num_seqs, max_num_batched_tokens), None: the defaults; its page size the role's."""
     seqs, tokens = batch or (SchedulerConfig.max_num_seqs, SchedulerConfig.max_num_batched_tokens)
     scheduler = replace(model.scheduler_config, max_num_seqs=seqs, max_num_batched_tokens=tokens)
-    return replace(model, scheduler_config=scheduler, cache_config=replace(model.cache_config, block_size=None))
+    return replace(model, scheduler_config=scheduler, cache_config=replace(model.cache_config, page_size=None))
 
 
 def measure(

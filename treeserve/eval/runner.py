@@ -344,7 +344,7 @@ def run_counters(runtime: Runtime, ctx: SearchContext) -> dict[str, int]:
         "lookahead_prm_tokens": ctx.lookahead_prm_tokens,  # rollout steps' share of PRM inputs
     }
     for name, engine in runtime.engines.items():
-        stats = engine.blocks.stats
+        stats = engine.pages.stats
         out |= {f"{name}_prefix_hits": stats.hits, f"{name}_prefix_misses": stats.misses}
         out |= {f"{name}_evictions": stats.evictions, f"{name}_thrash": stats.thrash}
         out |= {f"{name}_preemptions": engine.scheduler.num_preemptions, f"{name}_steps": runtime.steps[name]}

@@ -1,6 +1,6 @@
-"""Paged KV memory: the page arena and the block manager with its prefix cache."""
+"""Paged KV memory: the page arena and the page manager with its prefix cache."""
 
 from treeserve.kv.arena import KVArena
-from treeserve.kv.block_manager import BlockManager, CacheStats, NoFreePages, PrefixHit
+from treeserve.kv.page_manager import CacheStats, NoFreePages, PageManager, PrefixHit
 
-__all__ = ["BlockManager", "CacheStats", "KVArena", "NoFreePages", "PrefixHit"]
+__all__ = ["PageManager", "CacheStats", "KVArena", "NoFreePages", "PrefixHit"]

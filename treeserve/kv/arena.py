@@ -1,5 +1,5 @@
 """The page arena: one buffer of equal-sized pages (`PageArena`), viewed by each model in its
-own shape (`KVArena`): a page is [layer, k/v, token, kv_head, head_dim] of `block_size` tokens,
+own shape (`KVArena`): a page is [layer, k/v, token, kv_head, head_dim] of `page_size` tokens,
 the rest of the page idle when smaller. FP8 arenas store round(x / scale) in e4m3 with one
 (k_scale, v_scale) a layer. Ownership of pages is `page_pool.py`'s.
 """
@@ -28,12 +28,12 @@ class KVLayout:
     def token_bytes(self) -> int:
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
-    def page_bytes(self, block_size: int) -> int:
-        return -(-self.token_bytes * block_size // PAGE_ALIGN) * PAGE_ALIGN
+    def page_bytes(self, page_size: int) -> int:
+        return -(-self.token_bytes * page_size // PAGE_ALIGN) * PAGE_ALIGN
 
 
-def shared_block_sizes(layouts: list[KVLayout], preferred: list[int]) -> tuple[int, list[int]]:
-    """Page bytes and per-model block sizes: the smallest preferred page, at least one token of
+def shared_page_sizes(layouts: list[KVLayout], preferred: list[int]) -> tuple[int, list[int]]:
+    """Page bytes and per-model page sizes: the smallest preferred page, at least one token of
     the largest model; each model fits as many tokens as it can."""
     page = min(layout.page_bytes(bs) for layout, bs in zip(layouts, preferred, strict=True))
     page = max(page, max(layout.page_bytes(1) for layout in layouts))
@@ -62,9 +62,9 @@ class PageArena:
 class KVArena:
     def __init__(
         self,
-        num_blocks: int,
+        num_pages: int,
         num_layers: int,
-        block_size: int,
+        page_size: int,
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
@@ -75,17 +75,17 @@ class KVArena:
         """`scales`: fp32 [num_layers, 2] (k_scale, v_scale) for FP8; None is 1.0, as vLLM."""
         layout = KVLayout(num_layers, num_kv_heads, head_dim, dtype)
         if pages is None:
-            pages = PageArena(num_blocks, layout.page_bytes(block_size), device)
-        if layout.token_bytes * block_size > pages.page_bytes:
+            pages = PageArena(num_pages, layout.page_bytes(page_size), device)
+        if layout.token_bytes * page_size > pages.page_bytes:
             raise ValueError(
-                f"{block_size} tokens of {layout.token_bytes} bytes do not fit a {pages.page_bytes}-byte page"
+                f"{page_size} tokens of {layout.token_bytes} bytes do not fit a {pages.page_bytes}-byte page"
             )
         self.pages = pages
-        self.num_blocks = pages.num_pages
-        self.block_size = block_size
+        self.num_pages = pages.num_pages
+        self.page_size = page_size
         token = num_kv_heads * head_dim
-        shape = (pages.num_pages, num_layers, 2, block_size, num_kv_heads, head_dim)
-        strides = (pages.page_bytes // dtype.itemsize, 2 * block_size * token, block_size * token, token, head_dim, 1)
+        shape = (pages.num_pages, num_layers, 2, page_size, num_kv_heads, head_dim)
+        strides = (pages.page_bytes // dtype.itemsize, 2 * page_size * token, page_size * token, token, head_dim, 1)
         self.buffer = pages.buffer.view(dtype).as_strided(shape, strides)
         self.fp8 = dtype == FP8
         if scales is None:
@@ -98,11 +98,11 @@ class KVArena:
         self.scales = scales
 
     @staticmethod
-    def page_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return KVLayout(num_layers, num_kv_heads, head_dim, dtype).page_bytes(block_size)
+    def page_bytes(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return KVLayout(num_layers, num_kv_heads, head_dim, dtype).page_bytes(page_size)
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V, each [num_blocks, block_size, kv_heads, head_dim]."""
+        """K and V, each [num_pages, page_size, kv_heads, head_dim]."""
         return self.buffer[:, index, 0], self.buffer[:, index, 1]
 
     def layer_scales(self, index: int) -> torch.Tensor | None:

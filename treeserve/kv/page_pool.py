@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 @dataclass
 class CacheStats:
-    """One model's cumulative prefix-cache counters, in full blocks."""
+    """One model's cumulative prefix-cache counters, in full pages."""
 
     hits: int = 0
     misses: int = 0
@@ -42,12 +42,12 @@ class PagePool:
         self.shared_pages = 0  # pages with count > 1 (0: no write needs a copy)
         self.owner = [-1] * num_pages  # model index while in use or cached, -1 when free
         self.released_by = [-1] * num_pages  # a free page's last owner (-1: never owned)
-        self.block_hash: list[int | None] = [None] * num_pages
+        self.page_hash: list[int | None] = [None] * num_pages
         self.untouched = list(range(num_pages - 1, -1, -1))  # page 0 popped first
         # per owner below
         self.free_by: list[list[int]] = []  # latest released last
         self.cached: OrderedDict[int, None] = OrderedDict()  # LRU first
-        self.hash_to_block: dict[int, int] = {}
+        self.hash_to_page: dict[int, int] = {}
         self.evicted_hashes: set[int] = set()
         self.stats: list[CacheStats] = []
         self.in_use: list[int] = []
@@ -95,56 +95,56 @@ class PagePool:
     def take(self, owner: int) -> int:
         pages = self.free_by[owner] or self.untouched or max(self.free_by, key=len)
         if pages:
-            block = pages.pop()
-            previous = self.released_by[block]
+            page = pages.pop()
+            previous = self.released_by[page]
         elif self.cached:
-            block, _ = self.cached.popitem(last=False)
-            previous = self.owner[block]
-            key = self.block_hash[block]
-            del self.hash_to_block[key]
-            self.block_hash[block] = None
+            page, _ = self.cached.popitem(last=False)
+            previous = self.owner[page]
+            key = self.page_hash[page]
+            del self.hash_to_page[key]
+            self.page_hash[page] = None
             self.evicted_hashes.add(key)
-            self.num_cached[self.owner[block]] -= 1
-            self.stats[self.owner[block]].evictions += 1
+            self.num_cached[self.owner[page]] -= 1
+            self.stats[self.owner[page]].evictions += 1
         else:
             raise NoFreePages("no free KV pages")
         if previous != owner and previous >= 0:
             self.handovers[owner].add(previous)
-        self.ref_counts[block] = 1
-        self.owner[block] = owner
+        self.ref_counts[page] = 1
+        self.owner[page] = owner
         self.in_use[owner] += 1
-        return block
+        return page
 
-    def acquire(self, block: int) -> None:
-        if self.ref_counts[block] == 0:
-            self.cached.pop(block)
-            self.num_cached[self.owner[block]] -= 1
-            self.in_use[self.owner[block]] += 1
-        self.ref_counts[block] += 1
-        self.shared_pages += self.ref_counts[block] == 2
+    def acquire(self, page: int) -> None:
+        if self.ref_counts[page] == 0:
+            self.cached.pop(page)
+            self.num_cached[self.owner[page]] -= 1
+            self.in_use[self.owner[page]] += 1
+        self.ref_counts[page] += 1
+        self.shared_pages += self.ref_counts[page] == 2
 
-    def release(self, block: int) -> None:
-        self.ref_counts[block] -= 1
-        count = self.ref_counts[block]
+    def release(self, page: int) -> None:
+        self.ref_counts[page] -= 1
+        count = self.ref_counts[page]
         self.shared_pages -= count == 1
         if count < 0:
-            raise AssertionError(f"page {block} released more often than acquired")
+            raise AssertionError(f"page {page} released more often than acquired")
         if count == 0:
-            owner = self.owner[block]
+            owner = self.owner[page]
             self.in_use[owner] -= 1
-            if self.block_hash[block] is not None:
-                self.cached[block] = None
+            if self.page_hash[page] is not None:
+                self.cached[page] = None
                 self.num_cached[owner] += 1
             else:
-                self.free_by[owner].append(block)
-                self.released_by[block] = owner
-                self.owner[block] = -1
+                self.free_by[owner].append(page)
+                self.released_by[page] = owner
+                self.owner[page] = -1
 
-    def key(self, block: int, key: int) -> None:
+    def key(self, page: int, key: int) -> None:
         """Key an in-use page in the prefix cache (first writer wins)."""
-        if key not in self.hash_to_block and self.block_hash[block] is None:
-            self.hash_to_block[key] = block
-            self.block_hash[block] = key
+        if key not in self.hash_to_page and self.page_hash[page] is None:
+            self.hash_to_page[key] = page
+            self.page_hash[page] = key
             self.evicted_hashes.discard(key)
 
     def check_invariants(self) -> None:
@@ -153,23 +153,23 @@ class PagePool:
         assert not free & cached, "a page is both free and cached"
         in_use = [0] * len(self.stats)
         num_cached = [0] * len(self.stats)
-        for block, count in enumerate(self.ref_counts):
-            assert count >= 0, f"page {block} has a negative reference count"
-            assert (count > 0) + (block in free) + (block in cached) == 1, f"page {block} has no single state"
-            if block in free:
-                assert self.block_hash[block] is None, f"free page {block} still has a key"
-                assert self.owner[block] == -1, f"free page {block} still has an owner"
+        for page, count in enumerate(self.ref_counts):
+            assert count >= 0, f"page {page} has a negative reference count"
+            assert (count > 0) + (page in free) + (page in cached) == 1, f"page {page} has no single state"
+            if page in free:
+                assert self.page_hash[page] is None, f"free page {page} still has a key"
+                assert self.owner[page] == -1, f"free page {page} still has an owner"
                 continue
-            assert 0 <= self.owner[block] < len(self.stats), f"page {block} has no owner"
-            if block in cached:
-                assert self.block_hash[block] is not None, f"cached page {block} has no key"
-                num_cached[self.owner[block]] += 1
+            assert 0 <= self.owner[page] < len(self.stats), f"page {page} has no owner"
+            if page in cached:
+                assert self.page_hash[page] is not None, f"cached page {page} has no key"
+                num_cached[self.owner[page]] += 1
             else:
-                in_use[self.owner[block]] += 1
+                in_use[self.owner[page]] += 1
         assert in_use == self.in_use, f"pages in use per model {self.in_use}, counted {in_use}"
         shared = sum(count > 1 for count in self.ref_counts)
         assert shared == self.shared_pages, f"{self.shared_pages} pages counted as shared, {shared} are"
         assert num_cached == self.num_cached, f"cached pages per model {self.num_cached}, counted {num_cached}"
-        for key, block in self.hash_to_block.items():
-            assert self.block_hash[block] == key, f"prefix cache maps a key to page {block} which holds another"
-        assert sum(h is not None for h in self.block_hash) == len(self.hash_to_block)
+        for key, page in self.hash_to_page.items():
+            assert self.page_hash[page] == key, f"prefix cache maps a key to page {page} which holds another"
+        assert sum(h is not None for h in self.page_hash) == len(self.hash_to_page)

@@ -6,20 +6,20 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from treeserve.kv.block_manager import BlockManager
+from treeserve.kv.page_manager import PageManager
 
 COLUMNS = ("step", "time_s", "in_use", "cached", "free", "hits", "misses", "evictions", "thrash")
 
 
 class PageLog:
-    def __init__(self, blocks: BlockManager, max_rows: int = 200_000):
-        self.blocks = blocks
+    def __init__(self, pages: PageManager, max_rows: int = 200_000):
+        self.pages = pages
         self.start = time.perf_counter()
         self.steps = 0
         self._rows: deque[tuple] = deque(maxlen=max_rows)
 
     def record(self) -> None:
-        b, pool, stats = self.blocks, self.blocks.pool, self.blocks.stats
+        b, pool, stats = self.pages, self.pages.pool, self.pages.stats
         self.steps += 1
         self._rows.append(
             (

@@ -20,7 +20,7 @@ from treeserve.config import (
     resolve_async_scheduling,
 )
 
-TUNED_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size")  # what `treeserve tune` picks
+TUNED_KEYS = ("max_num_seqs", "max_num_batched_tokens", "page_size")  # what `treeserve tune` picks
 # the EngineConfig sub-configs a model has of its own (the runtime's are RuntimeSettings')
 MODEL_CONFIGS: dict[str, type] = {
     "load_config": LoadConfig,
@@ -37,7 +37,7 @@ class ModelSettings:
     style: str | None = None  # a PRM's or verifier's input format (None: its own)
     kv_fraction: float | None = None  # its share of the KV pages in a static split (None: one shared arena)
     load_config: LoadConfig = field(default_factory=LoadConfig)
-    cache_config: CacheConfig = field(default_factory=CacheConfig)  # block_size None: the role's
+    cache_config: CacheConfig = field(default_factory=CacheConfig)  # page_size None: the role's
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     graph_config: GraphConfig = field(default_factory=GraphConfig)
@@ -90,10 +90,10 @@ class ModelSettings:
         if self.kv_fraction is not None and not 0.0 < self.kv_fraction < 1.0:
             raise ValueError(f"{name}_kv_fraction must be in (0, 1), got {self.kv_fraction}")
 
-    def engine_args(self, block_size: int | None = None) -> dict:
+    def engine_args(self, page_size: int | None = None) -> dict:
         """`EngineConfig.from_kwargs`'s keywords for this model: its sub-configs, the pages
-        `block_size` tokens unless it sets its own."""
+        `page_size` tokens unless it sets its own."""
         configs = {group: getattr(self, group) for group in MODEL_CONFIGS}
-        if self.cache_config.block_size is None and block_size is not None:
-            configs["cache_config"] = replace(self.cache_config, block_size=block_size)
+        if self.cache_config.page_size is None and page_size is not None:
+            configs["cache_config"] = replace(self.cache_config, page_size=page_size)
         return {**configs, "speculative_config": self.speculative_config}

@@ -34,7 +34,7 @@ class ModelMemory:
     other: int = 0  # process memory its load added beyond its weights
     loaded: int = 0  # process memory its load added (RSS on a CPU)
     checkpoint_bytes: int = 0
-    block_size: int = 0
+    page_size: int = 0
     page_bytes: int = 0
     num_pages: int = 0  # pages of its own arena (static split); the whole shared arena otherwise
     kv_fraction: float | None = None  # static split share; None: the shared arena
@@ -98,7 +98,7 @@ class MemoryPlan:
                 f"  {m.name:<10} weights {m.weights / mib:7.1f}  activations {m.activation_peak / mib:7.1f}"
                 f" (+{m.sampler_peak / mib:.1f} sampler, estimated)  "
                 f"other {m.other / mib:6.1f}  "
-                f"{m.num_pages} pages x {m.block_size} tokens ({share})"
+                f"{m.num_pages} pages x {m.page_size} tokens ({share})"
                 + (f"  KV in {m.kv_cache_dtype}" if m.kv_cache_dtype != "auto" else "")
                 + (f"  weights in {m.quantization}" if m.quantization else "")
                 + (f"  rank 0 of {_describe(m.parallel)}" if m.parallel else "")
@@ -187,7 +187,7 @@ def activation_peak(engine: LLMEngine) -> int:
     num_tokens = engine.config.scheduler_config.max_num_batched_tokens
     chunk = engine.max_model_len
     lengths = [chunk] * (num_tokens // chunk) + ([num_tokens % chunk] if num_tokens % chunk else [])
-    bs = engine.config.cache_config.block_size
+    bs = engine.config.cache_config.page_size
     pages = max(sum(-(-n // bs) for n in lengths), -(-engine.max_model_len // bs) + 1)
     engine.attach_own_kv(pages * engine.kv_layout.page_bytes(bs))
     has_head = engine.model_config.has_lm_head
@@ -326,14 +326,14 @@ def record_pages(plan: MemoryPlan, engines: dict[str, LLMEngine]) -> None:
     for m in plan.models:
         engine = engines[m.name]
         m.graphs = engine.graph_stats
-        m.block_size, m.page_bytes, m.num_pages = (
-            engine.block_size,
+        m.page_size, m.page_bytes, m.num_pages = (
+            engine.page_size,
             engine.arena.pages.page_bytes,
-            engine.blocks.num_blocks,
+            engine.pages.num_pages,
         )
         if m.parallel and engine.ranks is not None:
             m.parallel["ranks"] = [
-                {"rank": r, "weights": part["weights"], "kv_bytes": m.num_pages * m.block_size * part["kv_token_bytes"]}
+                {"rank": r, "weights": part["weights"], "kv_bytes": m.num_pages * m.page_size * part["kv_token_bytes"]}
                 for r, part in enumerate(engine.ranks.parts, start=1)
             ]
     if plan.shared:

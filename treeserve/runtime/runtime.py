@@ -53,7 +53,7 @@ class ModelSpec:
     name: str
     path: str
     kv_fraction: float | None = None  # None: the shared arena; else this share of KV (a static split)
-    block_size: int = 16  # preferred tokens per page (a shared arena may give fewer)
+    page_size: int = 16  # preferred tokens per page (a shared arena may give fewer)
     # EngineConfig.from_kwargs's keywords for this model: flat (max_num_seqs, ...) or its sub-configs
     engine_args: dict = field(default_factory=dict)
 
@@ -118,7 +118,7 @@ class Runtime:
                 model_id=s.name + ":" + s.path,
                 device_config=device_config,
                 arena_config=arena,
-                **(s.engine_args if "cache_config" in s.engine_args else {"block_size": s.block_size, **s.engine_args}),
+                **(s.engine_args if "cache_config" in s.engine_args else {"page_size": s.page_size, **s.engine_args}),
             )
             for s in specs
         }

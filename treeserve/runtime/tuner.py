@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from treeserve.config import VLLM_NAMES
 from treeserve.runtime.model_settings import TUNED_KEYS
 
 CONFIG_KEYS = {"kv_cache_memory", "memory_budget", "memory_fraction", "prm_kv_fraction", "engine_args"}
@@ -56,6 +57,8 @@ def read_config(path: str) -> dict:
     args = config.get("engine_args") or {}
     allowed = set(TUNED_KEYS)
     for model, settings in args.items():
+        if isinstance(settings, dict):  # a file written before pages were named pages
+            args[model] = settings = {VLLM_NAMES.get(k, k): v for k, v in settings.items()}
         if model not in ("generator", "prm") or not isinstance(settings, dict) or set(settings) - allowed:
             raise ValueError(f"settings file {path!r}: engine_args must map generator/prm to {sorted(allowed)}")
     return config

@@ -27,17 +27,17 @@ def engine_stats(runtime: Runtime) -> dict[str, dict[str, float]]:
     process sends this to the API process)."""
     stats = {}
     for name, engine in runtime.engines.items():
-        status, blocks = engine.status, engine.blocks.stats
+        status, cache = engine.status, engine.pages.stats
         values = {
             "num_requests_running": status["running"],
             "num_requests_waiting": status["waiting"],
             "kv_pages_used": status["pages_used"],
             "kv_pages_cached": status["pages_cached"],
             "kv_pages_total": status["pages_total"],
-            "prefix_cache_hit_rate": blocks.hit_rate,
+            "prefix_cache_hit_rate": cache.hit_rate,
             "preemptions": status["preemptions"],
-            "kv_evictions": blocks.evictions,
-            "kv_thrash": blocks.thrash,
+            "kv_evictions": cache.evictions,
+            "kv_thrash": cache.thrash,
         }
         if engine.speculator is not None:
             drafts = engine.speculator.stats  # under vLLM's metric names

@@ -1,6 +1,6 @@
 """A draft model for speculative decoding: a smaller model of the same vocabulary proposes k tokens greedily.
 
-Its KV lives in the target's arena and page pool (its own view of the pages and its own block
+Its KV lives in the target's arena and page pool (its own view of the pages and its own page
 tables). Each step a drafting sequence catches the draft up on the tokens it has not seen, which
 yields the first drafted token, then runs k - 1 single-token forwards. Drafting never preempts.
 """
@@ -17,7 +17,7 @@ from treeserve.engine.forward_batch import ForwardBatch
 from treeserve.engine.model_runner import ModelRunner
 from treeserve.engine.request import Sequence
 from treeserve.kv.arena import KVArena, KVLayout, PageArena
-from treeserve.kv.block_manager import BlockManager
+from treeserve.kv.page_manager import PageManager
 from treeserve.kv.page_pool import PagePool
 from treeserve.models.loader import load_model
 
@@ -27,8 +27,8 @@ class DraftSeq:
     """What the draft's runner reads of a sequence: its tokens (with the drafted ones) and pages."""
 
     token_ids: list[int]
-    block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
+    page_table: list[int] = field(default_factory=list)
+    page_hashes: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     synced: int = 0  # tokens known equal to the target's (the draft's own come after)
 
@@ -52,21 +52,21 @@ class DraftModel:
         self.states: dict[int, DraftSeq] = {}
 
     def attach(self, pages: PageArena, pool: PagePool, backend: AttentionBackend, model_id: str) -> None:
-        block_size = pages.page_bytes // self.layout.token_bytes
-        if block_size < 1:
+        page_size = pages.page_bytes // self.layout.token_bytes
+        if page_size < 1:
             raise ValueError(f"draft model {self.path!r} needs more KV bytes per token than a page holds")
         layout = self.layout
         arena = KVArena(
             pages.num_pages,
             layout.num_layers,
-            block_size,
+            page_size,
             layout.num_kv_heads,
             layout.head_dim,
             layout.dtype,
             self.device,
             pages=pages,
         )
-        self.blocks = BlockManager(pages.num_pages, block_size, "draft:" + model_id, True, pool=pool)
+        self.pages = PageManager(pages.num_pages, page_size, "draft:" + model_id, True, pool=pool)
         self.runner = ModelRunner(self.model, arena, self.device, self.attn_scale, backend)
 
     @torch.inference_mode()
@@ -77,13 +77,13 @@ class DraftModel:
         for seq, k in wanting:
             draft = self._sync(seq)
             start, end = draft.num_computed_tokens, len(seq.token_ids) + k - 1  # catch up, then k - 1 drafted
-            if self.blocks.blocks_to_grow(draft.block_table, start, end) > self.blocks.num_free_blocks:
+            if self.pages.pages_to_grow(draft.page_table, start, end) > self.pages.num_free_pages:
                 continue
-            self.blocks.grow(draft.block_table, start, end)
+            self.pages.grow(draft.page_table, start, end)
             items.append((draft, start, len(seq.token_ids) - start))
             ends[id(draft)] = len(seq.token_ids) + k
         while items:
-            batch = ForwardBatch.of([(d.token_ids[start : start + n], start, d.block_table) for d, start, n in items])
+            batch = ForwardBatch.of([(d.token_ids[start : start + n], start, d.page_table) for d, start, n in items])
             hidden = self.runner.forward(batch)
             last = torch.from_numpy(np.cumsum(batch.lens) - 1)
             tokens = self.model.compute_logits(hidden[last.to(hidden.device)]).float().argmax(dim=-1).tolist()
@@ -103,11 +103,11 @@ class DraftModel:
         draft = self.states.get(seq.seq_id)
         if draft is None:
             draft = self.states[seq.seq_id] = DraftSeq(list(seq.token_ids))
-            hit = self.blocks.find_prefix(draft.token_ids, len(draft.token_ids) - 1)
-            if self.blocks.pages_to_acquire(hit) <= self.blocks.num_free_blocks:
-                self.blocks.acquire_prefix(hit)
-                draft.block_table, draft.block_hashes = list(hit.blocks), list(hit.hashes)
-                draft.num_computed_tokens = len(hit.blocks) * self.blocks.block_size
+            hit = self.pages.find_prefix(draft.token_ids, len(draft.token_ids) - 1)
+            if self.pages.pages_to_acquire(hit) <= self.pages.num_free_pages:
+                self.pages.acquire_prefix(hit)
+                draft.page_table, draft.page_hashes = list(hit.pages), list(hit.hashes)
+                draft.num_computed_tokens = len(hit.pages) * self.pages.page_size
         target, mine = seq.token_ids, draft.token_ids
         valid = draft.synced = min(draft.synced, draft.num_computed_tokens)
         end = min(draft.num_computed_tokens, len(target) - 1)
@@ -115,11 +115,11 @@ class DraftModel:
             valid += 1
         draft.num_computed_tokens = draft.synced = valid
         draft.token_ids = list(target)
-        self.blocks.commit_full_blocks(draft.block_table, draft.block_hashes, draft.token_ids, valid)
-        self.blocks.truncate(draft.block_table, valid)
+        self.pages.commit_full_pages(draft.page_table, draft.page_hashes, draft.token_ids, valid)
+        self.pages.truncate(draft.page_table, valid)
         return draft
 
     def release(self, seq: Sequence) -> None:
         draft = self.states.pop(seq.seq_id, None)
         if draft is not None:
-            self.blocks.release(draft.block_table)
+            self.pages.release(draft.page_table)

@@ -304,7 +304,7 @@ def paged_decode(
     tables = tables.contiguous()
     context_lens = context_lens.contiguous()
     batch, q_heads, head_dim = q.shape
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert k_cache.stride()[1:] == (kv_heads * head_dim, head_dim, 1) and v_cache.stride() == k_cache.stride()
     if out is None:
         out = torch.empty_like(q)
@@ -313,7 +313,7 @@ def paged_decode(
     if k_cache.dtype == KV_FP8:
         assert _scales_fit(kv_scales), "an FP8 cache is read with its layer's fp32 (k_scale, v_scale)"
         pages = (q.data_ptr(), k_cache.data_ptr(), k_cache.stride(0), v_offset, tables.data_ptr(), tables.stride(0))
-        shape = (context_lens.data_ptr(), batch, q_heads, kv_heads, head_dim, block_size, scale, window or 0)
+        shape = (context_lens.data_ptr(), batch, q_heads, kv_heads, head_dim, page_size, scale, window or 0)
         kernel = getattr(load(), f"paged_decode_fp8_{_SUFFIX[q.dtype]}")
         kernel(*pages, *shape, kv_scales.data_ptr(), torch.get_num_threads(), out.data_ptr())
         return out
@@ -329,7 +329,7 @@ def paged_decode(
         q_heads,
         kv_heads,
         head_dim,
-        block_size,
+        page_size,
         scale,
         window or 0,
         torch.get_num_threads(),
@@ -377,14 +377,14 @@ def paged_prefill(
     tables, q_starts, q_lens, context_lens = (t.contiguous() for t in (tables, q_starts, q_lens, context_lens))
     assert tables.dtype == q_starts.dtype == q_lens.dtype == context_lens.dtype == torch.int64
     _, q_heads, head_dim = q.shape
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert k_cache.stride()[1:] == (kv_heads * head_dim, head_dim, 1) and v_cache.stride() == k_cache.stride()
     v_offset = (v_cache.data_ptr() - k_cache.data_ptr()) // k_cache.element_size()
     if k_cache.dtype == KV_FP8:
         assert _scales_fit(kv_scales), "an FP8 cache is read with its layer's fp32 (k_scale, v_scale)"
         pages = (q.data_ptr(), k_cache.data_ptr(), k_cache.stride(0), v_offset, tables.data_ptr(), tables.stride(0))
         chunks = (q_starts.data_ptr(), q_lens.data_ptr(), context_lens.data_ptr(), tables.shape[0])
-        shape = (q_heads, kv_heads, head_dim, block_size, scale, window or 0)
+        shape = (q_heads, kv_heads, head_dim, page_size, scale, window or 0)
         kernel = getattr(load(), f"paged_prefill_fp8_{_SUFFIX[q.dtype]}")
         kernel(*pages, *chunks, *shape, kv_scales.data_ptr(), torch.get_num_threads(), out.data_ptr())
         return
@@ -402,7 +402,7 @@ def paged_prefill(
         q_heads,
         kv_heads,
         head_dim,
-        block_size,
+        page_size,
         scale,
         window or 0,
         torch.get_num_threads(),

@@ -46,11 +46,11 @@ typedef void (*store_fn)(const char *k, int64_t k_stride, const char *v, int64_t
                          int64_t v_offset, const int64_t *pages, const int64_t *offsets);
 typedef void (*attend_fn)(const bf16 *q, const bf16 *k_cache, int64_t page_stride, int64_t v_offset,
                           const int64_t *tables, int64_t table_stride, const int64_t *ctx_lens, int batch,
-                          int q_heads, int kv_heads, int head_dim, int block_size, float scale, int64_t window,
+                          int q_heads, int kv_heads, int head_dim, int page_size, float scale, int64_t window,
                           int threads, bf16 *out);
 typedef void (*prefill_fn)(const bf16 *q, const bf16 *k_cache, int64_t page_stride, int64_t v_offset,
                            const int64_t *tables, int64_t table_stride, const int64_t *q_starts, const int64_t *q_lens,
-                           const int64_t *ctx_lens, int batch, int q_heads, int kv_heads, int head_dim, int block_size,
+                           const int64_t *ctx_lens, int batch, int q_heads, int kv_heads, int head_dim, int page_size,
                            float scale, int64_t window, int threads, bf16 *out);
 typedef void (*gated_fn)(const bf16 *gate_up, int64_t rows, int64_t inter, const bf16 *table, bf16 *out, int threads);
 typedef void (*rows_fn)(const uint8_t *table, int64_t k, const int64_t *ids, int64_t count, float *out);
@@ -102,14 +102,14 @@ typedef struct { /* one step: rows, their positions, KV slots and pages, its att
     const int64_t *slot_pages, *slot_offsets;
     int decode_batch;            /* the decode group: its sequences (0: none) ... */
     const int64_t *decode_rows;  /* ... their rows (NULL: the step's first rows, in order) ... */
-    const int64_t *tables, *context_lens; /* ... block tables [decode_batch, table_stride], tokens seen */
+    const int64_t *tables, *context_lens; /* ... page tables [decode_batch, table_stride], tokens seen */
     int64_t table_stride;
     int prefill_batch;           /* the prefill group: its chunks (0: none) ... */
     const int64_t *prefill_tables, *q_starts, *q_lens, *prefill_context_lens; /* ... as paged_prefill_bf16 reads */
     int64_t prefill_table_stride;
     bf16 *k_cache;         /* layer 0's K pages; layer l's at k_cache + l * layer_stride */
     int64_t layer_stride, page_stride, v_offset;
-    int block_size;
+    int page_size;
     float scale;
     int threads;
 } step;
@@ -156,7 +156,7 @@ static void attend_decodes(const stack *s, const step *st, const layer *ly, cons
     if (st->decode_rows)
         for (int64_t i = 0; i < b; i++) memcpy(qd + i * width, q + st->decode_rows[i] * width, width * sizeof(bf16));
     s->attend(st->decode_rows ? qd : q, (const bf16 *)k_cache, st->page_stride, st->v_offset, st->tables,
-              st->table_stride, st->context_lens, (int)b, s->q_heads, s->kv_heads, s->head_dim, st->block_size,
+              st->table_stride, st->context_lens, (int)b, s->q_heads, s->kv_heads, s->head_dim, st->page_size,
               st->scale, ly->window, threads, st->decode_rows ? od : att);
     if (st->decode_rows)
         for (int64_t i = 0; i < b; i++) memcpy(att + st->decode_rows[i] * width, od + i * width, width * sizeof(bf16));
@@ -208,7 +208,7 @@ void layer_stack_bf16(const stack *s, const layer *layers, int count, const step
         if (st->prefill_batch)
             s->prefill(q, (const bf16 *)k_cache, st->page_stride, st->v_offset, st->prefill_tables,
                        st->prefill_table_stride, st->q_starts, st->q_lens, st->prefill_context_lens,
-                       st->prefill_batch, s->q_heads, s->kv_heads, (int)dim, st->block_size, st->scale, ly->window,
+                       st->prefill_batch, s->q_heads, s->kv_heads, (int)dim, st->page_size, st->scale, ly->window,
                        threads, att);
         matmul(s, &ly->o, att, t, y, threads);
         residual_add(x, norm(s, ly, POST_ATTN_NORM, y, t, hidden, h, threads), t * hidden);

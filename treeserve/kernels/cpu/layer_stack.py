@@ -93,7 +93,7 @@ class Step(ctypes.Structure):
         ("layer_stride", _i64),
         ("page_stride", _i64),
         ("v_offset", _i64),
-        ("block_size", _int),
+        ("page_size", _int),
         ("scale", _float),
         ("threads", _int),
     ]
@@ -122,7 +122,7 @@ class PrefillGroup:
 class StackPages:
     """A step's KV pages and attention groups."""
 
-    k_cache: torch.Tensor  # layer 0's K [pages, block_size, kv_heads, head_dim]
+    k_cache: torch.Tensor  # layer 0's K [pages, page_size, kv_heads, head_dim]
     layer_stride: int  # elements
     v_offset: int  # elements
     slot_pages: torch.Tensor  # where each row's K/V go

@@ -1,6 +1,6 @@
 """Paged decode attention, flash-decoding style: one query per sequence over its pages.
 
-q [B, Hq, D]; k/v_cache [pages, block_size, Hkv, D]; block_tables [B, max_pages]; context_lens
+q [B, Hq, D]; k/v_cache [pages, page_size, Hkv, D]; page_tables [B, max_pages]; context_lens
 [B] (keys visible, the query included); `window`: keys at positions > query - window.
 Pass 1 (`_partial`): a program per (sequence, KV head, split) takes the KV head's q group as the
 rows of one tile (padded to 16, `tl.dot`'s least), walks its partition's keys in BLOCK_N tiles
@@ -170,7 +170,7 @@ def _reduce(
 
 def split_count(table_keys: int, window: int | None) -> int:
     """Partitions per (sequence, KV head) in the grid, from shapes only: what the longest view the
-    block table allows needs, at most MAX_SPLITS; a sequence uses its own share."""
+    page table allows needs, at most MAX_SPLITS; a sequence uses its own share."""
     view = min(table_keys, window) if window else table_keys
     return max(1, min(MAX_SPLITS, -(-view // MIN_PARTITION)))
 
@@ -194,7 +194,7 @@ def paged_decode(
     """q [B, Hq, D] -> [B, Hq, D]. `num_splits` forces the split count (tests, benchmarks);
     `partition_size` is the previous rule. FP8 caches need the layer's `kv_scales`."""
     batch, q_heads, dim = q.shape
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert q.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     assert q_heads % kv_heads == 0
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -204,7 +204,7 @@ def paged_decode(
     context_lens = context_lens.contiguous()
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     k_cache, v_cache, kv_scales = fp8_operands(k_cache, v_cache, kv_scales)
-    table_keys = tables.shape[1] * block_size
+    table_keys = tables.shape[1] * page_size
     if partition_size is not None:
         block_n = min(block_n, partition_size)
         num_splits = num_splits or -(-table_keys // partition_size)
@@ -246,7 +246,7 @@ def paged_decode(
         D=dim,
         BLOCK_G=max(triton.next_power_of_2(group), 16),
         BLOCK_D=block_d,
-        PAGE=block_size,
+        PAGE=page_size,
         BLOCK_N=block_n,
         UPCAST=q.device.type == "cpu",
         FINAL=final,

@@ -2,7 +2,7 @@
 
 k, v [T, Hkv, D] (views of the fused q/k/v projection are fine: their strides are passed)
 go to k_cache[slot_pages[t], slot_offsets[t]] and v_cache likewise; the caches are one
-layer's strided views of the shared page arena ([pages, block_size, Hkv, D], page stride
+layer's strided views of the shared page arena ([pages, page_size, Hkv, D], page stride
 the arena's, V at its own offset from K). One program per token writes every head of it
 and touches no other byte of the arena. An FP8 cache (torch.float8_e4m3fn) gets
 e4m3(k * (1 / k_scale)) and e4m3(v * (1 / v_scale)), the layer's scales read from `kv_scales`.

@@ -283,7 +283,7 @@ def paged_prefill(
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     _, q_heads, dim = q.shape
     batch = tables.shape[0]
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert q_heads % kv_heads == 0, f"{q_heads} q heads do not share {kv_heads} KV heads evenly"
     group = q_heads // kv_heads
     if batch == 0:
@@ -322,7 +322,7 @@ def paged_prefill(
         GROUP=group,
         D=dim,
         BLOCK_D=block_d,
-        PAGE=block_size,
+        PAGE=page_size,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         UPCAST=q.device.type == "cpu",

@@ -6,31 +6,31 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from treeserve.kv.block_manager import BlockManager
+from treeserve.kv.page_manager import PageManager
 
 BLOCK = 4
 
 
 class PagesMachine(RuleBasedStateMachine):
-    """Model sequences as (token ids, block table, block hashes, computed count)."""
+    """Model sequences as (token ids, page table, page hashes, computed count)."""
 
     def __init__(self):
         super().__init__()
-        self.bm = BlockManager(num_blocks=12, block_size=BLOCK, model_id="m")
+        self.bm = PageManager(num_pages=12, page_size=BLOCK, model_id="m")
         self.seqs: list[dict] = []
 
     @rule(prompt=st.lists(st.integers(0, 2), min_size=1, max_size=14))
     def admit(self, prompt):
         hit = self.bm.find_prefix(prompt, len(prompt) - 1)
-        table = list(hit.blocks)
+        table = list(hit.pages)
         start = len(table) * BLOCK
-        need = self.bm.pages_to_acquire(hit) + self.bm.blocks_to_grow(table, start, len(prompt))
-        if need > self.bm.num_free_blocks:
+        need = self.bm.pages_to_acquire(hit) + self.bm.pages_to_grow(table, start, len(prompt))
+        if need > self.bm.num_free_pages:
             return
         self.bm.acquire_prefix(hit)
         self.bm.grow(table, start, len(prompt))
         seq = {"tokens": list(prompt), "table": table, "hashes": list(hit.hashes), "computed": len(prompt)}
-        self.bm.commit_full_blocks(table, seq["hashes"], seq["tokens"], seq["computed"])
+        self.bm.commit_full_pages(table, seq["hashes"], seq["tokens"], seq["computed"])
         self.seqs.append(seq)
 
     @precondition(lambda self: self.seqs)
@@ -38,12 +38,12 @@ class PagesMachine(RuleBasedStateMachine):
     def append_token(self, data, token):
         seq = data.draw(st.sampled_from(self.seqs))
         n = len(seq["tokens"])
-        if self.bm.blocks_to_grow(seq["table"], n, n + 1) > self.bm.num_free_blocks:
+        if self.bm.pages_to_grow(seq["table"], n, n + 1) > self.bm.num_free_pages:
             return
         self.bm.grow(seq["table"], n, n + 1)
         seq["tokens"].append(token)
         seq["computed"] = n + 1
-        self.bm.commit_full_blocks(seq["table"], seq["hashes"], seq["tokens"], seq["computed"])
+        self.bm.commit_full_pages(seq["table"], seq["hashes"], seq["tokens"], seq["computed"])
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
@@ -64,19 +64,19 @@ class PagesMachine(RuleBasedStateMachine):
         self.bm.check_invariants()
         held = {}
         for seq in self.seqs:
-            for block in seq["table"]:
-                held[block] = held.get(block, 0) + 1
-        for block, count in enumerate(self.bm.ref_counts):
-            assert count == held.get(block, 0), f"page {block}: count {count}, held {held.get(block, 0)}"
+            for page in seq["table"]:
+                held[page] = held.get(page, 0) + 1
+        for page, count in enumerate(self.bm.ref_counts):
+            assert count == held.get(page, 0), f"page {page}: count {count}, held {held.get(page, 0)}"
 
     @invariant()
     def cached_pages_hold_their_tokens(self):
         # a keyed page in use by a sequence holds exactly the tokens its key stands for
         for seq in self.seqs:
             for i, key in enumerate(seq["hashes"]):
-                block = seq["table"][i]
-                if self.bm.block_hash[block] is not None:
-                    assert self.bm.block_hash[block] == key
+                page = seq["table"][i]
+                if self.bm.page_hash[page] is not None:
+                    assert self.bm.page_hash[page] == key
 
     def teardown(self):
         for seq in self.seqs:
@@ -89,17 +89,17 @@ TestPages.settings = settings(max_examples=150, stateful_step_count=40, deadline
 
 
 def test_prefix_hit_miss_evict_thrash_counters():
-    bm = BlockManager(num_blocks=2, block_size=2)
+    bm = PageManager(num_pages=2, page_size=2)
     a = [1, 2, 3, 4]
     table: list[int] = []
     bm.grow(table, 0, 4)
-    bm.commit_full_blocks(table, [], a, 4)
+    bm.commit_full_pages(table, [], a, 4)
     bm.release(table)
     hit = bm.find_prefix(a, 4)
-    assert len(hit.blocks) == 2
+    assert len(hit.pages) == 2
     bm.acquire_prefix(hit)
     assert bm.stats.hits == 2 and bm.stats.misses == 0
-    bm.release(hit.blocks)
+    bm.release(hit.pages)
     other: list[int] = []
     bm.grow(other, 0, 4)  # evicts both cached pages
     assert bm.stats.evictions == 2
@@ -110,7 +110,7 @@ def test_prefix_hit_miss_evict_thrash_counters():
 
 
 def test_copy_on_write_of_shared_partial_page():
-    bm = BlockManager(num_blocks=4, block_size=4)
+    bm = PageManager(num_pages=4, page_size=4)
     parent: list[int] = []
     bm.grow(parent, 0, 3)
     child = bm.fork(parent)
