@@ -1,7 +1,7 @@
 /* CPU kernels for the passes that dominate inference of small models on a CPU.
  *
  * paged_decode_*: attention of one query token per sequence over its KV pages, read in
- *   place through the block table (no gather copy), fp32 accumulation, GQA-aware.
+ *   place through the page table (no gather copy), fp32 accumulation, GQA-aware.
  * paged_prefill_bf16: the same for chunks of queries (a prefill over a cached prefix).
  * rms_norm_bf16, linear_bf16: RMSNorm, and a GEMV for linear layers at a few rows.
  * argmax_rows_*: the greedy pick, torch.argmax's answer in one read of each row.
@@ -39,15 +39,15 @@ static inline void prefetch_row_nta(const void *row, int64_t bytes) {
     for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch((const char *)row + at, 0, 0);
 }
 /* Where key or value t of a sequence starts, in elements from the cache's start (through its table). */
-static inline int64_t kv_row(const int64_t *table, int64_t t, int block_size, int64_t page_stride,
+static inline int64_t kv_row(const int64_t *table, int64_t t, int page_size, int64_t page_stride,
                              int64_t token_stride) {
-    return table[t / block_size] * page_stride + (t % block_size) * token_stride;
+    return table[t / page_size] * page_stride + (t % page_size) * token_stride;
 }
 
 #define DEFINE_PAGED_DECODE(SUFFIX, T)                                                          \
 void paged_decode_##SUFFIX(const T *q, const T *k_cache, int64_t page_stride, int64_t v_offset, \
                            const int64_t *tables, int64_t table_stride, const int64_t *ctx_lens, \
-                           int batch, int q_heads, int kv_heads, int head_dim, int block_size,  \
+                           int batch, int q_heads, int kv_heads, int head_dim, int page_size,  \
                            float scale, int64_t window, int threads, T *out) {                  \
     const int group = q_heads / kv_heads;                                                       \
     const int64_t token_stride = (int64_t)kv_heads * head_dim;                                  \
@@ -70,9 +70,9 @@ void paged_decode_##SUFFIX(const T *q, const T *k_cache, int64_t page_stride, in
         for (int hq = 0; hq < q_heads; hq++) { maxs[hq] = -FLT_MAX; sums[hq] = 0.0f; }         \
         const int64_t *table = tables + (int64_t)b * table_stride;                              \
         for (int64_t t = start; t < len; t++) {                                                 \
-            const T *row = k_cache + kv_row(table, t, block_size, page_stride, token_stride);   \
+            const T *row = k_cache + kv_row(table, t, page_size, page_stride, token_stride);   \
             if (t + NTA_AHEAD < len)                                                            \
-                prefetch_row_nta(k_cache + kv_row(table, t + NTA_AHEAD, block_size, page_stride, token_stride), \
+                prefetch_row_nta(k_cache + kv_row(table, t + NTA_AHEAD, page_size, page_stride, token_stride), \
                                  token_stride * (int64_t)sizeof(T));                            \
             float *s = scores + (t - start) * q_heads;                                          \
             for (int hq = 0; hq < q_heads; hq++) {                                              \
@@ -92,9 +92,9 @@ void paged_decode_##SUFFIX(const T *q, const T *k_cache, int64_t page_stride, in
                 sums[hq] += e;                                                                  \
             }                                                                                   \
         for (int64_t t = start; t < len; t++) {                                                 \
-            const T *row = k_cache + v_offset + kv_row(table, t, block_size, page_stride, token_stride); \
+            const T *row = k_cache + v_offset + kv_row(table, t, page_size, page_stride, token_stride); \
             if (t + NTA_AHEAD < len)                                                            \
-                prefetch_row_nta(k_cache + v_offset + kv_row(table, t + NTA_AHEAD, block_size, page_stride, \
+                prefetch_row_nta(k_cache + v_offset + kv_row(table, t + NTA_AHEAD, page_size, page_stride, \
                                                              token_stride),                     \
                                  token_stride * (int64_t)sizeof(T));                            \
             const float *s = scores + (t - start) * q_heads;                                    \
@@ -429,15 +429,15 @@ static void pv_tile(int c_tile, int g_tile, const bf16 *values, const int64_t *r
  * horizontal sum; each block is transposed once for the group of query heads sharing it. */
 static void decode_seq_bf16(const bf16 *qb, const bf16 *k_cache, int64_t page_stride, int64_t v_offset,
                             const int64_t *table, int64_t start, int64_t len, int q_heads, int kv_heads,
-                            int head_dim, int block_size, float scale, float *scores, int64_t *rowoff, __m512i *kt,
+                            int head_dim, int page_size, float scale, float *scores, int64_t *rowoff, __m512i *kt,
                             bf16 *o) {
     const int group = q_heads / kv_heads, pairs = head_dim / 2;
     const int64_t n = len - start;
     const int64_t token_stride = (int64_t)kv_heads * head_dim;
     const __m512 vscale = _mm512_set1_ps(scale);
-    int64_t page = start / block_size, slot = start % block_size;
+    int64_t page = start / page_size, slot = start % page_size;
     for (int64_t i = 0; i < n; i++, slot++) { /* offset of key i's row in the arena */
-        if (slot == block_size) page++, slot = 0;
+        if (slot == page_size) page++, slot = 0;
         rowoff[i] = table[page] * page_stride + slot * token_stride;
     }
     const int row_lines = (int)(token_stride * sizeof(bf16) / 64);
@@ -494,11 +494,11 @@ static void decode_seq_bf16(const bf16 *qb, const bf16 *k_cache, int64_t page_st
 
 void paged_decode_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride, int64_t v_offset,
                        const int64_t *tables, int64_t table_stride, const int64_t *ctx_lens, int batch, int q_heads,
-                       int kv_heads, int head_dim, int block_size, float scale, int64_t window, int threads,
+                       int kv_heads, int head_dim, int page_size, float scale, int64_t window, int threads,
                        bf16 *out) {
     if (head_dim % 32 != 0) {
         paged_decode_bf16_generic(q, k_cache, page_stride, v_offset, tables, table_stride, ctx_lens, batch, q_heads,
-                                  kv_heads, head_dim, block_size, scale, window, threads, out);
+                                  kv_heads, head_dim, page_size, scale, window, threads, out);
         return;
     }
     _Pragma("omp parallel for schedule(dynamic, 4) num_threads(threads)")
@@ -509,7 +509,7 @@ void paged_decode_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride, 
         const size_t floats = (size_t)head_dim * 8 + (size_t)n * 2 + (size_t)n * q_heads;
         float *buf = (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
         decode_seq_bf16(q + (int64_t)b * q_heads * head_dim, k_cache, page_stride, v_offset,
-                        tables + (int64_t)b * table_stride, start, len, q_heads, kv_heads, head_dim, block_size,
+                        tables + (int64_t)b * table_stride, start, len, q_heads, kv_heads, head_dim, page_size,
                         scale, buf + head_dim * 8 + n * 2, (int64_t *)(buf + head_dim * 8), (__m512i *)buf,
                         out + (int64_t)b * q_heads * head_dim);
         free(buf);
@@ -658,7 +658,7 @@ static void prefill_block(prefill_tile *tile, const bf16 *const *kr, int64_t b0,
 }
 
 static void prefill_item_bf16(const bf16 *q, int64_t q_row_stride, const bf16 *k_cache, int64_t page_stride,
-                              int64_t v_offset, const int64_t *table, int block_size, int64_t token_stride,
+                              int64_t v_offset, const int64_t *table, int page_size, int64_t token_stride,
                               int kv_head, int head_dim, int group, int64_t first_pos, int first_row, int rows,
                               int64_t window, float scale, char *buf, bf16 *out) {
     const int pairs = head_dim / 2, tiles = (rows + PREFILL_TILE - 1) / PREFILL_TILE;
@@ -690,9 +690,9 @@ static void prefill_item_bf16(const bf16 *q, int64_t q_row_stride, const bf16 *k
     int32_t *vp = (int32_t *)(P + KEY_BLOCK / 2); /* [KEY_BLOCK / 2][head_dim]: dim d of keys 2jp, 2jp + 1 */
     int64_t *rowoff = (int64_t *)(vp + KEY_BLOCK / 2 * head_dim);
     const int64_t klo = tile[0].lo[0], khi = tile[tiles - 1].hi[PREFILL_TILE - 1];
-    int64_t page = klo / block_size, slot = klo % block_size;
+    int64_t page = klo / page_size, slot = klo % page_size;
     for (int64_t t = klo; t < khi; t++, slot++) { /* rowoff[t]: key t's K row in the arena */
-        if (slot == block_size) page++, slot = 0;
+        if (slot == page_size) page++, slot = 0;
         rowoff[t] = table[page] * page_stride + slot * token_stride + (int64_t)kv_head * head_dim;
     }
     const __m512i lo_half = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
@@ -754,7 +754,7 @@ static int longest_first(const void *a, const void *b) {
 
 void paged_prefill_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride, int64_t v_offset,
                         const int64_t *tables, int64_t table_stride, const int64_t *q_starts, const int64_t *q_lens,
-                        const int64_t *ctx_lens, int batch, int q_heads, int kv_heads, int head_dim, int block_size,
+                        const int64_t *ctx_lens, int batch, int q_heads, int kv_heads, int head_dim, int page_size,
                         float scale, int64_t window, int threads, bf16 *out) {
     const int group = q_heads / kv_heads, item_rows = PREFILL_TILE * PREFILL_TILES;
     const int64_t token_stride = (int64_t)kv_heads * head_dim, q_row_stride = (int64_t)q_heads * head_dim;
@@ -786,7 +786,7 @@ void paged_prefill_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride,
             const int64_t b = work[w].seq, h = work[w].kv_head, r = work[w].row;
             const int64_t rows = q_lens[b] * group - r;
             prefill_item_bf16(q + q_starts[b] * q_row_stride, q_row_stride, k_cache, page_stride, v_offset,
-                              tables + b * table_stride, block_size, token_stride, (int)h, head_dim, group,
+                              tables + b * table_stride, page_size, token_stride, (int)h, head_dim, group,
                               ctx_lens[b] - q_lens[b], (int)r, rows < item_rows ? (int)rows : item_rows, window,
                               scale, buf, out + q_starts[b] * q_row_stride);
         }
@@ -798,10 +798,10 @@ void paged_prefill_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride,
 #else
 void paged_decode_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride, int64_t v_offset,
                        const int64_t *tables, int64_t table_stride, const int64_t *ctx_lens, int batch, int q_heads,
-                       int kv_heads, int head_dim, int block_size, float scale, int64_t window, int threads,
+                       int kv_heads, int head_dim, int page_size, float scale, int64_t window, int threads,
                        bf16 *out) {
     paged_decode_bf16_generic(q, k_cache, page_stride, v_offset, tables, table_stride, ctx_lens, batch, q_heads,
-                              kv_heads, head_dim, block_size, scale, window, threads, out);
+                              kv_heads, head_dim, page_size, scale, window, threads, out);
 }
 #endif
 
@@ -970,13 +970,13 @@ void store_kv(const char *k, int64_t k_stride, const char *v, int64_t v_stride, 
 
 /* copy_slots: single tokens' K/V, every layer: slot (src_pages[i], src_offsets[i]) onto slot
  * (dst_pages[i], dst_offsets[i]) of an arena whose pages are `page_bytes` apart and each hold,
- * per layer, K then V of `block_size` tokens of `token_bytes` (kv/arena.py's layout): the bytes
+ * per layer, K then V of `page_size` tokens of `token_bytes` (kv/arena.py's layout): the bytes
  * `buffer[dst_pages, :, :, dst_offsets] = buffer[src_pages, :, :, src_offsets]` writes, without
  * its gathered copy (no slot is both a source and a destination: twins' new slots). */
-void copy_slots(char *buffer, int64_t page_bytes, int64_t layers, int64_t block_size, int64_t token_bytes,
+void copy_slots(char *buffer, int64_t page_bytes, int64_t layers, int64_t page_size, int64_t token_bytes,
                 const int64_t *src_pages, const int64_t *src_offsets, const int64_t *dst_pages,
                 const int64_t *dst_offsets, int64_t count) {
-    const int64_t part = block_size * token_bytes; /* one layer's K, then its V */
+    const int64_t part = page_size * token_bytes; /* one layer's K, then its V */
     for (int64_t i = 0; i < count; i++) {
         const char *src = buffer + src_pages[i] * page_bytes + src_offsets[i] * token_bytes;
         char *dst = buffer + dst_pages[i] * page_bytes + dst_offsets[i] * token_bytes;
@@ -1031,16 +1031,16 @@ void store_kv_fp8(const char *k, int64_t k_stride, const char *v, int64_t v_stri
  * order), sums the softmax denominators; scores holds (len - start) x q_heads floats. */
 static void attend_row_fp8(const float *qf, const fp8 *k_cache, int64_t page_stride, int64_t v_offset,
                            const int64_t *table, int64_t start, int64_t len, int q_heads, int kv_heads, int head_dim,
-                           int block_size, float *scores, float *acc, float *sums) {
+                           int page_size, float *scores, float *acc, float *sums) {
     const int group = q_heads / kv_heads;
     const int64_t token_stride = (int64_t)kv_heads * head_dim, n = len - start;
     float maxs[q_heads];
     for (int hq = 0; hq < q_heads; hq++) maxs[hq] = -FLT_MAX, sums[hq] = 0.0f;
     for (int i = 0; i < q_heads * head_dim; i++) acc[i] = 0.0f;
     for (int64_t t = start; t < len; t++) {
-        const fp8 *row = k_cache + kv_row(table, t, block_size, page_stride, token_stride);
+        const fp8 *row = k_cache + kv_row(table, t, page_size, page_stride, token_stride);
         if (t + NTA_AHEAD < len)
-            prefetch_row_nta(k_cache + kv_row(table, t + NTA_AHEAD, block_size, page_stride, token_stride),
+            prefetch_row_nta(k_cache + kv_row(table, t + NTA_AHEAD, page_size, page_stride, token_stride),
                              token_stride);
         float *s = scores + (t - start) * q_heads;
         for (int hq = 0; hq < q_heads; hq++) {
@@ -1060,7 +1060,7 @@ static void attend_row_fp8(const float *qf, const fp8 *k_cache, int64_t page_str
             sums[hq] += e;
         }
     for (int64_t t = start; t < len; t++) {
-        const fp8 *row = k_cache + v_offset + kv_row(table, t, block_size, page_stride, token_stride);
+        const fp8 *row = k_cache + v_offset + kv_row(table, t, page_size, page_stride, token_stride);
         const float *s = scores + (t - start) * q_heads;
         for (int hq = 0; hq < q_heads; hq++) {
             const fp8 *v = row + (int64_t)(hq / group) * head_dim;
@@ -1076,7 +1076,7 @@ static void attend_row_fp8(const float *qf, const fp8 *k_cache, int64_t page_str
 #define DEFINE_PAGED_DECODE_FP8(SUFFIX, T)                                                      \
 void paged_decode_fp8_##SUFFIX(const T *q, const fp8 *k_cache, int64_t page_stride, int64_t v_offset, \
                                const int64_t *tables, int64_t table_stride, const int64_t *ctx_lens, \
-                               int batch, int q_heads, int kv_heads, int head_dim, int block_size, \
+                               int batch, int q_heads, int kv_heads, int head_dim, int page_size, \
                                float scale, int64_t window, const float *kv_scales, int threads, T *out) { \
     const int width = q_heads * head_dim;                                                       \
     const float q_scale = scale * kv_scales[0], v_scale = kv_scales[1];                         \
@@ -1089,7 +1089,7 @@ void paged_decode_fp8_##SUFFIX(const T *q, const fp8 *k_cache, int64_t page_stri
         const T *qb = q + (int64_t)b * width;                                                   \
         for (int i = 0; i < width; i++) qf[i] = load_##SUFFIX(qb[i]) * q_scale;                 \
         attend_row_fp8(qf, k_cache, page_stride, v_offset, tables + (int64_t)b * table_stride, start, len, \
-                       q_heads, kv_heads, head_dim, block_size, buf, acc, sums);                \
+                       q_heads, kv_heads, head_dim, page_size, buf, acc, sums);                \
         T *o = out + (int64_t)b * width;                                                        \
         for (int hq = 0; hq < q_heads; hq++) {                                                  \
             const float f = v_scale / sums[hq];                                                 \
@@ -1109,7 +1109,7 @@ DEFINE_PAGED_DECODE_FP8(bf16, bf16)
 void paged_prefill_fp8_##SUFFIX(const T *q, const fp8 *k_cache, int64_t page_stride, int64_t v_offset, \
                                 const int64_t *tables, int64_t table_stride, const int64_t *q_starts, \
                                 const int64_t *q_lens, const int64_t *ctx_lens, int batch, int q_heads, \
-                                int kv_heads, int head_dim, int block_size, float scale, int64_t window, \
+                                int kv_heads, int head_dim, int page_size, float scale, int64_t window, \
                                 const float *kv_scales, int threads, T *out) {                  \
     const int width = q_heads * head_dim;                                                       \
     const float q_scale = scale * kv_scales[0], v_scale = kv_scales[1];                         \
@@ -1134,7 +1134,7 @@ void paged_prefill_fp8_##SUFFIX(const T *q, const fp8 *k_cache, int64_t page_str
             const T *qr = q + (q_starts[b] + i) * width;                                        \
             for (int j = 0; j < width; j++) qf[j] = load_##SUFFIX(qr[j]) * q_scale;             \
             attend_row_fp8(qf, k_cache, page_stride, v_offset, tables + b * table_stride, start, len, q_heads, \
-                           kv_heads, head_dim, block_size, buf, acc, sums);                     \
+                           kv_heads, head_dim, page_size, buf, acc, sums);                     \
             T *o = out + (q_starts[b] + i) * width;                                             \
             for (int hq = 0; hq < q_heads; hq++) {                                              \
                 const float f = v_scale / sums[hq];                                             \
