@@ -103,9 +103,8 @@ def test_the_backend_reaches_each_parallel_model_and_a_bad_one_is_refused():
     from treeserve.runtime.model_settings import ModelSettings
 
     prm = ModelSettings.from_flat(DEFAULT_PRM, tensor_parallel_size=2, distributed_executor_backend="ray")
-    assert prm.engine_args() == {"tensor_parallel_size": 2, "distributed_executor_backend": "ray"}
-    generator = ModelSettings.from_flat(DEFAULT_GENERATOR, distributed_executor_backend="ray")
-    assert "distributed_executor_backend" not in generator.engine_args()  # one rank: nothing to start
+    parallel = prm.engine_args()["parallel_config"]
+    assert (parallel.tensor_parallel_size, parallel.distributed_executor_backend) == (2, "ray")
     with pytest.raises(ValueError, match="distributed_executor_backend must be one of"):
         EvalSettings(
             generator=ModelSettings.from_flat(DEFAULT_GENERATOR, distributed_executor_backend="threads")
