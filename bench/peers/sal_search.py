@@ -61,7 +61,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from treeserve.config import DeviceConfig
 from treeserve.eval.metrics import aggregate_scores  # search-and-learn's last/min/prod (pure Python)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -484,6 +483,7 @@ def check_scores(problems: int) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from treeserve.config import DeviceConfig
     from treeserve.runtime.runtime import ModelSpec, Runtime
     from treeserve.search.prm import load_prm
 
