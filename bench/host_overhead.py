@@ -254,7 +254,11 @@ def child_decode(engine_name: str, count: int, stub_forward: bool = False, sweep
 def child_beam(engine_name: str, count: int) -> dict:
     from treeserve.eval.runner import EvalSettings, run_eval
     from treeserve.runtime import runtime as runtime_module
-    from treeserve.search.config import SearchConfig
+
+    try:
+        from treeserve.search.config import SearchConfig
+    except ImportError:  # a checkout before SearchConfig had a file of its own
+        from treeserve.search.context import SearchConfig
 
     problems = max(1, count // 16)
     dataset = f"arith:level=4,5,size={2 * problems},seed=0"
