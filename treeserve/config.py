@@ -336,7 +336,7 @@ class GraphConfig:
             raise ValueError(f"cuda_graph_sizes must be a non-empty list of positive batch sizes, got {sizes!r}")
 
 
-DEFAULT_BLOCK_SIZE = 16
+DEFAULT_PAGE_SIZE = 16
 # EngineConfig's sub-configs by field name: `from_kwargs` maps each flat keyword to the one holding it
 SUB_CONFIGS: dict[str, type] = {
     "device_config": DeviceConfig,
@@ -408,7 +408,7 @@ class EngineConfig:
         if not self.model_id:
             self.model_id = os.path.abspath(self.model)
         if self.cache_config.page_size is None:
-            self.cache_config = replace(self.cache_config, page_size=DEFAULT_BLOCK_SIZE)
+            self.cache_config = replace(self.cache_config, page_size=DEFAULT_PAGE_SIZE)
         quantization = self._resolve_quantization()
         if quantization != self.load_config.quantization:
             self.load_config = replace(self.load_config, quantization=quantization)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from treeserve.config import ArenaConfig, DeviceConfig, EngineConfig
+from treeserve.config import DEFAULT_PAGE_SIZE, ArenaConfig, DeviceConfig, EngineConfig
 from treeserve.device import available_memory, process_memory, release_free_heap
 from treeserve.engine.guided import grammar_of
 from treeserve.engine.llm_engine import LLMEngine, StepFailed, share_kv  # noqa: F401 - StepFailed: for the server
@@ -53,13 +53,13 @@ class ModelSpec:
     name: str
     path: str
     kv_fraction: float | None = None  # None: the shared arena; else this share of KV (a static split)
-    page_size: int = 16  # preferred tokens per page (a shared arena may give fewer)
+    page_size: int = DEFAULT_PAGE_SIZE  # preferred tokens per page (a shared arena may give fewer)
     # EngineConfig.from_kwargs's keywords for this model: flat (max_num_seqs, ...) or its sub-configs
     engine_args: dict = field(default_factory=dict)
 
 
 # a search's models' preferred page sizes: a PRM request recomputes at most 3 cached tokens
-ROLE_BLOCK_SIZES = {"generator": 16, "prm": 4, "verifier": 4}
+ROLE_PAGE_SIZES = {"generator": DEFAULT_PAGE_SIZE, "prm": 4, "verifier": 4}
 
 
 # event-loop turns search programs get after each engine step, so their next requests make the
@@ -177,7 +177,7 @@ class Runtime:
     ) -> Runtime:
         """Engines "generator", "prm" and "verifier" (an outcome RM; shared arena only): one
         shared arena, or a static split giving the PRM `prm_kv_fraction`. `engine_args`: per
-        model. Pages: ROLE_BLOCK_SIZES; in a shared arena the smaller page wins."""
+        model. Pages: ROLE_PAGE_SIZES; in a shared arena the smaller page wins."""
         args = engine_args or {}
         if prm and args.get("prm", {}).get("speculative_config") is not None:
             raise ValueError("a PRM only scores (one forward per input): speculative decoding is for the generator")
@@ -185,7 +185,7 @@ class Runtime:
         shares = {"generator": 1.0 - prm_kv_fraction if split else None, "prm": prm_kv_fraction if split else None}
         paths = {"generator": generator, "prm": prm, "verifier": verifier}
         specs = [
-            ModelSpec(name, path, shares.get(name), ROLE_BLOCK_SIZES[name], args.get(name, {}))
+            ModelSpec(name, path, shares.get(name), ROLE_PAGE_SIZES[name], args.get(name, {}))
             for name, path in paths.items()
             if path
         ]

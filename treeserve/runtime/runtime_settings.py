@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 
 from treeserve.config import ArenaConfig, DeviceConfig, nest
 from treeserve.runtime.model_settings import ModelSettings
-from treeserve.runtime.runtime import ROLE_BLOCK_SIZES, Runtime
+from treeserve.runtime.runtime import ROLE_PAGE_SIZES, Runtime
 
 RUNTIME_CONFIGS: dict[str, type] = {"device_config": DeviceConfig, "arena_config": ArenaConfig}
 
@@ -64,7 +64,7 @@ class RuntimeSettings:
             str(prm.path) if prm else None,
             self.arena_config.kv_cache_memory,
             prm.kv_fraction if prm else None,
-            {name: m.engine_args(ROLE_BLOCK_SIZES[name]) for name, m in models.items() if m is not None},
+            {name: m.engine_args(ROLE_PAGE_SIZES[name]) for name, m in models.items() if m is not None},
             str(verifier.path) if verifier else None,
             device_config=self.device_config,
             enable_prefix_caching=self.arena_config.enable_prefix_caching,
