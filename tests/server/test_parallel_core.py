@@ -14,6 +14,7 @@ import pytest
 from tests.server.conftest import start_server
 from tests.server.test_engine_process import SEARCH, SETTINGS, wait_healthy
 from tests.server.test_failures import post
+from treeserve.config import ParallelConfig
 from treeserve.server.launch import build_core_served
 from treeserve.server.settings import ServerSettings
 
@@ -40,7 +41,7 @@ def rank_pids(core_pid: int) -> list[int]:
 
 @pytest.mark.slow  # ~18s (CI runs the slow step); the default suite keeps to ~10 minutes
 def test_a_dead_rank_restarts_the_core_with_new_ranks():
-    settings = ServerSettings(**{**SETTINGS, "prm": replace(SETTINGS["prm"], tensor_parallel_size=2)})
+    settings = ServerSettings(**{**SETTINGS, "prm": replace(SETTINGS["prm"], parallel_config=ParallelConfig(tensor_parallel_size=2))})
     live = start_server(settings, build=build_core_served)
     try:
         first = post(live, "/v1/search", SEARCH)
