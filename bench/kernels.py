@@ -163,7 +163,9 @@ def prefill_from(source: Path) -> Callable[[PagedCase], None]:
     lib = cpu_kernels.build(source)
     if lib is None:
         sys.exit(f"{source} did not build")
-    lib.paged_prefill_bf16.argtypes = cpu_kernels.load().paged_prefill_bf16.argtypes
+    tiles = "int64_t window, int tiles," in source.read_text()  # a source before the AMX path: no tiles argument
+    argtypes = cpu_kernels.load().paged_prefill_bf16.argtypes
+    lib.paged_prefill_bf16.argtypes = argtypes if tiles else [*argtypes[:-3], *argtypes[-2:]]
     lib.paged_prefill_bf16.restype = None
 
     def run(case: PagedCase) -> None:
@@ -174,6 +176,7 @@ def prefill_from(source: Path) -> Callable[[PagedCase], None]:
             *(case.q.data_ptr(), case.k_cache.data_ptr(), case.k_cache.stride(0), v_offset),
             *(case.tables.data_ptr(), case.tables.stride(0), case.starts.data_ptr(), case.lens.data_ptr()),
             *(case.ctx.data_ptr(), case.tables.shape[0], q_heads, kv_heads, dim, block, dim**-0.5, 0),
+            *((1,) if tiles else ()),
             *(torch.get_num_threads(), case.out.data_ptr()),
         )
 
@@ -207,7 +210,18 @@ def rates(threads: list[int], repeats: int, seqs: int, against: Path | None) -> 
     cases = {name: prm_case(dim, heads, seqs) for name, (dim, heads) in PRM_SHAPES.items()}
     old = prefill_from(against) if against else None
     paths: dict[str, Callable[[PagedCase], object]] = {
-        "C AVX512-BF16": lambda c: cpu_kernels.paged_prefill(*c.prefill_args(), c.q.shape[-1] ** -0.5, None, c.out),
+        **(
+            {
+                "C AMX-BF16 tiles": lambda c: cpu_kernels.paged_prefill(
+                    *c.prefill_args(), c.q.shape[-1] ** -0.5, None, c.out
+                )
+            }
+            if cpu_kernels.prefill_tiles_available()
+            else {}
+        ),
+        "C AVX512-BF16": lambda c: cpu_kernels.paged_prefill(
+            *c.prefill_args(), c.q.shape[-1] ** -0.5, None, c.out, tiles=False
+        ),
         **({f"C AVX512-BF16 ({against.name})": old} if old else {}),
         "PyTorch SDPA (gathered, padded)": PagedCase.portable,
     }

@@ -185,7 +185,8 @@ def load() -> ctypes.CDLL | None:
     lib.avx512_bf16_built.restype = _int
     if lib.avx512_bf16_built():
         prefill_args = [_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _int, _int, _int, _int, _int]
-        lib.paged_prefill_bf16.argtypes = [*prefill_args, _float, _i64, _int, _ptr]
+        lib.paged_prefill_bf16.argtypes = [*prefill_args, _float, _i64, _int, _int, _ptr]
+        lib.prefill_tiles_available.restype = _int
         lib.linear_bf16.argtypes = [_ptr, _i64, _int, _ptr, _ptr, _i64, _int, _ptr, _i64, _int]
     return lib
 
@@ -370,9 +371,11 @@ def paged_prefill(
     window: int | None,
     out: torch.Tensor,
     kv_scales: torch.Tensor | None = None,
+    tiles: bool = True,
 ) -> None:
     """Causal attention of each sequence's chunk into `out`: sequence b's queries are rows
-    q_starts[b] .. + q_lens[b] - 1 of the flat batch, the last at position context_lens[b] - 1."""
+    q_starts[b] .. + q_lens[b] - 1 of the flat batch, the last at position context_lens[b] - 1.
+    bf16 pages take AMX tiles where `tiles` and `prefill_tiles_available()`, else AVX512-BF16."""
     assert q.is_contiguous() and out.is_contiguous() and q.shape == out.shape
     tables, q_starts, q_lens, context_lens = (t.contiguous() for t in (tables, q_starts, q_lens, context_lens))
     assert tables.dtype == q_starts.dtype == q_lens.dtype == context_lens.dtype == torch.int64
@@ -405,9 +408,16 @@ def paged_prefill(
         page_size,
         scale,
         window or 0,
+        int(tiles),
         torch.get_num_threads(),
         out.data_ptr(),
     )
+
+
+@cache
+def prefill_tiles_available() -> bool:
+    """bf16 paged prefill attention runs on AMX tiles here (TREESERVE_AMX=0 turns them off)."""
+    return bf16_built() and load().prefill_tiles_available() == 1
 
 
 GEMV_MAX_ROWS = 4  # above this oneDNN's GEMM wins

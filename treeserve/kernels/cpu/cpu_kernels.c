@@ -536,7 +536,16 @@ void paged_decode_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride, 
  * denominator); the output is that sum times 1 / the denominator, rounded to bf16 once. Keys a
  * row does not see, and blocks or pairs its tile skips, add exact zeros and scale by exactly 1,
  * so a row's bits depend only on its own query and keys, never on the chunk, tile, item or
- * batch around it. head_dim must be a multiple of 32. */
+ * batch around it. head_dim must be a multiple of 32.
+ *
+ * With `tiles` (AMX-BF16; `prefill_tiles_available`), the two products run as tile products
+ * and the softmax between them as above: a block's scores are S^T = K . Q^T (A: 16 keys' K rows
+ * in a [32][head_dim] copy, zeros for keys out of the item's range; B: the tile's qt, 32 dims a
+ * tile; C: [key][row], the vector path's `s` layout), and its output O += P . V (A: the tile's p
+ * pairs transposed to rows; B: the V pairs; C: O [row][head_dim] fp32, scaled by alpha first).
+ * The tile sums each score's and each output's 16 pairs of a product in the order the silicon
+ * adds them, rows independent of one another, so the same invariance holds; the bits differ
+ * from the vector path's. */
 #define PREFILL_TILE 16
 #define PREFILL_TILES 8 /* tiles a work item */
 #define KEY_BLOCK 32
@@ -606,18 +615,97 @@ typedef struct {
     int32_t lo[PREFILL_TILE], hi[PREFILL_TILE]; /* each lane's keys [lo, hi) */
     __m512 m, den;                              /* running max and denominator */
     __m512i *qt;                                /* [head_dim / 2]: lane l holds dims (2p, 2p + 1) of row l */
-    float *acc;                                 /* [head_dim][16]: p.v sums */
+    float *acc;                                 /* p.v sums: [head_dim][16], with tiles [16][head_dim] */
 } prefill_tile;
+
+/* A block of 32 keys as both paths read it. */
+typedef struct {
+    const bf16 *kr[KEY_BLOCK]; /* each key's K row (a key out of the item's range: another key's row) */
+    const bf16 *kb;            /* tiles: the K rows [KEY_BLOCK][head_dim], zeros out of the item's range */
+    __m512i *P;                /* [KEY_BLOCK / 2]: lane l: bf16 p of keys 2jp, 2jp + 1 */
+    const int32_t *vp;         /* [KEY_BLOCK / 2][head_dim]: dim d of keys 2jp, 2jp + 1 */
+    int tiles;
+} key_block;
+
+#if (defined(__AMX_TILE__) && defined(__AMX_BF16__)) || defined(TREESERVE_AMX_EMULATED)
+#include "amx.h"
+#define HAVE_TILES 1
+
+static void configure_tiles(void) {
+    tile_config cfg = {0};
+    cfg.palette = 1;
+    for (int t = 0; t < 7; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64; /* 0-1 S^T, 2 K, 3 Q^T, 4 P, 5 V, 6 O */
+    _tile_loadconfig(&cfg);
+}
+
+/* s[j] lane l = key j . row l for the keys of halves [h0, h1) of the block (16 keys a half). */
+static void qk_tiles(const prefill_tile *tile, const bf16 *kb, int head_dim, int h0, int h1, __m512 *s) {
+    const int64_t k_stride = 2 * head_dim;
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int c = 0; c < head_dim / 32; c++) {
+        _tile_loadd(3, tile->qt + 16 * c, 64);
+        if (h0 == 0) {
+            _tile_loadd(2, kb + 32 * c, k_stride);
+            _tile_dpbf16ps(0, 2, 3);
+        }
+        if (h1 == 2) {
+            _tile_loadd(2, kb + 16 * head_dim + 32 * c, k_stride);
+            _tile_dpbf16ps(1, 2, 3);
+        }
+    }
+    if (h0 == 0) _tile_stored(0, s, 64);
+    if (h1 == 2) _tile_stored(1, s + 16, 64);
+}
+
+/* acc[l][:] = acc[l][:] * alpha lane l (where `rescale`) + P row l . V, P's 16 pairs (zeros
+ * outside the tile's keys) transposed to rows. */
+static void pv_tiles(float *acc, const __m512i *P, const int32_t *vp, int head_dim, int rescale, __m512 alpha) {
+    __m512i rows[16];
+    for (int jp = 0; jp < 16; jp++) rows[jp] = _mm512_load_si512(P + jp);
+    transpose16_epi32(rows);
+    _tile_loadd(4, rows, 64);
+    if (rescale) {
+        float a[16];
+        _mm512_storeu_ps(a, alpha);
+        for (int l = 0; l < 16; l++) {
+            const __m512 al = _mm512_set1_ps(a[l]);
+            for (int d = 0; d < head_dim; d += 16)
+                _mm512_store_ps(acc + l * head_dim + d, _mm512_mul_ps(_mm512_load_ps(acc + l * head_dim + d), al));
+        }
+    }
+    for (int d = 0; d < head_dim; d += 16) {
+        _tile_loadd(6, acc + d, 4 * head_dim);
+        _tile_loadd(5, vp + d, 4 * head_dim);
+        _tile_dpbf16ps(6, 4, 5);
+        _tile_stored(6, acc + d, 4 * head_dim);
+    }
+}
+#endif
+
+int prefill_tiles_available(void) {
+#ifdef HAVE_TILES
+    return amx_usable();
+#else
+    return 0;
+#endif
+}
 
 /* One block of keys [b0, b0 + 32) for a tile whose keys fall in [klo, khi): scores, online
  * softmax, p.v. kr: the block's K rows (a key out of the item's range: another key's row). */
-static void prefill_block(prefill_tile *tile, const bf16 *const *kr, int64_t b0, int64_t klo, int64_t khi,
-                          int head_dim, float scale, __m512i *P, const int32_t *vp) {
+static void prefill_block(prefill_tile *tile, const key_block *kb, int64_t b0, int64_t klo, int64_t khi,
+                          int head_dim, float scale) {
     const int pairs = head_dim / 2;
     const int j0 = (int)((klo > b0 ? klo : b0) - b0), j1 = (int)((khi < b0 + KEY_BLOCK ? khi : b0 + KEY_BLOCK) - b0);
-    const int q0 = j0 / 8 * 8, q1 = (j1 + 7) / 8 * 8; /* the key octets holding [j0, j1) */
-    __m512 s[KEY_BLOCK]; /* keys out of [j0, j1) are masked */
-    qk_block(tile->qt, kr + q0, pairs, q1 - q0, s + q0);
+    /* the keys scored, holding [j0, j1): octets, or with tiles halves */
+    const int step = kb->tiles ? 16 : 8, q0 = j0 / step * step, q1 = (j1 + step - 1) / step * step;
+    __m512 s[KEY_BLOCK] __attribute__((aligned(64))); /* keys out of [j0, j1) are masked */
+#ifdef HAVE_TILES
+    if (kb->tiles) qk_tiles(tile, kb->kb, head_dim, q0 / 16, q1 / 16, s);
+    else
+#endif
+        qk_block(tile->qt, kb->kr + q0, pairs, q1 - q0, s + q0);
+    __m512i *P = kb->P;
     /* every row sees every key of the block: no masks */
     const int full = j0 == 0 && j1 == KEY_BLOCK && tile->lo[PREFILL_TILE - 1] <= b0 && tile->hi[0] >= b0 + KEY_BLOCK;
     /* scores in base 2: exp(x * scale) = 2^(x * scale * log2 e) */
@@ -654,13 +742,22 @@ static void prefill_block(prefill_tile *tile, const bf16 *const *kr, int64_t b0,
         den = _mm512_dpbf16_ps(den, (__m512bh)pair, (__m512bh)ones);
     }
     tile->den = den;
-    for (int a = 0; a < head_dim; a += 16) pv_chunk(tile->acc + 16 * a, P, vp + a, head_dim, p0, p1, rescale, alpha);
+#ifdef HAVE_TILES
+    if (kb->tiles) { /* the tile product takes all 16 pairs: zeros for keys the tile does not score */
+        for (int jp = 0; jp < KEY_BLOCK / 2; jp++)
+            if (jp < p0 || jp >= p1) _mm512_store_si512(P + jp, _mm512_setzero_si512());
+        pv_tiles(tile->acc, P, kb->vp, head_dim, rescale, alpha);
+        return;
+    }
+#endif
+    for (int a = 0; a < head_dim; a += 16)
+        pv_chunk(tile->acc + 16 * a, P, kb->vp + a, head_dim, p0, p1, rescale, alpha);
 }
 
 static void prefill_item_bf16(const bf16 *q, int64_t q_row_stride, const bf16 *k_cache, int64_t page_stride,
                               int64_t v_offset, const int64_t *table, int page_size, int64_t token_stride,
                               int kv_head, int head_dim, int group, int64_t first_pos, int first_row, int rows,
-                              int64_t window, float scale, char *buf, bf16 *out) {
+                              int64_t window, float scale, int tiles_on, char *buf, bf16 *out) {
     const int pairs = head_dim / 2, tiles = (rows + PREFILL_TILE - 1) / PREFILL_TILE;
     prefill_tile tile[PREFILL_TILES];
     char *next = buf;
@@ -686,9 +783,11 @@ static void prefill_item_bf16(const bf16 *q, int64_t q_row_stride, const bf16 *k
             for (int p = 0; p < 16; p++) _mm512_store_si512(T->qt + c + p, r[p]);
         }
     }
-    __m512i *P = (__m512i *)next;                  /* [KEY_BLOCK / 2]: lane l: bf16 p of keys 2jp, 2jp + 1 */
-    int32_t *vp = (int32_t *)(P + KEY_BLOCK / 2); /* [KEY_BLOCK / 2][head_dim]: dim d of keys 2jp, 2jp + 1 */
-    int64_t *rowoff = (int64_t *)(vp + KEY_BLOCK / 2 * head_dim);
+    key_block kb = {.P = (__m512i *)next, .tiles = tiles_on};
+    int32_t *vp = (int32_t *)(kb.P + KEY_BLOCK / 2);
+    bf16 *k_rows = (bf16 *)(vp + KEY_BLOCK / 2 * head_dim); /* kb.kb: [KEY_BLOCK][head_dim] */
+    kb.vp = vp, kb.kb = k_rows;
+    int64_t *rowoff = (int64_t *)(k_rows + KEY_BLOCK * head_dim);
     const int64_t klo = tile[0].lo[0], khi = tile[tiles - 1].hi[PREFILL_TILE - 1];
     int64_t page = klo / page_size, slot = klo % page_size;
     for (int64_t t = klo; t < khi; t++, slot++) { /* rowoff[t]: key t's K row in the arena */
@@ -707,7 +806,8 @@ static void prefill_item_bf16(const bf16 *q, int64_t q_row_stride, const bf16 *k
                 _mm_prefetch((const char *)(k_cache + rowoff[t]) + 64 * l, _MM_HINT_T0);
                 _mm_prefetch((const char *)(values + rowoff[t]) + 64 * l, _MM_HINT_T0);
             }
-        for (int jp = j0 / 8 * 4; jp < (j1 + 7) / 8 * 4; jp++) { /* V pairs, 0 for keys out of [j0, j1) */
+        const int jp0 = tiles_on ? 0 : j0 / 8 * 4, jp1 = tiles_on ? KEY_BLOCK / 2 : (j1 + 7) / 8 * 4;
+        for (int jp = jp0; jp < jp1; jp++) { /* V pairs, 0 for keys out of [j0, j1) */
             const int k0 = 2 * jp, k1 = 2 * jp + 1;
             int32_t *dst = vp + jp * head_dim;
             for (int c = 0; c < head_dim; c += 32) {
@@ -717,17 +817,33 @@ static void prefill_item_bf16(const bf16 *q, int64_t q_row_stride, const bf16 *k
                 _mm512_store_si512(dst + c + 16, _mm512_permutex2var_epi16(v0, hi_half, v1));
             }
         }
-        const bf16 *kr[KEY_BLOCK];
-        for (int j = 0; j < KEY_BLOCK; j++) kr[j] = k_cache + rowoff[b0 + (j < j0 || j >= j1 ? j0 : j)];
+        for (int j = 0; j < KEY_BLOCK; j++) kb.kr[j] = k_cache + rowoff[b0 + (j < j0 || j >= j1 ? j0 : j)];
+        if (tiles_on)
+            for (int j = j0 / 16 * 16; j < (j1 + 15) / 16 * 16; j++) {
+                if (j >= j0 && j < j1) memcpy(k_rows + j * head_dim, kb.kr[j], sizeof(bf16) * head_dim);
+                else memset(k_rows + j * head_dim, 0, sizeof(bf16) * head_dim);
+            }
         for (int t = 0; t < tiles; t++) {
             const int64_t tlo = tile[t].lo[0], thi = tile[t].hi[PREFILL_TILE - 1];
-            if (tlo < b0 + KEY_BLOCK && thi > b0) prefill_block(tile + t, kr, b0, tlo, thi, head_dim, scale, P, vp);
+            if (tlo < b0 + KEY_BLOCK && thi > b0) prefill_block(tile + t, &kb, b0, tlo, thi, head_dim, scale);
         }
     }
     for (int t = 0; t < tiles; t++) {
         float inv[PREFILL_TILE];
         _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), tile[t].den));
         const int n = rows - t * PREFILL_TILE < PREFILL_TILE ? rows - t * PREFILL_TILE : PREFILL_TILE;
+        if (tiles_on) { /* acc [16][head_dim]: rows as they lie */
+            for (int l = 0; l < n; l++) {
+                const int row = first_row + t * PREFILL_TILE + l;
+                bf16 *o = out + (int64_t)(row / group) * q_row_stride + (int64_t)(kv_head * group + row % group) * head_dim;
+                const __m512 il = _mm512_set1_ps(inv[l]);
+                for (int a = 0; a < head_dim; a += 16) {
+                    const __m512 x = _mm512_mul_ps(_mm512_load_ps(tile[t].acc + l * head_dim + a), il);
+                    _mm256_storeu_si256((__m256i *)(o + a), (__m256i)_mm512_cvtneps_pbh(x));
+                }
+            }
+            continue;
+        }
         for (int a = 0; a < head_dim; a += 16) { /* 16 dims x 16 rows, transposed to rows */
             __m512i r[16];
             for (int d = 0; d < 16; d++) r[d] = _mm512_load_si512(tile[t].acc + 16 * (a + d));
@@ -755,8 +871,13 @@ static int longest_first(const void *a, const void *b) {
 void paged_prefill_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride, int64_t v_offset,
                         const int64_t *tables, int64_t table_stride, const int64_t *q_starts, const int64_t *q_lens,
                         const int64_t *ctx_lens, int batch, int q_heads, int kv_heads, int head_dim, int page_size,
-                        float scale, int64_t window, int threads, bf16 *out) {
+                        float scale, int64_t window, int tiles, int threads, bf16 *out) {
     const int group = q_heads / kv_heads, item_rows = PREFILL_TILE * PREFILL_TILES;
+#ifdef HAVE_TILES
+    tiles = tiles && amx_usable();
+#else
+    tiles = 0;
+#endif
     const int64_t token_stride = (int64_t)kv_heads * head_dim, q_row_stride = (int64_t)q_heads * head_dim;
     int64_t items = 0, max_ctx = 0;
     for (int b = 0; b < batch; b++) {
@@ -774,13 +895,16 @@ void paged_prefill_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride,
             }
     if (threads > 1) qsort(work, n, sizeof(prefill_work), longest_first); /* the last items taken are short */
     /* per tile: qt [head_dim / 2 vectors], p.v sums [head_dim vectors]; P [KEY_BLOCK / 2 vectors],
-     * V pairs [KEY_BLOCK / 2 x head_dim dwords], key row offsets [max_ctx] */
+     * V pairs [KEY_BLOCK / 2 x head_dim dwords], K rows [KEY_BLOCK x head_dim], key row offsets [max_ctx] */
     const size_t bytes = (size_t)64 * (PREFILL_TILES * (head_dim / 2 + head_dim) + KEY_BLOCK / 2) +
-                         sizeof(int32_t) * KEY_BLOCK / 2 * head_dim +
+                         sizeof(int32_t) * KEY_BLOCK / 2 * head_dim + sizeof(bf16) * KEY_BLOCK * head_dim +
                          sizeof(int64_t) * (size_t)max_ctx;
     _Pragma("omp parallel num_threads(threads)")
     {
         char *buf = (char *)aligned_alloc(64, (bytes + 63) / 64 * 64);
+#ifdef HAVE_TILES
+        if (tiles) configure_tiles();
+#endif
         _Pragma("omp for schedule(dynamic, 1)")
         for (int64_t w = 0; w < n; w++) {
             const int64_t b = work[w].seq, h = work[w].kv_head, r = work[w].row;
@@ -788,14 +912,18 @@ void paged_prefill_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride,
             prefill_item_bf16(q + q_starts[b] * q_row_stride, q_row_stride, k_cache, page_stride, v_offset,
                               tables + b * table_stride, page_size, token_stride, (int)h, head_dim, group,
                               ctx_lens[b] - q_lens[b], (int)r, rows < item_rows ? (int)rows : item_rows, window,
-                              scale, buf, out + q_starts[b] * q_row_stride);
+                              scale, tiles, buf, out + q_starts[b] * q_row_stride);
         }
+#ifdef HAVE_TILES
+        if (tiles) _tile_release();
+#endif
         free(buf);
     }
     free(work);
 }
 
 #else
+int prefill_tiles_available(void) { return 0; }
 void paged_decode_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride, int64_t v_offset,
                        const int64_t *tables, int64_t table_stride, const int64_t *ctx_lens, int batch, int q_heads,
                        int kv_heads, int head_dim, int page_size, float scale, int64_t window, int threads,

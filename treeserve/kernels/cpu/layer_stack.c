@@ -51,7 +51,7 @@ typedef void (*attend_fn)(const bf16 *q, const bf16 *k_cache, int64_t page_strid
 typedef void (*prefill_fn)(const bf16 *q, const bf16 *k_cache, int64_t page_stride, int64_t v_offset,
                            const int64_t *tables, int64_t table_stride, const int64_t *q_starts, const int64_t *q_lens,
                            const int64_t *ctx_lens, int batch, int q_heads, int kv_heads, int head_dim, int page_size,
-                           float scale, int64_t window, int threads, bf16 *out);
+                           float scale, int64_t window, int tiles, int threads, bf16 *out);
 typedef void (*gated_fn)(const bf16 *gate_up, int64_t rows, int64_t inter, const bf16 *table, bf16 *out, int threads);
 typedef void (*rows_fn)(const uint8_t *table, int64_t k, const int64_t *ids, int64_t count, float *out);
 
@@ -209,7 +209,7 @@ void layer_stack_bf16(const stack *s, const layer *layers, int count, const step
             s->prefill(q, (const bf16 *)k_cache, st->page_stride, st->v_offset, st->prefill_tables,
                        st->prefill_table_stride, st->q_starts, st->q_lens, st->prefill_context_lens,
                        st->prefill_batch, s->q_heads, s->kv_heads, (int)dim, st->page_size, st->scale, ly->window,
-                       threads, att);
+                       1, threads, att); /* AMX tiles where the CPU has them */
         matmul(s, &ly->o, att, t, y, threads);
         residual_add(x, norm(s, ly, POST_ATTN_NORM, y, t, hidden, h, threads), t * hidden);
         /* MLP */
