@@ -19,13 +19,14 @@
  * file's size: each panel its block scales, then Q8_0's codes as `multiply` reads them, a byte
  * each, or a nibble format's still packed (two a byte, plus Q5_0's fifth and Q6_K's top bits;
  * `nibble_panel`). A thread then streams its panels as one run of bytes, in the order it reads
- * them (its first 16 KB asked for at once, then lines 16 KB ahead) instead of 16 rows at once;
- * nothing is transposed per call. A few rows read the packed codes as they are
- * (`group_vector`); more than a tile unpack a panel once (`expand`). AMX takes Q8_0's codes as
- * they lie and has no path for the packed ones. The same codes and scales, so the same bits as
- * the file's layout. (The nibble formats' panels measured no faster at prefill sizes, where
- * unpacking is shared by the rows; at one row they are 2-3x: Gemma 3's layers at one row
- * spent most of a matmul unpacking.)
+ * them (its first 16 KB asked for at once, then lines 16 KB ahead) instead of 16 rows at once.
+ * A few rows read the packed codes as they are (`group_vector`; nothing transposed per call);
+ * more than a tile unpack a panel once (`expand`). AMX takes Q8_0's codes as they lie, and a
+ * packed panel's unpacked once into the channel rows `multiply_amx` reads from the file's
+ * layout (`channel_rows`). The same codes and scales, so the same bits as the file's layout.
+ * (The nibble formats' panels measured no faster at prefill sizes, where unpacking is shared
+ * by the rows; at one row they are 2-3x: Gemma 3's layers at one row spent most of a matmul
+ * unpacking.)
  *
  * Results: the dequantised matrix times the int8-rounded activations, up to float summation.
  * Formats: Q4_0, Q5_0, Q8_0, Q4_K, Q6_K and our per-channel int8; k a multiple of 64 (and of the
@@ -571,6 +572,25 @@ static inline __attribute__((always_inline)) void multiply_amx(panel p, int bloc
     for (int c = 0; c < NC; c++) acc[c] = a[c];
 }
 
+/* A packed panel's codes as AMX's A operand, a channel's k codes a row (what `unpack_panel`
+ * writes from the file's rows for AMX): each group's 16 code vectors transposed back. */
+static inline __attribute__((always_inline)) void channel_rows(panel p, int layout, int64_t k, uint8_t *into) {
+    for (int64_t g = 0; g < k / 64; g++) {
+        const uint8_t *group = p.codes + g * group_bytes(layout);
+        __m512i r[NC];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++) r[i] = group_vector(p, layout, group, i);
+        transpose16(r); /* r[c]: channel c's 64 codes of the group, in weight order */
+        for (int c = 0; c < NC; c++) _mm512_store_si512(into + c * k + 64 * g, r[c]);
+    }
+}
+
+#define CHANNEL_ROWS_CASE(T, BLOCK, SHIFT, MIN, LAYOUT) case T_##T: channel_rows(p, LAYOUT, k, into); break;
+
+static void channel_rows_any(int type, panel p, int64_t k, uint8_t *into) {
+    switch (type) { FORMATS(CHANNEL_ROWS_CASE) }
+}
+
 #define AMX_CASE(T, BLOCK, SHIFT, MIN, LAYOUT) case T_##T: multiply_amx(p, BLOCK, SHIFT, MIN, k, t, acc); break;
 
 static void multiply_amx_any(int type, panel p, int64_t k, act_tile t, __m512 *acc) {
@@ -581,8 +601,8 @@ static void multiply_amx_any(int type, panel p, int64_t k, act_tile t, __m512 *a
  * lie (4 weights of each of 16 channels a tile row) and the activation rows the A operand
  * (TDPBSUD: signed activations x unsigned codes), so acc[r] holds row r (no transposes); then
  * `multiply`'s float steps for Q8_0 (blocks of 32, codes offset by 128). Tiles as
- * `configure_tiles(32)` sets them. (The file's layouts keep `multiply_amx`: unpacked into this
- * layout instead, their matmuls took 5-15% longer at 128-512 rows, the same bits.) */
+ * `configure_tiles(32)` sets them. (The file's layouts and packed panels keep `multiply_amx`:
+ * unpacked into this layout instead, the file's matmuls took 5-15% longer at 128-512 rows.) */
 #define PANEL_PRODUCT(C, A, B, blk)                                                           \
     do {                                                                                      \
         _tile_zero(C);                                                                        \
@@ -797,15 +817,10 @@ void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int6
         first_col[j + 1] = first_col[j] + part_rows[j];
     }
     const int64_t panels = first_panel[parts];
-    int all_laid_out = 1; /* then AMX reads the activation rows as they are (no act_tile) */
-    int packed = 0;       /* nibble formats laid out: AMX has no path for them (VNNI multiplies) */
-    for (int j = 0; j < parts; j++) {
-        all_laid_out &= types[j] >= PANELS;
-        packed |= types[j] >= PANELS && types[j] != PANELS + T_Q8_0;
-    }
-    (void)packed;
+    int all_q8_0_panels = 1; /* then AMX reads the activation rows as they are (no act_tile) */
+    for (int j = 0; j < parts; j++) all_q8_0_panels &= types[j] == PANELS + T_Q8_0;
 #ifdef HAVE_AMX
-    const int amx = m >= AMX_ROWS && !packed && amx_usable(); /* same sums, same float steps: the rows' bits agree */
+    const int amx = m >= AMX_ROWS && amx_usable(); /* same sums, same float steps: the rows' bits agree */
     const int64_t padded = amx ? (m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : m; /* whole tiles of codes */
 #else
     const int amx = 0;
@@ -819,7 +834,7 @@ void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int6
     memset(x.d + (int64_t)m * (k / 32), 0, (size_t)(padded - m) * (k / 32) * 4);
     memset(x.off + (int64_t)m * (k / 32), 0, (size_t)(padded - m) * (k / 32) * 4);
 #ifdef HAVE_AMX
-    const int tiled = amx && !all_laid_out; /* parts in the file's layout: activations as act_tiles */
+    const int tiled = amx && !all_q8_0_panels; /* parts `multiply_amx` takes: activations as act_tiles */
     const size_t tile_lanes = tiled ? sizeof(float) * padded * (k / 16) : 64;
     act_tile xt = {tiled ? aligned_alloc(64, codes) : NULL, aligned_alloc(64, tile_lanes), aligned_alloc(64, tile_lanes),
                    aligned_alloc(64, tile_lanes)};
@@ -876,6 +891,8 @@ void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int6
                 unpack_any(types[j], rows, scales, k, ahead, rb / (k / 64), amx, p);
             }
 #ifdef HAVE_AMX
+            if (amx && laid_out && type != T_Q8_0) /* packed: unpacked once into channel rows for all the rows */
+                channel_rows_any(type, q, k, p.codes);
             const int block = block_of(type);
             if (amx && tiles != block) configure_tiles(tiles = block);
 #endif
@@ -888,7 +905,7 @@ void q8_matmul(int parts, const int *types, const uint8_t *const *ws, const int6
                 __m512 acc[AMX_ROWS];
                 for (int64_t r0 = 0; r0 < m; r0 += AMX_ROWS) {
                     const int mr = m - r0 < AMX_ROWS ? (int)(m - r0) : AMX_ROWS;
-                    if (laid_out) {
+                    if (laid_out && type == T_Q8_0) {
                         multiply_amx_q8_0_panel(q, k, x, r0, acc);
                     } else {
                         multiply_amx_any(type, p, k, (act_tile){xt.q + r0 * k, xt.s16 + r0 * (k / 16),
