@@ -68,7 +68,7 @@ def main() -> None:
     if args.lm_head:
         plans = [model.embed_tokens.weight.plan]
     if not all(plan.q8 and plan.laid_out for plan in plans):
-        raise SystemExit("these matrices are not on the 8-bit kernel's packed panels (an AMX CPU keeps the file's)")
+        raise SystemExit("these matrices are not on the 8-bit kernel's packed panels")
     libs = {"before": library(args.before), "after": library(None)}
     sweep = torch.empty(0 if args.warm else 64 << 20, dtype=torch.uint8)
     print(

@@ -167,14 +167,13 @@ def test_int8_activations_rows_do_not_depend_on_the_batch(qtype):
 def test_q8_0_laid_out_as_panels_gives_the_files_results_to_the_bit(dtype):
     """Laid-out panels hold the file's codes and scales in the kernel's order: the same products
     and sums, for few rows (VNNI) and tiles of 16 (AMX where there is one), alone and beside a
-    part of another format (laid out too where the CPU has no AMX); its rows are looked up."""
+    part of another format (laid out too, packed); its rows are looked up."""
     qtype, n, k = "Q8_0", 37, 512  # 37: the last panel holds 5 channels
     data = _blocks(qtype, n, k, seed=4)
     other = _blocks("Q5_0", 9, k, seed=5)
     filed = QuantTensor([QuantPart(quant.QTYPES["Q5_0"], other), QuantPart(quant.QTYPES[qtype], data)], k, dtype)
     laid = filed.in_panels()
-    packed = cpu_kernels.load_amx() is None  # the nibble formats are laid out too
-    assert (laid.parts[0] is filed.parts[0]) != packed and laid.parts[1].qtype == quant.PANELS + quant.QTYPES[qtype]
+    assert [p.qtype for p in laid.parts] == [quant.PANELS + p.qtype for p in filed.parts]
     assert laid.formats == ["Q5_0", "Q8_0"] and laid.shape == (46, k) and laid.in_panels() is laid
     assert laid.parts[1].data.shape == (3, 16 * quant.row_bytes(quant.QTYPES[qtype], k))  # the file's bytes
     assert torch.equal(laid.parts[1].dequantize(torch.arange(n), k), filed.parts[1].dequantize(torch.arange(n), k))
@@ -192,14 +191,14 @@ def test_q8_0_laid_out_as_panels_gives_the_files_results_to_the_bit(dtype):
 
 
 @needs_q8
-@pytest.mark.skipif(cpu_kernels.load_amx() is not None, reason="with AMX the nibble formats keep the file's layout")
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("k", [512, 768])  # 768: 3 super-blocks, so a Q6_K panel is not 64-byte aligned
 def test_nibble_formats_laid_out_as_packed_panels_give_the_files_results_to_the_bit(qtype, k):
     """A nibble format's panels keep its codes packed (two a byte, plus Q5_0's fifth and Q6_K's
     top bits) and its scales as the file stores them: every row count gives the file layout's
-    bits, for one part alone and beside others in a fused matrix, at 1, 2 and 4 threads (each
-    thread a run of panels, ending inside a part at 4); the fp32 rows too. A table
+    bits (VNNI below 16 rows, AMX tiles from 16 where there are any), for one part alone and
+    beside others in a fused matrix, at 1, 2 and 4 threads (each thread a run of panels, ending
+    inside a part at 4); the fp32 rows too. A table
     whose rows are looked up stays in the file's layout, and packed panels refuse a lookup."""
     n = 37  # the last panel holds 5 channels
     number = quant.QTYPES[qtype]
@@ -222,7 +221,7 @@ def test_nibble_formats_laid_out_as_packed_panels_give_the_files_results_to_the_
         for dtype, count in itertools.product((torch.bfloat16, torch.float32), (1, 2, 4)):
             torch.set_num_threads(count)
             x = torch.randn(40, k, generator=generator).to(dtype)
-            for m in (1, 2, 3, 4, 5, 8, 9, 16, 17, 40):
+            for m in (1, 2, 3, 4, 5, 8, 9, 15, 16, 17, 40):
                 laid_rows, filed_rows = quant_linear(x[:m], laid.to(dtype)), quant_linear(x[:m], filed.to(dtype))
                 assert torch.equal(laid_rows, filed_rows), (m, count)
     finally:

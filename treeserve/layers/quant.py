@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from treeserve.kernels.cpu import load_amx
 from treeserve.kernels.cpu import quant as kernels
 
 QTYPE_NAMES = {number: name for name, number in kernels.QTYPES.items()}
@@ -142,11 +141,12 @@ class QuantTensor:
 
     def in_panels(self, lookups: bool = False) -> QuantTensor:
         """Parts laid out as the 8-bit kernel's panels where it or the tiles multiply the matrix: Q8_0
-        always, nibble formats only where nothing else reads them (no AMX, no `lookups`)."""
+        always, nibble formats only where the 8-bit kernel alone reads them (its VNNI and AMX paths
+        both do; not the bf16 tiles, not `lookups`)."""
         tiles = self.plan.tiles and self.dtype == torch.bfloat16
         if not (self.plan.q8_formats and (self.plan.q8 or tiles)):
             return self
-        packed = self.plan.q8 and not lookups and load_amx() is None
+        packed = self.plan.q8 and not lookups
         formats = kernels.LAYOUTS if packed else kernels.BYTE_LAYOUTS
         parts = [p.in_panels(self.cols, formats) for p in self.parts]
         if all(new is old for new, old in zip(parts, self.parts, strict=True)):
