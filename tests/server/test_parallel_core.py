@@ -41,7 +41,9 @@ def rank_pids(core_pid: int) -> list[int]:
 
 @pytest.mark.slow  # ~18s (CI runs the slow step); the default suite keeps to ~10 minutes
 def test_a_dead_rank_restarts_the_core_with_new_ranks():
-    settings = ServerSettings(**{**SETTINGS, "prm": replace(SETTINGS["prm"], parallel_config=ParallelConfig(tensor_parallel_size=2))})
+    settings = ServerSettings(
+        **{**SETTINGS, "prm": replace(SETTINGS["prm"], parallel_config=ParallelConfig(tensor_parallel_size=2))}
+    )
     live = start_server(settings, build=build_core_served)
     try:
         first = post(live, "/v1/search", SEARCH)
