@@ -9,16 +9,12 @@ file layout's bits. Real tiles, or emulated ones (TREESERVE_AMX_EMULATED=1, as C
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
 from tests.gguf_files import random_blocks
+from tests.kernels.tiles_off import products_without_tiles
 from treeserve.kernels import cpu as cpu_kernels
 from treeserve.kernels.cpu import quant
 from treeserve.layers.quant import QuantPart, QuantTensor, quant_linear
@@ -65,27 +61,11 @@ def _products(x: torch.Tensor) -> dict[str, torch.Tensor]:
     return out
 
 
-_WITHOUT_TILES = """
-import sys, torch
-from tests.kernels.test_amx_q8 import _products
-from treeserve.kernels import cpu as cpu_kernels
-assert cpu_kernels.load_amx() is None
-torch.save(_products(torch.load(sys.argv[1])), sys.argv[2])
-"""
-
-
 @pytest.mark.skipif(cpu_kernels.load_amx() is None, reason="no usable AMX tiles: every row already takes VNNI")
 def test_tiles_off_packed_panels_give_the_tiles_bits(tmp_path):
     """TREESERVE_AMX=0 multiplies the same panels on VNNI at every row count: the same bits."""
     x = torch.randn(40, 768, generator=torch.Generator().manual_seed(9)).bfloat16()
-    torch.save(x, tmp_path / "x.pt")
-    subprocess.run(
-        [sys.executable, "-c", _WITHOUT_TILES, str(tmp_path / "x.pt"), str(tmp_path / "out.pt")],
-        env={**os.environ, "TREESERVE_AMX": "0"},
-        check=True,
-        cwd=Path(__file__).parents[2],
-    )
-    without = torch.load(tmp_path / "out.pt")
+    without = products_without_tiles("tests.kernels.test_amx_q8:_products", x, tmp_path)
     with_tiles = _products(x)
     assert with_tiles.keys() == without.keys()
     for name, got in with_tiles.items():

@@ -16,10 +16,6 @@ sum over blocks of (block scale / 2) * sum|w| (the activations' own rounding) of
 from __future__ import annotations
 
 import itertools
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import gguf
 import numpy as np
@@ -28,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.gguf_files import BLOCKS, random_blocks
+from tests.kernels.tiles_off import products_without_tiles
 from treeserve.kernels import cpu as cpu_kernels
 from treeserve.kernels.cpu import quant
 from treeserve.layers.quant import QuantPart, QuantTensor, quant_embedding, quant_linear, quantize_int8
@@ -322,30 +319,13 @@ def _int8_products(x: torch.Tensor) -> dict[str, torch.Tensor]:
     return out
 
 
-_WITHOUT_TILES = """
-import sys, torch
-from tests.kernels.test_quant_kernels import _int8_products
-from treeserve.kernels import cpu as cpu_kernels
-assert cpu_kernels.load_amx() is None
-torch.save(_int8_products(torch.load(sys.argv[1])), sys.argv[2])
-"""
-
-
 @needs_q8
 @pytest.mark.skipif(cpu_kernels.load_amx() is None, reason="no usable AMX tiles: every row already takes VNNI")
 def test_tiles_off_the_int8_kernels_give_the_tiles_bits(tmp_path):
     """TREESERVE_AMX=0 (a process that may not use AMX) multiplies 16+ rows with VNNI instead of
     tiles: the same bits, in every format and in the laid-out panels."""
     x = torch.randn(40, 512, generator=torch.Generator().manual_seed(8)).bfloat16()
-    torch.save(x, tmp_path / "x.pt")
-    env = {**os.environ, "TREESERVE_AMX": "0"}
-    subprocess.run(
-        [sys.executable, "-c", _WITHOUT_TILES, str(tmp_path / "x.pt"), str(tmp_path / "out.pt")],
-        env=env,
-        check=True,
-        cwd=Path(__file__).parents[2],
-    )
-    without = torch.load(tmp_path / "out.pt")
+    without = products_without_tiles("tests.kernels.test_quant_kernels:_int8_products", x, tmp_path)
     with_tiles = _int8_products(x)
     assert with_tiles.keys() == without.keys()
     for name, got in with_tiles.items():
