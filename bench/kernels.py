@@ -16,8 +16,9 @@ Cases (bf16, pages laid out as the engine's arena lays them out, one layer of fo
 Prints the median time of each over `--repeats` runs of ~0.3 s and the ratio.
 
 `--rates` (issue 90): paged prefill attention at the PRM's shapes (`PRM_SHAPES`: many sequences
-each adding 10-100 tokens over 100-500 cached), per kernel path, as KV GB/s and FLOP/s against
-the bf16 matmul's FLOP/s measured in the same run (`rates`).
+each adding 10-100 tokens over 100-500 cached), per kernel path this CPU has (amx, avx512, avx2,
+and the decode kernel a query a call, the route where no prefill kernel fits), as KV GB/s and
+FLOP/s against the bf16 matmul's FLOP/s measured in the same run (`rates`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from treeserve.engine.attention import SdpaBackend, SeqGroup  # noqa: E402
+from treeserve.engine.attention import SdpaBackend, SeqGroup, queries_as_decodes  # noqa: E402
 from treeserve.kernels import cpu as cpu_kernels  # noqa: E402
 from treeserve.kv.arena import KVArena  # noqa: E402
 from treeserve.layers.linear import Linear  # noqa: E402
@@ -82,11 +83,10 @@ class PagedCase:
     def prefill_args(self) -> tuple[torch.Tensor, ...]:
         return self.q, self.k_cache, self.v_cache, self.tables, self.starts, self.lens, self.ctx
 
-    def portable(self) -> None:
-        """The SDPA path the kernels replace: pages gathered, padded to the longest, masked."""
+    def group(self) -> SeqGroup:
         width = int(self.lens.max())
         step = torch.arange(width)[None]
-        group = SeqGroup(
+        return SeqGroup(
             page_tables=self.tables,
             context_lens=self.ctx,
             query_index=self.starts[:, None] + torch.minimum(step, self.lens[:, None] - 1),
@@ -94,7 +94,16 @@ class PagedCase:
             query_start=self.starts,
             query_len=self.lens,
         )
-        SdpaBackend().attend(group, self.q, self.k_cache, self.v_cache, None, None, self.out)
+
+    def portable(self) -> None:
+        """The SDPA path the kernels replace: pages gathered, padded to the longest, masked."""
+        SdpaBackend().attend(self.group(), self.q, self.k_cache, self.v_cache, None, None, self.out)
+
+    def as_decodes(self) -> None:
+        """CpuBackend's path where no prefill kernel fits: each query a decode of the C kernel."""
+        rows, tables, lens = queries_as_decodes(self.group())
+        scale = self.q.shape[-1] ** -0.5
+        self.out[rows] = cpu_kernels.paged_decode(self.q[rows], self.k_cache, self.v_cache, tables, lens, scale, None)
 
 
 def paged_case(
@@ -209,22 +218,25 @@ def rates(threads: list[int], repeats: int, seqs: int, against: Path | None) -> 
     matmuls = {"treeserve bf16 linear": lambda: linear(x), "torch.matmul bf16": lambda: torch.matmul(x, weight.t())}
     cases = {name: prm_case(dim, heads, seqs) for name, (dim, heads) in PRM_SHAPES.items()}
     old = prefill_from(against) if against else None
+
+    def scale(c: PagedCase) -> float:
+        return c.q.shape[-1] ** -0.5
+
     paths: dict[str, Callable[[PagedCase], object]] = {
-        **(
-            {
-                "C AMX-BF16 tiles": lambda c: cpu_kernels.paged_prefill(
-                    *c.prefill_args(), c.q.shape[-1] ** -0.5, None, c.out
-                )
-            }
-            if cpu_kernels.prefill_tiles_available()
-            else {}
-        ),
-        "C AVX512-BF16": lambda c: cpu_kernels.paged_prefill(
-            *c.prefill_args(), c.q.shape[-1] ** -0.5, None, c.out, tiles=False
-        ),
-        **({f"C AVX512-BF16 ({against.name})": old} if old else {}),
-        "PyTorch SDPA (gathered, padded)": PagedCase.portable,
+        f"C {path}": (
+            lambda c, path=path: cpu_kernels.paged_prefill(*c.prefill_args(), scale(c), None, c.out, path=path)
+        )
+        for path, here in (
+            ("amx", cpu_kernels.prefill_tiles_available()),
+            ("avx512", cpu_kernels.bf16_built()),
+            ("avx2", cpu_kernels.load_prefill_avx2() is not None),
+        )
+        if here
     }
+    if old:
+        paths[f"C avx512 ({against.name})"] = old
+    paths["C decode kernel, a query a call"] = PagedCase.as_decodes
+    paths["PyTorch SDPA (gathered, padded)"] = PagedCase.portable
     print(f"{cpu_model()}; torch {torch.__version__}; median of {repeats}; {seqs} sequences a shape")
     for name, case in cases.items():
         flops, kv = attention_work(case)
@@ -269,7 +281,9 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=32, help="--rates: sequences a shape")
     ap.add_argument("--against", type=Path, help="--rates: also time paged_prefill_bf16 built from this source")
     args = ap.parse_args()
-    if not cpu_kernels.bf16_built():
+    if args.rates and cpu_kernels.prefill_path(torch.bfloat16, 32) is None:
+        sys.exit("no prefill kernel is built here (no C compiler, or neither AVX2 nor AVX512-BF16)")
+    if not args.rates and not cpu_kernels.bf16_built():
         sys.exit("the bf16 kernels are not built here (no C compiler or no AVX512-BF16)")
     if args.rates:
         rates([int(t) for t in args.threads.split(",")], args.repeats, args.seqs, args.against)

@@ -23,12 +23,14 @@ def prebuild_kernels(model: nn.Module) -> None:
         return
     flags = quant_kernels.QUANT_FLAGS
     sources = [(cpu_kernels.SOURCE, cpu_kernels.FLAGS)]
+    if not cpu_kernels.native_bf16():  # prefill attention on AVX2
+        sources += [(cpu_kernels.PREFILL_AVX2, cpu_kernels.ORDERED_FLAGS)]
     if quantized_weights(model):
         sources += [(quant_kernels.SOURCE, flags), (quant_kernels.Q8_SOURCE, flags), (stack_kernels.SOURCE, flags)]
     elif weights.dtype == torch.bfloat16 and cpu_kernels.native_bf16():
         sources += [(quant_kernels.BF16_SOURCE, flags), (stack_kernels.SOURCE, flags)]
     elif weights.dtype == torch.bfloat16:
-        sources += [(avx2.SOURCE, avx2.AVX2_FLAGS)]
+        sources += [(avx2.SOURCE, cpu_kernels.ORDERED_FLAGS)]
     cpu_kernels.prebuild(sources)
 
 

@@ -28,7 +28,10 @@ import torch
 import torch.nn.functional as F
 
 SOURCE = Path(__file__).parent / "cpu_kernels.c"
+PREFILL_AVX2 = Path(__file__).parent / "prefill_avx2.c"
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]  # inputs are finite
+# Without -ffast-math: the compiler keeps the order of sums the source states.
+ORDERED_FLAGS = [flag for flag in FLAGS if flag != "-ffast-math"]
 # Linked without -ffast-math: GCC < 13 would link crtfastmath.o, turning on flush-to-zero process-wide.
 LINK_FLAGS = ["-shared", "-fopenmp", "-lmvec", "-lm"]
 _i64, _int, _float, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
@@ -96,6 +99,10 @@ def prebuild(sources: Sequence[tuple[Path, list[str]]]) -> None:
         thread.start()
     for thread in threads:
         thread.join()
+
+
+# paged_prefill_bf16's and paged_prefill_avx2's arguments up to the scale
+PREFILL_ARGS = [_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _int, _int, _int, _int, _int]
 
 
 @cache
@@ -184,8 +191,7 @@ def load() -> ctypes.CDLL | None:
     lib.copy_slots.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64]
     lib.avx512_bf16_built.restype = _int
     if lib.avx512_bf16_built():
-        prefill_args = [_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _int, _int, _int, _int, _int]
-        lib.paged_prefill_bf16.argtypes = [*prefill_args, _float, _i64, _int, _int, _ptr]
+        lib.paged_prefill_bf16.argtypes = [*PREFILL_ARGS, _float, _i64, _int, _int, _ptr]
         lib.prefill_tiles_available.restype = _int
         lib.linear_bf16.argtypes = [_ptr, _i64, _int, _ptr, _ptr, _i64, _int, _ptr, _i64, _int]
     return lib
@@ -355,8 +361,39 @@ def prefill_supports(q: torch.Tensor, kv_dtype: torch.dtype | None = None) -> bo
 
 
 def prefill_fits(dtype: torch.dtype, head_dim: int) -> bool:
-    """bf16 heads with D % 32 == 0 on a CPU with AVX512-BF16."""
-    return dtype == torch.bfloat16 and head_dim % 32 == 0 and bf16_built()
+    """Whether bf16 pages of `head_dim` have a prefill kernel here (`prefill_path`)."""
+    return prefill_path(dtype, head_dim) is not None
+
+
+def prefill_path(dtype: torch.dtype, head_dim: int) -> str | None:
+    """The kernel `paged_prefill` runs on bf16 pages: "amx" (AMX-BF16 tiles), "avx512" (AVX512-BF16;
+    both D % 32 == 0), "avx2" (AVX2 + FMA in fp32; D % 8 == 0), or None."""
+    if dtype != torch.bfloat16:
+        return None
+    if head_dim % 32 == 0 and bf16_built():
+        return "amx" if prefill_tiles_available() else "avx512"
+    if head_dim % 8 == 0 and load_prefill_avx2() is not None:
+        return "avx2"
+    return None
+
+
+@cache
+def load_prefill_avx2() -> ctypes.CDLL | None:
+    """`prefill_avx2.c` where the CPU has AVX2 and FMA (every x86 CPU these machines draw)."""
+    flags = _cpu_signature().split()
+    if b"avx2" not in flags or b"fma" not in flags:
+        return None
+    lib = build(PREFILL_AVX2, ORDERED_FLAGS)
+    if lib is None:
+        return None
+    lib.paged_prefill_avx2.argtypes = [*PREFILL_ARGS, _float, _i64, _int, _int, _ptr]
+    lib.paged_prefill_avx2.restype = None
+    return lib
+
+
+def prefill_function(path: str) -> Callable[..., None]:
+    """The C function of a `prefill_path` (its address is what the layer stack calls)."""
+    return load_prefill_avx2().paged_prefill_avx2 if path == "avx2" else load().paged_prefill_bf16
 
 
 def paged_prefill(
@@ -371,11 +408,11 @@ def paged_prefill(
     window: int | None,
     out: torch.Tensor,
     kv_scales: torch.Tensor | None = None,
-    tiles: bool = True,
+    path: str | None = None,
 ) -> None:
     """Causal attention of each sequence's chunk into `out`: sequence b's queries are rows
     q_starts[b] .. + q_lens[b] - 1 of the flat batch, the last at position context_lens[b] - 1.
-    bf16 pages take AMX tiles where `tiles` and `prefill_tiles_available()`, else AVX512-BF16."""
+    bf16 pages take `path` (a `prefill_path` value; None: the one `prefill_path` picks)."""
     assert q.is_contiguous() and out.is_contiguous() and q.shape == out.shape
     tables, q_starts, q_lens, context_lens = (t.contiguous() for t in (tables, q_starts, q_lens, context_lens))
     assert tables.dtype == q_starts.dtype == q_lens.dtype == context_lens.dtype == torch.int64
@@ -391,7 +428,8 @@ def paged_prefill(
         kernel = getattr(load(), f"paged_prefill_fp8_{_SUFFIX[q.dtype]}")
         kernel(*pages, *chunks, *shape, kv_scales.data_ptr(), torch.get_num_threads(), out.data_ptr())
         return
-    load().paged_prefill_bf16(
+    path = path or prefill_path(q.dtype, head_dim)
+    prefill_function(path)(
         q.data_ptr(),
         k_cache.data_ptr(),
         k_cache.stride(0),
@@ -408,7 +446,7 @@ def paged_prefill(
         page_size,
         scale,
         window or 0,
-        int(tiles),
+        int(path == "amx"),
         torch.get_num_threads(),
         out.data_ptr(),
     )

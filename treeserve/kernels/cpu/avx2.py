@@ -14,11 +14,9 @@ from pathlib import Path
 
 import torch
 
-from treeserve.kernels.cpu import FLAGS, _cpu_signature, build, native_bf16
+from treeserve.kernels.cpu import ORDERED_FLAGS, _cpu_signature, build, native_bf16
 
 SOURCE = Path(__file__).parent / "avx2_linear.c"
-# No -ffast-math: every row's sums keep the order the source states (its header).
-AVX2_FLAGS = [flag for flag in FLAGS if flag != "-ffast-math"]
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 
@@ -28,7 +26,7 @@ def load() -> ctypes.CDLL | None:
     flags = _cpu_signature().split()
     if native_bf16() or b"avx2" not in flags or b"fma" not in flags:
         return None
-    lib = build(SOURCE, AVX2_FLAGS)
+    lib = build(SOURCE, ORDERED_FLAGS)  # every row's sums in the order its header states
     if lib is None:
         return None
     lib.avx2_linear_bf16.argtypes = [_ptr, _i64, _int, _ptr, _ptr, _i64, _int, _ptr, _int]

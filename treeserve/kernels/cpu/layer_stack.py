@@ -226,6 +226,7 @@ class Stack:
         assert final_norm.is_contiguous() and final_norm.dtype in (torch.float32, torch.bfloat16)
         assert all(t.dtype == torch.float32 and t.is_contiguous() and t.shape[1] == shapes["head_dim"] for t in ropes)
         cpu = cpu_kernels.load()
+        prefill = cpu_kernels.prefill_path(torch.bfloat16, shapes["head_dim"])
         functions = {_address(plan.function) for w in layers for plan in (w.qkv, w.o, w.gate_up, w.down)}
         assert len(functions) == 1, "every matrix of the stack on one matmul (8-bit, tiles or dense panels)"
         self.shapes = shapes
@@ -256,7 +257,7 @@ class Stack:
             _address(cpu.rope_bf16),
             _address(cpu.store_kv),
             _address(cpu.paged_decode_bf16),
-            _address(cpu.paged_prefill_bf16) if cpu_kernels.bf16_built() else None,
+            _address(cpu_kernels.prefill_function(prefill)) if prefill else None,
             _address(cpu.gated_act_bf16),
             gain,
             weight,
@@ -296,7 +297,7 @@ class Stack:
 
     def _step(self, rows: int, positions: torch.Tensor, pages: StackPages, scale: float) -> Step:
         assert positions.dtype == torch.int64 and positions.is_contiguous() and positions.shape[0] == rows
-        assert pages.chunks is None or self.args.prefill, "prefill chunks need the prefill kernel (AVX512-BF16)"
+        assert pages.chunks is None or self.args.prefill, "prefill chunks need a prefill kernel (prefill_path)"
         k_cache, decodes, chunks = pages.k_cache, pages.decodes, pages.chunks
         decode = (
             (0, None, None, None, 0)
