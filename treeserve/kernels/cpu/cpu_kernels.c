@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "prefill_work.h"
 #include "fp8.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -858,16 +859,6 @@ static void prefill_item_bf16(const bf16 *q, int64_t q_row_stride, const bf16 *k
     }
 }
 
-typedef struct {
-    int64_t cost, seq, kv_head, row; /* a work item: (sequence, KV head, first row), its rows x keys */
-} prefill_work;
-
-static int longest_first(const void *a, const void *b) {
-    const prefill_work *x = (const prefill_work *)a, *y = (const prefill_work *)b;
-    if (x->cost != y->cost) return x->cost > y->cost ? -1 : 1;
-    return x->seq != y->seq ? (x->seq < y->seq ? -1 : 1) : x->row != y->row ? (x->row < y->row ? -1 : 1) : (x->kv_head < y->kv_head ? -1 : x->kv_head > y->kv_head);
-}
-
 void paged_prefill_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride, int64_t v_offset,
                         const int64_t *tables, int64_t table_stride, const int64_t *q_starts, const int64_t *q_lens,
                         const int64_t *ctx_lens, int batch, int q_heads, int kv_heads, int head_dim, int page_size,
@@ -879,21 +870,8 @@ void paged_prefill_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride,
     tiles = 0;
 #endif
     const int64_t token_stride = (int64_t)kv_heads * head_dim, q_row_stride = (int64_t)q_heads * head_dim;
-    int64_t items = 0, max_ctx = 0;
-    for (int b = 0; b < batch; b++) {
-        items += (q_lens[b] * group + item_rows - 1) / item_rows * kv_heads;
-        max_ctx = ctx_lens[b] > max_ctx ? ctx_lens[b] : max_ctx;
-    }
-    prefill_work *work = (prefill_work *)malloc(sizeof(prefill_work) * (items + 1));
-    int64_t n = 0;
-    for (int b = 0; b < batch; b++)
-        for (int h = 0; h < kv_heads; h++)
-            for (int64_t r = 0; r < q_lens[b] * group; r += item_rows) {
-                const int64_t rows = q_lens[b] * group - r < item_rows ? q_lens[b] * group - r : item_rows;
-                const int64_t keys = ctx_lens[b] - q_lens[b] + (r + rows) / group; /* its last row's */
-                work[n++] = (prefill_work){rows * (window > 0 && keys > window ? window : keys), b, h, r};
-            }
-    if (threads > 1) qsort(work, n, sizeof(prefill_work), longest_first); /* the last items taken are short */
+    int64_t n, max_ctx;
+    prefill_work *work = prefill_work_list(q_lens, ctx_lens, batch, group, kv_heads, item_rows, window, threads, &n, &max_ctx);
     /* per tile: qt [head_dim / 2 vectors], p.v sums [head_dim vectors]; P [KEY_BLOCK / 2 vectors],
      * V pairs [KEY_BLOCK / 2 x head_dim dwords], K rows [KEY_BLOCK x head_dim], key row offsets [max_ctx] */
     const size_t bytes = (size_t)64 * (PREFILL_TILES * (head_dim / 2 + head_dim) + KEY_BLOCK / 2) +

@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "prefill_work.h"
 
 #define LANES 8
 #define ITEM_TILES 8 /* tiles a work item */
@@ -191,18 +192,6 @@ static void prefill_item(const bf16 *q, int64_t q_row_stride, const bf16 *k_cach
     }
 }
 
-typedef struct {
-    int64_t cost, seq, kv_head, row; /* a work item: (sequence, KV head, first row), its rows x keys */
-} work_item;
-
-static int longest_first(const void *a, const void *b) {
-    const work_item *x = (const work_item *)a, *y = (const work_item *)b;
-    if (x->cost != y->cost) return x->cost > y->cost ? -1 : 1;
-    if (x->seq != y->seq) return x->seq < y->seq ? -1 : 1;
-    if (x->row != y->row) return x->row < y->row ? -1 : 1;
-    return (x->kv_head > y->kv_head) - (x->kv_head < y->kv_head);
-}
-
 /* paged_prefill_bf16's signature, so the layer stack calls either through one pointer; `tiles` is
  * not read (AVX2 has none). */
 void paged_prefill_avx2(const bf16 *q, const bf16 *k_cache, int64_t page_stride, int64_t v_offset,
@@ -212,21 +201,8 @@ void paged_prefill_avx2(const bf16 *q, const bf16 *k_cache, int64_t page_stride,
     (void)tiles;
     const int group = q_heads / kv_heads, item_rows = LANES * ITEM_TILES;
     const int64_t token_stride = (int64_t)kv_heads * head_dim, q_row_stride = (int64_t)q_heads * head_dim;
-    int64_t items = 0, max_ctx = 0;
-    for (int b = 0; b < batch; b++) {
-        items += (q_lens[b] * group + item_rows - 1) / item_rows * kv_heads;
-        max_ctx = ctx_lens[b] > max_ctx ? ctx_lens[b] : max_ctx;
-    }
-    work_item *work = (work_item *)malloc(sizeof(work_item) * (items + 1));
-    int64_t n = 0;
-    for (int b = 0; b < batch; b++)
-        for (int h = 0; h < kv_heads; h++)
-            for (int64_t r = 0; r < q_lens[b] * group; r += item_rows) {
-                const int64_t rows = q_lens[b] * group - r < item_rows ? q_lens[b] * group - r : item_rows;
-                const int64_t keys = ctx_lens[b] - q_lens[b] + (r + rows) / group; /* its last row's */
-                work[n++] = (work_item){rows * (window > 0 && keys > window ? window : keys), b, h, r};
-            }
-    if (threads > 1) qsort(work, n, sizeof(work_item), longest_first); /* the last items taken are short */
+    int64_t n, max_ctx;
+    prefill_work *work = prefill_work_list(q_lens, ctx_lens, batch, group, kv_heads, item_rows, window, threads, &n, &max_ctx);
     /* per tile: qt and acc [head_dim vectors each]; K and V rows [KEY_BLOCK x head_dim fp32 each];
      * key row offsets [max_ctx] */
     const size_t bytes = sizeof(__m256) * ITEM_TILES * 2 * head_dim + sizeof(float) * 2 * KEY_BLOCK * head_dim +
