@@ -107,3 +107,29 @@ def test_a_rows_bits_do_not_depend_on_its_chunk_or_batch(shape, window, path):
         torch.set_num_threads(threads)
     for got in (*pieces, batched, other_threads):
         assert torch.equal(got.view(torch.int16), whole.view(torch.int16))
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("shape", ["arith", "gemma3"])
+def test_scores_that_grow_along_the_context_rescale_exactly(shape, path):
+    """Keys scaled up along the context, so later blocks' scores pass the running reference by far
+    more than its slack and the online softmax rescales many times: still SDPA's result, and a
+    row's bits still the same in any chunking."""
+    head_dim, q_heads, kv_heads = SHAPES[shape]
+    _skip_unfit(path, head_dim)
+    torch.manual_seed(2)
+    k_cache, v_cache = _cache(head_dim, kv_heads, 16, 40)
+    tables = torch.randperm(40)[:40].view(1, 40)
+    context, queries = 400, 60
+    for pos in range(context):
+        page, slot = tables[0, pos // 16], pos % 16
+        k_cache[page, slot] *= 0.2 + pos / 25
+    q = torch.randn(queries, q_heads, head_dim, dtype=torch.bfloat16)
+    got = _run(q, k_cache, v_cache, tables, [(0, 0, queries, context)], None, path)
+    ref = _reference(q, k_cache, v_cache, tables[0], 0, queries, context, None)
+    tol = 4e-3 if path == "avx2" else 2e-2
+    torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+    pieces = torch.zeros_like(got)
+    for a, b in ((0, 7), (7, 40), (40, 60)):
+        pieces[a:b] = _run(q, k_cache, v_cache, tables, [(0, a, b - a, context - queries + b)], None, path)[a:b]
+    assert torch.equal(pieces.view(torch.int16), got.view(torch.int16))

@@ -530,7 +530,9 @@ void paged_decode_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride, 
  * of keys at a time, once for the item's tiles), accumulating head_dim x 16 rows in fp32.
  * Order of sums, per row: a score is its dims' pairs summed in order in one fp32 chain, times
  * scale * log2(e) (the exps are powers of 2); key blocks are aligned to absolute positions
- * [32j, 32j + 32); after block j the max is m_j = max(m_{j-1}, the block's scores), and both the
+ * [32j, 32j + 32); after block j the reference is m_j = m_{j-1}, or max(m_{j-1}, the block's
+ * scores) where that passes m_{j-1} (with tiles: by more than RESCALE_SLACK, so a p is at most 2^8
+ * and most blocks rescale nothing), and both the
  * denominator and each output value are (their value after block j - 1) * 2^(m_{j-1} - m_j),
  * then plus the block's pairs of keys
  * (2i, 2i + 1) in order, one dot product instruction a pair (bf16(p) times v, or times 1 for the
@@ -551,6 +553,7 @@ void paged_decode_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride, 
 #define PREFILL_TILES 8 /* tiles a work item */
 #define KEY_BLOCK 32
 #define MASKED_SCORE (-1e30f) /* finite: -ffast-math assumes no infinities */
+#define RESCALE_SLACK 8.0f /* base 2 */
 
 /* acc + a . (the bf16 pair at p, broadcast): the pair as the instruction's broadcast operand
  * (GCC loads it into a register by a separate broadcast). */
@@ -614,7 +617,7 @@ static inline __m512 exp2_bf16_ps(__m512 x) {
 
 typedef struct {
     int32_t lo[PREFILL_TILE], hi[PREFILL_TILE]; /* each lane's keys [lo, hi) */
-    __m512 m, den;                              /* running max and denominator */
+    __m512 m, den;                              /* running reference max and denominator */
     __m512i *qt;                                /* [head_dim / 2]: lane l holds dims (2p, 2p + 1) of row l */
     float *acc;                                 /* p.v sums: [head_dim][16], with tiles [16][head_dim] */
 } prefill_tile;
@@ -692,20 +695,39 @@ int prefill_tiles_available(void) {
 #endif
 }
 
-/* One block of keys [b0, b0 + 32) for a tile whose keys fall in [klo, khi): scores, online
- * softmax, p.v. kr: the block's K rows (a key out of the item's range: another key's row). */
-static void prefill_block(prefill_tile *tile, const key_block *kb, int64_t b0, int64_t klo, int64_t khi,
-                          int head_dim, float scale) {
-    const int pairs = head_dim / 2;
-    const int j0 = (int)((klo > b0 ? klo : b0) - b0), j1 = (int)((khi < b0 + KEY_BLOCK ? khi : b0 + KEY_BLOCK) - b0);
-    /* the keys scored, holding [j0, j1): octets, or with tiles halves */
-    const int step = kb->tiles ? 16 : 8, q0 = j0 / step * step, q1 = (j1 + step - 1) / step * step;
-    __m512 s[KEY_BLOCK] __attribute__((aligned(64))); /* keys out of [j0, j1) are masked */
+/* The keys of block [b0, b0 + 32) a tile whose keys fall in [klo, khi) sees, [j0, j1), and
+ * those it scores, [q0, q1): octets, or with tiles halves. */
+typedef struct {
+    int j0, j1, q0, q1;
+} block_span;
+
+static inline block_span span_of(const key_block *kb, int64_t b0, int64_t klo, int64_t khi) {
+    block_span sp;
+    sp.j0 = (int)((klo > b0 ? klo : b0) - b0), sp.j1 = (int)((khi < b0 + KEY_BLOCK ? khi : b0 + KEY_BLOCK) - b0);
+    const int step = kb->tiles ? 16 : 8;
+    sp.q0 = sp.j0 / step * step, sp.q1 = (sp.j1 + step - 1) / step * step;
+    return sp;
+}
+
+/* s[q0, q1): the tile's raw scores of the block's keys (keys out of [j0, j1) are masked later). */
+static inline __attribute__((always_inline)) void block_scores(const prefill_tile *tile, const key_block *kb, block_span sp, int head_dim, __m512 *s) {
 #ifdef HAVE_TILES
-    if (kb->tiles) qk_tiles(tile, kb->kb, head_dim, q0 / 16, q1 / 16, s);
-    else
+    if (kb->tiles) {
+        qk_tiles(tile, kb->kb, head_dim, sp.q0 / 16, sp.q1 / 16, s);
+        return;
+    }
 #endif
-        qk_block(tile->qt, kb->kr + q0, pairs, q1 - q0, s + q0);
+    qk_block(tile->qt, kb->kr + sp.q0, head_dim / 2, sp.q1 - sp.q0, s + sp.q0);
+}
+
+/* One block of keys [b0, b0 + 32) for a tile whose keys fall in [klo, khi): scores (with tiles
+ * already in s, from `block_scores`), online softmax, then p.v. */
+static inline __attribute__((always_inline)) void prefill_block(prefill_tile *tile, const key_block *kb, int64_t b0, int64_t klo, int64_t khi,
+                          int head_dim, float scale, __m512 *s) {
+    const block_span sp = span_of(kb, b0, klo, khi);
+    const int j0 = sp.j0, j1 = sp.j1, q0 = sp.q0, q1 = sp.q1;
+    __m512 own[KEY_BLOCK] __attribute__((aligned(64)));
+    if (!kb->tiles) s = own, block_scores(tile, kb, sp, head_dim, s);
     __m512i *P = kb->P;
     /* every row sees every key of the block: no masks */
     const int full = j0 == 0 && j1 == KEY_BLOCK && tile->lo[PREFILL_TILE - 1] <= b0 && tile->hi[0] >= b0 + KEY_BLOCK;
@@ -722,9 +744,13 @@ static void prefill_block(prefill_tile *tile, const key_block *kb, int64_t b0, i
         }
         bmax = _mm512_max_ps(bmax, s[j]);
     }
-    const __m512 m_new = _mm512_max_ps(tile->m, bmax);
-    const __m512 alpha = exp2_bf16_ps(_mm512_sub_ps(tile->m, m_new)); /* exactly 1 where the max stays */
-    const int rescale = _mm512_cmp_ps_mask(m_new, tile->m, _CMP_NEQ_UQ) != 0;
+    /* with tiles, the reference moves only where the block's max passes it by more than
+     * RESCALE_SLACK (O lives in memory between tile products: a rescale is a round trip) */
+    const __m512 slack = _mm512_set1_ps(kb->tiles ? RESCALE_SLACK : 0.0f);
+    const __mmask16 moves = _mm512_cmp_ps_mask(bmax, _mm512_add_ps(tile->m, slack), _CMP_GT_OQ);
+    const __m512 m_new = _mm512_mask_max_ps(tile->m, moves, tile->m, bmax);
+    const __m512 alpha = exp2_bf16_ps(_mm512_sub_ps(tile->m, m_new)); /* exactly 1 where it stays */
+    const int rescale = moves != 0;
     tile->m = m_new;
     const __m512 unmasked = _mm512_set1_ps(MASKED_SCORE / 2);
     const __m512i ones = _mm512_set1_epi32(0x3F803F80); /* bf16 (1, 1): the denominator's pairs */
@@ -761,6 +787,7 @@ static void prefill_item_bf16(const bf16 *q, int64_t q_row_stride, const bf16 *k
                               int64_t window, float scale, int tiles_on, char *buf, bf16 *out) {
     const int pairs = head_dim / 2, tiles = (rows + PREFILL_TILE - 1) / PREFILL_TILE;
     prefill_tile tile[PREFILL_TILES];
+    __m512 scores[PREFILL_TILES][KEY_BLOCK] __attribute__((aligned(64)));
     char *next = buf;
     for (int t = 0; t < tiles; t++) {
         prefill_tile *T = tile + t;
@@ -802,7 +829,9 @@ static void prefill_item_bf16(const bf16 *q, int64_t q_row_stride, const bf16 *k
     const int row_lines = head_dim * (int)sizeof(bf16) / 64;
     for (int64_t b0 = klo / KEY_BLOCK * KEY_BLOCK; b0 < khi; b0 += KEY_BLOCK) {
         const int j0 = (int)((klo > b0 ? klo : b0) - b0), j1 = (int)((khi < b0 + KEY_BLOCK ? khi : b0 + KEY_BLOCK) - b0);
-        for (int64_t t = b0 + KEY_BLOCK; t < b0 + 2 * KEY_BLOCK && t < khi; t++) /* the next block's K and V rows */
+        /* the next block's K and V rows: the vector path reads K rows once a tile (with tiles,
+         * where K rows are copied once a block, reading ahead cost more than it saved) */
+        for (int64_t t = b0 + KEY_BLOCK; !tiles_on && t < b0 + 2 * KEY_BLOCK && t < khi; t++)
             for (int l = 0; l < row_lines; l++) {
                 _mm_prefetch((const char *)(k_cache + rowoff[t]) + 64 * l, _MM_HINT_T0);
                 _mm_prefetch((const char *)(values + rowoff[t]) + 64 * l, _MM_HINT_T0);
@@ -824,9 +853,18 @@ static void prefill_item_bf16(const bf16 *q, int64_t q_row_stride, const bf16 *k
                 if (j >= j0 && j < j1) memcpy(k_rows + j * head_dim, kb.kr[j], sizeof(bf16) * head_dim);
                 else memset(k_rows + j * head_dim, 0, sizeof(bf16) * head_dim);
             }
+        /* with tiles, every tile's scores first: a tile store read back at once by vector loads
+         * stalls until it reaches the cache */
         for (int t = 0; t < tiles; t++) {
             const int64_t tlo = tile[t].lo[0], thi = tile[t].hi[PREFILL_TILE - 1];
-            if (tlo < b0 + KEY_BLOCK && thi > b0) prefill_block(tile + t, &kb, b0, tlo, thi, head_dim, scale);
+            if (tlo < b0 + KEY_BLOCK && thi > b0) {
+                if (tiles_on) block_scores(tile + t, &kb, span_of(&kb, b0, tlo, thi), head_dim, scores[t]);
+                else prefill_block(tile + t, &kb, b0, tlo, thi, head_dim, scale, NULL);
+            }
+        }
+        for (int t = 0; t < tiles && tiles_on; t++) {
+            const int64_t tlo = tile[t].lo[0], thi = tile[t].hi[PREFILL_TILE - 1];
+            if (tlo < b0 + KEY_BLOCK && thi > b0) prefill_block(tile + t, &kb, b0, tlo, thi, head_dim, scale, scores[t]);
         }
     }
     for (int t = 0; t < tiles; t++) {
