@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 
 from treeserve import SamplingParams, ScoreParams
 from treeserve.config import DeviceConfig
-from treeserve.runtime.runtime import ModelSpec, Runtime
+from treeserve.runtime.runtime import SERVING_GC_THRESHOLD, ModelSpec, Runtime, thaw_heap
 
 
 @pytest.fixture(params=[None, 0.5], ids=["shared-arena", "static-split"])
@@ -71,3 +72,15 @@ def test_cancel_and_speculation_release_pages(runtime):
 
     first = asyncio.run(main())
     assert first.outputs[0].stop_offsets or first.finished
+
+
+def test_a_loaded_runtime_keeps_the_collector_out_of_its_steps(llama_dir):
+    """Loading freezes the heap and makes young collections rare (`freeze_heap`); closing undoes both."""
+    thaw_heap()  # what an earlier test's runtime, never closed, left
+    before = gc.get_threshold()[0]
+    rt = Runtime.load([ModelSpec("gen", llama_dir)], 16 << 20, device_config=DeviceConfig(dtype="float32"))
+    assert gc.get_freeze_count() > 0
+    assert gc.get_threshold()[0] == max(before, SERVING_GC_THRESHOLD)
+    asyncio.run(rt.close())
+    assert gc.get_freeze_count() == 0
+    assert gc.get_threshold()[0] == before

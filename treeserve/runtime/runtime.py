@@ -67,11 +67,31 @@ ROLE_PAGE_SIZES = {"generator": DEFAULT_PAGE_SIZE, "prm": 4, "verifier": 4}
 REACTION_YIELDS = 3
 
 
+# allocations between young-generation collections while serving (CPython's default is 700)
+SERVING_GC_THRESHOLD = 50_000
+_threshold_before: int | None = None
+
+
 def freeze_heap() -> None:
-    """Put every object alive now out of the cyclic collector's reach (vLLM's `freeze_gc_heap`):
-    its passes then walk only what serving allocates. `Runtime.close` unfreezes them."""
+    """Put every object alive now out of the cyclic collector's reach (vLLM's `freeze_gc_heap`),
+    and collect the young generation every SERVING_GC_THRESHOLD allocations: its passes then walk
+    only what serving allocates, and seldom. `thaw_heap` undoes both."""
+    global _threshold_before
     gc.collect()
     gc.freeze()
+    young, *older = gc.get_threshold()
+    if _threshold_before is None:
+        _threshold_before = young
+    gc.set_threshold(max(young, SERVING_GC_THRESHOLD), *older)
+
+
+def thaw_heap() -> None:
+    """The collector as it was before `freeze_heap`: frozen objects back in reach, its threshold."""
+    global _threshold_before
+    gc.unfreeze()
+    if _threshold_before is not None:
+        gc.set_threshold(_threshold_before, *gc.get_threshold()[1:])
+        _threshold_before = None
 
 
 class Runtime:
@@ -372,7 +392,7 @@ class Runtime:
             self._driver = None
         for engine in self.engines.values():
             engine.close()
-        gc.unfreeze()
+        thaw_heap()
 
     def check_pages_idle(self) -> None:
         for engine in self.engines.values():

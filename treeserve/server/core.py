@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import multiprocessing
 import os
 import pickle
@@ -20,7 +19,7 @@ import zmq
 
 from treeserve.outputs import RequestOutput
 from treeserve.runtime.frontend import ModelInfo
-from treeserve.runtime.runtime import StepFailed
+from treeserve.runtime.runtime import StepFailed, thaw_heap
 from treeserve.server.completions import Served
 from treeserve.server.metrics import engine_stats
 from treeserve.server.prm_api import ServedScores, check_request, score_request
@@ -38,7 +37,7 @@ def core_main(settings: ServerSettings, to_core: str, from_core: str) -> None:
         signal.signal(sig, signal.SIG_IGN)
     served = build_served(settings)  # its runtime froze the heap it loaded (`runtime.freeze_heap`)
     asyncio.run(Core(served, to_core, from_core).run())
-    gc.unfreeze()  # let interpreter shutdown free them (bindings report frozen objects as leaks)
+    thaw_heap()  # let interpreter shutdown free them (bindings report frozen objects as leaks)
 
 
 def error_of(e: BaseException) -> tuple[int, str]:

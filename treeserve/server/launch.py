@@ -4,11 +4,10 @@ in an engine-core process of their own unless `engine_process=False`.
 
 from __future__ import annotations
 
-import gc
 import signal
 import socket
 
-from treeserve.runtime.runtime import freeze_heap
+from treeserve.runtime.runtime import freeze_heap, thaw_heap
 from treeserve.server.app import build_app
 from treeserve.server.completions import Served
 from treeserve.server.core_client import CoreClient
@@ -58,4 +57,4 @@ def serve(settings: ServerSettings, sock: socket.socket | None = None) -> None:
         server.run(sockets=[sock] if sock is not None else None)
     finally:
         signal.signal(signal.SIGTERM, previous)
-        gc.unfreeze()
+        thaw_heap()
