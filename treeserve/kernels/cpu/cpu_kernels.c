@@ -828,7 +828,8 @@ static void prefill_item_bf16(const bf16 *q, int64_t q_row_stride, const bf16 *k
     const bf16 *values = k_cache + v_offset;
     const int row_lines = head_dim * (int)sizeof(bf16) / 64;
     for (int64_t b0 = klo / KEY_BLOCK * KEY_BLOCK; b0 < khi; b0 += KEY_BLOCK) {
-        const int j0 = (int)((klo > b0 ? klo : b0) - b0), j1 = (int)((khi < b0 + KEY_BLOCK ? khi : b0 + KEY_BLOCK) - b0);
+        const block_span item = span_of(&kb, b0, klo, khi); /* the keys any of the item's tiles sees */
+        const int j0 = item.j0, j1 = item.j1;
         /* the next block's K and V rows: the vector path reads K rows once a tile (with tiles,
          * where K rows are copied once a block, reading ahead cost more than it saved) */
         for (int64_t t = b0 + KEY_BLOCK; !tiles_on && t < b0 + 2 * KEY_BLOCK && t < khi; t++)
@@ -854,15 +855,12 @@ static void prefill_item_bf16(const bf16 *q, int64_t q_row_stride, const bf16 *k
                 else memset(k_rows + j * head_dim, 0, sizeof(bf16) * head_dim);
             }
         /* with tiles, every tile's scores first: a tile store read back at once by vector loads
-         * stalls until it reaches the cache */
-        for (int t = 0; t < tiles; t++) {
-            const int64_t tlo = tile[t].lo[0], thi = tile[t].hi[PREFILL_TILE - 1];
-            if (tlo < b0 + KEY_BLOCK && thi > b0) {
-                if (tiles_on) block_scores(tile + t, &kb, span_of(&kb, b0, tlo, thi), head_dim, scores[t]);
-                else prefill_block(tile + t, &kb, b0, tlo, thi, head_dim, scale, NULL);
-            }
-        }
+         * stalls until it reaches the cache (the vector path scores inside prefill_block) */
         for (int t = 0; t < tiles && tiles_on; t++) {
+            const int64_t tlo = tile[t].lo[0], thi = tile[t].hi[PREFILL_TILE - 1];
+            if (tlo < b0 + KEY_BLOCK && thi > b0) block_scores(tile + t, &kb, span_of(&kb, b0, tlo, thi), head_dim, scores[t]);
+        }
+        for (int t = 0; t < tiles; t++) {
             const int64_t tlo = tile[t].lo[0], thi = tile[t].hi[PREFILL_TILE - 1];
             if (tlo < b0 + KEY_BLOCK && thi > b0) prefill_block(tile + t, &kb, b0, tlo, thi, head_dim, scale, scores[t]);
         }
