@@ -300,7 +300,9 @@ DEFINE_SAMPLE_ROWS_MASKED(bf16, bf16)
  * head_dim is a multiple of 32, q.k runs as bf16 dot products over keys transposed 16 at a
  * time (fp32 accumulation, the scale applied to the dot), the softmax is a vector pass per
  * head, and p.v accumulates the heads of a KV group in fp32 registers; otherwise the generic
- * loop. paged_prefill_bf16 (below) shares its helpers. */
+ * loop. Where AMX tiles run, head_dim >= 64 and a KV group has at most 16 query heads, both
+ * products are tile products instead (`decode_seq_tiles`; at head_dim 32 the vector path was
+ * faster). paged_prefill_bf16 (below) shares its helpers. */
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 
@@ -493,30 +495,6 @@ static void decode_seq_bf16(const bf16 *qb, const bf16 *k_cache, int64_t page_st
     }
 }
 
-void paged_decode_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride, int64_t v_offset,
-                       const int64_t *tables, int64_t table_stride, const int64_t *ctx_lens, int batch, int q_heads,
-                       int kv_heads, int head_dim, int page_size, float scale, int64_t window, int threads,
-                       bf16 *out) {
-    if (head_dim % 32 != 0) {
-        paged_decode_bf16_generic(q, k_cache, page_stride, v_offset, tables, table_stride, ctx_lens, batch, q_heads,
-                                  kv_heads, head_dim, page_size, scale, window, threads, out);
-        return;
-    }
-    _Pragma("omp parallel for schedule(dynamic, 4) num_threads(threads)")
-    for (int b = 0; b < batch; b++) {
-        const int64_t len = ctx_lens[b];
-        const int64_t start = (window > 0 && len > window) ? len - window : 0;
-        const int64_t n = len - start; /* buf: kt [head_dim / 2 vectors], key row offsets [n], scores [q_heads][n] */
-        const size_t floats = (size_t)head_dim * 8 + (size_t)n * 2 + (size_t)n * q_heads;
-        float *buf = (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
-        decode_seq_bf16(q + (int64_t)b * q_heads * head_dim, k_cache, page_stride, v_offset,
-                        tables + (int64_t)b * table_stride, start, len, q_heads, kv_heads, head_dim, page_size,
-                        scale, buf + head_dim * 8 + n * 2, (int64_t *)(buf + head_dim * 8), (__m512i *)buf,
-                        out + (int64_t)b * q_heads * head_dim);
-        free(buf);
-    }
-}
-
 /* paged_prefill_bf16: causal attention of chunks of queries over their KV pages, read in
  * place: sequence b's q_lens[b] queries start at flat row q_starts[b], query i sits at
  * position ctx_lens[b] - q_lens[b] + i and sees keys [max(0, pos + 1 - window), pos + 1).
@@ -683,6 +661,161 @@ static void pv_tiles(float *acc, const __m512i *P, const int32_t *vp, int head_d
         _tile_loadd(5, vp + d, 4 * head_dim);
         _tile_dpbf16ps(6, 4, 5);
         _tile_stored(6, acc + d, 4 * head_dim);
+    }
+}
+
+/* Decode on tiles, a KV group of `group` <= 16 query heads (one query each) a pass over the KV
+ * head's keys. Scores S = K . Q^T, 16 keys a tile product and 32 dims a step (A: the 16 keys' K
+ * rows, read in place where they are one run of a page, else copied, zeros past the context; B:
+ * the group's q pairs; C: [16 keys][group] fp32 over all dims, times scale once). The softmax
+ * per head as decode_seq_bf16's (fp32 exps of s - max); p is rounded to bf16 and the
+ * denominator sums the rounded p (vector lanes in order, then across lanes). O = P . V in
+ * blocks of 32 keys, 16 dims a tile product (A: P [group][32 keys]; B: the block's V pairs; C:
+ * O [group][16 dims] fp32, read, added to and written back a block); the output is O times
+ * 1 / the denominator, rounded to bf16 once. A sequence's bits depend on its query and keys
+ * only, not on the batch around it. */
+#define DT_S 0 /* the decode tiles (numerals: the tile intrinsics paste them into register names) */
+#define DT_K 1
+#define DT_Q 2
+#define DT_O 3
+#define DT_P 4
+#define DT_V 5
+
+static void configure_decode_tiles(int group) {
+    tile_config cfg = {0};
+    cfg.palette = 1;
+    cfg.rows[DT_S] = 16, cfg.colsb[DT_S] = (uint16_t)(4 * group);
+    cfg.rows[DT_K] = 16, cfg.colsb[DT_K] = 64;
+    cfg.rows[DT_Q] = 16, cfg.colsb[DT_Q] = (uint16_t)(4 * group);
+    cfg.rows[DT_O] = (uint8_t)group, cfg.colsb[DT_O] = 64;
+    cfg.rows[DT_P] = (uint8_t)group, cfg.colsb[DT_P] = 64;
+    cfg.rows[DT_V] = 16, cfg.colsb[DT_V] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+/* a sequence's buffer: q pairs [head_dim / 2][group], K rows [16][head_dim], S [n32][group], V
+ * pairs [16][head_dim], O [group][head_dim], scores [group][n32], P [group][n32] bf16, key row
+ * offsets [n] */
+static size_t decode_tiles_bytes(int64_t n, int group, int head_dim) {
+    const int64_t n32 = (n + 31) / 32 * 32;
+    const size_t bytes = (size_t)4 * (head_dim / 2 * group + 8 * head_dim + 2 * n32 * group + 16 * head_dim +
+                                      group * head_dim) +
+                         (size_t)2 * group * n32 + (size_t)8 * n + 64 * 8;
+    return (bytes + 63) / 64 * 64;
+}
+
+static void decode_seq_tiles(const bf16 *qb, const bf16 *k_cache, int64_t page_stride, int64_t v_offset,
+                             const int64_t *table, int64_t start, int64_t len, int kv_heads, int head_dim,
+                             int group, int page_size, float scale, char *buf, bf16 *o) {
+    const int pairs = head_dim / 2;
+    const int64_t n = len - start, n32 = (n + 31) / 32 * 32, token_stride = (int64_t)kv_heads * head_dim;
+#define DT_TAKE(type, count) (type *)next; next += ((size_t)(count) * sizeof(type) + 63) / 64 * 64
+    char *next = buf;
+    int32_t *qt = DT_TAKE(int32_t, pairs * group);
+    bf16 *k_rows = DT_TAKE(bf16, 16 * head_dim);
+    float *s_tiles = DT_TAKE(float, n32 * group); /* S [key][group] */
+    int32_t *vp = DT_TAKE(int32_t, 16 * head_dim);
+    float *acc = DT_TAKE(float, group * head_dim);
+    float *scores = DT_TAKE(float, group * n32);
+    bf16 *P = DT_TAKE(bf16, group * n32);
+    int64_t *rowoff = DT_TAKE(int64_t, n);
+#undef DT_TAKE
+    int64_t page = start / page_size, slot = start % page_size;
+    for (int64_t i = 0; i < n; i++, slot++) { /* offset of key i's row in the arena */
+        if (slot == page_size) page++, slot = 0;
+        rowoff[i] = table[page] * page_stride + slot * token_stride;
+    }
+    const bf16 *values = k_cache + v_offset;
+    const int head_lines = head_dim * (int)sizeof(bf16) / 64;
+    const __m512i lo_half = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
+                                             6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi_half = _mm512_add_epi16(lo_half, _mm512_set1_epi16(16));
+    const __m512i lanes_at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                _mm512_set1_epi32(group));
+    for (int h = 0; h < kv_heads; h++) {
+        for (int g = 0; g < group; g++) { /* qt[p][g]: dims (2p, 2p + 1) of query head g */
+            const int32_t *qh = (const int32_t *)(qb + (int64_t)(h * group + g) * head_dim);
+            for (int p = 0; p < pairs; p++) qt[p * group + g] = qh[p];
+        }
+        for (int64_t i0 = 0; i0 < n; i0 += 16) {
+            for (int64_t j = i0 + KV_AHEAD; j < i0 + KV_AHEAD + 16 && j < n; j++)
+                for (int l = 0; l < head_lines; l++)
+                    _mm_prefetch((const char *)(k_cache + rowoff[j] + (int64_t)h * head_dim) + 64 * l, _MM_HINT_T1);
+            const int m = n - i0 < 16 ? (int)(n - i0) : 16;
+            const bf16 *kr = k_cache + rowoff[i0] + (int64_t)h * head_dim;
+            int64_t k_stride = token_stride;
+            int run = m == 16; /* the 16 keys' rows one after another (one run of a page) */
+            for (int j = 1; j < 16 && run; j++) run = rowoff[i0 + j] == rowoff[i0] + j * token_stride;
+            if (!run) {
+                for (int j = 0; j < 16; j++) {
+                    if (j < m) memcpy(k_rows + j * head_dim, k_cache + rowoff[i0 + j] + (int64_t)h * head_dim, 2 * (size_t)head_dim);
+                    else memset(k_rows + j * head_dim, 0, 2 * (size_t)head_dim);
+                }
+                kr = k_rows, k_stride = head_dim;
+            }
+            _tile_zero(DT_S);
+            for (int c = 0; c < head_dim / 32; c++) {
+                _tile_loadd(DT_K, kr + 32 * c, 2 * k_stride);
+                _tile_loadd(DT_Q, qt + 16 * c * group, 4 * group);
+                _tile_dpbf16ps(DT_S, DT_K, DT_Q);
+            }
+            _tile_stored(DT_S, s_tiles + i0 * group, 4 * group);
+        }
+        for (int64_t i0 = 0; i0 < n; i0 += 16) { /* read once every store is done: no load waits on one */
+            const __mmask16 keys = n - i0 < 16 ? (__mmask16)((1u << (n - i0)) - 1) : 0xFFFF;
+            for (int g = 0; g < group; g++) {
+                const __m512 sg = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), keys, lanes_at, s_tiles + i0 * group + g, 4);
+                _mm512_store_ps(scores + g * n32 + i0, _mm512_mul_ps(sg, _mm512_set1_ps(scale)));
+            }
+        }
+        float inv[16];
+        for (int g = 0; g < group; g++) {
+            float *s = scores + g * n32;
+            __m512 vmax = _mm512_set1_ps(-FLT_MAX);
+            for (int64_t i = 0; i < n; i += 16) {
+                const __mmask16 keys = n - i < 16 ? (__mmask16)((1u << (n - i)) - 1) : 0xFFFF;
+                vmax = _mm512_mask_max_ps(vmax, keys, vmax, _mm512_maskz_loadu_ps(keys, s + i));
+            }
+            const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+            __m512 vsum = _mm512_setzero_ps();
+            for (int64_t i = 0; i < n32; i += 16) { /* zeros past the context */
+                const __mmask16 keys = i >= n ? 0 : n - i < 16 ? (__mmask16)((1u << (n - i)) - 1) : 0xFFFF;
+                const __m512 e = _mm512_maskz_mov_ps(keys, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(keys, s + i), mx)));
+                const __m256bh pb = _mm512_cvtneps_pbh(e);
+                _mm256_store_si256((__m256i *)(P + g * n32 + i), (__m256i)pb);
+                vsum = _mm512_add_ps(vsum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)pb), 16)));
+            }
+            inv[g] = 1.0f / _mm512_reduce_add_ps(vsum);
+        }
+        memset(acc, 0, sizeof(float) * group * head_dim);
+        for (int64_t b0 = 0; b0 < n; b0 += 32) {
+            for (int64_t j = b0 + 32; j < b0 + 64 && j < n; j++) /* the next block's V rows */
+                for (int l = 0; l < head_lines; l++)
+                    _mm_prefetch((const char *)(values + rowoff[j] + (int64_t)h * head_dim) + 64 * l, _MM_HINT_T0);
+            for (int jp = 0; jp < 16; jp++) { /* V pairs of the block's keys, zeros past the context */
+                const int64_t k0 = b0 + 2 * jp, k1 = k0 + 1;
+                int32_t *dst = vp + jp * head_dim;
+                for (int c = 0; c < head_dim; c += 32) {
+                    const __m512i v0 = k0 < n ? _mm512_loadu_si512(values + rowoff[k0] + (int64_t)h * head_dim + c) : _mm512_setzero_si512();
+                    const __m512i v1 = k1 < n ? _mm512_loadu_si512(values + rowoff[k1] + (int64_t)h * head_dim + c) : _mm512_setzero_si512();
+                    _mm512_store_si512(dst + c, _mm512_permutex2var_epi16(v0, lo_half, v1));
+                    _mm512_store_si512(dst + c + 16, _mm512_permutex2var_epi16(v0, hi_half, v1));
+                }
+            }
+            _tile_loadd(DT_P, P + b0, 2 * n32);
+            for (int d = 0; d < head_dim; d += 16) {
+                _tile_loadd(DT_O, acc + d, 4 * head_dim);
+                _tile_loadd(DT_V, vp + d, 4 * head_dim);
+                _tile_dpbf16ps(DT_O, DT_P, DT_V);
+                _tile_stored(DT_O, acc + d, 4 * head_dim);
+            }
+        }
+        for (int g = 0; g < group; g++) {
+            bf16 *out = o + (int64_t)(h * group + g) * head_dim;
+            const __m512 ig = _mm512_set1_ps(inv[g]);
+            for (int d = 0; d < head_dim; d += 16)
+                _mm256_storeu_si256((__m256i *)(out + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc + g * head_dim + d), ig)));
+        }
     }
 }
 #endif
@@ -892,6 +1025,57 @@ static void prefill_item_bf16(const bf16 *q, int64_t q_row_stride, const bf16 *k
                 _mm256_storeu_si256((__m256i *)(o + a), (__m256i)_mm512_cvtneps_pbh(x));
             }
         }
+    }
+}
+
+void paged_decode_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride, int64_t v_offset,
+                       const int64_t *tables, int64_t table_stride, const int64_t *ctx_lens, int batch, int q_heads,
+                       int kv_heads, int head_dim, int page_size, float scale, int64_t window, int threads,
+                       bf16 *out) {
+    if (head_dim % 32 != 0) {
+        paged_decode_bf16_generic(q, k_cache, page_stride, v_offset, tables, table_stride, ctx_lens, batch, q_heads,
+                                  kv_heads, head_dim, page_size, scale, window, threads, out);
+        return;
+    }
+    const int group = q_heads / kv_heads;
+#ifdef HAVE_TILES
+    const int tiles = head_dim >= 64 && group <= 16 && amx_usable(); /* at head_dim 32 the vector path was faster */
+#else
+    const int tiles = 0;
+#endif
+    _Pragma("omp parallel num_threads(threads)")
+    {
+#ifdef HAVE_TILES
+        if (tiles) configure_decode_tiles(group);
+#endif
+        _Pragma("omp for schedule(dynamic, 4)")
+        for (int b = 0; b < batch; b++) {
+            const int64_t len = ctx_lens[b];
+            const int64_t start = (window > 0 && len > window) ? len - window : 0;
+            const int64_t n = len - start;
+            bf16 *o = out + (int64_t)b * q_heads * head_dim;
+            const bf16 *qb = q + (int64_t)b * q_heads * head_dim;
+            const int64_t *table = tables + (int64_t)b * table_stride;
+#ifdef HAVE_TILES
+            if (tiles) {
+                char *buf = (char *)aligned_alloc(64, decode_tiles_bytes(n, group, head_dim));
+                decode_seq_tiles(qb, k_cache, page_stride, v_offset, table, start, len, kv_heads, head_dim, group,
+                                 page_size, scale, buf, o);
+                free(buf);
+                continue;
+            }
+#endif
+            /* buf: kt [head_dim / 2 vectors], key row offsets [n], scores [q_heads][n] */
+            const size_t floats = (size_t)head_dim * 8 + (size_t)n * 2 + (size_t)n * q_heads;
+            float *buf = (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+            decode_seq_bf16(qb, k_cache, page_stride, v_offset, table, start, len, q_heads, kv_heads, head_dim,
+                            page_size, scale, buf + head_dim * 8 + n * 2, (int64_t *)(buf + head_dim * 8),
+                            (__m512i *)buf, o);
+            free(buf);
+        }
+#ifdef HAVE_TILES
+        if (tiles) _tile_release();
+#endif
     }
 }
 
