@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python bench/kernels.py [--repeats 5]
     python bench/kernels.py --rates [--threads 1,2] [--against OLD/cpu_kernels.c]
+    OMP_NUM_THREADS=1 python bench/kernels.py --decode-tiles [--repeats 5]
 
 Cases (bf16, pages laid out as the engine's arena lays them out, one layer of four):
 * prefill: chunks of queries over cached prefixes, `cpu_kernels.paged_prefill` against the
@@ -19,17 +20,26 @@ Prints the median time of each over `--repeats` runs of ~0.3 s and the ratio.
 each adding 10-100 tokens over 100-500 cached), per kernel path this CPU has (amx, avx512, avx2,
 and the decode kernel a query a call, the route where no prefill kernel fits), as KV GB/s and
 FLOP/s against the bf16 matmul's FLOP/s measured in the same run (`rates`).
+
+`--decode-tiles` (issue 90): `cpu_kernels.paged_decode` at GQA shapes (`DECODE_SHAPES`), this
+process (AMX tiles where they run and head_dim >= 64) against a child process with
+TREESERVE_AMX=0 (the AVX512-BF16 path), the two alternated every repetition; median ms and the
+ratio. Pages are 16 tokens, scattered over the arena: "from memory" shapes hold more KV than the
+caches, "cached" ones fit in L2.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -264,6 +274,58 @@ def rates(threads: list[int], repeats: int, seqs: int, against: Path | None) -> 
                 )
 
 
+# name: (head_dim, q heads, KV heads, sequences, context)
+DECODE_SHAPES = {
+    "Gemma 3 270M, 128 seqs x 96 keys (from memory)": (256, 4, 1, 128, 96),
+    "Gemma 3 270M, 128 seqs x 160 keys (from memory)": (256, 4, 1, 128, 160),
+    "Gemma 3 270M, 8 seqs x 96 keys (cached)": (256, 4, 1, 8, 96),
+    "Llama 3 8B heads (D 128, 32 / 8), 32 seqs x 256 keys": (128, 32, 8, 32, 256),
+    "D 128, 32 / 4 heads, 8 seqs x 128 keys (cached)": (128, 32, 4, 8, 128),
+    "D 64, 8 / 2 heads, 64 seqs x 200 keys": (64, 8, 2, 64, 200),
+}
+
+
+def decode_ms(repeats: int) -> dict[str, float]:
+    """Median ms of one `paged_decode` call per DECODE_SHAPES entry, on this process's path."""
+    out = {}
+    for name, (dim, q_heads, kv_heads, seqs, context) in DECODE_SHAPES.items():
+        torch.manual_seed(0)
+        pages = -(-context // 16)
+        arena = KVArena(seqs * pages + 4, 1, 16, kv_heads, dim, torch.bfloat16, "cpu")
+        arena.buffer.view(torch.bfloat16).normal_()
+        k_cache, v_cache = arena.layer(0)
+        tables = torch.randperm(seqs * pages).view(seqs, pages)
+        lens = torch.full((seqs,), context)
+        q = torch.randn(seqs, q_heads, dim, dtype=torch.bfloat16)
+        result = torch.empty_like(q)
+        call = partial(cpu_kernels.paged_decode, q, k_cache, v_cache, tables, lens, dim**-0.5, None, result)
+        out[name] = median_ms(call, repeats)
+    return out
+
+
+def decode_tiles(repeats: int) -> None:
+    if not cpu_kernels.prefill_tiles_available():
+        sys.exit("no AMX tiles here: the decode kernel has one path")
+    child = [sys.executable, __file__, "--decode-child", "--repeats", "1"]
+    env = {**os.environ, "TREESERVE_AMX": "0"}
+    tiles: dict[str, list[float]] = {name: [] for name in DECODE_SHAPES}
+    vector: dict[str, list[float]] = {name: [] for name in DECODE_SHAPES}
+    for rep in range(repeats):  # alternated, the order swapped every repetition
+        for first in (rep % 2 == 0, rep % 2 == 1):
+            if first:
+                for name, ms in decode_ms(3).items():
+                    tiles[name].append(ms)
+            else:
+                ran = subprocess.run(child, env=env, capture_output=True, text=True, check=True)
+                for name, ms in json.loads(ran.stdout.splitlines()[-1]).items():
+                    vector[name].append(ms)
+    print(f"{cpu_model()}, {torch.get_num_threads()} thread(s), medians of {repeats}")
+    print("| shape | AMX tiles (ms) | AVX512-BF16 (ms) | tiles' speed-up |\n|---|---|---|---|")
+    for name in DECODE_SHAPES:
+        t, v = statistics.median(tiles[name]), statistics.median(vector[name])
+        print(f"| {name} | {t:.3f} | {v:.3f} | {v / t:.2f}x |")
+
+
 def cpu_model() -> str:
     with open("/proc/cpuinfo") as f:
         lines = f.read().splitlines()
@@ -280,7 +342,15 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2", help="--rates: thread counts, comma-separated")
     ap.add_argument("--seqs", type=int, default=32, help="--rates: sequences a shape")
     ap.add_argument("--against", type=Path, help="--rates: also time paged_prefill_bf16 built from this source")
+    ap.add_argument("--decode-tiles", action="store_true", help="only decode attention, AMX tiles against AVX-512")
+    ap.add_argument("--decode-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.decode_child:
+        print(json.dumps(decode_ms(3)))
+        return
+    if args.decode_tiles:
+        decode_tiles(args.repeats)
+        return
     if args.rates and cpu_kernels.prefill_path(torch.bfloat16, 32) is None:
         sys.exit("no prefill kernel is built here (no C compiler, or neither AVX2 nor AVX512-BF16)")
     if not args.rates and not cpu_kernels.bf16_built():
