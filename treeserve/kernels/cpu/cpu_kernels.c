@@ -326,6 +326,21 @@ static inline __m512 exp_ps(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* The lanes of the 16 values at i that exist in a row of n. */
+static inline __mmask16 lanes_in(int64_t i, int64_t n) {
+    return i >= n ? 0 : n - i < 16 ? (__mmask16)((1u << (n - i)) - 1) : 0xFFFF;
+}
+
+/* The largest of a row's n scores. */
+static inline float row_max(const float *s, int64_t n) {
+    __m512 vmax = _mm512_set1_ps(-FLT_MAX);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 keys = lanes_in(i, n);
+        vmax = _mm512_mask_max_ps(vmax, keys, vmax, _mm512_maskz_loadu_ps(keys, s + i));
+    }
+    return _mm512_reduce_max_ps(vmax);
+}
+
 /* Transpose 16 rows of 16 dwords in place: afterwards r[c] holds dword c of every row. */
 static inline void transpose16_epi32(__m512i r[16]) {
     __m512i t[16];
@@ -468,15 +483,10 @@ static void decode_seq_bf16(const bf16 *qb, const bf16 *k_cache, int64_t page_st
     float inv[q_heads];
     for (int hq = 0; hq < q_heads; hq++) {
         float *s = scores + hq * n;
-        __m512 vmax = _mm512_set1_ps(-FLT_MAX);
-        for (int64_t i = 0; i < n; i += 16) {
-            const __mmask16 keys = n - i < 16 ? (__mmask16)((1u << (n - i)) - 1) : 0xFFFF;
-            vmax = _mm512_mask_max_ps(vmax, keys, vmax, _mm512_maskz_loadu_ps(keys, s + i));
-        }
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+        const __m512 m = _mm512_set1_ps(row_max(s, n));
         __m512 vsum = _mm512_setzero_ps();
         for (int64_t i = 0; i < n; i += 16) {
-            const __mmask16 keys = n - i < 16 ? (__mmask16)((1u << (n - i)) - 1) : 0xFFFF;
+            const __mmask16 keys = lanes_in(i, n);
             const __m512 e = _mm512_maskz_mov_ps(keys, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(keys, s + i), m)));
             _mm512_mask_storeu_ps(s + i, keys, e);
             vsum = _mm512_add_ps(vsum, e);
@@ -762,7 +772,7 @@ static void decode_seq_tiles(const bf16 *qb, const bf16 *k_cache, int64_t page_s
             _tile_stored(DT_S, s_tiles + i0 * group, 4 * group);
         }
         for (int64_t i0 = 0; i0 < n; i0 += 16) { /* read once every store is done: no load waits on one */
-            const __mmask16 keys = n - i0 < 16 ? (__mmask16)((1u << (n - i0)) - 1) : 0xFFFF;
+            const __mmask16 keys = lanes_in(i0, n);
             for (int g = 0; g < group; g++) {
                 const __m512 sg = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), keys, lanes_at, s_tiles + i0 * group + g, 4);
                 _mm512_store_ps(scores + g * n32 + i0, _mm512_mul_ps(sg, _mm512_set1_ps(scale)));
@@ -771,15 +781,10 @@ static void decode_seq_tiles(const bf16 *qb, const bf16 *k_cache, int64_t page_s
         float inv[16];
         for (int g = 0; g < group; g++) {
             float *s = scores + g * n32;
-            __m512 vmax = _mm512_set1_ps(-FLT_MAX);
-            for (int64_t i = 0; i < n; i += 16) {
-                const __mmask16 keys = n - i < 16 ? (__mmask16)((1u << (n - i)) - 1) : 0xFFFF;
-                vmax = _mm512_mask_max_ps(vmax, keys, vmax, _mm512_maskz_loadu_ps(keys, s + i));
-            }
-            const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+            const __m512 mx = _mm512_set1_ps(row_max(s, n));
             __m512 vsum = _mm512_setzero_ps();
             for (int64_t i = 0; i < n32; i += 16) { /* zeros past the context */
-                const __mmask16 keys = i >= n ? 0 : n - i < 16 ? (__mmask16)((1u << (n - i)) - 1) : 0xFFFF;
+                const __mmask16 keys = lanes_in(i, n);
                 const __m512 e = _mm512_maskz_mov_ps(keys, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(keys, s + i), mx)));
                 const __m256bh pb = _mm512_cvtneps_pbh(e);
                 _mm256_store_si256((__m256i *)(P + g * n32 + i), (__m256i)pb);
