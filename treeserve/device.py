@@ -81,24 +81,6 @@ def process_memory(device: torch.device) -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-# glibc's mallopt parameters (malloc.h)
-M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
-
-
-def keep_freed_heap() -> None:
-    """Serve large blocks from the C heap and keep what is freed there (glibc's mallopt: no
-    mapping of its own for a large block, no trimming as blocks are freed). A step's large
-    buffers (a batch's logits: rows x vocabulary) then reuse the pages the last step freed;
-    otherwise each is a fresh mapping whose every page faults in zeroed as the kernel writes it.
-    `release_free_heap` still gives free pages back when asked."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return
-    mallopt(M_MMAP_MAX, 0)
-    mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
-
-
 def release_free_heap() -> None:
     """Give the C heap's free pages back to the system (glibc's `malloc_trim`, where there is one)."""
     try:

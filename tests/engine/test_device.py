@@ -1,9 +1,7 @@
-"""Device and backend selection, the CUDA branches of the memory queries and the planner
-(exercised with substituted CUDA queries: these machines have no GPU), and the C heap's settings."""
+"""Device and backend selection, and the CUDA branches of the memory queries and the planner,
+exercised with substituted CUDA queries (these machines have no GPU)."""
 
 from __future__ import annotations
-
-import ctypes
 
 import pytest
 import torch
@@ -13,7 +11,6 @@ from treeserve.cli import main
 from treeserve.config import EngineConfig
 from treeserve.device import (
     available_memory,
-    keep_freed_heap,
     process_memory,
     resolve_attention_backend,
     resolve_device,
@@ -143,35 +140,3 @@ def test_plan_sources_say_measured_or_estimated():
     assert all(how.startswith("measured") for name, how in cuda.items() if name != "sampler_peak")
     assert "CUDA caching allocator" in cuda["activation_peak"] and "profiler" in cpu["activation_peak"]
     assert "mem_get_info" in cuda["free_at_start"] and "meminfo" in cpu["free_at_start"]
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in (
-            "arena",
-            "ordblks",
-            "smblks",
-            "hblks",
-            "hblkhd",
-            "usmblks",
-            "fsmblks",
-            "uordblks",
-            "fordblks",
-            "keepcost",
-        )
-    ]
-
-
-@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallinfo2"), reason="not glibc >= 2.33")
-def test_a_freed_large_buffer_is_reused_from_the_heap_not_mapped_afresh():
-    mallinfo2 = ctypes.CDLL(None).mallinfo2
-    mallinfo2.restype = _MallInfo2
-    keep_freed_heap()
-    mapped = mallinfo2().hblkhd
-    first = torch.empty(80 << 20, dtype=torch.uint8)
-    at = first.data_ptr()
-    assert mallinfo2().hblkhd == mapped  # from the heap: no mapping of its own
-    del first
-    again = torch.empty(80 << 20, dtype=torch.uint8)
-    assert again.data_ptr() == at  # the freed block, its pages already in

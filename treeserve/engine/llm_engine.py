@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from treeserve.config import EngineConfig
-from treeserve.device import available_memory, keep_freed_heap, release_free_heap
+from treeserve.device import available_memory, release_free_heap
 from treeserve.distributed.ranks import Ranks
 from treeserve.engine import cuda_graphs
 from treeserve.engine.attention import BACKENDS
@@ -98,8 +98,6 @@ class LLMEngine:
         self.extra_tensors = loaded.extra_tensors
         self.tokenizer = Tokenizer(config.model, model_eos_ids=loaded.config.eos_token_ids)
         release_free_heap()
-        if self.device.type == "cpu":
-            keep_freed_heap()
         self.constraints = Constraints(self.tokenizer)
         self.think = ThinkTokens.of(self.tokenizer)
         limit = loaded.config.max_position_embeddings
