@@ -306,7 +306,7 @@ def decode_ms(repeats: int) -> dict[str, float]:
 def decode_tiles(repeats: int) -> None:
     if not cpu_kernels.prefill_tiles_available():
         sys.exit("no AMX tiles here: the decode kernel has one path")
-    child = [sys.executable, __file__, "--decode-child", "--repeats", "1"]
+    child = [sys.executable, __file__, "--decode-child"]
     env = {**os.environ, "TREESERVE_AMX": "0"}
     tiles: dict[str, list[float]] = {name: [] for name in DECODE_SHAPES}
     vector: dict[str, list[float]] = {name: [] for name in DECODE_SHAPES}

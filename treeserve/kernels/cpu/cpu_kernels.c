@@ -341,6 +341,36 @@ static inline float row_max(const float *s, int64_t n) {
     return _mm512_reduce_max_ps(vmax);
 }
 
+/* rowoff[i]: where the row of key start + i (i < n) begins in the arena, in elements, plus `head`. */
+static inline void key_rows(const int64_t *table, int64_t start, int64_t n, int page_size, int64_t page_stride,
+                            int64_t token_stride, int64_t head, int64_t *rowoff) {
+    int64_t page = start / page_size, slot = start % page_size;
+    for (int64_t i = 0; i < n; i++, slot++) {
+        if (slot == page_size) page++, slot = 0;
+        rowoff[i] = table[page] * page_stride + slot * token_stride + head;
+    }
+}
+
+/* vp[jp][d], pairs jp in [jp0, jp1) of a block of keys: dim d of keys 2jp and 2jp + 1 as one
+ * dword (the bf16 dot products' and tile products' pair layout), zeros for keys outside [j0, j1);
+ * key j's V row starts at values + rowoff[j]. */
+static inline void v_pairs(const bf16 *values, const int64_t *rowoff, int j0, int j1, int jp0, int jp1, int head_dim,
+                           int32_t *vp) {
+    const __m512i lo_half = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
+                                             6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi_half = _mm512_add_epi16(lo_half, _mm512_set1_epi16(16));
+    for (int jp = jp0; jp < jp1; jp++) {
+        const int k0 = 2 * jp, k1 = 2 * jp + 1;
+        int32_t *dst = vp + jp * head_dim;
+        for (int c = 0; c < head_dim; c += 32) {
+            const __m512i v0 = k0 >= j0 && k0 < j1 ? _mm512_loadu_si512(values + rowoff[k0] + c) : _mm512_setzero_si512();
+            const __m512i v1 = k1 >= j0 && k1 < j1 ? _mm512_loadu_si512(values + rowoff[k1] + c) : _mm512_setzero_si512();
+            _mm512_store_si512(dst + c, _mm512_permutex2var_epi16(v0, lo_half, v1));
+            _mm512_store_si512(dst + c + 16, _mm512_permutex2var_epi16(v0, hi_half, v1));
+        }
+    }
+}
+
 /* Transpose 16 rows of 16 dwords in place: afterwards r[c] holds dword c of every row. */
 static inline void transpose16_epi32(__m512i r[16]) {
     __m512i t[16];
@@ -453,11 +483,7 @@ static void decode_seq_bf16(const bf16 *qb, const bf16 *k_cache, int64_t page_st
     const int64_t n = len - start;
     const int64_t token_stride = (int64_t)kv_heads * head_dim;
     const __m512 vscale = _mm512_set1_ps(scale);
-    int64_t page = start / page_size, slot = start % page_size;
-    for (int64_t i = 0; i < n; i++, slot++) { /* offset of key i's row in the arena */
-        if (slot == page_size) page++, slot = 0;
-        rowoff[i] = table[page] * page_stride + slot * token_stride;
-    }
+    key_rows(table, start, n, page_size, page_stride, token_stride, 0, rowoff);
     const int row_lines = (int)(token_stride * sizeof(bf16) / 64);
     for (int64_t i0 = 0; i0 < n; i0 += 16) {
         for (int64_t j = i0 + KV_AHEAD; j < i0 + KV_AHEAD + 16 && j < n; j++) /* every head's K rows */
@@ -703,15 +729,33 @@ static void configure_decode_tiles(int group) {
     _tile_loadconfig(&cfg);
 }
 
-/* a sequence's buffer: q pairs [head_dim / 2][group], K rows [16][head_dim], S [n32][group], V
+/* A sequence's buffers: q pairs [head_dim / 2][group], K rows [16][head_dim], S [n32][group], V
  * pairs [16][head_dim], O [group][head_dim], scores [group][n32], P [group][n32] bf16, key row
- * offsets [n] */
-static size_t decode_tiles_bytes(int64_t n, int group, int head_dim) {
+ * offsets [n]. */
+typedef struct {
+    int32_t *qt, *vp;
+    bf16 *k_rows, *P;
+    float *s_tiles, *acc, *scores;
+    int64_t *rowoff;
+} decode_buffers;
+
+/* Their bytes, each 64-byte aligned; where `buf` is not NULL, b's pointers into it. */
+static size_t decode_buffers_in(char *buf, int64_t n, int group, int head_dim, decode_buffers *b) {
     const int64_t n32 = (n + 31) / 32 * 32;
-    const size_t bytes = (size_t)4 * (head_dim / 2 * group + 8 * head_dim + 2 * n32 * group + 16 * head_dim +
-                                      group * head_dim) +
-                         (size_t)2 * group * n32 + (size_t)8 * n + 64 * 8;
-    return (bytes + 63) / 64 * 64;
+    size_t at = 0;
+#define DT_TAKE(field, type, count)                                     \
+    if (buf) b->field = (type *)(buf + at);                             \
+    at += ((size_t)(count) * sizeof(type) + 63) / 64 * 64
+    DT_TAKE(qt, int32_t, head_dim / 2 * group);
+    DT_TAKE(k_rows, bf16, 16 * head_dim);
+    DT_TAKE(s_tiles, float, n32 * group);
+    DT_TAKE(vp, int32_t, 16 * head_dim);
+    DT_TAKE(acc, float, group * head_dim);
+    DT_TAKE(scores, float, group * n32);
+    DT_TAKE(P, bf16, group * n32);
+    DT_TAKE(rowoff, int64_t, n);
+#undef DT_TAKE
+    return at;
 }
 
 static void decode_seq_tiles(const bf16 *qb, const bf16 *k_cache, int64_t page_stride, int64_t v_offset,
@@ -719,27 +763,15 @@ static void decode_seq_tiles(const bf16 *qb, const bf16 *k_cache, int64_t page_s
                              int group, int page_size, float scale, char *buf, bf16 *o) {
     const int pairs = head_dim / 2;
     const int64_t n = len - start, n32 = (n + 31) / 32 * 32, token_stride = (int64_t)kv_heads * head_dim;
-#define DT_TAKE(type, count) (type *)next; next += ((size_t)(count) * sizeof(type) + 63) / 64 * 64
-    char *next = buf;
-    int32_t *qt = DT_TAKE(int32_t, pairs * group);
-    bf16 *k_rows = DT_TAKE(bf16, 16 * head_dim);
-    float *s_tiles = DT_TAKE(float, n32 * group); /* S [key][group] */
-    int32_t *vp = DT_TAKE(int32_t, 16 * head_dim);
-    float *acc = DT_TAKE(float, group * head_dim);
-    float *scores = DT_TAKE(float, group * n32);
-    bf16 *P = DT_TAKE(bf16, group * n32);
-    int64_t *rowoff = DT_TAKE(int64_t, n);
-#undef DT_TAKE
-    int64_t page = start / page_size, slot = start % page_size;
-    for (int64_t i = 0; i < n; i++, slot++) { /* offset of key i's row in the arena */
-        if (slot == page_size) page++, slot = 0;
-        rowoff[i] = table[page] * page_stride + slot * token_stride;
-    }
+    decode_buffers b;
+    decode_buffers_in(buf, n, group, head_dim, &b);
+    int32_t *qt = b.qt, *vp = b.vp;
+    bf16 *k_rows = b.k_rows, *P = b.P;
+    float *s_tiles = b.s_tiles, *acc = b.acc, *scores = b.scores;
+    int64_t *rowoff = b.rowoff;
+    key_rows(table, start, n, page_size, page_stride, token_stride, 0, rowoff);
     const bf16 *values = k_cache + v_offset;
     const int head_lines = head_dim * (int)sizeof(bf16) / 64;
-    const __m512i lo_half = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
-                                             6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    const __m512i hi_half = _mm512_add_epi16(lo_half, _mm512_set1_epi16(16));
     const __m512i lanes_at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                                 _mm512_set1_epi32(group));
     for (int h = 0; h < kv_heads; h++) {
@@ -797,16 +829,8 @@ static void decode_seq_tiles(const bf16 *qb, const bf16 *k_cache, int64_t page_s
             for (int64_t j = b0 + 32; j < b0 + 64 && j < n; j++) /* the next block's V rows */
                 for (int l = 0; l < head_lines; l++)
                     _mm_prefetch((const char *)(values + rowoff[j] + (int64_t)h * head_dim) + 64 * l, _MM_HINT_T0);
-            for (int jp = 0; jp < 16; jp++) { /* V pairs of the block's keys, zeros past the context */
-                const int64_t k0 = b0 + 2 * jp, k1 = k0 + 1;
-                int32_t *dst = vp + jp * head_dim;
-                for (int c = 0; c < head_dim; c += 32) {
-                    const __m512i v0 = k0 < n ? _mm512_loadu_si512(values + rowoff[k0] + (int64_t)h * head_dim + c) : _mm512_setzero_si512();
-                    const __m512i v1 = k1 < n ? _mm512_loadu_si512(values + rowoff[k1] + (int64_t)h * head_dim + c) : _mm512_setzero_si512();
-                    _mm512_store_si512(dst + c, _mm512_permutex2var_epi16(v0, lo_half, v1));
-                    _mm512_store_si512(dst + c + 16, _mm512_permutex2var_epi16(v0, hi_half, v1));
-                }
-            }
+            const int in_block = n - b0 < 32 ? (int)(n - b0) : 32; /* zeros past the context */
+            v_pairs(values + (int64_t)h * head_dim, rowoff + b0, 0, in_block, 0, 16, head_dim, vp);
             _tile_loadd(DT_P, P + b0, 2 * n32);
             for (int d = 0; d < head_dim; d += 16) {
                 _tile_loadd(DT_O, acc + d, 4 * head_dim);
@@ -955,14 +979,8 @@ static void prefill_item_bf16(const bf16 *q, int64_t q_row_stride, const bf16 *k
     kb.vp = vp, kb.kb = k_rows;
     int64_t *rowoff = (int64_t *)(k_rows + KEY_BLOCK * head_dim);
     const int64_t klo = tile[0].lo[0], khi = tile[tiles - 1].hi[PREFILL_TILE - 1];
-    int64_t page = klo / page_size, slot = klo % page_size;
-    for (int64_t t = klo; t < khi; t++, slot++) { /* rowoff[t]: key t's K row in the arena */
-        if (slot == page_size) page++, slot = 0;
-        rowoff[t] = table[page] * page_stride + slot * token_stride + (int64_t)kv_head * head_dim;
-    }
-    const __m512i lo_half = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
-                                             6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    const __m512i hi_half = _mm512_add_epi16(lo_half, _mm512_set1_epi16(16));
+    /* rowoff[t]: key t's K row in the arena */
+    key_rows(table, klo, khi - klo, page_size, page_stride, token_stride, (int64_t)kv_head * head_dim, rowoff + klo);
     const bf16 *values = k_cache + v_offset;
     const int row_lines = head_dim * (int)sizeof(bf16) / 64;
     for (int64_t b0 = klo / KEY_BLOCK * KEY_BLOCK; b0 < khi; b0 += KEY_BLOCK) {
@@ -976,16 +994,7 @@ static void prefill_item_bf16(const bf16 *q, int64_t q_row_stride, const bf16 *k
                 _mm_prefetch((const char *)(values + rowoff[t]) + 64 * l, _MM_HINT_T0);
             }
         const int jp0 = tiles_on ? 0 : j0 / 8 * 4, jp1 = tiles_on ? KEY_BLOCK / 2 : (j1 + 7) / 8 * 4;
-        for (int jp = jp0; jp < jp1; jp++) { /* V pairs, 0 for keys out of [j0, j1) */
-            const int k0 = 2 * jp, k1 = 2 * jp + 1;
-            int32_t *dst = vp + jp * head_dim;
-            for (int c = 0; c < head_dim; c += 32) {
-                const __m512i v0 = k0 >= j0 && k0 < j1 ? _mm512_loadu_si512(values + rowoff[b0 + k0] + c) : _mm512_setzero_si512();
-                const __m512i v1 = k1 >= j0 && k1 < j1 ? _mm512_loadu_si512(values + rowoff[b0 + k1] + c) : _mm512_setzero_si512();
-                _mm512_store_si512(dst + c, _mm512_permutex2var_epi16(v0, lo_half, v1));
-                _mm512_store_si512(dst + c + 16, _mm512_permutex2var_epi16(v0, hi_half, v1));
-            }
-        }
+        v_pairs(values, rowoff + b0, j0, j1, jp0, jp1, head_dim, vp);
         for (int j = 0; j < KEY_BLOCK; j++) kb.kr[j] = k_cache + rowoff[b0 + (j < j0 || j >= j1 ? j0 : j)];
         if (tiles_on)
             for (int j = j0 / 16 * 16; j < (j1 + 15) / 16 * 16; j++) {
@@ -1063,7 +1072,7 @@ void paged_decode_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride, 
             const int64_t *table = tables + (int64_t)b * table_stride;
 #ifdef HAVE_TILES
             if (tiles) {
-                char *buf = (char *)aligned_alloc(64, decode_tiles_bytes(n, group, head_dim));
+                char *buf = (char *)aligned_alloc(64, decode_buffers_in(NULL, n, group, head_dim, NULL));
                 decode_seq_tiles(qb, k_cache, page_stride, v_offset, table, start, len, kv_heads, head_dim, group,
                                  page_size, scale, buf, o);
                 free(buf);
