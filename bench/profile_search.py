@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from treeserve import cli  # noqa: E402
-from treeserve.engine import attention, llm_engine, model_runner, scheduler  # noqa: E402
+from treeserve.engine import attention, llm_engine, model_runner, sampler, scheduler  # noqa: E402
 from treeserve.kernels import cpu as cpu_kernels  # noqa: E402  (its F is torch.nn.functional)
 
 seconds: Counter[str] = Counter()
@@ -91,8 +91,8 @@ def main() -> None:
     timed(llm_engine.LLMEngine, "step_plain", "engine step")  # (the loop chosen at start-up: steps not overlapped)
     timed(model_runner.ModelRunner, "execute", "  device work: forward, LM head, draw")
     timed(attention.AttentionBatch, "__call__", "    attention (all of it)")
-    timed(model_runner.ModelRunner, "_sample", "    sampling (LM head included)")
-    timed(model_runner, "sample", "      draw")
+    timed(model_runner, "sample_plan", "    sampling (LM head included)")
+    timed(sampler, "sample", "      draw")
     timed(scheduler.Scheduler, "schedule", "  scheduling")
     timed_linear()
     timed_gc()

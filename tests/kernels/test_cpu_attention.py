@@ -83,7 +83,8 @@ def test_prm_shaped_chunks_match_sdpa(shape, window, path):
 def test_a_rows_bits_do_not_depend_on_its_chunk_or_batch(shape, window, path):
     """Queries 70..139 of a 140-token context computed as one chunk, in chunks cut at positions that
     are not multiples of the key block (or of the tile), alone or among other sequences, on 1 or 2
-    threads: identical bits."""
+    threads (with tiles, how many tiles an item takes follows the call's items a thread): identical
+    bits."""
     head_dim, q_heads, kv_heads = SHAPES[shape]
     _skip_unfit(path, head_dim)
     torch.manual_seed(1)

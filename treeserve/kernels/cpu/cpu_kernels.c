@@ -535,9 +535,10 @@ static void decode_seq_bf16(const bf16 *qb, const bf16 *k_cache, int64_t page_st
  * place: sequence b's q_lens[b] queries start at flat row q_starts[b], query i sits at
  * position ctx_lens[b] - q_lens[b] + i and sees keys [max(0, pos + 1 - window), pos + 1).
  * A row is one (query, query head of a KV head's group); a tile is 16 rows in the 16 lanes of
- * a vector, and a work item is (sequence, KV head, up to PREFILL_TILES consecutive tiles), so
- * one pass over a KV head's pages serves its query heads and the item's tiles share each block
- * of keys while it is in L1. Keys go in blocks of 32, FlashAttention-2's online softmax per
+ * a vector, and a work item is (sequence, KV head, up to PREFILL_TILES consecutive tiles; with
+ * AMX tiles and head_dim >= 64 up to PREFILL_TILES_MAX while the call keeps 4 items a thread),
+ * so one pass over a KV head's pages serves its query heads and the item's tiles share each
+ * block of keys. Keys go in blocks of 32, FlashAttention-2's online softmax per
  * row: q.k for 8 keys at a time (bf16 dot products, each loaded pair of q reused by the 8, the
  * key's pair broadcast from its page), the block's scores, the row's running max and its exps,
  * then p.v as bf16 dot products too (p rounded to bf16; the block's V rows interleaved a pair
@@ -564,7 +565,8 @@ static void decode_seq_bf16(const bf16 *qb, const bf16 *k_cache, int64_t page_st
  * adds them, rows independent of one another, so the same invariance holds; the bits differ
  * from the vector path's. */
 #define PREFILL_TILE 16
-#define PREFILL_TILES 8 /* tiles a work item */
+#define PREFILL_TILES 8     /* tiles a work item on the vector path */
+#define PREFILL_TILES_MAX 32 /* with tiles: a block's K rows and V pairs serve up to this many tiles */
 #define KEY_BLOCK 32
 #define MASKED_SCORE (-1e30f) /* finite: -ffast-math assumes no infinities */
 #define RESCALE_SLACK 8.0f /* base 2 */
@@ -948,9 +950,9 @@ static void prefill_item_bf16(const bf16 *q, int64_t q_row_stride, const bf16 *k
                               int kv_head, int head_dim, int group, int64_t first_pos, int first_row, int rows,
                               int64_t window, float scale, int tiles_on, char *buf, bf16 *out) {
     const int pairs = head_dim / 2, tiles = (rows + PREFILL_TILE - 1) / PREFILL_TILE;
-    prefill_tile tile[PREFILL_TILES];
-    __m512 scores[PREFILL_TILES][KEY_BLOCK] __attribute__((aligned(64)));
-    char *next = buf;
+    prefill_tile tile[PREFILL_TILES_MAX];
+    __m512(*scores)[KEY_BLOCK] = (__m512(*)[KEY_BLOCK])buf; /* with tiles: [tiles][KEY_BLOCK] */
+    char *next = buf + (tiles_on ? sizeof(__m512) * KEY_BLOCK * tiles : 0);
     for (int t = 0; t < tiles; t++) {
         prefill_tile *T = tile + t;
         T->qt = (__m512i *)next;
@@ -1097,18 +1099,27 @@ void paged_prefill_bf16(const bf16 *q, const bf16 *k_cache, int64_t page_stride,
                         const int64_t *tables, int64_t table_stride, const int64_t *q_starts, const int64_t *q_lens,
                         const int64_t *ctx_lens, int batch, int q_heads, int kv_heads, int head_dim, int page_size,
                         float scale, int64_t window, int tiles, int threads, bf16 *out) {
-    const int group = q_heads / kv_heads, item_rows = PREFILL_TILE * PREFILL_TILES;
+    const int group = q_heads / kv_heads;
 #ifdef HAVE_TILES
     tiles = tiles && amx_usable();
 #else
     tiles = 0;
 #endif
+    /* with tiles and head_dim >= 64, items as large as leave each thread 4 to take (at head_dim
+     * 32 a block's K and V cost little, and 8 tiles' scores and sums stay in L1); an item's size
+     * does not change a row's bits */
+    int item_tiles = tiles && head_dim >= 64 ? PREFILL_TILES_MAX : PREFILL_TILES;
+    while (item_tiles > PREFILL_TILES &&
+           prefill_item_count(q_lens, batch, group, kv_heads, PREFILL_TILE * item_tiles) < 4 * threads)
+        item_tiles /= 2;
+    const int item_rows = PREFILL_TILE * item_tiles;
     const int64_t token_stride = (int64_t)kv_heads * head_dim, q_row_stride = (int64_t)q_heads * head_dim;
     int64_t n, max_ctx;
     prefill_work *work = prefill_work_list(q_lens, ctx_lens, batch, group, kv_heads, item_rows, window, threads, &n, &max_ctx);
-    /* per tile: qt [head_dim / 2 vectors], p.v sums [head_dim vectors]; P [KEY_BLOCK / 2 vectors],
-     * V pairs [KEY_BLOCK / 2 x head_dim dwords], K rows [KEY_BLOCK x head_dim], key row offsets [max_ctx] */
-    const size_t bytes = (size_t)64 * (PREFILL_TILES * (head_dim / 2 + head_dim) + KEY_BLOCK / 2) +
+    /* per tile: scores with tiles [KEY_BLOCK vectors], qt [head_dim / 2 vectors], p.v sums [head_dim
+     * vectors]; P [KEY_BLOCK / 2 vectors], V pairs [KEY_BLOCK / 2 x head_dim dwords], K rows
+     * [KEY_BLOCK x head_dim], key row offsets [max_ctx] */
+    const size_t bytes = (size_t)64 * (item_tiles * ((tiles ? KEY_BLOCK : 0) + head_dim / 2 + head_dim) + KEY_BLOCK / 2) +
                          sizeof(int32_t) * KEY_BLOCK / 2 * head_dim + sizeof(bf16) * KEY_BLOCK * head_dim +
                          sizeof(int64_t) * (size_t)max_ctx;
     _Pragma("omp parallel num_threads(threads)")

@@ -18,16 +18,20 @@ static inline int longest_first(const void *a, const void *b) {
     return (x->kv_head > y->kv_head) - (x->kv_head < y->kv_head);
 }
 
+/* How many items a call has with up to `item_rows` rows an item. */
+static inline int64_t prefill_item_count(const int64_t *q_lens, int batch, int group, int kv_heads, int item_rows) {
+    int64_t items = 0;
+    for (int b = 0; b < batch; b++) items += (q_lens[b] * group + item_rows - 1) / item_rows * kv_heads;
+    return items;
+}
+
 /* The items of a call (malloc'd, *count of them) and the longest context, into *max_ctx. */
 static inline prefill_work *prefill_work_list(const int64_t *q_lens, const int64_t *ctx_lens, int batch, int group,
                                               int kv_heads, int item_rows, int64_t window, int threads, int64_t *count,
                                               int64_t *max_ctx) {
-    int64_t items = 0;
+    const int64_t items = prefill_item_count(q_lens, batch, group, kv_heads, item_rows);
     *max_ctx = 0;
-    for (int b = 0; b < batch; b++) {
-        items += (q_lens[b] * group + item_rows - 1) / item_rows * kv_heads;
-        *max_ctx = ctx_lens[b] > *max_ctx ? ctx_lens[b] : *max_ctx;
-    }
+    for (int b = 0; b < batch; b++) *max_ctx = ctx_lens[b] > *max_ctx ? ctx_lens[b] : *max_ctx;
     prefill_work *work = (prefill_work *)malloc(sizeof(prefill_work) * (items + 1));
     int64_t n = 0;
     for (int b = 0; b < batch; b++)
