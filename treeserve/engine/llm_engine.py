@@ -343,6 +343,7 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
+        _let_go(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or self._in_flight is not None
@@ -453,10 +454,15 @@ class LLMEngine:
         return StepFailed(failed, cause)
 
     def _emit(self, request: Request) -> RequestOutput | ScoreOutput | None:
+        if not request.seqs:  # its final output was given, or it was aborted (`_let_go`)
+            return None
         finished = request.finished
-        if finished:
-            self.requests.pop(request.request_id, None)
-        return request.output(finished)
+        if not finished:
+            return request.output(False)
+        self.requests.pop(request.request_id, None)
+        out = request.output(True)
+        _let_go(request)
+        return out
 
     def close(self) -> None:
         if self.ranks is not None:
@@ -490,3 +496,13 @@ def share_kv(engines: list[LLMEngine], kv_bytes: int) -> None:
         engine.attach_kv(pages, page_size, pool)
     for engine in engines:
         engine.share_pages_with(engines)
+
+
+def _let_go(request: Request) -> None:
+    """After a request's last output: it and its sequences refer to each other, as a sequence and
+    its next row do. Without the cycles refcounting frees them as the last step holding a
+    sequence lets go, not a pass of the cyclic collector; a request with no sequences left gives
+    no more outputs (`_emit`)."""
+    for seq in request.seqs:
+        seq.next_row = None
+    request.seqs = []

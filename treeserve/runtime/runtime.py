@@ -147,6 +147,7 @@ class Runtime:
             kv_cache_memory, memory_fraction = planner.default_budget(device)
         planner.check_budget(kv_cache_memory, memory_budget, memory_fraction)
         free_at_start = available_memory(device)
+        gc.freeze()  # what the imports made lives as long as the process: no collection walks it again
         engines: dict[str, LLMEngine] = {}
         loaded: dict[str, int] = {}  # process memory each load added
         for name, config in configs.items():
