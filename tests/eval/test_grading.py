@@ -130,3 +130,20 @@ def test_stuck_worker_is_killed_and_grading_goes_on():
         g.verify_fn, g.timeout_s = verify_math, 5.0
         assert g.grade_many([("4", "4", "math"), ("5", "4", "math")]) == [True, False]
     assert time.monotonic() - start < 30
+
+
+def test_workers_started_ahead_grade_and_close():
+    """`start` launches the workers without waiting (run_eval: while the models load); grading
+    then uses them, and a grader started but never used closes its processes."""
+    with Grader(max_workers=2) as g:
+        g.start()
+        processes = list(g._starting[0]._processes.values())  # noqa: SLF001 - the pool's workers
+        assert g.grade_many([("\\frac12", "0.5", "math"), ("3", "4", "math")]) == [True, False]
+        assert g._pool is not None and g._starting is None  # noqa: SLF001
+    unused = Grader(max_workers=1)
+    unused.start()
+    processes += list(unused._starting[0]._processes.values())  # noqa: SLF001
+    unused.close()
+    for p in processes:
+        p.join(timeout=10)
+        assert not p.is_alive()

@@ -132,13 +132,15 @@ def run_eval(
     extra: dict = {}
     stopped = None
     if todo:
-        runtime = build_runtime(settings, config)
-        if settings.memory_report:
-            runtime.memory_plan.write(settings.memory_report)
-        if settings.progress:
-            print(runtime.memory_plan.table(), file=sys.stderr)
+        kinds = {str(r["unique_id"]): r.get("grader", "math") for r in todo}
         with Grader() as grader:
-            kinds = {str(r["unique_id"]): r.get("grader", "math") for r in todo}
+            if "math" in kinds.values():
+                grader.start()  # its workers start while the models load
+            runtime = build_runtime(settings, config)
+            if settings.memory_report:
+                runtime.memory_plan.write(settings.memory_report)
+            if settings.progress:
+                print(runtime.memory_plan.table(), file=sys.stderr)
             ctx = search_context(settings, config, runtime, grader, kinds)
             recorder = Recorder(
                 journal,
