@@ -177,6 +177,8 @@ def run_eval_distributed(
         started = _connect(ray, options)
         try:
             with Grader() as grader:
+                if any(r.get("grader", "math") == "math" for r in todo):
+                    grader.start()  # its workers start while the Ray workers load the models
                 dispatch = ProblemDispatch(ray, settings, config, options, todo, window)
                 recorder = Recorder(
                     journal,
