@@ -137,12 +137,13 @@ def test_workers_started_ahead_grade_and_close():
     then uses them, and a grader started but never used closes its processes."""
     with Grader(max_workers=2) as g:
         g.start()
-        processes = list(g._starting[0]._processes.values())  # noqa: SLF001 - the pool's workers
+        processes = list(g._pool._processes.values())  # noqa: SLF001 - the pool's workers
+        assert g._pings  # noqa: SLF001 - nothing waited on yet
         assert g.grade_many([("\\frac12", "0.5", "math"), ("3", "4", "math")]) == [True, False]
-        assert g._pool is not None and g._starting is None  # noqa: SLF001
+        assert not g._pings and list(g._pool._processes.values()) == processes  # noqa: SLF001 - the same workers
     unused = Grader(max_workers=1)
     unused.start()
-    processes += list(unused._starting[0]._processes.values())  # noqa: SLF001
+    processes += list(unused._pool._processes.values())  # noqa: SLF001
     unused.close()
     for p in processes:
         p.join(timeout=10)

@@ -147,7 +147,7 @@ class Grader:
         self._verdicts: dict[tuple[str, str, str], bool] = {}
         self._keys: dict[tuple[str, str], str] = {}
         self._pool: ProcessPoolExecutor | None = None
-        self._starting: tuple[ProcessPoolExecutor, list[Future]] | None = None  # `start`ed, not yet waited on
+        self._pings: list[Future] = []  # the started pool's start-up checks, not yet waited on
 
     def grade(self, pred: str | None, answer: str, kind: str) -> bool:
         return self.grade_many([(pred, answer, kind)])[0]
@@ -216,8 +216,6 @@ class Grader:
 
     def close(self) -> None:
         """Stop the worker processes (a later math item starts new ones)."""
-        if self._starting is not None:
-            self._pool, self._starting = self._starting[0], None
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
@@ -232,7 +230,7 @@ class Grader:
             self._kill_pool()
 
     def __del__(self) -> None:
-        if getattr(self, "_pool", None) is not None or getattr(self, "_starting", None) is not None:
+        if getattr(self, "_pool", None) is not None:
             with contextlib.suppress(Exception):  # at interpreter exit multiprocessing may be torn down
                 self._kill_pool()
 
@@ -286,25 +284,24 @@ class Grader:
         """Start the math workers without waiting for them. A worker imports the parent's main
         script again (seconds where that imports torch), so `run_eval` starts them while the
         models load, and a search's first graded problem does not wait for them."""
-        if self._pool is not None or self._starting is not None:
+        if self._pool is not None:
             return
         if "forkserver" in multiprocessing.get_all_start_methods():
             context = multiprocessing.get_context("forkserver")
             context.set_forkserver_preload([__name__, "math_verify"])
         else:
             context = multiprocessing.get_context("spawn")
-        pool = ProcessPoolExecutor(self.max_workers, mp_context=context, initializer=_init_worker)
-        self._starting = pool, [pool.submit(_ping) for _ in range(self.max_workers)]
+        self._pool = ProcessPoolExecutor(self.max_workers, mp_context=context, initializer=_init_worker)
+        self._pings = [self._pool.submit(_ping) for _ in range(self.max_workers)]
 
     def _ensure_pool(self) -> ProcessPoolExecutor:
-        if self._pool is not None:
-            return self._pool
         self.start()
-        (pool, pings), self._starting = self._starting, None  # type: ignore[misc]
+        if not self._pings:
+            return self._pool  # type: ignore[return-value]
+        pings, self._pings = self._pings, []
         done, _ = wait(pings, timeout=self.start_timeout_s)
         failed = [f.exception() for f in done if f.exception() is not None]
         if len(done) < len(pings) or failed:
-            self._pool = pool
             self._kill_pool()
             if failed:
                 raise RuntimeError(
@@ -312,12 +309,9 @@ class Grader:
                     "must guard its entry point with `if __name__ == '__main__':` (workers are spawned)"
                 )
             raise RuntimeError(f"grading workers did not start within {self.start_timeout_s:.0f} s")
-        self._pool = pool
-        return pool
+        return self._pool  # type: ignore[return-value]
 
     def _kill_pool(self) -> None:
-        if self._starting is not None:  # started, never waited on
-            self._pool, self._starting = self._starting[0], None
         pool, self._pool = self._pool, None
         if pool is None:
             return
