@@ -100,15 +100,19 @@ def test_requests_sent_together_compute_a_shared_prefix_once(llama_dir, make_llm
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_every_full_page_a_generation_computed_is_cached(llama_dir, make_llm, overlap):
-    """Every full page of prompt and output a generation computed gets its prefix-cache key, with
-    a chunked prefill and with overlapped steps: the same tokens sent again hit all of them."""
+def test_every_page_a_generation_computed_is_cached(llama_dir, make_llm, overlap):
+    """Every page of prompt and output a generation computed gets its prefix-cache key, full pages
+    as they fill and the last, part written, when the generation ends, with a chunked prefill and
+    with overlapped steps: the same tokens sent again compute only their last token."""
     from treeserve import SamplingParams
 
     llm = make_llm(llama_dir, max_num_batched_tokens=9, async_scheduling=overlap)
     params = SamplingParams(temperature=0.0, max_tokens=41, ignore_eos=True)
     first = llm.generate([TEXT], params)[0]
     ids = first.prompt_token_ids + first.outputs[0].token_ids
+    before = llm.engine.num_computed_tokens
     again = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=1))[0]
     computed = len(ids) - 1  # the last sampled token was never an input
-    assert again.num_cached_tokens == computed // 16 * 16 > 32
+    assert computed % 16 and again.num_cached_tokens == computed
+    assert llm.engine.num_computed_tokens - before == 1
+    assert llm.engine.pages.stats.tail_hits == 1

@@ -1,4 +1,5 @@
-"""Page accounting (invariant 1): random allocate / fork / grow / free / evict sequences leak nothing."""
+"""Page accounting (invariant 1): random allocate / fork / grow / free / evict sequences leak nothing,
+and every page a sequence reads holds its tokens (prefix hits, cached tails, copy-on-write)."""
 
 from __future__ import annotations
 
@@ -12,24 +13,33 @@ BLOCK = 4
 
 
 class PagesMachine(RuleBasedStateMachine):
-    """Model sequences as (token ids, page table, page hashes, computed count)."""
+    """Model sequences as (token ids, page table, page hashes, computed count), and each page's
+    KV as the tokens written into its slots."""
 
     def __init__(self):
         super().__init__()
         self.bm = PageManager(num_pages=12, page_size=BLOCK, model_id="m")
         self.seqs: list[dict] = []
+        self.kv: list[list[int | None]] = [[None] * BLOCK for _ in range(12)]
+
+    def _write(self, seq: dict, copies: list[tuple[int, int]], start: int) -> None:
+        for src, dst in copies:
+            self.kv[dst] = list(self.kv[src])
+        for p in range(start, len(seq["tokens"])):
+            self.kv[seq["table"][p // BLOCK]][p % BLOCK] = seq["tokens"][p]
 
     @rule(prompt=st.lists(st.integers(0, 2), min_size=1, max_size=14))
     def admit(self, prompt):
         hit = self.bm.find_prefix(prompt, len(prompt) - 1)
         table = list(hit.pages)
-        start = len(table) * BLOCK
+        start = hit.num_tokens(BLOCK)
         need = self.bm.pages_to_acquire(hit) + self.bm.pages_to_grow(table, start, len(prompt))
         if need > self.bm.num_free_pages:
             return
         self.bm.acquire_prefix(hit)
-        self.bm.grow(table, start, len(prompt))
+        copies = self.bm.grow(table, start, len(prompt))
         seq = {"tokens": list(prompt), "table": table, "hashes": list(hit.hashes), "computed": len(prompt)}
+        self._write(seq, copies, start)
         self.bm.commit_full_pages(table, seq["hashes"], seq["tokens"], seq["computed"])
         self.seqs.append(seq)
 
@@ -40,9 +50,10 @@ class PagesMachine(RuleBasedStateMachine):
         n = len(seq["tokens"])
         if self.bm.pages_to_grow(seq["table"], n, n + 1) > self.bm.num_free_pages:
             return
-        self.bm.grow(seq["table"], n, n + 1)
+        copies = self.bm.grow(seq["table"], n, n + 1)
         seq["tokens"].append(token)
         seq["computed"] = n + 1
+        self._write(seq, copies, n)
         self.bm.commit_full_pages(seq["table"], seq["hashes"], seq["tokens"], seq["computed"])
 
     @precondition(lambda self: self.seqs)
@@ -54,9 +65,11 @@ class PagesMachine(RuleBasedStateMachine):
         self.seqs.append(twin)
 
     @precondition(lambda self: self.seqs)
-    @rule(data=st.data())
-    def free(self, data):
+    @rule(data=st.data(), ended_by_its_tokens=st.booleans())
+    def free(self, data, ended_by_its_tokens):
         seq = self.seqs.pop(data.draw(st.integers(0, len(self.seqs) - 1)))
+        if ended_by_its_tokens:
+            self.bm.cache_tail(seq["table"], seq["hashes"], seq["tokens"], seq["computed"])
         self.bm.release(seq["table"])
 
     @invariant()
@@ -68,6 +81,12 @@ class PagesMachine(RuleBasedStateMachine):
                 held[page] = held.get(page, 0) + 1
         for page, count in enumerate(self.bm.ref_counts):
             assert count == held.get(page, 0), f"page {page}: count {count}, held {held.get(page, 0)}"
+
+    @invariant()
+    def pages_hold_their_sequences_tokens(self):
+        for seq in self.seqs:
+            for p in range(seq["computed"]):
+                assert self.kv[seq["table"][p // BLOCK]][p % BLOCK] == seq["tokens"][p], f"position {p}"
 
     @invariant()
     def cached_pages_hold_their_tokens(self):

@@ -73,7 +73,7 @@ class ModelRunner:
                 prev_tokens = previous.result().tokens
             except BaseException as e:
                 raise PreviousStepFailed("the step this one continues failed") from e
-        self._copy_pages(plan.copies)
+        self.copy_pages(plan.copies)
         batch, fill = plan.batch, None
         if plan.pending_at.size:
             if self.fill_on_device:
@@ -105,7 +105,7 @@ class ModelRunner:
             result.copied.record()
         return result
 
-    def _copy_pages(self, copies: list[tuple[int, int]]) -> None:
+    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         """The step's copy-on-write page copies (src, dst)."""
         if copies:
             src, dst = self.staging.to_device(*torch.tensor(copies, dtype=torch.int64).T.contiguous())
@@ -114,7 +114,7 @@ class ModelRunner:
     @inference_mode
     def mirror_step(self, copies: list[tuple[int, int]], batch: ForwardBatch, twins_of: np.ndarray | None) -> None:
         """On a rank > 0: `execute`'s page copies, forward and twins' slots for the step rank 0 sent."""
-        self._copy_pages(copies)
+        self.copy_pages(copies)
         twins = Twins.find(batch, twins_of, self.page_size) if twins_of is not None else None
         hidden = self.forward(twins.computed if twins else batch)
         if twins:

@@ -203,6 +203,11 @@ class Postprocessor:
         return True
 
     def _end(self, seq: Sequence) -> None:
+        """`seq` ended by what a step that ran gave it, so the KV it was read back with is written:
+        its last page's tokens may be cached (the last sampled token was never an input; a token
+        in flight is not counted)."""
+        written = min(seq.num_computed_tokens, len(seq.token_ids) - (seq.request.score is None))
+        self.pages.cache_tail(seq.page_table, seq.page_hashes, seq.token_ids, written)
         self.scheduler.finish(seq)
         self._outputs[seq.request.request_id] = seq.request
 

@@ -128,7 +128,7 @@ class Scheduler:
             if hit.missed and hit.missed[0] in promised:  # a running prefill is computing it: wait for the cache
                 deferred.append(self.waiting.popleft())
                 continue
-            item = self._admit(seq, hit, budget)
+            item = self._admit(seq, hit, budget, copies)
             if item is None:
                 starving = not self.running
                 break
@@ -199,8 +199,9 @@ class Scheduler:
                 return False
         return True
 
-    def _admit(self, seq: Sequence, hit: PrefixHit, budget: int) -> ScheduledSeq | None:
-        start = len(hit.pages) * self.pages.page_size
+    def _admit(self, seq: Sequence, hit: PrefixHit, budget: int, copies: list[tuple[int, int]]) -> ScheduledSeq | None:
+        """Admit `seq` over `hit`; a cached tail it starts writing is copied (into `copies`)."""
+        start = hit.num_tokens(self.pages.page_size)
         n = min(len(seq.token_ids) - start, budget)
         table = list(hit.pages)
         need = self.pages.pages_to_acquire(hit) + self.pages.pages_to_grow(table, start, start + n)
@@ -210,10 +211,10 @@ class Scheduler:
         seq.page_table = table
         seq.page_hashes = list(hit.hashes)
         seq.num_computed_tokens = start
-        seq.promised_pages, seq.promised_from = hit.missed, len(hit.pages)
+        seq.promised_pages, seq.promised_from = hit.missed, len(hit.hashes)
         if seq.request.num_cached_tokens == 0:
             seq.request.num_cached_tokens = start
-        self.pages.grow(seq.page_table, start, start + n)
+        copies += self.pages.grow(seq.page_table, start, start + n)
         return ScheduledSeq(seq, start, n)
 
     def headroom(self) -> int:

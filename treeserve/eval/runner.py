@@ -348,6 +348,7 @@ def run_counters(runtime: Runtime, ctx: SearchContext) -> dict[str, int]:
     for name, engine in runtime.engines.items():
         stats = engine.pages.stats
         out |= {f"{name}_prefix_hits": stats.hits, f"{name}_prefix_misses": stats.misses}
+        out[f"{name}_prefix_tail_hits"] = stats.tail_hits  # part-written last pages read, not recomputed
         out |= {f"{name}_evictions": stats.evictions, f"{name}_thrash": stats.thrash}
         out |= {f"{name}_preemptions": engine.scheduler.num_preemptions, f"{name}_steps": runtime.steps[name]}
         out[f"{name}_generated_tokens"] = engine.num_generated_tokens

@@ -1,7 +1,10 @@
 """One model's view of a page pool: page tables, prefix-cache keys, statistics.
 
 A full page's key chains xxh3 over (parent key, token ids) from a root salted with the model
-id, so models sharing a pool never hit each other's pages. Page states live in `page_pool.py`.
+id, so models sharing a pool never hit each other's pages. A finished sequence's last page, part
+written, is keyed the same way over the tokens it holds (`cache_tail`): a request continuing
+those tokens reads them instead of recomputing them. A keyed page never changes: a write into one
+copies it first. Page states live in `page_pool.py`.
 """
 
 from __future__ import annotations
@@ -16,11 +19,20 @@ from treeserve.kv.page_pool import CacheStats, NoFreePages, PagePool
 __all__ = ["PageManager", "CacheStats", "NoFreePages", "PrefixHit"]
 
 
+def _key(parent: int, data: bytes) -> int:
+    """The key of a page holding the tokens `data` (int64s) after the page keyed `parent`."""
+    return xxhash.xxh3_64_intdigest(parent.to_bytes(8, "little") + data)
+
+
 @dataclass
 class PrefixHit:
     pages: list[int] = field(default_factory=list)  # cached pages, in prefix order
     hashes: list[int] = field(default_factory=list)  # their keys
     missed: list[int] = field(default_factory=list)  # keys of the full pages after the hit
+    tail: int = 0  # tokens of the last page, part written, after the full ones (0: none)
+
+    def num_tokens(self, page_size: int) -> int:
+        return len(self.hashes) * page_size + self.tail
 
 
 class PageManager:
@@ -61,13 +73,14 @@ class PageManager:
         return new + int(self._needs_copy(page_table, write_start, total_tokens))
 
     def _needs_copy(self, page_table: list[int], write_start: int, total_tokens: int) -> bool:
+        """The first page written is held by other tables too, or keyed (a cached tail). The
+        scheduler's decodes inline the first test: a decode never writes a keyed page, as a tail
+        hit is copied when its sequence is admitted."""
         index = write_start // self.page_size
-        return (
-            bool(self.pool.shared_pages)
-            and write_start < total_tokens
-            and index < len(page_table)
-            and (self.ref_counts[page_table[index]] > 1)
-        )  # the scheduler's decodes inline this check
+        if write_start >= total_tokens or index >= len(page_table):
+            return False
+        page = page_table[index]
+        return self.ref_counts[page] > 1 or self.page_hash[page] is not None
 
     def find_prefix(self, token_ids: list[int], max_tokens: int) -> PrefixHit:
         """The longest cached prefix of at most `max_tokens` (no side effects)."""
@@ -82,6 +95,17 @@ class PageManager:
             hit.pages.append(page)
             hit.hashes.append(key)
         hit.missed = keys[len(hit.pages) :]
+        start = len(hit.pages) * self.page_size
+        most = min(self.page_size - 1, max_tokens - start)
+        if most > 0:  # the longest cached tail of the page after the full hits
+            parent = hit.hashes[-1] if hit.hashes else self.root_hash
+            data = array("q", token_ids[start : start + most]).tobytes()
+            for filled in range(most, 0, -1):
+                page = self.pool.hash_to_page.get(_key(parent, data[: 8 * filled]))
+                if page is not None:
+                    hit.pages.append(page)
+                    hit.tail = filled
+                    break
         return hit
 
     def pages_to_acquire(self, hit: PrefixHit) -> int:
@@ -90,7 +114,8 @@ class PageManager:
     def acquire_prefix(self, hit: PrefixHit) -> None:
         for page in hit.pages:
             self._acquire(page)
-        self.stats.hits += len(hit.pages)
+        self.stats.hits += len(hit.hashes)
+        self.stats.tail_hits += hit.tail > 0
         self.stats.misses += len(hit.missed)
         self.stats.thrash += sum(key in self.pool.evicted_hashes for key in hit.missed)
 
@@ -102,7 +127,7 @@ class PageManager:
         data = array("q", token_ids[: len(token_ids) - len(token_ids) % self.page_size]).tobytes()
         parent = self.root_hash if parent is None else parent
         for start in range(0, len(data), width):
-            parent = xxhash.xxh3_64_intdigest(parent.to_bytes(8, "little") + data[start : start + width])
+            parent = _key(parent, data[start : start + width])
             keys.append(parent)
         return keys
 
@@ -120,7 +145,7 @@ class PageManager:
             index = write_start // self.page_size
             old = page_table[index]
             new = self._take_page()
-            self.pool.release(old)  # still held by its other owners
+            self.pool.release(old)  # still held by its other owners, or cached (copies run first in a step)
             page_table[index] = new
             copies.append((old, new))
         while len(page_table) * self.page_size < total_tokens:
@@ -156,6 +181,20 @@ class PageManager:
         for page, key in zip(page_table[done:], keys, strict=False):
             page_hashes.append(key)
             self.pool.key(page, key)
+
+    def cache_tail(
+        self, page_table: list[int], page_hashes: list[int], token_ids: list[int], num_computed: int
+    ) -> None:
+        """Key the last page of a sequence that ends with `num_computed` tokens' KV written, where
+        that page is part written and this table alone holds it (another could still write it)."""
+        index, filled = divmod(num_computed, self.page_size)
+        if not self.enable_prefix_caching or not filled or index >= len(page_table):
+            return
+        self.commit_full_pages(page_table, page_hashes, token_ids, num_computed)
+        page = page_table[index]
+        if len(page_hashes) == index and self.ref_counts[page] == 1:
+            parent = page_hashes[-1] if page_hashes else self.root_hash
+            self.pool.key(page, _key(parent, array("q", token_ids[index * self.page_size : num_computed]).tobytes()))
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()

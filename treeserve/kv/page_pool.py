@@ -19,6 +19,7 @@ class CacheStats:
     """One model's cumulative prefix-cache counters, in full pages."""
 
     hits: int = 0
+    tail_hits: int = 0  # part-written last pages read instead of recomputed (not counted in hits)
     misses: int = 0
     evictions: int = 0  # by any model
     thrash: int = 0  # misses on a key that was cached before and evicted

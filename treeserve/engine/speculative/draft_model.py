@@ -79,7 +79,7 @@ class DraftModel:
             start, end = draft.num_computed_tokens, len(seq.token_ids) + k - 1  # catch up, then k - 1 drafted
             if self.pages.pages_to_grow(draft.page_table, start, end) > self.pages.num_free_pages:
                 continue
-            self.pages.grow(draft.page_table, start, end)
+            self.runner.copy_pages(self.pages.grow(draft.page_table, start, end))
             items.append((draft, start, len(seq.token_ids) - start))
             ends[id(draft)] = len(seq.token_ids) + k
         while items:
@@ -107,7 +107,7 @@ class DraftModel:
             if self.pages.pages_to_acquire(hit) <= self.pages.num_free_pages:
                 self.pages.acquire_prefix(hit)
                 draft.page_table, draft.page_hashes = list(hit.pages), list(hit.hashes)
-                draft.num_computed_tokens = len(hit.pages) * self.pages.page_size
+                draft.num_computed_tokens = hit.num_tokens(self.pages.page_size)
         target, mine = seq.token_ids, draft.token_ids
         valid = draft.synced = min(draft.synced, draft.num_computed_tokens)
         end = min(draft.num_computed_tokens, len(target) - 1)
