@@ -10,7 +10,7 @@ never, so they cannot form a circle at import time; they still must not point up
 The layers, top to bottom (DESIGN.md's "Layers", docs/architecture.md); a module may import
 its own layer (without circles) and any layer below it, never one above:
 
-    cli          treeserve/cli.py, model_flags.py: the command line
+    cli          treeserve/cli.py, model_flags.py, __main__.py: the command line
     server       HTTP server, engine-core process
     eval         datasets, grading, metrics, reports, plots
     search       strategies, PRM adapters, score cache, traces
@@ -42,7 +42,7 @@ PACKAGE = Path(treeserve.__file__).parent
 # top to bottom; a module belongs to its longest matching package or module name ("treeserve", the
 # root package, matches itself only)
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("cli", ("treeserve.cli", "treeserve.model_flags")),
+    ("cli", ("treeserve.cli", "treeserve.model_flags", "treeserve.__main__")),
     ("server", ("treeserve.server",)),
     ("eval", ("treeserve.eval",)),
     ("search", ("treeserve.search",)),
