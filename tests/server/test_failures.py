@@ -208,6 +208,7 @@ def test_metrics_count_requests_tokens_and_pages(server: LiveServer) -> None:
         'treeserve_prefix_cache_hit_rate{model="generator"}',
         'treeserve_kv_evictions_total{model="prm"}',
         'treeserve_kv_thrash_total{model="generator"}',
+        'treeserve_prefix_cache_tail_hits_total{model="generator"}',
     ):
         assert name in text, name
 

@@ -2,7 +2,7 @@
 
 Owns one `CollectorRegistry` per app (so several apps in one process do not collide).
 Counters and histograms are updated by the routes; engine state (requests running and
-waiting, KV pages used and cached, prefix-cache hit rate, preemptions, evictions, thrash:
+waiting, KV pages used and cached, prefix-cache hit rate and tail hits, preemptions, evictions, thrash:
 `engine_stats`) is read at scrape time, from the runtime in this process or from the report
 the engine-core process sends. `RequestCounter` is a plain ASGI middleware that counts every
 response by route and status, including 401s and validation errors.
@@ -38,6 +38,7 @@ def engine_stats(runtime: Runtime) -> dict[str, dict[str, float]]:
             "preemptions": status["preemptions"],
             "kv_evictions": cache.evictions,
             "kv_thrash": cache.thrash,
+            "prefix_cache_tail_hits": cache.tail_hits,
         }
         if engine.speculator is not None:
             drafts = engine.speculator.stats  # under vLLM's metric names
@@ -62,6 +63,7 @@ COUNTERS = {
     "preemptions": "sequences preempted (recompute)",
     "kv_evictions": "cached pages of the model evicted",
     "kv_thrash": "prefix-cache misses on keys evicted before",
+    "prefix_cache_tail_hits": "part-written last pages of ended sequences read instead of recomputed",
     "spec_decode_num_drafts": "speculative decoding: sequence-steps that verified drafted tokens",
     "spec_decode_num_draft_tokens": "speculative decoding: tokens drafted",
     "spec_decode_num_accepted_tokens": "speculative decoding: drafted tokens accepted",
