@@ -87,6 +87,7 @@ class KVArena:
         shape = (pages.num_pages, num_layers, 2, page_size, num_kv_heads, head_dim)
         strides = (pages.page_bytes // dtype.itemsize, 2 * page_size * token, page_size * token, token, head_dim, 1)
         self.buffer = pages.buffer.view(dtype).as_strided(shape, strides)
+        self._layers = [(self.buffer[:, i, 0], self.buffer[:, i, 1]) for i in range(num_layers)]  # views made once
         self.fp8 = dtype == FP8
         if scales is None:
             scales = torch.ones(num_layers, 2, dtype=torch.float32, device=pages.buffer.device)
@@ -103,7 +104,7 @@ class KVArena:
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V, each [num_pages, page_size, kv_heads, head_dim]."""
-        return self.buffer[:, index, 0], self.buffer[:, index, 1]
+        return self._layers[index]
 
     def layer_scales(self, index: int) -> torch.Tensor | None:
         return self.scales[index] if self.fp8 else None
