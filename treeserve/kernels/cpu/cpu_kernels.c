@@ -988,12 +988,14 @@ static void prefill_item_bf16(const bf16 *q, int64_t q_row_stride, const bf16 *k
     for (int64_t b0 = klo / KEY_BLOCK * KEY_BLOCK; b0 < khi; b0 += KEY_BLOCK) {
         const block_span item = span_of(&kb, b0, klo, khi); /* the keys any of the item's tiles sees */
         const int j0 = item.j0, j1 = item.j1;
-        /* the next block's K and V rows: the vector path reads K rows once a tile (with tiles,
-         * where K rows are copied once a block, reading ahead cost more than it saved) */
+        /* the next block's K and V rows into L2, not L1: the vector path reads K rows once a
+         * tile (with tiles, where K rows are copied once a block, reading ahead cost more than it
+         * saved); an item's sums, q pairs and V pairs fill most of L1, and lines asked for into
+         * L1 pushed them out */
         for (int64_t t = b0 + KEY_BLOCK; !tiles_on && t < b0 + 2 * KEY_BLOCK && t < khi; t++)
             for (int l = 0; l < row_lines; l++) {
-                _mm_prefetch((const char *)(k_cache + rowoff[t]) + 64 * l, _MM_HINT_T0);
-                _mm_prefetch((const char *)(values + rowoff[t]) + 64 * l, _MM_HINT_T0);
+                _mm_prefetch((const char *)(k_cache + rowoff[t]) + 64 * l, _MM_HINT_T1);
+                _mm_prefetch((const char *)(values + rowoff[t]) + 64 * l, _MM_HINT_T1);
             }
         const int jp0 = tiles_on ? 0 : j0 / 8 * 4, jp1 = tiles_on ? KEY_BLOCK / 2 : (j1 + 7) / 8 * 4;
         v_pairs(values, rowoff + b0, j0, j1, jp0, jp1, head_dim, vp);
